@@ -1,0 +1,3 @@
+"""helios: serves Flare core bundles."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,104 @@
+"""Open a core bundle: check its format version and checksums, expose its parts.
+
+This module knows the bundle layout, not any model architecture: the model's
+computation comes from the exported programs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from helios.core import manifest as mf
+from helios.core.program import SCORED_PREFILL, STEP, Program
+
+CHUNK = 1 << 22
+
+
+class CoreError(Exception):
+    """The core cannot be used; the message names the file or value and what to do."""
+
+
+class CoreFormatError(CoreError):
+    """The core's format version is not the one this code understands."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def core_digest(files: dict[str, str]) -> str:
+    """One checksum for a whole core (a build-cache key): over its sorted file hashes.
+
+    core.json is excluded, since it carries the export timestamp; everything it
+    describes is covered by the files it lists.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(f"{name}\0{files[name]}\n".encode())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Core:
+    root: Path
+    manifest: mf.Manifest
+
+    @classmethod
+    def open(cls, root: str | Path, verify_checksums: bool = True) -> "Core":
+        root = Path(root)
+        path = root / mf.MANIFEST_FILE
+        if not path.is_file():
+            raise CoreError(f"{root}: no {mf.MANIFEST_FILE}, so this is not a core (build one with `ignition export`)")
+        try:
+            manifest = mf.decode(path.read_bytes())
+        except mf.FormatTooNew as exc:
+            raise CoreFormatError(f"{path}: {exc}") from exc
+        except mf.ManifestError as exc:
+            raise CoreError(f"{path}: {exc}") from exc
+        core = cls(root, manifest)
+        if verify_checksums:
+            core.verify_checksums()
+        return core
+
+    def verify_checksums(self) -> None:
+        for name, expected in sorted(self.manifest.files.items()):
+            path = self.root / name
+            if not path.is_file():
+                raise CoreError(f"{path}: missing from the core (listed in {mf.MANIFEST_FILE}); re-export the core")
+            actual = sha256_file(path)
+            if actual != expected:
+                raise CoreError(
+                    f"{path}: checksum mismatch (sha256 {actual[:16]}…, manifest says {expected[:16]}…); "
+                    "the file is corrupted or was modified: re-export the core"
+                )
+
+    @property
+    def digest(self) -> str:
+        return core_digest(self.manifest.files)
+
+    def load_weights(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        return load_file(str(self.root / self.manifest.weights.file), device=device)
+
+    def load_program(self, kind: str = STEP) -> Program:
+        spec = self.manifest.programs.get(kind)
+        if spec is None:
+            hint = " (export with --prompt-logprobs)" if kind == SCORED_PREFILL else ""
+            raise CoreError(f"{self.root}: the core has no {kind!r} program{hint}")
+        return Program.load(kind, spec, self.root / spec.file)
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_file(str(self.root / self.manifest.tokenizer.file))
+
+    def chat_template(self) -> str | None:
+        name = self.manifest.tokenizer.chat_template
+        return (self.root / name).read_text(encoding="utf-8") if name else None

@@ -1,0 +1,192 @@
+"""core.json: the manifest of a core bundle, format version 1.
+
+The manifest is the contract between ignition (which writes it) and helios (which
+serves from it). Its structs are decoded strictly; the format name and version are
+checked before anything else so that a newer core is refused with a clear message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from helios.core.sampling import SamplingSpec
+
+FORMAT_NAME = "flare-core"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "core.json"
+MAX_TOP_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # per request, before deduplication; the chosen token may add one
+
+
+class _Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class FormatTag(_Struct):
+    name: str  # always FORMAT_NAME
+    version: int  # bumped on any incompatible change
+
+
+class SourceIdentity(_Struct):
+    kind: str  # "gguf" | "hf-dir" | "hf-cache"
+    reference: str  # what the user passed (path or repo id), for humans only
+    files: dict[str, str]  # source file name -> sha256 of its bytes
+
+
+class ModelInfo(_Struct):
+    id: str  # checkpoint identifier (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)
+    aliases: tuple[str, ...]  # extra names the model answers to; the first is the public id
+    family: str  # ignition architecture family that produced the programs
+    name: str  # human-readable name from the checkpoint
+    source: SourceIdentity
+
+
+class RecipeInfo(_Struct):
+    """The recipe as resolved at export time."""
+
+    name: str
+    family: str
+    basis: str  # where the sampling settings come from (model card, etc.)
+    sampling: SamplingSpec
+    template_source: str  # "checkpoint", "file:NAME" or "native:NAME"
+    reasoning_syntax: str | None  # output parser name for reasoning regions
+    tool_syntax: str | None  # output parser name for tool calls
+    effort_levels: tuple[str, ...]  # named reasoning-effort vocabulary accepted by the template
+    default_effort: str | None
+
+
+class TokenizerInfo(_Struct):
+    file: str  # tokenizer.json (Hugging Face tokenizers format)
+    vocab_size: int  # rows of the output distribution (may exceed the tokenizer's vocabulary)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every id that ends generation
+    pad_token_id: int | None
+    add_bos_token: bool  # prepend BOS when encoding raw text
+    special_tokens: dict[str, int]  # control tokens, content -> id
+    chat_template: str | None  # file holding the Jinja chat template
+
+
+class Limits(_Struct):
+    max_model_len: int  # prompt + output tokens per sequence
+    page_tokens: int  # tokens per KV page
+
+
+class KvLayout(_Struct):
+    """Enough for helios to allocate the paged cache without knowing the architecture."""
+
+    num_layers: int  # program takes 2 * num_layers cache tensors: k0, v0, k1, v1, ...
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name of the cache pages
+
+
+class Capabilities(_Struct):
+    max_top_logprobs: int  # natural alternatives per generated position, 0..20
+    explicit_logprob_ids: bool  # programs accept caller-chosen ids to score
+    prompt_logprobs: bool  # the scored_prefill program exists
+    vision: bool
+
+
+class WeightsInfo(_Struct):
+    file: str
+    dtype: str
+    num_parameters: int
+
+
+class OpSet(_Struct):
+    namespace: str
+    version: int
+    ops: tuple[str, ...]
+
+
+class TensorSpec(_Struct):
+    name: str
+    dtype: str
+    shape: tuple[str | int, ...]  # symbolic dims are names (T tokens, B sequences, ...)
+
+
+class ProgramSpec(_Struct):
+    file: str  # torch.export archive, saved without weights or example inputs
+    inputs: tuple[TensorSpec, ...]  # after the weights dict and the KV cache list
+    outputs: tuple[TensorSpec, ...]
+
+
+class GoldenInfo(_Struct):
+    file: str  # safetensors with the recorded full-vocabulary logprobs
+    prompts: tuple[tuple[int, ...], ...]  # token ids of the fixed prompts
+    prefill_chunk: int  # chunk size the check prefills with (exercises paged KV)
+    tolerance: float  # max absolute logprob difference accepted
+    max_abs_diff: float  # program vs the plain-torch reference, measured at export
+
+
+class Provenance(_Struct):
+    ignition_version: str
+    torch_version: str
+    exported_at: str  # the only field that differs between two exports of one source
+
+
+class Manifest(_Struct):
+    format: FormatTag
+    model: ModelInfo
+    recipe: RecipeInfo
+    tokenizer: TokenizerInfo
+    limits: Limits
+    kv: KvLayout
+    capabilities: Capabilities
+    decode_weight_bytes: int  # weight bytes one decode step reads for one request
+    weights: WeightsInfo
+    ops: OpSet
+    programs: dict[str, ProgramSpec]  # "step", optional "scored_prefill"
+    decode_buckets: tuple[int, ...]  # batch sizes for which CUDA graphs are captured
+    golden: GoldenInfo
+    provenance: Provenance
+    files: dict[str, str]  # every other file of the bundle -> sha256
+
+    @property
+    def public_id(self) -> str:
+        """The name discovery routes advertise: first nonempty alias, else the checkpoint id."""
+        return next((a for a in self.model.aliases if a), self.model.id)
+
+
+class ManifestError(ValueError):
+    """The manifest is missing, malformed or of an unsupported format."""
+
+
+class FormatTooNew(ManifestError):
+    """The core was written by a newer ignition than this code understands."""
+
+
+def encode(manifest: Manifest) -> bytes:
+    """Deterministic, human-readable JSON (sorted dict keys, struct fields in order)."""
+    raw = msgspec.json.encode(manifest, order="deterministic")
+    return msgspec.json.format(raw, indent=2) + b"\n"
+
+
+def decode(data: bytes) -> Manifest:
+    """Parse core.json, refusing other formats and newer versions before the schema."""
+    try:
+        head: Any = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ManifestError(f"{MANIFEST_FILE} is not valid JSON: {exc}") from exc
+    tag = head.get("format") if isinstance(head, dict) else None
+    if not isinstance(tag, dict) or tag.get("name") != FORMAT_NAME:
+        raise ManifestError(f"{MANIFEST_FILE} is not a Flare core manifest (format.name != {FORMAT_NAME!r})")
+    version = tag.get("version")
+    if not isinstance(version, int):
+        raise ManifestError(f"{MANIFEST_FILE} has no integer format.version")
+    if version > FORMAT_VERSION:
+        raise FormatTooNew(
+            f"core format version {version} is newer than this Flare understands (version {FORMAT_VERSION}): "
+            "upgrade Flare, or re-export the core with this version's `ignition export`"
+        )
+    if version < FORMAT_VERSION:
+        raise ManifestError(
+            f"core format version {version} is no longer supported (current {FORMAT_VERSION}): "
+            "re-export the core with `ignition export`"
+        )
+    try:
+        return msgspec.json.decode(data, type=Manifest)
+    except msgspec.ValidationError as exc:
+        raise ManifestError(f"{MANIFEST_FILE} does not match format version {FORMAT_VERSION}: {exc}") from exc

@@ -1,0 +1,144 @@
+"""Exported step programs: their calling convention (format v1) and a loaded wrapper.
+
+Every program is called as `program(weights, kv_cache, *inputs)` where `weights` is the
+dict stored in the core's safetensors, `kv_cache` is the list [k0, v0, k1, v1, ...] of
+page tensors [num_pages, page_tokens, num_kv_heads, head_dim] (updated in place), and
+`inputs` follow the manifest's input specs in order. Outputs follow the output specs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+import helios.core.ops  # noqa: F401  (registers the flare:: ops the graphs call)
+from helios.core.manifest import KvLayout, ProgramSpec, TensorSpec
+
+STEP = "step"
+SCORED_PREFILL = "scored_prefill"
+
+
+def program_signature(
+    kind: str, num_top: int, explicit_ids: bool
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Input and output specs of a program kind, for a core's logprob capabilities.
+
+    Dims: T tokens in the step, B sequences, M blocks per sequence table, R rows whose
+    next-token distribution is returned, K explicit ids per row, V vocabulary, N = num_top.
+    """
+    inputs = [
+        TensorSpec("token_ids", "int64", ("T",)),
+        TensorSpec("positions", "int64", ("T",)),
+        TensorSpec("slot_mapping", "int64", ("T",)),  # page * page_tokens + offset; -1 = padding
+        TensorSpec("block_tables", "int32", ("B", "M")),
+        TensorSpec("seq_lens", "int32", ("B",)),  # KV length after this step
+        TensorSpec("query_start_loc", "int32", ("B+1",)),
+        TensorSpec("logits_indices", "int64", ("R",)),  # token rows whose distributions are returned
+    ]
+    if explicit_ids:
+        inputs.append(TensorSpec("logprob_token_ids", "int64", ("R", "K")))
+    if kind == SCORED_PREFILL:
+        inputs.append(TensorSpec("target_ids", "int64", ("T",)))  # next prompt token of each row
+    outputs = [TensorSpec("logits", "float32", ("R", "V")), TensorSpec("logsumexp", "float32", ("R",))]
+    if num_top:
+        outputs += [TensorSpec("top_logprobs", "float32", ("R", num_top)), TensorSpec("top_ids", "int64", ("R", num_top))]
+    if explicit_ids:
+        outputs.append(TensorSpec("explicit_logprobs", "float32", ("R", "K")))
+    if kind == SCORED_PREFILL:
+        outputs += [TensorSpec("prompt_logprobs", "float32", ("T",)), TensorSpec("prompt_ranks", "int64", ("T",))]
+        if num_top:
+            outputs += [
+                TensorSpec("prompt_top_logprobs", "float32", ("T", num_top)),
+                TensorSpec("prompt_top_ids", "int64", ("T", num_top)),
+            ]
+    return tuple(inputs), tuple(outputs)
+
+
+class Program:
+    """A loaded exported program with named inputs and outputs."""
+
+    def __init__(self, kind: str, spec: ProgramSpec, module: torch.nn.Module) -> None:
+        self.kind = kind
+        self.spec = spec
+        self.module = module
+        self.input_names = tuple(t.name for t in spec.inputs)
+        self.output_names = tuple(t.name for t in spec.outputs)
+
+    @classmethod
+    def load(cls, kind: str, spec: ProgramSpec, path: Path) -> "Program":
+        exported = torch.export.load(str(path))
+        return cls(kind, spec, exported.module())
+
+    def __call__(self, weights: dict[str, Tensor], kv_cache: list[Tensor], **inputs: Tensor) -> dict[str, Tensor]:
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing:
+            raise TypeError(f"{self.kind} program needs inputs {missing}")
+        with torch.inference_mode():
+            outputs = self.module(weights, kv_cache, *(inputs[n] for n in self.input_names))
+        return dict(zip(self.output_names, outputs, strict=True))
+
+
+def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str = "cpu") -> list[Tensor]:
+    """A zeroed paged cache: [k0, v0, k1, v1, ...], each [num_pages, page_tokens, kv_heads, head_dim]."""
+    dtype = getattr(torch, layout.dtype)
+    shape = (num_pages, page_tokens, layout.num_kv_heads, layout.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * layout.num_layers)]
+
+
+@dataclass(frozen=True, slots=True)
+class DenseRun:
+    """Outputs of running one prompt through a program, one row per prompt position."""
+
+    logprobs: Tensor  # [T, V] full-vocabulary logprobs (logit - logsumexp)
+    outputs: dict[str, Tensor]  # every program output, rows concatenated over chunks
+
+
+def run_prompt(
+    program: Program,
+    weights: dict[str, Tensor],
+    layout: KvLayout,
+    page_tokens: int,
+    token_ids: list[int],
+    chunk: int | None = None,
+    explicit_ids: list[int] | None = None,
+) -> DenseRun:
+    """Prefill one sequence in chunks of `chunk` tokens through the paged cache.
+
+    A self-contained check path (verify, tests); the engine batches many sequences itself.
+    """
+    total = len(token_ids)
+    chunk = chunk or total
+    num_pages = math.ceil(total / page_tokens) + 1
+    kv = allocate_kv(layout, num_pages, page_tokens)
+    # Use pages in reverse order so a wrong block-table lookup cannot pass by accident.
+    pages = list(reversed(range(num_pages)))[: math.ceil(total / page_tokens)]
+    block_table = torch.tensor([pages], dtype=torch.int32)
+    ids = torch.tensor(token_ids, dtype=torch.int64)
+    collected: dict[str, list[Tensor]] = {}
+    for start in range(0, total, chunk):
+        end = min(total, start + chunk)
+        positions = torch.arange(start, end, dtype=torch.int64)
+        slots = torch.tensor([pages[p // page_tokens] * page_tokens + p % page_tokens for p in range(start, end)])
+        inputs = {
+            "token_ids": ids[start:end],
+            "positions": positions,
+            "slot_mapping": slots,
+            "block_tables": block_table,
+            "seq_lens": torch.tensor([end], dtype=torch.int32),
+            "query_start_loc": torch.tensor([0, end - start], dtype=torch.int32),
+            "logits_indices": torch.arange(end - start, dtype=torch.int64),
+        }
+        if "logprob_token_ids" in program.input_names:
+            chosen = explicit_ids or [0]
+            inputs["logprob_token_ids"] = torch.tensor([chosen] * (end - start), dtype=torch.int64)
+        if "target_ids" in program.input_names:
+            inputs["target_ids"] = torch.cat([ids[start + 1 : end + 1], torch.full((max(0, end + 1 - total),), -1)])
+        for name, value in program(weights, kv, **inputs).items():
+            collected.setdefault(name, []).append(value)
+    outputs = {name: torch.cat(parts) for name, parts in collected.items()}
+    logprobs = outputs["logits"] - outputs["logsumexp"][:, None]
+    return DenseRun(logprobs=logprobs, outputs=outputs)

@@ -1,0 +1,198 @@
+"""The `ignition` command line: export, verify, inspect, recipes, testmodel."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from helios.core import Core, CoreError, CoreFormatError
+from helios.core.golden import recheck
+from ignition.errors import ExitCode, FormatError, IgnitionError, SourceError, UsageError, VerifyError
+
+app = typer.Typer(
+    name="ignition",
+    help=(
+        "Compile LLM checkpoints into Flare cores that `helios serve` loads.\n\n"
+        "Exit codes: 0 ok, 1 internal error, 2 usage error, 3 source error, "
+        "4 verification failure, 5 unsupported core format version."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _fail(error: IgnitionError, as_json: bool = False) -> None:
+    if as_json:
+        print(json.dumps({"ok": False, "error": error.message, "exit_code": int(error.code)}))
+    typer.secho(f"error: {error.message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(int(error.code))
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"--decode-buckets must be comma-separated integers, got {text!r}") from None
+
+
+@app.command()
+def export(
+    src: Annotated[Optional[str], typer.Argument(help="HF checkpoint dir, cached HF repo id (org/name), or .gguf file. Default: the recipe's source.")] = None,
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (recipes/NAME.toml) or path to a .toml.")] = ...,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the core to.")] = ...,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+    prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Also export the scored-prefill program (prompt logprobs, echo).")] = False,
+    max_top_logprobs: Annotated[int, typer.Option("--max-top-logprobs", help="Natural alternatives per position, 0..20 (0: no generation logprobs).")] = 20,
+    no_logprob_ids: Annotated[bool, typer.Option("--no-logprob-ids", help="Do not accept caller-chosen token ids to score.")] = False,
+    alias: Annotated[Optional[list[str]], typer.Option("--alias", help="Extra model name (repeatable); the first is the public id.")] = None,
+    model_id: Annotated[Optional[str], typer.Option("--model-id", help="Checkpoint identifier to record (default: from the source).")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Context limit in tokens (default: the checkpoint's).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Weight and compute dtype: float32, bfloat16, float16.")] = "float32",
+    page_tokens: Annotated[int, typer.Option("--page-tokens", help="Tokens per KV page (power of two).")] = 16,
+    decode_buckets: Annotated[str, typer.Option("--decode-buckets", help="Decode batch sizes to capture as CUDA graphs.")] = "1,2,4,8,16,32,64,128,256",
+    no_ranges: Annotated[bool, typer.Option("--no-ranges", help="Drop the recipe's intervals: every sampling parameter fixed at its default.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
+) -> None:
+    """Export a checkpoint plus a recipe into a core bundle, self-checked against a reference forward."""
+    from ignition.export import ExportOptions, check_options, export_core
+    from ignition.recipe import load_recipe
+    from ignition.sources import open_source, resolve_default_source
+
+    try:
+        options = ExportOptions(
+            out=out, force=force, prompt_logprobs=prompt_logprobs, max_top_logprobs=max_top_logprobs,
+            logprob_ids=not no_logprob_ids, aliases=tuple(alias or ()), max_model_len=max_model_len, dtype=dtype,
+            page_tokens=page_tokens, decode_buckets=_buckets(decode_buckets), ranges=not no_ranges, model_id=model_id,
+        )  # fmt: skip
+        check_options(options)
+        loaded = load_recipe(recipe)
+        from ignition.models import family
+
+        try:
+            family(loaded.info.family)
+        except KeyError as exc:
+            raise SourceError(f"recipe {loaded.name!r}: {exc.args[0]}") from None
+        checkpoint_id = model_id
+        if src is None:
+            if loaded.source is None:
+                raise UsageError(f"recipe {loaded.name!r} declares no default source: pass SRC")
+            src = str(resolve_default_source(loaded.source.path))
+            checkpoint_id = checkpoint_id or loaded.source.checkpoint_id
+        if not as_json:
+            typer.echo(f"reading {src} ...", err=True)
+        checkpoint = open_source(src, checkpoint_id)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        result = export_core(checkpoint, loaded, options)
+    except IgnitionError as error:
+        _fail(error, as_json)
+        return
+    if as_json:
+        print(json.dumps({"ok": True, **result.summary()}, indent=2, sort_keys=True))
+    else:
+        typer.echo(
+            f"wrote {out} ({result.bytes / 1e6:.1f} MB) in {result.seconds:.1f}s; "
+            f"self-check max |Δ logprob| {result.max_abs_diff:.2e}"
+        )
+
+
+def _open(core_dir: Path, verify_checksums: bool) -> Core:
+    try:
+        return Core.open(core_dir, verify_checksums=verify_checksums)
+    except CoreFormatError as exc:
+        raise FormatError(str(exc)) from None
+    except CoreError as exc:
+        raise VerifyError(str(exc)) from None
+
+
+@app.command()
+def verify(
+    core: Annotated[Path, typer.Argument(help="Core directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable result.")] = False,
+) -> None:
+    """Re-check every checksum and re-run the golden logprob check."""
+    try:
+        opened = _open(core, verify_checksums=True)
+        try:
+            worst = recheck(opened)
+        except CoreError as exc:
+            raise VerifyError(str(exc)) from None
+    except IgnitionError as error:
+        _fail(error, as_json)
+        return
+    if as_json:
+        print(json.dumps({"ok": True, "core": str(core), "digest": opened.digest, "max_abs_logprob_diff": worst}))
+    else:
+        typer.echo(f"{core}: ok ({len(opened.manifest.files)} files, golden max |Δ logprob| {worst:.2e})")
+
+
+@app.command()
+def inspect(
+    core: Annotated[Path, typer.Argument(help="Core directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+) -> None:
+    """Show a core's manifest."""
+    from helios.core import manifest as mf
+
+    try:
+        opened = _open(core, verify_checksums=False)
+    except IgnitionError as error:
+        _fail(error, as_json)
+        return
+    if as_json:
+        sys.stdout.write(mf.encode(opened.manifest).decode())
+        return
+    from ignition.inspect_text import describe
+
+    typer.echo(describe(opened))
+
+
+@app.command()
+def recipes(as_json: Annotated[bool, typer.Option("--json", help="Print the table as JSON.")] = False) -> None:
+    """List the recipes with their sampling defaults and declared intervals."""
+    from ignition.inspect_text import recipe_table
+    from ignition.recipe import load_recipe, recipe_names
+
+    try:
+        loaded = [load_recipe(name) for name in recipe_names()]
+    except IgnitionError as error:
+        _fail(error, as_json)
+        return
+    if as_json:
+        import msgspec
+
+        print(msgspec.json.encode([r.info for r in loaded], order="deterministic").decode())
+        return
+    typer.echo(recipe_table([r.info for r in loaded]))
+
+
+@app.command()
+def testmodel(
+    family_name: Annotated[str, typer.Argument(metavar="FAMILY", help="Architecture family, e.g. llama.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the checkpoint.")] = ...,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed for the weights.")] = 0,
+) -> None:
+    """Write a tiny random-weight HF checkpoint of FAMILY (for tests)."""
+    from ignition.testmodel import write_testmodel
+
+    try:
+        write_testmodel(family_name, out, seed)
+    except IgnitionError as error:
+        _fail(error)
+        return
+    typer.echo(f"wrote {out}")
+
+
+def main() -> None:
+    try:
+        app()
+    except IgnitionError as error:  # raised outside a command body
+        typer.secho(f"error: {error.message}", fg=typer.colors.RED, err=True)
+        sys.exit(int(error.code))
+
+
+__all__ = ["app", "main", "ExitCode"]

@@ -1,0 +1,345 @@
+"""ignition export: checkpoint + recipe -> a versioned core bundle.
+
+Steps: read the source, map and fuse its weights, export the step programs with
+torch.export (saved without weights), write weights/tokenizer/template, run the
+self-check against an independent plain-torch forward, record golden values, and
+write core.json with a sha256 for every file. The bundle is assembled in a staging
+directory and moved into place only when everything passed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+import ignition
+from helios.core import manifest as mf
+from helios.core import ops
+from helios.core.bundle import core_digest, sha256_file
+from helios.core.golden import golden_key
+from helios.core.program import SCORED_PREFILL, STEP, Program, program_signature, run_prompt
+from ignition.errors import SourceError, UsageError, VerifyError
+from ignition.models import family
+from ignition.models.naming import rename
+from ignition.recipe import Recipe, without_ranges
+from ignition.sources import Checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GOLDEN_TEXTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Flare compiles checkpoints into serving cores; helios serves them.",
+)
+GOLDEN_TOKENS = 24  # per prompt
+GOLDEN_CHUNK = 7  # odd on purpose: chunks straddle page boundaries
+TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}  # max |Δ logprob| vs the fp32 reference
+
+
+@dataclass(frozen=True, slots=True)
+class ExportOptions:
+    out: Path
+    force: bool = False
+    prompt_logprobs: bool = False
+    max_top_logprobs: int = mf.MAX_TOP_LOGPROBS
+    logprob_ids: bool = True
+    aliases: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    page_tokens: int = 16
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    ranges: bool = True
+    model_id: str | None = None
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    manifest: mf.Manifest
+    seconds: float
+    bytes: int
+    max_abs_diff: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, object]:
+        m = self.manifest
+        return {
+            "core": str(self.out),
+            "model_id": m.model.id,
+            "recipe": m.recipe.name,
+            "format_version": m.format.version,
+            "digest": core_digest(m.files),
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 2),
+            "max_abs_logprob_diff": self.max_abs_diff,
+            "files": m.files,
+        }
+
+
+def check_options(options: ExportOptions) -> None:
+    if not 0 <= options.max_top_logprobs <= mf.MAX_TOP_LOGPROBS:
+        raise UsageError(f"--max-top-logprobs must be between 0 and {mf.MAX_TOP_LOGPROBS}, got {options.max_top_logprobs}")
+    if options.dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    if options.page_tokens < 1 or options.page_tokens & (options.page_tokens - 1):
+        raise UsageError(f"--page-tokens must be a positive power of two, got {options.page_tokens}")
+    if not options.decode_buckets or any(b < 1 for b in options.decode_buckets):
+        raise UsageError("--decode-buckets must be positive batch sizes, e.g. 1,2,4,8")
+    if options.max_model_len is not None and options.max_model_len < 1:
+        raise UsageError(f"--max-model-len must be positive, got {options.max_model_len}")
+    if options.out.exists() and not options.force:
+        raise UsageError(f"{options.out} already exists; pass --force to replace it")
+
+
+def internal_weights(fam: ModuleType, checkpoint: Checkpoint, config: object, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Rename (declarative map), drop the tied head, fuse, and cast the checkpoint's tensors."""
+    named: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in checkpoint.tensors.items():
+        mapped = rename(hf_name, fam.WEIGHT_MAP)
+        if mapped is None:
+            if "rotary_emb" in hf_name:
+                continue
+            raise SourceError(f"{checkpoint.reference}: unexpected tensor {hf_name!r} for the {fam.FAMILY} family")
+        named[mapped[0]] = tensor
+    if config.tie_word_embeddings:  # type: ignore[attr-defined]
+        named.pop("lm_head", None)
+    for fused, parts in fam.FUSED.items():
+        for layer in range(config.num_layers):  # type: ignore[attr-defined]
+            names = [p.format(layer) for p in parts]
+            missing = [n for n in names if n not in named]
+            if missing:
+                raise SourceError(f"{checkpoint.reference}: missing tensors {missing}")
+            named[fused.format(layer)] = torch.cat([named.pop(n) for n in names], dim=0)
+    return {name: t.to(dtype).contiguous() for name, t in sorted(named.items())}
+
+
+def _dynamic_shapes(weights: dict[str, torch.Tensor], num_caches: int, inputs: tuple[mf.TensorSpec, ...]) -> tuple:
+    dims: dict[str, object] = {}
+    Dim = torch.export.Dim
+    for name in ("T", "B", "M", "R", "K", "P"):
+        dims[name] = Dim(name, min=1)
+    dims["B+1"] = dims["B"] + 1
+    shapes: list[object] = [{name: None for name in weights}, [{0: dims["P"]}] * num_caches]
+    for spec in inputs:
+        shapes.append({i: dims[d] for i, d in enumerate(spec.shape) if isinstance(d, str)})
+    return tuple(shapes)
+
+
+def _example_inputs(inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: int) -> list[torch.Tensor]:
+    """Two sequences (3 + 2 tokens) over 4 pages; sizes >= 2 so no dim specializes."""
+    examples = {
+        "token_ids": torch.tensor([1, 2, 3, 4, 5]) % vocab,
+        "positions": torch.tensor([0, 1, 2, 0, 1]),
+        "slot_mapping": torch.tensor([0, 1, 2, 2 * page_tokens, 2 * page_tokens + 1]),
+        "block_tables": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        "seq_lens": torch.tensor([3, 2], dtype=torch.int32),
+        "query_start_loc": torch.tensor([0, 3, 5], dtype=torch.int32),
+        "logits_indices": torch.tensor([2, 4]),
+        "logprob_token_ids": torch.tensor([[0, 1, 2], [3, 4, 5]]) % vocab,
+        "target_ids": torch.tensor([2, 3, -1, 5, -1]) % vocab,
+    }
+    return [examples[spec.name] for spec in inputs]
+
+
+def export_program(fam: ModuleType, config: object, kind: str, num_top: int, explicit: bool,
+                   weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
+                   path: Path) -> mf.ProgramSpec:  # fmt: skip
+    inputs, outputs = program_signature(kind, num_top, explicit)
+    module = fam.StepProgram(config, num_top, explicit, scored=kind == SCORED_PREFILL)
+    caches = [torch.zeros(4, page_tokens, kv.num_kv_heads, kv.head_dim, dtype=getattr(torch, kv.dtype))
+              for _ in range(2 * kv.num_layers)]  # fmt: skip
+    args = (weights, caches, *_example_inputs(inputs, config.vocab_size, page_tokens))  # type: ignore[attr-defined]
+    exported = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(weights, len(caches), inputs))
+    exported.example_inputs = None  # otherwise the example weights are saved with the graph
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(exported, str(path))
+    return mf.ProgramSpec(file=str(path.relative_to(path.parent.parent)), inputs=inputs, outputs=outputs)
+
+
+def golden_prompts(tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(tokenizer.encode(text, add_special_tokens=False).ids[:GOLDEN_TOKENS]) for text in GOLDEN_TEXTS)
+
+
+def self_check(fam: ModuleType, config: object, checkpoint: Checkpoint, programs: dict[str, Program],
+               weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
+               prompts: tuple[tuple[int, ...], ...], tolerance: float) -> tuple[float, dict[str, torch.Tensor]]:  # fmt: skip
+    """Saved programs vs the plain-torch reference; returns (max |Δ|, golden tensors)."""
+    worst = 0.0
+    golden: dict[str, torch.Tensor] = {}
+    for index, prompt in enumerate(prompts):
+        reference = torch.log_softmax(fam.reference_logits(config, checkpoint.tensors, list(prompt)).float(), dim=-1)
+        for kind, program in programs.items():
+            run = run_prompt(program, weights, kv, page_tokens, list(prompt), chunk=GOLDEN_CHUNK, explicit_ids=[0, 1])
+            diff = float((run.logprobs - reference).abs().max())
+            worst = max(worst, diff)
+            if diff > tolerance:
+                raise VerifyError(
+                    f"self-check failed: the exported {kind} program differs from the reference forward by "
+                    f"{diff:.3g} in logprob on golden prompt {index} (tolerance {tolerance:g})"
+                )
+            _check_logprob_outputs(kind, run.outputs, run.logprobs, prompt, tolerance)
+            if kind == STEP:
+                golden[golden_key(index)] = run.logprobs.contiguous()
+    return worst, golden
+
+
+def _check_logprob_outputs(kind: str, outputs: dict[str, torch.Tensor], logprobs: torch.Tensor,
+                           prompt: tuple[int, ...], tolerance: float) -> None:  # fmt: skip
+    """The program's derived outputs agree with its own full distribution."""
+    checks: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    if "top_logprobs" in outputs:
+        checks.append(("top_logprobs", outputs["top_logprobs"], logprobs.gather(1, outputs["top_ids"])))
+    if "explicit_logprobs" in outputs:
+        checks.append(("explicit_logprobs", outputs["explicit_logprobs"], logprobs[:, [0, 1]]))
+    if "prompt_logprobs" in outputs:
+        targets = torch.tensor(list(prompt[1:]))
+        expected = logprobs[:-1].gather(1, targets[:, None])[:, 0]
+        checks.append(("prompt_logprobs", outputs["prompt_logprobs"][:-1], expected))
+        ranks = (logprobs[:-1] > expected[:, None]).sum(-1) + 1
+        if not torch.equal(outputs["prompt_ranks"][:-1], ranks):
+            raise VerifyError(f"self-check failed: {kind} prompt_ranks disagree with the distribution")
+    for name, got, expected in checks:
+        if float((got - expected).abs().max()) > tolerance:
+            raise VerifyError(f"self-check failed: {kind} output {name} disagrees with the distribution")
+
+
+def _limits(options: ExportOptions, config: object) -> mf.Limits:
+    native = int(config.max_position_embeddings)  # type: ignore[attr-defined]
+    max_len = options.max_model_len or native
+    if max_len > native:
+        raise UsageError(f"--max-model-len {max_len} exceeds the checkpoint's context length {native}")
+    return mf.Limits(max_model_len=max_len, page_tokens=options.page_tokens)
+
+
+def _tokenizer_info(checkpoint: Checkpoint, tokenizer: Tokenizer, vocab_size: int, template: str | None) -> mf.TokenizerInfo:
+    facts = checkpoint.tokenizer_facts
+    special = {t.content: i for i, t in sorted(tokenizer.get_added_tokens_decoder().items()) if t.special}
+    if not facts.eos_token_ids:
+        raise SourceError(f"{checkpoint.reference}: the checkpoint declares no end-of-sequence token")
+    return mf.TokenizerInfo(
+        file="tokenizer.json",
+        vocab_size=vocab_size,
+        bos_token_id=facts.bos_token_id,
+        eos_token_ids=facts.eos_token_ids,
+        pad_token_id=facts.pad_token_id,
+        add_bos_token=facts.add_bos_token,
+        special_tokens=special,
+        chat_template="chat_template.jinja" if template is not None else None,
+    )
+
+
+def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) -> ExportResult:
+    started = time.perf_counter()
+    fam = family(recipe.info.family)
+    if checkpoint.family != recipe.info.family:
+        raise SourceError(
+            f"{checkpoint.reference}: a {checkpoint.family} checkpoint, but recipe {recipe.name!r} is for the "
+            f"{recipe.info.family} family"
+        )
+    try:
+        config = fam.config_from_hf(checkpoint.hf_config)
+    except (KeyError, ValueError) as exc:
+        raise SourceError(f"{checkpoint.reference}: unsupported or incomplete config ({exc})") from exc
+    limits = _limits(options, config)
+    weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
+    num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
+    kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=options.dtype)
+    template = checkpoint.chat_template if recipe.info.template_source == "checkpoint" else None
+    tokenizer = Tokenizer.from_str(checkpoint.tokenizer_json)
+    staging = Path(tempfile.mkdtemp(prefix=f".{options.out.name}.", dir=options.out.parent))
+    try:
+        programs: dict[str, Program] = {}
+        specs: dict[str, mf.ProgramSpec] = {}
+        kinds = [STEP] + ([SCORED_PREFILL] if options.prompt_logprobs else [])
+        for kind in kinds:
+            spec = export_program(fam, config, kind, options.max_top_logprobs, options.logprob_ids, weights, kv,
+                                  options.page_tokens, staging / "programs" / f"{kind}.pt2")  # fmt: skip
+            specs[kind] = spec
+            programs[kind] = Program.load(kind, spec, staging / spec.file)  # check what was saved, not the module
+        save_file(weights, str(staging / "weights.safetensors"))
+        (staging / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+        if template is not None:
+            (staging / "chat_template.jinja").write_text(template, encoding="utf-8")
+        prompts = golden_prompts(tokenizer)
+        tolerance = TOLERANCE[options.dtype]
+        worst, golden = self_check(fam, config, checkpoint, programs, weights, kv, options.page_tokens, prompts, tolerance)
+        save_file(golden, str(staging / "golden.safetensors"))
+        files = {
+            str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
+        }
+        recipe_info = recipe.info if options.ranges else without_ranges(recipe.info)
+        manifest = mf.Manifest(
+            format=mf.FormatTag(mf.FORMAT_NAME, mf.FORMAT_VERSION),
+            model=mf.ModelInfo(
+                id=options.model_id or checkpoint.checkpoint_id,
+                aliases=options.aliases,
+                family=fam.FAMILY,
+                name=checkpoint.name,
+                source=mf.SourceIdentity(kind=checkpoint.kind, reference=checkpoint.reference, files=checkpoint.files),
+            ),
+            recipe=recipe_info,
+            tokenizer=_tokenizer_info(checkpoint, tokenizer, config.vocab_size, template),
+            limits=limits,
+            kv=kv,
+            capabilities=mf.Capabilities(
+                max_top_logprobs=options.max_top_logprobs,
+                explicit_logprob_ids=options.logprob_ids,
+                prompt_logprobs=options.prompt_logprobs,
+                vision=False,
+            ),
+            decode_weight_bytes=fam.decode_weight_bytes(config, weights),
+            weights=mf.WeightsInfo(
+                file="weights.safetensors", dtype=options.dtype, num_parameters=sum(t.numel() for t in weights.values())
+            ),
+            ops=mf.OpSet(**ops.describe()),  # type: ignore[arg-type]
+            programs=specs,
+            decode_buckets=tuple(sorted(set(options.decode_buckets))),
+            golden=mf.GoldenInfo(
+                file="golden.safetensors", prompts=prompts, prefill_chunk=GOLDEN_CHUNK, tolerance=tolerance,
+                max_abs_diff=_round_up(worst),
+            ),
+            provenance=mf.Provenance(
+                ignition_version=ignition.__version__,
+                torch_version=str(torch.__version__),
+                exported_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            ),
+            files=files,
+        )
+        (staging / mf.MANIFEST_FILE).write_bytes(mf.encode(manifest))
+        _install(staging, options.out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    size = sum(p.stat().st_size for p in options.out.rglob("*") if p.is_file())
+    return ExportResult(out=options.out, manifest=manifest, seconds=time.perf_counter() - started, bytes=size,
+                        max_abs_diff=worst)  # fmt: skip
+
+
+def _round_up(value: float) -> float:
+    """A stable printable bound (two significant digits, rounded up) so reruns stay byte-identical."""
+    if value <= 0:
+        return 0.0
+    exponent = math.floor(math.log10(value)) - 1
+    return math.ceil(value / 10**exponent) * 10**exponent
+
+
+def _install(staging: Path, out: Path) -> None:
+    os.chmod(staging, 0o755)
+    for path in staging.rglob("*"):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+
+
+__all__ = ["ExportOptions", "ExportResult", "check_options", "export_core"]

@@ -1,0 +1,39 @@
+"""Architecture families ignition can compile; one module per family.
+
+Each family module provides: FAMILY, HF_ARCHITECTURES, HF_MODEL_TYPES, GGUF_ARCHITECTURES,
+WEIGHT_MAP, FUSED, GGUF_WEIGHT_MAP, config_from_hf, hf_config_from_gguf, gguf_tensor_fixup,
+kv_shape, decode_weight_bytes, StepProgram, reference_logits, testmodel_config.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from ignition.models import llama
+
+FAMILIES: dict[str, ModuleType] = {llama.FAMILY: llama}
+
+
+def family(name: str) -> ModuleType:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise KeyError(
+            f"architecture family {name!r} is not supported by this ignition (supported: {', '.join(sorted(FAMILIES))})"
+        ) from None
+
+
+def family_of_hf_config(config: dict) -> str | None:
+    """The family that handles a Hugging Face config, or None."""
+    archs = set(config.get("architectures") or [])
+    for name, module in FAMILIES.items():
+        if archs & set(module.HF_ARCHITECTURES) or config.get("model_type") in module.HF_MODEL_TYPES:
+            return name
+    return None
+
+
+def family_of_gguf(architecture: str) -> str | None:
+    for name, module in FAMILIES.items():
+        if architecture in module.GGUF_ARCHITECTURES:
+            return name
+    return None

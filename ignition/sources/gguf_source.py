@@ -1,0 +1,82 @@
+"""Read a GGUF file: metadata, dequantized tensors (Hugging Face names), tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ignition.errors import SourceError
+from ignition.models import family, family_of_gguf
+from ignition.models.naming import rename
+from ignition.sources.checkpoint import Checkpoint, TokenizerFacts, sha256_file
+from ignition.sources.tokenizer_gguf import UnsupportedTokenizer, tokenizer_from_gguf
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+        meta = _metadata(reader)
+    except Exception as exc:  # the gguf package raises assorted errors on damaged files
+        raise SourceError(f"{path}: not a readable GGUF file ({exc})") from exc
+    arch = meta.get("general.architecture")
+    fam_name = family_of_gguf(str(arch))
+    if fam_name is None:
+        raise SourceError(f"{path}: GGUF architecture {arch!r} is not supported by this ignition")
+    fam = family(fam_name)
+    names = {t.name for t in reader.tensors}
+    hf_config = fam.hf_config_from_gguf(meta, names)
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        mapped = rename(tensor.name, fam.GGUF_WEIGHT_MAP)
+        if mapped is None:
+            if tensor.name.startswith("rope_freqs"):
+                continue
+            raise SourceError(f"{path}: unexpected tensor {tensor.name!r} for the {fam_name} family")
+        hf_name = mapped[0]
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:
+            raise SourceError(f"{path}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        value = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
+        tensors[hf_name] = fam.gguf_tensor_fixup(hf_name, value, hf_config)
+    try:
+        tokenizer = tokenizer_from_gguf(meta)
+    except UnsupportedTokenizer as exc:
+        raise SourceError(f"{path}: {exc}") from exc
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    facts = TokenizerFacts(
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(sorted({int(t) for t in (eos, eot) if t is not None})),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+    return Checkpoint(
+        kind="gguf",
+        reference=str(path),
+        checkpoint_id=checkpoint_id or path.stem,
+        name=str(meta.get("general.name") or path.stem),
+        family=fam_name,
+        hf_config=hf_config,
+        tensors=tensors,
+        tokenizer_json=tokenizer.to_str(),
+        tokenizer_facts=facts,
+        chat_template=meta.get("tokenizer.chat_template"),
+        files={path.name: sha256_file(path)},
+    )

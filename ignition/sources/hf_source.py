@@ -1,0 +1,123 @@
+"""Read a Hugging Face-format checkpoint directory (or a repo id from the local HF cache)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from ignition.errors import SourceError
+from ignition.models import family_of_hf_config
+from ignition.sources.checkpoint import Checkpoint, TokenizerFacts, sha256_file
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"{path}: cannot read JSON ({exc})") from exc
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(directory: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    standalone = directory / "chat_template.jinja"
+    if standalone.is_file():
+        return standalone.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = None,
+                checkpoint_id: str | None = None) -> Checkpoint:  # fmt: skip
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise SourceError(f"{directory}: no config.json, so this is not a Hugging Face checkpoint directory")
+    config = _read_json(config_path)
+    fam_name = family_of_hf_config(config)
+    if fam_name is None:
+        archs = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
+        raise SourceError(f"{directory}: architecture {archs} is not supported by this ignition")
+    weight_files = sorted(directory.glob("*.safetensors"))
+    if not weight_files:
+        raise SourceError(f"{directory}: no *.safetensors weight files (other weight formats are not supported)")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files:
+        try:
+            for name, value in load_file(str(path)).items():
+                tensors[name] = value.float()
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise SourceError(f"{path}: corrupted or unreadable safetensors file ({exc})") from exc
+    tokenizer_path = directory / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise SourceError(f"{directory}: no tokenizer.json (only fast tokenizers are supported)")
+    tokenizer_json = tokenizer_path.read_text(encoding="utf-8")
+    try:
+        tokenizer = Tokenizer.from_str(tokenizer_json)
+    except Exception as exc:
+        raise SourceError(f"{tokenizer_path}: not a valid tokenizer ({exc})") from exc
+    tok_config = _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
+    gen_config = _read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
+
+    def token_id(key: str, config_key: str) -> int | None:
+        content = _token_content(tok_config.get(key))
+        if content is not None and tokenizer.token_to_id(content) is not None:
+            return tokenizer.token_to_id(content)
+        value = gen_config.get(config_key, config.get(config_key))
+        return value[0] if isinstance(value, list) and value else value if isinstance(value, int) else None
+
+    eos_ids: set[int] = set()
+    for source in (gen_config.get("eos_token_id"), config.get("eos_token_id")):
+        eos_ids.update(source if isinstance(source, list) else [source] if isinstance(source, int) else [])
+    if (eos := token_id("eos_token", "eos_token_id")) is not None:
+        eos_ids.add(eos)
+    bos = token_id("bos_token", "bos_token_id")
+    facts = TokenizerFacts(
+        bos_token_id=bos,
+        eos_token_ids=tuple(sorted(eos_ids)),
+        pad_token_id=token_id("pad_token", "pad_token_id"),
+        add_bos_token=bool(tok_config.get("add_bos_token", False)) and bos is not None,
+    )
+    files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file()}
+    name = str(config.get("_name_or_path") or directory.name)
+    return Checkpoint(
+        kind=kind,
+        reference=reference or str(directory),
+        checkpoint_id=checkpoint_id or directory.name,
+        name=name,
+        family=fam_name,
+        hf_config=config,
+        tensors=tensors,
+        tokenizer_json=tokenizer_json,
+        tokenizer_facts=facts,
+        chat_template=_chat_template(directory, tok_config),
+        files=files,
+    )
+
+
+def resolve_hf_cache(repo_id: str) -> Path:
+    """The local snapshot directory of a cached repo id; never touches the network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
+        raise SourceError(
+            f"{repo_id!r} is neither a file, a directory, nor a repo id in the local Hugging Face cache "
+            f"(downloads are disabled; fetch it on a connected machine with `hf download {repo_id}`)"
+        ) from exc
+    except Exception as exc:  # huggingface_hub validation errors for malformed ids
+        raise SourceError(f"{repo_id!r} is not a usable source: {exc}") from exc

@@ -1,0 +1,68 @@
+"""ignition testmodel: tiny random-weight Hugging Face checkpoints for tests.
+
+Each carries its family's special tokens and chat template and a small byte-level BPE
+tokenizer, and is a deterministic function of (family, seed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers.pre_tokenizers import ByteLevel
+
+from ignition.errors import UsageError
+from ignition.models import FAMILIES
+
+# A fixed handful of merges so common English words are multi-byte tokens.
+_MERGES = ["Ġ t", "h e", "Ġ a", "i n", "Ġt he", "r e", "o n", "e r", "Ġ s", "a t", "e n", "o r", "Ġ c", "Ġ w",
+           "i s", "Ġ o", "a n", "Ġ b", "Ġ f", "Ġ p", "e s", "Ġ i", "Ġ m", "l l", "a r", "Ġ h", "o u", "i t"]  # fmt: skip
+
+
+def build_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
+    vocab: dict[str, int] = {tok: i for i, tok in enumerate(special_tokens)}
+    for char in sorted(ByteLevel.alphabet(), key=lambda c: ord(c)):
+        vocab[char] = len(vocab)
+    merges = []
+    for merge in _MERGES:
+        left, right = merge.split(" ")
+        if left in vocab and right in vocab and left + right not in vocab:
+            vocab[left + right] = len(vocab)
+            merges.append((left, right))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    return tokenizer
+
+
+def write_testmodel(family_name: str, out: Path, seed: int = 0) -> Path:
+    if family_name not in FAMILIES:
+        raise UsageError(f"no test model for family {family_name!r} (supported: {', '.join(sorted(FAMILIES))})")
+    fam = FAMILIES[family_name]
+    tokenizer = build_tokenizer(fam.TEST_SPECIAL_TOKENS)
+    config = fam.testmodel_config(tokenizer.get_vocab_size())
+    config.update({name.replace("_token", "_token_id"): tokenizer.token_to_id(tok)
+                   for name, tok in fam.TEST_TOKEN_ROLES.items() if name != "unk_token"})  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: _init(name, shape, generator) for name, shape in fam.hf_shapes(fam.config_from_hf(config)).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
+    tok_config = dict(fam.TEST_TOKEN_ROLES, chat_template=fam.TEST_CHAT_TEMPLATE, add_bos_token=False,
+                      model_max_length=config["max_position_embeddings"])  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
+    gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    if len(shape) == 1:  # norms: near one, so the network is not trivially symmetric
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    return torch.randn(shape, generator=generator) * (1.0 / shape[1] ** 0.5)
