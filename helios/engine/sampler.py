@@ -1,0 +1,168 @@
+"""Next-token sampling over a batch: a straight pipeline of small vectorized stages.
+
+mask -> penalties -> temperature -> top-k -> top-p -> min-p -> draw. Each stage maps
+logits [B, V] f32 to new logits (dropped tokens become -inf) and skips its work when
+every row is neutral for it. Logprobs are not computed here: they describe the raw
+distribution, before any of these stages (see helios.engine.logprobs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from helios.engine.sampling_params import SamplingParams
+
+
+class MaskError(ValueError):
+    """A token mask left some rows without any allowed token; `rows` are their indices."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"token mask allows no token in batch rows {rows}; the constraint cannot continue")
+        self.rows = rows
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator for one request's draws; it must live on the device the logits do."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _column(params: Sequence[SamplingParams], name: str, like: Tensor) -> Tensor:
+    """One parameter for every row, as a [B, 1] tensor broadcastable against logits."""
+    return torch.tensor([getattr(p, name) for p in params], dtype=like.dtype, device=like.device)[:, None]
+
+
+def _token_counts(ids: Sequence[Tensor], batch: int, vocab: int, device: torch.device) -> Tensor:
+    """How often each token occurs in each row's ids, [B, V] f32, without a per-row loop."""
+    counts = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
+    lengths = torch.tensor([len(t) for t in ids], device=device)
+    if int(lengths.sum()) == 0:
+        return counts
+    rows = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
+    flat = torch.cat([t.to(device=device, dtype=torch.int64) for t in ids])
+    return counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+
+
+def apply_mask(logits: Tensor, allowed: Tensor | None) -> Tensor:
+    """Drop tokens a constraint forbids. `allowed` is [B, V] bool (an unconstrained row
+    is all True) or None when no row is constrained. Raises MaskError for an empty row,
+    which would otherwise turn into a NaN distribution."""
+    if allowed is None:
+        return logits
+    empty = ~allowed.any(dim=-1)
+    if bool(empty.any()):
+        raise MaskError(empty.nonzero().flatten().tolist())
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def apply_penalties(
+    logits: Tensor, prompt_ids: Sequence[Tensor], output_ids: Sequence[Tensor], params: Sequence[SamplingParams]
+) -> Tensor:
+    """Repetition penalty over prompt and output tokens (vLLM/HF: positive logits divided,
+    negative multiplied), then presence and frequency penalties over output tokens only."""
+    repetition = [p.repetition_penalty != 1.0 for p in params]
+    additive = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+    if not any(repetition) and not any(additive):
+        return logits
+    batch, vocab = logits.shape
+    output_counts = _token_counts(output_ids, batch, vocab, logits.device)  # [B, V]
+    in_output = output_counts > 0
+    if any(repetition):
+        seen = in_output | (_token_counts(prompt_ids, batch, vocab, logits.device) > 0)
+        penalty = _column(params, "repetition_penalty", logits)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if any(additive):
+        logits = logits - _column(params, "presence_penalty", logits) * in_output
+        logits = logits - _column(params, "frequency_penalty", logits) * output_counts
+    return logits
+
+
+def apply_temperature(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Scale logits by 1 / temperature (always > 0: greedy is top_k == 1)."""
+    if all(p.temperature == 1.0 for p in params):
+        return logits
+    return logits / _column(params, "temperature", logits)
+
+
+def apply_top_k(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Keep each row's k largest logits (-1 keeps all). Tokens tied with the k-th are kept
+    too, so the cut never depends on sort order; exact greedy is handled by the Sampler."""
+    vocab = logits.shape[-1]
+    ks = [vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params]
+    if all(k == vocab for k in ks):
+        return logits
+    top = logits.topk(max(ks), dim=-1).values  # [B, max_k], sorted descending
+    index = torch.tensor(ks, device=logits.device)[:, None] - 1
+    kth = top.gather(-1, index)  # [B, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p; the top
+    token always survives, so no row empties."""
+    if all(p.top_p >= 1.0 for p in params):
+        return logits
+    ascending, order = logits.sort(dim=-1)
+    mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)  # mass of this token and all smaller
+    # A token can go when the tokens above it already hold at least top_p of the mass.
+    drop = mass_below <= 1.0 - _column(params, "top_p", logits)
+    drop[:, -1] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def apply_min_p(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    if all(p.min_p == 0.0 for p in params):
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = _column(params, "min_p", logits) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def draw(logits: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+    """One categorical draw per row from softmax(logits), [B] int64.
+
+    Row i uses generators[i]. A generator belongs to its request and is reused across
+    steps, so each draw advances it: a request's tokens depend on its seed and its own
+    step count, never on which other requests share the batch.
+    """
+    probs = logits.softmax(dim=-1)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
+    race = torch.empty_like(probs)
+    for row, generator in zip(race, generators, strict=True):
+        row.exponential_(generator=generator)
+    race.clamp_min_(torch.finfo(race.dtype).tiny)  # an exact 0 would turn p = 0 into NaN
+    return (probs / race).argmax(dim=-1)
+
+
+class Sampler:
+    """Runs the pipeline for one batch of rows, one SamplingParams and generator each."""
+
+    def sample(
+        self,
+        logits: Tensor,  # [B, V] f32 raw next-token logits
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+        prompt_ids: Sequence[Tensor],  # B tensors of token ids
+        output_ids: Sequence[Tensor],  # B tensors of token ids generated so far
+        allowed: Tensor | None = None,  # [B, V] bool, or None when no row is constrained
+    ) -> Tensor:
+        """The next token of every row, [B] int64."""
+        logits = apply_mask(logits.float(), allowed)
+        logits = apply_penalties(logits, prompt_ids, output_ids, params)
+        # Greedy before temperature: division could round distinct logits into a tie.
+        # argmax returns the first maximum, i.e. the lowest token id on ties.
+        greedy_ids = logits.argmax(dim=-1)
+        logits = apply_temperature(logits, params)
+        logits = apply_top_k(logits, params)
+        logits = apply_top_p(logits, params)
+        logits = apply_min_p(logits, params)
+        # Every row draws, greedy ones too, so a generator advances exactly once per step.
+        drawn = draw(logits, generators)
+        greedy = torch.tensor([p.top_k == 1 for p in params], device=logits.device)
+        return torch.where(greedy, greedy_ids, drawn)

