@@ -1,0 +1,134 @@
+"""EngineClient: the asyncio-facing side of the engine, which runs in its own thread.
+
+`submit()` validates and enqueues synchronously (so callers can answer 400/503 before
+streaming), then returns an async iterator of the request's events. Leaving the
+iterator early aborts the request; its pages are freed after the step in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from helios.engine.engine import LLMEngine
+from helios.engine.request import EngineEvent, EngineRequest
+
+log = logging.getLogger("helios.engine")
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this engine (too long for the context or the pool)."""
+
+
+class QueueFull(RuntimeError):
+    """The pending queue is full; try again later."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine thread has stopped."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    remaining: int  # choices the consumer has not seen finish
+    engine_remaining: int  # choices the engine has not finished
+    done: bool = False  # the consumer saw every choice finish
+
+
+class EngineClient:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[EngineRequest] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self.failure: str | None = None
+        self._thread = threading.Thread(target=self._run, name="helios-engine", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "EngineClient":
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        if not self.healthy:
+            raise EngineUnavailable(self.failure or "the engine is not running")
+        reason = self.engine.check(request)
+        if reason is not None:
+            raise RequestRejected(reason)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.n, request.n)
+        with self._lock:
+            if request.request_id in self._streams:
+                raise RequestRejected(f"request id {request.request_id!r} is already in flight")
+            if len(self._inbox) + self.engine.stats.pending >= self.engine.config.max_pending:
+                raise QueueFull("the model request queue is full")
+            self._streams[request.request_id] = stream
+            self._inbox.append(request)
+        self._wake.set()
+        return self._events(request.request_id, stream)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    async def _events(self, request_id: str, stream: _Stream) -> AsyncIterator[EngineEvent]:
+        try:
+            while stream.remaining:
+                event = await stream.queue.get()
+                if event.finish is not None:
+                    stream.remaining -= 1
+                yield event
+            stream.done = True
+        finally:
+            if not stream.done:
+                self.abort(request_id)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                with self._lock:
+                    inbox, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, []
+                for request in inbox:
+                    self.engine.add(request)
+                for request_id in aborts:
+                    self.engine.abort(request_id)
+                if not self.engine.has_work:
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                self._deliver(self.engine.step())
+        except BaseException as exc:  # noqa: BLE001 - report, then refuse new work
+            log.exception("engine thread died")
+            self.failure = f"engine failed: {exc}"
+
+    def _deliver(self, events: list[EngineEvent]) -> None:
+        with self._lock:
+            for event in events:
+                stream = self._streams.get(event.request_id)
+                if stream is None:
+                    continue
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+                if event.finish is not None:
+                    stream.engine_remaining -= 1
+                    if stream.engine_remaining == 0:  # the engine is done with it
+                        del self._streams[event.request_id]

@@ -1,0 +1,131 @@
+"""Runs a step's chunks through the core's programs and returns per-row outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from helios.core import Core
+from helios.core.program import SCORED_PREFILL, STEP, allocate_kv
+from helios.engine import kernels
+from helios.engine.scheduler import Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Outputs of one step, in chunk order."""
+
+    sampled: tuple[Chunk, ...]  # chunks with wants_logits, in row order of the tensors below
+    logits: Tensor  # [R, V] f32
+    logsumexp: Tensor  # [R]
+    top_logprobs: Tensor | None  # [R, N]
+    top_ids: Tensor | None  # [R, N]
+    explicit_logprobs: Tensor | None  # [R, K] for each row's request ids (padded)
+    prompt_scores: dict[int, dict[str, Tensor]]  # id(chunk) -> per-token prompt outputs of scored chunks
+
+
+class Executor:
+    def __init__(self, core: Core, num_pages: int, device: str = "cpu") -> None:
+        kernels.register()
+        manifest = core.manifest
+        self.device = device
+        self.page_tokens = manifest.limits.page_tokens
+        self.weights = core.load_weights(device)
+        self.step = core.load_program(STEP)
+        self.scored = core.load_program(SCORED_PREFILL) if SCORED_PREFILL in manifest.programs else None
+        self.kv = allocate_kv(manifest.kv, num_pages, self.page_tokens, device)
+        self.explicit = manifest.capabilities.explicit_logprob_ids
+
+    def copy_page(self, src: int, dst: int) -> None:
+        for tensor in self.kv:
+            tensor[dst].copy_(tensor[src])
+
+    def run(self, chunks: tuple[Chunk, ...]) -> StepResult:
+        plain = [c for c in chunks if not c.scored]
+        scored = [c for c in chunks if c.scored]
+        parts: list[tuple[list[Chunk], dict[str, Tensor]]] = []
+        if plain:
+            parts.append((plain, self._call(self.step, plain, scored=False)))
+        if scored:
+            assert self.scored is not None, "prompt logprobs need a core exported with --prompt-logprobs"
+            parts.append((scored, self._call(self.scored, scored, scored=True)))
+        sampled: list[Chunk] = []
+        rows: dict[str, list[Tensor]] = {}
+        prompt_scores: dict[int, dict[str, Tensor]] = {}
+        for group, outputs in parts:
+            sampled += [c for c in group if c.wants_logits]
+            for name in ("logits", "logsumexp", "top_logprobs", "top_ids", "explicit_logprobs"):
+                if name in outputs:
+                    rows.setdefault(name, []).append(outputs[name])
+            if "prompt_logprobs" in outputs:
+                offset = 0
+                for chunk in group:
+                    prompt_scores[id(chunk)] = {
+                        name: outputs[name][offset : offset + chunk.num_tokens]
+                        for name in ("prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "prompt_top_ids")
+                        if name in outputs
+                    }
+                    offset += chunk.num_tokens
+        cat = {name: torch.cat(values) for name, values in rows.items()}
+        return StepResult(
+            sampled=tuple(sampled),
+            logits=cat["logits"],
+            logsumexp=cat["logsumexp"],
+            top_logprobs=cat.get("top_logprobs"),
+            top_ids=cat.get("top_ids"),
+            explicit_logprobs=cat.get("explicit_logprobs"),
+            prompt_scores=prompt_scores,
+        )
+
+    def _call(self, program, chunks: list[Chunk], scored: bool) -> dict[str, Tensor]:
+        size = self.page_tokens
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        targets: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        logits_rows: list[int] = []
+        explicit: list[tuple[int, ...]] = []
+        for chunk in chunks:
+            seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            table = seq.block_table
+            token_ids += seq.token_ids[chunk.start : end]
+            span = range(chunk.start, end)
+            positions += span
+            slots += [table[p // size] * size + p % size for p in span]
+            if scored:
+                targets += [seq.token_ids[p + 1] if p + 1 < seq.num_prompt else -1 for p in span]
+            seq_lens.append(end)
+            starts.append(starts[-1] + chunk.num_tokens)
+            if chunk.wants_logits:
+                logits_rows.append(starts[-1] - 1)
+                explicit.append(seq.request.logprob_token_ids or (0,))
+        width = max(len(c.seq.block_table) for c in chunks)
+        tables = torch.zeros((len(chunks), width), dtype=torch.int32)
+        for row, chunk in enumerate(chunks):
+            tables[row, : len(chunk.seq.block_table)] = torch.tensor(chunk.seq.block_table, dtype=torch.int32)
+        if not logits_rows:  # the program always returns at least one row; it is ignored
+            logits_rows, explicit = [starts[-1] - 1], [(0,)]
+        inputs = {
+            "token_ids": torch.tensor(token_ids, dtype=torch.int64),
+            "positions": torch.tensor(positions, dtype=torch.int64),
+            "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+            "block_tables": tables,
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+            "query_start_loc": torch.tensor(starts, dtype=torch.int32),
+            "logits_indices": torch.tensor(logits_rows, dtype=torch.int64),
+        }
+        if self.explicit:
+            k = max(len(ids) for ids in explicit)
+            inputs["logprob_token_ids"] = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in explicit])
+        if scored:
+            inputs["target_ids"] = torch.tensor(targets, dtype=torch.int64)
+        inputs = {name: value.to(self.device) for name, value in inputs.items()}
+        outputs = program(self.weights, self.kv, **inputs)
+        if not any(c.wants_logits for c in chunks):
+            outputs = {k: v[:0] if k not in ("prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "prompt_top_ids") else v
+                       for k, v in outputs.items()}  # fmt: skip
+        return {name: value.cpu() for name, value in outputs.items()}

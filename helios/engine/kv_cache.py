@@ -1,0 +1,127 @@
+"""Paged KV page accounting with a prefix cache (no tensors here: page ids only).
+
+Full pages are identified by a chained hash of (parent hash, identity slot, page tokens).
+A published page is immutable and may be shared by many sequences; once unreferenced it
+stays cached until least-recently-used eviction hands it out again. Every hit is checked
+against the stored tokens, so reuse is exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+ROOT_HASH = b"flare-prefix-v1"
+
+
+def page_hash(parent: bytes, identity: bytes, tokens: tuple[int, ...]) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(len(identity).to_bytes(4, "little") + identity)
+    digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    return digest.digest()
+
+
+@dataclass(slots=True)
+class _Cached:
+    hash: bytes
+    tokens: tuple[int, ...]  # exactly page_tokens tokens
+    parent: bytes
+
+
+class OutOfPages(Exception):
+    """No free or evictable page is left."""
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_tokens: int) -> None:
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self.ref_count = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))  # never cached, or evicted
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._by_hash: dict[bytes, int] = {}
+        self._cached: dict[int, _Cached] = {}
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_free(self) -> int:
+        """Pages that can be handed out now (free plus evictable cached pages)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_tokens)
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        elif self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            entry = self._cached.pop(page)
+            del self._by_hash[entry.hash]
+        else:
+            raise OutOfPages
+        self.ref_count[page] = 1
+        return page
+
+    def share(self, page: int) -> None:
+        if self.ref_count[page] == 0:
+            self._evictable.pop(page, None)
+        self.ref_count[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for page in pages:
+            self.ref_count[page] -= 1
+            assert self.ref_count[page] >= 0, f"page {page} released twice"
+            if self.ref_count[page] == 0:
+                if page in self._cached:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    # ------------------------------------------------------------------ prefix cache
+    def match_prefix(self, tokens: tuple[int, ...], identity: bytes, max_pages: int) -> tuple[list[int], bytes]:
+        """Cached pages covering the longest full-page prefix of `tokens` (at most max_pages).
+
+        Returns (pages, chain hash after them). The pages are shared (ref-counted) on return.
+        """
+        pages: list[int] = []
+        parent = ROOT_HASH
+        size = self.page_tokens
+        for index in range(min(max_pages, len(tokens) // size)):
+            chunk = tokens[index * size : (index + 1) * size]
+            digest = page_hash(parent, identity, chunk)
+            page = self._by_hash.get(digest)
+            if page is None or self._cached[page].tokens != chunk or self._cached[page].parent != parent:
+                break
+            pages.append(page)
+            parent = digest
+        for page in pages:
+            self.share(page)
+            if page in self._evictable:  # keep LRU order meaningful for shared pages too
+                self._evictable.move_to_end(page)
+        return pages, parent
+
+    def publish(self, page: int, parent: bytes, identity: bytes, tokens: tuple[int, ...]) -> bytes:
+        """Register a just-computed full page; returns its chain hash.
+
+        If an identical page is already cached, this one stays private (and is freed normally).
+        """
+        digest = page_hash(parent, identity, tokens)
+        if digest not in self._by_hash and page not in self._cached:
+            self._by_hash[digest] = page
+            self._cached[page] = _Cached(hash=digest, tokens=tokens, parent=parent)
+        return digest
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every unreferenced cached page."""
+        for page in list(self._evictable):
+            entry = self._cached.pop(page)
+            del self._by_hash[entry.hash]
+            self._free.append(page)
+        self._evictable.clear()

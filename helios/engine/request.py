@@ -1,0 +1,78 @@
+"""Boundary types of the engine: what goes in (EngineRequest) and what comes out (EngineEvent)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from helios.engine.logprobs import RankedLogprob, TokenLogprobs
+from helios.engine.sampling_params import SamplingParams
+
+
+class FinishCause(enum.Enum):
+    EOS = "eos"  # an end-of-sequence token was generated and honored
+    STOP_TOKEN = "stop_token"  # a stop_token_ids / stop_token_sequences match
+    LENGTH = "length"  # max_tokens, the context limit, or KV capacity
+    ABORT = "abort"  # cancelled by the caller (or a frontend string stop)
+    ERROR = "error"  # execution failed; `error` says why
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One prompt to continue, with n sampled choices sharing its prefill.
+
+    Every field is validated by the frontend; the engine trusts them.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]  # nonempty; len(prompt_ids) + max_tokens <= max_model_len
+    params: tuple[SamplingParams, ...]  # one per choice (seeds already advanced by choice index)
+    max_tokens: int  # >= 1 generated tokens per choice
+    stop_token_ids: frozenset[int] = frozenset()  # single-token stops
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stops, matched on output suffixes
+    ignore_eos: bool = False  # EOS tokens do not end generation
+    num_top_logprobs: int | None = None  # None: no generation logprobs; 0..max_top_logprobs alternatives
+    logprob_token_ids: tuple[int, ...] = ()  # explicit ids (deduplicated) replacing natural alternatives
+    prompt_logprobs: int | None = None  # None: none; 0..20 alternatives per prompt position
+    cache_identity: bytes = b""  # prefix-cache identity slot (image / processing settings)
+    use_prefix_cache: bool = True
+
+    @property
+    def n(self) -> int:
+        return len(self.params)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    """New output of one choice since its previous event."""
+
+    request_id: str
+    choice_index: int
+    token_ids: tuple[int, ...]  # newly committed tokens (including a terminating EOS / stop token)
+    logprobs: tuple[TokenLogprobs, ...] | None  # parallel to token_ids when requested
+    finish: FinishCause | None = None  # set on the choice's last event
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
+    stop_match_len: int = 0  # trailing tokens of this choice that form the matched token stop
+    prompt_logprobs: tuple[dict[int, RankedLogprob] | None, ...] | None = None  # first event only
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters the engine owns (spec "Health and metrics"); read racily by /metrics."""
+
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    completed: int = 0
+    failed: int = 0
+    reused_tokens: int = 0
+    verification_rounds: int = 0  # decode request rounds (no speculation: one token each)
+    steps: int = 0
+    active: int = 0
+    pending: int = 0
+    cached_pages: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+    page_tokens: int = 0
+    decode_weight_bytes: int = 0
