@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -30,6 +30,48 @@ def check(core: Annotated[Path, typer.Argument(help="Core directory.")]) -> None
         raise typer.Exit(1) from None
     m = opened.manifest
     typer.echo(f"{core}: {m.public_id} ({m.model.family}, {m.weights.num_parameters / 1e6:.1f}M parameters) loads")
+
+
+@app.command()
+def serve(
+    core: Annotated[Path, typer.Argument(help="Core directory (from `ignition export`).")],
+    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with a [server] table.")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option("--api-key-file", help="File holding the serving key (overrides [server] api_key).")] = None,
+    host: Annotated[Optional[str], typer.Option("--host", help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help="Port to bind (default 8000).")] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve a core over OpenAI-compatible HTTP routes."""
+    import uvicorn
+
+    from helios.config import ConfigError, load_config
+    from helios.core import CoreError
+    from helios.server.app import create_app
+    from helios.server.state import build_state
+
+    try:
+        settings = load_config(config, api_key_file=api_key_file, host=host, port=port)
+        state = build_state(core, settings)
+    except (ConfigError, CoreError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"serving {state.model.public_id} on http://{settings.host}:{settings.port}/v1", err=True)
+    uvicorn.run(create_app(state), host=settings.host, port=settings.port, log_level=log_level, access_log=False)
+
+
+@app.command()
+def generate(
+    core: Annotated[Path, typer.Argument(help="Core directory.")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")] = ...,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a user turn with the chat template.")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 128,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature (clamped to the core's range).")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.")] = None,
+) -> None:
+    """Generate from a core and stream the text to stdout (a smoke test, no server)."""
+    from helios.cli_generate import run_generate
+
+    raise typer.Exit(run_generate(core, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed))
 
 
 @app.callback()

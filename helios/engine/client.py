@@ -46,7 +46,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[EngineRequest] = []
-        self._aborts: list[str] = []
+        self._aborts: list[tuple[str, int | None]] = []
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self.failure: str | None = None
@@ -84,9 +84,9 @@ class EngineClient:
         self._wake.set()
         return self._events(request.request_id, stream)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, choice_index: int | None = None) -> None:
         with self._lock:
-            self._aborts.append(request_id)
+            self._aborts.append((request_id, choice_index))
         self._wake.set()
 
     async def _events(self, request_id: str, stream: _Stream) -> AsyncIterator[EngineEvent]:
@@ -110,8 +110,8 @@ class EngineClient:
                     aborts, self._aborts = self._aborts, []
                 for request in inbox:
                     self.engine.add(request)
-                for request_id in aborts:
-                    self.engine.abort(request_id)
+                for request_id, choice_index in aborts:
+                    self.engine.abort(request_id, choice_index)
                 if not self.engine.has_work:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()

@@ -54,13 +54,15 @@ class LLMEngine:
         self.mask_hook = mask_hook
         self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,
                                  decode_weight_bytes=m.decode_weight_bytes)  # fmt: skip
-        self._aborted: set[str] = set()
+        self._aborted: set[tuple[str, int | None]] = set()
 
     # ------------------------------------------------------------------ requests
     def check(self, request: EngineRequest) -> str | None:
         """Why the engine can never run this request, or None."""
         if not request.prompt_ids:
             return "the prompt is empty"
+        if request.max_tokens < 1 and request.prompt_logprobs is None:
+            return "max_tokens must be positive (zero only for prompt scoring)"
         total = len(request.prompt_ids) + request.max_tokens
         if total > self.max_model_len:
             return f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds the context limit of {self.max_model_len} tokens"
@@ -76,8 +78,9 @@ class LLMEngine:
             request = replace(request, use_prefix_cache=False)
         self.scheduler.add(request)
 
-    def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+    def abort(self, request_id: str, choice_index: int | None = None) -> None:
+        """Cancel a request (every choice, or one); applied before the next step."""
+        self._aborted.add((request_id, choice_index))
 
     @property
     def has_work(self) -> bool:
@@ -113,14 +116,18 @@ class LLMEngine:
                 self._collect_prompt_logprobs(chunk, result.prompt_scores[id(chunk)])
         rows: list[int] = []
         seqs: list[Sequence] = []
+        scored_only = [c.seq for c in result.sampled if c.seq.request.max_tokens == 0]
+        events = [self._finish(seq, FinishCause.LENGTH) for seq in scored_only]  # prompt scoring, no output
         for row, chunk in enumerate(result.sampled):
+            if chunk.seq.request.max_tokens == 0:
+                continue
             group = [chunk.seq]
             if chunk.seq.num_output == 0 and chunk.seq.request.n > 1:
                 group += self.scheduler.fork(chunk.seq, self.executor.copy_page)
             rows += [row] * len(group)
             seqs += group
         if not seqs:
-            return []
+            return events
         index = torch.tensor(rows)
         logits = result.logits.index_select(0, index)
         try:
@@ -128,8 +135,7 @@ class LLMEngine:
             tokens = self._sample(logits, seqs, allowed).tolist()
         except Exception as exc:
             log.exception("sampling failed")
-            return [self._finish(s, FinishCause.ERROR, error=f"sampling failed: {exc}") for s in seqs]
-        events = []
+            return events + [self._finish(s, FinishCause.ERROR, error=f"sampling failed: {exc}") for s in seqs]
         for row, seq, token in zip(rows, seqs, tokens):
             entry = self._logprobs(seq, token, row, result) if seq.request.num_top_logprobs is not None else None
             seq.token_ids.append(token)
@@ -232,9 +238,10 @@ class LLMEngine:
         events = []
         doomed = self._aborted
         self._aborted = set()
-        for seq in [s for s in self.scheduler.running if s.request.request_id in doomed]:
+        hit = lambda rid, index: (rid, None) in doomed or (rid, index) in doomed  # noqa: E731
+        for seq in [s for s in self.scheduler.running if hit(s.request.request_id, s.choice_index)]:
             events.append(self._finish(seq, FinishCause.ABORT))
-        for request in [r for r in self.scheduler.waiting if r.request_id in doomed]:
+        for request in [r for r in self.scheduler.waiting if (r.request_id, None) in doomed]:
             self.scheduler.waiting.remove(request)
             for index in range(request.n):
                 events.append(EngineEvent(request.request_id, index, (), None, FinishCause.ABORT, len(request.prompt_ids)))

@@ -27,7 +27,7 @@ class EngineRequest:
     request_id: str
     prompt_ids: tuple[int, ...]  # nonempty; len(prompt_ids) + max_tokens <= max_model_len
     params: tuple[SamplingParams, ...]  # one per choice (seeds already advanced by choice index)
-    max_tokens: int  # >= 1 generated tokens per choice
+    max_tokens: int  # generated tokens per choice; 0 only with prompt_logprobs (score, then stop)
     stop_token_ids: frozenset[int] = frozenset()  # single-token stops
     stop_token_sequences: tuple[tuple[int, ...], ...] = ()  # multi-token stops, matched on output suffixes
     ignore_eos: bool = False  # EOS tokens do not end generation

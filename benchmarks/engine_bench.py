@@ -1,0 +1,99 @@
+"""Engine throughput on a core, next to the machine's physical ceiling.
+
+    python benchmarks/engine_bench.py cores/smollm2 [--tokens 64] [--batches 1,8,32] [--json out.json]
+
+Measures decode tokens/s for 1, 8 and 32 concurrent sequences (greedy, ignore_eos,
+prompts already prefilled), and estimates the ceiling of each from measured fp32 matmul
+FLOP/s at that row count and measured matrix-vector memory bandwidth:
+step time >= max(weight bytes / bandwidth, 2 * parameters * rows / FLOP/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from helios.core import Core
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.request import EngineRequest
+from helios.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of an fp32 matrix-vector product over a matrix much larger than cache."""
+    rows = megabytes * (1 << 20) // 4 // 4096
+    matrix, vector = torch.randn(rows, 4096), torch.randn(4096)
+    torch.mv(matrix, vector)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mv(matrix, vector)
+    return matrix.numel() * 4 * repeats / (time.perf_counter() - start)
+
+
+def measure_flops(rows: int, size: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(rows, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * rows * size * size * repeats / (time.perf_counter() - start)
+
+
+def decode_throughput(engine: LLMEngine, tokenizer, batch: int, tokens: int) -> float:
+    """Aggregate generated tokens/s of `batch` sequences, counting decode steps only."""
+    requests = [
+        EngineRequest(f"b{batch}-{i}", tuple(tokenizer.encode(f"Request {i}: write about the sea.").ids), (GREEDY,),
+                      tokens + 1, ignore_eos=True)  # fmt: skip
+        for i in range(batch)
+    ]
+    for request in requests:
+        engine.add(request)
+    while any(s.prefilling for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill (and the first sampled token) is not part of the decode figure
+    generated = engine.stats.generated_tokens
+    start = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return (engine.stats.generated_tokens - generated) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("core", type=Path)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    core = Core.open(args.core, verify_checksums=False)
+    m = core.manifest
+    engine = LLMEngine(core, EngineConfig(num_pages=4096, max_concurrency=256))
+    tokenizer = core.tokenizer()
+    bandwidth = measure_bandwidth()
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        measured = decode_throughput(engine, tokenizer, batch, args.tokens)
+        flops = measure_flops(batch)
+        step = max(m.decode_weight_bytes / bandwidth, 2 * m.weights.num_parameters * batch / flops)
+        rows.append({"batch": batch, "tokens_per_s": round(measured, 1), "ceiling_tokens_per_s": round(batch / step, 1),
+                     "fraction_of_ceiling": round(measured * step / batch, 3),
+                     "matmul_gflops": round(flops / 1e9, 1)})  # fmt: skip
+    report = {"core": str(args.core), "threads": torch.get_num_threads(), "bandwidth_gb_s": round(bandwidth / 1e9, 1),
+              "decode_weight_mb": round(m.decode_weight_bytes / 1e6, 1), "rows": rows}  # fmt: skip
+    print(f"core {args.core}: {report['decode_weight_mb']} MB weights/token, bandwidth {report['bandwidth_gb_s']} GB/s, "
+          f"{report['threads']} threads")  # fmt: skip
+    print(f"{'batch':>5}  {'tok/s':>8}  {'ceiling':>8}  {'fraction':>8}  {'GFLOP/s':>8}")
+    for row in rows:
+        print(f"{row['batch']:>5}  {row['tokens_per_s']:>8}  {row['ceiling_tokens_per_s']:>8}  "
+              f"{row['fraction_of_ceiling']:>8}  {row['matmul_gflops']:>8}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The one place that reads helios' configuration: the TOML file, CLI flags, key file.
+
+`[server]` table keys (all optional):
+  api_key, host, port, max_body_bytes, max_concurrency, queue_size, http_slots,
+  default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
+  aliases, frontend_workers, prefix_cache
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names it and says what is accepted."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    api_key: str | None = None  # None or "": authentication disabled
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 32 * MIB  # bound on encoded and decoded request bodies
+    max_concurrency: int = 64  # live generations (choices) in the engine
+    queue_size: int = 256  # requests waiting for engine admission; beyond: 503
+    http_slots: int = 512  # concurrent HTTP generation requests (one slot per choice); beyond: 429
+    default_max_tokens: int | None = None  # None: the remaining context
+    prefill_chunk_size: int = 512  # prefill tokens per engine step
+    kv_pages: int | None = None  # KV pool size in pages; None: from kv_memory_mb
+    kv_memory_mb: int = 1024
+    thinking_token_budget: int | None = None  # default reasoning-token cap
+    aliases: tuple[str, ...] = ()  # extra model names; the first nonempty is the public id
+    frontend_workers: int = 4  # threads for decompression and tokenization
+    prefix_cache: bool = True
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_key)
+
+
+_POSITIVE = ("port", "max_body_bytes", "max_concurrency", "queue_size", "http_slots", "prefill_chunk_size",
+             "kv_memory_mb", "frontend_workers")  # fmt: skip
+_OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget")
+
+
+def _check(config: ServerConfig) -> ServerConfig:
+    for name in _POSITIVE + _OPTIONAL_POSITIVE:
+        value = getattr(config, name)
+        if value is None and name in _OPTIONAL_POSITIVE:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"[server] {name} must be a positive integer, got {value!r}")
+    if config.port > 65535:
+        raise ConfigError(f"[server] port must be at most 65535, got {config.port}")
+    if config.thinking_token_budget is not None and config.thinking_token_budget >= 1 << 31:
+        raise ConfigError("[server] thinking_token_budget must be a positive 32-bit integer")
+    if config.api_key is not None and not isinstance(config.api_key, str):
+        raise ConfigError("[server] api_key must be a string")
+    if not isinstance(config.host, str) or not config.host:
+        raise ConfigError("[server] host must be a nonempty string")
+    if not all(isinstance(a, str) for a in config.aliases):
+        raise ConfigError("[server] aliases must be a list of strings")
+    if not isinstance(config.prefix_cache, bool):
+        raise ConfigError("[server] prefix_cache must be true or false")
+    return config
+
+
+def load_config(path: Path | None = None, *, api_key_file: Path | None = None, host: str | None = None,
+                port: int | None = None) -> ServerConfig:  # fmt: skip
+    """Build the server configuration: file, then flags (a key file overrides api_key)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        unknown_tables = set(data) - {"server"}
+        if unknown_tables:
+            raise ConfigError(f"config file {path}: unknown tables {sorted(unknown_tables)} (only [server] is read)")
+        values = dict(data.get("server", {}))
+        known = {f.name for f in fields(ServerConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"config file {path}: unknown [server] keys {unknown} (known: {', '.join(sorted(known))})")
+        if "aliases" in values:
+            if not isinstance(values["aliases"], list):
+                raise ConfigError("[server] aliases must be a list of strings")
+            values["aliases"] = tuple(values["aliases"])
+    config = ServerConfig(**values)
+    if api_key_file is not None:
+        try:
+            key = api_key_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --api-key-file {api_key_file}: {exc.strerror}") from None
+        config = replace(config, api_key=key)
+    if host is not None:
+        config = replace(config, host=host)
+    if port is not None:
+        config = replace(config, port=port)
+    if config.api_key == "":
+        config = replace(config, api_key=None)
+    return _check(config)

@@ -1,0 +1,134 @@
+"""The neutral request model every protocol decodes into (and nothing protocol-shaped).
+
+A request is either a conversation (messages of text, image, reasoning, tool-call and
+tool-result parts, lowered through the chat template) or a raw prompt (text or token
+ids), plus sampling, stop, output-limit and logprob options.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Union
+
+
+# ---------------------------------------------------------------------------- conversation
+@dataclass(frozen=True, slots=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    data: bytes  # decoded image bytes (PNG, JPEG or static WebP)
+    media_type: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningPart:
+    text: str  # readable reasoning of an earlier assistant turn
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallPart:
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResultPart:
+    call_id: str
+    content: tuple[Union[TextPart, ImagePart], ...]
+    is_error: bool = False
+
+
+Part = Union[TextPart, ImagePart, ReasoningPart, ToolCallPart, ToolResultPart]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str  # "system" | "developer" | "user" | "assistant" | "tool"
+    parts: tuple[Part, ...]
+    name: str | None = None
+
+    def text(self) -> str:
+        """Text parts joined with blank lines (spec: text blocks are joined that way)."""
+        return "\n\n".join(p.text for p in self.parts if isinstance(p, TextPart))
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    name: str
+    description: str | None
+    parameters: Mapping[str, object]  # JSON schema of the arguments object
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    messages: tuple[Message, ...]
+    tools: tuple[ToolSpec, ...] = ()
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, object] = field(default_factory=dict)  # chat_template_kwargs
+
+
+@dataclass(frozen=True, slots=True)
+class RawPrompt:
+    """Exactly one of text / token_ids is set."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+# ---------------------------------------------------------------------------- options
+@dataclass(frozen=True, slots=True)
+class StopOptions:
+    strings: tuple[str, ...] = ()  # <= 4 nonempty strings, <= 4096 UTF-8 bytes in total
+    token_ids: tuple[int, ...] = ()
+    token_sequences: tuple[tuple[int, ...], ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobOptions:
+    top: int | None = None  # None: no generation logprobs; else alternatives per token
+    token_ids: tuple[int, ...] = ()  # explicit ids replacing natural alternatives (deduplicated)
+    prompt: int | None = None  # prompt logprobs: None or alternatives per position
+    as_token_ids: bool = False  # return_tokens_as_token_ids: "token_id:<id>" strings
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    input: Union[Conversation, RawPrompt]
+    sampling: Mapping[str, object]  # raw request values by parameter name (None = omitted)
+    max_tokens: int | None  # None: the server default bounded by the remaining context
+    n: int = 1
+    stop: StopOptions = StopOptions()
+    logprobs: LogprobOptions = LogprobOptions()
+    echo: bool = False  # raw completions: prepend the prompt to the output
+    stream: bool = False
+    thinking_token_budget: int | None = None  # conversational requests only
+
+
+class Termination(enum.Enum):
+    """Why a choice ended; each protocol maps it to its own finish reason."""
+
+    EOS = "eos"
+    STOP_STRING = "stop_string"
+    STOP_TOKEN = "stop_token"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestError(ValueError):
+    """Invalid request (HTTP 400 in every protocol); `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code

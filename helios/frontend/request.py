@@ -1,0 +1,221 @@
+"""Lowering neutral requests into engine requests: chat template, tokens, limits, sampling.
+
+Validation that every protocol shares lives here (logprob capacity, stops, context,
+sampling ranges), so each rule is written once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from helios.config import ServerConfig
+from helios.core import Core
+from helios.core.template import ChatTemplate, TemplateError, check_template_kwargs
+from helios.engine.logprobs import validate_logprob_token_ids
+from helios.engine.request import EngineRequest
+from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
+from helios.frontend.inference import (
+    Conversation,
+    ImagePart,
+    InferenceRequest,
+    Message,
+    RawPrompt,
+    ReasoningPart,
+    RequestError,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+)
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_BYTES = 4096
+MAX_TOKEN_STOPS = 16
+MAX_TOKEN_STOP_LEN = 64
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    token_ids: tuple[int, ...]
+    text: str | None  # rendered chat text or the raw prompt text (None for token-id prompts)
+
+
+class Frontend:
+    """Everything a protocol needs from the loaded core to prepare requests."""
+
+    def __init__(self, core: Core, config: ServerConfig) -> None:
+        m = core.manifest
+        self.manifest = m
+        self.config = config
+        self.tokenizer = core.tokenizer()
+        self.vocab_size = m.tokenizer.vocab_size
+        self.max_model_len = m.limits.max_model_len
+        source = core.chat_template()
+        specials = {"bos_token": self._token(m.tokenizer.bos_token_id), "eos_token": self._token(m.tokenizer.eos_token_ids[0]),
+                    "pad_token": self._token(m.tokenizer.pad_token_id)}  # fmt: skip
+        self.template = ChatTemplate(source, specials) if source else None
+
+    def _token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.tokenizer.id_to_token(token_id)
+
+    # ------------------------------------------------------------------ prompts
+    def render(self, conversation: Conversation) -> str:
+        if self.template is None:
+            raise RequestError("this model has no chat template; use /v1/completions with a raw prompt", "messages")
+        messages = [self._template_message(m) for m in self._arrange(conversation.messages)]
+        tools = [
+            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+            for t in conversation.tools
+        ] or None
+        kwargs = dict(conversation.template_kwargs)
+        try:
+            check_template_kwargs(kwargs)
+            return self.template.render(messages, tools=tools, add_generation_prompt=conversation.add_generation_prompt,
+                                        continue_final_message=conversation.continue_final_message, **kwargs)  # fmt: skip
+        except TemplateError as exc:
+            raise RequestError(str(exc), "messages") from None
+
+    def _arrange(self, messages: tuple[Message, ...]) -> list[Message]:
+        """System/developer merging and the inline-system fallback (spec: conversation semantics)."""
+        if any(m.role == "developer" for m in messages):
+            sections = [m for m in messages if m.role in ("system", "developer")]
+            merged = "\n\n".join(f"{m.role}:\n{m.text()}" for m in sections if m.text())
+            rest = [m for m in messages if m.role not in ("system", "developer")]
+            return ([Message("system", (TextPart(merged),))] if merged else []) + rest
+        arranged: list[Message] = []
+        inline = None
+        for index, message in enumerate(messages):
+            if message.role == "system" and not message.text():
+                continue  # empty system messages produce no prompt text
+            if message.role == "system" and index > 0 and any(m.role != "system" for m in messages[:index]):
+                if inline is None:
+                    inline = self.template.supports_inline_system() if self.template else False
+                if not inline:
+                    message = Message("user", (TextPart(f"<system>{message.text()}</system>"),))
+            arranged.append(message)
+        return arranged
+
+    @staticmethod
+    def _template_message(message: Message) -> dict[str, object]:
+        out: dict[str, object] = {"role": message.role}
+        texts, calls, reasoning = [], [], []
+        for part in message.parts:
+            if isinstance(part, TextPart):
+                texts.append(part.text)
+            elif isinstance(part, ReasoningPart):
+                reasoning.append(part.text)
+            elif isinstance(part, ToolCallPart):
+                try:
+                    arguments = json.loads(part.arguments) if part.arguments else {}
+                except json.JSONDecodeError:
+                    raise RequestError(f"tool call {part.call_id!r} arguments are not valid JSON", "messages") from None
+                calls.append({"id": part.call_id, "type": "function",
+                              "function": {"name": part.name, "arguments": arguments}})  # fmt: skip
+            elif isinstance(part, ToolResultPart):
+                out["tool_call_id"] = part.call_id
+                texts += [p.text for p in part.content if isinstance(p, TextPart)]
+            elif isinstance(part, ImagePart):
+                raise RequestError("this model does not accept images (its core has no vision program)", "messages")
+        out["content"] = "\n\n".join(texts)
+        if calls:
+            out["tool_calls"] = calls
+        if reasoning:
+            out["reasoning_content"] = "\n\n".join(reasoning)
+        if message.name:
+            out["name"] = message.name
+        return out
+
+    def prompt(self, source: Conversation | RawPrompt) -> PreparedPrompt:
+        if isinstance(source, Conversation):
+            text = self.render(source)
+            return PreparedPrompt(tuple(self.tokenizer.encode(text, add_special_tokens=False).ids), text)
+        if source.token_ids is not None:
+            if not source.token_ids:
+                raise RequestError("a token-id prompt must not be empty", "prompt")
+            bad = [t for t in source.token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+            return PreparedPrompt(tuple(source.token_ids), None)
+        text = source.text or ""
+        ids = tuple(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        if not ids:
+            bos = self.manifest.tokenizer.bos_token_id
+            if bos is None:
+                raise RequestError("an empty prompt needs a BOS token, and this model has none", "prompt")
+            ids = (bos,)
+        return PreparedPrompt(ids, text)
+
+    # ------------------------------------------------------------------ engine requests
+    def max_tokens(self, request: InferenceRequest, prompt_len: int) -> int:
+        remaining = self.max_model_len - prompt_len
+        if request.max_tokens is None:
+            limit = remaining if self.config.default_max_tokens is None else min(self.config.default_max_tokens, remaining)
+            if limit < 1:
+                raise RequestError(f"the prompt ({prompt_len} tokens) leaves no room in the context of "
+                                   f"{self.max_model_len} tokens", "messages")  # fmt: skip
+            return limit
+        if request.max_tokens > remaining:
+            raise RequestError(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({request.max_tokens}) exceeds the context "
+                f"limit of {self.max_model_len} tokens", "max_tokens")  # fmt: skip
+        return request.max_tokens
+
+    def check_options(self, request: InferenceRequest) -> None:
+        caps = self.manifest.capabilities
+        lp = request.logprobs
+        if lp.top is not None and lp.top > caps.max_top_logprobs:
+            raise RequestError(f"this model returns at most {caps.max_top_logprobs} alternatives per token "
+                               f"(asked for {lp.top})", "top_logprobs")  # fmt: skip
+        if lp.token_ids:
+            if not caps.explicit_logprob_ids:
+                raise RequestError("this core has no explicit-id logprob inputs; re-export it without "
+                                   "--no-logprob-ids to use logprob_token_ids", "logprob_token_ids")  # fmt: skip
+            try:
+                validate_logprob_token_ids(list(lp.token_ids), self.vocab_size)
+            except ValueError as exc:
+                raise RequestError(str(exc), "logprob_token_ids") from None
+        if lp.prompt is not None:
+            if not caps.prompt_logprobs:
+                raise RequestError("this core was exported without prompt logprobs; re-export it with "
+                                   "`ignition export --prompt-logprobs`", "prompt_logprobs")  # fmt: skip
+            if lp.prompt > caps.max_top_logprobs:
+                raise RequestError(f"prompt_logprobs is at most {caps.max_top_logprobs} for this model", "prompt_logprobs")
+        if request.thinking_token_budget is not None and self.manifest.recipe.reasoning_syntax is None:
+            raise RequestError("thinking_token_budget needs a model with reasoning syntax; this core declares none",
+                               "thinking_token_budget")  # fmt: skip
+        stop = request.stop
+        if len(stop.strings) > MAX_STOP_STRINGS or any(not s for s in stop.strings):
+            raise RequestError(f"stop accepts at most {MAX_STOP_STRINGS} nonempty strings", "stop")
+        if sum(len(s.encode()) for s in stop.strings) > MAX_STOP_BYTES:
+            raise RequestError(f"stop strings total more than {MAX_STOP_BYTES} UTF-8 bytes", "stop")
+        sequences = [(t,) for t in stop.token_ids] + list(stop.token_sequences)
+        if len(sequences) > MAX_TOKEN_STOPS or any(not s or len(s) > MAX_TOKEN_STOP_LEN for s in sequences):
+            raise RequestError(f"token stops accept at most {MAX_TOKEN_STOPS} nonempty sequences of at most "
+                               f"{MAX_TOKEN_STOP_LEN} ids", "stop_token_ids")  # fmt: skip
+        if any(not 0 <= t < self.vocab_size for s in sequences for t in s):
+            raise RequestError("stop token ids must lie inside the vocabulary", "stop_token_ids")
+        if stop.strings and sequences:
+            raise RequestError("a request cannot combine string stops with token stops", "stop")
+
+    def engine_request(self, request: InferenceRequest, request_id: str, prompt: PreparedPrompt, max_tokens: int,
+                       first_choice: int = 0) -> EngineRequest:  # fmt: skip
+        spec = self.manifest.recipe.sampling
+        try:
+            params = tuple(resolve_sampling(spec, request.sampling, choice_index=first_choice + i) for i in range(request.n))
+        except SamplingRequestError as exc:
+            raise RequestError(str(exc), exc.param) from None
+        lp = request.logprobs
+        return EngineRequest(
+            request_id=request_id,
+            prompt_ids=prompt.token_ids,
+            params=params,
+            max_tokens=max_tokens,
+            stop_token_ids=frozenset(request.stop.token_ids),
+            stop_token_sequences=tuple(request.stop.token_sequences),
+            ignore_eos=request.stop.ignore_eos,
+            num_top_logprobs=lp.top,
+            logprob_token_ids=tuple(dict.fromkeys(lp.token_ids)),
+            prompt_logprobs=lp.prompt,
+            use_prefix_cache=self.config.prefix_cache,
+        )

@@ -1,0 +1,81 @@
+"""Model discovery cards: GET /v1/models and /v1/models/{id} (vLLM-compatible + `flare`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from helios.core.manifest import Manifest
+from helios.core.sampling import DISTRIBUTION_PARAMS
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    public_id: str  # first nonempty configured alias, else the checkpoint id
+    checkpoint_id: str
+    aliases: tuple[str, ...]
+    created: int  # discovery initialization time, stable until restart
+
+    def matches(self, name: str) -> bool:
+        return bool(name) and (name == self.checkpoint_id or name in self.aliases or name == self.public_id)
+
+
+def identity(manifest: Manifest, configured_aliases: tuple[str, ...], created: int) -> ModelIdentity:
+    aliases = tuple(a for a in (*configured_aliases, *manifest.model.aliases) if a)
+    return ModelIdentity(aliases[0] if aliases else manifest.model.id, manifest.model.id, aliases, created)
+
+
+def flare_object(manifest: Manifest, *, max_concurrency: int, prefill_chunk_size: int, default_max_tokens: int | None,
+                 thinking_token_budget: int | None) -> dict[str, Any]:  # fmt: skip
+    spec = manifest.recipe.sampling
+    defaults = {name: getattr(spec.defaults, name) for name in DISTRIBUTION_PARAMS}
+    defaults["seed"] = spec.defaults.seed
+    ranges = {name: ({"min": spec.ranges[name].min, "max": spec.ranges[name].max} if name in spec.ranges else None)
+              for name in DISTRIBUTION_PARAMS}  # fmt: skip
+    return {
+        "vocab_size": manifest.tokenizer.vocab_size,
+        "max_top_logprobs": manifest.capabilities.max_top_logprobs,
+        "max_concurrency": max_concurrency,
+        "prefill_chunk_size": prefill_chunk_size,
+        "default_max_tokens": default_max_tokens,
+        "sampling_defaults": defaults,
+        "thinking_token_budget": thinking_token_budget,
+        "sampling_ranges": ranges,
+        "max_images_per_prompt": 0,
+        "max_image_tokens_per_prompt": 0,
+        "image_feature_window_tokens": 0,
+        "max_image_tokens_per_image": 0,
+        "max_image_pixels": 0,
+        "max_image_bytes": 0,
+        "input_modalities": ["text"] + (["image"] if manifest.capabilities.vision else []),
+        "output_modalities": ["text"],
+    }
+
+
+def card(model: ModelIdentity, manifest: Manifest, max_model_len: int, flare: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": model.public_id,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "local",
+        "root": model.checkpoint_id,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [
+            {
+                "id": f"modelperm-{model.created:x}",
+                "object": "model_permission",
+                "created": model.created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": manifest.capabilities.max_top_logprobs > 0,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
+        "flare": flare,
+    }

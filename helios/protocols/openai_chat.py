@@ -1,0 +1,251 @@
+"""OpenAI Chat Completions: wire JSON <-> neutral request, and response/chunk encoding."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from helios.frontend.generate import Usage
+from helios.frontend.inference import (
+    Conversation,
+    ImagePart,
+    InferenceRequest,
+    LogprobOptions,
+    Message,
+    Part,
+    ReasoningPart,
+    RequestError,
+    StopOptions,
+    Termination,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    ToolSpec,
+)
+from helios.frontend.output import OutputDelta
+from helios.protocols import fields as f
+from helios.protocols.openai_common import chat_logprob_entry, finish_reason, now, usage_object
+
+UNSUPPORTED = ("audio", "prediction", "web_search_options", "functions", "function_call", "suffix")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """Protocol-level options that do not reach the engine."""
+
+    model: str
+    include_usage: bool
+    continuous_usage: bool
+    logprobs: bool  # render logprobs.content
+    return_token_ids: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _image(part: dict[str, Any]) -> ImagePart:
+    url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise RequestError("images must be base64 data URLs (remote image downloads are unsupported)", "messages")
+    header, _, data = url.partition(",")
+    media_type = header[5:].split(";")[0]
+    if media_type not in ("image/png", "image/jpeg", "image/webp"):
+        raise RequestError(f"unsupported image type {media_type!r} (PNG, JPEG or static WebP)", "messages")
+    try:
+        return ImagePart(base64.b64decode(data, validate=True), media_type)
+    except (binascii.Error, ValueError):
+        raise RequestError("an image data URL is not valid base64", "messages") from None
+
+
+def _content_parts(content: Any, role: str) -> tuple[Part, ...]:
+    if content is None:
+        return ()
+    if isinstance(content, str):
+        return (TextPart(content),)
+    if not isinstance(content, list):
+        raise RequestError(f"{role} message content must be a string or an array of parts", "messages")
+    parts: list[Part] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(TextPart(part["text"]))
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append(TextPart(part["refusal"]))
+        elif kind == "image_url":
+            parts.append(_image(part))
+        else:
+            raise RequestError(f"unsupported content part type {kind!r} in a {role} message", "messages")
+    return tuple(parts)
+
+
+def _message(raw: Any) -> Message:
+    if not isinstance(raw, dict) or raw.get("role") not in ROLES:
+        role = raw.get("role") if isinstance(raw, dict) else None
+        raise RequestError(f"each message needs a role among {', '.join(ROLES)} (got {role!r})", "messages")
+    role = raw["role"]
+    parts = list(_content_parts(raw.get("content"), role))
+    if role == "assistant":
+        reasoning = raw.get("reasoning_content", raw.get("reasoning"))
+        if isinstance(reasoning, str) and reasoning:
+            parts.insert(0, ReasoningPart(reasoning))
+        for call in raw.get("tool_calls") or []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise RequestError("assistant tool_calls entries need function.name", "messages")
+            arguments = fn.get("arguments", "{}")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments)
+            parts.append(ToolCallPart(str(call.get("id", "")), fn["name"], arguments))
+    if role == "tool":
+        call_id = raw.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise RequestError("tool messages need a tool_call_id", "messages")
+        parts = [ToolResultPart(call_id, tuple(p for p in parts if isinstance(p, (TextPart, ImagePart))))]
+    name = raw.get("name") if isinstance(raw.get("name"), str) else None
+    return Message(role, tuple(parts), name)
+
+
+def _tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
+    tools = body.get("tools")
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise RequestError("tools must be an array", "tools")
+    specs = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError("each tool must be {type: function, function: {name, parameters}}", "tools")
+        if fn.get("strict") is True:
+            raise RequestError("strict function schemas are not supported", "tools")
+        specs.append(ToolSpec(fn["name"], fn.get("description"), fn.get("parameters") or {"type": "object"}))
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError("tool_choice other than auto or none is not supported by this model's tool syntax", "tool_choice")
+    return () if choice == "none" else tuple(specs)
+
+
+def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
+    f.reject(body, UNSUPPORTED)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise RequestError("model is required (any string: the loaded model answers)", "model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a nonempty array", "messages")
+    response_format = f.optional_object(body, "response_format")
+    if response_format is not None and response_format.get("type") != "text":
+        raise RequestError("response_format other than text is not supported yet", "response_format")
+    max_tokens = f.optional_int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = f.optional_int(body, "max_tokens", 1)
+    logprobs = f.optional_bool(body, "logprobs")
+    top = f.optional_int(body, "top_logprobs", 0, 20)
+    if top and not logprobs:
+        raise RequestError("top_logprobs requires logprobs: true", "top_logprobs")
+    token_ids = f.int_list(body["logprob_token_ids"], "logprob_token_ids") if body.get("logprob_token_ids") else ()
+    if token_ids and not logprobs:
+        raise RequestError("logprob_token_ids requires logprobs: true", "logprob_token_ids")
+    stream = f.optional_bool(body, "stream")
+    prompt_logprobs = f.optional_int(body, "prompt_logprobs", 0, 20)
+    if stream and body.get("prompt_logprobs") is not None:
+        raise RequestError("prompt_logprobs cannot be streamed", "prompt_logprobs")
+    stream_options = f.optional_object(body, "stream_options") or {}
+    include_usage = bool(stream_options.get("include_usage")) if stream else False
+    continuous = include_usage and bool(stream_options.get("continuous_usage_stats"))
+    template_kwargs = f.optional_object(body, "chat_template_kwargs") or {}
+    continue_final = f.optional_bool(body, "continue_final_message")
+    add_generation = f.optional_bool(body, "add_generation_prompt", default=not continue_final)
+    conversation = Conversation(
+        messages=tuple(_message(m) for m in messages),
+        tools=_tools(body),
+        add_generation_prompt=add_generation,
+        continue_final_message=continue_final,
+        template_kwargs=template_kwargs,
+    )
+    stop = StopOptions(
+        strings=f.stop_strings(body),
+        token_ids=f.int_list(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else (),
+        token_sequences=f.token_sequences(body, "stop_token_sequences"),
+        ignore_eos=f.optional_bool(body, "ignore_eos"),
+    )
+    request = InferenceRequest(
+        input=conversation,
+        sampling=f.sampling(body),
+        max_tokens=max_tokens,
+        n=f.optional_int(body, "n", 1, 128) or 1,
+        stop=stop,
+        logprobs=LogprobOptions(top=(top or 0) if logprobs else None, token_ids=token_ids, prompt=prompt_logprobs,
+                                as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids")),  # fmt: skip
+        stream=stream,
+        thinking_token_budget=f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1),
+    )
+    options = ChatOptions(model=model, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
+                          return_token_ids=f.optional_bool(body, "return_token_ids"))  # fmt: skip
+    return request, options
+
+
+# ---------------------------------------------------------------------------- encoding
+@dataclass
+class ChoiceState:
+    text: list[str] = field(default_factory=list)
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish: Termination | None = None
+
+
+def response(request_id: str, model: str, choices: dict[int, ChoiceState], usage: Usage, options: ChatOptions,
+             prompt_logprobs: list | None, prompt_token_ids: tuple[int, ...] | None) -> dict[str, Any]:  # fmt: skip
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": "".join(state.text)},
+                "logprobs": {"content": state.entries} if options.logprobs else None,
+                "finish_reason": finish_reason(state.finish),
+                **({"token_ids": state.token_ids} if options.return_token_ids else {}),
+            }
+            for index, state in sorted(choices.items())
+        ],
+        "usage": usage_object(usage, reasoning=True),
+    }
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
+    if options.return_token_ids and prompt_token_ids is not None:
+        body["prompt_token_ids"] = list(prompt_token_ids)
+    return body
+
+
+def chunk(request_id: str, model: str, created: int, index: int, delta: dict[str, Any], *,
+          logprobs: list | None = None, finish: Termination | None = None, usage: dict | None = None,
+          token_ids: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(finish)}
+    if logprobs is not None:
+        choice["logprobs"] = {"content": logprobs}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [choice]}  # fmt: skip
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+            "usage": usage_object(usage, reasoning=True)}  # fmt: skip
+
+
+def apply(state: ChoiceState, delta: OutputDelta, options: ChatOptions) -> None:
+    state.text.append(delta.text)
+    state.token_ids += delta.token_ids
+    if options.logprobs:
+        state.entries += [chat_logprob_entry(e) for e in delta.entries]
+    if delta.finish is not None:
+        state.finish = delta.finish

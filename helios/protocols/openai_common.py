@@ -1,0 +1,62 @@
+"""Pieces shared by the OpenAI-shaped protocols: finish reasons, usage, chat-style logprobs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from helios.frontend.generate import Usage
+from helios.frontend.inference import Termination
+from helios.frontend.output import TokenEntry
+
+FINISH_REASONS = {
+    Termination.EOS: "stop",
+    Termination.STOP_STRING: "stop",
+    Termination.STOP_TOKEN: "stop",
+    Termination.ABORT: "stop",
+    Termination.LENGTH: "length",
+    Termination.TOOL_CALLS: "tool_calls",
+}
+
+
+def finish_reason(termination: Termination | None) -> str | None:
+    return None if termination is None else FINISH_REASONS.get(termination, "stop")
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def chat_logprob_entry(entry: TokenEntry) -> dict[str, Any]:
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.bytes),
+        "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in entry.top],
+    }
+
+
+def usage_object(usage: Usage, *, reasoning: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+    if reasoning:
+        body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return body
+
+
+def prompt_logprobs_wire(entries: tuple | None, decode, as_token_ids: bool = False) -> list | None:
+    """vLLM-style prompt logprobs: [null, {"id": {"logprob", "rank", "decoded_token"}}, ...]."""
+    if entries is None:
+        return None
+    out: list[Any] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({str(token_id): {"logprob": value.logprob, "rank": value.rank, "decoded_token": decode(token_id)}
+                    for token_id, value in entry.items()})  # fmt: skip
+    return out

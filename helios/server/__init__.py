@@ -1,0 +1,1 @@
+"""HTTP server: transport, admission, auth, errors, health and metrics over the frontend."""

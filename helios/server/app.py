@@ -1,0 +1,121 @@
+"""The Litestar application: routes, auth, body decoding, admission and error mapping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.datastructures import State
+from litestar.response import Stream
+
+from helios.server import openai_routes
+from helios.server.auth import check_key
+from helios.server.body import BodyError, read_body
+from helios.server.errors import openai_error
+from helios.server.metrics import choose_format, json_snapshot, prometheus_text
+from helios.server.responses import HttpError, error_response, json_response, translate
+from helios.server.state import ServerState
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.helios
+
+
+def authorize(request: Request) -> None:
+    state = state_of(request)
+    problem = check_key(state.config.api_key, request.headers.get("authorization"), request.headers.get("x-api-key"),
+                        allow_x_api_key=False)  # fmt: skip
+    if problem is not None:
+        raise HttpError(401, problem)
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    try:
+        raw = await read_body(request.stream(), request.headers.get("content-encoding"), state.config.max_body_bytes,
+                              state.pool)  # fmt: skip
+    except BodyError as exc:
+        raise HttpError(exc.status, exc.message) from None
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object")
+    return body
+
+
+# ---------------------------------------------------------------------------- routes
+@get("/health", sync_to_thread=False)
+def health(request: Request) -> Response:
+    client = state_of(request).client
+    if client.healthy:
+        return json_response({"status": "ok"})
+    return json_response(openai_error(503, client.failure or "the model runtime is not running"), 503)
+
+
+@get("/metrics", sync_to_thread=False)
+def metrics(request: Request) -> Response:
+    state = state_of(request)
+    try:
+        chosen = choose_format(request.query_params.get("format"), request.headers.get("accept"))
+    except ValueError as exc:
+        return error_response(HttpError(400, str(exc), param="format"))
+    values, first = state.snapshot(), state.first_response.summary()
+    if chosen == "json":
+        return json_response(json_snapshot(values, first))
+    return Response(content=prometheus_text(values, first), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@get("/v1/models", sync_to_thread=False)
+def list_models(request: Request) -> Response:
+    try:
+        authorize(request)
+    except HttpError as exc:
+        return error_response(exc)
+    return json_response({"object": "list", "data": [state_of(request).card]})
+
+
+@get("/v1/models/{name:path}", sync_to_thread=False)
+def get_model(request: Request, name: str) -> Response:
+    try:
+        authorize(request)
+    except HttpError as exc:
+        return error_response(exc)
+    state = state_of(request)
+    name = name.lstrip("/")
+    if not state.model.matches(name):
+        return error_response(HttpError(404, f"model {name!r} does not exist (this server serves "
+                                             f"{state.model.public_id!r})", param="model", code="model_not_found"))  # fmt: skip
+    return json_response(state.card)
+
+
+async def _generation(request: Request, handler) -> Response | Stream:
+    try:
+        authorize(request)
+        body = await json_body(request)
+        return await handler(state_of(request), body)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a protocol error
+        return error_response(translate(exc))
+
+
+@post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response | Stream:
+    return await _generation(request, openai_routes.chat)
+
+
+@post("/v1/completions")
+async def completions(request: Request) -> Response | Stream:
+    return await _generation(request, openai_routes.completions)
+
+
+def create_app(state: ServerState) -> Litestar:
+    app = Litestar(
+        route_handlers=[health, metrics, list_models, get_model, chat_completions, completions],
+        state=State({"helios": state}),
+        request_max_body_size=None,  # bounded by read_body, encoded and decoded
+        on_shutdown=[lambda: state.client.shutdown()],
+        debug=False,
+    )
+    return app

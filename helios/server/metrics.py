@@ -1,0 +1,206 @@
+"""GET /metrics: the counter snapshot as JSON or Prometheus text 0.0.4, and the choice between them.
+
+Input is a flat mapping of engine and server counters keyed by the JSON field names of
+api.md's metrics table. Keys beyond the table (admission, uptime, image-preparation caches)
+pass through to JSON unchanged and to Prometheus as flare_<key>: a counter when the key
+ends in _total, else a gauge.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+Number = int | float | bool
+
+# (JSON field, Prometheus name or None, Prometheus type, help); order is exposition order.
+FIELDS: tuple[tuple[str, str | None, str, str], ...] = (
+    ("prefill_tokens", "flare_prefill_tokens_total", "counter", "Prompt tokens consumed by completed prefill"),
+    ("generated_tokens", "flare_generated_tokens_total", "counter", "Committed generated tokens"),
+    ("decode_weight_bytes", "flare_decode_weight_bytes", "gauge", "Weight bytes one decode step reads per request"),
+    ("draft_steps", None, "counter", ""),
+    ("verify_steps", "flare_speculative_rounds_total", "counter", "Completed speculative or verification graphs"),
+    ("verification_drafts", "flare_verification_draft_tokens_total", "counter",
+     "Draft positions allocated for progressing request rounds"),
+    ("verification_rounds", "flare_verification_request_rounds_total", "counter",
+     "Progressing decode or verification request rounds"),
+    ("accepted_drafts", "flare_accepted_draft_tokens_total", "counter", "Accepted draft tokens, excluding the bonus"),
+    ("draft_rounds", "flare_draft_request_rounds_total", "counter", "Request rounds that offered at least one draft"),
+    ("active", "flare_active_requests", "gauge", "Model slots with a live request"),
+    ("pending", "flare_pending_requests", "gauge", "Requests waiting in the model scheduler"),
+    ("completed", "flare_requests_completed_total", "counter", "Requests whose generation completed"),
+    ("reasoning_budget_cuts", "flare_reasoning_budget_cuts_total", "counter",
+     "Requests whose reasoning was closed by the hard token budget"),
+    ("failed", "flare_requests_failed_total", "counter", "Requests failed by admission, execution or output"),
+    ("replay_gpu_ns", "flare_replay_gpu_nanoseconds_total", "counter", "GPU nanoseconds of completed graphs"),
+    ("replay_readiness_wait_ns", "flare_replay_readiness_wait_nanoseconds_total", "counter",
+     "Exposed embedding readiness delay in nanoseconds"),
+    ("replay_readiness_samples", "flare_replay_readiness_samples_total", "counter",
+     "Completed graphs with readiness timing"),
+    ("reused_tokens", "flare_cache_reused_tokens_total", "counter", "Tokens covered by GPU prefix-cache hits"),
+    ("cached_pages", "flare_cached_kv_pages", "gauge", "KV pages owned by immutable checkpoints"),
+    ("free_pages", "flare_free_kv_pages", "gauge", "KV pages reusable after completed GPU fences"),
+    ("total_pages", "flare_total_kv_pages", "gauge", "Pages in the per-rank KV pool"),
+    ("page_tokens", "flare_kv_page_tokens", "gauge", "Logical history tokens per KV page"),
+    ("host_hits", "flare_host_cache_hits_total", "counter", "Host prefix-store lookups that fetched"),
+    ("host_reused_tokens", "flare_host_cache_reused_tokens_total", "counter",
+     "Tokens covered by host prefix-store chains"),
+    ("host_memory_records", "flare_host_cache_memory_records", "gauge", "Checkpoint records in host memory"),
+    ("host_disk_records", "flare_host_cache_disk_records", "gauge", "Checkpoint records on disk"),
+    ("host_bytes_out", "flare_host_cache_bytes_out_total", "counter", "Bytes copied from GPU to the host store"),
+    ("host_bytes_in", "flare_host_cache_bytes_in_total", "counter", "Bytes copied from the host store to GPU"),
+    ("learned_drafter", None, "gauge", ""),
+)  # fmt: skip
+_TABLE = {field for field, *_ in FIELDS}
+
+# Server-side extras with a fixed name and help; always exposed (absent reads as zero).
+EXTRAS: tuple[tuple[str, str, str], ...] = (
+    ("http_admission_in_use", "gauge", "HTTP admission slots held"),
+    ("http_admission_capacity", "gauge", "HTTP admission slots in total"),
+    ("history_drafts_enabled", "gauge", "Whether shared decoded history augments learned proposals"),
+    ("uptime_seconds", "gauge", "Seconds since server start"),
+)
+_EXTRA_NAMES = {key for key, *_ in EXTRAS}
+
+HISTOGRAMS: tuple[tuple[str, str], ...] = (
+    ("flare_host_cache_missing_tokens", "Tokens a host prefix-store lookup could not cover"),
+    ("flare_host_cache_estimated_transfer_ns", "Estimated host-to-GPU transfer time of a lookup"),
+    ("flare_host_cache_estimated_prefill_ns", "Estimated prefill time a lookup would replace"),
+)
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def json_snapshot(values: Mapping[str, Number], first_response: Mapping[str, Any]) -> dict[str, Any]:
+    """Every table field (absent = 0, integers except learned_drafter), extras, first_response."""
+    out: dict[str, Any] = {field: int(values.get(field, 0)) for field, *_ in FIELDS}
+    out["learned_drafter"] = bool(values.get("learned_drafter", False))
+    out.update((key, value) for key, value in values.items() if key not in _TABLE)
+    out["first_response"] = {
+        "median_seconds": first_response.get("median_seconds"),
+        "samples": int(first_response.get("samples", 0)),
+        "window_seconds": first_response.get("window_seconds", 60),
+        "capacity": int(first_response.get("capacity", 0)),
+        "truncated": bool(first_response.get("truncated", False)),
+    }
+    return out
+
+
+def prometheus_text(values: Mapping[str, Number], first_response: Mapping[str, Any]) -> str:
+    """Text exposition format 0.0.4, ending with a newline."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, value: Number | None) -> None:
+        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"])
+
+    for field, name, kind, help_text in FIELDS:
+        if name is not None:
+            metric(name, kind, help_text, int(values.get(field, 0)))
+    for key, kind, help_text in EXTRAS:
+        metric(f"flare_{key}", kind, help_text, values.get(key, 0))
+    for key, value in values.items():
+        if key in _TABLE or key in _EXTRA_NAMES:
+            continue
+        if not _NAME.fullmatch(key):
+            raise ValueError(f"metric key {key!r} is not a valid Prometheus name")
+        kind = "counter" if key.endswith("_total") else "gauge"
+        metric(f"flare_{key}", kind, key.replace("_", " "), value)
+    metric("flare_first_response_median_seconds", "gauge",
+           "Median seconds from HTTP admission to first offered text over the window",
+           first_response.get("median_seconds"))  # fmt: skip
+    metric("flare_first_response_samples", "gauge", "First-response samples in the window",
+           first_response.get("samples", 0))  # fmt: skip
+    for name, help_text in HISTOGRAMS:  # no host prefix store yet: empty histograms
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram",
+                  f'{name}_bucket{{le="+Inf"}} 0', f"{name}_sum 0", f"{name}_count 0"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _number(value: Number | None) -> str:
+    if value is None:
+        return "NaN"
+    if isinstance(value, bool) or isinstance(value, int):
+        return str(int(value))
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class FirstResponseWindow:
+    """Time from HTTP admission to the first offered text, kept for the last window_seconds.
+
+    At most `capacity` samples are held; when more arrive the oldest are dropped and the
+    summary reports truncated while a dropped sample would still be inside the window.
+    """
+
+    def __init__(self, window_seconds: float = 60, capacity: int = 4096) -> None:
+        self.window_seconds, self.capacity = window_seconds, capacity
+        self._samples: deque[tuple[float, float]] = deque()  # (monotonic time, seconds)
+        self._last_dropped: float | None = None  # time of the newest sample evicted for capacity
+        self._lock = threading.Lock()
+
+    def record(self, seconds: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._expire(now)
+            if len(self._samples) >= self.capacity:
+                self._last_dropped = self._samples.popleft()[0]
+            self._samples.append((now, seconds))
+
+    def summary(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._expire(now)
+            values = [seconds for _, seconds in self._samples]
+            dropped = self._last_dropped is not None and self._last_dropped > now - self.window_seconds
+        return {"median_seconds": statistics.median(values) if values else None, "samples": len(values),
+                "window_seconds": self.window_seconds, "capacity": self.capacity, "truncated": dropped}  # fmt: skip
+
+    def _expire(self, now: float) -> None:
+        while self._samples and self._samples[0][0] <= now - self.window_seconds:
+            self._samples.popleft()
+
+
+def choose_format(format_query: str | None, accept: str | None) -> str:
+    """"json" or "prometheus" per api.md; ValueError for a format value other than those two."""
+    if format_query is not None:
+        if format_query.strip().lower() in ("json", "prometheus"):
+            return format_query.strip().lower()
+        raise ValueError(f"format must be json or prometheus, got {format_query!r}")
+    json_pref, text_pref = _preference(accept or "", "application", "json"), _preference(accept or "", "text", "plain")
+    if json_pref[0] > text_pref[0] or (json_pref[0] == text_pref[0] > 0 and json_pref[1] < text_pref[1]):
+        return "json"
+    return "prometheus"
+
+
+def _preference(accept: str, main: str, sub: str) -> tuple[float, int]:
+    """(quality, position) of the most specific media range matching main/sub (RFC 9110 §12.5.1).
+
+    application/openmetrics-text counts as text/plain: scrapers asking for it want text.
+    """
+    best: tuple[int, float, int] = (-1, 0.0, 0)  # (specificity, quality, -position)
+    for position, media_range in enumerate(accept.split(",")):
+        kind, *params = (part.strip() for part in media_range.split(";"))
+        kind = kind.lower()
+        if kind == "application/openmetrics-text":
+            kind = "text/plain"
+        specificity = {f"{main}/{sub}": 2, f"{main}/*": 1, "*/*": 0}.get(kind)
+        if specificity is None:
+            continue
+        quality = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    quality = min(max(float(value), 0.0), 1.0)
+                except ValueError:
+                    quality = 0.0  # a malformed q is not a preference
+        best = max(best, (specificity, quality, -position))
+    return (best[1], -best[2]) if best[0] >= 0 else (0.0, 1 << 30)

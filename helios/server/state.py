@@ -1,0 +1,82 @@
+"""Everything the routes share: configuration, core, frontend, engine client, counters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from helios.config import ConfigError, ServerConfig
+from helios.core import Core
+from helios.engine.client import EngineClient
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.frontend.generate import Runner
+from helios.frontend.request import Frontend
+from helios.protocols.models import ModelIdentity, card, flare_object, identity
+from helios.server.admission import AdmissionSlots
+from helios.server.metrics import FirstResponseWindow
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    core: Core
+    frontend: Frontend
+    client: EngineClient
+    runner: Runner
+    slots: AdmissionSlots
+    pool: ThreadPoolExecutor
+    model: ModelIdentity
+    card: dict[str, Any]
+    started: float
+    first_response: FirstResponseWindow
+
+    async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        """CPU-bound frontend work (tokenization, rendering) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def snapshot(self) -> dict[str, Any]:
+        stats = self.client.engine.stats
+        values = {name: getattr(stats, name) for name in (
+            "prefill_tokens", "generated_tokens", "decode_weight_bytes", "verification_rounds", "active", "pending",
+            "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens")}  # fmt: skip
+        values.update(
+            verify_steps=stats.steps,
+            learned_drafter=False,
+            http_admission_in_use=self.slots.in_use,
+            http_admission_capacity=self.slots.capacity,
+            uptime_seconds=int(time.time() - self.started),
+        )
+        return values
+
+
+def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
+    core = Core.open(core_dir)
+    m = core.manifest
+    if config.thinking_token_budget is not None and m.recipe.reasoning_syntax is None:
+        raise ConfigError(
+            "[server] thinking_token_budget needs a core with reasoning syntax and a single-token close delimiter; "
+            f"recipe {m.recipe.name!r} declares none: remove the setting"
+        )
+    engine = LLMEngine(core, EngineConfig(
+        max_concurrency=config.max_concurrency, max_pending=config.queue_size,
+        prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
+        kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache))  # fmt: skip
+    client = EngineClient(engine).start()
+    frontend = Frontend(core, config)
+    created = int(time.time())
+    model = identity(m, config.aliases, created)
+    flare = flare_object(m, max_concurrency=config.max_concurrency, prefill_chunk_size=config.prefill_chunk_size,
+                         default_max_tokens=config.default_max_tokens,
+                         thinking_token_budget=config.thinking_token_budget)  # fmt: skip
+    return ServerState(
+        config=config, core=core, frontend=frontend, client=client, runner=Runner(frontend, client),
+        slots=AdmissionSlots(config.http_slots), pool=ThreadPoolExecutor(config.frontend_workers, "helios-frontend"),
+        model=model, card=card(model, m, engine.max_model_len, flare), started=time.time(),
+        first_response=FirstResponseWindow(),
+    )  # fmt: skip

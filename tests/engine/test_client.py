@@ -1,0 +1,70 @@
+"""EngineClient: asyncio streaming from the engine thread, early exit aborts, queue bounds."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from helios.core import Core
+from helios.engine.client import EngineClient, QueueFull, RequestRejected
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.request import EngineRequest, FinishCause
+from helios.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
+
+
+@pytest.fixture()
+def client(tiny_core: Path):
+    engine = LLMEngine(Core.open(tiny_core), EngineConfig(num_pages=128, max_pending=4, max_concurrency=2))
+    client = EngineClient(engine).start()
+    yield client
+    client.shutdown()
+
+
+def _request(name: str, max_tokens: int = 8) -> EngineRequest:
+    return EngineRequest(name, (5, 6, 7, 8), (GREEDY,), max_tokens, ignore_eos=True)
+
+
+def test_stream_and_abort_by_leaving(client: EngineClient) -> None:
+    async def scenario():
+        tokens = [t async for event in client.submit(_request("full")) for t in event.token_ids]
+        assert len(tokens) == 8
+        stream = client.submit(_request("left", max_tokens=500))
+        async for event in stream:
+            break  # the consumer goes away after the first token
+        await stream.aclose()
+        for _ in range(200):
+            if client.engine.stats.active == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert client.engine.stats.active == 0 and client.engine.blocks.num_free == 128
+
+    asyncio.run(scenario())
+
+
+def test_rejections(client: EngineClient) -> None:
+    async def scenario():
+        with pytest.raises(RequestRejected, match="context limit"):
+            client.submit(EngineRequest("x", (1,), (GREEDY,), 10**6))
+        streams = []
+        with pytest.raises(QueueFull):
+            for index in range(64):  # 2 run, 4 wait, the rest are refused
+                streams.append(client.submit(_request(f"q{index}", 400)))
+        for stream in streams:
+            await stream.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_abort_by_id_finishes_with_abort(client: EngineClient) -> None:
+    async def scenario():
+        stream = client.submit(_request("victim", 1000))
+        first = await stream.__anext__()
+        client.abort("victim")
+        causes = [first.finish] + [event.finish async for event in stream]
+        assert causes[-1] is FinishCause.ABORT
+
+    asyncio.run(scenario())
