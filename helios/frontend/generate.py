@@ -86,7 +86,9 @@ class Runner:
                max_tokens: list[int]) -> list[Generation]:  # fmt: skip
         """Validate every child first, then submit them all (one failure submits nothing)."""
         engine_requests = [
-            self.frontend.engine_request(request, f"{request_id}.{i}", prompt, limit) if limit > 0 else None
+            self.frontend.engine_request(request, f"{request_id}.{i}", prompt, limit)
+            if limit > 0 or request.logprobs.prompt is not None  # zero tokens: submitted only to score the prompt
+            else None
             for i, (prompt, limit) in enumerate(zip(prompts, max_tokens))
         ]
         generations: list[Generation] = []

@@ -206,8 +206,8 @@ def response(request_id: str, model: str, choices: dict[int, ChoiceState], usage
         "choices": [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": "".join(state.text)},
-                "logprobs": {"content": state.entries} if options.logprobs else None,
+                "message": {"role": "assistant", "content": "".join(state.text), "refusal": None},
+                "logprobs": {"content": state.entries, "refusal": None} if options.logprobs else None,
                 "finish_reason": finish_reason(state.finish),
                 **({"token_ids": state.token_ids} if options.return_token_ids else {}),
             }
@@ -227,7 +227,7 @@ def chunk(request_id: str, model: str, created: int, index: int, delta: dict[str
           token_ids: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
     choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(finish)}
     if logprobs is not None:
-        choice["logprobs"] = {"content": logprobs}
+        choice["logprobs"] = {"content": logprobs, "refusal": None}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -169,8 +169,6 @@ def _decoder(state: ServerState):
 async def completions(state: ServerState, body: dict[str, Any]) -> Response | Stream:
     request, sources, options = openai_completions.decode(body)
     prompts, limits = await _prepare(state, request, sources)
-    if request.max_tokens == 0 and request.logprobs.prompt is None:
-        limits = [0] * len(prompts)  # tokenization and echo only: nothing is submitted
     reservation = _admit(state, request.n * len(prompts))
     request_id = new_request_id("cmpl")
     admitted = time.monotonic()

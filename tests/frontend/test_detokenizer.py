@@ -11,7 +11,7 @@ from helios.frontend.detokenizer import IncrementalDecoder, TokenBytes, byte_lev
 from ignition.testmodel import build_tokenizer
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-SAMPLES = ["Hello world", "héllo wörld\n\t  x", "emoji 😀 and 中文 text", " leading and trailing  ", "a<|im_end|>b"]
+SAMPLES = ["Hello world", "héllo wörld\n\t  x", "emoji 😀 and 中文 text", " spaced out  ", "a<|im_end|>b"]
 
 
 def _sentencepiece(decoder: decoders.Decoder) -> Tokenizer:
@@ -62,7 +62,8 @@ def test_special_tokens() -> None:
 
 
 def test_sentencepiece_sequence_decoder() -> None:
-    decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    decoder = decoders.Sequence(steps)
     tokenizer = _sentencepiece(decoder)
     tokens = TokenBytes(tokenizer)
     assert tokens.strips_leading_space

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -29,7 +30,7 @@ def entry_of(token_id: int) -> TokenLogprobs:
     return TokenLogprobs(token_id, -token_id / 100, ((token_id, -token_id / 100), ((token_id + 1) % 287, -5.0)))
 
 
-def events(tokens: list[int], cuts: list[int] = (), finish: FinishCause | None = FinishCause.LENGTH,
+def events(tokens: list[int], cuts: Sequence[int] = (), finish: FinishCause | None = FinishCause.LENGTH,
            stop_match_len: int = 0, error: str | None = None) -> list[EngineEvent]:  # fmt: skip
     bounds = [0, *sorted(cuts), len(tokens)]
     chunks = [tokens[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -58,7 +59,7 @@ def test_streaming_equals_buffered_for_any_event_split() -> None:
         (StopOptions(), FinishCause.LENGTH, 0),
         (StopOptions(strings=("wörld", "d 😀x", "the end of", "end")), FinishCause.LENGTH, 0),
         (StopOptions(strings=("not there", "xyz😀")), FinishCause.EOS, 0),
-        (StopOptions(token_sequences=(tuple(ids(" the") + ids(" end")), (ids(" again")[-1], IM_END))), FinishCause.STOP_TOKEN, 2),
+        (StopOptions(token_sequences=(tuple(ids(" the end")), (ids(" again")[-1], IM_END))), FinishCause.STOP_TOKEN, 2),
     ]  # fmt: skip
     for stop, finish, match_len in cases:
         buffered, buffered_deltas = run(events(tokens, [], finish, match_len), stop)
@@ -172,7 +173,8 @@ def test_special_tokens_are_hidden_but_keep_entries() -> None:
 
 def test_token_id_stop_is_removed() -> None:
     stop_id = ids("!")[0]
-    output, deltas = run(events([*ids("Hi"), stop_id], [1], FinishCause.STOP_TOKEN, 1), StopOptions(token_ids=(stop_id,)))
+    evts = events([*ids("Hi"), stop_id], [1], FinishCause.STOP_TOKEN, 1)
+    output, deltas = run(evts, StopOptions(token_ids=(stop_id,)))
     assert output.text == "Hi" and deltas[-1].finish is Termination.STOP_TOKEN
     assert [e.token for d in deltas for e in d.entries] == ["H", "i"] and output.num_generated == 3
 

@@ -1,0 +1,3 @@
+from helios.cli import main
+
+main()

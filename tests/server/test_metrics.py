@@ -1,0 +1,162 @@
+"""/metrics rendering: Prometheus text parses with the reference parser, JSON has every field,
+Accept negotiation follows api.md, and the first-response window summarises the last minute."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helios.server.metrics import FIELDS, FirstResponseWindow, choose_format, json_snapshot, prometheus_text
+
+VALUES = {"prefill_tokens": 120, "generated_tokens": 42, "completed": 3, "failed": 1, "reused_tokens": 64,
+          "active": 2, "pending": 5, "free_pages": 900, "total_pages": 1024, "cached_pages": 7, "page_tokens": 16,
+          "decode_weight_bytes": 270_000_000, "verify_steps": 9, "learned_drafter": True,
+          "http_admission_in_use": 4, "http_admission_capacity": 512, "uptime_seconds": 12.5,
+          "input_decoded_images_total": 6}  # fmt: skip
+EMPTY_WINDOW = FirstResponseWindow().summary(now=0.0)
+
+
+def _samples(text: str) -> dict[str, tuple[str, float]]:
+    """sample name -> (family type, value) for unlabelled samples."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels:
+                out[sample.name] = (family.type, sample.value)
+    return out
+
+
+def test_prometheus_text_parses_with_spec_names_and_values() -> None:
+    text = prometheus_text(VALUES, EMPTY_WINDOW)
+    assert text.endswith("\n")
+    samples = _samples(text)
+    expected = {
+        "flare_prefill_tokens_total": ("counter", 120), "flare_generated_tokens_total": ("counter", 42),
+        "flare_requests_completed_total": ("counter", 3), "flare_requests_failed_total": ("counter", 1),
+        "flare_cache_reused_tokens_total": ("counter", 64), "flare_speculative_rounds_total": ("counter", 9),
+        "flare_active_requests": ("gauge", 2), "flare_pending_requests": ("gauge", 5),
+        "flare_free_kv_pages": ("gauge", 900), "flare_total_kv_pages": ("gauge", 1024),
+        "flare_cached_kv_pages": ("gauge", 7), "flare_kv_page_tokens": ("gauge", 16),
+        "flare_decode_weight_bytes": ("gauge", 270_000_000), "flare_http_admission_in_use": ("gauge", 4),
+        "flare_http_admission_capacity": ("gauge", 512), "flare_uptime_seconds": ("gauge", 12.5),
+        "flare_input_decoded_images_total": ("counter", 6), "flare_host_cache_hits_total": ("counter", 0),
+        "flare_history_drafts_enabled": ("gauge", 0),
+    }  # fmt: skip
+    for name, value in expected.items():
+        assert samples[name] == value, name
+    for field, name, _, _ in FIELDS:
+        if name is not None:
+            assert name in samples, field
+    assert all(name.startswith("flare_") for name in samples)
+    assert not any("learned_drafter" in name or "draft_steps" in name for name in samples)  # "none" in the table
+
+
+def test_prometheus_text_has_help_and_type_for_every_family() -> None:
+    text = prometheus_text(VALUES, EMPTY_WINDOW)
+    names = {line.split()[0] for line in text.splitlines() if not line.startswith("#")}
+    for name in names:
+        family = name.split("{")[0].removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+        family = family if f"# TYPE {family} " in text else name
+        assert f"# TYPE {family} " in text and f"# HELP {family} " in text, name
+
+
+def test_host_cache_histograms_are_the_only_histograms() -> None:
+    families = list(text_string_to_metric_families(prometheus_text({}, EMPTY_WINDOW)))
+    histograms = {f.name: f for f in families if f.type == "histogram"}
+    assert set(histograms) == {"flare_host_cache_missing_tokens", "flare_host_cache_estimated_transfer_ns",
+                               "flare_host_cache_estimated_prefill_ns"}  # fmt: skip
+    for family in histograms.values():
+        values = {(s.name.removeprefix(family.name), s.labels.get("le")): s.value for s in family.samples}
+        assert values == {("_bucket", "+Inf"): 0, ("_sum", None): 0, ("_count", None): 0}
+
+
+def test_first_response_median_is_exported() -> None:
+    window = FirstResponseWindow()
+    for t, seconds in enumerate([0.5, 0.1, 0.3]):
+        window.record(seconds, now=float(t))
+    samples = _samples(prometheus_text({}, window.summary(now=3.0)))
+    assert samples["flare_first_response_median_seconds"] == ("gauge", 0.3)
+    assert samples["flare_first_response_samples"] == ("gauge", 3)
+
+
+def test_json_snapshot_has_every_field_as_integers() -> None:
+    snapshot = json_snapshot({"generated_tokens": 42.0, "active": 2, "uptime_seconds": 1.5}, EMPTY_WINDOW)
+    for field, *_ in FIELDS:
+        assert field in snapshot
+        if field != "learned_drafter":
+            assert type(snapshot[field]) is int, field
+    assert snapshot["generated_tokens"] == 42 and snapshot["prefill_tokens"] == 0
+    assert snapshot["learned_drafter"] is False
+    assert snapshot["uptime_seconds"] == 1.5
+    assert snapshot["first_response"] == {"median_seconds": None, "samples": 0, "window_seconds": 60,
+                                          "capacity": 4096, "truncated": False}  # fmt: skip
+
+
+def test_json_snapshot_passes_extras_and_learned_drafter() -> None:
+    snapshot = json_snapshot(VALUES, EMPTY_WINDOW)
+    assert snapshot["learned_drafter"] is True
+    assert snapshot["input_decoded_images_total"] == 6
+    assert snapshot["http_admission_capacity"] == 512
+
+
+def test_first_response_window_keeps_the_last_minute() -> None:
+    window = FirstResponseWindow(window_seconds=60, capacity=100)
+    window.record(9.0, now=0.0)
+    window.record(1.0, now=30.0)
+    window.record(2.0, now=40.0)
+    assert window.summary(now=50.0)["median_seconds"] == 2.0  # median of 9, 1, 2
+    summary = window.summary(now=65.0)  # the sample at t=0 has left the window
+    assert summary["samples"] == 2 and summary["median_seconds"] == 1.5
+    assert window.summary(now=200.0) == {"median_seconds": None, "samples": 0, "window_seconds": 60,
+                                         "capacity": 100, "truncated": False}  # fmt: skip
+
+
+def test_first_response_window_reports_truncation_while_drops_are_recent() -> None:
+    window = FirstResponseWindow(window_seconds=60, capacity=3)
+    for t in range(5):
+        window.record(float(t), now=float(t))
+    summary = window.summary(now=5.0)
+    assert summary["samples"] == 3 and summary["truncated"] is True and summary["median_seconds"] == 3.0
+    assert window.summary(now=61.5)["truncated"] is False  # dropped samples (t<=1) would have expired
+
+
+@pytest.mark.parametrize("accept,expected", [
+    (None, "prometheus"),
+    ("", "prometheus"),
+    ("application/json", "json"),
+    ("text/plain", "prometheus"),
+    ("*/*", "prometheus"),  # one range matches both: a tie at the same position keeps text
+    ("application/json, text/plain", "json"),  # equal q: the earlier range wins
+    ("text/plain, application/json", "prometheus"),
+    ("text/plain;q=0.5, application/json", "json"),
+    ("application/json;q=0.5, text/plain", "prometheus"),
+    ("application/json;q=0.9, text/plain;q=0.9", "json"),
+    ("text/*;q=0.3, application/json;q=0.4", "json"),
+    ("application/*, text/plain;q=0.8", "json"),
+    ("*/*;q=0.1, application/json;q=0.2", "json"),
+    ("text/plain;q=0.2, */*;q=0.9", "json"),  # json 0.9 via */*, text/plain 0.2
+    ("text/plain;q=0.1, text/*;q=0.9, application/json;q=0.5", "json"),  # the most specific range sets q
+    ("application/json;q=0", "prometheus"),
+    ("image/png", "prometheus"),
+    ("application/openmetrics-text; version=1.0.0", "prometheus"),
+    ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/openmetrics-text;"
+     "version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,"
+     "*/*;q=0.2", "prometheus"),  # Prometheus 3 scraper
+    ("application/openmetrics-text; version=0.0.1,text/plain;version=0.0.4;q=0.5,*/*;q=0.1", "prometheus"),
+    ("APPLICATION/JSON; Q=1", "json"),
+])  # fmt: skip
+def test_accept_negotiation(accept: str | None, expected: str) -> None:
+    assert choose_format(None, accept) == expected
+
+
+@pytest.mark.parametrize("query,accept,expected", [
+    ("json", "text/plain", "json"), ("prometheus", "application/json", "prometheus"), ("json", None, "json"),
+])  # fmt: skip
+def test_format_query_overrides_accept(query: str, accept: str | None, expected: str) -> None:
+    assert choose_format(query, accept) == expected
+
+
+@pytest.mark.parametrize("query", ["xml", "", "openmetrics"])
+def test_unknown_format_is_rejected(query: str) -> None:
+    with pytest.raises(ValueError, match="format"):
+        choose_format(query, "application/json")
