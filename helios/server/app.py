@@ -87,7 +87,8 @@ def get_model(request: Request, name: str) -> Response:
     name = name.lstrip("/")
     if not state.model.matches(name):
         return error_response(HttpError(404, f"model {name!r} does not exist (this server serves "
-                                             f"{state.model.public_id!r})", param="model", code="model_not_found"))  # fmt: skip
+                                             f"{state.model.public_id!r})", param="model", code="model_not_found",
+                                             type="invalid_request_error"))  # fmt: skip
     return json_response(state.card)
 
 
@@ -100,12 +101,12 @@ async def _generation(request: Request, handler) -> Response | Stream:
         return error_response(translate(exc))
 
 
-@post("/v1/chat/completions")
+@post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response | Stream:
     return await _generation(request, openai_routes.chat)
 
 
-@post("/v1/completions")
+@post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response | Stream:
     return await _generation(request, openai_routes.completions)
 

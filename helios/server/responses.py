@@ -20,9 +20,10 @@ class HttpError(Exception):
     """An error response in the OpenAI shape (the default for every route but Messages)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+                 headers: dict[str, str] | None = None, type: str | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+        self.type = type  # None: derived from the status
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -30,7 +31,7 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 def error_response(exc: HttpError) -> Response:
-    body = openai_error(exc.status, exc.message, param=exc.param, code=exc.code)
+    body = openai_error(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type)
     return json_response(body, exc.status, exc.headers)
 
 
