@@ -89,12 +89,12 @@ class Core:
     def load_weights(self, device: str = "cpu") -> dict[str, torch.Tensor]:
         return load_file(str(self.root / self.manifest.weights.file), device=device)
 
-    def load_program(self, kind: str = STEP) -> Program:
+    def load_program(self, kind: str = STEP, check_guards: bool = True) -> Program:
         spec = self.manifest.programs.get(kind)
         if spec is None:
             hint = " (export with --prompt-logprobs)" if kind == SCORED_PREFILL else ""
             raise CoreError(f"{self.root}: the core has no {kind!r} program{hint}")
-        return Program.load(kind, spec, self.root / spec.file)
+        return Program.load(kind, spec, self.root / spec.file, check_guards)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_file(str(self.root / self.manifest.tokenizer.file))

@@ -33,8 +33,9 @@ class Executor:
         self.device = device
         self.page_tokens = manifest.limits.page_tokens
         self.weights = core.load_weights(device)
-        self.step = core.load_program(STEP)
-        self.scored = core.load_program(SCORED_PREFILL) if SCORED_PREFILL in manifest.programs else None
+        # The executor builds every input itself, so per-call guard checks are skipped.
+        self.step = core.load_program(STEP, check_guards=False)
+        self.scored = core.load_program(SCORED_PREFILL, check_guards=False) if SCORED_PREFILL in manifest.programs else None
         self.kv = allocate_kv(manifest.kv, num_pages, self.page_tokens, device)
         self.explicit = manifest.capabilities.explicit_logprob_ids
 

@@ -16,6 +16,9 @@ from torch import Tensor
 from helios.engine.sampling_params import SamplingParams
 
 
+TOP_P_CANDIDATES = 1024  # partial sort size for top-p; more only when these hold too little mass
+
+
 class MaskError(ValueError):
     """A token mask left some rows without any allowed token; `rows` are their indices."""
 
@@ -104,15 +107,24 @@ def apply_top_k(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
 
 def apply_top_p(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p; the top
-    token always survives, so no row empties."""
+    token always survives, so no row empties.
+
+    The nucleus is searched among the TOP_P_CANDIDATES most likely tokens (a partial
+    sort); only rows whose candidates hold less than top_p of the mass sort the whole row.
+    """
     if all(p.top_p >= 1.0 for p in params):
         return logits
-    ascending, order = logits.sort(dim=-1)
-    mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)  # mass of this token and all smaller
-    # A token can go when the tokens above it already hold at least top_p of the mass.
-    drop = mass_below <= 1.0 - _column(params, "top_p", logits)
-    drop[:, -1] = False
-    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    top_p = _column(params, "top_p", logits)  # [B, 1]
+    k = min(TOP_P_CANDIDATES, logits.shape[-1])
+    values, order = probs.topk(k, dim=-1)  # descending
+    if bool((values.sum(dim=-1, keepdim=True) < top_p).any()):
+        values, order = probs.sort(dim=-1, descending=True)
+    # A token stays while the tokens ranked above it hold less than top_p of the mass.
+    keep = (values.cumsum(dim=-1) - values) < top_p
+    keep[:, 0] = True
+    kept = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep)
+    return logits.masked_fill(~kept, float("-inf"))
 
 
 def apply_min_p(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
