@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,16 +10,6 @@ from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a console entry point (`ignition ...` / `helios ...`) in a fresh process."""
-    program, *rest = args
-    full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", program, *rest], capture_output=True, text=True, env=full_env, cwd=ROOT)
-
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
+from support import run_cli
 from helios.core import Core, CoreError, CoreFormatError
 from helios.core import manifest as mf
 from ignition.errors import ExitCode

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import run_cli
+from support import run_cli
 from helios.core import Core
 from ignition.errors import ExitCode
 from ignition.sources.gguf_source import _metadata

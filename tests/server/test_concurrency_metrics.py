@@ -8,7 +8,7 @@ import json
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Server
+from serving import Server
 
 
 async def _stream(client: httpx.AsyncClient, server: Server, index: int, max_tokens: int, cut_after: int | None) -> dict:

@@ -10,7 +10,7 @@ import zlib
 import httpx
 import pytest
 
-from conftest import API_KEY, Server, start_server, stop_server
+from serving import API_KEY, Server, start_server, stop_server
 
 CHAT = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import API_KEY, Server, schema_validator, sse_events
+from serving import API_KEY, Server, schema_validator, sse_events
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,84 @@
+"""Conversation lowering: system/developer merging, the inline-system fallback, limits, options."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helios.config import ServerConfig
+from helios.core import Core
+from helios.core.template import ChatTemplate
+from helios.frontend.inference import (
+    Conversation,
+    InferenceRequest,
+    LogprobOptions,
+    Message,
+    RawPrompt,
+    RequestError,
+    StopOptions,
+    TextPart,
+)
+from helios.frontend.request import Frontend
+
+NO_INLINE = (
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System role only at the start') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def _msg(role: str, text: str) -> Message:
+    return Message(role, (TextPart(text),))
+
+
+@pytest.fixture(scope="module")
+def frontend(tiny_core: Path) -> Frontend:
+    return Frontend(Core.open(tiny_core), ServerConfig())
+
+
+def test_developer_and_system_merge_into_one_leading_message(frontend: Frontend) -> None:
+    messages = (_msg("system", "S1"), _msg("user", "U"), _msg("developer", "D1"), _msg("assistant", "A"))
+    arranged = frontend._arrange(messages)
+    assert [m.role for m in arranged] == ["system", "user", "assistant"]
+    assert arranged[0].text() == "system:\nS1\n\ndeveloper:\nD1"
+
+
+def test_noninitial_system_becomes_wrapped_user_text_when_the_template_cannot_inline(frontend: Frontend) -> None:
+    strict = Frontend.__new__(Frontend)
+    strict.__dict__.update(frontend.__dict__)
+    strict.template = ChatTemplate(NO_INLINE, {})
+    messages = (_msg("system", "lead"), _msg("user", "U"), _msg("system", "late"), _msg("system", ""))
+    arranged = strict._arrange(messages)
+    assert [(m.role, m.text()) for m in arranged] == [("system", "lead"), ("user", "U"), ("user", "<system>late</system>")]
+    text = strict.render(Conversation(messages))
+    assert text == "<system>lead</system><user>U</user><user><system>late</system></user><assistant>"
+    # The SmolLM2 template renders inline system messages, so they stay as they are.
+    assert [m.role for m in frontend._arrange(messages)] == ["system", "user", "system"]
+
+
+def test_text_parts_join_with_blank_lines(frontend: Frontend) -> None:
+    message = Message("user", (TextPart("a"), TextPart("b")))
+    assert frontend._template_message(message)["content"] == "a\n\nb"
+
+
+def test_context_and_option_limits(frontend: Frontend) -> None:
+    prompt = frontend.prompt(RawPrompt(text="hello"))
+    request = InferenceRequest(RawPrompt(text="hello"), {}, max_tokens=10**6)
+    with pytest.raises(RequestError, match="exceeds the context limit") as info:
+        frontend.max_tokens(request, len(prompt.token_ids))
+    assert info.value.param == "max_tokens"
+    unbounded = InferenceRequest(RawPrompt(text="hello"), {}, max_tokens=None)
+    assert frontend.max_tokens(unbounded, len(prompt.token_ids)) == frontend.max_model_len - len(prompt.token_ids)
+    with pytest.raises(RequestError, match="at most 20"):
+        frontend.check_options(InferenceRequest(RawPrompt(text="x"), {}, 1, logprobs=LogprobOptions(top=21)))
+    with pytest.raises(RequestError, match="combine"):
+        frontend.check_options(InferenceRequest(RawPrompt(text="x"), {}, 1, stop=StopOptions(strings=("a",), token_ids=(3,))))
+    with pytest.raises(RequestError, match="4096"):
+        frontend.check_options(InferenceRequest(RawPrompt(text="x"), {}, 1, stop=StopOptions(strings=("é" * 2100,))))
+
+
+def test_empty_raw_prompt_uses_bos(frontend: Frontend) -> None:
+    assert frontend.prompt(RawPrompt(text="")).token_ids == (frontend.manifest.tokenizer.bos_token_id,)
+    with pytest.raises(RequestError):
+        frontend.prompt(RawPrompt(token_ids=()))

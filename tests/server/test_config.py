@@ -1,0 +1,50 @@
+"""Configuration: the [server] table, flags, the key file, and startup refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support import run_cli
+from helios.config import ConfigError, load_config
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "helios.toml"
+    path.write_text(text)
+    return path
+
+
+def test_file_flags_and_key_file(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, '[server]\napi_key = "a"\nport = 9000\naliases = ["x", "y"]\n'), port=9100)
+    assert (config.api_key, config.port, config.aliases) == ("a", 9100, ("x", "y"))
+    key = tmp_path / "key"
+    key.write_text("from-file\n")
+    assert load_config(_write(tmp_path, '[server]\napi_key = "a"\n'), api_key_file=key).api_key == "from-file"
+    assert not load_config(_write(tmp_path, '[server]\napi_key = ""\n')).auth_enabled
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[server]\nport = 0\n", "port must be a positive integer"),
+        ("[server]\nmax_concurrency = -1\n", "max_concurrency must be a positive integer"),
+        ("[server]\nthinking_token_budget = 4294967296\n", "thinking_token_budget"),
+        ("[server]\nprefil_chunk_size = 8\n", "unknown [server] keys ['prefil_chunk_size']"),
+        ("[serve]\nport = 1\n", "unknown tables"),
+        ("[server\n", "not valid TOML"),
+    ],
+)
+def test_invalid_settings(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, text))
+    assert message in str(info.value)
+
+
+def test_startup_refuses_invalid_settings(tiny_core: Path, tmp_path: Path) -> None:
+    done = run_cli("helios", "serve", str(tiny_core), "--config", str(_write(tmp_path, "[server]\nhttp_slots = 0\n")))
+    assert done.returncode == 2 and "http_slots must be a positive integer" in done.stderr
+    budget = _write(tmp_path, "[server]\nthinking_token_budget = 100\n")
+    done = run_cli("helios", "serve", str(tiny_core), "--config", str(budget))
+    assert done.returncode == 2 and "declares none" in done.stderr
