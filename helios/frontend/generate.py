@@ -14,10 +14,15 @@ from dataclasses import dataclass, field
 
 from helios.engine.client import EngineClient
 from helios.engine.request import EngineEvent
+from helios.frontend.choice import ChoiceStream
 from helios.frontend.detokenizer import TokenBytes
-from helios.frontend.inference import InferenceRequest, Termination
+from helios.frontend.events import SemanticEvent
+from helios.frontend.inference import Conversation, InferenceRequest, Termination
 from helios.frontend.output import ChoiceOutput, OutputDelta
+from helios.frontend.parsers import build_parser
 from helios.frontend.request import Frontend, PreparedPrompt
+
+Item = tuple[int, OutputDelta, list[SemanticEvent]]  # (global choice index, raw delta, semantic events)
 
 
 @dataclass
@@ -38,13 +43,13 @@ class Generation:
 
     prompt: PreparedPrompt
     first_index: int  # global choice index of this prompt's first choice
-    choices: list[ChoiceOutput]
+    choices: list[ChoiceStream]
     events: AsyncIterator[EngineEvent] | None  # None: nothing submitted (max_tokens 0)
     cached_tokens: int | None = None  # admission count of the first choice
     prompt_logprobs: tuple | None = None
     finished: set[int] = field(default_factory=set)
 
-    async def deltas(self, client: EngineClient, request_id: str) -> AsyncIterator[tuple[int, OutputDelta]]:
+    async def deltas(self, client: EngineClient, request_id: str) -> AsyncIterator[Item]:
         if self.events is None:
             return
         async for event in self.events:
@@ -55,12 +60,12 @@ class Generation:
             choice = self.choices[event.choice_index]
             if event.choice_index in self.finished:
                 continue  # events after a string stop, before the abort lands
-            delta = choice.push(event)
-            if delta.finish is not None:
+            delta, events = choice.push(event)
+            if delta.finish is not None or choice.failed is not None:
                 self.finished.add(event.choice_index)
-                if choice.needs_abort:  # a string stop: the engine is still generating this choice
+                if event.finish is None:  # a string stop or a failed tool call: the engine is still going
                     client.abort(request_id, event.choice_index)
-            yield self.first_index + event.choice_index, delta
+            yield self.first_index + event.choice_index, delta, events
             if len(self.finished) == len(self.choices):
                 await self.events.aclose()
                 return
@@ -94,7 +99,7 @@ class Runner:
         generations: list[Generation] = []
         try:
             for index, (prompt, engine_request) in enumerate(zip(prompts, engine_requests)):
-                choices = [ChoiceOutput(self.tokens, request.stop, request.logprobs, self.eos_ids) for _ in range(request.n)]
+                choices = [self._choice(request, prompt) for _ in range(request.n)]
                 events = self.client.submit(engine_request) if engine_request is not None else None
                 generations.append(Generation(prompt, index * request.n, choices, events))
         except BaseException:
@@ -104,7 +109,21 @@ class Runner:
             raise
         return generations
 
-    async def merged(self, generations: list[Generation], request_id: str) -> AsyncIterator[tuple[int, OutputDelta]]:
+    def _choice(self, request: InferenceRequest, prompt: PreparedPrompt) -> ChoiceStream:
+        output = ChoiceOutput(self.tokens, request.stop, request.logprobs, self.eos_ids)
+        conversation = request.input if isinstance(request.input, Conversation) else None
+        if conversation is None:  # raw prompts bypass reasoning and tool parsers
+            return ChoiceStream(output, None, None, frozenset())
+        recipe = self.frontend.manifest.recipe
+        tools_on = bool(conversation.tools) and conversation.tool_choice.mode != "none"
+        parser = None
+        if recipe.reasoning_syntax or (recipe.tool_syntax and tools_on):
+            parser = build_parser(self.frontend.tokenizer, recipe.reasoning_syntax, recipe.tool_syntax,
+                                  prompt.token_ids, tools_on)  # fmt: skip
+        declared = frozenset(t.name for t in conversation.tools)
+        return ChoiceStream(output, parser, conversation.tool_choice, declared)
+
+    async def merged(self, generations: list[Generation], request_id: str) -> AsyncIterator[Item]:
         """Deltas of every generation; one task per generation feeds a shared queue."""
         if len(generations) == 1:
             async for item in generations[0].deltas(self.client, f"{request_id}.0"):
@@ -142,7 +161,8 @@ def usage_of(generations: list[Generation]) -> Usage:
     for generation in generations:
         usage.prompt_tokens += len(generation.prompt.token_ids)
         usage.cached_tokens += generation.cached_tokens or 0
-        usage.completion_tokens += sum(c.num_generated for c in generation.choices)
+        usage.completion_tokens += sum(c.output.num_generated for c in generation.choices)
+        usage.reasoning_tokens += sum(c.reasoning_tokens for c in generation.choices)
     return usage
 
 

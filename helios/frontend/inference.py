@@ -60,15 +60,27 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
-    name: str
+    name: str  # as presented to the model (namespaced tools: "namespace__name")
     description: str | None
     parameters: Mapping[str, object]  # JSON schema of the arguments object
+    kind: str = "function"  # "function" | "custom" (Responses text tools, presented as {"input": string})
+    grammar: object | None = None  # custom tools: compiled grammar validating the completed input
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: str = "auto"  # "auto" | "none" | "required" | "named"
+    name: str | None = None  # the selected tool when mode == "named"
+    parallel: bool = True  # False: at most one call per response
 
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
     messages: tuple[Message, ...]
     tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
+    thinking: bool | None = None  # None: the template's default; False disables reasoning where supported
+    effort: str | None = None  # neutral effort level ("low", "medium", "high", "xhigh", "max")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: Mapping[str, object] = field(default_factory=dict)  # chat_template_kwargs

@@ -41,6 +41,15 @@ class TokenEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class Piece:
+    """What one settled token released: the unit output parsers consume."""
+
+    token_id: int
+    text: str  # text released while settling this token (held-back text lands on a later token)
+    entry: TokenEntry | None  # its logprob entry, when requested
+
+
+@dataclass(frozen=True, slots=True)
 class OutputDelta:
     text: str  # may be empty while entries are not (incomplete UTF-8, held-back text)
     entries: tuple[TokenEntry, ...]  # empty unless generation logprobs were requested
@@ -48,6 +57,7 @@ class OutputDelta:
     finish: Termination | None  # set on the choice's last delta only
     matched_stop: str | None  # the stop string, when finish is STOP_STRING
     error: str | None  # the engine's message, when finish is ERROR
+    pieces: tuple[Piece, ...] = ()  # text and entries split by token; "".join(p.text) == text
 
 
 class _StopStrings:
@@ -148,15 +158,15 @@ class ChoiceOutput:
             terminal = min(event.stop_match_len, len(self._pending))
         ready = len(self._pending) - terminal if event.finish else self._num_safe()
         release, rest = self._pending[:ready], self._pending[ready:]
-        text, entries, token_ids, matched = self._settle(release)
+        text, entries, token_ids, matched, pieces = self._settle(release)
         if matched is not None:
             self._pending = []
             self._done = True
             self._needs_abort = event.finish is None
-            return OutputDelta(text, entries, token_ids, Termination.STOP_STRING, matched, None)
+            return OutputDelta(text, entries, token_ids, Termination.STOP_STRING, matched, None, pieces)
         if event.finish is None:
             self._pending = rest
-            return OutputDelta(text, entries, token_ids, None, None, None)
+            return OutputDelta(text, entries, token_ids, None, None, None, pieces)
         self._pending = []
         self._done = True
         terminal_ids = tuple(token_id for token_id, _ in rest)
@@ -165,8 +175,11 @@ class ChoiceOutput:
         if matched is None:
             tail += self._stops.flush()  # held text that never became a stop is output
         self._text.append(tail)
+        if tail:
+            last = pieces[-1] if pieces else Piece(token_ids[-1] if token_ids else -1, "", None)
+            pieces = pieces[:-1] + (Piece(last.token_id, last.text + tail, last.entry),) if pieces else (Piece(last.token_id, tail, None),)
         finish = Termination.STOP_STRING if matched is not None else _TERMINATIONS[event.finish]
-        return OutputDelta(text + tail, entries, token_ids + terminal_ids, finish, matched, event.error)
+        return OutputDelta(text + tail, entries, token_ids + terminal_ids, finish, matched, event.error, pieces)
 
     def _num_safe(self) -> int:
         """Pending tokens that cannot be part of a stop sequence still being generated."""
@@ -180,24 +193,25 @@ class ChoiceOutput:
 
     def _settle(
         self, items: Sequence[tuple[int, TokenLogprobs | None]]
-    ) -> tuple[str, tuple[TokenEntry, ...], tuple[int, ...], str | None]:
+    ) -> tuple[str, tuple[TokenEntry, ...], tuple[int, ...], str | None, tuple[Piece, ...]]:
         """Decode tokens in order until a stop string completes (later tokens are dropped)."""
-        pieces: list[str] = []
+        pieces: list[Piece] = []
         entries: list[TokenEntry] = []
         token_ids: list[int] = []
         matched: str | None = None
         for token_id, logprobs in items:
             token_ids.append(token_id)
-            if logprobs is not None:
-                entries.append(self._entry(logprobs))
+            entry = self._entry(logprobs) if logprobs is not None else None
+            if entry is not None:
+                entries.append(entry)
             released, matched = self._stops.feed(self._decoder.push(self._visible_bytes(token_id)))
-            pieces.append(released)
+            pieces.append(Piece(token_id, released, entry))
             if matched is not None:
                 break
-        text = "".join(pieces)
+        text = "".join(p.text for p in pieces)
         self._text.append(text)
         self._token_ids.extend(token_ids)
-        return text, tuple(entries), tuple(token_ids), matched
+        return text, tuple(entries), tuple(token_ids), matched, tuple(pieces)
 
     def _visible_bytes(self, token_id: int) -> bytes:
         hidden = token_id in self._eos_ids or self._tokens.is_special(token_id)

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from helios.frontend.events import Accumulator, FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
 from helios.frontend.generate import Usage
 from helios.frontend.inference import (
     Conversation,
@@ -190,10 +191,30 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
 # ---------------------------------------------------------------------------- encoding
 @dataclass
 class ChoiceState:
-    text: list[str] = field(default_factory=list)
+    blocks: Accumulator = field(default_factory=Accumulator)
     entries: list[dict[str, Any]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    finish: Termination | None = None
+
+    @property
+    def finish(self) -> Termination | None:
+        return self.blocks.finish.termination if self.blocks.finish else None
+
+
+def tool_call_json(call: ToolCallEvent, index: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": call.call_id, "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+    return body if index is None else {"index": index, **body}
+
+
+def _assistant_message(state: ChoiceState) -> dict[str, Any]:
+    calls = state.blocks.tool_calls
+    text = state.blocks.text
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
+    if state.blocks.reasoning:
+        message["reasoning_content"] = state.blocks.reasoning
+    if calls:
+        message["tool_calls"] = [tool_call_json(call) for call in calls]
+    return message
 
 
 def response(request_id: str, model: str, choices: dict[int, ChoiceState], usage: Usage, options: ChatOptions,
@@ -206,7 +227,7 @@ def response(request_id: str, model: str, choices: dict[int, ChoiceState], usage
         "choices": [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": "".join(state.text), "refusal": None},
+                "message": _assistant_message(state),
                 "logprobs": {"content": state.entries, "refusal": None} if options.logprobs else None,
                 "finish_reason": finish_reason(state.finish),
                 **({"token_ids": state.token_ids} if options.return_token_ids else {}),
@@ -237,15 +258,44 @@ def chunk(request_id: str, model: str, created: int, index: int, delta: dict[str
     return body
 
 
+def stream_chunks(request_id: str, model: str, created: int, index: int, delta: OutputDelta,
+                  events: list[SemanticEvent], options: ChatOptions, tool_counter: dict[int, int],
+                  usage: dict | None) -> list[dict[str, Any]]:  # fmt: skip
+    """The chunks for one delta: its logprob entries ride on the first chunk it produces."""
+    entries = [chat_logprob_entry(e) for e in delta.entries] if options.logprobs else None
+    token_ids = list(delta.token_ids) if options.return_token_ids else None
+    bodies: list[dict[str, Any]] = []
+    finish: Termination | None = None
+    for event in events:
+        if isinstance(event, TextEvent) and event.text:
+            bodies.append({"content": event.text})
+        elif isinstance(event, ReasoningEvent) and event.text:
+            bodies.append({"reasoning_content": event.text})
+        elif isinstance(event, ToolCallEvent):
+            position = tool_counter.get(index, 0)
+            tool_counter[index] = position + 1
+            bodies.append({"tool_calls": [tool_call_json(event, position)]})
+        elif isinstance(event, FinishEvent):
+            finish = event.termination
+    if not bodies and (entries or token_ids or finish is not None):
+        bodies.append({} if finish is not None else {"content": ""})
+    out = []
+    for position, content in enumerate(bodies):
+        last = position == len(bodies) - 1
+        out.append(chunk(request_id, model, created, index, content,
+                         logprobs=entries if position == 0 else None, finish=finish if last else None,
+                         usage=usage if last else None, token_ids=token_ids if position == 0 else None))  # fmt: skip
+    return out
+
+
 def usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
             "usage": usage_object(usage, reasoning=True)}  # fmt: skip
 
 
-def apply(state: ChoiceState, delta: OutputDelta, options: ChatOptions) -> None:
-    state.text.append(delta.text)
+def apply(state: ChoiceState, delta: OutputDelta, events: list[SemanticEvent], options: ChatOptions) -> None:
+    for event in events:
+        state.blocks.push(event)
     state.token_ids += delta.token_ids
     if options.logprobs:
         state.entries += [chat_logprob_entry(e) for e in delta.entries]
-    if delta.finish is not None:
-        state.finish = delta.finish

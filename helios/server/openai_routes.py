@@ -11,9 +11,10 @@ import msgspec
 from litestar import Response
 from litestar.response import Stream
 
-from helios.frontend.generate import Generation, new_request_id, usage_of
+from helios.frontend.events import FinishEvent
+from helios.frontend.generate import Generation, Item, new_request_id, usage_of
 from helios.frontend.inference import InferenceRequest, Termination
-from helios.frontend.output import OutputDelta, text_offsets
+from helios.frontend.output import text_offsets
 from helios.frontend.request import PreparedPrompt
 from helios.protocols import openai_chat, openai_completions
 from helios.protocols.openai_common import now, prompt_logprobs_wire, usage_object
@@ -69,19 +70,24 @@ def _headers(request_id: str) -> dict[str, str]:
     return {"x-request-id": request_id}
 
 
-async def _collect(state: ServerState, generations: list[Generation], request_id: str) -> dict[int, list[OutputDelta]]:
-    deltas: dict[int, list[OutputDelta]] = {}
-    async for index, delta in state.runner.merged(generations, request_id):
-        deltas.setdefault(index, []).append(delta)
-    return deltas
+async def _collect(state: ServerState, generations: list[Generation], request_id: str) -> dict[int, list[Item]]:
+    items: dict[int, list[Item]] = {}
+    async for item in state.runner.merged(generations, request_id):
+        items.setdefault(item[0], []).append(item)
+    return items
 
 
-def _failure(deltas: dict[int, list[OutputDelta]]) -> str | None:
-    for items in deltas.values():
-        for delta in items:
-            if delta.finish is Termination.ERROR:
-                return delta.error or "generation failed"
+def _failure(items: dict[int, list[Item]]) -> str | None:
+    for choice_items in items.values():
+        for _, _, events in choice_items:
+            for event in events:
+                if isinstance(event, FinishEvent) and event.termination is Termination.ERROR:
+                    return event.error or "generation failed"
     return None
+
+
+def _finish_of(events: list) -> FinishEvent | None:
+    return next((e for e in events if isinstance(e, FinishEvent)), None)
 
 
 # ---------------------------------------------------------------------------- chat
@@ -108,10 +114,10 @@ async def chat(state: ServerState, body: dict[str, Any]) -> Response | Stream:
     if problem is not None:
         raise HttpError(500, problem, headers=_headers(request_id))
     states = {}
-    for index, items in deltas.items():
+    for index, choice_items in deltas.items():
         choice = openai_chat.ChoiceState()
-        for delta in items:
-            openai_chat.apply(choice, delta, options)
+        for _, delta, events in choice_items:
+            openai_chat.apply(choice, delta, events, options)
         states[index] = choice
     _record_first(state, admitted)
     generation = generations[0]
@@ -125,14 +131,16 @@ async def _chat_stream(state: ServerState, generations: list[Generation], reques
                        options: openai_chat.ChatOptions, reservation, admitted: float) -> AsyncIterator[bytes]:  # fmt: skip
     created = now()
     started: set[int] = set()
+    tool_counter: dict[int, int] = {}  # tool calls streamed so far, per choice
     try:
         async for item in _with_keepalive(state.runner.merged(generations, request_id)):
             if item is None:
                 yield b": keepalive\n\n"
                 continue
-            index, delta = item
-            if delta.finish is Termination.ERROR:
-                yield _sse(openai_error(500, delta.error or "generation failed"))
+            index, delta, events = item
+            finish = _finish_of(events)
+            if finish is not None and finish.termination is Termination.ERROR:
+                yield _sse(openai_error(500, finish.error or "generation failed"))
                 return
             if index not in started:  # the role delta only once the first token exists
                 started.add(index)
@@ -140,12 +148,9 @@ async def _chat_stream(state: ServerState, generations: list[Generation], reques
                     _record_first(state, admitted)
                 yield _sse(openai_chat.chunk(request_id, model, created, index, {"role": "assistant", "content": ""}))
             usage = usage_object(usage_of(generations), reasoning=True) if options.continuous_usage else None
-            entries = [openai_chat.chat_logprob_entry(e) for e in delta.entries] if options.logprobs else None
-            token_ids = list(delta.token_ids) if options.return_token_ids else None
-            if delta.text or delta.entries or delta.finish is not None or token_ids:
-                content = {"content": delta.text} if delta.text or delta.finish is None else {}
-                yield _sse(openai_chat.chunk(request_id, model, created, index, content, logprobs=entries,
-                                             finish=delta.finish, usage=usage, token_ids=token_ids))  # fmt: skip
+            for body in openai_chat.stream_chunks(request_id, model, created, index, delta, events, options,
+                                                  tool_counter, usage):  # fmt: skip
+                yield _sse(body)
         if options.include_usage:
             yield _sse(openai_chat.usage_chunk(request_id, model, created, usage_of(generations)))
         yield b"data: [DONE]\n\n"
@@ -197,7 +202,7 @@ async def completions(state: ServerState, body: dict[str, Any]) -> Response | St
             index = generation.first_index + j
             text, arrays = _echo_start(request, generation, options, decoder)
             finish = Termination.LENGTH if generation.events is None else None
-            for delta in deltas.get(index, []):
+            for _, delta, _events in deltas.get(index, []):
                 if arrays is not None:
                     arrays.add_generated(delta.entries, delta.text, text_offsets(delta.entries, arrays.chars))
                 text += delta.text
@@ -256,7 +261,7 @@ async def _completion_stream(state: ServerState, request: InferenceRequest, gene
             if item is None:
                 yield b": keepalive\n\n"
                 continue
-            index, delta = item
+            index, delta, _events = item
             if delta.finish is Termination.ERROR:
                 yield _sse(openai_error(500, delta.error or "generation failed"))
                 return
