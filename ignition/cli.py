@@ -175,12 +175,13 @@ def testmodel(
     family_name: Annotated[str, typer.Argument(metavar="FAMILY", help="Architecture family, e.g. llama.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the checkpoint.")] = ...,
     seed: Annotated[int, typer.Option("--seed", help="Random seed for the weights.")] = 0,
+    chat: Annotated[Optional[str], typer.Option("--chat", help="Use another family's special tokens and chat template (e.g. qwen3).")] = None,
 ) -> None:
     """Write a tiny random-weight HF checkpoint of FAMILY (for tests)."""
     from ignition.testmodel import write_testmodel
 
     try:
-        write_testmodel(family_name, out, seed)
+        write_testmodel(family_name, out, seed, chat)
     except IgnitionError as error:
         _fail(error)
         return

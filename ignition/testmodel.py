@@ -40,21 +40,40 @@ def build_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
     return tokenizer
 
 
-def write_testmodel(family_name: str, out: Path, seed: int = 0) -> Path:
+DATA = Path(__file__).resolve().parent / "models" / "data"
+
+# Chat flavours: another family's special tokens, token roles and published template on a
+# test checkpoint, so template, reasoning and tool paths run on a tiny model.
+CHATS = {
+    "qwen3": {
+        "special_tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                           "</tool_call>", "<tool_response>", "</tool_response>"),  # fmt: skip
+        "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "template": "qwen3.jinja",
+    },
+}
+
+
+def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None = None) -> Path:
     if family_name not in FAMILIES:
         raise UsageError(f"no test model for family {family_name!r} (supported: {', '.join(sorted(FAMILIES))})")
+    if chat is not None and chat not in CHATS:
+        raise UsageError(f"no chat flavour {chat!r} (supported: {', '.join(sorted(CHATS))})")
     fam = FAMILIES[family_name]
-    tokenizer = build_tokenizer(fam.TEST_SPECIAL_TOKENS)
+    specials = CHATS[chat]["special_tokens"] if chat else fam.TEST_SPECIAL_TOKENS
+    roles = CHATS[chat]["roles"] if chat else fam.TEST_TOKEN_ROLES
+    template = (DATA / CHATS[chat]["template"]).read_text(encoding="utf-8") if chat else fam.TEST_CHAT_TEMPLATE
+    tokenizer = build_tokenizer(specials)
     config = fam.testmodel_config(tokenizer.get_vocab_size())
     config.update({name.replace("_token", "_token_id"): tokenizer.token_to_id(tok)
-                   for name, tok in fam.TEST_TOKEN_ROLES.items() if name != "unk_token"})  # fmt: skip
+                   for name, tok in roles.items() if name != "unk_token"})  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     tensors = {name: _init(name, shape, generator) for name, shape in fam.hf_shapes(fam.config_from_hf(config)).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
-    tok_config = dict(fam.TEST_TOKEN_ROLES, chat_template=fam.TEST_CHAT_TEMPLATE, add_bos_token=False,
+    tok_config = dict(roles, chat_template=template, add_bos_token=False,
                       model_max_length=config["max_position_embeddings"])  # fmt: skip
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}

@@ -15,3 +15,41 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     program, *rest = args
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", program, *rest], capture_output=True, text=True, env=full_env, cwd=ROOT)
+
+
+class ScriptedExecutor:
+    """The real executor (real programs, KV pages, prefill), except that each sampled row's
+    logits are replaced so the next token is the request's scripted one.
+
+    Scripts are handed out to requests in arrival order; a request's choices share its
+    script; past the script's end the model emits its first EOS token. Everything after
+    the executor (sampler, output pipeline, parsers, encoders) is the production path.
+    """
+
+    def __init__(self, real, eos_id: int) -> None:
+        self.real = real
+        self.eos_id = eos_id
+        self.queue: list[list[int]] = []
+        self.assigned: dict[str, list[int]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def script(self, token_ids: list[int]) -> None:
+        self.queue.append(list(token_ids))
+
+    def run(self, chunks):
+        import dataclasses
+
+        result = self.real.run(chunks)
+        logits = result.logits.clone()
+        for row, chunk in enumerate(result.sampled):
+            request = chunk.seq.request
+            script = self.assigned.get(request.request_id)
+            if script is None:
+                script = self.assigned[request.request_id] = self.queue.pop(0) if self.queue else []
+            position = chunk.seq.num_output
+            token = script[position] if position < len(script) else self.eos_id
+            logits[row] = float("-inf")
+            logits[row, token] = 0.0
+        return dataclasses.replace(result, logits=logits, logsumexp=logits.logsumexp(dim=-1))

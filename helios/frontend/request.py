@@ -33,6 +33,42 @@ MAX_STOP_BYTES = 4096
 MAX_TOKEN_STOPS = 16
 MAX_TOKEN_STOP_LEN = 64
 MAX_LOGPROBS = 20
+EFFORT_ORDER = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+REQUIRED_TOOL_INSTRUCTION = "You must answer by calling at least one of the provided tools."
+
+
+def normalize_tool_results(messages: list[Message]) -> list[Message]:
+    """Parallel tool results go back into the preceding assistant's call order.
+
+    Only a run of tool messages directly after an assistant message with calls is
+    reordered, and only when its ids are unique and exactly match calls of that message.
+    """
+    out = list(messages)
+    for index, message in enumerate(out):
+        calls = [p.call_id for p in message.parts if isinstance(p, ToolCallPart)] if message.role == "assistant" else []
+        if len(calls) < 2:
+            continue
+        end = index + 1
+        while end < len(out) and out[end].role == "tool":
+            end += 1
+        run = out[index + 1 : end]
+        ids = [next((p.call_id for p in m.parts if isinstance(p, ToolResultPart)), None) for m in run]
+        if len(set(ids)) != len(ids) or not set(ids) <= set(calls) or None in ids:
+            continue
+        out[index + 1 : end] = sorted(run, key=lambda m: calls.index(ids[run.index(m)]))
+    return out
+
+
+
+def nearest_effort(level: str, accepted: tuple[str, ...]) -> str:
+    """A neutral effort level resolved against the template's vocabulary (closest rank)."""
+    if level in accepted:
+        return level
+    if level not in EFFORT_ORDER:
+        raise RequestError(f"unknown reasoning effort {level!r} (accepted: {', '.join(accepted)})", "effort")
+    rank = EFFORT_ORDER.index(level)
+    ranked = [a for a in accepted if a in EFFORT_ORDER]
+    return min(ranked, key=lambda a: (abs(EFFORT_ORDER.index(a) - rank), -EFFORT_ORDER.index(a))) if ranked else accepted[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +99,43 @@ class Frontend:
     def render(self, conversation: Conversation) -> str:
         if self.template is None:
             raise RequestError("this model has no chat template; use /v1/completions with a raw prompt", "messages")
-        messages = [self._template_message(m) for m in self._arrange(conversation.messages)]
+        choice = conversation.tool_choice
+        presented = [t for t in conversation.tools if choice.mode != "named" or t.name == choice.name]
+        if choice.mode == "none":
+            presented = []
+        arranged = self._arrange(conversation.messages)
+        if choice.mode == "required":
+            arranged = self._with_instruction(arranged, REQUIRED_TOOL_INSTRUCTION)
+        messages = [self._template_message(m) for m in normalize_tool_results(arranged)]
         tools = [
             {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-            for t in conversation.tools
+            for t in presented
         ] or None
-        kwargs = dict(conversation.template_kwargs)
+        kwargs = self._reasoning_kwargs(conversation)
         try:
             check_template_kwargs(kwargs)
             return self.template.render(messages, tools=tools, add_generation_prompt=conversation.add_generation_prompt,
                                         continue_final_message=conversation.continue_final_message, **kwargs)  # fmt: skip
         except TemplateError as exc:
             raise RequestError(str(exc), "messages") from None
+
+    def _reasoning_kwargs(self, conversation: Conversation) -> dict[str, object]:
+        """Template variables for reasoning controls; explicit chat_template_kwargs win."""
+        kwargs = dict(conversation.template_kwargs)
+        if conversation.thinking is False:
+            kwargs.setdefault("enable_thinking", False)
+        levels = self.manifest.recipe.effort_levels
+        if conversation.effort is not None and levels:
+            kwargs.setdefault("reasoning_effort", nearest_effort(conversation.effort, levels))
+        return kwargs
+
+    @staticmethod
+    def _with_instruction(messages: list[Message], text: str) -> list[Message]:
+        """Append an instruction to the leading system message (creating one if needed)."""
+        if messages and messages[0].role == "system":
+            lead = messages[0]
+            return [Message("system", (TextPart(f"{lead.text()}\n\n{text}" if lead.text() else text),))] + messages[1:]
+        return [Message("system", (TextPart(text),))] + messages
 
     def _arrange(self, messages: tuple[Message, ...]) -> list[Message]:
         """System/developer merging and the inline-system fallback (spec: conversation semantics)."""

@@ -23,6 +23,7 @@ from helios.frontend.inference import (
     Termination,
     TextPart,
     ToolCallPart,
+    ToolChoice,
     ToolResultPart,
     ToolSpec,
 )
@@ -108,24 +109,34 @@ def _message(raw: Any) -> Message:
     return Message(role, tuple(parts), name)
 
 
-def _tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
+def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
     tools = body.get("tools")
-    if tools is None:
-        return ()
-    if not isinstance(tools, list):
+    if tools is not None and not isinstance(tools, list):
         raise RequestError("tools must be an array", "tools")
     specs = []
-    for tool in tools:
+    for tool in tools or []:
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError("each tool must be {type: function, function: {name, parameters}}", "tools")
         if fn.get("strict") is True:
             raise RequestError("strict function schemas are not supported", "tools")
         specs.append(ToolSpec(fn["name"], fn.get("description"), fn.get("parameters") or {"type": "object"}))
+    parallel = f.optional_bool(body, "parallel_tool_calls", default=True)
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise RequestError("tool_choice other than auto or none is not supported by this model's tool syntax", "tool_choice")
-    return () if choice == "none" else tuple(specs)
+    if choice is None or choice == "auto":
+        return tuple(specs), ToolChoice("auto", None, parallel)
+    if choice == "none":
+        return tuple(specs), ToolChoice("none", None, parallel)
+    if choice == "required":
+        if not specs:
+            raise RequestError("tool_choice required needs at least one declared tool", "tool_choice")
+        return tuple(specs), ToolChoice("required", None, parallel)
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise RequestError('tool_choice must be "auto", "none", "required" or {type: function, function: {name}}', "tool_choice")
+    if name not in {s.name for s in specs}:
+        raise RequestError(f"tool_choice names {name!r}, which is not a declared function tool", "tool_choice")
+    return tuple(specs), ToolChoice("named", name, parallel)
 
 
 def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
@@ -159,9 +170,11 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
     template_kwargs = f.optional_object(body, "chat_template_kwargs") or {}
     continue_final = f.optional_bool(body, "continue_final_message")
     add_generation = f.optional_bool(body, "add_generation_prompt", default=not continue_final)
+    tools, tool_choice = _tools(body)
     conversation = Conversation(
         messages=tuple(_message(m) for m in messages),
-        tools=_tools(body),
+        tools=tools,
+        tool_choice=tool_choice,
         add_generation_prompt=add_generation,
         continue_final_message=continue_final,
         template_kwargs=template_kwargs,

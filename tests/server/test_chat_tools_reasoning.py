@@ -1,0 +1,104 @@
+"""Reasoning and tool calls through Chat Completions, with a scripted model on a real stack."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scripted import scripted_app
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(qwen3_style_core):
+    with scripted_app(qwen3_style_core) as app:
+        yield app
+
+
+def _chat(client, **body):
+    return client.post("/v1/chat/completions", json={"model": "x", "messages": ASK, "max_tokens": 256, **body})
+
+
+def test_reasoning_then_tool_call_buffered(client) -> None:
+    client.say("<think>The user wants weather.</think>" + CALL)
+    body = _chat(client, tools=[WEATHER]).json()
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "The user wants weather."
+    assert message["content"] is None and body["choices"][0]["finish_reason"] == "tool_calls"
+    call = message["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+
+
+def test_reasoning_text_and_tool_call_streamed(client) -> None:
+    client.say("<think>Plan.</think>Checking." + CALL)
+    response = _chat(client, tools=[WEATHER], stream=True)
+    chunks = [json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Plan."
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_delimiter_spelled_in_text_stays_text(client) -> None:
+    # "<think>" written by the model as ordinary characters is answer text, not a delimiter.
+    client.say("Use a tag like <", "think> in templates.")
+    body = _chat(client).json()
+    assert "reasoning_content" not in body["choices"][0]["message"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_choice_policies(client) -> None:
+    client.say("No tools needed.")
+    response = _chat(client, tools=[WEATHER], tool_choice="required")
+    assert response.status_code == 500 and "requires a tool call" in response.json()["error"]["message"]
+    client.say(CALL)
+    named = _chat(client, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.status_code == 500 and "get_time" in named.json()["error"]["message"]
+    client.say(CALL + CALL)
+    single = _chat(client, tools=[WEATHER], parallel_tool_calls=False)
+    assert single.status_code == 500 and "parallel_tool_calls" in single.json()["error"]["message"]
+    client.say('<tool_call>{"name": "undeclared", "arguments": {}}</tool_call>')
+    auto = _chat(client, tools=[WEATHER]).json()
+    assert auto["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "undeclared"
+
+
+def test_named_tool_choice_hides_answer_text(client) -> None:
+    client.say("Sure, calling it." + CALL)
+    body = _chat(client, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}).json()
+    message = body["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_truncated_tool_call_reports_length(client) -> None:
+    client.say(CALL)
+    body = _chat(client, tools=[WEATHER], max_tokens=5).json()
+    assert body["choices"][0]["finish_reason"] == "length" and "tool_calls" not in body["choices"][0]["message"]
+
+
+def test_history_with_tool_results_renders(client) -> None:
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]  # fmt: skip
+    client.say("It is sunny.")
+    body = client.post("/v1/chat/completions", json={"model": "x", "messages": messages, "tools": [WEATHER, TIME],
+                                                     "max_tokens": 64}).json()  # fmt: skip
+    assert body["choices"][0]["message"]["content"] == "It is sunny."
+    prompt = client.state.frontend.render  # results are normalized to call order before rendering
+    from helios.protocols.openai_chat import decode
+
+    request, _ = decode({"model": "x", "messages": messages, "tools": [WEATHER, TIME]})
+    text = prompt(request.input)
+    assert text.index("sunny") < text.index("noon")
