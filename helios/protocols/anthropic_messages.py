@@ -71,7 +71,8 @@ def _check_version(version: str | None) -> None:
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(content, list) or any(not isinstance(b, dict) or not isinstance(b.get("type"), str) for b in content):
+    if not isinstance(content, list) or not all(isinstance(b, dict) and isinstance(b.get("type"), str)
+                                                for b in content):  # fmt: skip
         raise RequestError(f"{where} content must be a string or an array of typed blocks", "messages")
     return content
 
@@ -85,7 +86,7 @@ def _text(block: dict[str, Any], where: str) -> TextPart:
 def _image(block: dict[str, Any], where: str) -> ImagePart:
     source = block.get("source")
     if not isinstance(source, dict) or source.get("type") != "base64":
-        raise RequestError(f"{where}: images must use a base64 source (URL and file sources are unsupported)", "messages")
+        raise RequestError(f"{where}: images need a base64 source (URL and file sources are unsupported)", "messages")
     if source.get("media_type") not in IMAGE_TYPES:
         raise RequestError(f"{where}: unsupported image type {source.get('media_type')!r} (PNG, JPEG or static WebP)",
                            "messages")  # fmt: skip
@@ -133,7 +134,7 @@ def _assistant_parts(content: Any, where: str) -> tuple[Part, ...]:
         elif kind == "tool_use":
             call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
             if not isinstance(call_id, str) or not isinstance(name, str) or not name or not isinstance(arguments, dict):
-                raise RequestError(f"{where}: tool_use blocks need string id, nonempty name and object input", "messages")
+                raise RequestError(f"{where}: tool_use needs a string id, a nonempty name, object input", "messages")
             parts.append(ToolCallPart(call_id, name, json.dumps(arguments, ensure_ascii=False)))
         else:
             raise _unsupported(kind, where)
@@ -210,20 +211,20 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
         raise RequestError("tools must be an array", "tools")
     specs = []
     for tool in raw_tools or []:
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind not in (None, "custom"):
-            raise RequestError(f"server tool {kind!r} is unsupported (only client tools with input_schema)", "tools")
-        name, schema = tool.get("name"), tool.get("input_schema")  # type: ignore[union-attr]
+        tool = tool if isinstance(tool, dict) else {}
+        if tool.get("type") not in (None, "custom"):
+            raise RequestError(f"server tool {tool['type']!r} is unsupported (only client tools)", "tools")
+        name, schema = tool.get("name"), tool.get("input_schema")
         if not isinstance(name, str) or not name or not isinstance(schema, dict):
             raise RequestError("each tool needs a nonempty name and an input_schema object", "tools")
-        if tool.get("strict") is True:  # type: ignore[union-attr]
+        if tool.get("strict") is True:
             raise RequestError("strict tool schemas are not supported", "tools")
-        description = tool.get("description")  # type: ignore[union-attr]
+        description = tool.get("description")
         specs.append(ToolSpec(name, description if isinstance(description, str) else None, schema))
     choice = f.optional_object(body, "tool_choice")
     if choice is None:
         return tuple(specs), ToolChoice()
-    mode = TOOL_CHOICES.get(choice.get("type"))  # type: ignore[arg-type]
+    mode = TOOL_CHOICES.get(str(choice.get("type")))
     if mode is None:
         raise RequestError("tool_choice.type must be auto, any, tool or none", "tool_choice")
     name = choice.get("name") if mode == "named" else None
@@ -234,7 +235,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
 
 
 def _thinking(body: dict[str, Any]) -> tuple[bool | None, int | None, str | None]:
-    """(thinking switch, requested budget, neutral effort)."""
+    """(thinking switch, requested budget, neutral effort); the budget is raw, possibly above 2**31-1."""
     config = f.optional_object(body, "thinking")
     enabled, budget = None, None
     if config is not None:
@@ -243,9 +244,11 @@ def _thinking(body: dict[str, Any]) -> tuple[bool | None, int | None, str | None
             raise RequestError("thinking.type must be enabled, adaptive or disabled", "thinking")
         enabled = kind != "disabled"
         if enabled:
-            budget = f.optional_int(config, "budget_tokens", 1)
-            if kind == "enabled" and budget is None:
-                raise RequestError("thinking.budget_tokens is required when thinking is enabled", "thinking.budget_tokens")
+            budget = config.get("budget_tokens")
+            if (budget is None and kind == "enabled") or (budget is not None and (
+                    not isinstance(budget, int) or isinstance(budget, bool) or budget < 1)):  # fmt: skip
+                raise RequestError("thinking.budget_tokens must be a positive integer (required when enabled)",
+                                   "thinking.budget_tokens")  # fmt: skip
     top = f.optional_int(body, "thinking_token_budget", 1, MAX_APPLIED_BUDGET)
     if top is not None and budget is not None and top != budget:
         raise RequestError(f"thinking_token_budget ({top}) and thinking.budget_tokens ({budget}) must match",
@@ -274,7 +277,10 @@ def _context_management(body: dict[str, Any]) -> None:
                                "rejected", "context_management")  # fmt: skip
 
 
-def _conversation(body: dict[str, Any]) -> tuple[Conversation, list[tuple[int, int]], tuple[bool | None, int | None, str | None]]:  # fmt: skip
+Thinking = tuple[bool | None, int | None, str | None]  # (thinking switch, requested budget, neutral effort)
+
+
+def _conversation(body: dict[str, Any]) -> tuple[Conversation, list[tuple[int, int]], Thinking]:
     model = body.get("model")
     if not isinstance(model, str):
         raise RequestError("model is required (any string: the loaded model answers)", "model")
@@ -282,7 +288,7 @@ def _conversation(body: dict[str, Any]) -> tuple[Conversation, list[tuple[int, i
     tools, choice = _tools(body)
     thinking = _thinking(body)
     _context_management(body)
-    prefill = messages[-1].role == "assistant"
+    prefill = bool(messages) and messages[-1].role == "assistant"
     conversation = Conversation(tuple(messages), tools, choice, thinking=thinking[0], effort=thinking[2],
                                 add_generation_prompt=not prefill, continue_final_message=prefill)  # fmt: skip
     return conversation, marks, thinking
@@ -319,6 +325,7 @@ def count_tokens_decode(body: dict[str, Any], headers_version: str | None) -> Co
 
 
 # ---------------------------------------------------------------------------- encoding
+EMPTY_BLOCKS = {"text": {"type": "text", "text": ""}, "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
 STOP_REASONS = {Termination.LENGTH: "max_tokens", Termination.TOOL_CALLS: "tool_use",
                 Termination.STOP_STRING: "stop_sequence"}  # fmt: skip
 
@@ -361,6 +368,9 @@ def sse(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
+Events = list[tuple[str, dict[str, Any]]]  # (SSE event name, data with its "type")
+
+
 class MessagesStream:
     """Named SSE events for one message: blocks open on their first nonempty event and close
     when another kind starts or the message finishes; thinking closes with its signature."""
@@ -371,22 +381,21 @@ class MessagesStream:
         self._open: str | None = None  # "text" | "thinking" while a block is open
         self._thinking = ""  # the open thinking block's text, for its signature
 
-    def start(self) -> list[tuple[str, dict[str, Any]]]:
+    def start(self) -> Events:
         usage = {"input_tokens": self.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
                  "output_tokens": 0}  # fmt: skip
         message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None, "usage": usage}  # fmt: skip
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
-    def push(self, events: list[SemanticEvent]) -> list[tuple[str, dict[str, Any]]]:
-        out: list[tuple[str, dict[str, Any]]] = []
+    def push(self, events: list[SemanticEvent]) -> Events:
+        out: Events = []
         for event in events:
             if isinstance(event, (TextEvent, ReasoningEvent)) and event.text:
                 kind = "text" if isinstance(event, TextEvent) else "thinking"
                 if self._open != kind:
                     out += self._close()
-                    empty = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
-                    out.append(self._opened(kind, empty))
+                    out.append(self._opened(kind, dict(EMPTY_BLOCKS[kind])))
                 delta = {"type": "text_delta", "text": event.text} if kind == "text" else \
                         {"type": "thinking_delta", "thinking": event.text}  # fmt: skip
                 self._thinking += event.text if kind == "thinking" else ""
@@ -394,19 +403,20 @@ class MessagesStream:
             elif isinstance(event, ToolCallEvent):
                 out += self._close()
                 out.append(self._opened("tool_use", _tool_use(event, {})))
-                out.append(self._event("content_block_delta", delta={"type": "input_json_delta", "partial_json": event.arguments}))
+                delta = {"type": "input_json_delta", "partial_json": event.arguments}  # complete: parsers buffer calls
+                out.append(self._event("content_block_delta", delta=delta))
                 out += self._close()
             elif isinstance(event, FinishEvent):
                 out += self._close()
         return out
 
-    def finish(self, finish: FinishEvent, usage: Usage) -> list[tuple[str, dict[str, Any]]]:
+    def finish(self, finish: FinishEvent, usage: Usage) -> Events:
         reason, sequence = stop_reason(finish)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                  "usage": usage_json(usage)}  # fmt: skip
         return self._close() + [("message_delta", delta), ("message_stop", {"type": "message_stop"})]
 
-    def error(self, status: int, message: str) -> list[tuple[str, dict[str, Any]]]:
+    def error(self, status: int, message: str) -> Events:
         kind = "api_error" if status >= 500 else _ERROR_TYPES.get(status, "invalid_request_error")
         return [("error", {"type": "error", "error": {"type": kind, "message": message}})]
 
@@ -418,12 +428,12 @@ class MessagesStream:
         self._open, self._thinking = kind, ""
         return self._event("content_block_start", content_block=block)
 
-    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+    def _close(self) -> Events:
         if self._open is None:
             return []
         out = []
         if self._open == "thinking":
-            out.append(self._event("content_block_delta", delta={"type": "signature_delta",
-                                                                  "signature": thinking_signature(self._thinking)}))  # fmt: skip
+            delta = {"type": "signature_delta", "signature": thinking_signature(self._thinking)}
+            out.append(self._event("content_block_delta", delta=delta))
         self._open = None
         return out + [self._event("content_block_stop")]

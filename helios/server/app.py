@@ -9,10 +9,10 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
-from helios.server import openai_routes
+from helios.server import anthropic_routes, openai_routes
 from helios.server.auth import check_key
 from helios.server.body import BodyError, read_body
-from helios.server.errors import openai_error
+from helios.server.errors import anthropic_error, openai_error
 from helios.server.metrics import choose_format, json_snapshot, prometheus_text
 from helios.server.responses import HttpError, error_response, json_response, translate
 from helios.server.state import ServerState
@@ -22,10 +22,10 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.helios
 
 
-def authorize(request: Request) -> None:
+def authorize(request: Request, anthropic: bool = False) -> None:
     state = state_of(request)
     problem = check_key(state.config.api_key, request.headers.get("authorization"), request.headers.get("x-api-key"),
-                        allow_x_api_key=False)  # fmt: skip
+                        allow_x_api_key=anthropic)  # fmt: skip
     if problem is not None:
         raise HttpError(401, problem)
 
@@ -101,6 +101,17 @@ async def _generation(request: Request, handler) -> Response | Stream:
         return error_response(translate(exc))
 
 
+async def _anthropic(request: Request, handler) -> Response | Stream:
+    """Messages routes: x-api-key or bearer auth, and the Messages error format."""
+    try:
+        authorize(request, anthropic=True)
+        body = await json_body(request)
+        return await handler(state_of(request), body, dict(request.headers))
+    except Exception as exc:  # noqa: BLE001
+        error = translate(exc)
+        return json_response(anthropic_error(error.status, error.message), error.status, error.headers)
+
+
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response | Stream:
     return await _generation(request, openai_routes.chat)
@@ -111,9 +122,19 @@ async def completions(request: Request) -> Response | Stream:
     return await _generation(request, openai_routes.completions)
 
 
+@post("/v1/messages", status_code=200)
+async def messages(request: Request) -> Response | Stream:
+    return await _anthropic(request, anthropic_routes.messages)
+
+
+@post("/v1/messages/count_tokens", status_code=200)
+async def count_tokens(request: Request) -> Response:
+    return await _anthropic(request, anthropic_routes.count_tokens)
+
+
 def create_app(state: ServerState) -> Litestar:
     app = Litestar(
-        route_handlers=[health, metrics, list_models, get_model, chat_completions, completions],
+        route_handlers=[health, metrics, list_models, get_model, chat_completions, completions, messages, count_tokens],
         state=State({"helios": state}),
         request_max_body_size=None,  # bounded by read_body, encoded and decoded
         on_shutdown=[lambda: state.client.shutdown()],

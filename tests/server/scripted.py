@@ -1,11 +1,15 @@
-"""An in-process helios app whose model writes scripted token sequences (see ScriptedExecutor)."""
+"""An in-process helios server (uvicorn in a thread) whose model writes scripted tokens."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from litestar.testing import TestClient
+import httpx
+import uvicorn
 
 from helios.config import ServerConfig
 from helios.server.app import create_app
@@ -13,20 +17,43 @@ from helios.server.state import build_state
 from support import ScriptedExecutor
 
 
+class ScriptedServer:
+    def __init__(self, url: str, state, executor: ScriptedExecutor) -> None:
+        self.url = url
+        self.state = state
+        self.executor = executor
+        self.http = httpx.Client(base_url=url, timeout=60)
+
+    def say(self, *texts: str) -> None:
+        """Queue what the model writes next. Each text is tokenized on its own, so a special
+        token spelling split across texts is written as ordinary pieces, not as the token."""
+        tokenizer = self.state.frontend.tokenizer
+        self.executor.script([t for text in texts for t in tokenizer.encode(text, add_special_tokens=False).ids])
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return self.http.post(path, **kwargs)
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return self.http.get(path, **kwargs)
+
+
 @contextmanager
 def scripted_app(core: Path, **settings):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     state = build_state(core, ServerConfig(kv_pages=256, **settings))
     engine = state.client.engine
     executor = ScriptedExecutor(engine.executor, eos_id=state.core.manifest.tokenizer.eos_token_ids[0])
     engine.executor = executor
-    tokenizer = state.frontend.tokenizer
-
-    def say(*texts: str) -> None:
-        """Queue what the model writes next. Each text is tokenized on its own, so a special
-        token spelling split across texts is written as ordinary pieces, not as the token."""
-        executor.script([t for text in texts for t in tokenizer.encode(text, add_special_tokens=False).ids])
-
-    with TestClient(app=create_app(state), base_url="http://testserver.local") as client:
-        client.say = say  # type: ignore[attr-defined]
-        client.state = state  # type: ignore[attr-defined]
-        yield client
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)  # waiting for the socket to listen, not for a result
+    try:
+        yield ScriptedServer(f"http://127.0.0.1:{port}", state, executor)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
