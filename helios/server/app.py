@@ -9,7 +9,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
-from helios.server import anthropic_routes, openai_routes
+from helios.server import anthropic_routes, openai_routes, responses_routes
 from helios.server.auth import check_key
 from helios.server.body import BodyError, read_body
 from helios.server.errors import anthropic_error, openai_error
@@ -122,6 +122,11 @@ async def completions(request: Request) -> Response | Stream:
     return await _generation(request, openai_routes.completions)
 
 
+@post("/v1/responses", status_code=200)
+async def responses(request: Request) -> Response | Stream:
+    return await _generation(request, responses_routes.responses)
+
+
 @post("/v1/messages", status_code=200)
 async def messages(request: Request) -> Response | Stream:
     return await _anthropic(request, anthropic_routes.messages)
@@ -134,7 +139,8 @@ async def count_tokens(request: Request) -> Response:
 
 def create_app(state: ServerState) -> Litestar:
     app = Litestar(
-        route_handlers=[health, metrics, list_models, get_model, chat_completions, completions, messages, count_tokens],
+        route_handlers=[health, metrics, list_models, get_model, chat_completions, completions, responses, messages,
+                        count_tokens],
         state=State({"helios": state}),
         request_max_body_size=None,  # bounded by read_body, encoded and decoded
         on_shutdown=[lambda: state.client.shutdown()],

@@ -283,7 +283,7 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
         "head_dim": 16,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
-        "max_position_embeddings": 1024,
+        "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
