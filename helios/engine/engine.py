@@ -137,13 +137,39 @@ class LLMEngine:
             log.exception("sampling failed")
             return events + [self._finish(s, FinishCause.ERROR, error=f"sampling failed: {exc}") for s in seqs]
         for row, seq, token in zip(rows, seqs, tokens):
-            entry = self._logprobs(seq, token, row, result) if seq.request.num_top_logprobs is not None else None
+            forced = self._budget_cut(seq)
+            if forced is not None:
+                token = forced
+            elif seq.request.reasoning_budget is not None:
+                self._track_reasoning(seq, token)
+            wants = seq.request.num_top_logprobs is not None and forced is None  # forced tokens have no entry
+            entry = self._logprobs(seq, token, row, result) if wants else None
             seq.token_ids.append(token)
             self.stats.generated_tokens += 1
             if seq.num_output > 1:
                 self.stats.verification_rounds += 1
             events.append(self._after_token(seq, token, entry))
         return events
+
+    def _budget_cut(self, seq: Sequence) -> int | None:
+        """The close delimiter, when this sequence's reasoning budget is spent and output remains."""
+        budget = seq.request.reasoning_budget
+        if budget is None or not seq.reasoning_open or seq.reasoning_tokens < budget.budget:
+            return None
+        if seq.num_output + 1 >= seq.request.max_tokens:
+            return None  # no capacity left to continue after the close
+        seq.reasoning_open = False
+        self.stats.reasoning_budget_cuts += 1
+        return budget.close_id
+
+    @staticmethod
+    def _track_reasoning(seq: Sequence, token: int) -> None:
+        budget = seq.request.reasoning_budget
+        assert budget is not None
+        if token == budget.close_id or token in budget.implicit_close_ids:
+            seq.reasoning_open = False
+        elif seq.reasoning_open:
+            seq.reasoning_tokens += 1
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed) -> torch.Tensor:
         params = [s.request.params[s.choice_index] for s in seqs]
@@ -200,7 +226,7 @@ class LLMEngine:
                     break
         if cause is None and (seq.num_output >= request.max_tokens or len(seq.token_ids) >= self.max_model_len):
             cause = FinishCause.LENGTH
-        event = self._event(seq, (token,), (entry,) if entry else None, cause)
+        event = self._event(seq, (token,), (entry,), cause)
         if cause is not None:
             self.scheduler.finish(seq, cause)
             self.stats.completed += 1

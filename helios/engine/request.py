@@ -18,6 +18,16 @@ class FinishCause(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningBudget:
+    """A hard cap on reasoning tokens: at the cap the close delimiter is forced (one token)."""
+
+    budget: int  # reasoning tokens allowed, counted from the start of this request's output
+    open_id: int  # single-token delimiters
+    close_id: int
+    implicit_close_ids: frozenset[int] = frozenset()  # tokens that also end reasoning (tool openers)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One prompt to continue, with n sampled choices sharing its prefill.
 
@@ -35,6 +45,7 @@ class EngineRequest:
     logprob_token_ids: tuple[int, ...] = ()  # explicit ids (deduplicated) replacing natural alternatives
     prompt_logprobs: int | None = None  # None: none; 0..20 alternatives per prompt position
     cache_identity: bytes = b""  # prefix-cache identity slot (image / processing settings)
+    reasoning_budget: ReasoningBudget | None = None  # only when output starts inside reasoning
     use_prefix_cache: bool = True
 
     @property
@@ -49,7 +60,7 @@ class EngineEvent:
     request_id: str
     choice_index: int
     token_ids: tuple[int, ...]  # newly committed tokens (including a terminating EOS / stop token)
-    logprobs: tuple[TokenLogprobs, ...] | None  # parallel to token_ids when requested
+    logprobs: tuple[TokenLogprobs | None, ...] | None  # parallel to token_ids; None for forced tokens
     finish: FinishCause | None = None  # set on the choice's last event
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
@@ -68,6 +79,7 @@ class EngineStats:
     failed: int = 0
     reused_tokens: int = 0
     verification_rounds: int = 0  # decode request rounds (no speculation: one token each)
+    reasoning_budget_cuts: int = 0  # requests whose reasoning was closed by their budget
     steps: int = 0
     active: int = 0
     pending: int = 0

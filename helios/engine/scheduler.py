@@ -43,6 +43,8 @@ class Sequence:
     stop_match_len: int = 0
     prompt_entries: list = field(default_factory=list)  # prompt logprob entries gathered so far
     sent_first: bool = False
+    reasoning_open: bool = False  # inside reasoning (tracked only for requests with a budget)
+    reasoning_tokens: int = 0
 
     @property
     def num_output(self) -> int:
@@ -146,6 +148,7 @@ class Scheduler:
             self.blocks.release(pages)
             return None
         seq = Sequence(request, 0, list(prompt), len(prompt), make_generator(request.params[0].seed))
+        seq.reasoning_open = request.reasoning_budget is not None
         seq.block_table = pages
         seq.num_computed = seq.num_cached = len(pages) * size
         self.reused_tokens += seq.num_cached
@@ -196,6 +199,7 @@ class Scheduler:
             child.num_computed, child.num_cached = parent.num_computed, parent.num_cached
             child.chain = list(parent.chain)
             child.prompt_entries = parent.prompt_entries
+            child.reasoning_open = parent.reasoning_open
             child.phase = Phase.RUNNING
             children.append(child)
         self.running.extend(children)

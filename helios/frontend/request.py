@@ -13,8 +13,9 @@ from helios.config import ServerConfig
 from helios.core import Core
 from helios.core.template import ChatTemplate, TemplateError, check_template_kwargs
 from helios.engine.logprobs import validate_logprob_token_ids
-from helios.engine.request import EngineRequest
+from helios.engine.request import EngineRequest, ReasoningBudget
 from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
+from helios.frontend.parsers.reasoning import reasoning_delimiters, starts_in_reasoning
 from helios.frontend.inference import (
     Conversation,
     ImagePart,
@@ -267,6 +268,9 @@ class Frontend:
         except SamplingRequestError as exc:
             raise RequestError(str(exc), exc.param) from None
         lp = request.logprobs
+        budget = request.thinking_token_budget
+        if budget is None and isinstance(request.input, Conversation):
+            budget = self.config.thinking_token_budget  # the operator default for conversational requests
         return EngineRequest(
             request_id=request_id,
             prompt_ids=prompt.token_ids,
@@ -279,4 +283,18 @@ class Frontend:
             logprob_token_ids=tuple(dict.fromkeys(lp.token_ids)),
             prompt_logprobs=lp.prompt,
             use_prefix_cache=self.config.prefix_cache,
+            reasoning_budget=self.reasoning_budget(budget, prompt.token_ids) if budget is not None else None,
         )
+
+    def reasoning_budget(self, budget: int, prompt_ids: tuple[int, ...]) -> ReasoningBudget | None:
+        """The engine's hard cap, when output starts inside reasoning; None when it starts in content."""
+        syntax = self.manifest.recipe.reasoning_syntax
+        delimiters = reasoning_delimiters(syntax, self.tokenizer) if syntax else None
+        if delimiters is None:
+            raise RequestError("thinking_token_budget needs reasoning syntax with single-token delimiters; "
+                               f"this model's ({syntax or 'none'}) has none", "thinking_token_budget")  # fmt: skip
+        open_id, close_id = delimiters
+        if not starts_in_reasoning(prompt_ids, open_id, close_id):
+            return None
+        implicit = frozenset(t for t in (self.tokenizer.token_to_id("<tool_call>"),) if t is not None)
+        return ReasoningBudget(budget, open_id, close_id, implicit if self.manifest.recipe.tool_syntax else frozenset())

@@ -44,7 +44,8 @@ class ServerState:
         stats = self.client.engine.stats
         values = {name: getattr(stats, name) for name in (
             "prefill_tokens", "generated_tokens", "decode_weight_bytes", "verification_rounds", "active", "pending",
-            "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens")}  # fmt: skip
+            "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
+            "reasoning_budget_cuts")}  # fmt: skip
         values.update(
             verify_steps=stats.steps,
             learned_drafter=False,

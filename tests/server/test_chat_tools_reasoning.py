@@ -102,3 +102,22 @@ def test_history_with_tool_results_renders(client) -> None:
     request, _ = decode({"model": "x", "messages": messages, "tools": [WEATHER, TIME]})
     text = prompt(request.input)
     assert text.index("sunny") < text.index("noon")
+
+
+def test_thinking_budget_forces_the_close_token(client) -> None:
+    # The assistant turn is continued from "<think>\n", so output starts inside reasoning.
+    messages = ASK + [{"role": "assistant", "content": "<think>\n"}]
+    client.say("one two three four five six seven</think>Final answer.")
+    cuts = client.state.client.engine.stats.reasoning_budget_cuts
+    body = client.post("/v1/chat/completions", json={
+        "model": "x", "messages": messages, "max_tokens": 64, "continue_final_message": True,
+        "add_generation_prompt": False, "thinking_token_budget": 3, "logprobs": True}).json()  # fmt: skip
+    choice = body["choices"][0]
+    tokenizer = client.state.frontend.tokenizer
+    reasoning_ids = tokenizer.encode(choice["message"]["reasoning_content"], add_special_tokens=False).ids
+    assert len(reasoning_ids) == 3  # cut at the budget
+    assert client.state.client.engine.stats.reasoning_budget_cuts == cuts + 1
+    # The forced </think> counts as generated but has no logprob entry.
+    assert len(choice["logprobs"]["content"]) == body["usage"]["completion_tokens"] - 1 - 1  # minus EOS, minus forced
+    unsupported = _chat(client, thinking_token_budget=0)
+    assert unsupported.status_code == 400 and unsupported.json()["error"]["param"] == "thinking_token_budget"

