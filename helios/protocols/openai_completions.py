@@ -116,6 +116,11 @@ class Arrays:
             self.text_offset.append(offset)
         self.chars += len(text)
 
+    def since(self, start: int) -> "Arrays":
+        """The entries from `start` on (one stream frame's share)."""
+        return Arrays(self.tokens[start:], self.token_logprobs[start:], self.top_logprobs[start:],
+                      self.text_offset[start:], self.chars)  # fmt: skip
+
     def as_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
                 "text_offset": self.text_offset}  # fmt: skip

@@ -12,9 +12,11 @@ from litestar.response import Stream
 from helios.server import anthropic_routes, openai_routes, responses_routes
 from helios.server.auth import check_key
 from helios.server.body import BodyError, read_body
+from helios.server.discovery_routes import api_show, api_tags
 from helios.server.errors import anthropic_error, openai_error
 from helios.server.metrics import choose_format, json_snapshot, prometheus_text
 from helios.server.responses import HttpError, error_response, json_response, translate
+from helios.server.scoring_routes import decisions_route, systemone_route
 from helios.server.state import ServerState
 
 
@@ -140,7 +142,7 @@ async def count_tokens(request: Request) -> Response:
 def create_app(state: ServerState) -> Litestar:
     app = Litestar(
         route_handlers=[health, metrics, list_models, get_model, chat_completions, completions, responses, messages,
-                        count_tokens],
+                        count_tokens, api_tags, api_show, systemone_route, decisions_route],
         state=State({"helios": state}),
         request_max_body_size=None,  # bounded by read_body, encoded and decoded
         on_shutdown=[lambda: state.client.shutdown()],

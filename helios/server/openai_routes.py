@@ -256,7 +256,6 @@ async def _completion_stream(state: ServerState, request: InferenceRequest, gene
                 elif generation.events is None:
                     yield _sse(openai_completions.chunk(request_id, model, created,
                                                         openai_completions.choice_json(index, "", None, Termination.LENGTH)))  # fmt: skip
-        echoed: set[int] = set()
         async for item in _with_keepalive(state.runner.merged(generations, request_id)):
             if item is None:
                 yield b": keepalive\n\n"
@@ -265,21 +264,19 @@ async def _completion_stream(state: ServerState, request: InferenceRequest, gene
             if delta.finish is Termination.ERROR:
                 yield _sse(openai_error(500, delta.error or "generation failed"))
                 return
-            generation = generations[index // request.n]
             text = ""
-            if index not in arrays:
-                arrays[index] = openai_completions.Arrays() if options.logprobs is not None else None
-            arr = arrays[index]
-            if request.echo and index not in echoed:
-                echoed.add(index)
-                text, echo_arrays = _echo_start(request, generation, options, decoder)
-                if echo_arrays is not None:
-                    arr = arrays[index] = echo_arrays
-            start = len(arr.tokens) if arr is not None else 0
+            if index in arrays:
+                arr = arrays[index]
+                start = len(arr.tokens) if arr is not None else 0
+            else:  # the choice's first frame carries its echo
+                if request.echo:
+                    text, arr = _echo_start(request, generations[index // request.n], options, decoder)
+                else:
+                    arr = openai_completions.Arrays() if options.logprobs is not None else None
+                arrays[index], start = arr, 0
             if arr is not None:
                 arr.add_generated(delta.entries, delta.text, text_offsets(delta.entries, arr.chars))
-            piece = openai_completions.Arrays(arr.tokens[start:], arr.token_logprobs[start:], arr.top_logprobs[start:],
-                                              arr.text_offset[start:]) if arr is not None and not (request.echo and start == 0) else arr  # fmt: skip
+            piece = arr.since(start) if arr is not None else None
             usage = usage_object(usage_of(generations), reasoning=False) if options.continuous_usage else None
             choice = openai_completions.choice_json(index, text + delta.text, piece, delta.finish)
             yield _sse(openai_completions.chunk(request_id, model, created, choice, usage))

@@ -167,3 +167,15 @@ def test_explicit_logprob_token_ids(server: Server, client: openai.OpenAI) -> No
     for entry in out.choices[0].logprobs.content:
         ids = [t.token for t in entry.top_logprobs]
         assert ids[:3] == ["token_id:7", "token_id:3", "token_id:9"] and entry.token.startswith("token_id:")
+
+
+def test_completions_streamed_echo_equals_buffered(server: Server) -> None:
+    body = {"model": "x", "prompt": "Hello there", "max_tokens": 5, "echo": True, "logprobs": 1, "seed": 9,
+            "ignore_eos": True}  # fmt: skip
+    buffered = server.post("/v1/completions", body).json()["choices"][0]
+    events = sse_events(server.post("/v1/completions", {**body, "stream": True}))
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == buffered["text"]
+    tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert tokens == buffered["logprobs"]["tokens"] and offsets == buffered["logprobs"]["text_offset"]

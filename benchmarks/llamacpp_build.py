@@ -1,8 +1,8 @@
 """llama.cpp's own `llama-server`, built from the llama.cpp sources vendored in the PyPI
 sdist of llama-cpp-python (cmake; cached), and an F32 GGUF of the default model.
 
-    python benchmarks/llama_cpp.py build      # prints the llama-server path
-    python benchmarks/llama_cpp.py f32 OUT    # writes the F32 GGUF
+    python benchmarks/llamacpp_build.py build      # prints the llama-server path
+    python benchmarks/llamacpp_build.py f32 OUT    # writes the F32 GGUF
 """
 
 from __future__ import annotations

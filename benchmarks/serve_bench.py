@@ -1,0 +1,185 @@
+"""Load generator for any OpenAI-compatible server (helios, llama-server, vLLM, ...).
+
+    python benchmarks/serve_bench.py http://127.0.0.1:8000 [--model M] [--scenario all] [--json out.json]
+
+Scenarios (prompts are fixed and seeded, so runs are comparable):
+  single   one stream, 128 output tokens
+  sweep    concurrency 1/4/16/32/64 of short chats, 128 output tokens each
+  prefix   a 1,500-token shared system prompt with distinct user turns: cold vs warm TTFT
+  prefill  a 2,000-token prompt, 1 output token
+Reports output tokens/s, requests/s, TTFT p50/p99, inter-token latency p50/p99, errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+WORDS = ("river stone light market engine garden winter signal harbor paper mountain silver window story "
+         "number forest candle bridge machine orange letter ocean thunder planet music shadow circle").split()  # fmt: skip
+OUTPUT_TOKENS = 128
+CONCURRENCY = (1, 4, 16, 32, 64)
+
+
+def filler(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def short_chat(index: int) -> list[dict]:
+    return [{"role": "user", "content": f"Write a short story about {filler(6, index)}. Request {index}."}]
+
+
+@dataclass
+class Sample:
+    ok: bool
+    ttft: float = 0.0  # seconds to the first content token
+    latency: float = 0.0
+    tokens: int = 0  # completion tokens (usage when reported, else content chunks)
+    prompt_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)  # seconds between content chunks
+    error: str = ""
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> Sample:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0.2,
+            "ignore_eos": True, "stream_options": {"include_usage": True}, "seed": 1}  # fmt: skip
+    start = time.perf_counter()
+    sample = Sample(ok=False)
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                sample.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return sample
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                data = json.loads(line[5:])
+                if data.get("usage"):
+                    sample.tokens = data["usage"].get("completion_tokens", 0)
+                    sample.prompt_tokens = data["usage"].get("prompt_tokens", 0)
+                for choice in data.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        if last is None:
+                            sample.ttft = now - start
+                        else:
+                            sample.gaps.append(now - last)
+                        last = now
+                        chunks += 1
+    except httpx.HTTPError as exc:
+        sample.error = repr(exc)
+        return sample
+    sample.latency = time.perf_counter() - start
+    sample.tokens = sample.tokens or chunks
+    sample.ok = True
+    return sample
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def summarize(samples: list[Sample], wall: float) -> dict:
+    ok = [s for s in samples if s.ok]
+    gaps = [g for s in ok for g in s.gaps]
+    tokens = sum(s.tokens for s in ok)
+    return {
+        "requests": len(samples), "errors": len(samples) - len(ok), "wall_s": round(wall, 3),
+        "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1) if wall else 0.0,
+        "requests_s": round(len(ok) / wall, 2) if wall else 0.0,
+        "ttft_p50_ms": round(_percentile([s.ttft for s in ok], 0.5) * 1000, 1),
+        "ttft_p99_ms": round(_percentile([s.ttft for s in ok], 0.99) * 1000, 1),
+        "itl_p50_ms": round(_percentile(gaps, 0.5) * 1000, 2), "itl_p99_ms": round(_percentile(gaps, 0.99) * 1000, 2),
+        "prompt_tokens": round(statistics.mean(s.prompt_tokens for s in ok)) if ok else 0,
+        "first_error": next((s.error for s in samples if not s.ok), ""),
+    }  # fmt: skip
+
+
+async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2) -> dict:
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await one_request(client, url, model, short_chat(-1), 8)  # warm-up
+        start = time.perf_counter()
+        samples = await asyncio.gather(*(one_request(client, url, model, short_chat(i), OUTPUT_TOKENS)
+                                         for i in range(concurrency * rounds)))  # fmt: skip
+        return summarize(list(samples), time.perf_counter() - start)
+
+
+async def single(url: str, model: str) -> dict:
+    return await concurrent(url, model, 1, rounds=3)
+
+
+async def prefix_reuse(url: str, model: str, turns: int = 4) -> dict:
+    system = "You are a careful assistant. Reference notes: " + filler(1150, 7)
+    async with httpx.AsyncClient(timeout=600) as client:
+        samples = []
+        for turn in range(turns + 1):
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}: {filler(8, turn)}?"}]
+            samples.append(await one_request(client, url, model, messages, 8))
+    cold, warm = samples[0], samples[1:]
+    warm_ttft = statistics.median(s.ttft for s in warm if s.ok) if any(s.ok for s in warm) else 0.0
+    return {"prompt_tokens": cold.prompt_tokens, "cold_ttft_ms": round(cold.ttft * 1000, 1),
+            "warm_ttft_ms": round(warm_ttft * 1000, 1),
+            "warm_over_cold": round(warm_ttft / cold.ttft, 3) if cold.ttft else None,
+            "errors": sum(not s.ok for s in samples)}  # fmt: skip
+
+
+async def prefill(url: str, model: str) -> dict:
+    messages = [{"role": "user", "content": "Summarize: " + filler(1530, 11)}]
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one_request(client, url, model, [{"role": "user", "content": "hi"}], 1)
+        samples = [await one_request(client, url, model, [{"role": "user", "content": f"{i} " + messages[0]["content"]}], 1)
+                   for i in range(3)]  # fmt: skip
+    ok = [s for s in samples if s.ok]
+    best = min(ok, key=lambda s: s.latency) if ok else None
+    return {"prompt_tokens": best.prompt_tokens if best else 0,
+            "latency_ms": round(best.latency * 1000, 1) if best else None,
+            "prefill_tok_s": round(best.prompt_tokens / best.latency, 1) if best and best.latency else 0.0,
+            "errors": len(samples) - len(ok)}  # fmt: skip
+
+
+async def run(url: str, model: str, scenarios: list[str], levels: tuple[int, ...] = CONCURRENCY) -> dict:
+    report: dict = {"url": url}
+    if "single" in scenarios:
+        report["single"] = await single(url, model)
+    if "sweep" in scenarios:
+        report["sweep"] = {str(c): await concurrent(url, model, c) for c in levels}
+    if "prefix" in scenarios:
+        report["prefix"] = await prefix_reuse(url, model)
+    if "prefill" in scenarios:
+        report["prefill"] = await prefill(url, model)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("url")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--scenario", default="all", help="single, sweep, prefix, prefill or all (comma-separated)")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    scenarios = ["single", "sweep", "prefix", "prefill"] if args.scenario == "all" else args.scenario.split(",")
+    report = asyncio.run(run(args.url.rstrip("/"), args.model, scenarios))
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+
+
+__all__ = ["Sample", "asdict", "run"]
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""TypeSafe System One (POST /v1/systemone): wire JSON <-> scoring questions, Jev answers.
+
+Schema failures are FastAPI/pydantic-style 422 bodies: {"detail": [{type, loc, msg,
+input, ctx?}]} with loc starting at "body" (spec/decisions-notes.md §3). Unknown fields
+are ignored, as the live service does; confidence uses the Jev formulas.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from helios.frontend.scoring import (
+    MAX_LEVELS,
+    MAX_OPTIONS,
+    MAX_QUESTIONS,
+    LabelRead,
+    Option,
+    QuestionSpec,
+    ScoringUsage,
+    binary_question,
+    choice_confidence,
+    expected_score,
+    first_argmax,
+    score_confidence,
+)
+
+TAGS = ("noul", "choice", "score")
+ASSETS_HEADER = "typesafe-danger-zone-images"
+
+
+class SchemaError(Exception):
+    """422: the body does not match the System One schema; `entries` are the detail list."""
+
+    def __init__(self, entries: list[dict[str, Any]]) -> None:
+        super().__init__("; ".join(e["msg"] for e in entries))
+        self.entries = entries
+
+    def body(self) -> dict[str, Any]:
+        return {"detail": self.entries}
+
+
+@dataclass(frozen=True, slots=True)
+class SystemOneQuestion:
+    key: str  # caller-chosen id; answers come back under it
+    tag: str  # "noul" | "choice" | "score"
+    spec: QuestionSpec
+    names: tuple[str, ...] = ()  # choice: criteria keys in order
+    legend: tuple[Any, ...] = ()  # score: the original levels, lowest first
+
+
+@dataclass(frozen=True, slots=True)
+class SystemOneRequest:
+    model: str
+    state: str  # rendered: text verbatim, structured JSON serialized
+    questions: tuple[SystemOneQuestion, ...]
+
+
+@dataclass
+class _Errors:
+    entries: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, type: str, loc: list[Any], msg: str, value: Any, ctx: dict[str, Any] | None = None) -> None:
+        entry: dict[str, Any] = {"type": type, "loc": ["body", *loc], "msg": msg, "input": value}
+        if ctx is not None:
+            entry["ctx"] = ctx
+        self.entries.append(entry)
+
+    def missing(self, loc: list[Any], value: Any) -> None:
+        self.add("missing", loc, "Field required", value)
+
+    def structured(self, loc: list[Any], value: Any) -> bool:
+        """string | object | array, reported per union branch as pydantic does."""
+        if isinstance(value, (str, dict, list)):
+            return True
+        self.add("string_type", [*loc, "str"], "Input should be a valid string", value)
+        self.add("dict_type", [*loc, "dict[any,any]"], "Input should be a valid dictionary", value)
+        self.add("list_type", [*loc, "list[any]"], "Input should be a valid list", value)
+        return False
+
+    def length(self, loc: list[Any], value: Any, kind: str, low: int, high: int) -> bool:
+        size = len(value)
+        if low <= size <= high:
+            return True
+        short = size < low
+        bound = low if short else high
+        self.add("too_short" if short else "too_long", loc,
+                 f"{kind} should have at {'least' if short else 'most'} {bound} item{'s' if bound != 1 else ''} "
+                 f"after validation, not {size}", value,
+                 {"field_type": kind, ("min_length" if short else "max_length"): bound, "actual_length": size})  # fmt: skip
+        return False
+
+
+def as_text(value: Any) -> str:
+    """What the model reads for a string/object/array value: text verbatim, JSON otherwise."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _noul(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQuestion | None:
+    loc = ["questions", key, "noul"]
+    instructions = question.get("instructions")
+    criteria = question.get("criteria")
+    ok = instructions is None or errors.structured([*loc, "instructions"], instructions)
+    sides: dict[str, str | None] = {"true": None, "false": None}
+    if criteria is not None:
+        if not isinstance(criteria, dict):
+            errors.add("dict_type", [*loc, "criteria"], "Input should be a valid dictionary", criteria)
+            return None
+        for side in sides:
+            value = criteria.get(side)
+            if value is None:
+                continue
+            if errors.structured([*loc, "criteria", side], value):
+                sides[side] = as_text(value)
+            else:
+                ok = False
+    if instructions is None and not any(sides.values()):
+        errors.add("missing", [*loc, "instructions"], "Noul question must have criteria or instructions", question)
+        return None
+    if not ok:
+        return None
+    spec = binary_question(None if instructions is None else as_text(instructions), sides["true"], sides["false"])
+    return SystemOneQuestion(key, "noul", spec)
+
+
+def _instructions(loc: list[Any], question: dict[str, Any], errors: _Errors) -> tuple[bool, str | None]:
+    """(valid, rendered text); instructions are optional for choice and score questions."""
+    value = question.get("instructions")
+    if value is None:
+        return True, None
+    if not errors.structured([*loc, "instructions"], value):
+        return False, None
+    return True, as_text(value)
+
+
+def _choice(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQuestion | None:
+    loc = ["questions", key, "choice"]
+    ok, instructions = _instructions(loc, question, errors)
+    if "criteria" not in question:
+        errors.missing([*loc, "criteria"], question)
+        return None
+    criteria = question["criteria"]
+    if not isinstance(criteria, dict):
+        errors.add("dict_type", [*loc, "criteria"], "Input should be a valid dictionary", criteria)
+        return None
+    ok = errors.length([*loc, "criteria"], criteria, "Dictionary", 1, MAX_OPTIONS) and ok
+    options = []
+    for name, description in criteria.items():
+        if description is not None and not errors.structured([*loc, "criteria", name], description):
+            ok = False
+            continue
+        options.append(Option(name, None if description is None else as_text(description)))
+    if not ok:
+        return None
+    return SystemOneQuestion(key, "choice", QuestionSpec("choice", instructions, tuple(options)), tuple(criteria))
+
+
+def _score(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQuestion | None:
+    loc = ["questions", key, "score"]
+    ok, instructions = _instructions(loc, question, errors)
+    if "criteria" not in question:
+        errors.missing([*loc, "criteria"], question)
+        return None
+    levels = question["criteria"]
+    if not isinstance(levels, list):
+        errors.add("list_type", [*loc, "criteria"], "Input should be a valid list", levels)
+        return None
+    ok = errors.length([*loc, "criteria"], levels, "List", 1, MAX_LEVELS) and ok
+    for index, level in enumerate(levels):
+        ok = errors.structured([*loc, "criteria", index], level) and ok
+    if not ok:
+        return None
+    spec = QuestionSpec("score", instructions, tuple(Option(as_text(level)) for level in levels))
+    return SystemOneQuestion(key, "score", spec, legend=tuple(levels))
+
+
+_DECODERS = {"noul": _noul, "choice": _choice, "score": _score}
+
+
+def _question(key: str, question: Any, errors: _Errors) -> SystemOneQuestion | None:
+    loc = ["questions", key]
+    if not isinstance(question, dict):
+        errors.add("model_attributes_type", loc, "Input should be a valid dictionary or object to extract fields from",
+                   question)  # fmt: skip
+        return None
+    tag = question.get("type")
+    if tag is None:
+        errors.add("union_tag_not_found", loc, "Unable to extract tag using discriminator 'type'", question,
+                   {"discriminator": "'type'"})  # fmt: skip
+        return None
+    if tag not in TAGS:
+        expected = ", ".join(f"'{t}'" for t in TAGS)
+        errors.add("union_tag_invalid", loc,
+                   f"Input tag {tag!r} found using 'type' does not match any of the expected tags: {expected}",
+                   question, {"discriminator": "'type'", "tag": str(tag), "expected_tags": expected})  # fmt: skip
+        return None
+    return _DECODERS[tag](key, question, errors)
+
+
+def decode(body: dict[str, Any]) -> SystemOneRequest:
+    """The request, or SchemaError with every problem found."""
+    errors = _Errors()
+    model = body.get("model")
+    if "model" not in body:
+        errors.missing(["model"], body)
+    elif not isinstance(model, str):
+        errors.add("string_type", ["model"], "Input should be a valid string", model)
+    if "state" not in body:
+        errors.missing(["state"], body)
+    else:
+        errors.structured(["state"], body["state"])
+    decoded: list[SystemOneQuestion] = []
+    questions = body.get("questions")
+    if "questions" not in body:
+        errors.missing(["questions"], body)
+    elif not isinstance(questions, dict):
+        errors.add("dict_type", ["questions"], "Input should be a valid dictionary", questions)
+    elif errors.length(["questions"], questions, "Dictionary", 1, MAX_QUESTIONS):
+        decoded = [q for key, value in questions.items() if (q := _question(key, value, errors)) is not None]
+    if errors.entries:
+        raise SchemaError(errors.entries)
+    return SystemOneRequest(model, as_text(body["state"]), tuple(decoded))
+
+
+def uses_assets(body: dict[str, Any]) -> bool:
+    """Whether the request carries image assets (accepted only with a vision core)."""
+    return body.get("assets") not in (None, {}, [])
+
+
+# ---------------------------------------------------------------------------- answers
+def answer(question: SystemOneQuestion, read: LabelRead) -> dict[str, Any]:
+    p = read.probabilities
+    if question.tag == "noul":
+        return {"type": "noul", "noul": p[0]}
+    if question.tag == "choice":
+        return {"type": "choice", "choice": question.names[first_argmax(p)],
+                "probabilities": dict(zip(question.names, p)), "confidence": choice_confidence(p)}  # fmt: skip
+    return {"type": "score", "score": expected_score(p), "legend": {str(i): level for i, level in enumerate(question.legend)},
+            "probabilities": {str(i): value for i, value in enumerate(p)}, "confidence": score_confidence(p)}  # fmt: skip
+
+
+def response(model: str, request: SystemOneRequest, reads: list[LabelRead], usage: ScoringUsage) -> dict[str, Any]:
+    answers = {q.key: answer(q, read) for q, read in zip(request.questions, reads, strict=True)}
+    return {"model": model, "answers": answers,
+            "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}}  # fmt: skip

@@ -1,0 +1,48 @@
+"""Request plumbing for the discovery and scoring routes: state, bearer auth, JSON bodies.
+
+These mirror app.py's private helpers (which those routes cannot import: app.py imports
+them), built on the same auth and body modules so the rules stay in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request
+
+from helios.server.auth import check_key
+from helios.server.body import BodyError, read_body
+from helios.server.responses import HttpError
+from helios.server.state import ServerState
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.helios
+
+
+def authorize(request: Request) -> None:
+    """Bearer auth (OpenAI routes' rule); raises a 401 HttpError."""
+    problem = check_key(state_of(request).config.api_key, request.headers.get("authorization"), None,
+                        allow_x_api_key=False)  # fmt: skip
+    if problem is not None:
+        raise HttpError(401, problem)
+
+
+async def read_json(request: Request, *, compressed: bool = True) -> Any:
+    """The decoded JSON body, bounded by max_body_bytes; any JSON value (callers check the shape).
+
+    compressed=False refuses every Content-Encoding but identity with 415.
+    """
+    state = state_of(request)
+    encoding = request.headers.get("content-encoding")
+    if not compressed and (encoding or "identity").strip().lower() not in ("", "identity"):
+        raise HttpError(415, f"Unsupported Content-Encoding {encoding.strip()!r}: this route accepts identity only")
+    try:
+        raw = await read_body(request.stream(), encoding, state.config.max_body_bytes, state.pool)
+    except BodyError as exc:
+        raise HttpError(exc.status, exc.message) from None
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, f"the request body is not valid JSON: {exc}") from None

@@ -1,0 +1,94 @@
+"""POST /v1/systemone and POST /v1/decisions: decode, compile, read labels, encode.
+
+Both routes share one scorer (helios/frontend/scoring.py). System One schema failures are
+422 detail lists; every other failure uses the Chat Completions error format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from litestar import Request, Response, post
+
+from helios.frontend.generate import new_request_id
+from helios.frontend.scoring import LabelRead, QuestionSpec, ScoringUsage, compile_questions, read_labels
+from helios.protocols import decisions, systemone
+from helios.server.openai_routes import _admit
+from helios.server.responses import HttpError, error_response, json_response, translate
+from helios.server.route_io import authorize, read_json, state_of
+from helios.server.state import ServerState
+
+TEXT_ONLY = "this model is text-only (its core has no vision program): image assets need a vision core"
+
+
+def _multipart(request: Request) -> bool:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower() == "multipart/form-data"
+
+
+def _check_assets(request: Request, has_assets: bool) -> None:
+    """Images need TypeSafe-Danger-Zone-Images: true and a vision core; no vision cores exist
+    yet, so any asset (base64 or multipart) is refused once the request is understood."""
+    if not has_assets:
+        return
+    if request.headers.get(systemone.ASSETS_HEADER, "").strip().lower() != "true":
+        raise HttpError(400, "image assets require the TypeSafe-Danger-Zone-Images: true header and a vision core")
+    raise HttpError(400, TEXT_ONLY)
+
+
+async def _body(request: Request) -> dict:
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object")
+    return body
+
+
+async def _score(state: ServerState, text: str, questions: Sequence[tuple[str, QuestionSpec]],
+                 request_id: str) -> tuple[list[LabelRead], ScoringUsage]:  # fmt: skip
+    """Compile off the event loop, then hold one admission slot while the questions run in turn."""
+    compiled = await state.in_pool(compile_questions, state.frontend, text, questions)
+    reservation = _admit(state, 1)
+    try:
+        return await read_labels(state.frontend, state.runner, compiled, request_id)
+    finally:
+        reservation.release()
+
+
+@post("/v1/systemone", status_code=200)
+async def systemone_route(request: Request) -> Response:
+    request_id = new_request_id("sysone")
+    try:
+        authorize(request)
+        if _multipart(request):
+            encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise HttpError(415, "multipart/form-data bodies must not be compressed (Content-Encoding: identity)")
+            _check_assets(request, True)
+        body = await _body(request)
+        _check_assets(request, systemone.uses_assets(body))
+        decoded = systemone.decode(body)
+        state = state_of(request)
+        questions = [(f"questions.{q.key}", q.spec) for q in decoded.questions]
+        reads, usage = await _score(state, decoded.state, questions, request_id)
+        body_out = systemone.response(state.model.public_id, decoded, reads, usage)
+        return json_response(body_out, headers={"x-request-id": request_id})
+    except systemone.SchemaError as exc:
+        return json_response(exc.body(), 422)
+    except Exception as exc:  # noqa: BLE001 - every other failure is a Chat Completions-style error
+        return error_response(translate(exc))
+
+
+@post("/v1/decisions", status_code=200)
+async def decisions_route(request: Request) -> Response:
+    request_id = new_request_id("decision")
+    try:
+        authorize(request)
+        if _multipart(request):
+            raise HttpError(400, "multipart/form-data is not supported on /v1/decisions (text input only)")
+        decoded = decisions.decode(await _body(request))
+        state = state_of(request)
+        questions = [(f"questions.{i}", q.spec) for i, q in enumerate(decoded.questions)]
+        reads, usage = await _score(state, decoded.text, questions, request_id)
+        body_out = decisions.response(state.model.public_id, decoded, reads, usage)
+        return json_response(body_out, headers={"x-request-id": request_id})
+    except Exception as exc:  # noqa: BLE001
+        return error_response(translate(exc))
