@@ -10,83 +10,54 @@ from litestar import Response
 from litestar.response import Stream
 
 from helios.frontend.events import Accumulator, FinishEvent
-from helios.frontend.generate import Generation, new_request_id, usage_of
 from helios.frontend.inference import Termination
 from helios.protocols import openai_responses as rs
-from helios.server.openai_routes import SSE_HEADERS, _admit, _collect, _failure, _prepare, _record_first, _with_keepalive
+from helios.server.generation import Run, accumulate, finish_of, start
 from helios.server.responses import HttpError, json_response, translate
 from helios.server.state import ServerState
 
 
 async def responses(state: ServerState, body: dict[str, Any]) -> Response | Stream:
     request, options = rs.decode(body)
-    prompts, limits = await _prepare(state, request, [request.input])
-    reservation = _admit(state, 1)
-    response_id = new_request_id("resp")
+    run = await start(state, request, [request.input], "resp")
     created = int(time.time())
-    admitted = time.monotonic()
-    try:
-        generations = state.runner.submit(request, prompts, response_id, limits)
-    except BaseException:
-        reservation.release()
-        raise
-    ids = {"x-request-id": response_id}
     if request.stream:
-        stream = _stream(state, generations, response_id, created, options, reservation, admitted)
-        return Stream(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **ids})
+        return run.stream(_events(run, created, options))
+    acc = accumulate((await run.collect()).get(0, []))
     try:
-        items = await _collect(state, generations, response_id)
-    finally:
-        reservation.release()
-    problem = _failure(items)
-    if problem is not None:
-        raise HttpError(500, problem, headers=ids)
-    _record_first(state, admitted)
-    acc = Accumulator()
-    for _, _, events in items.get(0, []):
-        for event in events:
-            acc.push(event)
-    try:
-        body_out = rs.response_json(response_id, created, acc, usage_of(generations), options, rs.status_of(acc.finish))
-    except rs.OutputValidationError as exc:
-        raise HttpError(500, str(exc), headers=ids) from None
-    return json_response(body_out, headers=ids)
+        body_out = rs.response_json(run.request_id, created, acc, run.usage(), options, rs.status_of(acc.finish))
+    except rs.OutputValidationError as exc:  # e.g. a custom tool call outside its grammar
+        raise HttpError(500, str(exc), headers=run.headers) from None
+    return json_response(body_out, headers=run.headers)
 
 
-async def _stream(state: ServerState, generations: list[Generation], response_id: str, created: int, options,
-                  reservation, admitted: float) -> AsyncIterator[bytes]:  # fmt: skip
-    encoder = rs.ResponsesStream(response_id, created, options)
+async def _events(run: Run, created: int, options) -> AsyncIterator[bytes]:
+    encoder = rs.ResponsesStream(run.request_id, created, options)
     acc = Accumulator()
+    finish: FinishEvent | None = None
     for event in encoder.start():
         yield rs.sse(event)
-    finish: FinishEvent | None = None
-    first = True
     try:
-        async for item in _with_keepalive(state.runner.merged(generations, response_id)):
+        async for item in run.items():
             if item is None:
                 yield b": keepalive\n\n"
                 continue
             _, _, events = item
-            if first:
-                first = False
-                _record_first(state, admitted)
+            run.first_output()
             for event in events:
                 acc.push(event)
-                if isinstance(event, FinishEvent):
-                    finish = event
+            finish = finish_of(events) or finish
             if finish is not None and finish.termination is Termination.ERROR:
-                for event in encoder.error(finish.error or "generation failed", usage_of(generations)):
+                for event in encoder.error(finish.error or "generation failed", run.usage()):
                     yield rs.sse(event)
                 return
             for event in encoder.push(events):
                 yield rs.sse(event)
-        for event in encoder.finish(finish or FinishEvent(Termination.EOS), acc, usage_of(generations)):
+        for event in encoder.finish(finish or FinishEvent(Termination.EOS), acc, run.usage()):
             yield rs.sse(event)
     except rs.OutputValidationError as exc:
-        for event in encoder.error(str(exc), usage_of(generations)):
+        for event in encoder.error(str(exc), run.usage()):
             yield rs.sse(event)
     except Exception as exc:  # noqa: BLE001 - after the headers, errors are terminal events
         for event in encoder.error(translate(exc).message):
             yield rs.sse(event)
-    finally:
-        reservation.release()
