@@ -7,14 +7,18 @@ request needs. Delimiters that are single tokens act only when generated as that
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from helios.frontend.events import SemanticEvent, TextEvent
+from helios.frontend.events import ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
+from helios.frontend.inference import ToolSpec
 from helios.frontend.output import Piece
-from helios.frontend.parsers.reasoning import ReasoningSplitter, reasoning_delimiters
-from helios.frontend.parsers.tools import ToolParser, tool_parser
+from helios.frontend.parsers.markup import Marks, Span
+from helios.frontend.parsers.reasoning import SYNTAXES as REASONING_SYNTAXES
+from helios.frontend.parsers.reasoning import ReasoningSplitter
+from helios.frontend.parsers.tools import ToolParser, tool_parser, tool_spellings
 
 
 class UnsupportedSyntax(ValueError):
@@ -25,37 +29,60 @@ class UnsupportedSyntax(ValueError):
 class OutputParser:
     reasoning: ReasoningSplitter | None
     tools: ToolParser | None
+    marks: Marks
 
     def feed(self, piece: Piece) -> list[SemanticEvent]:
-        events: list[SemanticEvent] = []
-        for event in self.reasoning.feed(piece) if self.reasoning else [TextEvent(piece.text, _entries(piece))]:
-            if isinstance(event, TextEvent) and self.tools is not None:
-                events += self.tools.feed(event, piece.token_id)
-            else:
-                events.append(event)
-        return events
+        text = self.marks.encode(piece.text, piece.token_id)
+        entries = (piece.entry,) if piece.entry is not None else ()
+        was_inside = self.reasoning is not None and self.reasoning.inside
+        spans = self.reasoning.feed(text, entries, piece.token_id) if self.reasoning else [Span("text", text, entries)]
+        events = self._events(self.tools.feed(spans) if self.tools else spans)
+        if self.reasoning is not None and self.tools is not None and self.tools.ended_reasoning:
+            self.reasoning.end()
+        # Usage counts the events that carry reasoning: exactly one per token read as reasoning.
+        counted = was_inside or (self.reasoning is not None and self.reasoning.inside)
+        return _one_reasoning_event(events, counted)
 
     def finish(self, truncated: bool) -> list[SemanticEvent]:
-        return self.tools.finish(truncated) if self.tools else []
+        spans = self.reasoning.flush() if self.reasoning else []
+        if self.tools is None:
+            return self._events(spans)
+        return self._events(self.tools.feed(spans) + self.tools.finish(truncated))
+
+    def _events(self, items: Iterable[Span | ToolCallEvent]) -> list[SemanticEvent]:
+        events: list[SemanticEvent] = []
+        for item in items:
+            if isinstance(item, ToolCallEvent):
+                events.append(item)
+            elif item.kind == "reasoning":
+                events.append(ReasoningEvent(self.marks.decode(item.text), item.entries))
+            else:
+                events.append(TextEvent(self.marks.decode(item.text), item.entries))
+        return events
 
 
-def _entries(piece: Piece) -> tuple:
-    return (piece.entry,) if piece.entry is not None else ()
+def _one_reasoning_event(events: list[SemanticEvent], counted: bool) -> list[SemanticEvent]:
+    positions = [i for i, e in enumerate(events) if isinstance(e, ReasoningEvent)]
+    if not positions:
+        return [*events, ReasoningEvent("")] if counted else events
+    if len(positions) == 1:
+        return events
+    parts = [events[i] for i in positions]
+    merged = ReasoningEvent("".join(e.text for e in parts), tuple(x for e in parts for x in e.entries))  # type: ignore[union-attr]
+    return [merged if i == positions[0] else e for i, e in enumerate(events) if i == positions[0] or i not in positions]
 
 
 def build_parser(tokenizer: Tokenizer, reasoning_syntax: str | None, tool_syntax: str | None,
-                 prompt_ids: tuple[int, ...], tools_enabled: bool) -> OutputParser:  # fmt: skip
-    reasoning = None
-    if reasoning_syntax is not None:
-        delimiters = reasoning_delimiters(reasoning_syntax, tokenizer)
-        if delimiters is None:
-            raise UnsupportedSyntax(f"no parser for reasoning syntax {reasoning_syntax!r}")
-        reasoning = ReasoningSplitter(*delimiters, prompt_ids=prompt_ids)
-    tools = None
-    if tool_syntax is not None and tools_enabled:
-        tools = tool_parser(tool_syntax, tokenizer)
-        if tools is None:
-            raise UnsupportedSyntax(f"no parser for tool syntax {tool_syntax!r}")
-        if reasoning is not None:
-            reasoning.implicit_close_ids = tools.opener_ids
-    return OutputParser(reasoning, tools)
+                 prompt_ids: tuple[int, ...], tools_enabled: bool, tools: Iterable[ToolSpec] = ()) -> OutputParser:  # fmt: skip
+    """The parser of one choice; `tools` (the declared tools) guide argument conversion."""
+    delimiters = REASONING_SYNTAXES.get(reasoning_syntax) if reasoning_syntax else None
+    if reasoning_syntax and delimiters is None:
+        raise UnsupportedSyntax(f"no parser for reasoning syntax {reasoning_syntax!r}")
+    tools_on = bool(tool_syntax) and tools_enabled
+    if tools_on and not tool_spellings(tool_syntax or ""):
+        raise UnsupportedSyntax(f"no parser for tool syntax {tool_syntax!r}")
+    spellings = (delimiters.spellings if delimiters else ()) + (tool_spellings(tool_syntax or "") if tools_on else ())
+    marks = Marks(tokenizer, spellings)
+    reasoning = ReasoningSplitter(delimiters, marks, tokenizer, prompt_ids) if delimiters else None
+    parser = tool_parser(tool_syntax or "", tokenizer, tools, marks) if tools_on else None
+    return OutputParser(reasoning, parser, marks)
