@@ -161,6 +161,8 @@ def export_program(fam: ModuleType, config: object, kind: str, num_top: int, exp
     args = (weights, caches, *_example_inputs(inputs, config.vocab_size, page_tokens))  # type: ignore[attr-defined]
     exported = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(weights, len(caches), inputs))
     exported.example_inputs = None  # otherwise the example weights are saved with the graph
+    for node in exported.graph.nodes:  # source paths and line numbers would make the bytes machine-specific
+        node.meta.pop("stack_trace", None)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(exported, str(path))
     return mf.ProgramSpec(file=str(path.relative_to(path.parent.parent)), inputs=inputs, outputs=outputs)

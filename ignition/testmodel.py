@@ -57,9 +57,10 @@ CHATS = {
 def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None = None) -> Path:
     if family_name not in FAMILIES:
         raise UsageError(f"no test model for family {family_name!r} (supported: {', '.join(sorted(FAMILIES))})")
+    fam = FAMILIES[family_name]
+    chat = chat or fam.TEST_CHAT  # a family may default to a chat flavour (Qwen3's own tokens)
     if chat is not None and chat not in CHATS:
         raise UsageError(f"no chat flavour {chat!r} (supported: {', '.join(sorted(CHATS))})")
-    fam = FAMILIES[family_name]
     specials = CHATS[chat]["special_tokens"] if chat else fam.TEST_SPECIAL_TOKENS
     roles = CHATS[chat]["roles"] if chat else fam.TEST_TOKEN_ROLES
     template = (DATA / CHATS[chat]["template"]).read_text(encoding="utf-8") if chat else fam.TEST_CHAT_TEMPLATE

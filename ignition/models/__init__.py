@@ -1,17 +1,20 @@
 """Architecture families ignition can compile; one module per family.
 
 Each family module provides: FAMILY, HF_ARCHITECTURES, HF_MODEL_TYPES, GGUF_ARCHITECTURES,
-WEIGHT_MAP, FUSED, GGUF_WEIGHT_MAP, config_from_hf, hf_config_from_gguf, gguf_tensor_fixup,
-kv_shape, decode_weight_bytes, StepProgram, reference_logits, testmodel_config.
+WEIGHT_MAP, FUSED, config_from_hf, kv_shape, decode_weight_bytes, StepProgram,
+reference_logits, and for test checkpoints testmodel_config, hf_shapes and TEST_CHAT (a
+chat flavour of ignition.testmodel.CHATS, or None for its own TEST_SPECIAL_TOKENS,
+TEST_TOKEN_ROLES and TEST_CHAT_TEMPLATE). Families that read GGUF (non-empty
+GGUF_ARCHITECTURES) also provide GGUF_WEIGHT_MAP, hf_config_from_gguf, gguf_tensor_fixup.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from ignition.models import llama
+from ignition.models import llama, qwen3, qwen3_moe
 
-FAMILIES: dict[str, ModuleType] = {llama.FAMILY: llama}
+FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe)}
 
 
 def family(name: str) -> ModuleType:

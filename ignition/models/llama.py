@@ -6,15 +6,16 @@ graph without weights; attention goes through the flare:: paged-KV ops.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models.heads import generation_outputs, prompt_outputs
+from ignition.models import common
+from ignition.models.common import (
+    ATTENTION_WEIGHT_MAP, DecoderProgram, attention_shapes, decode_weight_bytes, decoder_shapes, kv_shape,
+    reference_swiglu,
+)  # fmt: skip  (kv_shape, decode_weight_bytes: the family interface, shared)
 
 FAMILY = "llama"
 HF_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -23,15 +24,7 @@ GGUF_ARCHITECTURES = ("llama",)
 
 # Hugging Face checkpoint name -> internal name (stored in the core's safetensors).
 WEIGHT_MAP = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attn_norm",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.wq",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.wk",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.wv",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.wo",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm",
+    **ATTENTION_WEIGHT_MAP,
     "model.layers.{}.mlp.gate_proj.weight": "layers.{}.w_gate",
     "model.layers.{}.mlp.up_proj.weight": "layers.{}.w_up",
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.w_down",
@@ -138,132 +131,13 @@ def _unpermute(weight: Tensor, num_heads: int) -> Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def kv_shape(config: LlamaConfig) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of the paged cache."""
-    return config.num_layers, config.num_kv_heads, config.head_dim
-
-
-def decode_weight_bytes(config: LlamaConfig, weights: dict[str, Tensor]) -> int:
-    """Weights read per decode token: everything but the embedding table (one row is read),
-    except when tied, where the table is the output projection and is read whole."""
-    total = sum(t.numel() * t.element_size() for t in weights.values())
-    if "lm_head" in weights:
-        total -= weights["embed"].numel() * weights["embed"].element_size()
-    return total
-
-
-# ---------------------------------------------------------------------------- step program
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-class StepProgram(torch.nn.Module):
-    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature."""
-
-    def __init__(self, config: LlamaConfig, num_top: int, explicit_ids: bool, scored: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.num_top = num_top
-        self.explicit_ids = explicit_ids
-        self.scored = scored
-
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        # The optional inputs follow program_signature's order: logprob_token_ids, then target_ids.
-        extra = [t for t in (extra_1, extra_2) if t is not None]
-        logprob_ids = extra.pop(0) if self.explicit_ids else None
-        target_ids = extra.pop(0) if self.scored else None
-        c = self.config
-        x = F.embedding(token_ids, weights["embed"])
-        cos, sin = _rope(positions, c.head_dim, c.rope_theta, x.dtype)
-        q_dim = c.num_heads * c.head_dim
-        scale = 1.0 / math.sqrt(c.head_dim)
-        for i in range(c.num_layers):
-            h = _rms_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps)
-            q, k, v = F.linear(h, weights[f"layers.{i}.wqkv"]).split([q_dim, c.kv_dim, c.kv_dim], dim=-1)
-            q = q.reshape(-1, c.num_heads, c.head_dim)
-            k = k.reshape(-1, c.num_kv_heads, c.head_dim)
-            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
-            torch.ops.flare.write_kv(k_cache, v_cache, k, v, slot_mapping)
-            attn = torch.ops.flare.paged_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale
-            )
-            x = x + F.linear(attn.reshape(-1, q_dim), weights[f"layers.{i}.wo"])
-            h = _rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps)
-            gate, up = F.linear(h, weights[f"layers.{i}.w_gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, weights[f"layers.{i}.w_down"])
-        x = _rms_norm(x, weights["norm"], c.rms_norm_eps)
-        lm_head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
-        outputs = generation_outputs(x[logits_indices], lm_head, self.num_top, logprob_ids)
-        if target_ids is not None:
-            outputs += prompt_outputs(x, lm_head, target_ids, self.num_top)
-        return tuple(outputs)
-
-
-# ---------------------------------------------------------------------- plain reference
+class StepProgram(DecoderProgram):
+    """Llama's step: the shared decoder with a fused SwiGLU MLP and no q/k transform."""
 
 
 def reference_logits(config: LlamaConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32.
-
-    Independent of the program path on purpose (no fused weights, no custom ops, explicit
-    attention matrix), so the export self-check compares two implementations.
-    """
-    c = config
-    w = {k: v.float() for k, v in hf_weights.items()}
-    ids = torch.tensor(token_ids)
-    total = len(token_ids)
-    x = w["model.embed_tokens.weight"][ids]
-    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-    angles = torch.arange(total, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos().float(), angles.sin().float()  # [T, D/2]
-
-    def rotate(t: Tensor) -> Tensor:  # t [heads, T, D], rotary over (first half, second half) pairs
-        a, b = t[..., : c.head_dim // 2], t[..., c.head_dim // 2 :]
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-    def norm(t: Tensor, weight: Tensor) -> Tensor:
-        return weight * (t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
-
-    mask = torch.full((total, total), float("-inf")).triu(1)
-    group = c.num_heads // c.num_kv_heads
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        h = norm(x, w[p + "input_layernorm.weight"])
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).view(total, c.num_heads, c.head_dim).transpose(0, 1)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).view(total, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).view(total, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        q, k = rotate(q), rotate(k)
-        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-        scores = q @ k.transpose(1, 2) / math.sqrt(c.head_dim) + mask
-        attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(total, -1)
-        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
-        h = norm(x, w[p + "post_attention_layernorm.weight"])
-        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    x = norm(x, w["model.norm.weight"])
-    head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
-    return x @ head.T
+    """The shared plain-torch reference forward with Llama's dense SwiGLU MLP."""
+    return common.reference_logits(config, hf_weights, token_ids, lambda w, p, h: reference_swiglu(w, p + "mlp.", h))
 
 
 # ----------------------------------------------------------------------- test checkpoints
@@ -289,7 +163,9 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
     }
 
 
-# SmolLM2's control tokens (ids 0..16) and chat template, carried by test checkpoints.
+# SmolLM2's control tokens (ids 0..16) and chat template, carried by test checkpoints
+# (TEST_CHAT None: no other family's chat flavour by default).
+TEST_CHAT: str | None = None
 TEST_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>", "<filename>",
     "<gh_stars>", "<issue_start>", "<issue_comment>", "<issue_closed>", "<jupyter_start>", "<jupyter_text>",
@@ -306,16 +182,6 @@ TEST_CHAT_TEMPLATE = (
 
 def hf_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of a checkpoint with this config."""
-    q, kv, h, f = c.num_heads * c.head_dim, c.kv_dim, c.hidden_size, c.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
-    per_layer = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
-    }  # fmt: skip
-    for layer in range(c.num_layers):
-        shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
-    return shapes
+    h, f = c.hidden_size, c.intermediate_size
+    mlp = {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    return decoder_shapes(c, {**attention_shapes(c), **mlp})

@@ -1,4 +1,5 @@
-"""Declarative weight-name maps: patterns with `{}` standing for the layer number."""
+"""Declarative weight-name maps: patterns with `{}` standing for the layer number and,
+where a second `{}` follows, an expert number (the target takes them in the same order)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,6 @@ def rename(name: str, table: Mapping[str, str]) -> tuple[str, int | None] | None
     for source, target in table.items():
         match = _compile(source).match(name)
         if match:
-            layer = int(match.group(1)) if match.groups() else None
-            return (target.format(layer) if layer is not None else target), layer
+            numbers = [int(group) for group in match.groups()]
+            return target.format(*numbers), (numbers[0] if numbers else None)
     return None

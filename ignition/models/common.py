@@ -1,0 +1,241 @@
+"""Pieces shared by the pre-norm GQA decoder families (llama, qwen3, qwen3_moe).
+
+The step-program skeleton (`DecoderProgram`, families override the q/k and MLP hooks),
+its norm/rotary helpers, and an independent plain-torch reference forward over Hugging
+Face-named weights that the export self-check compares the saved programs against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ignition.models.heads import generation_outputs, prompt_outputs
+
+# Hugging Face names of the embedding, final norm, head and attention block (no MLP).
+ATTENTION_WEIGHT_MAP = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attn_norm",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.wq",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.wk",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.wv",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.wo",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm",
+}
+
+
+class DecoderConfig(Protocol):
+    """What the shared program and reference read from a family's frozen config."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def kv_dim(self) -> int: ...
+
+
+def kv_shape(config: DecoderConfig) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of the paged cache."""
+    return config.num_layers, config.num_kv_heads, config.head_dim
+
+
+def decode_weight_bytes(config: DecoderConfig, weights: dict[str, Tensor]) -> int:
+    """Weights read per decode token: everything but the embedding table (one row is read),
+    except when tied, where the table is the output projection and is read whole."""
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    if "lm_head" in weights:
+        total -= weights["embed"].numel() * weights["embed"].element_size()
+    return total
+
+
+def rope_theta_from_hf(hf: dict[str, Any], family: str) -> float:
+    """The rotary base of a config in either layout (`rope_theta` or transformers 5's
+    `rope_parameters`); scaled rotary variants raise ValueError."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"rope scaling {scaling!r} is not supported by the {family} family yet")
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+# ---------------------------------------------------------------------------- step program
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class DecoderProgram(torch.nn.Module):
+    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature.
+
+    Pre-norm decoder: fused-QKV GQA attention over the flare:: paged-KV ops, then an MLP.
+    Subclasses change `qk` (per-head transforms before RoPE) and `mlp`.
+    """
+
+    def __init__(self, config: Any, num_top: int, explicit_ids: bool, scored: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.num_top = num_top
+        self.explicit_ids = explicit_ids
+        self.scored = scored
+
+    def qk(self, weights: dict[str, Tensor], layer: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q [T, H, D], k [T, KV, D] before RoPE; identity unless a family normalizes them."""
+        return q, k
+
+    def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
+        """SwiGLU over the fused gate/up projection: h [T, hidden] -> [T, hidden]."""
+        gate, up = F.linear(h, weights[f"layers.{layer}.w_gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, weights[f"layers.{layer}.w_down"])
+
+    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
+                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
+        # The optional inputs follow program_signature's order: logprob_token_ids, then target_ids.
+        extra = [t for t in (extra_1, extra_2) if t is not None]
+        logprob_ids = extra.pop(0) if self.explicit_ids else None
+        target_ids = extra.pop(0) if self.scored else None
+        c = self.config
+        x = F.embedding(token_ids, weights["embed"])
+        cos, sin = rope(positions, c.head_dim, c.rope_theta, x.dtype)
+        q_dim = c.num_heads * c.head_dim
+        scale = 1.0 / math.sqrt(c.head_dim)
+        for i in range(c.num_layers):
+            h = rms_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps)
+            q, k, v = F.linear(h, weights[f"layers.{i}.wqkv"]).split([q_dim, c.kv_dim, c.kv_dim], dim=-1)
+            q = q.reshape(-1, c.num_heads, c.head_dim)
+            k = k.reshape(-1, c.num_kv_heads, c.head_dim)
+            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+            q, k = self.qk(weights, i, q, k)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
+            torch.ops.flare.write_kv(k_cache, v_cache, k, v, slot_mapping)
+            attn = torch.ops.flare.paged_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale
+            )
+            x = x + F.linear(attn.reshape(-1, q_dim), weights[f"layers.{i}.wo"])
+            h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps)
+            x = x + self.mlp(weights, i, h)
+        x = rms_norm(x, weights["norm"], c.rms_norm_eps)
+        lm_head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
+        outputs = generation_outputs(x[logits_indices], lm_head, self.num_top, logprob_ids)
+        if target_ids is not None:
+            outputs += prompt_outputs(x, lm_head, target_ids, self.num_top)
+        return tuple(outputs)
+
+
+# ---------------------------------------------------------------------- plain reference
+
+# (fp32 Hugging Face-named weights, layer prefix "model.layers.{i}.", normed h [T, hidden]) -> [T, hidden]
+ReferenceMlp = Callable[[dict[str, Tensor], str, Tensor], Tensor]
+
+
+def reference_swiglu(w: dict[str, Tensor], prefix: str, h: Tensor) -> Tensor:
+    """A Hugging Face gate/up/down MLP under `prefix` (e.g. "model.layers.0.mlp.")."""
+    gate, up = h @ w[prefix + "gate_proj.weight"].T, h @ w[prefix + "up_proj.weight"].T
+    return (F.silu(gate) * up) @ w[prefix + "down_proj.weight"].T
+
+
+def reference_logits(config: DecoderConfig, hf_weights: dict[str, Tensor], token_ids: list[int],
+                     mlp: ReferenceMlp, qk_norm: bool = False) -> Tensor:  # fmt: skip
+    """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32.
+
+    Independent of the program path on purpose (no fused weights, no custom ops, explicit
+    attention matrix), so the export self-check compares two implementations. With
+    `qk_norm`, q and k get per-head RMSNorm (self_attn.q_norm / k_norm) before RoPE.
+    """
+    c = config
+    w = {k: v.float() for k, v in hf_weights.items()}
+    ids = torch.tensor(token_ids)
+    total = len(token_ids)
+    x = w["model.embed_tokens.weight"][ids]
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+    angles = torch.arange(total, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().float(), angles.sin().float()  # [T, D/2]
+
+    def rotate(t: Tensor) -> Tensor:  # t [heads, T, D], rotary over (first half, second half) pairs
+        a, b = t[..., : c.head_dim // 2], t[..., c.head_dim // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    def norm(t: Tensor, weight: Tensor) -> Tensor:
+        return weight * (t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
+
+    def heads(t: Tensor, count: int, norm_weight: str | None) -> Tensor:  # [T, count*D] -> [count, T, D]
+        t = t.view(total, count, c.head_dim)
+        return (norm(t, w[norm_weight]) if norm_weight else t).transpose(0, 1)
+
+    mask = torch.full((total, total), float("-inf")).triu(1)
+    group = c.num_heads // c.num_kv_heads
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        h = norm(x, w[p + "input_layernorm.weight"])
+        q = heads(h @ w[p + "self_attn.q_proj.weight"].T, c.num_heads, p + "self_attn.q_norm.weight" if qk_norm else None)
+        k = heads(h @ w[p + "self_attn.k_proj.weight"].T, c.num_kv_heads, p + "self_attn.k_norm.weight" if qk_norm else None)
+        v = heads(h @ w[p + "self_attn.v_proj.weight"].T, c.num_kv_heads, None)
+        q, k = rotate(q), rotate(k)
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        scores = q @ k.transpose(1, 2) / math.sqrt(c.head_dim) + mask
+        attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(total, -1)
+        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        h = norm(x, w[p + "post_attention_layernorm.weight"])
+        x = x + mlp(w, p, h)
+    x = norm(x, w["model.norm.weight"])
+    head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
+    return x @ head.T
+
+
+def attention_shapes(c: Any) -> dict[str, tuple[int, ...]]:
+    """Per-layer norm and attention projection shapes (names under "model.layers.{i}.")."""
+    q, kv, h = c.num_heads * c.head_dim, c.kv_dim, c.hidden_size
+    return {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+    }  # fmt: skip
+
+
+def decoder_shapes(c: Any, per_layer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes: embedding, final norm, head unless tied, and
+    `per_layer` (names under "model.layers.{i}.") for every layer, in that order."""
+    h = c.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for layer in range(c.num_layers):
+        shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
