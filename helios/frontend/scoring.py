@@ -39,7 +39,8 @@ SYSTEM_INSTRUCTION = (
     "You answer questions about the state the user describes. Each question lists labelled options; "
     "reply with the label of the single best option and nothing else."
 )
-DEFAULT_INSTRUCTIONS = {"choice": "Which option best fits the state?", "score": "Which level best fits the state?"}
+DEFAULT_INSTRUCTIONS = {"binary": "Which option describes the state?", "choice": "Which option best fits the state?",
+                        "score": "Which level best fits the state?"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- neutral questions
@@ -234,7 +235,8 @@ def compile_question(frontend: Frontend, state: str, question: QuestionSpec, whe
     raise RequestError(f"{where}: the labels could not be verified as single tokens after the rendered prompt", where)
 
 
-def compile_questions(frontend: Frontend, state: str, questions: Sequence[tuple[str, QuestionSpec]]) -> list[CompiledQuestion]:
+def compile_questions(frontend: Frontend, state: str,
+                      questions: Sequence[tuple[str, QuestionSpec]]) -> list[CompiledQuestion]:  # fmt: skip
     """CPU work (rendering, tokenization) for every question; run it off the event loop."""
     require_explicit_ids(frontend)
     return [compile_question(frontend, state, spec, where) for where, spec in questions]

@@ -121,7 +121,8 @@ def _description(item: dict[str, Any], param: str) -> str | None:
     return _string(item, "description", f"{param}.description", required=False) or None
 
 
-def _choice_spec(question: dict[str, Any], param: str, instructions: str) -> tuple[QuestionSpec, tuple[str | bool, ...]]:
+def _choice_spec(question: dict[str, Any], param: str,
+                 instructions: str) -> tuple[QuestionSpec, tuple[str | bool, ...]]:  # fmt: skip
     choices = _array(question, "choices", f"{param}.choices", 2, MAX_OPTIONS)
     options, values, seen = [], [], set()
     for i, item in enumerate(choices):
@@ -185,7 +186,8 @@ def decode(body: dict[str, Any]) -> DecisionsRequest:
     if safety is not None and (not isinstance(safety, str) or len(safety) > MAX_SAFETY_IDENTIFIER):
         raise _fail("safety_identifier", f"must be a string of at most {MAX_SAFETY_IDENTIFIER} characters or null")
     questions = _array(body, "questions", "questions", 1, MAX_QUESTIONS)
-    return DecisionsRequest(model, text, tuple(_question(q, i) for i, q in enumerate(questions)))  # type: ignore[arg-type]
+    decoded = tuple(_question(q, i) for i, q in enumerate(questions))
+    return DecisionsRequest(model, text, decoded)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- answers

@@ -85,10 +85,10 @@ class _Errors:
             return True
         short = size < low
         bound = low if short else high
-        self.add("too_short" if short else "too_long", loc,
-                 f"{kind} should have at {'least' if short else 'most'} {bound} item{'s' if bound != 1 else ''} "
-                 f"after validation, not {size}", value,
-                 {"field_type": kind, ("min_length" if short else "max_length"): bound, "actual_length": size})  # fmt: skip
+        message = (f"{kind} should have at {'least' if short else 'most'} {bound} item{'s' if bound != 1 else ''} "
+                   f"after validation, not {size}")
+        ctx = {"field_type": kind, ("min_length" if short else "max_length"): bound, "actual_length": size}
+        self.add("too_short" if short else "too_long", loc, message, value, ctx)
         return False
 
 
@@ -236,8 +236,9 @@ def answer(question: SystemOneQuestion, read: LabelRead) -> dict[str, Any]:
     if question.tag == "choice":
         return {"type": "choice", "choice": question.names[first_argmax(p)],
                 "probabilities": dict(zip(question.names, p)), "confidence": choice_confidence(p)}  # fmt: skip
-    return {"type": "score", "score": expected_score(p), "legend": {str(i): level for i, level in enumerate(question.legend)},
-            "probabilities": {str(i): value for i, value in enumerate(p)}, "confidence": score_confidence(p)}  # fmt: skip
+    legend = {str(i): level for i, level in enumerate(question.legend)}  # original levels, unchanged
+    return {"type": "score", "score": expected_score(p), "legend": legend,
+            "probabilities": {str(i): x for i, x in enumerate(p)}, "confidence": score_confidence(p)}  # fmt: skip
 
 
 def response(model: str, request: SystemOneRequest, reads: list[LabelRead], usage: ScoringUsage) -> dict[str, Any]:

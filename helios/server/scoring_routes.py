@@ -13,7 +13,7 @@ from litestar import Request, Response, post
 from helios.frontend.generate import new_request_id
 from helios.frontend.scoring import LabelRead, QuestionSpec, ScoringUsage, compile_questions, read_labels
 from helios.protocols import decisions, systemone
-from helios.server.openai_routes import _admit
+from helios.server.generation import admit as _admit
 from helios.server.responses import HttpError, error_response, json_response, translate
 from helios.server.route_io import authorize, read_json, state_of
 from helios.server.state import ServerState
