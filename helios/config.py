@@ -3,7 +3,7 @@
 `[server]` table keys (all optional):
   api_key, host, port, max_body_bytes, max_concurrency, queue_size, http_slots,
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
-  aliases, frontend_workers, prefix_cache
+  aliases, frontend_workers, prefix_cache, grammar_threads
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # extra model names; the first nonempty is the public id
     frontend_workers: int = 4  # threads for decompression and tokenization
     prefix_cache: bool = True
+    # Threads computing a step's grammar masks. On CPU serving torch owns every core and a
+    # second spinning pool slows each step many times over; raise it on GPU hosts.
+    grammar_threads: int = 1
 
     @property
     def auth_enabled(self) -> bool:
@@ -44,7 +47,7 @@ class ServerConfig:
 
 
 _POSITIVE = ("port", "max_body_bytes", "max_concurrency", "queue_size", "http_slots", "prefill_chunk_size",
-             "kv_memory_mb", "frontend_workers")  # fmt: skip
+             "kv_memory_mb", "frontend_workers", "grammar_threads")  # fmt: skip
 _OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget")
 
 

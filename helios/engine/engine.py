@@ -126,12 +126,13 @@ class LLMEngine:
                 group += self.scheduler.fork(chunk.seq, self.executor.copy_page)
             rows += [row] * len(group)
             seqs += group
-        if not seqs:
-            return events
-        index = torch.tensor(rows)
-        logits = result.logits.index_select(0, index)
         try:
             allowed = self.mask_hook(seqs) if self.mask_hook else None
+            if allowed is not None:
+                rows, seqs, allowed = self._drop_blocked(rows, seqs, allowed, events)
+            if not seqs:
+                return events
+            logits = result.logits.index_select(0, torch.tensor(rows))
             tokens = self._sample(logits, seqs, allowed).tolist()
         except Exception as exc:
             log.exception("sampling failed")
@@ -148,8 +149,26 @@ class LLMEngine:
             self.stats.generated_tokens += 1
             if seq.num_output > 1:
                 self.stats.verification_rounds += 1
+            rejected = seq.constraint is not None and not seq.constraint.advance(token)  # forced tokens too
             events.append(self._after_token(seq, token, entry))
+            if rejected and seq.finish is None:
+                events.append(self._finish(seq, FinishCause.ERROR, error=self._constraint_error(seq)))
         return events
+
+    def _drop_blocked(self, rows: list[int], seqs: list[Sequence], allowed: torch.Tensor,
+                      events: list[EngineEvent]) -> tuple[list[int], list[Sequence], torch.Tensor]:  # fmt: skip
+        """Finish (with an error) the choices whose constraint allows no token; keep the rest."""
+        blocked = set((~allowed.any(dim=-1)).nonzero().flatten().tolist())
+        if not blocked:
+            return rows, seqs, allowed
+        keep = [i for i in range(len(seqs)) if i not in blocked]
+        events += [self._finish(seqs[i], FinishCause.ERROR, error=self._constraint_error(seqs[i])) for i in sorted(blocked)]
+        return [rows[i] for i in keep], [seqs[i] for i in keep], allowed[keep]
+
+    @staticmethod
+    def _constraint_error(seq: Sequence) -> str:
+        reason = seq.constraint.error if seq.constraint is not None else None
+        return f"output constraint failed: {reason or 'no token is allowed'}"
 
     def _budget_cut(self, seq: Sequence) -> int | None:
         """The close delimiter, when this sequence's reasoning budget is spent and output remains."""
@@ -171,12 +190,14 @@ class LLMEngine:
         elif seq.reasoning_open:
             seq.reasoning_tokens += 1
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed: torch.Tensor | None) -> torch.Tensor:
         params = [s.request.params[s.choice_index] for s in seqs]
         penalized = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
         empty = torch.empty(0, dtype=torch.int64)
         prompt_ids = [torch.tensor(s.token_ids[: s.num_prompt]) if penalized else empty for s in seqs]
         output_ids = [torch.tensor(s.output_ids, dtype=torch.int64) if penalized else empty for s in seqs]
+        if allowed is not None:
+            allowed = allowed.to(logits.device, non_blocking=True)
         return self.sampler.sample(logits, params, [s.generator for s in seqs], prompt_ids, output_ids, allowed)
 
     def _logprobs(self, seq: Sequence, token: int, row: int, result: StepResult) -> TokenLogprobs:

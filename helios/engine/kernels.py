@@ -58,9 +58,19 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
+def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """Like the reference, without the boolean-mask copies when no slot is padding."""
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
 def register() -> None:
     """Install helios' CPU kernels (idempotent)."""
     global _registered
     if not _registered:
         torch.library.register_kernel("flare::paged_attention", "cpu", paged_attention_cpu)
+        torch.library.register_kernel("flare::write_kv", "cpu", write_kv_cpu)
         _registered = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 from helios.engine.logprobs import RankedLogprob, TokenLogprobs
 from helios.engine.sampling_params import SamplingParams
@@ -27,6 +28,29 @@ class ReasoningBudget:
     implicit_close_ids: frozenset[int] = frozenset()  # tokens that also end reasoning (tool openers)
 
 
+class TokenConstraint(Protocol):
+    """One choice's output constraint. The frontend builds it; the engine only drives it: the
+    mask hook reads it before sampling, and every committed token (forced ones too) advances it."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is masked (False inside reasoning, tool calls, or once abandoned)."""
+        ...
+
+    @property
+    def error(self) -> str | None:
+        """Why the constraint cannot continue, once it cannot."""
+        ...
+
+    def advance(self, token_id: int) -> bool:
+        """Commit one token; False when the constraint rejects it (`error` says why)."""
+        ...
+
+    def fork(self) -> "TokenConstraint":
+        """An independent copy in the same state (one per choice; the request's copy stays pristine)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One prompt to continue, with n sampled choices sharing its prefill.
@@ -47,6 +71,7 @@ class EngineRequest:
     cache_identity: bytes = b""  # prefix-cache identity slot (image / processing settings)
     reasoning_budget: ReasoningBudget | None = None  # only when output starts inside reasoning
     use_prefix_cache: bool = True
+    constraint: TokenConstraint | None = None  # pristine; each choice runs its own fork()
 
     @property
     def n(self) -> int:

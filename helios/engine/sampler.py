@@ -170,11 +170,48 @@ class Sampler:
         # Greedy before temperature: division could round distinct logits into a tie.
         # argmax returns the first maximum, i.e. the lowest token id on ties.
         greedy_ids = logits.argmax(dim=-1)
+        greedy = torch.tensor([p.top_k == 1 for p in params], device=logits.device)
         logits = apply_temperature(logits, params)
+        drawn = _draw_among_candidates(logits, params, generators)
+        if drawn is not None:
+            return torch.where(greedy, greedy_ids, drawn)
         logits = apply_top_k(logits, params)
         logits = apply_top_p(logits, params)
         logits = apply_min_p(logits, params)
         # Every row draws, greedy ones too, so a generator advances exactly once per step.
         drawn = draw(logits, generators)
-        greedy = torch.tensor([p.top_k == 1 for p in params], device=logits.device)
         return torch.where(greedy, greedy_ids, drawn)
+
+
+def _draw_among_candidates(logits: Tensor, params: Sequence[SamplingParams],
+                           generators: Sequence[torch.Generator]) -> Tensor | None:  # fmt: skip
+    """The same pipeline (top-k -> top-p -> min-p -> draw) on each row's TOP_P_CANDIDATES
+    most likely tokens, when every row's surviving set provably lies among them.
+
+    Exact, not an approximation: top-k <= candidates, or a top-p nucleus whose mass the
+    candidates already hold. Rows sampling the whole vocabulary return None (full path).
+    """
+    vocab = logits.shape[-1]
+    k = min(TOP_P_CANDIDATES, vocab)
+    if k == vocab or any(not (0 < p.top_k <= k or p.top_p < 1.0) for p in params):
+        return None
+    values, ids = logits.topk(k, dim=-1)  # descending
+    has_top_k = torch.tensor([0 < p.top_k < vocab for p in params])
+    full_lse = torch.logsumexp(logits, dim=-1)  # [B]
+    candidate_mass = torch.exp(values - full_lse[:, None]).sum(dim=-1)
+    top_p = _column(params, "top_p", values)[:, 0]
+    if bool(((~has_top_k) & (candidate_mass < top_p)).any()):
+        return None  # a nucleus reaches past the candidates
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else k for p in params])[:, None]
+    position = torch.arange(k)[None, :]
+    values = values.masked_fill((position >= ks) & has_top_k[:, None], float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        # After top-k the distribution renormalizes over the survivors; without top-k the
+        # nucleus is measured against the whole vocabulary.
+        norm = torch.where(has_top_k, torch.logsumexp(values, dim=-1), full_lse)
+        probs = torch.exp(values - norm[:, None])
+        keep = (probs.cumsum(dim=-1) - probs) < top_p[:, None]
+        keep[:, 0] = True
+        values = values.masked_fill(~keep, float("-inf"))
+    values = apply_min_p(values, params)
+    return ids.gather(1, draw(values, generators)[:, None])[:, 0]

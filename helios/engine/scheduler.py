@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from helios.engine.kv_cache import ROOT_HASH, BlockManager, OutOfPages
-from helios.engine.request import EngineRequest, FinishCause
+from helios.engine.request import EngineRequest, FinishCause, TokenConstraint
 from helios.engine.sampler import make_generator
 
 
@@ -45,6 +45,7 @@ class Sequence:
     sent_first: bool = False
     reasoning_open: bool = False  # inside reasoning (tracked only for requests with a budget)
     reasoning_tokens: int = 0
+    constraint: TokenConstraint | None = None  # this choice's own fork of the request's constraint
 
     @property
     def num_output(self) -> int:
@@ -149,6 +150,7 @@ class Scheduler:
             return None
         seq = Sequence(request, 0, list(prompt), len(prompt), make_generator(request.params[0].seed))
         seq.reasoning_open = request.reasoning_budget is not None
+        seq.constraint = request.constraint.fork() if request.constraint is not None else None
         seq.block_table = pages
         seq.num_computed = seq.num_cached = len(pages) * size
         self.reused_tokens += seq.num_cached
@@ -200,6 +202,7 @@ class Scheduler:
             child.chain = list(parent.chain)
             child.prompt_entries = parent.prompt_entries
             child.reasoning_open = parent.reasoning_open
+            child.constraint = parent.request.constraint.fork() if parent.request.constraint is not None else None
             child.phase = Phase.RUNNING
             children.append(child)
         self.running.extend(children)

@@ -119,7 +119,7 @@ class Runner:
         parser = None
         if recipe.reasoning_syntax or (recipe.tool_syntax and tools_on):
             parser = build_parser(self.frontend.tokenizer, recipe.reasoning_syntax, recipe.tool_syntax,
-                                  prompt.token_ids, tools_on, conversation.tools)  # fmt: skip
+                                  prompt.token_ids, tools_on, conversation.tools, request.output is not None)  # fmt: skip
         declared = frozenset(t.name for t in conversation.tools)
         return ChoiceStream(output, parser, conversation.tool_choice, declared)
 

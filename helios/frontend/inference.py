@@ -112,6 +112,15 @@ class LogprobOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    """A constraint on the final answer; reasoning and tool-call envelopes stay free."""
+
+    kind: str  # "json_schema" | "json_object" | "lark" | "regex"
+    definition: str  # json_schema: the schema as JSON text; json_object: ""; lark/regex: the grammar text
+    param: str  # the request field that carried it, named in errors (e.g. "response_format")
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceRequest:
     input: Union[Conversation, RawPrompt]
     sampling: Mapping[str, object]  # raw request values by parameter name (None = omitted)
@@ -122,6 +131,7 @@ class InferenceRequest:
     echo: bool = False  # raw completions: prepend the prompt to the output
     stream: bool = False
     thinking_token_budget: int | None = None  # conversational requests only
+    output: OutputConstraint | None = None  # structured output (conversational requests only)
 
 
 class Termination(enum.Enum):

@@ -15,12 +15,16 @@ from helios.core.template import ChatTemplate, TemplateError, check_template_kwa
 from helios.engine.logprobs import validate_logprob_token_ids
 from helios.engine.request import EngineRequest, ReasoningBudget
 from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
-from helios.frontend.parsers.reasoning import reasoning_delimiters, starts_in_reasoning
+from helios.frontend.constraint import ConstraintPlan, GrammarConstraint
+from helios.frontend.grammar import GrammarError, GrammarService
+from helios.frontend.parsers.reasoning import reasoning_delimiters, starts_in_reasoning, token_delimiters
+from helios.frontend.parsers.tools import tool_opener_ids
 from helios.frontend.inference import (
     Conversation,
     ImagePart,
     InferenceRequest,
     Message,
+    OutputConstraint,
     RawPrompt,
     ReasoningPart,
     RequestError,
@@ -36,6 +40,15 @@ MAX_TOKEN_STOP_LEN = 64
 MAX_LOGPROBS = 20
 EFFORT_ORDER = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 REQUIRED_TOOL_INSTRUCTION = "You must answer by calling at least one of the provided tools."
+JSON_OBJECT_INSTRUCTION = "Respond with only a JSON object, and no other text."
+JSON_SCHEMA_INSTRUCTION = "Respond with only a JSON value that conforms to this JSON schema, and no other text:\n"
+
+
+def output_instruction(output: OutputConstraint | None) -> str | None:
+    """The system-prompt instruction for conversational JSON output (grammars get none)."""
+    if output is None or output.kind not in ("json_schema", "json_object"):
+        return None
+    return JSON_SCHEMA_INSTRUCTION + output.definition if output.kind == "json_schema" else JSON_OBJECT_INSTRUCTION
 
 
 def normalize_tool_results(messages: list[Message]) -> list[Message]:
@@ -92,12 +105,13 @@ class Frontend:
         specials = {"bos_token": self._token(m.tokenizer.bos_token_id), "eos_token": self._token(m.tokenizer.eos_token_ids[0]),
                     "pad_token": self._token(m.tokenizer.pad_token_id)}  # fmt: skip
         self.template = ChatTemplate(source, specials) if source else None
+        self.grammars = GrammarService(self.tokenizer, self.vocab_size, tuple(m.tokenizer.eos_token_ids))
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.tokenizer.id_to_token(token_id)
 
     # ------------------------------------------------------------------ prompts
-    def render(self, conversation: Conversation) -> str:
+    def render(self, conversation: Conversation, output: OutputConstraint | None = None) -> str:
         if self.template is None:
             raise RequestError("this model has no chat template; use /v1/completions with a raw prompt", "messages")
         choice = conversation.tool_choice
@@ -107,6 +121,9 @@ class Frontend:
         arranged = self._arrange(conversation.messages)
         if choice.mode == "required":
             arranged = self._with_instruction(arranged, REQUIRED_TOOL_INSTRUCTION)
+        instruction = output_instruction(output)
+        if instruction is not None:
+            arranged = self._with_instruction(arranged, instruction)
         messages = [self._template_message(m) for m in normalize_tool_results(arranged)]
         tools = [
             {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
@@ -188,9 +205,9 @@ class Frontend:
             out["name"] = message.name
         return out
 
-    def prompt(self, source: Conversation | RawPrompt) -> PreparedPrompt:
+    def prompt(self, source: Conversation | RawPrompt, output: OutputConstraint | None = None) -> PreparedPrompt:
         if isinstance(source, Conversation):
-            text = self.render(source)
+            text = self.render(source, output)
             return PreparedPrompt(tuple(self.tokenizer.encode(text, add_special_tokens=False).ids), text)
         if source.token_ids is not None:
             if not source.token_ids:
@@ -259,6 +276,31 @@ class Frontend:
             raise RequestError("stop token ids must lie inside the vocabulary", "stop_token_ids")
         if stop.strings and sequences:
             raise RequestError("a request cannot combine string stops with token stops", "stop")
+        if request.output is not None:
+            self._check_output(request)
+
+    def _check_output(self, request: InferenceRequest) -> None:
+        """Options an output constraint excludes (spec: reasoning, sampling, and usage)."""
+        param = request.output.param  # type: ignore[union-attr]
+        if not isinstance(request.input, Conversation):
+            raise RequestError("output constraints apply to conversational requests only", param)
+        if request.input.continue_final_message:
+            raise RequestError("assistant continuation cannot be combined with an output constraint", param)
+        stop = request.stop
+        if stop.strings or stop.token_ids or stop.token_sequences:
+            raise RequestError("custom stops cannot be combined with an output constraint", "stop")
+        if stop.ignore_eos:
+            raise RequestError("ignore_eos cannot be combined with an output constraint", "ignore_eos")
+
+    def compile_output(self, output: OutputConstraint) -> None:
+        """Compile (and cache) the constraint's grammar; run on the frontend pool before admission."""
+        self._matcher(output)
+
+    def _matcher(self, output: OutputConstraint):
+        try:
+            return self.grammars.compile(output.kind, output.definition, output.param)
+        except GrammarError as exc:
+            raise RequestError(exc.message, exc.field) from None
 
     def engine_request(self, request: InferenceRequest, request_id: str, prompt: PreparedPrompt, max_tokens: int,
                        first_choice: int = 0) -> EngineRequest:  # fmt: skip
@@ -284,7 +326,21 @@ class Frontend:
             prompt_logprobs=lp.prompt,
             use_prefix_cache=self.config.prefix_cache,
             reasoning_budget=self.reasoning_budget(budget, prompt.token_ids) if budget is not None else None,
+            constraint=self.constraint(request, prompt.token_ids) if request.output is not None else None,
         )
+
+    def constraint(self, request: InferenceRequest, prompt_ids: tuple[int, ...]) -> GrammarConstraint:
+        """The request's pristine constraint: free reasoning first where the prompt or model opens it."""
+        assert request.output is not None
+        recipe = self.manifest.recipe
+        delimiters = token_delimiters(recipe.reasoning_syntax, self.tokenizer) if recipe.reasoning_syntax else None
+        open_id, close_id = delimiters or (None, None)
+        conversation = request.input
+        tools_on = (isinstance(conversation, Conversation) and bool(conversation.tools)
+                    and conversation.tool_choice.mode != "none")  # fmt: skip
+        openers = tool_opener_ids(recipe.tool_syntax, self.tokenizer) if tools_on and recipe.tool_syntax else frozenset()
+        inside = delimiters is not None and starts_in_reasoning(prompt_ids, delimiters[0], delimiters[1])
+        return GrammarConstraint(self._matcher(request.output), ConstraintPlan(open_id, close_id, openers, inside))
 
     def reasoning_budget(self, budget: int, prompt_ids: tuple[int, ...]) -> ReasoningBudget | None:
         """The engine's hard cap, when output starts inside reasoning; None when it starts in content."""

@@ -32,11 +32,11 @@ from helios.frontend.inference import (
     ToolSpec,
 )
 from helios.protocols import fields as f
+from helios.protocols.output_format import messages_output_format
 
 API_VERSION = "2023-06-01"
 SIGNATURE_PREFIX = "flare-thinking-v1:"
-UNSUPPORTED = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids", "prompt_logprobs",
-               "output_format")  # fmt: skip
+UNSUPPORTED = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids", "prompt_logprobs")
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
@@ -255,8 +255,6 @@ def _thinking(body: dict[str, Any]) -> tuple[bool | None, int | None, str | None
                            "thinking_token_budget")  # fmt: skip
     budget = budget if budget is not None else top
     output_config = f.optional_object(body, "output_config") or {}
-    if output_config.get("format") is not None:
-        raise RequestError("output_config.format is not supported yet", "output_config.format")
     effort = output_config.get("effort")
     if effort is not None and (not isinstance(effort, str) or effort not in EFFORTS):
         raise RequestError(f"output_config.effort must be a named level ({', '.join(EFFORTS)}); numeric scores are "
@@ -313,6 +311,7 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
         stop=StopOptions(strings=tuple(stops or ())),
         stream=stream,
         thinking_token_budget=budget if budget is not None and budget <= MAX_APPLIED_BUDGET else None,
+        output=messages_output_format(body, f.optional_object(body, "output_config") or {}),
     )
     options = MessagesOptions(body["model"], stream, enabled, budget, effort, tuple(marks))
     return request, options

@@ -29,6 +29,7 @@ from helios.frontend.inference import (
 )
 from helios.frontend.output import OutputDelta
 from helios.protocols import fields as f
+from helios.protocols.output_format import chat_response_format
 from helios.protocols.openai_common import chat_logprob_entry, finish_reason, now, usage_object
 
 UNSUPPORTED = ("audio", "prediction", "web_search_options", "functions", "function_call", "suffix")
@@ -147,9 +148,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a nonempty array", "messages")
-    response_format = f.optional_object(body, "response_format")
-    if response_format is not None and response_format.get("type") != "text":
-        raise RequestError("response_format other than text is not supported yet", "response_format")
+    output = chat_response_format(f.optional_object(body, "response_format"))
     max_tokens = f.optional_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = f.optional_int(body, "max_tokens", 1)
@@ -195,6 +194,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
                                 as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids")),  # fmt: skip
         stream=stream,
         thinking_token_budget=f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1),
+        output=output,
     )
     options = ChatOptions(model=model, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
                           return_token_ids=f.optional_bool(body, "return_token_ids"))  # fmt: skip

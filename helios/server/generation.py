@@ -130,7 +130,9 @@ async def start(state: ServerState, request: InferenceRequest, sources: list, pr
     """Validate, tokenize, take one admission slot per choice (429 when none), submit."""
     frontend = state.frontend
     frontend.check_options(request)
-    prompts = [await state.in_pool(frontend.prompt, source) for source in sources]
+    if request.output is not None:
+        await state.in_pool(frontend.compile_output, request.output)  # bounded; cached for engine_request
+    prompts = [await state.in_pool(frontend.prompt, source, request.output) for source in sources]
     limits = [frontend.max_tokens(request, len(p.token_ids)) if request.max_tokens != 0 else 0 for p in prompts]
     reservation = admit(state, request.n * len(prompts))
     request_id = new_request_id(prefix)

@@ -13,6 +13,7 @@ from helios.config import ConfigError, ServerConfig
 from helios.core import Core
 from helios.engine.client import EngineClient
 from helios.engine.engine import EngineConfig, LLMEngine
+from helios.frontend.constraint import GrammarMasks
 from helios.frontend.generate import Runner
 from helios.frontend.request import Frontend
 from helios.protocols.models import ModelIdentity, card, flare_object, identity
@@ -67,7 +68,8 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     engine = LLMEngine(core, EngineConfig(
         max_concurrency=config.max_concurrency, max_pending=config.queue_size,
         prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
-        kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache))  # fmt: skip
+        kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache),
+        mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     client = EngineClient(engine).start()
     frontend = Frontend(core, config)
     created = int(time.time())

@@ -30,10 +30,14 @@ class OutputParser:
     reasoning: ReasoningSplitter | None
     tools: ToolParser | None
     marks: Marks
+    structured: bool = False  # under an output constraint: the answer is verbatim once it begins
+    verbatim: bool = False  # answer text began under a constraint; no more markup is parsed
 
     def feed(self, piece: Piece) -> list[SemanticEvent]:
-        text = self.marks.encode(piece.text, piece.token_id)
         entries = (piece.entry,) if piece.entry is not None else ()
+        if self.verbatim:  # a structured answer may spell delimiter tokens; they are its text
+            return [TextEvent(piece.text, entries)]
+        text = self.marks.encode(piece.text, piece.token_id)
         was_inside = self.reasoning is not None and self.reasoning.inside
         spans = self.reasoning.feed(text, entries, piece.token_id) if self.reasoning else [Span("text", text, entries)]
         events = self._events(self.tools.feed(spans) if self.tools else spans)
@@ -41,9 +45,13 @@ class OutputParser:
             self.reasoning.end()
         # Usage counts the events that carry reasoning: exactly one per token read as reasoning.
         counted = was_inside or (self.reasoning is not None and self.reasoning.inside)
+        if self.structured and any(isinstance(e, TextEvent) and e.text for e in events):
+            self.verbatim = True
         return _one_reasoning_event(events, counted)
 
     def finish(self, truncated: bool) -> list[SemanticEvent]:
+        if self.verbatim:
+            return []
         spans = self.reasoning.flush() if self.reasoning else []
         if self.tools is None:
             return self._events(spans)
@@ -73,8 +81,10 @@ def _one_reasoning_event(events: list[SemanticEvent], counted: bool) -> list[Sem
 
 
 def build_parser(tokenizer: Tokenizer, reasoning_syntax: str | None, tool_syntax: str | None,
-                 prompt_ids: tuple[int, ...], tools_enabled: bool, tools: Iterable[ToolSpec] = ()) -> OutputParser:  # fmt: skip
-    """The parser of one choice; `tools` (the declared tools) guide argument conversion."""
+                 prompt_ids: tuple[int, ...], tools_enabled: bool, tools: Iterable[ToolSpec] = (),
+                 structured: bool = False) -> OutputParser:  # fmt: skip
+    """The parser of one choice; `tools` (the declared tools) guide argument conversion;
+    `structured`: an output constraint shapes the answer (its text is then verbatim)."""
     delimiters = REASONING_SYNTAXES.get(reasoning_syntax) if reasoning_syntax else None
     if reasoning_syntax and delimiters is None:
         raise UnsupportedSyntax(f"no parser for reasoning syntax {reasoning_syntax!r}")
@@ -85,4 +95,4 @@ def build_parser(tokenizer: Tokenizer, reasoning_syntax: str | None, tool_syntax
     marks = Marks(tokenizer, spellings)
     reasoning = ReasoningSplitter(delimiters, marks, tokenizer, prompt_ids) if delimiters else None
     parser = tool_parser(tool_syntax or "", tokenizer, tools, marks) if tools_on else None
-    return OutputParser(reasoning, parser, marks)
+    return OutputParser(reasoning, parser, marks, structured)

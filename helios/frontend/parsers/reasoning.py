@@ -56,6 +56,19 @@ def reasoning_delimiters(syntax: str, tokenizer: Tokenizer) -> tuple[int, int] |
     return None if None in ids else (ids[0], ids[1])  # type: ignore[return-value]
 
 
+def token_delimiters(syntax: str, tokenizer: Tokenizer) -> tuple[int, int] | None:
+    """(open, close) ids when the syntax's delimiters are one part each and single tokens.
+
+    Wider than `reasoning_delimiters`: structured output also needs them where the budget
+    cannot cut (e.g. DeepSeek, whose official parser matches the same delimiters as text).
+    """
+    delimiters = SYNTAXES.get(syntax)
+    if delimiters is None or len(delimiters.open) != 1 or len(delimiters.close) != 1:
+        return None
+    ids = [tokenizer.token_to_id(delimiters.open[0]), tokenizer.token_to_id(delimiters.close[0])]
+    return None if None in ids else (ids[0], ids[1])  # type: ignore[return-value]
+
+
 def starts_in_reasoning(prompt_ids: tuple[int, ...], open_id: int, close_id: int) -> bool:
     """Whether the generation prompt pre-opens reasoning (e.g. ends with "<think>\n")."""
     tail = list(prompt_ids[-8:])

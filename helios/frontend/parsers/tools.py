@@ -15,7 +15,8 @@ from helios.frontend.parsers.envelope import MAX_ARGUMENT_BYTES, ToolCallError, 
 from helios.frontend.parsers.markup import Marks
 from helios.frontend.parsers.schema import ToolSchemas
 
-__all__ = ["MAX_ARGUMENT_BYTES", "SYNTAXES", "ToolCallError", "ToolParser", "new_call_id", "tool_parser"]
+__all__ = ["MAX_ARGUMENT_BYTES", "SYNTAXES", "ToolCallError", "ToolParser", "new_call_id", "tool_opener_ids",
+           "tool_parser"]
 
 # Syntax name -> (delimiter spellings matched by token when the vocabulary has them, parser class).
 SYNTAXES: dict[str, tuple[tuple[str, ...], Callable[[Marks, ToolSchemas], ToolParser]]] = {
@@ -27,6 +28,17 @@ SYNTAXES: dict[str, tuple[tuple[str, ...], Callable[[Marks, ToolSchemas], ToolPa
     "minimax_m3": (minimax_m3.SPELLINGS, minimax_m3.MiniMaxM3Parser),
     "kimi3": (kimi3.SPELLINGS, kimi3.Kimi3Parser),
 }
+
+
+# The token that opens a call, where a syntax has one that cannot mean anything else.
+OPENERS = {"hermes": "<tool_call>", "qwen3_coder": "<tool_call>", "mimo": "<tool_call>", "glm47": "<tool_call>",
+           "minimax_m3": "<tool_call>", "gemma4": "<|tool_call>"}  # fmt: skip
+
+
+def tool_opener_ids(syntax: str, tokenizer: Tokenizer) -> frozenset[int]:
+    """The single-token call opener of a syntax, when the vocabulary has it as one token."""
+    token = tokenizer.token_to_id(OPENERS[syntax]) if syntax in OPENERS else None
+    return frozenset() if token is None else frozenset((token,))
 
 
 def tool_spellings(syntax: str) -> tuple[str, ...]:

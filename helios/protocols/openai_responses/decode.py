@@ -20,6 +20,7 @@ from helios.frontend.inference import (
 )  # fmt: skip
 from helios.frontend.request import EFFORT_ORDER
 from helios.protocols import fields as f
+from helios.protocols.output_format import responses_text_format
 
 UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "prompt_logprobs")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -46,6 +47,7 @@ class ResponsesOptions:
     max_output_tokens: int | None = None
     reasoning_effort: str | None = None
     metadata: dict[str, Any] | None = None
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})  # text.format, echoed
 
 
 # ---------------------------------------------------------------------------- input items
@@ -296,9 +298,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ResponsesOptions]:
     if not isinstance(model, str):
         raise RequestError("model is required (any string: the loaded model answers)", "model")
     fmt = (f.optional_object(body, "text") or {}).get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise RequestError(f"text.format {kind!r} is not supported yet (only text)", "text.format")
+    output = responses_text_format(fmt)
     instructions = f.optional_str(body, "instructions")
     messages = _messages(body.get("input"))
     if instructions:
@@ -320,7 +320,8 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ResponsesOptions]:
     max_tokens = f.optional_int(body, "max_output_tokens", 1)
     budget = f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1)
     request = InferenceRequest(input=conversation, sampling=f.sampling(body), max_tokens=max_tokens, stop=stop,
-                               logprobs=logprob_options, stream=stream, thinking_token_budget=budget)  # fmt: skip
+                               logprobs=logprob_options, stream=stream, thinking_token_budget=budget,
+                               output=output)  # fmt: skip
     options = ResponsesOptions(
         model=model, stream=stream, logprobs=logprobs, top_logprobs=top,
         tools_echo=[_echo(t) for t in body.get("tools") or []], tool_choice_echo=body.get("tool_choice") or "auto",
@@ -328,5 +329,6 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ResponsesOptions]:
         namespaces=namespaces, parallel_tool_calls=parallel, temperature=_number(body, "temperature"),
         top_p=_number(body, "top_p"), max_output_tokens=max_tokens, reasoning_effort=effort,
         metadata=body.get("metadata") if isinstance(body.get("metadata"), dict) else None,
+        text_format=fmt if output is not None else {"type": "text"},
     )  # fmt: skip
     return request, options

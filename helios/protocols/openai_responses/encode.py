@@ -130,7 +130,7 @@ def _response(response_id: str, created_at: int, options: ResponsesOptions, stat
         "tool_choice": options.tool_choice_echo, "tools": options.tools_echo, "temperature": options.temperature,
         "top_p": options.top_p, "top_logprobs": options.top_logprobs, "max_output_tokens": options.max_output_tokens,
         "previous_response_id": None, "background": False, "store": False, "truncation": "disabled",
-        "reasoning": {"effort": options.reasoning_effort, "summary": None}, "text": {"format": {"type": "text"}},
+        "reasoning": {"effort": options.reasoning_effort, "summary": None}, "text": {"format": options.text_format},
     }  # fmt: skip
     if usage is not None:
         body["usage"] = usage_json(usage)
