@@ -1,11 +1,16 @@
 """Engine throughput on a core, next to the machine's physical ceiling.
 
     python benchmarks/engine_bench.py cores/smollm2 [--tokens 64] [--batches 1,8,32] [--json out.json]
+    python benchmarks/engine_bench.py cores/smollm2 --grammar [--tokens 64] [--grammar-threads 1]
 
 Measures decode tokens/s for 1, 8 and 32 concurrent sequences (greedy, ignore_eos,
 prompts already prefilled), and estimates the ceiling of each from measured fp32 matmul
 FLOP/s at that row count and measured matrix-vector memory bandwidth:
 step time >= max(weight bytes / bandwidth, 2 * parameters * rows / FLOP/s).
+
+--grammar instead compares 16 concurrent JSON-schema-constrained requests (a schema too
+long to finish within --tokens, so every row stays masked) against 16 unconstrained ones
+on the same engine, and prints the throughput cost of the grammar masks (target <= 15%).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from helios.core import Core
 from helios.engine.engine import EngineConfig, LLMEngine
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
+from helios.frontend.constraint import ConstraintPlan, GrammarConstraint, GrammarMasks
+from helios.frontend.grammar import GrammarService
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 
@@ -45,11 +52,12 @@ def measure_flops(rows: int, size: int = 2048, repeats: int = 5) -> float:
     return 2 * rows * size * size * repeats / (time.perf_counter() - start)
 
 
-def decode_throughput(engine: LLMEngine, tokenizer, batch: int, tokens: int) -> float:
+def decode_throughput(engine: LLMEngine, tokenizer, batch: int, tokens: int,
+                      constraint: GrammarConstraint | None = None, tag: str = "") -> float:  # fmt: skip
     """Aggregate generated tokens/s of `batch` sequences, counting decode steps only."""
     requests = [
-        EngineRequest(f"b{batch}-{i}", tuple(tokenizer.encode(f"Request {i}: write about the sea.").ids), (GREEDY,),
-                      tokens + 1, ignore_eos=True)  # fmt: skip
+        EngineRequest(f"b{batch}{tag}-{i}", tuple(tokenizer.encode(f"Request {i}: write about the sea.").ids),
+                      (GREEDY,), tokens + 1, ignore_eos=constraint is None, constraint=constraint)  # fmt: skip
         for i in range(batch)
     ]
     for request in requests:
@@ -63,14 +71,49 @@ def decode_throughput(engine: LLMEngine, tokenizer, batch: int, tokens: int) -> 
     return (engine.stats.generated_tokens - generated) / (time.perf_counter() - start)
 
 
+# Never complete within the measured tokens: at least 1000 short strings.
+LONG_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "minItems": 1000,
+                                                          "items": {"type": "string", "maxLength": 12}}},
+               "required": ["notes"], "additionalProperties": False}  # fmt: skip
+
+
+def grammar_overhead(core: Core, tokens: int, threads: int, batch: int = 16, rounds: int = 2) -> dict:
+    """Best-of-rounds decode tokens/s of `batch` constrained vs unconstrained requests."""
+    m = core.manifest
+    engine = LLMEngine(core, EngineConfig(num_pages=4096, max_concurrency=256),
+                       mask_hook=GrammarMasks(m.tokenizer.vocab_size, threads))  # fmt: skip
+    tokenizer = core.tokenizer()
+    service = GrammarService(tokenizer, m.tokenizer.vocab_size, tuple(m.tokenizer.eos_token_ids))
+    constraint = GrammarConstraint(service.compile("json_schema", json.dumps(LONG_SCHEMA), "bench"),
+                                   ConstraintPlan(None, None, frozenset(), False))  # fmt: skip
+    free, masked = 0.0, 0.0
+    for index in range(rounds):  # alternate, so drift on a shared machine hits both
+        free = max(free, decode_throughput(engine, tokenizer, batch, tokens, tag=f"u{index}"))
+        masked = max(masked, decode_throughput(engine, tokenizer, batch, tokens, constraint, tag=f"c{index}"))
+    return {"core": str(core.root), "batch": batch, "tokens": tokens, "grammar_threads": threads,
+            "unconstrained_tokens_per_s": round(free, 1), "constrained_tokens_per_s": round(masked, 1),
+            "slowdown": round(1 - masked / free, 3)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("core", type=Path)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--grammar", action="store_true", help="measure the cost of grammar masks instead")
+    parser.add_argument("--grammar-threads", type=int, default=1)
     args = parser.parse_args()
     core = Core.open(args.core, verify_checksums=False)
+    if args.grammar:
+        report = grammar_overhead(core, args.tokens, args.grammar_threads)
+        print(f"core {args.core}: {report['batch']} concurrent requests, {report['tokens']} tokens each, "
+              f"{report['grammar_threads']} grammar thread(s)")  # fmt: skip
+        print(f"unconstrained {report['unconstrained_tokens_per_s']} tok/s, json_schema-constrained "
+              f"{report['constrained_tokens_per_s']} tok/s: {100 * report['slowdown']:.1f}% slower (target <= 15%)")
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        return
     m = core.manifest
     engine = LLMEngine(core, EngineConfig(num_pages=4096, max_concurrency=256))
     tokenizer = core.tokenizer()

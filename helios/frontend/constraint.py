@@ -9,6 +9,7 @@ token, every later token goes through it, so the answer may spell a delimiter as
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -95,8 +96,9 @@ class GrammarConstraint:
 class GrammarMasks:
     """The engine's mask hook: masks of every active constraint of a step in one llguidance call.
 
-    llguidance fills a packed bitmask [rows, ceil(V / 32)] int32 on its own threads; torch
-    unpacks it to bool [B, V]. Rows without an active constraint allow every token.
+    llguidance fills a packed bitmask [rows, ceil(V / 32)] int32 (on `num_threads` threads);
+    a byte lookup table unpacks it to bool [B, V]. Rows without an active constraint allow
+    every token.
     """
 
     def __init__(self, vocab_size: int, num_threads: int = 1) -> None:
@@ -104,7 +106,8 @@ class GrammarMasks:
         self.words = (vocab_size + 31) // 32
         self.executor = llguidance.LLExecutor(num_threads)
         self._bitmask = torch.zeros(0, self.words, dtype=torch.int32)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        assert sys.byteorder == "little", "the packed mask is unpacked byte by byte, low bit first"
+        self._bits_of_byte = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]
 
     def __call__(self, seqs: Seq[Sequence]) -> torch.Tensor | None:
         active = [(row, c) for row, s in enumerate(seqs)
@@ -117,9 +120,10 @@ class GrammarMasks:
         bitmask = self._bitmask
         self.executor.unsafe_compute_mask_ptr([(c.matcher, k) for k, (_, c) in enumerate(active)],
                                               bitmask.data_ptr(), self.words * 4, bitmask.shape[0])  # fmt: skip
-        bits = (bitmask[:num].unsqueeze(-1) >> self._shifts) & 1  # [num, words, 32]
+        packed = bitmask[:num].view(torch.uint8).flatten().int()  # [num * words * 4]
+        bits = self._bits_of_byte.index_select(0, packed).view(num, -1)  # [num, words * 32]
         allowed = torch.ones(len(seqs), self.vocab_size, dtype=torch.bool)  # [B, V]
-        allowed[torch.tensor([row for row, _ in active])] = bits.view(num, -1)[:, : self.vocab_size].bool()
+        allowed[torch.tensor([row for row, _ in active])] = bits[:, : self.vocab_size]
         for row, constraint in active:
             if constraint.matcher.is_error():
                 allowed[row] = False  # the engine finishes this choice with the matcher's error

@@ -20,6 +20,7 @@ from helios.frontend.inference import (
     ImagePart,
     InferenceRequest,
     Message,
+    OutputConstraint,
     Part,
     ReasoningPart,
     RequestError,
@@ -317,10 +318,11 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
     return request, options
 
 
-def count_tokens_decode(body: dict[str, Any], headers_version: str | None) -> Conversation:
-    """The conversation a count_tokens body describes (no max_tokens; generation fields ignored)."""
+def count_tokens_decode(body: dict[str, Any], headers_version: str | None) -> tuple[Conversation, OutputConstraint | None]:
+    """The conversation a count_tokens body describes, and its output format (whose JSON
+    instruction is part of the prompt); other generation fields are ignored."""
     _check_version(headers_version)
-    return _conversation(body)[0]
+    return _conversation(body)[0], messages_output_format(body, f.optional_object(body, "output_config") or {})
 
 
 # ---------------------------------------------------------------------------- encoding

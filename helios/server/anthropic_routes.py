@@ -57,6 +57,6 @@ async def _events(run: Run) -> AsyncIterator[bytes]:
 
 
 async def count_tokens(state: ServerState, body: dict[str, Any], headers: dict[str, str]) -> Response:
-    conversation = am.count_tokens_decode(body, headers.get("anthropic-version"))
-    prompt = await state.in_pool(state.frontend.prompt, conversation)
+    conversation, output = am.count_tokens_decode(body, headers.get("anthropic-version"))
+    prompt = await state.in_pool(state.frontend.prompt, conversation, output)
     return json_response({"input_tokens": len(prompt.token_ids)})

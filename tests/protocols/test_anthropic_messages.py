@@ -247,8 +247,8 @@ def test_thinking_budget_and_effort(fields: dict[str, Any], budget: int | None, 
 def test_count_tokens_needs_no_max_tokens() -> None:
     raw = claude_code_body()
     del raw["max_tokens"]
-    conversation = count_tokens_decode(raw, VERSION)
-    assert conversation == decode(claude_code_body(), headers_version=VERSION)[0].input
+    conversation, output = count_tokens_decode(raw, VERSION)
+    assert conversation == decode(claude_code_body(), headers_version=VERSION)[0].input and output is None
     with pytest.raises(RequestError):
         count_tokens_decode(raw, None)
 

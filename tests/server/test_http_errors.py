@@ -47,7 +47,9 @@ def test_authentication(server: Server) -> None:
         ({"logprob_token_ids": list(range(129)), "logprobs": True}, "logprob_token_ids"),
         ({"logprob_token_ids": [10**9], "logprobs": True}, "logprob_token_ids"),
         ({"thinking_token_budget": 10}, "thinking_token_budget"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format.json_schema.schema"),
         ({"n": 0}, "n"),
     ],
 )

@@ -47,7 +47,8 @@ class ResponsesOptions:
     max_output_tokens: int | None = None
     reasoning_effort: str | None = None
     metadata: dict[str, Any] | None = None
-    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})  # text.format, echoed
+    # text.format as echoed: JSON formats as sent; the native grammar extension echoes as text (OpenAI's schema)
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
 
 
 # ---------------------------------------------------------------------------- input items
@@ -329,6 +330,6 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ResponsesOptions]:
         namespaces=namespaces, parallel_tool_calls=parallel, temperature=_number(body, "temperature"),
         top_p=_number(body, "top_p"), max_output_tokens=max_tokens, reasoning_effort=effort,
         metadata=body.get("metadata") if isinstance(body.get("metadata"), dict) else None,
-        text_format=fmt if output is not None else {"type": "text"},
+        text_format=fmt if output is not None and output.kind.startswith("json") else {"type": "text"},
     )  # fmt: skip
     return request, options
