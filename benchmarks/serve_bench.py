@@ -123,7 +123,7 @@ async def single(url: str, model: str) -> dict:
 
 
 async def prefix_reuse(url: str, model: str, turns: int = 4) -> dict:
-    system = "You are a careful assistant. Reference notes: " + filler(1150, 7)
+    system = "You are a careful assistant. Reference notes: " + filler(1450, 7)  # ~1,500 tokens
     async with httpx.AsyncClient(timeout=600) as client:
         samples = []
         for turn in range(turns + 1):
@@ -138,7 +138,7 @@ async def prefix_reuse(url: str, model: str, turns: int = 4) -> dict:
 
 
 async def prefill(url: str, model: str) -> dict:
-    messages = [{"role": "user", "content": "Summarize: " + filler(1530, 11)}]
+    messages = [{"role": "user", "content": "Summarize: " + filler(1960, 11)}]  # ~2,000 tokens
     async with httpx.AsyncClient(timeout=600) as client:
         await one_request(client, url, model, [{"role": "user", "content": "hi"}], 1)
         samples = [await one_request(client, url, model, [{"role": "user", "content": f"{i} " + messages[0]["content"]}], 1)
