@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from safetensors.torch import load_file
 
 from helios.core.program import run_prompt
+
+if TYPE_CHECKING:
+    from helios.core.bundle import Core
 
 
 def golden_key(index: int) -> str:
     return f"prompt_{index}"
 
 
-def recheck(core: "Core") -> float:  # noqa: F821 (helios.core.bundle.Core)
+def recheck(core: "Core") -> float:
     """Re-run the golden prompts through the saved step program.
 
     Returns the max absolute logprob difference; raises CoreError naming the first value

@@ -2,50 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
 from helios.server import anthropic_routes, openai_routes, responses_routes
-from helios.server.auth import check_key
-from helios.server.body import BodyError, read_body
 from helios.server.discovery_routes import api_show, api_tags
 from helios.server.errors import anthropic_error, openai_error
 from helios.server.metrics import choose_format, json_snapshot, prometheus_text
 from helios.server.responses import HttpError, error_response, json_response, translate
+from helios.server.route_io import authorize, json_object, state_of
 from helios.server.scoring_routes import decisions_route, systemone_route
 from helios.server.state import ServerState
-
-
-def state_of(request: Request) -> ServerState:
-    return request.app.state.helios
-
-
-def authorize(request: Request, anthropic: bool = False) -> None:
-    state = state_of(request)
-    problem = check_key(state.config.api_key, request.headers.get("authorization"), request.headers.get("x-api-key"),
-                        allow_x_api_key=anthropic)  # fmt: skip
-    if problem is not None:
-        raise HttpError(401, problem)
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    state = state_of(request)
-    try:
-        raw = await read_body(request.stream(), request.headers.get("content-encoding"), state.config.max_body_bytes,
-                              state.pool)  # fmt: skip
-    except BodyError as exc:
-        raise HttpError(exc.status, exc.message) from None
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise HttpError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "the request body must be a JSON object")
-    return body
 
 
 # ---------------------------------------------------------------------------- routes
@@ -97,7 +65,7 @@ def get_model(request: Request, name: str) -> Response:
 async def _generation(request: Request, handler) -> Response | Stream:
     try:
         authorize(request)
-        body = await json_body(request)
+        body = await json_object(request)
         return await handler(state_of(request), body)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a protocol error
         return error_response(translate(exc))
@@ -107,7 +75,7 @@ async def _anthropic(request: Request, handler) -> Response | Stream:
     """Messages routes: x-api-key or bearer auth, and the Messages error format."""
     try:
         authorize(request, anthropic=True)
-        body = await json_body(request)
+        body = await json_object(request)
         return await handler(state_of(request), body, dict(request.headers))
     except Exception as exc:  # noqa: BLE001
         error = translate(exc)

@@ -1,8 +1,4 @@
-"""Request plumbing for the discovery and scoring routes: state, bearer auth, JSON bodies.
-
-These mirror app.py's private helpers (which those routes cannot import: app.py imports
-them), built on the same auth and body modules so the rules stay in one place.
-"""
+"""Request plumbing every route shares: server state, key checks, bounded JSON bodies."""
 
 from __future__ import annotations
 
@@ -21,12 +17,21 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.helios
 
 
-def authorize(request: Request) -> None:
-    """Bearer auth (OpenAI routes' rule); raises a 401 HttpError."""
-    problem = check_key(state_of(request).config.api_key, request.headers.get("authorization"), None,
-                        allow_x_api_key=False)  # fmt: skip
+def authorize(request: Request, anthropic: bool = False) -> None:
+    """Bearer auth; Anthropic routes also take x-api-key (both present: both must match). 401 on failure."""
+    x_api_key = request.headers.get("x-api-key") if anthropic else None
+    problem = check_key(state_of(request).config.api_key, request.headers.get("authorization"), x_api_key,
+                        allow_x_api_key=anthropic)  # fmt: skip
     if problem is not None:
         raise HttpError(401, problem)
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The body as a JSON object (generation routes)."""
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object")
+    return body
 
 
 async def read_json(request: Request, *, compressed: bool = True) -> Any:
