@@ -40,11 +40,11 @@ def smollm2_core(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="session")
-def qwen3_style_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama core with Qwen3's tokens and template; its recipe declares <think>
-    reasoning and Hermes-style JSON tool calls (tests/data/tiny_qwen3.toml)."""
-    checkpoint = write_testmodel("llama", tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-style", seed=1, chat="qwen3")
-    out = tmp_path_factory.mktemp("cores") / "tiny-qwen3-style"
+def qwen3_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 core (Qwen3's architecture, tokens and template); its recipe declares
+    <think> reasoning and Hermes-style JSON tool calls (tests/data/tiny_qwen3.toml)."""
+    checkpoint = write_testmodel("qwen3", tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", seed=1)
+    out = tmp_path_factory.mktemp("cores") / "tiny-qwen3"
     recipe = load_recipe(str(Path(__file__).parent / "data" / "tiny_qwen3.toml"))
     export_core(open_source(str(checkpoint)), recipe, ExportOptions(out=out))
     return out

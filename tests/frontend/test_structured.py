@@ -37,8 +37,8 @@ LARK = 'start: "a" B\nB: /[bc]+/'
 
 
 @pytest.fixture(scope="module")
-def core(qwen3_style_core: Path) -> Core:
-    return Core.open(qwen3_style_core, verify_checksums=False)
+def core(qwen3_core: Path) -> Core:
+    return Core.open(qwen3_core, verify_checksums=False)
 
 
 @pytest.fixture(scope="module")

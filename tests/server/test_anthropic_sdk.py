@@ -15,8 +15,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 @pytest.fixture(scope="module")
-def app(qwen3_style_core):
-    with scripted_app(qwen3_style_core, api_key=KEY) as client:
+def app(qwen3_core):
+    with scripted_app(qwen3_core, api_key=KEY) as client:
         yield client
 
 

@@ -16,8 +16,8 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(qwen3_style_core):
-    with scripted_app(qwen3_style_core) as app:
+def client(qwen3_core):
+    with scripted_app(qwen3_core) as app:
         yield app
 
 

@@ -105,9 +105,9 @@ def test_discovery_needs_the_key(server: Server, monkeypatch_module) -> None:
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
 
 
-def test_capabilities_and_digest_follow_the_core(tiny_core: Path, qwen3_style_core: Path) -> None:
+def test_capabilities_and_digest_follow_the_core(tiny_core: Path, qwen3_core: Path) -> None:
     tiny = Core.open(tiny_core, verify_checksums=False).manifest
-    qwen = Core.open(qwen3_style_core, verify_checksums=False).manifest
+    qwen = Core.open(qwen3_core, verify_checksums=False).manifest
     assert discovery_protocol.capabilities(tiny) == ("completion",)
     assert discovery_protocol.capabilities(qwen) == ("completion", "tools", "thinking")
     base = discovery_protocol.discovery(identity(tiny, ("a",), created=1), tiny, 256)

@@ -21,8 +21,8 @@ def call(name: str, arguments: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def app(qwen3_style_core):
-    with scripted_app(qwen3_style_core) as server:
+def app(qwen3_core):
+    with scripted_app(qwen3_core) as server:
         yield server
 
 

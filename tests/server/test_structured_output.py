@@ -143,8 +143,8 @@ ASK = [{"role": "user", "content": "A pet?"}]
 
 
 @pytest.fixture(scope="module")
-def scripted(qwen3_style_core):
-    with scripted_app(qwen3_style_core) as app:
+def scripted(qwen3_core):
+    with scripted_app(qwen3_core) as app:
         yield app
 
 
