@@ -41,7 +41,7 @@ def serve(
     port: Annotated[Optional[int], typer.Option("--port", help="Port to bind (default 8000).")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
 ) -> None:
-    """Serve a core over OpenAI-compatible HTTP routes."""
+    """Serve a core: OpenAI Chat/Completions/Responses, Anthropic Messages, Ollama discovery, scoring, health, metrics."""
     import uvicorn
 
     from helios.config import ConfigError, load_config
