@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +53,44 @@ class DecoderConfig(Protocol):
     def tie_word_embeddings(self) -> bool: ...
     @property
     def kv_dim(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DenseConfig:
+    """A decoder with one dense SwiGLU MLP per layer (Llama, Qwen3)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def decoder_fields(hf: dict[str, Any], family: str, default_positions: int) -> dict[str, Any]:
+    """The config fields every decoder family reads the same way (all but the MLP sizes)."""
+    heads = int(hf["num_attention_heads"])
+    return {
+        "vocab_size": int(hf["vocab_size"]),
+        "hidden_size": int(hf["hidden_size"]),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "num_heads": heads,
+        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": rope_theta_from_hf(hf, family),
+        "max_position_embeddings": int(hf.get("max_position_embeddings", default_positions)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
 
 
 def kv_shape(config: DecoderConfig) -> tuple[int, int, int]:

@@ -6,15 +6,14 @@ graph without weights; attention goes through the flare:: paged-KV ops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from ignition.models import common
 from ignition.models.common import (
-    ATTENTION_WEIGHT_MAP, DecoderProgram, attention_shapes, decode_weight_bytes, decoder_shapes, kv_shape,
-    reference_swiglu,
+    ATTENTION_WEIGHT_MAP, DecoderProgram, DenseConfig, attention_shapes, decode_weight_bytes, decoder_fields,
+    decoder_shapes, kv_shape, reference_swiglu,
 )  # fmt: skip  (kv_shape, decode_weight_bytes: the family interface, shared)
 
 FAMILY = "llama"
@@ -53,44 +52,12 @@ GGUF_WEIGHT_MAP = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
+LlamaConfig = DenseConfig
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
     """Read a Hugging Face config.json dict; unsupported variants raise ValueError."""
-    scaling = hf.get("rope_scaling")
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"rope_scaling {scaling!r} is not supported by the llama family yet")
-    heads = int(hf["num_attention_heads"])
-    return LlamaConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
+    return DenseConfig(intermediate_size=int(hf["intermediate_size"]), **decoder_fields(hf, FAMILY, 2048))
 
 
 def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:

@@ -7,15 +7,14 @@ No GGUF reading yet (GGUF_ARCHITECTURES is empty).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from ignition.models import common
 from ignition.models.common import (
-    ATTENTION_WEIGHT_MAP, DecoderProgram, attention_shapes, decode_weight_bytes, decoder_shapes, kv_shape,
-    reference_swiglu, rms_norm, rope_theta_from_hf,
+    ATTENTION_WEIGHT_MAP, DecoderProgram, DenseConfig, attention_shapes, decode_weight_bytes, decoder_fields,
+    decoder_shapes, kv_shape, reference_swiglu, rms_norm,
 )  # fmt: skip  (kv_shape, decode_weight_bytes: the family interface, shared)
 
 FAMILY = "qwen3"
@@ -44,23 +43,7 @@ FUSED = {
     "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"),
 }
 
-@dataclass(frozen=True, slots=True)
-class Qwen3Config:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
+Qwen3Config = DenseConfig
 
 
 def check_attention(hf: dict[str, Any], family: str) -> None:
@@ -76,19 +59,7 @@ def check_attention(hf: dict[str, Any], family: str) -> None:
 def attention_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """The config fields every Qwen3 family shares (everything but the MLP sizes)."""
     check_attention(hf, family)
-    heads = int(hf["num_attention_heads"])
-    return {
-        "vocab_size": int(hf["vocab_size"]),
-        "hidden_size": int(hf["hidden_size"]),
-        "num_layers": int(hf["num_hidden_layers"]),
-        "num_heads": heads,
-        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
-        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "rope_theta": rope_theta_from_hf(hf, family),
-        "max_position_embeddings": int(hf.get("max_position_embeddings", 32768)),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    }
+    return decoder_fields(hf, family, 32768)
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3Config:
