@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from helios.frontend.inference import RequestError
+from helios.frontend.inference import ImagePart, RequestError
 
 _MISSING = object()
 
@@ -102,3 +104,20 @@ def reject(body: Mapping[str, Any], names: tuple[str, ...], why: str = "is not s
     for name in names:
         if body.get(name) is not None:
             raise RequestError(f"{name} {why}", name)
+
+
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
+
+
+def data_url_image(url: Any, param: str, missing: str) -> ImagePart:
+    """A base64 `data:` URL as an image part; `missing` explains what to send instead."""
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise RequestError(missing, param)
+    header, _, data = url.partition(",")
+    media_type = header[5:].split(";")[0]
+    if media_type not in IMAGE_TYPES:
+        raise RequestError(f"unsupported image type {media_type!r} (PNG, JPEG or static WebP)", param)
+    try:
+        return ImagePart(base64.b64decode(data, validate=True), media_type)
+    except (binascii.Error, ValueError):
+        raise RequestError("an image data URL is not valid base64", param) from None

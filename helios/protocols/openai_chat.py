@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,16 +48,7 @@ class ChatOptions:
 
 def _image(part: dict[str, Any]) -> ImagePart:
     url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise RequestError("images must be base64 data URLs (remote image downloads are unsupported)", "messages")
-    header, _, data = url.partition(",")
-    media_type = header[5:].split(";")[0]
-    if media_type not in ("image/png", "image/jpeg", "image/webp"):
-        raise RequestError(f"unsupported image type {media_type!r} (PNG, JPEG or static WebP)", "messages")
-    try:
-        return ImagePart(base64.b64decode(data, validate=True), media_type)
-    except (binascii.Error, ValueError):
-        raise RequestError("an image data URL is not valid base64", "messages") from None
+    return f.data_url_image(url, "messages", "images must be base64 data URLs (remote image downloads are unsupported)")
 
 
 def _content_parts(content: Any, role: str) -> tuple[Part, ...]:

@@ -6,8 +6,6 @@ contract in the description); namespaced tools are presented as "namespace__name
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +23,6 @@ from helios.protocols.output_format import responses_text_format
 UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "prompt_logprobs")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,17 +50,8 @@ class ResponsesOptions:
 
 # ---------------------------------------------------------------------------- input items
 def _image(url: Any, param: str) -> ImagePart:
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise RequestError("input_image needs a base64 data URL in image_url (file_id and remote URLs are "
-                           "unsupported)", param)  # fmt: skip
-    header, _, data = url.partition(",")
-    media_type = header[5:].split(";")[0]
-    if media_type not in IMAGE_TYPES:
-        raise RequestError(f"unsupported image type {media_type!r} (PNG, JPEG or static WebP)", param)
-    try:
-        return ImagePart(base64.b64decode(data, validate=True), media_type)
-    except (binascii.Error, ValueError):
-        raise RequestError("an image data URL is not valid base64", param) from None
+    return f.data_url_image(url, param, "input_image needs a base64 data URL in image_url (file_id and remote URLs "
+                                        "are unsupported)")
 
 
 def _parts(content: Any, param: str) -> tuple[TextPart | ImagePart, ...]:
