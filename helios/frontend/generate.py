@@ -17,7 +17,7 @@ from helios.engine.request import EngineEvent
 from helios.frontend.choice import ChoiceStream
 from helios.frontend.detokenizer import TokenBytes
 from helios.frontend.events import SemanticEvent
-from helios.frontend.inference import Conversation, InferenceRequest, Termination
+from helios.frontend.inference import Conversation, InferenceRequest
 from helios.frontend.output import ChoiceOutput, OutputDelta
 from helios.frontend.parsers import build_parser
 from helios.frontend.request import Frontend, PreparedPrompt
@@ -164,7 +164,3 @@ def usage_of(generations: list[Generation]) -> Usage:
         usage.completion_tokens += sum(c.output.num_generated for c in generation.choices)
         usage.reasoning_tokens += sum(c.reasoning_tokens for c in generation.choices)
     return usage
-
-
-def is_length(termination: Termination | None) -> bool:
-    return termination is Termination.LENGTH
