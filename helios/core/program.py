@@ -72,7 +72,15 @@ class Program:
     def load(cls, kind: str, spec: ProgramSpec, path: Path, check_guards: bool = True) -> "Program":
         """check_guards=False skips per-call input-shape checks (callers that build inputs themselves)."""
         exported = torch.export.load(str(path))
-        return cls(kind, spec, exported.module(check_guards=check_guards))
+        module = exported.module(check_guards=check_guards)
+        if not check_guards:
+            # The unlifted module still validates inputs against the range constraints with
+            # sympy on every call (several ms per decode step); callers that build their
+            # inputs themselves drop that hook too.
+            for key, hook in list(module._forward_pre_hooks.items()):
+                if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
+                    del module._forward_pre_hooks[key]
+        return cls(kind, spec, module)
 
     def __call__(self, weights: dict[str, Tensor], kv_cache: list[Tensor], **inputs: Tensor) -> dict[str, Tensor]:
         missing = [n for n in self.input_names if n not in inputs]

@@ -132,7 +132,8 @@ class LLMEngine:
                 rows, seqs, allowed = self._drop_blocked(rows, seqs, allowed, events)
             if not seqs:
                 return events
-            logits = result.logits.index_select(0, torch.tensor(rows))
+            identity = rows == list(range(result.logits.shape[0]))
+            logits = result.logits if identity else result.logits.index_select(0, torch.tensor(rows))
             tokens = self._sample(logits, seqs, allowed).tolist()
         except Exception as exc:
             log.exception("sampling failed")

@@ -1,10 +1,15 @@
 """helios' own kernels for the flare:: ops (the core's reference kernels are correct but slow).
 
 CPU: decode rows (one query token per sequence) of a step are attended in one batched
-gather + matmul over the padded page tables; prefill chunks use SDPA per sequence.
+gather + SDPA over the padded page tables; prefill chunks use SDPA per sequence. The
+step's layout (which rows decode, the gather indices, the masks) is the same for every
+layer, so it is planned once per step and reused by all layers' calls.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,45 +20,102 @@ import helios.core.ops  # noqa: F401  (defines the ops before kernels are regist
 _registered = False
 
 
-def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, scale: float) -> Tensor:
-    """q [B, H, D], one query per sequence at its last position; returns [B, H, D]."""
-    batch, heads, dim = q.shape
-    page_tokens, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    longest = int(lens.max())
-    j = torch.arange(longest)
-    slots = tables[:, j // page_tokens].long() * page_tokens + (j % page_tokens)  # [B, L]
-    keys = k_cache.view(-1, kv_heads, dim)[slots]  # [B, L, KVH, D]
-    values = v_cache.view(-1, kv_heads, dim)[slots]
-    group = heads // kv_heads
-    qg = q.view(batch, kv_heads, group, dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, keys.to(q.dtype)) * scale
-    scores.masked_fill_((j[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.einsum("bkgl,blkd->bkgd", probs, values.to(q.dtype)).reshape(batch, heads, dim)
+@dataclass(frozen=True, slots=True)
+class _Prefill:
+    start: int
+    end: int
+    slots: Tensor  # [kv_len] flat cache slots of the sequence's history
+    visible: Tensor  # [end - start, kv_len] bool: key j is visible to query i
 
 
-def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
-    out = torch.empty_like(q)
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The per-step attention layout shared by every layer."""
+
+    decode_rows: Tensor | None  # [Bd] query rows of the decode sequences
+    decode_slots: Tensor | None  # [Bd, L] flat cache slots, padded
+    decode_mask: Tensor | None  # [Bd, 1, 1, L] bool: slot j holds history
+    prefills: tuple[_Prefill, ...]
+    identity: bool  # every row decodes, in order: the output needs no scatter
+
+
+class _PlanCache:
+    """Remembers the plan of the step whose block-table tensor is alive right now.
+
+    Keyed by the identity of the step's input tensors: the executor creates them fresh
+    every step, and a weak reference tells a dead step's tensor from a new one that
+    happens to reuse its id.
+    """
+
+    def __init__(self) -> None:
+        self._keys: tuple[weakref.ref, ...] = ()
+        self._plan: _Plan | None = None
+
+    def get(self, tensors: tuple[Tensor, ...], page_tokens: int, build) -> _Plan:
+        if (self._plan is not None and len(self._keys) == len(tensors)
+                and all(ref() is t for ref, t in zip(self._keys, tensors))):  # fmt: skip
+            return self._plan
+        plan = build()
+        self._keys = tuple(weakref.ref(t) for t in tensors)
+        self._plan = plan
+        return plan
+
+
+_plans = _PlanCache()
+
+
+def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, positions: Tensor, page_tokens: int) -> _Plan:
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    decode_rows = decode_slots = decode_mask = None
     if decode:
-        rows = torch.tensor([starts[i] for i in decode])
         picked = torch.tensor(decode)
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[picked], seq_lens[picked].long(), scale)
-    page_tokens, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        tables = block_tables[picked].long()
+        dlens = seq_lens[picked].long()
+        j = torch.arange(int(dlens.max()))
+        decode_slots = tables[:, j // page_tokens] * page_tokens + (j % page_tokens)  # [Bd, L]
+        decode_mask = (j[None, :] < dlens[:, None])[:, None, None, :]
+        decode_rows = torch.tensor([starts[i] for i in decode])
     decode_set = set(decode)
+    prefills = []
     for i, kv_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         if i in decode_set or end <= start:
             continue
-        pages = block_tables[i, : -(-kv_len // page_tokens)].long()
-        keys = k_cache[pages].reshape(-1, kv_heads, k_cache.shape[-1])[:kv_len].transpose(0, 1).to(q.dtype)
-        values = v_cache[pages].reshape(-1, kv_heads, v_cache.shape[-1])[:kv_len].transpose(0, 1).to(q.dtype)
-        query = q[start:end].transpose(0, 1)
-        visible = torch.arange(kv_len)[None, :] <= positions[start:end, None]
-        out[start:end] = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != kv_heads
+        j = torch.arange(kv_len)
+        slots = block_tables[i, j // page_tokens].long() * page_tokens + (j % page_tokens)
+        prefills.append(_Prefill(start, end, slots, j[None, :] <= positions[start:end, None]))
+    identity = len(decode) == len(lens) and decode == list(range(len(lens))) and starts[-1] == len(decode)
+    return _Plan(decode_rows, decode_slots, decode_mask, tuple(prefills), identity)
+
+
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
+    page_tokens, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    plan = _plans.get((block_tables, seq_lens, query_start_loc, positions), page_tokens,
+                      lambda: _plan(block_tables, seq_lens, query_start_loc, positions, page_tokens))  # fmt: skip
+    flat_k = k_cache.view(-1, kv_heads, dim)
+    flat_v = v_cache.view(-1, kv_heads, dim)
+    gqa = q.shape[1] != kv_heads
+    decoded = None
+    if plan.decode_slots is not None:
+        # [Bd, L, KVH, D] -> [Bd, KVH, L, D] views; SDPA reads the strides as they are.
+        keys = flat_k[plan.decode_slots].to(q.dtype).transpose(1, 2)
+        values = flat_v[plan.decode_slots].to(q.dtype).transpose(1, 2)
+        query = (q if plan.identity else q[plan.decode_rows])[:, :, None, :]
+        decoded = F.scaled_dot_product_attention(query, keys, values, attn_mask=plan.decode_mask, scale=scale,
+                                                 enable_gqa=gqa)[:, :, 0]  # fmt: skip
+        if plan.identity:
+            return decoded
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[plan.decode_rows] = decoded
+    for part in plan.prefills:
+        keys = flat_k[part.slots].transpose(0, 1).to(q.dtype)  # [KVH, Tk, D]
+        values = flat_v[part.slots].transpose(0, 1).to(q.dtype)
+        query = q[part.start : part.end].transpose(0, 1)
+        out[part.start : part.end] = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=part.visible, scale=scale, enable_gqa=gqa
         ).transpose(0, 1)
     return out
 

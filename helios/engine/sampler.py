@@ -170,17 +170,29 @@ class Sampler:
         # Greedy before temperature: division could round distinct logits into a tie.
         # argmax returns the first maximum, i.e. the lowest token id on ties.
         greedy_ids = logits.argmax(dim=-1)
-        greedy = torch.tensor([p.top_k == 1 for p in params], device=logits.device)
+        sampled = [row for row, p in enumerate(params) if p.top_k != 1]
+        if not sampled:
+            return greedy_ids
+        if len(sampled) < len(params):
+            # Only sampling rows draw: a greedy choice never uses its generator, and a
+            # sampling row's draws depend only on its own generator and step count.
+            picked = torch.tensor(sampled, device=logits.device)
+            drawn = self._draw(logits.index_select(0, picked), [params[r] for r in sampled],
+                               [generators[r] for r in sampled])  # fmt: skip
+            return greedy_ids.index_copy(0, picked, drawn)
+        return self._draw(logits, params, generators)
+
+    @staticmethod
+    def _draw(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> Tensor:
+        """temperature -> top-k -> top-p -> min-p -> draw, for rows that all sample."""
         logits = apply_temperature(logits, params)
         drawn = _draw_among_candidates(logits, params, generators)
         if drawn is not None:
-            return torch.where(greedy, greedy_ids, drawn)
+            return drawn
         logits = apply_top_k(logits, params)
         logits = apply_top_p(logits, params)
         logits = apply_min_p(logits, params)
-        # Every row draws, greedy ones too, so a generator advances exactly once per step.
-        drawn = draw(logits, generators)
-        return torch.where(greedy, greedy_ids, drawn)
+        return draw(logits, generators)
 
 
 def _draw_among_candidates(logits: Tensor, params: Sequence[SamplingParams],
