@@ -122,13 +122,26 @@ class EngineClient:
             self.failure = f"engine failed: {exc}"
 
     def _deliver(self, events: list[EngineEvent]) -> None:
+        # One wake-up per event loop per step, not one per event: each wake-up is a
+        # self-pipe write and a loop iteration contending for the GIL with this thread.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, EngineEvent]]] = {}
         with self._lock:
             for event in events:
                 stream = self._streams.get(event.request_id)
                 if stream is None:
                     continue
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+                batches.setdefault(stream.loop, []).append((stream.queue, event))
                 if event.finish is not None:
                     stream.engine_remaining -= 1
                     if stream.engine_remaining == 0:  # the engine is done with it
                         del self._streams[event.request_id]
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop has closed (server shutting down)
+                log.debug("dropped %d events for a closed event loop", len(batch))
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, EngineEvent]]) -> None:
+    for queue, event in batch:
+        queue.put_nowait(event)
