@@ -51,6 +51,15 @@ CHATS = {
         "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": "qwen3.jinja",
     },
+    # DeepSeek V4 / V4.1 spellings (deepseek_recipe.SpecialToken defaults), each one token. No
+    # template: these cores lower chats through the official native encoder (native:deepseek_v4*).
+    "deepseek": {
+        "special_tokens": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜System｜>", "<｜User｜>",
+                           "<｜Assistant｜>", "<｜latest_reminder｜>", "<think>", "</think>", "｜DSML｜"),  # fmt: skip
+        "roles": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+                  "pad_token": "<｜end▁of▁sentence｜>"},  # fmt: skip
+        "template": None,
+    },
 }
 
 
@@ -63,7 +72,11 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
         raise UsageError(f"no chat flavour {chat!r} (supported: {', '.join(sorted(CHATS))})")
     specials = CHATS[chat]["special_tokens"] if chat else fam.TEST_SPECIAL_TOKENS
     roles = CHATS[chat]["roles"] if chat else fam.TEST_TOKEN_ROLES
-    template = (DATA / CHATS[chat]["template"]).read_text(encoding="utf-8") if chat else fam.TEST_CHAT_TEMPLATE
+    if chat:  # a flavour without a template file serves through a native encoder
+        template_file = CHATS[chat]["template"]
+        template = (DATA / template_file).read_text(encoding="utf-8") if template_file else None
+    else:
+        template = fam.TEST_CHAT_TEMPLATE
     tokenizer = build_tokenizer(specials)
     config = fam.testmodel_config(tokenizer.get_vocab_size())
     config.update({name.replace("_token", "_token_id"): tokenizer.token_to_id(tok)
@@ -74,8 +87,9 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
-    tok_config = dict(roles, chat_template=template, add_bos_token=False,
-                      model_max_length=config["max_position_embeddings"])  # fmt: skip
+    tok_config = dict(roles, add_bos_token=False, model_max_length=config["max_position_embeddings"])
+    if template is not None:
+        tok_config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")

@@ -48,3 +48,14 @@ def qwen3_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
     recipe = load_recipe(str(Path(__file__).parent / "data" / "tiny_qwen3.toml"))
     export_core(open_source(str(checkpoint)), recipe, ExportOptions(out=out))
     return out
+
+
+@pytest.fixture(scope="session")
+def deepseek_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama core with DeepSeek V4's special tokens, lowering chats through the official
+    native V4.1 encoder, with DeepSeek reasoning and DSML tool calls (tests/data/tiny_deepseek41.toml)."""
+    checkpoint = write_testmodel("llama", tmp_path_factory.mktemp("ckpt") / "tiny-deepseek", seed=2, chat="deepseek")
+    out = tmp_path_factory.mktemp("cores") / "tiny-deepseek41"
+    recipe = load_recipe(str(Path(__file__).parent / "data" / "tiny_deepseek41.toml"))
+    export_core(open_source(str(checkpoint)), recipe, ExportOptions(out=out))
+    return out

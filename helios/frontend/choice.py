@@ -11,7 +11,7 @@ from helios.engine.request import EngineEvent
 from helios.frontend.events import FinishEvent, SemanticEvent, TextEvent, ToolCallEvent
 from helios.frontend.inference import Termination, ToolChoice
 from helios.frontend.output import ChoiceOutput, OutputDelta
-from helios.frontend.parsers import OutputParser
+from helios.frontend.parsers import ChoiceParser
 from helios.frontend.parsers.tools import ToolCallError
 
 
@@ -20,7 +20,7 @@ class PolicyError(ValueError):
 
 
 class ChoiceStream:
-    def __init__(self, output: ChoiceOutput, parser: OutputParser | None, tool_choice: ToolChoice | None,
+    def __init__(self, output: ChoiceOutput, parser: ChoiceParser | None, tool_choice: ToolChoice | None,
                  declared: frozenset[str]) -> None:  # fmt: skip
         self.output = output
         self.parser = parser

@@ -17,6 +17,7 @@ from helios.engine.request import EngineRequest, ReasoningBudget
 from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint
 from helios.frontend.grammar import GrammarError, GrammarService
+from helios.frontend.native_deepseek import NativeEncoder
 from helios.frontend.parsers.reasoning import reasoning_delimiters, starts_in_reasoning, token_delimiters
 from helios.frontend.parsers.tools import tool_opener_ids
 from helios.frontend.inference import (
@@ -31,6 +32,7 @@ from helios.frontend.inference import (
     TextPart,
     ToolCallPart,
     ToolResultPart,
+    ToolSpec,
 )
 
 MAX_STOP_STRINGS = 4
@@ -105,6 +107,8 @@ class Frontend:
         specials = {"bos_token": self._token(m.tokenizer.bos_token_id), "eos_token": self._token(m.tokenizer.eos_token_ids[0]),
                     "pad_token": self._token(m.tokenizer.pad_token_id)}  # fmt: skip
         self.template = ChatTemplate(source, specials) if source else None
+        self.native = NativeEncoder.for_source(m.recipe.template_source, self.tokenizer, m.recipe.effort_levels,
+                                               m.recipe.default_effort)  # fmt: skip
         self.grammars = GrammarService(self.tokenizer, self.vocab_size, tuple(m.tokenizer.eos_token_ids))
 
     def _token(self, token_id: int | None) -> str | None:
@@ -114,17 +118,8 @@ class Frontend:
     def render(self, conversation: Conversation, output: OutputConstraint | None = None) -> str:
         if self.template is None:
             raise RequestError("this model has no chat template; use /v1/completions with a raw prompt", "messages")
-        choice = conversation.tool_choice
-        presented = [t for t in conversation.tools if choice.mode != "named" or t.name == choice.name]
-        if choice.mode == "none":
-            presented = []
-        arranged = self._arrange(conversation.messages)
-        if choice.mode == "required":
-            arranged = self._with_instruction(arranged, REQUIRED_TOOL_INSTRUCTION)
-        instruction = output_instruction(output)
-        if instruction is not None:
-            arranged = self._with_instruction(arranged, instruction)
-        messages = [self._template_message(m) for m in normalize_tool_results(arranged)]
+        lowered, presented = self._lowered(conversation, output)
+        messages = [self._template_message(m) for m in lowered]
         tools = [
             {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
             for t in presented
@@ -136,6 +131,22 @@ class Frontend:
                                         continue_final_message=conversation.continue_final_message, **kwargs)  # fmt: skip
         except TemplateError as exc:
             raise RequestError(str(exc), "messages") from None
+
+    def _lowered(self, conversation: Conversation, output: OutputConstraint | None,
+                 native: bool = False) -> tuple[list[Message], list[ToolSpec]]:  # fmt: skip
+        """The arranged messages and the tools presented to the model. A native encoder writes its
+        own required-call and response-format prompts, so it gets no added instructions."""
+        choice = conversation.tool_choice
+        presented = [t for t in conversation.tools if choice.mode != "named" or t.name == choice.name]
+        if choice.mode == "none":
+            presented = []
+        arranged = self._arrange(conversation.messages)
+        if choice.mode == "required" and not native:
+            arranged = self._with_instruction(arranged, REQUIRED_TOOL_INSTRUCTION)
+        instruction = None if native else output_instruction(output)
+        if instruction is not None:
+            arranged = self._with_instruction(arranged, instruction)
+        return normalize_tool_results(arranged), presented
 
     def _reasoning_kwargs(self, conversation: Conversation) -> dict[str, object]:
         """Template variables for reasoning controls; explicit chat_template_kwargs win."""
@@ -169,7 +180,8 @@ class Frontend:
                 continue  # empty system messages produce no prompt text
             if message.role == "system" and index > 0 and any(m.role != "system" for m in messages[:index]):
                 if inline is None:
-                    inline = self.template.supports_inline_system() if self.template else False
+                    renderer = self.native or self.template
+                    inline = renderer.supports_inline_system() if renderer else False
                 if not inline:
                     message = Message("user", (TextPart(f"<system>{message.text()}</system>"),))
             arranged.append(message)
@@ -206,6 +218,10 @@ class Frontend:
         return out
 
     def prompt(self, source: Conversation | RawPrompt, output: OutputConstraint | None = None) -> PreparedPrompt:
+        if isinstance(source, Conversation) and self.native is not None:
+            messages, presented = self._lowered(source, output, native=True)
+            ids, text = self.native.encode(source, messages, presented, self._reasoning_kwargs(source), output)
+            return PreparedPrompt(ids, text)
         if isinstance(source, Conversation):
             text = self.render(source, output)
             return PreparedPrompt(tuple(self.tokenizer.encode(text, add_special_tokens=False).ids), text)

@@ -58,6 +58,7 @@ class MessagesOptions:
     budget: int | None  # the requested reasoning budget, even above 2**31-1 where it is not applied as a cut
     effort: str | None  # neutral level: output_config.effort, else derived from the budget
     cache_boundaries: tuple[tuple[int, int], ...] = ()  # <= 4 (conversation message index, part index), request order
+    explicit_budget: bool = False  # thinking_token_budget was sent (a hard cap, never only a hint)
 
 
 def thinking_signature(text: str) -> str:
@@ -228,6 +229,8 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
     mode = TOOL_CHOICES.get(str(choice.get("type")))
     if mode is None:
         raise RequestError("tool_choice.type must be auto, any, tool or none", "tool_choice")
+    if mode == "required" and not specs:
+        raise RequestError("tool_choice any needs at least one declared tool", "tool_choice")
     name = choice.get("name") if mode == "named" else None
     if mode == "named" and name not in {s.name for s in specs}:
         raise RequestError(f"tool_choice names tool {name!r}, which is not declared in tools", "tool_choice")
@@ -314,7 +317,8 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
         thinking_token_budget=budget if budget is not None and budget <= MAX_APPLIED_BUDGET else None,
         output=messages_output_format(body, f.optional_object(body, "output_config") or {}),
     )
-    options = MessagesOptions(body["model"], stream, enabled, budget, effort, tuple(marks))
+    options = MessagesOptions(body["model"], stream, enabled, budget, effort, tuple(marks),
+                              explicit_budget=body.get("thinking_token_budget") is not None)  # fmt: skip
     return request, options
 
 

@@ -129,6 +129,13 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
     return tuple(specs), ToolChoice("named", name, parallel)
 
 
+def _reasoning_effort(value: Any) -> str | int | None:
+    """A named level or an integer score; the prepared template or native encoder validates it."""
+    if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise RequestError(f"reasoning_effort must be a named level or an integer score (got {value!r})", "reasoning_effort")
+
+
 def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
     f.reject(body, UNSUPPORTED)
     model = body.get("model")
@@ -156,6 +163,8 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
     include_usage = bool(stream_options.get("include_usage")) if stream else False
     continuous = include_usage and bool(stream_options.get("continuous_usage_stats"))
     template_kwargs = f.optional_object(body, "chat_template_kwargs") or {}
+    if "reasoning_effort" in body:  # the native template option; chat_template_kwargs wins
+        template_kwargs = {"reasoning_effort": _reasoning_effort(body["reasoning_effort"]), **template_kwargs}
     continue_final = f.optional_bool(body, "continue_final_message")
     add_generation = f.optional_bool(body, "add_generation_prompt", default=not continue_final)
     tools, tool_choice = _tools(body)

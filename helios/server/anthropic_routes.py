@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from litestar import Response
@@ -10,6 +11,7 @@ from litestar.response import Stream
 
 from helios.frontend.events import FinishEvent
 from helios.frontend.inference import Termination
+from helios.frontend.parsers.reasoning import reasoning_delimiters
 from helios.protocols import anthropic_messages as am
 from helios.server.generation import Run, accumulate, finish_of, start
 from helios.server.responses import json_response, translate
@@ -17,13 +19,21 @@ from helios.server.state import ServerState
 
 
 async def messages(state: ServerState, body: dict[str, Any], headers: dict[str, str]) -> Response | Stream:
-    request, _ = am.decode(body, headers_version=headers.get("anthropic-version"))
+    request, options = am.decode(body, headers_version=headers.get("anthropic-version"))
+    if request.thinking_token_budget is not None and not options.explicit_budget and not _can_cap(state):
+        request = replace(request, thinking_token_budget=None)  # thinking.budget_tokens is then only an effort hint
     run = await start(state, request, [request.input], "msg")
     if request.stream:
         return run.stream(_events(run))
     items = await run.collect()
     acc = accumulate(items.get(0, []))
     return json_response(am.message_json(run.request_id, run.model, acc, run.usage()), headers=run.headers)
+
+
+def _can_cap(state: ServerState) -> bool:
+    """Whether the model's reasoning syntax allows a hard budget (a single-token close delimiter)."""
+    syntax = state.frontend.manifest.recipe.reasoning_syntax
+    return bool(syntax) and reasoning_delimiters(syntax, state.frontend.tokenizer) is not None
 
 
 async def _events(run: Run) -> AsyncIterator[bytes]:

@@ -242,6 +242,7 @@ def test_thinking_budget_and_effort(fields: dict[str, Any], budget: int | None, 
     assert isinstance(request.input, Conversation)
     assert request.input.thinking is thinking and options.thinking_enabled is thinking
     assert request.input.effort == effort
+    assert options.explicit_budget is ("thinking_token_budget" in fields)  # else budget_tokens may be only a hint
 
 
 def test_count_tokens_needs_no_max_tokens() -> None:
@@ -297,6 +298,7 @@ REJECTIONS = [
     ({"tools": [{"name": "t"}]}, "tools", "input_schema"),
     ({"tools": [{"name": "t", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "u"}}, "tool_choice", "'u'"),
     ({"tool_choice": {"type": "required"}}, "tool_choice", "tool_choice"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice", "at least one declared tool"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", "budget_tokens"),
     ({"thinking": {"type": "on"}}, "thinking", "thinking.type"),
     ({"thinking": {"type": "adaptive", "budget_tokens": "4k"}}, "thinking.budget_tokens", "positive integer"),

@@ -23,6 +23,10 @@ class ScriptedServer:
         self.state = state
         self.executor = executor
         self.http = httpx.Client(base_url=url, timeout=60)
+        self.prompts: list[str | None] = []  # every prepared prompt's text, in preparation order
+
+    def last_prompt(self) -> str | None:
+        return self.prompts[-1] if self.prompts else None
 
     def say(self, *texts: str) -> None:
         """Queue what the model writes next. Each text is tokenized on its own, so a special
@@ -52,8 +56,17 @@ def scripted_app(core: Path, **settings):
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)  # waiting for the socket to listen, not for a result
+    scripted = ScriptedServer(f"http://127.0.0.1:{port}", state, executor)
+    prepare = state.frontend.prompt
+
+    def recorded(*args, **kwargs):  # a test hook: the rendered prompt the request was given
+        prepared = prepare(*args, **kwargs)
+        scripted.prompts.append(prepared.text)
+        return prepared
+
+    state.frontend.prompt = recorded
     try:
-        yield ScriptedServer(f"http://127.0.0.1:{port}", state, executor)
+        yield scripted
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenizers import Tokenizer
 
 from helios.frontend.events import ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
 from helios.frontend.inference import ToolSpec
 from helios.frontend.output import Piece
+from helios.frontend.parsers import deepseek
 from helios.frontend.parsers.markup import Marks, Span
 from helios.frontend.parsers.reasoning import SYNTAXES as REASONING_SYNTAXES
 from helios.frontend.parsers.reasoning import ReasoningSplitter
@@ -23,6 +25,14 @@ from helios.frontend.parsers.tools import ToolParser, tool_parser, tool_spelling
 
 class UnsupportedSyntax(ValueError):
     """The core names a syntax this helios has no parser for."""
+
+
+class ChoiceParser(Protocol):
+    """What a choice's output pipeline drives: one settled piece at a time, then the end."""
+
+    def feed(self, piece: Piece) -> list[SemanticEvent]: ...
+
+    def finish(self, truncated: bool) -> list[SemanticEvent]: ...
 
 
 @dataclass
@@ -82,9 +92,11 @@ def _one_reasoning_event(events: list[SemanticEvent], counted: bool) -> list[Sem
 
 def build_parser(tokenizer: Tokenizer, reasoning_syntax: str | None, tool_syntax: str | None,
                  prompt_ids: tuple[int, ...], tools_enabled: bool, tools: Iterable[ToolSpec] = (),
-                 structured: bool = False) -> OutputParser:  # fmt: skip
+                 structured: bool = False) -> ChoiceParser:  # fmt: skip
     """The parser of one choice; `tools` (the declared tools) guide argument conversion;
     `structured`: an output constraint shapes the answer (its text is then verbatim)."""
+    if deepseek.REASONING_SYNTAX == reasoning_syntax or deepseek.TOOL_SYNTAX == tool_syntax:
+        return _deepseek_parser(tokenizer, reasoning_syntax, tool_syntax, prompt_ids, tools_enabled, structured)
     delimiters = REASONING_SYNTAXES.get(reasoning_syntax) if reasoning_syntax else None
     if reasoning_syntax and delimiters is None:
         raise UnsupportedSyntax(f"no parser for reasoning syntax {reasoning_syntax!r}")
@@ -96,3 +108,15 @@ def build_parser(tokenizer: Tokenizer, reasoning_syntax: str | None, tool_syntax
     reasoning = ReasoningSplitter(delimiters, marks, tokenizer, prompt_ids) if delimiters else None
     parser = tool_parser(tool_syntax or "", tokenizer, tools, marks) if tools_on else None
     return OutputParser(reasoning, parser, marks, structured)
+
+
+def _deepseek_parser(tokenizer: Tokenizer, reasoning_syntax: str | None, tool_syntax: str | None,
+                     prompt_ids: tuple[int, ...], tools_enabled: bool, structured: bool) -> ChoiceParser:  # fmt: skip
+    """DeepSeek's official state machine reads its reasoning and DSML calls together."""
+    for kind, syntax, ours in (("reasoning", reasoning_syntax, deepseek.REASONING_SYNTAX),
+                               ("tool", tool_syntax, deepseek.TOOL_SYNTAX)):  # fmt: skip
+        if syntax not in (None, ours):
+            raise UnsupportedSyntax(f"no parser combines {kind} syntax {syntax!r} with DeepSeek's")
+    reasoning = reasoning_syntax is not None
+    tools_on = tool_syntax is not None and tools_enabled
+    return deepseek.DeepseekParser(tokenizer, prompt_ids, reasoning, tools_on, structured)
