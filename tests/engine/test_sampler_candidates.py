@@ -27,7 +27,8 @@ def test_candidate_draws_match_the_full_distribution() -> None:
         expected = _full_path_probs(logits, params)
         rows = logits[None].repeat(4000, 1)
         generators = [torch.Generator().manual_seed(i) for i in range(4000)]
-        drawn = s._draw_among_candidates(s.apply_temperature(rows, [params] * 4000), [params] * 4000, generators)
+        drawn, _ = s._draw_among_candidates(s.apply_temperature(rows, [params] * 4000), [params] * 4000, generators,
+                                            s.TOP_P_CANDIDATES, None)  # fmt: skip
         assert drawn is not None
         observed = torch.bincount(drawn, minlength=5000).float() / 4000
         assert set(observed.nonzero().flatten().tolist()) <= set(expected.nonzero().flatten().tolist())
@@ -36,6 +37,22 @@ def test_candidate_draws_match_the_full_distribution() -> None:
 
 def test_rows_sampling_the_whole_vocabulary_use_the_full_path() -> None:
     logits = torch.randn(2, 5000)
-    assert s._draw_among_candidates(logits, [_params(), _params(top_p=0.5)], [torch.Generator()] * 2) is None
+    both = [_params(), _params(top_p=0.5)]
+    assert s._draw_among_candidates(logits, both, [torch.Generator()] * 2, s.TOP_P_CANDIDATES, None)[0] is None
     flat = torch.zeros(1, 5000)  # a top-p nucleus wider than the candidates
-    assert s._draw_among_candidates(flat, [_params(top_p=0.9)], [torch.Generator()]) is None
+    assert s._draw_among_candidates(flat, [_params(top_p=0.9)], [torch.Generator()], s.TOP_P_CANDIDATES, None)[0] is None
+
+
+def test_small_candidate_sets_fall_back_to_larger_ones() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(1, 5000) * 0.5  # a flat-ish distribution: 128 tokens hold too little mass
+    params = [_params(top_p=0.9)]
+    drawn, lse = s._draw_among_candidates(logits, params, [torch.Generator()], 128, None)
+    assert drawn is None and torch.allclose(lse, torch.logsumexp(logits, dim=-1))
+    assert s.Sampler().sample(logits, params, [torch.Generator()], [torch.empty(0)], [torch.empty(0)]).shape == (1,)
+
+
+def test_logsumexp_matches_torch_with_underflowing_terms() -> None:
+    x = torch.randn(4, 5000) * 40
+    x[0, :10] = float("-inf")
+    assert torch.allclose(s.logsumexp(x), torch.logsumexp(x, dim=-1), rtol=0, atol=1e-5)
