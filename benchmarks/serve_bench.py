@@ -112,9 +112,14 @@ async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2) ->
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await one_request(client, url, model, short_chat(-1), 8)  # warm-up
+        slots = asyncio.Semaphore(concurrency)  # at most `concurrency` requests in flight
+
+        async def limited(index: int) -> Sample:
+            async with slots:
+                return await one_request(client, url, model, short_chat(index), OUTPUT_TOKENS)
+
         start = time.perf_counter()
-        samples = await asyncio.gather(*(one_request(client, url, model, short_chat(i), OUTPUT_TOKENS)
-                                         for i in range(concurrency * rounds)))  # fmt: skip
+        samples = await asyncio.gather(*(limited(i) for i in range(concurrency * rounds)))
         return summarize(list(samples), time.perf_counter() - start)
 
 
