@@ -9,7 +9,7 @@ from torch import Tensor
 
 from helios.core import Core
 from helios.core.program import SCORED_PREFILL, STEP, allocate_kv
-from helios.engine import kernels, prepack
+from helios.engine import graph, kernels, prepack
 from helios.engine.scheduler import Chunk
 
 
@@ -36,8 +36,12 @@ class Executor:
         # The executor builds every input itself, so per-call guard checks are skipped.
         self.step = core.load_program(STEP, check_guards=False)
         self.scored = core.load_program(SCORED_PREFILL, check_guards=False) if SCORED_PREFILL in manifest.programs else None
-        if device == "cpu" and prepack.available():
-            self.weights = prepack.prepack([p for p in (self.step, self.scored) if p is not None], self.weights)
+        programs = [p for p in (self.step, self.scored) if p is not None]
+        if device == "cpu":
+            for program in programs:
+                graph.simplify(program)
+            if prepack.available():
+                self.weights = prepack.prepack(programs, self.weights)
         self.kv = allocate_kv(manifest.kv, num_pages, self.page_tokens, device)
         self.explicit = manifest.capabilities.explicit_logprob_ids
 

@@ -1,0 +1,54 @@
+"""Load-time simplifications of a program's graph for the CPU engine.
+
+Each decode step runs the whole graph node by node from Python, so every node costs a few
+microseconds of dispatch whatever its size. These rewrites keep the computation and drop
+that overhead where it buys nothing:
+
+* metadata assertions the exporter left in (they check inputs the executor builds itself);
+* dtype conversions to the dtype the value already has (a float32 core's `.float()`);
+* the flare:: ops, called straight into helios' CPU kernels instead of through the
+  custom-op dispatcher and its Python wrappers (aliasing checks, version bumps).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from helios.core.program import Program
+from helios.engine import kernels
+
+_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
+_DIRECT = {
+    torch.ops.flare.paged_attention.default: kernels.paged_attention_cpu,
+    torch.ops.flare.write_kv.default: kernels.write_kv_cpu,
+}
+
+
+def _same_dtype_conversion(node: fx.Node) -> bool:
+    if node.target is not torch.ops.aten.to.dtype or len(node.args) != 2 or node.kwargs:
+        return False
+    source, dtype = node.args
+    value = source.meta.get("val") if isinstance(source, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dtype == dtype
+
+
+def simplify(program: Program) -> int:
+    """Rewrite the program's graph in place for the CPU kernels; returns the nodes removed."""
+    graph = program.module.graph
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _ASSERTS and not node.users:
+            graph.erase_node(node)
+            removed += 1
+        elif _same_dtype_conversion(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            removed += 1
+        elif node.target in _DIRECT:
+            node.target = _DIRECT[node.target]
+    graph.lint()
+    program.module.recompile()
+    return removed
