@@ -26,7 +26,7 @@ class _Prefill:
     end: int
     pages: Tensor  # [blocks] the sequence's pages, in order
     kv_len: int
-    visible: Tensor  # [end - start, kv_len] bool: key j is visible to query i
+    visible: Tensor | None  # [end - start, kv_len] bool: key j is visible to query i; None: plain causal
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +88,9 @@ def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, posit
         if i in decode_set or end <= start:
             continue
         pages = block_tables[i, : -(-kv_len // page_tokens)].long()
-        visible = torch.arange(kv_len)[None, :] <= positions[start:end, None]
+        first = int(positions[start])
+        whole = end - start == kv_len and first == 0 and int(positions[end - 1]) == kv_len - 1
+        visible = None if whole else torch.arange(kv_len)[None, :] <= positions[start:end, None]
         prefills.append(_Prefill(start, end, pages, kv_len, visible))
     identity = len(decode) == len(lens) and decode == list(range(len(lens))) and starts[-1] == len(decode)
     return _Plan(decode_rows, decode_pages, decode_mask, tuple(prefills), identity)
@@ -117,9 +119,13 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         keys = k_cache.index_select(0, part.pages).view(-1, kv_heads, dim)[: part.kv_len].transpose(0, 1).to(q.dtype)
         values = v_cache.index_select(0, part.pages).view(-1, kv_heads, dim)[: part.kv_len].transpose(0, 1).to(q.dtype)
         query = q[part.start : part.end].transpose(0, 1)  # [H, Tq, D] against [KVH, Tk, D]
+        # 4-D with a batch of one: the CPU flash kernel (3-D inputs fall back to the math path).
+        # A chunk holding the whole history is plainly causal, which lets the kernel skip the
+        # masked half instead of computing it under an explicit mask.
+        causal = part.visible is None
         out[part.start : part.end] = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=part.visible, scale=scale, enable_gqa=gqa
-        ).transpose(0, 1)
+            query[None], keys[None], values[None], attn_mask=part.visible, is_causal=causal, scale=scale, enable_gqa=gqa
+        )[0].transpose(0, 1)
     return out
 
 
