@@ -3,7 +3,7 @@
 `[server]` table keys (all optional):
   api_key, host, port, max_body_bytes, max_concurrency, queue_size, http_slots,
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
-  aliases, frontend_workers, prefix_cache, grammar_threads
+  aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ class ServerConfig:
     # Threads computing a step's grammar masks. On CPU serving torch owns every core and a
     # second spinning pool slows each step many times over; raise it on GPU hosts.
     grammar_threads: int = 1
+    # CPU: decode-only steps of at most this many sequences run on one thread. They are
+    # memory-bound, so a second thread adds little, and a thread pool sharing a small
+    # machine with the HTTP side and its clients stalls whenever one of its threads is
+    # preempted. 0: every step uses all of torch's threads.
+    serial_decode_rows: int = 2
 
     @property
     def auth_enabled(self) -> bool:
@@ -70,6 +75,9 @@ def _check(config: ServerConfig) -> ServerConfig:
         raise ConfigError("[server] aliases must be a list of strings")
     if not isinstance(config.prefix_cache, bool):
         raise ConfigError("[server] prefix_cache must be true or false")
+    rows = config.serial_decode_rows
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise ConfigError(f"[server] serial_decode_rows must be a non-negative integer (0 disables), got {rows!r}")
     return config
 
 

@@ -31,6 +31,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the core's limit
     device: str = "cpu"
     enable_prefix_cache: bool = True
+    serial_decode_rows: int = 0  # CPU: decode-only steps of at most this many rows use one thread
 
 
 class LLMEngine:
@@ -49,7 +50,7 @@ class LLMEngine:
             SchedulerConfig(config.max_concurrency, config.max_pending, config.prefill_chunk_size, self.max_model_len),
             self.blocks,
         )
-        self.executor = Executor(core, num_pages, config.device)
+        self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows)
         self.sampler = Sampler()
         self.mask_hook = mask_hook
         self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,

@@ -27,7 +27,7 @@ class StepResult:
 
 
 class Executor:
-    def __init__(self, core: Core, num_pages: int, device: str = "cpu") -> None:
+    def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int = 0) -> None:
         kernels.register()
         manifest = core.manifest
         self.device = device
@@ -44,12 +44,19 @@ class Executor:
                 self.weights = prepack.prepack(programs, self.weights)
         self.kv = allocate_kv(manifest.kv, num_pages, self.page_tokens, device)
         self.explicit = manifest.capabilities.explicit_logprob_ids
+        self.serial_decode_rows = serial_decode_rows if device == "cpu" else 0
+        self.threads = torch.get_num_threads()
 
     def copy_page(self, src: int, dst: int) -> None:
         for tensor in self.kv:
             tensor[dst].copy_(tensor[src])
 
     def run(self, chunks: tuple[Chunk, ...]) -> StepResult:
+        if self.serial_decode_rows:
+            serial = len(chunks) <= self.serial_decode_rows and all(c.num_tokens == 1 for c in chunks)
+            threads = 1 if serial else self.threads
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         plain = [c for c in chunks if not c.scored]
         scored = [c for c in chunks if c.scored]
         parts: list[tuple[list[Chunk], dict[str, Tensor]]] = []

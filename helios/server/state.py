@@ -15,6 +15,7 @@ from helios.engine.client import EngineClient
 from helios.engine.engine import EngineConfig, LLMEngine
 from helios.frontend.constraint import GrammarMasks
 from helios.frontend.generate import Runner
+from helios.frontend.parsers.reasoning import reasoning_delimiters
 from helios.frontend.request import Frontend
 from helios.protocols.models import ModelIdentity, card, flare_object, identity
 from helios.server.admission import AdmissionSlots
@@ -60,15 +61,18 @@ class ServerState:
 def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     core = Core.open(core_dir)
     m = core.manifest
-    if config.thinking_token_budget is not None and m.recipe.reasoning_syntax is None:
+    if config.thinking_token_budget is not None and (
+        m.recipe.reasoning_syntax is None or reasoning_delimiters(m.recipe.reasoning_syntax, core.tokenizer()) is None
+    ):
         raise ConfigError(
-            "[server] thinking_token_budget needs a core with reasoning syntax and a single-token close delimiter; "
-            f"recipe {m.recipe.name!r} declares none: remove the setting"
+            "[server] thinking_token_budget needs a core whose reasoning syntax closes with a single-token delimiter; "
+            f"recipe {m.recipe.name!r} has none (reasoning syntax {m.recipe.reasoning_syntax!r}): remove the setting"
         )
     engine = LLMEngine(core, EngineConfig(
         max_concurrency=config.max_concurrency, max_pending=config.queue_size,
         prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
-        kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache),
+        kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache,
+        serial_decode_rows=config.serial_decode_rows),
         mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     client = EngineClient(engine).start()
     frontend = Frontend(core, config)

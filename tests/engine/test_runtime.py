@@ -164,3 +164,22 @@ def test_requests_the_engine_can_never_run_are_refused(tiny: Core) -> None:
     assert "KV pages" in engine.check(too_long)
     over_context = EngineRequest("y", (1, 2, 3), (GREEDY,), tiny.manifest.limits.max_model_len)
     assert "exceeds the context limit" in engine.check(over_context)
+
+
+def test_small_decode_steps_run_on_one_thread_with_the_same_tokens(tiny: Core) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        requests = _requests(tiny, 12)
+        expected = _tokens(run_to_completion(_engine(tiny), requests))
+        engine = _engine(tiny, serial_decode_rows=2)
+        alone = _tokens(run_to_completion(engine, requests[:1]))
+        assert torch.get_num_threads() == 1  # its last steps decoded one row
+        assert alone == {"r0": expected["r0"]}
+        together = _tokens(run_to_completion(engine, [replace(r, request_id=r.request_id + "b") for r in requests]))
+        assert torch.get_num_threads() == 2  # eight rows: every thread again
+        assert {k[:-1]: v for k, v in together.items()} == expected
+    finally:
+        torch.set_num_threads(threads)

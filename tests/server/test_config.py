@@ -34,6 +34,7 @@ def test_file_flags_and_key_file(tmp_path: Path) -> None:
         ("[server]\nprefil_chunk_size = 8\n", "unknown [server] keys ['prefil_chunk_size']"),
         ("[serve]\nport = 1\n", "unknown tables"),
         ("[server\n", "not valid TOML"),
+        ("[server]\nserial_decode_rows = -1\n", "serial_decode_rows must be a non-negative integer"),
     ],
 )
 def test_invalid_settings(tmp_path: Path, text: str, message: str) -> None:
@@ -47,4 +48,11 @@ def test_startup_refuses_invalid_settings(tiny_core: Path, tmp_path: Path) -> No
     assert done.returncode == 2 and "http_slots must be a positive integer" in done.stderr
     budget = _write(tmp_path, "[server]\nthinking_token_budget = 100\n")
     done = run_cli("helios", "serve", str(tiny_core), "--config", str(budget))
-    assert done.returncode == 2 and "declares none" in done.stderr
+    assert done.returncode == 2 and "has none (reasoning syntax None)" in done.stderr
+
+
+def test_thinking_budget_needs_a_single_token_close(deepseek_core: Path, tmp_path: Path) -> None:
+    # DeepSeek's delimiters are matched as text by the official parser: nothing to force.
+    budget = _write(tmp_path, "[server]\nthinking_token_budget = 100\n")
+    done = run_cli("helios", "serve", str(deepseek_core), "--config", str(budget))
+    assert done.returncode == 2 and "reasoning syntax 'deepseek'" in done.stderr
