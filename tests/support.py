@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,3 +54,20 @@ class ScriptedExecutor:
             logits[row] = float("-inf")
             logits[row, token] = 0.0
         return dataclasses.replace(result, logits=logits, logsumexp=logits.logsumexp(dim=-1))
+
+
+ANTHROPIC_SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec" / "external" / "anthropic-hosted_spec.json"
+
+
+def anthropic_spec() -> dict:
+    """The hosted Anthropic API schema, with the `"type": null` it writes on Model removed
+    (that is not JSON Schema)."""
+    return _drop_null_types(json.loads(ANTHROPIC_SPEC.read_text()))
+
+
+def _drop_null_types(node):
+    if isinstance(node, dict):
+        return {k: _drop_null_types(v) for k, v in node.items() if not (k == "type" and v is None)}
+    if isinstance(node, list):
+        return [_drop_null_types(v) for v in node]
+    return node

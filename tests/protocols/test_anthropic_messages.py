@@ -44,28 +44,18 @@ from helios.protocols.anthropic_messages import (
     usage_json,
 )
 from helios.server.errors import anthropic_error
+from support import ANTHROPIC_SPEC, anthropic_spec
 
 VERSION = "2023-06-01"
-SPEC_PATH = Path(__file__).resolve().parents[3] / "shared" / "spec" / "external" / "anthropic-hosted_spec.json"
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\nfake").decode()
 EVENT_ADAPTER = TypeAdapter(anthropic.types.RawMessageStreamEvent)
 
 
-# ---------------------------------------------------------------------------- schema helpers
-def _drop_null_types(node: Any) -> Any:
-    """The hosted spec writes `"type": null` on Model, which is not JSON Schema; drop it."""
-    if isinstance(node, dict):
-        return {k: _drop_null_types(v) for k, v in node.items() if not (k == "type" and v is None)}
-    if isinstance(node, list):
-        return [_drop_null_types(v) for v in node]
-    return node
-
-
 @pytest.fixture(scope="module")
 def spec() -> dict[str, Any]:
-    if not SPEC_PATH.exists():
+    if not ANTHROPIC_SPEC.exists():
         pytest.skip("Anthropic hosted spec not present")
-    return _drop_null_types(json.loads(SPEC_PATH.read_text()))
+    return anthropic_spec()
 
 
 def spec_validate(spec: dict[str, Any], name: str, payload: dict[str, Any]) -> None:

@@ -28,8 +28,8 @@ from helios.frontend.request import REQUIRED_TOOL_INSTRUCTION
 from helios.protocols.anthropic_messages import thinking_signature
 from scripted import ScriptedServer, scripted_app
 from serving import SCHEMA_PATH, schema_validator, sse_events
+from support import ANTHROPIC_SPEC, anthropic_spec
 
-ANTHROPIC_SPEC = SCHEMA_PATH.parent / "anthropic-hosted_spec.json"
 VERSION = {"anthropic-version": "2023-06-01"}
 ASK = "Weather in Paris?"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -46,19 +46,10 @@ WEATHER_CALL = ("get_weather", {"city": "Paris"})
 
 
 # ---------------------------------------------------------------------------- schemas
-def _drop_null_types(node: Any) -> Any:
-    """The hosted spec writes `"type": null` on Model, which is not JSON Schema; drop it."""
-    if isinstance(node, dict):
-        return {k: _drop_null_types(v) for k, v in node.items() if not (k == "type" and v is None)}
-    if isinstance(node, list):
-        return [_drop_null_types(v) for v in node]
-    return node
-
-
 class Schemas:
     def __init__(self) -> None:
         self.openai = json.loads(SCHEMA_PATH.read_text())
-        self.anthropic = _drop_null_types(json.loads(ANTHROPIC_SPEC.read_text()))
+        self.anthropic = anthropic_spec()
         names = ("Response", "ResponseStreamEvent", "ErrorResponse")
         self._openai = {n: schema_validator(self.openai, n) for n in names}
         self._anthropic: dict[str, jsonschema.protocols.Validator] = {}
