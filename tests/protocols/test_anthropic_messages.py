@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import json
-from pathlib import Path
 from typing import Any
 
 import anthropic

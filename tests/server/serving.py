@@ -8,13 +8,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import jsonschema
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = ROOT.parent / "shared" / "spec" / "external" / "openai-openapi.nullable-fixed.json"
