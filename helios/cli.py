@@ -42,6 +42,9 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve a core: OpenAI Chat/Completions/Responses, Anthropic Messages, Ollama discovery, scoring, health, metrics."""
+    from helios.hugepages import reexec_with_huge_pages
+
+    reexec_with_huge_pages()  # once, before anything large is allocated
     import uvicorn
 
     from helios.config import ConfigError, load_config
