@@ -9,13 +9,17 @@ layer, so it is planned once per step and reused by all layers' calls.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 import helios.core.ops  # noqa: F401  (defines the ops before kernels are registered)
+
+T = TypeVar("T")
 
 _registered = False
 
@@ -44,8 +48,8 @@ class _Plan:
     identity: bool  # every row decodes, in order: the output needs no scatter
 
 
-class _PlanCache:
-    """Remembers what was computed for the step whose input tensors are alive right now.
+class _StepMemo(Generic[T]):
+    """Remembers one value computed for the step whose input tensors are alive right now.
 
     Keyed by the identity of the step's input tensors: the executor creates them fresh
     every step, and a weak reference tells a dead step's tensor from a new one that
@@ -54,19 +58,18 @@ class _PlanCache:
 
     def __init__(self) -> None:
         self._keys: tuple[weakref.ref, ...] = ()
-        self._plan: object | None = None
+        self._value: T | None = None
 
-    def get(self, tensors: tuple[Tensor, ...], build):
-        if (self._plan is not None and len(self._keys) == len(tensors)
+    def get(self, tensors: tuple[Tensor, ...], build: Callable[[], T]) -> T:
+        if (self._value is not None and len(self._keys) == len(tensors)
                 and all(ref() is t for ref, t in zip(self._keys, tensors))):  # fmt: skip
-            return self._plan
-        plan = build()
+            return self._value
+        self._value = build()
         self._keys = tuple(weakref.ref(t) for t in tensors)
-        self._plan = plan
-        return plan
+        return self._value
 
 
-_plans = _PlanCache()
+_plans: _StepMemo[_Plan] = _StepMemo()
 
 
 def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, positions: Tensor, page_tokens: int) -> _Plan:
@@ -129,7 +132,7 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
-_padded_slots = _PlanCache()
+_padded_slots: _StepMemo[bool] = _StepMemo()
 
 
 def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping) -> None:
