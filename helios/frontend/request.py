@@ -242,19 +242,24 @@ class Frontend:
         return PreparedPrompt(ids, text)
 
     # ------------------------------------------------------------------ engine requests
+    @property
+    def default_max_tokens(self) -> int:
+        """The output budget of a request that omits one ([server] default_max_tokens, else the
+        whole context); /v1/models advertises it. The remaining context bounds it per request."""
+        configured = self.config.default_max_tokens
+        return self.max_model_len if configured is None else min(configured, self.max_model_len)
+
     def max_tokens(self, request: InferenceRequest, prompt_len: int) -> int:
+        """The output limit the engine gets: the request's (or the default), bounded by the
+        context the prompt leaves, so reaching it reports the limit cause. Only a prompt that
+        leaves no room for one output token is refused."""
         remaining = self.max_model_len - prompt_len
-        if request.max_tokens is None:
-            limit = remaining if self.config.default_max_tokens is None else min(self.config.default_max_tokens, remaining)
-            if limit < 1:
-                raise RequestError(f"the prompt ({prompt_len} tokens) leaves no room in the context of "
-                                   f"{self.max_model_len} tokens", "messages")  # fmt: skip
-            return limit
-        if request.max_tokens > remaining:
-            raise RequestError(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({request.max_tokens}) exceeds the context "
-                f"limit of {self.max_model_len} tokens", "max_tokens")  # fmt: skip
-        return request.max_tokens
+        if remaining < 1:
+            raise RequestError(f"the prompt ({prompt_len} tokens) leaves no room for output in the context of "
+                               f"{self.max_model_len} tokens", "prompt" if isinstance(request.input, RawPrompt)
+                               else "messages")  # fmt: skip
+        asked = self.default_max_tokens if request.max_tokens is None else request.max_tokens
+        return min(asked, remaining)
 
     def check_options(self, request: InferenceRequest) -> None:
         caps = self.manifest.capabilities

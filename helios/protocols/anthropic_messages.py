@@ -10,7 +10,9 @@ import base64
 import binascii
 import hashlib
 import json
+import re
 from dataclasses import dataclass
+from datetime import date
 from typing import Any
 
 from helios.frontend.events import Accumulator, FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
@@ -36,6 +38,7 @@ from helios.protocols import fields as f
 from helios.protocols.output_format import messages_output_format
 
 API_VERSION = "2023-06-01"
+MIN_API_VERSION = date.fromisoformat(API_VERSION)
 SIGNATURE_PREFIX = "flare-thinking-v1:"
 UNSUPPORTED = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids", "prompt_logprobs")
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp")
@@ -68,8 +71,15 @@ def thinking_signature(text: str) -> str:
 
 # ---------------------------------------------------------------------------- decoding
 def _check_version(version: str | None) -> None:
-    if version != API_VERSION:
-        raise RequestError(f"anthropic-version header must be {API_VERSION!r} (got {version!r})", None)
+    """2023-06-01, or any later real YYYY-MM-DD date (SDKs send their own release's date):
+    every accepted version means 2023-06-01 semantics."""
+    try:
+        day = date.fromisoformat(version) if version and re.fullmatch(r"\d{4}-\d{2}-\d{2}", version) else None
+    except ValueError:
+        day = None
+    if day is None or day < MIN_API_VERSION:
+        raise RequestError(f"anthropic-version header must be {API_VERSION!r} or a later YYYY-MM-DD date "
+                           f"(got {version!r})", None)  # fmt: skip
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:

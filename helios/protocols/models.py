@@ -25,8 +25,9 @@ def identity(manifest: Manifest, configured_aliases: tuple[str, ...], created: i
     return ModelIdentity(aliases[0] if aliases else manifest.model.id, manifest.model.id, aliases, created)
 
 
-def flare_object(manifest: Manifest, *, max_concurrency: int, prefill_chunk_size: int, default_max_tokens: int | None,
+def flare_object(manifest: Manifest, *, max_concurrency: int, prefill_chunk_size: int, default_max_tokens: int,
                  thinking_token_budget: int | None) -> dict[str, Any]:  # fmt: skip
+    """default_max_tokens is the effective integer budget of a request that omits one (never null)."""
     spec = manifest.recipe.sampling
     defaults = {name: getattr(spec.defaults, name) for name in DISTRIBUTION_PARAMS}
     defaults["seed"] = spec.defaults.seed

@@ -12,7 +12,6 @@ from helios.protocols import fields as f
 from helios.protocols.openai_common import finish_reason, now, usage_object
 
 UNSUPPORTED = ("suffix", "tools", "tool_choice", "thinking_token_budget", "response_format")
-DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for this route
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +57,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, list[RawPrompt], Com
     best_of = f.optional_int(body, "best_of", 1, 128)
     if best_of is not None and best_of != n:
         raise RequestError("best_of must equal n (ranked sampling is not supported)", "best_of")
-    max_tokens = f.optional_int(body, "max_tokens", 0)
-    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    max_tokens = f.optional_int(body, "max_tokens", 0)  # None: the server's default_max_tokens
     logprobs = f.optional_int(body, "logprobs", 0, 20)
     echo = f.optional_bool(body, "echo")
     stream = f.optional_bool(body, "stream")

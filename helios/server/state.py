@@ -79,7 +79,7 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     created = int(time.time())
     model = identity(m, config.aliases, created)
     flare = flare_object(m, max_concurrency=config.max_concurrency, prefill_chunk_size=config.prefill_chunk_size,
-                         default_max_tokens=config.default_max_tokens,
+                         default_max_tokens=frontend.default_max_tokens,
                          thinking_token_budget=config.thinking_token_budget)  # fmt: skip
     return ServerState(
         config=config, core=core, frontend=frontend, client=client, runner=Runner(frontend, client),
