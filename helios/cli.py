@@ -45,11 +45,10 @@ def serve(
     from helios.hugepages import reexec_with_huge_pages
 
     reexec_with_huge_pages()  # once, before anything large is allocated
-    import uvicorn
-
     from helios.config import ConfigError, load_config
     from helios.core import CoreError
     from helios.server.app import create_app
+    from helios.server.lifecycle import serve as serve_until_signal
     from helios.server.state import build_state
 
     try:
@@ -59,7 +58,7 @@ def serve(
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     typer.echo(f"serving {state.model.public_id} on http://{settings.host}:{settings.port}/v1", err=True)
-    uvicorn.run(create_app(state), host=settings.host, port=settings.port, log_level=log_level, access_log=False)
+    serve_until_signal(create_app(state), state, settings.host, settings.port, log_level, settings.drain_seconds)
 
 
 @app.command()

@@ -3,7 +3,7 @@
 `[server]` table keys (all optional):
   api_key, host, port, max_body_bytes, max_concurrency, queue_size, http_slots,
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
-  aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows
+  aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, drain_seconds
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class ServerConfig:
     # machine with the HTTP side and its clients stalls whenever one of its threads is
     # preempted. 0: every step uses all of torch's threads.
     serial_decode_rows: int = 2
+    # On SIGTERM/SIGINT: new requests get 503, open ones get this long to finish, then end
+    # with an error event (streams) or a 500 (buffered) and the process exits.
+    drain_seconds: float = 30.0
 
     @property
     def auth_enabled(self) -> bool:
@@ -75,6 +78,9 @@ def _check(config: ServerConfig) -> ServerConfig:
         raise ConfigError("[server] aliases must be a list of strings")
     if not isinstance(config.prefix_cache, bool):
         raise ConfigError("[server] prefix_cache must be true or false")
+    drain = config.drain_seconds
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)) or not 0 <= drain <= 3600:
+        raise ConfigError(f"[server] drain_seconds must be a number of seconds from 0 to 3600, got {drain!r}")
     rows = config.serial_decode_rows
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
         raise ConfigError(f"[server] serial_decode_rows must be a non-negative integer (0 disables), got {rows!r}")

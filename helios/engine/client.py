@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from helios.engine.engine import LLMEngine
-from helios.engine.request import EngineEvent, EngineRequest
+from helios.engine.request import EngineEvent, EngineRequest, FinishCause
 
 log = logging.getLogger("helios.engine")
 
@@ -36,7 +36,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     remaining: int  # choices the consumer has not seen finish
-    engine_remaining: int  # choices the engine has not finished
+    open: set[int]  # choices the engine has not finished
     done: bool = False  # the consumer saw every choice finish
 
 
@@ -49,6 +49,7 @@ class EngineClient:
         self._aborts: list[tuple[str, int | None]] = []
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
+        self._refusal: str | None = None  # set while draining: why new requests are refused
         self.failure: str | None = None
         self._thread = threading.Thread(target=self._run, name="helios-engine", daemon=True)
 
@@ -57,24 +58,57 @@ class EngineClient:
         self._thread.start()
         return self
 
-    def shutdown(self) -> None:
+    def stop_admitting(self, reason: str) -> None:
+        """Refuse new requests (503) from now on; open ones continue."""
+        self._refusal = reason
+
+    def fail_open(self, reason: str) -> None:
+        """End every open request now with an error, whatever the engine thread is doing."""
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            self._inbox = []
+            self._aborts += [(request_id, None) for request_id in streams]
+        self._wake.set()
+        _fail_streams(streams, reason)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread; requests still open end with an error."""
+        self.stop_admitting("the server is shutting down")
+        self.fail_open("the server is shutting down")
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
 
     @property
     def healthy(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
+    @property
+    def num_open(self) -> int:
+        """Requests submitted and not finished by the engine."""
+        return len(self._streams)
+
     # ------------------------------------------------------------------ requests
+    def check_group(self, requests: list[EngineRequest]) -> None:
+        """Refuse a group (a batch's prompts) that can never run together; RequestRejected says why."""
+        choices = sum(r.n for r in requests)
+        limit = self.engine.config.max_concurrency
+        if choices > limit:
+            raise RequestRejected(f"the batch asks for {choices} choices (prompts times n) but this server runs at "
+                                  f"most {limit} at once (max_concurrency): send fewer prompts or a smaller n")  # fmt: skip
+        for request in requests:
+            reason = self.engine.check(request)
+            if reason is not None:
+                raise RequestRejected(reason)
+
     def submit(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
-        if not self.healthy:
-            raise EngineUnavailable(self.failure or "the engine is not running")
+        self._check_available()
         reason = self.engine.check(request)
         if reason is not None:
             raise RequestRejected(reason)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.n, request.n)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.n, set(range(request.n)))
         with self._lock:
+            self._check_available()
             if request.request_id in self._streams:
                 raise RequestRejected(f"request id {request.request_id!r} is already in flight")
             if len(self._inbox) + self.engine.stats.pending >= self.engine.config.max_pending:
@@ -83,6 +117,12 @@ class EngineClient:
             self._inbox.append(request)
         self._wake.set()
         return self._events(request.request_id, stream)
+
+    def _check_available(self) -> None:
+        if not self.healthy:
+            raise EngineUnavailable(self.failure or "the engine is not running")
+        if self._refusal is not None:
+            raise EngineUnavailable(self._refusal)
 
     def abort(self, request_id: str, choice_index: int | None = None) -> None:
         with self._lock:
@@ -117,9 +157,10 @@ class EngineClient:
                     self._wake.clear()
                     continue
                 self._deliver(self.engine.step())
-        except BaseException as exc:  # noqa: BLE001 - report, then refuse new work
+        except BaseException as exc:  # noqa: BLE001 - report, fail every open request, refuse new work
             log.exception("engine thread died")
-            self.failure = f"engine failed: {exc}"
+            self.failure = f"the engine stopped: {type(exc).__name__}: {exc}"
+            self.fail_open(self.failure)
 
     def _deliver(self, events: list[EngineEvent]) -> None:
         # One wake-up per event loop per step, not one per event: each wake-up is a
@@ -132,14 +173,29 @@ class EngineClient:
                     continue
                 batches.setdefault(stream.loop, []).append((stream.queue, event))
                 if event.finish is not None:
-                    stream.engine_remaining -= 1
-                    if stream.engine_remaining == 0:  # the engine is done with it
+                    stream.open.discard(event.choice_index)
+                    if not stream.open:  # the engine is done with it
                         del self._streams[event.request_id]
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the loop has closed (server shutting down)
-                log.debug("dropped %d events for a closed event loop", len(batch))
+        _post(batches)
+
+
+def _fail_streams(streams: dict[str, _Stream], reason: str) -> None:
+    """An error finish for every choice the engine has not finished."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, EngineEvent]]] = {}
+    for request_id, stream in streams.items():
+        for index in sorted(stream.open):
+            event = EngineEvent(request_id, index, (), None, FinishCause.ERROR, error=reason)
+            batches.setdefault(stream.loop, []).append((stream.queue, event))
+        stream.open.clear()
+    _post(batches)
+
+
+def _post(batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, EngineEvent]]]) -> None:
+    for loop, batch in batches.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the loop has closed (server shutting down)
+            log.debug("dropped %d events for a closed event loop", len(batch))
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, EngineEvent]]) -> None:

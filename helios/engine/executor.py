@@ -10,7 +10,7 @@ from torch import Tensor
 from helios.core import Core
 from helios.core.program import SCORED_PREFILL, STEP, allocate_kv
 from helios.engine import graph, kernels, prepack
-from helios.engine.scheduler import Chunk
+from helios.engine.sequence import Chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,8 @@ class Executor:
         for tensor in self.kv:
             tensor[dst].copy_(tensor[src])
 
-    def run(self, chunks: tuple[Chunk, ...]) -> StepResult:
+    def run(self, chunks: tuple[Chunk, ...], page_copies: tuple[tuple[int, int], ...] = ()) -> StepResult:
+        """Run the chunks, then copy pages (src, dst) that the step has just written."""
         if self.serial_decode_rows:
             serial = len(chunks) <= self.serial_decode_rows and all(c.num_tokens == 1 for c in chunks)
             threads = 1 if serial else self.threads
@@ -65,6 +66,8 @@ class Executor:
         if scored:
             assert self.scored is not None, "prompt logprobs need a core exported with --prompt-logprobs"
             parts.append((scored, self._call(self.scored, scored, scored=True)))
+        for src, dst in page_copies:
+            self.copy_page(src, dst)
         sampled: list[Chunk] = []
         rows: dict[str, list[Tensor]] = {}
         prompt_scores: dict[int, dict[str, Tensor]] = {}
@@ -105,7 +108,7 @@ class Executor:
         explicit: list[tuple[int, ...]] = []
         for chunk in chunks:
             seq, end = chunk.seq, chunk.start + chunk.num_tokens
-            table = seq.block_table
+            table = seq.pages
             token_ids += seq.token_ids[chunk.start : end]
             span = range(chunk.start, end)
             positions += span
@@ -117,10 +120,11 @@ class Executor:
             if chunk.wants_logits:
                 logits_rows.append(starts[-1] - 1)
                 explicit.append(seq.request.logprob_token_ids or (0,))
-        width = max(len(c.seq.block_table) for c in chunks)
+        # The programs' input keeps the core format's name, "block_tables": one page table per row.
+        width = max(len(c.seq.pages) for c in chunks)
         tables = torch.zeros((len(chunks), width), dtype=torch.int32)
         for row, chunk in enumerate(chunks):
-            tables[row, : len(chunk.seq.block_table)] = torch.tensor(chunk.seq.block_table, dtype=torch.int32)
+            tables[row, : len(chunk.seq.pages)] = torch.tensor(chunk.seq.pages, dtype=torch.int32)
         if not logits_rows:  # the program always returns at least one row; it is ignored
             logits_rows, explicit = [starts[-1] - 1], [(0,)]
         inputs = {

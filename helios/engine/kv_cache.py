@@ -1,9 +1,16 @@
-"""Paged KV page accounting with a prefix cache (no tensors here: page ids only).
+"""Paged KV page accounting with a prefix cache and reservations (page ids only, no tensors).
 
 Full pages are identified by a chained hash of (parent hash, identity slot, page tokens).
 A published page is immutable and may be shared by many sequences; once unreferenced it
 stays cached until least-recently-used eviction hands it out again. Every hit is checked
 against the stored tokens, so reuse is exact.
+
+Every page is in exactly one of three states, which partition the pool:
+  free    unreferenced, holding no published prefix
+  cached  holding a published prefix (referenced by running sequences or not)
+  private referenced, unpublished (a sequence's partial or not-yet-published page)
+Reserved pages are a promise, not a state: `num_reserved` of the allocatable pages (free
+plus unreferenced cached) are held back for admitted sequences and only they may take them.
 """
 
 from __future__ import annotations
@@ -30,14 +37,15 @@ class _Cached:
 
 
 class OutOfPages(Exception):
-    """No free or evictable page is left."""
+    """No unreserved free or evictable page is left."""
 
 
-class BlockManager:
+class PagePool:
     def __init__(self, num_pages: int, page_tokens: int) -> None:
         self.num_pages = num_pages
         self.page_tokens = page_tokens
         self.ref_count = [0] * num_pages
+        self.num_reserved = 0  # invariant: num_reserved <= len(_free) + len(_evictable)
         self._free: deque[int] = deque(range(num_pages))  # never cached, or evicted
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._by_hash: dict[bytes, int] = {}
@@ -45,27 +53,52 @@ class BlockManager:
 
     # ------------------------------------------------------------------ accounting
     @property
+    def num_available(self) -> int:
+        """Pages an unreserved allocation may take now (free plus evictable, minus reservations)."""
+        return len(self._free) + len(self._evictable) - self.num_reserved
+
+    @property
     def num_free(self) -> int:
-        """Pages that can be handed out now (free plus evictable cached pages)."""
-        return len(self._free) + len(self._evictable)
+        """Unreferenced pages holding no published prefix."""
+        return len(self._free)
 
     @property
     def num_cached(self) -> int:
+        """Pages holding a published prefix, referenced or not."""
         return len(self._cached)
+
+    @property
+    def num_private(self) -> int:
+        return self.num_pages - self.num_free - self.num_cached
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_tokens)
 
+    # ------------------------------------------------------------------ reservations
+    def reserve(self, count: int) -> bool:
+        """Hold back `count` allocatable pages; False (nothing held) when too few are left."""
+        if count > self.num_available:
+            return False
+        self.num_reserved += count
+        return True
+
+    def unreserve(self, count: int) -> None:
+        assert 0 <= count <= self.num_reserved, f"unreserving {count} of {self.num_reserved} reserved pages"
+        self.num_reserved -= count
+
     # ------------------------------------------------------------------ allocation
-    def allocate(self) -> int:
+    def allocate(self, reserved: bool = False) -> int:
+        """One page; `reserved` takes it out of an earlier reservation (which cannot fail)."""
+        if reserved:
+            self.unreserve(1)
+        elif self.num_available < 1:
+            raise OutOfPages
         if self._free:
             page = self._free.popleft()
-        elif self._evictable:
+        else:
             page, _ = self._evictable.popitem(last=False)
             entry = self._cached.pop(page)
             del self._by_hash[entry.hash]
-        else:
-            raise OutOfPages
         self.ref_count[page] = 1
         return page
 
@@ -85,7 +118,8 @@ class BlockManager:
                     self._free.append(page)
 
     # ------------------------------------------------------------------ prefix cache
-    def match_prefix(self, tokens: tuple[int, ...], identity: bytes, max_pages: int) -> tuple[list[int], bytes]:
+    def match_prefix(self, tokens: tuple[int, ...] | list[int], identity: bytes,
+                     max_pages: int) -> tuple[list[int], bytes]:  # fmt: skip
         """Cached pages covering the longest full-page prefix of `tokens` (at most max_pages).
 
         Returns (pages, chain hash after them). The pages are shared (ref-counted) on return.
@@ -94,7 +128,7 @@ class BlockManager:
         parent = ROOT_HASH
         size = self.page_tokens
         for index in range(min(max_pages, len(tokens) // size)):
-            chunk = tokens[index * size : (index + 1) * size]
+            chunk = tuple(tokens[index * size : (index + 1) * size])
             digest = page_hash(parent, identity, chunk)
             page = self._by_hash.get(digest)
             if page is None or self._cached[page].tokens != chunk or self._cached[page].parent != parent:

@@ -105,6 +105,7 @@ class EngineStats:
     reused_tokens: int = 0
     verification_rounds: int = 0  # decode request rounds (no speculation: one token each)
     reasoning_budget_cuts: int = 0  # requests whose reasoning was closed by their budget
+    preemptions: int = 0  # running sequences preempted (pages released, recomputed later) to let older ones grow
     steps: int = 0
     active: int = 0
     pending: int = 0

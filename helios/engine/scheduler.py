@@ -1,80 +1,29 @@
-"""Continuous batching: which tokens of which sequences run in the next step.
+"""Continuous batching with preemption: the only code that changes a sequence or its pages.
 
-Every step mixes one decode token per running sequence with prefill chunks bounded by
-`prefill_chunk_size` tokens. A request is admitted only when pages for its whole prompt
-are available (after prefix reuse), so prefill never stalls; a decoding sequence that
-cannot get a new page finishes with the length cause while the others continue.
+Invariants (each checked by tests/engine/test_scheduler.py without a model):
+* A sequence is in exactly one of `waiting` (new, or preempted), `running`, or finished.
+* Admission takes every page a sequence's tokens need (after prefix reuse) and reserves
+  what each of its choices needs to commit one more token; forks and first growth draw on
+  that reservation, so an admitted request always makes progress.
+* A running sequence that cannot grow preempts the newest running sequences (their pages
+  are released, their tokens, sampler and constraint state kept); preempted sequences go
+  back to the front of the queue and are recomputed, reusing their published pages from
+  the prefix cache where those survive. Only a sequence that alone fills the pool stops
+  with the length cause; other requests' load never shortens an output.
+* Every finish (stop, length, abort, error) releases the sequence's pages and reservation.
 """
 
 from __future__ import annotations
 
-import enum
+import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Iterable
 
-import torch
-
-from helios.engine.kv_cache import ROOT_HASH, BlockManager, OutOfPages
-from helios.engine.request import EngineRequest, FinishCause, TokenConstraint
+from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
+from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
 from helios.engine.sampler import make_generator
-
-
-class Phase(enum.Enum):
-    WAITING = 0
-    RUNNING = 1
-    FINISHED = 2
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One choice of a request: its tokens, pages and sampling state (engine-internal)."""
-
-    request: EngineRequest
-    choice_index: int
-    token_ids: list[int]  # prompt then generated tokens
-    num_prompt: int
-    generator: torch.Generator
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is in the cache
-    num_cached: int = 0  # prompt tokens reused at admission
-    chain: list[bytes] = field(default_factory=list)  # chain hash of each published full page
-    phase: Phase = Phase.WAITING
-    finish: FinishCause | None = None
-    stop_match_len: int = 0
-    prompt_entries: list = field(default_factory=list)  # prompt logprob entries gathered so far
-    sent_first: bool = False
-    reasoning_open: bool = False  # inside reasoning (tracked only for requests with a budget)
-    reasoning_tokens: int = 0
-    constraint: TokenConstraint | None = None  # this choice's own fork of the request's constraint
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt :]
-
-    @property
-    def prefilling(self) -> bool:
-        return self.num_computed < self.num_prompt
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """Tokens [start, start + num_tokens) of `seq` computed this step."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    wants_logits: bool  # the chunk ends at the sequence's last token, so it is sampled from
-    scored: bool  # prompt positions of a prompt-logprob request (scored-prefill program)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    chunks: tuple[Chunk, ...]  # invariant: at most one chunk per sequence
-    out_of_pages: tuple[Sequence, ...]  # decoding sequences that could not grow (finish: length)
+from helios.engine.sequence import Chunk, ModelOutput, SampledToken, SchedulerOutput, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,135 +32,354 @@ class SchedulerConfig:
     max_pending: int  # requests waiting for admission; more are refused by the client
     prefill_chunk_size: int  # prefill tokens per step, summed over sequences
     max_model_len: int
+    eos_ids: frozenset[int] = frozenset()
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, pool: PagePool, stats: EngineStats | None = None) -> None:
         self.config = config
-        self.blocks = blocks
-        self.waiting: deque[EngineRequest] = deque()
+        self.pool = pool
+        self.stats = stats if stats is not None else EngineStats(total_pages=pool.num_pages, page_tokens=pool.page_tokens)
+        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.reused_tokens = 0  # prompt tokens served from the prefix cache, since start
+        self._arrivals = itertools.count()
+        self._forked: list[Sequence] = []  # children created while planning; they join `running` after it
+        self._pending_events: list[EngineEvent] = []  # finishes decided while planning
 
+    # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
-        self.waiting.append(request)
-
-    def schedule(self) -> SchedulerOutput:
-        chunks: list[Chunk] = []
-        stuck: list[Sequence] = []
-        budget = self.config.prefill_chunk_size
-        for seq in self.running:
-            if seq.prefilling:
-                continue
-            if not self._ensure_pages(seq, len(seq.token_ids)):
-                stuck.append(seq)
-                continue
-            chunks.append(Chunk(seq, seq.num_computed, 1, wants_logits=True, scored=False))
-        for seq in self.running:
-            if seq.prefilling and budget > 0:
-                chunks.append(self._prefill_chunk(seq, budget))
-                budget -= chunks[-1].num_tokens
-        while self.waiting and budget > 0 and len(self.running) + self.waiting[0].n <= self.config.max_concurrency:
-            seq = self._admit(self.waiting[0])
-            if seq is None:
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
-            chunks.append(self._prefill_chunk(seq, budget))
-            budget -= chunks[-1].num_tokens
-        return SchedulerOutput(tuple(chunks), tuple(stuck))
-
-    def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk:
-        size = min(seq.num_prompt - seq.num_computed, budget)
-        done = seq.num_computed + size == seq.num_prompt
-        scored = seq.request.prompt_logprobs is not None
-        return Chunk(seq, seq.num_computed, size, wants_logits=done, scored=scored)
-
-    def _ensure_pages(self, seq: Sequence, num_tokens: int) -> bool:
-        try:
-            while len(seq.block_table) * self.blocks.page_tokens < num_tokens:
-                seq.block_table.append(self.blocks.allocate())
-        except OutOfPages:
-            return False
-        return True
-
-    def _admit(self, request: EngineRequest) -> Sequence | None:
-        """Reserve pages for the prompt (after prefix reuse) and the choices' private pages."""
-        prompt = request.prompt_ids
-        size = self.blocks.page_tokens
-        pages: list[int] = []
-        chain_end = ROOT_HASH
-        if request.use_prefix_cache and request.prompt_logprobs is None:
-            # At least the last prompt token is computed: its logits start generation.
-            pages, chain_end = self.blocks.match_prefix(prompt, request.cache_identity, (len(prompt) - 1) // size)
-        needed = self.blocks.pages_for(len(prompt)) - len(pages) + (request.n - 1)
-        if needed > self.blocks.num_free:
-            self.blocks.release(pages)
-            return None
-        seq = Sequence(request, 0, list(prompt), len(prompt), make_generator(request.params[0].seed))
+        seq = Sequence(request, 0, list(request.prompt_ids), len(request.prompt_ids),
+                       make_generator(request.params[0].seed), next(self._arrivals), unforked=request.n - 1)  # fmt: skip
         seq.reasoning_open = request.reasoning_budget is not None
         seq.constraint = request.constraint.fork() if request.constraint is not None else None
-        seq.block_table = pages
-        seq.num_computed = seq.num_cached = len(pages) * size
-        self.reused_tokens += seq.num_cached
-        seq.chain = self._chain_of(prompt, request.cache_identity, len(pages), chain_end)
-        seq.phase = Phase.RUNNING
-        ok = self._ensure_pages(seq, len(prompt))
-        assert ok, "pages were counted before allocation"
-        return seq
+        self.waiting.append(seq)
 
-    def _chain_of(self, prompt: tuple[int, ...], identity: bytes, num_pages: int, end: bytes) -> list[bytes]:
-        from helios.engine.kv_cache import page_hash
+    def min_pages(self, request: EngineRequest) -> int:
+        """Pages the request needs to commit one token per choice in an otherwise empty pool."""
+        return len(request.prompt_ids) // self.pool.page_tokens + request.n
 
-        chain, parent, size = [], ROOT_HASH, self.blocks.page_tokens
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_events)
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self) -> SchedulerOutput:
+        chunks: list[Chunk] = []
+        copies: list[tuple[int, int]] = []
+        budget = self.config.prefill_chunk_size
+        preemptions_before = self.stats.preemptions
+        index = 0
+        while index < len(self.running):  # oldest first; victims come off the tail, not yet planned
+            seq = self.running[index]
+            if seq.num_pending == 1 and not seq.scoring:
+                if not self._grow(seq):
+                    continue  # seq itself was preempted or finished: the list shifted
+                chunks.append(self._chunk(seq, seq.num_computed, 1, copies))
+            elif budget > 0 and seq.num_pending > 0:
+                chunks.append(self._prefill_chunk(seq, budget, copies))
+                budget -= chunks[-1].num_tokens
+            index += 1
+        preempted = self.stats.preemptions != preemptions_before
+        while self.waiting and budget > 0 and not preempted:  # no re-admission into a pool just found short
+            head = self.waiting[0]
+            if len(self.running) + len(self._forked) + head.num_choices > self.config.max_concurrency:
+                break
+            if not self._admit(head):
+                if not self.running and not self._forked:  # even an empty pool cannot hold it
+                    self.waiting.popleft()
+                    self._finish_alone(head)
+                    continue
+                break
+            self.waiting.popleft()
+            self.running.append(head)
+            chunks.append(self._prefill_chunk(head, budget, copies))
+            budget -= chunks[-1].num_tokens
+        self.running += self._forked
+        self._forked = []
+        return SchedulerOutput(tuple(chunks), tuple(copies))
+
+    def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk:
+        return self._chunk(seq, seq.num_computed, min(seq.num_pending, budget), copies)
+
+    def _chunk(self, seq: Sequence, start: int, size: int, copies: list[tuple[int, int]]) -> Chunk:
+        wants = start + size == len(seq.token_ids)
+        choices: tuple[Sequence, ...] = (seq,)
+        if wants and seq.unforked and seq.request.max_tokens > 0:
+            choices += tuple(self._fork(seq, start + size, copies))
+        return Chunk(seq, start, size, wants_logits=wants, scored=seq.scoring, choices=choices)
+
+    def _grow(self, seq: Sequence) -> bool:
+        """Pages for one more token of `seq`, preempting newer sequences; False when seq left running."""
+        while len(seq.pages) * self.pool.page_tokens < len(seq.token_ids):
+            if seq.reserved:
+                seq.reserved -= 1
+                seq.pages.append(self.pool.allocate(reserved=True))
+                continue
+            try:
+                seq.pages.append(self.pool.allocate())
+                continue
+            except OutOfPages:
+                pass
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1 and not self._forked:
+                self._finish_alone(seq)
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Release seq's pages and reservation and queue it first; its tokens and state are kept."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.chain = []
+        if seq.scoring:
+            seq.prompt_entries = []  # scored prefill is replayed from the start
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _finish_alone(self, seq: Sequence) -> None:
+        """A sequence that cannot fit even an otherwise empty pool (spec: past page capacity)."""
+        self._pending_events.extend(self._finish_all(seq, FinishCause.LENGTH))
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Take pages for seq's tokens (after prefix reuse) and reserve its choices' next pages."""
+        tokens, size = seq.token_ids, self.pool.page_tokens
+        pages: list[int] = []
+        end = ROOT_HASH
+        if seq.request.use_prefix_cache and not seq.scoring:
+            # At least the last token is computed here: its logits are the next sample.
+            pages, end = self.pool.match_prefix(tokens, seq.request.cache_identity, (len(tokens) - 1) // size)
+        needed = self.pool.pages_for(len(tokens)) - len(pages)
+        growth = 1 if len(tokens) % size == 0 else 0  # the next token starts a new page
+        reserve = growth + seq.unforked  # each unforked child needs one private page for its first token
+        if needed + reserve > self.pool.num_available:
+            self.pool.release(pages)
+            return False
+        seq.pages = pages + [self.pool.allocate() for _ in range(needed)]
+        self.pool.reserve(reserve)
+        seq.reserved = reserve
+        seq.num_computed = len(pages) * size
+        seq.chain = self._chain_of(tokens, seq.request.cache_identity, len(pages), end)
+        if not seq.admitted:
+            seq.admitted = True
+            seq.num_cached = seq.num_computed
+        self.stats.reused_tokens += seq.num_computed
+        return True
+
+    def _chain_of(self, tokens: list[int], identity: bytes, num_pages: int, end: bytes) -> list[bytes]:
+        chain, parent, size = [], ROOT_HASH, self.pool.page_tokens
         for index in range(num_pages):
-            parent = page_hash(parent, identity, tuple(prompt[index * size : (index + 1) * size]))
+            parent = page_hash(parent, identity, tuple(tokens[index * size : (index + 1) * size]))
             chain.append(parent)
         assert not chain or chain[-1] == end
         return chain
 
+    def _fork(self, parent: Sequence, computed: int, copies: list[tuple[int, int]]) -> list[Sequence]:
+        """Children 1..n-1 of a parent whose prompt finishes this step; they sample from its row.
+
+        Full pages are shared; the partial last page is copied after the step writes it.
+        Each child takes one page of the parent's reservation (its copy, or its first growth page).
+        """
+        size = self.pool.page_tokens
+        full = computed // size
+        children = []
+        for index in range(1, parent.unforked + 1):
+            child = Sequence(parent.request, index, list(parent.token_ids), parent.num_prompt,
+                             make_generator(parent.request.params[index].seed), parent.arrival)  # fmt: skip
+            for page in parent.pages[:full]:
+                self.pool.share(page)
+            child.pages = list(parent.pages[:full])
+            if len(parent.pages) > full:
+                page = self.pool.allocate(reserved=True)
+                copies.append((parent.pages[full], page))
+                child.pages.append(page)
+            else:
+                child.reserved = 1  # the reserved page passes to the child, for its first token
+            parent.reserved -= 1
+            child.num_computed, child.num_cached, child.admitted = computed, parent.num_cached, True
+            child.chain = list(parent.chain)
+            child.prompt_entries = parent.prompt_entries
+            child.reasoning_open = parent.reasoning_open
+            child.constraint = parent.request.constraint.fork() if parent.request.constraint is not None else None
+            children.append(child)
+        parent.unforked = 0
+        self._forked += children
+        return children
+
+    # ------------------------------------------------------------------ results
+    def take_events(self) -> list[EngineEvent]:
+        """Events produced while planning (sequences finished by capacity)."""
+        events, self._pending_events = self._pending_events, []
+        return events
+
+    def update_from_output(self, plan: SchedulerOutput, output: ModelOutput) -> list[EngineEvent]:
+        """Commit a step: computed positions, published pages, sampled tokens, stops and finishes."""
+        events: list[EngineEvent] = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.finish is not None:
+                continue
+            end = chunk.start + chunk.num_tokens
+            if chunk.start < seq.num_prompt:
+                self.stats.prefill_tokens += min(end, seq.num_prompt) - chunk.start
+            seq.num_computed = end
+            self.publish_full_pages(seq)
+            entries = output.prompt_entries.get(id(chunk))
+            if entries is not None:
+                seq.prompt_entries.extend(entries)
+            if chunk.wants_logits and seq.request.max_tokens == 0:  # prompt scoring only: no output
+                events += self._finish_all(seq, FinishCause.LENGTH)
+        for seq in plan.sequences:
+            if seq.finish is not None:
+                continue
+            error = output.errors.get(id(seq))
+            if error is not None:
+                events += self._finish_all(seq, FinishCause.ERROR, error)
+                continue
+            sampled = output.tokens.get(id(seq))
+            if sampled is not None:
+                events += self._commit(seq, sampled)
+        return events
+
+    def _commit(self, seq: Sequence, sampled: SampledToken) -> list[EngineEvent]:
+        token, request = sampled.token_id, seq.request
+        seq.token_ids.append(token)
+        self.stats.generated_tokens += 1
+        if seq.num_output > 1:  # a decode round (the first token comes from prefill)
+            self.stats.verification_rounds += 1
+        if sampled.forced:
+            seq.reasoning_open = False
+            self.stats.reasoning_budget_cuts += 1
+        elif request.reasoning_budget is not None:
+            budget = request.reasoning_budget
+            if token == budget.close_id or token in budget.implicit_close_ids:
+                seq.reasoning_open = False
+            elif seq.reasoning_open:
+                seq.reasoning_tokens += 1
+        rejected = seq.constraint is not None and not seq.constraint.advance(token)  # forced tokens too
+        cause = self._stop_cause(seq, token)
+        events = [self._event(seq, (token,), (sampled.logprobs,), cause)]
+        if cause is not None:
+            self._finish(seq, cause)
+        elif rejected:
+            events += self._finish_all(seq, FinishCause.ERROR, constraint_error(seq))
+        return events
+
+    def _stop_cause(self, seq: Sequence, token: int) -> FinishCause | None:
+        request = seq.request
+        if token in self.config.eos_ids and not request.ignore_eos:
+            return FinishCause.EOS
+        if token in request.stop_token_ids:
+            seq.stop_match_len = 1
+            return FinishCause.STOP_TOKEN
+        output = seq.output_ids
+        for stop in request.stop_token_sequences:
+            if len(output) >= len(stop) and tuple(output[-len(stop) :]) == stop:
+                seq.stop_match_len = len(stop)
+                return FinishCause.STOP_TOKEN
+        if seq.num_output >= request.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            return FinishCause.LENGTH
+        return None
+
     def publish_full_pages(self, seq: Sequence) -> None:
         """Register every newly computed full page of `seq` in the prefix cache."""
-        size = self.blocks.page_tokens
+        size = self.pool.page_tokens
         identity = seq.request.cache_identity
         while (len(seq.chain) + 1) * size <= seq.num_computed:
             index = len(seq.chain)
             parent = seq.chain[-1] if seq.chain else ROOT_HASH
             tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
-            seq.chain.append(self.blocks.publish(seq.block_table[index], parent, identity, tokens))
+            seq.chain.append(self.pool.publish(seq.pages[index], parent, identity, tokens))
 
-    def fork(self, parent: Sequence, copy_page) -> list[Sequence]:
-        """Children 1..n-1 of a request whose prompt just finished prefill.
+    # ------------------------------------------------------------------ finishing
+    def fail(self, plan: SchedulerOutput, error: str) -> list[EngineEvent]:
+        """A step that could not run: every sequence in it fails; the others are untouched."""
+        events: list[EngineEvent] = []
+        for seq in plan.sequences:
+            if seq.finish is None:
+                events += self._finish_all(seq, FinishCause.ERROR, error)
+        return events
 
-        Full pages are shared; the partial last page is copied (copy_page(src, dst)).
-        """
-        children = []
-        size = self.blocks.page_tokens
-        for index in range(1, parent.request.n):
-            child = Sequence(parent.request, index, list(parent.token_ids), parent.num_prompt,
-                             make_generator(parent.request.params[index].seed))  # fmt: skip
-            full = parent.num_computed // size
-            for page in parent.block_table[:full]:
-                self.blocks.share(page)
-            child.block_table = list(parent.block_table[:full])
-            if len(parent.block_table) > full:
-                page = self.blocks.allocate()  # reserved at admission
-                copy_page(parent.block_table[full], page)
-                child.block_table.append(page)
-            child.num_computed, child.num_cached = parent.num_computed, parent.num_cached
-            child.chain = list(parent.chain)
-            child.prompt_entries = parent.prompt_entries
-            child.reasoning_open = parent.reasoning_open
-            child.constraint = parent.request.constraint.fork() if parent.request.constraint is not None else None
-            child.phase = Phase.RUNNING
-            children.append(child)
-        self.running.extend(children)
-        return children
+    def abort(self, doomed: set[tuple[str, int | None]]) -> list[EngineEvent]:
+        """Cancel whole requests ((id, None)) or single choices ((id, index))."""
+        hit = lambda s: (s.request.request_id, None) in doomed or (s.request.request_id, s.choice_index) in doomed  # noqa: E731
+        events: list[EngineEvent] = []
+        for seq in [s for s in itertools.chain(self.running, self.waiting) if hit(s)]:
+            events += self._finish_all(seq, FinishCause.ABORT)
+        return events
 
-    def finish(self, seq: Sequence, cause: FinishCause) -> None:
-        seq.phase = Phase.FINISHED
+    def finish_everything(self, cause: FinishCause, error: str | None = None) -> list[EngineEvent]:
+        events: list[EngineEvent] = []
+        for seq in list(itertools.chain(self.running, self.waiting)):
+            events += self._finish_all(seq, cause, error)
+        return events
+
+    def _finish_all(self, seq: Sequence, cause: FinishCause, error: str | None = None) -> list[EngineEvent]:
+        """Finish seq and the children it has not forked yet (they share its fate)."""
+        events = [self._event(seq, (), (), cause, error)]
+        events += [EngineEvent(seq.request.request_id, index, (), () if seq.request.num_top_logprobs is not None else None,
+                               cause, seq.num_prompt, seq.num_cached, 0, None, error)
+                   for index in range(seq.choice_index + 1, seq.choice_index + 1 + seq.unforked)]  # fmt: skip
+        self._count(cause, seq.num_choices)
+        self._finish(seq, cause, count=False)
+        return events
+
+    def _finish(self, seq: Sequence, cause: FinishCause, count: bool = True) -> None:
+        if count:
+            self._count(cause, 1)
         seq.finish = cause
-        self.blocks.release(seq.block_table)
-        seq.block_table = []
+        seq.unforked = 0
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def _count(self, cause: FinishCause, choices: int) -> None:
+        if cause is FinishCause.ERROR:
+            self.stats.failed += choices
+        elif cause is not FinishCause.ABORT:
+            self.stats.completed += choices
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.release(seq.pages)
+        self.pool.unreserve(seq.reserved)
+        seq.pages, seq.reserved = [], 0
+
+    def _event(self, seq: Sequence, tokens: tuple[int, ...], entries: tuple, cause: FinishCause | None,
+               error: str | None = None) -> EngineEvent:  # fmt: skip
+        first = not seq.sent_first
+        seq.sent_first = True
+        request = seq.request
+        return EngineEvent(
+            request_id=request.request_id,
+            choice_index=seq.choice_index,
+            token_ids=tokens,
+            logprobs=entries if request.num_top_logprobs is not None else None,
+            finish=cause,
+            num_prompt_tokens=seq.num_prompt,
+            num_cached_tokens=seq.num_cached,
+            stop_match_len=seq.stop_match_len,
+            prompt_logprobs=tuple(seq.prompt_entries) if first and request.prompt_logprobs is not None else None,
+            error=error,
+        )
+
+    def check_invariants(self) -> None:
+        """Pages and reservations add up (tests; cheap enough to call after every step there)."""
+        live: Iterable[Sequence] = self.running
+        refs = [0] * self.pool.num_pages
+        for seq in live:
+            for page in seq.pages:
+                refs[page] += 1
+        assert refs == self.pool.ref_count, "page references do not match the running sequences"
+        assert self.pool.num_reserved == sum(s.reserved for s in self.running), "reservations leaked"
+        assert all(not s.pages and not s.reserved for s in self.waiting), "a waiting sequence holds pages"
+        assert self.pool.num_free + self.pool.num_cached + self.pool.num_private == self.pool.num_pages
+
+
+def constraint_error(seq: Sequence) -> str:
+    reason = seq.constraint.error if seq.constraint is not None else None
+    return f"output constraint failed: {reason or 'no token is allowed'}"

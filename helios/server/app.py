@@ -11,7 +11,7 @@ from helios.server.discovery_routes import api_show, api_tags
 from helios.server.errors import anthropic_error, openai_error
 from helios.server.metrics import choose_format, json_snapshot, prometheus_text
 from helios.server.responses import HttpError, error_response, json_response, translate
-from helios.server.route_io import authorize, json_object, state_of
+from helios.server.route_io import ClientDisconnected, authorize, gone, json_object, state_of, unless_disconnected
 from helios.server.scoring_routes import decisions_route, systemone_route
 from helios.server.state import ServerState
 
@@ -66,7 +66,9 @@ async def _generation(request: Request, handler) -> Response | Stream:
     try:
         authorize(request)
         body = await json_object(request)
-        return await handler(state_of(request), body)
+        return await unless_disconnected(request, handler(state_of(request), body))
+    except ClientDisconnected:
+        return gone()
     except Exception as exc:  # noqa: BLE001 - every failure becomes a protocol error
         return error_response(translate(exc))
 
@@ -76,7 +78,9 @@ async def _anthropic(request: Request, handler) -> Response | Stream:
     try:
         authorize(request, anthropic=True)
         body = await json_object(request)
-        return await handler(state_of(request), body, dict(request.headers))
+        return await unless_disconnected(request, handler(state_of(request), body, dict(request.headers)))
+    except ClientDisconnected:
+        return gone()
     except Exception as exc:  # noqa: BLE001
         error = translate(exc)
         return json_response(anthropic_error(error.status, error.message), error.status, error.headers)

@@ -44,8 +44,8 @@ FIELDS: tuple[tuple[str, str | None, str, str], ...] = (
     ("replay_readiness_samples", "flare_replay_readiness_samples_total", "counter",
      "Completed graphs with readiness timing"),
     ("reused_tokens", "flare_cache_reused_tokens_total", "counter", "Tokens covered by GPU prefix-cache hits"),
-    ("cached_pages", "flare_cached_kv_pages", "gauge", "KV pages owned by immutable checkpoints"),
-    ("free_pages", "flare_free_kv_pages", "gauge", "KV pages reusable after completed GPU fences"),
+    ("cached_pages", "flare_cached_kv_pages", "gauge", "KV pages holding an immutable cached prefix, in use or not"),
+    ("free_pages", "flare_free_kv_pages", "gauge", "KV pages holding nothing and used by no request"),
     ("total_pages", "flare_total_kv_pages", "gauge", "Pages in the per-rank KV pool"),
     ("page_tokens", "flare_kv_page_tokens", "gauge", "Logical history tokens per KV page"),
     ("host_hits", "flare_host_cache_hits_total", "counter", "Host prefix-store lookups that fetched"),
@@ -61,6 +61,8 @@ _TABLE = {field for field, *_ in FIELDS}
 
 # Server-side extras with a fixed name and help; always exposed (absent reads as zero).
 EXTRAS: tuple[tuple[str, str, str], ...] = (
+    ("preemptions_total", "counter", "Running sequences preempted (KV released, recomputed later) so older ones could grow"),
+    ("used_pages", "gauge", "KV pages held privately by live sequences (free + cached + used = total)"),
     ("http_admission_in_use", "gauge", "HTTP admission slots held"),
     ("http_admission_capacity", "gauge", "HTTP admission slots in total"),
     ("history_drafts_enabled", "gauge", "Whether shared decoded history augments learned proposals"),

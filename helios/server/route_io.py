@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import msgspec
-from litestar import Request
+from litestar import Request, Response
 
 from helios.server.auth import check_key
 from helios.server.body import BodyError, read_body
 from helios.server.responses import HttpError
 from helios.server.state import ServerState
+
+T = TypeVar("T")
+log = logging.getLogger("helios.server")
+LARGE_JSON_BYTES = 1 << 16  # bodies past this are parsed in the frontend pool, off the event loop
 
 
 def state_of(request: Request) -> ServerState:
@@ -48,6 +56,44 @@ async def read_json(request: Request, *, compressed: bool = True) -> Any:
     except BodyError as exc:
         raise HttpError(exc.status, exc.message) from None
     try:
+        if len(raw) > LARGE_JSON_BYTES:
+            return await state.in_pool(msgspec.json.decode, raw)
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise HttpError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready; its work was cancelled."""
+
+
+def gone() -> Response:
+    """The answer to a client that has left (nobody reads it)."""
+    return Response(content=b"", status_code=499)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run a handler's work, cancelling it (ClientDisconnected) when the client disconnects first.
+
+    Call after the body is read: from then on the only message the server sends is the
+    disconnect. Cancelling the work closes its engine streams, which aborts the request.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        log.info("client disconnected; request cancelled")
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -15,7 +15,7 @@ from helios.frontend.scoring import LabelRead, QuestionSpec, ScoringUsage, compi
 from helios.protocols import decisions, systemone
 from helios.server.generation import admit as _admit
 from helios.server.responses import HttpError, error_response, json_response, translate
-from helios.server.route_io import authorize, read_json, state_of
+from helios.server.route_io import ClientDisconnected, authorize, gone, read_json, state_of, unless_disconnected
 from helios.server.state import ServerState
 
 TEXT_ONLY = "this model is text-only (its core has no vision program): image assets need a vision core"
@@ -68,11 +68,13 @@ async def systemone_route(request: Request) -> Response:
         decoded = systemone.decode(body)
         state = state_of(request)
         questions = [(f"questions.{q.key}", q.spec) for q in decoded.questions]
-        reads, usage = await _score(state, decoded.state, questions, request_id)
+        reads, usage = await unless_disconnected(request, _score(state, decoded.state, questions, request_id))
         body_out = systemone.response(state.model.public_id, decoded, reads, usage)
         return json_response(body_out, headers={"x-request-id": request_id})
     except systemone.SchemaError as exc:
         return json_response(exc.body(), 422)
+    except ClientDisconnected:
+        return gone()
     except Exception as exc:  # noqa: BLE001 - every other failure is a Chat Completions-style error
         return error_response(translate(exc))
 
@@ -87,8 +89,10 @@ async def decisions_route(request: Request) -> Response:
         decoded = decisions.decode(await _body(request))
         state = state_of(request)
         questions = [(f"questions.{i}", q.spec) for i, q in enumerate(decoded.questions)]
-        reads, usage = await _score(state, decoded.text, questions, request_id)
+        reads, usage = await unless_disconnected(request, _score(state, decoded.text, questions, request_id))
         body_out = decisions.response(state.model.public_id, decoded, reads, usage)
         return json_response(body_out, headers={"x-request-id": request_id})
+    except ClientDisconnected:
+        return gone()
     except Exception as exc:  # noqa: BLE001
         return error_response(translate(exc))

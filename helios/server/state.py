@@ -49,6 +49,8 @@ class ServerState:
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
             "reasoning_budget_cuts")}  # fmt: skip
         values.update(
+            preemptions_total=stats.preemptions,
+            used_pages=stats.total_pages - stats.free_pages - stats.cached_pages,
             verify_steps=stats.steps,
             learned_drafter=False,
             http_admission_in_use=self.slots.in_use,

@@ -40,7 +40,7 @@ def test_stream_and_abort_by_leaving(client: EngineClient) -> None:
             if client.engine.stats.active == 0:
                 break
             await asyncio.sleep(0.01)
-        assert client.engine.stats.active == 0 and client.engine.blocks.num_free == 128
+        assert client.engine.stats.active == 0 and client.engine.pool.num_free + client.engine.pool.num_cached == 128
 
     asyncio.run(scenario())
 

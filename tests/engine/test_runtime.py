@@ -112,7 +112,7 @@ def test_stops_and_limits(tiny: Core) -> None:
     eos = tiny.manifest.tokenizer.eos_token_ids[0]
     forced = EngineRequest("e", prompt, (GREEDY,), 10, stop_token_ids=frozenset())
     engine = _engine(tiny)
-    engine.eos_ids = frozenset({third})  # make the greedy path hit an "EOS"
+    engine.scheduler.config = replace(engine.scheduler.config, eos_ids=frozenset({third}))  # greedy hits an "EOS"
     assert run_to_completion(engine, [forced])["e"][0].finish is FinishCause.EOS
     assert eos in tiny.manifest.tokenizer.eos_token_ids
 
@@ -125,7 +125,7 @@ def test_out_of_pages_finishes_with_length_and_others_continue(tiny: Core) -> No
     out = run_to_completion(engine, [long, short])
     assert out["short"][0].finish is FinishCause.LENGTH and len(out["short"][0].token_ids) == 5
     assert out["long"][0].finish is FinishCause.LENGTH and 0 < len(out["long"][0].token_ids) < 200
-    assert engine.blocks.num_free == 6
+    assert engine.pool.num_free + engine.pool.num_cached == 6
 
 
 def test_abort_half_of_32_leaks_nothing(tiny: Core) -> None:
@@ -153,8 +153,8 @@ def test_abort_half_of_32_leaks_nothing(tiny: Core) -> None:
         assert finishes[request.request_id] is FinishCause.LENGTH and len(outputs[request.request_id]) == 20
         alone = run_to_completion(solo, [request])[request.request_id][0].token_ids
         assert outputs[request.request_id] == alone
-    assert engine.blocks.num_free == 512  # every page is free or cached-and-evictable
-    assert sum(engine.blocks.ref_count) == 0
+    assert engine.pool.num_free + engine.pool.num_cached == 512  # every page is free or cached-and-evictable
+    assert sum(engine.pool.ref_count) == 0
     assert engine.stats.active == 0 and engine.stats.pending == 0
 
 

@@ -19,7 +19,7 @@ CHAT = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_toke
 def failing_client(tiny_core: Path):
     state = build_state(tiny_core, ServerConfig(kv_pages=64))
 
-    def broken_run(chunks):
+    def broken_run(chunks, page_copies=()):
         raise RuntimeError("device fault while running the step program")
 
     state.client.engine.executor.run = broken_run  # the step program fails, as a device error would
@@ -34,7 +34,7 @@ def test_buffered_execution_failure_is_500(failing_client) -> None:
     error = response.json()["error"]
     assert error["type"] == "server_error" and "device fault" in error["message"]
     assert "x-request-id" in response.headers
-    assert state.client.engine.stats.failed == 1 and state.client.engine.blocks.num_free == 64
+    assert state.client.engine.stats.failed == 1 and state.client.engine.pool.num_free + state.client.engine.pool.num_cached == 64
     assert client.get("/health").json() == {"status": "ok"}  # the runtime keeps serving
 
 

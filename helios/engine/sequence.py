@@ -1,0 +1,106 @@
+"""One choice of a request as the engine tracks it, and the units a step is planned in.
+
+Only the scheduler changes a Sequence (see scheduler.py for the invariants it keeps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from helios.engine.logprobs import TokenLogprobs
+from helios.engine.request import EngineRequest, FinishCause, TokenConstraint
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a request: its tokens, KV pages and sampling state (engine-internal)."""
+
+    request: EngineRequest
+    choice_index: int
+    token_ids: list[int]  # prompt then generated tokens
+    num_prompt: int
+    generator: torch.Generator
+    arrival: int  # admission order of its request; larger is newer (preempted first)
+    pages: list[int] = field(default_factory=list)  # page table: page of positions [i*P, (i+1)*P)
+    num_computed: int = 0  # leading tokens whose KV is in `pages`
+    num_cached: int = 0  # prompt tokens reused from the prefix cache at first admission
+    chain: list[bytes] = field(default_factory=list)  # chain hash of each published full page
+    reserved: int = 0  # pages reserved in the pool for this sequence (its growth, its unforked children)
+    unforked: int = 0  # choices 1..n-1 not yet created (choice 0 only, until its first sample)
+    admitted: bool = False  # has run at least once (its num_cached is final)
+    finish: FinishCause | None = None
+    stop_match_len: int = 0
+    prompt_entries: list = field(default_factory=list)  # prompt logprob entries gathered so far
+    sent_first: bool = False
+    reasoning_open: bool = False  # inside reasoning (tracked only for requests with a budget)
+    reasoning_tokens: int = 0
+    constraint: TokenConstraint | None = None  # this choice's own fork of the request's constraint
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens to compute before the next sample (1 when decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt positions still owe prompt logprobs (scored-prefill program)."""
+        return self.request.prompt_logprobs is not None and len(self.prompt_entries) < self.num_prompt
+
+    @property
+    def num_choices(self) -> int:
+        """Live choices this sequence stands for (itself plus its unforked children)."""
+        return 1 + self.unforked
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Tokens [start, start + num_tokens) of `seq` computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    wants_logits: bool  # the chunk ends at the sequence's last token, so it is sampled from
+    scored: bool  # prompt positions of a prompt-logprob request (scored-prefill program)
+    choices: tuple[Sequence, ...] = ()  # sequences sampling from this chunk's row: seq, then children forked now
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start < self.seq.num_prompt
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    chunks: tuple[Chunk, ...]  # invariant: at most one chunk per sequence; every page they touch is allocated
+    page_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) after the step: forked children's partial pages
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [s for chunk in self.chunks for s in (chunk.choices or (chunk.seq,))]
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """What the sampler committed for one sequence this step."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None  # None when not requested, or for a forced token
+    forced: bool = False  # a reasoning-budget close, not a draw
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOutput:
+    """The sampled results of one step, keyed by sequence identity."""
+
+    tokens: dict[int, SampledToken]  # id(seq) -> token; sequences in sampled chunks only
+    errors: dict[int, str] = field(default_factory=dict)  # id(seq) -> why this choice cannot continue
+    prompt_entries: dict[int, list] = field(default_factory=dict)  # id(chunk) -> prompt logprob entries
