@@ -1,0 +1,142 @@
+"""The engine lifecycle over HTTP: requests that can never run are refused at once, other
+users' load never shortens an answer, cancelled and failed work frees its slot, a dead engine
+fails every open request, and SIGTERM drains within its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helios.config import ServerConfig
+from live import live_server, metrics, wait_until
+from serving import start_server
+
+CHAT = {"model": "x", "top_k": 1, "seed": 7, "ignore_eos": True}  # greedy: top_k 1 (temperature 0 clamps to 0.01)
+
+
+@pytest.fixture(scope="module")
+def small_pool(tiny_core: Path):
+    """Default concurrency (64) over a 40-page pool (640 token slots)."""
+    with live_server(tiny_core, ServerConfig(kv_pages=40)) as served:
+        yield served
+
+
+def _chat(text: str, max_tokens: int, **extra) -> dict:
+    return {**CHAT, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **extra}
+
+
+def test_n_above_max_concurrency_is_refused_at_once_and_the_next_request_runs(small_pool) -> None:
+    url, _ = small_pool
+    start = time.monotonic()
+    response = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "hi", "n": 100, "max_tokens": 4},
+                          timeout=10)  # fmt: skip
+    assert time.monotonic() - start < 1.0
+    assert response.status_code == 400
+    assert "max_concurrency" in response.json()["error"]["message"]
+    ok = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": 4}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_other_users_load_never_shortens_an_answer(small_pool) -> None:
+    url, _ = small_pool
+    bodies = [_chat(f"user {i} asks a question", 300) for i in range(4)]
+    before = metrics(url)["preemptions_total"]
+
+    async def together() -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            responses = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=b) for b in bodies))
+        return [r.json() for r in responses]
+
+    shared = asyncio.run(together())
+    assert metrics(url)["preemptions_total"] > before  # the pool was too small for all four at once
+    for body, answer in zip(bodies, shared):
+        assert answer["usage"]["completion_tokens"] == 300 and answer["choices"][0]["finish_reason"] == "length"
+        alone = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
+        assert answer["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+def test_an_answer_larger_than_the_whole_pool_ends_with_length(small_pool) -> None:
+    url, _ = small_pool
+    answer = httpx.post(url + "/v1/chat/completions", json=_chat("go on", 1000), timeout=300).json()
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "length" and answer["usage"]["completion_tokens"] < 1000
+    assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] == 40 * 16 + 1
+
+
+def test_a_buffered_request_cancelled_by_its_client_frees_its_slot(small_pool) -> None:
+    url, _ = small_pool
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(url + "/v1/chat/completions", json=_chat("a long one", 600), timeout=httpx.Timeout(30, read=0.5))
+    waited = wait_until(lambda: (m := metrics(url))["active"] == 0 and m["http_admission_in_use"] == 0, timeout=1.5)
+    assert waited < 1.0
+    m = metrics(url)
+    assert m["free_pages"] + m["cached_pages"] == m["total_pages"]
+
+
+def test_a_dead_engine_fails_open_streams_at_once_and_health_turns_503(tiny_core: Path) -> None:
+    with live_server(tiny_core, ServerConfig(kv_pages=64)) as (url, state):
+        with httpx.stream("POST", url + "/v1/chat/completions", json=_chat("stream", 3000, stream=True),
+                          timeout=30) as response:  # fmt: skip
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # generation is under way
+
+            def broken_step():
+                raise RuntimeError("scheduler invariant broken")
+
+            killed = time.monotonic()
+            state.client.engine.step = broken_step
+            rest = [line for line in lines if line.startswith("data:")]
+            assert time.monotonic() - killed < 1.0
+        assert rest and "[DONE]" not in rest[-1]
+        error = json.loads(rest[-1][5:])["error"]
+        assert error["type"] == "server_error" and "scheduler invariant broken" in error["message"]
+        health = httpx.get(url + "/health", timeout=5)
+        assert health.status_code == 503 and "scheduler invariant broken" in health.json()["error"]["message"]
+        refused = httpx.post(url + "/v1/chat/completions", json=_chat("hi", 4), timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+
+
+def test_sigterm_drains_within_the_deadline_and_ends_every_stream_cleanly(tiny_core: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_core, tmp_path, kv_pages=256, drain_seconds=2)
+
+    async def one(client: httpx.AsyncClient, index: int, started: asyncio.Event, count: list[int]) -> str:
+        body = _chat(f"stream {index}", 4000 if index % 2 else 40, stream=True)
+        async with client.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
+            last = ""
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    if not last:
+                        count[0] += 1
+                        if count[0] == 32:
+                            started.set()
+                    last = line
+            return last
+
+    async def scenario() -> tuple[list[str], float]:
+        started, count = asyncio.Event(), [0]
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+            tasks = [asyncio.create_task(one(client, i, started, count)) for i in range(32)]
+            await asyncio.wait_for(started.wait(), 60)
+            signalled = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            lasts = await asyncio.gather(*tasks)  # a cut connection would raise here
+            await asyncio.get_running_loop().run_in_executor(None, server.process.wait, 30)
+            return lasts, time.monotonic() - signalled
+
+    try:
+        lasts, elapsed = asyncio.run(scenario())
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    assert elapsed < 2 + 3, f"exit took {elapsed:.1f} s"
+    for index, last in enumerate(lasts):
+        if last == "data: [DONE]":
+            continue  # finished within the drain window
+        assert index % 2, "a short stream was cut instead of finishing"
+        assert "shutting down" in json.loads(last[5:])["error"]["message"]
