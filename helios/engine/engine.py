@@ -16,7 +16,7 @@ from helios.core import Core
 from helios.engine.executor import Executor, StepResult
 from helios.engine.kv_cache import PagePool
 from helios.engine.logprobs import TokenLogprobs, explicit_alternatives, natural_alternatives, prompt_entry
-from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
+from helios.engine.request import EngineEvent, EngineRequest, EngineStats
 from helios.engine.sampler import Sampler
 from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
 from helios.engine.sequence import Chunk, ModelOutput, SampledToken, SchedulerOutput, Sequence
@@ -53,7 +53,7 @@ class LLMEngine:
         self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,
                                  decode_weight_bytes=m.decode_weight_bytes)  # fmt: skip
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_concurrency, config.max_pending, config.prefill_chunk_size, self.max_model_len,
+            SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
                             frozenset(m.tokenizer.eos_token_ids)),
             self.pool, self.stats,
         )  # fmt: skip
@@ -112,13 +112,6 @@ class LLMEngine:
                 events += self.scheduler.update_from_output(plan, output)
         self._refresh_gauges()
         self.stats.steps += 1
-        return events
-
-    def fail_everything(self, error: str) -> list[EngineEvent]:
-        """Fail every open request (the engine is stopping or broken)."""
-        self._aborted.clear()
-        events = self.scheduler.finish_everything(FinishCause.ERROR, error)
-        self._refresh_gauges()
         return events
 
     def _apply_aborts(self) -> list[EngineEvent]:

@@ -151,11 +151,3 @@ class PagePool:
             self._by_hash[digest] = page
             self._cached[page] = _Cached(hash=digest, tokens=tokens, parent=parent)
         return digest
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every unreferenced cached page."""
-        for page in list(self._evictable):
-            entry = self._cached.pop(page)
-            del self._by_hash[entry.hash]
-            self._free.append(page)
-        self._evictable.clear()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
 
 from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
@@ -29,7 +28,6 @@ from helios.engine.sequence import Chunk, ModelOutput, SampledToken, SchedulerOu
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_concurrency: int  # live sequences (choices) at once
-    max_pending: int  # requests waiting for admission; more are refused by the client
     prefill_chunk_size: int  # prefill tokens per step, summed over sequences
     max_model_len: int
     eos_ids: frozenset[int] = frozenset()
@@ -305,16 +303,13 @@ class Scheduler:
 
     def abort(self, doomed: set[tuple[str, int | None]]) -> list[EngineEvent]:
         """Cancel whole requests ((id, None)) or single choices ((id, index))."""
-        hit = lambda s: (s.request.request_id, None) in doomed or (s.request.request_id, s.choice_index) in doomed  # noqa: E731
+        def hit(seq: Sequence) -> bool:
+            rid = seq.request.request_id
+            return (rid, None) in doomed or (rid, seq.choice_index) in doomed
+
         events: list[EngineEvent] = []
         for seq in [s for s in itertools.chain(self.running, self.waiting) if hit(s)]:
             events += self._finish_all(seq, FinishCause.ABORT)
-        return events
-
-    def finish_everything(self, cause: FinishCause, error: str | None = None) -> list[EngineEvent]:
-        events: list[EngineEvent] = []
-        for seq in list(itertools.chain(self.running, self.waiting)):
-            events += self._finish_all(seq, cause, error)
         return events
 
     def _finish_all(self, seq: Sequence, cause: FinishCause, error: str | None = None) -> list[EngineEvent]:
@@ -369,9 +364,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Pages and reservations add up (tests; cheap enough to call after every step there)."""
-        live: Iterable[Sequence] = self.running
         refs = [0] * self.pool.num_pages
-        for seq in live:
+        for seq in self.running:
             for page in seq.pages:
                 refs[page] += 1
         assert refs == self.pool.ref_count, "page references do not match the running sequences"

@@ -73,10 +73,6 @@ class Chunk:
     scored: bool  # prompt positions of a prompt-logprob request (scored-prefill program)
     choices: tuple[Sequence, ...] = ()  # sequences sampling from this chunk's row: seq, then children forked now
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.start < self.seq.num_prompt
-
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:

@@ -20,7 +20,7 @@ def _request(name: str, length: int, n: int = 1, max_tokens: int = 8, **kwargs) 
 
 
 def _scheduler(pages: int = 16, chunk: int = 8, concurrency: int = 4, max_len: int = 1024) -> Scheduler:
-    return Scheduler(SchedulerConfig(concurrency, 16, chunk, max_len), PagePool(pages, PAGE))
+    return Scheduler(SchedulerConfig(concurrency, chunk, max_len), PagePool(pages, PAGE))
 
 
 def _step(s: Scheduler, token: int = 7, fail: bool = False) -> tuple[SchedulerOutput, list]:
