@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
+from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
 from litestar.response import Stream
 
 from helios.server import anthropic_routes, openai_routes, responses_routes
@@ -111,6 +112,22 @@ async def count_tokens(request: Request) -> Response:
     return await _anthropic(request, anthropic_routes.count_tokens)
 
 
+def _unrouted(request: Request, exc: Exception) -> Response:
+    """Unknown paths and methods, and anything that escaped a handler, in the protocol's error shape."""
+    if isinstance(exc, NotFoundException):
+        status, message = 404, f"no route {request.url.path!r}: see GET /v1/models and the documented routes"
+    elif isinstance(exc, MethodNotAllowedException):
+        status, message = 405, f"{request.method} is not allowed on {request.url.path!r}"
+    elif isinstance(exc, HTTPException):
+        status, message = exc.status_code, str(exc.detail)
+    else:
+        status, message = translate(exc).status, translate(exc).message
+    headers = dict(getattr(exc, "headers", None) or {})
+    if request.url.path.startswith("/v1/messages"):
+        return json_response(anthropic_error(status, message), status, headers)
+    return json_response(openai_error(status, message), status, headers)
+
+
 def create_app(state: ServerState) -> Litestar:
     app = Litestar(
         route_handlers=[health, metrics, list_models, get_model, chat_completions, completions, responses, messages,
@@ -118,6 +135,8 @@ def create_app(state: ServerState) -> Litestar:
         state=State({"helios": state}),
         request_max_body_size=None,  # bounded by read_body, encoded and decoded
         on_shutdown=[lambda: state.client.shutdown()],
+        exception_handlers={NotFoundException: _unrouted, MethodNotAllowedException: _unrouted,
+                            HTTPException: _unrouted, Exception: _unrouted},
         debug=False,
     )
     return app

@@ -8,11 +8,11 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-import msgspec
 from litestar import Request, Response
 
 from helios.server.auth import check_key
 from helios.server.body import BodyError, read_body
+from helios.server.json_body import JsonBodyError, parse_json
 from helios.server.responses import HttpError
 from helios.server.state import ServerState
 
@@ -57,10 +57,10 @@ async def read_json(request: Request, *, compressed: bool = True) -> Any:
         raise HttpError(exc.status, exc.message) from None
     try:
         if len(raw) > LARGE_JSON_BYTES:
-            return await state.in_pool(msgspec.json.decode, raw)
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise HttpError(400, f"the request body is not valid JSON: {exc}") from None
+            return await state.in_pool(parse_json, raw)
+        return parse_json(raw)
+    except JsonBodyError as exc:
+        raise HttpError(400, str(exc)) from None
 
 
 class ClientDisconnected(Exception):

@@ -1,0 +1,65 @@
+"""Hostile input at the HTTP layer: deep nesting, unknown routes and methods. Each gets the
+protocol's error shape and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from litestar.testing import TestClient
+
+from helios.config import ServerConfig
+from helios.server.app import create_app
+from helios.server.json_body import MAX_JSON_DEPTH, nesting_depth
+from helios.server.state import build_state
+
+CHAT = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_core: Path):
+    with TestClient(app=create_app(build_state(tiny_core, ServerConfig(kv_pages=64)))) as test_client:
+        yield test_client
+
+
+def _nested_schema(levels: int) -> str:
+    """JSON text of an object schema `levels` properties deep (json.dumps would recurse too far)."""
+    return '{"type": "object", "properties": {"x": ' * levels + '{"type": "string"}' + "}}" * levels
+
+
+def test_nesting_depth_ignores_brackets_inside_strings() -> None:
+    assert nesting_depth(b"[" * 100_000) == 100_000
+    tricky = json.dumps({"a": "[" * 500 + '\\"' + "{" * 500, "b": [[["\\\\"]]]}).encode()
+    assert json.loads(tricky) and nesting_depth(tricky) == 4
+    assert nesting_depth(_nested_schema(100).encode()) == 201
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                   "/v1/decisions", "/v1/systemone"])  # fmt: skip
+def test_a_100000_deep_body_is_400_naming_the_limit(client: TestClient, route: str) -> None:
+    response = client.post(route, content=b"[" * 100_000, headers={"anthropic-version": "2023-06-01"})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert f"limit is {MAX_JSON_DEPTH}" in message and "Recursion" not in message
+
+
+def test_deep_tool_parameters_and_template_kwargs_are_400_not_500(client: TestClient) -> None:
+    chat = json.dumps(CHAT)[:-1]
+    tools = f', "tools": [{{"type": "function", "function": {{"name": "f", "parameters": {_nested_schema(600)}}}}}]}}'
+    deep = client.post("/v1/chat/completions", content=chat + tools)
+    assert deep.status_code == 400 and "levels deep" in deep.json()["error"]["message"]
+    deep = client.post("/v1/chat/completions", content=chat + f', "chat_template_kwargs": {{"k": {_nested_schema(600)}}}}}')
+    assert deep.status_code == 400 and "levels deep" in deep.json()["error"]["message"]
+    show = client.post("/api/show", content=b"[" * 100_000)
+    assert show.status_code == 400 and "levels deep" in show.json()["error"]
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200  # still serving
+
+
+def test_unknown_routes_and_methods_answer_in_the_protocol_shape(client: TestClient) -> None:
+    missing = client.get("/v1/nothing-here")
+    assert missing.status_code == 404 and set(missing.json()["error"]) == {"type", "message", "param", "code"}
+    wrong = client.get("/v1/chat/completions")
+    assert wrong.status_code == 405 and "GET is not allowed" in wrong.json()["error"]["message"]
+    anthropic = client.post("/v1/messages/batches", json={})
+    assert anthropic.status_code == 404 and anthropic.json()["type"] == "error"
