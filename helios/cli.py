@@ -58,7 +58,7 @@ def serve(
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     typer.echo(f"serving {state.model.public_id} on http://{settings.host}:{settings.port}/v1", err=True)
-    serve_until_signal(create_app(state), state, settings.host, settings.port, log_level, settings.drain_seconds)
+    serve_until_signal(create_app(state), state, settings.host, settings.port, log_level)
 
 
 @app.command()

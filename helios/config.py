@@ -3,7 +3,8 @@
 `[server]` table keys (all optional):
   api_key, host, port, max_body_bytes, max_concurrency, queue_size, http_slots,
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
-  aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, drain_seconds
+  aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, drain_seconds,
+  header_timeout_seconds, body_timeout_seconds
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class ServerConfig:
     # On SIGTERM/SIGINT: new requests get 503, open ones get this long to finish, then end
     # with an error event (streams) or a 500 (buffered) and the process exits.
     drain_seconds: float = 30.0
+    # Slow clients: a request's headers must arrive within header_timeout_seconds of its
+    # first byte, and its body within body_timeout_seconds (else the connection closes / 408).
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 60.0
 
     @property
     def auth_enabled(self) -> bool:
@@ -78,9 +83,10 @@ def _check(config: ServerConfig) -> ServerConfig:
         raise ConfigError("[server] aliases must be a list of strings")
     if not isinstance(config.prefix_cache, bool):
         raise ConfigError("[server] prefix_cache must be true or false")
-    drain = config.drain_seconds
-    if isinstance(drain, bool) or not isinstance(drain, (int, float)) or not 0 <= drain <= 3600:
-        raise ConfigError(f"[server] drain_seconds must be a number of seconds from 0 to 3600, got {drain!r}")
+    for name in ("drain_seconds", "header_timeout_seconds", "body_timeout_seconds"):
+        seconds = getattr(config, name)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
+            raise ConfigError(f"[server] {name} must be a number of seconds above 0 and at most 3600, got {seconds!r}")
     rows = config.serial_decode_rows
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
         raise ConfigError(f"[server] serial_decode_rows must be a non-negative integer (0 disables), got {rows!r}")

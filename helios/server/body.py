@@ -51,17 +51,24 @@ def parse_encodings(content_encoding: str | None) -> list[str]:
 
 
 async def read_body(chunks: AsyncIterator[bytes], content_encoding: str | None, max_bytes: int,
-                    pool: concurrent.futures.Executor | None = None) -> bytes:  # fmt: skip
-    """Read and decode a request body; raises BodyError. Decoding runs in `pool` when given."""
+                    pool: concurrent.futures.Executor | None = None, timeout: float | None = None) -> bytes:  # fmt: skip
+    """Read and decode a request body; raises BodyError. Decoding runs in `pool` when given.
+
+    `timeout` bounds the whole read (a client dripping bytes holds a connection and memory).
+    """
     codings = parse_encodings(content_encoding)  # refuse before reading anything
     encoded = bytearray()
-    async for chunk in chunks:
-        if len(encoded) + len(chunk) > max_bytes:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            raise BodyError(413, f"Request body exceeds max_body_bytes ({max_bytes} bytes)")
-        encoded += chunk
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in chunks:
+                if len(encoded) + len(chunk) > max_bytes:
+                    aclose = getattr(chunks, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+                    raise BodyError(413, f"Request body exceeds max_body_bytes ({max_bytes} bytes)")
+                encoded += chunk
+    except TimeoutError:
+        raise BodyError(408, f"the request body did not arrive within {timeout:g} s (body_timeout_seconds)") from None
     if not codings or not encoded:
         return bytes(encoded)
     if pool is None:

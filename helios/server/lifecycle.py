@@ -13,7 +13,9 @@ import logging
 import socket
 from types import FrameType
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from helios.server.state import ServerState
 
@@ -48,7 +50,51 @@ class DrainingServer(uvicorn.Server):
         self.state.client.fail_open("the server is shutting down (drain deadline passed)")
 
 
-def serve(app, state: ServerState, host: str, port: int, log_level: str, drain_seconds: float) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=int(drain_seconds + BACKSTOP_SECONDS + 0.999))  # fmt: skip
-    DrainingServer(config, state, drain_seconds).run()
+class _HeaderDeadline(H11Protocol):
+    """HTTP/1.1 whose request headers must be complete within `header_timeout` of the
+    connection opening or of the first byte of the next request; else the connection closes.
+    (uvicorn only times idle keep-alive connections, so a slow sender could hold one forever.)"""
+
+    header_timeout = 10.0
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:
+            if self._header_timer is None:
+                self._arm()
+        elif self._header_timer is not None:  # the request line and headers are in
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout, self._expire)
+
+    def _expire(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("closing a connection whose request headers took over %.0f s", self.header_timeout)
+            self.transport.close()
+
+
+def uvicorn_config(app, host: str, port: int, log_level: str, drain_seconds: float,
+                   header_timeout: float) -> uvicorn.Config:  # fmt: skip
+    protocol = type("HeliosHttp", (_HeaderDeadline,), {"header_timeout": header_timeout})
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, http=protocol,
+                          timeout_graceful_shutdown=int(drain_seconds + BACKSTOP_SECONDS + 0.999))  # fmt: skip
+
+
+def serve(app, state: ServerState, host: str, port: int, log_level: str) -> None:
+    settings = state.config
+    config = uvicorn_config(app, host, port, log_level, settings.drain_seconds, settings.header_timeout_seconds)
+    DrainingServer(config, state, settings.drain_seconds).run()

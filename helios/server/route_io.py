@@ -52,7 +52,8 @@ async def read_json(request: Request, *, compressed: bool = True) -> Any:
     if not compressed and (encoding or "identity").strip().lower() not in ("", "identity"):
         raise HttpError(415, f"Unsupported Content-Encoding {encoding.strip()!r}: this route accepts identity only")
     try:
-        raw = await read_body(request.stream(), encoding, state.config.max_body_bytes, state.pool)
+        raw = await read_body(request.stream(), encoding, state.config.max_body_bytes, state.pool,
+                              state.config.body_timeout_seconds)  # fmt: skip
     except BodyError as exc:
         raise HttpError(exc.status, exc.message) from None
     try:

@@ -14,6 +14,7 @@ import uvicorn
 
 from helios.config import ServerConfig
 from helios.server.app import create_app
+from helios.server.lifecycle import uvicorn_config
 from helios.server.state import ServerState, build_state
 from serving import _free_port
 
@@ -22,8 +23,8 @@ from serving import _free_port
 def live_server(core: Path, config: ServerConfig) -> Iterator[tuple[str, ServerState]]:
     state = build_state(core, config)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))  # fmt: skip
+    server = uvicorn.Server(uvicorn_config(create_app(state), "127.0.0.1", port, "warning", config.drain_seconds,
+                                           config.header_timeout_seconds))  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: no signal handlers
     thread.start()
     url = f"http://127.0.0.1:{port}"

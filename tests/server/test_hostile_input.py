@@ -4,8 +4,11 @@ protocol's error shape and the server keeps serving."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from litestar.testing import TestClient
 
@@ -13,6 +16,7 @@ from helios.config import ServerConfig
 from helios.server.app import create_app
 from helios.server.json_body import MAX_JSON_DEPTH, nesting_depth
 from helios.server.state import build_state
+from live import live_server
 
 CHAT = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -63,3 +67,24 @@ def test_unknown_routes_and_methods_answer_in_the_protocol_shape(client: TestCli
     assert wrong.status_code == 405 and "GET is not allowed" in wrong.json()["error"]["message"]
     anthropic = client.post("/v1/messages/batches", json={})
     assert anthropic.status_code == 404 and anthropic.json()["type"] == "error"
+
+
+def test_slow_headers_close_the_connection_and_slow_bodies_get_408(tiny_core: Path) -> None:
+    config = ServerConfig(kv_pages=64, header_timeout_seconds=1, body_timeout_seconds=1)
+    with live_server(tiny_core, config) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as idle:
+            started = time.monotonic()
+            assert idle.recv(1024) == b""  # never sent a byte: closed by the header deadline
+            assert 0.9 < time.monotonic() - started < 5
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")  # headers never finish
+            assert slow.recv(1024) == b""
+        with socket.create_connection((host, int(port)), timeout=10) as dripping:
+            dripping.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: 100\r\n\r\n{\"model\"")  # fmt: skip
+            reply = b""
+            while b"}}" not in reply and (piece := dripping.recv(4096)):
+                reply += piece
+            assert reply.startswith(b"HTTP/1.1 408") and b"body_timeout_seconds" in reply
+        assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
