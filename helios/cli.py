@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape  # help text is rich markup: "[server]" would vanish as a tag
 
 app = typer.Typer(
     name="helios",
@@ -35,7 +36,7 @@ def check(core: Annotated[Path, typer.Argument(help="Core directory.")]) -> None
 @app.command()
 def serve(
     core: Annotated[Path, typer.Argument(help="Core directory (from `ignition export`).")],
-    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with a [server] table.")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help=escape("TOML file with a [server] table (see docs/serving.md)."))] = None,
     api_key_file: Annotated[Optional[Path], typer.Option("--api-key-file", help="File holding the serving key (overrides [server] api_key).")] = None,
     host: Annotated[Optional[str], typer.Option("--host", help="Address to bind (default 127.0.0.1).")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help="Port to bind (default 8000).")] = None,

@@ -53,7 +53,10 @@ def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
         except Exception as exc:
             raise SourceError(f"{path}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        value = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
+        array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+        if not array.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
+            array = array.copy()
+        value = torch.from_numpy(array)
         tensors[hf_name] = fam.gguf_tensor_fixup(hf_name, value, hf_config)
     try:
         tokenizer = tokenizer_from_gguf(meta)
