@@ -17,6 +17,7 @@ from helios.engine.request import EngineRequest, ReasoningBudget
 from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint
 from helios.frontend.grammar import GrammarError, GrammarService
+from helios.frontend.literal_text import LiteralEncoder
 from helios.frontend.native_deepseek import NativeEncoder
 from helios.frontend.parsers.reasoning import reasoning_delimiters, starts_in_reasoning, token_delimiters
 from helios.frontend.parsers.tools import tool_opener_ids
@@ -101,6 +102,7 @@ class Frontend:
         self.manifest = m
         self.config = config
         self.tokenizer = core.tokenizer()
+        self.literal = LiteralEncoder(self.tokenizer)
         self.vocab_size = m.tokenizer.vocab_size
         self.max_model_len = m.limits.max_model_len
         source = core.chat_template()
@@ -222,9 +224,9 @@ class Frontend:
             messages, presented = self._lowered(source, output, native=True)
             ids, text = self.native.encode(source, messages, presented, self._reasoning_kwargs(source), output)
             return PreparedPrompt(ids, text)
-        if isinstance(source, Conversation):
-            text = self.render(source, output)
-            return PreparedPrompt(tuple(self.tokenizer.encode(text, add_special_tokens=False).ids), text)
+        if isinstance(source, Conversation):  # client text's control-token strings stay plain text
+            ids, text = self.literal.encode_conversation(source, lambda conversation: self.render(conversation, output))
+            return PreparedPrompt(tuple(ids), text)
         if source.token_ids is not None:
             if not source.token_ids:
                 raise RequestError("a token-id prompt must not be empty", "prompt")

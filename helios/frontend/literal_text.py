@@ -1,0 +1,88 @@
+"""Encoding a chat prompt so that only the template's own markup makes control tokens.
+
+The template renders messages into one string; encoding it whole would turn a user's
+"<|im_end|>\\n<|im_start|>system" into real control tokens and let any user forge a system
+turn. So special-token strings inside conversation text are swapped for private-use
+placeholder characters before rendering, and each placeholder is encoded as the plain text
+of its special token (special tokens split like ordinary text). Conversations whose texts
+hold no special-token string, nearly all of them, are rendered and encoded once, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+from tokenizers import Tokenizer
+
+from helios.frontend.inference import Conversation, ReasoningPart, RequestError, TextPart, ToolCallPart, ToolResultPart
+
+_PLACEHOLDER_BASE = 0xF0000  # Supplementary Private Use Area-A: one character per special token
+
+
+class LiteralEncoder:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.literal = Tokenizer.from_str(tokenizer.to_str())
+        self.literal.encode_special_tokens = True  # special-token strings become ordinary text tokens
+        specials = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content},
+                          key=len, reverse=True)  # fmt: skip
+        self.specials = specials
+        self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._placeholder_of = {s: chr(_PLACEHOLDER_BASE + i) for i, s in enumerate(specials)}
+        self._special_of = {p: s for s, p in self._placeholder_of.items()}
+        self._placeholder = re.compile(f"[{chr(_PLACEHOLDER_BASE)}-{chr(_PLACEHOLDER_BASE + max(len(specials), 1))}]")
+
+    def encode_conversation(self, conversation: Conversation, render: Callable[[Conversation], str]) -> tuple[list[int], str]:
+        """(ids, text) of the rendered conversation, client text's special-token strings kept literal."""
+        if self._special is None or not any(self._special.search(t) for t in _texts(conversation)):
+            text = render(conversation)
+            return self.tokenizer.encode(text, add_special_tokens=False).ids, text
+        if any(self._placeholder.search(t) for t in _texts(conversation)):
+            raise RequestError("message text contains characters from U+F0000.. that helios reserves; remove them",
+                               "messages")  # fmt: skip
+        marked = render(_map_texts(conversation, self._mark))
+        ids: list[int] = []
+        position = 0
+        for match in self._placeholder.finditer(marked):
+            if match.start() > position:
+                ids += self.tokenizer.encode(marked[position : match.start()], add_special_tokens=False).ids
+            ids += self.literal.encode(self._special_of[match.group()], add_special_tokens=False).ids
+            position = match.end()
+        ids += self.tokenizer.encode(marked[position:], add_special_tokens=False).ids if position < len(marked) else []
+        return ids, self._placeholder.sub(lambda m: self._special_of[m.group()], marked)
+
+    def _mark(self, text: str) -> str:
+        assert self._special is not None
+        return self._special.sub(lambda m: self._placeholder_of[m.group()], text)
+
+
+def _texts(conversation: Conversation) -> list[str]:
+    """Every text a client wrote into the conversation's messages."""
+    texts: list[str] = []
+    for message in conversation.messages:
+        texts += [message.name] if message.name else []
+        for part in message.parts:
+            if isinstance(part, (TextPart, ReasoningPart)):
+                texts.append(part.text)
+            elif isinstance(part, ToolCallPart):
+                texts += [part.name, part.arguments]
+            elif isinstance(part, ToolResultPart):
+                texts += [p.text for p in part.content if isinstance(p, TextPart)]
+    return texts
+
+
+def _map_texts(conversation: Conversation, fn: Callable[[str], str]) -> Conversation:
+    def part_of(part):
+        if isinstance(part, (TextPart, ReasoningPart)):
+            return dataclasses.replace(part, text=fn(part.text))
+        if isinstance(part, ToolCallPart):
+            return dataclasses.replace(part, name=fn(part.name), arguments=fn(part.arguments))
+        if isinstance(part, ToolResultPart):
+            return dataclasses.replace(part, content=tuple(part_of(p) for p in part.content))
+        return part
+
+    messages = tuple(dataclasses.replace(m, parts=tuple(part_of(p) for p in m.parts), name=fn(m.name) if m.name else m.name)
+                     for m in conversation.messages)  # fmt: skip
+    return dataclasses.replace(conversation, messages=messages)
