@@ -36,10 +36,10 @@ class LiteralEncoder:
 
     def encode_conversation(self, conversation: Conversation, render: Callable[[Conversation], str]) -> tuple[list[int], str]:
         """(ids, text) of the rendered conversation, client text's special-token strings kept literal."""
-        if self._special is None or not any(self._special.search(t) for t in _texts(conversation)):
+        if self._special is None or not any(self._special.search(t) for t in conversation_texts(conversation)):
             text = render(conversation)
             return self.tokenizer.encode(text, add_special_tokens=False).ids, text
-        if any(self._placeholder.search(t) for t in _texts(conversation)):
+        if any(self._placeholder.search(t) for t in conversation_texts(conversation)):
             raise RequestError("message text contains characters from U+F0000.. that helios reserves; remove them",
                                "messages")  # fmt: skip
         marked = render(_map_texts(conversation, self._mark))
@@ -58,7 +58,7 @@ class LiteralEncoder:
         return self._special.sub(lambda m: self._placeholder_of[m.group()], text)
 
 
-def _texts(conversation: Conversation) -> list[str]:
+def conversation_texts(conversation: Conversation) -> list[str]:
     """Every text a client wrote into the conversation's messages."""
     texts: list[str] = []
     for message in conversation.messages:

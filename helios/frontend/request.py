@@ -15,6 +15,7 @@ from helios.core.template import ChatTemplate, TemplateError, check_template_kwa
 from helios.engine.logprobs import validate_logprob_token_ids
 from helios.engine.request import EngineRequest, ReasoningBudget
 from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
+from helios.frontend.bounds import InputBounds, longest_token_chars
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint
 from helios.frontend.grammar import GrammarError, GrammarService
 from helios.frontend.literal_text import LiteralEncoder
@@ -105,6 +106,7 @@ class Frontend:
         self.literal = LiteralEncoder(self.tokenizer)
         self.vocab_size = m.tokenizer.vocab_size
         self.max_model_len = m.limits.max_model_len
+        self.bounds = InputBounds(self.max_model_len, longest_token_chars(self.tokenizer))
         source = core.chat_template()
         specials = {"bos_token": self._token(m.tokenizer.bos_token_id), "eos_token": self._token(m.tokenizer.eos_token_ids[0]),
                     "pad_token": self._token(m.tokenizer.pad_token_id)}  # fmt: skip
@@ -220,6 +222,7 @@ class Frontend:
         return out
 
     def prompt(self, source: Conversation | RawPrompt, output: OutputConstraint | None = None) -> PreparedPrompt:
+        self.bounds.check(source)  # from counts alone, before any rendering or tokenization
         if isinstance(source, Conversation) and self.native is not None:
             messages, presented = self._lowered(source, output, native=True)
             ids, text = self.native.encode(source, messages, presented, self._reasoning_kwargs(source), output)

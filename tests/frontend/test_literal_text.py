@@ -48,3 +48,21 @@ def test_ordinary_conversations_encode_exactly_as_before(frontend: Frontend) -> 
     conversation = Conversation((Message("user", (TextPart("What is 2 + 2?"),)),))
     prompt = frontend.prompt(conversation)
     assert list(prompt.token_ids) == frontend.tokenizer.encode(frontend.render(conversation), add_special_tokens=False).ids
+
+
+def test_inputs_that_cannot_fit_are_refused_before_rendering(frontend: Frontend, monkeypatch) -> None:
+    from helios.frontend.inference import RawPrompt, RequestError
+
+    def never(*args, **kwargs):
+        raise AssertionError("rendered or tokenized an input that cannot fit")
+
+    monkeypatch.setattr(frontend, "render", never)
+    monkeypatch.setattr(frontend, "literal", None)
+    many = Conversation(tuple(Message("user", (TextPart("x"),)) for _ in range(frontend.max_model_len + 1)))
+    with pytest.raises(RequestError, match="messages"):
+        frontend.prompt(many)
+    huge = Conversation((Message("user", (TextPart("y" * (frontend.max_model_len * frontend.bounds.max_token_chars + 1)),)),))
+    with pytest.raises(RequestError, match="cannot fit"):
+        frontend.prompt(huge)
+    with pytest.raises(RequestError, match="cannot fit"):
+        frontend.prompt(RawPrompt(text="z" * (frontend.max_model_len * frontend.bounds.max_token_chars + 1)))
