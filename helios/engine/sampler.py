@@ -152,6 +152,18 @@ def apply_min_p(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Add each row's logit_bias to its raw logits (masked tokens stay masked: -inf + b)."""
+    if not any(p.logit_bias for p in params):
+        return logits
+    logits = logits.clone()
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            logits[row].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=logits.device))
+    return logits
+
+
 def draw(logits: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
     """One categorical draw per row from softmax(logits), [B] int64.
 
@@ -183,6 +195,7 @@ class Sampler:
         """The next token of every row, [B] int64."""
         logits = apply_mask(logits.float(), allowed)
         logits = apply_penalties(logits, prompt_ids, output_ids, params)
+        logits = apply_logit_bias(logits, params)
         # Greedy before temperature: division could round distinct logits into a tie.
         # argmax returns the first maximum, i.e. the lowest token id on ties.
         greedy_ids = logits.argmax(dim=-1)

@@ -15,6 +15,8 @@ from helios.core.sampling import DISTRIBUTION_PARAMS, Interval, SamplingSpec
 
 SEED_MODULUS = 1 << 63  # seeds live in [0, 2**63) so every backend's generator accepts them
 TOP_K_DISABLED = -1
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,7 @@ class SamplingParams:
     presence_penalty: float  # in [-2, 2]; 0 is neutral
     frequency_penalty: float  # in [-2, 2]; 0 is neutral
     seed: int  # in [0, 2**63), already advanced by the choice index
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id < vocab, bias in [-100, 100]) added to raw logits
 
 
 class SamplingRequestError(ValueError):
@@ -40,7 +43,7 @@ class SamplingRequestError(ValueError):
 
 
 def resolve_sampling(
-    spec: SamplingSpec, requested: Mapping[str, object], *, choice_index: int = 0
+    spec: SamplingSpec, requested: Mapping[str, object], *, choice_index: int = 0, vocab_size: int | None = None
 ) -> SamplingParams:
     """The parameters one choice samples with.
 
@@ -64,7 +67,31 @@ def resolve_sampling(
         else:
             values[name] = min(max(value, interval.min), interval.max)
     seed = _resolve_seed(requested.get("seed"), spec.defaults.seed)
-    return SamplingParams(**values, seed=(seed + choice_index) % SEED_MODULUS)
+    bias = _logit_bias(requested.get("logit_bias"), vocab_size)
+    return SamplingParams(**values, seed=(seed + choice_index) % SEED_MODULUS, logit_bias=bias)
+
+
+def _logit_bias(raw: object, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} as sorted (id, bias) pairs; every key and value checked."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise SamplingRequestError("logit_bias", f"logit_bias must be an object of token id -> bias, got {type(raw).__name__}")
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise SamplingRequestError("logit_bias", f"logit_bias has {len(raw)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    pairs = []
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise SamplingRequestError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise SamplingRequestError("logit_bias", f"logit_bias token id {token} is outside the vocabulary")
+        bias = _check_float("logit_bias", value)
+        if abs(bias) > LOGIT_BIAS_LIMIT:
+            raise SamplingRequestError("logit_bias", f"logit_bias values must be within [-100, 100], got {value}")
+        pairs.append((token, bias))
+    return tuple(sorted(pairs))
 
 
 def _is_number(raw: object) -> bool:

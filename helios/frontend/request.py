@@ -332,7 +332,8 @@ class Frontend:
                        first_choice: int = 0) -> EngineRequest:  # fmt: skip
         spec = self.manifest.recipe.sampling
         try:
-            params = tuple(resolve_sampling(spec, request.sampling, choice_index=first_choice + i) for i in range(request.n))
+            params = tuple(resolve_sampling(spec, request.sampling, choice_index=first_choice + i, vocab_size=self.vocab_size)
+                           for i in range(request.n))  # fmt: skip
         except SamplingRequestError as exc:
             raise RequestError(str(exc), exc.param) from None
         lp = request.logprobs

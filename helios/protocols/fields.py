@@ -92,7 +92,7 @@ def token_sequences(body: Mapping[str, Any], name: str) -> tuple[tuple[int, ...]
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")  # fmt: skip
+                   "frequency_penalty", "seed", "logit_bias")  # fmt: skip
 
 
 def sampling(body: Mapping[str, Any]) -> dict[str, object]:

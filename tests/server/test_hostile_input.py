@@ -88,3 +88,18 @@ def test_slow_headers_close_the_connection_and_slow_bodies_get_408(tiny_core: Pa
                 reply += piece
             assert reply.startswith(b"HTTP/1.1 408") and b"body_timeout_seconds" in reply
         assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+
+
+def test_logit_bias_is_applied_not_ignored(client: TestClient) -> None:
+    def tokens(**extra) -> list[str]:
+        body = {"model": "x", "prompt": "hello", "max_tokens": 4, "top_k": 1, "logprobs": 0,
+                "return_tokens_as_token_ids": True, **extra}  # fmt: skip
+        return client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+
+    plain = tokens()
+    assert tokens(logit_bias={"42": 100}) == ["token_id:42"] * 4 != plain
+    first = plain[0].removeprefix("token_id:")
+    assert tokens(logit_bias={first: -100})[0] != plain[0]  # greedy avoids a banned token
+    for bad in ({"x": 1}, {"42": 101}, {"99999999": 1}, [1, 2]):
+        response = client.post("/v1/chat/completions", json={**CHAT, "logit_bias": bad})
+        assert response.status_code == 400 and "logit_bias" in response.json()["error"]["message"]
