@@ -77,6 +77,35 @@ def generate(
     raise typer.Exit(run_generate(core, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed))
 
 
+@app.command()
+def clients(
+    client: Annotated[str, typer.Argument(help="codex, claude or opencode.")],
+    core: Annotated[Optional[Path], typer.Argument(help="Core directory helios serves.")] = None,
+    core_option: Annotated[Optional[Path], typer.Option("--core", help="Core directory (instead of the argument).")] = None,
+    url: Annotated[Optional[str], typer.Option("--url", help="helios' address (default: from --config, else http://127.0.0.1:8000).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="The TOML file helios serves with (aliases, key, port, default_max_tokens).")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option("--api-key-file", help="The serving key file helios serves with.")] = None,
+) -> None:
+    """Print a ready configuration of a coding client for a core: one shell block to paste."""
+    from helios.clients import CLIENTS, target
+    from helios.config import ConfigError, load_config
+    from helios.core import Core, CoreError
+
+    if client not in CLIENTS:
+        typer.secho(f"error: unknown client {client!r} (choose {', '.join(CLIENTS)})", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    if (core is None) == (core_option is None):
+        typer.secho("error: give the core directory once, as an argument or with --core", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    try:
+        settings = load_config(config, api_key_file=api_key_file)
+        manifest = Core.open(core or core_option, verify_checksums=False).manifest  # type: ignore[arg-type]
+    except (ConfigError, CoreError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(CLIENTS[client](target(manifest, settings, url)))
+
+
 @app.callback()
 def _root() -> None:
     """Serve Flare cores."""
