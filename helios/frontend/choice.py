@@ -8,7 +8,7 @@ another tool, or a second call when parallel calls are off, fails before it is e
 from __future__ import annotations
 
 from helios.engine.request import EngineEvent
-from helios.frontend.events import FinishEvent, SemanticEvent, TextEvent, ToolCallEvent
+from helios.frontend.events import FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
 from helios.frontend.inference import Termination, ToolChoice
 from helios.frontend.output import ChoiceOutput, OutputDelta
 from helios.frontend.parsers import ChoiceParser
@@ -47,7 +47,8 @@ class ChoiceStream:
             else:
                 for piece in delta.pieces:
                     parsed = self.parser.feed(piece)
-                    self.reasoning_tokens += sum(1 for e in parsed if type(e).__name__ == "ReasoningEvent")
+                    # Parsers publish exactly one ReasoningEvent per token read as reasoning.
+                    self.reasoning_tokens += sum(1 for e in parsed if isinstance(e, ReasoningEvent))
                     events += parsed
                 if delta.finish is not None:
                     events += self.parser.finish(truncated=delta.finish is Termination.LENGTH)

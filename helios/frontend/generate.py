@@ -1,40 +1,73 @@
-"""Running a prepared request on the engine and turning its events into neutral deltas.
+"""Running a prepared request on the engine and turning its events into typed choice updates.
 
-One `Generation` per submitted prompt (its n choices share the prompt's prefill). The
-server merges several generations (batched completions) into one ordered stream of
-(choice index, delta) pairs; protocols only encode those deltas.
+One `Generation` per submitted prompt (its n choices share the prompt's prefill). Every
+engine event of a choice becomes one `ChoiceUpdate`; `Runner.merged` interleaves a
+request's generations, and the server's driver hands the updates to a protocol encoder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from helios.engine.client import EngineClient
 from helios.engine.request import EngineEvent
 from helios.frontend.choice import ChoiceStream
 from helios.frontend.detokenizer import TokenBytes
-from helios.frontend.events import SemanticEvent
-from helios.frontend.inference import Conversation, InferenceRequest
+from helios.frontend.events import FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
+from helios.frontend.inference import Conversation, InferenceRequest, Termination
 from helios.frontend.output import ChoiceOutput, OutputDelta
 from helios.frontend.parsers import build_parser
 from helios.frontend.request import Frontend, PreparedPrompt
 
-Item = tuple[int, OutputDelta, list[SemanticEvent]]  # (global choice index, raw delta, semantic events)
+
+@dataclass(frozen=True, slots=True)
+class ChoiceUpdate:
+    """What one engine event (or a zero-token choice's end) produced for one choice."""
+
+    index: int  # global choice index: prompt_index * n + choice_index
+    delta: OutputDelta  # raw text, logprob entries and token ids this event settled
+    events: tuple[SemanticEvent, ...]  # parsed output in order; a FinishEvent, if any, is last
+    observed: float  # Unix time (s) the engine event reached the frontend: its tokens' timestamp
+
+    @property
+    def finish(self) -> FinishEvent | None:
+        last = self.events[-1] if self.events else None
+        return last if isinstance(last, FinishEvent) else None
+
+    @property
+    def error(self) -> str | None:
+        """The failure message when this update ends its choice with an error."""
+        finish = self.finish
+        if finish is None or finish.termination is not Termination.ERROR:
+            return None
+        return finish.error or "generation failed"
+
+    @property
+    def offers_output(self) -> bool:
+        """Whether a client sees answer or reasoning text (or a tool call) here (first-response metric)."""
+        return any(isinstance(e, ToolCallEvent) or (isinstance(e, (TextEvent, ReasoningEvent)) and e.text)
+                   for e in self.events)  # fmt: skip
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
-    reasoning_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused at admission (first choice of each prompt)
+    reasoning_tokens: int = 0  # generated tokens the output pipeline published as reasoning
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+_ZERO_TOKENS = OutputDelta("", (), (), Termination.LENGTH, None, None)
 
 
 @dataclass(eq=False)
@@ -43,32 +76,48 @@ class Generation:
 
     prompt: PreparedPrompt
     first_index: int  # global choice index of this prompt's first choice
+    request_id: str  # the engine request of this prompt's choices
     choices: list[ChoiceStream]
     events: AsyncIterator[EngineEvent] | None  # None: nothing submitted (max_tokens 0)
+    engine_choices: int  # choices the engine runs: n, or 1 when only the prompt is scored
+    echo: str = ""  # the prompt as echoed (raw completions with echo)
     cached_tokens: int | None = None  # admission count of the first choice
     prompt_logprobs: tuple | None = None
     finished: set[int] = field(default_factory=set)
 
-    async def deltas(self, client: EngineClient, request_id: str) -> AsyncIterator[Item]:
-        if self.events is None:
-            return
-        async for event in self.events:
-            if event.choice_index == 0 and self.cached_tokens is None:
-                self.cached_tokens = event.num_cached_tokens
-            if event.prompt_logprobs is not None and self.prompt_logprobs is None:
-                self.prompt_logprobs = event.prompt_logprobs
-            choice = self.choices[event.choice_index]
-            if event.choice_index in self.finished:
-                continue  # events after a string stop, before the abort lands
-            delta, events = choice.push(event)
-            if delta.finish is not None or choice.failed is not None:
-                self.finished.add(event.choice_index)
-                if event.finish is None:  # a string stop or a failed tool call: the engine is still going
-                    client.abort(request_id, event.choice_index)
-            yield self.first_index + event.choice_index, delta, events
-            if len(self.finished) == len(self.choices):
-                await self.events.aclose()
-                return
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.choices)
+
+    async def updates(self, client: EngineClient) -> AsyncIterator[ChoiceUpdate]:
+        if self.events is not None:
+            async for event in self.events:
+                update = self._push(event, client)
+                if update is not None:
+                    yield update
+                if len(self.finished) >= self.engine_choices:
+                    await self.events.aclose()
+                    break
+        # Choices the engine never ran end with zero tokens, as the scored one did.
+        for j in range(len(self.choices)):
+            if j not in self.finished:
+                self.finished.add(j)
+                yield ChoiceUpdate(self.first_index + j, _ZERO_TOKENS, (FinishEvent(Termination.LENGTH),), time.time())
+
+    def _push(self, event: EngineEvent, client: EngineClient) -> ChoiceUpdate | None:
+        if event.choice_index == 0 and self.cached_tokens is None:
+            self.cached_tokens = event.num_cached_tokens
+        if event.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = event.prompt_logprobs
+        if event.choice_index in self.finished:
+            return None  # events after a string stop, before the abort lands
+        choice = self.choices[event.choice_index]
+        delta, events = choice.push(event)
+        if delta.finish is not None or choice.failed is not None:
+            self.finished.add(event.choice_index)
+            if event.finish is None:  # a string stop or a failed tool call: the engine is still going
+                client.abort(self.request_id, event.choice_index)
+        return ChoiceUpdate(self.first_index + event.choice_index, delta, tuple(events), time.time())
 
 
 _ids = itertools.count()
@@ -78,8 +127,25 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{next(_ids):08x}"
 
 
+@dataclass(eq=False)
+class Submission:
+    """One submitted request: its generations, in prompt order."""
+
+    request: InferenceRequest
+    request_id: str
+    generations: list[Generation]
+    created: int = field(default_factory=lambda: int(time.time()))  # Unix seconds, as the wire reports it
+
+    def usage(self) -> Usage:
+        return usage_of(self.generations)
+
+    def generation_of(self, index: int) -> Generation:
+        """The generation holding global choice `index`."""
+        return self.generations[index // self.request.n]
+
+
 class Runner:
-    """Submits prepared requests and merges their choices' deltas."""
+    """Submits prepared requests and merges their choices' updates."""
 
     def __init__(self, frontend: Frontend, client: EngineClient) -> None:
         self.frontend = frontend
@@ -87,27 +153,44 @@ class Runner:
         self.tokens = TokenBytes(frontend.tokenizer)
         self.eos_ids = frozenset(frontend.manifest.tokenizer.eos_token_ids)
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own, special tokens spelled out (logprob and echo strings)."""
+        return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def echo_text(self, prompt: PreparedPrompt) -> str:
+        """The original prompt text, or the token-id prompt decoded."""
+        if prompt.text is not None:
+            return prompt.text
+        return b"".join(self.tokens.bytes_of(t) for t in prompt.token_ids).decode("utf-8", "replace")
+
     def submit(self, request: InferenceRequest, prompts: list[PreparedPrompt], request_id: str,
-               max_tokens: list[int]) -> list[Generation]:  # fmt: skip
-        """Validate every child first, then submit them all (one failure submits nothing)."""
-        engine_requests = [
-            self.frontend.engine_request(request, f"{request_id}.{i}", prompt, limit)
-            if limit > 0 or request.logprobs.prompt is not None  # zero tokens: submitted only to score the prompt
-            else None
-            for i, (prompt, limit) in enumerate(zip(prompts, max_tokens))
-        ]
+               max_tokens: list[int]) -> Submission:  # fmt: skip
+        """Validate every child first, then submit them all (one failure submits nothing).
+
+        Each prompt's seeds start at its first global choice index, so batched prompts do
+        not repeat each other's samples. A zero-token prompt is submitted only to score it,
+        once: its n choices share that score and generate nothing.
+        """
+        engine_requests = []
+        for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+            if limit == 0 and request.logprobs.prompt is None:
+                engine_requests.append(None)
+                continue
+            scored = dataclasses.replace(request, n=1) if limit == 0 else request
+            engine_requests.append(self.frontend.engine_request(scored, f"{request_id}.{i}", prompt, limit,
+                                                                first_choice=i * request.n))  # fmt: skip
         generations: list[Generation] = []
         try:
             for index, (prompt, engine_request) in enumerate(zip(prompts, engine_requests)):
                 choices = [self._choice(request, prompt) for _ in range(request.n)]
                 events = self.client.submit(engine_request) if engine_request is not None else None
-                generations.append(Generation(prompt, index * request.n, choices, events))
+                echo = self.echo_text(prompt) if request.echo else ""
+                generations.append(Generation(prompt, index * request.n, f"{request_id}.{index}", choices, events,
+                                              engine_request.n if engine_request is not None else 0, echo))  # fmt: skip
         except BaseException:
-            for generation in generations:
-                if generation.events is not None:
-                    asyncio.ensure_future(generation.events.aclose())
+            self.abort(generations)
             raise
-        return generations
+        return Submission(request, request_id, generations)
 
     def _choice(self, request: InferenceRequest, prompt: PreparedPrompt) -> ChoiceStream:
         output = ChoiceOutput(self.tokens, request.stop, request.logprobs, self.eos_ids)
@@ -123,44 +206,58 @@ class Runner:
         declared = frozenset(t.name for t in conversation.tools)
         return ChoiceStream(output, parser, conversation.tool_choice, declared)
 
-    async def merged(self, generations: list[Generation], request_id: str) -> AsyncIterator[Item]:
-        """Deltas of every generation; one task per generation feeds a shared queue."""
-        if len(generations) == 1:
-            async for item in generations[0].deltas(self.client, f"{request_id}.0"):
-                yield item
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
+    def abort(self, generations: list[Generation]) -> None:
+        """Abort every child the engine may still be running (harmless for finished ones)."""
+        for generation in generations:
+            if generation.events is not None and not generation.done:
+                self.client.abort(generation.request_id)
 
-        async def pump(index: int, generation: Generation) -> None:
-            try:
-                async for item in generation.deltas(self.client, f"{request_id}.{index}"):
-                    await queue.put(item)
-            finally:
-                await queue.put(done)
+    async def merged(self, generations: list[Generation]) -> AsyncIterator[ChoiceUpdate]:
+        """Every generation's updates in arrival order (one task per generation when several).
 
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+        Leaving early, or being cancelled, aborts every unfinished child in the engine, even
+        one whose event iterator never started (closing that would run none of its code).
+        """
+        tasks: list[asyncio.Task] = []
         try:
+            if len(generations) == 1:
+                async with aclosing(generations[0].updates(self.client)) as updates:
+                    async for update in updates:
+                        yield update
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+            done = object()
+
+            async def pump(generation: Generation) -> None:
+                try:
+                    async for update in generation.updates(self.client):
+                        queue.put_nowait(update)
+                except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+                    queue.put_nowait(exc)
+                finally:
+                    queue.put_nowait(done)
+
+            tasks = [asyncio.create_task(pump(g)) for g in generations]
             remaining = len(tasks)
             while remaining:
                 item = await queue.get()
                 if item is done:
                     remaining -= 1
-                    continue
-                yield item
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
         finally:
             for task in tasks:
                 task.cancel()
-            for generation in generations:
-                if generation.events is not None:
-                    await generation.events.aclose()
+            self.abort(generations)
 
 
 def usage_of(generations: list[Generation]) -> Usage:
-    usage = Usage()
+    prompt = cached = completion = reasoning = 0
     for generation in generations:
-        usage.prompt_tokens += len(generation.prompt.token_ids)
-        usage.cached_tokens += generation.cached_tokens or 0
-        usage.completion_tokens += sum(c.output.num_generated for c in generation.choices)
-        usage.reasoning_tokens += sum(c.reasoning_tokens for c in generation.choices)
-    return usage
+        prompt += len(generation.prompt.token_ids)
+        cached += generation.cached_tokens or 0
+        completion += sum(c.output.num_generated for c in generation.choices)
+        reasoning += sum(c.reasoning_tokens for c in generation.choices)
+    return Usage(prompt, completion, cached, reasoning)

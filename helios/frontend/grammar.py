@@ -155,6 +155,7 @@ class GrammarService:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._tool_cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -166,6 +167,23 @@ class GrammarService:
                 self._tokenizer = llguidance.LLTokenizer(plain.to_str(), n_vocab=self.vocab_size,
                                                          eos_token=self._eos_ids)  # fmt: skip
             return self._tokenizer
+
+    def tool_grammar(self, syntax: str, definition: str, field: str) -> CompiledGrammar:
+        """A custom tool's grammar for exact matching (`compile_grammar`), cached like output
+        grammars: agents resend the same tools with every request."""
+        if not isinstance(definition, str):
+            return compile_grammar(syntax, definition, field)  # raises the field's GrammarError
+        key = (syntax, definition)
+        with self._lock:
+            if key in self._tool_cache:
+                self._tool_cache.move_to_end(key)
+                return self._tool_cache[key]
+        grammar = compile_grammar(syntax, definition, field, self.max_bytes, self.timeout_s)
+        with self._lock:
+            self._tool_cache[key] = grammar
+            while len(self._tool_cache) > CACHE_SIZE:
+                self._tool_cache.popitem(last=False)
+        return grammar
 
     def compile(self, kind: str, definition: str, field: str) -> llguidance.LLMatcher:
         """A pristine matcher for the constraint (shared: callers deep_copy it before use)."""

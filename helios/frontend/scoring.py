@@ -265,14 +265,14 @@ async def read_labels(frontend: Frontend, runner: Runner, questions: Sequence[Co
         request = _read_request(question)
         frontend.check_options(request)
         child_id = f"{request_id}-q{index}"
-        generations = runner.submit(request, [question.prompt], child_id, [1])
+        generations = runner.submit(request, [question.prompt], child_id, [1]).generations
         values: dict[int, float] = {}
         failure: str | None = None
-        async for _, delta, _events in runner.merged(generations, child_id):
-            for entry in delta.entries:
+        async for update in runner.merged(generations):
+            for entry in update.delta.entries:
                 values.update((alt.token_id, alt.logprob) for alt in entry.top)
-            if delta.error is not None:
-                failure = delta.error
+            if update.delta.error is not None:
+                failure = update.delta.error
         if failure is not None or any(token not in values for token in question.label_ids):
             raise RuntimeError(f"the label read of question {index} failed: {failure or 'no logprobs came back'}")
         counted = usage_of(generations)

@@ -35,6 +35,7 @@ from helios.frontend.inference import (
     ToolSpec,
 )
 from helios.protocols import fields as f
+from helios.protocols.errors import anthropic_error
 from helios.protocols.output_format import messages_output_format
 
 API_VERSION = "2023-06-01"
@@ -46,9 +47,6 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 MAX_APPLIED_BUDGET = (1 << 31) - 1  # larger Messages budgets are accepted but never cut reasoning
 MAX_CACHE_BOUNDARIES = 4
-# Server (hosted) error types by status; mirrors helios.server.errors, which this layer may not import.
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +300,8 @@ def _conversation(body: dict[str, Any]) -> tuple[Conversation, list[tuple[int, i
     _context_management(body)
     prefill = bool(messages) and messages[-1].role == "assistant"
     conversation = Conversation(tuple(messages), tools, choice, thinking=thinking[0], effort=thinking[2],
-                                add_generation_prompt=not prefill, continue_final_message=prefill)  # fmt: skip
+                                add_generation_prompt=not prefill, continue_final_message=prefill,
+                                template_kwargs=f.optional_object(body, "chat_template_kwargs") or {})  # fmt: skip
     return conversation, marks, thinking
 
 
@@ -322,7 +321,12 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
         sampling=f.sampling(body),
         max_tokens=max_tokens,
         n=1,
-        stop=StopOptions(strings=tuple(stops or ())),
+        stop=StopOptions(  # token stops and ignore_eos: the native extensions Chat accepts
+            strings=tuple(stops or ()),
+            token_ids=f.int_list(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else (),
+            token_sequences=f.token_sequences(body, "stop_token_sequences"),
+            ignore_eos=f.optional_bool(body, "ignore_eos"),
+        ),
         stream=stream,
         thinking_token_budget=budget if budget is not None and budget <= MAX_APPLIED_BUDGET else None,
         output=messages_output_format(body, f.optional_object(body, "output_config") or {}),
@@ -432,8 +436,7 @@ class MessagesStream:
         return self._close() + [("message_delta", delta), ("message_stop", {"type": "message_stop"})]
 
     def error(self, status: int, message: str) -> Events:
-        kind = "api_error" if status >= 500 else _ERROR_TYPES.get(status, "invalid_request_error")
-        return [("error", {"type": "error", "error": {"type": kind, "message": message}})]
+        return [("error", anthropic_error(status, message))]
 
     def _event(self, name: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         return name, {"type": name, "index": self._index, **fields}

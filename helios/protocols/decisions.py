@@ -103,15 +103,15 @@ def _input_text(value: Any) -> str:
             messages.append(content)
             continue
         if not isinstance(content, list):
-            raise _fail(f"{param}.content", "must be a string or an array of input_text parts")
+            raise _fail(f"{param}.content", "must be a string or an array of text / input_text parts")
         texts = []
         for j, part in enumerate(content):
             where = f"{param}.content.{j}"
             if isinstance(part, dict) and part.get("type") in ("input_image", "input_file", "image_url"):
                 raise _fail(where, "Decisions supports text input only (images and assets are not accepted)")
             fields = _fields(part, where, {"type", "text"})
-            if fields.get("type") != "input_text":
-                raise _fail(f"{where}.type", f"must be 'input_text', got {fields.get('type')!r}")
+            if fields.get("type") not in ("text", "input_text"):
+                raise _fail(f"{where}.type", f"must be 'text' or 'input_text', got {fields.get('type')!r}")
             texts.append(_string(fields, "text", f"{where}.text", required=True))
         messages.append("\n".join(texts))
     return "\n\n".join(messages)

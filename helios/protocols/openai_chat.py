@@ -1,13 +1,11 @@
-"""OpenAI Chat Completions: wire JSON <-> neutral request, and response/chunk encoding."""
+"""OpenAI Chat Completions: wire JSON -> neutral request (encoding: openai_chat_encoding.py)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from helios.frontend.events import Accumulator, FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
-from helios.frontend.generate import Usage
 from helios.frontend.inference import (
     Conversation,
     ImagePart,
@@ -18,17 +16,14 @@ from helios.frontend.inference import (
     ReasoningPart,
     RequestError,
     StopOptions,
-    Termination,
     TextPart,
     ToolCallPart,
     ToolChoice,
     ToolResultPart,
     ToolSpec,
 )
-from helios.frontend.output import OutputDelta
 from helios.protocols import fields as f
 from helios.protocols.output_format import chat_response_format
-from helios.protocols.openai_common import chat_logprob_entry, finish_reason, now, usage_object
 
 UNSUPPORTED = ("audio", "prediction", "web_search_options", "functions", "function_call", "suffix")
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -42,8 +37,13 @@ class ChatOptions:
     include_usage: bool
     continuous_usage: bool
     logprobs: bool  # render logprobs.content
-    return_token_ids: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    return_token_ids: bool = False  # choices (and chunks) carry their generated token ids
+    return_token_timestamps: bool = False  # ... and the Unix time each token reached the frontend
+
+    @property
+    def observes_tokens(self) -> bool:
+        """A token observation extension is on: terminal chunks then carry usage (spec)."""
+        return self.return_token_ids or self.return_token_timestamps
 
 
 def _image(part: dict[str, Any]) -> ImagePart:
@@ -195,118 +195,8 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
         output=output,
     )
     options = ChatOptions(model=model, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
-                          return_token_ids=f.optional_bool(body, "return_token_ids"))  # fmt: skip
+                          return_token_ids=f.optional_bool(body, "return_token_ids"),
+                          return_token_timestamps=f.optional_bool(body, "return_token_timestamps"))  # fmt: skip
     return request, options
 
 
-# ---------------------------------------------------------------------------- encoding
-@dataclass
-class ChoiceState:
-    blocks: Accumulator = field(default_factory=Accumulator)
-    entries: list[dict[str, Any]] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def finish(self) -> Termination | None:
-        return self.blocks.finish.termination if self.blocks.finish else None
-
-
-def tool_call_json(call: ToolCallEvent, index: int | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": call.call_id, "type": "function",
-                            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
-    return body if index is None else {"index": index, **body}
-
-
-def _assistant_message(state: ChoiceState) -> dict[str, Any]:
-    calls = state.blocks.tool_calls
-    text = state.blocks.text
-    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
-    if state.blocks.reasoning:
-        message["reasoning_content"] = state.blocks.reasoning
-    if calls:
-        message["tool_calls"] = [tool_call_json(call) for call in calls]
-    return message
-
-
-def response(request_id: str, model: str, choices: dict[int, ChoiceState], usage: Usage, options: ChatOptions,
-             prompt_logprobs: list | None, prompt_token_ids: tuple[int, ...] | None) -> dict[str, Any]:  # fmt: skip
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": now(),
-        "model": model,
-        "choices": [
-            {
-                "index": index,
-                "message": _assistant_message(state),
-                "logprobs": {"content": state.entries, "refusal": None} if options.logprobs else None,
-                "finish_reason": finish_reason(state.finish),
-                **({"token_ids": state.token_ids} if options.return_token_ids else {}),
-            }
-            for index, state in sorted(choices.items())
-        ],
-        "usage": usage_object(usage, reasoning=True),
-    }
-    if prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs
-    if options.return_token_ids and prompt_token_ids is not None:
-        body["prompt_token_ids"] = list(prompt_token_ids)
-    return body
-
-
-def chunk(request_id: str, model: str, created: int, index: int, delta: dict[str, Any], *,
-          logprobs: list | None = None, finish: Termination | None = None, usage: dict | None = None,
-          token_ids: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(finish)}
-    if logprobs is not None:
-        choice["logprobs"] = {"content": logprobs, "refusal": None}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [choice]}  # fmt: skip
-    if usage is not None:
-        body["usage"] = usage
-    return body
-
-
-def stream_chunks(request_id: str, model: str, created: int, index: int, delta: OutputDelta,
-                  events: list[SemanticEvent], options: ChatOptions, tool_counter: dict[int, int],
-                  usage: dict | None) -> list[dict[str, Any]]:  # fmt: skip
-    """The chunks for one delta: its logprob entries ride on the first chunk it produces."""
-    entries = [chat_logprob_entry(e) for e in delta.entries] if options.logprobs else None
-    token_ids = list(delta.token_ids) if options.return_token_ids else None
-    bodies: list[dict[str, Any]] = []
-    finish: Termination | None = None
-    for event in events:
-        if isinstance(event, TextEvent) and event.text:
-            bodies.append({"content": event.text})
-        elif isinstance(event, ReasoningEvent) and event.text:
-            bodies.append({"reasoning_content": event.text})
-        elif isinstance(event, ToolCallEvent):
-            position = tool_counter.get(index, 0)
-            tool_counter[index] = position + 1
-            bodies.append({"tool_calls": [tool_call_json(event, position)]})
-        elif isinstance(event, FinishEvent):
-            finish = event.termination
-    if not bodies and (entries or token_ids or finish is not None):
-        bodies.append({} if finish is not None else {"content": ""})
-    out = []
-    for position, content in enumerate(bodies):
-        last = position == len(bodies) - 1
-        out.append(chunk(request_id, model, created, index, content,
-                         logprobs=entries if position == 0 else None, finish=finish if last else None,
-                         usage=usage if last else None, token_ids=token_ids if position == 0 else None))  # fmt: skip
-    return out
-
-
-def usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-            "usage": usage_object(usage, reasoning=True)}  # fmt: skip
-
-
-def apply(state: ChoiceState, delta: OutputDelta, events: list[SemanticEvent], options: ChatOptions) -> None:
-    for event in events:
-        state.blocks.push(event)
-    state.token_ids += delta.token_ids
-    if options.logprobs:
-        state.entries += [chat_logprob_entry(e) for e in delta.entries]

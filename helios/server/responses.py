@@ -10,7 +10,8 @@ from litestar import Response
 
 from helios.engine.client import EngineUnavailable, QueueFull, RequestRejected
 from helios.frontend.inference import RequestError
-from helios.server.errors import openai_error
+from helios.protocols.encoding import OutputValidationError
+from helios.protocols.errors import openai_error
 
 log = logging.getLogger("helios.server")
 JSON = "application/json"
@@ -22,7 +23,8 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None, type: str | None = None) -> None:  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+        self.status, self.message, self.code, self.headers = status, message, code, headers or {}
+        self.param = param  # the offending field, for callers and logs; the wire says null (spec)
         self.type = type  # None: derived from the status
 
 
@@ -31,7 +33,7 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 def error_response(exc: HttpError) -> Response:
-    body = openai_error(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type)
+    body = openai_error(exc.status, exc.message, code=exc.code, type=exc.type)
     return json_response(body, exc.status, exc.headers)
 
 
@@ -40,7 +42,11 @@ def translate(exc: Exception) -> HttpError:
     if isinstance(exc, HttpError):
         return exc
     if isinstance(exc, RequestError):
-        return HttpError(400, exc.message, param=exc.param, code=exc.code)
+        # The wire's param is null (spec), so the message is where a client finds the field.
+        message = exc.message if not exc.param or exc.param in exc.message else f"{exc.message} (parameter: {exc.param})"
+        return HttpError(400, message, param=exc.param, code=exc.code)
+    if isinstance(exc, OutputValidationError):
+        return HttpError(500, exc.message)
     if isinstance(exc, RequestRejected):
         return HttpError(400, str(exc))
     if isinstance(exc, QueueFull):

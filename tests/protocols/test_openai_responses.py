@@ -297,12 +297,13 @@ def accumulate(events: list[SemanticEvent]) -> Accumulator:
 
 
 USAGE = Usage(prompt_tokens=100, completion_tokens=40, cached_tokens=64, reasoning_tokens=5)
+MODEL = "flare-model"  # the loaded model's public id, not the request's model string
 
 
 def test_completed_response(spec: dict[str, Any]) -> None:
     _, options = decode(codex_body())
     acc = accumulate(agent_events() + [FinishEvent(Termination.TOOL_CALLS)])
-    body = response_json("resp_x1", 1700000000, acc, USAGE, options, "completed")
+    body = response_json("resp_x1", 1700000000, acc, USAGE, options, "completed", model=MODEL)
     parsed = check_response(spec, body)
     assert [i["type"] for i in body["output"]] == ["reasoning", "message", "function_call", "custom_tool_call",
                                                    "function_call", "message"]  # fmt: skip
@@ -317,6 +318,7 @@ def test_completed_response(spec: dict[str, Any]) -> None:
                              "output_tokens": 40, "output_tokens_details": {"reasoning_tokens": 5},
                              "total_tokens": 140}  # fmt: skip
     assert body["status"] == "completed" and body["error"] is None and body["store"] is False
+    assert body["model"] == MODEL != options.model  # the loaded model answers, whatever the request named
     assert body["tools"] == options.tools_echo and body["parallel_tool_calls"] is False
     assert body["reasoning"]["effort"] == "high" and body["max_output_tokens"] == 512 and body["temperature"] == 0.7
     assert parsed.output_text == "Here it is.Done."
@@ -325,7 +327,7 @@ def test_completed_response(spec: dict[str, Any]) -> None:
 def test_incomplete_response(spec: dict[str, Any]) -> None:
     _, options = decode({"model": "m", "input": "hi", "max_output_tokens": 3})
     acc = accumulate([TextEvent("Once upon"), FinishEvent(Termination.LENGTH)])
-    body = response_json("resp_2", 1700000000, acc, USAGE, options, "incomplete")
+    body = response_json("resp_2", 1700000000, acc, USAGE, options, "incomplete", model=MODEL)
     check_response(spec, body)
     assert body["incomplete_details"] == {"reason": "max_output_tokens"} and body["completed_at"] is None
     assert body["output"][0]["status"] == "incomplete" and body["output"][0]["content"][0]["logprobs"] == []
@@ -336,8 +338,8 @@ def test_failed_response_drops_invalid_calls(spec: dict[str, Any]) -> None:
     bad = ToolCallEvent("call_z", "apply_patch", json.dumps({"input": "not a patch"}))
     acc = accumulate([TextEvent("Trying."), bad, FinishEvent(Termination.ERROR, error="engine failed")])
     with pytest.raises(OutputValidationError):
-        response_json("resp_3", 1700000000, acc, USAGE, options, "completed")
-    body = response_json("resp_3", 1700000000, acc, USAGE, options, "failed", "engine failed")
+        response_json("resp_3", 1700000000, acc, USAGE, options, "completed", model=MODEL)
+    body = response_json("resp_3", 1700000000, acc, USAGE, options, "failed", "engine failed", model=MODEL)
     check_response(spec, body)
     assert body["error"] == {"code": "server_error", "message": "engine failed"}
     assert [i["type"] for i in body["output"]] == ["message"]
@@ -359,7 +361,7 @@ def check_stream(spec: dict[str, Any], events: list[dict[str, Any]]) -> None:
 
 def run_stream(events: list[SemanticEvent], batches: list[int], finish: FinishEvent,
                options: Any) -> list[dict[str, Any]]:  # fmt: skip
-    stream = ResponsesStream("resp_s", 1700000000, options)
+    stream = ResponsesStream("resp_s", 1700000000, options, model=MODEL)
     out = stream.start()
     start = 0
     for size in batches + [len(events)]:
@@ -394,7 +396,8 @@ def test_streaming_equals_buffered_over_random_batches() -> None:
     _, options = decode(codex_body())
     events = agent_events()
     finish = FinishEvent(Termination.EOS)
-    expected = response_json("resp_s", 1700000000, accumulate(events + [finish]), USAGE, options, "completed")
+    expected = response_json("resp_s", 1700000000, accumulate(events + [finish]), USAGE, options, "completed",
+                             model=MODEL)
     rng = random.Random(7)
     for _ in range(30):
         batches = [rng.randint(0, 3) for _ in range(rng.randint(0, 6))]
@@ -419,7 +422,7 @@ def test_stream_incomplete(spec: dict[str, Any]) -> None:
 
 def test_stream_fails_before_emitting_an_invalid_call(spec: dict[str, Any]) -> None:
     _, options = decode(codex_body())
-    stream = ResponsesStream("resp_f", 1700000000, options)
+    stream = ResponsesStream("resp_f", 1700000000, options, model=MODEL)
     out = stream.start() + stream.push([TextEvent("Patching.")])
     bad = ToolCallEvent("call_z", "apply_patch", json.dumps({"input": "not a patch"}))
     with pytest.raises(OutputValidationError):

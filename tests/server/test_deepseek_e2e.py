@@ -86,7 +86,8 @@ def test_chat_numeric_effort(app) -> None:
     for value in (0, 101, "80", 80.0, True):
         response = app.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": ASK}],
                                                           "reasoning_effort": value})  # fmt: skip
-        assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort", response.text
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] is None and "reasoning_effort" in error["message"], error
 
 
 def test_chat_rejects_controls_the_native_encoder_lacks(app) -> None:
@@ -96,7 +97,8 @@ def test_chat_rejects_controls_the_native_encoder_lacks(app) -> None:
                          ({"messages": [{"role": "user", "content": ASK}, {"role": "assistant", "content": "It"}],
                            "continue_final_message": True}, "continue_final_message")):  # fmt: skip
         response = app.post("/v1/chat/completions", json={**base, **extra})
-        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] is None and param in error["message"], error
 
 
 # ---------------------------------------------------------------------------- Messages

@@ -22,8 +22,8 @@ def test_openai_error_shape(status: int, type_: str) -> None:
 
 
 def test_openai_model_not_found_and_overrides() -> None:
-    body = openai_error(404, "The model 'x' does not exist", code="model_not_found", param="model")
-    assert body["error"] == {"type": "not_found_error", "message": "The model 'x' does not exist", "param": "model",
+    body = openai_error(404, "The model 'x' does not exist", code="model_not_found")
+    assert body["error"] == {"type": "not_found_error", "message": "The model 'x' does not exist", "param": None,
                              "code": "model_not_found"}  # fmt: skip
     assert openai_error(400, "m", type="custom")["error"]["type"] == "custom"
 

@@ -168,7 +168,7 @@ def test_decisions_failures_are_openai_400s(smol: Server) -> None:
         response = smol.post("/v1/decisions", body)
         assert response.status_code == 400, body
         error = response.json()["error"]
-        assert error["param"] == param and error["type"] == "invalid_request_error" and param in error["message"]
+        assert error["param"] is None and error["type"] == "invalid_request_error" and param in error["message"]
 
 
 def test_cores_without_explicit_ids_answer_400(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -7,9 +7,12 @@ accumulated output the same way (encode.py).
 from helios.protocols.openai_responses.decode import ResponsesOptions, decode
 from helios.protocols.openai_responses.encode import (
     OutputValidationError,
+    ResponsesBuffer,
+    ResponsesEncoder,
     ResponsesStream,
     call_item,
     custom_call,
+    encoder,
     output_items,
     response_json,
     sse,
@@ -18,6 +21,6 @@ from helios.protocols.openai_responses.encode import (
 )
 
 __all__ = [
-    "OutputValidationError", "ResponsesOptions", "ResponsesStream", "call_item", "custom_call", "decode",
-    "output_items", "response_json", "sse", "status_of", "usage_json",
+    "OutputValidationError", "ResponsesBuffer", "ResponsesEncoder", "ResponsesOptions", "ResponsesStream", "call_item",
+    "custom_call", "decode", "encoder", "output_items", "response_json", "sse", "status_of", "usage_json",
 ]  # fmt: skip

@@ -7,7 +7,7 @@ contract in the description); namespaced tools are presented as "namespace__name
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from helios.protocols.output_format import responses_text_format
 UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "prompt_logprobs")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+GrammarCompiler = Callable[[str, str, str], CompiledGrammar]  # (syntax, definition, field); GrammarError on failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +155,7 @@ def _custom_description(base: str | None, grammar: CompiledGrammar | None) -> st
     return f"{base}\n\n{contract}" if base else contract
 
 
-def _tool(tool: Any, param: str, namespace: tuple[str, str] | None) -> ToolSpec:
+def _tool(tool: Any, param: str, namespace: tuple[str, str] | None, grammars: GrammarCompiler) -> ToolSpec:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind not in ("function", "custom"):
         raise RequestError(f"tool type {kind!r} is not supported (hosted tools are unavailable; use function, custom "
@@ -180,14 +181,14 @@ def _tool(tool: Any, param: str, namespace: tuple[str, str] | None) -> ToolSpec:
     grammar = None
     if fmt["type"] == "grammar":
         try:
-            grammar = compile_grammar(str(fmt.get("syntax")), fmt.get("definition"), f"{param}.format")
+            grammar = grammars(str(fmt.get("syntax")), fmt.get("definition"), f"{param}.format")
         except GrammarError as exc:
             raise RequestError(exc.message, exc.field) from None
     return ToolSpec(presented, _custom_description(description, grammar), CUSTOM_PARAMETERS, kind="custom",
                     grammar=grammar)  # fmt: skip
 
 
-def _tools(body: dict[str, Any]) -> tuple[list[ToolSpec], dict[str, tuple[str, str]]]:
+def _tools(body: dict[str, Any], grammars: GrammarCompiler) -> tuple[list[ToolSpec], dict[str, tuple[str, str]]]:
     """Tool specs as presented to the model, and presented name -> (namespace, name)."""
     tools = body.get("tools") or []
     if not isinstance(tools, list):
@@ -202,11 +203,11 @@ def _tools(body: dict[str, Any]) -> tuple[list[ToolSpec], dict[str, tuple[str, s
                 raise RequestError("namespace tools need a nonempty name and a nonempty tools array", param)
             about = tool.get("description") if isinstance(tool.get("description"), str) else ""
             for position, member in enumerate(members):
-                spec = _tool(member, f"{param}.tools[{position}]", (space, about))
+                spec = _tool(member, f"{param}.tools[{position}]", (space, about), grammars)
                 specs.append((spec, f"{param}.tools[{position}]"))
                 namespaces[spec.name] = (space, member["name"])
         else:
-            specs.append((_tool(tool, param, None), param))
+            specs.append((_tool(tool, param, None, grammars), param))
     seen: set[str] = set()
     for spec, param in specs:
         if spec.name in seen:
@@ -281,7 +282,9 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ResponsesOptions]:
+def decode(body: dict[str, Any], grammars: GrammarCompiler = compile_grammar) -> tuple[InferenceRequest, ResponsesOptions]:
+    """The neutral request and options; `grammars` compiles custom-tool grammars (the server
+    passes its cached, bounded compiler; this runs on the frontend pool)."""
     _reject_state(body)
     model = body.get("model")
     if not isinstance(model, str):
@@ -292,7 +295,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ResponsesOptions]:
     messages = _messages(body.get("input"))
     if instructions:
         messages.insert(0, Message("developer", (TextPart(instructions),)))  # merged with other instruction text
-    specs, namespaces = _tools(body)
+    specs, namespaces = _tools(body, grammars)
     parallel = f.optional_bool(body, "parallel_tool_calls", default=True)
     logprobs, top, logprob_options = _logprobs(body)
     effort = _effort(body)

@@ -10,18 +10,12 @@ import json
 from typing import Any
 
 from helios.frontend.events import Accumulator, FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
-from helios.frontend.generate import Usage
+from helios.frontend.generate import ChoiceUpdate, Submission, Usage
 from helios.frontend.inference import Termination
+from helios.protocols.encoding import KEEPALIVE_COMMENT, OutputValidationError, json_body
+from helios.protocols.errors import openai_error
 from helios.protocols.openai_common import chat_logprob_entry, now
 from helios.protocols.openai_responses.decode import ResponsesOptions
-
-
-class OutputValidationError(ValueError):
-    """Model output that breaks a declared contract: the response fails (not a client error)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 # ---------------------------------------------------------------------------- items
@@ -119,13 +113,14 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 
 
 def _response(response_id: str, created_at: int, options: ResponsesOptions, status: str, output: list[dict[str, Any]],
-              usage: Usage | None, error: str | None) -> dict[str, Any]:  # fmt: skip
+              usage: Usage | None, error: str | None, model: str) -> dict[str, Any]:  # fmt: skip
+    """The response object; `model` is the loaded model's public id, whatever the request named."""
     body: dict[str, Any] = {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "completed_at": now() if status == "completed" else None,
         "error": {"code": "server_error", "message": error or "generation failed"} if status == "failed" else None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": options.instructions, "model": options.model, "output": output,
+        "instructions": options.instructions, "model": model, "output": output,
         "parallel_tool_calls": options.parallel_tool_calls, "metadata": options.metadata,
         "tool_choice": options.tool_choice_echo, "tools": options.tools_echo, "temperature": options.temperature,
         "top_p": options.top_p, "top_logprobs": options.top_logprobs, "max_output_tokens": options.max_output_tokens,
@@ -138,10 +133,10 @@ def _response(response_id: str, created_at: int, options: ResponsesOptions, stat
 
 
 def response_json(response_id: str, created_at: int, acc: Accumulator, usage: Usage, options: ResponsesOptions,
-                  status: str, error: str | None = None) -> dict[str, Any]:  # fmt: skip
+                  status: str, error: str | None = None, *, model: str) -> dict[str, Any]:  # fmt: skip
     """The buffered response object (also the payload of a stream's terminal event)."""
     output = output_items(response_id, acc, options, lenient=status == "failed", incomplete=status == "incomplete")
-    return _response(response_id, created_at, options, status, output, usage, error)
+    return _response(response_id, created_at, options, status, output, usage, error, model)
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -156,10 +151,11 @@ class ResponsesStream:
     Like the Accumulator, consecutive text (or reasoning) events extend one open item.
     """
 
-    def __init__(self, response_id: str, created_at: int, options: ResponsesOptions) -> None:
+    def __init__(self, response_id: str, created_at: int, options: ResponsesOptions, *, model: str) -> None:
         self.response_id = response_id
         self.created_at = created_at
         self.options = options
+        self.model = model
         self.items: list[dict[str, Any]] = []  # closed items, in their final shapes
         self._sequence = 0
         self._open: dict[str, Any] | None = None  # the open text/reasoning item: kind, id, text, logprobs
@@ -170,7 +166,7 @@ class ResponsesStream:
         return event
 
     def start(self) -> list[dict[str, Any]]:
-        body = _response(self.response_id, self.created_at, self.options, "in_progress", [], None, None)
+        body = _response(self.response_id, self.created_at, self.options, "in_progress", [], None, None, self.model)
         return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]
 
     def push(self, events: list[SemanticEvent]) -> list[dict[str, Any]]:
@@ -246,11 +242,75 @@ class ResponsesStream:
         """Close the open item; end with response.completed / .incomplete / .failed (full object)."""
         status = status_of(finish)
         out = self._close("incomplete" if status == "incomplete" else "completed")
-        body = response_json(self.response_id, self.created_at, acc, usage, self.options, status, finish.error)
+        body = response_json(self.response_id, self.created_at, acc, usage, self.options, status, finish.error,
+                             model=self.model)
         return out + [self._event(f"response.{status}", response=body)]
 
     def error(self, message: str, usage: Usage | None = None) -> list[dict[str, Any]]:
         """A terminal response.failed carrying the items emitted so far."""
         out = self._close("incomplete")
-        body = _response(self.response_id, self.created_at, self.options, "failed", list(self.items), usage, message)
+        body = _response(self.response_id, self.created_at, self.options, "failed", list(self.items), usage, message,
+                         self.model)
         return out + [self._event("response.failed", response=body)]
+
+
+# ---------------------------------------------------------------------------- driver encoders
+class ResponsesEncoder:
+    """Named SSE events: the response is announced at once, items follow the updates."""
+
+    def __init__(self, run: Submission, model: str, options: ResponsesOptions) -> None:
+        self.run = run
+        self.events = ResponsesStream(run.request_id, run.created, options, model=model)
+        self._blocks = Accumulator()
+        self._finish: FinishEvent | None = None
+
+    def start(self) -> list[bytes]:
+        return [sse(e) for e in self.events.start()]
+
+    def keepalive(self) -> list[bytes]:
+        return [KEEPALIVE_COMMENT]
+
+    def push(self, update: ChoiceUpdate) -> list[bytes]:
+        events = list(update.events)
+        for event in events:
+            self._blocks.push(event)
+        self._finish = update.finish or self._finish
+        return [sse(e) for e in self.events.push(events)]  # a call failing validation raises first
+
+    def finish(self) -> list[bytes]:
+        finish = self._finish or FinishEvent(Termination.EOS)
+        return [sse(e) for e in self.events.finish(finish, self._blocks, self.run.usage())]
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [sse(e) for e in self.events.error(message, self.run.usage())]
+
+
+class ResponsesBuffer:
+    """The buffered response object; output failing its contract is a 500."""
+
+    def __init__(self, run: Submission, model: str, options: ResponsesOptions) -> None:
+        self.run, self.model, self.options = run, model, options
+        self._blocks = Accumulator()
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def keepalive(self) -> list[bytes]:
+        return []
+
+    def push(self, update: ChoiceUpdate) -> list[bytes]:
+        for event in update.events:
+            self._blocks.push(event)
+        return []
+
+    def finish(self) -> list[bytes]:
+        status = status_of(self._blocks.finish)
+        return [json_body(response_json(self.run.request_id, self.run.created, self._blocks, self.run.usage(),
+                                        self.options, status, model=self.model))]  # fmt: skip
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [json_body(openai_error(status, message))]
+
+
+def encoder(run: Submission, model: str, options: ResponsesOptions) -> ResponsesEncoder | ResponsesBuffer:
+    return ResponsesEncoder(run, model, options) if run.request.stream else ResponsesBuffer(run, model, options)
