@@ -39,10 +39,10 @@ class ScriptedExecutor:
     def script(self, token_ids: list[int]) -> None:
         self.queue.append(list(token_ids))
 
-    def run(self, chunks):
+    def run(self, chunks, page_copies=()):
         import dataclasses
 
-        result = self.real.run(chunks)
+        result = self.real.run(chunks, page_copies)  # the engine hands the step's page copies along
         logits = result.logits.clone()
         for row, chunk in enumerate(result.sampled):
             request = chunk.seq.request
