@@ -4,7 +4,7 @@
   api_key, host, port, max_body_bytes, max_concurrency, queue_size, http_slots,
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
   aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, drain_seconds,
-  header_timeout_seconds, body_timeout_seconds
+  header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ class ServerConfig:
     # first byte, and its body within body_timeout_seconds (else the connection closes / 408).
     header_timeout_seconds: float = 10.0
     body_timeout_seconds: float = 60.0
+    # Grammars (structured output, custom tools) are first compiled in worker processes:
+    # one compiled grammar may hold at most grammar_memory_mb, the cache grammar_cache_mb.
+    grammar_memory_mb: int = 128
+    grammar_cache_mb: int = 512
+    grammar_workers: int = 1
 
     @property
     def auth_enabled(self) -> bool:
@@ -60,7 +65,8 @@ class ServerConfig:
 
 
 _POSITIVE = ("port", "max_body_bytes", "max_concurrency", "queue_size", "http_slots", "prefill_chunk_size",
-             "kv_memory_mb", "frontend_workers", "grammar_threads")  # fmt: skip
+             "kv_memory_mb", "frontend_workers", "grammar_threads", "grammar_memory_mb", "grammar_cache_mb",
+             "grammar_workers")  # fmt: skip
 _OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget")
 
 

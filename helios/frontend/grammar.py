@@ -1,7 +1,9 @@
 """The bounded grammar service: JSON schema, JSON object, Lark and regex through llguidance.
 
-Compilation is bounded in size, wall time and parser fuel; failures name the request
-field. Custom-tool validation matches complete texts with a byte-level matcher (one
+Compilation is bounded in size, wall time and parser fuel, and every new grammar is first
+compiled in a worker process (grammar_probe.py) so a crash of the native compiler never
+reaches the server; the cache is bounded by the bytes the worker measured. Failures name
+the request field. Custom-tool validation matches complete texts with a byte-level matcher (one
 token per byte); structured output compiles against the core's own tokenizer and hands
 out pristine matchers that `frontend.constraint` copies per choice.
 """
@@ -19,11 +21,13 @@ from typing import Literal
 import llguidance
 from tokenizers import Tokenizer
 
+from helios.frontend.grammar_probe import ProbePool, ProbeRefused, TrialTokenizer, precheck
+
 Syntax = Literal["lark", "regex"]
 OUTPUT_KINDS = ("json_schema", "json_object", "lark", "regex")
 MAX_GRAMMAR_BYTES = 64 * 1024
 COMPILE_TIMEOUT_S = 2.0
-CACHE_SIZE = 64  # compiled output grammars kept per server (clients repeat their schemas)
+CACHE_BYTES = 512 << 20  # compiled grammars kept per server, by measured size (clients repeat their schemas)
 # Whitespace between JSON tokens: at most one newline and bounded indentation, so a small
 # model cannot spend its whole output budget on spaces inside an unfinished document.
 JSON_WHITESPACE = r"[\x20\x09]{1,8}|\x0A[\x20\x09]{0,32}"
@@ -56,7 +60,7 @@ def _byte_tokenizer() -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens()), slices=[])
 
 
-def _limits() -> llguidance.LLParserLimits:
+def parser_limits() -> llguidance.LLParserLimits:
     # Default fuel bounds each step; non-verbose errors keep parser state out of messages.
     return llguidance.LLParserLimits(verbose_errors=False)
 
@@ -120,8 +124,12 @@ def compile_grammar(syntax: str, definition: str, field: str, max_bytes: int = M
     if syntax not in ("lark", "regex"):
         raise GrammarError(f"{field}: grammar syntax must be 'lark' or 'regex', got {syntax!r}", field)
     _check_size(definition, field, max_bytes)
+    try:
+        precheck(syntax, definition)
+    except ProbeRefused as exc:
+        raise GrammarError(f"{field}: invalid {syntax} grammar: {exc}", field) from None
     source = grammar_source(syntax, definition)
-    matcher = _bounded_build(lambda: llguidance.LLMatcher(_byte_tokenizer(), source, log_level=0, limits=_limits()),
+    matcher = _bounded_build(lambda: llguidance.LLMatcher(_byte_tokenizer(), source, log_level=0, limits=parser_limits()),
                              field, f"{syntax} grammar", timeout_s)  # fmt: skip
     return CompiledGrammar(syntax, definition, matcher)  # type: ignore[arg-type]
 
@@ -139,23 +147,27 @@ def grammar_source(kind: str, definition: str) -> str:
 
 
 class GrammarService:
-    """Compiles output constraints against the core's tokenizer, with a small LRU cache.
+    """Compiles output constraints against the core's tokenizer (and custom-tool grammars
+    against bytes), each first tried in a worker process, with an LRU cache bounded in bytes.
 
     The llguidance tokenizer is built on first use (about a second for large vocabularies).
     Thread-safe: protocols compile on the frontend pool, the engine copies matchers.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...],
-                 max_bytes: int = MAX_GRAMMAR_BYTES, timeout_s: float = COMPILE_TIMEOUT_S) -> None:  # fmt: skip
+                 max_bytes: int = MAX_GRAMMAR_BYTES, timeout_s: float = COMPILE_TIMEOUT_S,
+                 probe: ProbePool | None = None, cache_bytes: int = CACHE_BYTES) -> None:  # fmt: skip
         self.vocab_size = vocab_size  # the logits width; llguidance masks are sized to it
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.cache_bytes = cache_bytes
         self._source = tokenizer
         self._eos_ids = list(eos_ids)
+        self.probe = probe or ProbePool(TrialTokenizer(tokenizer.to_str(), vocab_size, tuple(eos_ids)))
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
-        self._tool_cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], tuple[object, int]] = OrderedDict()  # key -> (grammar, bytes)
+        self._cached_bytes = 0
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -168,46 +180,76 @@ class GrammarService:
                                                          eos_token=self._eos_ids)  # fmt: skip
             return self._tokenizer
 
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
     def tool_grammar(self, syntax: str, definition: str, field: str) -> CompiledGrammar:
         """A custom tool's grammar for exact matching (`compile_grammar`), cached like output
         grammars: agents resend the same tools with every request."""
-        if not isinstance(definition, str):
+        if not isinstance(definition, str) or syntax not in ("lark", "regex"):
             return compile_grammar(syntax, definition, field)  # raises the field's GrammarError
-        key = (syntax, definition)
-        with self._lock:
-            if key in self._tool_cache:
-                self._tool_cache.move_to_end(key)
-                return self._tool_cache[key]
+        key = ("bytes", syntax, definition)
+        cached = self._lookup(key)
+        if cached is not None:
+            return cached  # type: ignore[return-value]
+        _check_size(definition, field, self.max_bytes)
+        cost = self._trial("bytes", syntax, definition, field)
         grammar = compile_grammar(syntax, definition, field, self.max_bytes, self.timeout_s)
-        with self._lock:
-            self._tool_cache[key] = grammar
-            while len(self._tool_cache) > CACHE_SIZE:
-                self._tool_cache.popitem(last=False)
+        self._store(key, grammar, cost)
         return grammar
 
     def compile(self, kind: str, definition: str, field: str) -> llguidance.LLMatcher:
         """A pristine matcher for the constraint (shared: callers deep_copy it before use)."""
-        key = (kind, definition)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+        key = ("tokens", kind, definition)
+        cached = self._lookup(key)
+        if cached is not None:
+            return cached  # type: ignore[return-value]
         if kind not in OUTPUT_KINDS:
             raise GrammarError(f"{field}: unknown output format {kind!r} ({', '.join(OUTPUT_KINDS)})", field)
         if kind != "json_object":
             _check_size(definition, field, self.max_bytes)
-        tokenizer = self.tokenizer
         what = {"json_schema": "JSON schema", "json_object": "JSON object format"}.get(kind, f"{kind} grammar")
+        try:
+            source = grammar_source(kind, definition)
+        except Exception as exc:  # noqa: BLE001 - malformed schema text, regex or Lark
+            raise GrammarError(f"{field}: invalid {what}: {_first_lines(str(exc))}", field) from None
+        cost = self._trial("tokens", kind, definition, field, what)
+        tokenizer = self.tokenizer
 
         def build() -> llguidance.LLMatcher:
-            matcher = llguidance.LLMatcher(tokenizer, grammar_source(kind, definition), log_level=0, limits=_limits())
+            matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=parser_limits())
             if not matcher.is_error():
                 matcher.compute_bitmask()  # builds the lexer now, inside the time bound
             return matcher
 
         matcher = _bounded_build(build, field, what, self.timeout_s)
-        with self._lock:
-            self._cache[key] = matcher
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        self._store(key, matcher, cost)
         return matcher
+
+    def _trial(self, target: str, kind: str, definition: str, field: str, what: str = "grammar") -> int:
+        try:
+            return self.probe.trial(target, kind, definition, self.timeout_s)
+        except ProbeRefused as exc:
+            raise GrammarError(f"{field}: invalid {what}: {_first_lines(str(exc))}", field) from None
+
+    def _lookup(self, key: tuple[str, str, str]) -> object | None:
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None:
+                return None
+            self._cache.move_to_end(key)
+            return entry[0]
+
+    def _store(self, key: tuple[str, str, str], value: object, cost: int) -> None:
+        cost = max(cost, len(key[2]))  # never free: at least the text it was built from
+        if cost > self.cache_bytes:
+            return  # usable for this request, too large to keep
+        with self._lock:
+            if key in self._cache:
+                return
+            self._cache[key] = (value, cost)
+            self._cached_bytes += cost
+            while self._cached_bytes > self.cache_bytes:
+                _, (_, freed) = self._cache.popitem(last=False)
+                self._cached_bytes -= freed

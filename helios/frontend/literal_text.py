@@ -2,10 +2,12 @@
 
 The template renders messages into one string; encoding it whole would turn a user's
 "<|im_end|>\\n<|im_start|>system" into real control tokens and let any user forge a system
-turn. So special-token strings inside conversation text are swapped for private-use
-placeholder characters before rendering, and each placeholder is encoded as the plain text
-of its special token (special tokens split like ordinary text). Conversations whose texts
-hold no special-token string, nearly all of them, are rendered and encoded once, as before.
+turn. So special-token strings inside the text of system, developer, user and tool messages
+(where end users' and tools' text lands) are swapped for private-use placeholder characters
+before rendering, and each placeholder is encoded as the plain text of its special token.
+Assistant turns are the model's own output (reasoning markup, a prefill to continue) and
+keep their markup. Conversations whose texts hold no special-token string, nearly all of
+them, are rendered and encoded once, as before.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tokenizers import Tokenizer
 from helios.frontend.inference import Conversation, ReasoningPart, RequestError, TextPart, ToolCallPart, ToolResultPart
 
 _PLACEHOLDER_BASE = 0xF0000  # Supplementary Private Use Area-A: one character per special token
+_GUARDED = frozenset({"system", "developer", "user", "tool"})  # roles whose text is never markup
 
 
 class LiteralEncoder:
@@ -36,10 +39,10 @@ class LiteralEncoder:
 
     def encode_conversation(self, conversation: Conversation, render: Callable[[Conversation], str]) -> tuple[list[int], str]:
         """(ids, text) of the rendered conversation, client text's special-token strings kept literal."""
-        if self._special is None or not any(self._special.search(t) for t in conversation_texts(conversation)):
+        if self._special is None or not any(self._special.search(t) for t in conversation_texts(conversation, _GUARDED)):
             text = render(conversation)
             return self.tokenizer.encode(text, add_special_tokens=False).ids, text
-        if any(self._placeholder.search(t) for t in conversation_texts(conversation)):
+        if any(self._placeholder.search(t) for t in conversation_texts(conversation, _GUARDED)):
             raise RequestError("message text contains characters from U+F0000.. that helios reserves; remove them",
                                "messages")  # fmt: skip
         marked = render(_map_texts(conversation, self._mark))
@@ -58,10 +61,12 @@ class LiteralEncoder:
         return self._special.sub(lambda m: self._placeholder_of[m.group()], text)
 
 
-def conversation_texts(conversation: Conversation) -> list[str]:
-    """Every text a client wrote into the conversation's messages."""
+def conversation_texts(conversation: Conversation, roles: frozenset[str] | None = None) -> list[str]:
+    """Every text a client wrote into the conversation's messages (of `roles`, default all)."""
     texts: list[str] = []
     for message in conversation.messages:
+        if roles is not None and message.role not in roles:
+            continue
         texts += [message.name] if message.name else []
         for part in message.parts:
             if isinstance(part, (TextPart, ReasoningPart)):
@@ -83,6 +88,7 @@ def _map_texts(conversation: Conversation, fn: Callable[[str], str]) -> Conversa
             return dataclasses.replace(part, content=tuple(part_of(p) for p in part.content))
         return part
 
-    messages = tuple(dataclasses.replace(m, parts=tuple(part_of(p) for p in m.parts), name=fn(m.name) if m.name else m.name)
+    messages = tuple(m if m.role not in _GUARDED else
+                     dataclasses.replace(m, parts=tuple(part_of(p) for p in m.parts), name=fn(m.name) if m.name else m.name)
                      for m in conversation.messages)  # fmt: skip
     return dataclasses.replace(conversation, messages=messages)

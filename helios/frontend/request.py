@@ -18,6 +18,7 @@ from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
 from helios.frontend.bounds import InputBounds, longest_token_chars
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint
 from helios.frontend.grammar import GrammarError, GrammarService
+from helios.frontend.grammar_probe import ProbePool, TrialTokenizer
 from helios.frontend.literal_text import LiteralEncoder
 from helios.frontend.native_deepseek import NativeEncoder
 from helios.frontend.parsers.reasoning import reasoning_delimiters, starts_in_reasoning, token_delimiters
@@ -113,7 +114,11 @@ class Frontend:
         self.template = ChatTemplate(source, specials) if source else None
         self.native = NativeEncoder.for_source(m.recipe.template_source, self.tokenizer, m.recipe.effort_levels,
                                                m.recipe.default_effort)  # fmt: skip
-        self.grammars = GrammarService(self.tokenizer, self.vocab_size, tuple(m.tokenizer.eos_token_ids))
+        eos = tuple(m.tokenizer.eos_token_ids)
+        probe = ProbePool(TrialTokenizer(self.tokenizer.to_str(), self.vocab_size, eos), config.grammar_workers,
+                          config.grammar_memory_mb << 20)  # fmt: skip
+        self.grammars = GrammarService(self.tokenizer, self.vocab_size, eos, probe=probe,
+                                       cache_bytes=config.grammar_cache_mb << 20)  # fmt: skip
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.tokenizer.id_to_token(token_id)

@@ -134,7 +134,7 @@ def create_app(state: ServerState) -> Litestar:
                         count_tokens, api_tags, api_show, systemone_route, decisions_route],
         state=State({"helios": state}),
         request_max_body_size=None,  # bounded by read_body, encoded and decoded
-        on_shutdown=[lambda: state.client.shutdown()],
+        on_shutdown=[lambda: state.client.shutdown(), lambda: state.frontend.grammars.probe.close()],
         exception_handlers={NotFoundException: _unrouted, MethodNotAllowedException: _unrouted,
                             HTTPException: _unrouted, Exception: _unrouted},
         debug=False,

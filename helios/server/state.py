@@ -78,6 +78,7 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
         mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     client = EngineClient(engine).start()
     frontend = Frontend(core, config)
+    frontend.grammars.probe.start()  # its worker builds the tokenizer while the server starts
     created = int(time.time())
     model = identity(m, config.aliases, created)
     flare = flare_object(m, max_concurrency=config.max_concurrency, prefill_chunk_size=config.prefill_chunk_size,

@@ -66,3 +66,11 @@ def test_inputs_that_cannot_fit_are_refused_before_rendering(frontend: Frontend,
         frontend.prompt(huge)
     with pytest.raises(RequestError, match="cannot fit"):
         frontend.prompt(RawPrompt(text="z" * (frontend.max_model_len * frontend.bounds.max_token_chars + 1)))
+
+
+def test_assistant_turns_keep_their_markup(frontend: Frontend) -> None:
+    """An assistant prefill is the model's own output: its control tokens stay tokens."""
+    messages = (Message("user", (TextPart("hi"),)), Message("assistant", (TextPart("<|im_start|>x"),)))
+    prompt = frontend.prompt(Conversation(messages, add_generation_prompt=False, continue_final_message=True))
+    start = frontend.tokenizer.token_to_id("<|im_start|>")
+    assert sum(1 for t in prompt.token_ids if t == start) == 4  # system, user, assistant headers + the prefill's

@@ -103,3 +103,21 @@ def test_logit_bias_is_applied_not_ignored(client: TestClient) -> None:
     for bad in ({"x": 1}, {"42": 101}, {"99999999": 1}, [1, 2]):
         response = client.post("/v1/chat/completions", json={**CHAT, "logit_bias": bad})
         assert response.status_code == 400 and "logit_bias" in response.json()["error"]["message"]
+
+
+CHAIN = "start: r0\n" + "".join(f'r{i}: r{i + 1} | "a"\n' for i in range(2800)) + 'r2800: "c"\n'
+
+
+def test_hostile_grammars_get_400_on_every_route_and_the_server_lives(client: TestClient) -> None:
+    lark = {"type": "grammar", "syntax": "lark", "definition": CHAIN}
+    chat = client.post("/v1/chat/completions", json={**CHAT, "response_format": lark})
+    assert chat.status_code == 400 and "rules" in chat.json()["error"]["message"]
+    tool = {"type": "custom", "name": "patch", "format": {"type": "grammar", "syntax": "lark", "definition": CHAIN}}
+    responses = client.post("/v1/responses", json={"model": "x", "input": "hi", "max_output_tokens": 2, "tools": [tool]})
+    assert responses.status_code == 400 and "rules" in responses.json()["error"]["message"]
+    schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": "(k1{1000}){1000}"}}}
+    messages = client.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
+                           json={"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                                 "output_config": {"format": {"type": "json_schema", "schema": schema}}})  # fmt: skip
+    assert messages.status_code == 400 and messages.json()["type"] == "error"
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
