@@ -214,7 +214,14 @@ class Frontend:
                               "function": {"name": part.name, "arguments": arguments}})  # fmt: skip
             elif isinstance(part, ToolResultPart):
                 out["tool_call_id"] = part.call_id
-                texts += [p.text for p in part.content if isinstance(p, TextPart)]
+                if any(isinstance(p, ImagePart) for p in part.content):
+                    raise RequestError("this model does not accept images (its core has no vision program): "
+                                       f"tool result {part.call_id!r} carries one", "messages")  # fmt: skip
+                result = "\n\n".join(p.text for p in part.content if isinstance(p, TextPart))
+                if part.is_error:  # templates render no flag for it: say it in the result the model reads
+                    out["is_error"] = True
+                    result = f"Error: {result}" if result else "Error"
+                texts += [result] if result else []
             elif isinstance(part, ImagePart):
                 raise RequestError("this model does not accept images (its core has no vision program)", "messages")
         out["content"] = "\n\n".join(texts)

@@ -228,8 +228,6 @@ def _tool_result(**fields) -> list[dict]:
     return TOOL_TURNS + [{"role": "user", "content": [block]}]
 
 
-@pytest.mark.xfail(strict=True, reason="rendering lives in helios/frontend/request.py (_template_message), owned "
-                                       "elsewhere: it must carry is_error into the rendered tool result")  # fmt: skip
 def test_messages_tool_result_errors_reach_the_prompt(qwen: ScriptedServer) -> None:
     tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}]
     qwen.say("Sorry.")
@@ -241,8 +239,6 @@ def test_messages_tool_result_errors_reach_the_prompt(qwen: ScriptedServer) -> N
     assert "city not found" in failed and failed != ok
 
 
-@pytest.mark.xfail(strict=True, reason="rendering lives in helios/frontend/request.py (_template_message), owned "
-                                       "elsewhere: images inside tool results must be refused on text-only cores")  # fmt: skip
 def test_image_in_tool_result_is_refused_on_text_only_cores(qwen: ScriptedServer) -> None:
     png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
