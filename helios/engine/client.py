@@ -89,18 +89,6 @@ class EngineClient:
         return len(self._streams)
 
     # ------------------------------------------------------------------ requests
-    def check_group(self, requests: list[EngineRequest]) -> None:
-        """Refuse a group (a batch's prompts) that can never run together; RequestRejected says why."""
-        choices = sum(r.n for r in requests)
-        limit = self.engine.config.max_concurrency
-        if choices > limit:
-            raise RequestRejected(f"the batch asks for {choices} choices (prompts times n) but this server runs at "
-                                  f"most {limit} at once (max_concurrency): send fewer prompts or a smaller n")  # fmt: skip
-        for request in requests:
-            reason = self.engine.check(request)
-            if reason is not None:
-                raise RequestRejected(reason)
-
     def submit(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         self._check_available()
         reason = self.engine.check(request)

@@ -43,6 +43,18 @@ def test_n_above_max_concurrency_is_refused_at_once_and_the_next_request_runs(sm
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 
+def test_batches_that_can_never_run_together_are_refused_before_tokenizing(small_pool) -> None:
+    url, _ = small_pool
+    start = time.monotonic()
+    batch = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": ["hi"] * 10_000, "max_tokens": 2},
+                       timeout=30)  # fmt: skip
+    assert batch.status_code == 400 and "max_concurrency" in batch.json()["error"]["message"]
+    assert time.monotonic() - start < 1.0
+    wide = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": ["a", "b"], "n": 40, "max_tokens": 2},
+                      timeout=30)  # fmt: skip
+    assert wide.status_code == 400 and "80 choices" in wide.json()["error"]["message"]
+
+
 def test_other_users_load_never_shortens_an_answer(small_pool) -> None:
     url, _ = small_pool
     bodies = [_chat(f"user {i} asks a question", 300) for i in range(4)]
