@@ -132,6 +132,7 @@ class InferenceRequest:
     stream: bool = False
     thinking_token_budget: int | None = None  # conversational requests only
     output: OutputConstraint | None = None  # structured output (conversational requests only)
+    cache_salt: str | None = None  # prefix-cache partition: only requests with the same salt share cached prefixes
 
 
 class Termination(enum.Enum):

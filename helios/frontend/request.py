@@ -6,6 +6,7 @@ sampling ranges), so each rule is written once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -364,6 +365,7 @@ class Frontend:
             logprob_token_ids=tuple(dict.fromkeys(lp.token_ids)),
             prompt_logprobs=lp.prompt,
             use_prefix_cache=self.config.prefix_cache,
+            cache_identity=salt_identity(request.cache_salt),
             reasoning_budget=self.reasoning_budget(budget, prompt.token_ids) if budget is not None else None,
             constraint=self.constraint(request, prompt.token_ids) if request.output is not None else None,
         )
@@ -393,3 +395,10 @@ class Frontend:
             return None
         implicit = frozenset(t for t in (self.tokenizer.token_to_id("<tool_call>"),) if t is not None)
         return ReasoningBudget(budget, open_id, close_id, implicit if self.manifest.recipe.tool_syntax else frozenset())
+
+
+def salt_identity(salt: str | None) -> bytes:
+    """The prefix-cache identity of a cache salt: requests share cached pages only with the same one."""
+    if salt is None:
+        return b""
+    return b"salt:" + hashlib.blake2b(salt.encode("utf-8"), digest_size=16).digest()

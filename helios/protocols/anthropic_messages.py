@@ -330,6 +330,7 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
         stream=stream,
         thinking_token_budget=budget if budget is not None and budget <= MAX_APPLIED_BUDGET else None,
         output=messages_output_format(body, f.optional_object(body, "output_config") or {}),
+        cache_salt=f.cache_salt(body),
     )
     options = MessagesOptions(body["model"], stream, enabled, budget, effort, tuple(marks),
                               explicit_budget=body.get("thinking_token_budget") is not None)  # fmt: skip

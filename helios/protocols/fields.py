@@ -95,6 +95,19 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
                    "frequency_penalty", "seed", "logit_bias")  # fmt: skip
 
 
+MAX_CACHE_SALT = 256
+
+
+def cache_salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM's `cache_salt`: a nonempty string (at most 256 characters) partitioning prefix reuse."""
+    value = body.get("cache_salt")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT:
+        raise RequestError(f"cache_salt must be a nonempty string of at most {MAX_CACHE_SALT} characters", "cache_salt")
+    return value
+
+
 def sampling(body: Mapping[str, Any]) -> dict[str, object]:
     """The raw sampling values; types are checked by the shared resolver (one place)."""
     return {name: body.get(name) for name in SAMPLING_FIELDS}

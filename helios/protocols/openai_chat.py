@@ -193,6 +193,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
         stream=stream,
         thinking_token_budget=f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1),
         output=output,
+        cache_salt=f.cache_salt(body),
     )
     options = ChatOptions(model=model, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
                           return_token_ids=f.optional_bool(body, "return_token_ids"),

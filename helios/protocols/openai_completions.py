@@ -86,6 +86,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, list[RawPrompt], Com
                                 as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids")),  # fmt: skip
         echo=echo,
         stream=stream,
+        cache_salt=f.cache_salt(body),
     )
     options = CompletionOptions(model, include_usage, include_usage and bool(stream_options.get("continuous_usage_stats")),
                                 logprobs, echo, len(prompts))  # fmt: skip

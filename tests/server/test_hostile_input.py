@@ -121,3 +121,20 @@ def test_hostile_grammars_get_400_on_every_route_and_the_server_lives(client: Te
                                  "output_config": {"format": {"type": "json_schema", "schema": schema}}})  # fmt: skip
     assert messages.status_code == 400 and messages.json()["type"] == "error"
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_cache_salt_partitions_prefix_reuse(client: TestClient) -> None:
+    secret = "You are the billing assistant of ACME. The vault code is 4711. " * 4
+
+    def cached(salt: str | None) -> int:
+        body = {**CHAT, "messages": [{"role": "system", "content": secret}, {"role": "user", "content": "hi"}]}
+        if salt is not None:
+            body["cache_salt"] = salt
+        usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    cached("tenant-a")  # tenant A's prompt is now in the cache
+    assert cached("tenant-a") > 0  # A reuses its own prefix
+    assert cached("tenant-b") == 0 and cached(None) == 0  # B, and unsalted guessers, learn nothing
+    bad = client.post("/v1/chat/completions", json={**CHAT, "cache_salt": ""})
+    assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]

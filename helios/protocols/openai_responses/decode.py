@@ -313,7 +313,7 @@ def decode(body: dict[str, Any], grammars: GrammarCompiler = compile_grammar) ->
     budget = f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1)
     request = InferenceRequest(input=conversation, sampling=f.sampling(body), max_tokens=max_tokens, stop=stop,
                                logprobs=logprob_options, stream=stream, thinking_token_budget=budget,
-                               output=output)  # fmt: skip
+                               output=output, cache_salt=f.cache_salt(body))  # fmt: skip
     options = ResponsesOptions(
         model=model, stream=stream, logprobs=logprobs, top_logprobs=top,
         tools_echo=[_echo(t) for t in body.get("tools") or []], tool_choice_echo=body.get("tool_choice") or "auto",
