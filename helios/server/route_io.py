@@ -14,10 +14,11 @@ from helios.server.auth import check_key
 from helios.server.body import BodyError, read_body
 from helios.server.json_body import JsonBodyError, parse_json
 from helios.server.responses import HttpError
-from helios.server.state import ServerState
+from helios.server.state import REQUEST_BYTES, ServerState
 
 T = TypeVar("T")
 log = logging.getLogger("helios.server")
+LIST_FIELDS = ("messages", "input", "tools", "system")  # a Completions "prompt" batch: see generation.start
 LARGE_JSON_BYTES = 1 << 16  # bodies past this are parsed in the frontend pool, off the event loop
 
 
@@ -35,10 +36,16 @@ def authorize(request: Request, anthropic: bool = False) -> None:
 
 
 async def json_object(request: Request) -> dict[str, Any]:
-    """The body as a JSON object (generation routes)."""
+    """The body as a JSON object (generation routes), its lists bounded by the context."""
     body = await read_json(request)
     if not isinstance(body, dict):
         raise HttpError(400, "the request body must be a JSON object")
+    limit = state_of(request).frontend.max_model_len
+    for name in LIST_FIELDS:  # each item costs at least one token: a longer list can never fit
+        value = body.get(name)
+        if isinstance(value, list) and len(value) > limit:
+            raise HttpError(400, f"{name} has {len(value)} items; each costs at least a token and the context holds "
+                                 f"{limit} (parameter: {name})")  # fmt: skip
     return body
 
 
@@ -56,6 +63,7 @@ async def read_json(request: Request, *, compressed: bool = True) -> Any:
                               state.config.body_timeout_seconds)  # fmt: skip
     except BodyError as exc:
         raise HttpError(exc.status, exc.message) from None
+    REQUEST_BYTES.set(len(raw))  # the request's frontend work is charged by its size (ServerState.in_pool)
     try:
         if len(raw) > LARGE_JSON_BYTES:
             return await state.in_pool(parse_json, raw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from helios.server.admission import AdmissionSlots
 from helios.server.metrics import FirstResponseWindow
 
 T = TypeVar("T")
+HEAVY_REQUEST_BYTES = 1 << 20  # requests with bodies past this do their frontend work on the heavy pool
+REQUEST_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("helios_request_bytes", default=0)
 
 
 @dataclass
@@ -33,14 +36,20 @@ class ServerState:
     runner: Runner
     slots: AdmissionSlots
     pool: ThreadPoolExecutor
+    heavy_pool: ThreadPoolExecutor
     model: ModelIdentity
     card: dict[str, Any]
     started: float
     first_response: FirstResponseWindow
 
     async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
-        """CPU-bound frontend work (tokenization, rendering) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        """CPU-bound frontend work (tokenization, rendering) off the event loop.
+
+        Work for a request with a large body runs on the one-thread heavy pool, so a few
+        expensive requests queue behind each other instead of occupying every frontend thread.
+        """
+        pool = self.heavy_pool if REQUEST_BYTES.get() > HEAVY_REQUEST_BYTES else self.pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def snapshot(self) -> dict[str, Any]:
         stats = self.client.engine.stats
@@ -87,6 +96,7 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     return ServerState(
         config=config, core=core, frontend=frontend, client=client, runner=Runner(frontend, client),
         slots=AdmissionSlots(config.http_slots), pool=ThreadPoolExecutor(config.frontend_workers, "helios-frontend"),
+        heavy_pool=ThreadPoolExecutor(1, "helios-frontend-heavy"),
         model=model, card=card(model, m, engine.max_model_len, flare), started=time.time(),
         first_response=FirstResponseWindow(),
     )  # fmt: skip
