@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from helios.core.logs import log_failure
 from helios.engine.engine import LLMEngine
 from helios.engine.request import EngineEvent, EngineRequest, FinishCause
 
@@ -146,7 +147,7 @@ class EngineClient:
                     continue
                 self._deliver(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - report, fail every open request, refuse new work
-            log.exception("engine thread died")
+            log_failure(log, "engine thread died", exc)
             self.failure = f"the engine stopped: {type(exc).__name__}: {exc}"
             self.fail_open(self.failure)
 

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from helios.core import Core
+from helios.core.logs import log_failure
 from helios.engine.executor import Executor, StepResult
 from helios.engine.kv_cache import PagePool
 from helios.engine.logprobs import TokenLogprobs, explicit_alternatives, natural_alternatives, prompt_entry
@@ -106,7 +107,7 @@ class LLMEngine:
             try:
                 output = self._run(plan)
             except Exception as exc:  # a failed step fails its own requests; the engine keeps serving
-                log.exception("step failed")
+                log_failure(log, "step failed", exc)
                 events += self.scheduler.fail(plan, f"execution failed: {exc}")
             else:
                 events += self.scheduler.update_from_output(plan, output)

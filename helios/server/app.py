@@ -121,7 +121,8 @@ def _unrouted(request: Request, exc: Exception) -> Response:
     elif isinstance(exc, HTTPException):
         status, message = exc.status_code, str(exc.detail)
     else:
-        status, message = translate(exc).status, translate(exc).message
+        error = translate(exc)  # logs an unexpected failure, once
+        status, message = error.status, error.message
     headers = dict(getattr(exc, "headers", None) or {})
     if request.url.path.startswith("/v1/messages"):
         return json_response(anthropic_error(status, message), status, headers)

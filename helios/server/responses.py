@@ -8,6 +8,8 @@ from typing import Any
 import msgspec
 from litestar import Response
 
+from helios.core.logs import log_failure
+
 from helios.engine.client import EngineUnavailable, QueueFull, RequestRejected
 from helios.frontend.inference import RequestError
 from helios.protocols.encoding import OutputValidationError
@@ -53,5 +55,5 @@ def translate(exc: Exception) -> HttpError:
         return HttpError(503, f"{exc}; retry later")
     if isinstance(exc, EngineUnavailable):
         return HttpError(503, f"the model runtime is unavailable: {exc}")
-    log.exception("internal error", exc_info=exc)
+    log_failure(log, "internal error", exc)
     return HttpError(500, f"internal server error: {type(exc).__name__}: {exc}")

@@ -138,3 +138,20 @@ def test_cache_salt_partitions_prefix_reuse(client: TestClient) -> None:
     assert cached("tenant-b") == 0 and cached(None) == 0  # B, and unsalted guessers, learn nothing
     bad = client.post("/v1/chat/completions", json={**CHAT, "cache_salt": ""})
     assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
+
+
+def test_a_deep_traceback_is_logged_once_and_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from helios.core.logs import MAX_CHARS, log_failure
+
+    def recurse(depth: int) -> int:
+        return recurse(depth + 1)
+
+    try:
+        recurse(0)
+    except RecursionError as exc:
+        with caplog.at_level(logging.ERROR):
+            log_failure(logging.getLogger("helios.server"), "internal error", exc)
+    assert len(caplog.records) == 1 and len(caplog.records[0].getMessage()) < MAX_CHARS + 200
+    assert "RecursionError" in caplog.records[0].getMessage()
