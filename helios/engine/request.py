@@ -91,6 +91,7 @@ class EngineEvent:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
     stop_match_len: int = 0  # trailing tokens of this choice that form the matched token stop
     prompt_logprobs: tuple[dict[int, RankedLogprob] | None, ...] | None = None  # first event only
+    prompt_chunk_ends: tuple[int, ...] | None = None  # first event only: prompt position where each scored chunk ended
     error: str | None = None
 
 

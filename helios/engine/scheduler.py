@@ -134,7 +134,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.chain = []
         if seq.scoring:
-            seq.prompt_entries = []  # scored prefill is replayed from the start
+            seq.prompt_entries, seq.prompt_chunk_ends = [], []  # scored prefill is replayed from the start
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
 
@@ -199,7 +199,7 @@ class Scheduler:
             parent.reserved -= 1
             child.num_computed, child.num_cached, child.admitted = computed, parent.num_cached, True
             child.chain = list(parent.chain)
-            child.prompt_entries = parent.prompt_entries
+            child.prompt_entries, child.prompt_chunk_ends = parent.prompt_entries, parent.prompt_chunk_ends
             child.reasoning_open = parent.reasoning_open
             child.constraint = parent.request.constraint.fork() if parent.request.constraint is not None else None
             children.append(child)
@@ -228,6 +228,7 @@ class Scheduler:
             entries = output.prompt_entries.get(id(chunk))
             if entries is not None:
                 seq.prompt_entries.extend(entries)
+                seq.prompt_chunk_ends.append(min(end, seq.num_prompt))
             if chunk.wants_logits and seq.request.max_tokens == 0:  # prompt scoring only: no output
                 events += self._finish_all(seq, FinishCause.LENGTH)
         for seq in plan.sequences:
@@ -359,6 +360,7 @@ class Scheduler:
             num_cached_tokens=seq.num_cached,
             stop_match_len=seq.stop_match_len,
             prompt_logprobs=tuple(seq.prompt_entries) if first and request.prompt_logprobs is not None else None,
+            prompt_chunk_ends=tuple(seq.prompt_chunk_ends) if first and request.prompt_logprobs is not None else None,
             error=error,
         )
 

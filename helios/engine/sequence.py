@@ -33,6 +33,7 @@ class Sequence:
     finish: FinishCause | None = None
     stop_match_len: int = 0
     prompt_entries: list = field(default_factory=list)  # prompt logprob entries gathered so far
+    prompt_chunk_ends: list[int] = field(default_factory=list)  # where each scored prefill chunk ended
     sent_first: bool = False
     reasoning_open: bool = False  # inside reasoning (tracked only for requests with a budget)
     reasoning_tokens: int = 0

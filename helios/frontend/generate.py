@@ -83,6 +83,7 @@ class Generation:
     echo: str = ""  # the prompt as echoed (raw completions with echo)
     cached_tokens: int | None = None  # admission count of the first choice
     prompt_logprobs: tuple | None = None
+    prompt_chunk_ends: tuple[int, ...] = ()  # where the engine's scored prefill chunks ended
     finished: set[int] = field(default_factory=set)
 
     @property
@@ -109,6 +110,7 @@ class Generation:
             self.cached_tokens = event.num_cached_tokens
         if event.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = event.prompt_logprobs
+            self.prompt_chunk_ends = event.prompt_chunk_ends or ()
         if event.choice_index in self.finished:
             return None  # events after a string stop, before the abort lands
         choice = self.choices[event.choice_index]

@@ -2,7 +2,7 @@
 
 With echo, a choice starts with its prompt: the original text (or the decoded token-id
 prompt) and, when logprobs are asked for, its prompt entries. A stream sends those entries
-as one frame per completed prompt chunk (prefill_chunk_size positions), before any
+as one frame per prompt chunk the engine prefilled (as it reports them), before any
 generated entry; the first frame carries the echoed text.
 """
 
@@ -142,6 +142,14 @@ class _Choices:
             choice.finish = update.finish.termination
 
 
+def _windows(chunk_ends: tuple[int, ...], count: int, fallback: int) -> list[tuple[int, int]]:
+    """Prompt-entry windows, one per prefill chunk the engine ran (fixed-size without its record)."""
+    ends = [e for e in chunk_ends if 0 < e < count] + [count]
+    if not chunk_ends:
+        ends = list(range(fallback, count, fallback)) + [count]
+    return [(a, b) for a, b in zip([0] + ends[:-1], ends) if b > a]
+
+
 class CompletionStream:
     """Completion chunks; streams may interleave choice indices."""
 
@@ -163,8 +171,8 @@ class CompletionStream:
         text = choice.text if opened else ""  # a choice's first frame carries its echo
         start = len(choice.arrays.tokens) if choice.arrays is not None else 0  # this update's first entry
         if opened and choice.arrays is not None and start:  # echoed prompt entries: a frame per prompt chunk
-            for first in range(0, start, self.prompt_chunk):
-                out.append(self._frame(update.index, text, choice.arrays.window(first, first + self.prompt_chunk), None))
+            for first, end in _windows(self.run.generation_of(update.index).prompt_chunk_ends, start, self.prompt_chunk):
+                out.append(self._frame(update.index, text, choice.arrays.window(first, end), None))
                 text = ""
         self._choices.add(choice, update)
         window = choice.arrays.window(start) if choice.arrays is not None else None

@@ -229,3 +229,17 @@ def test_randomized_schedules_keep_every_invariant() -> None:
             if len(tokens) < max_tokens:  # capacity: only when the sequence alone fills the pool or context
                 assert length + len(tokens) >= min(64, pages * PAGE), (name, index, length, len(tokens))
         _idle(s)
+
+
+def test_scored_prefill_records_where_each_chunk_ended() -> None:
+    s = _scheduler(pages=16, chunk=4)
+    s.add(_request("other", 3))
+    s.add(_request("scored", 10, max_tokens=1, prompt_logprobs=0))
+    events = []
+    while s.has_work:  # "other" takes 3 of the first step's 4 prefill tokens: chunks are 1, 4, 4, 1
+        plan = s.schedule()
+        entries = {id(c): [None] * c.num_tokens for c in plan.chunks if c.scored}
+        tokens = {id(q): SampledToken(7, None) for c in plan.chunks if c.wants_logits for q in c.choices}
+        events += s.update_from_output(plan, ModelOutput(tokens, {}, entries))
+    first = next(e for e in events if e.request_id == "scored")
+    assert first.prompt_chunk_ends == (1, 5, 9, 10)
