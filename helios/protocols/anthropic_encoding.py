@@ -6,11 +6,11 @@ and fills waits with ping events; the buffered encoder renders the accumulated b
 
 from __future__ import annotations
 
-from helios.frontend.events import Accumulator, FinishEvent
+from helios.frontend.events import FinishEvent
 from helios.frontend.generate import ChoiceUpdate, Submission
 from helios.frontend.inference import Termination
 from helios.protocols.anthropic_messages import MessagesStream, message_json, sse
-from helios.protocols.encoding import json_body
+from helios.protocols.encoding import BufferedEvents, json_body
 from helios.protocols.errors import anthropic_error
 
 
@@ -46,23 +46,12 @@ class MessagesEncoder:
         return [sse(name, data) for name, data in self.events.error(status, message)]
 
 
-class MessagesBuffer:
+class MessagesBuffer(BufferedEvents):
     """The buffered message."""
 
     def __init__(self, run: Submission, model: str) -> None:
+        super().__init__()
         self.run, self.model = run, model
-        self._blocks = Accumulator()
-
-    def start(self) -> list[bytes]:
-        return []
-
-    def keepalive(self) -> list[bytes]:
-        return []
-
-    def push(self, update: ChoiceUpdate) -> list[bytes]:
-        for event in update.events:
-            self._blocks.push(event)
-        return []
 
     def finish(self) -> list[bytes]:
         return [json_body(message_json(self.run.request_id, self.model, self._blocks, self.run.usage()))]

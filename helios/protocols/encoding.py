@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from helios.frontend.events import Accumulator
 from helios.frontend.generate import ChoiceUpdate
 
 KEEPALIVE_COMMENT = b": keepalive\n\n"
@@ -54,3 +55,21 @@ def json_body(body: Any) -> bytes:
 def data_frame(body: Any) -> bytes:
     """An unnamed SSE event (OpenAI Chat and Completions)."""
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+class BufferedEvents:
+    """The shared half of a buffered encoder: no frames until `finish`, events accumulated."""
+
+    def __init__(self) -> None:
+        self._blocks = Accumulator()
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def keepalive(self) -> list[bytes]:
+        return []
+
+    def push(self, update: ChoiceUpdate) -> list[bytes]:
+        for event in update.events:
+            self._blocks.push(event)
+        return []

@@ -17,7 +17,7 @@ from helios.frontend.inference import Termination
 from helios.protocols.encoding import KEEPALIVE_COMMENT, data_frame, json_body
 from helios.protocols.errors import openai_error
 from helios.protocols.openai_chat import ChatOptions
-from helios.protocols.openai_common import chat_logprob_entry, finish_reason, now, prompt_logprobs_wire, usage_object
+from helios.protocols.openai_common import chat_logprob_entry, finish_reason, now, prompt_logprobs_wire, stream_chunk, usage_object
 
 DONE = b"data: [DONE]\n\n"
 
@@ -103,16 +103,11 @@ def chunk(request_id: str, model: str, created: int, index: int, delta: dict[str
     if logprobs is not None:
         choice["logprobs"] = {"content": logprobs, "refusal": None}
     choice.update(observations or {})
-    body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [choice]}  # fmt: skip
-    if usage is not None:
-        body["usage"] = usage
-    return body
+    return stream_chunk("chat.completion.chunk", request_id, model, created, [choice], usage)
 
 
 def usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-            "usage": usage_object(usage, reasoning=True)}  # fmt: skip
+    return stream_chunk("chat.completion.chunk", request_id, model, created, [], usage_object(usage, reasoning=True))
 
 
 class ChatStream:

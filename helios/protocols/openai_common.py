@@ -60,3 +60,12 @@ def prompt_logprobs_wire(entries: tuple | None, decode, as_token_ids: bool = Fal
         out.append({str(token_id): {"logprob": value.logprob, "rank": value.rank, "decoded_token": decode(token_id)}
                     for token_id, value in entry.items()})  # fmt: skip
     return out
+
+
+def stream_chunk(kind: str, request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+                 usage: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk object ("chat.completion.chunk" or "text_completion"), usage when given."""
+    body: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body

@@ -17,7 +17,7 @@ from helios.frontend.inference import Termination
 from helios.frontend.output import TokenEntry, text_offsets
 from helios.protocols.encoding import KEEPALIVE_COMMENT, data_frame, json_body
 from helios.protocols.errors import openai_error
-from helios.protocols.openai_common import finish_reason, now, prompt_logprobs_wire, usage_object
+from helios.protocols.openai_common import finish_reason, now, prompt_logprobs_wire, stream_chunk, usage_object
 from helios.protocols.openai_completions import CompletionOptions
 
 DONE = b"data: [DONE]\n\n"
@@ -91,16 +91,11 @@ def response(request_id: str, model: str, choices: list[dict[str, Any]], usage: 
 
 
 def chunk(request_id: str, model: str, created: int, choice: dict[str, Any], usage: dict | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [choice]}  # fmt: skip
-    if usage is not None:
-        body["usage"] = usage
-    return body
+    return stream_chunk("text_completion", request_id, model, created, [choice], usage)
 
 
 def usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
-            "usage": usage_object(usage, reasoning=False)}  # fmt: skip
+    return stream_chunk("text_completion", request_id, model, created, [], usage_object(usage, reasoning=False))
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 from helios.frontend.events import Accumulator, FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
 from helios.frontend.generate import ChoiceUpdate, Submission, Usage
 from helios.frontend.inference import Termination
-from helios.protocols.encoding import KEEPALIVE_COMMENT, OutputValidationError, json_body
+from helios.protocols.encoding import KEEPALIVE_COMMENT, BufferedEvents, OutputValidationError, json_body
 from helios.protocols.errors import openai_error
 from helios.protocols.openai_common import chat_logprob_entry, now
 from helios.protocols.openai_responses.decode import ResponsesOptions
@@ -285,23 +285,12 @@ class ResponsesEncoder:
         return [sse(e) for e in self.events.error(message, self.run.usage())]
 
 
-class ResponsesBuffer:
+class ResponsesBuffer(BufferedEvents):
     """The buffered response object; output failing its contract is a 500."""
 
     def __init__(self, run: Submission, model: str, options: ResponsesOptions) -> None:
+        super().__init__()
         self.run, self.model, self.options = run, model, options
-        self._blocks = Accumulator()
-
-    def start(self) -> list[bytes]:
-        return []
-
-    def keepalive(self) -> list[bytes]:
-        return []
-
-    def push(self, update: ChoiceUpdate) -> list[bytes]:
-        for event in update.events:
-            self._blocks.push(event)
-        return []
 
     def finish(self) -> list[bytes]:
         status = status_of(self._blocks.finish)
