@@ -42,10 +42,10 @@ class ServerConfig:
     # second spinning pool slows each step many times over; raise it on GPU hosts.
     grammar_threads: int = 1
     # CPU: decode-only steps of at most this many sequences run on one thread. They are
-    # memory-bound, so a second thread adds little, and a thread pool sharing a small
-    # machine with the HTTP side and its clients stalls whenever one of its threads is
-    # preempted. 0: every step uses all of torch's threads.
-    serial_decode_rows: int = 2
+    # memory-bound, so on some machines a second thread adds little, and a thread pool
+    # sharing a small machine with the HTTP side stalls whenever one of its threads is
+    # preempted; on others every thread helps. 0: every step uses all of torch's threads.
+    serial_decode_rows: int | None = None  # None: measured at startup (helios.engine.threads)
     # On SIGTERM/SIGINT: new requests get 503, open ones get this long to finish, then end
     # with an error event (streams) or a 500 (buffered) and the process exits.
     drain_seconds: float = 30.0
@@ -94,7 +94,7 @@ def _check(config: ServerConfig) -> ServerConfig:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
             raise ConfigError(f"[server] {name} must be a number of seconds above 0 and at most 3600, got {seconds!r}")
     rows = config.serial_decode_rows
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
         raise ConfigError(f"[server] serial_decode_rows must be a non-negative integer (0 disables), got {rows!r}")
     return config
 

@@ -37,7 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the core's limit
     device: str = "cpu"
     enable_prefix_cache: bool = True
-    serial_decode_rows: int = 0  # CPU: decode-only steps of at most this many rows use one thread
+    serial_decode_rows: int | None = 0  # CPU: decode-only steps of at most this many rows use one thread; None: measure
 
 
 class LLMEngine:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from helios.core import Core
 from helios.core.program import SCORED_PREFILL, STEP, allocate_kv
-from helios.engine import graph, kernels, prepack
+from helios.engine import graph, kernels, prepack, threads
 from helios.engine.sequence import Chunk
 
 
@@ -27,7 +27,9 @@ class StepResult:
 
 
 class Executor:
-    def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int = 0) -> None:
+    def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0) -> None:
+        """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
+        None measures the best threshold on this host (threads.measure)."""
         kernels.register()
         manifest = core.manifest
         self.device = device
@@ -44,8 +46,28 @@ class Executor:
                 self.weights = prepack.prepack(programs, self.weights)
         self.kv = allocate_kv(manifest.kv, num_pages, self.page_tokens, device)
         self.explicit = manifest.capabilities.explicit_logprob_ids
-        self.serial_decode_rows = serial_decode_rows if device == "cpu" else 0
         self.threads = torch.get_num_threads()
+        if device != "cpu":
+            serial_decode_rows = 0
+        elif serial_decode_rows is None:
+            rows = min(num_pages, max(threads.PROBE_ROWS))
+            serial_decode_rows = threads.measure(self._probe_decode, self.threads).serial_rows if rows else 0
+        self.serial_decode_rows = serial_decode_rows
+
+    def _probe_decode(self, rows: int) -> None:
+        """One decode step of `rows` one-token sequences on pages 0..rows-1 (before serving)."""
+        inputs = {
+            "token_ids": torch.zeros(rows, dtype=torch.int64),
+            "positions": torch.zeros(rows, dtype=torch.int64),
+            "slot_mapping": torch.arange(rows, dtype=torch.int64) * self.page_tokens,
+            "block_tables": torch.arange(rows, dtype=torch.int32)[:, None],
+            "seq_lens": torch.ones(rows, dtype=torch.int32),
+            "query_start_loc": torch.arange(rows + 1, dtype=torch.int32),
+            "logits_indices": torch.arange(rows, dtype=torch.int64),
+        }
+        if self.explicit:
+            inputs["logprob_token_ids"] = torch.zeros(rows, 1, dtype=torch.int64)
+        self.step(self.weights, self.kv, **{name: value.to(self.device) for name, value in inputs.items()})
 
     def copy_page(self, src: int, dst: int) -> None:
         for tensor in self.kv:

@@ -1,0 +1,61 @@
+"""The CPU thread policy, measured on this host at startup rather than tuned on another.
+
+Small decode steps are memory-bound: on some machines one thread streams the weights about
+as fast as two and cannot be stalled by a preempted pool thread; on others (wider memory
+paths, AMX or AVX-512 BF16 units per core) every thread helps even at one row. The engine
+times its own step program at a few row counts with one thread and with all of them, and
+runs decode steps of up to `serial_rows` rows on one thread only where that was faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("helios.engine")
+
+PROBE_ROWS = (1, 2, 4)
+WARMUP, REPEATS = 2, 5
+ONE_THREAD_MARGIN = 0.95  # one thread must be at least 5% faster to be chosen (noise, and it leaves a core free)
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadPolicy:
+    threads: int  # torch threads for every step that is not a small decode
+    serial_rows: int  # decode-only steps of at most this many rows run on one thread (0: never)
+    timings_ms: dict[tuple[int, int], float]  # (rows, threads) -> median step time measured
+
+
+def _median_ms(step: Callable[[], None]) -> float:
+    for _ in range(WARMUP):
+        step()
+    samples = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - start) * 1000)
+    return sorted(samples)[len(samples) // 2]
+
+
+def measure(decode_step: Callable[[int], None], threads: int) -> ThreadPolicy:
+    """Time decode_step(rows) at PROBE_ROWS with 1 and `threads` threads; choose serial_rows."""
+    timings: dict[tuple[int, int], float] = {}
+    serial_rows = 0
+    if threads > 1:
+        for rows in PROBE_ROWS:
+            for count in (1, threads):
+                torch.set_num_threads(count)
+                timings[(rows, count)] = _median_ms(lambda: decode_step(rows))
+            if timings[(rows, 1)] < ONE_THREAD_MARGIN * timings[(rows, threads)]:
+                serial_rows = rows
+            else:
+                break  # more rows only favour more threads
+        torch.set_num_threads(threads)
+    policy = ThreadPolicy(threads, serial_rows, timings)
+    log.info("thread policy: decode steps of up to %d rows on one thread, else %d threads (%s)", serial_rows, threads,
+             ", ".join(f"{r} rows x {t} threads: {ms:.1f} ms" for (r, t), ms in sorted(timings.items())))  # fmt: skip
+    return policy

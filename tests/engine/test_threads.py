@@ -1,0 +1,30 @@
+"""The thread policy is measured, not assumed: one thread only where it was faster."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from helios.engine import threads
+
+
+def test_one_thread_is_chosen_only_up_to_the_rows_where_it_wins(monkeypatch) -> None:
+    costs = {(1, 1): 1.0, (1, 2): 2.0, (2, 1): 2.0, (2, 2): 2.5, (4, 1): 4.0, (4, 2): 2.5}  # ms, made up
+
+    def step(rows: int) -> None:
+        deadline = time.perf_counter() + costs[(rows, torch.get_num_threads())] / 1000
+        while time.perf_counter() < deadline:
+            pass
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: monkeypatch.setattr(torch, "get_num_threads", lambda: n))
+    policy = threads.measure(step, 2)
+    assert policy.serial_rows == 2 and set(policy.timings_ms) == {(r, t) for r in (1, 2, 4) for t in (1, 2)}
+    assert torch.get_num_threads() == 2
+    monkeypatch.undo()
+    assert torch.get_num_threads() == before
+
+
+def test_a_single_threaded_host_never_measures() -> None:
+    assert threads.measure(lambda rows: None, 1).serial_rows == 0
