@@ -178,8 +178,12 @@ def self_check(fam: ModuleType, config: object, checkpoint: Checkpoint, programs
     """Saved programs vs the plain-torch reference; returns (max |Δ|, golden tensors)."""
     worst = 0.0
     golden: dict[str, torch.Tensor] = {}
+    # The reference runs in fp32 on the weights as the core stores them (rounded to its dtype):
+    # the check measures the program's arithmetic, not the precision the user chose.
+    dtype = next(iter(weights.values())).dtype
+    stored = {name: t.to(dtype) for name, t in checkpoint.tensors.items()}
     for index, prompt in enumerate(prompts):
-        reference = torch.log_softmax(fam.reference_logits(config, checkpoint.tensors, list(prompt)).float(), dim=-1)
+        reference = torch.log_softmax(fam.reference_logits(config, stored, list(prompt)).float(), dim=-1)
         for kind, program in programs.items():
             run = run_prompt(program, weights, kv, page_tokens, list(prompt), chunk=GOLDEN_CHUNK, explicit_ids=[0, 1])
             diff = float((run.logprobs - reference).abs().max())

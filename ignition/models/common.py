@@ -169,13 +169,16 @@ class DecoderProgram(torch.nn.Module):
         logprob_ids = extra.pop(0) if self.explicit_ids else None
         target_ids = extra.pop(0) if self.scored else None
         c = self.config
-        x = F.embedding(token_ids, weights["embed"])
-        cos, sin = rope(positions, c.head_dim, c.rope_theta, x.dtype)
+        # 16-bit cores: weights and matmul inputs in the core's dtype, but the residual stream,
+        # norms and rotary stay fp32 (a bf16 residual through 30 layers moves logprobs by ~0.5).
+        wdt = weights["embed"].dtype
+        x = F.embedding(token_ids, weights["embed"]).float()
+        cos, sin = rope(positions, c.head_dim, c.rope_theta, torch.float32)
         q_dim = c.num_heads * c.head_dim
         scale = 1.0 / math.sqrt(c.head_dim)
         for i in range(c.num_layers):
-            h = rms_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps)
-            q, k, v = F.linear(h, weights[f"layers.{i}.wqkv"]).split([q_dim, c.kv_dim, c.kv_dim], dim=-1)
+            h = rms_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps).to(wdt)
+            q, k, v = F.linear(h, weights[f"layers.{i}.wqkv"]).float().split([q_dim, c.kv_dim, c.kv_dim], dim=-1)
             q = q.reshape(-1, c.num_heads, c.head_dim)
             k = k.reshape(-1, c.num_kv_heads, c.head_dim)
             v = v.reshape(-1, c.num_kv_heads, c.head_dim)
@@ -183,14 +186,15 @@ class DecoderProgram(torch.nn.Module):
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
-            torch.ops.flare.write_kv(k_cache, v_cache, k, v, slot_mapping)
+            kvt = k_cache.dtype
+            torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
             attn = torch.ops.flare.paged_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale
+                q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale
             )
-            x = x + F.linear(attn.reshape(-1, q_dim), weights[f"layers.{i}.wo"])
-            h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps)
-            x = x + self.mlp(weights, i, h)
-        x = rms_norm(x, weights["norm"], c.rms_norm_eps)
+            x = x + F.linear(attn.reshape(-1, q_dim).to(wdt), weights[f"layers.{i}.wo"]).float()
+            h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
+            x = x + self.mlp(weights, i, h).float()
+        x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
         lm_head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
         outputs = generation_outputs(x[logits_indices], lm_head, self.num_top, logprob_ids)
         if target_ids is not None:
