@@ -3,8 +3,9 @@
     python benchmarks/compare.py [--core cores/smollm2] [--threads 2] [--out benchmarks/results]
 
 Runs serve_bench's scenarios against helios (the float32 core) and against llama-server
-on an F32 GGUF written from the same dequantized weights (and on the original Q4_1
-GGUF), each on loopback with the same thread count and parallel slots = concurrency.
+on an F32 GGUF written from the same dequantized weights, then a bfloat16 core against a
+BF16 GGUF of the same weights (when --bf16-core exists), and llama-server on the original
+Q4_1 GGUF, each on loopback with the same thread count and parallel slots = concurrency.
 Prints one table of helios/llama.cpp ratios and writes JSON and a PNG plot.
 """
 
@@ -25,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench  # noqa: E402
-from llamacpp_build import CACHE, ensure_llama_server, write_f32_gguf  # noqa: E402
+from llamacpp_build import CACHE, ensure_llama_server, write_f32_gguf, write_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOT_CONTEXT = 1024  # tokens per llama-server slot for short chats
@@ -111,11 +112,15 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def table(results: dict) -> str:
     helios, f32, q4 = results["helios"], results["llama_f32"], results.get("llama_q4_1", {})
-    rows = [("scenario", "helios", "llama F32", "ratio", "llama Q4_1", "ratio")]
+    h16, b16 = results.get("helios_bf16", {}), results.get("llama_bf16", {})
+    rows = [("scenario", "helios fp32", "llama F32", "ratio", "helios bf16", "llama BF16", "ratio", "llama Q4_1",
+             "fp32/Q4_1")]  # fmt: skip
 
     def add(name: str, get) -> None:
         h, f, q = get(helios), get(f32), get(q4) if q4 else None
-        rows.append((name, f"{h}", f"{f}", ratio(h, f), f"{q}", ratio(h, q) if q else "n/a"))
+        hb, lb = (get(h16), get(b16)) if h16 and b16 else (None, None)
+        rows.append((name, f"{h}", f"{f}", ratio(h, f), f"{hb}", f"{lb}", ratio(hb, lb), f"{q}",
+                     ratio(h, q) if q else "n/a"))  # fmt: skip
 
     if "single" in helios:
         add("single stream tok/s", lambda r: r.get("single", {}).get("output_tok_s"))
@@ -140,7 +145,9 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, label in (("helios", "helios (fp32 core)"), ("llama_f32", "llama-server F32"), ("llama_q4_1", "llama-server Q4_1")):
+    for name, label in (("helios", "helios (fp32 core)"), ("llama_f32", "llama-server F32"),
+                        ("helios_bf16", "helios (bf16 core)"), ("llama_bf16", "llama-server BF16"),
+                        ("llama_q4_1", "llama-server Q4_1")):  # fmt: skip
         sweep = results.get(name, {}).get("sweep")
         if not sweep:
             continue
@@ -163,6 +170,8 @@ def main() -> None:
     parser.add_argument("--scenario", default="all")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--skip-q4", action="store_true", help="skip llama-server on the Q4_1 GGUF")
+    parser.add_argument("--bf16-core", type=Path, default=ROOT / "cores" / "smollm2-bf16",
+                        help="a bfloat16 core of the same weights (skipped when absent), against a BF16 GGUF")  # fmt: skip
     args = parser.parse_args()
     scenarios = ["single", "sweep", "prefix", "prefill"] if args.scenario == "all" else args.scenario.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -178,6 +187,12 @@ def main() -> None:
                            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}  # fmt: skip
     results["helios"] = run_helios(args.core, args.threads, scenarios, args.out)
     results["llama_f32"] = run_llama(binary, f32, args.threads, scenarios)
+    if args.bf16_core.is_dir():
+        bf16 = CACHE / "SmolLM2-135M-Instruct.BF16.gguf"
+        if not bf16.is_file():
+            write_gguf(q4, bf16, "bf16")
+        results["helios_bf16"] = run_helios(args.bf16_core, args.threads, scenarios, args.out)
+        results["llama_bf16"] = run_llama(binary, bf16, args.threads, scenarios)
     if not args.skip_q4:
         results["llama_q4_1"] = run_llama(binary, q4, args.threads, scenarios)
     (args.out / "compare.json").write_text(json.dumps(results, indent=2) + "\n")

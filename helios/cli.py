@@ -58,7 +58,12 @@ def serve(
     except (ConfigError, CoreError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"serving {state.model.public_id} on http://{settings.host}:{settings.port}/v1", err=True)
+    weights = state.core.manifest.weights.dtype
+    if state.client.engine.upcast_from:
+        weights += " weights upcast to float32 at load: this CPU has no fast native " + state.client.engine.upcast_from + " matmul"
+    else:
+        weights += " weights"
+    typer.echo(f"serving {state.model.public_id} ({weights}) on http://{settings.host}:{settings.port}/v1", err=True)
     serve_until_signal(create_app(state), state, settings.host, settings.port, log_level)
 
 

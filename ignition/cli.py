@@ -53,6 +53,7 @@ def export(
     model_id: Annotated[Optional[str], typer.Option("--model-id", help="Checkpoint identifier to record (default: from the source).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Context limit in tokens (default: the checkpoint's).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Weight and compute dtype: float32, bfloat16, float16.")] = "float32",
+    kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", help="KV cache dtype (default: the weight dtype); bfloat16 halves attention's memory traffic.")] = None,
     page_tokens: Annotated[int, typer.Option("--page-tokens", help="Tokens per KV page (power of two).")] = 16,
     decode_buckets: Annotated[str, typer.Option("--decode-buckets", help="Decode batch sizes to capture as CUDA graphs.")] = "1,2,4,8,16,32,64,128,256",
     no_ranges: Annotated[bool, typer.Option("--no-ranges", help="Drop the recipe's intervals: every sampling parameter fixed at its default.")] = False,
@@ -66,7 +67,7 @@ def export(
     try:
         options = ExportOptions(
             out=out, force=force, prompt_logprobs=prompt_logprobs, max_top_logprobs=max_top_logprobs,
-            logprob_ids=not no_logprob_ids, aliases=tuple(alias or ()), max_model_len=max_model_len, dtype=dtype,
+            logprob_ids=not no_logprob_ids, aliases=tuple(alias or ()), max_model_len=max_model_len, dtype=dtype, kv_dtype=kv_dtype,
             page_tokens=page_tokens, decode_buckets=_buckets(decode_buckets), ranges=not no_ranges, model_id=model_id,
         )  # fmt: skip
         check_options(options)

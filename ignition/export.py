@@ -43,7 +43,7 @@ GOLDEN_TEXTS = (
 )
 GOLDEN_TOKENS = 24  # per prompt
 GOLDEN_CHUNK = 7  # odd on purpose: chunks straddle page boundaries
-TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}  # max |Δ logprob| vs the fp32 reference
+TOLERANCE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.1}  # max |Δ logprob| vs fp32 on the stored weights; bf16: docs/export.md
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,7 @@ class ExportOptions:
     aliases: tuple[str, ...] = ()
     max_model_len: int | None = None
     dtype: str = "float32"
+    kv_dtype: str | None = None  # KV cache pages; None: the weight dtype
     page_tokens: int = 16
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     ranges: bool = True
@@ -91,6 +92,8 @@ def check_options(options: ExportOptions) -> None:
         raise UsageError(f"--max-top-logprobs must be between 0 and {mf.MAX_TOP_LOGPROBS}, got {options.max_top_logprobs}")
     if options.dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    if options.kv_dtype is not None and options.kv_dtype not in DTYPES:
+        raise UsageError(f"--kv-dtype must be one of {', '.join(DTYPES)}, got {options.kv_dtype!r}")
     if options.page_tokens < 1 or options.page_tokens & (options.page_tokens - 1):
         raise UsageError(f"--page-tokens must be a positive power of two, got {options.page_tokens}")
     if not options.decode_buckets or any(b < 1 for b in options.decode_buckets):
@@ -259,7 +262,8 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) 
     limits = _limits(options, config)
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
-    kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=options.dtype)
+    kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     dtype=options.kv_dtype or options.dtype)  # fmt: skip
     template = checkpoint.chat_template if recipe.info.template_source == "checkpoint" else None
     tokenizer = Tokenizer.from_str(checkpoint.tokenizer_json)
     staging = Path(tempfile.mkdtemp(prefix=f".{options.out.name}.", dir=options.out.parent))

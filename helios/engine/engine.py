@@ -14,13 +14,25 @@ import torch
 
 from helios.core import Core
 from helios.core.logs import log_failure
+from helios.engine import precision
 from helios.engine.executor import Executor, StepResult
 from helios.engine.kv_cache import PagePool
-from helios.engine.logprobs import TokenLogprobs, explicit_alternatives, natural_alternatives, prompt_entry
+from helios.engine.logprobs import (
+    TokenLogprobs,
+    explicit_alternatives,
+    natural_alternatives,
+    prompt_entry,
+)
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats
 from helios.engine.sampler import Sampler
 from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
-from helios.engine.sequence import Chunk, ModelOutput, SampledToken, SchedulerOutput, Sequence
+from helios.engine.sequence import (
+    Chunk,
+    ModelOutput,
+    SampledToken,
+    SchedulerOutput,
+    Sequence,
+)
 
 log = logging.getLogger("helios.engine")
 
@@ -47,8 +59,12 @@ class LLMEngine:
         self.config = config
         self.vocab_size = m.tokenizer.vocab_size
         self.max_model_len = min(config.max_model_len or m.limits.max_model_len, m.limits.max_model_len)
+        # A 16-bit core on a CPU without native 16-bit matmuls runs upcast to fp32 (measured).
+        self.upcast_from = m.weights.dtype if config.device == "cpu" and m.weights.dtype in ("bfloat16", "float16") \
+            and not precision.is_native(getattr(torch, m.weights.dtype)) else None  # fmt: skip
+        kv_dtype = "float32" if self.upcast_from else m.kv.dtype
         page_bytes = 2 * m.kv.num_layers * m.limits.page_tokens * m.kv.num_kv_heads * m.kv.head_dim * torch.tensor(
-            [], dtype=getattr(torch, m.kv.dtype)).element_size()  # fmt: skip
+            [], dtype=getattr(torch, kv_dtype)).element_size()  # fmt: skip
         num_pages = config.num_pages or max(1, config.kv_memory_bytes // page_bytes)
         self.pool = PagePool(num_pages, m.limits.page_tokens)
         self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,
@@ -58,7 +74,7 @@ class LLMEngine:
                             frozenset(m.tokenizer.eos_token_ids)),
             self.pool, self.stats,
         )  # fmt: skip
-        self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows)
+        self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None)
         self.sampler = Sampler()
         self.mask_hook = mask_hook
         self._aborted: set[tuple[str, int | None]] = set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -27,7 +28,8 @@ class StepResult:
 
 
 class Executor:
-    def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0) -> None:
+    def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
+                 upcast: bool = False) -> None:  # fmt: skip
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure)."""
         kernels.register()
@@ -35,16 +37,24 @@ class Executor:
         self.device = device
         self.page_tokens = manifest.limits.page_tokens
         self.weights = core.load_weights(device)
+        kv_layout = manifest.kv
+        self.upcast = upcast  # a 16-bit core on a host without native 16-bit matmuls: fp32 at load
+        if upcast:
+            self.weights = {name: w.float() if w.is_floating_point() else w for name, w in self.weights.items()}
+            kv_layout = msgspec.structs.replace(kv_layout, dtype="float32")
         # The executor builds every input itself, so per-call guard checks are skipped.
         self.step = core.load_program(STEP, check_guards=False)
         self.scored = core.load_program(SCORED_PREFILL, check_guards=False) if SCORED_PREFILL in manifest.programs else None
         programs = [p for p in (self.step, self.scored) if p is not None]
+        if upcast:
+            for program in programs:
+                graph.upcast(program)
         if device == "cpu":
             for program in programs:
                 graph.simplify(program)
             if prepack.available():
                 self.weights = prepack.prepack(programs, self.weights)
-        self.kv = allocate_kv(manifest.kv, num_pages, self.page_tokens, device)
+        self.kv = allocate_kv(kv_layout, num_pages, self.page_tokens, device)
         self.explicit = manifest.capabilities.explicit_logprob_ids
         self.threads = torch.get_num_threads()
         if device != "cpu":

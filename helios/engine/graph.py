@@ -52,3 +52,19 @@ def simplify(program: Program) -> int:
     graph.lint()
     program.module.recompile()
     return removed
+
+
+def upcast(program: Program) -> int:
+    """Drop the program's conversions to 16-bit dtypes, for weights and KV upcast to fp32 at
+    load on a host without native 16-bit matmuls; returns the conversions removed."""
+    graph = program.module.graph
+    removed = 0
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is torch.ops.aten.to.dtype and len(node.args) == 2
+                and not node.kwargs and node.args[1] in (torch.bfloat16, torch.float16)):  # fmt: skip
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            removed += 1
+    graph.lint()
+    program.module.recompile()
+    return removed

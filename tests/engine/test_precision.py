@@ -1,0 +1,54 @@
+"""16-bit cores: exported within their measured tolerance, served natively where the CPU has
+fast 16-bit matmuls and upcast to fp32 at load where it does not, with the same answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helios.core import Core
+from helios.engine import precision
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.offline import run_to_completion
+from helios.engine.request import EngineRequest
+from helios.engine.sampling_params import SamplingParams
+from ignition.export import ExportOptions, export_core
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+
+GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
+
+
+@pytest.fixture(scope="module")
+def bf16_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cores") / "tiny-bf16"
+    result = export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), ExportOptions(out=out, dtype="bfloat16"))
+    assert result.manifest.weights.dtype == "bfloat16" and result.manifest.kv.dtype == "bfloat16"
+    return out
+
+
+def _answer(core: Path) -> tuple[list[int], list[float], LLMEngine]:
+    engine = LLMEngine(Core.open(core), EngineConfig(num_pages=64))
+    request = EngineRequest("r", (5, 6, 7, 8, 9), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=0)
+    out = run_to_completion(engine, [request])["r"][0]
+    return out.token_ids, [e.logprob for e in out.logprobs], engine
+
+
+def test_a_host_without_native_bf16_upcasts_at_load(bf16_core: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(precision, "is_native", lambda dtype: True)
+    native_tokens, native_logprobs, native = _answer(bf16_core)
+    assert native.upcast_from is None and native.executor.kv[0].dtype.is_floating_point
+    monkeypatch.setattr(precision, "is_native", lambda dtype: False)
+    tokens, logprobs, upcast = _answer(bf16_core)
+    assert upcast.upcast_from == "bfloat16" and str(upcast.executor.kv[0].dtype) == "torch.float32"
+    assert all(str(w.dtype) == "torch.float32" for w in upcast.executor.weights.values() if w.is_floating_point())
+    # fp32 arithmetic on the same bf16-rounded weights: at least as exact as the native path
+    assert max(abs(a - b) for a, b in zip(logprobs, native_logprobs)) < 0.5
+    assert len(tokens) == len(native_tokens) == 12
+
+
+def test_kv_dtype_is_recorded_separately(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    result = export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"),
+                         ExportOptions(out=tmp_path / "c", dtype="bfloat16", kv_dtype="float32"))  # fmt: skip
+    assert (result.manifest.weights.dtype, result.manifest.kv.dtype) == ("bfloat16", "float32")
