@@ -8,9 +8,14 @@ page tensors [num_pages, page_tokens, num_kv_heads, head_dim] (updated in place)
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,6 +63,9 @@ def program_signature(
     return tuple(inputs), tuple(outputs)
 
 
+_HINTS_LOCK = threading.Lock()
+
+
 class Program:
     """A loaded exported program with named inputs and outputs."""
 
@@ -71,7 +79,8 @@ class Program:
     @classmethod
     def load(cls, kind: str, spec: ProgramSpec, path: Path, check_guards: bool = True) -> "Program":
         """check_guards=False skips per-call input-shape checks (callers that build inputs themselves)."""
-        exported = torch.export.load(str(path))
+        with _memoized_type_hints():
+            exported = torch.export.load(str(path))
         module = exported.module(check_guards=check_guards)
         if not check_guards:
             # The unlifted module still validates inputs against the range constraints with
@@ -151,3 +160,27 @@ def run_prompt(
     outputs = {name: torch.cat(parts) for name, parts in collected.items()}
     logprobs = outputs["logits"] - outputs["logsumexp"][:, None]
     return DenseRun(logprobs=logprobs, outputs=outputs)
+
+
+@contextlib.contextmanager
+def _memoized_type_hints() -> Iterator[None]:
+    """torch.export's deserializer asks typing.get_type_hints about the same few schema classes
+    some 40,000 times per program (half of a load); answer repeats from a memo while it runs."""
+    real = typing.get_type_hints
+    memo: dict[tuple[object, bool], dict[str, Any]] = {}
+
+    def cached(obj: Any, globalns: Any = None, localns: Any = None, include_extras: bool = False) -> dict[str, Any]:
+        key = (obj, include_extras)
+        if localns is not None or key not in memo:
+            hints = real(obj, globalns, localns, include_extras)
+            if localns is not None:
+                return hints
+            memo[key] = hints
+        return memo[key]
+
+    with _HINTS_LOCK:
+        typing.get_type_hints = cached  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            typing.get_type_hints = real

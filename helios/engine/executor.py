@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import msgspec
@@ -9,9 +10,12 @@ import torch
 from torch import Tensor
 
 from helios.core import Core
+from helios.core.logs import Stopwatch
 from helios.core.program import SCORED_PREFILL, STEP, allocate_kv
 from helios.engine import graph, kernels, prepack, threads
 from helios.engine.sequence import Chunk
+
+log = logging.getLogger("helios.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +36,13 @@ class Executor:
                  upcast: bool = False) -> None:  # fmt: skip
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure)."""
+        clock = Stopwatch(log, "executor startup")
         kernels.register()
         manifest = core.manifest
         self.device = device
         self.page_tokens = manifest.limits.page_tokens
         self.weights = core.load_weights(device)
+        clock.lap("loading weights")
         kv_layout = manifest.kv
         self.upcast = upcast  # a 16-bit core on a host without native 16-bit matmuls: fp32 at load
         if upcast:
@@ -46,6 +52,7 @@ class Executor:
         self.step = core.load_program(STEP, check_guards=False)
         self.scored = core.load_program(SCORED_PREFILL, check_guards=False) if SCORED_PREFILL in manifest.programs else None
         programs = [p for p in (self.step, self.scored) if p is not None]
+        clock.lap(f"loading {len(programs)} programs")
         if upcast:
             for program in programs:
                 graph.upcast(program)
@@ -54,7 +61,9 @@ class Executor:
                 graph.simplify(program)
             if prepack.available():
                 self.weights = prepack.prepack(programs, self.weights)
+            clock.lap("simplifying graphs and packing weights")
         self.kv = allocate_kv(kv_layout, num_pages, self.page_tokens, device)
+        clock.lap(f"allocating {num_pages} KV pages")
         self.explicit = manifest.capabilities.explicit_logprob_ids
         self.threads = torch.get_num_threads()
         if device != "cpu":
@@ -62,6 +71,7 @@ class Executor:
         elif serial_decode_rows is None:
             rows = min(num_pages, max(threads.PROBE_ROWS))
             serial_decode_rows = threads.measure(self._probe_decode, self.threads).serial_rows if rows else 0
+            clock.lap("measuring the thread policy")
         self.serial_decode_rows = serial_decode_rows
 
     def _probe_decode(self, rows: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any, Callable, TypeVar
 
 from helios.config import ConfigError, ServerConfig
 from helios.core import Core
+from helios.core.logs import Stopwatch
 from helios.engine.client import EngineClient
 from helios.engine.engine import EngineConfig, LLMEngine
 from helios.frontend.constraint import GrammarMasks
@@ -70,7 +72,9 @@ class ServerState:
 
 
 def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
+    clock = Stopwatch(logging.getLogger("helios.server"), "startup")
     core = Core.open(core_dir)
+    clock.lap("opening the core (checksums)")
     m = core.manifest
     if config.thinking_token_budget is not None and (
         m.recipe.reasoning_syntax is None or reasoning_delimiters(m.recipe.reasoning_syntax, core.tokenizer()) is None
@@ -86,8 +90,10 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
         serial_decode_rows=config.serial_decode_rows),
         mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     client = EngineClient(engine).start()
+    clock.lap("starting the engine")
     frontend = Frontend(core, config)
     frontend.grammars.probe.start()  # its worker builds the tokenizer while the server starts
+    clock.lap("starting the frontend")
     created = int(time.time())
     model = identity(m, config.aliases, created)
     flare = flare_object(m, max_concurrency=config.max_concurrency, prefill_chunk_size=config.prefill_chunk_size,
