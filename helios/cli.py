@@ -40,12 +40,17 @@ def serve(
     api_key_file: Annotated[Optional[Path], typer.Option("--api-key-file", help="File holding the serving key (overrides [server] api_key).")] = None,
     host: Annotated[Optional[str], typer.Option("--host", help="Address to bind (default 127.0.0.1).")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help="Port to bind (default 8000).")] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
+    log_level: Annotated[str, typer.Option("--log-level", help="critical, error, warning, info or debug (debug: where startup time goes).")] = "info",
 ) -> None:
     """Serve a core: OpenAI Chat/Completions/Responses, Anthropic Messages, Ollama discovery, scoring, health, metrics."""
     from helios.hugepages import reexec_with_huge_pages
 
     reexec_with_huge_pages()  # once, before anything large is allocated
+    import logging
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("torch", "httpx", "filelock", "urllib3"):  # their debug output is not ours
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
     from helios.config import ConfigError, load_config
     from helios.core import CoreError
     from helios.server.app import create_app

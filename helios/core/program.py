@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -104,7 +105,11 @@ def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str 
     """A zeroed paged cache: [k0, v0, k1, v1, ...], each [num_pages, page_tokens, kv_heads, head_dim]."""
     dtype = getattr(torch, layout.dtype)
     shape = (num_pages, page_tokens, layout.num_kv_heads, layout.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * layout.num_layers)]
+    if device != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * layout.num_layers)]
+    # calloc'd memory: fresh zero pages the kernel maps on first write, not a 1 GB memset at startup
+    same_size = {2: np.int16, 4: np.int32, 8: np.int64}[torch.tensor([], dtype=dtype).element_size()]
+    return [torch.from_numpy(np.zeros(shape, dtype=same_size)).view(dtype) for _ in range(2 * layout.num_layers)]
 
 
 @dataclass(frozen=True, slots=True)
