@@ -185,17 +185,24 @@ def main() -> None:
         write_f32_gguf(q4, f32)
     results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
                            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}  # fmt: skip
+    def save() -> None:  # after every server: a later failure keeps what was measured
+        (args.out / "compare.json").write_text(json.dumps(results, indent=2) + "\n")
+
     results["helios"] = run_helios(args.core, args.threads, scenarios, args.out)
+    save()
     results["llama_f32"] = run_llama(binary, f32, args.threads, scenarios)
+    save()
     if args.bf16_core.is_dir():
         bf16 = CACHE / "SmolLM2-135M-Instruct.BF16.gguf"
         if not bf16.is_file():
             write_gguf(q4, bf16, "bf16")
         results["helios_bf16"] = run_helios(args.bf16_core, args.threads, scenarios, args.out)
+        save()
         results["llama_bf16"] = run_llama(binary, bf16, args.threads, scenarios)
+        save()
     if not args.skip_q4:
         results["llama_q4_1"] = run_llama(binary, q4, args.threads, scenarios)
-    (args.out / "compare.json").write_text(json.dumps(results, indent=2) + "\n")
+    save()
     print(table(results))
     if "sweep" in scenarios:
         plot(results, args.out / "compare.png")

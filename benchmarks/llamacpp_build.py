@@ -77,8 +77,8 @@ def write_gguf(source: Path, out: Path, precision: str) -> Path:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         data = data.reshape(shape)
         if precision == "bf16" and len(shape) == 2:
-            writer.add_tensor(tensor.name, quantize(data, GGMLQuantizationType.BF16), raw_shape=data.shape,
-                              raw_dtype=GGMLQuantizationType.BF16)  # fmt: skip
+            # quantize() returns the raw bytes; the writer derives the element shape from them
+            writer.add_tensor(tensor.name, quantize(data, GGMLQuantizationType.BF16), raw_dtype=GGMLQuantizationType.BF16)
         else:
             writer.add_tensor(tensor.name, data, raw_dtype=GGMLQuantizationType.F32)
     writer.write_header_to_file()

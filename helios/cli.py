@@ -43,8 +43,13 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="critical, error, warning, info or debug (debug: where startup time goes).")] = "info",
 ) -> None:
     """Serve a core: OpenAI Chat/Completions/Responses, Anthropic Messages, Ollama discovery, scoring, health, metrics."""
+    import os
+
     from helios.hugepages import reexec_with_huge_pages
 
+    # Before torch loads OpenMP: idle pool threads sleep instead of spinning, so they do not
+    # take the cores the HTTP side needs between steps (single stream +22% here, no loss at 64).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     reexec_with_huge_pages()  # once, before anything large is allocated
     import logging
 
