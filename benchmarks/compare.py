@@ -205,7 +205,10 @@ def main() -> None:
     save()
     print(table(results))
     if "sweep" in scenarios:
-        plot(results, args.out / "compare.png")
+        try:
+            plot(results, args.out / "compare.png")
+        except ImportError:
+            print("no plot: install the bench extra (pip install -e '.[bench]') for matplotlib", file=sys.stderr)
 
 
 if __name__ == "__main__":
