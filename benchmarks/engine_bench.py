@@ -62,7 +62,7 @@ def decode_throughput(engine: LLMEngine, tokenizer, batch: int, tokens: int,
     ]
     for request in requests:
         engine.add(request)
-    while any(s.prefilling for s in engine.scheduler.running) or engine.scheduler.waiting:
+    while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (and the first sampled token) is not part of the decode figure
     generated = engine.stats.generated_tokens
     start = time.perf_counter()
