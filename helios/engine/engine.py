@@ -118,7 +118,7 @@ class LLMEngine:
     def step(self) -> list[EngineEvent]:
         events = self._apply_aborts()
         plan = self.scheduler.schedule()
-        events += self.scheduler.take_events()
+        events += plan.finished
         if plan.chunks:
             try:
                 output = self._run(plan)

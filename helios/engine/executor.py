@@ -44,8 +44,7 @@ class Executor:
         self.weights = core.load_weights(device)
         clock.lap("loading weights")
         kv_layout = manifest.kv
-        self.upcast = upcast  # a 16-bit core on a host without native 16-bit matmuls: fp32 at load
-        if upcast:
+        if upcast:  # a 16-bit core on a host without native 16-bit matmuls: fp32 at load
             self.weights = {name: w.float() if w.is_floating_point() else w for name, w in self.weights.items()}
             kv_layout = msgspec.structs.replace(kv_layout, dtype="float32")
         # The executor builds every input itself, so per-call guard checks are skipped.
@@ -69,8 +68,8 @@ class Executor:
         if device != "cpu":
             serial_decode_rows = 0
         elif serial_decode_rows is None:
-            rows = min(num_pages, max(threads.PROBE_ROWS))
-            serial_decode_rows = threads.measure(self._probe_decode, self.threads).serial_rows if rows else 0
+            rows = tuple(r for r in threads.PROBE_ROWS if r <= num_pages)  # the probe uses pages 0..rows-1
+            serial_decode_rows = threads.measure(self._probe_decode, self.threads, rows).serial_rows
             clock.lap("measuring the thread policy")
         self.serial_decode_rows = serial_decode_rows
 

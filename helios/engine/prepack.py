@@ -30,7 +30,7 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _pack(weight: Tensor) -> Tensor:
+def pack(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
 
 
@@ -60,7 +60,7 @@ def prepack(programs: list[Program], weights: dict[str, Tensor]) -> dict[str, Te
                     linear_only.discard(name)
     if not rewrites:
         return weights
-    packed = {name: _pack(weights[name]) for name in {name for _, _, name in rewrites}}
+    packed = {name: pack(weights[name]) for name in {name for _, _, name in rewrites}}
     for program in {id(p): p for p, _, _ in rewrites}.values():
         module = program.module
         for _, node, name in (r for r in rewrites if r[0] is program):

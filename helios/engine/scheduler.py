@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
 from helios.engine.sampler import make_generator
-from helios.engine.sequence import Chunk, ModelOutput, SampledToken, SchedulerOutput, Sequence
+from helios.engine.sequence import (
+    Chunk,
+    ModelOutput,
+    SampledToken,
+    SchedulerOutput,
+    Sequence,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +48,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
         self._forked: list[Sequence] = []  # children created while planning; they join `running` after it
-        self._pending_events: list[EngineEvent] = []  # finishes decided while planning
+        self._planned_finishes: list[EngineEvent] = []  # finishes decided while planning this step
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -58,7 +64,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_events)
+        return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> SchedulerOutput:
@@ -94,7 +100,8 @@ class Scheduler:
             budget -= chunks[-1].num_tokens
         self.running += self._forked
         self._forked = []
-        return SchedulerOutput(tuple(chunks), tuple(copies))
+        finished, self._planned_finishes = tuple(self._planned_finishes), []
+        return SchedulerOutput(tuple(chunks), tuple(copies), finished)
 
     def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk:
         return self._chunk(seq, seq.num_computed, min(seq.num_pending, budget), copies)
@@ -140,7 +147,7 @@ class Scheduler:
 
     def _finish_alone(self, seq: Sequence) -> None:
         """A sequence that cannot fit even an otherwise empty pool (spec: past page capacity)."""
-        self._pending_events.extend(self._finish_all(seq, FinishCause.LENGTH))
+        self._planned_finishes += self._finish_all(seq, FinishCause.LENGTH)
 
     def _admit(self, seq: Sequence) -> bool:
         """Take pages for seq's tokens (after prefix reuse) and reserve its choices' next pages."""
@@ -208,11 +215,6 @@ class Scheduler:
         return children
 
     # ------------------------------------------------------------------ results
-    def take_events(self) -> list[EngineEvent]:
-        """Events produced while planning (sequences finished by capacity)."""
-        events, self._pending_events = self._pending_events, []
-        return events
-
     def update_from_output(self, plan: SchedulerOutput, output: ModelOutput) -> list[EngineEvent]:
         """Commit a step: computed positions, published pages, sampled tokens, stops and finishes."""
         events: list[EngineEvent] = []

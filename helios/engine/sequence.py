@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 import torch
 
 from helios.engine.logprobs import TokenLogprobs
-from helios.engine.request import EngineRequest, FinishCause, TokenConstraint
+from helios.engine.request import (
+    EngineEvent,
+    EngineRequest,
+    FinishCause,
+    TokenConstraint,
+)
 
 
 @dataclass(eq=False)
@@ -79,6 +84,7 @@ class Chunk:
 class SchedulerOutput:
     chunks: tuple[Chunk, ...]  # invariant: at most one chunk per sequence; every page they touch is allocated
     page_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) after the step: forked children's partial pages
+    finished: tuple[EngineEvent, ...] = ()  # sequences planning found could never fit (length cause)
 
     @property
     def sequences(self) -> list[Sequence]:

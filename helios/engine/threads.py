@@ -41,12 +41,12 @@ def _median_ms(step: Callable[[], None]) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def measure(decode_step: Callable[[int], None], threads: int) -> ThreadPolicy:
-    """Time decode_step(rows) at PROBE_ROWS with 1 and `threads` threads; choose serial_rows."""
+def measure(decode_step: Callable[[int], None], threads: int, probe_rows: tuple[int, ...] = PROBE_ROWS) -> ThreadPolicy:
+    """Time decode_step(rows) at `probe_rows` with 1 and `threads` threads; choose serial_rows."""
     timings: dict[tuple[int, int], float] = {}
     serial_rows = 0
     if threads > 1:
-        for rows in PROBE_ROWS:
+        for rows in probe_rows:
             for count in (1, threads):
                 torch.set_num_threads(count)
                 timings[(rows, count)] = _median_ms(lambda: decode_step(rows))

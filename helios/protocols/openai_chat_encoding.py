@@ -17,9 +17,15 @@ from helios.frontend.inference import Termination
 from helios.protocols.encoding import KEEPALIVE_COMMENT, data_frame, json_body
 from helios.protocols.errors import openai_error
 from helios.protocols.openai_chat import ChatOptions
-from helios.protocols.openai_common import chat_logprob_entry, finish_reason, now, prompt_logprobs_wire, stream_chunk, usage_object
-
-DONE = b"data: [DONE]\n\n"
+from helios.protocols.openai_common import (
+    chat_logprob_entry,
+    finish_reason,
+    now,
+    prompt_logprobs_wire,
+    stream_chunk,
+    stream_end,
+    usage_object,
+)
 
 
 @dataclass
@@ -106,10 +112,6 @@ def chunk(request_id: str, model: str, created: int, index: int, delta: dict[str
     return stream_chunk("chat.completion.chunk", request_id, model, created, [choice], usage)
 
 
-def usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
-    return stream_chunk("chat.completion.chunk", request_id, model, created, [], usage_object(usage, reasoning=True))
-
-
 class ChatStream:
     """The chunk stream; with continuous usage every chunk carries the cumulative counts."""
 
@@ -170,10 +172,7 @@ class ChatStream:
         return data_frame(chunk(self.run.request_id, self.model, self.run.created, index, delta, **fields))
 
     def finish(self) -> list[bytes]:
-        out = []
-        if self.options.include_usage:
-            out.append(data_frame(usage_chunk(self.run.request_id, self.model, self.run.created, self.run.usage())))
-        return out + [DONE]
+        return stream_end("chat.completion.chunk", self.run, self.model, self.options.include_usage, reasoning=True)
 
     def error(self, status: int, message: str) -> list[bytes]:
         return [data_frame(openai_error(status, message))]  # no [DONE] after a failure

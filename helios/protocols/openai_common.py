@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from helios.frontend.generate import Usage
+from helios.frontend.generate import Submission, Usage
 from helios.frontend.inference import Termination
 from helios.frontend.output import TokenEntry
+from helios.protocols.encoding import data_frame
 
 FINISH_REASONS = {
     Termination.EOS: "stop",
@@ -69,3 +70,12 @@ def stream_chunk(kind: str, request_id: str, model: str, created: int, choices: 
     if usage is not None:
         body["usage"] = usage
     return body
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def stream_end(kind: str, run: Submission, model: str, include_usage: bool, *, reasoning: bool) -> list[bytes]:
+    """The close of an OpenAI chunk stream: the usage chunk when asked for, then [DONE]."""
+    usage = [data_frame(stream_chunk(kind, run.request_id, model, run.created, [], usage_object(run.usage(), reasoning=reasoning)))]
+    return (usage if include_usage else []) + [DONE]

@@ -17,10 +17,16 @@ from helios.frontend.inference import Termination
 from helios.frontend.output import TokenEntry, text_offsets
 from helios.protocols.encoding import KEEPALIVE_COMMENT, data_frame, json_body
 from helios.protocols.errors import openai_error
-from helios.protocols.openai_common import finish_reason, now, prompt_logprobs_wire, stream_chunk, usage_object
+from helios.protocols.openai_common import (
+    finish_reason,
+    now,
+    prompt_logprobs_wire,
+    stream_chunk,
+    stream_end,
+    usage_object,
+)
 from helios.protocols.openai_completions import CompletionOptions
 
-DONE = b"data: [DONE]\n\n"
 TokenText = Callable[[int], str]
 
 
@@ -92,10 +98,6 @@ def response(request_id: str, model: str, choices: list[dict[str, Any]], usage: 
 
 def chunk(request_id: str, model: str, created: int, choice: dict[str, Any], usage: dict | None = None) -> dict[str, Any]:
     return stream_chunk("text_completion", request_id, model, created, [choice], usage)
-
-
-def usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
-    return stream_chunk("text_completion", request_id, model, created, [], usage_object(usage, reasoning=False))
 
 
 @dataclass
@@ -181,10 +183,7 @@ class CompletionStream:
                                 choice_json(index, text, arrays, finish), usage))  # fmt: skip
 
     def finish(self) -> list[bytes]:
-        out = []
-        if self.options.include_usage:
-            out.append(data_frame(usage_chunk(self.run.request_id, self.model, self.run.created, self.run.usage())))
-        return out + [DONE]
+        return stream_end("text_completion", self.run, self.model, self.options.include_usage, reasoning=False)
 
     def error(self, status: int, message: str) -> list[bytes]:
         return [data_frame(openai_error(status, message))]

@@ -26,7 +26,7 @@ def _scheduler(pages: int = 16, chunk: int = 8, concurrency: int = 4, max_len: i
 def _step(s: Scheduler, token: int = 7, fail: bool = False) -> tuple[SchedulerOutput, list]:
     """Plan a step and feed back `token` for every sampled sequence (or fail the step)."""
     plan = s.schedule()
-    events = s.take_events()
+    events = list(plan.finished)
     if fail:
         events += s.fail(plan, "boom")
     else:
