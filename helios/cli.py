@@ -73,6 +73,7 @@ def serve(
         weights += " weights upcast to float32 at load: this CPU has no fast native " + state.client.engine.upcast_from + " matmul"
     else:
         weights += " weights"
+    weights += f", {state.client.engine.executor.step_kind} step"
     typer.echo(f"serving {state.model.public_id} ({weights}) on http://{settings.host}:{settings.port}/v1", err=True)
     serve_until_signal(create_app(state), state, settings.host, settings.port, log_level)
 

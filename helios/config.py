@@ -3,7 +3,7 @@
 `[server]` table keys (all optional):
   api_key, host, port, max_body_bytes, max_concurrency, queue_size, http_slots,
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
-  aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, drain_seconds,
+  aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, compiled_step, drain_seconds,
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers
 """
 
@@ -46,6 +46,9 @@ class ServerConfig:
     # sharing a small machine with the HTTP side stalls whenever one of its threads is
     # preempted; on others every thread helps. 0: every step uses all of torch's threads.
     serial_decode_rows: int | None = None  # None: measured at startup (helios.engine.threads)
+    # Run the core's compiled step (ignition export --compile-step) where it was built for
+    # this host's CPU and torch; elsewhere, or when false, the portable step.
+    compiled_step: bool = True
     # On SIGTERM/SIGINT: new requests get 503, open ones get this long to finish, then end
     # with an error event (streams) or a 500 (buffered) and the process exits.
     drain_seconds: float = 30.0
@@ -87,8 +90,9 @@ def _check(config: ServerConfig) -> ServerConfig:
         raise ConfigError("[server] host must be a nonempty string")
     if not all(isinstance(a, str) for a in config.aliases):
         raise ConfigError("[server] aliases must be a list of strings")
-    if not isinstance(config.prefix_cache, bool):
-        raise ConfigError("[server] prefix_cache must be true or false")
+    for name in ("prefix_cache", "compiled_step"):
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"[server] {name} must be true or false")
     for name in ("drain_seconds", "header_timeout_seconds", "body_timeout_seconds"):
         seconds = getattr(config, name)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:

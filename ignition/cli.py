@@ -52,11 +52,12 @@ def export(
     alias: Annotated[Optional[list[str]], typer.Option("--alias", help="Extra model name (repeatable); the first is the public id.")] = None,
     model_id: Annotated[Optional[str], typer.Option("--model-id", help="Checkpoint identifier to record (default: from the source).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Context limit in tokens (default: the checkpoint's).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Weight and compute dtype: float32, bfloat16, float16.")] = "float32",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype: float32, bfloat16, float16 (default: the checkpoint's own; bfloat16 for a quantized GGUF).")] = None,
     kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", help="KV cache dtype (default: the weight dtype); bfloat16 halves attention's memory traffic.")] = None,
     page_tokens: Annotated[int, typer.Option("--page-tokens", help="Tokens per KV page (power of two).")] = 16,
     decode_buckets: Annotated[str, typer.Option("--decode-buckets", help="Decode batch sizes to capture as CUDA graphs.")] = "1,2,4,8,16,32,64,128,256",
     no_ranges: Annotated[bool, typer.Option("--no-ranges", help="Drop the recipe's intervals: every sampling parameter fixed at its default.")] = False,
+    compile_step: Annotated[bool, typer.Option("--compile-step", help="Also build the step ahead of time for this CPU (AOTInductor; needs a C++ compiler, minutes). helios runs it on hosts with the same CPU features and torch, the portable step elsewhere.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
 ) -> None:
     """Export a checkpoint plus a recipe into a core bundle, self-checked against a reference forward."""
@@ -69,6 +70,7 @@ def export(
             out=out, force=force, prompt_logprobs=prompt_logprobs, max_top_logprobs=max_top_logprobs,
             logprob_ids=not no_logprob_ids, aliases=tuple(alias or ()), max_model_len=max_model_len, dtype=dtype, kv_dtype=kv_dtype,
             page_tokens=page_tokens, decode_buckets=_buckets(decode_buckets), ranges=not no_ranges, model_id=model_id,
+            compile_step=compile_step,
         )  # fmt: skip
         check_options(options)
         loaded = load_recipe(recipe)

@@ -51,6 +51,13 @@ CHATS = {
         "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": "qwen3.jinja",
     },
+    # Kimi K3's tag tokens (<|open|>TAG<|sep|>...<|close|>TAG<|sep|>) and its published template
+    # (../shared/templates/kimi-k3.jinja, llama.cpp's Kimi-K3.jinja); a message ends with <|end_of_msg|>.
+    "kimi3": {
+        "special_tokens": ("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "<|kimi_image_placeholder|>"),
+        "roles": {"eos_token": "<|end_of_msg|>", "pad_token": "<|end_of_msg|>"},
+        "template": "kimi3.jinja",
+    },
     # DeepSeek V4 / V4.1 spellings (deepseek_recipe.SpecialToken defaults), each one token. No
     # template: these cores lower chats through the official native encoder (native:deepseek_v4*).
     "deepseek": {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,12 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
 
+def pytest_configure(config: pytest.Config) -> None:
+    # What helios remembers between starts (thread policy, verified checksums) stays inside
+    # this test session, also for the servers tests start as subprocesses.
+    os.environ.setdefault("FLARE_CACHE_DIR", tempfile.mkdtemp(prefix="flare-test-cache-"))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_testmodel("llama", tmp_path_factory.mktemp("ckpt") / "tiny-llama", seed=0)
@@ -18,9 +26,11 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama core with every optional program (prompt logprobs on)."""
+    """A tiny Llama core with every optional program (prompt logprobs on) and a compiled step,
+    so every suite that serves it runs the compiled step (test_compiled_step compares both)."""
     out = tmp_path_factory.mktemp("cores") / "tiny"
-    export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), ExportOptions(out=out, prompt_logprobs=True))
+    options = ExportOptions(out=out, prompt_logprobs=True, compile_step=True)
+    export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), options)
     return out
 
 
@@ -35,7 +45,7 @@ def smollm2_core(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -
     out = tmp_path_factory.mktemp("cores") / "smollm2"
     recipe = load_recipe("smollm2")
     checkpoint = open_source(str(smollm2_gguf), recipe.source.checkpoint_id)  # type: ignore[union-attr]
-    export_core(checkpoint, recipe, ExportOptions(out=out, prompt_logprobs=True))
+    export_core(checkpoint, recipe, ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))
     return out
 
 

@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from helios.core import hostcache
 from helios.core import manifest as mf
-from helios.core.program import SCORED_PREFILL, STEP, Program
+from helios.core.program import SCORED_PREFILL, STEP, CompiledProgram, Program
 
 CHUNK = 1 << 22
 
@@ -36,6 +37,15 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+_VERIFIED = "verified-files"
+
+
+def _stamp(path: Path) -> list[int]:
+    """What changes when a file's bytes change (the same test git's index makes)."""
+    st = path.stat()
+    return [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def core_digest(files: dict[str, str]) -> str:
     """One checksum for a whole core (a build-cache key): over its sorted file hashes.
 
@@ -54,7 +64,10 @@ class Core:
     manifest: mf.Manifest
 
     @classmethod
-    def open(cls, root: str | Path, verify_checksums: bool = True) -> "Core":
+    def open(cls, root: str | Path, verify_checksums: bool = True, trust_unchanged: bool = False) -> "Core":
+        """trust_unchanged: skip re-hashing a file whose size, inode and times are those it had
+        when it last hashed correctly on this host (helios.core.hostcache); `ignition verify`
+        always hashes everything."""
         root = Path(root)
         path = root / mf.MANIFEST_FILE
         if not path.is_file():
@@ -67,16 +80,22 @@ class Core:
             raise CoreError(f"{path}: {exc}") from exc
         core = cls(root, manifest)
         if verify_checksums:
-            core.verify_checksums()
+            core.verify_checksums(trust_unchanged)
         return core
 
-    def verify_checksums(self) -> None:
+    def verify_checksums(self, trust_unchanged: bool = False) -> None:
         for name, expected in sorted(self.manifest.files.items()):
             path = self.root / name
             if not path.is_file():
                 raise CoreError(f"{path}: missing from the core (listed in {mf.MANIFEST_FILE}); re-export the core")
+            stamp = _stamp(path)
+            key = str(path.resolve())
+            if trust_unchanged and hostcache.get(_VERIFIED, key) == [*stamp, expected]:
+                continue
             actual = sha256_file(path)
-            if actual != expected:
+            if actual == expected:
+                hostcache.put(_VERIFIED, key, [*stamp, expected], keep=4096)
+            else:
                 raise CoreError(
                     f"{path}: checksum mismatch (sha256 {actual[:16]}…, manifest says {expected[:16]}…); "
                     "the file is corrupted or was modified: re-export the core"
@@ -95,6 +114,13 @@ class Core:
             hint = " (export with --prompt-logprobs)" if kind == SCORED_PREFILL else ""
             raise CoreError(f"{self.root}: the core has no {kind!r} program{hint}")
         return Program.load(kind, spec, self.root / spec.file, check_guards)
+
+    def load_compiled(self, kind: str = STEP) -> CompiledProgram:
+        """The program's ahead-of-time build (the caller checks its host first: helios.core.host)."""
+        spec = self.manifest.compiled.get(kind)
+        if spec is None:
+            raise CoreError(f"{self.root}: the core has no compiled {kind!r} program (export with --compile-step)")
+        return CompiledProgram.load(kind, self.manifest.programs[kind], self.root / spec.file)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_file(str(self.root / self.manifest.tokenizer.file))

@@ -76,10 +76,18 @@ class Limits(_Struct):
 class KvLayout(_Struct):
     """Enough for helios to allocate the paged cache without knowing the architecture."""
 
-    num_layers: int  # program takes 2 * num_layers cache tensors: k0, v0, k1, v1, ...
+    num_layers: int  # program takes 2 * num_layers cache tensors: k0, v0, k1, v1, ... (see shared_kv)
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name of the cache pages
+    # True: one cache tensor per layer, read as both keys and values (MLA's latent cache),
+    # so the program takes num_layers tensors; absent in cores written before it existed.
+    shared_kv: bool = False
+
+    @property
+    def num_caches(self) -> int:
+        """Cache tensors the program takes (each [num_pages, page_tokens, num_kv_heads, head_dim])."""
+        return self.num_layers if self.shared_kv else 2 * self.num_layers
 
 
 class Capabilities(_Struct):
@@ -113,6 +121,26 @@ class ProgramSpec(_Struct):
     outputs: tuple[TensorSpec, ...]
 
 
+class HostFingerprint(_Struct):
+    """The machine a compiled artifact was built for (helios.core.host)."""
+
+    machine: str  # platform.machine(), e.g. x86_64
+    isa: tuple[str, ...]  # instruction-set flags that change generated code or weight packing
+    torch_version: str
+
+
+class CompiledSpec(_Struct):
+    """A program compiled ahead of time for one host (AOTInductor), weights packed inside.
+
+    It takes the KV cache list and the portable program's inputs (no weights dict) and
+    returns the same outputs; on any other host helios runs the portable program.
+    """
+
+    file: str  # the AOTInductor model's shared object
+    host: HostFingerprint
+    max_abs_diff: float  # largest logprob difference from the portable program on the golden prompts
+
+
 class GoldenInfo(_Struct):
     file: str  # safetensors with the recorded full-vocabulary logprobs
     prompts: tuple[tuple[int, ...], ...]  # token ids of the fixed prompts
@@ -143,6 +171,7 @@ class Manifest(_Struct):
     golden: GoldenInfo
     provenance: Provenance
     files: dict[str, str]  # every other file of the bundle -> sha256
+    compiled: dict[str, CompiledSpec] = {}  # program kind -> its ahead-of-time build, where exported
 
     @property
     def public_id(self) -> str:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from helios.core import ops_moe  # noqa: F401  (defines flare::routed_experts)
+
 OPS_NAMESPACE = "flare"
 OPS_VERSION = 1
-OP_NAMES = ("write_kv", "paged_attention")
+OP_NAMES = ("write_kv", "paged_attention", "routed_experts")  # routed_experts: helios.core.ops_moe
 
 
 @torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))
@@ -47,6 +49,8 @@ def paged_attention(
     query_start_loc: Tensor,
     positions: Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Causal attention of a flat batch of query tokens over paged KV history.
 
@@ -56,7 +60,11 @@ def paged_attention(
     seq_lens:        [num_seqs] int32, KV length of each sequence after this step
     query_start_loc: [num_seqs + 1] int32, offsets of each sequence's queries in q
     positions:       [num_tokens] int64, absolute position of each query (key j is visible iff j <= position)
+    window:          sliding window: key j is visible iff position - window < j <= position; 0 = global
+    softcap:         logit soft-capping, scores = softcap * tanh(scores / softcap); 0 = off
     returns          [num_tokens, num_heads, head_dim]
+
+    The trailing options have defaults so programs exported before they existed still load.
     """
     out = torch.zeros_like(q)
     page_tokens = k_cache.shape[1]
@@ -74,16 +82,45 @@ def paged_attention(
         query = q[start:end].transpose(0, 1)  # [H, Tq, D]
         keys = keys.transpose(0, 1).to(q.dtype)  # [KVH, Tk, D]
         values = values.transpose(0, 1).to(q.dtype)
-        visible = torch.arange(kv_len, device=q.device)[None, :] <= positions[start:end, None]
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            query, keys, values, attn_mask=visible, scale=scale, enable_gqa=num_heads != num_kv_heads
-        )
+        visible = visible_keys(torch.arange(kv_len, device=q.device), positions[start:end], window)
+        attn = attend(query, keys, values, visible, scale, softcap)
         out[start:end] = attn.transpose(0, 1)
     return out
 
 
+def visible_keys(key_positions: Tensor, query_positions: Tensor, window: int) -> Tensor:
+    """[Tq, Tk] bool: key j is visible to the query at p iff j <= p and, with a window, j > p - window."""
+    keys, queries = key_positions[None, :], query_positions[:, None]
+    visible = keys <= queries
+    return visible & (keys > queries - window) if window > 0 else visible
+
+
+def attend(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None, scale: float, softcap: float,
+           causal: bool = False) -> Tensor:  # fmt: skip
+    """Attention over [..., H, Tq, D] queries and [..., KVH, Tk, D] keys/values (GQA when H > KVH).
+
+    SDPA has no soft-capping, so capped scores are computed explicitly (in fp32: tanh of
+    16-bit scores would lose the small differences softmax then amplifies).
+    """
+    gqa = query.shape[-3] != keys.shape[-3]
+    if softcap <= 0.0:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=visible, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    if visible is None:  # plainly causal: keys and queries end at the same position
+        tq, tk = query.shape[-2], keys.shape[-2]
+        visible = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
+    group = query.shape[-3] // keys.shape[-3]
+    keys = keys.repeat_interleave(group, dim=-3).float()
+    values = values.repeat_interleave(group, dim=-3).float()
+    scores = (query.float() @ keys.transpose(-1, -2)) * scale
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~visible, float("-inf"))
+    return (scores.softmax(dim=-1) @ values).to(query.dtype)
+
+
 @paged_attention.register_fake
-def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
+def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale,
+                          window=0, softcap=0.0):  # fmt: skip
     return torch.empty_like(q)
 
 

@@ -101,15 +101,49 @@ class Program:
         return dict(zip(self.output_names, outputs, strict=True))
 
 
+class CompiledProgram:
+    """A program compiled ahead of time (AOTInductor) for one host, its weights inside.
+
+    Called like `Program` (the weights argument is accepted and ignored), so the engine and
+    the export checks run either interchangeably.
+    """
+
+    def __init__(self, kind: str, spec: ProgramSpec, runner: Any) -> None:
+        self.kind = kind
+        self.spec = spec
+        self.runner = runner
+        self.input_names = tuple(t.name for t in spec.inputs)
+        self.output_names = tuple(t.name for t in spec.outputs)
+
+    @classmethod
+    def load(cls, kind: str, spec: ProgramSpec, path: Path) -> "CompiledProgram":
+        # The shared object is loaded in place (no package to extract); its constants are the
+        # packed weights, so the core's safetensors are not needed for this program. One model
+        # instance: the engine calls it from one thread.
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+        return cls(kind, spec, runner)
+
+    def __call__(self, weights: dict[str, Tensor], kv_cache: list[Tensor], **inputs: Tensor) -> dict[str, Tensor]:
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing:
+            raise TypeError(f"{self.kind} program needs inputs {missing}")
+        # Flattened as the program was traced: every cache tensor, then the inputs in order.
+        flat = [*kv_cache, *(inputs[n] for n in self.input_names)]
+        with torch.inference_mode():
+            outputs = self.runner.run(flat)
+        return dict(zip(self.output_names, outputs, strict=True))
+
+
 def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str = "cpu") -> list[Tensor]:
-    """A zeroed paged cache: [k0, v0, k1, v1, ...], each [num_pages, page_tokens, kv_heads, head_dim]."""
+    """A zeroed paged cache: [k0, v0, k1, v1, ...] (shared_kv: [kv0, kv1, ...]), each
+    [num_pages, page_tokens, kv_heads, head_dim]."""
     dtype = getattr(torch, layout.dtype)
     shape = (num_pages, page_tokens, layout.num_kv_heads, layout.head_dim)
     if device != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * layout.num_layers)]
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_caches)]
     # calloc'd memory: fresh zero pages the kernel maps on first write, not a 1 GB memset at startup
     same_size = {2: np.int16, 4: np.int32, 8: np.int64}[torch.tensor([], dtype=dtype).element_size()]
-    return [torch.from_numpy(np.zeros(shape, dtype=same_size)).view(dtype) for _ in range(2 * layout.num_layers)]
+    return [torch.from_numpy(np.zeros(shape, dtype=same_size)).view(dtype) for _ in range(layout.num_caches)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ class EngineConfig:
     device: str = "cpu"
     enable_prefix_cache: bool = True
     serial_decode_rows: int | None = 0  # CPU: decode-only steps of at most this many rows use one thread; None: measure
+    compiled_step: bool = True  # run the core's ahead-of-time step where it was built for this host
 
 
 class LLMEngine:
@@ -63,7 +64,7 @@ class LLMEngine:
         self.upcast_from = m.weights.dtype if config.device == "cpu" and m.weights.dtype in ("bfloat16", "float16") \
             and not precision.is_native(getattr(torch, m.weights.dtype)) else None  # fmt: skip
         kv_dtype = "float32" if self.upcast_from else m.kv.dtype
-        page_bytes = 2 * m.kv.num_layers * m.limits.page_tokens * m.kv.num_kv_heads * m.kv.head_dim * torch.tensor(
+        page_bytes = m.kv.num_caches * m.limits.page_tokens * m.kv.num_kv_heads * m.kv.head_dim * torch.tensor(
             [], dtype=getattr(torch, kv_dtype)).element_size()  # fmt: skip
         num_pages = config.num_pages or max(1, config.kv_memory_bytes // page_bytes)
         self.pool = PagePool(num_pages, m.limits.page_tokens)
@@ -74,7 +75,10 @@ class LLMEngine:
                             frozenset(m.tokenizer.eos_token_ids)),
             self.pool, self.stats,
         )  # fmt: skip
-        self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None)
+        self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
+                                 config.compiled_step)  # fmt: skip
+        if self.executor.compiled_fallback:
+            log.warning("%s", self.executor.compiled_fallback)
         self.sampler = Sampler()
         self.mask_hook = mask_hook
         self._aborted: set[tuple[str, int | None]] = set()

@@ -9,9 +9,9 @@ import msgspec
 import torch
 from torch import Tensor
 
-from helios.core import Core
+from helios.core import Core, host, hostcache
 from helios.core.logs import Stopwatch
-from helios.core.program import SCORED_PREFILL, STEP, allocate_kv
+from helios.core.program import SCORED_PREFILL, STEP, CompiledProgram, Program, allocate_kv
 from helios.engine import graph, kernels, prepack, threads
 from helios.engine.sequence import Chunk
 
@@ -33,25 +33,31 @@ class StepResult:
 
 class Executor:
     def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
-                 upcast: bool = False) -> None:  # fmt: skip
+                 upcast: bool = False, compiled: bool = True) -> None:  # fmt: skip
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
-        None measures the best threshold on this host (threads.measure)."""
+        None measures the best threshold on this host (threads.measure). compiled: run the
+        core's ahead-of-time step where it was built for this host (else the portable one)."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
         manifest = core.manifest
         self.device = device
         self.page_tokens = manifest.limits.page_tokens
-        self.weights = core.load_weights(device)
+        self.compiled_step, self.compiled_fallback = self._compiled_step(core, compiled and device == "cpu" and not upcast)
+        has_scored = SCORED_PREFILL in manifest.programs
+        # The compiled step carries its own packed weights: the core's are loaded only for a
+        # program that still needs them.
+        self.weights = core.load_weights(device) if self.compiled_step is None or has_scored else {}
         clock.lap("loading weights")
         kv_layout = manifest.kv
         if upcast:  # a 16-bit core on a host without native 16-bit matmuls: fp32 at load
             self.weights = {name: w.float() if w.is_floating_point() else w for name, w in self.weights.items()}
             kv_layout = msgspec.structs.replace(kv_layout, dtype="float32")
         # The executor builds every input itself, so per-call guard checks are skipped.
-        self.step = core.load_program(STEP, check_guards=False)
-        self.scored = core.load_program(SCORED_PREFILL, check_guards=False) if SCORED_PREFILL in manifest.programs else None
-        programs = [p for p in (self.step, self.scored) if p is not None]
-        clock.lap(f"loading {len(programs)} programs")
+        portable_step = core.load_program(STEP, check_guards=False) if self.compiled_step is None else None
+        self.step: Program | CompiledProgram = self.compiled_step or portable_step  # type: ignore[assignment]
+        self.scored = core.load_program(SCORED_PREFILL, check_guards=False) if has_scored else None
+        programs = [p for p in (portable_step, self.scored) if p is not None]
+        clock.lap(f"loading {len(programs) + (self.compiled_step is not None)} programs")
         if upcast:
             for program in programs:
                 graph.upcast(program)
@@ -69,9 +75,37 @@ class Executor:
             serial_decode_rows = 0
         elif serial_decode_rows is None:
             rows = tuple(r for r in threads.PROBE_ROWS if r <= num_pages)  # the probe uses pages 0..rows-1
-            serial_decode_rows = threads.measure(self._probe_decode, self.threads, rows).serial_rows
-            clock.lap("measuring the thread policy")
+            # Measured once per core, step kind, thread count and host; later starts reuse it.
+            key = f"{core.digest}|{self.step_kind}|{upcast}|{self.threads}|{rows}|{host.fingerprint()}"
+            remembered = hostcache.get("thread-policy", key)
+            if isinstance(remembered, int):
+                serial_decode_rows = remembered
+                log.info("thread policy: decode steps of up to %d rows on one thread (measured before on this host)",
+                         remembered)  # fmt: skip
+            else:
+                serial_decode_rows = threads.measure(self._probe_decode, self.threads, rows).serial_rows
+                hostcache.put("thread-policy", key, serial_decode_rows)
+                clock.lap("measuring the thread policy")
         self.serial_decode_rows = serial_decode_rows
+
+    @staticmethod
+    def _compiled_step(core: Core, wanted: bool) -> tuple[CompiledProgram | None, str | None]:
+        """(the compiled step, None) where it can run here; else (None, why not) or (None, None)
+        when the core has none or it was not wanted."""
+        spec = core.manifest.compiled.get(STEP)
+        if spec is None or not wanted:
+            return None, None
+        reason = host.mismatch(spec.host)
+        if reason is not None:
+            return None, f"the core's compiled step does not run here: {reason}; serving the portable step"
+        try:
+            return core.load_compiled(STEP), None
+        except (RuntimeError, OSError) as exc:  # a package that does not load is never fatal
+            return None, f"the core's compiled step failed to load ({exc}); serving the portable step"
+
+    @property
+    def step_kind(self) -> str:
+        return "compiled" if self.compiled_step is not None else "portable"
 
     def _probe_decode(self, rows: int) -> None:
         """One decode step of `rows` one-token sequences on pages 0..rows-1 (before serving)."""

@@ -22,6 +22,7 @@ _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 _DIRECT = {
     torch.ops.flare.paged_attention.default: kernels.paged_attention_cpu,
     torch.ops.flare.write_kv.default: kernels.write_kv_cpu,
+    torch.ops.flare.routed_experts.default: kernels.kernels_moe.routed_experts_cpu,
 }
 
 

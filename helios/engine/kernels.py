@@ -3,7 +3,7 @@
 CPU: decode rows (one query token per sequence) of a step are attended in one batched
 page gather + SDPA over the padded page tables; prefill chunks use SDPA per sequence. The
 step's layout (which rows decode, the gather indices, the masks) is the same for every
-layer, so it is planned once per step and reused by all layers' calls.
+layer with the same sliding window, so it is planned once per step and window and reused.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-import helios.core.ops  # noqa: F401  (defines the ops before kernels are registered)
+import helios.core.ops  # defines the ops before kernels are registered; shares their masking and capped attention
+from helios.engine import kernels_moe
 
 T = TypeVar("T")
 
@@ -28,9 +28,9 @@ _registered = False
 class _Prefill:
     start: int
     end: int
-    pages: Tensor  # [blocks] the sequence's pages, in order
-    kv_len: int
-    visible: Tensor | None  # [end - start, kv_len] bool: key j is visible to query i; None: plain causal
+    pages: Tensor  # [blocks] the sequence's pages in order, from the first one a query's window reaches
+    kv_len: int  # history tokens gathered from `pages` (all of them without a window)
+    visible: Tensor | None  # [end - start, kv_len] bool: gathered key j is visible to query i; None: plain causal
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +42,8 @@ class _Plan:
     """
 
     decode_rows: Tensor | None  # [Bd] query rows of the decode sequences
-    decode_pages: Tensor | None  # [Bd * blocks] page ids, each row padded to `blocks`
-    decode_mask: Tensor | None  # [Bd, 1, 1, blocks * page_tokens] bool: position j holds history
+    decode_pages: Tensor | None  # [Bd * blocks] page ids from each row's first page in its window, padded to `blocks`
+    decode_mask: Tensor | None  # [Bd, 1, 1, blocks * page_tokens] bool: gathered slot j holds visible history
     prefills: tuple[_Prefill, ...]
     identity: bool  # every row decodes, in order: the output needs no scatter
 
@@ -69,41 +69,61 @@ class _StepMemo(Generic[T]):
         return self._value
 
 
-_plans: _StepMemo[_Plan] = _StepMemo()
+# One plan per window size: a model mixing sliding and global layers alternates between them
+# within a step, and each layout stays valid for all layers of its kind.
+_plans: dict[int, _StepMemo[_Plan]] = {}
 
 
-def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, positions: Tensor, page_tokens: int) -> _Plan:
+def _first_page(position: Tensor | int, window: int, page_tokens: int) -> Tensor | int:
+    """The page holding the oldest key visible to a query at `position` (0 without a window)."""
+    if window <= 0:
+        return position * 0
+    oldest = position - window + 1
+    return (oldest.clamp(min=0) if isinstance(oldest, Tensor) else max(oldest, 0)) // page_tokens
+
+
+def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, positions: Tensor, page_tokens: int,
+          window: int) -> _Plan:  # fmt: skip
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     decode_rows = decode_pages = decode_mask = None
     if decode:
         picked = torch.tensor(decode)
-        dlens = seq_lens[picked].long()
-        blocks = -(-int(dlens.max()) // page_tokens)
-        decode_pages = block_tables[picked, :blocks].reshape(-1).long()
-        decode_mask = (torch.arange(blocks * page_tokens)[None, :] < dlens[:, None])[:, None, None, :]
         decode_rows = torch.tensor([starts[i] for i in decode])
+        dlens, dpos = seq_lens[picked].long(), positions[decode_rows].long()
+        first = _first_page(dpos, window, page_tokens)  # [Bd]: pages before the window are not gathered
+        blocks = int(((dlens - 1) // page_tokens - first).max()) + 1
+        columns = (first[:, None] + torch.arange(blocks)[None, :]).clamp(max=block_tables.shape[1] - 1)
+        decode_pages = block_tables[picked[:, None], columns].reshape(-1).long()
+        key_pos = first[:, None] * page_tokens + torch.arange(blocks * page_tokens)[None, :]
+        held = key_pos < dlens[:, None]
+        if window > 0:
+            held &= key_pos > dpos[:, None] - window
+        decode_mask = held[:, None, None, :]
     decode_set = set(decode)
     prefills = []
     for i, kv_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         if i in decode_set or end <= start:
             continue
-        pages = block_tables[i, : -(-kv_len // page_tokens)].long()
-        first = int(positions[start])
-        whole = end - start == kv_len and first == 0 and int(positions[end - 1]) == kv_len - 1
-        visible = None if whole else torch.arange(kv_len)[None, :] <= positions[start:end, None]
-        prefills.append(_Prefill(start, end, pages, kv_len, visible))
+        first_pos, last_pos = int(positions[start]), int(positions[end - 1])
+        first = int(_first_page(first_pos, window, page_tokens))
+        pages = block_tables[i, first : -(-kv_len // page_tokens)].long()
+        whole = end - start == kv_len and first_pos == 0 and last_pos == kv_len - 1 and (window <= 0 or kv_len <= window)
+        key_pos = torch.arange(first * page_tokens, kv_len)
+        visible = None if whole else helios.core.ops.visible_keys(key_pos, positions[start:end], window)
+        prefills.append(_Prefill(start, end, pages, kv_len - first * page_tokens, visible))
     identity = len(decode) == len(lens) and decode == list(range(len(lens))) and starts[-1] == len(decode)
     return _Plan(decode_rows, decode_pages, decode_mask, tuple(prefills), identity)
 
 
-def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale):
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
+                        softcap=0.0):  # fmt: skip
     page_tokens, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    plan = _plans.get((block_tables, seq_lens, query_start_loc, positions),
-                      lambda: _plan(block_tables, seq_lens, query_start_loc, positions, page_tokens))  # fmt: skip
-    gqa = q.shape[1] != kv_heads
+    memo = _plans.setdefault(window, _StepMemo())
+    plan = memo.get((block_tables, seq_lens, query_start_loc, positions),
+                    lambda: _plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window))  # fmt: skip
     decoded = None
     if plan.decode_pages is not None:
         # [Bd * blocks, P, KVH, D] -> [Bd, KVH, blocks * P, D] views; SDPA reads the strides as they are.
@@ -111,8 +131,7 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         keys = k_cache.index_select(0, plan.decode_pages).view(rows, -1, kv_heads, dim).to(q.dtype).transpose(1, 2)
         values = v_cache.index_select(0, plan.decode_pages).view(rows, -1, kv_heads, dim).to(q.dtype).transpose(1, 2)
         query = (q if plan.identity else q[plan.decode_rows])[:, :, None, :]
-        decoded = F.scaled_dot_product_attention(query, keys, values, attn_mask=plan.decode_mask, scale=scale,
-                                                 enable_gqa=gqa)[:, :, 0]  # fmt: skip
+        decoded = helios.core.ops.attend(query, keys, values, plan.decode_mask, scale, softcap)[:, :, 0]
         if plan.identity:
             return decoded
     out = torch.empty_like(q)
@@ -126,8 +145,8 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         # A chunk holding the whole history is plainly causal, which lets the kernel skip the
         # masked half instead of computing it under an explicit mask.
         causal = part.visible is None
-        out[part.start : part.end] = F.scaled_dot_product_attention(
-            query[None], keys[None], values[None], attn_mask=part.visible, is_causal=causal, scale=scale, enable_gqa=gqa
+        out[part.start : part.end] = helios.core.ops.attend(
+            query[None], keys[None], values[None], part.visible, scale, softcap, causal=causal
         )[0].transpose(0, 1)
     return out
 
@@ -146,10 +165,22 @@ def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping) -> None:
     v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+_library: torch.library.Library | None = None
+
+
 def register() -> None:
-    """Install helios' CPU kernels (idempotent)."""
-    global _registered
+    """Install helios' CPU kernels (idempotent).
+
+    They go straight into the dispatcher's CPU slot rather than through
+    torch.library.register_kernel, whose wrapper imports torch._dynamo on its first call
+    (over a second, paid by the first request of a compiled step) and costs microseconds on
+    every call. The portable programs call the kernels directly anyway (graph.simplify); the
+    compiled step reaches them through the dispatcher.
+    """
+    global _registered, _library
     if not _registered:
-        torch.library.register_kernel("flare::paged_attention", "cpu", paged_attention_cpu)
-        torch.library.register_kernel("flare::write_kv", "cpu", write_kv_cpu)
+        _library = torch.library.Library("flare", "IMPL")  # kept alive: dropping it unregisters
+        _library.impl("paged_attention", paged_attention_cpu, "CPU")
+        _library.impl("write_kv", write_kv_cpu, "CPU")
+        _library.impl("routed_experts", kernels_moe.routed_experts_cpu, "CPU")
         _registered = True

@@ -73,7 +73,7 @@ class ServerState:
 
 def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     clock = Stopwatch(logging.getLogger("helios.server"), "startup")
-    core = Core.open(core_dir)
+    core = Core.open(core_dir, trust_unchanged=True)
     clock.lap("opening the core (checksums)")
     m = core.manifest
     if config.thinking_token_budget is not None and (
@@ -87,7 +87,7 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
         max_concurrency=config.max_concurrency, max_pending=config.queue_size,
         prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
         kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache,
-        serial_decode_rows=config.serial_decode_rows),
+        serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step),
         mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     client = EngineClient(engine).start()
     clock.lap("starting the engine")

@@ -6,15 +6,17 @@ reference_logits, and for test checkpoints testmodel_config, hf_shapes and TEST_
 chat flavour of ignition.testmodel.CHATS, or None for its own TEST_SPECIAL_TOKENS,
 TEST_TOKEN_ROLES and TEST_CHAT_TEMPLATE). Families that read GGUF (non-empty
 GGUF_ARCHITECTURES) also provide GGUF_WEIGHT_MAP, hf_config_from_gguf, gguf_tensor_fixup.
+Optional: STACKED (MoE expert stacks, ignition.models.moe) and SHARED_KV (True: one cache
+tensor per layer read as keys and values, KvLayout.shared_kv; MLA's latent cache).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from ignition.models import llama, qwen3, qwen3_moe
+from ignition.models import gemma3, llama, qwen3, qwen3_moe
 
-FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe)}
+FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe, gemma3)}
 
 
 def family(name: str) -> ModuleType:

@@ -126,9 +126,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+         factor: float = 1.0) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """cos, sin [T, 1, D] of rotary embeddings; `factor` > 1 is linear position scaling (inv_freq / factor)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
+    if factor != 1.0:
+        inv_freq = inv_freq / factor
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
@@ -153,6 +157,13 @@ class DecoderProgram(torch.nn.Module):
         self.explicit_ids = explicit_ids
         self.scored = scored
 
+    def optional_inputs(self, extra_1: Tensor | None, extra_2: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """(logprob_token_ids, target_ids): the optional inputs, in program_signature's order."""
+        extra = [t for t in (extra_1, extra_2) if t is not None]
+        logprob_ids = extra.pop(0) if self.explicit_ids else None
+        target_ids = extra.pop(0) if self.scored else None
+        return logprob_ids, target_ids
+
     def qk(self, weights: dict[str, Tensor], layer: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q [T, H, D], k [T, KV, D] before RoPE; identity unless a family normalizes them."""
         return q, k
@@ -164,10 +175,7 @@ class DecoderProgram(torch.nn.Module):
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
                 query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        # The optional inputs follow program_signature's order: logprob_token_ids, then target_ids.
-        extra = [t for t in (extra_1, extra_2) if t is not None]
-        logprob_ids = extra.pop(0) if self.explicit_ids else None
-        target_ids = extra.pop(0) if self.scored else None
+        logprob_ids, target_ids = self.optional_inputs(extra_1, extra_2)
         c = self.config
         # 16-bit cores: weights and matmul inputs in the core's dtype, but the residual stream,
         # norms and rotary stay fp32 (a bf16 residual through 30 layers moves logprobs by ~0.5).

@@ -11,11 +11,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def head_logits(hidden: Tensor, lm_head: Tensor, softcap: float = 0.0) -> Tensor:
+    """fp32 logits; with `softcap` (Gemma's final_logit_softcapping) cap * tanh(logits / cap):
+    the model's logits are the capped ones, so every logprob statistic is taken after it."""
+    logits = F.linear(hidden, lm_head).float()
+    return softcap * torch.tanh(logits / softcap) if softcap > 0.0 else logits
+
+
 def generation_outputs(
-    rows: Tensor, lm_head: Tensor, num_top: int, logprob_token_ids: Tensor | None
+    rows: Tensor, lm_head: Tensor, num_top: int, logprob_token_ids: Tensor | None, softcap: float = 0.0
 ) -> list[Tensor]:
     """rows [R, hidden] -> [logits [R, V] f32, logsumexp [R], (top_logprobs [R, N], top_ids [R, N]), (explicit [R, K])]."""
-    logits = F.linear(rows, lm_head).float()
+    logits = head_logits(rows, lm_head, softcap)
     lse = torch.logsumexp(logits, dim=-1)
     outputs = [logits, lse]
     if num_top > 0:
@@ -26,13 +33,13 @@ def generation_outputs(
     return outputs
 
 
-def prompt_outputs(hidden: Tensor, lm_head: Tensor, target_ids: Tensor, num_top: int) -> list[Tensor]:
+def prompt_outputs(hidden: Tensor, lm_head: Tensor, target_ids: Tensor, num_top: int, softcap: float = 0.0) -> list[Tensor]:
     """Score every position's next prompt token: hidden [T, hidden], target_ids [T].
 
     Returns [prompt_logprobs [T], prompt_ranks [T] (1 + count strictly greater),
     (prompt_top_logprobs [T, N], prompt_top_ids [T, N])]. Targets < 0 score token 0.
     """
-    logprobs = torch.log_softmax(F.linear(hidden, lm_head).float(), dim=-1)
+    logprobs = torch.log_softmax(head_logits(hidden, lm_head, softcap), dim=-1)
     target = logprobs.gather(1, target_ids.clamp(min=0)[:, None])  # [T, 1]
     ranks = (logprobs > target).sum(dim=-1) + 1
     outputs = [target[:, 0], ranks]

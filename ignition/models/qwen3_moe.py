@@ -2,7 +2,8 @@
 
 Each layer's MLP routes a token to `num_experts_per_tok` of `num_experts` SwiGLU experts:
 router linear -> softmax over experts -> top-k -> optional renormalization
-(norm_topk_prob) -> routing-weighted sum of the chosen experts' outputs.
+(norm_topk_prob) -> routing-weighted sum of the chosen experts' outputs, run by the
+shared routed-MoE pieces in ignition.models.moe (only the chosen experts compute).
 """
 
 from __future__ import annotations
@@ -10,14 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import common
+from ignition.models import common, moe
 from ignition.models.common import (
-    ATTENTION_WEIGHT_MAP, attention_shapes, decode_weight_bytes, decoder_shapes, kv_shape, reference_swiglu,
-)  # fmt: skip  (kv_shape, decode_weight_bytes: the family interface, shared)
+    ATTENTION_WEIGHT_MAP, attention_shapes, decoder_shapes, kv_shape,
+)  # fmt: skip  (kv_shape: the family interface, shared)
 from ignition.models.qwen3 import QK_NORM_WEIGHT_MAP, attention_fields, qk_norm_shapes
 from ignition.models.qwen3 import StepProgram as Qwen3StepProgram
 
@@ -27,16 +26,11 @@ HF_MODEL_TYPES = ("qwen3_moe",)
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 # Hugging Face checkpoint name -> internal name; the second `{}` is the expert number.
-# Experts stay one tensor per expert in the core: export's FUSED step concatenates per layer
-# only, so stacking them into [E, ...] needs a per-family weight post-step in export.py.
-WEIGHT_MAP = {
-    **ATTENTION_WEIGHT_MAP,
-    **QK_NORM_WEIGHT_MAP,
-    "model.layers.{}.mlp.gate.weight": "layers.{}.w_router",
-    "model.layers.{}.mlp.experts.{}.gate_proj.weight": "layers.{}.experts.{}.w_gate",
-    "model.layers.{}.mlp.experts.{}.up_proj.weight": "layers.{}.experts.{}.w_up",
-    "model.layers.{}.mlp.experts.{}.down_proj.weight": "layers.{}.experts.{}.w_down",
-}
+# Both expert layouts are read: per-expert tensors and transformers 5's stacked ones.
+WEIGHT_MAP = {**ATTENTION_WEIGHT_MAP, **QK_NORM_WEIGHT_MAP, **moe.expert_weight_map()}
+
+# Per-expert tensors stacked into layers.{}.w_experts_gate_up [E, 2F, H] and w_experts_down [E, H, F].
+STACKED = moe.STACKED_EXPERTS
 
 # Internal tensors concatenated (along output rows) into one, so a layer runs fewer matmuls.
 FUSED = {
@@ -65,6 +59,11 @@ class Qwen3MoeConfig:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def router(self) -> moe.RouterSpec:
+        return moe.RouterSpec(num_experts=self.num_experts, top_k=self.num_experts_per_tok, scoring="softmax",
+                              norm_topk_prob=self.norm_topk_prob)  # fmt: skip
+
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3MoeConfig:
     """Read a Hugging Face config.json dict; unsupported variants raise ValueError.
@@ -90,55 +89,22 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3MoeConfig:
     )
 
 
-def routing_weights(config: Qwen3MoeConfig, router_logits: Tensor) -> tuple[Tensor, Tensor]:
-    """router_logits [T, E] -> (top-k weights [T, K] fp32, expert ids [T, K])."""
-    probs = router_logits.float().softmax(dim=-1)
-    weights, ids = probs.topk(config.num_experts_per_tok, dim=-1)
-    if config.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+def decode_weight_bytes(config: Qwen3MoeConfig, weights: dict[str, Tensor]) -> int:
+    """Weights one decode token reads: the shared ones plus its top-k experts per layer."""
+    return moe.decode_weight_bytes(config, weights, config.num_experts_per_tok)
 
 
 class StepProgram(Qwen3StepProgram):
-    """Qwen3's step with a sparse-MoE MLP, computed densely.
-
-    Every expert runs on every token and is weighted by its routing weight (zero when not
-    chosen): static shapes for any token count, so torch.export traces it simply. The cost
-    is num_experts / num_experts_per_tok times the FLOPs of true routing and every expert's
-    weights read each step; right for tiny test models, not for serving large MoE models
-    (that wants stacked expert weights and a gather/grouped-matmul kernel).
-    """
+    """Qwen3's step with a routed sparse-MoE MLP: only each token's top-k experts run."""
 
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
-        c = self.config
-        top, ids = routing_weights(c, F.linear(h, weights[f"layers.{layer}.w_router"]))
-        dense = torch.zeros(h.shape[0], c.num_experts, dtype=top.dtype, device=h.device)
-        routing = dense.scatter(1, ids, top).to(h.dtype)  # [T, E], zero for experts not chosen
-        out = torch.zeros_like(h)
-        for e in range(c.num_experts):
-            p = f"layers.{layer}.experts.{e}."
-            gate, up = F.linear(h, weights[p + "w_gate"]), F.linear(h, weights[p + "w_up"])
-            out = out + routing[:, e : e + 1] * F.linear(F.silu(gate) * up, weights[p + "w_down"])
-        return out
-
-
-def _reference_moe(config: Qwen3MoeConfig, w: dict[str, Tensor], prefix: str, h: Tensor) -> Tensor:
-    """Sparse routing (only the chosen tokens go through each expert), unlike the program."""
-    top, ids = torch.topk((h @ w[prefix + "mlp.gate.weight"].T).softmax(-1), config.num_experts_per_tok, dim=-1)
-    if config.norm_topk_prob:
-        top = top / top.sum(-1, keepdim=True)
-    out = torch.zeros_like(h)
-    for e in range(config.num_experts):
-        rows, slots = (ids == e).nonzero(as_tuple=True)
-        if rows.numel():
-            y = reference_swiglu(w, f"{prefix}mlp.experts.{e}.", h[rows])
-            out.index_add_(0, rows, y * top[rows, slots, None])
-    return out
+        return moe.sparse_moe(self.config.router, weights, layer, h)
 
 
 def reference_logits(config: Qwen3MoeConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    """The shared plain-torch reference forward with q/k norms and a sparsely routed MoE."""
-    mlp = lambda w, p, h: _reference_moe(config, w, p, h)  # noqa: E731
+    """The shared plain-torch reference forward with q/k norms and a sparsely routed MoE
+    (moe.reference_moe: its own routing and expert loop, not the program's op)."""
+    mlp = lambda w, p, h: moe.reference_moe(config.router, w, p + "mlp.", h)  # noqa: E731
     return common.reference_logits(config, hf_weights, token_ids, mlp, qk_norm=True)
 
 

@@ -31,6 +31,7 @@ class Checkpoint:
     tokenizer_facts: TokenizerFacts
     chat_template: str | None
     files: dict[str, str]  # source file name -> sha256
+    dtype: str = "float32"  # the precision the checkpoint was published in: the export default
 
 
 def sha256_file(path: Path) -> str:

@@ -64,9 +64,11 @@ def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
         raise SourceError(f"{path}: {exc}") from exc
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
+    # A family may name end-of-turn tokens llama.cpp recognizes by their text (Gemma's <end_of_turn>).
+    turn_ends = [tokenizer.token_to_id(text) for text in getattr(fam, "GGUF_END_OF_TURN", ())]
     facts = TokenizerFacts(
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(sorted({int(t) for t in (eos, eot) if t is not None})),
+        eos_token_ids=tuple(sorted({int(t) for t in (eos, eot, *turn_ends) if t is not None})),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
     )
@@ -80,6 +82,19 @@ def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
         tensors=tensors,
         tokenizer_json=tokenizer.to_str(),
         tokenizer_facts=facts,
-        chat_template=meta.get("tokenizer.chat_template"),
+        # Conversions that drop the template (GGUF-my-repo's Gemma 3) get the family's published one.
+        chat_template=meta.get("tokenizer.chat_template") or getattr(fam, "CHAT_TEMPLATE", None),
         files={path.name: sha256_file(path)},
+        dtype=_published_dtype(reader),
     )
+
+
+def _published_dtype(reader: Any) -> str:
+    """The precision to export a GGUF at by default: its matrices' own float type, and for
+    quantized ones bfloat16, the precision such models are published and run in."""
+    kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    if kinds == {"F32"}:
+        return "float32"
+    if kinds == {"F16"}:
+        return "float16"
+    return "bfloat16"

