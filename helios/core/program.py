@@ -67,15 +67,33 @@ def program_signature(
 _HINTS_LOCK = threading.Lock()
 
 
-class Program:
+class _Callable:
+    """What every loaded program shares: named inputs in, named outputs out."""
+
+    def __init__(self, kind: str, spec: ProgramSpec) -> None:
+        self.kind = kind
+        self.spec = spec
+        self.input_names = tuple(t.name for t in spec.inputs)
+        self.output_names = tuple(t.name for t in spec.outputs)
+
+    def __call__(self, weights: dict[str, Tensor], kv_cache: list[Tensor], **inputs: Tensor) -> dict[str, Tensor]:
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing:
+            raise TypeError(f"{self.kind} program needs inputs {missing}")
+        with torch.inference_mode():
+            outputs = self._run(weights, kv_cache, [inputs[n] for n in self.input_names])
+        return dict(zip(self.output_names, outputs, strict=True))
+
+    def _run(self, weights: dict[str, Tensor], kv_cache: list[Tensor], inputs: list[Tensor]) -> Any:
+        raise NotImplementedError
+
+
+class Program(_Callable):
     """A loaded exported program with named inputs and outputs."""
 
     def __init__(self, kind: str, spec: ProgramSpec, module: torch.nn.Module) -> None:
-        self.kind = kind
-        self.spec = spec
+        super().__init__(kind, spec)
         self.module = module
-        self.input_names = tuple(t.name for t in spec.inputs)
-        self.output_names = tuple(t.name for t in spec.outputs)
 
     @classmethod
     def load(cls, kind: str, spec: ProgramSpec, path: Path, check_guards: bool = True) -> "Program":
@@ -92,16 +110,11 @@ class Program:
                     del module._forward_pre_hooks[key]
         return cls(kind, spec, module)
 
-    def __call__(self, weights: dict[str, Tensor], kv_cache: list[Tensor], **inputs: Tensor) -> dict[str, Tensor]:
-        missing = [n for n in self.input_names if n not in inputs]
-        if missing:
-            raise TypeError(f"{self.kind} program needs inputs {missing}")
-        with torch.inference_mode():
-            outputs = self.module(weights, kv_cache, *(inputs[n] for n in self.input_names))
-        return dict(zip(self.output_names, outputs, strict=True))
+    def _run(self, weights: dict[str, Tensor], kv_cache: list[Tensor], inputs: list[Tensor]) -> Any:
+        return self.module(weights, kv_cache, *inputs)
 
 
-class CompiledProgram:
+class CompiledProgram(_Callable):
     """A program compiled ahead of time (AOTInductor) for one host, its weights inside.
 
     Called like `Program` (the weights argument is accepted and ignored), so the engine and
@@ -109,11 +122,8 @@ class CompiledProgram:
     """
 
     def __init__(self, kind: str, spec: ProgramSpec, runner: Any) -> None:
-        self.kind = kind
-        self.spec = spec
+        super().__init__(kind, spec)
         self.runner = runner
-        self.input_names = tuple(t.name for t in spec.inputs)
-        self.output_names = tuple(t.name for t in spec.outputs)
 
     @classmethod
     def load(cls, kind: str, spec: ProgramSpec, path: Path) -> "CompiledProgram":
@@ -123,15 +133,9 @@ class CompiledProgram:
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         return cls(kind, spec, runner)
 
-    def __call__(self, weights: dict[str, Tensor], kv_cache: list[Tensor], **inputs: Tensor) -> dict[str, Tensor]:
-        missing = [n for n in self.input_names if n not in inputs]
-        if missing:
-            raise TypeError(f"{self.kind} program needs inputs {missing}")
+    def _run(self, weights: dict[str, Tensor], kv_cache: list[Tensor], inputs: list[Tensor]) -> Any:
         # Flattened as the program was traced: every cache tensor, then the inputs in order.
-        flat = [*kv_cache, *(inputs[n] for n in self.input_names)]
-        with torch.inference_mode():
-            outputs = self.runner.run(flat)
-        return dict(zip(self.output_names, outputs, strict=True))
+        return self.runner.run([*kv_cache, *inputs])
 
 
 def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str = "cpu") -> list[Tensor]:

@@ -54,13 +54,17 @@ def smollm2(smollm2_core: Path) -> Core:
     return Core.open(smollm2_core, verify_checksums=False)
 
 
-def _check_batching_invariance(core: Core, max_tokens: int, prefix: str = "") -> None:
+INVARIANCE_SETTINGS = ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16})
+
+
+def _check_batching_invariance(core: Core, max_tokens: int, prefix: str = "",
+                               settings: tuple[dict, ...] = INVARIANCE_SETTINGS) -> None:  # fmt: skip
     requests = _requests(core, max_tokens, prefix=prefix)
     alone = {}
     solo = _engine(core, enable_prefix_cache=False)  # one request at a time, nothing reused
     for request in requests:
         alone.update(_tokens(run_to_completion(solo, [request])))
-    for overrides in ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16}):
+    for overrides in settings:
         engine = _engine(core, **overrides)
         together = _tokens(run_to_completion(engine, requests))
         assert together == alone, f"batched output differs with {overrides}"

@@ -1,0 +1,524 @@
+"""The kimi_k3 family: the DeepSeek-V3 architecture (DeepSeek-V3/R1, Kimi K2/K2.5/K3 text).
+
+Multi-head latent attention (MLA) with a compressed paged cache: per token the cache holds
+ONE vector [kv_lora_rank + qk_rope_head_dim] (normed latent c_kv, rotated shared k_pe), read
+as keys and values (KvLayout.shared_kv). The step absorbs kv_b_proj's key half into the
+query and its value half after attention, so `flare::paged_attention` runs as MQA over the
+latent for prefill and decode alike. MLPs: dense SwiGLU for the first
+`first_k_dense_replace` layers, then sigmoid-routed MoE with shared experts (ignition.models.moe).
+Checked against transformers 5.24 `DeepseekV3ForCausalLM` (models/deepseek_v3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ignition.models import moe
+from ignition.models.common import decoder_shapes, reference_swiglu, rms_norm
+from ignition.models.heads import generation_outputs, prompt_outputs
+
+FAMILY = "kimi_k3"
+HF_ARCHITECTURES = ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")
+HF_MODEL_TYPES = ("deepseek_v3", "kimi_k25", "kimi_k2")
+GGUF_ARCHITECTURES: tuple[str, ...] = ()
+
+# The paged cache is one latent tensor per layer, read as keys and values (KvLayout.shared_kv).
+SHARED_KV = True
+
+# q_a_layernorm / kv_a_layernorm are built without the config's eps (DeepSeek's RMSNorm default).
+LATENT_NORM_EPS = 1e-6
+
+# Hugging Face checkpoint name (DeepseekV3ForCausalLM layout) -> internal name.
+_TEXT_WEIGHT_MAP = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attn_norm",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.wq",  # q_lora_rank None
+    "model.layers.{}.self_attn.q_a_proj.weight": "layers.{}.wq_a",
+    "model.layers.{}.self_attn.q_a_layernorm.weight": "layers.{}.q_a_norm",
+    "model.layers.{}.self_attn.q_b_proj.weight": "layers.{}.wq_b",
+    "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight": "layers.{}.wkv_a",
+    "model.layers.{}.self_attn.kv_a_layernorm.weight": "layers.{}.kv_a_norm",
+    "model.layers.{}.self_attn.kv_b_proj.weight": "layers.{}.wkv_b",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.wo",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.w_gate",  # dense layers
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.w_up",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.w_down",
+    **moe.expert_weight_map(),
+    **moe.shared_expert_weight_map(),
+}
+
+# Where Kimi K2.5-style multimodal checkpoints keep the text model: Moonshot's own layout and
+# transformers' Kimi_K25ForConditionalGeneration (conversion_mapping "kimi_k25").
+_TEXT_PREFIXES = {"model.": ("language_model.model.", "model.language_model."), "lm_head.": ("language_model.lm_head.",)}
+
+
+def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
+    out = dict(table)
+    for source, target in table.items():
+        for plain, alternatives in _TEXT_PREFIXES.items():
+            if source.startswith(plain):
+                out.update({alt + source[len(plain):]: target for alt in alternatives})
+    return out
+
+
+WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP)
+
+STACKED = moe.STACKED_EXPERTS
+
+# Dense and MoE layers each lack the other's group; export skips a group absent from a layer.
+FUSED = {"layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"), **moe.SHARED_EXPERT_FUSED}
+
+
+def canonical_name(name: str) -> str:
+    """A text tensor's DeepseekV3ForCausalLM name, whichever layout the checkpoint uses."""
+    for plain, alternatives in _TEXT_PREFIXES.items():
+        for alt in alternatives:
+            if name.startswith(alt):
+                return plain + name[len(alt):]
+    return name
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """DeepSeek's rotary embedding over the qk_rope_head_dim dims: plain, or YaRN (factor > 1)."""
+
+    theta: float
+    dim: int  # qk_rope_head_dim
+    interleave: bool  # rotary pairs are (x0, x1), (x2, x3)... (DeepSeek's layout) rather than halves
+    yarn: bool = False
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0: absent
+    mscale_all_dim: float = 0.0  # 0: absent
+    attention_factor: float | None = None  # cos/sin multiplier; None: from factor and mscales
+    truncate: bool = True
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """YaRN's attention factor, applied to cos and sin (1.0 for DeepSeek-V3, whose mscales match)."""
+        if not self.yarn:
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """The softmax scale's correction: mscale(factor, mscale_all_dim) squared (yarn_apply_mscale)."""
+        if not self.yarn or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+    def correction_range(self) -> tuple[float, float]:
+        """YaRN's ramp bounds over the rotary pair index."""
+
+        def dim_at(rotations: float) -> float:
+            positions = self.original_max_position_embeddings
+            return self.dim * math.log(positions / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low, high = dim_at(self.beta_fast), dim_at(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, self.dim - 1)
+        return low, (high + 0.001 if low == high else high)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class DeepseekV3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense layers' SwiGLU width
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None  # None: a plain q_proj
+    kv_lora_rank: int  # latent width r of the cache
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    first_k_dense_replace: int  # layers [0, k) have a dense MLP, the rest MoE
+    moe_intermediate_size: int  # each expert's SwiGLU width
+    n_shared_experts: int  # the shared expert is n_shared_experts * moe_intermediate_size wide; 0: none
+    router: moe.RouterSpec
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """One cache row: normed c_kv [kv_lora_rank] then rotated k_pe [qk_rope_head_dim]."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config: Kimi K2.5-style checkpoints nest it under text_config."""
+    return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+
+
+def rope_from_hf(hf: dict[str, Any]) -> RopeSpec:
+    """Plain or YaRN rotary from `rope_parameters` (transformers 5) or legacy `rope_scaling`."""
+    params = dict(hf.get("rope_scaling") or {}) | dict(hf.get("rope_parameters") or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    dim, interleave = int(hf["qk_rope_head_dim"]), bool(hf.get("rope_interleave", True))
+    if kind == "default":
+        return RopeSpec(theta=theta, dim=dim, interleave=interleave)
+    if kind != "yarn":
+        raise ValueError(f"rope type {kind!r} is not supported by the {FAMILY} family (supported: default, yarn)")
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or int(hf["max_position_embeddings"]) / original
+    attention_factor = params.get("attention_factor")
+    return RopeSpec(
+        theta=theta, dim=dim, interleave=interleave, yarn=True, factor=float(factor),
+        original_max_position_embeddings=original, beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1), mscale=float(params.get("mscale") or 0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
+    )  # fmt: skip
+
+
+def _check_supported(hf: dict[str, Any]) -> None:
+    if hf.get("attention_bias"):
+        raise ValueError(f"attention_bias is not supported by the {FAMILY} family")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported by the {FAMILY} family")
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(f"only sigmoid noaux_tc routing is supported by the {FAMILY} family")
+    if hf.get("quantization_config"):
+        raise ValueError(f"quantized checkpoints are not supported by the {FAMILY} family yet")
+
+
+def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
+    """Read a Hugging Face config.json dict (DeepSeek-V3, or Kimi's with a nested text_config)."""
+    tie = bool(text_config(hf).get("tie_word_embeddings", False))
+    hf = text_config(hf)
+    _check_supported(hf)
+    experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts"))
+    q_lora = hf.get("q_lora_rank")
+    router = moe.RouterSpec(
+        num_experts=experts, top_k=int(hf["num_experts_per_tok"]), scoring="sigmoid",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
+        has_correction_bias=True, norm_eps=1e-20,
+    )  # fmt: skip
+    return DeepseekV3Config(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=int(hf["num_attention_heads"]),
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+        v_head_dim=int(hf["v_head_dim"]),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=rope_from_hf(hf),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=tie,
+        first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        n_shared_experts=int(hf.get("n_shared_experts") or 0),
+        router=router,
+    )
+
+
+def kv_shape(config: DeepseekV3Config) -> tuple[int, int, int]:
+    """(num_layers, 1, latent_dim): one shared latent row per token (SHARED_KV)."""
+    return config.num_layers, 1, config.latent_dim
+
+
+def decode_weight_bytes(config: DeepseekV3Config, weights: dict[str, Tensor]) -> int:
+    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer."""
+    return moe.decode_weight_bytes(config, weights, config.router.top_k)
+
+
+# ---------------------------------------------------------------------------- step program
+
+
+def rope_inv_freq(spec: RopeSpec, device: torch.device) -> Tensor:
+    """[dim / 2] fp32 inverse frequencies, YaRN-blended where the spec says (transformers' formula)."""
+    base = spec.theta ** (torch.arange(0, spec.dim, 2, device=device).float() / spec.dim)
+    if not spec.yarn:
+        return 1.0 / base
+    low, high = spec.correction_range()
+    ramp = ((torch.arange(spec.dim // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (spec.factor * base)) * (1 - extrapolation) + (1.0 / base) * extrapolation
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
+    """x [T, heads, D] with cos/sin [T, 1, D/2]. Interleaved pairs come out as (evens, odds)
+    halves, as transformers' apply_rotary_pos_emb_interleave writes them (q and k alike)."""
+    if interleave:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+class StepProgram(torch.nn.Module):
+    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with
+    kv_cache = [latent_0, latent_1, ...], each [pages, page_tokens, 1, latent_dim]."""
+
+    def __init__(self, config: DeepseekV3Config, num_top: int, explicit_ids: bool, scored: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.num_top = num_top
+        self.explicit_ids = explicit_ids
+        self.scored = scored
+
+    def query(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
+        """h [T, hidden] -> q [T, H, qk_head_dim] fp32, through the q LoRA when the model has one."""
+        p, c = f"layers.{layer}.", self.config
+        if c.q_lora_rank is None:
+            q = F.linear(h, weights[p + "wq"])
+        else:
+            q_a = rms_norm(F.linear(h, weights[p + "wq_a"]).float(), weights[p + "q_a_norm"], LATENT_NORM_EPS)
+            q = F.linear(q_a.to(h.dtype), weights[p + "wq_b"])
+        return q.float().view(-1, c.num_heads, c.qk_head_dim)
+
+    def attention(self, weights: dict[str, Tensor], layer: int, h: Tensor, cos: Tensor, sin: Tensor,
+                  cache: Tensor, paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+        """Absorbed MLA: h [T, hidden] in the core dtype -> attention output [T, hidden] fp32."""
+        p, c = f"layers.{layer}.", self.config
+        r, wdt = c.kv_lora_rank, h.dtype
+        slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
+        q_nope, q_pe = self.query(weights, layer, h).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = F.linear(h, weights[p + "wkv_a"]).float().split([r, c.qk_rope_head_dim], dim=-1)
+        c_kv = rms_norm(c_kv, weights[p + "kv_a_norm"], LATENT_NORM_EPS)
+        q_pe = apply_rope(q_pe, cos, sin, c.rope.interleave)
+        k_pe = apply_rope(k_pe[:, None, :], cos, sin, c.rope.interleave)
+        latent = torch.cat([c_kv[:, None, :], k_pe], dim=-1).to(cache.dtype)  # [T, 1, r + rope]
+        # kv_b_proj rows per head: k_nope [nope] then v [v_head_dim], each over the latent r.
+        w_kv_b = weights[p + "wkv_b"].view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, r)
+        w_uk, w_uv = w_kv_b[:, : c.qk_nope_head_dim], w_kv_b[:, c.qk_nope_head_dim :]
+        # q_nope . (W_UK c_kv) == (q_nope W_UK) . c_kv: the keys never leave the latent space.
+        q_latent = torch.bmm(q_nope.transpose(0, 1).to(wdt), w_uk).float().transpose(0, 1)  # [T, H, r]
+        query = torch.cat([q_latent, q_pe], dim=-1).to(cache.dtype)
+        # One tensor as keys and values: written once per token (twice through the pair-writing op).
+        torch.ops.flare.write_kv(cache, cache, latent, latent, slot_mapping)
+        attn = torch.ops.flare.paged_attention(query, cache, cache, block_tables, seq_lens, query_start_loc,
+                                               positions, c.softmax_scale)  # fmt: skip
+        # softmax . latent's first r dims is softmax . c_kv; W_UV lifts it into each head's values.
+        values = torch.bmm(attn[..., :r].transpose(0, 1).to(wdt), w_uv.transpose(1, 2))  # [H, T, v]
+        out = values.transpose(0, 1).reshape(-1, c.num_heads * c.v_head_dim)
+        return F.linear(out, weights[p + "wo"]).float()
+
+    def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
+        c = self.config
+        if c.is_moe(layer):
+            return moe.sparse_moe(c.router, weights, layer, h, shared=c.n_shared_experts > 0)
+        gate, up = F.linear(h, weights[f"layers.{layer}.w_gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, weights[f"layers.{layer}.w_down"]).float()
+
+    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
+                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
+        extra = [t for t in (extra_1, extra_2) if t is not None]  # program_signature's order
+        logprob_ids = extra.pop(0) if self.explicit_ids else None
+        target_ids = extra.pop(0) if self.scored else None
+        c = self.config
+        wdt = weights["embed"].dtype
+        # As in the other families: residual stream, norms and rotary in fp32, matmuls in the core dtype.
+        x = F.embedding(token_ids, weights["embed"]).float()
+        freqs = positions.float()[:, None] * rope_inv_freq(c.rope, positions.device)[None, :]
+        cos = (freqs.cos() * c.rope.cos_sin_scale)[:, None, :]  # [T, 1, rope / 2]
+        sin = (freqs.sin() * c.rope.cos_sin_scale)[:, None, :]
+        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
+        for i in range(c.num_layers):
+            h = rms_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps).to(wdt)
+            x = x + self.attention(weights, i, h, cos, sin, kv_cache[i], paged)
+            h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
+            x = x + self.mlp(weights, i, h).float()
+        x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
+        lm_head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
+        outputs = generation_outputs(x[logits_indices], lm_head, self.num_top, logprob_ids)
+        if target_ids is not None:
+            outputs += prompt_outputs(x, lm_head, target_ids, self.num_top)
+        return tuple(outputs)
+
+
+# ---------------------------------------------------------------------- plain reference
+
+
+def _reference_angles(spec: RopeSpec, total: int) -> Tensor:
+    """[T, dim / 2] float64 rotary angles, YaRN computed in plain Python floats."""
+    pairs = spec.dim // 2
+    inv = [spec.theta ** (-2 * j / spec.dim) for j in range(pairs)]
+    if spec.yarn:
+        low, high = spec.correction_range()
+        keep = [1 - min(max((j - low) / (high - low), 0.0), 1.0) for j in range(pairs)]  # 1: extrapolate
+        inv = [f / spec.factor * (1 - k) + f * k for f, k in zip(inv, keep)]
+    return torch.arange(total, dtype=torch.float64)[:, None] * torch.tensor(inv, dtype=torch.float64)[None, :]
+
+
+def _reference_rotate(t: Tensor, angles: Tensor, scale: float, interleave: bool) -> Tensor:
+    """t [heads, T, D] rotated as complex pairs (DeepSeek's own view_as_complex formulation);
+    interleaved pairs stay interleaved, which q.k does not notice."""
+    rot = torch.polar(torch.full_like(angles, scale), angles).to(torch.complex64)  # [T, D/2]
+    if interleave:
+        pairs = torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * rot).flatten(-2)
+    half = t.shape[-1] // 2
+    z = torch.complex(t[..., :half], t[..., half:]) * rot
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def reference_logits(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
+    """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32.
+
+    Non-absorbed MLA on purpose (kv_b_proj expands every head's k_nope and v from c_kv,
+    explicit causal mask, complex-number rotary), so the export self-check compares two
+    formulations of the same attention.
+    """
+    c = config
+    w = {canonical_name(k): v.float() for k, v in hf_weights.items()}
+    total, heads = len(token_ids), c.num_heads
+    x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
+    angles = _reference_angles(c.rope, total)
+    mask = torch.full((total, total), float("-inf")).triu(1)
+
+    def norm(t: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return weight * (t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rotate(t: Tensor) -> Tensor:
+        return _reference_rotate(t, angles, c.rope.cos_sin_scale, c.rope.interleave)
+
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        h = norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        if c.q_lora_rank is None:
+            q = h @ w[a + "q_proj.weight"].T
+        else:
+            q = norm(h @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], LATENT_NORM_EPS) @ w[a + "q_b_proj.weight"].T
+        q = q.view(total, heads, c.qk_head_dim).transpose(0, 1)  # [H, T, qk]
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], rotate(q[..., c.qk_nope_head_dim :])
+        kv = h @ w[a + "kv_a_proj_with_mqa.weight"].T
+        c_kv = norm(kv[:, : c.kv_lora_rank], w[a + "kv_a_layernorm.weight"], LATENT_NORM_EPS)
+        k_pe = rotate(kv[None, :, c.kv_lora_rank :])  # [1, T, rope], shared by every head
+        expanded = (c_kv @ w[a + "kv_b_proj.weight"].T).view(total, heads, -1).transpose(0, 1)
+        k_nope, v = expanded[..., : c.qk_nope_head_dim], expanded[..., c.qk_nope_head_dim :]
+        k = torch.cat([k_nope, k_pe.expand(heads, -1, -1)], dim=-1)
+        scores = torch.cat([q_nope, q_pe], dim=-1) @ k.transpose(1, 2) * c.softmax_scale + mask
+        attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(total, -1)
+        x = x + attn @ w[a + "o_proj.weight"].T
+        h = norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        if c.is_moe(i):
+            x = x + moe.reference_moe(c.router, w, p + "mlp.", h, shared=c.n_shared_experts > 0)
+        else:
+            x = x + reference_swiglu(w, p + "mlp.", h)
+    x = norm(x, w["model.norm.weight"], c.rms_norm_eps)
+    head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
+    return x @ head.T
+
+
+# ----------------------------------------------------------------------- test checkpoints
+
+# Test checkpoints carry Kimi K3's special tokens and published template (testmodel.CHATS).
+TEST_CHAT: str | None = "kimi3"
+
+
+def testmodel_config(vocab_size: int) -> dict[str, Any]:
+    """A tiny DeepSeek-V3 config: 3 layers (the first dense), 8 sigmoid-routed experts top-2 in
+    2 groups (1 kept), a shared expert, q LoRA, interleaved plain rotary."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rope_interleave": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes (per-expert layout) of a checkpoint with this config."""
+    h, heads = c.hidden_size, c.num_heads
+    attention: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.kv_a_proj_with_mqa.weight": (c.latent_dim, h),
+        "self_attn.kv_a_layernorm.weight": (c.kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        "self_attn.o_proj.weight": (h, heads * c.v_head_dim),
+    }  # fmt: skip
+    if c.q_lora_rank is None:
+        attention["self_attn.q_proj.weight"] = (heads * c.qk_head_dim, h)
+    else:
+        attention.update({"self_attn.q_a_proj.weight": (c.q_lora_rank, h),
+                          "self_attn.q_a_layernorm.weight": (c.q_lora_rank,),
+                          "self_attn.q_b_proj.weight": (heads * c.qk_head_dim, c.q_lora_rank)})  # fmt: skip
+    shapes = decoder_shapes(c, attention)
+    f, s = c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
+    for layer in range(c.num_layers):
+        p = f"model.layers.{layer}.mlp."
+        if not c.is_moe(layer):
+            shapes.update({p + "gate_proj.weight": (c.intermediate_size, h), p + "up_proj.weight": (c.intermediate_size, h),
+                           p + "down_proj.weight": (h, c.intermediate_size)})  # fmt: skip
+            continue
+        shapes.update({p + "gate.weight": (c.router.num_experts, h), p + "gate.e_score_correction_bias": (c.router.num_experts,)})
+        for e in range(c.router.num_experts):
+            shapes.update({f"{p}experts.{e}.gate_proj.weight": (f, h), f"{p}experts.{e}.up_proj.weight": (f, h),
+                           f"{p}experts.{e}.down_proj.weight": (h, f)})  # fmt: skip
+        if s:
+            shapes.update({p + "shared_experts.gate_proj.weight": (s, h), p + "shared_experts.up_proj.weight": (s, h),
+                           p + "shared_experts.down_proj.weight": (h, s)})  # fmt: skip
+    return shapes
