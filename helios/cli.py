@@ -47,9 +47,16 @@ def serve(
 
     from helios.hugepages import reexec_with_huge_pages
 
-    # Before torch loads OpenMP: idle pool threads sleep instead of spinning, so they do not
-    # take the cores the HTTP side needs between steps (single stream +22% here, no loss at 64).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads OpenMP: pool threads spin only briefly (~10k iterations, tens of
+    # microseconds) before sleeping. Inside a step the next parallel region starts within
+    # that time, so no wake-up is paid per matmul or fused loop (PASSIVE, no spinning, made a
+    # two-thread compiled step 54 ms instead of 25); between steps the threads sleep instead
+    # of taking the cores the HTTP side needs (spinning for libgomp's default ~300k cost the
+    # single stream up to 20%). OMP_WAIT_POLICY or GOMP_SPINCOUNT set by you win.
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        # ACTIVE with a spin count, not the policy left unset: unset, libgomp throttles the
+        # spin to 100 iterations when it sees other busy threads (steps 15-25% slower here).
+        os.environ.update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="10000")
     reexec_with_huge_pages()  # once, before anything large is allocated
     import logging
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import msgspec
@@ -76,7 +77,8 @@ class Executor:
         elif serial_decode_rows is None:
             rows = tuple(r for r in threads.PROBE_ROWS if r <= num_pages)  # the probe uses pages 0..rows-1
             # Measured once per core, step kind, thread count and host; later starts reuse it.
-            key = f"{core.digest}|{self.step_kind}|{upcast}|{self.threads}|{rows}|{host.fingerprint()}"
+            waits = (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))  # they change the timings
+            key = f"{core.digest}|{self.step_kind}|{upcast}|{self.threads}|{rows}|{waits}|{host.fingerprint()}"
             remembered = hostcache.get("thread-policy", key)
             if isinstance(remembered, int):
                 serial_decode_rows = remembered
