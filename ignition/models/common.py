@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models.heads import generation_outputs, prompt_outputs
+from ignition.models.heads import step_outputs
 
 # Hugging Face names of the embedding, final norm, head and attention block (no MLP).
 ATTENTION_WEIGHT_MAP = {
@@ -203,11 +203,7 @@ class DecoderProgram(torch.nn.Module):
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
         x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
-        lm_head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
-        outputs = generation_outputs(x[logits_indices], lm_head, self.num_top, logprob_ids)
-        if target_ids is not None:
-            outputs += prompt_outputs(x, lm_head, target_ids, self.num_top)
-        return tuple(outputs)
+        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
 
 
 # ---------------------------------------------------------------------- plain reference

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ignition.models import moe
 from ignition.models.common import decoder_shapes, reference_swiglu, rms_norm
-from ignition.models.heads import generation_outputs, prompt_outputs
+from ignition.models.heads import step_outputs
 
 FAMILY = "kimi_k3"
 HF_ARCHITECTURES = ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")
@@ -364,11 +364,7 @@ class StepProgram(torch.nn.Module):
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
         x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
-        lm_head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
-        outputs = generation_outputs(x[logits_indices], lm_head, self.num_top, logprob_ids)
-        if target_ids is not None:
-            outputs += prompt_outputs(x, lm_head, target_ids, self.num_top)
-        return tuple(outputs)
+        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
 
 
 # ---------------------------------------------------------------------- plain reference

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models.common import DecoderProgram, decode_weight_bytes, decoder_shapes, kv_shape, rope, rotate_half
-from ignition.models.heads import generation_outputs, prompt_outputs
+from ignition.models.heads import step_outputs
 
 __all__ = ["decode_weight_bytes", "kv_shape"]  # the family interface, shared with common
 
@@ -295,11 +295,8 @@ class StepProgram(DecoderProgram):
             h = gemma_norm(x, weights[f"layers.{i}.mlp_norm"], eps).to(wdt)
             x = x + gemma_norm(self.mlp(weights, i, h), weights[f"layers.{i}.post_mlp_norm"], eps)
         x = gemma_norm(x, weights["norm"], eps).to(wdt)
-        lm_head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
-        outputs = generation_outputs(x[logits_indices], lm_head, self.num_top, logprob_ids, c.final_softcap)
-        if target_ids is not None:
-            outputs += prompt_outputs(x, lm_head, target_ids, self.num_top, c.final_softcap)
-        return tuple(outputs)
+        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids,
+                            c.final_softcap)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- plain reference

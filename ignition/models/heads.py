@@ -47,3 +47,14 @@ def prompt_outputs(hidden: Tensor, lm_head: Tensor, target_ids: Tensor, num_top:
         values, ids = torch.topk(logprobs, num_top, dim=-1)
         outputs += [values, ids]
     return outputs
+
+
+def step_outputs(hidden: Tensor, weights: dict[str, Tensor], tied: bool, logits_indices: Tensor, num_top: int,
+                 logprob_token_ids: Tensor | None, target_ids: Tensor | None, softcap: float = 0.0) -> tuple[Tensor, ...]:  # fmt: skip
+    """Every output of a step program, in program_signature's order, from the final-normed
+    hidden states [T, hidden]: the rows' distributions, then (scored prefill) the prompt's."""
+    lm_head = weights["embed"] if tied else weights["lm_head"]
+    outputs = generation_outputs(hidden[logits_indices], lm_head, num_top, logprob_token_ids, softcap)
+    if target_ids is not None:
+        outputs += prompt_outputs(hidden, lm_head, target_ids, num_top, softcap)
+    return tuple(outputs)
