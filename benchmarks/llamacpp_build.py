@@ -8,6 +8,8 @@ sdist of llama-cpp-python (cmake; cached), and an F32 GGUF of the default model.
 
 from __future__ import annotations
 
+import hashlib
+import platform
 import subprocess
 import sys
 import tarfile
@@ -23,9 +25,18 @@ def _run(command: list[str], cwd: Path | None = None) -> None:
     subprocess.run(command, check=True, cwd=cwd)
 
 
+def _build_dir() -> Path:
+    """One build per CPU: GGML_NATIVE compiles for this host's instruction set, so a build
+    cached on another machine can die with SIGILL here (seen: Q4_1 kernels)."""
+    from helios.core import host
+
+    isa = hashlib.sha256(" ".join(host.fingerprint().isa).encode()).hexdigest()[:12]
+    return CACHE / f"build-{platform.machine()}-{isa}"
+
+
 def ensure_llama_server(jobs: int = 2) -> Path:
-    """Build (once) and return the path of llama-server."""
-    binary = CACHE / "build" / "bin" / "llama-server"
+    """Build (once per CPU kind) and return the path of llama-server."""
+    binary = _build_dir() / "bin" / "llama-server"
     if binary.is_file():
         return binary
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -39,7 +50,7 @@ def ensure_llama_server(jobs: int = 2) -> Path:
             members = [m for m in archive.getmembers() if "/vendor/llama.cpp/" in m.name]
             archive.extractall(CACHE / "extract", members=members, filter="data")
         (CACHE / "extract").joinpath(archives[-1].name[: -len(".tar.gz")], "vendor", "llama.cpp").rename(source)
-    build = CACHE / "build"
+    build = _build_dir()
     _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
           "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])  # fmt: skip
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)])

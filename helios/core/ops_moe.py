@@ -15,7 +15,8 @@ from torch import Tensor
 # silu:              silu(min(gate, L)) * clamp(up, -L, L)         (SwiGLU; DeepSeek-V4 clamps)
 # silu_clamp_after:  min(silu(gate), L) * clamp(up, -L, L)         (Step 3.7)
 # clamped_glu:       g * sigmoid(alpha * g) * (clamp(up, -L, L) + 1), g = min(gate, L)   (MiniMax M3)
-ACTIVATIONS = ("silu", "silu_clamp_after", "clamped_glu")
+# gelu_tanh:         gelu(gate, tanh approximation) * up                  (Gemma 4)
+ACTIVATIONS = ("silu", "silu_clamp_after", "clamped_glu", "gelu_tanh")
 
 
 def gated_activation(gate: Tensor, up: Tensor, activation: str, limit: float, alpha: float) -> Tensor:
@@ -33,6 +34,8 @@ def gated_activation(gate: Tensor, up: Tensor, activation: str, limit: float, al
         if limit > 0:
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return gate * torch.sigmoid(gate * alpha) * (up + 1.0)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     raise ValueError(f"unknown expert activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
 
 

@@ -1,0 +1,551 @@
+"""The Gemma 4 text family (Gemma4ForCausalLM, model_type gemma4_text): config, weight maps, step program, reference.
+
+What differs from Gemma 3 (ignition.models.gemma3), as transformers 5's modeling_gemma4 does it:
+- RMSNorm multiplies by the weight itself (not 1 + w); values get a weightless RMSNorm too;
+  attention scores are not scaled (scaling 1.0); each layer ends by multiplying the residual
+  stream by its `layer_scalar`.
+- Full-attention layers have their own head size (`global_head_dim`, default 512) and, with
+  attention_k_eq_v, their own kv-head count (`num_global_key_value_heads`) and no v_proj: the
+  values are the raw key projection (before k_norm and rotary).
+- Rotary per layer type (`rope_parameters`): sliding layers `default`, full layers
+  `proportional` (only the first partial_rotary_factor of the angles rotate).
+- Per-layer input embeddings (PLE): a packed [vocab_per_layer, layers * P] table plus a projection
+  of the input embedding give each layer a P-wide input, mixed in by a gated block after the MLP.
+- KV sharing: the last num_kv_shared_layers layers compute no keys/values and attend over the
+  cache of the last earlier layer of their type. Only the producing layers own cache tensors
+  (kv_shape counts them); a shared layer calls paged_attention on its producer's cache and writes
+  nothing. Shared layers' MLP is twice as wide with use_double_wide_mlp.
+- The optional MoE block (enable_moe_block): a dense MLP and a routed GeLU-tanh expert block in
+  parallel, each with its own norms; only each token's top-k experts run (flare::routed_experts,
+  activation gelu_tanh).
+The KV cache is one uniform layout: head size and kv heads are the largest over layers; smaller
+layers are zero-padded in head size (q too, so scores are unchanged; output padding is dropped)
+and repeat their kv heads to the cache's count (GQA grouping stays the same). Checked against
+transformers' Gemma4ForCausalLM (eager attention).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ignition.models import moe
+from ignition.models.common import DecoderProgram, decode_weight_bytes, rotate_half
+from ignition.models.gemma3 import FULL, SLIDING, embed_scale, softcapped
+from ignition.models.heads import step_outputs
+from ignition.models.moe import STACKED_EXPERTS, expert_weight_map
+
+__all__ = ["decode_weight_bytes"]  # the family interface, shared with common
+
+FAMILY = "gemma4"
+HF_ARCHITECTURES = ("Gemma4ForCausalLM",)
+HF_MODEL_TYPES = ("gemma4_text",)
+GGUF_ARCHITECTURES: tuple[str, ...] = ()
+
+# Like gemma3: exports default to float32 until the 16-bit program is checked on a real checkpoint.
+ACCURATE_16BIT = False
+
+_L = "model.layers.{}."
+WEIGHT_MAP = {
+    "model.embed_tokens.weight": "embed",
+    "model.embed_tokens_per_layer.weight": "embed_per_layer",
+    "model.per_layer_model_projection.weight": "per_layer_proj",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+    _L + "input_layernorm.weight": "layers.{}.attn_norm",
+    _L + "post_attention_layernorm.weight": "layers.{}.post_attn_norm",
+    _L + "pre_feedforward_layernorm.weight": "layers.{}.mlp_norm",
+    _L + "post_feedforward_layernorm.weight": "layers.{}.post_mlp_norm",
+    _L + "self_attn.q_proj.weight": "layers.{}.wq",
+    _L + "self_attn.k_proj.weight": "layers.{}.wk",
+    _L + "self_attn.v_proj.weight": "layers.{}.wv",
+    _L + "self_attn.o_proj.weight": "layers.{}.wo",
+    _L + "self_attn.q_norm.weight": "layers.{}.q_norm",
+    _L + "self_attn.k_norm.weight": "layers.{}.k_norm",
+    _L + "mlp.gate_proj.weight": "layers.{}.w_gate",
+    _L + "mlp.up_proj.weight": "layers.{}.w_up",
+    _L + "mlp.down_proj.weight": "layers.{}.w_down",
+    _L + "layer_scalar": "layers.{}.scalar",
+    _L + "per_layer_input_gate.weight": "layers.{}.ple_gate",
+    _L + "per_layer_projection.weight": "layers.{}.ple_proj",
+    _L + "post_per_layer_input_norm.weight": "layers.{}.post_ple_norm",
+    # MoE block (enable_moe_block): router, experts and their three extra norms
+    _L + "router.scale": "layers.{}.router_scale",
+    _L + "router.per_expert_scale": "layers.{}.expert_scale",
+    _L + "post_feedforward_layernorm_1.weight": "layers.{}.post_mlp_norm_1",
+    _L + "post_feedforward_layernorm_2.weight": "layers.{}.post_moe_norm",
+    _L + "pre_feedforward_layernorm_2.weight": "layers.{}.moe_norm",
+    **expert_weight_map(mlp=_L, router="router.proj"),
+}
+
+# q, k and v are not fused: k_eq_v layers have no v_proj and KV-shared layers neither k nor v.
+FUSED = {"layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up")}
+STACKED = STACKED_EXPERTS
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma4Config:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # of the cache: the most over layers
+    head_dim: int  # of the cache: the largest over layers
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    layer_windows: tuple[int, ...]  # sliding window in tokens, 0 = full attention
+    layer_head_dims: tuple[int, ...]
+    layer_kv_heads: tuple[int, ...]
+    layer_k_eq_v: tuple[bool, ...]  # values are the raw key projection (no v_proj)
+    kv_sources: tuple[int, ...]  # the layer whose cache each layer attends over (itself unless shared)
+    layer_intermediate: tuple[int, ...]
+    # rotary per layer type: (theta, rotated angle pairs, factor) for SLIDING and FULL
+    rope_sliding: tuple[float, int, float]
+    rope_full: tuple[float, int, float]
+    ple_dim: int  # hidden_size_per_layer_input; 0 = no per-layer inputs
+    ple_vocab: int
+    final_softcap: float  # 0.0 = off
+    num_experts: int  # 0 = no MoE block
+    top_k_experts: int
+    moe_intermediate_size: int
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that own a cache: the first num_layers - num_kv_shared_layers."""
+        return max(self.kv_sources) + 1
+
+
+def _rope(hf: dict[str, Any], kind: str, head_dim: int) -> tuple[float, int, float]:
+    params = (hf.get("rope_parameters") or {}).get(kind)
+    if params is None:  # transformers' defaults
+        params = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                  FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}[kind]  # fmt: skip
+    rope_type = params.get("rope_type") or "default"
+    theta = float(params.get("rope_theta") or 10_000.0)
+    if rope_type == "default":
+        return theta, head_dim // 2, 1.0
+    if rope_type == "proportional":
+        pairs = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        return theta, pairs, float(params.get("factor", 1.0))
+    raise ValueError(f"rope type {rope_type!r} on {kind} layers is not supported by the {FAMILY} family "
+                     "(default and proportional are)")  # fmt: skip
+
+
+def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
+    """Read a Hugging Face gemma4_text config.json dict; unsupported variants raise ValueError."""
+    if "text_config" in hf or hf.get("model_type") not in (None, *HF_MODEL_TYPES):
+        raise ValueError(f"only text-only Gemma 4 checkpoints (model_type gemma4_text, Gemma4ForCausalLM) are "
+                         f"supported by the {FAMILY} family, not {hf.get('model_type')!r} with vision/audio towers")  # fmt: skip
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"bidirectional attention is not supported by the {FAMILY} family")
+    if hf.get("attention_bias"):
+        raise ValueError(f"attention_bias is not supported by the {FAMILY} family")
+    act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"hidden activation {act!r} is not supported by the {FAMILY} family")
+    n = int(hf.get("num_hidden_layers", 30))
+    heads = int(hf.get("num_attention_heads", 8))
+    kv_heads = int(hf.get("num_key_value_heads", 4))
+    head_dim = int(hf.get("head_dim") or 256)
+    window = int(hf.get("sliding_window") or 512)
+    types = list(hf.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
+    if len(types) != n or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"layer_types must name {n} layers as {SLIDING} or {FULL}, got {types!r}")
+    types[-1] = FULL  # as transformers forces it
+    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    # Per-layer overrides of full layers: an explicit per_layer_config, else global_head_dim (default 512)
+    # and, with attention_k_eq_v, num_global_key_value_heads.
+    per_layer = hf.get("per_layer_config")
+    if per_layer is None:
+        override: dict[str, Any] = {"head_dim": int(hf.get("global_head_dim") or 512)}
+        if k_eq_v and hf.get("num_global_key_value_heads") is not None:
+            override["num_key_value_heads"] = int(hf["num_global_key_value_heads"])
+        per_layer = {i: override for i, t in enumerate(types) if t == FULL}
+    per_layer = {int(k): v for k, v in per_layer.items()}
+    if {k for v in per_layer.values() for k in v} - {"head_dim", "num_key_value_heads"}:
+        raise ValueError(f"per_layer_config overrides other than head_dim/num_key_value_heads are not supported by the {FAMILY} family")
+    dims = tuple(int(per_layer.get(i, {}).get("head_dim", head_dim)) for i in range(n))
+    kvs = tuple(int(per_layer.get(i, {}).get("num_key_value_heads", kv_heads)) for i in range(n))
+    for t in (SLIDING, FULL):
+        if len({dims[i] for i in range(n) if types[i] == t}) > 1:
+            raise ValueError(f"{t} layers of different head sizes are not supported by the {FAMILY} family")
+    max_kv = max(kvs)
+    if heads % max_kv or any(max_kv % k for k in kvs):
+        raise ValueError(f"kv-head counts {sorted(set(kvs))} must divide each other and the {heads} heads")
+    # KV sharing: layers from first_shared on reuse the last earlier layer of their type.
+    shared = int(hf.get("num_kv_shared_layers") or 0)
+    first_shared = n - shared
+    if not 0 <= shared < n:
+        raise ValueError(f"num_kv_shared_layers {shared} must be below num_hidden_layers {n}")
+    sources = []
+    for i, t in enumerate(types):
+        if i < first_shared:
+            sources.append(i)
+            continue
+        producers = [j for j in range(first_shared) if types[j] == t]
+        if not producers:
+            raise ValueError(f"KV-shared {t} layer {i} has no earlier {t} layer to read")
+        sources.append(producers[-1])
+    inter = int(hf.get("intermediate_size", 9216))
+    double = bool(hf.get("use_double_wide_mlp", False))
+    moe = bool(hf.get("enable_moe_block", False))
+    ple = int(hf.get("hidden_size_per_layer_input") or 0)
+    return Gemma4Config(
+        vocab_size=int(hf.get("vocab_size", 262_144)),
+        hidden_size=int(hf.get("hidden_size", 2304)),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=max_kv,
+        head_dim=max(dims),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 131_072)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        layer_windows=tuple(window if t == SLIDING else 0 for t in types),
+        layer_head_dims=dims,
+        layer_kv_heads=kvs,
+        layer_k_eq_v=tuple(k_eq_v and t == FULL for t in types),
+        kv_sources=tuple(sources),
+        layer_intermediate=tuple(inter * (2 if double and i >= first_shared else 1) for i in range(n)),
+        rope_sliding=_rope(hf, SLIDING, next((d for d, t in zip(dims, types) if t == SLIDING), head_dim)),
+        rope_full=_rope(hf, FULL, next(d for d, t in zip(dims, types) if t == FULL)),
+        ple_dim=ple,
+        ple_vocab=int(hf.get("vocab_size_per_layer_input", 262_144)) if ple else 0,
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        num_experts=int(hf["num_experts"]) if moe else 0,
+        top_k_experts=int(hf["top_k_experts"]) if moe else 0,
+        moe_intermediate_size=int(hf["moe_intermediate_size"]) if moe else 0,
+    )
+
+
+def kv_shape(config: Gemma4Config) -> tuple[int, int, int]:
+    """(cache-owning layers, kv heads, head size) of the paged cache; KV-shared layers own none."""
+    return config.num_kv_layers, config.num_kv_heads, config.head_dim
+
+
+# ---------------------------------------------------------------------------- step program
+
+
+def norm4(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """Gemma 4's RMSNorm in fp32: x / rms(x) * w (the weight itself, unlike Gemma 3's 1 + w); no weight: unscaled."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return out * weight.float() if weight is not None else out
+
+
+def _inv_freq(head_dim: int, theta: float, pairs: int, factor: float, device: Any = None) -> Tensor:
+    """[head_dim / 2] fp32 inverse frequencies; angles past `pairs` are zero (proportional rotary)."""
+    exps = torch.arange(0, 2 * pairs, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv = 1.0 / (theta**exps)
+    if pairs < head_dim // 2:
+        inv = torch.cat([inv, torch.zeros(head_dim // 2 - pairs, device=device)])
+    return inv / factor
+
+
+def _cos_sin(positions: Tensor, head_dim: int, rope: tuple[float, int, float]) -> tuple[Tensor, Tensor]:
+    freqs = positions.float()[:, None] * _inv_freq(head_dim, *rope, device=positions.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+
+GELU_TANH = moe.ExpertActivation("gelu_tanh")
+
+
+class StepProgram(DecoderProgram):
+    """Gemma 4's step over the flare:: paged-KV ops."""
+
+    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
+                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
+        logprob_ids, target_ids = self.optional_inputs(extra_1, extra_2)
+        c = self.config
+        eps = c.rms_norm_eps
+        wdt = weights["embed"].dtype
+        x = (F.embedding(token_ids, weights["embed"]) * embed_scale(c.hidden_size, wdt)).float()
+        ple = None
+        if c.ple_dim:
+            tok = F.embedding(token_ids, weights["embed_per_layer"]) * embed_scale(c.ple_dim, wdt)
+            proj = F.linear(x.to(wdt), weights["per_layer_proj"]).float() * c.hidden_size**-0.5
+            proj = norm4(proj.reshape(-1, c.num_layers, c.ple_dim), weights["per_layer_proj_norm"], eps)
+            ple = (proj + tok.float().reshape(-1, c.num_layers, c.ple_dim)) * 2.0**-0.5
+        ropes: dict[bool, tuple[Tensor, Tensor]] = {}
+        for i, window in enumerate(c.layer_windows):
+            hd, kvh, H = c.layer_head_dims[i], c.layer_kv_heads[i], c.num_heads
+            if (window > 0) not in ropes:  # one head size per layer type (config_from_hf checks)
+                ropes[window > 0] = _cos_sin(positions, hd, c.rope_sliding if window else c.rope_full)
+            cos, sin = ropes[window > 0]
+            p = f"layers.{i}."
+            h = norm4(x, weights[p + "attn_norm"], eps).to(wdt)
+            q = norm4(F.linear(h, weights[p + "wq"]).reshape(-1, H, hd), weights[p + "q_norm"], eps)
+            q = q * cos + rotate_half(q) * sin
+            src = c.kv_sources[i]
+            k_cache, v_cache = kv_cache[2 * src], kv_cache[2 * src + 1]
+            kvt = k_cache.dtype
+            if src == i:  # this layer produces keys and values
+                k_raw = F.linear(h, weights[p + "wk"]).float().reshape(-1, kvh, hd)
+                v_raw = k_raw if c.layer_k_eq_v[i] else F.linear(h, weights[p + "wv"]).float().reshape(-1, kvh, hd)
+                k = norm4(k_raw, weights[p + "k_norm"], eps)
+                k = k * cos + rotate_half(k) * sin
+                v = norm4(v_raw, None, eps)
+                k, v = self._to_cache(k), self._to_cache(v)
+                torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
+            if hd < c.head_dim:
+                q = F.pad(q, (0, c.head_dim - hd))
+            attn = torch.ops.flare.paged_attention(
+                q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, 1.0, window, 0.0
+            )
+            attn = F.linear(attn[..., :hd].reshape(-1, H * hd).to(wdt), weights[p + "wo"])
+            x = x + norm4(attn, weights[p + "post_attn_norm"], eps)
+            h = norm4(x, weights[p + "mlp_norm"], eps).to(wdt)
+            gate, up = F.linear(h, weights[p + "w_gate_up"]).float().chunk(2, dim=-1)
+            mlp = F.linear((F.gelu(gate, approximate="tanh") * up).to(wdt), weights[p + "w_down"]).float()
+            if c.num_experts:
+                mlp = norm4(mlp, weights[p + "post_mlp_norm_1"], eps) + self._moe(weights, i, x)
+            x = x + norm4(mlp, weights[p + "post_mlp_norm"], eps)
+            if ple is not None:
+                g = F.gelu(F.linear(x.to(wdt), weights[p + "ple_gate"]).float(), approximate="tanh") * ple[:, i, :]
+                y = F.linear(g.to(wdt), weights[p + "ple_proj"])
+                x = x + norm4(y, weights[p + "post_ple_norm"], eps)
+            x = x * weights[p + "scalar"].float()
+        x = norm4(x, weights["norm"], eps).to(wdt)
+        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids,
+                            c.final_softcap)  # fmt: skip
+
+    def _to_cache(self, t: Tensor) -> Tensor:
+        """[T, kvh, hd] -> [T, cache kv heads, cache head size]: repeat heads, zero-pad the size."""
+        c = self.config
+        if t.shape[1] < c.num_kv_heads:
+            t = t.repeat_interleave(c.num_kv_heads // t.shape[1], dim=1)
+        if t.shape[2] < c.head_dim:
+            t = F.pad(t, (0, c.head_dim - t.shape[2]))
+        return t
+
+    def _moe(self, weights: dict[str, Tensor], i: int, x: Tensor) -> Tensor:
+        """The MoE branch on the residual x [T, H] fp32 -> post-normed expert output [T, H] fp32."""
+        c = self.config
+        p = f"layers.{i}."
+        eps = c.rms_norm_eps
+        r = norm4(x, None, eps) * weights[p + "router_scale"].float() * c.hidden_size**-0.5
+        probs = F.linear(r, weights[p + "w_router"].float()).softmax(dim=-1)
+        top, ids = probs.topk(c.top_k_experts, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True) * weights[p + "expert_scale"].float()[ids]
+        h2 = norm4(x, weights[p + "moe_norm"], eps).to(weights[p + "w_experts_gate_up"].dtype)
+        out = moe.routed_mlp(h2, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"], GELU_TANH)
+        return norm4(out, weights[p + "post_moe_norm"], eps)
+
+
+# ---------------------------------------------------------------------- plain reference
+
+
+def reference_logits(config: Gemma4Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
+    """Dense, unpaged forward over Hugging Face-named weights in float64: logits [T, V] fp32.
+
+    Independent of the program: unfused and unpadded weights, explicit per-layer masks, KV
+    sharing by keeping each producer's keys/values, the MoE block as a loop over experts.
+    """
+    c = config
+    f64 = torch.float64
+    w = lambda name: hf_weights[name].to(f64)
+    T = len(token_ids)
+    ids = torch.tensor(token_ids)
+    table = hf_weights["model.embed_tokens.weight"]
+    x = table[ids].to(f64) * embed_scale(c.hidden_size, table.dtype)
+    pos = torch.arange(T, dtype=f64)
+
+    def norm(t: Tensor, weight: Tensor | None) -> Tensor:
+        out = t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        return out * weight if weight is not None else out
+
+    def rotate(t: Tensor, hd: int, rope: tuple[float, int, float]) -> Tensor:  # t [heads, T, hd]
+        theta, pairs, factor = rope
+        inv = torch.zeros(hd // 2, dtype=f64)
+        inv[:pairs] = 1.0 / theta ** (torch.arange(0, 2 * pairs, 2, dtype=f64) / hd)
+        ang = pos[:, None] * (inv / factor)[None, :]
+        cos, sin = ang.cos(), ang.sin()
+        a, b = t[..., : hd // 2], t[..., hd // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    def mask(window: int) -> Tensor:
+        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        visible = (j <= i) & ((j > i - window) if window > 0 else torch.ones(T, T, dtype=torch.bool))
+        return torch.zeros(T, T, dtype=f64).masked_fill(~visible, float("-inf"))
+
+    def gelu(t: Tensor) -> Tensor:
+        return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t.pow(3))))
+
+    ple = None
+    if c.ple_dim:
+        pt = hf_weights["model.embed_tokens_per_layer.weight"]
+        tok = (pt[ids].to(f64) * embed_scale(c.ple_dim, pt.dtype)).view(T, c.num_layers, c.ple_dim)
+        proj = (x @ w("model.per_layer_model_projection.weight").T) * c.hidden_size**-0.5
+        proj = norm(proj.view(T, c.num_layers, c.ple_dim), w("model.per_layer_projection_norm.weight"))
+        ple = (proj + tok) / math.sqrt(2.0)
+    kv: dict[int, tuple[Tensor, Tensor]] = {}
+    for i, window in enumerate(c.layer_windows):
+        p = f"model.layers.{i}."
+        hd, kvh, H = c.layer_head_dims[i], c.layer_kv_heads[i], c.num_heads
+        rope = c.rope_sliding if window else c.rope_full
+        h = norm(x, w(p + "input_layernorm.weight"))
+        q = norm((h @ w(p + "self_attn.q_proj.weight").T).view(T, H, hd), w(p + "self_attn.q_norm.weight"))
+        q = rotate(q.transpose(0, 1), hd, rope)
+        if c.kv_sources[i] == i:
+            k_raw = (h @ w(p + "self_attn.k_proj.weight").T).view(T, kvh, hd)
+            v_raw = k_raw if c.layer_k_eq_v[i] else (h @ w(p + "self_attn.v_proj.weight").T).view(T, kvh, hd)
+            k = rotate(norm(k_raw, w(p + "self_attn.k_norm.weight")).transpose(0, 1), hd, rope)
+            kv[i] = (k, norm(v_raw, None).transpose(0, 1))
+        k, v = kv[c.kv_sources[i]]
+        group = H // k.shape[0]
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        scores = q @ k.transpose(1, 2) + mask(window)  # no 1/sqrt(d): Gemma 4 scales by 1.0
+        attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, H * hd)
+        x = x + norm(attn @ w(p + "self_attn.o_proj.weight").T, w(p + "post_attention_layernorm.weight"))
+        h = norm(x, w(p + "pre_feedforward_layernorm.weight"))
+        mlp = (gelu(h @ w(p + "mlp.gate_proj.weight").T) * (h @ w(p + "mlp.up_proj.weight").T)) @ w(p + "mlp.down_proj.weight").T
+        if c.num_experts:
+            mlp = norm(mlp, w(p + "post_feedforward_layernorm_1.weight")) + _reference_moe(c, w, set(hf_weights), p, x, norm, gelu)
+        x = x + norm(mlp, w(p + "post_feedforward_layernorm.weight"))
+        if ple is not None:
+            g = gelu(x @ w(p + "per_layer_input_gate.weight").T) * ple[:, i, :]
+            x = x + norm(g @ w(p + "per_layer_projection.weight").T, w(p + "post_per_layer_input_norm.weight"))
+        x = x * w(p + "layer_scalar")
+    x = norm(x, w("model.norm.weight"))
+    head = hf_weights["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
+    logits = torch.cat([x @ rows.to(f64).T for rows in head.split(1 << 15)], dim=-1)
+    return softcapped(logits, c.final_softcap).float()
+
+
+def _reference_moe(c: Gemma4Config, w, names: set[str], p: str, x: Tensor, norm, gelu) -> Tensor:
+    """The MoE branch over HF names (stacked experts.gate_up_proj/down_proj or per-expert tensors)."""
+    r = norm(x, None) * w(p + "router.scale") * c.hidden_size**-0.5
+    logits = r @ w(p + "router.proj.weight").T
+    e = (logits - logits.max(-1, keepdim=True).values).exp()
+    probs = e / e.sum(-1, keepdim=True)
+    ids = probs.argsort(-1, descending=True)[:, : c.top_k_experts]
+    top = probs.gather(1, ids)
+    top = top / top.sum(-1, keepdim=True) * w(p + "router.per_expert_scale")[ids]
+    h = norm(x, w(p + "pre_feedforward_layernorm_2.weight"))
+    out = torch.zeros_like(h)
+    stacked = (p + "experts.gate_up_proj") in names
+    for ex in range(c.num_experts):
+        rows, slots = (ids == ex).nonzero(as_tuple=True)
+        if not rows.numel():
+            continue
+        if stacked:
+            gate, up = (h[rows] @ w(p + "experts.gate_up_proj")[ex].T).chunk(2, dim=-1)
+            down = w(p + "experts.down_proj")[ex]
+        else:
+            gate = h[rows] @ w(f"{p}experts.{ex}.gate_proj.weight").T
+            up = h[rows] @ w(f"{p}experts.{ex}.up_proj.weight").T
+            down = w(f"{p}experts.{ex}.down_proj.weight")
+        out.index_add_(0, rows, (gelu(gate) * up) @ down.T * top[rows, slots, None])
+    return norm(out, w(p + "post_feedforward_layernorm_2.weight"))
+
+
+# ----------------------------------------------------------------------- test checkpoints
+
+# A compact Gemma 4-style chat template over its turn tokens (the published google/gemma-4-31B-it
+# template, ../shared/templates/gemma4.jinja, also renders tools and thinking; cores take the
+# checkpoint's own template, per the recipe).
+CHAT_TEMPLATE = r"""{{ bos_token }}
+{%- for message in messages -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<|turn>' + role + '\n' + (message['content'] | trim) + '<turn|>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<|turn>model\n' }}
+{%- endif -%}
+"""
+
+TEST_CHAT: str | None = None
+TEST_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
+                       "<channel|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                       "<tool_response|>", '<|"|>')  # fmt: skip
+TEST_TOKEN_ROLES = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+TEST_CHAT_TEMPLATE = CHAT_TEMPLATE
+
+
+def testmodel_config(vocab_size: int) -> dict[str, Any]:
+    """A tiny gemma4_text config exercising the text features: window 8 (< a 16-token page),
+    sliding/full layers with different head sizes and kv heads (global_head_dim 32,
+    attention_k_eq_v with one global kv head), proportional rotary on full layers, per-layer
+    inputs, the last two layers KV-shared with a double-wide MLP, final soft-capping, untied head."""
+    return {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": vocab_size,
+        "vocab_size_per_layer_input": vocab_size,
+        "hidden_size": 64,
+        "hidden_size_per_layer_input": 8,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 2,
+        "use_double_wide_mlp": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+        },
+        "sliding_window": 8,
+        "layer_types": [SLIDING, FULL, SLIDING, FULL],
+        "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes of a checkpoint with this config."""
+    h, H = c.hidden_size, c.num_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    if c.ple_dim:
+        shapes |= {
+            "model.embed_tokens_per_layer.weight": (c.ple_vocab, c.num_layers * c.ple_dim),
+            "model.per_layer_model_projection.weight": (c.num_layers * c.ple_dim, h),
+            "model.per_layer_projection_norm.weight": (c.ple_dim,),
+        }
+    for i in range(c.num_layers):
+        p, hd, kv, f = f"model.layers.{i}.", c.layer_head_dims[i], c.layer_kv_heads[i] * c.layer_head_dims[i], c.layer_intermediate[i]
+        layer = {
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (H * hd, h), "self_attn.o_proj.weight": (h, H * hd),
+            "self_attn.q_norm.weight": (hd,),
+            "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+            "layer_scalar": (1,),
+        }  # fmt: skip
+        if c.kv_sources[i] == i:
+            layer |= {"self_attn.k_proj.weight": (kv, h), "self_attn.k_norm.weight": (hd,)}
+            if not c.layer_k_eq_v[i]:
+                layer["self_attn.v_proj.weight"] = (kv, h)
+        if c.ple_dim:
+            layer |= {"per_layer_input_gate.weight": (c.ple_dim, h), "per_layer_projection.weight": (h, c.ple_dim),
+                      "post_per_layer_input_norm.weight": (h,)}  # fmt: skip
+        if c.num_experts:
+            E, fe = c.num_experts, c.moe_intermediate_size
+            layer |= {
+                "router.proj.weight": (E, h), "router.scale": (h,), "router.per_expert_scale": (E,),
+                "experts.gate_up_proj": (E, 2 * fe, h), "experts.down_proj": (E, h, fe),
+                "post_feedforward_layernorm_1.weight": (h,), "post_feedforward_layernorm_2.weight": (h,),
+                "pre_feedforward_layernorm_2.weight": (h,),
+            }  # fmt: skip
+        shapes |= {p + name: shape for name, shape in layer.items()}
+    return shapes

@@ -1,0 +1,171 @@
+"""The Gemma 4 text family: a tiny checkpoint (window 8 < 16-token pages, sliding and full layers
+of different head sizes, attention_k_eq_v, per-layer inputs, two KV-shared layers with a
+double-wide MLP, final soft-capping) exported with the gemma4 recipe and checked against
+transformers' own Gemma4ForCausalLM (eager attention), through run_prompt and the engine; and
+the MoE-block variant's reference and exported program against transformers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from helios.core import Core
+from helios.core.program import SCORED_PREFILL, run_prompt
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.offline import run_to_completion
+from helios.engine.request import EngineRequest
+from helios.engine.sampling_params import SamplingParams
+from ignition.export import ExportOptions, export_core
+from ignition.models import gemma4
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import write_testmodel
+
+GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, then it runs far away into the forest.",
+    "Hi",
+    "def add(a, b):\n    return a + b\n",
+    "Once upon a time, in a land far away, there lived a king who had three daughters.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tiny Gemma 4 checkpoint, its core with prompt logprobs), built once for this module."""
+    checkpoint = write_testmodel("gemma4", tmp_path_factory.mktemp("ckpt") / "tiny-gemma4", seed=3)
+    core = tmp_path_factory.mktemp("cores") / "tiny-gemma4"
+    export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=core, prompt_logprobs=True))
+    return checkpoint, core
+
+
+def _hf_model(checkpoint: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    assert type(model).__name__ == "Gemma4ForCausalLM"
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: tuple[Path, Path]):
+    return _hf_model(tiny[0])
+
+
+def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _prompts(core: Core) -> list[list[int]]:
+    from helios.core.template import ChatTemplate
+
+    tok = core.tokenizer()
+    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+    chat = ChatTemplate(core.chat_template(), specials).render(CHAT, add_generation_prompt=True)
+    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(TEXTS[0] + " " + TEXTS[3]).ids]
+
+
+def test_config_reads_the_gemma4_layout(tiny: tuple[Path, Path]) -> None:
+    config = gemma4.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
+    assert config.layer_windows == (8, 0, 8, 0)
+    assert (config.layer_head_dims, config.layer_kv_heads) == ((16, 32, 16, 32), (2, 1, 2, 1))
+    assert config.kv_sources == (0, 1, 0, 1) and gemma4.kv_shape(config) == (2, 2, 32)
+    assert config.layer_intermediate == (96, 96, 192, 192)
+    m = Core.open(tiny[1]).manifest
+    assert (m.model.family, m.recipe.name, m.limits.page_tokens) == ("gemma4", "gemma4", 16)
+    assert (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) == (2, 2, 32)
+
+
+@pytest.mark.parametrize("change", [{"use_bidirectional_attention": "all"}, {"attention_bias": True},
+                                    {"hidden_activation": "silu"}, {"num_kv_shared_layers": 3},
+                                    {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
+                                    {"model_type": "gemma4", "text_config": {}}])  # fmt: skip
+def test_unsupported_variants_are_refused(tiny: tuple[Path, Path], change: dict) -> None:
+    config = json.loads((tiny[0] / "config.json").read_text()) | change
+    with pytest.raises(ValueError):
+        gemma4.config_from_hf(config)
+
+
+def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+    """Prompts longer than the window and than a page, prefilled whole and in chunks of 16 and 5."""
+    core = Core.open(tiny[1])
+    program, weights, m = core.load_program(), core.load_weights(), core.manifest
+    for ids in _prompts(core):
+        assert len(ids) > m.limits.page_tokens > 8  # spans pages, and the window slides
+        expected = _hf_logprobs(reference, ids)
+        for chunk in (None, 16, 5):
+            got = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=chunk).logprobs
+            assert float((got - expected).abs().max()) <= 1e-3, chunk
+
+
+def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+    core = Core.open(tiny[1])
+    program, weights, m = core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
+    ids = _prompts(core)[1]
+    run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=16)
+    expected = _hf_logprobs(reference, ids)
+    scored = expected[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert float((run.outputs["prompt_logprobs"][:-1] - scored).abs().max()) <= 1e-3
+
+
+def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
+    """Decode rows (KV-shared layers reading their producers' pages) equal transformers on the whole sequence."""
+    core = Core.open(tiny[1])
+    prompt = tuple(core.tokenizer().encode(TEXTS[0]).ids)
+    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
+    request = EngineRequest("g", prompt, (GREEDY,), 16, ignore_eos=True, num_top_logprobs=3)
+    out = run_to_completion(engine, [request])["g"][0]
+    expected = _hf_logprobs(reference, list(prompt) + out.token_ids)
+    for step, entry in enumerate(out.logprobs):
+        row = expected[len(prompt) - 1 + step]
+        assert abs(entry.logprob - float(row[entry.token_id])) <= 1e-3
+        assert max(abs(v - float(row[t])) for t, v in entry.alternatives) <= 1e-3
+
+
+def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
+    """Several prompts together (mixed prefill and windowed decode rows) == each alone, also from cached prefixes."""
+    core = Core.open(tiny[1])
+    tok = core.tokenizer()
+    requests = [EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), 12, ignore_eos=True)
+                for i, t in enumerate(TEXTS)]  # fmt: skip
+    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
+    alone = {r.request_id: run_to_completion(solo, [r])[r.request_id][0].token_ids for r in requests}
+    engine = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
+    together = run_to_completion(engine, requests)
+    assert {rid: choices[0].token_ids for rid, choices in together.items()} == alone
+    again = run_to_completion(engine, [replace(r, request_id=r.request_id + "b") for r in requests])
+    assert {rid[:-1]: choices[0].token_ids for rid, choices in again.items()} == alone
+    assert sum(choices[0].num_cached_tokens for choices in again.values()) > 0
+
+
+MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+       "attention_k_eq_v": False, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0}  # fmt: skip
+
+
+def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
+    """The MoE block (router, GeLU experts beside the dense MLP), with v_proj and no KV sharing or PLE."""
+    from safetensors.torch import save_file
+
+    checkpoint = write_testmodel("gemma4", tmp_path / "ckpt", seed=5)
+    config = json.loads((checkpoint / "config.json").read_text()) | MOE
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    parsed = gemma4.config_from_hf(config)
+    generator = torch.Generator().manual_seed(5)
+    tensors = {n: (1.0 + 0.1 * torch.randn(s, generator=generator)) if len(s) == 1
+               else torch.randn(s, generator=generator) / s[-1] ** 0.5 for n, s in gemma4.hf_shapes(parsed).items()}  # fmt: skip
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    model = _hf_model(checkpoint)
+    ids = list(range(7, 47))
+    ours = torch.log_softmax(gemma4.reference_logits(parsed, open_source(str(checkpoint)).tensors, ids), dim=-1)
+    assert float((ours - _hf_logprobs(model, ids)).abs().max()) <= 1e-4
+    result = export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=tmp_path / "core"))
+    assert result.max_abs_diff <= 1e-3  # the self-check ran the program against that reference
+    core = Core.open(tmp_path / "core")
+    got = run_prompt(core.load_program(), core.load_weights(), core.manifest.kv, 16, ids, chunk=16).logprobs
+    assert float((got - _hf_logprobs(model, ids)).abs().max()) <= 1e-3
