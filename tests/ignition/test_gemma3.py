@@ -6,7 +6,6 @@ PyPI package is installed, the real Gemma 3 270M Q4_K_M GGUF read against transf
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,17 @@ import torch
 
 from helios.core import Core
 from helios.core.program import SCORED_PREFILL, run_prompt
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
 from ignition.export import ExportOptions, export_core
 from ignition.models import gemma3
 from ignition.recipe import load_recipe
 from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
+from tests.ignition.family_checks import (
+    check_batching_invariance,
+    check_generation_matches,
+    hf_logprobs,
+)
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
@@ -52,10 +53,6 @@ def reference(tiny: tuple[Path, Path]):
     return model.eval()
 
 
-def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
 
 def _prompts(core: Core) -> list[list[int]]:
     from helios.core.template import ChatTemplate
@@ -81,7 +78,7 @@ def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None
     program, weights, m = core.load_program(), core.load_weights(), core.manifest
     for ids in _prompts(core):
         assert len(ids) > m.limits.page_tokens > 8  # spans pages, and the window slides
-        expected = _hf_logprobs(reference, ids)
+        expected = hf_logprobs(reference, ids)
         for chunk in (None, 16, 5):
             got = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=chunk).logprobs
             assert float((got - expected).abs().max()) <= 1e-3, chunk
@@ -92,7 +89,7 @@ def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) 
     program, weights, m = core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
     ids = _prompts(core)[1]
     run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=16)
-    expected = _hf_logprobs(reference, ids)
+    expected = hf_logprobs(reference, ids)
     targets = torch.tensor(ids[1:])
     scored = expected[:-1].gather(1, targets[:, None])[:, 0]
     assert float((run.outputs["prompt_logprobs"][:-1] - scored).abs().max()) <= 1e-3
@@ -101,33 +98,13 @@ def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) 
 def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
     """Decode rows attend through helios' windowed kernel: each generated token's logprob equals
     transformers' on the whole sequence, well past the window."""
-    core = Core.open(tiny[1])
-    prompt = tuple(core.tokenizer().encode(TEXTS[0]).ids)
-    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
-    request = EngineRequest("g", prompt, (GREEDY,), 20, ignore_eos=True, num_top_logprobs=3)
-    out = run_to_completion(engine, [request])["g"][0]
-    expected = _hf_logprobs(reference, list(prompt) + out.token_ids)
-    for step, entry in enumerate(out.logprobs):
-        row = expected[len(prompt) - 1 + step]
-        assert abs(entry.logprob - float(row[entry.token_id])) <= 1e-3
-        assert max(abs(v - float(row[t])) for t, v in entry.alternatives) <= 1e-3
+    check_generation_matches(tiny[1], reference, TEXTS[0], 20)
 
 
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     """Several prompts together (mixed prefill and windowed decode rows) == each alone."""
-    core = Core.open(tiny[1])
-    tok = core.tokenizer()
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), 12, ignore_eos=True)
-                for i, t in enumerate(TEXTS)]  # fmt: skip
-    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
-    alone = {r.request_id: run_to_completion(solo, [r])[r.request_id][0].token_ids for r in requests}
-    engine = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
-    together = run_to_completion(engine, requests)
-    assert {rid: choices[0].token_ids for rid, choices in together.items()} == alone
-    # A second round starts from cached prefix pages (whose early keys sliding layers no longer see).
-    again = run_to_completion(engine, [replace(r, request_id=r.request_id + "b") for r in requests])
-    assert {rid[:-1]: choices[0].token_ids for rid, choices in again.items()} == alone
-    assert sum(choices[0].num_cached_tokens for choices in again.values()) > 0
+    check_batching_invariance(tiny[1], TEXTS)
+
 
 
 def test_softcapped_variant_matches_transformers(tmp_path: Path) -> None:
@@ -145,7 +122,7 @@ def test_softcapped_variant_matches_transformers(tmp_path: Path) -> None:
     ids = list(range(7, 47))
     tensors = open_source(str(checkpoint)).tensors
     ours = torch.log_softmax(gemma3.reference_logits(gemma3.config_from_hf(config), tensors, ids), dim=-1)
-    assert float((ours - _hf_logprobs(model.eval(), ids)).abs().max()) <= 1e-4
+    assert float((ours - hf_logprobs(model.eval(), ids)).abs().max()) <= 1e-4
     result = export_core(open_source(str(checkpoint)), load_recipe("gemma3"), ExportOptions(out=tmp_path / "core"))
     assert result.max_abs_diff <= 1e-3  # the self-check ran the capped program against that reference
 
@@ -162,7 +139,10 @@ def test_gemma3_270m_gguf_reads_like_transformers() -> None:
     (so the config, tensor names and the `+ 1` on norms are read right)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     from transformers.initialization import no_init_weights
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
 
     path = resolve_default_source(load_recipe("gemma3").source.path)  # type: ignore[union-attr]
     checkpoint = open_source(str(path))
@@ -185,4 +165,4 @@ def test_gemma3_270m_gguf_reads_like_transformers() -> None:
     model.load_state_dict({**checkpoint.tensors, "lm_head.weight": checkpoint.tensors["model.embed_tokens.weight"]})
     ids = ours.encode("The capital of France is Paris, and the capital of Italy is").ids
     ref = torch.log_softmax(gemma3.reference_logits(config, checkpoint.tensors, ids), dim=-1)
-    assert float((ref - _hf_logprobs(model, ids)).abs().max()) <= 1e-3
+    assert float((ref - hf_logprobs(model, ids)).abs().max()) <= 1e-3

@@ -7,7 +7,6 @@ the MoE-block variant's reference and exported program against transformers."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,15 +14,17 @@ import torch
 
 from helios.core import Core
 from helios.core.program import SCORED_PREFILL, run_prompt
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
 from ignition.export import ExportOptions, export_core
 from ignition.models import gemma4
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.ignition.family_checks import (
+    check_batching_invariance,
+    check_generation_matches,
+    hf_logprobs,
+)
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
@@ -56,10 +57,6 @@ def _hf_model(checkpoint: Path):
 def reference(tiny: tuple[Path, Path]):
     return _hf_model(tiny[0])
 
-
-def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
 def _prompts(core: Core) -> list[list[int]]:
@@ -98,7 +95,7 @@ def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None
     program, weights, m = core.load_program(), core.load_weights(), core.manifest
     for ids in _prompts(core):
         assert len(ids) > m.limits.page_tokens > 8  # spans pages, and the window slides
-        expected = _hf_logprobs(reference, ids)
+        expected = hf_logprobs(reference, ids)
         for chunk in (None, 16, 5):
             got = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=chunk).logprobs
             assert float((got - expected).abs().max()) <= 1e-3, chunk
@@ -109,43 +106,24 @@ def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) 
     program, weights, m = core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
     ids = _prompts(core)[1]
     run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=16)
-    expected = _hf_logprobs(reference, ids)
+    expected = hf_logprobs(reference, ids)
     scored = expected[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert float((run.outputs["prompt_logprobs"][:-1] - scored).abs().max()) <= 1e-3
 
 
 def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
     """Decode rows (KV-shared layers reading their producers' pages) equal transformers on the whole sequence."""
-    core = Core.open(tiny[1])
-    prompt = tuple(core.tokenizer().encode(TEXTS[0]).ids)
-    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
-    request = EngineRequest("g", prompt, (GREEDY,), 16, ignore_eos=True, num_top_logprobs=3)
-    out = run_to_completion(engine, [request])["g"][0]
-    expected = _hf_logprobs(reference, list(prompt) + out.token_ids)
-    for step, entry in enumerate(out.logprobs):
-        row = expected[len(prompt) - 1 + step]
-        assert abs(entry.logprob - float(row[entry.token_id])) <= 1e-3
-        assert max(abs(v - float(row[t])) for t, v in entry.alternatives) <= 1e-3
+    check_generation_matches(tiny[1], reference, TEXTS[0], 16)
 
 
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     """Several prompts together (mixed prefill and windowed decode rows) == each alone, also from cached prefixes."""
-    core = Core.open(tiny[1])
-    tok = core.tokenizer()
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), 12, ignore_eos=True)
-                for i, t in enumerate(TEXTS)]  # fmt: skip
-    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
-    alone = {r.request_id: run_to_completion(solo, [r])[r.request_id][0].token_ids for r in requests}
-    engine = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
-    together = run_to_completion(engine, requests)
-    assert {rid: choices[0].token_ids for rid, choices in together.items()} == alone
-    again = run_to_completion(engine, [replace(r, request_id=r.request_id + "b") for r in requests])
-    assert {rid[:-1]: choices[0].token_ids for rid, choices in again.items()} == alone
-    assert sum(choices[0].num_cached_tokens for choices in again.values()) > 0
+    check_batching_invariance(tiny[1], TEXTS)
 
 
 MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
        "attention_k_eq_v": False, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0}  # fmt: skip
+
 
 
 def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
@@ -163,9 +141,9 @@ def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
     model = _hf_model(checkpoint)
     ids = list(range(7, 47))
     ours = torch.log_softmax(gemma4.reference_logits(parsed, open_source(str(checkpoint)).tensors, ids), dim=-1)
-    assert float((ours - _hf_logprobs(model, ids)).abs().max()) <= 1e-4
+    assert float((ours - hf_logprobs(model, ids)).abs().max()) <= 1e-4
     result = export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=tmp_path / "core"))
     assert result.max_abs_diff <= 1e-3  # the self-check ran the program against that reference
     core = Core.open(tmp_path / "core")
     got = run_prompt(core.load_program(), core.load_weights(), core.manifest.kv, 16, ids, chunk=16).logprobs
-    assert float((got - _hf_logprobs(model, ids)).abs().max()) <= 1e-3
+    assert float((got - hf_logprobs(model, ids)).abs().max()) <= 1e-3
