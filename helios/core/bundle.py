@@ -64,7 +64,7 @@ class Core:
     manifest: mf.Manifest
 
     @classmethod
-    def open(cls, root: str | Path, verify_checksums: bool = True, trust_unchanged: bool = False) -> "Core":
+    def open(cls, root: str | Path, verify_checksums: bool = True, trust_unchanged: bool = False) -> Core:
         """trust_unchanged: skip re-hashing a file whose size, inode and times are those it had
         when it last hashed correctly on this host (helios.core.hostcache); `ignition verify`
         always hashes everything."""
@@ -84,22 +84,26 @@ class Core:
         return core
 
     def verify_checksums(self, trust_unchanged: bool = False) -> None:
-        for name, expected in sorted(self.manifest.files.items()):
-            path = self.root / name
-            if not path.is_file():
-                raise CoreError(f"{path}: missing from the core (listed in {mf.MANIFEST_FILE}); re-export the core")
-            stamp = _stamp(path)
-            key = str(path.resolve())
-            if trust_unchanged and hostcache.get(_VERIFIED, key) == [*stamp, expected]:
-                continue
-            actual = sha256_file(path)
-            if actual == expected:
-                hostcache.put(_VERIFIED, key, [*stamp, expected], keep=4096)
-            else:
-                raise CoreError(
-                    f"{path}: checksum mismatch (sha256 {actual[:16]}…, manifest says {expected[:16]}…); "
-                    "the file is corrupted or was modified: re-export the core"
-                )
+        known = hostcache.load(_VERIFIED) if trust_unchanged else {}
+        verified: dict[str, list] = {}
+        try:
+            for name, expected in sorted(self.manifest.files.items()):
+                path = self.root / name
+                if not path.is_file():
+                    raise CoreError(f"{path}: missing from the core (listed in {mf.MANIFEST_FILE}); re-export the core")
+                stamp = [*_stamp(path), expected]
+                key = str(path.resolve())
+                if known.get(key) == stamp:
+                    continue
+                actual = sha256_file(path)
+                if actual != expected:
+                    raise CoreError(
+                        f"{path}: checksum mismatch (sha256 {actual[:16]}…, manifest says {expected[:16]}…); "
+                        "the file is corrupted or was modified: re-export the core"
+                    )
+                verified[key] = stamp
+        finally:  # one write for the whole core, also keeping what passed before a failure
+            hostcache.put_many(_VERIFIED, verified, keep=4096)
 
     @property
     def digest(self) -> str:

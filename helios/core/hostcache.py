@@ -40,12 +40,19 @@ def get(name: str, key: str) -> Any:
 
 
 def put(name: str, key: str, value: Any, keep: int = 256) -> None:
-    """Record key -> value (JSON-serializable), keeping the newest `keep` entries; never raises
-    for an unwritable cache (the fact is simply measured again next time)."""
+    put_many(name, {key: value}, keep)
+
+
+def put_many(name: str, entries: dict[str, Any], keep: int = 256) -> None:
+    """Record each key -> value (JSON-serializable) in one write, keeping the newest `keep`
+    entries; never raises for an unwritable cache (the facts are measured again next time)."""
+    if not entries:
+        return
     with _LOCK:
         data = load(name)
-        data.pop(key, None)
-        data[key] = value
+        for key, value in entries.items():
+            data.pop(key, None)
+            data[key] = value
         for old in list(data)[: max(0, len(data) - keep)]:
             del data[old]
         path = _path(name)

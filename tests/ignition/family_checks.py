@@ -13,8 +13,27 @@ from helios.engine.engine import EngineConfig, LLMEngine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
+from ignition.export import ExportOptions, export_core
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import write_testmodel
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, then it runs far away into the forest.",
+    "Hi",
+    "def add(a, b):\n    return a + b\n",
+    "Once upon a time, in a land far away, there lived a king who had three daughters.",
+]
+
+
+def export_tiny(family: str, recipe: str, tmp_path_factory) -> tuple[Path, Path]:
+    """(tiny random checkpoint of `family`, its core with prompt logprobs)."""
+    checkpoint = write_testmodel(family, tmp_path_factory.mktemp("ckpt") / f"tiny-{family}", seed=3)
+    core = tmp_path_factory.mktemp("cores") / f"tiny-{family}"
+    export_core(open_source(str(checkpoint)), load_recipe(recipe), ExportOptions(out=core, prompt_logprobs=True))
+    return checkpoint, core
 
 
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:

@@ -13,35 +13,25 @@ import torch
 
 from helios.core import Core
 from helios.core.program import SCORED_PREFILL, run_prompt
-from helios.engine.sampling_params import SamplingParams
 from ignition.export import ExportOptions, export_core
 from ignition.models import gemma3
 from ignition.recipe import load_recipe
 from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
 from tests.ignition.family_checks import (
+    CHAT,
+    TEXTS,
     check_batching_invariance,
     check_generation_matches,
+    export_tiny,
     hf_logprobs,
 )
-
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
-CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog, then it runs far away into the forest.",
-    "Hi",
-    "def add(a, b):\n    return a + b\n",
-    "Once upon a time, in a land far away, there lived a king who had three daughters.",
-]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(tiny Gemma 3 checkpoint, its core with prompt logprobs), built once for this module."""
-    checkpoint = write_testmodel("gemma3", tmp_path_factory.mktemp("ckpt") / "tiny-gemma3", seed=3)
-    core = tmp_path_factory.mktemp("cores") / "tiny-gemma3"
-    export_core(open_source(str(checkpoint)), load_recipe("gemma3"), ExportOptions(out=core, prompt_logprobs=True))
-    return checkpoint, core
+    return export_tiny("gemma3", "gemma3", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
