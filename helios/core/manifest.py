@@ -33,6 +33,7 @@ class SourceIdentity(_Struct):
     kind: str  # "gguf" | "hf-dir" | "hf-cache"
     reference: str  # what the user passed (path or repo id), for humans only
     files: dict[str, str]  # source file name -> sha256 of its bytes
+    format: str = ""  # how the source stored its weights ("gguf Q4_1+F32", "safetensors nvfp4 (modelopt)"); "" before it was recorded
 
 
 class ModelInfo(_Struct):

@@ -32,6 +32,7 @@ class Checkpoint:
     chat_template: str | None
     files: dict[str, str]  # source file name -> sha256
     dtype: str = "float32"  # the precision the checkpoint was published in: the export default
+    source_format: str = ""  # how the weights were stored, e.g. "gguf Q4_1", "safetensors nvfp4 (modelopt)"
 
 
 def sha256_file(path: Path) -> str:

@@ -86,6 +86,7 @@ def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
         chat_template=meta.get("tokenizer.chat_template") or getattr(fam, "CHAT_TEMPLATE", None),
         files={path.name: sha256_file(path)},
         dtype=_published_dtype(reader),
+        source_format="gguf " + "+".join(sorted({t.tensor_type.name for t in reader.tensors})),
     )
 
 

@@ -14,6 +14,9 @@ from tokenizers import Tokenizer
 from ignition.errors import SourceError
 from ignition.models import family_of_hf_config
 from ignition.sources.checkpoint import Checkpoint, TokenizerFacts, sha256_file
+from ignition.sources.quantized import dequantize, source_format
+
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -50,16 +53,15 @@ def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = N
     if fam_name is None:
         archs = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
         raise SourceError(f"{directory}: architecture {archs} is not supported by this ignition")
-    weight_files = sorted(directory.glob("*.safetensors"))
-    if not weight_files:
-        raise SourceError(f"{directory}: no *.safetensors weight files (other weight formats are not supported)")
-    tensors: dict[str, torch.Tensor] = {}
-    for path in weight_files:
+    quantized = source_format(config)
+    stored: dict[str, torch.Tensor] = {}
+    for path in _weight_files(directory):
         try:
-            for name, value in load_file(str(path)).items():
-                tensors[name] = value.float()
+            stored.update(load_file(str(path)))
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise SourceError(f"{path}: corrupted or unreadable safetensors file ({exc})") from exc
+    tensors = dequantize(stored, config)
+    del stored
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise SourceError(f"{directory}: no tokenizer.json (only fast tokenizers are supported)")
@@ -104,8 +106,31 @@ def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = N
         tokenizer_facts=facts,
         chat_template=_chat_template(directory, tok_config),
         files=files,
-        dtype=_published_dtype(config, tensors),
+        dtype=_published_dtype(config, tensors, quantized is not None),
+        source_format="safetensors" + (f" {quantized}" if quantized else ""),
     )
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files holding the weights: every shard the index names (all present),
+    else every *.safetensors file in the directory."""
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise SourceError(f"{index_path}: no weight_map, so the shards cannot be found")
+        shards = sorted(set(map(str, weight_map.values())))
+        missing = [s for s in shards if not (directory / s).is_file()]
+        if missing:
+            raise SourceError(
+                f"{directory}: {len(missing)} of the {len(shards)} shards {INDEX_FILE} lists are missing "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): finish the download"
+            )
+        return [directory / s for s in shards]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise SourceError(f"{directory}: no *.safetensors weight files (other weight formats are not supported)")
+    return files
 
 
 def resolve_hf_cache(repo_id: str) -> Path:
@@ -124,12 +149,15 @@ def resolve_hf_cache(repo_id: str) -> Path:
         raise SourceError(f"{repo_id!r} is not a usable source: {exc}") from exc
 
 
-def _published_dtype(config: dict, tensors: dict[str, torch.Tensor]) -> str:
+def _published_dtype(config: dict, tensors: dict[str, torch.Tensor], quantized: bool = False) -> str:
     """The checkpoint's own precision: config.json's dtype (torch_dtype before transformers 5),
-    else its stored floating-point tensors' (float32 where neither says bfloat16 or float16)."""
+    else its stored floating-point tensors' (float32 where neither says bfloat16 or float16);
+    a quantized checkpoint that declares none exports as bfloat16, like a quantized GGUF."""
     declared = str(config.get("dtype") or config.get("torch_dtype") or "")
     if declared in ("bfloat16", "float16", "float32"):
         return declared
+    if quantized:
+        return "bfloat16"
     stored = {t.dtype for t in tensors.values() if t.is_floating_point()}
     for dtype in (torch.bfloat16, torch.float16):
         if stored == {dtype}:
