@@ -51,6 +51,22 @@ CHATS = {
         "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": "qwen3.jinja",
     },
+    # Qwen3.5 / 3.8: ChatML with function-tag tool calls (the qwen3_coder syntax) and <think> reasoning.
+    "qwen3.5": {
+        "special_tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                           "</tool_call>", "<tool_response>", "</tool_response>", "<|vision_start|>",
+                           "<|image_pad|>", "<|vision_end|>"),  # fmt: skip
+        "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "template": "qwen3.5.jinja",
+    },
+    # Gemma 4's turn, channel and tool tokens with its published template (tools, thinking, responses).
+    "gemma4": {
+        "special_tokens": ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
+                           "<channel|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                           "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>", "<|video|>"),  # fmt: skip
+        "roles": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
+        "template": "gemma4.jinja",
+    },
     # Kimi K3's tag tokens (<|open|>TAG<|sep|>...<|close|>TAG<|sep|>) and its published template
     # (../shared/templates/kimi-k3.jinja, llama.cpp's Kimi-K3.jinja); a message ends with <|end_of_msg|>.
     "kimi3": {

@@ -161,8 +161,8 @@ class Frontend:
     def _reasoning_kwargs(self, conversation: Conversation) -> dict[str, object]:
         """Template variables for reasoning controls; explicit chat_template_kwargs win."""
         kwargs = dict(conversation.template_kwargs)
-        if conversation.thinking is False:
-            kwargs.setdefault("enable_thinking", False)
+        if conversation.thinking is not None:  # Messages' thinking switch; templates without it ignore it
+            kwargs.setdefault("enable_thinking", conversation.thinking)
         levels = self.manifest.recipe.effort_levels
         if conversation.effort is not None and levels:
             kwargs.setdefault("reasoning_effort", nearest_effort(conversation.effort, levels))
