@@ -4,7 +4,8 @@
   api_key, host, port, max_body_bytes, max_concurrency, queue_size, http_slots,
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
   aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, compiled_step, drain_seconds,
-  header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers
+  header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
+  speculation, max_draft_tokens, speculative_rows, history_drafts
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ class ServerConfig:
     grammar_memory_mb: int = 128
     grammar_cache_mb: int = 512
     grammar_workers: int = 1
+    # Speculative decoding from the history drafter (helios.engine.drafter): "adaptive" offers
+    # each sequence as many drafts as its recent acceptance earns, up to max_draft_tokens, and
+    # none once a step's decode rows reach speculative_rows (compute-bound: drafts would only
+    # cost); "fixed" always offers max_draft_tokens; "off" decodes one token at a time.
+    # history_drafts: also draft from recent outputs of other requests (same cache identity).
+    speculation: str = "adaptive"
+    max_draft_tokens: int = 6
+    speculative_rows: int = 8
+    history_drafts: bool = True
 
     @property
     def auth_enabled(self) -> bool:
@@ -69,7 +79,7 @@ class ServerConfig:
 
 _POSITIVE = ("port", "max_body_bytes", "max_concurrency", "queue_size", "http_slots", "prefill_chunk_size",
              "kv_memory_mb", "frontend_workers", "grammar_threads", "grammar_memory_mb", "grammar_cache_mb",
-             "grammar_workers")  # fmt: skip
+             "grammar_workers", "max_draft_tokens", "speculative_rows")  # fmt: skip
 _OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget")
 
 
@@ -90,7 +100,9 @@ def _check(config: ServerConfig) -> ServerConfig:
         raise ConfigError("[server] host must be a nonempty string")
     if not all(isinstance(a, str) for a in config.aliases):
         raise ConfigError("[server] aliases must be a list of strings")
-    for name in ("prefix_cache", "compiled_step"):
+    if config.speculation not in ("adaptive", "fixed", "off"):
+        raise ConfigError(f"[server] speculation must be adaptive, fixed or off, got {config.speculation!r}")
+    for name in ("prefix_cache", "compiled_step", "history_drafts"):
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"[server] {name} must be true or false")
     for name in ("drain_seconds", "header_timeout_seconds", "body_timeout_seconds"):

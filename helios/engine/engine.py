@@ -15,6 +15,7 @@ import torch
 from helios.core import Core
 from helios.core.logs import log_failure
 from helios.engine import precision
+from helios.engine.drafter import SpeculationConfig
 from helios.engine.executor import Executor, StepResult
 from helios.engine.kv_cache import PagePool
 from helios.engine.logprobs import (
@@ -24,7 +25,7 @@ from helios.engine.logprobs import (
     prompt_entry,
 )
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats
-from helios.engine.sampler import Sampler
+from helios.engine.sampler import Sampler, position_generator
 from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
 from helios.engine.sequence import (
     Chunk,
@@ -51,6 +52,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     serial_decode_rows: int | None = 0  # CPU: decode-only steps of at most this many rows use one thread; None: measure
     compiled_step: bool = True  # run the core's ahead-of-time step where it was built for this host
+    speculation: SpeculationConfig = SpeculationConfig(mode="off")  # drafts verified per decode round (drafter.py)
 
 
 class LLMEngine:
@@ -73,7 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
                             frozenset(m.tokenizer.eos_token_ids)),
-            self.pool, self.stats,
+            self.pool, self.stats, config.speculation,
         )  # fmt: skip
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
                                  config.compiled_step)  # fmt: skip
@@ -142,55 +144,88 @@ class LLMEngine:
         return self.scheduler.abort(doomed)
 
     def _run(self, plan: SchedulerOutput) -> ModelOutput:
-        """Run the programs, then sample every choice of every sampled chunk."""
+        """Run the programs, then sample every choice of every sampled chunk and verify drafts."""
         result = self.executor.run(plan.chunks, plan.page_copies)
+        self._count_verify_step(plan)
         prompt_entries = {key: self._prompt_entries(chunk, result.prompt_scores[key])
                           for chunk in plan.chunks if (key := id(chunk)) in result.prompt_scores}  # fmt: skip
+        # One sampling row per choice, and for a chunk with drafts one per position: row i
+        # samples the token after draft i - 1, as if drafts[:i] had been committed.
         rows: list[int] = []
         seqs: list[Sequence] = []
-        for row, chunk in enumerate(result.sampled):
+        prefixes: list[tuple[int, ...]] = []
+        drafts: dict[int, tuple[int, ...]] = {}
+        cursor = 0
+        for chunk in result.sampled:
             if chunk.seq.request.max_tokens > 0:
-                rows += [row] * len(chunk.choices)
-                seqs += chunk.choices
+                if chunk.draft_ids:
+                    drafts[id(chunk.seq)] = chunk.draft_ids
+                    rows += range(cursor, cursor + chunk.num_rows)
+                    seqs += [chunk.seq] * chunk.num_rows
+                    prefixes += [chunk.draft_ids[:i] for i in range(chunk.num_rows)]
+                else:
+                    rows += [cursor] * len(chunk.choices)
+                    seqs += chunk.choices
+                    prefixes += [()] * len(chunk.choices)
+            cursor += chunk.num_rows
         errors: dict[int, str] = {}
         allowed = self.mask_hook(seqs) if self.mask_hook and seqs else None
         if allowed is not None:
-            rows, seqs, allowed = self._drop_blocked(rows, seqs, allowed, errors)
-        tokens: dict[int, SampledToken] = {}
+            rows, seqs, prefixes, allowed = self._drop_blocked(rows, seqs, prefixes, allowed, errors)
+        tokens: dict[int, list[SampledToken]] = {}
         if seqs:
             identity = rows == list(range(result.logits.shape[0]))
             logits = result.logits if identity else result.logits.index_select(0, torch.tensor(rows))
-            drawn = self._sample(logits, seqs, allowed).tolist()
-            for row, seq, token in zip(rows, seqs, drawn):
-                forced = _budget_close(seq)
+            drawn = self._sample(logits, seqs, prefixes, allowed).tolist()
+            settled: set[int] = set()  # sequences whose round ended (a draft was rejected)
+            for row, seq, prefix, token in zip(rows, seqs, prefixes, drawn):
+                key = id(seq)
+                if key in settled:
+                    continue
+                forced = _budget_close(seq) if not prefix else None
                 if forced is not None:
-                    tokens[id(seq)] = SampledToken(forced, None, forced=True)  # forced tokens have no entry
-                else:
-                    wants = seq.request.num_top_logprobs is not None
-                    tokens[id(seq)] = SampledToken(token, self._logprobs(seq, token, row, result) if wants else None)
-        return ModelOutput(tokens, errors, prompt_entries)
+                    tokens[key] = [SampledToken(forced, None, forced=True)]  # forced tokens have no entry
+                    settled.add(key)
+                    continue
+                wants = seq.request.num_top_logprobs is not None
+                tokens.setdefault(key, []).append(SampledToken(token, self._logprobs(seq, token, row, result) if wants else None))
+                offered = drafts.get(key, ())
+                if len(prefix) >= len(offered) or token != offered[len(prefix)]:
+                    settled.add(key)  # a correction, or the bonus token after every draft was accepted
+        return ModelOutput({key: tuple(values) for key, values in tokens.items()}, errors, prompt_entries)
+
+    def _count_verify_step(self, plan: SchedulerOutput) -> None:
+        decoding = [c for c in plan.chunks if c.wants_logits and c.num_tokens == 1 and c.seq.num_output > 0]
+        if decoding:
+            self.stats.count_verify_step(len(decoding), max(1 + len(c.draft_ids) for c in decoding))
 
     @staticmethod
-    def _drop_blocked(rows: list[int], seqs: list[Sequence], allowed: torch.Tensor,
-                      errors: dict[int, str]) -> tuple[list[int], list[Sequence], torch.Tensor]:  # fmt: skip
+    def _drop_blocked(rows: list[int], seqs: list[Sequence], prefixes: list[tuple[int, ...]], allowed: torch.Tensor,
+                      errors: dict[int, str]) -> tuple[list[int], list[Sequence], list[tuple[int, ...]], torch.Tensor]:  # fmt: skip
         """Choices whose constraint allows no token fail; the rest are sampled."""
         blocked = set((~allowed.any(dim=-1)).nonzero().flatten().tolist())
         if not blocked:
-            return rows, seqs, allowed
+            return rows, seqs, prefixes, allowed
         for i in blocked:
             errors[id(seqs[i])] = constraint_error(seqs[i])
         keep = [i for i in range(len(seqs)) if i not in blocked]
-        return [rows[i] for i in keep], [seqs[i] for i in keep], allowed[keep]
+        return [rows[i] for i in keep], [seqs[i] for i in keep], [prefixes[i] for i in keep], allowed[keep]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], allowed: torch.Tensor | None) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], prefixes: list[tuple[int, ...]],
+                allowed: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         params = [s.request.params[s.choice_index] for s in seqs]
         penalized = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
         empty = torch.empty(0, dtype=torch.int64)
         prompt_ids = [torch.tensor(s.token_ids[: s.num_prompt]) if penalized else empty for s in seqs]
-        output_ids = [torch.tensor(s.output_ids, dtype=torch.int64) if penalized else empty for s in seqs]
+        output_ids = [torch.tensor(s.output_ids + list(prefix), dtype=torch.int64) if penalized else empty
+                      for s, prefix in zip(seqs, prefixes)]  # fmt: skip
         if allowed is not None:
             allowed = allowed.to(logits.device, non_blocking=True)
-        return self.sampler.sample(logits, params, [s.generator for s in seqs], prompt_ids, output_ids, allowed)
+        # A draw depends on the choice's seed and the output position it fills, so verification
+        # rows draw exactly what plain decoding would have drawn at those positions.
+        generators = [position_generator(p.seed, s.num_output + len(prefix), logits.device) if p.top_k != 1 else None
+                      for p, s, prefix in zip(params, seqs, prefixes)]  # fmt: skip
+        return self.sampler.sample(logits, params, generators, prompt_ids, output_ids, allowed)
 
     def _logprobs(self, seq: Sequence, token: int, row: int, result: StepResult) -> TokenLogprobs:
         lse = float(result.logsumexp[row])

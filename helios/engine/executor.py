@@ -23,7 +23,7 @@ log = logging.getLogger("helios.engine")
 class StepResult:
     """Outputs of one step, in chunk order."""
 
-    sampled: tuple[Chunk, ...]  # chunks with wants_logits, in row order of the tensors below
+    sampled: tuple[Chunk, ...]  # chunks with wants_logits, in row order of the tensors below (chunk.num_rows each)
     logits: Tensor  # [R, V] f32
     logsumexp: Tensor  # [R]
     top_logprobs: Tensor | None  # [R, N]
@@ -131,7 +131,8 @@ class Executor:
     def run(self, chunks: tuple[Chunk, ...], page_copies: tuple[tuple[int, int], ...] = ()) -> StepResult:
         """Run the chunks, then copy pages (src, dst) that the step has just written."""
         if self.serial_decode_rows:
-            serial = len(chunks) <= self.serial_decode_rows and all(c.num_tokens == 1 for c in chunks)
+            rows = sum(1 + len(c.draft_ids) for c in chunks)
+            serial = rows <= self.serial_decode_rows and all(c.num_tokens == 1 for c in chunks)
             threads = 1 if serial else self.threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
@@ -184,19 +185,21 @@ class Executor:
         logits_rows: list[int] = []
         explicit: list[tuple[int, ...]] = []
         for chunk in chunks:
-            seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            seq, drafts = chunk.seq, chunk.draft_ids
+            end = chunk.start + chunk.num_tokens + len(drafts)  # drafts follow the chunk's last token
             table = seq.pages
-            token_ids += seq.token_ids[chunk.start : end]
+            token_ids += seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+            token_ids += drafts
             span = range(chunk.start, end)
             positions += span
             slots += [table[p // size] * size + p % size for p in span]
             if scored:
                 targets += [seq.token_ids[p + 1] if p + 1 < seq.num_prompt else -1 for p in span]
             seq_lens.append(end)
-            starts.append(starts[-1] + chunk.num_tokens)
-            if chunk.wants_logits:
-                logits_rows.append(starts[-1] - 1)
-                explicit.append(seq.request.logprob_token_ids or (0,))
+            starts.append(starts[-1] + end - chunk.start)
+            if chunk.wants_logits:  # the last token's row, then every draft's (verification)
+                logits_rows += range(starts[-1] - chunk.num_rows, starts[-1])
+                explicit += [seq.request.logprob_token_ids or (0,)] * chunk.num_rows
         # The programs' input keeps the core format's name, "block_tables": one page table per row.
         width = max(len(c.seq.pages) for c in chunks)
         tables = torch.zeros((len(chunks), width), dtype=torch.int32)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from helios.engine.logprobs import RankedLogprob, TokenLogprobs
@@ -104,7 +104,14 @@ class EngineStats:
     completed: int = 0
     failed: int = 0
     reused_tokens: int = 0
-    verification_rounds: int = 0  # decode request rounds (no speculation: one token each)
+    verification_rounds: int = 0  # progressing decode request rounds, with or without drafts
+    verification_drafts: int = 0  # draft tokens offered in those rounds (rejected ones included)
+    accepted_drafts: int = 0  # drafts accepted by verification (the bonus / correction token excluded)
+    draft_rounds: int = 0  # request rounds that offered at least one draft
+    verify_steps: int = 0  # steps that ran decode or verification rows
+    rounds_by_depth: dict[int, int] = field(default_factory=dict)  # drafts offered -> request rounds
+    steps_by_batch: dict[int, int] = field(default_factory=dict)  # decode rows in a verification step -> steps
+    steps_by_width: dict[int, int] = field(default_factory=dict)  # widest row group (1 + drafts) -> steps
     reasoning_budget_cuts: int = 0  # requests whose reasoning was closed by their budget
     preemptions: int = 0  # running sequences preempted (pages released, recomputed later) to let older ones grow
     steps: int = 0
@@ -115,3 +122,11 @@ class EngineStats:
     total_pages: int = 0
     page_tokens: int = 0
     decode_weight_bytes: int = 0
+
+    def count_round(self, drafts: int) -> None:
+        self.rounds_by_depth[drafts] = self.rounds_by_depth.get(drafts, 0) + 1
+
+    def count_verify_step(self, rows: int, width: int) -> None:
+        self.verify_steps += 1
+        self.steps_by_batch[rows] = self.steps_by_batch.get(rows, 0) + 1
+        self.steps_by_width[width] = self.steps_by_width.get(width, 0) + 1

@@ -47,6 +47,24 @@ def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gener
     return generator
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finalizer: nearby inputs give unrelated outputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def position_generator(seed: int, position: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """The generator for one draw: a function of the choice's seed and the output position the
+    draw fills, never of the step it happens in. So a token is the same whether it was drawn
+    alone, while verifying drafts, or again after preemption."""
+    return make_generator(_mix64(seed ^ _mix64(position)) >> 1, device)  # generators take seeds below 2**63
+
+
 def _column(params: Sequence[SamplingParams], name: str, like: Tensor) -> Tensor:
     """One parameter for every row, as a [B, 1] tensor broadcastable against logits."""
     return torch.tensor([getattr(p, name) for p in params], dtype=like.dtype, device=like.device)[:, None]
@@ -167,9 +185,9 @@ def apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor
 def draw(logits: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
     """One categorical draw per row from softmax(logits), [B] int64.
 
-    Row i uses generators[i]. A generator belongs to its request and is reused across
-    steps, so each draw advances it: a request's tokens depend on its seed and its own
-    step count, never on which other requests share the batch.
+    Row i uses generators[i] (position_generator: one per choice and output position), so a
+    request's tokens depend on its seed and their positions, never on which other requests
+    share the batch or whether the token was verified with drafts.
     """
     probs = logits.softmax(dim=-1)
     # Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.

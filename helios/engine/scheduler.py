@@ -19,9 +19,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from helios.engine.drafter import HistoryDrafter, SpeculationConfig
 from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
-from helios.engine.sampler import make_generator
 from helios.engine.sequence import (
     Chunk,
     ModelOutput,
@@ -40,9 +40,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool, stats: EngineStats | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, pool: PagePool, stats: EngineStats | None = None,
+                 speculation: SpeculationConfig | None = None) -> None:  # fmt: skip
         self.config = config
         self.pool = pool
+        self.drafter = HistoryDrafter(speculation or SpeculationConfig(mode="off"))
         self.stats = stats if stats is not None else EngineStats(total_pages=pool.num_pages, page_tokens=pool.page_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -52,8 +54,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
-        seq = Sequence(request, 0, list(request.prompt_ids), len(request.prompt_ids),
-                       make_generator(request.params[0].seed), next(self._arrivals), unforked=request.n - 1)  # fmt: skip
+        seq = Sequence(request, 0, list(request.prompt_ids), len(request.prompt_ids), next(self._arrivals),
+                       unforked=request.n - 1)
         seq.reasoning_open = request.reasoning_budget is not None
         seq.constraint = request.constraint.fork() if request.constraint is not None else None
         self.waiting.append(seq)
@@ -73,12 +75,15 @@ class Scheduler:
         budget = self.config.prefill_chunk_size
         preemptions_before = self.stats.preemptions
         index = 0
+        spare = self._draft_rows()
         while index < len(self.running):  # oldest first; victims come off the tail, not yet planned
             seq = self.running[index]
             if seq.num_pending == 1 and not seq.scoring:
                 if not self._grow(seq):
                     continue  # seq itself was preempted or finished: the list shifted
-                chunks.append(self._chunk(seq, seq.num_computed, 1, copies))
+                drafts = self._drafts(seq, spare)
+                spare -= len(drafts)
+                chunks.append(self._chunk(seq, seq.num_computed, 1, copies, drafts))
             elif budget > 0 and seq.num_pending > 0:
                 chunks.append(self._prefill_chunk(seq, budget, copies))
                 budget -= chunks[-1].num_tokens
@@ -106,12 +111,49 @@ class Scheduler:
     def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk:
         return self._chunk(seq, seq.num_computed, min(seq.num_pending, budget), copies)
 
-    def _chunk(self, seq: Sequence, start: int, size: int, copies: list[tuple[int, int]]) -> Chunk:
+    def _chunk(self, seq: Sequence, start: int, size: int, copies: list[tuple[int, int]],
+               drafts: tuple[int, ...] = ()) -> Chunk:  # fmt: skip
         wants = start + size == len(seq.token_ids)
         choices: tuple[Sequence, ...] = (seq,)
         if wants and seq.unforked and seq.request.max_tokens > 0:
             choices += tuple(self._fork(seq, start + size, copies))
-        return Chunk(seq, start, size, wants_logits=wants, scored=seq.scoring, choices=choices)
+        return Chunk(seq, start, size, wants_logits=wants, scored=seq.scoring, choices=choices, draft_ids=drafts)
+
+    # ------------------------------------------------------------------ speculation
+    def _draft_rows(self) -> int:
+        """Draft tokens this step may add: adaptive speculation stops where decode rows alone
+        reach the row budget (the step is compute-bound there, and drafts would only cost)."""
+        drafter = self.drafter
+        if not drafter.enabled:
+            return 0
+        if drafter.config.mode == "fixed":
+            return 1 << 30
+        decoding = sum(1 for s in self.running if s.num_pending == 1 and not s.scoring)
+        return max(0, drafter.config.row_budget - decoding)
+
+    def _drafts(self, seq: Sequence, spare: int) -> tuple[int, ...]:
+        """Drafts for a decode sequence whose next page is secured, within `spare` rows and its
+        limits; pages for them come only from free ones (drafts never preempt)."""
+        if spare <= 0 or seq.unforked or not self._may_draft(seq):
+            return ()
+        request = seq.request
+        room = min(request.max_tokens - seq.num_output - 1,  # the correction or bonus token always follows
+                   self.config.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
+        drafts = self.drafter.propose(seq, self.drafter.depth(seq, min(spare, room)))
+        size = self.pool.page_tokens
+        while drafts and len(seq.pages) * size < len(seq.token_ids) + len(drafts):
+            try:
+                seq.pages.append(self.pool.allocate())
+            except OutOfPages:
+                drafts = drafts[: len(seq.pages) * size - len(seq.token_ids)]
+        return drafts
+
+    @staticmethod
+    def _may_draft(seq: Sequence) -> bool:
+        """Grammar-constrained choices and open reasoning budgets decode one token at a time: their
+        next token's mask and forced close depend on each committed token."""
+        request = seq.request
+        return seq.constraint is None and not (request.reasoning_budget is not None and seq.reasoning_open)
 
     def _grow(self, seq: Sequence) -> bool:
         """Pages for one more token of `seq`, preempting newer sequences; False when seq left running."""
@@ -192,8 +234,7 @@ class Scheduler:
         full = computed // size
         children = []
         for index in range(1, parent.unforked + 1):
-            child = Sequence(parent.request, index, list(parent.token_ids), parent.num_prompt,
-                             make_generator(parent.request.params[index].seed), parent.arrival)  # fmt: skip
+            child = Sequence(parent.request, index, list(parent.token_ids), parent.num_prompt, parent.arrival)
             for page in parent.pages[:full]:
                 self.pool.share(page)
             child.pages = list(parent.pages[:full])
@@ -218,6 +259,7 @@ class Scheduler:
     def update_from_output(self, plan: SchedulerOutput, output: ModelOutput) -> list[EngineEvent]:
         """Commit a step: computed positions, published pages, sampled tokens, stops and finishes."""
         events: list[EngineEvent] = []
+        drafts = {id(chunk.seq): len(chunk.draft_ids) for chunk in plan.chunks if chunk.draft_ids}
         for chunk in plan.chunks:
             seq = chunk.seq
             if seq.finish is not None:
@@ -242,32 +284,55 @@ class Scheduler:
                 continue
             sampled = output.tokens.get(id(seq))
             if sampled is not None:
-                events += self._commit(seq, sampled)
+                events += self._commit(seq, sampled, drafts.get(id(seq), 0))
         return events
 
-    def _commit(self, seq: Sequence, sampled: SampledToken) -> list[EngineEvent]:
-        token, request = sampled.token_id, seq.request
-        seq.token_ids.append(token)
-        self.stats.generated_tokens += 1
-        if seq.num_output > 1:  # a decode round (the first token comes from prefill)
-            self.stats.verification_rounds += 1
-        if sampled.forced:
-            seq.reasoning_open = False
-            self.stats.reasoning_budget_cuts += 1
-        elif request.reasoning_budget is not None:
-            budget = request.reasoning_budget
-            if token == budget.close_id or token in budget.implicit_close_ids:
-                seq.reasoning_open = False
-            elif seq.reasoning_open:
-                seq.reasoning_tokens += 1
-        rejected = seq.constraint is not None and not seq.constraint.advance(token)  # forced tokens too
-        cause = self._stop_cause(seq, token)
-        events = [self._event(seq, (token,), (sampled.logprobs,), cause)]
+    def _commit(self, seq: Sequence, sampled: tuple[SampledToken, ...], offered: int) -> list[EngineEvent]:
+        """Append a round's tokens: the accepted drafts, then the correction or bonus token; a
+        stop among them ends the round there (what followed it was never generated)."""
+        request, stats = seq.request, self.stats
+        if seq.num_output > 0:  # a decode round (the first token comes from prefill)
+            stats.verification_rounds += 1
+            stats.verification_drafts += offered
+            stats.draft_rounds += offered > 0
+            stats.count_round(offered)
+        accepted = len(sampled) - 1  # every token before the last matched its draft
+        stats.accepted_drafts += accepted
+        tokens: list[int] = []
+        entries: list = []
+        cause, rejected = None, False
+        for item in sampled:
+            token = item.token_id
+            seq.token_ids.append(token)
+            tokens.append(token)
+            entries.append(item.logprobs)
+            stats.generated_tokens += 1
+            self._track_reasoning(seq, item)
+            rejected = seq.constraint is not None and not seq.constraint.advance(token)  # forced tokens too
+            cause = self._stop_cause(seq, token)
+            if cause is not None or rejected:
+                break
+        events = [self._event(seq, tuple(tokens), tuple(entries), cause)]
         if cause is not None:
             self._finish(seq, cause)
         elif rejected:
             events += self._finish_all(seq, FinishCause.ERROR, constraint_error(seq))
+        else:
+            seq.num_computed += accepted  # the accepted drafts' KV was written by this step
+            self.publish_full_pages(seq)
+            self.drafter.accepted(seq, offered, accepted)
         return events
+
+    def _track_reasoning(self, seq: Sequence, sampled: SampledToken) -> None:
+        budget = seq.request.reasoning_budget
+        if sampled.forced:
+            seq.reasoning_open = False
+            self.stats.reasoning_budget_cuts += 1
+        elif budget is not None:
+            if sampled.token_id == budget.close_id or sampled.token_id in budget.implicit_close_ids:
+                seq.reasoning_open = False
+            elif seq.reasoning_open:
+                seq.reasoning_tokens += 1
 
     def _stop_cause(self, seq: Sequence, token: int) -> FinishCause | None:
         request = seq.request
@@ -330,6 +395,7 @@ class Scheduler:
             self._count(cause, 1)
         seq.finish = cause
         seq.unforked = 0
+        self.drafter.finished(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from helios.engine.logprobs import TokenLogprobs
 from helios.engine.request import (
     EngineEvent,
@@ -26,7 +24,6 @@ class Sequence:
     choice_index: int
     token_ids: list[int]  # prompt then generated tokens
     num_prompt: int
-    generator: torch.Generator
     arrival: int  # admission order of its request; larger is newer (preempted first)
     pages: list[int] = field(default_factory=list)  # page table: page of positions [i*P, (i+1)*P)
     num_computed: int = 0  # leading tokens whose KV is in `pages`
@@ -43,6 +40,7 @@ class Sequence:
     reasoning_open: bool = False  # inside reasoning (tracked only for requests with a budget)
     reasoning_tokens: int = 0
     constraint: TokenConstraint | None = None  # this choice's own fork of the request's constraint
+    draft_depth: float = 0.0  # adaptive speculation: drafts to offer next round (helios.engine.drafter)
 
     @property
     def num_output(self) -> int:
@@ -78,6 +76,13 @@ class Chunk:
     wants_logits: bool  # the chunk ends at the sequence's last token, so it is sampled from
     scored: bool  # prompt positions of a prompt-logprob request (scored-prefill program)
     choices: tuple[Sequence, ...] = ()  # sequences sampling from this chunk's row: seq, then children forked now
+    draft_ids: tuple[int, ...] = ()  # speculative tokens after the last one (a decode chunk of one choice only):
+    # they are computed at positions start + 1.. and every one of the 1 + len(draft_ids) rows is sampled
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows this chunk asks for: its last token's, plus one per draft."""
+        return (1 + len(self.draft_ids)) if self.wants_logits else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +98,7 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class SampledToken:
-    """What the sampler committed for one sequence this step."""
+    """One token the sampler committed for a sequence this step."""
 
     token_id: int
     logprobs: TokenLogprobs | None  # None when not requested, or for a forced token
@@ -104,6 +109,7 @@ class SampledToken:
 class ModelOutput:
     """The sampled results of one step, keyed by sequence identity."""
 
-    tokens: dict[int, SampledToken]  # id(seq) -> token; sequences in sampled chunks only
+    tokens: dict[int, tuple[SampledToken, ...]]  # id(seq) -> committed tokens in order (accepted drafts, then the
+    # correction or bonus token; one token without drafts); sequences in sampled chunks only
     errors: dict[int, str] = field(default_factory=dict)  # id(seq) -> why this choice cannot continue
     prompt_entries: dict[int, list] = field(default_factory=dict)  # id(chunk) -> prompt logprob entries

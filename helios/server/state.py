@@ -15,6 +15,7 @@ from helios.config import ConfigError, ServerConfig
 from helios.core import Core
 from helios.core.logs import Stopwatch
 from helios.engine.client import EngineClient
+from helios.engine.drafter import SpeculationConfig
 from helios.engine.engine import EngineConfig, LLMEngine
 from helios.frontend.constraint import GrammarMasks
 from helios.frontend.generate import Runner
@@ -58,16 +59,23 @@ class ServerState:
         values = {name: getattr(stats, name) for name in (
             "prefill_tokens", "generated_tokens", "decode_weight_bytes", "verification_rounds", "active", "pending",
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
-            "reasoning_budget_cuts")}  # fmt: skip
+            "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds")}  # fmt: skip
+        speculation = self.client.engine.scheduler.drafter
         values.update(
             preemptions_total=stats.preemptions,
             used_pages=stats.total_pages - stats.free_pages - stats.cached_pages,
-            verify_steps=stats.steps,
             learned_drafter=False,
+            history_drafts_enabled=int(speculation.enabled and speculation.config.shared_history),
             http_admission_in_use=self.slots.in_use,
             http_admission_capacity=self.slots.capacity,
             uptime_seconds=int(time.time() - self.started),
         )
+        # Speculative counters by depth (drafts a request round offered), batch (decode rows in a
+        # verification step) and width (1 + the most drafts any row group of the step carried).
+        for label, table in (("depth", stats.rounds_by_depth), ("batch", stats.steps_by_batch),
+                             ("width", stats.steps_by_width)):  # fmt: skip
+            for key, count in sorted(dict(table).items()):
+                values[f"speculative_{'rounds' if label == 'depth' else 'steps'}_{label}_{key}_total"] = count
         return values
 
 
@@ -87,7 +95,9 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
         max_concurrency=config.max_concurrency, max_pending=config.queue_size,
         prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
         kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache,
-        serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step),
+        serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step,
+        speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
+                                      config.history_drafts)),
         mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     client = EngineClient(engine).start()
     clock.lap("starting the engine")

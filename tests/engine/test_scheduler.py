@@ -30,7 +30,7 @@ def _step(s: Scheduler, token: int = 7, fail: bool = False) -> tuple[SchedulerOu
     if fail:
         events += s.fail(plan, "boom")
     else:
-        tokens = {id(q): SampledToken(token, None) for c in plan.chunks if c.wants_logits for q in c.choices}
+        tokens = {id(q): (SampledToken(token, None),) for c in plan.chunks if c.wants_logits for q in c.choices}
         events += s.update_from_output(plan, ModelOutput(tokens))
     s.check_invariants()
     return plan, events
@@ -239,7 +239,7 @@ def test_scored_prefill_records_where_each_chunk_ended() -> None:
     while s.has_work:  # "other" takes 3 of the first step's 4 prefill tokens: chunks are 1, 4, 4, 1
         plan = s.schedule()
         entries = {id(c): [None] * c.num_tokens for c in plan.chunks if c.scored}
-        tokens = {id(q): SampledToken(7, None) for c in plan.chunks if c.wants_logits for q in c.choices}
+        tokens = {id(q): (SampledToken(7, None),) for c in plan.chunks if c.wants_logits for q in c.choices}
         events += s.update_from_output(plan, ModelOutput(tokens, {}, entries))
     first = next(e for e in events if e.request_id == "scored")
     assert first.prompt_chunk_ends == (1, 5, 9, 10)
