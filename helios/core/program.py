@@ -2,7 +2,8 @@
 
 Every program is called as `program(weights, kv_cache, *inputs)` where `weights` is the
 dict stored in the core's safetensors, `kv_cache` is the list [k0, v0, k1, v1, ...] of
-page tensors [num_pages, page_tokens, num_kv_heads, head_dim] (updated in place), and
+page tensors [num_pages, page_tokens, num_kv_heads, head_dim], then the layout's extra
+caches (KvLayout.cache_shapes; updated in place), and
 `inputs` follow the manifest's input specs in order. Outputs follow the output specs.
 """
 

@@ -282,8 +282,9 @@ class StepProgram(torch.nn.Module):
         p, c = f"layers.{layer}.", self.config
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
         cos, sin, idx_cos, idx_sin = rope
-        q = gemma_norm(F.linear(h, weights[p + "wq"]).view(-1, c.num_heads, c.head_dim), weights[p + "q_norm"], c.rms_norm_eps)
-        k = gemma_norm(F.linear(h, weights[p + "wk"]).view(-1, c.num_kv_heads, c.head_dim), weights[p + "k_norm"], c.rms_norm_eps)
+        q = F.linear(h, weights[p + "wq"]).view(-1, c.num_heads, c.head_dim)
+        k = F.linear(h, weights[p + "wk"]).view(-1, c.num_kv_heads, c.head_dim)
+        q, k = gemma_norm(q, weights[p + "q_norm"], c.rms_norm_eps), gemma_norm(k, weights[p + "k_norm"], c.rms_norm_eps)
         v = F.linear(h, weights[p + "wv"]).view(-1, c.num_kv_heads, c.head_dim)
         q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
         k_cache, v_cache = kv_cache[2 * layer], kv_cache[2 * layer + 1]

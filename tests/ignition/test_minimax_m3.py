@@ -196,6 +196,9 @@ def test_minimax_multimodal_layout_reads_the_same_model(tmp_path: Path) -> None:
     vision = dict(original, **{"vision_tower.vision_model.embeddings.patch_embedding.weight": torch.zeros(2, 2)})
     with pytest.raises(SourceError, match="vision_tower.vision_model.embeddings.patch_embedding.weight"):
         internal_weights(minimax_m3, replace(checkpoint, tensors=vision), config, torch.float32)
+    mtp = dict(original, **{"mtp.0.enorm.weight": torch.zeros(2)})  # multi-token prediction: not implemented
+    with pytest.raises(SourceError, match="mtp.0.enorm.weight"):
+        internal_weights(minimax_m3, replace(checkpoint, tensors=mtp), config, torch.float32)
 
 
 def test_legacy_sparse_attention_config_reads_the_same_layers() -> None:
