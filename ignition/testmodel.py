@@ -74,6 +74,14 @@ CHATS = {
         "roles": {"eos_token": "<|end_of_msg|>", "pad_token": "<|end_of_msg|>"},
         "template": "kimi3.jinja",
     },
+    # MiniMax M3's tokens and published template (../shared/templates/minimax-m3.jinja, llama.cpp's
+    # MiniMax-M3.jinja): ]~!b[ begins, ]~b]ROLE opens a turn, [e~[ ends it; tool tags sit behind ]<]minimax[>[.
+    "minimax_m3": {
+        "special_tokens": ("[e~[", "]~!b[", "]~b]", "]<]minimax[>[", "<mm:think>", "</mm:think>", "]<]image[>[",
+                           "]<]video[>["),  # fmt: skip
+        "roles": {"eos_token": "[e~[", "pad_token": "[e~["},
+        "template": "minimax_m3.jinja",
+    },
     # DeepSeek V4 / V4.1 spellings (deepseek_recipe.SpecialToken defaults), each one token. No
     # template: these cores lower chats through the official native encoder (native:deepseek_v4*).
     "deepseek": {

@@ -74,6 +74,17 @@ class Limits(_Struct):
     page_tokens: int  # tokens per KV page
 
 
+class ExtraCache(_Struct):
+    """A per-token cache some layers keep beside their keys and values (e.g. a sparse-attention
+    indexer's keys): one tensor [num_pages, page_tokens, num_heads, head_dim] per listed layer,
+    on the same pages as the KV (same block tables and slot mapping), in the KV dtype."""
+
+    name: str  # what the family calls it, for humans (e.g. "index_keys")
+    layers: tuple[int, ...]  # the layers holding one, ascending
+    num_heads: int
+    head_dim: int
+
+
 class KvLayout(_Struct):
     """Enough for helios to allocate the paged cache without knowing the architecture."""
 
@@ -84,11 +95,25 @@ class KvLayout(_Struct):
     # True: one cache tensor per layer, read as both keys and values (MLA's latent cache),
     # so the program takes num_layers tensors; absent in cores written before it existed.
     shared_kv: bool = False
+    # Extra per-token caches, after the KV tensors in the program's list: each entry's layers
+    # in order, entries in order; absent (none) in cores written before it existed.
+    extra: tuple[ExtraCache, ...] = ()
 
     @property
     def num_caches(self) -> int:
-        """Cache tensors the program takes (each [num_pages, page_tokens, num_kv_heads, head_dim])."""
-        return self.num_layers if self.shared_kv else 2 * self.num_layers
+        """Cache tensors the program takes (shapes: cache_shapes)."""
+        return len(self.cache_shapes())
+
+    def cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(heads, head_dim) of each cache tensor in the program's order; every tensor is
+        [num_pages, page_tokens, heads, head_dim]."""
+        main = ((self.num_kv_heads, self.head_dim),) * (self.num_layers if self.shared_kv else 2 * self.num_layers)
+        return main + tuple((e.num_heads, e.head_dim) for e in self.extra for _ in e.layers)
+
+    @property
+    def token_elements(self) -> int:
+        """Cache elements one token takes over all tensors (page bytes = page_tokens * this * dtype size)."""
+        return sum(heads * dim for heads, dim in self.cache_shapes())
 
 
 class Capabilities(_Struct):

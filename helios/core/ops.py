@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from helios.core import ops_block_sparse  # noqa: F401  (defines flare::block_select, flare::block_sparse_attention)
 from helios.core import ops_moe  # noqa: F401  (defines flare::routed_experts)
 
 OPS_NAMESPACE = "flare"
 OPS_VERSION = 1
-OP_NAMES = ("write_kv", "paged_attention", "routed_experts")  # routed_experts: helios.core.ops_moe
+OP_NAMES = ("write_kv", "paged_attention", "routed_experts",  # routed_experts: helios.core.ops_moe
+            "block_select", "block_sparse_attention")  # helios.core.ops_block_sparse  # fmt: skip
 
 
 @torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))

@@ -16,13 +16,15 @@ import torch
 from torch import fx
 
 from helios.core.program import Program
-from helios.engine import kernels
+from helios.engine import kernels, kernels_block_sparse
 
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 _DIRECT = {
     torch.ops.flare.paged_attention.default: kernels.paged_attention_cpu,
     torch.ops.flare.write_kv.default: kernels.write_kv_cpu,
     torch.ops.flare.routed_experts.default: kernels.kernels_moe.routed_experts_cpu,
+    torch.ops.flare.block_select.default: kernels_block_sparse.block_select_cpu,
+    torch.ops.flare.block_sparse_attention.default: kernels_block_sparse.block_sparse_attention_cpu,
 }
 
 

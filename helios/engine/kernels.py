@@ -183,4 +183,8 @@ def register() -> None:
         _library.impl("paged_attention", paged_attention_cpu, "CPU")
         _library.impl("write_kv", write_kv_cpu, "CPU")
         _library.impl("routed_experts", kernels_moe.routed_experts_cpu, "CPU")
+        from helios.engine import kernels_block_sparse  # imports this module (its step memo)
+
+        _library.impl("block_select", kernels_block_sparse.block_select_cpu, "CPU")
+        _library.impl("block_sparse_attention", kernels_block_sparse.block_sparse_attention_cpu, "CPU")
         _registered = True
