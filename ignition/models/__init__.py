@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ignition.models import deepseek_v3, gemma3, gemma4, llama, minimax_m3, qwen3, qwen3_moe
+from ignition.models import deepseek_v3, gemma3, gemma4, llama, minimax_m3, muse_spark, qwen3, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe, gemma3, gemma4, deepseek_v3,
-                                                          minimax_m3)}
-
+                                                          minimax_m3, muse_spark)}
 
 def family(name: str) -> ModuleType:
     try:
