@@ -111,7 +111,10 @@ def internal_weights(fam: ModuleType, checkpoint: Checkpoint, config: object, dt
     """Rename (declarative map), drop the tied head, stack experts (a family's optional
     STACKED), fuse, and cast the checkpoint's tensors."""
     named: dict[str, torch.Tensor] = {}
+    ignored = getattr(fam, "ignored_tensor", None)  # optional: tensors the family does not compile
     for hf_name, tensor in checkpoint.tensors.items():
+        if ignored is not None and ignored(config, hf_name):
+            continue
         mapped = rename(hf_name, fam.WEIGHT_MAP)
         if mapped is None:
             if "rotary_emb" in hf_name:

@@ -82,6 +82,16 @@ CHATS = {
         "roles": {"eos_token": "[e~[", "pad_token": "[e~["},
         "template": "minimax_m3.jinja",
     },
+    # StepFun's ChatML turns, <think> reasoning and function-tag <tool_call>s, with Step-3.5-Flash's
+    # published template (../shared/templates/step-3.5-flash.jinja); it opens with {{bos_token}}
+    # and renders image parts as <im_patch>.
+    "step": {
+        "special_tokens": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<|im_start|>", "<|im_end|>", "<think>",
+                           "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                           "<im_patch>"),  # fmt: skip
+        "roles": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<|im_end|>", "pad_token": "<｜end▁of▁sentence｜>"},
+        "template": "step3.5-flash.jinja",
+    },
     # DeepSeek V4 / V4.1 spellings (deepseek_recipe.SpecialToken defaults), each one token. No
     # template: these cores lower chats through the official native encoder (native:deepseek_v4*).
     "deepseek": {

@@ -6,20 +6,22 @@ reference_logits, and for test checkpoints testmodel_config, hf_shapes and TEST_
 chat flavour of ignition.testmodel.CHATS, or None for its own TEST_SPECIAL_TOKENS,
 TEST_TOKEN_ROLES and TEST_CHAT_TEMPLATE). Families that read GGUF (non-empty
 GGUF_ARCHITECTURES) also provide GGUF_WEIGHT_MAP, hf_config_from_gguf, gguf_tensor_fixup.
-Optional: STACKED (MoE expert stacks, ignition.models.moe) and SHARED_KV (True: one cache
-tensor per layer read as keys and values, KvLayout.shared_kv; MLA's latent cache) and
+Optional: STACKED (MoE expert stacks, ignition.models.moe), SHARED_KV (True: one cache
+tensor per layer read as keys and values, KvLayout.shared_kv; MLA's latent cache),
 extra_caches(config) (per-token caches beside the KV in some layers, KvLayout.extra: tuples
-(name, layers, num_heads, head_dim); MiniMax M3's indexer keys).
+(name, layers, num_heads, head_dim); MiniMax M3's indexer keys) and ignored_tensor(config, name)
+-> bool (checkpoint tensors export leaves out: vision towers, MTP layers).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from ignition.models import deepseek_v3, gemma3, gemma4, llama, minimax_m3, muse_spark, qwen3, qwen3_moe
+from ignition.models import deepseek_v3, gemma3, gemma4, llama, minimax_m3, muse_spark, qwen3, qwen3_moe, step3p7
 
 FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe, gemma3, gemma4, deepseek_v3,
-                                                          minimax_m3, muse_spark)}
+                                                          minimax_m3, muse_spark, step3p7)}
+
 
 def family(name: str) -> ModuleType:
     try:

@@ -107,8 +107,8 @@ def test_unknown_recipe(tiny_checkpoint: Path, tmp_path: Path) -> None:
 
 def test_unsupported_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None:
     # A recipe whose family ignition cannot compile yet.
-    done = _export(str(tiny_checkpoint), "--recipe", "step5", "--out", str(tmp_path / "o"))
-    assert done.returncode == ExitCode.SOURCE and "family 'step5' is not supported" in done.stderr
+    done = _export(str(tiny_checkpoint), "--recipe", "nemotron_h", "--out", str(tmp_path / "o"))
+    assert done.returncode == ExitCode.SOURCE and "family 'nemotron_h' is not supported" in done.stderr
     # A checkpoint whose architecture no family handles.
     ckpt = tmp_path / "odd"
     shutil.copytree(tiny_checkpoint, ckpt)

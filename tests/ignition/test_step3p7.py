@@ -1,0 +1,332 @@
+"""The step5 family (StepFun Step 3.5/3.7 text): a tiny checkpoint in StepFun's own config
+spellings (window 8 < 16-token pages, sliding layers with more query heads, partial rotary with
+llama3 scaling on full layers, a dense layer then clamped sigmoid-routed MoE layers with a shared
+expert, one MTP layer) exported with the step5 recipe and checked against transformers' own
+Step3p7ForConditionalGeneration, through run_prompt and the engine; the recipe's template and
+parsers end to end through Chat Completions, Messages and Responses."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from helios.core import Core
+from helios.core.program import SCORED_PREFILL, run_prompt
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.offline import run_to_completion
+from helios.engine.request import EngineRequest
+from ignition.export import internal_weights
+from ignition.models import family_of_hf_config, step3p7
+from ignition.sources import open_source
+from tests.ignition.family_checks import GREEDY, TEXTS, check_generation_matches, export_tiny, hf_logprobs
+
+PAGE = 16
+WINDOW = 8
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France? Answer in one word, please."}]  # fmt: skip
+LONG = TEXTS[0] + " " + TEXTS[3]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tiny Step 3.7 checkpoint, its core with prompt logprobs), built once for this module."""
+    return export_tiny("step5", "step5", tmp_path_factory)
+
+
+def _hf_model(checkpoint: Path):
+    from transformers import Step3p7ForConditionalGeneration
+
+    model = Step3p7ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                            attn_implementation="eager")  # fmt: skip
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: tuple[Path, Path]):
+    return _hf_model(tiny[0])
+
+
+def _prompts(core: Core) -> list[list[int]]:
+    """A rendered chat (the published template), a long text and a short one."""
+    from helios.core.template import ChatTemplate
+
+    tok = core.tokenizer()
+    specials = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<|im_end|>"}
+    chat = ChatTemplate(core.chat_template(), specials).render(CHAT, add_generation_prompt=True)
+    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(LONG).ids, tok.encode(TEXTS[2]).ids]
+
+
+def test_config_reads_the_step_layout(tiny: tuple[Path, Path]) -> None:
+    hf = json.loads((tiny[0] / "config.json").read_text())
+    assert family_of_hf_config(hf) == "step5"
+    config = step3p7.config_from_hf(hf)
+    assert config.layer_windows == (0, WINDOW, WINDOW, 0) and config.layer_heads == (4, 6, 6, 4)
+    assert config.layer_sparse == (False, True, True, True) and config.num_mtp_layers == 1
+    assert (config.rope_full.dim, config.rope_full.llama3, config.rope_sliding.dim) == (8, True, 16)
+    assert config.routed_limits == (0.0, 0.0, 1.5, 0.0) and config.shared_limits == (1.5, 0.0, 0.0, 2.0)
+    m = Core.open(tiny[1]).manifest
+    assert (m.model.family, m.recipe.name, m.limits.page_tokens) == ("step5", "step5", PAGE)
+    assert (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) == (4, 2, 16)
+    assert (m.recipe.reasoning_syntax, m.recipe.tool_syntax, m.recipe.template_source) == ("think", "qwen3_coder", "checkpoint")
+
+
+def test_transformers_spellings_read_the_same_config(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """transformers writes the config in its own spellings (rope_parameters per layer type,
+    per_layer_config, n_routed_experts, mlp_layer_types, MTP entries split off): same model."""
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(str(tiny[0])).save_pretrained(str(tmp_path))
+    native = json.loads((tmp_path / "config.json").read_text())
+    assert "per_layer_config" in native["text_config"] and "moe_layers_enum" not in native["text_config"]
+    ours = json.loads((tiny[0] / "config.json").read_text())
+    assert step3p7.config_from_hf(native) == step3p7.config_from_hf(ours)
+    flat = dict(ours["text_config"], architectures=["Step3p5ForCausalLM"])  # Step-3.5-Flash: text only, flat
+    assert family_of_hf_config(flat) == "step5" and step3p7.config_from_hf(flat) == step3p7.config_from_hf(ours)
+
+
+def test_other_layouts_read_the_same_weights(tiny: tuple[Path, Path], reference) -> None:
+    """transformers' in-memory names (model.language_model., fused mlp.experts.gate_up_proj) read
+    the same weights; vision tower, projector and MTP-layer tensors are left out."""
+    checkpoint = open_source(str(tiny[0]))
+    config = step3p7.config_from_hf(checkpoint.hf_config)
+    native = {n: t for n, t in reference.state_dict().items() if "rotary_emb" not in n}
+    assert any(n.startswith("model.vision_model.") for n in native)
+    assert any(n.startswith("model.layers.4.") for n in checkpoint.tensors)  # the MTP layer
+    extra = {"vision_model.conv1.weight": torch.ones(2, 3), "vit_large_projector.weight": torch.ones(2, 2)}
+    plain = internal_weights(step3p7, replace(checkpoint, tensors=checkpoint.tensors | extra), config, torch.float32)
+    renamed = internal_weights(step3p7, replace(checkpoint, tensors=native), config, torch.float32)
+    assert renamed.keys() == plain.keys() and all(torch.equal(renamed[n], plain[n]) for n in plain)
+    assert not any(n.startswith("layers.4.") for n in plain)
+    ids = list(range(3, 40))
+    assert torch.equal(step3p7.reference_logits(config, native, ids), step3p7.reference_logits(config, checkpoint.tensors, ids))
+
+
+def _text(**changes: Any) -> Any:
+    def change(hf: dict) -> dict:
+        return hf | {"text_config": hf["text_config"] | changes}
+
+    return change
+
+
+REFUSED = {
+    "bidirectional": _text(use_bidirectional_attention=True),
+    "attention_bias": _text(attention_bias=True),
+    "mlp_bias": _text(mlp_bias=True),
+    "elementwise_gate": _text(gating="elementwise"),
+    "no_head_gate": _text(use_head_wise_attn_gate=False),
+    "softmax_router": _text(moe_router_activation="softmax"),
+    "unnormalized_router": _text(norm_expert_weight=False),
+    "yarn": _text(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}),
+    "scaled_sliding_rope": _text(yarn_only_types=["full_attention", "sliding_attention"]),
+    "sparse_layer_type": _text(layer_types=["full_attention", "minimax_m3_sparse", "sliding_attention",
+                                            "full_attention", "full_attention"]),  # fmt: skip
+    "other_kv_heads": _text(attention_other_setting={"num_attention_heads": 6, "num_attention_groups": 1}),
+    "per_layer_head_dim": _text(per_layer_config={"1": {"head_dim": 32}}),
+    "odd_rotary": _text(partial_rotary_factors=[0.3125] * 5),
+    "negative_limit": _text(swiglu_limits=[-1.0, 0, 0, 0, 0]),
+    "quantized": lambda hf: hf | {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}},
+    "inner_tie_only": _text(tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unsupported_variants_are_refused(tiny: tuple[Path, Path], name: str) -> None:
+    config = REFUSED[name](json.loads((tiny[0] / "config.json").read_text()))
+    with pytest.raises(ValueError):
+        step3p7.config_from_hf(config)
+
+
+def test_reference_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
+    """The self-check's float64 reference is transformers' model (so the export checks against it)."""
+    checkpoint = open_source(str(tiny[0]))
+    config = step3p7.config_from_hf(checkpoint.hf_config)
+    ids = list(range(5, 60))
+    ours = torch.log_softmax(step3p7.reference_logits(config, checkpoint.tensors, ids), dim=-1)
+    assert float((ours - hf_logprobs(reference, ids)).abs().max()) <= 2e-4
+
+
+def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+    """Prompts longer than the window and than a page, prefilled whole, in chunks of 16 and 5,
+    and token by token past the first page (decode rows whose window has slid)."""
+    core = Core.open(tiny[1])
+    program, weights, m = core.load_program(), core.load_weights(), core.manifest
+    prompts = _prompts(core)
+    assert all(len(ids) > PAGE > WINDOW for ids in prompts[:2])
+    worst = 0.0
+    for ids in prompts:
+        expected = hf_logprobs(reference, ids)
+        for chunk in (None, 16, 5):
+            got = run_prompt(program, weights, m.kv, PAGE, ids, chunk=chunk).logprobs
+            worst = max(worst, float((got - expected).abs().max()))
+        decoded = PAGE + 4
+        got = run_prompt(program, weights, m.kv, PAGE, ids[:decoded], chunk=1).logprobs
+        worst = max(worst, float((got - expected[:decoded]).abs().max()))
+    print(f"max |Δ logprob| vs transformers: {worst:.3g}")
+    assert worst <= 1e-3
+
+
+def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+    core = Core.open(tiny[1])
+    program, weights, m = core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
+    for ids in _prompts(core)[:2]:
+        run = run_prompt(program, weights, m.kv, PAGE, ids, chunk=PAGE)
+        expected = hf_logprobs(reference, ids)
+        scored = expected[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert float((run.outputs["prompt_logprobs"][:-1] - scored).abs().max()) <= 1e-3
+        top = expected[:-1].gather(1, run.outputs["prompt_top_ids"][:-1])
+        assert float((run.outputs["prompt_top_logprobs"][:-1] - top).abs().max()) <= 1e-3
+
+
+@pytest.mark.parametrize("text", [LONG, TEXTS[1], TEXTS[2]])
+def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference, text: str) -> None:
+    """The engine's greedy tokens (16-token prefill chunks, windowed decode rows) carry
+    transformers' logprobs and top alternatives on the whole sequence."""
+    check_generation_matches(tiny[1], reference, text, 16)
+
+
+def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
+    """8 prompts together == each alone, prefix cache on and off, 16-token prefill chunks."""
+    core = Core.open(tiny[1])
+    tok = core.tokenizer()
+    preamble = "You are a helpful assistant. Answer briefly and precisely. "
+    texts = [*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is"]
+    requests = [EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+                for i, t in enumerate(texts)]  # fmt: skip
+
+    def tokens(outputs: dict) -> dict[str, list[int]]:
+        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
+
+    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
+    alone: dict[str, list[int]] = {}
+    for request in requests:
+        alone.update(tokens(run_to_completion(solo, [request])))
+    uncached = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16, enable_prefix_cache=False))
+    assert tokens(run_to_completion(uncached, requests)) == alone
+    batched = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
+    assert tokens(run_to_completion(batched, requests)) == alone
+    again = run_to_completion(batched, [replace(r, request_id=r.request_id + "b") for r in requests])
+    assert {k[:-1]: v for k, v in tokens(again).items()} == alone  # from cached prefix pages
+    assert sum(c[0].num_cached_tokens for c in again.values()) > 0
+
+
+def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
+    """transformers' defaults where the tiny config is explicit: no layer_types (all full), no
+    moe_layers_enum (layers 0-2 dense), one scalar rope_theta over whole heads, no clamps, a
+    query_pre_attn_scalar of its own, and the head tied to the embedding (top-level flag)."""
+    from ignition.export import ExportOptions, export_core
+    from ignition.recipe import load_recipe
+    from ignition.testmodel import _init, write_testmodel
+
+    checkpoint = write_testmodel("step5", tmp_path / "ckpt", seed=5)
+    config = json.loads((checkpoint / "config.json").read_text())
+    dropped = ("moe_layers_enum", "layer_types", "attention_other_setting", "partial_rotary_factors",
+               "rope_scaling", "yarn_only_types", "swiglu_limits", "swiglu_limits_shared")  # fmt: skip
+    text = {k: v for k, v in config["text_config"].items() if k not in dropped}
+    config |= {"tie_word_embeddings": True, "text_config": text | {"rope_theta": 50_000.0, "query_pre_attn_scalar": 24}}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    parsed = step3p7.config_from_hf(config)
+    assert parsed.layer_sparse == (False, False, False, True) and parsed.tie_word_embeddings
+    generator = torch.Generator().manual_seed(5)
+    tensors = {n: _init(n, s, generator) for n, s in step3p7.hf_shapes(parsed).items()}
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    model = _hf_model(checkpoint)
+    assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+    ids = list(range(7, 47))
+    expected = hf_logprobs(model, ids)
+    ours = torch.log_softmax(step3p7.reference_logits(parsed, open_source(str(checkpoint)).tensors, ids), dim=-1)
+    assert float((ours - expected).abs().max()) <= 2e-4
+    result = export_core(open_source(str(checkpoint)), load_recipe("step5"), ExportOptions(out=tmp_path / "core"))
+    assert result.max_abs_diff <= 1e-3  # the self-check ran the program against that reference
+    core = Core.open(tmp_path / "core")
+    got = run_prompt(core.load_program(), core.load_weights(), core.manifest.kv, PAGE, ids, chunk=PAGE).logprobs
+    assert float((got - expected).abs().max()) <= 1e-3
+
+
+# ---------------------------------------------------------------------------- chat round trips
+
+VERSION = {"anthropic-version": "2023-06-01"}
+ASK = "Weather in Paris?"
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+# What Step models write after the prompt's "<|im_start|>assistant\n<think>\n".
+OUTPUT = ("The user wants weather.\n</think>\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+          "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>")  # fmt: skip
+EXPECTED = {"reasoning": "The user wants weather.", "text": "Checking.", "calls": [("get_weather", {"city": "Paris", "days": 3})]}
+
+
+def _stripped(got: dict[str, Any]) -> dict[str, Any]:
+    """The "think" parser keeps the newlines around </think> that Step's turns carry (reasoning
+    "...weather.\n", text "\nChecking."); compare what is between them."""
+    return got | {"reasoning": got["reasoning"].strip("\n"), "text": got["text"].strip("\n")}
+
+
+@pytest.fixture(scope="module")
+def app(tiny: tuple[Path, Path]):
+    from server.scripted import scripted_app  # tests/server's in-process server with a scripted model
+
+    with scripted_app(tiny[1]) as server:
+        yield server
+
+
+def _check_prompt(app) -> None:
+    prompt = app.last_prompt() or ""
+    assert prompt.startswith("<｜begin▁of▁sentence｜><|im_start|>system\n")
+    assert '"name": "get_weather"' in prompt and "<function=example_function_name>" in prompt  # the tools section
+    assert prompt.endswith(f"<|im_start|>user\n{ASK}<|im_end|>\n<|im_start|>assistant\n<think>\n")
+
+
+def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
+    app.say(OUTPUT)
+    body = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]}  # fmt: skip
+    response = app.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    _check_prompt(app)
+    choice = response.json()["choices"][0]
+    message = choice["message"]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    got = {"reasoning": message["reasoning_content"], "text": message["content"], "calls": calls}
+    assert _stripped(got) == EXPECTED and choice["finish_reason"] == "tool_calls"
+
+
+def test_messages_with_reasoning_and_tool_call(app) -> None:
+    app.say(OUTPUT)
+    body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}],
+            "tools": [{"name": "get_weather", "input_schema": CITY}]}  # fmt: skip
+    response = app.post("/v1/messages", json=body, headers=VERSION)
+    assert response.status_code == 200, response.text
+    _check_prompt(app)
+    result = response.json()
+    blocks = result["content"]
+    got = {"reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
+           "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
+           "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]}  # fmt: skip
+    assert _stripped(got) == EXPECTED and result["stop_reason"] == "tool_use"
+
+
+def test_responses_with_reasoning_and_tool_call(app) -> None:
+    app.say(OUTPUT)
+    body = {"model": "x", "input": ASK, "max_output_tokens": 256,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]}  # fmt: skip
+    response = app.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    _check_prompt(app)
+    result = response.json()
+    output = result["output"]
+    got = {"reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
+           "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
+           "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"]}  # fmt: skip
+    assert _stripped(got) == EXPECTED and result["status"] == "completed"
+
+
+def test_images_are_refused(app) -> None:
+    """Text only: the vision tower is not compiled, so image parts are a client error."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = {"model": "x", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "text", "text": ASK}, image]}]}
+    response = app.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and "does not accept images" in response.json()["error"]["message"]
