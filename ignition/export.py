@@ -168,8 +168,7 @@ def _example_inputs(inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: 
 
 
 def _example_caches(kv: mf.KvLayout, page_tokens: int) -> list[torch.Tensor]:
-    return [torch.zeros(4, page_tokens, kv.num_kv_heads, kv.head_dim, dtype=getattr(torch, kv.dtype))
-            for _ in range(kv.num_caches)]  # fmt: skip
+    return [torch.zeros(4, page_tokens, heads, dim, dtype=getattr(torch, kv.dtype)) for heads, dim in kv.cache_rows()]
 
 
 def compile_step(spec: mf.ProgramSpec, staging: Path, weights: dict[str, torch.Tensor], kv: mf.KvLayout,
@@ -311,7 +310,8 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) 
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
     kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     dtype=options.kv_dtype or options.dtype, shared_kv=getattr(fam, "SHARED_KV", False))  # fmt: skip
+                     dtype=options.kv_dtype or options.dtype, shared_kv=getattr(fam, "SHARED_KV", False),
+                     extra=fam.extra_caches(config) if hasattr(fam, "extra_caches") else ())  # fmt: skip
     template = checkpoint.chat_template if recipe.info.template_source == "checkpoint" else None
     tokenizer = Tokenizer.from_str(checkpoint.tokenizer_json)
     staging = Path(tempfile.mkdtemp(prefix=f".{options.out.name}.", dir=options.out.parent))

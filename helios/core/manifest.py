@@ -73,6 +73,16 @@ class Limits(_Struct):
     page_tokens: int  # tokens per KV page
 
 
+class ExtraCache(_Struct):
+    """Per-token cache tensors beside the K/V pages, paged with them (same page ids and slots),
+    e.g. DeepSeek Sparse Attention's indexer keys."""
+
+    name: str  # what the program keeps there, for humans and logs (e.g. "indexer_k")
+    count: int  # how many such tensors (typically one per layer that has one), >= 1
+    num_heads: int
+    head_dim: int
+
+
 class KvLayout(_Struct):
     """Enough for helios to allocate the paged cache without knowing the architecture."""
 
@@ -83,11 +93,23 @@ class KvLayout(_Struct):
     # True: one cache tensor per layer, read as both keys and values (MLA's latent cache),
     # so the program takes num_layers tensors; absent in cores written before it existed.
     shared_kv: bool = False
+    # More page tensors, after the K/V ones in the program's cache list, in this order, each
+    # [num_pages, page_tokens, num_heads, head_dim] in `dtype`; absent in cores written before it existed.
+    extra: tuple[ExtraCache, ...] = ()
 
     @property
     def num_caches(self) -> int:
-        """Cache tensors the program takes (each [num_pages, page_tokens, num_kv_heads, head_dim])."""
-        return self.num_layers if self.shared_kv else 2 * self.num_layers
+        """Cache tensors the program takes."""
+        return (self.num_layers if self.shared_kv else 2 * self.num_layers) + sum(e.count for e in self.extra)
+
+    def cache_rows(self) -> tuple[tuple[int, int], ...]:
+        """(heads, head_dim) of each cache tensor in program order (each [num_pages, page_tokens, heads, head_dim])."""
+        kv = ((self.num_kv_heads, self.head_dim),) * (self.num_layers if self.shared_kv else 2 * self.num_layers)
+        return kv + tuple((e.num_heads, e.head_dim) for e in self.extra for _ in range(e.count))
+
+    def token_elements(self) -> int:
+        """Cache elements one token occupies across every tensor (a page holds page_tokens of them)."""
+        return sum(heads * dim for heads, dim in self.cache_rows())
 
 
 class Capabilities(_Struct):

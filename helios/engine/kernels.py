@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 import helios.core.ops  # defines the ops before kernels are registered; shares their masking and capped attention
-from helios.engine import kernels_moe
+from helios.engine import kernels_moe, kernels_sparse
 
 T = TypeVar("T")
 
@@ -183,4 +183,5 @@ def register() -> None:
         _library.impl("paged_attention", paged_attention_cpu, "CPU")
         _library.impl("write_kv", write_kv_cpu, "CPU")
         _library.impl("routed_experts", kernels_moe.routed_experts_cpu, "CPU")
+        kernels_sparse.register(_library)
         _registered = True
