@@ -83,7 +83,8 @@ def sparse_paged_attention(
 
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions: as flare::paged_attention
     topk_indices:    [num_tokens, k] int64 key positions within the query's sequence (flare::indexer_topk);
-                     -1 = no key; a position the query cannot see (> its position) is ignored
+                     -1 = no key; a position the query cannot see (> its position) is ignored, and
+                     one listed twice counts once
     returns          [num_tokens, num_heads, head_dim]; a query left with no key gets zeros
     """
     out = torch.zeros_like(q)

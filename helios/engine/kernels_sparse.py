@@ -63,8 +63,9 @@ def sparse_paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, quer
     starts = query_start_loc.tolist()
     if decode:
         rows = query_start_loc[torch.tensor(decode)].long()
-        index = topk_indices[rows]  # [Bd, k]
+        index = topk_indices[rows].sort(dim=-1).values  # [Bd, k]; sorted so a repeated position shows
         valid = (index >= 0) & (index <= positions[rows][:, None])
+        valid[:, 1:] &= index[:, 1:] != index[:, :-1]  # a key picked twice still counts once (as the mask does)
         at = index.clamp(min=0)
         tables = block_tables[torch.tensor(decode)].long()
         slots = tables.gather(1, at // page_tokens) * page_tokens + at % page_tokens  # [Bd, k]
