@@ -63,7 +63,8 @@ CHATS = {
     "glm53": {
         "special_tokens": ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
                            "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
-                           "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"),  # fmt: skip
+                           "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>",
+                           "</tool_response>"),  # fmt: skip
         "roles": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
         "template": "glm53.jinja",
     },

@@ -68,7 +68,8 @@ def sparse_paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, quer
         valid[:, 1:] &= index[:, 1:] != index[:, :-1]  # a key picked twice still counts once (as the mask does)
         at = index.clamp(min=0)
         tables = block_tables[torch.tensor(decode)].long()
-        slots = tables.gather(1, at // page_tokens) * page_tokens + at % page_tokens  # [Bd, k]
+        block = (at // page_tokens).clamp(max=tables.shape[1] - 1)  # an invalid pick still reads a valid page
+        slots = tables.gather(1, block) * page_tokens + at % page_tokens  # [Bd, k]
         keys = k_cache.view(-1, kv_heads, dim).index_select(0, slots.reshape(-1))
         keys = keys.view(len(decode), -1, kv_heads, dim).transpose(1, 2).to(q.dtype)  # [Bd, KVH, k, D]
         if same:

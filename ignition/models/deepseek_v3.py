@@ -72,6 +72,7 @@ def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
 
 
 WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP)
+TEXT_WEIGHT_MAP = _TEXT_WEIGHT_MAP  # DeepseekV3ForCausalLM's own layout (glm_moe_dsa builds on it)
 
 STACKED = moe.STACKED_EXPERTS
 

@@ -49,7 +49,8 @@ _INDEXER_WEIGHT_MAP = {
     "model.layers.{}.self_attn.indexer.weights_proj.weight": "layers.{}.idx_weights_proj",
 }
 # kimi_k3's text names (DeepseekV3ForCausalLM's layout is GLM-5's), without the plain q_proj: DSA needs the q LoRA.
-WEIGHT_MAP = {k: v for k, v in mla._TEXT_WEIGHT_MAP.items() if not k.endswith("self_attn.q_proj.weight")} | _INDEXER_WEIGHT_MAP
+WEIGHT_MAP = {k: v for k, v in mla.TEXT_WEIGHT_MAP.items() if not k.endswith("self_attn.q_proj.weight")}
+WEIGHT_MAP |= _INDEXER_WEIGHT_MAP
 STACKED = mla.STACKED
 FUSED = mla.FUSED
 
@@ -203,8 +204,8 @@ class StepProgram(mla.StepProgram):
                 selected = self.indexer(weights, i, h, q_resid, cos, sin, index_caches[i], paged)
             assert selected is not None  # layer 0 is a full indexer layer (config_from_hf)
             slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
-            attn = torch.ops.flare.sparse_paged_attention(query, cache, cache, block_tables, seq_lens,
-                                                          query_start_loc, positions, selected, c.softmax_scale)  # fmt: skip
+            attn = torch.ops.flare.sparse_paged_attention(query, cache, cache, block_tables, seq_lens, query_start_loc,
+                                                          positions, selected, c.softmax_scale)  # fmt: skip
             x = x + self.latent_output(weights, i, attn, wdt)
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
