@@ -39,7 +39,8 @@ def describe(core: Core) -> str:
         f"tokenizer   vocab {m.tokenizer.vocab_size}, bos {m.tokenizer.bos_token_id}, eos {list(m.tokenizer.eos_token_ids)},"
         f" {len(m.tokenizer.special_tokens)} special tokens, template {m.tokenizer.chat_template or 'none'}",
         f"limits      max_model_len {m.limits.max_model_len}, page_tokens {m.limits.page_tokens}",
-        f"kv          {m.kv.num_layers} layers x {m.kv.num_kv_heads} kv heads x {m.kv.head_dim} ({m.kv.dtype})",
+        f"kv          {m.kv.num_layers} layers x {m.kv.num_kv_heads} kv heads x {m.kv.head_dim} ({m.kv.dtype})"
+        + "".join(f", + {len(e.layers)} x {e.name} [{e.num_heads} x {e.head_dim}]" for e in m.kv.extra),
         f"logprobs    top {caps.max_top_logprobs}, explicit ids {'yes' if caps.explicit_logprob_ids else 'no'},"
         f" prompt logprobs {'yes' if caps.prompt_logprobs else 'no'}",
         f"decode      {m.decode_weight_bytes / 1e6:.1f} MB of weights read per token",

@@ -92,6 +92,16 @@ CHATS = {
         "roles": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<|im_end|>", "pad_token": "<｜end▁of▁sentence｜>"},
         "template": "step3.5-flash.jinja",
     },
+    # GLM-5.3-Flash's role and tool tokens and its published template (../shared/templates/glm-5.3-flash.jinja);
+    # the model ends a turn with <|endoftext|> here (real checkpoints also stop at <|user|> / <|observation|>).
+    "glm53": {
+        "special_tokens": ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                           "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
+                           "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>",
+                           "</tool_response>"),  # fmt: skip
+        "roles": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+        "template": "glm53.jinja",
+    },
     # DeepSeek V4 / V4.1 spellings (deepseek_recipe.SpecialToken defaults), each one token. No
     # template: these cores lower chats through the official native encoder (native:deepseek_v4*).
     "deepseek": {

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 import helios.core.ops  # defines the ops before kernels are registered; shares their masking and capped attention
-from helios.engine import kernels_moe
+from helios.engine import kernels_moe, kernels_sparse
 
 T = TypeVar("T")
 
@@ -187,4 +187,5 @@ def register() -> None:
 
         _library.impl("block_select", kernels_block_sparse.block_select_cpu, "CPU")
         _library.impl("block_sparse_attention", kernels_block_sparse.block_sparse_attention_cpu, "CPU")
+        kernels_sparse.register(_library)
         _registered = True

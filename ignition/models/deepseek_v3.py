@@ -12,6 +12,7 @@ Checked against transformers 5.24 `DeepseekV3ForCausalLM` (models/deepseek_v3).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,7 @@ def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
 
 
 WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP)
+TEXT_WEIGHT_MAP = _TEXT_WEIGHT_MAP  # DeepseekV3ForCausalLM's own layout (glm_moe_dsa builds on it)
 
 STACKED = moe.STACKED_EXPERTS
 
@@ -186,16 +188,18 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
 
 
-def rope_from_hf(hf: dict[str, Any]) -> RopeSpec:
-    """Plain or YaRN rotary from `rope_parameters` (transformers 5) or legacy `rope_scaling`."""
+def rope_from_hf(hf: dict[str, Any], family: str = FAMILY, interleave: bool | None = None) -> RopeSpec:
+    """Plain or YaRN rotary from `rope_parameters` (transformers 5) or legacy `rope_scaling`;
+    `interleave` None follows the config's `rope_interleave` (GLM-5 always interleaves)."""
     params = dict(hf.get("rope_scaling") or {}) | dict(hf.get("rope_parameters") or {})
     kind = params.get("rope_type") or params.get("type") or "default"
     theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
-    dim, interleave = int(hf["qk_rope_head_dim"]), bool(hf.get("rope_interleave", True))
+    dim = int(hf["qk_rope_head_dim"])
+    interleave = bool(hf.get("rope_interleave", True)) if interleave is None else interleave
     if kind == "default":
         return RopeSpec(theta=theta, dim=dim, interleave=interleave)
     if kind != "yarn":
-        raise ValueError(f"rope type {kind!r} is not supported by the {FAMILY} family (supported: default, yarn)")
+        raise ValueError(f"rope type {kind!r} is not supported by the {family} family (supported: default, yarn)")
     original = int(params["original_max_position_embeddings"])
     factor = params.get("factor") or int(hf["max_position_embeddings"]) / original
     attention_factor = params.get("attention_factor")
@@ -301,42 +305,60 @@ class StepProgram(torch.nn.Module):
         self.explicit_ids = explicit_ids
         self.scored = scored
 
-    def query(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
-        """h [T, hidden] -> q [T, H, qk_head_dim] fp32, through the q LoRA when the model has one."""
+    def q_resid(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor | None:
+        """The normed q LoRA down-projection [T, q_lora_rank] in h's dtype; None without a q LoRA."""
         p, c = f"layers.{layer}.", self.config
         if c.q_lora_rank is None:
-            q = F.linear(h, weights[p + "wq"])
-        else:
-            q_a = rms_norm(F.linear(h, weights[p + "wq_a"]).float(), weights[p + "q_a_norm"], LATENT_NORM_EPS)
-            q = F.linear(q_a.to(h.dtype), weights[p + "wq_b"])
+            return None
+        q_a = rms_norm(F.linear(h, weights[p + "wq_a"]).float(), weights[p + "q_a_norm"], LATENT_NORM_EPS)
+        return q_a.to(h.dtype)
+
+    def query(self, weights: dict[str, Tensor], layer: int, h: Tensor, q_resid: Tensor | None) -> Tensor:
+        """h [T, hidden] -> q [T, H, qk_head_dim] fp32, through the q LoRA when the model has one."""
+        p, c = f"layers.{layer}.", self.config
+        q = F.linear(h, weights[p + "wq"]) if q_resid is None else F.linear(q_resid, weights[p + "wq_b"])
         return q.float().view(-1, c.num_heads, c.qk_head_dim)
 
-    def attention(self, weights: dict[str, Tensor], layer: int, h: Tensor, cos: Tensor, sin: Tensor,
-                  cache: Tensor, paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
-        """Absorbed MLA: h [T, hidden] in the core dtype -> attention output [T, hidden] fp32."""
+    def latent_inputs(self, weights: dict[str, Tensor], layer: int, h: Tensor, q_resid: Tensor | None, cos: Tensor,
+                      sin: Tensor, cache_dtype: torch.dtype) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Absorbed MLA's (query [T, H, r + rope], latent [T, 1, r + rope]), both in the cache dtype."""
         p, c = f"layers.{layer}.", self.config
         r, wdt = c.kv_lora_rank, h.dtype
-        slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
-        q_nope, q_pe = self.query(weights, layer, h).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = self.query(weights, layer, h, q_resid).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = F.linear(h, weights[p + "wkv_a"]).float().split([r, c.qk_rope_head_dim], dim=-1)
         c_kv = rms_norm(c_kv, weights[p + "kv_a_norm"], LATENT_NORM_EPS)
         q_pe = apply_rope(q_pe, cos, sin, c.rope.interleave)
         k_pe = apply_rope(k_pe[:, None, :], cos, sin, c.rope.interleave)
-        latent = torch.cat([c_kv[:, None, :], k_pe], dim=-1).to(cache.dtype)  # [T, 1, r + rope]
-        # kv_b_proj rows per head: k_nope [nope] then v [v_head_dim], each over the latent r.
-        w_kv_b = weights[p + "wkv_b"].view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, r)
-        w_uk, w_uv = w_kv_b[:, : c.qk_nope_head_dim], w_kv_b[:, c.qk_nope_head_dim :]
+        latent = torch.cat([c_kv[:, None, :], k_pe], dim=-1).to(cache_dtype)  # [T, 1, r + rope]
         # q_nope . (W_UK c_kv) == (q_nope W_UK) . c_kv: the keys never leave the latent space.
+        w_uk = self._w_kv_b(weights, layer)[:, : c.qk_nope_head_dim]
         q_latent = torch.bmm(q_nope.transpose(0, 1).to(wdt), w_uk).float().transpose(0, 1)  # [T, H, r]
-        query = torch.cat([q_latent, q_pe], dim=-1).to(cache.dtype)
+        return torch.cat([q_latent, q_pe], dim=-1).to(cache_dtype), latent
+
+    def _w_kv_b(self, weights: dict[str, Tensor], layer: int) -> Tensor:
+        """kv_b_proj rows per head: k_nope [nope] then v [v_head_dim], each over the latent r."""
+        c = self.config
+        return weights[f"layers.{layer}.wkv_b"].view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+
+    def latent_output(self, weights: dict[str, Tensor], layer: int, attn: Tensor, wdt: torch.dtype) -> Tensor:
+        """Attention over the latent [T, H, r + rope] -> the layer's output [T, hidden] fp32."""
+        c = self.config
+        w_uv = self._w_kv_b(weights, layer)[:, c.qk_nope_head_dim :]
+        # softmax . latent's first r dims is softmax . c_kv; W_UV lifts it into each head's values.
+        values = torch.bmm(attn[..., : c.kv_lora_rank].transpose(0, 1).to(wdt), w_uv.transpose(1, 2))  # [H, T, v]
+        out = values.transpose(0, 1).reshape(-1, c.num_heads * c.v_head_dim)
+        return F.linear(out, weights[f"layers.{layer}.wo"]).float()
+
+    def attention(self, weights: dict[str, Tensor], layer: int, h: Tensor, cos: Tensor, sin: Tensor,
+                  cache: Tensor, paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+        """Absorbed MLA: h [T, hidden] in the core dtype -> attention output [T, hidden] fp32."""
+        slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
+        query, latent = self.latent_inputs(weights, layer, h, self.q_resid(weights, layer, h), cos, sin, cache.dtype)
         # One tensor as keys and values: written once per token (twice through the pair-writing op).
         torch.ops.flare.write_kv(cache, cache, latent, latent, slot_mapping)
         attn = torch.ops.flare.paged_attention(query, cache, cache, block_tables, seq_lens, query_start_loc,
-                                               positions, c.softmax_scale)  # fmt: skip
-        # softmax . latent's first r dims is softmax . c_kv; W_UV lifts it into each head's values.
-        values = torch.bmm(attn[..., :r].transpose(0, 1).to(wdt), w_uv.transpose(1, 2))  # [H, T, v]
-        out = values.transpose(0, 1).reshape(-1, c.num_heads * c.v_head_dim)
-        return F.linear(out, weights[p + "wo"]).float()
+                                               positions, self.config.softmax_scale)  # fmt: skip
+        return self.latent_output(weights, layer, attn, h.dtype)
 
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
         c = self.config
@@ -358,19 +380,26 @@ class StepProgram(torch.nn.Module):
         cos = (freqs.cos() * c.rope.cos_sin_scale)[:, None, :]  # [T, 1, rope / 2]
         sin = (freqs.sin() * c.rope.cos_sin_scale)[:, None, :]
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
+        x = self.decoder(weights, kv_cache, x, cos, sin, paged)
+        x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
+        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
+
+    def decoder(self, weights: dict[str, Tensor], kv_cache: list[Tensor], x: Tensor, cos: Tensor, sin: Tensor,
+                paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+        """The residual stream x [T, hidden] fp32 through every layer (pre-norm attention, then MLP)."""
+        c, wdt = self.config, weights["embed"].dtype
         for i in range(c.num_layers):
             h = rms_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.attention(weights, i, h, cos, sin, kv_cache[i], paged)
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
-        x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
+        return x
 
 
 # ---------------------------------------------------------------------- plain reference
 
 
-def _reference_angles(spec: RopeSpec, total: int) -> Tensor:
+def reference_angles(spec: RopeSpec, total: int) -> Tensor:
     """[T, dim / 2] float64 rotary angles, YaRN computed in plain Python floats."""
     pairs = spec.dim // 2
     inv = [spec.theta ** (-2 * j / spec.dim) for j in range(pairs)]
@@ -381,7 +410,7 @@ def _reference_angles(spec: RopeSpec, total: int) -> Tensor:
     return torch.arange(total, dtype=torch.float64)[:, None] * torch.tensor(inv, dtype=torch.float64)[None, :]
 
 
-def _reference_rotate(t: Tensor, angles: Tensor, scale: float, interleave: bool) -> Tensor:
+def reference_rotate(t: Tensor, angles: Tensor, scale: float, interleave: bool) -> Tensor:
     """t [heads, T, D] rotated as complex pairs (DeepSeek's own view_as_complex formulation);
     interleaved pairs stay interleaved, which q.k does not notice."""
     rot = torch.polar(torch.full_like(angles, scale), angles).to(torch.complex64)  # [T, D/2]
@@ -393,6 +422,37 @@ def _reference_rotate(t: Tensor, angles: Tensor, scale: float, interleave: bool)
     return torch.cat([z.real, z.imag], dim=-1)
 
 
+def reference_norm(t: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return weight * (t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_q_resid(c: DeepseekV3Config, w: dict[str, Tensor], prefix: str, h: Tensor) -> Tensor | None:
+    """The normed q LoRA down-projection [T, q_lora_rank] of the attention block under `prefix`."""
+    if c.q_lora_rank is None:
+        return None
+    return reference_norm(h @ w[prefix + "q_a_proj.weight"].T, w[prefix + "q_a_layernorm.weight"], LATENT_NORM_EPS)
+
+
+def reference_mla(c: DeepseekV3Config, w: dict[str, Tensor], prefix: str, h: Tensor, rotate: Callable[[Tensor], Tensor],
+                  mask: Tensor) -> Tensor:  # fmt: skip
+    """Non-absorbed MLA of the block under `prefix` ("model.layers.N.self_attn."): h [T, hidden]
+    -> o_proj output [T, hidden], with an additive mask [T, T] (0 or -inf)."""
+    total, heads = h.shape[0], c.num_heads
+    q_resid = reference_q_resid(c, w, prefix, h)
+    q = h @ w[prefix + "q_proj.weight"].T if q_resid is None else q_resid @ w[prefix + "q_b_proj.weight"].T
+    q = q.view(total, heads, c.qk_head_dim).transpose(0, 1)  # [H, T, qk]
+    q_nope, q_pe = q[..., : c.qk_nope_head_dim], rotate(q[..., c.qk_nope_head_dim :])
+    kv = h @ w[prefix + "kv_a_proj_with_mqa.weight"].T
+    c_kv = reference_norm(kv[:, : c.kv_lora_rank], w[prefix + "kv_a_layernorm.weight"], LATENT_NORM_EPS)
+    k_pe = rotate(kv[None, :, c.kv_lora_rank :])  # [1, T, rope], shared by every head
+    expanded = (c_kv @ w[prefix + "kv_b_proj.weight"].T).view(total, heads, -1).transpose(0, 1)
+    k_nope, v = expanded[..., : c.qk_nope_head_dim], expanded[..., c.qk_nope_head_dim :]
+    k = torch.cat([k_nope, k_pe.expand(heads, -1, -1)], dim=-1)
+    scores = torch.cat([q_nope, q_pe], dim=-1) @ k.transpose(1, 2) * c.softmax_scale + mask
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(total, -1)
+    return attn @ w[prefix + "o_proj.weight"].T
+
+
 def reference_logits(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
     """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32.
 
@@ -402,42 +462,24 @@ def reference_logits(config: DeepseekV3Config, hf_weights: dict[str, Tensor], to
     """
     c = config
     w = {canonical_name(k): v.float() for k, v in hf_weights.items()}
-    total, heads = len(token_ids), c.num_heads
+    total = len(token_ids)
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
-    angles = _reference_angles(c.rope, total)
+    angles = reference_angles(c.rope, total)
     mask = torch.full((total, total), float("-inf")).triu(1)
 
-    def norm(t: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return weight * (t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps))
-
     def rotate(t: Tensor) -> Tensor:
-        return _reference_rotate(t, angles, c.rope.cos_sin_scale, c.rope.interleave)
+        return reference_rotate(t, angles, c.rope.cos_sin_scale, c.rope.interleave)
 
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        a = p + "self_attn."
-        h = norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-        if c.q_lora_rank is None:
-            q = h @ w[a + "q_proj.weight"].T
-        else:
-            q = norm(h @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], LATENT_NORM_EPS) @ w[a + "q_b_proj.weight"].T
-        q = q.view(total, heads, c.qk_head_dim).transpose(0, 1)  # [H, T, qk]
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], rotate(q[..., c.qk_nope_head_dim :])
-        kv = h @ w[a + "kv_a_proj_with_mqa.weight"].T
-        c_kv = norm(kv[:, : c.kv_lora_rank], w[a + "kv_a_layernorm.weight"], LATENT_NORM_EPS)
-        k_pe = rotate(kv[None, :, c.kv_lora_rank :])  # [1, T, rope], shared by every head
-        expanded = (c_kv @ w[a + "kv_b_proj.weight"].T).view(total, heads, -1).transpose(0, 1)
-        k_nope, v = expanded[..., : c.qk_nope_head_dim], expanded[..., c.qk_nope_head_dim :]
-        k = torch.cat([k_nope, k_pe.expand(heads, -1, -1)], dim=-1)
-        scores = torch.cat([q_nope, q_pe], dim=-1) @ k.transpose(1, 2) * c.softmax_scale + mask
-        attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(total, -1)
-        x = x + attn @ w[a + "o_proj.weight"].T
-        h = norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        h = reference_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        x = x + reference_mla(c, w, p + "self_attn.", h, rotate, mask)
+        h = reference_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
         if c.is_moe(i):
             x = x + moe.reference_moe(c.router, w, p + "mlp.", h, shared=c.n_shared_experts > 0)
         else:
             x = x + reference_swiglu(w, p + "mlp.", h)
-    x = norm(x, w["model.norm.weight"], c.rms_norm_eps)
+    x = reference_norm(x, w["model.norm.weight"], c.rms_norm_eps)
     head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
     return x @ head.T
 

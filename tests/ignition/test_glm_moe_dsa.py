@@ -1,0 +1,325 @@
+"""The glm_moe_dsa family (GLM-5: MLA + DeepSeek Sparse Attention + routed MoE): tiny checkpoints
+exported with the glm53 recipe and checked against transformers' own GlmMoeDsaForCausalLM,
+with prompts longer than index_topk (the indexer drops keys) and than a KV page; the engine's
+batching invariance over a pool of latent + indexer-key tensors; the GLM-5.3-Flash template and
+the glm / glm47 parsers through Chat Completions, Messages and Responses; refused variants."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from helios.core import Core, ops_sparse
+from helios.core.manifest import KvLayout
+from helios.core.program import SCORED_PREFILL, allocate_kv, run_prompt
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.offline import run_to_completion
+from helios.engine.request import EngineRequest
+from ignition.export import ExportOptions, export_core
+from ignition.models import glm_moe_dsa
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import _init, write_testmodel
+from tests.ignition.family_checks import GREEDY, TEXTS, check_generation_matches, hf_logprobs
+
+PAGE_TOKENS = 16
+TOPK = 8  # testmodel_config's index_topk
+# The default tiny config (indexer full / shared / full, plain rotary, one expert group), and one
+# with YaRN (mscale != mscale_all_dim), tied embeddings, two expert groups, every layer dense
+# but the last, and the indexer schedule from index_topk_freq / index_skip_topk_offset.
+VARIANTS: dict[str, dict[str, object]] = {
+    "default": {},
+    "yarn_tied_groups": {
+        "max_position_embeddings": 512, "tie_word_embeddings": True, "n_group": 2, "topk_group": 1,
+        "mlp_layer_types": ["dense", "dense", "sparse"], "indexer_types": None, "index_topk_freq": 2,
+        "index_skip_topk_offset": 2, "index_topk": 6,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0},
+    },
+}  # fmt: skip
+PROMPTS = (
+    "The capital of France is Paris, and the capital of Italy is Rome; the capital of Spain is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "GLM reads the latent cache through its indexer: each query keeps only the keys it scores highest.",
+)
+
+
+def write_variant(out: Path, changes: dict[str, object], seed: int) -> Path:
+    """A tiny glm_moe_dsa checkpoint with `changes` applied to its config (tensors regenerated to fit)."""
+    write_testmodel("glm_moe_dsa", out, seed=seed)
+    if not changes:
+        return out
+    config = {k: v for k, v in (json.loads((out / "config.json").read_text()) | changes).items() if v is not None}
+    generator = torch.Generator().manual_seed(seed)
+    shapes = glm_moe_dsa.hf_shapes(glm_moe_dsa.config_from_hf(config))
+    save_file({n: _init(n, s, generator) for n, s in shapes.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _export(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tiny checkpoint of a variant, its core); the default variant's core has prompt logprobs."""
+    checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"tiny-glm-{name}", VARIANTS[name], seed=5)
+    core = tmp_path_factory.mktemp("cores") / f"tiny-glm-{name}"
+    options = ExportOptions(out=core, prompt_logprobs=name == "default", page_tokens=PAGE_TOKENS)
+    export_core(open_source(str(checkpoint)), load_recipe("glm53"), options)
+    return checkpoint, core
+
+
+@pytest.fixture(scope="module")
+def default_core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _export("default", tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
+    name = request.param
+    checkpoint, core = request.getfixturevalue("default_core") if name == "default" else _export(name, tmp_path_factory)
+    return name, checkpoint, core
+
+
+@pytest.fixture
+def tie_watch(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Compares, row by row, transformers' indexer top-k with the ops' selection rule applied to
+    transformers' own scores. They can differ only where an exact tie sits at the k-th score:
+    torch.topk has no fixed order among ties (its choice changes with the row's length), while the
+    ops keep the earlier key (tests/engine/test_kernels_sparse.py). Counts rows that drop keys,
+    rows with such a tie, and rows whose kept keys differ."""
+    seen = {"dropping": 0, "tied": 0, "differ": 0}
+    topk = torch.Tensor.topk
+
+    def watched(self: torch.Tensor, k: int, dim: int = -1, *args, **kwargs):
+        out = topk(self, k, dim, *args, **kwargs)
+        if self.dim() == 3 and dim == -1 and self.is_floating_point() and k > 2:  # [B, S, T] index scores
+            scores = self.reshape(-1, self.shape[-1])
+            visible = scores > torch.finfo(self.dtype).min / 2  # the causal mask adds finfo.min (or -inf)
+            kth = out.values.reshape(-1, k)[:, -1:]
+            dropping = visible.sum(-1) > k
+            tied = dropping & (((scores > kth) & visible).sum(-1) + ((scores == kth) & visible).sum(-1) > k)
+            kept = ops_sparse.selected_keys(out.indices.reshape(-1, k), scores.shape[-1]) & visible
+            rule = ops_sparse.selected_keys(ops_sparse.select_topk(scores, visible, k), scores.shape[-1])
+            seen["dropping"] += int(dropping.sum())
+            seen["tied"] += int(tied.sum())
+            seen["differ"] += int((kept != rule).any(-1).sum())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "topk", watched)
+    return seen
+
+
+def _hf_model(checkpoint: Path, **overrides: object):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(checkpoint), **overrides)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32).eval()
+    assert type(model).__name__ == "GlmMoeDsaForCausalLM"
+    return model
+
+
+def test_logprobs_match_transformers(exported: tuple[str, Path, Path], tie_watch: dict[str, int]) -> None:
+    """Prefill in page-sized chunks, token-by-token decode past the first page and past index_topk,
+    and scored prefill, against transformers' full forward on each prompt."""
+    name, checkpoint, core_dir = exported
+    model = _hf_model(checkpoint)
+    core = Core.open(core_dir)
+    m = core.manifest
+    config = glm_moe_dsa.config_from_hf(json.loads((checkpoint / "config.json").read_text()))
+    assert m.model.family == "glm_moe_dsa" and m.recipe.name == "glm53"
+    assert m.kv.shared_kv and (m.kv.num_kv_heads, m.kv.head_dim) == (1, 32 + 8)  # kv_lora_rank + qk_rope_head_dim
+    assert [(e.name, e.layers, e.num_heads, e.head_dim) for e in m.kv.extra] == [("indexer_k", tuple(config.indexer_layers), 1, 16)]
+    step, weights = core.load_program(), core.load_weights()
+    scored = core.load_program(SCORED_PREFILL) if m.capabilities.prompt_logprobs else None
+    tokenizer = core.tokenizer()
+    prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in PROMPTS]
+    assert min(len(p) for p in prompts) > PAGE_TOKENS + 4 > config.index_topk  # selection drops keys
+    worst = 0.0
+    for ids in prompts:
+        reference = hf_logprobs(model, ids)
+        got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids, chunk=PAGE_TOKENS).logprobs
+        worst = max(worst, float((got - reference).abs().max()))
+        decoded = PAGE_TOKENS + 4  # token-by-token decode steps, past the first page
+        got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids[:decoded], chunk=1).logprobs
+        worst = max(worst, float((got - reference[:decoded]).abs().max()))
+        if scored is not None:
+            run = run_prompt(scored, weights, m.kv, PAGE_TOKENS, ids, chunk=PAGE_TOKENS)
+            expected = reference[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+            worst = max(worst, float((run.outputs["prompt_logprobs"][:-1] - expected).abs().max()))
+    print(f"{name}: max |Δ logprob| vs transformers: {worst:.3g}; transformers' indexer rows: {tie_watch}")
+    assert worst <= 1e-3, worst
+    assert tie_watch["dropping"] > 0 and tie_watch["differ"] == 0, tie_watch
+    # The selection matters: with every key kept, transformers' own model answers differently.
+    dense = hf_logprobs(_hf_model(checkpoint, index_topk=4096), prompts[0])
+    assert float((dense - hf_logprobs(model, prompts[0])).abs().max()) > 1e-2
+
+
+def test_reference_matches_transformers(exported: tuple[str, Path, Path]) -> None:
+    """The export self-check's dense reference (stable-sort selection, non-absorbed MLA) itself."""
+    _, checkpoint, _ = exported
+    source = open_source(str(checkpoint))
+    config = glm_moe_dsa.config_from_hf(source.hf_config)
+    ids = list(range(5, 45))
+    ours = torch.log_softmax(glm_moe_dsa.reference_logits(config, source.tensors, ids), dim=-1)
+    assert float((ours - hf_logprobs(_hf_model(checkpoint), ids)).abs().max()) <= 1e-4
+
+
+def test_engine_generation_matches_transformers(default_core: tuple[Path, Path], tie_watch: dict[str, int]) -> None:
+    """Greedy tokens' logprobs and top alternatives through the engine (16-token prefill chunks,
+    then decode rows whose attention reads only the selected latent rows) on three prompts:
+    two longer than index_topk and a page, one shorter than index_topk (every key kept)."""
+    checkpoint, core_dir = default_core
+    model = _hf_model(checkpoint)
+    for text in (PROMPTS[0], TEXTS[1], TEXTS[3]):
+        check_generation_matches(core_dir, model, text, 12)
+    print(f"transformers' indexer rows: {tie_watch}")
+    assert tie_watch["dropping"] > 0 and tie_watch["differ"] == 0, tie_watch
+
+
+def test_engine_batching_invariance_and_pool(default_core: tuple[Path, Path]) -> None:
+    """8 prompts together == each alone (prefix cache on and off, 16-token prefill chunks), over a
+    pool of one latent tensor per layer plus one indexer-key tensor per full indexer layer."""
+    core = Core.open(default_core[1])
+    tok = core.tokenizer()
+    preamble = "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
+    texts = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, there lived", "1, 2, 3, 4,",
+             "Water boils at", "My favourite colour is", "The quick brown fox jumps over the lazy dog.", "Hi"]  # fmt: skip
+    requests = [EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+                for i, t in enumerate(texts)]  # fmt: skip
+
+    def engine(**overrides: object) -> LLMEngine:
+        return LLMEngine(core, EngineConfig(**{"num_pages": 128, **overrides}))
+
+    def tokens(outputs: dict) -> dict[str, list[int]]:
+        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
+
+    solo = engine(enable_prefix_cache=False)
+    kv = core.manifest.kv
+    assert [tuple(t.shape) for t in solo.executor.kv] == [(128, PAGE_TOKENS, 1, 40)] * 3 + [(128, PAGE_TOKENS, 1, 16)] * 2
+    alone: dict[str, list[int]] = {}
+    for request in requests:
+        alone.update(tokens(run_to_completion(solo, [request])))
+    for overrides in ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16}):
+        batched = engine(**overrides)
+        assert tokens(run_to_completion(batched, requests)) == alone, f"batched output differs with {overrides}"
+        again = run_to_completion(batched, [replace(r, request_id=r.request_id + "b") for r in requests])
+        assert {k[:-1]: v for k, v in tokens(again).items()} == alone
+        cached = sum(c[0].num_cached_tokens for c in again.values())
+        assert (cached > 0) == overrides.get("enable_prefix_cache", True)
+    # A page holds every tensor's rows: 3 latents of 40 and 2 indexer keys of 16, fp32.
+    per_page = PAGE_TOKENS * (3 * 40 + 2 * 16) * 4
+    assert LLMEngine(core, EngineConfig(kv_memory_bytes=10 * per_page)).stats.total_pages == 10
+    assert len(allocate_kv(kv, 2, PAGE_TOKENS)) == kv.num_caches == 5
+
+
+def test_manifest_without_extra_caches_loads() -> None:
+    """Cores written before KvLayout.extra existed decode with no extra tensors."""
+    kv = msgspec.json.decode(b'{"num_layers": 2, "num_kv_heads": 1, "head_dim": 16, "dtype": "float32", "shared_kv": true}',
+                             type=KvLayout)  # fmt: skip
+    assert kv.extra == () and kv.num_caches == 2 and kv.cache_shapes() == ((1, 16), (1, 16))
+
+
+BASE = glm_moe_dsa.testmodel_config(300)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"]}, "glm5_next"),
+    ({"q_lora_rank": None}, "q_lora_rank"), ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"), ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"indexer_types": ["shared", "full", "full"]}, "indexer_types"), ({"indexer_types": ["full", "full"]}, "indexer_types"),
+    ({"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types"),
+    ({"layer_types": ["linear_attention"] * 3}, "layer_types"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"), ({"index_head_dim": 4}, "index_head_dim"),
+])  # fmt: skip
+def test_unsupported_variants_are_refused(change: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        glm_moe_dsa.config_from_hf(BASE | change)
+
+
+def test_indexer_schedule_follows_transformers() -> None:
+    from transformers import GlmMoeDsaConfig
+
+    for extra in ({}, {"index_topk_freq": 2, "index_skip_topk_offset": 1}, {"index_topk_pattern": "FSF"}):
+        hf = {k: v for k, v in BASE.items() if k != "indexer_types"} | extra
+        expected = GlmMoeDsaConfig(**hf).indexer_types
+        assert list(glm_moe_dsa.config_from_hf(hf).indexer_types) == expected, extra
+
+
+# ---------------------------------------------------------------------------- chat round trip
+
+VERSION = {"anthropic-version": "2023-06-01"}
+ASK = "Weather in Paris?"
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+GLM_OUTPUT = ("The user wants weather.</think>Checking.<tool_call>get_weather<arg_key>city</arg_key>"
+              "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")  # fmt: skip
+EXPECTED = {"reasoning": "The user wants weather.", "text": "Checking.",
+            "calls": [("get_weather", {"city": "Paris", "days": 3})]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def app(default_core: tuple[Path, Path]):
+    from server.scripted import scripted_app  # tests/server's in-process server with a scripted model
+
+    with scripted_app(default_core[1]) as server:
+        yield server
+
+
+def _check_prompt(prompt: str | None, effort: str = "Max") -> None:
+    assert prompt is not None and prompt.startswith(f"[gMASK]<sop><|system|>Reasoning Effort: {effort}")
+    assert prompt.endswith(f"<|user|>{ASK}<|assistant|><think>") and '"name": "get_weather"' in prompt
+
+
+def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
+    """GLM-5.3-Flash's published template renders the request (default effort max); the scripted
+    model's GLM output comes back through the recipe's glm reasoning and glm47 tool parsers."""
+    app.say(GLM_OUTPUT)
+    body = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]}  # fmt: skip
+    response = app.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    _check_prompt(app.last_prompt())
+    choice = response.json()["choices"][0]
+    message = choice["message"]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert {"reasoning": message["reasoning_content"], "text": message["content"], "calls": calls} == EXPECTED
+    assert choice["finish_reason"] == "tool_calls"
+    # Effort "none" is the template's own switch: no effort line, and an empty think block pre-filled.
+    app.say("Paris.")
+    response = app.post("/v1/chat/completions", json={**body, "reasoning_effort": "none"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Paris."
+    prompt = app.last_prompt() or ""
+    assert "Reasoning Effort" not in prompt and prompt.endswith(f"<|user|>{ASK}<|assistant|><think></think>")
+
+
+def test_messages_with_reasoning_and_tool_call(app) -> None:
+    app.say(GLM_OUTPUT)
+    body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}],
+            "tools": [{"name": "get_weather", "input_schema": CITY}]}  # fmt: skip
+    response = app.post("/v1/messages", json=body, headers=VERSION)
+    assert response.status_code == 200, response.text
+    _check_prompt(app.last_prompt())
+    blocks = response.json()["content"]
+    got = {"reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
+           "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
+           "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]}  # fmt: skip
+    assert got == EXPECTED and response.json()["stop_reason"] == "tool_use"
+
+
+def test_responses_with_reasoning_and_tool_call(app) -> None:
+    app.say(GLM_OUTPUT)
+    body = {"model": "x", "input": ASK, "max_output_tokens": 256, "reasoning": {"effort": "low"},
+            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]}  # fmt: skip
+    response = app.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    _check_prompt(app.last_prompt(), effort="Low")
+    output = response.json()["output"]
+    got = {"reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
+           "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
+           "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"]}  # fmt: skip
+    assert got == EXPECTED and response.json()["status"] == "completed"
