@@ -61,10 +61,12 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path) -> dict:
+def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path, settings: str = "") -> dict:
+    """serve_bench's scenarios against `helios serve core`; `settings`: extra [server] lines."""
     port = free_port()
     config = workdir / "helios-bench.toml"
-    config.write_text("[server]\nmax_concurrency = 64\nqueue_size = 512\nkv_pages = 8192\nprefill_chunk_size = 512\n")
+    config.write_text("[server]\nmax_concurrency = 64\nqueue_size = 512\nkv_pages = 8192\nprefill_chunk_size = 512\n"
+                      + settings)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     process = subprocess.Popen([sys.executable, "-m", "helios", "serve", str(core), "--port", str(port), "--config",
                                 str(config), "--log-level", "warning"], env=env, cwd=ROOT)  # fmt: skip
@@ -76,29 +78,31 @@ def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path) ->
         stop(process)
 
 
-def _llama(binary: Path, gguf: Path, threads: int, parallel: int, context: int) -> tuple[subprocess.Popen, str]:
+def _llama(binary: Path, gguf: Path, threads: int, parallel: int, context: int,
+           extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:  # fmt: skip
     port = free_port()
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
-               str(threads), "--parallel", str(parallel), "-c", str(parallel * context), "--no-webui"]  # fmt: skip
+               str(threads), "--parallel", str(parallel), "-c", str(parallel * context), "--no-webui", *extra]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
     return process, url
 
 
-def run_llama(binary: Path, gguf: Path, threads: int, scenarios: list[str]) -> dict:
+def run_llama(binary: Path, gguf: Path, threads: int, scenarios: list[str], extra: tuple[str, ...] = ()) -> dict:
+    """serve_bench's scenarios against llama-server on `gguf`; `extra`: more llama-server flags."""
     report: dict = {}
     for scenario in scenarios:
         if scenario == "sweep":
             report["sweep"] = {}
             for level in serve_bench.CONCURRENCY:
-                process, url = _llama(binary, gguf, threads, level, SLOT_CONTEXT)
+                process, url = _llama(binary, gguf, threads, level, SLOT_CONTEXT, extra)
                 try:
                     report["sweep"][str(level)] = asyncio.run(serve_bench.concurrent(url, "llama", level))
                 finally:
                     stop(process)
             continue
-        process, url = _llama(binary, gguf, threads, 1, LONG_CONTEXT)
+        process, url = _llama(binary, gguf, threads, 1, LONG_CONTEXT if scenario != "edit" else 3 * LONG_CONTEXT, extra)
         try:
             report.update(asyncio.run(serve_bench.run(url, "llama", [scenario])))
         finally:

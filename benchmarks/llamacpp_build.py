@@ -42,7 +42,11 @@ def ensure_llama_server(jobs: int = 2) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     archives = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))
     if not archives:
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(CACHE)])
+        # Only the sdist itself, with no isolated build environment: ":all:" would also build every
+        # build dependency (cmake, ninja) from source just to read the package's metadata.
+        _run([sys.executable, "-m", "pip", "install", "--quiet", "scikit-build-core"])
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+              "--no-build-isolation", SDIST, "-d", str(CACHE)])  # fmt: skip
         archives = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))
     source = CACHE / "src"
     if not source.is_dir():

@@ -7,6 +7,9 @@ Scenarios (prompts are fixed and seeded, so runs are comparable):
   sweep    concurrency 1/4/16/32/64 of short chats, 128 output tokens each
   prefix   a 1,500-token shared system prompt with distinct user turns: cold vs warm TTFT
   prefill  a 2,000-token prompt, 1 output token
+  edit     one stream: a ~300-line source file in the prompt, returned with a small change
+           (the workload speculative decoding targets); helios also reports its acceptance
+           rate and DEPTH over the run from /metrics
 Reports output tokens/s, requests/s, TTFT p50/p99, inter-token latency p50/p99, errors.
 """
 
@@ -124,7 +127,12 @@ async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2) ->
 
 
 async def single(url: str, model: str) -> dict:
-    return await concurrent(url, model, 1, rounds=3)
+    async with httpx.AsyncClient(timeout=60) as client:
+        before = await _speculation_counters(client, url)
+    report = await concurrent(url, model, 1, rounds=3)
+    async with httpx.AsyncClient(timeout=60) as client:
+        report.update(_speculation_delta(before, await _speculation_counters(client, url)))
+    return report
 
 
 async def prefix_reuse(url: str, model: str, turns: int = 4) -> dict:
@@ -156,6 +164,65 @@ async def prefill(url: str, model: str) -> dict:
             "errors": len(samples) - len(ok)}  # fmt: skip
 
 
+EDIT_OUTPUT_TOKENS = 384
+
+
+def source_file(lines: int = 300, seed: int = 5) -> str:
+    """A deterministic ~`lines`-line Python module: small classes and functions with varied names."""
+    rng = random.Random(seed)
+    out = ['"""Inventory helpers."""', "", "from __future__ import annotations", "", "import math", ""]
+    index = 0
+    while len(out) < lines:
+        noun, verb = rng.choice(WORDS), rng.choice(("load", "count", "merge", "score", "split", "price"))
+        index += 1
+        if index % 3 == 0:
+            out += ["", f"class {noun.title()}{index}:", f'    """A {noun} record."""', "",
+                    f"    def __init__(self, size: int, label: str) -> None:", "        self.size = size",
+                    "        self.label = label", "", f"    def {verb}(self, factor: float) -> float:",
+                    f"        return math.sqrt(self.size * factor) + {rng.randint(1, 99)}", ""]  # fmt: skip
+        else:
+            out += ["", f"def {verb}_{noun}_{index}(items: list[int], limit: int = {rng.randint(2, 50)}) -> int:",
+                    f'    """{verb.title()} the {noun} items up to the limit."""', "    total = 0",
+                    "    for item in items[:limit]:", f"        total += item * {rng.randint(2, 9)}",
+                    "    return total", ""]  # fmt: skip
+    return "\n".join(out[:lines]) + "\n"
+
+
+async def _speculation_counters(client: httpx.AsyncClient, url: str) -> dict | None:
+    try:
+        response = await client.get(url + "/metrics", params={"format": "json"})
+        data = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "verification_rounds" in data else None
+
+
+async def edit(url: str, model: str, requests: int = 2) -> dict:
+    code = source_file()
+    ask = ("Here is a Python file:\n\n```python\n" + code + "```\n\nReturn the whole file unchanged except that "
+           "the docstring on the first line says \"Inventory helpers for the warehouse.\" Reply with the file only.")
+    async with httpx.AsyncClient(timeout=1200) as client:
+        await one_request(client, url, model, [{"role": "user", "content": "hi"}], 4)  # warm-up
+        before = await _speculation_counters(client, url)
+        start = time.perf_counter()
+        samples = [await one_request(client, url, model, [{"role": "user", "content": ask}], EDIT_OUTPUT_TOKENS)
+                   for _ in range(requests)]  # fmt: skip
+        report = summarize(samples, time.perf_counter() - start)
+        report.update(_speculation_delta(before, await _speculation_counters(client, url)))
+    report["source_lines"] = code.count("\n")
+    return report
+
+
+def _speculation_delta(before: dict | None, after: dict | None) -> dict:
+    """DEPTH (drafts per request round) and acceptance (accepted / drafted) between two snapshots."""
+    if before is None or after is None:
+        return {}
+    delta = {k: after[k] - before[k] for k in ("verification_rounds", "verification_drafts", "accepted_drafts")}
+    rounds, drafts = delta["verification_rounds"], delta["verification_drafts"]
+    return {"depth": round(drafts / rounds, 2) if rounds else 0.0,
+            "acceptance": round(delta["accepted_drafts"] / drafts, 3) if drafts else 0.0}  # fmt: skip
+
+
 async def run(url: str, model: str, scenarios: list[str], levels: tuple[int, ...] = CONCURRENCY) -> dict:
     report: dict = {"url": url}
     if "single" in scenarios:
@@ -166,6 +233,8 @@ async def run(url: str, model: str, scenarios: list[str], levels: tuple[int, ...
         report["prefix"] = await prefix_reuse(url, model)
     if "prefill" in scenarios:
         report["prefill"] = await prefill(url, model)
+    if "edit" in scenarios:
+        report["edit"] = await edit(url, model)
     return report
 
 
@@ -173,10 +242,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("url")
     parser.add_argument("--model", default="default")
-    parser.add_argument("--scenario", default="all", help="single, sweep, prefix, prefill or all (comma-separated)")
+    parser.add_argument("--scenario", default="all", help="single, sweep, prefix, prefill, edit or all (comma-separated)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    scenarios = ["single", "sweep", "prefix", "prefill"] if args.scenario == "all" else args.scenario.split(",")
+    scenarios = ["single", "sweep", "prefix", "prefill", "edit"] if args.scenario == "all" else args.scenario.split(",")
     report = asyncio.run(run(args.url.rstrip("/"), args.model, scenarios))
     print(json.dumps(report, indent=2))
     if args.json:

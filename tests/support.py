@@ -44,15 +44,18 @@ class ScriptedExecutor:
 
         result = self.real.run(chunks, page_copies)  # the engine hands the step's page copies along
         logits = result.logits.clone()
-        for row, chunk in enumerate(result.sampled):
+        row = 0
+        for chunk in result.sampled:  # a chunk with drafts has a row per position it verifies
             request = chunk.seq.request
             script = self.assigned.get(request.request_id)
             if script is None:
                 script = self.assigned[request.request_id] = self.queue.pop(0) if self.queue else []
-            position = chunk.seq.num_output
-            token = script[position] if position < len(script) else self.eos_id
-            logits[row] = float("-inf")
-            logits[row, token] = 0.0
+            for offset in range(chunk.num_rows):
+                position = chunk.seq.num_output + offset
+                token = script[position] if position < len(script) else self.eos_id
+                logits[row] = float("-inf")
+                logits[row, token] = 0.0
+                row += 1
         return dataclasses.replace(result, logits=logits, logsumexp=logits.logsumexp(dim=-1))
 
 

@@ -37,7 +37,16 @@ from helios.engine.sequence import (
 
 log = logging.getLogger("helios.engine")
 
-MaskHook = Callable[[list[Sequence]], "torch.Tensor | None"]  # rows' allowed-token masks [B, V] bool
+MaskHook = Callable[[list], "torch.Tensor | None"]  # rows' allowed-token masks [B, V] bool, from each row's
+# `.constraint` (and `.request`): a Sequence, or a DraftRow for a verification row after drafts
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRow:
+    """A verification row as the mask hook sees it: its choice's constraint after the drafts before it."""
+
+    request: EngineRequest
+    constraint: object
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +163,7 @@ class LLMEngine:
         rows: list[int] = []
         seqs: list[Sequence] = []
         prefixes: list[tuple[int, ...]] = []
+        masked: list[object] = []  # what the mask hook reads per row: the sequence, or its constraint after drafts
         drafts: dict[int, tuple[int, ...]] = {}
         cursor = 0
         for chunk in result.sampled:
@@ -163,24 +173,35 @@ class LLMEngine:
                     rows += range(cursor, cursor + chunk.num_rows)
                     seqs += [chunk.seq] * chunk.num_rows
                     prefixes += [chunk.draft_ids[:i] for i in range(chunk.num_rows)]
+                    states = chunk.draft_states or (None,) * chunk.num_rows
+                    masked += [chunk.seq] + [DraftRow(chunk.seq.request, state) for state in states[1:]]
                 else:
                     rows += [cursor] * len(chunk.choices)
                     seqs += chunk.choices
                     prefixes += [()] * len(chunk.choices)
+                    masked += chunk.choices
             cursor += chunk.num_rows
         errors: dict[int, str] = {}
-        allowed = self.mask_hook(seqs) if self.mask_hook and seqs else None
+        allowed = self.mask_hook(masked) if self.mask_hook and seqs else None
+        blocked: set[int] = set()
         if allowed is not None:
-            rows, seqs, prefixes, allowed = self._drop_blocked(rows, seqs, prefixes, allowed, errors)
+            blocked = set((~allowed.any(dim=-1)).nonzero().flatten().tolist())
+            if blocked:  # sampled harmlessly; such a row fails its choice only if verification reaches it
+                allowed[list(blocked)] = True
         tokens: dict[int, list[SampledToken]] = {}
         if seqs:
             identity = rows == list(range(result.logits.shape[0]))
             logits = result.logits if identity else result.logits.index_select(0, torch.tensor(rows))
             drawn = self._sample(logits, seqs, prefixes, allowed).tolist()
             settled: set[int] = set()  # sequences whose round ended (a draft was rejected)
-            for row, seq, prefix, token in zip(rows, seqs, prefixes, drawn):
+            for index, (row, seq, prefix, token) in enumerate(zip(rows, seqs, prefixes, drawn)):
                 key = id(seq)
                 if key in settled:
+                    continue
+                if index in blocked:
+                    errors[key] = constraint_error(masked[index])
+                    tokens.pop(key, None)
+                    settled.add(key)
                     continue
                 forced = _budget_close(seq) if not prefix else None
                 if forced is not None:
@@ -198,18 +219,6 @@ class LLMEngine:
         decoding = [c for c in plan.chunks if c.wants_logits and c.num_tokens == 1 and c.seq.num_output > 0]
         if decoding:
             self.stats.count_verify_step(len(decoding), max(1 + len(c.draft_ids) for c in decoding))
-
-    @staticmethod
-    def _drop_blocked(rows: list[int], seqs: list[Sequence], prefixes: list[tuple[int, ...]], allowed: torch.Tensor,
-                      errors: dict[int, str]) -> tuple[list[int], list[Sequence], list[tuple[int, ...]], torch.Tensor]:  # fmt: skip
-        """Choices whose constraint allows no token fail; the rest are sampled."""
-        blocked = set((~allowed.any(dim=-1)).nonzero().flatten().tolist())
-        if not blocked:
-            return rows, seqs, prefixes, allowed
-        for i in blocked:
-            errors[id(seqs[i])] = constraint_error(seqs[i])
-        keep = [i for i in range(len(seqs)) if i not in blocked]
-        return [rows[i] for i in keep], [seqs[i] for i in keep], [prefixes[i] for i in keep], allowed[keep]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], prefixes: list[tuple[int, ...]],
                 allowed: torch.Tensor | None) -> torch.Tensor:  # fmt: skip

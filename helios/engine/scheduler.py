@@ -81,9 +81,9 @@ class Scheduler:
             if seq.num_pending == 1 and not seq.scoring:
                 if not self._grow(seq):
                     continue  # seq itself was preempted or finished: the list shifted
-                drafts = self._drafts(seq, spare)
+                drafts, states = self._drafts(seq, spare)
                 spare -= len(drafts)
-                chunks.append(self._chunk(seq, seq.num_computed, 1, copies, drafts))
+                chunks.append(self._chunk(seq, seq.num_computed, 1, copies, drafts, states))
             elif budget > 0 and seq.num_pending > 0:
                 chunks.append(self._prefill_chunk(seq, budget, copies))
                 budget -= chunks[-1].num_tokens
@@ -112,12 +112,13 @@ class Scheduler:
         return self._chunk(seq, seq.num_computed, min(seq.num_pending, budget), copies)
 
     def _chunk(self, seq: Sequence, start: int, size: int, copies: list[tuple[int, int]],
-               drafts: tuple[int, ...] = ()) -> Chunk:  # fmt: skip
+               drafts: tuple[int, ...] = (), states: tuple = ()) -> Chunk:  # fmt: skip
         wants = start + size == len(seq.token_ids)
         choices: tuple[Sequence, ...] = (seq,)
         if wants and seq.unforked and seq.request.max_tokens > 0:
             choices += tuple(self._fork(seq, start + size, copies))
-        return Chunk(seq, start, size, wants_logits=wants, scored=seq.scoring, choices=choices, draft_ids=drafts)
+        return Chunk(seq, start, size, wants_logits=wants, scored=seq.scoring, choices=choices, draft_ids=drafts,
+                     draft_states=states)
 
     # ------------------------------------------------------------------ speculation
     def _draft_rows(self) -> int:
@@ -131,29 +132,40 @@ class Scheduler:
         decoding = sum(1 for s in self.running if s.num_pending == 1 and not s.scoring)
         return max(0, drafter.config.row_budget - decoding)
 
-    def _drafts(self, seq: Sequence, spare: int) -> tuple[int, ...]:
+    def _drafts(self, seq: Sequence, spare: int) -> tuple[tuple[int, ...], tuple]:
         """Drafts for a decode sequence whose next page is secured, within `spare` rows and its
-        limits; pages for them come only from free ones (drafts never preempt)."""
+        limits, and for a constrained one the constraint before each verification row (its own,
+        then forks advanced through each draft; drafts the grammar rejects are cut). Pages for
+        drafts come only from free ones: drafts never preempt."""
         if spare <= 0 or seq.unforked or not self._may_draft(seq):
-            return ()
+            return (), ()
         request = seq.request
         room = min(request.max_tokens - seq.num_output - 1,  # the correction or bonus token always follows
                    self.config.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
         drafts = self.drafter.propose(seq, self.drafter.depth(seq, min(spare, room)))
+        states: list = []
+        if seq.constraint is not None and drafts:
+            states.append(seq.constraint)
+            for token in drafts:
+                state = states[-1].fork()
+                if not state.advance(token):
+                    break
+                states.append(state)
+            drafts = drafts[: len(states) - 1]
         size = self.pool.page_tokens
         while drafts and len(seq.pages) * size < len(seq.token_ids) + len(drafts):
-            try:
-                seq.pages.append(self.pool.allocate())
-            except OutOfPages:
+            # A page per running sequence stays free for their own growth this step.
+            if self.pool.num_available <= len(self.running):
                 drafts = drafts[: len(seq.pages) * size - len(seq.token_ids)]
-        return drafts
+                break
+            seq.pages.append(self.pool.allocate())
+        return drafts, tuple(states[: len(drafts) + 1]) if drafts else ()
 
     @staticmethod
     def _may_draft(seq: Sequence) -> bool:
-        """Grammar-constrained choices and open reasoning budgets decode one token at a time: their
-        next token's mask and forced close depend on each committed token."""
-        request = seq.request
-        return seq.constraint is None and not (request.reasoning_budget is not None and seq.reasoning_open)
+        """An open reasoning budget decodes one token at a time: its forced close depends on each
+        committed token."""
+        return not (seq.request.reasoning_budget is not None and seq.reasoning_open)
 
     def _grow(self, seq: Sequence) -> bool:
         """Pages for one more token of `seq`, preempting newer sequences; False when seq left running."""

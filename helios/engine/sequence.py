@@ -78,6 +78,8 @@ class Chunk:
     choices: tuple[Sequence, ...] = ()  # sequences sampling from this chunk's row: seq, then children forked now
     draft_ids: tuple[int, ...] = ()  # speculative tokens after the last one (a decode chunk of one choice only):
     # they are computed at positions start + 1.. and every one of the 1 + len(draft_ids) rows is sampled
+    draft_states: tuple = ()  # constrained choices: the constraint before each row (seq's own, then forks
+    # advanced through each draft); empty without a constraint
 
     @property
     def num_rows(self) -> int:

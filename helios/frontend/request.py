@@ -236,6 +236,11 @@ class Frontend:
 
     def prompt(self, source: Conversation | RawPrompt, output: OutputConstraint | None = None) -> PreparedPrompt:
         self.bounds.check(source)  # from counts alone, before any rendering or tokenization
+        if (isinstance(source, Conversation) and source.tools and source.tool_choice.mode in ("required", "named")
+                and not self.manifest.recipe.tool_syntax):  # fmt: skip
+            raise RequestError(f"tool_choice {source.tool_choice.mode!r} needs a tool call, but this model's recipe "
+                               f"({self.manifest.recipe.name}) declares no tool-call syntax: use tool_choice auto or none",
+                               "tool_choice")  # fmt: skip
         if isinstance(source, Conversation) and self.native is not None:
             messages, presented = self._lowered(source, output, native=True)
             ids, text = self.native.encode(source, messages, presented, self._reasoning_kwargs(source), output)

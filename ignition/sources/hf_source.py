@@ -62,6 +62,10 @@ def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = N
             raise SourceError(f"{path}: corrupted or unreadable safetensors file ({exc})") from exc
     tensors = dequantize(stored, config)
     del stored
+    if quantized:  # the tensors are floats now: families read the config of what they hold
+        config = {key: value for key, value in config.items() if key != "quantization_config"}
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"] = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise SourceError(f"{directory}: no tokenizer.json (only fast tokenizers are supported)")

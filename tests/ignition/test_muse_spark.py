@@ -298,27 +298,20 @@ def test_tools_without_a_tool_syntax_stay_text(app) -> None:
     assert response["output"][1]["content"][0]["text"] == CALL_JSON and response["status"] == "completed"
 
 
-def test_required_tool_choice_fails_clearly(app) -> None:
-    """With no tool parser no call can complete, so tool_choice "required" (and a named tool) fails with
-    the protocol's server error instead of returning an answer without the call."""
+def test_required_tool_choice_is_refused(app) -> None:
+    """With no tool parser no call can ever complete, so tool_choice "required" (and a named tool)
+    is refused up front with the protocol's 400, before anything is generated."""
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
-    app.say(CALL_TEXT)
-    response = app.post("/v1/chat/completions", json={"model": "x", "max_tokens": 64, "tools": [tool],
-                        "tool_choice": "required", "messages": [{"role": "user", "content": "Weather?"}]})  # fmt: skip
-    assert response.status_code == 500 and "requires a tool call" in response.json()["error"]["message"]
-    app.say(CALL_TEXT)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    response = app.post("/v1/chat/completions", json={"model": "x", "max_tokens": 64, "tools": [tool],
-                        "tool_choice": named, "messages": [{"role": "user", "content": "Weather?"}]})  # fmt: skip
-    assert response.status_code == 500 and "requires a tool call" in response.json()["error"]["message"]
-    app.say(CALL_TEXT)
+    for choice in ("required", named):
+        response = app.post("/v1/chat/completions", json={"model": "x", "max_tokens": 64, "tools": [tool],
+                            "tool_choice": choice, "messages": [{"role": "user", "content": "Weather?"}]})  # fmt: skip
+        assert response.status_code == 400 and "declares no tool-call syntax" in response.json()["error"]["message"]
     response = app.post("/v1/messages", headers=VERSION, json={"model": "x", "max_tokens": 64,
                         "tools": [{"name": "get_weather", "input_schema": CITY}], "tool_choice": {"type": "any"},
                         "messages": [{"role": "user", "content": "Weather?"}]})  # fmt: skip
-    assert response.status_code == 500 and response.json()["error"]["type"] == "api_error"
-    assert "requires a tool call" in response.json()["error"]["message"]
-    app.say(CALL_TEXT)
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     response = app.post("/v1/responses", json={"model": "x", "max_output_tokens": 64, "input": "Weather?",
                         "store": False, "tool_choice": "required",
                         "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]})  # fmt: skip
-    assert response.status_code == 500 and "requires a tool call" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "declares no tool-call syntax" in response.json()["error"]["message"]
