@@ -231,17 +231,44 @@ class Sampler:
 
     @staticmethod
     def _draw(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> Tensor:
-        """temperature -> top-k -> top-p -> min-p -> draw, for rows that all sample."""
+        """temperature -> top-k -> top-p -> min-p -> draw, for rows that all sample.
+
+        Each row takes the smallest candidate set that provably holds its surviving tokens, on
+        its own: how a row draws never depends on which other rows share the batch."""
         logits = apply_temperature(logits, params)
-        full_lse: Tensor | None = None
+        full_lse = logsumexp(logits)
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        pending = list(range(logits.shape[0]))
         for size in CANDIDATE_SIZES:
-            drawn, full_lse = _draw_among_candidates(logits, params, generators, size, full_lse)
-            if drawn is not None:
-                return drawn
-        logits = apply_top_k(logits, params)
-        logits = apply_top_p(logits, params)
-        logits = apply_min_p(logits, params)
-        return draw(logits, generators)
+            fits = _fits_candidates(logits[pending], [params[r] for r in pending], size, full_lse[pending])
+            rows = [r for r, ok in zip(pending, fits) if ok]
+            if rows:
+                picked = torch.tensor(rows, device=logits.device)
+                drawn, _ = _draw_among_candidates(logits.index_select(0, picked), [params[r] for r in rows],
+                                                  [generators[r] for r in rows], size, full_lse[picked])  # fmt: skip
+                assert drawn is not None
+                out[picked] = drawn
+            pending = [r for r, ok in zip(pending, fits) if not ok]
+            if not pending:
+                return out
+        picked = torch.tensor(pending, device=logits.device)
+        rest = [params[r] for r in pending]
+        rows_logits = apply_min_p(apply_top_p(apply_top_k(logits.index_select(0, picked), rest), rest), rest)
+        out[picked] = draw(rows_logits, [generators[r] for r in pending])
+        return out
+
+
+def _fits_candidates(logits: Tensor, params: Sequence[SamplingParams], size: int, full_lse: Tensor) -> list[bool]:
+    """Per row: whether its surviving set provably lies among its `size` likeliest tokens
+    (top-k within them, or a top-p nucleus whose mass they already hold)."""
+    vocab = logits.shape[-1]
+    k = min(size, vocab)
+    if k == vocab or not len(params):
+        return [False] * len(params)
+    mass = torch.exp(logits.topk(k, dim=-1).values - full_lse[:, None]).sum(dim=-1).tolist()
+    # The same acceptance as _draw_among_candidates, row by row.
+    return [(0 < p.top_k <= k or p.top_p < 1.0) and (0 < p.top_k < vocab or m >= p.top_p)
+            for p, m in zip(params, mass)]  # fmt: skip
 
 
 def _draw_among_candidates(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],

@@ -56,3 +56,17 @@ def test_logsumexp_matches_torch_with_underflowing_terms() -> None:
     x = torch.randn(4, 5000) * 40
     x[0, :10] = float("-inf")
     assert torch.allclose(s.logsumexp(x), torch.logsumexp(x, dim=-1), rtol=0, atol=1e-5)
+
+
+def test_a_row_draws_the_same_whatever_shares_its_batch() -> None:
+    """Each row takes its own candidate set: a sharp row keeps its 128-candidate draw even when a
+    flat row in the same batch needs the full vocabulary (speculative verification rows and
+    other requests join batches freely)."""
+    torch.manual_seed(1)
+    sharp = torch.randn(1, 5000) * 4
+    flat = torch.randn(1, 5000) * 0.01  # a top-p 0.9 nucleus far wider than 1024 tokens
+    params = [_params(top_p=0.9, seed=3), _params(top_p=0.9, seed=4)]
+    for seed in range(20):
+        alone = s.Sampler._draw(sharp.clone(), params[:1], [s.position_generator(seed, 0)])
+        mixed = s.Sampler._draw(torch.cat([sharp, flat]), params, [s.position_generator(seed, 0), s.position_generator(9, 0)])
+        assert int(alone[0]) == int(mixed[0])
