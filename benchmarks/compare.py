@@ -102,7 +102,9 @@ def run_llama(binary: Path, gguf: Path, threads: int, scenarios: list[str], extr
                 finally:
                     stop(process)
             continue
-        process, url = _llama(binary, gguf, threads, 1, LONG_CONTEXT if scenario != "edit" else 3 * LONG_CONTEXT, extra)
+        parallel = serve_bench.BUSY if scenario == "busy" else 1
+        context = SLOT_CONTEXT if scenario == "busy" else 3 * LONG_CONTEXT if scenario == "edit" else LONG_CONTEXT
+        process, url = _llama(binary, gguf, threads, parallel, context, extra)
         try:
             report.update(asyncio.run(serve_bench.run(url, "llama", [scenario])))
         finally:

@@ -7,6 +7,7 @@ Scenarios (prompts are fixed and seeded, so runs are comparable):
   sweep    concurrency 1/4/16/32/64 of short chats, 128 output tokens each
   prefix   a 1,500-token shared system prompt with distinct user turns: cold vs warm TTFT
   prefill  a 2,000-token prompt, 1 output token
+  busy     32 concurrent short chats (one sweep level)
   edit     one stream: a ~300-line source file in the prompt, returned with a small change
            (the workload speculative decoding targets); helios also reports its acceptance
            rate and DEPTH over the run from /metrics
@@ -29,6 +30,7 @@ WORDS = ("river stone light market engine garden winter signal harbor paper moun
          "number forest candle bridge machine orange letter ocean thunder planet music shadow circle").split()  # fmt: skip
 OUTPUT_TOKENS = 128
 CONCURRENCY = (1, 4, 16, 32, 64)
+BUSY = 32  # the "busy" scenario: this many concurrent short chats (where speculation must not cost)
 
 
 def filler(words: int, seed: int) -> str:
@@ -235,6 +237,8 @@ async def run(url: str, model: str, scenarios: list[str], levels: tuple[int, ...
         report["prefill"] = await prefill(url, model)
     if "edit" in scenarios:
         report["edit"] = await edit(url, model)
+    if "busy" in scenarios:
+        report["busy"] = await concurrent(url, model, BUSY)
     return report
 
 
@@ -242,7 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("url")
     parser.add_argument("--model", default="default")
-    parser.add_argument("--scenario", default="all", help="single, sweep, prefix, prefill, edit or all (comma-separated)")
+    parser.add_argument("--scenario", default="all", help="single, sweep, prefix, prefill, edit, busy or all (comma-separated)")
     parser.add_argument("--json")
     args = parser.parse_args()
     scenarios = ["single", "sweep", "prefix", "prefill", "edit"] if args.scenario == "all" else args.scenario.split(",")

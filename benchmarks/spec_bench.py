@@ -4,7 +4,7 @@ server at a time on loopback.
     python benchmarks/spec_bench.py [--core cores/smollm2] [--gguf-dtype bf16] [--threads 2] [--out benchmarks/results]
 
 Scenarios (serve_bench): `edit` (one stream returning a ~300-line file with a small change),
-`single` (one stream of short chats) and 32 concurrent short chats. llama-server runs on a
+`single` (one stream of short chats) and `busy` (32 concurrent short chats). llama-server runs on a
 GGUF of the core's own weights (BF16 for a bfloat16 core, F32 for a float32 one) plain and, where
 this llama.cpp build offers it, with its n-gram lookup speculation (`--spec-type ngram-simple`
 style flags, probed from `llama-server --help`). Prints the table docs/performance.md shows and
@@ -14,19 +14,16 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_bench  # noqa: E402
-from compare import ROOT, SLOT_CONTEXT, _llama, ratio, run_helios, run_llama, stop  # noqa: E402
+from compare import ROOT, ratio, run_helios, run_llama  # noqa: E402
 from llamacpp_build import CACHE, ensure_llama_server, write_gguf  # noqa: E402
 
-SCENARIOS = ["edit", "single"]
-BUSY = 32
+SCENARIOS = ["edit", "single", "busy"]
 
 
 def lookup_flags(binary: Path) -> tuple[str, ...] | None:
@@ -39,28 +36,6 @@ def lookup_flags(binary: Path) -> tuple[str, ...] | None:
     if "--lookup-ngram-min" in help_text:
         return ("--lookup-ngram-min", "2")
     return None
-
-
-def busy_helios(core: Path, threads: int, out: Path, settings: str) -> dict:
-    """32 concurrent short chats (serve_bench's sweep at one level)."""
-    import os
-    import time
-
-    from compare import free_port, wait_healthy
-
-    port = free_port()
-    config = out / "helios-busy.toml"
-    config.write_text("[server]\nmax_concurrency = 64\nqueue_size = 512\nkv_pages = 8192\n" + settings)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    process = subprocess.Popen([sys.executable, "-m", "helios", "serve", str(core), "--port", str(port), "--config",
-                                str(config), "--log-level", "warning"], env=env, cwd=ROOT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process)
-        time.sleep(1)
-        return asyncio.run(serve_bench.concurrent(url, "helios", BUSY))
-    finally:
-        stop(process)
 
 
 def main() -> None:
@@ -80,7 +55,6 @@ def main() -> None:
 
     for name, settings in (("helios_off", 'speculation = "off"\n'), ("helios_on", 'speculation = "adaptive"\n')):
         results[name] = run_helios(args.core, args.threads, SCENARIOS, args.out, settings)
-        results[name]["busy"] = busy_helios(args.core, args.threads, args.out, settings)
         save()
     if not args.skip_llama:
         import importlib.util
@@ -97,11 +71,6 @@ def main() -> None:
         results["llama_lookup_flags"] = list(flags) if flags else None
         if flags:
             results["llama_lookup"] = run_llama(binary, gguf, args.threads, SCENARIOS, flags)
-        process, url = _llama(binary, gguf, args.threads, BUSY, SLOT_CONTEXT)
-        try:
-            results["llama"]["busy"] = asyncio.run(serve_bench.concurrent(url, "llama", BUSY))
-        finally:
-            stop(process)
         save()
     print(table(results))
 
