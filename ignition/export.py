@@ -131,7 +131,8 @@ def internal_weights(fam: ModuleType, checkpoint: Checkpoint, config: object, dt
             if missing:
                 raise SourceError(f"{checkpoint.reference}: missing tensors {missing}")
             named[fused.format(layer)] = torch.cat([named.pop(n) for n in names], dim=0)
-    return {name: t.to(dtype).contiguous() for name, t in sorted(named.items())}
+    # Integer tables (DeepSeek-V4's token -> expert ids) keep their dtype.
+    return {name: (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in sorted(named.items())}
 
 
 def _dynamic_shapes(weights: dict[str, torch.Tensor], num_caches: int, inputs: tuple[mf.TensorSpec, ...]) -> tuple:
@@ -168,8 +169,7 @@ def _example_inputs(inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: 
 
 
 def _example_caches(kv: mf.KvLayout, page_tokens: int) -> list[torch.Tensor]:
-    return [torch.zeros(4, page_tokens, kv.num_kv_heads, kv.head_dim, dtype=getattr(torch, kv.dtype))
-            for _ in range(kv.num_caches)]  # fmt: skip
+    return [torch.zeros(shape, dtype=getattr(torch, kv.dtype)) for shape in kv.cache_shapes(4, page_tokens)]
 
 
 def compile_step(spec: mf.ProgramSpec, staging: Path, weights: dict[str, torch.Tensor], kv: mf.KvLayout,
@@ -228,7 +228,7 @@ def self_check(fam: ModuleType, config: object, checkpoint: Checkpoint, programs
     # The reference runs in fp32 on the weights as the core stores them (rounded to its dtype):
     # the check measures the program's arithmetic, not the precision the user chose.
     dtype = next(iter(weights.values())).dtype
-    stored = {name: t.to(dtype) for name, t in checkpoint.tensors.items()}
+    stored = {name: t.to(dtype) if t.is_floating_point() else t for name, t in checkpoint.tensors.items()}
     for index, prompt in enumerate(prompts):
         reference = torch.log_softmax(fam.reference_logits(config, stored, list(prompt)).float(), dim=-1)
         for kind, program in programs.items():
@@ -310,8 +310,10 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) 
     limits = _limits(options, config)
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
+    extra = tuple(fam.extra_caches(config)) if hasattr(fam, "extra_caches") else ()
     kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     dtype=options.kv_dtype or options.dtype, shared_kv=getattr(fam, "SHARED_KV", False))  # fmt: skip
+                     dtype=options.kv_dtype or options.dtype, shared_kv=getattr(fam, "SHARED_KV", False),
+                     extra_caches=extra)  # fmt: skip
     template = checkpoint.chat_template if recipe.info.template_source == "checkpoint" else None
     tokenizer = Tokenizer.from_str(checkpoint.tokenizer_json)
     staging = Path(tempfile.mkdtemp(prefix=f".{options.out.name}.", dir=options.out.parent))

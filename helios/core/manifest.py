@@ -74,6 +74,17 @@ class Limits(_Struct):
     page_tokens: int  # tokens per KV page
 
 
+class ExtraCache(_Struct):
+    """One more per-position cache tensor, paged like the KV pages: [num_pages, page_tokens, rows, dim]
+    in the layout's dtype, its row for position p at p's slot. It is published and shared with its
+    page, so it may only hold what the tokens up to that position determine (DeepSeek-V4's compressor
+    state and compressed entries)."""
+
+    name: str  # what the program keeps there, for humans and checks (e.g. "layers.1.compressed_kv")
+    rows: int
+    dim: int
+
+
 class KvLayout(_Struct):
     """Enough for helios to allocate the paged cache without knowing the architecture."""
 
@@ -84,11 +95,29 @@ class KvLayout(_Struct):
     # True: one cache tensor per layer, read as both keys and values (MLA's latent cache),
     # so the program takes num_layers tensors; absent in cores written before it existed.
     shared_kv: bool = False
+    # Per-position caches the program takes after the KV caches, in this order; absent in cores
+    # written before it existed (none).
+    extra_caches: tuple[ExtraCache, ...] = ()
+
+    @property
+    def num_kv_caches(self) -> int:
+        """KV cache tensors (each [num_pages, page_tokens, num_kv_heads, head_dim])."""
+        return self.num_layers if self.shared_kv else 2 * self.num_layers
 
     @property
     def num_caches(self) -> int:
-        """Cache tensors the program takes (each [num_pages, page_tokens, num_kv_heads, head_dim])."""
-        return self.num_layers if self.shared_kv else 2 * self.num_layers
+        """Cache tensors the program takes: the KV caches, then the extra caches."""
+        return self.num_kv_caches + len(self.extra_caches)
+
+    def cache_shapes(self, num_pages: int, page_tokens: int) -> list[tuple[int, int, int, int]]:
+        """The shape of every cache tensor the program takes, in order."""
+        kv = [(num_pages, page_tokens, self.num_kv_heads, self.head_dim)] * self.num_kv_caches
+        return kv + [(num_pages, page_tokens, e.rows, e.dim) for e in self.extra_caches]
+
+    @property
+    def token_elements(self) -> int:
+        """Cache elements one token position takes over all tensors (page size = this * page_tokens)."""
+        return self.num_kv_caches * self.num_kv_heads * self.head_dim + sum(e.rows * e.dim for e in self.extra_caches)
 
 
 class Capabilities(_Struct):

@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from helios.core import ops_moe  # noqa: F401  (defines flare::routed_experts)
+from helios.core import ops_deepseek_v4, ops_moe  # noqa: F401  (define flare::dsv4_*, flare::routed_experts)
 
 OPS_NAMESPACE = "flare"
 OPS_VERSION = 1
-OP_NAMES = ("write_kv", "paged_attention", "routed_experts")  # routed_experts: helios.core.ops_moe
+OP_NAMES = ("write_kv", "paged_attention", "routed_experts",  # routed_experts: helios.core.ops_moe
+            "dsv4_pool", "dsv4_indexer_topk", "dsv4_attention")  # helios.core.ops_deepseek_v4
 
 
 @torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))

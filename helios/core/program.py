@@ -2,7 +2,8 @@
 
 Every program is called as `program(weights, kv_cache, *inputs)` where `weights` is the
 dict stored in the core's safetensors, `kv_cache` is the list [k0, v0, k1, v1, ...] of
-page tensors [num_pages, page_tokens, num_kv_heads, head_dim] (updated in place), and
+page tensors [num_pages, page_tokens, num_kv_heads, head_dim] (updated in place; then any
+KvLayout.extra_caches), and
 `inputs` follow the manifest's input specs in order. Outputs follow the output specs.
 """
 
@@ -140,14 +141,14 @@ class CompiledProgram(_Callable):
 
 def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str = "cpu") -> list[Tensor]:
     """A zeroed paged cache: [k0, v0, k1, v1, ...] (shared_kv: [kv0, kv1, ...]), each
-    [num_pages, page_tokens, kv_heads, head_dim]."""
+    [num_pages, page_tokens, kv_heads, head_dim], then the layout's extra caches."""
     dtype = getattr(torch, layout.dtype)
-    shape = (num_pages, page_tokens, layout.num_kv_heads, layout.head_dim)
+    shapes = layout.cache_shapes(num_pages, page_tokens)
     if device != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_caches)]
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
     # calloc'd memory: fresh zero pages the kernel maps on first write, not a 1 GB memset at startup
     same_size = {2: np.int16, 4: np.int32, 8: np.int64}[torch.tensor([], dtype=dtype).element_size()]
-    return [torch.from_numpy(np.zeros(shape, dtype=same_size)).view(dtype) for _ in range(layout.num_caches)]
+    return [torch.from_numpy(np.zeros(shape, dtype=same_size)).view(dtype) for shape in shapes]
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,7 @@ class LLMEngine:
         self.upcast_from = m.weights.dtype if config.device == "cpu" and m.weights.dtype in ("bfloat16", "float16") \
             and not precision.is_native(getattr(torch, m.weights.dtype)) else None  # fmt: skip
         kv_dtype = "float32" if self.upcast_from else m.kv.dtype
-        page_bytes = m.kv.num_caches * m.limits.page_tokens * m.kv.num_kv_heads * m.kv.head_dim * torch.tensor(
+        page_bytes = m.kv.token_elements * m.limits.page_tokens * torch.tensor(
             [], dtype=getattr(torch, kv_dtype)).element_size()  # fmt: skip
         num_pages = config.num_pages or max(1, config.kv_memory_bytes // page_bytes)
         self.pool = PagePool(num_pages, m.limits.page_tokens)

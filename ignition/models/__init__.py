@@ -6,17 +6,21 @@ reference_logits, and for test checkpoints testmodel_config, hf_shapes and TEST_
 chat flavour of ignition.testmodel.CHATS, or None for its own TEST_SPECIAL_TOKENS,
 TEST_TOKEN_ROLES and TEST_CHAT_TEMPLATE). Families that read GGUF (non-empty
 GGUF_ARCHITECTURES) also provide GGUF_WEIGHT_MAP, hf_config_from_gguf, gguf_tensor_fixup.
-Optional: STACKED (MoE expert stacks, ignition.models.moe) and SHARED_KV (True: one cache
-tensor per layer read as keys and values, KvLayout.shared_kv; MLA's latent cache).
+Optional: STACKED (MoE expert stacks, ignition.models.moe), SHARED_KV (True: one cache
+tensor per layer read as keys and values, KvLayout.shared_kv; MLA's latent cache),
+extra_caches(config) (per-position caches after the KV ones, KvLayout.extra_caches) and
+testmodel_init(name, shape, generator) (a test tensor the generic init cannot make, or None).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from ignition.models import deepseek_v3, gemma3, gemma4, llama, qwen3, qwen3_moe
+from ignition.models import deepseek_v3, deepseek_v4, gemma3, gemma4, llama, qwen3, qwen3_moe
 
-FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe, gemma3, gemma4, deepseek_v3)}
+FAMILIES: dict[str, ModuleType] = {
+    m.FAMILY: m for m in (llama, qwen3, qwen3_moe, gemma3, gemma4, deepseek_v3, deepseek_v4)
+}
 
 
 def family(name: str) -> ModuleType:
