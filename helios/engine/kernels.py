@@ -183,4 +183,7 @@ def register() -> None:
         _library.impl("paged_attention", paged_attention_cpu, "CPU")
         _library.impl("write_kv", write_kv_cpu, "CPU")
         _library.impl("routed_experts", kernels_moe.routed_experts_cpu, "CPU")
+        from helios.engine import kernels_deepseek_v4  # here: it builds on this module's _StepMemo
+
+        kernels_deepseek_v4.register(_library)
         _registered = True

@@ -47,6 +47,10 @@ GGUF_ARCHITECTURES: tuple[str, ...] = ()
 # The raw rows are one tensor per layer, read as keys and values (KvLayout.shared_kv).
 SHARED_KV = True
 
+# Exports default to float32: a bfloat16 tiny core fails the self-check (1.46 > 1.0 in logprob,
+# 1.18 with a float32 cache), so the 16-bit program is not yet accurate.
+ACCURATE_16BIT = False
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE, MOE = "hash_moe", "moe"
@@ -495,7 +499,10 @@ _TEST_EXPERTS = 8
 def testmodel_config(vocab_size: int) -> dict[str, Any]:
     """A tiny V4: all three attention types (window 8 < 16-token pages; CSA groups of 4 with an
     indexer keeping 3; HCA groups of 12, which straddle pages and 16-token chunks), two hash-routed
-    layers then top-k routed ones, 4 hyper-connection streams, grouped output projection."""
+    layers then top-k routed ones, 4 hyper-connection streams, grouped output projection.
+
+    The indexer has 32 heads because candidates tied at a zero score (every head's ReLU zero, likely
+    with few heads) make the top-k pick arbitrary, in transformers as anywhere."""
     return {
         "architectures": ["DeepseekV4ForCausalLM"],
         "model_type": "deepseek_v4",
@@ -514,7 +521,7 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
         "sliding_window": 8,
         "o_groups": 2,
         "o_lora_rank": 16,
-        "index_n_heads": 8,
+        "index_n_heads": 32,  # a candidate scores exactly 0 only when every head's ReLU is 0: never, here
         "index_head_dim": 16,
         "index_topk": 3,
         "n_routed_experts": _TEST_EXPERTS,
