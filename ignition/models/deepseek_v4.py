@@ -38,6 +38,7 @@ from ignition.models import moe
 from ignition.models.common import rms_norm
 from ignition.models.deepseek_v3 import RopeSpec, rope_inv_freq
 from ignition.models.heads import step_outputs
+from ignition.models.naming import rename
 
 FAMILY = "deepseek_v4"
 HF_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
@@ -61,7 +62,7 @@ _L = "model.layers.{}."
 _A = _L + "self_attn."
 _C = _A + "compressor."
 _I = _C + "indexer."
-WEIGHT_MAP = {
+_HF_WEIGHT_MAP = {
     "model.embed_tokens.weight": "embed",
     "model.norm.weight": "norm",
     "lm_head.weight": "lm_head",
@@ -98,6 +99,53 @@ WEIGHT_MAP = {
     **moe.expert_weight_map(),
     **moe.shared_expert_weight_map(),
 }
+# DeepSeek's own names (the released checkpoints; transformers renames them at load, conversion_mapping
+# "deepseek_v4"): the same tensors, experts one per tensor (w1 gate, w3 up, w2 down).
+_O = "layers.{}."
+ORIGINAL_WEIGHT_MAP = {
+    "embed.weight": "embed",
+    "head.weight": "lm_head",
+    "norm.weight": "norm",
+    "hc_head_fn": "hc_head.fn",
+    "hc_head_base": "hc_head.base",
+    "hc_head_scale": "hc_head.scale",
+    _O + "attn_norm.weight": "layers.{}.attn_norm",
+    _O + "ffn_norm.weight": "layers.{}.mlp_norm",
+    **{f"{_O}hc_{block}_{part}": f"layers.{{}}.{block}_hc.{part}" for block in ("attn", "ffn")
+       for part in ("fn", "base", "scale")},  # fmt: skip
+    _O + "attn.attn_sink": "layers.{}.sinks",
+    _O + "attn.wq_a.weight": "layers.{}.wq_a",
+    _O + "attn.q_norm.weight": "layers.{}.q_a_norm",
+    _O + "attn.wq_b.weight": "layers.{}.wq_b",
+    _O + "attn.wkv.weight": "layers.{}.wkv",
+    _O + "attn.kv_norm.weight": "layers.{}.kv_norm",
+    _O + "attn.wo_a.weight": "layers.{}.wo_a",
+    _O + "attn.wo_b.weight": "layers.{}.wo_b",
+    **{f"{_O}attn.{where}.{name}": f"layers.{{}}.{part}.{target}"
+       for where, part in (("compressor", "comp"), ("indexer.compressor", "index"))
+       for name, target in (("ape", "bias"), ("wkv.weight", "wkv"), ("wgate.weight", "wgate"), ("norm.weight", "norm"))},  # fmt: skip
+    _O + "attn.indexer.wq_b.weight": "layers.{}.index.wq_b",
+    _O + "attn.indexer.weights_proj.weight": "layers.{}.index.w_heads",
+    _O + "ffn.gate.weight": "layers.{}.w_router",
+    _O + "ffn.gate.bias": "layers.{}.router_bias",
+    _O + "ffn.gate.tid2eid": "layers.{}.tid2eid",
+    _O + "ffn.experts.{}.w1.weight": "layers.{}.experts.{}.w_gate",
+    _O + "ffn.experts.{}.w3.weight": "layers.{}.experts.{}.w_up",
+    _O + "ffn.experts.{}.w2.weight": "layers.{}.experts.{}.w_down",
+    _O + "ffn.shared_experts.w1.weight": "layers.{}.shared.w_gate",
+    _O + "ffn.shared_experts.w3.weight": "layers.{}.shared.w_up",
+    _O + "ffn.shared_experts.w2.weight": "layers.{}.w_shared_down",
+}
+WEIGHT_MAP = {**_HF_WEIGHT_MAP, **ORIGINAL_WEIGHT_MAP}
+_HF_NAME_OF = {internal: name for name, internal in _HF_WEIGHT_MAP.items()}
+_ORIGINAL_TO_HF = {name: _HF_NAME_OF[internal] for name, internal in ORIGINAL_WEIGHT_MAP.items()}
+
+
+def canonical_name(name: str) -> str:
+    """A tensor's DeepseekV4ForCausalLM name, whichever naming the checkpoint uses."""
+    mapped = rename(name, _ORIGINAL_TO_HF)
+    return name if mapped is None else mapped[0]
+
 STACKED = moe.STACKED_EXPERTS
 # Each compressor's kv and gate projections run as one matmul (sliding layers have neither).
 FUSED = {
@@ -326,8 +374,11 @@ def extra_caches(config: DeepseekV4Config) -> tuple[ExtraCache, ...]:
 
 
 def decode_weight_bytes(config: DeepseekV4Config, weights: dict[str, Tensor]) -> int:
-    """Weights one decode token reads: the shared ones plus its top-k experts per layer."""
-    return moe.decode_weight_bytes(config, weights, config.router.top_k)
+    """Weights one decode token reads: the shared ones plus its top-k experts per layer (and one row
+    of each hash layer's token -> expert table)."""
+    tables = sum(t.numel() * t.element_size() * (t.shape[0] - 1) // t.shape[0]
+                 for name, t in weights.items() if name.endswith(".tid2eid"))  # fmt: skip
+    return moe.decode_weight_bytes(config, weights, config.router.top_k) - tables
 
 
 # ---------------------------------------------------------------------------- step program

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ignition.models import moe
 from ignition.models.deepseek_v3 import RopeSpec, _reference_angles
-from ignition.models.deepseek_v4 import DeepseekV4Config
+from ignition.models.deepseek_v4 import DeepseekV4Config, canonical_name
 
 
 def _norm(t: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -114,7 +114,7 @@ def _mix(post: Tensor, comb: Tensor, out: Tensor, streams: Tensor) -> Tensor:
 def reference_logits(config: DeepseekV4Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
     """Dense forward over Hugging Face-named weights: logits [T, V] (float64 arithmetic)."""
     c = config
-    w = {k: v.double() if v.is_floating_point() else v for k, v in hf_weights.items()}
+    w = {canonical_name(k): v.double() if v.is_floating_point() else v for k, v in hf_weights.items()}
     ids = torch.tensor(token_ids)
     streams = w["model.embed_tokens.weight"][ids][:, None, :].expand(-1, c.hc_mult, -1)
     for i in range(c.num_layers):

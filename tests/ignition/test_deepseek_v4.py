@@ -281,6 +281,49 @@ def test_variant_reference_and_program_match_transformers(name: str, tmp_path: P
         assert float((got - expected).abs().max()) <= 1e-3, chunk
 
 
+def _original_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint under DeepSeek's own names (ORIGINAL_WEIGHT_MAP inverted), one tensor per expert."""
+    from ignition.models.naming import rename
+
+    inverse = {target: source for source, target in deepseek_v4.ORIGINAL_WEIGHT_MAP.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2)
+                out[f"layers.{layer}.ffn.experts.{e}.w1.weight"], out[f"layers.{layer}.ffn.experts.{e}.w3.weight"] = gate, up
+        elif name.endswith("experts.down_proj"):
+            out.update({f"layers.{layer}.ffn.experts.{e}.w2.weight": t[e] for e in range(t.shape[0])})
+        else:
+            internal = rename(name, deepseek_v4.WEIGHT_MAP)[0]  # type: ignore[index]
+            pattern = inverse[internal.replace(f"layers.{layer}.", "layers.{}.", 1) if layer else internal]
+            out[pattern.format(layer)] = t.contiguous()
+    return out
+
+
+def test_deepseek_checkpoint_names_read_like_transformers(tmp_path: Path) -> None:
+    """A checkpoint saved under DeepSeek's names (as released): transformers' load-time renaming
+    gives back every tensor unchanged, and export reads it into the same core weights."""
+    import shutil
+
+    checkpoint = write_testmodel("deepseek_v4", tmp_path / "hf", seed=2)
+    original = tmp_path / "deepseek"
+    shutil.copytree(checkpoint, original)
+    hf = open_source(str(checkpoint))
+    save_file(_original_names(hf.tensors), str(original / "model.safetensors"), metadata={"format": "pt"})
+    theirs, ours = _hf_model(checkpoint).state_dict(), _hf_model(original).state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    config = deepseek_v4.config_from_hf(hf.hf_config)
+    plain = internal_weights(deepseek_v4, hf, config, torch.float32)
+    renamed = internal_weights(deepseek_v4, open_source(str(original)), config, torch.float32)
+    assert plain.keys() == renamed.keys() and all(torch.equal(plain[n], renamed[n]) for n in plain)
+    assert plain["layers.0.tid2eid"].dtype == torch.int64  # integer tables are not cast
+    ids = list(range(3, 40))  # the self-check's reference reads either naming
+    same = deepseek_v4.reference_logits(config, open_source(str(original)).tensors, ids)
+    assert torch.equal(same, deepseek_v4.reference_logits(config, hf.tensors, ids))
+
+
 REFUSED = {
     "hidden_act": "gelu",
     "scoring_func": "softmax",
