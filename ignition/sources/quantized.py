@@ -150,7 +150,7 @@ def dequantize(tensors: dict[str, Tensor], config: dict[str, Any]) -> dict[str, 
     for name, tensor in tensors.items():
         if name in consumed or name in out or name.rpartition(".")[2] in ACTIVATION_SCALES:
             continue  # activation scales: meaningless for float weights
-        if tensor.dtype in (*_FP8_DTYPES, torch.uint8):
+        if tensor.dtype in (*_FP8_DTYPES, torch.uint8, torch.int8):  # packed or quantized bytes
             raise SourceError(f"tensor {name!r} is stored as {tensor.dtype} with no scale to dequantize it by")
         out[name] = tensor.float() if tensor.is_floating_point() else tensor
     return out

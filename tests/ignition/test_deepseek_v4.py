@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from helios.core import Core
+from helios.core import ops_deepseek_v4 as ops
 from helios.core.manifest import KvLayout
 from helios.core.program import SCORED_PREFILL, allocate_kv, run_prompt
-from helios.core import ops_deepseek_v4 as ops
 from helios.engine import kernels, kernels_deepseek_v4
 from helios.engine.engine import EngineConfig, LLMEngine
 from helios.engine.offline import run_to_completion
