@@ -134,7 +134,8 @@ def internal_weights(fam: ModuleType, checkpoint: Checkpoint, config: object, dt
             if missing:
                 raise SourceError(f"{checkpoint.reference}: missing tensors {missing}")
             named[fused.format(layer)] = torch.cat([named.pop(n) for n in names], dim=0)
-    return {name: t.to(dtype).contiguous() for name, t in sorted(named.items())}
+    # Integer tables (DeepSeek-V4's token -> expert ids) keep their dtype.
+    return {name: (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in sorted(named.items())}
 
 
 def _dynamic_shapes(weights: dict[str, torch.Tensor], num_caches: int, inputs: tuple[mf.TensorSpec, ...]) -> tuple:
@@ -230,7 +231,7 @@ def self_check(fam: ModuleType, config: object, checkpoint: Checkpoint, programs
     # The reference runs in fp32 on the weights as the core stores them (rounded to its dtype):
     # the check measures the program's arithmetic, not the precision the user chose.
     dtype = next(iter(weights.values())).dtype
-    stored = {name: t.to(dtype) for name, t in checkpoint.tensors.items()}
+    stored = {name: t.to(dtype) if t.is_floating_point() else t for name, t in checkpoint.tensors.items()}
     for index, prompt in enumerate(prompts):
         reference = torch.log_softmax(fam.reference_logits(config, stored, list(prompt)).float(), dim=-1)
         for kind, program in programs.items():

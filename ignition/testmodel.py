@@ -133,7 +133,9 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
     config.update({name.replace("_token", "_token_id"): tokenizer.token_to_id(tok)
                    for name, tok in roles.items() if name != "unk_token"})  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
-    tensors = {name: _init(name, shape, generator) for name, shape in fam.hf_shapes(fam.config_from_hf(config)).items()}
+    special = getattr(fam, "testmodel_init", lambda name, shape, generator: None)
+    tensors = {name: _tensor(special, name, shape, generator)
+               for name, shape in fam.hf_shapes(fam.config_from_hf(config)).items()}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -145,6 +147,11 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def _tensor(special, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    tensor = special(name, shape, generator)
+    return _init(name, shape, generator) if tensor is None else tensor
 
 
 def _init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

@@ -110,7 +110,9 @@ class Core:
         return core_digest(self.manifest.files)
 
     def load_weights(self, device: str = "cpu") -> dict[str, torch.Tensor]:
-        return load_file(str(self.root / self.manifest.weights.file), device=device)
+        # Sorted by name, the order export traced the programs with: safetensors files order
+        # tensors by dtype first, and a program's weights argument is flattened by position.
+        return dict(sorted(load_file(str(self.root / self.manifest.weights.file), device=device).items()))
 
     def load_program(self, kind: str = STEP, check_guards: bool = True) -> Program:
         spec = self.manifest.programs.get(kind)

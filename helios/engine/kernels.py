@@ -188,4 +188,7 @@ def register() -> None:
         _library.impl("block_select", kernels_block_sparse.block_select_cpu, "CPU")
         _library.impl("block_sparse_attention", kernels_block_sparse.block_sparse_attention_cpu, "CPU")
         kernels_sparse.register(_library)
+        from helios.engine import kernels_deepseek_v4  # here: it builds on this module's _StepMemo
+
+        kernels_deepseek_v4.register(_library)
         _registered = True

@@ -10,18 +10,19 @@ Optional: STACKED (MoE expert stacks, ignition.models.moe), SHARED_KV (True: one
 tensor per layer read as keys and values, KvLayout.shared_kv; MLA's latent cache),
 extra_caches(config) (per-token caches beside the KV in some layers, KvLayout.extra: tuples
 (name, layers, num_heads, head_dim); MiniMax M3's and GLM's indexer keys) and ignored_tensor(config, name)
--> bool (checkpoint tensors export leaves out: vision towers, MTP layers).
+-> bool (checkpoint tensors export leaves out: vision towers, MTP layers), and
+testmodel_init(name, shape, generator) (a test tensor the generic init cannot make, or None).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from ignition.models import (deepseek_v3, gemma3, gemma4, glm_moe_dsa, llama, minimax_m3, muse_spark, qwen3, qwen3_moe,
-                             step3p7)
+from ignition.models import (deepseek_v3, deepseek_v4, gemma3, gemma4, glm_moe_dsa, llama, minimax_m3, muse_spark, qwen3,
+                             qwen3_moe, step3p7)
 
 FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe, gemma3, gemma4, deepseek_v3,
-                                                          glm_moe_dsa, minimax_m3, muse_spark, step3p7)}
+                                                          deepseek_v4, glm_moe_dsa, minimax_m3, muse_spark, step3p7)}
 
 
 def family(name: str) -> ModuleType:

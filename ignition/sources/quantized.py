@@ -127,9 +127,10 @@ def _compressed_formats(quant: dict[str, Any]) -> set[str]:
 
 def dequantize(tensors: dict[str, Tensor], config: dict[str, Any]) -> dict[str, Tensor]:
     """The checkpoint's tensors with every quantized weight replaced by its float32 value and
-    every scale tensor consumed; plain checkpoints come back unchanged (as float32)."""
+    every scale tensor consumed; plain checkpoints come back unchanged (as float32). Integer
+    tables that are not packed weights (DeepSeek-V4's token -> expert ids) keep their dtype."""
     if source_format(config) is None:
-        return {name: t.float() for name, t in tensors.items()}
+        return {name: t.float() if t.is_floating_point() else t for name, t in tensors.items()}
     block = config["quantization_config"].get("weight_block_size")
     fp8_blocks = partial(dequantize_fp8_blocks, block=tuple(block) if isinstance(block, list) and len(block) == 2 else None)
     out: dict[str, Tensor] = {}
@@ -149,9 +150,9 @@ def dequantize(tensors: dict[str, Tensor], config: dict[str, Any]) -> dict[str, 
     for name, tensor in tensors.items():
         if name in consumed or name in out or name.rpartition(".")[2] in ACTIVATION_SCALES:
             continue  # activation scales: meaningless for float weights
-        if not tensor.is_floating_point() or tensor.dtype in _FP8_DTYPES:
+        if tensor.dtype in (*_FP8_DTYPES, torch.uint8, torch.int8):  # packed or quantized bytes
             raise SourceError(f"tensor {name!r} is stored as {tensor.dtype} with no scale to dequantize it by")
-        out[name] = tensor.float()
+        out[name] = tensor.float() if tensor.is_floating_point() else tensor
     return out
 
 

@@ -48,6 +48,11 @@ class Case:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # what turns the template's thinking on
 
 
+DSML = "｜DSML｜"
+DEEPSEEK = (f'{THINK}</think>Checking.\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
+            f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
+            f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>')  # fmt: skip
+
 KIMI3_FINAL = f"Done.{C}think{S}{O}response{S}{ANSWER}{C}response{S}{C}message{S}<|end_of_msg|>"
 QWEN_FINAL = f"Done.\n</think>\n\n{ANSWER}"
 CASES = {
@@ -56,6 +61,8 @@ CASES = {
     "gemma4": Case("gemma4", "gemma4", GEMMA4, f"<|channel>thought\nDone.<channel|>{ANSWER}", {"enable_thinking": True}),
     "kimi3": Case("kimi_k3", None, KIMI3, KIMI3_FINAL),
     "kimi31": Case("kimi_k3", None, KIMI3, KIMI3_FINAL),
+    "deepseek4": Case("deepseek_v4", None, DEEPSEEK, f"Done.</think>{ANSWER}"),
+    "deepseek41": Case("deepseek_v4", None, DEEPSEEK, f"Done.</think>{ANSWER}"),
     "qwen38": Case("qwen3_moe", "qwen3.5", QWEN_CODER, QWEN_FINAL),
     "qwen38_dense": Case("qwen3", "qwen3.5", QWEN_CODER, QWEN_FINAL),
 }
