@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ignition.models import moe
-from ignition.models.deepseek_v3 import RopeSpec, _reference_angles
+from ignition.models.deepseek_v3 import RopeSpec, reference_angles
 from ignition.models.deepseek_v4 import DeepseekV4Config, canonical_name
 
 
@@ -22,7 +22,7 @@ def _norm(t: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 def _rotate(t: Tensor, spec: RopeSpec, positions: Tensor, inverse: bool = False) -> Tensor:
     """Interleaved rotary on the trailing spec.dim channels of t [T, ..., D], as complex pairs."""
-    angles = _reference_angles(spec, int(positions.max()) + 1 if positions.numel() else 1)[positions]  # [T, r/2]
+    angles = reference_angles(spec, int(positions.max()) + 1 if positions.numel() else 1)[positions]  # [T, r/2]
     rot = torch.polar(torch.full_like(angles, spec.cos_sin_scale), -angles if inverse else angles)
     while rot.dim() < t.dim():
         rot = rot[:, None]
