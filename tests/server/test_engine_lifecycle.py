@@ -22,8 +22,10 @@ CHAT = {"model": "x", "top_k": 1, "seed": 7, "ignore_eos": True}  # greedy: top_
 
 @pytest.fixture(scope="module")
 def small_pool(tiny_core: Path):
-    """Default concurrency (64) over a 40-page pool (640 token slots)."""
-    with live_server(tiny_core, ServerConfig(kv_pages=40)) as served:
+    """Default concurrency (64) over a 40-page pool (640 token slots). Without speculation: the
+    tiny model's greedy answers repeat themselves, and drafts would finish a "long" answer before
+    the client below gives up on it."""
+    with live_server(tiny_core, ServerConfig(kv_pages=40, speculation="off")) as served:
         yield served
 
 
