@@ -65,11 +65,12 @@ class ServerConfig:
     # Speculative decoding from the history drafter (helios.engine.drafter): "adaptive" offers
     # each sequence as many drafts as its recent acceptance earns, up to max_draft_tokens, and
     # none once a step's decode rows reach speculative_rows (compute-bound: drafts would only
-    # cost); "fixed" always offers max_draft_tokens; "off" decodes one token at a time.
+    # cost; measured at startup unless set); "fixed" always offers max_draft_tokens; "off" decodes one
+    # token at a time.
     # history_drafts: also draft from recent outputs of other requests (same cache identity).
     speculation: str = "adaptive"
     max_draft_tokens: int = 6
-    speculative_rows: int = 8
+    speculative_rows: int | None = None  # None: measured at startup (helios.engine.threads.measure_row_budget)
     history_drafts: bool = True
 
     @property
@@ -79,8 +80,8 @@ class ServerConfig:
 
 _POSITIVE = ("port", "max_body_bytes", "max_concurrency", "queue_size", "http_slots", "prefill_chunk_size",
              "kv_memory_mb", "frontend_workers", "grammar_threads", "grammar_memory_mb", "grammar_cache_mb",
-             "grammar_workers", "max_draft_tokens", "speculative_rows")  # fmt: skip
-_OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget")
+             "grammar_workers", "max_draft_tokens")  # fmt: skip
+_OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget", "speculative_rows")
 
 
 def _check(config: ServerConfig) -> ServerConfig:

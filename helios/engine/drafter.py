@@ -23,7 +23,8 @@ NGRAM_SIZES = (4, 3, 2)  # longest match first: longer contexts predict better
 class SpeculationConfig:
     mode: str = "adaptive"  # "off" | "adaptive" (depth follows acceptance) | "fixed" (always max_drafts, tests)
     max_drafts: int = 6  # draft tokens per sequence and round
-    row_budget: int = 8  # adaptive: decode rows + drafts per step; at or past it no drafts (compute-bound)
+    row_budget: int | None = 8  # adaptive: decode rows + drafts per step; at or past it no drafts (compute-bound);
+    # None: measured at startup (threads.measure_row_budget)
     shared_history: bool = True  # draft from other requests' recent outputs (same cache identity) too
     history_tokens: int = 1 << 16  # shared history kept, in tokens
 

@@ -81,13 +81,17 @@ class LLMEngine:
         self.pool = PagePool(num_pages, m.limits.page_tokens)
         self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,
                                  decode_weight_bytes=m.decode_weight_bytes)  # fmt: skip
+        self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
+                                 config.compiled_step)  # fmt: skip
+        speculation = config.speculation
+        if speculation.row_budget is None:
+            measured = self.executor.speculation_rows(core) if speculation.mode == "adaptive" else 8
+            speculation = replace(speculation, row_budget=measured)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
                             frozenset(m.tokenizer.eos_token_ids)),
-            self.pool, self.stats, config.speculation,
+            self.pool, self.stats, speculation,
         )  # fmt: skip
-        self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
-                                 config.compiled_step)  # fmt: skip
         if self.executor.compiled_fallback:
             log.warning("%s", self.executor.compiled_fallback)
         self.sampler = Sampler()

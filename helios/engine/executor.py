@@ -90,6 +90,20 @@ class Executor:
                 clock.lap("measuring the thread policy")
         self.serial_decode_rows = serial_decode_rows
 
+    def speculation_rows(self, core: Core) -> int:
+        """The row budget adaptive speculation keeps within (threads.measure_row_budget), measured
+        once per core, step kind, thread count and host and remembered under ~/.cache/flare."""
+        rows = tuple(r for r in threads.SPECULATION_ROWS if r <= self.kv[0].shape[0])  # the probe uses pages 0..rows-1
+        waits = (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
+        key = f"{core.digest}|{self.step_kind}|{self.threads}|{rows}|{waits}|{host.fingerprint()}"
+        remembered = hostcache.get("speculation-rows", key)
+        if isinstance(remembered, int) and remembered > 0:
+            log.info("speculation: up to %d decode rows per step (measured before on this host)", remembered)
+            return remembered
+        budget = threads.measure_row_budget(self._probe_decode, rows)
+        hostcache.put("speculation-rows", key, budget)
+        return budget
+
     @staticmethod
     def _compiled_step(core: Core, wanted: bool) -> tuple[CompiledProgram | None, str | None]:
         """(the compiled step, None) where it can run here; else (None, why not) or (None, None)

@@ -59,3 +59,24 @@ def measure(decode_step: Callable[[int], None], threads: int, probe_rows: tuple[
     log.info("thread policy: decode steps of up to %d rows on one thread, else %d threads (%s)", serial_rows, threads,
              ", ".join(f"{r} rows x {t} threads: {ms:.1f} ms" for (r, t), ms in sorted(timings.items())))  # fmt: skip
     return policy
+
+
+SPECULATION_ROWS = (1, 2, 4, 8, 16, 32)
+SPECULATION_COST = 2.0  # a step of this many times a one-row step's time still pays for its drafts
+
+
+def measure_row_budget(decode_step: Callable[[int], None], probe_rows: tuple[int, ...] = SPECULATION_ROWS) -> int:
+    """The most decode rows (sequences plus drafts) a step takes while it costs at most
+    SPECULATION_COST one-row steps: below it a verified draft is nearly free (the step is
+    memory-bound), past it drafts start to cost throughput."""
+    base = _median_ms(lambda: decode_step(probe_rows[0]))
+    budget = probe_rows[0]
+    timings = [f"{probe_rows[0]} rows: {base:.1f} ms"]
+    for rows in probe_rows[1:]:
+        ms = _median_ms(lambda: decode_step(rows))
+        timings.append(f"{rows} rows: {ms:.1f} ms")
+        if ms > SPECULATION_COST * base:
+            break
+        budget = rows
+    log.info("speculation: up to %d decode rows per step (%s)", budget, ", ".join(timings))
+    return budget

@@ -28,3 +28,18 @@ def test_one_thread_is_chosen_only_up_to_the_rows_where_it_wins(monkeypatch) -> 
 
 def test_a_single_threaded_host_never_measures() -> None:
     assert threads.measure(lambda rows: None, 1).serial_rows == 0
+
+
+def test_speculation_row_budget_is_the_last_row_count_within_twice_one_row(monkeypatch) -> None:
+    from helios.engine import threads
+
+    timings = {1: 10.0, 2: 11.0, 4: 12.5, 8: 16.0, 16: 25.0, 32: 48.0}  # ms per step at each row count
+    rows_seen: list[int] = []
+
+    def fake_median(step) -> float:
+        step()
+        return timings[rows_seen[-1]]
+
+    monkeypatch.setattr(threads, "_median_ms", fake_median)
+    assert threads.measure_row_budget(rows_seen.append) == 8  # 16 rows cost 2.5 one-row steps
+    assert rows_seen == [1, 2, 4, 8, 16]  # stops at the first row count past the budget
