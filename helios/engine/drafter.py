@@ -113,8 +113,6 @@ class HistoryDrafter:
         """Drafts to try for seq this round, at most `limit`."""
         if self.config.mode == "fixed":
             return min(self.config.max_drafts, limit)
-        if seq.draft_depth <= 0:
-            seq.draft_depth = 2.0  # a new sequence starts shallow
         return max(0, min(int(seq.draft_depth), self.config.max_drafts, limit))
 
     def propose(self, seq, k: int) -> tuple[int, ...]:

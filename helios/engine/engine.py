@@ -84,9 +84,8 @@ class LLMEngine:
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
                                  config.compiled_step)  # fmt: skip
         speculation = config.speculation
-        if speculation.row_budget is None:
-            measured = self.executor.speculation_rows(core) if speculation.mode == "adaptive" else 8
-            speculation = replace(speculation, row_budget=measured)
+        if speculation.mode == "adaptive" and speculation.row_budget is None:  # only adaptive mode keeps a budget
+            speculation = replace(speculation, row_budget=self.executor.speculation_rows(core))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
                             frozenset(m.tokenizer.eos_token_ids)),

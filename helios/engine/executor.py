@@ -76,33 +76,34 @@ class Executor:
             serial_decode_rows = 0
         elif serial_decode_rows is None:
             rows = tuple(r for r in threads.PROBE_ROWS if r <= num_pages)  # the probe uses pages 0..rows-1
-            # Measured once per core, step kind, thread count and host; later starts reuse it.
-            waits = (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))  # they change the timings
-            key = f"{core.digest}|{self.step_kind}|{upcast}|{self.threads}|{rows}|{waits}|{host.fingerprint()}"
-            remembered = hostcache.get("thread-policy", key)
-            if isinstance(remembered, int):
-                serial_decode_rows = remembered
-                log.info("thread policy: decode steps of up to %d rows on one thread (measured before on this host)",
-                         remembered)  # fmt: skip
-            else:
-                serial_decode_rows = threads.measure(self._probe_decode, self.threads, rows).serial_rows
-                hostcache.put("thread-policy", key, serial_decode_rows)
-                clock.lap("measuring the thread policy")
+            serial_decode_rows = self._remembered(
+                "thread-policy", f"{core.digest}|{self.step_kind}|{upcast}|{self.threads}|{rows}",
+                lambda: threads.measure(self._probe_decode, self.threads, rows).serial_rows,
+                "thread policy: decode steps of up to %d rows on one thread (measured before on this host)")  # fmt: skip
+            clock.lap("the thread policy")
         self.serial_decode_rows = serial_decode_rows
+
+    @staticmethod
+    def _remembered(kind: str, key: str, measure, found: str) -> int:
+        """A host measurement of this core's step, taken once per core, step kind, thread count,
+        OpenMP wait settings (they change the timings) and host; later starts reuse it."""
+        waits = (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
+        key = f"{key}|{waits}|{host.fingerprint()}"
+        remembered = hostcache.get(kind, key)
+        if isinstance(remembered, int):
+            log.info(found, remembered)
+            return remembered
+        value = measure()
+        hostcache.put(kind, key, value)
+        return value
 
     def speculation_rows(self, core: Core) -> int:
         """The row budget adaptive speculation keeps within (threads.measure_row_budget), measured
         once per core, step kind, thread count and host and remembered under ~/.cache/flare."""
         rows = tuple(r for r in threads.SPECULATION_ROWS if r <= self.kv[0].shape[0])  # the probe uses pages 0..rows-1
-        waits = (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
-        key = f"{core.digest}|{self.step_kind}|{self.threads}|{rows}|{waits}|{host.fingerprint()}"
-        remembered = hostcache.get("speculation-rows", key)
-        if isinstance(remembered, int) and remembered > 0:
-            log.info("speculation: up to %d decode rows per step (measured before on this host)", remembered)
-            return remembered
-        budget = threads.measure_row_budget(self._probe_decode, rows)
-        hostcache.put("speculation-rows", key, budget)
-        return budget
+        return self._remembered("speculation-rows", f"{core.digest}|{self.step_kind}|{self.threads}|{rows}",
+                                lambda: threads.measure_row_budget(self._probe_decode, rows),
+                                "speculation: up to %d decode rows per step (measured before on this host)")  # fmt: skip
 
     @staticmethod
     def _compiled_step(core: Core, wanted: bool) -> tuple[CompiledProgram | None, str | None]:

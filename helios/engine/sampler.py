@@ -239,36 +239,35 @@ class Sampler:
         full_lse = logsumexp(logits)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         pending = list(range(logits.shape[0]))
+        vocab = logits.shape[-1]
         for size in CANDIDATE_SIZES:
-            fits = _fits_candidates(logits[pending], [params[r] for r in pending], size, full_lse[pending])
-            rows = [r for r, ok in zip(pending, fits) if ok]
-            if rows:
-                picked = torch.tensor(rows, device=logits.device)
-                drawn, _ = _draw_among_candidates(logits.index_select(0, picked), [params[r] for r in rows],
-                                                  [generators[r] for r in rows], size, full_lse[picked])  # fmt: skip
-                assert drawn is not None
-                out[picked] = drawn
+            k = min(size, vocab)
+            if k == vocab:
+                break
+            rows = torch.tensor(pending, device=logits.device)
+            values, ids = logits.index_select(0, rows).topk(k, dim=-1)  # descending; shared by the test and the draw
+            mass = torch.exp(values - full_lse[rows][:, None]).sum(dim=-1).tolist()
+            fits = [_fits(params[r], k, vocab, m) for r, m in zip(pending, mass)]
+            if any(fits):
+                picked = torch.tensor([j for j, ok in enumerate(fits) if ok], device=logits.device)
+                chosen = [r for r, ok in zip(pending, fits) if ok]
+                out[rows[picked]] = _candidate_draw(values[picked], ids[picked], [params[r] for r in chosen],
+                                                    [generators[r] for r in chosen], full_lse[rows[picked]], vocab)  # fmt: skip
             pending = [r for r, ok in zip(pending, fits) if not ok]
             if not pending:
                 return out
         picked = torch.tensor(pending, device=logits.device)
         rest = [params[r] for r in pending]
-        rows_logits = apply_min_p(apply_top_p(apply_top_k(logits.index_select(0, picked), rest), rest), rest)
-        out[picked] = draw(rows_logits, [generators[r] for r in pending])
+        out[picked] = draw(apply_min_p(apply_top_p(apply_top_k(logits[picked], rest), rest), rest),
+                           [generators[r] for r in pending])  # fmt: skip
         return out
 
 
-def _fits_candidates(logits: Tensor, params: Sequence[SamplingParams], size: int, full_lse: Tensor) -> list[bool]:
-    """Per row: whether its surviving set provably lies among its `size` likeliest tokens
-    (top-k within them, or a top-p nucleus whose mass they already hold)."""
-    vocab = logits.shape[-1]
-    k = min(size, vocab)
-    if k == vocab or not len(params):
-        return [False] * len(params)
-    mass = torch.exp(logits.topk(k, dim=-1).values - full_lse[:, None]).sum(dim=-1).tolist()
-    # The same acceptance as _draw_among_candidates, row by row.
-    return [(0 < p.top_k <= k or p.top_p < 1.0) and (0 < p.top_k < vocab or m >= p.top_p)
-            for p, m in zip(params, mass)]  # fmt: skip
+def _fits(params: SamplingParams, k: int, vocab: int, candidate_mass: float) -> bool:
+    """Whether a row's surviving set provably lies among its k likeliest tokens: top-k within
+    them, or a top-p nucleus whose mass they already hold."""
+    has_top_k = 0 < params.top_k < vocab
+    return (0 < params.top_k <= k or params.top_p < 1.0) and (has_top_k or candidate_mass >= params.top_p)
 
 
 def _draw_among_candidates(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
@@ -282,16 +281,24 @@ def _draw_among_candidates(logits: Tensor, params: Sequence[SamplingParams], gen
     """
     vocab = logits.shape[-1]
     k = min(size, vocab)
-    if k == vocab or any(not (0 < p.top_k <= k or p.top_p < 1.0) for p in params):
+    if k == vocab:
         return None, full_lse
     values, ids = logits.topk(k, dim=-1)  # descending
-    has_top_k = torch.tensor([0 < p.top_k < vocab for p in params])
     if full_lse is None:
         full_lse = logsumexp(logits)  # [B]
-    candidate_mass = torch.exp(values - full_lse[:, None]).sum(dim=-1)
+    mass = torch.exp(values - full_lse[:, None]).sum(dim=-1).tolist()
+    if not all(_fits(p, k, vocab, m) for p, m in zip(params, mass)):
+        return None, full_lse  # some row's set may reach past the candidates
+    return _candidate_draw(values, ids, params, generators, full_lse, vocab), full_lse
+
+
+def _candidate_draw(values: Tensor, ids: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                    full_lse: Tensor, vocab: int) -> Tensor:  # fmt: skip
+    """top-k -> top-p -> min-p -> draw over rows' k likeliest tokens (values descending, ids
+    [B, k]), for rows whose surviving sets lie among them (_fits)."""
+    k = values.shape[-1]
+    has_top_k = torch.tensor([0 < p.top_k < vocab for p in params])
     top_p = _column(params, "top_p", values)[:, 0]
-    if bool(((~has_top_k) & (candidate_mass < top_p)).any()):
-        return None, full_lse  # a nucleus reaches past the candidates
     ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else k for p in params])[:, None]
     position = torch.arange(k)[None, :]
     values = values.masked_fill((position >= ks) & has_top_k[:, None], float("-inf"))
@@ -304,4 +311,4 @@ def _draw_among_candidates(logits: Tensor, params: Sequence[SamplingParams], gen
         keep[:, 0] = True
         values = values.masked_fill(~keep, float("-inf"))
     values = apply_min_p(values, params)
-    return ids.gather(1, draw(values, generators)[:, None])[:, 0], full_lse
+    return ids.gather(1, draw(values, generators)[:, None])[:, 0]

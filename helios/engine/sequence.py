@@ -40,7 +40,7 @@ class Sequence:
     reasoning_open: bool = False  # inside reasoning (tracked only for requests with a budget)
     reasoning_tokens: int = 0
     constraint: TokenConstraint | None = None  # this choice's own fork of the request's constraint
-    draft_depth: float = 0.0  # adaptive speculation: drafts to offer next round (helios.engine.drafter)
+    draft_depth: float = 2.0  # adaptive speculation: drafts to offer next round; a new sequence starts shallow
 
     @property
     def num_output(self) -> int:

@@ -158,11 +158,7 @@ class DecoderProgram(torch.nn.Module):
         self.scored = scored
 
     def optional_inputs(self, extra_1: Tensor | None, extra_2: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-        """(logprob_token_ids, target_ids): the optional inputs, in program_signature's order."""
-        extra = [t for t in (extra_1, extra_2) if t is not None]
-        logprob_ids = extra.pop(0) if self.explicit_ids else None
-        target_ids = extra.pop(0) if self.scored else None
-        return logprob_ids, target_ids
+        return optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
 
     def qk(self, weights: dict[str, Tensor], layer: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q [T, H, D], k [T, KV, D] before RoPE; identity unless a family normalizes them."""
@@ -286,3 +282,12 @@ def decoder_shapes(c: Any, per_layer: dict[str, tuple[int, ...]]) -> dict[str, t
     for layer in range(c.num_layers):
         shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
     return shapes
+
+
+def optional_inputs(extra_1: Tensor | None, extra_2: Tensor | None, explicit_ids: bool,
+                    scored: bool) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+    """(logprob_token_ids, target_ids): a step program's optional inputs, in program_signature's order."""
+    extra = [t for t in (extra_1, extra_2) if t is not None]
+    logprob_ids = extra.pop(0) if explicit_ids else None
+    target_ids = extra.pop(0) if scored else None
+    return logprob_ids, target_ids

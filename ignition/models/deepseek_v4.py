@@ -34,7 +34,7 @@ from torch import Tensor
 
 import helios.core.ops_deepseek_v4  # noqa: F401  (defines the flare::dsv4_* ops the program calls)
 from ignition.models import moe
-from ignition.models.common import rms_norm
+from ignition.models.common import optional_inputs, rms_norm
 from ignition.models.deepseek_v3 import RopeSpec, rope_inv_freq
 from ignition.models.heads import step_outputs
 from ignition.models.naming import rename
@@ -507,9 +507,7 @@ class StepProgram(torch.nn.Module):
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
                 query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        extra = [t for t in (extra_1, extra_2) if t is not None]  # program_signature's order
-        logprob_ids = extra.pop(0) if self.explicit_ids else None
-        target_ids = extra.pop(0) if self.scored else None
+        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
         c = self.config
         wdt = weights["embed"].dtype
         caches = {f"layers.{i}.rows": kv_cache[i] for i in range(c.num_layers)}

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import moe
-from ignition.models.common import rotate_half
+from ignition.models.common import optional_inputs, rotate_half
 from ignition.models.heads import step_outputs
 
 FAMILY = "minimax_m3"
@@ -316,9 +316,7 @@ class StepProgram(torch.nn.Module):
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
                 query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        extra = [t for t in (extra_1, extra_2) if t is not None]  # program_signature's order
-        logprob_ids = extra.pop(0) if self.explicit_ids else None
-        target_ids = extra.pop(0) if self.scored else None
+        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
         c = self.config
         wdt = weights["embed"].dtype
         # Residual stream, norms and rotary in fp32, matmuls in the core dtype (as the other families).
