@@ -5,7 +5,8 @@
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
   aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, compiled_step, drain_seconds,
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
-  speculation, max_draft_tokens, speculative_rows, history_drafts, state_snapshots, snapshot_interval
+  speculation, max_draft_tokens, speculative_rows, history_drafts, state_snapshots, snapshot_interval,
+  host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ class ServerConfig:
     # are kept, least recently used out (None: max_concurrency; 0: no prefix reuse for hybrids).
     state_snapshots: int | None = None
     snapshot_interval: int | None = None
+    # The host prefix store (helios.engine.host_store): finished prefixes' KV pages kept beyond
+    # the page pool in memory (host_cache_memory_mb; None: an eighth of the memory available at
+    # startup, at most 4 GiB) and on disk (host_cache_disk_mb in host_cache_dir, one directory
+    # per core; None: $FLARE_PREFIX_CACHE_DIR, else ~/.cache/flare/prefix), so a restarted
+    # server reuses yesterday's prefixes. host_cache = false turns both tiers off;
+    # host_cache_disk_mb = 0 only the disk tier.
+    host_cache: bool = True
+    host_cache_memory_mb: int | None = None
+    host_cache_disk_mb: int = 4096
+    host_cache_dir: str | None = None
 
     @property
     def auth_enabled(self) -> bool:
@@ -87,7 +98,8 @@ class ServerConfig:
 _POSITIVE = ("port", "max_body_bytes", "max_concurrency", "queue_size", "http_slots", "prefill_chunk_size",
              "kv_memory_mb", "frontend_workers", "grammar_threads", "grammar_memory_mb", "grammar_cache_mb",
              "grammar_workers", "max_draft_tokens")  # fmt: skip
-_OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget", "speculative_rows")
+_OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget", "speculative_rows",
+                      "host_cache_memory_mb")  # fmt: skip
 
 
 def _check(config: ServerConfig) -> ServerConfig:
@@ -105,18 +117,20 @@ def _check(config: ServerConfig) -> ServerConfig:
         raise ConfigError("[server] api_key must be a string")
     if not isinstance(config.host, str) or not config.host:
         raise ConfigError("[server] host must be a nonempty string")
+    if config.host_cache_dir is not None and (not isinstance(config.host_cache_dir, str) or not config.host_cache_dir):
+        raise ConfigError("[server] host_cache_dir must be a nonempty path string")
     if not all(isinstance(a, str) for a in config.aliases):
         raise ConfigError("[server] aliases must be a list of strings")
     if config.speculation not in ("adaptive", "fixed", "off"):
         raise ConfigError(f"[server] speculation must be adaptive, fixed or off, got {config.speculation!r}")
-    for name in ("prefix_cache", "compiled_step", "history_drafts"):
+    for name in ("prefix_cache", "compiled_step", "history_drafts", "host_cache"):
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"[server] {name} must be true or false")
     for name in ("drain_seconds", "header_timeout_seconds", "body_timeout_seconds"):
         seconds = getattr(config, name)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
             raise ConfigError(f"[server] {name} must be a number of seconds above 0 and at most 3600, got {seconds!r}")
-    for name in ("state_snapshots", "snapshot_interval"):
+    for name in ("state_snapshots", "snapshot_interval", "host_cache_disk_mb"):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ConfigError(f"[server] {name} must be a non-negative integer, got {value!r}")

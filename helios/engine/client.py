@@ -79,6 +79,8 @@ class EngineClient:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=timeout)
+        if not self._thread.is_alive():
+            self.engine.close()  # the host store's queued disk writes
 
     @property
     def healthy(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -27,6 +28,7 @@ from helios.engine.logprobs import (
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats
 from helios.engine.sampler import Sampler, position_generator
 from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
+from helios.engine.host_store import HostStore, Record, identity_of
 from helios.engine.state_slots import StatePool
 from helios.engine.sequence import (
     Chunk,
@@ -68,6 +70,14 @@ class EngineConfig:
     # each prompt's last page boundary).
     state_snapshots: int | None = None
     snapshot_interval: int | None = None
+    host_cache: HostCacheConfig | None = None  # the host prefix store (host_store.py); None: off
+
+
+@dataclass(frozen=True, slots=True)
+class HostCacheConfig:
+    memory_bytes: int  # DRAM tier bound
+    directory: Path | None  # disk tier root (a subdirectory per core identity); None: no disk tier
+    disk_bytes: int  # disk tier bound
 
 
 class LLMEngine:
@@ -108,7 +118,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
                             frozenset(m.tokenizer.eos_token_ids), -(-interval // page) * page),
-            self.pool, self.stats, speculation, self.states,
+            self.pool, self.stats, speculation, self.states, self._host_store(core, config, kv_dtype),
+            self.executor.page_bytes,
         )  # fmt: skip
         if self.executor.compiled_fallback:
             log.warning("%s", self.executor.compiled_fallback)
@@ -116,6 +127,40 @@ class LLMEngine:
         self.mask_hook = mask_hook
         self._aborted: set[tuple[str, int | None]] = set()
         self._refresh_gauges()
+
+    def _host_store(self, core: Core, config: EngineConfig, kv_dtype: str) -> HostStore | None:
+        host = config.host_cache
+        if host is None:
+            return None
+        if self.states is not None:
+            log.info("host prefix store: off for this hybrid core (its pages alone cannot resume recurrent layers)")
+            return None
+        m = core.manifest
+        identity = identity_of(core.digest, kv_dtype, m.limits.page_tokens, m.kv.cache_shapes())
+        store = HostStore(identity, host.memory_bytes, host.directory, host.disk_bytes)
+        log.info("host prefix store: %d MiB in memory, %s", host.memory_bytes >> 20,
+                 f"{host.disk_bytes >> 20} MiB on disk in {store.directory}" if store.disk_bytes else "no disk tier")
+        return store
+
+    @property
+    def host(self) -> HostStore | None:
+        return self.scheduler.host
+
+    def _copy_out(self) -> None:
+        """Hand finished prefixes' pages the host store lacks to it, before the pool reuses them."""
+        host = self.scheduler.host
+        if host is None or not self.scheduler.host_out:
+            return
+        queued = self.scheduler.take_host_out()
+        if queued:
+            payloads = self.executor.read_pages([page for page, *_ in queued])
+            host.put([Record(digest, parent, tokens, payload)
+                      for (_, digest, parent, tokens), payload in zip(queued, payloads)])  # fmt: skip
+
+    def close(self) -> None:
+        """Finish the host store's disk writes (shutdown)."""
+        if self.scheduler.host is not None:
+            self.scheduler.host.close()
 
     # ------------------------------------------------------------------ requests
     def check(self, request: EngineRequest) -> str | None:
@@ -154,6 +199,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineEvent]:
         events = self._apply_aborts()
+        self._copy_out()  # aborted prefixes, before planning can hand their pages out
         plan = self.scheduler.schedule()
         events += plan.finished
         if plan.chunks:
@@ -164,6 +210,7 @@ class LLMEngine:
                 events += self.scheduler.fail(plan, f"execution failed: {exc}")
             else:
                 events += self.scheduler.update_from_output(plan, output)
+        self._copy_out()
         self._refresh_gauges()
         self.stats.steps += 1
         return events
@@ -176,7 +223,7 @@ class LLMEngine:
 
     def _run(self, plan: SchedulerOutput) -> ModelOutput:
         """Run the programs, then sample every choice of every sampled chunk and verify drafts."""
-        result = self.executor.run(plan.chunks, plan.page_copies, plan.state_before, plan.state_after)
+        result = self.executor.run(plan.chunks, plan.page_copies, plan.state_before, plan.state_after, plan.host_in)
         self._count_verify_step(plan)
         prompt_entries = {key: self._prompt_entries(chunk, result.prompt_scores[key])
                           for chunk in plan.chunks if (key := id(chunk)) in result.prompt_scores}  # fmt: skip

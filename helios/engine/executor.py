@@ -145,8 +145,35 @@ class Executor:
         self.step(self.weights, self.kv, **{name: value.to(self.device) for name, value in inputs.items()})
 
     def copy_page(self, src: int, dst: int) -> None:
-        for tensor in self.kv[: len(self.kv) - len(self.state)]:
+        for tensor in self.page_caches:
             tensor[dst].copy_(tensor[src])
+
+    @property
+    def page_caches(self) -> list[Tensor]:
+        return self.kv[: len(self.kv) - len(self.state)]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every paged cache tensor (a host-store record's payload)."""
+        return sum(t[0].numel() * t.element_size() for t in self.page_caches)
+
+    def read_pages(self, pages: list[int]) -> list[Tensor]:
+        """Each page's bytes over every paged cache tensor, in cache order (uint8 copies)."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        rows = torch.cat([t.index_select(0, index).reshape(len(pages), -1).view(torch.uint8) for t in self.page_caches],
+                         dim=1).cpu()  # fmt: skip
+        return [row.clone() for row in rows]
+
+    def write_pages(self, writes: tuple[tuple[int, Tensor], ...]) -> None:
+        """Store payloads read by read_pages (here or in an earlier process) into pages."""
+        index = torch.tensor([page for page, _ in writes], dtype=torch.int64, device=self.device)
+        rows = torch.stack([payload for _, payload in writes]).to(self.device)
+        offset = 0
+        for tensor in self.page_caches:
+            width = tensor[0].numel() * tensor.element_size()
+            part = rows[:, offset : offset + width].contiguous().view(tensor.dtype).view(len(writes), *tensor.shape[1:])
+            tensor.index_copy_(0, index, part)
+            offset += width
 
     def copy_state(self, src: int, dst: int) -> None:
         for tensor in self.state:
@@ -154,9 +181,12 @@ class Executor:
 
     def run(self, chunks: tuple[Chunk, ...], page_copies: tuple[tuple[int, int], ...] = (),
             state_before: tuple[tuple[int, int], ...] = (),
-            state_after: tuple[tuple[int, int], ...] = ()) -> StepResult:  # fmt: skip
-        """Copy state slots (src, dst) of `state_before`, run the chunks, then copy the pages and
-        state slots (src, dst) of `page_copies` and `state_after` that the step has just written."""
+            state_after: tuple[tuple[int, int], ...] = (), host_in: tuple = ()) -> StepResult:  # fmt: skip
+        """Write pages restored from the host store (page, payload) and copy the state slots
+        (src, dst) of `state_before`, run the chunks, then copy the pages and state slots
+        (src, dst) of `page_copies` and `state_after` that the step has just written."""
+        if host_in:
+            self.write_pages(host_in)
         for src, dst in state_before:
             self.copy_state(src, dst)
         if self.serial_decode_rows:

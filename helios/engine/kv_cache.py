@@ -141,6 +141,10 @@ class PagePool:
                 self._evictable.move_to_end(page)
         return pages, parent
 
+    def page_of(self, digest: bytes) -> int | None:
+        """The page holding the published prefix `digest`, if it is still cached."""
+        return self._by_hash.get(digest)
+
     def publish(self, page: int, parent: bytes, identity: bytes, tokens: tuple[int, ...]) -> bytes:
         """Register a just-computed full page; returns its chain hash.
 

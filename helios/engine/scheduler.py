@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from helios.engine.drafter import HistoryDrafter, SpeculationConfig
 from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
+from helios.engine.host_store import HostStore
 from helios.engine.state_slots import StatePool
 from helios.engine.sequence import (
     Chunk,
@@ -50,10 +51,15 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool, stats: EngineStats | None = None,
-                 speculation: SpeculationConfig | None = None, states: StatePool | None = None) -> None:  # fmt: skip
+                 speculation: SpeculationConfig | None = None, states: StatePool | None = None,
+                 host: HostStore | None = None, host_page_bytes: int = 0) -> None:  # fmt: skip
         self.config = config
         self.pool = pool
         self.states = states
+        self.host = host  # full pages of finished prefixes beyond the pool (host_store.py)
+        self.host_page_bytes = host_page_bytes  # bytes of one page's record payload
+        self._host_in: list[tuple[int, object]] = []  # this plan's restores from the host store
+        self.host_out: list[tuple[bytes, bytes, tuple[int, ...]]] = []  # (digest, parent, tokens) to copy out
         self.drafter = HistoryDrafter(speculation or SpeculationConfig(mode="off"))
         self.stats = stats if stats is not None else EngineStats(total_pages=pool.num_pages, page_tokens=pool.page_tokens)
         self.waiting: deque[Sequence] = deque()
@@ -123,7 +129,8 @@ class Scheduler:
         finished, self._planned_finishes = tuple(self._planned_finishes), []
         before, after, captures = tuple(self._state_before), tuple(self._state_after), tuple(self._captures)
         self._state_before, self._state_after, self._captures = [], [], []
-        return SchedulerOutput(tuple(chunks), tuple(copies), finished, before, after, captures)
+        host_in, self._host_in = tuple(self._host_in), []
+        return SchedulerOutput(tuple(chunks), tuple(copies), finished, before, after, captures, host_in)
 
     def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk:
         size = min(seq.num_pending, budget)
@@ -290,13 +297,58 @@ class Scheduler:
         seq.pages = pages + [self.pool.allocate() for _ in range(needed)]
         self.pool.reserve(reserve)
         seq.reserved = reserve
-        seq.num_computed = len(pages) * size
-        seq.chain = self._chain_of(tokens, seq.request.cache_identity, len(pages), end)
+        reused = len(pages)
+        if self.host is not None and seq.request.use_prefix_cache and not seq.scoring:
+            restored, end = self._restore_from_host(seq, reused, end)
+            reused += restored
+        seq.num_computed = reused * size
+        seq.chain = self._chain_of(tokens, seq.request.cache_identity, reused, end)
         if not seq.admitted:
             seq.admitted = True
             seq.num_cached = seq.num_computed
         self.stats.reused_tokens += seq.num_computed
         return True
+
+    def _restore_from_host(self, seq: Sequence, first: int, parent: bytes) -> tuple[int, bytes]:
+        """Fill seq's pages after the pool's match from the host store's records of the same chain
+        (copied in before the step, published now); returns (pages restored, chain hash after them)."""
+        assert self.host is not None
+        size, identity, tokens = self.pool.page_tokens, seq.request.cache_identity, seq.token_ids
+        restored = 0
+        for index in range(first, (len(tokens) - 1) // size):  # the last token is always computed
+            chunk = tuple(tokens[index * size : (index + 1) * size])
+            digest = page_hash(parent, identity, chunk)
+            record = self.host.fetch(digest, parent, chunk)
+            if record is None or record.nbytes != self.host_page_bytes:
+                break
+            page = seq.pages[index]
+            self._host_in.append((page, record.payload))
+            self.pool.publish(page, parent, identity, chunk)
+            self.host.stats.bytes_in += record.nbytes
+            parent = digest
+            restored += 1
+        if restored:
+            self.host.stats.hits += 1
+            self.host.stats.reused_tokens += restored * size
+        return restored, parent
+
+    def _offer_to_host(self, seq: Sequence) -> None:
+        """Queue seq's published pages that the host store lacks for copy-out (the engine copies
+        them before the pool can hand them out again)."""
+        if self.host is None or self.states is not None:
+            return
+        size, parent = self.pool.page_tokens, ROOT_HASH
+        for index, digest in enumerate(seq.chain):
+            if not self.host.contains(digest):
+                self.host_out.append((digest, parent, tuple(seq.token_ids[index * size : (index + 1) * size])))
+            parent = digest
+
+    def take_host_out(self) -> list[tuple[int, bytes, bytes, tuple[int, ...]]]:
+        """(page, digest, parent, tokens) of queued copy-outs whose page still holds that prefix."""
+        out = [(page, digest, parent, tokens) for digest, parent, tokens in self.host_out
+               if (page := self.pool.page_of(digest)) is not None]  # fmt: skip
+        self.host_out = []
+        return out
 
     def _chain_of(self, tokens: list[int], identity: bytes, num_pages: int, end: bytes) -> list[bytes]:
         chain, parent, size = [], ROOT_HASH, self.pool.page_tokens
@@ -488,6 +540,8 @@ class Scheduler:
         seq.finish = cause
         seq.unforked = 0
         self.drafter.finished(seq)
+        if cause is not FinishCause.ERROR:
+            self._offer_to_host(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -98,6 +98,7 @@ class SchedulerOutput:
     state_before: tuple[tuple[int, int], ...] = ()
     state_after: tuple[tuple[int, int], ...] = ()
     captures: tuple[tuple[Sequence, bytes, int], ...] = ()
+    host_in: tuple[tuple[int, object], ...] = ()  # (page, payload) restored from the host store before the step
 
     @property
     def sequences(self) -> list[Sequence]:

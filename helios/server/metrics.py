@@ -71,8 +71,19 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
     ("state_slot_bytes", "gauge", "Bytes of one recurrent-state slot over every recurrent layer"),
     ("state_slots_used", "gauge", "Live recurrent-state slots held by running sequences"),
     ("state_snapshots", "gauge", "Recurrent-state prefix snapshots held for reuse"),
+    ("host_cache_parked_records", "gauge", "Complete DRAM copies awaiting disk writes"),
+    ("host_cache_store_skipped_total", "counter", "Copy-out offers of records the host store already held"),
 )
 _EXTRA_NAMES = {key for key, *_ in EXTRAS}
+
+# Labelled counters: JSON holds {"label value[/label value]": count}; Prometheus one line per entry.
+LABELLED: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
+    ("host_cache_held", "flare_host_cache_held_total", "counter", "Records the host prefix store took in, by tier",
+     ("tier",)),
+    ("host_cache_dropped", "flare_host_cache_dropped_total", "counter",
+     "Records the host prefix store dropped, by tier and reason", ("tier", "reason")),
+)  # fmt: skip
+_LABELLED_NAMES = {key for key, *_ in LABELLED}
 
 HISTOGRAMS: tuple[tuple[str, str], ...] = (
     ("flare_host_cache_missing_tokens", "Tokens a host prefix-store lookup could not cover"),
@@ -87,6 +98,8 @@ def json_snapshot(values: Mapping[str, Number], first_response: Mapping[str, Any
     out: dict[str, Any] = {field: int(values.get(field, 0)) for field, *_ in FIELDS}
     out["learned_drafter"] = bool(values.get("learned_drafter", False))
     out.update((key, value) for key, value in values.items() if key not in _TABLE)
+    for key in _LABELLED_NAMES:
+        out.setdefault(key, {})
     out["first_response"] = {
         "median_seconds": first_response.get("median_seconds"),
         "samples": int(first_response.get("samples", 0)),
@@ -109,8 +122,13 @@ def prometheus_text(values: Mapping[str, Number], first_response: Mapping[str, A
             metric(name, kind, help_text, int(values.get(field, 0)))
     for key, kind, help_text in EXTRAS:
         metric(f"flare_{key}", kind, help_text, values.get(key, 0))
+    for key, name, kind, help_text, labels in LABELLED:
+        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
+        for label_values, count in sorted(dict(values.get(key) or {}).items()):  # type: ignore[call-overload]
+            pairs = ",".join(f'{label}="{value}"' for label, value in zip(labels, label_values.split("/"), strict=True))
+            lines.append(f"{name}{{{pairs}}} {_number(count)}")
     for key, value in values.items():
-        if key in _TABLE or key in _EXTRA_NAMES:
+        if key in _TABLE or key in _EXTRA_NAMES or key in _LABELLED_NAMES:
             continue
         if not _NAME.fullmatch(key):
             raise ValueError(f"metric key {key!r} is not a valid Prometheus name")
@@ -121,7 +139,7 @@ def prometheus_text(values: Mapping[str, Number], first_response: Mapping[str, A
            first_response.get("median_seconds"))  # fmt: skip
     metric("flare_first_response_samples", "gauge", "First-response samples in the window",
            first_response.get("samples", 0))  # fmt: skip
-    for name, help_text in HISTOGRAMS:  # no host prefix store yet: empty histograms
+    for name, help_text in HISTOGRAMS:  # lookups are not costed yet: empty histograms
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram",
                   f'{name}_bucket{{le="+Inf"}} 0', f"{name}_sum 0", f"{name}_count 0"]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -16,7 +16,8 @@ from helios.core import Core
 from helios.core.logs import Stopwatch
 from helios.engine.client import EngineClient
 from helios.engine.drafter import SpeculationConfig
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
+from helios.engine.host_store import default_directory, default_memory_bytes
 from helios.frontend.constraint import GrammarMasks
 from helios.frontend.generate import Runner
 from helios.frontend.parsers.reasoning import reasoning_delimiters
@@ -61,6 +62,15 @@ class ServerState:
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
             "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds",
             "state_slots", "state_slot_bytes", "state_slots_used", "state_snapshots")}  # fmt: skip
+        host = self.client.engine.host
+        if host is not None:
+            stats_h = host.stats
+            values.update(host_hits=stats_h.hits, host_reused_tokens=stats_h.reused_tokens,
+                          host_memory_records=host.memory_records, host_disk_records=host.disk_records,
+                          host_bytes_out=stats_h.bytes_out, host_bytes_in=stats_h.bytes_in,
+                          host_cache_parked_records=host.parked_records, host_cache_store_skipped_total=stats_h.skipped,
+                          host_cache_held=dict(stats_h.held),
+                          host_cache_dropped={f"{tier}/{reason}": n for (tier, reason), n in stats_h.dropped.items()})
         speculation = self.client.engine.scheduler.drafter
         values.update(
             preemptions_total=stats.preemptions,
@@ -78,6 +88,14 @@ class ServerState:
             for key, count in sorted(dict(table).items()):
                 values[f"speculative_{'rounds' if label == 'depth' else 'steps'}_{label}_{key}_total"] = count
         return values
+
+
+def host_cache_config(config: ServerConfig) -> HostCacheConfig | None:
+    if not config.host_cache:
+        return None
+    memory = config.host_cache_memory_mb << 20 if config.host_cache_memory_mb is not None else default_memory_bytes()
+    directory = Path(config.host_cache_dir).expanduser() if config.host_cache_dir else default_directory()
+    return HostCacheConfig(memory, directory if config.host_cache_disk_mb else None, config.host_cache_disk_mb << 20)
 
 
 def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
@@ -99,7 +117,8 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
         serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step,
         speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
                                       config.history_drafts),
-        state_snapshots=config.state_snapshots, snapshot_interval=config.snapshot_interval),
+        state_snapshots=config.state_snapshots, snapshot_interval=config.snapshot_interval,
+        host_cache=host_cache_config(config)),
         mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     client = EngineClient(engine).start()
     clock.lap("starting the engine")

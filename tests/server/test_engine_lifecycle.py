@@ -86,7 +86,7 @@ def test_an_answer_larger_than_the_whole_pool_ends_with_length(small_pool) -> No
 def test_a_buffered_request_cancelled_by_its_client_frees_its_slot(small_pool) -> None:
     url, _ = small_pool
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
-        httpx.post(url + "/v1/chat/completions", json=_chat("a long one", 600), timeout=httpx.Timeout(30, read=0.5))
+        httpx.post(url + "/v1/chat/completions", json=_chat("a long one", 600), timeout=httpx.Timeout(30, read=0.1))
     waited = wait_until(lambda: (m := metrics(url))["active"] == 0 and m["http_admission_in_use"] == 0, timeout=1.5)
     assert waited < 1.0
     m = metrics(url)

@@ -40,7 +40,8 @@ def _bodies() -> list[dict]:
 
 
 def _answers(core: Path, **settings) -> tuple[list[dict], dict]:
-    config = ServerConfig(kv_pages=512, **settings)
+    # Each run starts from an empty prefix cache (no host store shared across the runs), so their usage compares too.
+    config = ServerConfig(kv_pages=512, host_cache=False, **settings)
     with live_server(core, config) as (url, _):
         answers = []
         for body in _bodies():

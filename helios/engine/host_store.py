@@ -1,0 +1,281 @@
+"""The host prefix store: full KV pages of finished prefixes kept beyond the page pool, in a
+DRAM tier and a disk tier that survives restarts.
+
+A record is one full page: its chain hash (kv_cache.page_hash: the parent's hash, the
+identity slot and the page's tokens), its parent hash, its tokens and the bytes of every
+cache tensor's page. Records are keyed by the chain hash within one core identity (the
+core's digest, KV dtype, page size and cache shapes): a store directory holds records of
+exactly one identity, and every record names it again, so a record can never be restored
+into a different core. Every disk record carries a checksum; a record that fails to read
+or verify is deleted, counted and recomputed, never served.
+
+Copy-out: when a sequence finishes, the engine reads its published pages that the store
+does not hold yet (one memory copy on the engine thread, while the pages cannot have been
+reused) and hands them to `put`; the DRAM tier takes them at once and a writer thread
+writes them to disk. Lookups run on the engine thread at admission (DRAM, else one file
+read per page). Each tier is bounded; the least recently used records go first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("helios.engine")
+
+MAGIC = b"FLAREKV1"
+_HEADER = struct.Struct("<8s32s16sB16sIQ")  # magic, identity, digest, parent length, parent, token count, payload bytes
+_CHECK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    digest: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+    payload: Tensor  # uint8, every cache tensor's page in the program's cache order
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.numel())
+
+
+@dataclass
+class HostStats:
+    hits: int = 0  # admissions that restored at least one page from the store
+    reused_tokens: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    held: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})  # records taken in, by tier
+    dropped: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, reason) -> records
+    skipped: int = 0  # offers of records already held
+
+    def drop(self, tier: str, reason: str) -> None:
+        self.dropped[(tier, reason)] = self.dropped.get((tier, reason), 0) + 1
+
+
+def default_memory_bytes() -> int:
+    """An eighth of the memory available now, at most 4 GiB (1 GiB where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            fields = dict(line.split(":", 1) for line in info)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 1 << 30
+    return min(available // 8, 4 << 30)
+
+
+def default_directory() -> Path:
+    from helios.core import hostcache
+
+    override = os.environ.get("FLARE_PREFIX_CACHE_DIR")
+    return Path(override) if override else hostcache.directory() / "prefix"
+
+
+def identity_of(core_digest: str, kv_dtype: str, page_tokens: int, cache_shapes: tuple) -> bytes:
+    text = f"{core_digest}|{kv_dtype}|{page_tokens}|{cache_shapes}"
+    return hashlib.blake2b(text.encode(), digest_size=32).digest()
+
+
+class HostStore:
+    def __init__(self, identity: bytes, memory_bytes: int, directory: Path | None, disk_bytes: int) -> None:
+        self.identity = identity
+        self.memory_bytes = memory_bytes
+        self.disk_bytes = disk_bytes if directory is not None else 0
+        self.directory = directory / identity.hex()[:32] if directory is not None else None
+        self.stats = HostStats()
+        self._lock = threading.Lock()
+        self._dram: OrderedDict[bytes, Record] = OrderedDict()
+        self._dram_used = 0
+        self._disk: OrderedDict[bytes, int] = OrderedDict()  # digest -> file bytes, oldest first
+        self._disk_used = 0
+        self._writes: queue.Queue[Record | None] = queue.Queue()
+        self._parked = 0  # records queued for a disk write
+        self._writer: threading.Thread | None = None
+        if self.directory is not None and self.disk_bytes > 0:
+            self._open_directory()
+
+    # ------------------------------------------------------------------ lookups (engine thread)
+    def contains(self, digest: bytes) -> bool:
+        with self._lock:
+            return digest in self._dram or digest in self._disk
+
+    def fetch(self, digest: bytes, parent: bytes, tokens: tuple[int, ...]) -> Record | None:
+        """The record for this page, verified against what the caller expects, or None."""
+        with self._lock:
+            record = self._dram.get(digest)
+            if record is not None:
+                self._dram.move_to_end(digest)
+            on_disk = record is None and digest in self._disk
+        if record is None and on_disk:
+            record = self._read(digest)
+            if record is not None:
+                self._keep_in_memory(record)
+        if record is None or record.parent != parent or record.tokens != tokens:
+            return None
+        return record
+
+    # ------------------------------------------------------------------ copy-out
+    def put(self, records: list[Record]) -> None:
+        for record in records:
+            if self.contains(record.digest):
+                self.stats.skipped += 1
+                continue
+            self.stats.bytes_out += record.nbytes
+            self._keep_in_memory(record)
+            if self._writer is not None:
+                with self._lock:
+                    self._parked += 1
+                self._writes.put(record)
+
+    def _keep_in_memory(self, record: Record) -> None:
+        if record.nbytes > self.memory_bytes:
+            self.stats.drop("dram", "oversize")
+            return
+        with self._lock:
+            if record.digest in self._dram:
+                return
+            self._dram[record.digest] = record
+            self._dram_used += record.nbytes
+            self.stats.held["dram"] += 1
+            while self._dram_used > self.memory_bytes:
+                _, old = self._dram.popitem(last=False)
+                self._dram_used -= old.nbytes
+                self.stats.drop("dram", "end_of_chain")
+
+    # ------------------------------------------------------------------ the disk tier
+    def _open_directory(self) -> None:
+        assert self.directory is not None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            files = sorted(self.directory.glob("*.rec"), key=lambda p: p.stat().st_mtime)
+        except OSError as exc:
+            log.warning("host prefix store: the disk tier is off (%s: %s)", self.directory, exc.strerror)
+            self.disk_bytes = 0
+            return
+        for path in files:
+            try:
+                digest = bytes.fromhex(path.stem)
+                size = path.stat().st_size
+            except (ValueError, OSError):
+                continue
+            self._disk[digest] = size
+            self._disk_used += size
+        self._trim_disk()
+        self._writer = threading.Thread(target=self._write_loop, name="helios-host-store", daemon=True)
+        self._writer.start()
+
+    def _path(self, digest: bytes) -> Path:
+        assert self.directory is not None
+        return self.directory / f"{digest.hex()}.rec"
+
+    def _write_loop(self) -> None:
+        while True:
+            record = self._writes.get()
+            if record is None:
+                return
+            try:
+                self._write(record)
+            except OSError as exc:
+                self.stats.drop("nvme", "io_error")
+                log.warning("host prefix store: a record write failed (%s)", exc.strerror)
+            finally:
+                with self._lock:
+                    self._parked -= 1
+                self._writes.task_done()
+
+    def _write(self, record: Record) -> None:
+        size = _HEADER.size + 4 * len(record.tokens) + record.nbytes + _CHECK
+        if size > self.disk_bytes:
+            self.stats.drop("nvme", "oversize")
+            return
+        header = _HEADER.pack(MAGIC, self.identity, record.digest, len(record.parent), record.parent,
+                              len(record.tokens), record.nbytes)  # fmt: skip
+        body = struct.pack(f"<{len(record.tokens)}i", *record.tokens)
+        payload = record.payload.numpy().tobytes()
+        check = hashlib.blake2b(header + body + payload, digest_size=_CHECK).digest()
+        path = self._path(record.digest)
+        temporary = path.with_suffix(".tmp")
+        with open(temporary, "wb") as out:
+            out.write(header + body + payload + check)
+        os.replace(temporary, path)
+        with self._lock:
+            if record.digest not in self._disk:
+                self._disk[record.digest] = size
+                self._disk_used += size
+                self.stats.held["nvme"] += 1
+            self._trim_disk()
+
+    def _trim_disk(self) -> None:
+        """Drop the oldest files past the disk budget (lock held, or before the writer starts)."""
+        while self._disk_used > self.disk_bytes and self._disk:
+            digest, size = self._disk.popitem(last=False)
+            self._disk_used -= size
+            self.stats.drop("nvme", "end_of_chain")
+            try:
+                self._path(digest).unlink()
+            except OSError:
+                pass
+
+    def _read(self, digest: bytes) -> Record | None:
+        path = self._path(digest)
+        try:
+            data = path.read_bytes()
+            magic, identity, stored, parent_length, parent, count, nbytes = _HEADER.unpack_from(data)
+            parent = parent[:parent_length]
+            body_end = _HEADER.size + 4 * count
+            if (magic != MAGIC or identity != self.identity or stored != digest
+                    or len(data) != body_end + nbytes + _CHECK):  # fmt: skip
+                raise ValueError("a record of another core, or truncated")
+            if hashlib.blake2b(data[: -_CHECK], digest_size=_CHECK).digest() != data[-_CHECK:]:
+                raise ValueError("checksum mismatch")
+            tokens = struct.unpack_from(f"<{count}i", data, _HEADER.size)
+            payload = torch.frombuffer(bytearray(data[body_end : body_end + nbytes]), dtype=torch.uint8)
+        except (OSError, ValueError, struct.error) as exc:
+            log.warning("host prefix store: dropping record %s (%s)", path.name, exc)
+            self.stats.drop("nvme", "io_error")
+            with self._lock:
+                size = self._disk.pop(digest, None)
+                if size is not None:
+                    self._disk_used -= size
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            return None
+        return Record(digest, parent, tuple(tokens), payload)
+
+    # ------------------------------------------------------------------ gauges and shutdown
+    @property
+    def memory_records(self) -> int:
+        return len(self._dram)
+
+    @property
+    def disk_records(self) -> int:
+        return len(self._disk)
+
+    @property
+    def parked_records(self) -> int:
+        return self._parked
+
+    def flush(self) -> None:
+        """Wait for queued disk writes (tests, shutdown)."""
+        if self._writer is not None:
+            self._writes.join()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self.flush()
+            self._writes.put(None)
+            self._writer.join(timeout=10)
+            self._writer = None

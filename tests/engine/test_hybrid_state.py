@@ -1,0 +1,97 @@
+"""Recurrent-state slots through the engine on real tiny hybrid cores (Mamba-2 and gated
+DeltaNet families): preemption, n = 4 forks and aborts leave no slot behind, every answer
+equals the request run alone, and a shared prefix resumes from a state snapshot exactly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from helios.core import Core
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.offline import collect, run_to_completion, ChoiceOutput
+from helios.engine.request import EngineRequest, FinishCause
+from helios.engine.sampling_params import SamplingParams
+from ignition.export import ExportOptions, export_core
+from ignition.models import FAMILIES
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import write_testmodel
+
+GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
+SAMPLED = SamplingParams(0.9, 0.95, 0, 0.0, 1.0, 0.0, 0.0, 17)
+HYBRIDS = [(family, recipe) for family, recipe in (("nemotron_h", "nemotron_h"), ("qwen3_next", "qwen38"))
+           if family in FAMILIES]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=HYBRIDS, ids=[f for f, _ in HYBRIDS])
+def hybrid(request, tmp_path_factory) -> Core:
+    family, recipe = request.param
+    checkpoint = write_testmodel(family, tmp_path_factory.mktemp("ckpt") / f"tiny-{family}", seed=4)
+    out = tmp_path_factory.mktemp("cores") / f"tiny-{family}"
+    export_core(open_source(str(checkpoint)), load_recipe(recipe), ExportOptions(out=out))
+    core = Core.open(out)
+    assert core.manifest.kv.state, f"{family} cores carry recurrent state"
+    return core
+
+
+def _prompt(core: Core, text: str) -> tuple[int, ...]:
+    return tuple(core.tokenizer().encode(text).ids)
+
+
+def _engine(core: Core, **overrides) -> LLMEngine:
+    return LLMEngine(core, EngineConfig(**{"num_pages": 64, "prefill_chunk_size": 16, **overrides}))
+
+
+def _idle(engine: LLMEngine) -> None:
+    engine.scheduler.check_invariants()
+    assert engine.states is not None and engine.states.live_in_use == 0
+    engine.states.check(0)
+
+
+def test_preemption_forks_and_aborts_leave_no_state_slot_and_answers_equal_solo_runs(hybrid: Core) -> None:
+    requests = [EngineRequest(f"g{i}", _prompt(hybrid, f"request number {i} says hello to the world"), (GREEDY,), 40,
+                              ignore_eos=True) for i in range(4)]  # fmt: skip
+    requests.append(EngineRequest("n4", _prompt(hybrid, "four choices from one prompt"),
+                                  tuple(replace(SAMPLED, seed=s) for s in range(4)), 40, ignore_eos=True))  # fmt: skip
+    doomed = EngineRequest("doomed", _prompt(hybrid, "this one is aborted half way"), (GREEDY,), 40, ignore_eos=True)
+    engine = _engine(hybrid, num_pages=12, max_concurrency=12)
+    outputs = {r.request_id: [ChoiceOutput() for _ in range(r.n)] for r in [*requests, doomed]}
+    for request in [*requests, doomed]:
+        engine.add(request)
+    steps = 0
+    while engine.has_work:
+        for event in engine.step():
+            collect(outputs, event)
+        engine.scheduler.check_invariants()
+        steps += 1
+        if steps == 6:
+            engine.abort("doomed")
+    assert engine.stats.preemptions > 0
+    assert outputs["doomed"][0].finish is FinishCause.ABORT
+    _idle(engine)
+    for request in requests:
+        alone = run_to_completion(_engine(hybrid, enable_prefix_cache=False), [request])[request.request_id]
+        for shared, single in zip(outputs[request.request_id], alone, strict=True):
+            assert shared.finish is FinishCause.LENGTH and shared.token_ids == single.token_ids
+
+
+def test_a_shared_prefix_resumes_from_its_snapshot_with_the_uncached_output(hybrid: Core) -> None:
+    prefix = _prompt(hybrid, "The quick brown fox jumps over the lazy dog. " * 6)
+    first = EngineRequest("first", prefix + _prompt(hybrid, " Then the end."), (GREEDY,), 12, ignore_eos=True)
+    second = EngineRequest("second", prefix + _prompt(hybrid, " And so on."), (GREEDY,), 12, ignore_eos=True)
+    uncached = run_to_completion(_engine(hybrid, enable_prefix_cache=False), [second])["second"][0]
+    engine = _engine(hybrid)
+    run_to_completion(engine, [first])
+    assert engine.states.snapshots_held > 0
+    cached = run_to_completion(engine, [second])["second"][0]
+    assert cached.num_cached_tokens > 0 and cached.num_cached_tokens % hybrid.manifest.limits.page_tokens == 0
+    assert cached.token_ids == uncached.token_ids
+    _idle(engine)
+    # without snapshots the same pages are recomputed, never resumed from a stale slot
+    bare = _engine(hybrid, state_snapshots=0)
+    run_to_completion(bare, [first])
+    again = run_to_completion(bare, [second])["second"][0]
+    assert again.num_cached_tokens == 0 and again.token_ids == uncached.token_ids
