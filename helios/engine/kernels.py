@@ -191,4 +191,7 @@ def register() -> None:
         from helios.engine import kernels_deepseek_v4  # here: it builds on this module's _StepMemo
 
         kernels_deepseek_v4.register(_library)
+        from helios.engine import kernels_mamba
+
+        kernels_mamba.register(_library)
         _registered = True
