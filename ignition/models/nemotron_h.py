@@ -545,9 +545,11 @@ def hf_shapes(c: NemotronHConfig) -> dict[str, tuple[int, ...]]:
         if kind == MAMBA:
             heads, inner = c.mamba_heads, c.mamba_inner
             shapes |= {m + "dt_bias": (heads,), m + "A_log": (heads,), m + "D": (heads,),
-                       m + "conv1d.weight": (c.conv_dim, 1, c.conv_kernel), m + "conv1d.bias": (c.conv_dim,),
+                       m + "conv1d.weight": (c.conv_dim, 1, c.conv_kernel),
                        m + "in_proj.weight": (inner + c.conv_dim + heads, h), m + "norm.weight": (inner,),
                        m + "out_proj.weight": (h, inner)}  # fmt: skip
+            if c.use_conv_bias:
+                shapes[m + "conv1d.bias"] = (c.conv_dim,)
         elif kind == ATTENTION:
             q = c.num_heads * c.head_dim
             shapes |= {m + "q_proj.weight": (q, h), m + "k_proj.weight": (c.kv_dim, h),
