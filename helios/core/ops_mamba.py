@@ -47,7 +47,8 @@ def mamba2_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
     for span in state_spans(state_slots, query_start_loc, positions):
         if span.end <= span.start:
             continue
-        h = torch.zeros(ssm_state.shape[1:], dtype=torch.float32) if span.fresh else ssm_state[span.slot].float()
+        fresh = torch.zeros(ssm_state.shape[1:], dtype=torch.float32, device=x.device)
+        h = fresh if span.fresh else ssm_state[span.slot].float()
         for t in range(span.start, span.end):
             b = B[t].float().repeat_interleave(heads // groups, dim=0)  # [H, N]
             c = C[t].float().repeat_interleave(heads // groups, dim=0)

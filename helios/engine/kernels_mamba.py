@@ -15,7 +15,8 @@ from helios.core.ops_recurrent import state_spans
 CHUNK = 64  # rows per SSD chunk: the [H, CHUNK, CHUNK] decay matrix stays small
 
 
-def _decode(x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor, states: Tensor) -> tuple[Tensor, Tensor]:
+def _decode(x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor,
+            states: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
     """One step for R rows at once: x [R, H, P], steps [R, H], B/C [R, G, N], states [R, H, P, N]
     -> (y [R, H, P], new states)."""
     rows, heads, dim = x.shape
@@ -23,12 +24,14 @@ def _decode(x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor
     per = heads // groups
     decay = torch.exp(steps * a)  # [R, H]
     xs = (steps[:, :, None] * x).view(rows, groups, per, dim, 1)
-    states = states.view(rows, groups, per, dim, n) * decay.view(rows, groups, per, 1, 1) + xs * B.view(rows, groups, 1, 1, n)
+    states = states.view(rows, groups, per, dim, n) * decay.view(rows, groups, per, 1, 1)
+    states = states + xs * B.view(rows, groups, 1, 1, n)
     y = (states @ C.view(rows, groups, 1, n, 1)).view(rows, heads, dim) + d[None, :, None] * x
     return y, states.view(rows, heads, dim, n)
 
 
-def _chunked(x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+def _chunked(x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor,
+             state: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
     """One sequence's rows in chunks: x [L, H, P], steps [L, H], B/C [L, G, N], state [H, P, N]
     -> (y [L, H, P], the state after the last row)."""
     length, heads, dim = x.shape

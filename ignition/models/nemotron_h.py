@@ -309,10 +309,12 @@ class StepProgram(torch.nn.Module):
         c, p = self.config, f"layers.{i}."
         state_slots, query_start_loc, positions = recurrent
         total, groups, n = h.shape[0], c.n_groups, c.ssm_state_size
-        z, xbc, dt = F.linear(h, weights[p + "in_proj"]).float().split([c.mamba_inner, c.conv_dim, c.mamba_heads], dim=-1)
+        proj = F.linear(h, weights[p + "in_proj"]).float()
+        z, xbc, dt = proj.split([c.mamba_inner, c.conv_dim, c.mamba_heads], dim=-1)
         conv_w = weights[p + "conv_w"].reshape(c.conv_dim, c.conv_kernel)
         conv_b = weights[p + "conv_b"] if c.use_conv_bias else torch.zeros(c.conv_dim, dtype=conv_w.dtype)
-        xbc = torch.ops.flare.causal_conv1d(xbc, conv_w, conv_b, conv_state, state_slots, query_start_loc, positions, True)
+        xbc = torch.ops.flare.causal_conv1d(xbc, conv_w, conv_b, conv_state, state_slots, query_start_loc, positions,
+                                            True)  # fmt: skip
         x, b, cc = xbc.float().split([c.mamba_inner, groups * n, groups * n], dim=-1)
         a = -torch.exp(weights[p + "A_log"].float())
         y = torch.ops.flare.mamba2_scan(x.reshape(total, c.mamba_heads, c.mamba_head_dim), dt, a,
@@ -446,7 +448,8 @@ def _reference_mamba(c: NemotronHConfig, W, p: str, h: Tensor) -> Tensor:
     state = torch.zeros(heads, c.mamba_head_dim, n, dtype=h.dtype)
     ys = []
     for t in range(T):
-        state = state * torch.exp(steps[t] * a)[:, None, None] + steps[t][:, None, None] * xs[t][:, :, None] * bs[t][:, None, :]
+        inflow = steps[t][:, None, None] * xs[t][:, :, None] * bs[t][:, None, :]  # [H, P, N]
+        state = state * torch.exp(steps[t] * a)[:, None, None] + inflow
         ys.append((state * cs[t][:, None, :]).sum(-1) + d[:, None] * xs[t])
     y = torch.stack(ys).reshape(T, inner) * (z * torch.sigmoid(z))
     g = y.view(T, groups, -1)
@@ -565,8 +568,8 @@ def hf_shapes(c: NemotronHConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {m + "shared_experts.up_proj.weight": (s, h), m + "shared_experts.down_proj.weight": (h, s)}
             if c.latent_size:
                 shapes |= {m + "fc1_latent_proj.weight": (lat, h), m + "fc2_latent_proj.weight": (h, lat)}
-    shapes |= {"backbone.norm_f.weight": (h,), "lm_head.weight": (c.vocab_size, h),
-               "mtp.layers.0.norm.weight": (h,), "mtp.layers.0.mixer.q_proj.weight": (c.num_heads * c.head_dim, h)}  # fmt: skip
+    shapes |= {"backbone.norm_f.weight": (h,), "lm_head.weight": (c.vocab_size, h), "mtp.layers.0.norm.weight": (h,),
+               "mtp.layers.0.mixer.q_proj.weight": (c.num_heads * c.head_dim, h)}  # fmt: skip
     return shapes
 
 

@@ -223,6 +223,37 @@ def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
         assert float((got - expected).abs().max()) <= 1e-3
 
 
+# (tokens, experts, top_k, width, dtype): the op's unsorted decode path, grouped matmuls, the loop fallback
+EXPERT_CASES = {"decode": (1, 8, 2, 16, torch.float32), "batch": (24, 8, 2, 16, torch.float32),
+                "unaligned": (24, 8, 2, 6, torch.float32), "bf16 batch": (24, 8, 2, 16, torch.bfloat16)}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(EXPERT_CASES))
+def test_relu2_experts_match_transformers(case: str) -> None:
+    """flare::routed_experts with the ungated relu2 activation (stacks of up rows only), reference
+    and helios kernel, against transformers' NemotronHExperts on the same weights and routing."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    from helios.core.ops_moe import reference_routed_experts
+    from helios.engine.kernels_moe import routed_experts_cpu
+
+    tokens, e, k, f, dtype = EXPERT_CASES[case]
+    gen = torch.Generator().manual_seed(4)
+    hidden = 32
+    w_up, w_down = torch.randn(e, f, hidden, generator=gen) / hidden**0.5, torch.randn(e, hidden, f, generator=gen) / f**0.5
+    weights, ids = torch.randn(tokens, e, generator=gen).softmax(-1).topk(k, dim=-1)
+    h = torch.randn(tokens, hidden, generator=gen)
+    module = NemotronHExperts(NemotronHConfig(hidden_size=hidden, n_routed_experts=e, moe_intermediate_size=f))
+    module.up_proj.data, module.down_proj.data = w_up.clone(), w_down.clone()
+    with torch.no_grad():
+        expected = module(h, ids, weights)
+    args = (h.to(dtype), weights, ids, w_up.to(dtype), w_down.to(dtype), "relu2")
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    for kernel in (reference_routed_experts, routed_experts_cpu):
+        torch.testing.assert_close(kernel(*args), expected, rtol=tol, atol=tol)
+
+
 BASE = nemotron_h.testmodel_config(300)
 
 
