@@ -49,9 +49,6 @@ HF_ARCHITECTURES = ("NemotronHForCausalLM",)
 HF_MODEL_TYPES = ("nemotron_h",)
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
-# Exports default to float32 until the 16-bit program is checked on a real checkpoint.
-ACCURATE_16BIT = False
-
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 _PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 _LEGACY = {"mamba": MAMBA, "attention": ATTENTION}  # transformers' remap_legacy_layer_types
