@@ -102,6 +102,15 @@ CHATS = {
         "roles": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
         "template": "glm53.jinja",
     },
+    # NVIDIA Nemotron 3 Nano's ChatML turns, <think> reasoning and Qwen3-Coder-style function-tag tool
+    # calls, with its published template (../shared/templates/nemotron-3-nano.jinja, CRLF as published);
+    # the generation prompt opens <think>\n.
+    "nemotron": {
+        "special_tokens": ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                           "</tool_call>", "<tool_response>", "</tool_response>"),  # fmt: skip
+        "roles": {"bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<unk>", "unk_token": "<unk>"},
+        "template": "nemotron-3-nano.jinja",
+    },
     # DeepSeek V4 / V4.1 spellings (deepseek_recipe.SpecialToken defaults), each one token. No
     # template: these cores lower chats through the official native encoder (native:deepseek_v4*).
     "deepseek": {

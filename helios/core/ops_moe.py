@@ -16,7 +16,16 @@ from torch import Tensor
 # silu_clamp_after:  min(silu(gate), L) * clamp(up, -L, L)         (Step 3.7)
 # clamped_glu:       g * sigmoid(alpha * g) * (clamp(up, -L, L) + 1), g = min(gate, L)   (MiniMax M3)
 # gelu_tanh:         gelu(gate, tanh approximation) * up                  (Gemma 4)
-ACTIVATIONS = ("silu", "silu_clamp_after", "clamped_glu", "gelu_tanh")
+# relu2:             relu(up)^2, ungated: w_gate_up holds only the up rows [F, H]   (Nemotron-H)
+ACTIVATIONS = ("silu", "silu_clamp_after", "clamped_glu", "gelu_tanh", "relu2")
+
+
+def expert_activation(gate_up: Tensor, activation: str, limit: float, alpha: float) -> Tensor:
+    """An expert's activation over its first projection [rows, 2F] (gated) or [rows, F] (relu2) fp32."""
+    if activation == "relu2":
+        return torch.relu(gate_up).square()
+    gate, up = gate_up.chunk(2, dim=-1)
+    return gated_activation(gate, up, activation, limit, alpha)
 
 
 def gated_activation(gate: Tensor, up: Tensor, activation: str, limit: float, alpha: float) -> Tensor:
@@ -48,8 +57,8 @@ def expert_forward(x: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: str
     result are fp32, so a 16-bit core sums its top-k expert outputs without rounding each.
     """
     wdt = w_gate_up.dtype
-    gate, up = F.linear(x.to(wdt), w_gate_up).float().chunk(2, dim=-1)
-    y = F.linear(gated_activation(gate, up, activation, limit, alpha).to(wdt), w_down).float()
+    act = expert_activation(F.linear(x.to(wdt), w_gate_up).float(), activation, limit, alpha)
+    y = F.linear(act.to(wdt), w_down).float()
     if post_norm_scale is not None:  # Muse Spark's post-expert norm: scale first, then RMS-normalize
         y = y * post_norm_scale.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + post_norm_eps)
@@ -74,7 +83,7 @@ def routed_experts(
     h:               [num_tokens, hidden] the MLP input (any float dtype)
     expert_weights:  [num_tokens, top_k] fp32 routing weight of each chosen expert
     expert_ids:      [num_tokens, top_k] int64 chosen experts, each in [0, num_experts)
-    w_gate_up:       [num_experts, 2 * F, hidden] gate rows [0, F), up rows [F, 2F)
+    w_gate_up:       [num_experts, 2 * F, hidden] gate rows [0, F), up rows [F, 2F) ([num_experts, F, hidden] ungated)
     w_down:          [num_experts, hidden, F]
     activation, limit, alpha: the gated activation (ACTIVATIONS); limit 0 = no clamp
     post_norm_scale: [hidden] or None; when given each expert's output is scaled by it and

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from helios.core.ops_moe import gated_activation, reference_routed_experts
+from helios.core.ops_moe import expert_activation, reference_routed_experts
 
 # At most this many (token, expert) assignments run as a plain loop without the sort.
 _UNSORTED_ASSIGNMENTS = 8
@@ -29,8 +29,7 @@ def _expert(x: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: str, limit
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate).mul_(up)
     else:
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        act = gated_activation(gate, up, activation, limit, alpha)
+        act = expert_activation(gate_up.float(), activation, limit, alpha)
     return F.linear(act.to(wdt), w_down).float()
 
 
@@ -65,8 +64,8 @@ def routed_experts_cpu(h, expert_weights, expert_ids, w_gate_up, w_down, activat
     counts = torch.bincount(flat, minlength=w_gate_up.shape[0])
     if _grouped_applies(x, w_gate_up, w_down):
         offsets = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(sorted_x, w_gate_up.transpose(1, 2), offs=offsets).float().chunk(2, dim=-1)
-        act = gated_activation(gate, up, activation, limit, alpha).to(w_down.dtype)
+        gate_up = torch._grouped_mm(sorted_x, w_gate_up.transpose(1, 2), offs=offsets).float()
+        act = expert_activation(gate_up, activation, limit, alpha).to(w_down.dtype)
         sorted_y = torch._grouped_mm(act, w_down.transpose(1, 2), offs=offsets).float()
     else:
         sorted_y = torch.empty(order.numel(), h.shape[-1], dtype=torch.float32)

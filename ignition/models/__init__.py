@@ -9,7 +9,9 @@ GGUF_ARCHITECTURES) also provide GGUF_WEIGHT_MAP, hf_config_from_gguf, gguf_tens
 Optional: STACKED (MoE expert stacks, ignition.models.moe), SHARED_KV (True: one cache
 tensor per layer read as keys and values, KvLayout.shared_kv; MLA's latent cache),
 extra_caches(config) (per-token caches beside the KV in some layers, KvLayout.extra: tuples
-(name, layers, num_heads, head_dim); MiniMax M3's and GLM's indexer keys) and ignored_tensor(config, name)
+(name, layers, num_heads, head_dim); MiniMax M3's and GLM's indexer keys), state_caches(config)
+(recurrent state slots, KvLayout.state: tuples (name, layers, per-slot shape, dtype); Nemotron-H's
+conv windows and SSM states) and ignored_tensor(config, name)
 -> bool (checkpoint tensors export leaves out: vision towers, MTP layers), and
 testmodel_init(name, shape, generator) (a test tensor the generic init cannot make, or None).
 """
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ignition.models import (deepseek_v3, deepseek_v4, gemma3, gemma4, glm_moe_dsa, llama, minimax_m3, muse_spark, qwen3,
-                             qwen3_moe, step3p7)
+from ignition.models import (deepseek_v3, deepseek_v4, gemma3, gemma4, glm_moe_dsa, llama, minimax_m3, muse_spark,
+                             nemotron_h, qwen3, qwen3_moe, step3p7)
 
 FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe, gemma3, gemma4, deepseek_v3,
-                                                          deepseek_v4, glm_moe_dsa, minimax_m3, muse_spark, step3p7)}
+                                                          deepseek_v4, glm_moe_dsa, minimax_m3, muse_spark, step3p7,
+                                                          nemotron_h)}
 
 
 def family(name: str) -> ModuleType:

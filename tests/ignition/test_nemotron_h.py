@@ -1,0 +1,348 @@
+"""The nemotron_h family (NVIDIA Nemotron-H: Mamba-2 layers among attention, MLP and MoE layers):
+a tiny checkpoint in NVIDIA's spellings (Mamba, MoE, attention, Mamba, MLP; 2 B/C groups; a
+latent MoE with group-limited routing; one MTP layer) exported with the nemotron_h recipe and
+checked against transformers' own NemotronHForCausalLM (its torch Mamba path, eager attention),
+through run_prompt (whole prompts, 16- and 5-token chunks, token by token: the conv window
+and SSM state carried in their slots) and the engine (prompts longer than a page and several
+16-token chunks, batching invariance, prefix reuse through state snapshots); the published
+template with the think / qwen3_coder parsers through Chat Completions, Messages and Responses;
+refused variants."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from helios.core import Core
+from helios.core.program import SCORED_PREFILL, run_prompt
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.offline import run_to_completion
+from helios.engine.request import EngineRequest
+from ignition.export import ExportOptions, export_core, internal_weights
+from ignition.models import family_of_hf_config, nemotron_h
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import _tensor, write_testmodel
+from tests.ignition.family_checks import (GREEDY, TEXTS, check_generation_matches, check_prefix_reuse, export_tiny,
+                                          hf_logprobs)  # fmt: skip
+
+PAGE = 16
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France? Answer in one word, please."}]  # fmt: skip
+LONG = TEXTS[0] + " " + TEXTS[3]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tiny Nemotron-H checkpoint, its core with prompt logprobs), built once for this module."""
+    return export_tiny("nemotron_h", "nemotron_h", tmp_path_factory)
+
+
+def _hf_model(checkpoint: Path):
+    from transformers import NemotronHForCausalLM
+
+    return NemotronHForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: tuple[Path, Path]):
+    return _hf_model(tiny[0])
+
+
+def _prompts(core: Core) -> list[list[int]]:
+    """A rendered chat (the published template), a long text and a short one."""
+    from helios.core.template import ChatTemplate
+
+    tok = core.tokenizer()
+    chat = ChatTemplate(core.chat_template(), {"bos_token": "<s>", "eos_token": "<|im_end|>"}).render(
+        CHAT, add_generation_prompt=True)  # fmt: skip
+    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(LONG).ids, tok.encode(TEXTS[2]).ids]
+
+
+def test_config_reads_the_hybrid_layout(tiny: tuple[Path, Path]) -> None:
+    hf = json.loads((tiny[0] / "config.json").read_text())
+    assert family_of_hf_config(hf) == "nemotron_h"
+    c = nemotron_h.config_from_hf(hf)
+    assert c.layer_types == ("linear_attention", "moe", "full_attention", "linear_attention", "mlp")
+    assert (c.mamba_layers, c.n_groups, c.conv_dim, c.latent_size, c.dt_min) == ((0, 3), 2, 128, 32, 0.001)
+    assert c.router is not None and (c.router.n_group, c.router.topk_group, c.router.routed_scaling_factor) == (2, 1, 2.5)
+    m = Core.open(tiny[1]).manifest
+    assert (m.model.family, m.recipe.name, m.limits.page_tokens) == ("nemotron_h", "nemotron_h", PAGE)
+    assert (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) == (5, 2, 16)
+    assert [(e.name, e.layers, e.shape, e.dtype) for e in m.kv.state] == [
+        ("conv", (0, 3), (128, 3), "float32"), ("ssm", (0, 3), (8, 8, 16), "float32")]  # fmt: skip
+    assert (m.recipe.reasoning_syntax, m.recipe.tool_syntax, m.recipe.template_source) == ("think", "qwen3_coder", "checkpoint")
+    assert "mamba2_scan" in m.ops.ops and "causal_conv1d" in m.ops.ops
+
+
+def test_transformers_spellings_read_the_same_config(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """transformers saves layers_block_type, n_groups, conv_kernel, time_step_min...: same model."""
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(str(tiny[0])).save_pretrained(str(tmp_path))
+    native = json.loads((tmp_path / "config.json").read_text())
+    assert "layers_block_type" in native and "hybrid_override_pattern" not in native and "mamba_n_groups" not in native
+    ours = json.loads((tiny[0] / "config.json").read_text())
+    assert nemotron_h.config_from_hf(native) == nemotron_h.config_from_hf(ours)
+    legacy = {k: v for k, v in ours.items() if k != "hybrid_override_pattern"}
+    legacy["layers_block_type"] = ["mamba", "moe", "attention", "mamba", "mlp"]  # transformers' legacy names
+    assert nemotron_h.config_from_hf(legacy) == nemotron_h.config_from_hf(ours)
+
+
+def test_other_layouts_read_the_same_weights(tiny: tuple[Path, Path], reference) -> None:
+    """transformers' in-memory names (model., stacked experts.up_proj [E, F, latent]) read the same
+    weights; the MTP layer's tensors are left out."""
+    checkpoint = open_source(str(tiny[0]))
+    config = nemotron_h.config_from_hf(checkpoint.hf_config)
+    native = reference.state_dict()
+    assert "model.layers.1.mixer.experts.up_proj" in native and any(n.startswith("mtp.") for n in checkpoint.tensors)
+    plain = internal_weights(nemotron_h, checkpoint, config, torch.float32)
+    renamed = internal_weights(nemotron_h, replace(checkpoint, tensors=native), config, torch.float32)
+    assert renamed.keys() == plain.keys() and all(torch.equal(renamed[n], plain[n]) for n in plain)
+    ids = list(range(3, 40))
+    assert torch.equal(nemotron_h.reference_logits(config, native, ids),
+                       nemotron_h.reference_logits(config, checkpoint.tensors, ids))  # fmt: skip
+
+
+def test_reference_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
+    """The self-check's float64 reference is transformers' model (so the export checks against it)."""
+    checkpoint = open_source(str(tiny[0]))
+    config = nemotron_h.config_from_hf(checkpoint.hf_config)
+    ids = list(range(5, 70))
+    ours = torch.log_softmax(nemotron_h.reference_logits(config, checkpoint.tensors, ids), dim=-1)
+    assert float((ours - hf_logprobs(reference, ids)).abs().max()) <= 1e-4
+
+
+def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+    """Prompts longer than a page, prefilled whole, in chunks of 16 and 5 (each chunk resumes the
+    conv window and SSM state from its slot), and token by token past the first page."""
+    core = Core.open(tiny[1])
+    program, weights, m = core.load_program(), core.load_weights(), core.manifest
+    prompts = _prompts(core)
+    assert all(len(ids) > 3 * PAGE for ids in prompts[:2])
+    worst = 0.0
+    for ids in prompts:
+        expected = hf_logprobs(reference, ids)
+        for chunk in (None, 16, 5):
+            got = run_prompt(program, weights, m.kv, PAGE, ids, chunk=chunk).logprobs
+            worst = max(worst, float((got - expected).abs().max()))
+        decoded = PAGE + 4
+        got = run_prompt(program, weights, m.kv, PAGE, ids[:decoded], chunk=1).logprobs
+        worst = max(worst, float((got - expected[:decoded]).abs().max()))
+    print(f"max |Δ logprob| vs transformers: {worst:.3g}")
+    assert worst <= 1e-3
+
+
+def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+    core = Core.open(tiny[1])
+    program, weights, m = core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
+    worst = 0.0
+    for ids in _prompts(core):
+        run = run_prompt(program, weights, m.kv, PAGE, ids, chunk=PAGE)
+        expected = hf_logprobs(reference, ids)
+        scored = expected[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        worst = max(worst, float((run.outputs["prompt_logprobs"][:-1] - scored).abs().max()))
+        top = expected[:-1].gather(1, run.outputs["prompt_top_ids"][:-1])
+        worst = max(worst, float((run.outputs["prompt_top_logprobs"][:-1] - top).abs().max()))
+    print(f"max |Δ prompt logprob| vs transformers: {worst:.3g}")
+    assert worst <= 1e-3
+
+
+@pytest.mark.parametrize("text", [LONG, TEXTS[1], TEXTS[2]])
+def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference, text: str) -> None:
+    """The engine's greedy tokens (16-token prefill chunks, then decode rows whose state lives in
+    slots) carry transformers' logprobs and top alternatives on the whole sequence."""
+    check_generation_matches(tiny[1], reference, text, 16)
+
+
+def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
+    """8 prompts together == each alone, prefix cache on and off, 16-token prefill chunks."""
+    core = Core.open(tiny[1])
+    tok = core.tokenizer()
+    preamble = "You are a helpful assistant. Answer briefly and precisely. "
+    texts = [*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is"]
+    requests = [EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+                for i, t in enumerate(texts)]  # fmt: skip
+
+    def tokens(outputs: dict) -> dict[str, list[int]]:
+        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
+
+    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
+    alone: dict[str, list[int]] = {}
+    for request in requests:
+        alone.update(tokens(run_to_completion(solo, [request])))
+    uncached = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16, enable_prefix_cache=False))
+    assert tokens(run_to_completion(uncached, requests)) == alone
+    batched = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
+    assert tokens(run_to_completion(batched, requests)) == alone
+    again = run_to_completion(batched, [replace(r, request_id=r.request_id + "b") for r in requests])
+    assert {k[:-1]: v for k, v in tokens(again).items()} == alone  # from cached prefix pages and state snapshots
+    assert sum(c[0].num_cached_tokens for c in again.values()) > 0
+
+
+def test_prefix_reuse(tiny: tuple[Path, Path]) -> None:
+    check_prefix_reuse(tiny[1], LONG)
+
+
+def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
+    """transformers' own spellings and other branches: a layers_block_type list with attention
+    first, no conv bias, experts at hidden size (no latent projections), one expert group, no
+    renormalization, checkpoint names under model. with stacked experts (transformers' state dict)."""
+    checkpoint = write_testmodel("nemotron_h", tmp_path / "ckpt", seed=5)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in ("hybrid_override_pattern", "mamba_n_groups")}
+    config |= {"layers_block_type": ["full_attention", "linear_attention", "moe", "linear_attention"],
+               "num_hidden_layers": 4, "n_groups": 4, "use_conv_bias": False, "moe_latent_size": None, "n_group": 1,
+               "norm_topk_prob": False}  # fmt: skip
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    parsed = nemotron_h.config_from_hf(config)
+    generator = torch.Generator().manual_seed(5)
+    tensors = {n: _tensor(nemotron_h.testmodel_init, n, s, generator) for n, s in nemotron_h.hf_shapes(parsed).items()}
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    model = _hf_model(checkpoint)
+    # The same weights under transformers' in-memory names (its save_pretrained writes NVIDIA's back).
+    native = {n: t.contiguous() for n, t in model.state_dict().items()}
+    save_file(native, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    source = open_source(str(checkpoint))
+    assert "model.layers.2.mixer.experts.up_proj" in source.tensors
+    ids = list(range(7, 47))
+    expected = hf_logprobs(model, ids)
+    ours = torch.log_softmax(nemotron_h.reference_logits(parsed, source.tensors, ids), dim=-1)
+    assert float((ours - expected).abs().max()) <= 1e-4
+    result = export_core(source, load_recipe("nemotron_h"), ExportOptions(out=tmp_path / "core"))
+    assert result.max_abs_diff <= 1e-3  # the self-check ran the program against that reference
+    core = Core.open(tmp_path / "core")
+    for chunk in (PAGE, 3):
+        got = run_prompt(core.load_program(), core.load_weights(), core.manifest.kv, PAGE, ids, chunk=chunk).logprobs
+        assert float((got - expected).abs().max()) <= 1e-3
+
+
+# (tokens, experts, top_k, width, dtype): the op's unsorted decode path, grouped matmuls, the loop fallback
+EXPERT_CASES = {"decode": (1, 8, 2, 16, torch.float32), "batch": (24, 8, 2, 16, torch.float32),
+                "unaligned": (24, 8, 2, 6, torch.float32), "bf16 batch": (24, 8, 2, 16, torch.bfloat16)}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(EXPERT_CASES))
+def test_relu2_experts_match_transformers(case: str) -> None:
+    """flare::routed_experts with the ungated relu2 activation (stacks of up rows only), reference
+    and helios kernel, against transformers' NemotronHExperts on the same weights and routing."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    from helios.core.ops_moe import reference_routed_experts
+    from helios.engine.kernels_moe import routed_experts_cpu
+
+    tokens, e, k, f, dtype = EXPERT_CASES[case]
+    gen = torch.Generator().manual_seed(4)
+    hidden = 32
+    w_up, w_down = torch.randn(e, f, hidden, generator=gen) / hidden**0.5, torch.randn(e, hidden, f, generator=gen) / f**0.5
+    weights, ids = torch.randn(tokens, e, generator=gen).softmax(-1).topk(k, dim=-1)
+    h = torch.randn(tokens, hidden, generator=gen)
+    module = NemotronHExperts(NemotronHConfig(hidden_size=hidden, n_routed_experts=e, moe_intermediate_size=f))
+    module.up_proj.data, module.down_proj.data = w_up.clone(), w_down.clone()
+    with torch.no_grad():
+        expected = module(h, ids, weights)
+    args = (h.to(dtype), weights, ids, w_up.to(dtype), w_down.to(dtype), "relu2")
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    for kernel in (reference_routed_experts, routed_experts_cpu):
+        torch.testing.assert_close(kernel(*args), expected, rtol=tol, atol=tol)
+
+
+BASE = nemotron_h.testmodel_config(300)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"), ({"use_bias": True}, "use_bias"),
+    ({"mlp_bias": True}, "mlp_bias"), ({"attention_bias": True}, "attention_bias"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"), ({"sliding_window": 64}, "sliding_window"),
+    ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act"), ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
+    ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern"),
+    ({"layers_block_type": ["linear_attention", "sliding_attention"]}, "layers_block_type"),
+    ({"hybrid_override_pattern": "*-E"}, "without a linear_attention"), ({"mamba_n_groups": 3}, "n_groups"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"), ({"n_group": 3}, "n_group"),
+])  # fmt: skip
+def test_unsupported_variants_are_refused(change: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        nemotron_h.config_from_hf(BASE | change)
+
+
+# ---------------------------------------------------------------------------- chat round trips
+
+VERSION = {"anthropic-version": "2023-06-01"}
+ASK = "Weather in Paris?"
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+# What Nemotron writes after the prompt's "<|im_start|>assistant\n<think>\n".
+OUTPUT = ("The user wants weather.\n</think>\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+          "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>")  # fmt: skip
+EXPECTED = {"reasoning": "The user wants weather.", "text": "Checking.", "calls": [("get_weather", {"city": "Paris", "days": 3})]}
+
+
+def _stripped(got: dict[str, Any]) -> dict[str, Any]:
+    """The "think" parser keeps the newlines around </think> (reasoning "...weather.\\n", text
+    "\\nChecking."); compare what is between them."""
+    return got | {"reasoning": got["reasoning"].strip("\n"), "text": got["text"].strip("\n")}
+
+
+@pytest.fixture(scope="module")
+def app(tiny: tuple[Path, Path]):
+    from server.scripted import scripted_app  # tests/server's in-process server with a scripted model
+
+    with scripted_app(tiny[1]) as server:
+        yield server
+
+
+def _check_prompt(app) -> None:
+    prompt = app.last_prompt() or ""
+    assert prompt.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following functions:")
+    assert "<function>\n<name>get_weather</name>" in prompt and "<function=example_function_name>" in prompt
+    assert prompt.endswith(f"<|im_start|>user\n{ASK}<|im_end|>\n<|im_start|>assistant\n<think>\n")
+
+
+def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
+    app.say(OUTPUT)
+    body = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]}  # fmt: skip
+    response = app.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    _check_prompt(app)
+    choice = response.json()["choices"][0]
+    message = choice["message"]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    got = {"reasoning": message["reasoning_content"], "text": message["content"], "calls": calls}
+    assert _stripped(got) == EXPECTED and choice["finish_reason"] == "tool_calls"
+
+
+def test_messages_with_reasoning_and_tool_call(app) -> None:
+    app.say(OUTPUT)
+    body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}],
+            "tools": [{"name": "get_weather", "input_schema": CITY}]}  # fmt: skip
+    response = app.post("/v1/messages", json=body, headers=VERSION)
+    assert response.status_code == 200, response.text
+    _check_prompt(app)
+    result = response.json()
+    blocks = result["content"]
+    got = {"reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
+           "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
+           "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]}  # fmt: skip
+    assert _stripped(got) == EXPECTED and result["stop_reason"] == "tool_use"
+
+
+def test_responses_with_reasoning_and_tool_call(app) -> None:
+    app.say(OUTPUT)
+    body = {"model": "x", "input": ASK, "max_output_tokens": 256,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]}  # fmt: skip
+    response = app.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    _check_prompt(app)
+    result = response.json()
+    output = result["output"]
+    got = {"reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
+           "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
+           "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"]}  # fmt: skip
+    assert _stripped(got) == EXPECTED and result["status"] == "completed"
