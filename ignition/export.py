@@ -28,7 +28,8 @@ from helios.core import host, ops
 from helios.core import manifest as mf
 from helios.core.bundle import core_digest, sha256_file
 from helios.core.golden import golden_key
-from helios.core.program import SCORED_PREFILL, STEP, CompiledProgram, Program, program_signature, run_prompt
+from helios.core.program import (SCORED_PREFILL, STEP, CompiledProgram, Program, allocate_kv, program_signature,
+                                 run_prompt)
 from ignition.compiled import compile_program
 from ignition.errors import SourceError, UsageError, VerifyError
 from ignition.models import family
@@ -138,18 +139,18 @@ def internal_weights(fam: ModuleType, checkpoint: Checkpoint, config: object, dt
     return {name: (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in sorted(named.items())}
 
 
-def _dynamic_shapes(weights: dict[str, torch.Tensor], num_caches: int, inputs: tuple[mf.TensorSpec, ...]) -> tuple:
-    return ({name: None for name in weights}, *_cache_and_input_shapes(num_caches, inputs))
+def _dynamic_shapes(weights: dict[str, torch.Tensor], kv: mf.KvLayout, inputs: tuple[mf.TensorSpec, ...]) -> tuple:
+    return ({name: None for name in weights}, *_cache_and_input_shapes(kv, inputs))
 
 
-def _cache_and_input_shapes(num_caches: int, inputs: tuple[mf.TensorSpec, ...]) -> tuple:
-    """Dynamic shapes of the KV cache list (pages) and of each program input (named dims)."""
+def _cache_and_input_shapes(kv: mf.KvLayout, inputs: tuple[mf.TensorSpec, ...]) -> tuple:
+    """Dynamic shapes of the cache list (pages, then state slots) and of each program input (named dims)."""
     dims: dict[str, object] = {}
     Dim = torch.export.Dim
-    for name in ("T", "B", "M", "R", "K", "P"):
+    for name in ("T", "B", "M", "R", "K", "P", "S"):
         dims[name] = Dim(name, min=1)
     dims["B+1"] = dims["B"] + 1
-    shapes: list[object] = [[{0: dims["P"]}] * num_caches]
+    shapes: list[object] = [[{0: dims["P"]}] * kv.num_caches + [{0: dims["S"]}] * len(kv.state_shapes())]
     for spec in inputs:
         shapes.append({i: dims[d] for i, d in enumerate(spec.shape) if isinstance(d, str)})
     return tuple(shapes)
@@ -165,14 +166,18 @@ def _example_inputs(inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: 
         "seq_lens": torch.tensor([3, 2], dtype=torch.int32),
         "query_start_loc": torch.tensor([0, 3, 5], dtype=torch.int32),
         "logits_indices": torch.tensor([2, 4]),
+        "state_slots": torch.tensor([2, 0]),  # of EXAMPLE_SLOTS
         "logprob_token_ids": torch.tensor([[0, 1, 2], [3, 4, 5]]) % vocab,
         "target_ids": torch.tensor([2, 3, -1, 5, -1]) % vocab,
     }
     return [examples[spec.name] for spec in inputs]
 
 
+EXAMPLE_SLOTS = 3  # state slots of the tracing example (not 2: B is 2, and the dims must stay apart)
+
+
 def _example_caches(kv: mf.KvLayout, page_tokens: int) -> list[torch.Tensor]:
-    return [torch.zeros(4, page_tokens, heads, dim, dtype=getattr(torch, kv.dtype)) for heads, dim in kv.cache_shapes()]
+    return allocate_kv(kv, 4, page_tokens, num_slots=EXAMPLE_SLOTS)
 
 
 def compile_step(spec: mf.ProgramSpec, staging: Path, weights: dict[str, torch.Tensor], kv: mf.KvLayout,
@@ -185,7 +190,7 @@ def compile_step(spec: mf.ProgramSpec, staging: Path, weights: dict[str, torch.T
     try:
         compile_program(program, weights, _example_caches(kv, page_tokens),
                         _example_inputs(spec.inputs, vocab_size, page_tokens),
-                        _cache_and_input_shapes(kv.num_caches, spec.inputs), path)  # fmt: skip
+                        _cache_and_input_shapes(kv, spec.inputs), path)  # fmt: skip
     except Exception as exc:  # Inductor raises assorted errors (no compiler, unsupported op, ...)
         raise UsageError(f"--compile-step failed: {type(exc).__name__}: {str(exc)[:500]}; export without it") from exc
     compiled = CompiledProgram.load(STEP, spec, path)
@@ -205,11 +210,11 @@ def compile_step(spec: mf.ProgramSpec, staging: Path, weights: dict[str, torch.T
 def export_program(fam: ModuleType, config: object, kind: str, num_top: int, explicit: bool,
                    weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
                    path: Path) -> mf.ProgramSpec:  # fmt: skip
-    inputs, outputs = program_signature(kind, num_top, explicit)
+    inputs, outputs = program_signature(kind, num_top, explicit, state=bool(kv.state))
     module = fam.StepProgram(config, num_top, explicit, scored=kind == SCORED_PREFILL)
     caches = _example_caches(kv, page_tokens)
     args = (weights, caches, *_example_inputs(inputs, config.vocab_size, page_tokens))  # type: ignore[attr-defined]
-    exported = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(weights, len(caches), inputs))
+    exported = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(weights, kv, inputs))
     exported.example_inputs = None  # otherwise the example weights are saved with the graph
     for node in exported.graph.nodes:  # source paths and line numbers would make the bytes machine-specific
         node.meta.pop("stack_trace", None)
@@ -315,7 +320,8 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) 
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
     kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      dtype=options.kv_dtype or options.dtype, shared_kv=getattr(fam, "SHARED_KV", False),
-                     extra=tuple(mf.ExtraCache(*e) for e in getattr(fam, "extra_caches", lambda c: ())(config)))  # fmt: skip
+                     extra=tuple(mf.ExtraCache(*e) for e in getattr(fam, "extra_caches", lambda c: ())(config)),
+                     state=tuple(mf.StateCache(*e) for e in getattr(fam, "state_caches", lambda c: ())(config)))  # fmt: skip
     template = checkpoint.chat_template if recipe.info.template_source == "checkpoint" else None
     tokenizer = Tokenizer.from_str(checkpoint.tokenizer_json)
     staging = Path(tempfile.mkdtemp(prefix=f".{options.out.name}.", dir=options.out.parent))

@@ -7,6 +7,7 @@ checked before anything else so that a newer core is refused with a clear messag
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -85,6 +86,17 @@ class ExtraCache(_Struct):
     head_dim: int
 
 
+class StateCache(_Struct):
+    """Fixed-size per-sequence state some layers carry instead of (or beside) paged KV: a
+    recurrent layer's conv window or its SSM / linear-attention state. One tensor
+    [num_slots, *shape] per listed layer; a sequence owns one slot (KvLayout.state)."""
+
+    name: str  # what the family calls it, for humans (e.g. "conv", "ssm")
+    layers: tuple[int, ...]  # the layers holding one, ascending
+    shape: tuple[int, ...]  # per-slot shape
+    dtype: str = "float32"  # torch dtype name (recurrent state stays fp32 in a 16-bit core)
+
+
 class KvLayout(_Struct):
     """Enough for helios to allocate the paged cache without knowing the architecture."""
 
@@ -98,11 +110,25 @@ class KvLayout(_Struct):
     # Extra per-token caches, after the KV tensors in the program's list: each entry's layers
     # in order, entries in order; absent (none) in cores written before it existed.
     extra: tuple[ExtraCache, ...] = ()
+    # Recurrent state slots, after every paged cache in the program's list: each entry's layers
+    # in order, entries in order. A core with state takes the `state_slots` input; absent (none)
+    # in cores written before it existed.
+    state: tuple[StateCache, ...] = ()
 
     @property
     def num_caches(self) -> int:
-        """Cache tensors the program takes (shapes: cache_shapes)."""
+        """Paged cache tensors the program takes (shapes: cache_shapes); the state tensors follow."""
         return len(self.cache_shapes())
+
+    def state_shapes(self) -> tuple[tuple[tuple[int, ...], str], ...]:
+        """(per-slot shape, dtype) of each state tensor in the program's order, after the paged
+        caches; every tensor is [num_slots, *shape]."""
+        return tuple((tuple(e.shape), e.dtype) for e in self.state for _ in e.layers)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one sequence's state slot takes over all state tensors."""
+        return sum(math.prod(shape) * _dtype_size(dtype) for shape, dtype in self.state_shapes())
 
     def cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """(heads, head_dim) of each cache tensor in the program's order; every tensor is
@@ -114,6 +140,10 @@ class KvLayout(_Struct):
     def token_elements(self) -> int:
         """Cache elements one token takes over all tensors (page bytes = page_tokens * this * dtype size)."""
         return sum(heads * dim for heads, dim in self.cache_shapes())
+
+
+def _dtype_size(dtype: str) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
 
 
 class Capabilities(_Struct):

@@ -15,14 +15,16 @@ from helios.core import ops_block_sparse  # noqa: F401  (defines flare::block_se
 from helios.core import ops_deepseek_v4  # noqa: F401  (defines flare::dsv4_pool, dsv4_indexer_topk, dsv4_attention)
 from helios.core import ops_gated_delta  # noqa: F401  (defines flare::gated_delta_rule)
 from helios.core import ops_moe  # noqa: F401  (defines flare::routed_experts)
+from helios.core import ops_recurrent  # noqa: F401  (defines flare::causal_conv1d)
 from helios.core import ops_sparse  # noqa: F401  (defines flare::indexer_topk, flare::sparse_paged_attention)
 
 OPS_NAMESPACE = "flare"
 OPS_VERSION = 1
 # routed_experts: helios.core.ops_moe; block_select, block_sparse_attention: helios.core.ops_block_sparse;
-# indexer_topk, sparse_paged_attention: helios.core.ops_sparse; dsv4_*: helios.core.ops_deepseek_v4
+# indexer_topk, sparse_paged_attention: helios.core.ops_sparse; dsv4_*: helios.core.ops_deepseek_v4;
+# causal_conv1d: helios.core.ops_recurrent
 OP_NAMES = ("write_kv", "paged_attention", "routed_experts", "block_select", "block_sparse_attention", "indexer_topk",
-            "sparse_paged_attention", "dsv4_pool", "dsv4_indexer_topk", "dsv4_attention",
+            "sparse_paged_attention", "dsv4_pool", "dsv4_indexer_topk", "dsv4_attention", "causal_conv1d",
             "gated_delta_rule")  # fmt: skip  (gated_delta_rule: helios.core.ops_gated_delta)
 
 

@@ -3,8 +3,14 @@
 Every program is called as `program(weights, kv_cache, *inputs)` where `weights` is the
 dict stored in the core's safetensors, `kv_cache` is the list [k0, v0, k1, v1, ...] of
 page tensors [num_pages, page_tokens, num_kv_heads, head_dim], then the layout's extra
-caches (KvLayout.cache_shapes; updated in place), and
+caches (KvLayout.cache_shapes), then its recurrent state tensors [num_slots, *shape]
+(KvLayout.state_shapes), all updated in place, and
 `inputs` follow the manifest's input specs in order. Outputs follow the output specs.
+
+Recurrent state: a core whose layout has state takes `state_slots` [B], the slot of each
+sequence. A sequence whose first position in the step is 0 starts from zero state (its
+slot's contents are ignored); otherwise its slot holds the state after all its earlier
+tokens. The program leaves the state after the sequence's last token of the step there.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ SCORED_PREFILL = "scored_prefill"
 
 
 def program_signature(
-    kind: str, num_top: int, explicit_ids: bool
+    kind: str, num_top: int, explicit_ids: bool, state: bool = False
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Input and output specs of a program kind, for a core's logprob capabilities.
 
@@ -46,6 +52,8 @@ def program_signature(
         TensorSpec("query_start_loc", "int32", ("B+1",)),
         TensorSpec("logits_indices", "int64", ("R",)),  # token rows whose distributions are returned
     ]
+    if state:
+        inputs.append(TensorSpec("state_slots", "int64", ("B",)))  # recurrent-state slot of each sequence
     if explicit_ids:
         inputs.append(TensorSpec("logprob_token_ids", "int64", ("R", "K")))
     if kind == SCORED_PREFILL:
@@ -139,16 +147,23 @@ class CompiledProgram(_Callable):
         return self.runner.run([*kv_cache, *inputs])
 
 
-def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str = "cpu") -> list[Tensor]:
+def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str = "cpu",
+                num_slots: int = 1) -> list[Tensor]:  # fmt: skip
     """A zeroed paged cache: [k0, v0, k1, v1, ...] (shared_kv: [kv0, kv1, ...]), then the
-    layout's extra caches, each [num_pages, page_tokens, heads, head_dim] (KvLayout.cache_shapes)."""
+    layout's extra caches, each [num_pages, page_tokens, heads, head_dim] (KvLayout.cache_shapes),
+    then its state tensors [num_slots, *shape] (KvLayout.state_shapes; none without state)."""
     dtype = getattr(torch, layout.dtype)
-    shapes = [(num_pages, page_tokens, heads, dim) for heads, dim in layout.cache_shapes()]
+    shapes = [((num_pages, page_tokens, heads, dim), dtype) for heads, dim in layout.cache_shapes()]
+    shapes += [((num_slots, *shape), getattr(torch, state_dtype)) for shape, state_dtype in layout.state_shapes()]
     if device != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        return [torch.zeros(shape, dtype=dt, device=device) for shape, dt in shapes]
     # calloc'd memory: fresh zero pages the kernel maps on first write, not a 1 GB memset at startup
+    return [_zeros(shape, dt) for shape, dt in shapes]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     same_size = {2: np.int16, 4: np.int32, 8: np.int64}[torch.tensor([], dtype=dtype).element_size()]
-    return [torch.from_numpy(np.zeros(shape, dtype=same_size)).view(dtype) for shape in shapes]
+    return torch.from_numpy(np.zeros(shape, dtype=same_size)).view(dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +209,8 @@ def run_prompt(
             "query_start_loc": torch.tensor([0, end - start], dtype=torch.int32),
             "logits_indices": torch.arange(end - start, dtype=torch.int64),
         }
+        if "state_slots" in program.input_names:  # one sequence in slot 0, carried across chunks
+            inputs["state_slots"] = torch.zeros(1, dtype=torch.int64)
         if "logprob_token_ids" in program.input_names:
             chosen = explicit_ids or [0]
             inputs["logprob_token_ids"] = torch.tensor([chosen] * (end - start), dtype=torch.int64)

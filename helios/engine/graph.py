@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from helios.core.program import Program
-from helios.engine import kernels, kernels_block_sparse
+from helios.engine import kernels, kernels_block_sparse, kernels_recurrent
 
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 _DIRECT = {
@@ -25,6 +25,7 @@ _DIRECT = {
     torch.ops.flare.routed_experts.default: kernels.kernels_moe.routed_experts_cpu,
     torch.ops.flare.block_select.default: kernels_block_sparse.block_select_cpu,
     torch.ops.flare.block_sparse_attention.default: kernels_block_sparse.block_sparse_attention_cpu,
+    torch.ops.flare.causal_conv1d.default: kernels_recurrent.causal_conv1d_cpu,
 }
 
 

@@ -71,3 +71,23 @@ def check_batching_invariance(core_dir: Path, texts: list[str], max_tokens: int 
     again = run_to_completion(engine, [replace(r, request_id=r.request_id + "b") for r in requests])
     assert {rid[:-1]: choices[0].token_ids for rid, choices in again.items()} == alone
     assert sum(choices[0].num_cached_tokens for choices in again.values()) > 0
+
+
+def check_prefix_reuse(core_dir: Path, text: str, max_tokens: int = 8) -> None:
+    """A second request sharing a long prefix with an earlier one reuses it (cached tokens > 0;
+    for a core with recurrent state, through the state snapshot taken at that boundary) and
+    generates exactly what an uncached run does."""
+    core = Core.open(core_dir)
+    tok = core.tokenizer()
+    prefix = tuple(tok.encode(text).ids)
+    first = EngineRequest("first", prefix + tuple(tok.encode(" Then the end.").ids), (GREEDY,), max_tokens,
+                          ignore_eos=True)  # fmt: skip
+    second = EngineRequest("second", prefix + tuple(tok.encode(" And so on.").ids), (GREEDY,), max_tokens,
+                           ignore_eos=True)  # fmt: skip
+    assert len(prefix) > 2 * core.manifest.limits.page_tokens, "the shared prefix must cover whole pages"
+    uncached = run_to_completion(LLMEngine(core, EngineConfig(num_pages=64, enable_prefix_cache=False)), [second])
+    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
+    run_to_completion(engine, [first])
+    cached = run_to_completion(engine, [second])["second"][0]
+    assert cached.num_cached_tokens > 0
+    assert cached.token_ids == uncached["second"][0].token_ids
