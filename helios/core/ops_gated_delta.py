@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from helios.core.ops_recurrent import state_spans
+
 L2NORM_EPS = 1e-6
 
 
@@ -25,16 +27,6 @@ def l2norm(x: Tensor) -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (transformers' and FLA's l2norm)."""
     x = x.float()
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
-
-
-def spans(query_start_loc: Tensor, positions: Tensor) -> list[tuple[int, int, bool]]:
-    """(start, end, fresh) of each sequence's rows; fresh: it starts at position 0 (zero state)."""
-    starts = query_start_loc.tolist()
-    out = []
-    for b in range(len(starts) - 1):
-        start, end = starts[b], starts[b + 1]
-        out.append((start, end, end > start and int(positions[start]) == 0))
-    return out
 
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, scale: float, qk_l2norm: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -81,12 +73,12 @@ def gated_delta_rule(
     q, k, v = prepare(q, k, v, scale, qk_l2norm)
     g, beta = g.float(), beta.float()
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for b, (start, end, fresh) in enumerate(spans(query_start_loc, positions)):
-        if end <= start:
+    for span in state_spans(state_slots, query_start_loc, positions):
+        if span.end <= span.start:
             continue
-        slot = int(state_slots[b])
-        s = torch.zeros_like(state[slot]) if fresh else state[slot].float().clone()  # [Hv, Dk, Dv]
-        for t in range(start, end):
+        slot = span.slot
+        s = torch.zeros_like(state[slot]) if span.fresh else state[slot].float().clone()  # [Hv, Dk, Dv]
+        for t in range(span.start, span.end):
             s = s * g[t].exp()[:, None, None]
             predicted = torch.einsum("hkv,hk->hv", s, k[t])
             delta = (v[t] - predicted) * beta[t][:, None]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from helios.core.ops_gated_delta import prepare, spans
+from helios.core.ops_gated_delta import prepare
+from helios.core.ops_recurrent import state_spans
 
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's default)
 
@@ -24,15 +25,15 @@ def gated_delta_rule_cpu(q, k, v, g, beta, state, state_slots, query_start_loc, 
     g, beta = g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32)
     decode: list[tuple[int, int, bool]] = []  # (row, slot, fresh)
-    slots = state_slots.tolist()
-    for b, (start, end, fresh) in enumerate(spans(query_start_loc, positions)):
+    for span in state_spans(state_slots, query_start_loc, positions):
+        start, end = span.start, span.end
         if end - start == 1:
-            decode.append((start, slots[b], fresh))
+            decode.append((start, span.slot, span.fresh))
         elif end > start:
-            initial = None if fresh else state[slots[b]].float()
+            initial = None if span.fresh else state[span.slot].float()
             o, final = chunked(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], initial)
             out[start:end] = o
-            state[slots[b]] = final.to(state.dtype)
+            state[span.slot] = final.to(state.dtype)
     if decode:
         _decode(q, k, v, g, beta, state, decode, out)
     return out
