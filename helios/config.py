@@ -5,7 +5,7 @@
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
   aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, compiled_step, drain_seconds,
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
-  speculation, max_draft_tokens, speculative_rows, history_drafts
+  speculation, max_draft_tokens, speculative_rows, history_drafts, state_snapshots, snapshot_interval
 """
 
 from __future__ import annotations
@@ -72,6 +72,12 @@ class ServerConfig:
     max_draft_tokens: int = 6
     speculative_rows: int | None = None  # None: measured at startup (helios.engine.threads.measure_row_budget)
     history_drafts: bool = True
+    # Hybrid cores (recurrent layers): prefix reuse resumes from state snapshots taken during
+    # prefill at multiples of snapshot_interval prompt tokens (rounded up to whole pages; None:
+    # the prefill chunk size) and at each prompt's last page boundary; state_snapshots of them
+    # are kept, least recently used out (None: max_concurrency; 0: no prefix reuse for hybrids).
+    state_snapshots: int | None = None
+    snapshot_interval: int | None = None
 
     @property
     def auth_enabled(self) -> bool:
@@ -110,6 +116,10 @@ def _check(config: ServerConfig) -> ServerConfig:
         seconds = getattr(config, name)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
             raise ConfigError(f"[server] {name} must be a number of seconds above 0 and at most 3600, got {seconds!r}")
+    for name in ("state_snapshots", "snapshot_interval"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ConfigError(f"[server] {name} must be a non-negative integer, got {value!r}")
     rows = config.serial_decode_rows
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
         raise ConfigError(f"[server] serial_decode_rows must be a non-negative integer (0 disables), got {rows!r}")

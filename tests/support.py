@@ -39,10 +39,10 @@ class ScriptedExecutor:
     def script(self, token_ids: list[int]) -> None:
         self.queue.append(list(token_ids))
 
-    def run(self, chunks, page_copies=()):
+    def run(self, chunks, page_copies=(), *state_copies):
         import dataclasses
 
-        result = self.real.run(chunks, page_copies)  # the engine hands the step's page copies along
+        result = self.real.run(chunks, page_copies, *state_copies)  # the engine hands the step's copies along
         logits = result.logits.clone()
         row = 0
         for chunk in result.sampled:  # a chunk with drafts has a row per position it verifies

@@ -27,6 +27,7 @@ from helios.engine.logprobs import (
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats
 from helios.engine.sampler import Sampler, position_generator
 from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
+from helios.engine.state_slots import StatePool
 from helios.engine.sequence import (
     Chunk,
     ModelOutput,
@@ -62,6 +63,11 @@ class EngineConfig:
     serial_decode_rows: int | None = 0  # CPU: decode-only steps of at most this many rows use one thread; None: measure
     compiled_step: bool = True  # run the core's ahead-of-time step where it was built for this host
     speculation: SpeculationConfig = SpeculationConfig(mode="off")  # drafts verified per decode round (drafter.py)
+    # Hybrid cores (recurrent state): snapshot slots for prefix reuse (None: one per max_concurrency)
+    # and the prompt interval they are taken at in tokens (None: the prefill chunk, whole pages; 0: only at
+    # each prompt's last page boundary).
+    state_snapshots: int | None = None
+    snapshot_interval: int | None = None
 
 
 class LLMEngine:
@@ -81,15 +87,28 @@ class LLMEngine:
         self.pool = PagePool(num_pages, m.limits.page_tokens)
         self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,
                                  decode_weight_bytes=m.decode_weight_bytes)  # fmt: skip
+        self.states = None
+        if m.kv.state:
+            snapshots = config.max_concurrency if config.state_snapshots is None else config.state_snapshots
+            self.states = StatePool(config.max_concurrency, snapshots)
+            self.stats.state_slots = self.states.num_slots
+            self.stats.state_slot_bytes = m.kv.slot_bytes
+        page = m.limits.page_tokens
+        interval = config.snapshot_interval
+        if interval is None:
+            interval = max(page, config.prefill_chunk_size // page * page)
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
-                                 config.compiled_step)  # fmt: skip
+                                 config.compiled_step, self.states.num_slots if self.states else 1)  # fmt: skip
         speculation = config.speculation
+        if self.states is not None and speculation.mode != "off":
+            log.info("speculation: off for this hybrid core (a rejected draft would have advanced its recurrent state)")
+            speculation = SpeculationConfig(mode="off")
         if speculation.mode == "adaptive" and speculation.row_budget is None:  # only adaptive mode keeps a budget
             speculation = replace(speculation, row_budget=self.executor.speculation_rows(core))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
-                            frozenset(m.tokenizer.eos_token_ids)),
-            self.pool, self.stats, speculation,
+                            frozenset(m.tokenizer.eos_token_ids), -(-interval // page) * page),
+            self.pool, self.stats, speculation, self.states,
         )  # fmt: skip
         if self.executor.compiled_fallback:
             log.warning("%s", self.executor.compiled_fallback)
@@ -157,7 +176,7 @@ class LLMEngine:
 
     def _run(self, plan: SchedulerOutput) -> ModelOutput:
         """Run the programs, then sample every choice of every sampled chunk and verify drafts."""
-        result = self.executor.run(plan.chunks, plan.page_copies)
+        result = self.executor.run(plan.chunks, plan.page_copies, plan.state_before, plan.state_after)
         self._count_verify_step(plan)
         prompt_entries = {key: self._prompt_entries(chunk, result.prompt_scores[key])
                           for chunk in plan.chunks if (key := id(chunk)) in result.prompt_scores}  # fmt: skip
@@ -278,6 +297,9 @@ class LLMEngine:
         self.stats.pending = len(self.scheduler.waiting)
         self.stats.free_pages = self.pool.num_free
         self.stats.cached_pages = self.pool.num_cached
+        if self.states is not None:
+            self.stats.state_slots_used = self.states.live_in_use
+            self.stats.state_snapshots = self.states.snapshots_held
 
 
 def _budget_close(seq: Sequence) -> int | None:

@@ -34,10 +34,11 @@ class StepResult:
 
 class Executor:
     def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
-                 upcast: bool = False, compiled: bool = True) -> None:  # fmt: skip
+                 upcast: bool = False, compiled: bool = True, num_slots: int = 1) -> None:  # fmt: skip
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure). compiled: run the
-        core's ahead-of-time step where it was built for this host (else the portable one)."""
+        core's ahead-of-time step where it was built for this host (else the portable one).
+        num_slots: recurrent-state slots of a hybrid core (live plus snapshots; state_slots.py)."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
         manifest = core.manifest
@@ -68,8 +69,10 @@ class Executor:
             if prepack.available():
                 self.weights = prepack.prepack(programs, self.weights)
             clock.lap("simplifying graphs and packing weights")
-        self.kv = allocate_kv(kv_layout, num_pages, self.page_tokens, device)
-        clock.lap(f"allocating {num_pages} KV pages")
+        self.kv = allocate_kv(kv_layout, num_pages, self.page_tokens, device, num_slots)
+        self.num_slots = num_slots
+        self.state = self.kv[kv_layout.num_caches :]  # recurrent-state tensors [num_slots, ...] (hybrid cores)
+        clock.lap(f"allocating {num_pages} KV pages" + (f" and {num_slots} state slots" if self.state else ""))
         self.explicit = manifest.capabilities.explicit_logprob_ids
         self.threads = torch.get_num_threads()
         if device != "cpu":
@@ -137,14 +140,25 @@ class Executor:
         }
         if self.explicit:
             inputs["logprob_token_ids"] = torch.zeros(rows, 1, dtype=torch.int64)
+        if self.state:  # the probe's results are never read: slots may repeat
+            inputs["state_slots"] = torch.arange(rows, dtype=torch.int64) % self.num_slots
         self.step(self.weights, self.kv, **{name: value.to(self.device) for name, value in inputs.items()})
 
     def copy_page(self, src: int, dst: int) -> None:
-        for tensor in self.kv:
+        for tensor in self.kv[: len(self.kv) - len(self.state)]:
             tensor[dst].copy_(tensor[src])
 
-    def run(self, chunks: tuple[Chunk, ...], page_copies: tuple[tuple[int, int], ...] = ()) -> StepResult:
-        """Run the chunks, then copy pages (src, dst) that the step has just written."""
+    def copy_state(self, src: int, dst: int) -> None:
+        for tensor in self.state:
+            tensor[dst].copy_(tensor[src])
+
+    def run(self, chunks: tuple[Chunk, ...], page_copies: tuple[tuple[int, int], ...] = (),
+            state_before: tuple[tuple[int, int], ...] = (),
+            state_after: tuple[tuple[int, int], ...] = ()) -> StepResult:  # fmt: skip
+        """Copy state slots (src, dst) of `state_before`, run the chunks, then copy the pages and
+        state slots (src, dst) of `page_copies` and `state_after` that the step has just written."""
+        for src, dst in state_before:
+            self.copy_state(src, dst)
         if self.serial_decode_rows:
             rows = sum(1 + len(c.draft_ids) for c in chunks)
             serial = rows <= self.serial_decode_rows and all(c.num_tokens == 1 for c in chunks)
@@ -161,6 +175,8 @@ class Executor:
             parts.append((scored, self._call(self.scored, scored, scored=True)))
         for src, dst in page_copies:
             self.copy_page(src, dst)
+        for src, dst in state_after:
+            self.copy_state(src, dst)
         sampled: list[Chunk] = []
         rows: dict[str, list[Tensor]] = {}
         prompt_scores: dict[int, dict[str, Tensor]] = {}
@@ -236,6 +252,8 @@ class Executor:
             inputs["logprob_token_ids"] = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in explicit])
         if scored:
             inputs["target_ids"] = torch.tensor(targets, dtype=torch.int64)
+        if self.state:
+            inputs["state_slots"] = torch.tensor([c.seq.state_slot for c in chunks], dtype=torch.int64)
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
         outputs = program(self.weights, self.kv, **inputs)
         if not any(c.wants_logits for c in chunks):

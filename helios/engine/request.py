@@ -122,6 +122,10 @@ class EngineStats:
     total_pages: int = 0
     page_tokens: int = 0
     decode_weight_bytes: int = 0
+    state_slots: int = 0  # hybrid cores: recurrent-state slots (live plus snapshot), 0 for others
+    state_slot_bytes: int = 0  # bytes of one slot over every recurrent layer
+    state_slots_used: int = 0  # live slots held by running sequences
+    state_snapshots: int = 0  # prefix snapshots held
 
     def count_round(self, drafts: int) -> None:
         self.rounds_by_depth[drafts] = self.rounds_by_depth.get(drafts, 0) + 1

@@ -11,6 +11,11 @@ Invariants (each checked by tests/engine/test_scheduler.py without a model):
   the prefix cache where those survive. Only a sequence that alone fills the pool stops
   with the length cause; other requests' load never shortens an output.
 * Every finish (stop, length, abort, error) releases the sequence's pages and reservation.
+* Hybrid cores (recurrent state, state_slots.py): every running sequence holds one live state
+  slot, taken at admission or fork and released with its pages. Its prefix is reused only as
+  far as a state snapshot reaches; prefill chunks end at snapshot boundaries so the state
+  there can be captured. Such sequences never draft (a rejected draft would have advanced
+  the state).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from helios.engine.drafter import HistoryDrafter, SpeculationConfig
 from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
+from helios.engine.state_slots import StatePool
 from helios.engine.sequence import (
     Chunk,
     ModelOutput,
@@ -37,13 +43,17 @@ class SchedulerConfig:
     prefill_chunk_size: int  # prefill tokens per step, summed over sequences
     max_model_len: int
     eos_ids: frozenset[int] = frozenset()
+    # Hybrid cores: state snapshots are taken at prompt positions that are multiples of this
+    # (a multiple of the page size), and at the prompt's last page boundary; 0: only there.
+    snapshot_interval: int = 0
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool, stats: EngineStats | None = None,
-                 speculation: SpeculationConfig | None = None) -> None:  # fmt: skip
+                 speculation: SpeculationConfig | None = None, states: StatePool | None = None) -> None:  # fmt: skip
         self.config = config
         self.pool = pool
+        self.states = states
         self.drafter = HistoryDrafter(speculation or SpeculationConfig(mode="off"))
         self.stats = stats if stats is not None else EngineStats(total_pages=pool.num_pages, page_tokens=pool.page_tokens)
         self.waiting: deque[Sequence] = deque()
@@ -51,6 +61,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._forked: list[Sequence] = []  # children created while planning; they join `running` after it
         self._planned_finishes: list[EngineEvent] = []  # finishes decided while planning this step
+        self._state_before: list[tuple[int, int]] = []  # this plan's state copies (SchedulerOutput)
+        self._state_after: list[tuple[int, int]] = []
+        self._captures: list[tuple[Sequence, bytes, int]] = []
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -91,7 +104,9 @@ class Scheduler:
         preempted = self.stats.preemptions != preemptions_before
         while self.waiting and budget > 0 and not preempted:  # no re-admission into a pool just found short
             head = self.waiting[0]
-            if len(self.running) + len(self._forked) + head.num_choices > self.config.max_concurrency:
+            # Running parents count their unforked children: they take a slot when they fork.
+            live = sum(s.num_choices for s in self.running) + len(self._forked)
+            if live + head.num_choices > self.config.max_concurrency:
                 break
             if not self._admit(head):
                 if not self.running and not self._forked:  # even an empty pool cannot hold it
@@ -106,10 +121,58 @@ class Scheduler:
         self.running += self._forked
         self._forked = []
         finished, self._planned_finishes = tuple(self._planned_finishes), []
-        return SchedulerOutput(tuple(chunks), tuple(copies), finished)
+        before, after, captures = tuple(self._state_before), tuple(self._state_after), tuple(self._captures)
+        self._state_before, self._state_after, self._captures = [], [], []
+        return SchedulerOutput(tuple(chunks), tuple(copies), finished, before, after, captures)
 
     def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk:
-        return self._chunk(seq, seq.num_computed, min(seq.num_pending, budget), copies)
+        size = min(seq.num_pending, budget)
+        if self.states is not None and self.states.num_snapshots:
+            boundary = self._next_boundary(seq)
+            if boundary is not None and boundary < seq.num_computed + size:
+                size = boundary - seq.num_computed  # end at the boundary, so its state can be captured
+            if seq.num_computed + size == boundary:
+                self._capture(seq, boundary)
+        return self._chunk(seq, seq.num_computed, size, copies)
+
+    # ------------------------------------------------------------------ recurrent state (hybrid cores)
+    def _next_boundary(self, seq: Sequence) -> int | None:
+        """The next prompt position after num_computed where seq's state is snapshotted: a multiple
+        of the snapshot interval, or the prompt's last page boundary (what a later prompt sharing
+        this one can reuse; at least one token is always computed, so not the prompt's end)."""
+        size = self.pool.page_tokens
+        last = (seq.num_prompt - 1) // size * size
+        if last <= seq.num_computed:
+            return None
+        interval = self.config.snapshot_interval
+        if interval:
+            following = (seq.num_computed // interval + 1) * interval
+            return min(following, last)
+        return last
+
+    def _capture(self, seq: Sequence, boundary: int) -> None:
+        """Plan a copy of seq's state after this step into a snapshot slot for `boundary`."""
+        assert self.states is not None and seq.state_slot is not None
+        size = self.pool.page_tokens
+        digest = seq.chain[-1] if seq.chain else ROOT_HASH
+        for index in range(len(seq.chain), boundary // size):
+            digest = page_hash(digest, seq.request.cache_identity, tuple(seq.token_ids[index * size : (index + 1) * size]))
+        if self.states.has(digest):
+            return
+        slot = self.states.claim()
+        if slot is not None:
+            self._state_after.append((seq.state_slot, slot))
+            self._captures.append((seq, digest, slot))
+
+    def _reusable_prefix(self, seq: Sequence, pages: list[int], end: bytes) -> tuple[list[int], bytes, int | None]:
+        """Of the cached pages matched for seq, those its recurrent state can resume after: up to the
+        longest boundary with a snapshot (returned, to restore before the step); the rest released."""
+        assert self.states is not None
+        chain = self._chain_of(seq.token_ids, seq.request.cache_identity, len(pages), end)
+        found = self.states.lookup(chain)
+        keep = found[0] if found is not None else 0
+        self.pool.release(pages[keep:])
+        return pages[:keep], chain[keep - 1] if keep else ROOT_HASH, found[1] if found is not None else None
 
     def _chunk(self, seq: Sequence, start: int, size: int, copies: list[tuple[int, int]],
                drafts: tuple[int, ...] = (), states: tuple = ()) -> Chunk:  # fmt: skip
@@ -137,7 +200,7 @@ class Scheduler:
         limits, and for a constrained one the constraint before each verification row (its own,
         then forks advanced through each draft; drafts the grammar rejects are cut). Pages for
         drafts come only from free ones: drafts never preempt."""
-        if spare <= 0 or seq.unforked or not self._may_draft(seq):
+        if spare <= 0 or seq.unforked or self.states is not None or not self._may_draft(seq):
             return (), ()
         request = seq.request
         room = min(request.max_tokens - seq.num_output - 1,  # the correction or bonus token always follows
@@ -211,12 +274,19 @@ class Scheduler:
         if seq.request.use_prefix_cache and not seq.scoring:
             # At least the last token is computed here: its logits are the next sample.
             pages, end = self.pool.match_prefix(tokens, seq.request.cache_identity, (len(tokens) - 1) // size)
+        snapshot = None
+        if pages and self.states is not None:
+            pages, end, snapshot = self._reusable_prefix(seq, pages, end)
         needed = self.pool.pages_for(len(tokens)) - len(pages)
         growth = 1 if len(tokens) % size == 0 else 0  # the next token starts a new page
         reserve = growth + seq.unforked  # each unforked child needs one private page for its first token
         if needed + reserve > self.pool.num_available:
             self.pool.release(pages)
             return False
+        if self.states is not None:  # within max_concurrency, so a live slot is free
+            seq.state_slot = self.states.allocate()
+            if snapshot is not None:
+                self._state_before.append((snapshot, seq.state_slot))
         seq.pages = pages + [self.pool.allocate() for _ in range(needed)]
         self.pool.reserve(reserve)
         seq.reserved = reserve
@@ -262,6 +332,10 @@ class Scheduler:
             child.prompt_entries, child.prompt_chunk_ends = parent.prompt_entries, parent.prompt_chunk_ends
             child.reasoning_open = parent.reasoning_open
             child.constraint = parent.request.constraint.fork() if parent.request.constraint is not None else None
+            if self.states is not None:  # the parent's state after this step, copied
+                assert parent.state_slot is not None
+                child.state_slot = self.states.allocate()
+                self._state_after.append((parent.state_slot, child.state_slot))
             children.append(child)
         parent.unforked = 0
         self._forked += children
@@ -272,6 +346,9 @@ class Scheduler:
         """Commit a step: computed positions, published pages, sampled tokens, stops and finishes."""
         events: list[EngineEvent] = []
         drafts = {id(chunk.seq): len(chunk.draft_ids) for chunk in plan.chunks if chunk.draft_ids}
+        for _, digest, slot in plan.captures:  # the step ran, so the copies after it were made
+            assert self.states is not None
+            self.states.register(digest, slot)
         for chunk in plan.chunks:
             seq = chunk.seq
             if seq.finish is not None:
@@ -379,6 +456,9 @@ class Scheduler:
         for seq in plan.sequences:
             if seq.finish is None:
                 events += self._finish_all(seq, FinishCause.ERROR, error)
+        for _, _, slot in plan.captures:
+            assert self.states is not None
+            self.states.unclaim(slot)
         return events
 
     def abort(self, doomed: set[tuple[str, int | None]]) -> list[EngineEvent]:
@@ -424,6 +504,9 @@ class Scheduler:
         self.pool.release(seq.pages)
         self.pool.unreserve(seq.reserved)
         seq.pages, seq.reserved = [], 0
+        if self.states is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
 
     def _event(self, seq: Sequence, tokens: tuple[int, ...], entries: tuple, cause: FinishCause | None,
                error: str | None = None) -> EngineEvent:  # fmt: skip
@@ -454,6 +537,10 @@ class Scheduler:
         assert self.pool.num_reserved == sum(s.reserved for s in self.running), "reservations leaked"
         assert all(not s.pages and not s.reserved for s in self.waiting), "a waiting sequence holds pages"
         assert self.pool.num_free + self.pool.num_cached + self.pool.num_private == self.pool.num_pages
+        if self.states is not None:
+            assert all(s.state_slot is not None for s in self.running), "a running sequence has no state slot"
+            assert all(s.state_slot is None for s in self.waiting), "a waiting sequence holds a state slot"
+            self.states.check(len(self.running))
 
 
 def constraint_error(seq: Sequence) -> str:

@@ -41,6 +41,7 @@ class Sequence:
     reasoning_tokens: int = 0
     constraint: TokenConstraint | None = None  # this choice's own fork of the request's constraint
     draft_depth: float = 2.0  # adaptive speculation: drafts to offer next round; a new sequence starts shallow
+    state_slot: int | None = None  # hybrid cores: its live recurrent-state slot while running (state_slots.py)
 
     @property
     def num_output(self) -> int:
@@ -92,6 +93,11 @@ class SchedulerOutput:
     chunks: tuple[Chunk, ...]  # invariant: at most one chunk per sequence; every page they touch is allocated
     page_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) after the step: forked children's partial pages
     finished: tuple[EngineEvent, ...] = ()  # sequences planning found could never fit (length cause)
+    # Hybrid cores' recurrent-state slot copies (src, dst): snapshot restores before the step,
+    # forks and snapshot captures after it; captures are (sequence, boundary chain hash, snapshot slot).
+    state_before: tuple[tuple[int, int], ...] = ()
+    state_after: tuple[tuple[int, int], ...] = ()
+    captures: tuple[tuple[Sequence, bytes, int], ...] = ()
 
     @property
     def sequences(self) -> list[Sequence]:

@@ -67,6 +67,10 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
     ("http_admission_capacity", "gauge", "HTTP admission slots in total"),
     ("history_drafts_enabled", "gauge", "Whether shared decoded history augments learned proposals"),
     ("uptime_seconds", "gauge", "Seconds since server start"),
+    ("state_slots", "gauge", "Recurrent-state slots of a hybrid core, live plus snapshot (0 for other cores)"),
+    ("state_slot_bytes", "gauge", "Bytes of one recurrent-state slot over every recurrent layer"),
+    ("state_slots_used", "gauge", "Live recurrent-state slots held by running sequences"),
+    ("state_snapshots", "gauge", "Recurrent-state prefix snapshots held for reuse"),
 )
 _EXTRA_NAMES = {key for key, *_ in EXTRAS}
 

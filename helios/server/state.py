@@ -59,7 +59,8 @@ class ServerState:
         values = {name: getattr(stats, name) for name in (
             "prefill_tokens", "generated_tokens", "decode_weight_bytes", "verification_rounds", "active", "pending",
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
-            "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds")}  # fmt: skip
+            "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds",
+            "state_slots", "state_slot_bytes", "state_slots_used", "state_snapshots")}  # fmt: skip
         speculation = self.client.engine.scheduler.drafter
         values.update(
             preemptions_total=stats.preemptions,
@@ -97,7 +98,8 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
         kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache,
         serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step,
         speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
-                                      config.history_drafts)),
+                                      config.history_drafts),
+        state_snapshots=config.state_snapshots, snapshot_interval=config.snapshot_interval),
         mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     client = EngineClient(engine).start()
     clock.lap("starting the engine")

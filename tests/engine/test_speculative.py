@@ -172,7 +172,7 @@ class _FixedLogits:
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
 
-    def run(self, chunks, page_copies=()) -> StepResult:
+    def run(self, chunks, page_copies=(), *state_copies) -> StepResult:
         return StepResult(tuple(chunks), self.logits, self.logits.logsumexp(dim=-1), None, None, None, {})
 
 

@@ -1,0 +1,97 @@
+"""Recurrent-state slot accounting for hybrid cores (slot ids only, no tensors).
+
+A hybrid model's recurrent layers (Mamba-2, gated DeltaNet) keep fixed-size per-sequence
+state instead of per-token KV, so KV pages alone cannot resume them. The state tensors
+have `num_live + num_snapshots` slots:
+
+  live      one per running sequence (allocated at admission or fork, freed at finish,
+            abort and preemption); never more than max_concurrency are in use, so the
+            scheduler's concurrency check is also the slot check
+  snapshot  an immutable copy of a sequence's state at a page-aligned prefix boundary,
+            keyed by the page-hash chain up to that boundary (token content plus the
+            identity slot), least-recently-used first out
+
+Prefix reuse for a hybrid restores a snapshot into the sequence's live slot; a prefix with
+no snapshot is recomputed. A snapshot is taken by copying a live slot after the step whose
+chunk ended at its boundary; it is registered only once that step succeeded, so a lookup
+never returns a slot whose copy has not happened.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+
+class StatePool:
+    def __init__(self, num_live: int, num_snapshots: int) -> None:
+        self.num_live = num_live
+        self.num_snapshots = num_snapshots
+        self._free_live: deque[int] = deque(range(num_live))
+        self._free_snapshots: deque[int] = deque(range(num_live, num_live + num_snapshots))
+        self._by_hash: OrderedDict[bytes, int] = OrderedDict()  # registered snapshots, oldest first
+        self._pending: set[int] = set()  # snapshot slots whose copy a planned step will make
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_live + self.num_snapshots
+
+    @property
+    def live_in_use(self) -> int:
+        return self.num_live - len(self._free_live)
+
+    @property
+    def snapshots_held(self) -> int:
+        return len(self._by_hash)
+
+    # ------------------------------------------------------------------ live slots
+    def allocate(self) -> int:
+        assert self._free_live, "no live state slot left (admission must stay within max_concurrency)"
+        return self._free_live.popleft()
+
+    def release(self, slot: int | None) -> None:
+        if slot is not None:
+            assert slot < self.num_live and slot not in self._free_live, f"state slot {slot} released twice"
+            self._free_live.append(slot)
+
+    # ------------------------------------------------------------------ snapshots
+    def lookup(self, chain: list[bytes]) -> tuple[int, int] | None:
+        """(pages, snapshot slot) of the longest prefix of the chain with a snapshot, or None."""
+        for pages in range(len(chain), 0, -1):
+            slot = self._by_hash.get(chain[pages - 1])
+            if slot is not None:
+                self._by_hash.move_to_end(chain[pages - 1])
+                return pages, slot
+        return None
+
+    def has(self, digest: bytes) -> bool:
+        return digest in self._by_hash
+
+    def claim(self) -> int | None:
+        """A snapshot slot for a capture a step will make (the oldest snapshot's, when none is free)."""
+        if self._free_snapshots:
+            slot = self._free_snapshots.popleft()
+        elif self._by_hash:
+            _, slot = self._by_hash.popitem(last=False)
+        else:
+            return None  # every snapshot slot is claimed by captures in flight (or there are none)
+        self._pending.add(slot)
+        return slot
+
+    def register(self, digest: bytes, slot: int) -> None:
+        """The claimed slot now holds the state at `digest`'s boundary."""
+        self._pending.discard(slot)
+        if digest in self._by_hash:  # an identical snapshot landed first: keep that one
+            self._free_snapshots.append(slot)
+            return
+        self._by_hash[digest] = slot
+
+    def unclaim(self, slot: int) -> None:
+        """A claimed capture that will not be registered (its step failed, its sequence left)."""
+        self._pending.discard(slot)
+        self._free_snapshots.append(slot)
+
+    def check(self, live_held: int) -> None:
+        """Slots add up (tests): `live_held` running sequences hold one live slot each."""
+        assert self.live_in_use == live_held, f"{self.live_in_use} live state slots in use, {live_held} held"
+        held = len(self._free_snapshots) + len(self._by_hash) + len(self._pending)
+        assert held == self.num_snapshots, "snapshot slots leaked"

@@ -1,0 +1,123 @@
+"""Recurrent-state slots of hybrid cores in the scheduler (no model): one live slot per running
+sequence through admission, forks, preemption, aborts and failures; snapshots captured at
+page-aligned prompt boundaries and restored for a shared prefix; never a stale slot."""
+
+from __future__ import annotations
+
+import random
+
+from helios.engine.kv_cache import PagePool
+from helios.engine.request import EngineRequest, FinishCause
+from helios.engine.scheduler import Scheduler, SchedulerConfig
+from helios.engine.sequence import ModelOutput, SampledToken
+from helios.engine.state_slots import StatePool
+from tests.engine.test_scheduler import PAGE, PARAMS, _collect, _request, _step
+
+
+def _hybrid(pages: int = 32, chunk: int = 16, concurrency: int = 4, snapshots: int = 4, interval: int = 8) -> Scheduler:
+    return Scheduler(SchedulerConfig(concurrency, chunk, 1024, snapshot_interval=interval), PagePool(pages, PAGE),
+                     states=StatePool(concurrency, snapshots))  # fmt: skip
+
+
+def _drain(s: Scheduler, fail_every: int = 0) -> dict:
+    out: dict = {}
+    for step in range(10_000):
+        if not s.has_work:
+            break
+        _collect(out, _step(s, fail=bool(fail_every) and step % fail_every == fail_every - 1)[1])
+    assert not s.has_work
+    assert s.states is not None and s.states.live_in_use == 0
+    return out
+
+
+def test_prefill_chunks_end_at_snapshot_boundaries_and_capture_there() -> None:
+    s = _hybrid(chunk=16, interval=8)
+    s.add(_request("a", 22))  # boundaries: 8, 16 (interval) and 20 (the prompt's last page boundary)
+    ends, captured = [], []
+    while True:
+        plan, _ = _step(s)
+        chunk = plan.chunks[0]
+        ends.append(chunk.start + chunk.num_tokens)
+        captured += [(slot_src, slot_dst) for slot_src, slot_dst in plan.state_after]
+        assert [c[0] for c in plan.captures] == [chunk.seq] * len(plan.captures)
+        if chunk.wants_logits:
+            break
+    assert ends == [8, 16, 20, 22]
+    live = s.running[0].state_slot
+    assert len(captured) == 3 and all(src == live and dst >= s.states.num_live for src, dst in captured)
+    assert s.states.snapshots_held == 3
+
+
+def test_a_shared_prefix_resumes_from_the_longest_snapshot() -> None:
+    s = _hybrid(chunk=64, interval=8)
+    s.add(_request("a", 30, max_tokens=1))
+    _drain(s)  # captures at 8, 16, 24 and 28
+    shared = tuple(range(1, 19)) + (99, 98, 97, 96, 95)  # the first 18 tokens, then different ones
+    s.add(EngineRequest("b", shared, (PARAMS,), max_tokens=2))
+    plan, _ = _step(s)
+    seq = plan.chunks[0].seq
+    assert plan.chunks[0].start == 16 and seq.num_cached == 16  # pages 0..3 match; the snapshot at 16 holds
+    assert len(plan.state_before) == 1 and plan.state_before[0][1] == seq.state_slot
+    assert plan.state_before[0][0] >= s.states.num_live
+
+
+def test_pages_without_a_snapshot_are_recomputed() -> None:
+    s = _hybrid(chunk=64, snapshots=0)
+    s.add(_request("a", 30, max_tokens=1))
+    _drain(s)
+    s.add(_request("b", 30, max_tokens=1))
+    plan, _ = _step(s)
+    assert plan.chunks[0].start == 0 and plan.chunks[0].seq.num_cached == 0 and not plan.state_before
+
+
+def test_forks_copy_the_parents_state_after_the_step() -> None:
+    s = _hybrid()
+    s.add(_request("n4", 6, n=4, max_tokens=3))
+    plan, _ = _step(s)
+    assert plan.chunks[0].num_tokens == 4 and plan.captures  # up to the prompt's last page boundary
+    plan, _ = _step(s)
+    parent = plan.chunks[0].seq
+    forks = [(src, dst) for src, dst in plan.state_after if dst < s.states.num_live]
+    assert len(forks) == 3 and {src for src, _ in forks} == {parent.state_slot}
+    assert len({dst for _, dst in forks} | {parent.state_slot}) == 4
+    out = _drain(s)
+    assert all(out[("n4", i)][1] is FinishCause.LENGTH for i in range(4))
+
+
+def test_a_failed_step_returns_its_claimed_snapshots() -> None:
+    s = _hybrid(chunk=8, interval=8)
+    s.add(_request("a", 20))
+    plan, events = _step(s, fail=True)
+    assert plan.captures and events[0].finish is FinishCause.ERROR
+    assert s.states.snapshots_held == 0 and s.states.live_in_use == 0
+    s.states.check(0)
+
+
+def test_slots_never_leak_under_preemption_aborts_forks_and_failures() -> None:
+    rng = random.Random(5)
+    for trial in range(6):
+        s = _hybrid(pages=14, chunk=rng.choice([4, 8, 16]), concurrency=5, snapshots=3, interval=rng.choice([0, 4, 8]))
+        for i in range(12):
+            s.add(_request(f"r{i}", rng.randint(1, 20), n=rng.choice([1, 1, 2, 4]), max_tokens=rng.randint(1, 12)))
+        out: dict = {}
+        for step in range(10_000):
+            if not s.has_work:
+                break
+            if step % 7 == 3 and s.running:
+                victim = rng.choice(s.running).request.request_id
+                _collect(out, s.abort({(victim, None)}))
+                s.check_invariants()
+            plan = s.schedule()
+            events = list(plan.finished)
+            if trial % 2 and step % 11 == 5:
+                events += s.fail(plan, "boom")
+            else:
+                tokens = {id(q): (SampledToken(7, None),) for c in plan.chunks if c.wants_logits for q in c.choices}
+                events += s.update_from_output(plan, ModelOutput(tokens))
+            # Every chunk of a sequence not starting at 0 resumes a slot it holds; restores target live slots.
+            assert all(dst < s.states.num_live and src >= s.states.num_live for src, dst in plan.state_before)
+            s.check_invariants()
+            _collect(out, events)
+        assert not s.has_work and s.states.live_in_use == 0
+        s.states.check(0)
+        assert all(finish is not None for _, finish in out.values())
