@@ -60,9 +60,12 @@ def _transformers(q, k, v, g, beta, pool, slots, starts, positions, recurrent: b
     return torch.cat(outs), finals
 
 
-@pytest.mark.parametrize("kernel", ["reference", "cpu"])
+@pytest.mark.parametrize("kernel", ["reference", "cpu", "cpu in place"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_kernel_matches_transformers(kernel: str, name: str) -> None:
+def test_kernel_matches_transformers(kernel: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"cpu in place": decode rows update their slots in place, as for real models' large states."""
+    if kernel == "cpu in place":
+        monkeypatch.setattr(kernels_gated_delta, "_IN_PLACE_BYTES", 0)
     q, k, v, g, beta, pool, slots, starts, positions = _batch(sorted(CASES).index(name), CASES[name])
     run = ops_gated_delta.gated_delta_rule if kernel == "reference" else kernels_gated_delta.gated_delta_rule_cpu
     state = pool.clone()
