@@ -264,7 +264,8 @@ def _mlp_fields(hf: dict[str, Any], variant: str, num_layers: int) -> dict[str, 
         dense = set(hf.get("mlp_only_layers") or [])
         moe_layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
         norm_topk = bool(hf.get("norm_topk_prob", True))
-    fields: dict[str, Any] = {"moe_layers": moe_layers, "intermediate_size": 0 if all(moe_layers) else int(hf["intermediate_size"])}
+    dense_width = 0 if all(moe_layers) else int(hf["intermediate_size"])
+    fields: dict[str, Any] = {"moe_layers": moe_layers, "intermediate_size": dense_width}
     if any(moe_layers):
         top_k = int(hf["num_experts_per_tok"])
         if not 1 <= top_k <= experts:
@@ -534,8 +535,9 @@ def hf_shapes(c: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
                 layer |= {"linear_attn.in_proj_qkvz.weight": (c.conv_dim + c.value_dim, h),
                           "linear_attn.in_proj_ba.weight": (2 * vh, h)}  # fmt: skip
             else:
-                layer |= {"linear_attn.in_proj_qkv.weight": (c.conv_dim, h), "linear_attn.in_proj_z.weight": (c.value_dim, h),
-                          "linear_attn.in_proj_b.weight": (vh, h), "linear_attn.in_proj_a.weight": (vh, h)}  # fmt: skip
+                layer |= {"linear_attn.in_proj_qkv.weight": (c.conv_dim, h),
+                          "linear_attn.in_proj_z.weight": (c.value_dim, h), "linear_attn.in_proj_b.weight": (vh, h),
+                          "linear_attn.in_proj_a.weight": (vh, h)}  # fmt: skip
             layer |= {"linear_attn.conv1d.weight": (c.conv_dim, 1, c.conv_kernel_size), "linear_attn.dt_bias": (vh,),
                       "linear_attn.A_log": (vh,), "linear_attn.norm.weight": (c.linear_value_head_dim,),
                       "linear_attn.out_proj.weight": (h, c.value_dim)}  # fmt: skip

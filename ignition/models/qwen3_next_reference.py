@@ -93,11 +93,14 @@ def _attention(c: Qwen3NextConfig, w: dict[str, Tensor], p: str, h: Tensor, norm
 
 
 def _mlp(c: Qwen3NextConfig, w: dict[str, Tensor], p: str, layer: int, h: Tensor) -> Tensor:
+    def swiglu(prefix: str) -> Tensor:
+        gate, up = h @ w[prefix + "gate_proj.weight"].T, h @ w[prefix + "up_proj.weight"].T
+        return (F.silu(gate) * up) @ w[prefix + "down_proj.weight"].T
+
     if not c.moe_layers[layer]:
-        return (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        return swiglu(p + "mlp.")
     routed = moe.reference_moe(c.router, w, p + "mlp.", h)
-    s = p + "mlp.shared_expert."
-    shared = (F.silu(h @ w[s + "gate_proj.weight"].T) * (h @ w[s + "up_proj.weight"].T)) @ w[s + "down_proj.weight"].T
+    shared = swiglu(p + "mlp.shared_expert.")
     return routed + torch.sigmoid(h @ w[p + "mlp.shared_expert_gate.weight"].T) * shared
 
 
