@@ -14,6 +14,7 @@ from torch import Tensor
 from helios.core import ops_block_sparse  # noqa: F401  (defines flare::block_select, flare::block_sparse_attention)
 from helios.core import ops_deepseek_v4  # noqa: F401  (defines flare::dsv4_pool, dsv4_indexer_topk, dsv4_attention)
 from helios.core import ops_mamba  # noqa: F401  (defines flare::mamba2_scan)
+from helios.core import ops_gated_delta  # noqa: F401  (defines flare::gated_delta_rule)
 from helios.core import ops_moe  # noqa: F401  (defines flare::routed_experts)
 from helios.core import ops_recurrent  # noqa: F401  (defines flare::causal_conv1d)
 from helios.core import ops_sparse  # noqa: F401  (defines flare::indexer_topk, flare::sparse_paged_attention)
@@ -25,7 +26,7 @@ OPS_VERSION = 1
 # causal_conv1d: helios.core.ops_recurrent; mamba2_scan: helios.core.ops_mamba
 OP_NAMES = ("write_kv", "paged_attention", "routed_experts", "block_select", "block_sparse_attention", "indexer_topk",
             "sparse_paged_attention", "dsv4_pool", "dsv4_indexer_topk", "dsv4_attention", "causal_conv1d",
-            "mamba2_scan")  # fmt: skip
+            "mamba2_scan", "gated_delta_rule")  # fmt: skip  (gated_delta_rule: helios.core.ops_gated_delta)
 
 
 @torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))

@@ -27,6 +27,7 @@ _DIRECT = {
     torch.ops.flare.block_sparse_attention.default: kernels_block_sparse.block_sparse_attention_cpu,
     torch.ops.flare.causal_conv1d.default: kernels_recurrent.causal_conv1d_cpu,
     torch.ops.flare.mamba2_scan.default: kernels_mamba.mamba2_scan_cpu,
+    torch.ops.flare.gated_delta_rule.default: kernels.kernels_gated_delta.gated_delta_rule_cpu,
 }
 
 

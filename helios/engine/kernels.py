@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 import helios.core.ops  # defines the ops before kernels are registered; shares their masking and capped attention
-from helios.engine import kernels_mamba, kernels_moe, kernels_recurrent, kernels_sparse
+from helios.engine import kernels_gated_delta, kernels_mamba, kernels_moe, kernels_recurrent, kernels_sparse
 
 T = TypeVar("T")
 
@@ -193,4 +193,5 @@ def register() -> None:
         kernels_deepseek_v4.register(_library)
         kernels_recurrent.register(_library)
         kernels_mamba.register(_library)
+        kernels_gated_delta.register(_library)
         _registered = True

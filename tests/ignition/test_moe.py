@@ -418,7 +418,8 @@ def test_core_from_a_stacked_checkpoint_matches_transformers(tmp_path: Path) -> 
     save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
 
     core_dir = tmp_path / "core"
-    export_core(open_source(str(checkpoint)), load_recipe("qwen38"), ExportOptions(out=core_dir))
+    export_core(open_source(str(checkpoint)), load_recipe(str(Path(__file__).resolve().parents[1] / "data" / "tiny_qwen3_moe.toml")),
+                ExportOptions(out=core_dir))
     core = Core.open(core_dir)
     weights, m = core.load_weights(), core.manifest
     e, f, h = config["num_experts"], config["moe_intermediate_size"], config["hidden_size"]

@@ -63,8 +63,8 @@ CASES = {
     "kimi31": Case("kimi_k3", None, KIMI3, KIMI3_FINAL),
     "deepseek4": Case("deepseek_v4", None, DEEPSEEK, f"Done.</think>{ANSWER}"),
     "deepseek41": Case("deepseek_v4", None, DEEPSEEK, f"Done.</think>{ANSWER}"),
-    "qwen38": Case("qwen3_moe", "qwen3.5", QWEN_CODER, QWEN_FINAL),
-    "qwen38_dense": Case("qwen3", "qwen3.5", QWEN_CODER, QWEN_FINAL),
+    "qwen38": Case("qwen3_next", "qwen3.5", QWEN_CODER, QWEN_FINAL),
+    "qwen38_dense": Case("qwen3_next", "qwen3.5", QWEN_CODER, QWEN_FINAL),
     "nemotron_h": Case("nemotron_h", None, QWEN_CODER, QWEN_FINAL),
 }
 

@@ -1,0 +1,563 @@
+"""The qwen3_next family: Qwen's hybrid decoders, gated DeltaNet (linear attention) layers
+between gated full-attention layers: Qwen3NextForCausalLM (MoE), and the text models of
+Qwen3.5 (Qwen3_5ForCausalLM, dense) and Qwen3.5-MoE (Qwen3_5MoeForCausalLM), also read from
+their multimodal checkpoints (nested text_config, weights under model.language_model.).
+
+What it computes, as transformers 5.24's modeling_qwen3_next / qwen3_5 / qwen3_5_moe do:
+- Zero-centred RMSNorm `x / rms(x) * (1 + w)` (input, post-attention, final, per-head q/k).
+- `layer_types` (or every `full_attention_interval`-th layer) full attention, the rest linear.
+- Full attention: q_proj yields per head [query | output gate]; q/k norms; rotary over the
+  first head_dim * partial_rotary_factor dims (rotate-half, the rest passes); paged causal
+  attention scaled by head_dim**-0.5; the output times sigmoid(gate) before o_proj. Qwen3.5's
+  multimodal rotary (mrope sections) equals this for text, whose three position ids coincide.
+- Gated DeltaNet: projections to q, k, v (one conv channel block), the gate z, b and a
+  (Qwen3-Next fuses them per key head in in_proj_qkvz / in_proj_ba, Qwen3.5 keeps separate
+  in_proj_qkv / _z / _b / _a); depthwise causal conv1d + SiLU over [q | k | v]
+  (flare::causal_conv1d, its window in a state slot); L2-normalized q, k; beta = sigmoid(b),
+  g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule (flare::gated_delta_rule, its
+  [heads, k_dim, v_dim] state in a slot); RMSNorm(o) * w * silu(z); out_proj.
+- MLP: dense SwiGLU, or (Qwen3-Next per decoder_sparse_step / mlp_only_layers, Qwen3.5-MoE
+  every layer) softmax top-k routing (renormalized with norm_topk_prob; always for Qwen3.5-MoE)
+  plus a shared expert scaled by sigmoid(shared_expert_gate(h)).
+Left out at export: the vision tower (model.visual.*) and the multi-token-prediction head (mtp.*).
+The plain-torch reference forward is in qwen3_next_reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import helios.core.ops_gated_delta  # noqa: F401  (defines flare::gated_delta_rule)
+from ignition.models import moe
+from ignition.models.common import optional_inputs, rope, rotate_half
+from ignition.models.heads import step_outputs
+
+FAMILY = "qwen3_next"
+HF_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")  # fmt: skip
+HF_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+GGUF_ARCHITECTURES: tuple[str, ...] = ()
+
+# Exports default to float32 until the 16-bit program is checked on a real checkpoint.
+ACCURATE_16BIT = False
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+# Which reference each model type follows: (projection layout grouped per key head, every layer MoE).
+_VARIANTS = {
+    "qwen3_next": ("qwen3_next", True), "qwen3_5": ("qwen3_5", False), "qwen3_5_text": ("qwen3_5", False),
+    "qwen3_5_moe": ("qwen3_5_moe", False), "qwen3_5_moe_text": ("qwen3_5_moe", False),
+}  # fmt: skip
+
+_L = "model.layers.{}."
+_TEXT_WEIGHT_MAP = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+    _L + "input_layernorm.weight": "layers.{}.attn_norm",
+    _L + "post_attention_layernorm.weight": "layers.{}.mlp_norm",
+    # gated full attention (q_proj rows: per head, head_dim query rows then head_dim gate rows)
+    _L + "self_attn.q_proj.weight": "layers.{}.wq",
+    _L + "self_attn.k_proj.weight": "layers.{}.wk",
+    _L + "self_attn.v_proj.weight": "layers.{}.wv",
+    _L + "self_attn.o_proj.weight": "layers.{}.wo",
+    _L + "self_attn.q_norm.weight": "layers.{}.q_norm",
+    _L + "self_attn.k_norm.weight": "layers.{}.k_norm",
+    # gated DeltaNet: Qwen3-Next's fused projections (grouped per key head), kept as they are ...
+    _L + "linear_attn.in_proj_qkvz.weight": "layers.{}.wqkvz",
+    _L + "linear_attn.in_proj_ba.weight": "layers.{}.wba",
+    # ... or Qwen3.5's separate ones, fused below into the same names in the flat layout
+    _L + "linear_attn.in_proj_qkv.weight": "layers.{}.w_qkv",
+    _L + "linear_attn.in_proj_z.weight": "layers.{}.w_z",
+    _L + "linear_attn.in_proj_b.weight": "layers.{}.w_b",
+    _L + "linear_attn.in_proj_a.weight": "layers.{}.w_a",
+    _L + "linear_attn.conv1d.weight": "layers.{}.conv",  # [C, 1, K]
+    _L + "linear_attn.dt_bias": "layers.{}.dt_bias",
+    _L + "linear_attn.A_log": "layers.{}.a_log",
+    _L + "linear_attn.norm.weight": "layers.{}.gated_norm",
+    _L + "linear_attn.out_proj.weight": "layers.{}.w_out",
+    # dense MLP
+    _L + "mlp.gate_proj.weight": "layers.{}.w_gate",
+    _L + "mlp.up_proj.weight": "layers.{}.w_up",
+    _L + "mlp.down_proj.weight": "layers.{}.w_down",
+    # MoE: router, experts (per expert or stacked), shared expert and its gate
+    **moe.expert_weight_map(),
+    **moe.shared_expert_weight_map(name="shared_expert"),
+    _L + "mlp.shared_expert_gate.weight": "layers.{}.w_shared_expert_gate",
+}
+
+# The multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text model under model.language_model.
+_TEXT_PREFIX, _MULTIMODAL_PREFIX = "model.", "model.language_model."
+WEIGHT_MAP = {**_TEXT_WEIGHT_MAP, **{_MULTIMODAL_PREFIX + k.removeprefix(_TEXT_PREFIX): v
+                                     for k, v in _TEXT_WEIGHT_MAP.items() if k.startswith(_TEXT_PREFIX)}}  # fmt: skip
+
+STACKED = moe.STACKED_EXPERTS
+
+# Each layer holds only its own groups (attention or DeltaNet, dense or MoE); export skips absent ones.
+FUSED = {
+    "layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
+    "layers.{}.wqkvz": ("layers.{}.w_qkv", "layers.{}.w_z"),
+    "layers.{}.wba": ("layers.{}.w_b", "layers.{}.w_a"),
+    "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"),
+    **moe.SHARED_EXPERT_FUSED,
+}
+
+_IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def canonical_name(name: str) -> str:
+    """A text tensor's ForCausalLM name, whichever layout the checkpoint uses."""
+    return _TEXT_PREFIX + name.removeprefix(_MULTIMODAL_PREFIX) if name.startswith(_MULTIMODAL_PREFIX) else name
+
+
+def ignored_tensor(config: Any, name: str) -> bool:
+    """The vision tower and the multi-token-prediction head: not part of the text step."""
+    return name.startswith(_IGNORED_PREFIXES)
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3NextConfig:
+    variant: str  # "qwen3_next", "qwen3_5" or "qwen3_5_moe": the reference followed
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]  # per layer: LINEAR or FULL
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # gated full attention
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rotary_dim: int  # leading dims of a head that rotate (head_dim * partial_rotary_factor), even
+    # gated DeltaNet
+    grouped_projections: bool  # in_proj_qkvz / in_proj_ba grouped per key head (Qwen3-Next)
+    linear_num_key_heads: int
+    linear_num_value_heads: int  # a multiple of linear_num_key_heads
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel_size: int
+    # MLPs
+    moe_layers: tuple[bool, ...]  # per layer: routed MoE (else dense SwiGLU)
+    intermediate_size: int  # dense layers' width (0 when every layer is MoE)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: [q | k | v] of a DeltaNet layer."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def router(self) -> moe.RouterSpec:
+        return moe.RouterSpec(num_experts=self.num_experts, top_k=self.num_experts_per_tok, scoring="softmax",
+                              norm_topk_prob=self.norm_topk_prob)  # fmt: skip
+
+
+def _refuse(field: str, value: Any, why: str) -> None:
+    raise ValueError(f"{field} {value!r} is not supported by the {FAMILY} family: {why}")
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config: the multimodal checkpoints nest it under text_config."""
+    return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+
+
+def _variant(hf: dict[str, Any]) -> tuple[str, bool]:
+    text = text_config(hf)
+    for model_type in (text.get("model_type"), hf.get("model_type")):
+        if model_type in _VARIANTS:
+            return _VARIANTS[model_type]
+    archs = set(hf.get("architectures") or [])
+    if archs & {"Qwen3NextForCausalLM"}:
+        return _VARIANTS["qwen3_next"]
+    if archs & {"Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"}:
+        return _VARIANTS["qwen3_5_moe"]
+    if archs & {"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}:
+        return _VARIANTS["qwen3_5"]
+    raise ValueError(f"model_type {hf.get('model_type')!r} is not one of the {FAMILY} family's {HF_MODEL_TYPES}")
+
+
+def _rope(hf: dict[str, Any], head_dim: int) -> tuple[float, int]:
+    """(theta, rotary dims) from transformers 5's rope_parameters or the legacy top-level fields."""
+    params = dict(hf.get("rope_scaling") or {}) | dict(hf.get("rope_parameters") or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ("default", "mrope"):  # mrope: Qwen-VL's name for the sectioned default rotary
+        _refuse("rope_parameters.rope_type", kind, "only the default rotary embedding is implemented")
+    factor = float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 0.25)
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        _refuse("partial_rotary_factor", factor, f"head_dim {head_dim} * factor must be a positive even count")
+    return float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0), rotary_dim
+
+
+def _layer_types(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        types = [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {LINEAR, FULL}:
+        _refuse("layer_types", types, f"it must name {num_layers} layers as {LINEAR} or {FULL}")
+    return tuple(types)
+
+
+def _check_supported(hf: dict[str, Any]) -> None:
+    if hf.get("attention_bias"):
+        _refuse("attention_bias", hf["attention_bias"], "the projections have no bias")
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse("hidden_act", hf["hidden_act"], "only silu (MLPs and the DeltaNet conv) is implemented")
+    if hf.get("attn_output_gate", True) is not True:
+        _refuse("attn_output_gate", hf["attn_output_gate"], "only the gated attention of the references is implemented")
+    if hf.get("use_sliding_window"):
+        _refuse("use_sliding_window", hf["use_sliding_window"], "the references' attention is global")
+    if hf.get("quantization_config"):
+        _refuse("quantization_config", hf["quantization_config"].get("quant_method"), "quantized checkpoints are not read")
+
+
+def _tied(hf: dict[str, Any]) -> bool:
+    text = text_config(hf)
+    if text is hf:
+        return bool(hf.get("tie_word_embeddings", False))
+    top, inner = hf.get("tie_word_embeddings"), text.get("tie_word_embeddings")
+    if top is not None and inner is not None and bool(top) != bool(inner):
+        _refuse("text_config.tie_word_embeddings", inner, f"it disagrees with the top-level tie_word_embeddings {top!r}")
+    return bool(top if top is not None else inner)
+
+
+def _mlp_fields(hf: dict[str, Any], variant: str, num_layers: int) -> dict[str, Any]:
+    if variant == "qwen3_5":
+        return {"moe_layers": (False,) * num_layers, "intermediate_size": int(hf["intermediate_size"])}
+    experts = int(hf.get("num_experts") or 0)
+    if variant == "qwen3_5_moe":
+        moe_layers = (True,) * num_layers
+        norm_topk = True  # Qwen3_5MoeTopKRouter always renormalizes (the config field does not exist)
+    else:  # Qwen3NextDecoderLayer: MoE unless listed in mlp_only_layers, every decoder_sparse_step-th layer
+        step = int(hf.get("decoder_sparse_step", 1))
+        dense = set(hf.get("mlp_only_layers") or [])
+        moe_layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+        norm_topk = bool(hf.get("norm_topk_prob", True))
+    dense_width = 0 if all(moe_layers) else int(hf["intermediate_size"])
+    fields: dict[str, Any] = {"moe_layers": moe_layers, "intermediate_size": dense_width}
+    if any(moe_layers):
+        top_k = int(hf["num_experts_per_tok"])
+        if not 1 <= top_k <= experts:
+            _refuse("num_experts_per_tok", top_k, f"it must be between 1 and num_experts {experts}")
+        fields |= {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": norm_topk,
+                   "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+                   "shared_expert_intermediate_size": int(hf["shared_expert_intermediate_size"])}  # fmt: skip
+        if fields["shared_expert_intermediate_size"] <= 0:
+            _refuse("shared_expert_intermediate_size", fields["shared_expert_intermediate_size"],
+                    "the references' MoE blocks always have a shared expert")  # fmt: skip
+    return fields
+
+
+def config_from_hf(hf: dict[str, Any]) -> Qwen3NextConfig:
+    """Read a Hugging Face config.json dict (flat, or a multimodal one's text_config); unsupported
+    variants raise ValueError naming the field."""
+    variant, grouped = _variant(hf)
+    tied = _tied(hf)
+    text = text_config(hf)
+    _check_supported(text)
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    theta, rotary_dim = _rope(text, head_dim)
+    num_layers = int(text["num_hidden_layers"])
+    k_heads, v_heads = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    if v_heads % k_heads:
+        _refuse("linear_num_value_heads", v_heads, f"it must be a multiple of linear_num_key_heads {k_heads}")
+    return Qwen3NextConfig(
+        variant=variant,
+        vocab_size=int(text["vocab_size"]),
+        hidden_size=int(text["hidden_size"]),
+        num_layers=num_layers,
+        layer_types=_layer_types(text, num_layers),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=tied,
+        num_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rotary_dim=rotary_dim,
+        grouped_projections=grouped,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_key_head_dim=int(text["linear_key_head_dim"]),
+        linear_value_head_dim=int(text["linear_value_head_dim"]),
+        conv_kernel_size=int(text.get("linear_conv_kernel_dim", 4)),
+        **_mlp_fields(text, variant, num_layers),
+    )
+
+
+def kv_shape(config: Qwen3NextConfig) -> tuple[int, int, int]:
+    """Paged KV for every layer (the DeltaNet layers never touch theirs; recurrent-state contract)."""
+    return config.num_layers, config.num_kv_heads, config.head_dim
+
+
+def state_caches(config: Qwen3NextConfig) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...], str], ...]:
+    """Per-sequence state of the DeltaNet layers: the conv's last K - 1 inputs and the delta-rule state."""
+    c, layers = config, config.linear_layers
+    return (
+        ("conv", layers, (c.conv_dim, c.conv_kernel_size - 1), "float32"),
+        ("recurrent", layers, (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), "float32"),
+    )
+
+
+def decode_weight_bytes(config: Qwen3NextConfig, weights: dict[str, Tensor]) -> int:
+    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer."""
+    return moe.decode_weight_bytes(config, weights, config.num_experts_per_tok)
+
+
+# ---------------------------------------------------------------------------- step program
+
+
+def centered_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3-Next's RMSNorm in fp32: x / rms(x) * (1 + w)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+
+
+def partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half rotary over the first cos.shape[-1] dims of each head; the rest passes through."""
+    dim = cos.shape[-1]
+    rotated, passed = x[..., :dim], x[..., dim:]
+    return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
+
+
+class StepProgram(torch.nn.Module):
+    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with state:
+    kv_cache = [k0, v0, ..., k{L-1}, v{L-1}, conv states of the DeltaNet layers, their delta-rule states]."""
+
+    def __init__(self, config: Qwen3NextConfig, num_top: int, explicit_ids: bool, scored: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.num_top = num_top
+        self.explicit_ids = explicit_ids
+        self.scored = scored
+
+    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
+                query_start_loc, logits_indices, state_slots, extra_1=None, extra_2=None):  # fmt: skip
+        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
+        c = self.config
+        eps = c.rms_norm_eps
+        # Weights and matmul inputs in the core's dtype; the residual stream, norms, rotary and
+        # recurrent state in fp32.
+        wdt = weights["embed"].dtype
+        x = F.embedding(token_ids, weights["embed"]).float()
+        cos, sin = rope(positions, c.rotary_dim, c.rope_theta, torch.float32)
+        linear = {layer: j for j, layer in enumerate(c.linear_layers)}
+        states = kv_cache[2 * c.num_layers :]  # conv states, then delta-rule states, of the linear layers
+        steps = (state_slots, query_start_loc, positions)
+        for i, kind in enumerate(c.layer_types):
+            h = centered_norm(x, weights[f"layers.{i}.attn_norm"], eps).to(wdt)
+            if kind == LINEAR:
+                j = linear[i]
+                mixed = self.gated_delta_net(weights, i, h, states[j], states[len(linear) + j], steps)
+            else:
+                mixed = self.attention(weights, i, h, kv_cache[2 * i], kv_cache[2 * i + 1], cos, sin, positions,
+                                       slot_mapping, block_tables, seq_lens, query_start_loc)  # fmt: skip
+            x = x + mixed
+            h = centered_norm(x, weights[f"layers.{i}.mlp_norm"], eps).to(wdt)
+            x = x + (self.moe(weights, i, h) if c.moe_layers[i] else self.dense_mlp(weights, i, h))
+        x = centered_norm(x, weights["norm"], eps).to(wdt)
+        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
+
+    def attention(self, weights, i, h, k_cache, v_cache, cos, sin, positions, slot_mapping, block_tables, seq_lens,
+                  query_start_loc) -> Tensor:  # fmt: skip
+        """Gated full attention: h [T, hidden] -> [T, hidden] fp32."""
+        c, eps = self.config, self.config.rms_norm_eps
+        q_dim = c.num_heads * c.head_dim
+        q_gate, k, v = F.linear(h, weights[f"layers.{i}.wqkv"]).float().split([2 * q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        q, gate = q_gate.reshape(-1, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
+        q = partial_rotary(centered_norm(q, weights[f"layers.{i}.q_norm"], eps), cos, sin)
+        k = partial_rotary(centered_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), weights[f"layers.{i}.k_norm"], eps),
+                           cos, sin)  # fmt: skip
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        kvt = k_cache.dtype
+        torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
+        attn = torch.ops.flare.paged_attention(q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                               positions, c.head_dim**-0.5)  # fmt: skip
+        attn = attn.float() * torch.sigmoid(gate)
+        return F.linear(attn.reshape(-1, q_dim).to(h.dtype), weights[f"layers.{i}.wo"]).float()
+
+    def gated_delta_net(self, weights, i, h, conv_state, recurrent_state, steps) -> Tensor:
+        """A gated DeltaNet layer over its two state slots: h [T, hidden] -> [T, hidden] fp32."""
+        c = self.config
+        p = f"layers.{i}."
+        kh, vh, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        qkvz = F.linear(h, weights[p + "wqkvz"]).float()
+        ba = F.linear(h, weights[p + "wba"]).float()
+        if c.grouped_projections:  # per key head: [q, k, v of its value heads, z of its value heads]; [b, a]
+            group = vh // kh
+            q, k, v, z = qkvz.reshape(-1, kh, 2 * dk + 2 * group * dv).split([dk, dk, group * dv, group * dv], dim=-1)
+            mixed = torch.cat([q.reshape(-1, c.key_dim), k.reshape(-1, c.key_dim), v.reshape(-1, c.value_dim)], dim=-1)
+            b, a = ba.reshape(-1, kh, 2 * group).split([group, group], dim=-1)
+        else:
+            mixed, z = qkvz.split([c.conv_dim, c.value_dim], dim=-1)
+            b, a = ba.split([vh, vh], dim=-1)
+        conv_weight = weights[p + "conv"].reshape(c.conv_dim, c.conv_kernel_size)
+        mixed = torch.ops.flare.causal_conv1d(mixed, conv_weight, conv_weight.new_zeros(c.conv_dim), conv_state,
+                                              *steps, True)  # fmt: skip
+        q, k, v = mixed.float().split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        beta = torch.sigmoid(b.reshape(-1, vh))
+        g = -weights[p + "a_log"].float().exp() * F.softplus(a.reshape(-1, vh) + weights[p + "dt_bias"].float())
+        out = torch.ops.flare.gated_delta_rule(q.reshape(-1, kh, dk), k.reshape(-1, kh, dk), v.reshape(-1, vh, dv), g,
+                                               beta, recurrent_state, *steps, dk**-0.5, True)  # fmt: skip
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * weights[p + "gated_norm"].float()
+        out = out * F.silu(z.reshape(-1, vh, dv))
+        return F.linear(out.reshape(-1, c.value_dim).to(h.dtype), weights[p + "w_out"]).float()
+
+    def dense_mlp(self, weights, i, h) -> Tensor:
+        gate, up = F.linear(h, weights[f"layers.{i}.w_gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, weights[f"layers.{i}.w_down"]).float()
+
+    def moe(self, weights, i, h) -> Tensor:
+        """Routed experts plus the shared expert scaled by sigmoid(shared_expert_gate(h)); fp32 router."""
+        p = f"layers.{i}."
+        top, ids = moe.route(self.config.router, F.linear(h.float(), weights[p + "w_router"].float()))
+        out = moe.routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"])
+        shared = moe.shared_mlp(h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"])
+        return out + torch.sigmoid(F.linear(h.float(), weights[p + "w_shared_expert_gate"].float())) * shared
+
+
+def reference_logits(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
+    """The independent plain-torch forward (ignition.models.qwen3_next_reference)."""
+    from ignition.models.qwen3_next_reference import reference_logits as forward
+
+    return forward(config, hf_weights, token_ids)
+
+
+# ----------------------------------------------------------------------- test checkpoints
+
+# Test checkpoints carry Qwen3.5's special tokens and published template (testmodel.CHATS).
+TEST_CHAT: str | None = "qwen3.5"
+
+
+def testmodel_config(vocab_size: int) -> dict[str, Any]:
+    """A tiny Qwen3NextForCausalLM: DeltaNet layers around one gated attention layer, 4 experts of
+    which 2 per token plus the shared expert, one dense layer (mlp_only_layers), untied head."""
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "layer_types": [LINEAR, LINEAR, FULL, LINEAR],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10_000_000.0,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "intermediate_size": 96,
+        "mlp_only_layers": [1],
+        "decoder_sparse_step": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> Tensor | None:
+    """Zero-centred norms near 0 (scale ~1), slow decays (A in [0.01, 0.3]: the state spans chunks),
+    conv and stacked-expert weights scaled by their fan-in."""
+    if name.endswith("linear_attn.A_log"):
+        return torch.empty(shape).uniform_(0.01, 0.3, generator=generator).log()
+    if name.endswith("linear_attn.dt_bias"):
+        return 0.3 * torch.randn(shape, generator=generator)
+    if name.endswith("linear_attn.conv1d.weight"):  # [C, 1, K]
+        return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+    if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name in ("model.norm.weight",):
+        return 0.1 * torch.randn(shape, generator=generator)
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, out, in]
+        return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+    return None
+
+
+def hf_shapes(c: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
+    """ForCausalLM tensor names and shapes: Qwen3-Next's fused DeltaNet projections and per-expert
+    tensors, Qwen3.5's separate projections and (MoE) transformers 5's stacked experts."""
+    h = c.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i, kind in enumerate(c.layer_types):
+        p = f"model.layers.{i}."
+        layer: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+        if kind == FULL:
+            q = c.num_heads * c.head_dim
+            layer |= {"self_attn.q_proj.weight": (2 * q, h), "self_attn.k_proj.weight": (c.kv_dim, h),
+                      "self_attn.v_proj.weight": (c.kv_dim, h), "self_attn.o_proj.weight": (h, q),
+                      "self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}  # fmt: skip
+        else:
+            vh = c.linear_num_value_heads
+            if c.grouped_projections:
+                layer |= {"linear_attn.in_proj_qkvz.weight": (c.conv_dim + c.value_dim, h),
+                          "linear_attn.in_proj_ba.weight": (2 * vh, h)}  # fmt: skip
+            else:
+                layer |= {"linear_attn.in_proj_qkv.weight": (c.conv_dim, h),
+                          "linear_attn.in_proj_z.weight": (c.value_dim, h), "linear_attn.in_proj_b.weight": (vh, h),
+                          "linear_attn.in_proj_a.weight": (vh, h)}  # fmt: skip
+            layer |= {"linear_attn.conv1d.weight": (c.conv_dim, 1, c.conv_kernel_size), "linear_attn.dt_bias": (vh,),
+                      "linear_attn.A_log": (vh,), "linear_attn.norm.weight": (c.linear_value_head_dim,),
+                      "linear_attn.out_proj.weight": (h, c.value_dim)}  # fmt: skip
+        layer |= _mlp_shapes(c, c.moe_layers[i])
+        shapes.update({p + name: shape for name, shape in layer.items()})
+    return shapes
+
+
+def _mlp_shapes(c: Qwen3NextConfig, routed: bool) -> dict[str, tuple[int, ...]]:
+    h = c.hidden_size
+    if not routed:
+        f = c.intermediate_size
+        return {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    e, f, s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (e, h)}
+    if c.grouped_projections:  # Qwen3-Next's published checkpoints: one tensor per expert
+        for x in range(e):
+            shapes |= {f"mlp.experts.{x}.gate_proj.weight": (f, h), f"mlp.experts.{x}.up_proj.weight": (f, h),
+                       f"mlp.experts.{x}.down_proj.weight": (h, f)}  # fmt: skip
+    else:
+        shapes |= {"mlp.experts.gate_up_proj": (e, 2 * f, h), "mlp.experts.down_proj": (e, h, f)}
+    return shapes | {"mlp.shared_expert.gate_proj.weight": (s, h), "mlp.shared_expert.up_proj.weight": (s, h),
+                     "mlp.shared_expert.down_proj.weight": (h, s), "mlp.shared_expert_gate.weight": (1, h)}  # fmt: skip

@@ -1,0 +1,303 @@
+"""The qwen3_next family (gated DeltaNet + gated attention hybrids): tiny Qwen3-Next (MoE),
+Qwen3.5 (dense) and Qwen3.5-MoE checkpoints exported with the qwen38 / qwen38_dense recipes and
+checked against transformers' own Qwen3NextForCausalLM / Qwen3_5ForCausalLM /
+Qwen3_5MoeForCausalLM (eager attention, torch gated delta rule): the programs prefilled whole,
+in 16-, 5- and 1-token chunks (the recurrent state crossing every chunk boundary), prompt
+logprobs, engine generation, batching invariance and prefix reuse over the state slots, the
+multimodal checkpoint layout, refused variants, and the recipes' parsers through Chat
+Completions, Messages and Responses."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from helios.core import Core
+from helios.core.program import SCORED_PREFILL, run_prompt
+from helios.core.template import ChatTemplate
+from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine.offline import run_to_completion
+from helios.engine.request import EngineRequest
+from ignition.export import ExportOptions, export_core, internal_weights
+from ignition.models import family_of_hf_config, qwen3_next
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import _tensor, write_testmodel
+from tests.ignition.family_checks import (
+    CHAT,
+    GREEDY,
+    TEXTS,
+    check_batching_invariance,
+    check_prefix_reuse,
+    hf_logprobs,
+)
+
+PAGE_TOKENS = 16
+_MOE_FIELDS = ("mlp_only_layers", "decoder_sparse_step", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+               "moe_intermediate_size", "shared_expert_intermediate_size")  # fmt: skip
+# name -> (config changes, fields dropped, recipe, transformers class). qwen3_next is the family's
+# own test checkpoint (fused per-key-head projections, per-expert tensors, a dense layer among MoE
+# ones); qwen3_5: separate projections, every 2nd layer full attention from full_attention_interval,
+# dense MLPs, tied embeddings; qwen3_5_moe: separate projections, stacked experts, every layer MoE.
+VARIANTS: dict[str, tuple[dict, tuple[str, ...], str, str]] = {
+    "qwen3_next": ({}, (), "qwen38", "Qwen3NextForCausalLM"),
+    "qwen3_5": ({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "full_attention_interval": 2,
+                 "tie_word_embeddings": True}, ("layer_types", *_MOE_FIELDS), "qwen38_dense", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"},
+                    ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "intermediate_size"), "qwen38",
+                    "Qwen3_5MoeForCausalLM"),
+}  # fmt: skip
+LONG = TEXTS[0] + " " + TEXTS[3] + " " + TEXTS[2]  # many 16-token chunks and pages
+EIGHT = [*TEXTS, "Water boils at one hundred degrees.", "1, 2, 3, 4, 5, 6, 7,", "Hello", "My favourite colour is"]
+
+
+def write_variant(out: Path, name: str, seed: int) -> Path:
+    """A tiny checkpoint of VARIANTS[name] (tensors regenerated for its config)."""
+    changes, dropped, _, _ = VARIANTS[name]
+    write_testmodel("qwen3_next", out, seed=seed)
+    if not changes:
+        return out
+    config = {k: v for k, v in json.loads((out / "config.json").read_text()).items() if k not in dropped} | changes
+    generator = torch.Generator().manual_seed(seed)
+    shapes = qwen3_next.hf_shapes(qwen3_next.config_from_hf(config))
+    tensors = {n: _tensor(qwen3_next.testmodel_init, n, s, generator) for n, s in shapes.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(variant name, tiny checkpoint, its core with prompt logprobs, transformers' model)."""
+    from transformers import AutoModelForCausalLM
+
+    name = request.param
+    checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"tiny-{name}", name, seed=3)
+    core = tmp_path_factory.mktemp("cores") / f"tiny-{name}"
+    result = export_core(open_source(str(checkpoint)), load_recipe(VARIANTS[name][2]),
+                         ExportOptions(out=core, prompt_logprobs=True, page_tokens=PAGE_TOKENS))  # fmt: skip
+    assert result.max_abs_diff <= 1e-3  # the self-check against the float64 reference
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    assert type(model).__name__ == VARIANTS[name][3]
+    return name, checkpoint, core, model.eval()
+
+
+def _prompts(core: Core) -> list[list[int]]:
+    """A chat through the qwen3.5 template, a short text and one spanning several chunks and pages."""
+    tok = core.tokenizer()
+    chat = ChatTemplate(core.chat_template(), {"eos_token": "<|im_end|>"}).render(CHAT, add_generation_prompt=True)
+    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode("Hi there").ids, tok.encode(LONG).ids]
+
+
+def test_core_records_the_recipe_and_state_layout(exported) -> None:
+    name, _, core_dir, _ = exported
+    m = Core.open(core_dir).manifest
+    config = qwen3_next.config_from_hf(json.loads((exported[1] / "config.json").read_text()))
+    assert (m.model.family, m.recipe.name) == ("qwen3_next", VARIANTS[name][2])
+    assert m.kv.num_layers == config.num_layers and (m.kv.num_kv_heads, m.kv.head_dim) == (2, 32)
+    conv, recurrent = m.kv.state
+    assert (conv.name, conv.layers, conv.shape) == ("conv", config.linear_layers, (128, 3))
+    assert (recurrent.name, recurrent.layers, recurrent.shape) == ("recurrent", config.linear_layers, (4, 16, 16))
+    assert {"causal_conv1d", "gated_delta_rule"} <= set(m.ops.ops)
+    assert config.layer_types.count("full_attention") >= 1 and len(config.linear_layers) >= 2
+
+
+def test_logprobs_match_transformers(exported) -> None:
+    """Three prompts, prefilled whole and in chunks of 16 and 5 and (their first 20 tokens) one
+    token at a time, every chunk after the first starting from the state slots; and the scored
+    prefill's prompt logprobs."""
+    _, _, core_dir, model = exported
+    core = Core.open(core_dir)
+    step, scored, weights, m = core.load_program(), core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
+    prompts = _prompts(core)
+    assert len(prompts[2]) > 4 * PAGE_TOKENS
+    worst = 0.0
+    for ids in prompts:
+        expected = hf_logprobs(model, ids)
+        for chunk in (None, 16, 5):
+            got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids, chunk=chunk).logprobs
+            worst = max(worst, float((got - expected).abs().max()))
+        decoded = PAGE_TOKENS + 4  # token-by-token steps past the first page
+        got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids[:decoded], chunk=1).logprobs
+        worst = max(worst, float((got - expected[:decoded]).abs().max()))
+        run = run_prompt(scored, weights, m.kv, PAGE_TOKENS, ids, chunk=16)
+        targets = expected[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        worst = max(worst, float((run.outputs["prompt_logprobs"][:-1] - targets).abs().max()))
+    print(f"max |Δ logprob| vs transformers (programs): {worst:.3g}")
+    assert worst <= 1e-3
+
+
+def test_engine_generation_matches_transformers(exported) -> None:
+    """Greedy generation through the engine (16-token prefill chunks, then decode rows through the
+    state slots): each token's logprob and top alternatives equal transformers' on the whole
+    sequence, for the three prompts."""
+    _, _, core_dir, model = exported
+    core = Core.open(core_dir)
+    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
+    requests = [EngineRequest(f"g{i}", tuple(ids), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=3)
+                for i, ids in enumerate(_prompts(core))]  # fmt: skip
+    outputs = run_to_completion(engine, requests)
+    worst = 0.0
+    for request in requests:
+        out = outputs[request.request_id][0]
+        expected = hf_logprobs(model, list(request.prompt_ids) + out.token_ids)
+        for position, entry in enumerate(out.logprobs):
+            row = expected[len(request.prompt_ids) - 1 + position]
+            worst = max(worst, abs(entry.logprob - float(row[entry.token_id])),
+                        *(abs(v - float(row[t])) for t, v in entry.alternatives))  # fmt: skip
+    print(f"max |Δ logprob| vs transformers (engine): {worst:.3g}")
+    assert worst <= 1e-3
+
+
+def test_batching_invariance(exported) -> None:
+    """8 prompts together (mixed prefill chunks and decode rows over the state slots) == each
+    alone, with the prefix cache on and off."""
+    check_batching_invariance(exported[2], EIGHT)
+
+
+def test_prefix_reuse(exported) -> None:
+    check_prefix_reuse(exported[2], LONG, 8)
+
+
+# ------------------------------------------------------------------------- config and layout
+
+
+def test_multimodal_checkpoint_layout_reads_the_same_model(tmp_path: Path) -> None:
+    """Qwen3_5MoeForConditionalGeneration-style checkpoints: the config under text_config, the text
+    weights under model.language_model., a vision tower and an MTP head export leaves out."""
+    checkpoint = open_source(str(write_variant(tmp_path / "ckpt", "qwen3_5_moe", seed=2)))
+    flat = checkpoint.hf_config
+    nested = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+              "tie_word_embeddings": False, "text_config": {**flat, "model_type": "qwen3_5_moe_text"},
+              "vision_config": {"depth": 1}}  # fmt: skip
+    assert family_of_hf_config(nested) == "qwen3_next"
+    config = qwen3_next.config_from_hf(nested)
+    assert config == qwen3_next.config_from_hf(flat)
+    renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t
+               for n, t in checkpoint.tensors.items()}  # fmt: skip
+    renamed |= {"model.visual.blocks.0.attn.qkv.weight": torch.zeros(3, 3), "mtp.fc.weight": torch.zeros(4, 8)}
+    ids = list(range(3, 30))
+    assert torch.equal(qwen3_next.reference_logits(config, renamed, ids),
+                       qwen3_next.reference_logits(config, checkpoint.tensors, ids))  # fmt: skip
+    ours = internal_weights(qwen3_next, replace(checkpoint, tensors=renamed), config, torch.float32)
+    plain = internal_weights(qwen3_next, checkpoint, config, torch.float32)
+    assert ours.keys() == plain.keys() and all(torch.equal(ours[n], plain[n]) for n in plain)
+    assert plain["layers.0.wqkvz"].shape == (config.conv_dim + config.value_dim, config.hidden_size)
+    assert plain["layers.0.w_experts_gate_up"].shape == (4, 64, 64)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0}}, "rope_type"),
+    ({"partial_rotary_factor": 0.3}, "partial_rotary_factor"),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]}, "layer_types"),
+    ({"attn_output_gate": False}, "attn_output_gate"),
+    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+])  # fmt: skip
+def test_unsupported_variants_are_refused(change: dict, field: str) -> None:
+    config = qwen3_next.testmodel_config(300) | change
+    with pytest.raises(ValueError, match=field):
+        qwen3_next.config_from_hf(config)
+
+
+def test_dense_layers_follow_the_sparse_step() -> None:
+    """Qwen3-Next's decoder_sparse_step / mlp_only_layers, as Qwen3NextDecoderLayer reads them."""
+    config = qwen3_next.config_from_hf(qwen3_next.testmodel_config(300) | {"decoder_sparse_step": 2, "mlp_only_layers": []})
+    assert config.moe_layers == (False, True, False, True)
+    assert qwen3_next.config_from_hf(qwen3_next.testmodel_config(300)).moe_layers == (True, False, True, True)
+
+
+# ---------------------------------------------------------------------------- chat round trips
+
+ASK, RESULT, ANSWER, THINK = "Weather in Paris?", "Sunny, 21 C", "It is sunny.", "The user wants weather."
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+ARGUMENTS = {"city": "Paris", "days": 3}
+OUTPUT = (f"{THINK}\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+          "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
+FINAL = f"Done.\n</think>\n\n{ANSWER}"
+VERSION = {"anthropic-version": "2023-06-01"}
+
+
+@pytest.fixture(scope="module", params=["qwen38", "qwen38_dense"])
+def app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A tiny core of the recipe served in process; the scripted model writes Qwen3.5 syntax."""
+    from server.scripted import scripted_app  # tests/ is on sys.path
+
+    name = {"qwen38": "qwen3_next", "qwen38_dense": "qwen3_5"}[request.param]
+    checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"chat-{name}", name, seed=6)
+    core = tmp_path_factory.mktemp("cores") / f"chat-{name}"
+    export_core(open_source(str(checkpoint)), load_recipe(request.param), ExportOptions(out=core))
+    with scripted_app(core) as server:
+        yield server
+
+
+def _turn(app, path: str, body: dict, output: str, **kwargs) -> tuple[dict, str]:
+    app.say(output)
+    response = app.post(path, json=body, **kwargs)
+    assert response.status_code == 200, response.text
+    return response.json(), app.last_prompt() or ""
+
+
+def test_chat_completions_round_trip(app) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+    body = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256, "tools": tools}
+    reply, prompt = _turn(app, "/v1/chat/completions", body, OUTPUT)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n") and '"name": "get_weather"' in prompt
+    choice = reply["choices"][0]
+    message = choice["message"]
+    assert message["reasoning_content"].strip() == THINK and message["content"].strip() == "Checking."
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS
+    history = [{"role": "user", "content": ASK},
+               {"role": "assistant", "content": message["content"], "reasoning_content": message["reasoning_content"],
+                "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": RESULT}]  # fmt: skip
+    reply, prompt = _turn(app, "/v1/chat/completions", {**body, "messages": history}, FINAL)
+    assert f"<tool_response>\n{RESULT}\n</tool_response>" in prompt and "<function=get_weather>" in prompt
+    message = reply["choices"][0]["message"]
+    assert (message["reasoning_content"].strip(), message["content"].strip()) == ("Done.", ANSWER)
+
+
+def test_anthropic_messages_round_trip(app) -> None:
+    body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}],
+            "tools": [{"name": "get_weather", "input_schema": CITY}], "thinking": {"type": "enabled", "budget_tokens": 1024}}  # fmt: skip
+    reply, prompt = _turn(app, "/v1/messages", body, OUTPUT, headers=VERSION)
+    assert [b["type"] for b in reply["content"]] == ["thinking", "text", "tool_use"] and reply["stop_reason"] == "tool_use"
+    thought, text, use = reply["content"]
+    assert (thought["thinking"].strip(), text["text"].strip()) == (THINK, "Checking.")
+    assert (use["name"], use["input"]) == ("get_weather", ARGUMENTS)
+    history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": reply["content"]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": RESULT}]}]  # fmt: skip
+    reply, prompt = _turn(app, "/v1/messages", {**body, "messages": history}, FINAL, headers=VERSION)
+    assert RESULT in prompt and "Paris" in prompt
+    assert [(b["type"], b.get("thinking", b.get("text")).strip()) for b in reply["content"]] == [("thinking", "Done."),
+                                                                                                ("text", ANSWER)]  # fmt: skip
+    assert reply["stop_reason"] == "end_turn"
+
+
+def test_responses_round_trip(app) -> None:
+    body = {"model": "x", "input": ASK, "max_output_tokens": 256,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]}  # fmt: skip
+    reply, _ = _turn(app, "/v1/responses", body, OUTPUT)
+    items = reply["output"]
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
+    reasoning, text, call = items
+    assert reasoning["content"][0]["text"].strip() == THINK and text["content"][0]["text"].strip() == "Checking."
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == ARGUMENTS
+    history = [{"role": "user", "content": ASK}, reasoning, text, call,
+               {"type": "function_call_output", "call_id": call["call_id"], "output": RESULT}]  # fmt: skip
+    reply, prompt = _turn(app, "/v1/responses", {**body, "input": history}, FINAL)
+    assert RESULT in prompt and "Paris" in prompt
+    final = reply["output"]
+    assert [i["type"] for i in final] == ["reasoning", "message"] and final[0]["content"][0]["text"].strip() == "Done."
+    assert final[1]["content"][0]["text"].strip() == ANSWER and reply["status"] == "completed"
