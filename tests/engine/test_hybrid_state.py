@@ -21,7 +21,7 @@ from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
-SAMPLED = SamplingParams(0.9, 0.95, 0, 0.0, 1.0, 0.0, 0.0, 17)
+SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 17)
 HYBRIDS = [(family, recipe) for family, recipe in (("nemotron_h", "nemotron_h"), ("qwen3_next", "qwen38"))
            if family in FAMILIES]  # fmt: skip
 
