@@ -14,14 +14,16 @@ from torch import Tensor
 from helios.core import ops_block_sparse  # noqa: F401  (defines flare::block_select, flare::block_sparse_attention)
 from helios.core import ops_deepseek_v4  # noqa: F401  (defines flare::dsv4_pool, dsv4_indexer_topk, dsv4_attention)
 from helios.core import ops_moe  # noqa: F401  (defines flare::routed_experts)
+from helios.core import ops_sinks  # noqa: F401  (defines flare::sink_attention)
 from helios.core import ops_sparse  # noqa: F401  (defines flare::indexer_topk, flare::sparse_paged_attention)
 
 OPS_NAMESPACE = "flare"
 OPS_VERSION = 1
 # routed_experts: helios.core.ops_moe; block_select, block_sparse_attention: helios.core.ops_block_sparse;
-# indexer_topk, sparse_paged_attention: helios.core.ops_sparse; dsv4_*: helios.core.ops_deepseek_v4
+# indexer_topk, sparse_paged_attention: helios.core.ops_sparse; dsv4_*: helios.core.ops_deepseek_v4;
+# sink_attention: helios.core.ops_sinks
 OP_NAMES = ("write_kv", "paged_attention", "routed_experts", "block_select", "block_sparse_attention", "indexer_topk",
-            "sparse_paged_attention", "dsv4_pool", "dsv4_indexer_topk", "dsv4_attention")  # fmt: skip
+            "sparse_paged_attention", "dsv4_pool", "dsv4_indexer_topk", "dsv4_attention", "sink_attention")  # fmt: skip
 
 
 @torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))

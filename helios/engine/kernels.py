@@ -191,4 +191,7 @@ def register() -> None:
         from helios.engine import kernels_deepseek_v4  # here: it builds on this module's _StepMemo
 
         kernels_deepseek_v4.register(_library)
+        from helios.engine import kernels_sinks  # builds on this module's step plans
+
+        kernels_sinks.register(_library)
         _registered = True
