@@ -267,10 +267,10 @@ def stored_tensors(checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> 
 
 def export_extra_programs(fam: ModuleType, config: object, num_top: int, weights: dict[str, torch.Tensor],
                           kv: mf.KvLayout, page_tokens: int, staging: Path) -> dict[str, tuple[mf.ProgramSpec, object]]:  # fmt: skip
-    """A family's own program kinds (optional `extra_programs(config, num_top)`, e.g. MiMo's
+    """A family's own program kinds (optional `extra_programs(config, num_top, weights)`, e.g. MiMo's
     "mtp_draft.N"): kind -> (spec, the family's description with its `check`)."""
     out: dict[str, tuple[mf.ProgramSpec, object]] = {}
-    for extra in getattr(fam, "extra_programs", lambda c, n: ())(config, num_top):
+    for extra in getattr(fam, "extra_programs", lambda c, n, w: ())(config, num_top, weights):
         spec = export_module(extra.module, extra.inputs, extra.outputs, extra.examples, config.vocab_size, weights,  # type: ignore[attr-defined]
                              kv, page_tokens, staging / "programs" / f"{extra.kind}.pt2")  # fmt: skip
         out[extra.kind] = (spec, extra)

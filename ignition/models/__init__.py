@@ -13,7 +13,7 @@ extra_caches(config) (per-token caches beside the KV in some layers, KvLayout.ex
 -> bool (checkpoint tensors export leaves out: vision towers, MTP layers), and
 testmodel_init(name, shape, generator) (a test tensor the generic init cannot make, or None),
 extra_step_outputs(config) (TensorSpecs the step programs return after program_signature's; MiMo's
-hidden states) and extra_programs(config, num_top) (program kinds beyond step/scored_prefill that
+hidden states) and extra_programs(config, num_top, weights) (program kinds beyond step/scored_prefill that
 export traces into the core: objects with kind, module, inputs, outputs, examples and check, as
 ignition.models.mimo_v2.ExtraProgram; MiMo's mtp_draft.N).
 """

@@ -239,6 +239,8 @@ def test_transformers_layout_reads_the_same_weights(tiny: tuple[Path, Path], ref
     assert torch.equal(mimo_v2.reference_logits(config, native, ids), mimo_v2.reference_logits(config, checkpoint.tensors, ids))
     no_mtp = replace(config, num_mtp_layers=0)
     assert not any(n.startswith("mtp.") for n in internal_weights(mimo_v2, checkpoint, no_mtp, torch.float32))
+    with pytest.raises(SourceError, match="num_nextn_predict_layers"):  # save_pretrained drops model.mtp.*
+        mimo_v2.extra_programs(config, 2, renamed)
     bad = replace(checkpoint, tensors=checkpoint.tensors | {"model.layers.1.self_attn.q_norm.weight": torch.ones(24)})
     with pytest.raises(SourceError, match="q_norm"):
         internal_weights(mimo_v2, bad, config, torch.float32)
@@ -370,6 +372,7 @@ def test_mtp_program_matches_references(tiny: tuple[Path, Path], reference) -> N
         out = _transformers_mtp_block(tiny[0], t)(inputs_embeds=(joined @ t["model.mtp.layers.0.eh_proj.weight"].T)[None])
     hf_mtp_hidden = out.last_hidden_state[0]
     theirs = torch.log_softmax(hf_mtp_hidden @ t["lm_head.weight"].T, dim=-1)
+    print(f"max |Δ| of reference_mtp vs the transformers-built MTP: {float((ours - theirs).abs().max()):.3g}")
     assert float((ours - theirs).abs().max()) <= 2e-4 and float((mtp_hidden - hf_mtp_hidden).abs().max()) <= 1e-4
     program = core.load_program("mtp_draft.0")
     worst = 0.0
