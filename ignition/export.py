@@ -266,13 +266,15 @@ def stored_tensors(checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> 
 
 
 def export_extra_programs(fam: ModuleType, config: object, num_top: int, weights: dict[str, torch.Tensor],
-                          kv: mf.KvLayout, page_tokens: int, staging: Path) -> dict[str, tuple[mf.ProgramSpec, object]]:  # fmt: skip
+                          kv: mf.KvLayout, page_tokens: int,
+                          staging: Path) -> dict[str, tuple[mf.ProgramSpec, object]]:  # fmt: skip
     """A family's own program kinds (optional `extra_programs(config, num_top, weights)`, e.g. MiMo's
     "mtp_draft.N"): kind -> (spec, the family's description with its `check`)."""
     out: dict[str, tuple[mf.ProgramSpec, object]] = {}
     for extra in getattr(fam, "extra_programs", lambda c, n, w: ())(config, num_top, weights):
-        spec = export_module(extra.module, extra.inputs, extra.outputs, extra.examples, config.vocab_size, weights,  # type: ignore[attr-defined]
-                             kv, page_tokens, staging / "programs" / f"{extra.kind}.pt2")  # fmt: skip
+        path = staging / "programs" / f"{extra.kind}.pt2"
+        spec = export_module(extra.module, extra.inputs, extra.outputs, extra.examples,
+                             config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
         out[extra.kind] = (spec, extra)
     return out
 
@@ -284,7 +286,8 @@ def check_extra_programs(extras: dict[str, tuple[mf.ProgramSpec, object]], check
     worst = 0.0
     stored = stored_tensors(checkpoint, weights) if extras else {}
     for kind, (spec, extra) in extras.items():
-        diff = extra.check(Program.load(kind, spec, staging / spec.file), stored, weights, kv, page_tokens)  # type: ignore[attr-defined]
+        program = Program.load(kind, spec, staging / spec.file)  # check what was saved, not the module
+        diff = extra.check(program, stored, weights, kv, page_tokens)  # type: ignore[attr-defined]
         if diff > tolerance:
             raise VerifyError(f"self-check failed: the exported {kind} program differs from the reference by {diff:.3g} "
                               f"in logprob (tolerance {tolerance:g})")  # fmt: skip

@@ -233,7 +233,8 @@ def _rope(hf: dict[str, Any], kind: str, head_dim: int) -> RopeSpec:
                                                 "(give rope_parameters per layer type)")  # fmt: skip
     spec = RopeSpec(theta, int(head_dim * factor))
     if not 0 < 2 * spec.pairs <= head_dim:
-        raise _refuse(f"rope_parameters.{kind}.partial_rotary_factor", factor, f"it rotates {2 * spec.pairs} of {head_dim} dims")
+        raise _refuse(f"rope_parameters.{kind}.partial_rotary_factor", factor,
+                      f"it rotates {2 * spec.pairs} of {head_dim} dims")  # fmt: skip
     return spec
 
 
@@ -562,9 +563,13 @@ def reference_forward(config: MiMoV2Config, hf_weights: dict[str, Tensor], token
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
     for i, window in enumerate(c.layer_windows):
         p = f"model.layers.{i}."
-        x = x + _ref_attention(c, w, p + "self_attn.", _ref_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps), window)
+        h = _ref_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        x = x + _ref_attention(c, w, p + "self_attn.", h, window)
         h = _ref_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        x = x + (moe.reference_moe(c.router, w, p + "mlp.", h) if c.layer_sparse[i] else _ref_swiglu(w, p + "mlp.", h))  # type: ignore[arg-type]
+        if c.layer_sparse[i]:
+            x = x + moe.reference_moe(c.router, w, p + "mlp.", h)  # type: ignore[arg-type]  (a dict-like view)
+        else:
+            x = x + _ref_swiglu(w, p + "mlp.", h)
     x = _ref_norm(x, w["model.norm.weight"], c.rms_norm_eps)
     return _ref_head(c, w, x), x.float()
 
