@@ -247,17 +247,20 @@ def test_transformers_layout_reads_the_same_weights(tiny: tuple[Path, Path], ref
 
 
 def test_tied_variant_with_transformers_defaults_matches(tmp_path: Path) -> None:
-    """Tied embeddings, no MTP, and transformers' defaults where the hub leaves fields out (layer
-    types, dense-first MLPs, rope thetas 5e6 / 1e4 at 0.334, value scale 0.707): reference and
-    exported core against transformers."""
+    """Tied embeddings, no MTP, equal key and value widths, and transformers' defaults where the hub
+    leaves fields out (layer types, dense-first MLPs, rope thetas 5e6 / 1e4 at 0.334, which on
+    16-wide heads is an odd d = 5: three pairs, six dims, rotate; value scale 0.707): reference
+    and exported core against transformers."""
     checkpoint = write_testmodel("mimo_v2", tmp_path / "ckpt", seed=5)
     config = json.loads((checkpoint / "config.json").read_text())
     dropped = ("layer_types", "hybrid_layer_pattern", "mlp_layer_types", "moe_layer_freq", "rope_parameters",
                "attention_value_scale", "num_nextn_predict_layers")  # fmt: skip
-    config = {k: v for k, v in config.items() if k not in dropped} | {"tie_word_embeddings": True, "num_hidden_layers": 6}
+    config = {k: v for k, v in config.items() if k not in dropped}
+    config |= {"tie_word_embeddings": True, "num_hidden_layers": 6, "head_dim": 16, "v_head_dim": 16}
     (checkpoint / "config.json").write_text(json.dumps(config))
     parsed = mimo_v2.config_from_hf(config)
     assert parsed.layer_windows == (0, WINDOW, WINDOW, WINDOW, WINDOW, 0) and parsed.value_scale == 0.707
+    assert (parsed.rope_full.dim, parsed.rope_full.pairs, parsed.rope_sliding.theta) == (5, 3, 1e4)
     generator = torch.Generator().manual_seed(5)
     tensors = {n: _tensor(mimo_v2.testmodel_init, n, s, generator) for n, s in mimo_v2.hf_shapes(parsed).items()}
     save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
