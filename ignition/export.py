@@ -156,9 +156,11 @@ def _cache_and_input_shapes(kv: mf.KvLayout, inputs: tuple[mf.TensorSpec, ...]) 
     return tuple(shapes)
 
 
-def _example_inputs(inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: int) -> list[torch.Tensor]:
-    """Two sequences (3 + 2 tokens) over 4 pages; sizes >= 2 so no dim specializes."""
-    examples = {
+def _example_inputs(inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: int,
+                    extra: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Two sequences (3 + 2 tokens) over 4 pages; sizes >= 2 so no dim specializes. `extra`:
+    examples of inputs only a family's own programs take (5 rows where a dim is T)."""
+    examples = (extra or {}) | {
         "token_ids": torch.tensor([1, 2, 3, 4, 5]) % vocab,
         "positions": torch.tensor([0, 1, 2, 0, 1]),
         "slot_mapping": torch.tensor([0, 1, 2, 2 * page_tokens, 2 * page_tokens + 1]),
@@ -211,9 +213,18 @@ def export_program(fam: ModuleType, config: object, kind: str, num_top: int, exp
                    weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
                    path: Path) -> mf.ProgramSpec:  # fmt: skip
     inputs, outputs = program_signature(kind, num_top, explicit, state=bool(kv.state))
+    # A family may return more than the signature's outputs, after them (MiMo's hidden states for its drafter).
+    outputs += getattr(fam, "extra_step_outputs", lambda c: ())(config)
     module = fam.StepProgram(config, num_top, explicit, scored=kind == SCORED_PREFILL)
+    return export_module(module, inputs, outputs, {}, config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
+
+
+def export_module(module: torch.nn.Module, inputs: tuple[mf.TensorSpec, ...], outputs: tuple[mf.TensorSpec, ...],
+                  examples: dict[str, torch.Tensor], vocab_size: int, weights: dict[str, torch.Tensor],
+                  kv: mf.KvLayout, page_tokens: int, path: Path) -> mf.ProgramSpec:  # fmt: skip
+    """Trace module(weights, kv_cache, *inputs) with dynamic dims and save it without weights."""
     caches = _example_caches(kv, page_tokens)
-    args = (weights, caches, *_example_inputs(inputs, config.vocab_size, page_tokens))  # type: ignore[attr-defined]
+    args = (weights, caches, *_example_inputs(inputs, vocab_size, page_tokens, examples))
     exported = torch.export.export(module, args, dynamic_shapes=_dynamic_shapes(weights, kv, inputs))
     exported.example_inputs = None  # otherwise the example weights are saved with the graph
     for node in exported.graph.nodes:  # source paths and line numbers would make the bytes machine-specific
@@ -235,8 +246,7 @@ def self_check(fam: ModuleType, config: object, checkpoint: Checkpoint, programs
     golden: dict[str, torch.Tensor] = {}
     # The reference runs in fp32 on the weights as the core stores them (rounded to its dtype):
     # the check measures the program's arithmetic, not the precision the user chose.
-    dtype = next(iter(weights.values())).dtype
-    stored = {name: t.to(dtype) if t.is_floating_point() else t for name, t in checkpoint.tensors.items()}
+    stored = stored_tensors(checkpoint, weights)
     for index, prompt in enumerate(prompts):
         reference = torch.log_softmax(fam.reference_logits(config, stored, list(prompt)).float(), dim=-1)
         for kind, program in programs.items():
@@ -252,6 +262,42 @@ def self_check(fam: ModuleType, config: object, checkpoint: Checkpoint, programs
             if kind == STEP:
                 golden[golden_key(index)] = run.logprobs.contiguous()
     return worst, golden
+
+
+def stored_tensors(checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors rounded to the core's dtype, for the fp32 references."""
+    dtype = next(iter(weights.values())).dtype
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in checkpoint.tensors.items()}
+
+
+def export_extra_programs(fam: ModuleType, config: object, num_top: int, weights: dict[str, torch.Tensor],
+                          kv: mf.KvLayout, page_tokens: int,
+                          staging: Path) -> dict[str, tuple[mf.ProgramSpec, object]]:  # fmt: skip
+    """A family's own program kinds (optional `extra_programs(config, num_top, weights)`, e.g. MiMo's
+    "mtp_draft.N"): kind -> (spec, the family's description with its `check`)."""
+    out: dict[str, tuple[mf.ProgramSpec, object]] = {}
+    for extra in getattr(fam, "extra_programs", lambda c, n, w: ())(config, num_top, weights):
+        path = staging / "programs" / f"{extra.kind}.pt2"
+        spec = export_module(extra.module, extra.inputs, extra.outputs, extra.examples,
+                             config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
+        out[extra.kind] = (spec, extra)
+    return out
+
+
+def check_extra_programs(extras: dict[str, tuple[mf.ProgramSpec, object]], checkpoint: Checkpoint,
+                         weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int, staging: Path,
+                         tolerance: float) -> float:  # fmt: skip
+    """Each saved extra program against its family's reference (its `check`); returns the max |Δ|."""
+    worst = 0.0
+    stored = stored_tensors(checkpoint, weights) if extras else {}
+    for kind, (spec, extra) in extras.items():
+        program = Program.load(kind, spec, staging / spec.file)  # check what was saved, not the module
+        diff = extra.check(program, stored, weights, kv, page_tokens)  # type: ignore[attr-defined]
+        if diff > tolerance:
+            raise VerifyError(f"self-check failed: the exported {kind} program differs from the reference by {diff:.3g} "
+                              f"in logprob (tolerance {tolerance:g})")  # fmt: skip
+        worst = max(worst, diff)
+    return worst
 
 
 def _check_logprob_outputs(kind: str, outputs: dict[str, torch.Tensor], logprobs: torch.Tensor,
@@ -334,6 +380,8 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) 
                                   options.page_tokens, staging / "programs" / f"{kind}.pt2")  # fmt: skip
             specs[kind] = spec
             programs[kind] = Program.load(kind, spec, staging / spec.file)  # check what was saved, not the module
+        extras = export_extra_programs(fam, config, options.max_top_logprobs, weights, kv, options.page_tokens, staging)
+        specs.update({kind: spec for kind, (spec, _) in extras.items()})
         save_file(weights, str(staging / "weights.safetensors"))
         (staging / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
         if template is not None:
@@ -341,6 +389,7 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) 
         prompts = golden_prompts(tokenizer)
         tolerance = TOLERANCE[options.dtype]
         worst, golden = self_check(fam, config, checkpoint, programs, weights, kv, options.page_tokens, prompts, tolerance)
+        extra_worst = check_extra_programs(extras, checkpoint, weights, kv, options.page_tokens, staging, tolerance)
         save_file(golden, str(staging / "golden.safetensors"))
         compiled = {}
         if options.compile_step:
@@ -396,7 +445,7 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) 
         raise
     size = sum(p.stat().st_size for p in options.out.rglob("*") if p.is_file())
     return ExportResult(out=options.out, manifest=manifest, seconds=time.perf_counter() - started, bytes=size,
-                        max_abs_diff=worst)  # fmt: skip
+                        max_abs_diff=max(worst, extra_worst))  # fmt: skip
 
 
 def _round_up(value: float) -> float:

@@ -111,6 +111,14 @@ CHATS = {
         "roles": {"bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<unk>", "unk_token": "<unk>"},
         "template": "nemotron-3-nano.jinja",
     },
+    # MiMo-V2's ChatML turns, <think> reasoning and compact function-tag calls (the mimo tool syntax),
+    # with a small template written for the tests: no MiMo template is published in ../shared/templates/.
+    "mimo": {
+        "special_tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                           "</tool_call>", "<tool_response>", "</tool_response>"),  # fmt: skip
+        "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "template": "mimo_v2.jinja",
+    },
     # DeepSeek V4 / V4.1 spellings (deepseek_recipe.SpecialToken defaults), each one token. No
     # template: these cores lower chats through the official native encoder (native:deepseek_v4*).
     "deepseek": {

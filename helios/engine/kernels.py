@@ -194,4 +194,7 @@ def register() -> None:
         kernels_recurrent.register(_library)
         kernels_mamba.register(_library)
         kernels_gated_delta.register(_library)
+        from helios.engine import kernels_sinks  # builds on this module's step plans
+
+        kernels_sinks.register(_library)
         _registered = True

@@ -72,4 +72,5 @@ def prepack(programs: list[Program], weights: dict[str, Tensor]) -> dict[str, Te
                     node.args = (node.args[0], module.graph.get_attr(attr), *node.args[2:])
         module.graph.lint()
         module.recompile()
-    return {name: packed[name] if name in linear_only else w for name, w in weights.items()}
+    # Weights no loaded program reads (a drafter's, e.g. MiMo's MTP layers) stay as they are.
+    return {name: packed[name] if name in linear_only and name in packed else w for name, w in weights.items()}

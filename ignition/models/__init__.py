@@ -13,19 +13,23 @@ extra_caches(config) (per-token caches beside the KV in some layers, KvLayout.ex
 (recurrent state slots, KvLayout.state: tuples (name, layers, per-slot shape, dtype); Nemotron-H's
 conv windows and SSM states) and ignored_tensor(config, name)
 -> bool (checkpoint tensors export leaves out: vision towers, MTP layers), and
-testmodel_init(name, shape, generator) (a test tensor the generic init cannot make, or None).
+testmodel_init(name, shape, generator) (a test tensor the generic init cannot make, or None),
+extra_step_outputs(config) (TensorSpecs the step programs return after program_signature's; MiMo's
+hidden states) and extra_programs(config, num_top, weights) (program kinds beyond step/scored_prefill that
+export traces into the core: objects with kind, module, inputs, outputs, examples and check, as
+ignition.models.mimo_v2.ExtraProgram; MiMo's mtp_draft.N).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from ignition.models import (deepseek_v3, deepseek_v4, gemma3, gemma4, glm_moe_dsa, llama, minimax_m3, muse_spark,
-                             nemotron_h, qwen3, qwen3_moe, qwen3_next, step3p7)
+from ignition.models import (deepseek_v3, deepseek_v4, gemma3, gemma4, glm_moe_dsa, llama, mimo_v2, minimax_m3,
+                             muse_spark, nemotron_h, qwen3, qwen3_moe, qwen3_next, step3p7)
 
 FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe, gemma3, gemma4, deepseek_v3,
                                                           deepseek_v4, glm_moe_dsa, minimax_m3, muse_spark, step3p7,
-                                                          nemotron_h, qwen3_next)}
+                                                          nemotron_h, qwen3_next, mimo_v2)}
 
 
 def family(name: str) -> ModuleType:

@@ -1,0 +1,741 @@
+"""The MiMo-V2 family (Xiaomi MiMo-V2-Flash, MiMoV2FlashForCausalLM): config, weight maps, step programs, reference.
+
+As transformers 5.24's modeling_mimo_v2_flash computes it:
+- Layers of two kinds (`layer_types`): full attention over `num_key_value_heads` kv heads, and
+  sliding-window attention over twice as many kv heads, with learned per-head sink logits
+  (`self_attn.sinks`, the hub's `attention_sink_bias`) that join each softmax and are dropped.
+  The window is `sliding_window` keys including the query (hub configs give
+  `sliding_window_size`, and transformers adds one): key j is visible at p iff p - window < j <= p.
+- Queries and keys are `head_dim` wide, values `v_head_dim`; values are multiplied by
+  `attention_value_scale` (0.707 by default; null = 1) before the cache; scores by head_dim**-0.5.
+- Partial rotary per layer type (`rope_parameters`): the first 2 * ceil(d / 2) dims of q and k
+  rotate (rotate-half), d = int(head_dim * partial_rotary_factor), inverse frequencies
+  theta ** (-2j / d), each type its own theta.
+- MLPs per `mlp_layer_types`: dense SwiGLU, or routed MoE without shared experts: sigmoid scores,
+  e_score_correction_bias for selection only, group-limited top-k (n_group / topk_group),
+  renormalized weights (+1e-20) times routed_scaling_factor (ignition.models.moe).
+- Pre-norm RMSNorm blocks, a final norm, optionally tied embeddings.
+
+The paged cache holds ONE tensor per layer (KvLayout.shared_kv) whose rows are each kv head's key
+followed by its value ([.., kv_heads, head_dim + v_head_dim]); `flare::sink_attention`
+(helios.core.ops_sinks) reads it, with the sinks on sliding layers. Full layers have half the kv
+heads of the cache: they write zeros into the other half and attend over a view of their own.
+
+Multi-token prediction (`num_nextn_predict_layers` layers under `model.mtp.layers.N.`, which
+transformers does not load): DeepSeek-V3's design as MiMo's checkpoints and vLLM/SGLang spell it:
+enorm(embedding of the next token) and hnorm(the main model's final-normed hidden state) are
+concatenated, projected by eh_proj, run through one sliding-attention decoder layer (sinks, a
+dense MLP of intermediate_size, its own KV on the step's pages: KvLayout.extra "mtp_kv"), normed
+by final_layernorm and scored by the shared head. Each MTP layer is exported as its own program
+"mtp_draft.N" (extra_programs), and the family's step programs then also return the final-normed
+hidden states every row (output "hidden_states"), which the drafter takes. There is no
+transformers reference for MTP: `reference_mtp` below is this family's own plain-torch one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from helios.core.manifest import KvLayout, TensorSpec
+from helios.core.program import allocate_kv
+from ignition.errors import SourceError
+from ignition.models import moe
+from ignition.models.common import optional_inputs, rms_norm, rotate_half
+from ignition.models.heads import generation_outputs, step_outputs
+
+FAMILY = "mimo_v2"
+HF_ARCHITECTURES = ("MiMoV2FlashForCausalLM",)
+HF_MODEL_TYPES = ("mimo_v2_flash",)
+GGUF_ARCHITECTURES: tuple[str, ...] = ()
+
+SHARED_KV = True  # one packed key|value tensor per layer (flare::sink_attention)
+
+# Exports default to float32: on the tiny random checkpoint a bfloat16 core flips routing choices
+# and fails the self-check (1.1 in logprob; an all-dense variant passes at 0.065), so 16-bit waits
+# for a check on a real checkpoint (as step5's and deepseek_v4's).
+ACCURATE_16BIT = False
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+MTP_KIND = "mtp_draft"  # program kinds "mtp_draft.0", "mtp_draft.1", ...
+
+_L, _M = "model.layers.{}.", "model.mtp.layers.{}."
+_ATTENTION = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "self_attn.sinks": "sinks",  # transformers' name
+    "self_attn.attention_sink_bias": "sinks",  # the hub checkpoints'
+    "mlp.gate_proj.weight": "w_gate",  # dense layers
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+}
+_MTP = {"enorm.weight": "enorm", "hnorm.weight": "hnorm", "eh_proj.weight": "eh_proj",
+        "final_layernorm.weight": "final_norm", "pre_mlp_layernorm.weight": "mlp_norm"}  # fmt: skip
+
+# Hugging Face checkpoint name -> internal name; MTP layer N's tensors become "mtp.N.*".
+WEIGHT_MAP = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+    **{_L + k: "layers.{}." + v for k, v in _ATTENTION.items()},
+    **moe.expert_weight_map(),
+    **{_M + k: "mtp.{}." + v for k, v in (_ATTENTION | _MTP).items()},
+}
+STACKED = moe.STACKED_EXPERTS
+# The MTP layers stay unfused (export fuses main layers only); dense and MoE layers each lack the other's group.
+FUSED = {"layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
+         "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up")}  # fmt: skip
+
+_MTP_NAME = re.compile(r"^model\.mtp\.layers\.(\d+)\.")
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """Partial rotate-half rotary of one layer type, as transformers' default rope with a partial factor."""
+
+    theta: float
+    dim: int  # int(head_dim * partial_rotary_factor): the exponent's denominator
+
+    @property
+    def pairs(self) -> int:
+        """Rotated pairs: len(range(0, dim, 2)); the first 2 * pairs dims of a head rotate."""
+        return (self.dim + 1) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class MiMoV2Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense layers' (and MTP layers') SwiGLU width
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # full-attention layers; sliding layers have twice as many
+    head_dim: int  # queries and keys
+    v_head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    layer_windows: tuple[int, ...]  # sliding window in keys (query included), 0 = full attention
+    layer_sparse: tuple[bool, ...]  # MoE (True) or dense MLP
+    rope_full: RopeSpec
+    rope_sliding: RopeSpec
+    value_scale: float  # attention_value_scale: multiplies values before the cache
+    moe_intermediate_size: int
+    router: moe.RouterSpec
+    num_mtp_layers: int  # num_nextn_predict_layers: MTP layers compiled as mtp_draft.N programs
+    sliding_window: int  # the window of sliding (and MTP) layers
+
+    def kv_heads(self, sliding: bool) -> int:
+        return 2 * self.num_kv_heads if sliding else self.num_kv_heads
+
+    @property
+    def cache_heads(self) -> int:
+        """kv heads of each cache tensor: the most any layer (MTP included) has."""
+        return self.kv_heads(any(self.layer_windows) or self.num_mtp_layers > 0)
+
+    @property
+    def row_width(self) -> int:
+        """One cache row per kv head: the key [head_dim] then the value [v_head_dim]."""
+        return self.head_dim + self.v_head_dim
+
+
+# Hub config fields transformers does not read: the value transformers' own computation implies.
+_HUB_SAME_AS = {"swa_num_attention_heads": "num_attention_heads", "swa_head_dim": "head_dim",
+                "swa_v_head_dim": "v_head_dim", "layernorm_epsilon": "rms_norm_eps"}  # fmt: skip
+_TRANSFORMERS_DEFAULTS = {"num_attention_heads": 64, "head_dim": 192, "v_head_dim": 128, "rms_norm_eps": 1e-5,
+                          "num_key_value_heads": 4}  # fmt: skip
+_ROPE_DEFAULTS = {FULL: {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
+                  SLIDING: {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334}}  # fmt: skip
+
+
+def _refuse(field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{field} = {value!r} is not supported by the {FAMILY} family: {why}")
+
+
+def _get(hf: dict[str, Any], name: str) -> Any:
+    return hf.get(name, _TRANSFORMERS_DEFAULTS.get(name))
+
+
+def _check_supported(hf: dict[str, Any]) -> None:
+    for field, why in (("quantization_config", "quantized checkpoints are dequantized by the source reader only"),
+                       ("attention_bias", "q/k/v biases are not implemented"),
+                       ("n_shared_experts", "transformers' MiMo-V2 has no shared experts"),
+                       ("add_full_attention_sink_bias", "transformers puts sinks on sliding layers only")):  # fmt: skip
+        if hf.get(field):
+            raise _refuse(field, hf[field], why)
+    if hf.get("add_swa_attention_sink_bias") is False:
+        raise _refuse("add_swa_attention_sink_bias", False, "transformers always gives sliding layers sinks")
+    for field, expected in (("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(field, expected) != expected:
+            raise _refuse(field, hf[field], f"only {expected!r} is implemented (as transformers computes it)")
+    for field, same in _HUB_SAME_AS.items():
+        if field in hf and hf[field] != _get(hf, same):
+            raise _refuse(field, hf[field], f"transformers ignores it and uses {same} = {_get(hf, same)!r}")
+    kv = int(_get(hf, "num_key_value_heads"))
+    if "swa_num_key_value_heads" in hf and int(hf["swa_num_key_value_heads"]) != 2 * kv:
+        raise _refuse("swa_num_key_value_heads", hf["swa_num_key_value_heads"],
+                      f"transformers gives sliding layers twice num_key_value_heads ({2 * kv})")  # fmt: skip
+
+
+def _layer_types(hf: dict[str, Any], n: int) -> list[str]:
+    types = hf.get("layer_types")
+    if types is None:  # transformers' default: full attention at layer 0 and every 6th layer
+        types = [FULL if i == 0 or not (i + 1) % 6 else SLIDING for i in range(n)]
+    types = list(types)
+    if len(types) != n or set(types) - {FULL, SLIDING}:
+        raise _refuse("layer_types", types, f"it must name {n} layers as {FULL!r} or {SLIDING!r}")
+    pattern = hf.get("hybrid_layer_pattern")
+    if pattern is not None and list(pattern) != [int(t == SLIDING) for t in types]:
+        raise _refuse("hybrid_layer_pattern", pattern, f"transformers ignores it and uses layer_types {types}")
+    return types
+
+
+def _mlp_types(hf: dict[str, Any], n: int) -> tuple[bool, ...]:
+    types = hf.get("mlp_layer_types")
+    if types is None:  # transformers' default: the first layer dense, the rest sparse
+        types = ["dense"] + ["sparse"] * (n - 1)
+    types = list(types)
+    if len(types) != n or set(types) - {"dense", "sparse"}:
+        raise _refuse("mlp_layer_types", types, f"it must name {n} layers as 'dense' or 'sparse'")
+    freq = hf.get("moe_layer_freq")
+    if isinstance(freq, list) and freq != [int(t == "sparse") for t in types]:
+        raise _refuse("moe_layer_freq", freq, f"transformers ignores it and uses mlp_layer_types {types}")
+    return tuple(t == "sparse" for t in types)
+
+
+def _rope(hf: dict[str, Any], kind: str, head_dim: int) -> RopeSpec:
+    given = hf.get("rope_parameters")
+    if given is not None and not isinstance(given.get(kind), dict):
+        raise _refuse("rope_parameters", given, f"transformers reads one dict per layer type ({kind} missing)")
+    params = (given or _ROPE_DEFAULTS)[kind]
+    if (params.get("rope_type") or "default") != "default":
+        raise _refuse(f"rope_parameters.{kind}.rope_type", params["rope_type"], "only default rotary is implemented")
+    theta = float(params.get("rope_theta") or 10000.0)
+    factor = float(params.get("partial_rotary_factor", 0.334))
+    if given is None:  # the hub's flat spellings, which transformers ignores in favour of its defaults
+        for field, value in ((("rope_theta" if kind == FULL else "swa_rope_theta"), theta), ("partial_rotary_factor", factor)):
+            if field in hf and float(hf[field]) != value:
+                raise _refuse(field, hf[field], f"transformers ignores it and uses {value!r} on {kind} layers "
+                                                "(give rope_parameters per layer type)")  # fmt: skip
+    spec = RopeSpec(theta, int(head_dim * factor))
+    if not 0 < 2 * spec.pairs <= head_dim:
+        raise _refuse(f"rope_parameters.{kind}.partial_rotary_factor", factor,
+                      f"it rotates {2 * spec.pairs} of {head_dim} dims")  # fmt: skip
+    return spec
+
+
+def config_from_hf(hf: dict[str, Any]) -> MiMoV2Config:
+    """Read a Hugging Face config.json dict, in transformers' spellings or the hub's (which must
+    agree with what transformers computes from it); unsupported variants raise ValueError."""
+    _check_supported(hf)
+    n = int(hf.get("num_hidden_layers", 48))
+    heads, kv = int(_get(hf, "num_attention_heads")), int(_get(hf, "num_key_value_heads"))
+    if heads % (2 * kv):
+        raise _refuse("num_key_value_heads", kv, f"sliding layers' {2 * kv} kv heads must divide {heads} query heads")
+    head_dim, v_head_dim = int(_get(hf, "head_dim")), int(_get(hf, "v_head_dim"))
+    types = _layer_types(hf, n)
+    window = int(hf["sliding_window_size"]) + 1 if hf.get("sliding_window_size") is not None else hf.get("sliding_window", 129)
+    if window is None or int(window) < 1:
+        raise _refuse("sliding_window", window, "sliding layers need a window of at least one key")
+    mtp = int(hf.get("num_nextn_predict_layers") or 0)
+    scale = hf.get("attention_value_scale", 0.707)
+    experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 256)
+    scaling = hf.get("routed_scaling_factor")
+    router = moe.RouterSpec(
+        num_experts=experts, top_k=int(hf.get("num_experts_per_tok", 8)), scoring="sigmoid",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)), routed_scaling_factor=1.0 if scaling is None else float(scaling),
+        n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1), has_correction_bias=True,
+        norm_eps=1e-20,
+    )  # fmt: skip
+    return MiMoV2Config(
+        vocab_size=int(hf.get("vocab_size", 152576)),
+        hidden_size=int(hf.get("hidden_size", 4096)),
+        intermediate_size=int(hf.get("intermediate_size", 16384)),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        rms_norm_eps=float(_get(hf, "rms_norm_eps")),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        layer_windows=tuple(int(window) if t == SLIDING else 0 for t in types),
+        layer_sparse=_mlp_types(hf, n),
+        rope_full=_rope(hf, FULL, head_dim),
+        rope_sliding=_rope(hf, SLIDING, head_dim),
+        value_scale=1.0 if scale is None else float(scale),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
+        router=router,
+        num_mtp_layers=mtp,
+        sliding_window=int(window),
+    )
+
+
+def ignored_tensor(config: MiMoV2Config, name: str) -> bool:
+    """MTP layers beyond num_nextn_predict_layers (transformers loads none of them)."""
+    match = _MTP_NAME.match(name)
+    return match is not None and int(match.group(1)) >= config.num_mtp_layers
+
+
+def kv_shape(config: MiMoV2Config) -> tuple[int, int, int]:
+    """(num_layers, kv heads, head_dim + v_head_dim): one packed key|value tensor per layer (SHARED_KV)."""
+    return config.num_layers, config.cache_heads, config.row_width
+
+
+def extra_caches(config: MiMoV2Config) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
+    """The MTP layers' own packed KV, on the step's pages (numbered after the main layers)."""
+    if not config.num_mtp_layers:
+        return ()
+    layers = tuple(range(config.num_layers, config.num_layers + config.num_mtp_layers))
+    return (("mtp_kv", layers, config.cache_heads, config.row_width),)
+
+
+def decode_weight_bytes(config: MiMoV2Config, weights: dict[str, Tensor]) -> int:
+    """Weights one decode step reads: the main model's (top-k experts per MoE layer), no MTP layer."""
+    main = {name: t for name, t in weights.items() if not name.startswith("mtp.")}
+    return moe.decode_weight_bytes(config, main, config.router.top_k)
+
+
+# ---------------------------------------------------------------------------- step program
+
+
+def _cos_sin(positions: Tensor, spec: RopeSpec) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, 1, 2 * pairs] fp32, as transformers' default rotary builds them."""
+    inv = 1.0 / (spec.theta ** (torch.arange(0, spec.dim, 2, dtype=torch.int64, device=positions.device).float() / spec.dim))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, D]: rotate-half over the first cos.shape[-1] dims, the rest unchanged."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+
+def _attention(c: MiMoV2Config, weights: dict[str, Tensor], p: str, h: Tensor, window: int,
+               rope: tuple[Tensor, Tensor], cache: Tensor, paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    """h [T, hidden] in the core dtype -> the attention block's output [T, hidden] fp32; writes
+    this step's packed rows into `cache` [P, S, cache_heads, head_dim + v_head_dim]."""
+    slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
+    heads, kvh, dk, dv = c.num_heads, c.kv_heads(window > 0), c.head_dim, c.v_head_dim
+    sizes = [heads * dk, kvh * dk, kvh * dv]
+    if p + "wqkv" in weights:
+        q, k, v = F.linear(h, weights[p + "wqkv"]).float().split(sizes, dim=-1)
+    else:  # the MTP layers are not fused
+        q, k, v = (F.linear(h, weights[p + name]).float() for name in ("wq", "wk", "wv"))
+    cos, sin = rope
+    q = _apply_rope(q.reshape(-1, heads, dk), cos, sin)
+    k = _apply_rope(k.reshape(-1, kvh, dk), cos, sin)
+    v = v.reshape(-1, kvh, dv) * c.value_scale
+    rows = torch.cat([k, v], dim=-1)  # [T, kvh, dk + dv]
+    if kvh < cache.shape[2]:  # a full layer: the cache's other heads stay zero, and unread
+        rows = F.pad(rows, (0, 0, 0, cache.shape[2] - kvh))
+    kvt = cache.dtype
+    rows = rows.to(kvt)
+    torch.ops.flare.write_kv(cache, cache, rows, rows, slot_mapping)  # one tensor as keys and values
+    own = cache if kvh == cache.shape[2] else cache[:, :, :kvh]
+    sinks = weights[p + "sinks"].float() if window > 0 else None
+    attn = torch.ops.flare.sink_attention(q.to(kvt), own, block_tables, seq_lens, query_start_loc, positions,
+                                          dk**-0.5, window, sinks)  # fmt: skip
+    return F.linear(attn.reshape(-1, heads * dv).to(h.dtype), weights[p + "wo"]).float()
+
+
+def _dense_mlp(weights: dict[str, Tensor], p: str, h: Tensor) -> Tensor:
+    if p + "w_gate_up" in weights:
+        gate, up = F.linear(h, weights[p + "w_gate_up"]).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(h, weights[p + "w_gate"]), F.linear(h, weights[p + "w_up"])
+    return F.linear(F.silu(gate) * up, weights[p + "w_down"]).float()
+
+
+def _ropes(c: MiMoV2Config, positions: Tensor) -> dict[bool, tuple[Tensor, Tensor]]:
+    """cos/sin per layer kind (True: sliding), for the kinds present (MTP layers slide)."""
+    kinds = {w > 0 for w in c.layer_windows} | ({True} if c.num_mtp_layers else set())
+    return {s: _cos_sin(positions, c.rope_sliding if s else c.rope_full) for s in kinds}
+
+
+class StepProgram(torch.nn.Module):
+    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with
+    kv_cache = [packed_0, ..., packed_{L-1}, then the MTP layers' (untouched here)]; with MTP
+    layers, one more output after the signature's: hidden_states [T, hidden] fp32, the
+    final-normed hidden state of every row (what mtp_draft.N takes)."""
+
+    def __init__(self, config: MiMoV2Config, num_top: int, explicit_ids: bool, scored: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.num_top = num_top
+        self.explicit_ids = explicit_ids
+        self.scored = scored
+
+    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
+                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
+        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
+        c = self.config
+        # As in the other families: weights and matmul inputs in the core's dtype; residual stream,
+        # norms, rotary and router in fp32.
+        wdt = weights["embed"].dtype
+        x = F.embedding(token_ids, weights["embed"]).float()
+        ropes = _ropes(c, positions)
+        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
+        for i, window in enumerate(c.layer_windows):
+            p = f"layers.{i}."
+            h = rms_norm(x, weights[p + "attn_norm"], c.rms_norm_eps).to(wdt)
+            x = x + _attention(c, weights, p, h, window, ropes[window > 0], kv_cache[i], paged)
+            h = rms_norm(x, weights[p + "mlp_norm"], c.rms_norm_eps).to(wdt)
+            x = x + (moe.sparse_moe(c.router, weights, i, h) if c.layer_sparse[i] else _dense_mlp(weights, p, h)).float()
+        hidden = rms_norm(x, weights["norm"], c.rms_norm_eps)
+        outputs = step_outputs(hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top,
+                               logprob_ids, target_ids)  # fmt: skip
+        return (*outputs, hidden) if c.num_mtp_layers else outputs
+
+
+def extra_step_outputs(config: MiMoV2Config) -> tuple[TensorSpec, ...]:
+    """Outputs the step programs return after program_signature's: the drafter's input, with MTP layers."""
+    return (TensorSpec("hidden_states", "float32", ("T", config.hidden_size)),) if config.num_mtp_layers else ()
+
+
+class MtpProgram(torch.nn.Module):
+    """One MTP layer's draft step: forward(weights, kv_cache, *MTP_INPUTS) -> MTP outputs.
+
+    Row t pairs token_ids[t] (the token AFTER position positions[t]) with hidden_states[t] (the
+    main model's final-normed hidden state at positions[t]); it writes the MTP layer's KV at
+    slot_mapping[t] (the slot of positions[t], as the step's) and predicts the token after
+    token_ids[t]. Returns the distributions of the logits_indices rows (logits, logsumexp and
+    top-N as the step's) and every row's MTP hidden state [T, hidden] (the next layer's input)."""
+
+    def __init__(self, config: MiMoV2Config, layer: int, num_top: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer = layer
+        self.num_top = num_top
+
+    def forward(self, weights, kv_cache, token_ids, positions, hidden_states, slot_mapping, block_tables, seq_lens,
+                query_start_loc, logits_indices):  # fmt: skip
+        c, p = self.config, f"mtp.{self.layer}."
+        wdt, eps = weights["embed"].dtype, c.rms_norm_eps
+        embedded = F.embedding(token_ids, weights["embed"]).float()
+        joined = torch.cat([rms_norm(embedded, weights[p + "enorm"], eps),
+                            rms_norm(hidden_states.float(), weights[p + "hnorm"], eps)], dim=-1)  # fmt: skip
+        x = F.linear(joined.to(wdt), weights[p + "eh_proj"]).float()
+        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
+        cache = kv_cache[c.num_layers + self.layer]  # after the main layers' (extra_caches)
+        h = rms_norm(x, weights[p + "attn_norm"], eps).to(wdt)
+        x = x + _attention(c, weights, p, h, c.sliding_window, _cos_sin(positions, c.rope_sliding), cache, paged)
+        h = rms_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
+        x = x + _dense_mlp(weights, p, h)
+        out = rms_norm(x, weights[p + "final_norm"], eps)
+        head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
+        return (*generation_outputs(out[logits_indices].to(wdt), head, self.num_top, None), out)
+
+
+def mtp_signature(config: MiMoV2Config, num_top: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Inputs and outputs of an mtp_draft.N program (dims as program_signature's)."""
+    hidden = TensorSpec("hidden_states", "float32", ("T", config.hidden_size))
+    inputs = (TensorSpec("token_ids", "int64", ("T",)), TensorSpec("positions", "int64", ("T",)), hidden,
+              TensorSpec("slot_mapping", "int64", ("T",)), TensorSpec("block_tables", "int32", ("B", "M")),
+              TensorSpec("seq_lens", "int32", ("B",)), TensorSpec("query_start_loc", "int32", ("B+1",)),
+              TensorSpec("logits_indices", "int64", ("R",)))  # fmt: skip
+    outputs = [TensorSpec("logits", "float32", ("R", "V")), TensorSpec("logsumexp", "float32", ("R",))]
+    if num_top:
+        outputs += [TensorSpec("top_logprobs", "float32", ("R", num_top)), TensorSpec("top_ids", "int64", ("R", num_top))]
+    return inputs, (*outputs, hidden)
+
+
+@dataclass(frozen=True)
+class ExtraProgram:
+    """A program kind beyond step/scored_prefill that export traces into the core (extra_programs)."""
+
+    kind: str
+    module: torch.nn.Module
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    examples: dict[str, Tensor]  # example values of the inputs export has none for
+    # (saved program, fp32 HF-named weights as stored, core weights, layout, page tokens) -> max |Δ logprob|
+    check: Callable[[Any, dict[str, Tensor], dict[str, Tensor], KvLayout, int], float]
+
+
+def extra_programs(config: MiMoV2Config, num_top: int, weights: dict[str, Tensor]) -> tuple[ExtraProgram, ...]:
+    """One mtp_draft.N program per MTP layer, checked at export against reference_mtp."""
+    missing = [k for k in range(config.num_mtp_layers) if f"mtp.{k}.eh_proj" not in weights]
+    if missing:  # e.g. a transformers save_pretrained copy, which drops model.mtp.*
+        raise SourceError(f"num_nextn_predict_layers = {config.num_mtp_layers}, but the checkpoint has no "
+                          f"model.mtp.layers.{missing[0]}.* tensors; set num_nextn_predict_layers to "
+                          f"{missing[0]} in config.json to export without them")  # fmt: skip
+    inputs, outputs = mtp_signature(config, num_top)
+    examples = {"hidden_states": torch.zeros(5, config.hidden_size)}
+
+    def checker(layer: int) -> Callable[..., float]:
+        return lambda program, hf_weights, weights, kv, page_tokens: check_mtp_program(
+            config, layer, program, hf_weights, weights, kv, page_tokens)  # fmt: skip
+
+    return tuple(ExtraProgram(f"{MTP_KIND}.{k}", MtpProgram(config, k, num_top), inputs, outputs, examples, checker(k))
+                 for k in range(config.num_mtp_layers))  # fmt: skip
+
+
+# ---------------------------------------------------------------------- plain reference
+
+
+class _Float64View:
+    """HF-named weights as float64 on access (nothing kept), under canonical names: transformers'
+    `self_attn.sinks` for the hub's `attention_sink_bias`, post_attention_layernorm for the MTP
+    layers' pre_mlp_layernorm."""
+
+    def __init__(self, weights: dict[str, Tensor]) -> None:
+        self._weights = weights
+        self._names = {_canonical(name): name for name in weights}
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._weights[self._names[name]].to(torch.float64)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+
+def _canonical(name: str) -> str:
+    name = name.replace("self_attn.attention_sink_bias", "self_attn.sinks")
+    return name.replace(".pre_mlp_layernorm.", ".post_attention_layernorm.") if name.startswith("model.mtp.") else name
+
+
+def _ref_norm(t: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return weight * (t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _ref_rotate(t: Tensor, spec: RopeSpec) -> Tensor:
+    """t [heads, T, D] float64: pairs (j, j + pairs) of the first 2 * pairs dims turned as complex numbers."""
+    pairs = spec.pairs
+    inv = torch.tensor([spec.theta ** (-2 * j / spec.dim) for j in range(pairs)], dtype=torch.float64)
+    angles = torch.arange(t.shape[1], dtype=torch.float64)[:, None] * inv[None, :]
+    z = torch.complex(t[..., :pairs], t[..., pairs : 2 * pairs]) * torch.polar(torch.ones_like(angles), angles)
+    return torch.cat([z.real, z.imag, t[..., 2 * pairs :]], dim=-1)
+
+
+def _ref_attention(c: MiMoV2Config, w: _Float64View, a: str, h: Tensor, window: int) -> Tensor:
+    """The attention block under `a` ("...self_attn."), h [T, hidden] float64 -> [T, hidden]:
+    explicit scores, an explicit (windowed) causal mask and, on sliding layers, the sink column."""
+    total, heads, kvh = h.shape[0], c.num_heads, c.kv_heads(window > 0)
+    spec = c.rope_sliding if window else c.rope_full
+    q = _ref_rotate((h @ w[a + "q_proj.weight"].T).view(total, heads, c.head_dim).transpose(0, 1), spec)
+    k = _ref_rotate((h @ w[a + "k_proj.weight"].T).view(total, kvh, c.head_dim).transpose(0, 1), spec)
+    v = (h @ w[a + "v_proj.weight"].T).view(total, kvh, c.v_head_dim).transpose(0, 1) * c.value_scale
+    k, v = k.repeat_interleave(heads // kvh, dim=0), v.repeat_interleave(heads // kvh, dim=0)
+    i, j = torch.arange(total)[:, None], torch.arange(total)[None, :]
+    visible = (j <= i) & ((j > i - window) if window else True)
+    scores = (q @ k.transpose(1, 2) / math.sqrt(c.head_dim)).masked_fill(~visible, float("-inf"))
+    if window:
+        sinks = w[a + "sinks"][:, None, None].expand(heads, total, 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    out = (probs @ v).transpose(0, 1).reshape(total, heads * c.v_head_dim)
+    return out @ w[a + "o_proj.weight"].T
+
+
+def _ref_swiglu(w: _Float64View, p: str, h: Tensor) -> Tensor:
+    gate, up = h @ w[p + "gate_proj.weight"].T, h @ w[p + "up_proj.weight"].T
+    return (gate / (1.0 + torch.exp(-gate)) * up) @ w[p + "down_proj.weight"].T
+
+
+def _ref_head(c: MiMoV2Config, w: _Float64View, x: Tensor) -> Tensor:
+    return (x @ w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"].T).float()
+
+
+def reference_forward(config: MiMoV2Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Dense, unpaged forward over Hugging Face-named weights in float64: (logits [T, V] fp32,
+    final-normed hidden states [T, hidden] fp32). Independent of the programs: unfused weights,
+    explicit masks and sink columns, complex-number rotary, routing by sorting (moe.reference_moe)."""
+    c, w = config, _Float64View(hf_weights)
+    x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
+    for i, window in enumerate(c.layer_windows):
+        p = f"model.layers.{i}."
+        h = _ref_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        x = x + _ref_attention(c, w, p + "self_attn.", h, window)
+        h = _ref_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        if c.layer_sparse[i]:
+            x = x + moe.reference_moe(c.router, w, p + "mlp.", h)  # type: ignore[arg-type]  (a dict-like view)
+        else:
+            x = x + _ref_swiglu(w, p + "mlp.", h)
+    x = _ref_norm(x, w["model.norm.weight"], c.rms_norm_eps)
+    return _ref_head(c, w, x), x.float()
+
+
+def reference_logits(config: MiMoV2Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
+    return reference_forward(config, hf_weights, token_ids)[0]
+
+
+def reference_mtp(config: MiMoV2Config, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int],
+                  hidden: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """One MTP layer over a whole sequence, float64: row t joins next_ids[t] (the token after
+    position t) with hidden[t] (the main model's final-normed hidden state at t) and attends over
+    rows <= t within the sliding window. Returns (logits [T, V] fp32: the token after next_ids[t],
+    MTP hidden states [T, hidden] fp32)."""
+    c, w, eps = config, _Float64View(hf_weights), config.rms_norm_eps
+    m = f"model.mtp.layers.{layer}."
+    embedded = w["model.embed_tokens.weight"][torch.tensor(next_ids)]
+    joined = torch.cat([_ref_norm(embedded, w[m + "enorm.weight"], eps),
+                        _ref_norm(hidden.to(torch.float64), w[m + "hnorm.weight"], eps)], dim=-1)  # fmt: skip
+    x = joined @ w[m + "eh_proj.weight"].T
+    x = x + _ref_attention(c, w, m + "self_attn.", _ref_norm(x, w[m + "input_layernorm.weight"], eps), c.sliding_window)
+    x = x + _ref_swiglu(w, m + "mlp.", _ref_norm(x, w[m + "post_attention_layernorm.weight"], eps))
+    x = _ref_norm(x, w[m + "final_layernorm.weight"], eps)
+    return _ref_head(c, w, x), x.float()
+
+
+def run_mtp_prompt(program: Any, weights: dict[str, Tensor], kv: KvLayout, page_tokens: int, next_ids: list[int],
+                   hidden: Tensor, chunk: int | None = None) -> dict[str, Tensor]:  # fmt: skip
+    """One sequence through an mtp_draft program in chunks over a fresh paged cache (pages used
+    in reverse order, as helios.core.program.run_prompt); outputs concatenated over chunks."""
+    total = len(next_ids)
+    chunk = chunk or total
+    pages = list(reversed(range(math.ceil(total / page_tokens) + 1)))[: math.ceil(total / page_tokens)]
+    caches = allocate_kv(kv, len(pages) + 1, page_tokens)
+    ids = torch.tensor(next_ids, dtype=torch.int64)
+    collected: dict[str, list[Tensor]] = {}
+    for start in range(0, total, chunk):
+        end = min(total, start + chunk)
+        slots = torch.tensor([pages[t // page_tokens] * page_tokens + t % page_tokens for t in range(start, end)])
+        inputs = {"token_ids": ids[start:end], "positions": torch.arange(start, end), "hidden_states": hidden[start:end],
+                  "slot_mapping": slots, "block_tables": torch.tensor([pages], dtype=torch.int32),
+                  "seq_lens": torch.tensor([end], dtype=torch.int32),
+                  "query_start_loc": torch.tensor([0, end - start], dtype=torch.int32),
+                  "logits_indices": torch.arange(end - start)}  # fmt: skip
+        for name, value in program(weights, caches, **inputs).items():
+            collected.setdefault(name, []).append(value)
+    return {name: torch.cat(parts) for name, parts in collected.items()}
+
+
+_CHECK_TEXT_IDS = 40  # tokens of the export-time MTP check (several chunks and pages at 16-token pages)
+
+
+def check_mtp_program(config: MiMoV2Config, layer: int, program: Any, hf_weights: dict[str, Tensor],
+                      weights: dict[str, Tensor], kv: KvLayout, page_tokens: int) -> float:  # fmt: skip
+    """Max |Δ logprob| of mtp_draft.`layer` against reference_mtp on a fixed token sequence, fed
+    the reference's own main hidden states (prefilled in chunks of 7 rows)."""
+    ids = [(7 * t + 3) % config.vocab_size for t in range(_CHECK_TEXT_IDS + 1)]
+    _, hidden = reference_forward(config, hf_weights, ids[:-1])
+    expected, _ = reference_mtp(config, hf_weights, layer, ids[1:], hidden)
+    got = run_mtp_prompt(program, weights, kv, page_tokens, ids[1:], hidden, chunk=7)
+    logprobs = got["logits"] - got["logsumexp"][:, None]
+    return float((logprobs - torch.log_softmax(expected, dim=-1)).abs().max())
+
+
+# ----------------------------------------------------------------------- test checkpoints
+
+# ChatML turns, <think> reasoning and MiMo's compact function-tag calls: a small test template
+# written for this family (no published MiMo template was found; ignition/models/data/README.md).
+TEST_CHAT: str | None = "mimo"
+
+
+def testmodel_config(vocab_size: int) -> dict[str, Any]:
+    """A tiny MiMo-V2-Flash config in the hub's spellings where transformers reads them the same
+    (sliding_window_size 7 -> an 8-key window, shorter than a 16-token page): full, sliding,
+    sliding, full, sliding layers over 1 / 2 kv heads, 24-wide keys and 16-wide values, partial
+    rotary with a theta per type, a dense first (and fourth) layer, sigmoid-routed MoE with 8
+    experts top 2 in 2 groups (1 kept) scaled by 2.5, value scale 0.707, one MTP layer."""
+    types = [FULL, SLIDING, SLIDING, FULL, SLIDING]
+    return {
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "model_type": "mimo_v2_flash",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": len(types),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 24,
+        "v_head_dim": 16,
+        "layer_types": types,
+        "hybrid_layer_pattern": [int(t == SLIDING) for t in types],
+        "mlp_layer_types": ["dense", "sparse", "sparse", "dense", "sparse"],
+        "moe_layer_freq": [0, 1, 1, 0, 1],
+        "sliding_window": 7,
+        "sliding_window_size": 7,
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.334},
+                            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}},
+        "attention_value_scale": 0.707,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "num_nextn_predict_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }  # fmt: skip
+
+
+def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> Tensor | None:
+    """Sinks spread around zero (some heads lean on theirs, some barely), and selection biases
+    small enough that the router's scores still decide, but large enough to change some picks."""
+    if name.endswith(("attention_sink_bias", "self_attn.sinks")):
+        return torch.randn(shape, generator=generator)
+    if name.endswith("e_score_correction_bias"):
+        return 0.05 * torch.randn(shape, generator=generator)
+    return None
+
+
+def _attention_shapes(c: MiMoV2Config, sliding: bool) -> dict[str, tuple[int, ...]]:
+    h, kvh = c.hidden_size, c.kv_heads(sliding)
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (c.num_heads * c.head_dim, h), "self_attn.k_proj.weight": (kvh * c.head_dim, h),
+        "self_attn.v_proj.weight": (kvh * c.v_head_dim, h), "self_attn.o_proj.weight": (h, c.num_heads * c.v_head_dim),
+    }  # fmt: skip
+    if sliding:
+        shapes["self_attn.attention_sink_bias"] = (c.num_heads,)
+    return shapes
+
+
+def _dense_shapes(c: MiMoV2Config) -> dict[str, tuple[int, ...]]:
+    h, f = c.hidden_size, c.intermediate_size
+    return {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+
+
+def hf_shapes(c: MiMoV2Config) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names (the hub's layout: per-expert tensors, attention_sink_bias,
+    model.mtp.layers.N with pre_mlp_layernorm) and shapes."""
+    h, e, f = c.hidden_size, c.router.num_experts, c.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i, window in enumerate(c.layer_windows):
+        layer = _attention_shapes(c, window > 0) | {"post_attention_layernorm.weight": (h,)}
+        if c.layer_sparse[i]:
+            layer |= {"mlp.gate.weight": (e, h), "mlp.gate.e_score_correction_bias": (e,)}
+            for x in range(e):
+                layer |= {f"mlp.experts.{x}.gate_proj.weight": (f, h), f"mlp.experts.{x}.up_proj.weight": (f, h),
+                          f"mlp.experts.{x}.down_proj.weight": (h, f)}  # fmt: skip
+        else:
+            layer |= _dense_shapes(c)
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    for k in range(c.num_mtp_layers):
+        layer = _attention_shapes(c, True) | _dense_shapes(c) | {
+            "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "pre_mlp_layernorm.weight": (h,),
+            "final_layernorm.weight": (h,)}  # fmt: skip
+        shapes |= {f"model.mtp.layers.{k}.{name}": shape for name, shape in layer.items()}
+    return shapes
