@@ -69,7 +69,7 @@ def metrics(url: str) -> dict:
 def restart(core: Path, workdir: Path) -> dict:
     store = workdir / "store-restart"
     messages = [{"role": "system", "content": "You are a careful assistant."},
-                {"role": "user", "content": filler(3300, seed=7) + "\nSummarise the above in one word."}]  # fmt: skip
+                {"role": "user", "content": filler(3970, seed=7) + "\nSummarise the above in one word."}]  # fmt: skip
     process, url = serve(core, store, workdir)
     try:
         cold, usage, _ = ttft(url, messages)
