@@ -106,6 +106,7 @@ class EngineClient:
                 raise QueueFull("the model request queue is full")
             self._streams[request.request_id] = stream
             self._inbox.append(request)
+        self.engine.prefetch(request)  # the host store reads disk records while the request waits
         self._wake.set()
         return self._events(request.request_id, stream)
 

@@ -7,6 +7,7 @@ the scheduler's (scheduler.py).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -126,6 +127,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.mask_hook = mask_hook
         self._aborted: set[tuple[str, int | None]] = set()
+        self._prefill_ns = self._prefill_tokens = 0
         self._refresh_gauges()
 
     def _host_store(self, core: Core, config: EngineConfig, kv_dtype: str) -> HostStore | None:
@@ -138,6 +140,11 @@ class LLMEngine:
         m = core.manifest
         identity = identity_of(core.digest, kv_dtype, m.limits.page_tokens, m.kv.cache_shapes())
         store = HostStore(identity, host.memory_bytes, host.directory, host.disk_bytes)
+        # The copy-in rate for the store's lookup estimates: a few pages read and written back in place.
+        pages = list(range(min(8, self.pool.num_pages)))
+        started = time.perf_counter_ns()
+        self.executor.write_pages(tuple(zip(pages, self.executor.read_pages(pages))))
+        store.copy_ns_per_byte = (time.perf_counter_ns() - started) / (len(pages) * self.executor.page_bytes)
         log.info("host prefix store: %d MiB in memory, %s", host.memory_bytes >> 20,
                  f"{host.disk_bytes >> 20} MiB on disk in {store.directory}" if store.disk_bytes else "no disk tier")
         return store
@@ -156,6 +163,26 @@ class LLMEngine:
             payloads = self.executor.read_pages([page for page, *_ in queued])
             host.put([Record(digest, parent, tokens, payload)
                       for (_, digest, parent, tokens), payload in zip(queued, payloads)])  # fmt: skip
+
+    def _measure(self, plan: SchedulerOutput, elapsed_ns: int) -> None:
+        """The prefill and copy-in rates the host store's lookup estimates use (running means over
+        steps that prefilled; a step's whole time is charged to its prompt tokens)."""
+        host = self.scheduler.host
+        if host is None:
+            return
+        prompt = sum(min(c.start + c.num_tokens, c.seq.num_prompt) - c.start for c in plan.chunks if c.start < c.seq.num_prompt)
+        if prompt:
+            self._prefill_ns += elapsed_ns
+            self._prefill_tokens += prompt
+            host.prefill_ns_per_token = self._prefill_ns / self._prefill_tokens
+        if self.executor.host_in_bytes:
+            host.copy_ns_per_byte = self.executor.host_in_ns / self.executor.host_in_bytes
+
+    def prefetch(self, request: EngineRequest) -> None:
+        """Hint the host store to bring this prompt's disk records into memory (off this thread)."""
+        host = self.scheduler.host
+        if host is not None and request.use_prefix_cache and self.config.enable_prefix_cache:
+            host.prefetch(request.prompt_ids, request.cache_identity, self.pool.page_tokens)
 
     def close(self) -> None:
         """Finish the host store's disk writes (shutdown)."""
@@ -223,7 +250,9 @@ class LLMEngine:
 
     def _run(self, plan: SchedulerOutput) -> ModelOutput:
         """Run the programs, then sample every choice of every sampled chunk and verify drafts."""
+        started = time.perf_counter_ns()
         result = self.executor.run(plan.chunks, plan.page_copies, plan.state_before, plan.state_after, plan.host_in)
+        self._measure(plan, time.perf_counter_ns() - started)
         self._count_verify_step(plan)
         prompt_entries = {key: self._prompt_entries(chunk, result.prompt_scores[key])
                           for chunk in plan.chunks if (key := id(chunk)) in result.prompt_scores}  # fmt: skip

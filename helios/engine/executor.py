@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -71,6 +72,7 @@ class Executor:
             clock.lap("simplifying graphs and packing weights")
         self.kv = allocate_kv(kv_layout, num_pages, self.page_tokens, device, num_slots)
         self.num_slots = num_slots
+        self.host_in_ns = self.host_in_bytes = 0  # time and bytes of host-store copy-ins (its cost estimate)
         self.state = self.kv[kv_layout.num_caches :]  # recurrent-state tensors [num_slots, ...] (hybrid cores)
         clock.lap(f"allocating {num_pages} KV pages" + (f" and {num_slots} state slots" if self.state else ""))
         self.explicit = manifest.capabilities.explicit_logprob_ids
@@ -186,7 +188,10 @@ class Executor:
         (src, dst) of `state_before`, run the chunks, then copy the pages and state slots
         (src, dst) of `page_copies` and `state_after` that the step has just written."""
         if host_in:
+            started = time.perf_counter_ns()
             self.write_pages(host_in)
+            self.host_in_ns += time.perf_counter_ns() - started
+            self.host_in_bytes += len(host_in) * self.page_bytes
         for src, dst in state_before:
             self.copy_state(src, dst)
         if self.serial_decode_rows:

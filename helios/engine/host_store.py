@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import queue
 import struct
@@ -50,6 +51,32 @@ class Record:
         return int(self.payload.numel())
 
 
+class Histogram:
+    """Cumulative buckets for Prometheus (upper bounds ascending; +Inf implied)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
+        self.counts[index] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le label, cumulative count) per bucket, ending with +Inf."""
+        out, total = [], 0
+        for bound, count in zip([*self.bounds, math.inf], self.counts):
+            total += count
+            out.append(("+Inf" if bound == math.inf else f"{bound:g}", total))
+        return out
+
+
+_TOKEN_BUCKETS = tuple(float(1 << k) for k in range(0, 18, 2))  # 1 .. 65536 tokens
+_NS_BUCKETS = tuple(10.0**k for k in range(4, 12))  # 10 us .. 100 s
+
+
 @dataclass
 class HostStats:
     hits: int = 0  # admissions that restored at least one page from the store
@@ -59,6 +86,12 @@ class HostStats:
     held: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})  # records taken in, by tier
     dropped: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, reason) -> records
     skipped: int = 0  # offers of records already held
+    # Per admission lookup: prompt tokens it left to compute, and the estimated cost of what it
+    # restored (transfer, from the measured copy-in rate) against recomputing it (from the
+    # measured prefill rate); the estimates are observed once both rates are known.
+    missing_tokens: Histogram = field(default_factory=lambda: Histogram(_TOKEN_BUCKETS))
+    transfer_ns: Histogram = field(default_factory=lambda: Histogram(_NS_BUCKETS))
+    prefill_ns: Histogram = field(default_factory=lambda: Histogram(_NS_BUCKETS))
 
     def drop(self, tier: str, reason: str) -> None:
         self.dropped[(tier, reason)] = self.dropped.get((tier, reason), 0) + 1
@@ -102,6 +135,11 @@ class HostStore:
         self._writes: queue.Queue[Record | None] = queue.Queue()
         self._parked = 0  # records queued for a disk write
         self._writer: threading.Thread | None = None
+        self._prefetches: queue.Queue[tuple[tuple[int, ...], bytes, int] | None] = queue.Queue(maxsize=64)
+        self._reader: threading.Thread | None = None
+        # Measured rates for the lookup estimates (engine-owned; 0 until measured).
+        self.copy_ns_per_byte = 0.0
+        self.prefill_ns_per_token = 0.0
         if self.directory is not None and self.disk_bytes > 0:
             self._open_directory()
 
@@ -174,6 +212,40 @@ class HostStore:
         self._trim_disk()
         self._writer = threading.Thread(target=self._write_loop, name="helios-host-store", daemon=True)
         self._writer.start()
+        self._reader = threading.Thread(target=self._prefetch_loop, name="helios-host-prefetch", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ prefetch (off the engine thread)
+    def prefetch(self, tokens: tuple[int, ...], identity: bytes, page_tokens: int) -> None:
+        """Bring this prompt's chain of disk records into memory before admission looks it up
+        (best effort: a full queue drops the hint; admission then reads what it still needs)."""
+        if self._reader is not None and len(tokens) > page_tokens:
+            try:
+                self._prefetches.put_nowait((tuple(tokens), identity, page_tokens))
+            except queue.Full:
+                pass
+
+    def _prefetch_loop(self) -> None:
+        from helios.engine.kv_cache import ROOT_HASH, page_hash
+
+        while True:
+            item = self._prefetches.get()
+            if item is None:
+                return
+            tokens, identity, size = item
+            parent = ROOT_HASH
+            for index in range((len(tokens) - 1) // size):
+                digest = page_hash(parent, identity, tokens[index * size : (index + 1) * size])
+                with self._lock:
+                    in_memory, on_disk = digest in self._dram, digest in self._disk
+                if not in_memory:
+                    if not on_disk:
+                        break
+                    record = self._read(digest)
+                    if record is None:
+                        break
+                    self._keep_in_memory(record)
+                parent = digest
 
     def _path(self, digest: bytes) -> Path:
         assert self.directory is not None
@@ -279,3 +351,9 @@ class HostStore:
             self._writes.put(None)
             self._writer.join(timeout=10)
             self._writer = None
+        if self._reader is not None:
+            try:
+                self._prefetches.put(None, timeout=1)
+            except queue.Full:
+                pass
+            self._reader = None

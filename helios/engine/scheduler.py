@@ -327,9 +327,14 @@ class Scheduler:
             self.host.stats.bytes_in += record.nbytes
             parent = digest
             restored += 1
+        stats = self.host.stats
         if restored:
-            self.host.stats.hits += 1
-            self.host.stats.reused_tokens += restored * size
+            stats.hits += 1
+            stats.reused_tokens += restored * size
+        stats.missing_tokens.observe(len(tokens) - (first + restored) * size)
+        if restored and self.host.copy_ns_per_byte and self.host.prefill_ns_per_token:
+            stats.transfer_ns.observe(restored * self.host_page_bytes * self.host.copy_ns_per_byte)
+            stats.prefill_ns.observe(restored * size * self.host.prefill_ns_per_token)
         return restored, parent
 
     def _offer_to_host(self, seq: Sequence) -> None:

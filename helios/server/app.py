@@ -36,7 +36,8 @@ def metrics(request: Request) -> Response:
     values, first = state.snapshot(), state.first_response.summary()
     if chosen == "json":
         return json_response(json_snapshot(values, first))
-    return Response(content=prometheus_text(values, first), media_type="text/plain; version=0.0.4; charset=utf-8")
+    text = prometheus_text(values, first, state.histograms())
+    return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @get("/v1/models", sync_to_thread=False)

@@ -110,7 +110,8 @@ def json_snapshot(values: Mapping[str, Number], first_response: Mapping[str, Any
     return out
 
 
-def prometheus_text(values: Mapping[str, Number], first_response: Mapping[str, Any]) -> str:
+def prometheus_text(values: Mapping[str, Number], first_response: Mapping[str, Any],
+                    histograms: Mapping[str, Any] | None = None) -> str:  # fmt: skip
     """Text exposition format 0.0.4, ending with a newline."""
     lines: list[str] = []
 
@@ -139,9 +140,12 @@ def prometheus_text(values: Mapping[str, Number], first_response: Mapping[str, A
            first_response.get("median_seconds"))  # fmt: skip
     metric("flare_first_response_samples", "gauge", "First-response samples in the window",
            first_response.get("samples", 0))  # fmt: skip
-    for name, help_text in HISTOGRAMS:  # lookups are not costed yet: empty histograms
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram",
-                  f'{name}_bucket{{le="+Inf"}} 0', f"{name}_sum 0", f"{name}_count 0"]  # fmt: skip
+    for name, help_text in HISTOGRAMS:  # empty without a host prefix store
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        histogram = (histograms or {}).get(name)
+        buckets = histogram.cumulative() if histogram is not None else [("+Inf", 0)]
+        lines += [f'{name}_bucket{{le="{le}"}} {count}' for le, count in buckets]
+        lines += [f"{name}_sum {_number(histogram.sum if histogram is not None else 0)}", f"{name}_count {buckets[-1][1]}"]
     return "\n".join(lines) + "\n"
 
 

@@ -55,6 +55,16 @@ class ServerState:
         pool = self.heavy_pool if REQUEST_BYTES.get() > HEAVY_REQUEST_BYTES else self.pool
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
+    def histograms(self) -> dict[str, Any]:
+        """Prometheus histogram name -> helios.engine.host_store.Histogram (none without a host store)."""
+        host = self.client.engine.host
+        if host is None:
+            return {}
+        stats = host.stats
+        return {"flare_host_cache_missing_tokens": stats.missing_tokens,
+                "flare_host_cache_estimated_transfer_ns": stats.transfer_ns,
+                "flare_host_cache_estimated_prefill_ns": stats.prefill_ns}  # fmt: skip
+
     def snapshot(self) -> dict[str, Any]:
         stats = self.client.engine.stats
         values = {name: getattr(stats, name) for name in (

@@ -5,6 +5,7 @@ records and records of another core are never served."""
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,8 +70,17 @@ def test_an_evicted_prefix_is_restored_from_dram_then_from_disk_after_a_restart(
     assert host.disk_records >= 249 and host.stats.bytes_out > 0
     engine.close()
 
+    assert host.stats.missing_tokens.cumulative()[-1][1] >= 5  # every admission's lookup is observed
+    assert host.stats.transfer_ns.cumulative()[-1][1] == 1 and host.stats.prefill_ns.sum > host.stats.transfer_ns.sum
+
     restarted = _engine(tiny, tmp_path)  # a new process's view: only the disk tier survives
     assert restarted.host.memory_records == 0 and restarted.host.disk_records >= 249
+    request = EngineRequest("again", conversation, (GREEDY,), 8, ignore_eos=True, num_top_logprobs=3)
+    restarted.prefetch(request)  # what the engine client does at submission: disk reads off the engine thread
+    deadline = time.monotonic() + 30
+    while restarted.host.memory_records < 249 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert restarted.host.memory_records >= 249
     again = _ask(restarted, conversation, "again")
     assert again.num_cached_tokens >= 3984 - 16 and restarted.host.stats.bytes_in > 0
     _same(again, cold)

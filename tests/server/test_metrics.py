@@ -160,3 +160,23 @@ def test_format_query_overrides_accept(query: str, accept: str | None, expected:
 def test_unknown_format_is_rejected(query: str) -> None:
     with pytest.raises(ValueError, match="format"):
         choose_format(query, "application/json")
+
+
+def test_host_cache_histograms_and_labelled_counters_parse_when_filled() -> None:
+    from helios.engine.host_store import HostStats
+
+    stats = HostStats()
+    for tokens in (3, 40, 5000):
+        stats.missing_tokens.observe(tokens)
+    stats.transfer_ns.observe(2e6)
+    values = {"host_cache_held": {"dram": 7, "nvme": 5}, "host_cache_dropped": {"nvme/io_error": 1}}
+    text = prometheus_text(values, EMPTY_WINDOW, {"flare_host_cache_missing_tokens": stats.missing_tokens,
+                                                 "flare_host_cache_estimated_transfer_ns": stats.transfer_ns})
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    missing = {s.labels.get("le"): s.value for s in families["flare_host_cache_missing_tokens"].samples
+               if s.name.endswith("_bucket")}  # fmt: skip
+    assert missing["4"] == 1 and missing["64"] == 2 and missing["+Inf"] == 3
+    held = {s.labels["tier"]: s.value for s in families["flare_host_cache_held"].samples}
+    assert held == {"dram": 7, "nvme": 5}
+    dropped = [(s.labels["tier"], s.labels["reason"], s.value) for s in families["flare_host_cache_dropped"].samples]
+    assert dropped == [("nvme", "io_error", 1)]
