@@ -127,6 +127,15 @@ class EngineStats:
     state_slots_used: int = 0  # live slots held by running sequences
     state_snapshots: int = 0  # prefix snapshots held
 
+    checkpoint_captures: dict[str, int] = field(default_factory=dict)  # role -> state snapshots captured
+    checkpoint_skips: dict[str, int] = field(default_factory=dict)  # reason -> captures not made
+
+    def count_checkpoint_capture(self, role: str) -> None:
+        self.checkpoint_captures[role] = self.checkpoint_captures.get(role, 0) + 1
+
+    def count_checkpoint_skip(self, reason: str) -> None:
+        self.checkpoint_skips[reason] = self.checkpoint_skips.get(reason, 0) + 1
+
     def count_round(self, drafts: int) -> None:
         self.rounds_by_depth[drafts] = self.rounds_by_depth.get(drafts, 0) + 1
 

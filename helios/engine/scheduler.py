@@ -103,6 +103,8 @@ class Scheduler:
                 drafts, states = self._drafts(seq, spare)
                 spare -= len(drafts)
                 chunks.append(self._chunk(seq, seq.num_computed, 1, copies, drafts, states))
+                if self.states is not None and (seq.num_computed + 1) % self.pool.page_tokens == 0:
+                    self._follow_endpoint(seq, seq.num_computed + 1)
             elif budget > 0 and seq.num_pending > 0:
                 chunks.append(self._prefill_chunk(seq, budget, copies))
                 budget -= chunks[-1].num_tokens
@@ -157,19 +159,55 @@ class Scheduler:
             return min(following, last)
         return last
 
-    def _capture(self, seq: Sequence, boundary: int) -> None:
-        """Plan a copy of seq's state after this step into a snapshot slot for `boundary`."""
-        assert self.states is not None and seq.state_slot is not None
+    def _digest_at(self, seq: Sequence, boundary: int) -> bytes:
+        """The page-hash chain of seq's tokens up to a page boundary (its published chain, extended)."""
         size = self.pool.page_tokens
         digest = seq.chain[-1] if seq.chain else ROOT_HASH
         for index in range(len(seq.chain), boundary // size):
             digest = page_hash(digest, seq.request.cache_identity, tuple(seq.token_ids[index * size : (index + 1) * size]))
+        return digest
+
+    def _capture(self, seq: Sequence, boundary: int) -> None:
+        """Plan a copy of seq's state after this step into a snapshot slot for `boundary`."""
+        assert self.states is not None and seq.state_slot is not None
+        digest = self._digest_at(seq, boundary)
         if self.states.has(digest):
             return
         slot = self.states.claim()
-        if slot is not None:
-            self._state_after.append((seq.state_slot, slot))
-            self._captures.append((seq, digest, slot))
+        if slot is None:
+            self.stats.count_checkpoint_skip("storage")
+            return
+        self._state_after.append((seq.state_slot, slot))
+        self._captures.append((seq, digest, slot))
+        if boundary == (seq.num_prompt - 1) // self.pool.page_tokens * self.pool.page_tokens:
+            self.stats.count_checkpoint_capture("message")  # the last page boundary of the request's messages
+
+    def _follow_endpoint(self, seq: Sequence, boundary: int) -> None:
+        """Exact endpoint capture for a decoding hybrid sequence: after a step that ends on a page
+        boundary, its state is copied into the sequence's own (unregistered) endpoint snapshot slot,
+        so when it finishes, the next turn of its conversation resumes from its last full page
+        instead of recomputing the answer. Registered at finish or preemption; a failed step's
+        sequence returns the slot."""
+        assert self.states is not None and seq.state_slot is not None
+        if seq.endpoint_slot is None:
+            seq.endpoint_slot = self.states.claim()
+            if seq.endpoint_slot is None:
+                self.stats.count_checkpoint_skip("storage")
+                return
+        self._state_after.append((seq.state_slot, seq.endpoint_slot))
+        seq.endpoint_digest = self._digest_at(seq, boundary)
+
+    def _settle_endpoint(self, seq: Sequence, keep: bool) -> None:
+        """Register (keep) or return the sequence's endpoint snapshot slot."""
+        slot, digest = seq.endpoint_slot, seq.endpoint_digest
+        seq.endpoint_slot, seq.endpoint_digest = None, None
+        if self.states is None or slot is None:
+            return
+        if keep and digest is not None and not self.states.has(digest):
+            self.states.register(digest, slot)
+            self.stats.count_checkpoint_capture("endpoint")
+        else:
+            self.states.unclaim(slot)
 
     def _reusable_prefix(self, seq: Sequence, pages: list[int], end: bytes) -> tuple[list[int], bytes, int | None]:
         """Of the cached pages matched for seq, those its recurrent state can resume after: up to the
@@ -261,6 +299,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Release seq's pages and reservation and queue it first; its tokens and state are kept."""
         self.running.remove(seq)
+        self._settle_endpoint(seq, keep=True)  # its copies were made by steps that succeeded
         self._release(seq)
         seq.num_computed = 0
         seq.chain = []
@@ -545,6 +584,8 @@ class Scheduler:
         seq.finish = cause
         seq.unforked = 0
         self.drafter.finished(seq)
+        # A failed step may not have made the endpoint copy it planned: only other finishes keep it.
+        self._settle_endpoint(seq, keep=cause is not FinishCause.ERROR)
         if cause is not FinishCause.ERROR:
             self._offer_to_host(seq)
         if seq in self.running:

@@ -42,6 +42,8 @@ class Sequence:
     constraint: TokenConstraint | None = None  # this choice's own fork of the request's constraint
     draft_depth: float = 2.0  # adaptive speculation: drafts to offer next round; a new sequence starts shallow
     state_slot: int | None = None  # hybrid cores: its live recurrent-state slot while running (state_slots.py)
+    endpoint_slot: int | None = None  # hybrid cores: a claimed snapshot slot following its last full page
+    endpoint_digest: bytes | None = None  # the chain hash the endpoint slot's state is at
 
     @property
     def num_output(self) -> int:

@@ -82,6 +82,11 @@ LABELLED: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
      ("tier",)),
     ("host_cache_dropped", "flare_host_cache_dropped_total", "counter",
      "Records the host prefix store dropped, by tier and reason", ("tier", "reason")),
+    ("checkpoint_captures", "flare_checkpoint_captures_total", "counter",
+     "Recurrent-state checkpoints captured, by role (message: a prompt's last page boundary; endpoint: a "
+     "finished sequence's last full page)", ("role",)),
+    ("checkpoint_skips", "flare_checkpoint_skips_total", "counter", "Checkpoint captures not made, by reason",
+     ("reason",)),
 )  # fmt: skip
 _LABELLED_NAMES = {key for key, *_ in LABELLED}
 

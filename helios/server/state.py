@@ -72,6 +72,7 @@ class ServerState:
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
             "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds",
             "state_slots", "state_slot_bytes", "state_slots_used", "state_snapshots")}  # fmt: skip
+        values.update(checkpoint_captures=dict(stats.checkpoint_captures), checkpoint_skips=dict(stats.checkpoint_skips))
         host = self.client.engine.host
         if host is not None:
             stats_h = host.stats

@@ -95,3 +95,20 @@ def test_a_shared_prefix_resumes_from_its_snapshot_with_the_uncached_output(hybr
     run_to_completion(bare, [first])
     again = run_to_completion(bare, [second])["second"][0]
     assert again.num_cached_tokens == 0 and again.token_ids == uncached.token_ids
+
+
+def test_the_next_turn_resumes_after_the_previous_answer_from_its_endpoint(hybrid: Core) -> None:
+    first = EngineRequest("t1", _prompt(hybrid, "Tell me a story about a fox and a dog."), (GREEDY,), 40,
+                          ignore_eos=True)  # fmt: skip
+    engine = _engine(hybrid)
+    answer = run_to_completion(engine, [first])["t1"][0].token_ids
+    history = first.prompt_ids + tuple(answer)
+    second = EngineRequest("t2", history + _prompt(hybrid, " Now a shorter one."), (GREEDY,), 8, ignore_eos=True)
+    resumed = run_to_completion(engine, [second])["t2"][0]
+    size = hybrid.manifest.limits.page_tokens
+    # the answer's full pages are reused too, not only the first prompt's
+    assert resumed.num_cached_tokens == (len(history) - 1) // size * size > len(first.prompt_ids)
+    assert engine.stats.checkpoint_captures.get("endpoint") == 1
+    uncached = run_to_completion(_engine(hybrid, enable_prefix_cache=False), [second])["t2"][0]
+    assert resumed.token_ids == uncached.token_ids
+    _idle(engine)

@@ -121,3 +121,41 @@ def test_slots_never_leak_under_preemption_aborts_forks_and_failures() -> None:
         assert not s.has_work and s.states.live_in_use == 0
         s.states.check(0)
         assert all(finish is not None for _, finish in out.values())
+
+
+def test_a_decoding_sequence_follows_its_endpoint_and_registers_it_at_finish() -> None:
+    s = _hybrid(chunk=64, interval=0)
+    s.add(_request("a", 6, max_tokens=7))  # positions 0..5 prompt; decoding crosses the boundaries at 8 and 12
+    _step(s)  # prefill to 4 (the prompt's last page boundary)
+    endpoint_copies = []
+    while s.has_work:
+        plan = s.schedule()
+        endpoint_copies += [(c.start + c.num_tokens, dst) for c in plan.chunks for src, dst in plan.state_after
+                            if src == c.seq.state_slot and c.seq.endpoint_slot == dst]  # fmt: skip
+        tokens = {id(q): (SampledToken(7, None),) for c in plan.chunks if c.wants_logits for q in c.choices}
+        s.update_from_output(plan, ModelOutput(tokens))
+        s.check_invariants()
+    assert [end for end, _ in endpoint_copies] == [8, 12] and len({dst for _, dst in endpoint_copies}) == 1
+    assert s.stats.checkpoint_captures == {"message": 1, "endpoint": 1}
+    # the next turn (the whole answer, then more) resumes from the endpoint at 12
+    turn = EngineRequest("b", tuple(range(1, 7)) + (7,) * 7 + (50, 51, 52), (PARAMS,), max_tokens=1)
+    s.add(turn)
+    plan, _ = _step(s)
+    assert plan.chunks[0].start == 12 and plan.state_before
+    _drain(s)
+
+
+def test_a_failed_step_returns_the_endpoint_slot_it_may_not_have_filled() -> None:
+    s = _hybrid(chunk=64, interval=0)
+    s.add(_request("a", 7, max_tokens=5))
+    while s.has_work:
+        plan = s.schedule()
+        following = any(c.seq.endpoint_slot is not None for c in plan.chunks if c.num_tokens == 1)
+        if following:
+            s.fail(plan, "boom")
+        else:
+            tokens = {id(q): (SampledToken(7, None),) for c in plan.chunks if c.wants_logits for q in c.choices}
+            s.update_from_output(plan, ModelOutput(tokens))
+        s.check_invariants()
+    assert "endpoint" not in s.stats.checkpoint_captures and s.states.snapshots_held == 1  # only the prompt's
+    s.states.check(0)
