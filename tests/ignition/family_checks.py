@@ -3,6 +3,7 @@ generated-token logprobs against transformers, and batching invariance through t
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -91,3 +92,38 @@ def check_prefix_reuse(core_dir: Path, text: str, max_tokens: int = 8) -> None:
     cached = run_to_completion(engine, [second])["second"][0]
     assert cached.num_cached_tokens > 0
     assert cached.token_ids == uncached["second"][0].token_ids
+
+
+def tool_round_trip(app, route: str, ask: str, schema: dict, **extra) -> tuple[dict, str]:
+    """One user turn offering a get_weather tool through `route` ("chat", "messages" or "responses")
+    of a scripted in-process server (tests/server/scripted.py), after app.say(...) scripted the
+    model's output: ({"reasoning", "text", "calls": [(name, arguments)]}, finish reason or status)."""
+    if route == "chat":
+        body = {"model": "x", "messages": [{"role": "user", "content": ask}], "max_tokens": 256,
+                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}], **extra}  # fmt: skip
+        response = app.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        message = choice["message"]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+        return {"reasoning": message["reasoning_content"], "text": message["content"], "calls": calls}, choice["finish_reason"]
+    if route == "messages":
+        body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ask}],
+                "tools": [{"name": "get_weather", "input_schema": schema}], **extra}  # fmt: skip
+        response = app.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+        assert response.status_code == 200, response.text
+        result = response.json()
+        blocks = result["content"]
+        return {"reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
+                "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
+                "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]}, result["stop_reason"]  # fmt: skip
+    assert route == "responses", route
+    body = {"model": "x", "input": ask, "max_output_tokens": 256,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": schema}], **extra}  # fmt: skip
+    response = app.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    output = result["output"]
+    return {"reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
+            "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
+            "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"]}, result["status"]  # fmt: skip

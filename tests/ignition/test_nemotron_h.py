@@ -29,6 +29,7 @@ from ignition.models import family_of_hf_config, nemotron_h
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import _tensor, write_testmodel
+from tests.ignition import family_checks
 from tests.ignition.family_checks import (GREEDY, TEXTS, check_generation_matches, check_prefix_reuse, export_tiny,
                                           hf_logprobs)  # fmt: skip
 
@@ -274,7 +275,6 @@ def test_unsupported_variants_are_refused(change: dict[str, object], field: str)
 
 # ---------------------------------------------------------------------------- chat round trips
 
-VERSION = {"anthropic-version": "2023-06-01"}
 ASK = "Weather in Paris?"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 # What Nemotron writes after the prompt's "<|im_start|>assistant\n<think>\n".
@@ -306,43 +306,20 @@ def _check_prompt(app) -> None:
 
 def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
     app.say(OUTPUT)
-    body = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256,
-            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]}  # fmt: skip
-    response = app.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
+    got, finish = family_checks.tool_round_trip(app, "chat", ASK, CITY)
     _check_prompt(app)
-    choice = response.json()["choices"][0]
-    message = choice["message"]
-    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
-    got = {"reasoning": message["reasoning_content"], "text": message["content"], "calls": calls}
-    assert _stripped(got) == EXPECTED and choice["finish_reason"] == "tool_calls"
+    assert _stripped(got) == EXPECTED and finish == "tool_calls"
 
 
 def test_messages_with_reasoning_and_tool_call(app) -> None:
     app.say(OUTPUT)
-    body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}],
-            "tools": [{"name": "get_weather", "input_schema": CITY}]}  # fmt: skip
-    response = app.post("/v1/messages", json=body, headers=VERSION)
-    assert response.status_code == 200, response.text
+    got, finish = family_checks.tool_round_trip(app, "messages", ASK, CITY)
     _check_prompt(app)
-    result = response.json()
-    blocks = result["content"]
-    got = {"reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
-           "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
-           "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]}  # fmt: skip
-    assert _stripped(got) == EXPECTED and result["stop_reason"] == "tool_use"
+    assert _stripped(got) == EXPECTED and finish == "tool_use"
 
 
 def test_responses_with_reasoning_and_tool_call(app) -> None:
     app.say(OUTPUT)
-    body = {"model": "x", "input": ASK, "max_output_tokens": 256,
-            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]}  # fmt: skip
-    response = app.post("/v1/responses", json=body)
-    assert response.status_code == 200, response.text
+    got, finish = family_checks.tool_round_trip(app, "responses", ASK, CITY)
     _check_prompt(app)
-    result = response.json()
-    output = result["output"]
-    got = {"reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
-           "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
-           "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"]}  # fmt: skip
-    assert _stripped(got) == EXPECTED and result["status"] == "completed"
+    assert _stripped(got) == EXPECTED and finish == "completed"
