@@ -127,3 +127,21 @@ def tool_round_trip(app, route: str, ask: str, schema: dict, **extra) -> tuple[d
     return {"reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
             "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
             "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"]}, result["status"]  # fmt: skip
+
+
+def prompt_logprob_error(core_dir: Path, model, prompts: list[list[int]], chunk: int) -> float:
+    """Max |Δ| of the scored-prefill program's prompt logprobs and top alternatives (prefilled in
+    `chunk`-token chunks) against transformers' full distributions, over the prompts."""
+    from helios.core.program import SCORED_PREFILL, run_prompt
+
+    core = Core.open(core_dir)
+    program, weights, m = core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
+    worst = 0.0
+    for ids in prompts:
+        run = run_prompt(program, weights, m.kv, m.limits.page_tokens, list(ids), chunk=chunk)
+        expected = hf_logprobs(model, list(ids))
+        scored = expected[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        worst = max(worst, float((run.outputs["prompt_logprobs"][:-1] - scored).abs().max()))
+        top = expected[:-1].gather(1, run.outputs["prompt_top_ids"][:-1])
+        worst = max(worst, float((run.outputs["prompt_top_logprobs"][:-1] - top).abs().max()))
+    return worst
