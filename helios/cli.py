@@ -129,6 +129,24 @@ def clients(
     typer.echo(CLIENTS[client](target(manifest, settings, url)))
 
 
+@app.command()
+def top(
+    url: Annotated[str, typer.Argument(metavar="URL", help="The server's address: http://host:port, host:port or its /v1 base URL.")] = "http://127.0.0.1:8000",
+    interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between samples.")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="Sample twice one interval apart, print one plain snapshot and exit (1 if the server cannot be reached).")] = False,
+) -> None:
+    """A live terminal dashboard of a running server: load, tokens/s, first-response time, KV pages, speculation.
+
+    Also failures, and the host prefix store and recurrent state slots where the server has them.
+    On a terminal it redraws in place (p or space pauses, q or Ctrl-C quits; works over SSH);
+    when the output is not a terminal it prints a plain text block per interval. It reads
+    GET /metrics, which needs no serving key.
+    """
+    from helios.top import run
+
+    raise typer.Exit(run(url, interval, once))
+
+
 @app.callback()
 def _root() -> None:
     """Serve Flare cores."""

@@ -62,6 +62,7 @@ def export(
 ) -> None:
     """Export a checkpoint plus a recipe into a core bundle, self-checked against a reference forward."""
     from ignition.export import ExportOptions, check_options, export_core
+    from ignition.progress import export_phases
     from ignition.recipe import load_recipe
     from ignition.sources import open_source, resolve_default_source
 
@@ -86,11 +87,11 @@ def export(
                 raise UsageError(f"recipe {loaded.name!r} declares no default source: pass SRC")
             src = str(resolve_default_source(loaded.source.path))
             checkpoint_id = checkpoint_id or loaded.source.checkpoint_id
-        if not as_json:
-            typer.echo(f"reading {src} ...", err=True)
-        checkpoint = open_source(src, checkpoint_id)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        result = export_core(checkpoint, loaded, options)
+        with export_phases(quiet=as_json) as phase:
+            phase(f"reading {src}")
+            checkpoint = open_source(src, checkpoint_id)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            result = export_core(checkpoint, loaded, options, progress=phase)
     except IgnitionError as error:
         _fail(error, as_json)
         return

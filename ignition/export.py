@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -38,6 +39,7 @@ from ignition.models.naming import rename
 from ignition.recipe import Recipe, without_ranges
 from ignition.sources import Checkpoint
 
+Progress = Callable[[str], None]  # called with each phase's name as it starts; the previous phase has ended
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GOLDEN_TEXTS = (
     "The capital of France is",
@@ -271,12 +273,14 @@ def stored_tensors(checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> 
 
 
 def export_extra_programs(fam: ModuleType, config: object, num_top: int, weights: dict[str, torch.Tensor],
-                          kv: mf.KvLayout, page_tokens: int,
-                          staging: Path) -> dict[str, tuple[mf.ProgramSpec, object]]:  # fmt: skip
+                          kv: mf.KvLayout, page_tokens: int, staging: Path,
+                          progress: Progress | None = None) -> dict[str, tuple[mf.ProgramSpec, object]]:  # fmt: skip
     """A family's own program kinds (optional `extra_programs(config, num_top, weights)`, e.g. MiMo's
     "mtp_draft.N"): kind -> (spec, the family's description with its `check`)."""
     out: dict[str, tuple[mf.ProgramSpec, object]] = {}
     for extra in getattr(fam, "extra_programs", lambda c, n, w: ())(config, num_top, weights):
+        if progress is not None:
+            progress(f"exporting the {extra.kind} program")
         path = staging / "programs" / f"{extra.kind}.pt2"
         spec = export_module(extra.module, extra.inputs, extra.outputs, extra.examples,
                              config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
@@ -345,8 +349,11 @@ def _tokenizer_info(checkpoint: Checkpoint, tokenizer: Tokenizer, vocab_size: in
     )
 
 
-def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) -> ExportResult:
+def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
+                progress: Progress | None = None) -> ExportResult:
+    """`progress` (the CLI's display) hears each phase as it starts; it never changes the result."""
     started = time.perf_counter()
+    phase = progress or (lambda name: None)
     fam = family(recipe.info.family)
     if options.dtype is None:  # the checkpoint's own, unless the family's 16-bit program is not yet accurate
         own = checkpoint.dtype if getattr(fam, "ACCURATE_16BIT", True) else "float32"
@@ -362,6 +369,7 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) 
     except (KeyError, ValueError) as exc:
         raise SourceError(f"{checkpoint.reference}: unsupported or incomplete config ({exc})") from exc
     limits = _limits(options, config)
+    phase(f"converting weights to {options.dtype}")
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
     kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -376,25 +384,31 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions) 
         specs: dict[str, mf.ProgramSpec] = {}
         kinds = [STEP] + ([SCORED_PREFILL] if options.prompt_logprobs else [])
         for kind in kinds:
+            phase(f"exporting the {kind} program")
             spec = export_program(fam, config, kind, options.max_top_logprobs, options.logprob_ids, weights, kv,
                                   options.page_tokens, staging / "programs" / f"{kind}.pt2")  # fmt: skip
             specs[kind] = spec
             programs[kind] = Program.load(kind, spec, staging / spec.file)  # check what was saved, not the module
-        extras = export_extra_programs(fam, config, options.max_top_logprobs, weights, kv, options.page_tokens, staging)
+        extras = export_extra_programs(fam, config, options.max_top_logprobs, weights, kv, options.page_tokens, staging,
+                                       phase)
         specs.update({kind: spec for kind, (spec, _) in extras.items()})
+        phase("writing weights and tokenizer")
         save_file(weights, str(staging / "weights.safetensors"))
         (staging / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
         if template is not None:
             (staging / "chat_template.jinja").write_text(template, encoding="utf-8")
         prompts = golden_prompts(tokenizer)
         tolerance = TOLERANCE[options.dtype]
+        phase("self-check against the reference forward")
         worst, golden = self_check(fam, config, checkpoint, programs, weights, kv, options.page_tokens, prompts, tolerance)
         extra_worst = check_extra_programs(extras, checkpoint, weights, kv, options.page_tokens, staging, tolerance)
         save_file(golden, str(staging / "golden.safetensors"))
         compiled = {}
         if options.compile_step:
+            phase("compiling the step for this CPU (AOTInductor)")
             compiled[STEP] = compile_step(specs[STEP], staging, weights, kv, options.page_tokens, config.vocab_size,
                                           prompts, golden, tolerance)  # fmt: skip
+        phase("writing core.json")
         files = {
             str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
         }
@@ -465,4 +479,4 @@ def _install(staging: Path, out: Path) -> None:
     staging.rename(out)
 
 
-__all__ = ["ExportOptions", "ExportResult", "check_options", "export_core"]
+__all__ = ["ExportOptions", "ExportResult", "Progress", "check_options", "export_core"]
