@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from helios.core import hostcache
+from helios.engine.kv_cache import ROOT_HASH, page_hash
+
 log = logging.getLogger("helios.engine")
 
 MAGIC = b"FLAREKV1"
@@ -109,8 +112,6 @@ def default_memory_bytes() -> int:
 
 
 def default_directory() -> Path:
-    from helios.core import hostcache
-
     override = os.environ.get("FLARE_PREFIX_CACHE_DIR")
     return Path(override) if override else hostcache.directory() / "prefix"
 
@@ -226,8 +227,6 @@ class HostStore:
                 pass
 
     def _prefetch_loop(self) -> None:
-        from helios.engine.kv_cache import ROOT_HASH, page_hash
-
         while True:
             item = self._prefetches.get()
             if item is None:

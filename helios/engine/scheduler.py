@@ -149,8 +149,7 @@ class Scheduler:
         """The next prompt position after num_computed where seq's state is snapshotted: a multiple
         of the snapshot interval, or the prompt's last page boundary (what a later prompt sharing
         this one can reuse; at least one token is always computed, so not the prompt's end)."""
-        size = self.pool.page_tokens
-        last = (seq.num_prompt - 1) // size * size
+        last = self._last_boundary(seq)
         if last <= seq.num_computed:
             return None
         interval = self.config.snapshot_interval
@@ -158,6 +157,10 @@ class Scheduler:
             following = (seq.num_computed // interval + 1) * interval
             return min(following, last)
         return last
+
+    def _last_boundary(self, seq: Sequence) -> int:
+        """The prompt's last page boundary before its final token (the longest prefix reusable later)."""
+        return (seq.num_prompt - 1) // self.pool.page_tokens * self.pool.page_tokens
 
     def _digest_at(self, seq: Sequence, boundary: int) -> bytes:
         """The page-hash chain of seq's tokens up to a page boundary (its published chain, extended)."""
@@ -179,7 +182,7 @@ class Scheduler:
             return
         self._state_after.append((seq.state_slot, slot))
         self._captures.append((seq, digest, slot))
-        if boundary == (seq.num_prompt - 1) // self.pool.page_tokens * self.pool.page_tokens:
+        if boundary == self._last_boundary(seq):
             self.stats.count_checkpoint_capture("message")  # the last page boundary of the request's messages
 
     def _follow_endpoint(self, seq: Sequence, boundary: int) -> None:

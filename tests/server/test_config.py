@@ -35,6 +35,12 @@ def test_file_flags_and_key_file(tmp_path: Path) -> None:
         ("[serve]\nport = 1\n", "unknown tables"),
         ("[server\n", "not valid TOML"),
         ("[server]\nserial_decode_rows = -1\n", "serial_decode_rows must be a non-negative integer"),
+        ("[server]\nhost_cache = \"yes\"\n", "host_cache must be true or false"),
+        ("[server]\nhost_cache_memory_mb = 0\n", "host_cache_memory_mb must be a positive integer"),
+        ("[server]\nhost_cache_disk_mb = -5\n", "host_cache_disk_mb must be a non-negative integer"),
+        ("[server]\nhost_cache_dir = \"\"\n", "host_cache_dir must be a nonempty path string"),
+        ("[server]\nstate_snapshots = -1\n", "state_snapshots must be a non-negative integer"),
+        ("[server]\nsnapshot_interval = 1.5\n", "snapshot_interval must be a non-negative integer"),
     ],
 )
 def test_invalid_settings(tmp_path: Path, text: str, message: str) -> None:
