@@ -65,6 +65,7 @@ def serve(
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
     from helios.config import ConfigError, load_config
     from helios.core import CoreError
+    from helios.engine import native
     from helios.server.app import create_app
     from helios.server.lifecycle import serve as serve_until_signal
     from helios.server.state import build_state
@@ -80,7 +81,7 @@ def serve(
         weights += " weights upcast to float32 at load: this CPU has no fast native " + state.client.engine.upcast_from + " matmul"
     else:
         weights += " weights"
-    weights += f", {state.client.engine.executor.step_kind} step"
+    weights += f", {state.client.engine.executor.step_kind} step, {native.status()} attention kernels"
     typer.echo(f"serving {state.model.public_id} ({weights}) on http://{settings.host}:{settings.port}/v1", err=True)
     serve_until_signal(create_app(state), state, settings.host, settings.port, log_level)
 

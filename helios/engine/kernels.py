@@ -1,9 +1,10 @@
 """helios' own kernels for the flare:: ops (the core's reference kernels are correct but slow).
 
-CPU: decode rows (one query token per sequence) of a step are attended in one batched
+CPU: decode rows (one query token per sequence) of a step are attended in place over their
+pages by the native kernel (helios/engine/native), or, where it is not built, in one batched
 page gather + SDPA over the padded page tables; prefill chunks use SDPA per sequence. The
-step's layout (which rows decode, the gather indices, the masks) is the same for every
-layer with the same sliding window, so it is planned once per step and window and reused.
+step's layout (which rows decode, their tables, the gather indices, the masks) is the same for
+every layer with the same sliding window, so it is planned once per step and window and reused.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 import helios.core.ops  # defines the ops before kernels are registered; shares their masking and capped attention
-from helios.engine import kernels_gated_delta, kernels_mamba, kernels_moe, kernels_recurrent, kernels_sparse
+from helios.engine import kernels_gated_delta, kernels_mamba, kernels_moe, kernels_recurrent, kernels_sparse, native
 
 T = TypeVar("T")
 
@@ -42,6 +43,9 @@ class _Plan:
     """
 
     decode_rows: Tensor | None  # [Bd] query rows of the decode sequences
+    decode_tables: Tensor | None  # [Bd, max_blocks] int32: the decode sequences' block tables (native kernel)
+    decode_lens: Tensor | None  # [Bd] int64 KV lengths (native kernel)
+    decode_positions: Tensor | None  # [Bd] int64 query positions (native kernel)
     decode_pages: Tensor | None  # [Bd * blocks] page ids from each row's first page in its window, padded to `blocks`
     decode_mask: Tensor | None  # [Bd, 1, 1, blocks * page_tokens] bool: gathered slot j holds visible history
     prefills: tuple[_Prefill, ...]
@@ -83,12 +87,19 @@ def _first_page(position: Tensor | int, window: int, page_tokens: int) -> Tensor
 
 
 def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, positions: Tensor, page_tokens: int,
-          window: int) -> _Plan:  # fmt: skip
+          window: int, in_place: bool = False) -> _Plan:  # fmt: skip
+    """in_place: decode rows are attended by the native kernel (tables, lengths, positions),
+    not through a padded gather (pages, mask)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    decode_rows = decode_pages = decode_mask = None
-    if decode:
+    decode_rows = decode_tables = decode_lens = decode_positions = decode_pages = decode_mask = None
+    if decode and in_place:
+        picked = torch.tensor(decode)
+        decode_rows = torch.tensor([starts[i] for i in decode])
+        decode_tables = block_tables[picked].contiguous()
+        decode_lens, decode_positions = seq_lens[picked].long(), positions[decode_rows].long()
+    elif decode:
         picked = torch.tensor(decode)
         decode_rows = torch.tensor([starts[i] for i in decode])
         dlens, dpos = seq_lens[picked].long(), positions[decode_rows].long()
@@ -115,17 +126,26 @@ def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, posit
         visible = None if whole else helios.core.ops.visible_keys(key_pos, positions[start:end], window)
         prefills.append(_Prefill(start, end, pages, kv_len - first * page_tokens, visible))
     identity = len(decode) == len(lens) and decode == list(range(len(lens))) and starts[-1] == len(decode)
-    return _Plan(decode_rows, decode_pages, decode_mask, tuple(prefills), identity)
+    return _Plan(decode_rows, decode_tables, decode_lens, decode_positions, decode_pages, decode_mask, tuple(prefills),
+                 identity)  # fmt: skip
 
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
                         softcap=0.0):  # fmt: skip
     page_tokens, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     memo = _plans.setdefault(window, _StepMemo())
+    in_place = (native.loaded() and dim <= 512 and q.shape[-1] == dim and k_cache.shape == v_cache.shape
+                and k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous())  # fmt: skip
     plan = memo.get((block_tables, seq_lens, query_start_loc, positions),
-                    lambda: _plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window))  # fmt: skip
+                    lambda: _plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window, in_place))  # fmt: skip
     decoded = None
-    if plan.decode_pages is not None:
+    if plan.decode_tables is not None:
+        query = q if plan.identity else q[plan.decode_rows]
+        decoded = torch.ops.flare_native.decode_attention(query, k_cache, v_cache, plan.decode_tables, plan.decode_lens,
+                                                          plan.decode_positions, scale, window, softcap)  # fmt: skip
+        if plan.identity:
+            return decoded
+    elif plan.decode_pages is not None:
         # [Bd * blocks, P, KVH, D] -> [Bd, KVH, blocks * P, D] views; SDPA reads the strides as they are.
         rows = plan.decode_mask.shape[0]
         keys = k_cache.index_select(0, plan.decode_pages).view(rows, -1, kv_heads, dim).to(q.dtype).transpose(1, 2)
@@ -156,7 +176,11 @@ _padded_slots: _StepMemo[bool] = _StepMemo()
 
 def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping) -> None:
     """Like the reference, without the boolean-mask copies when no slot is padding (checked
-    once per step: every layer gets the same slot tensor)."""
+    once per step: every layer gets the same slot tensor); the native kernel copies rows
+    straight into their slots, skipping padding itself."""
+    if native.loaded() and k_cache.is_contiguous() and v_cache.is_contiguous():
+        torch.ops.flare_native.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
     padded = _padded_slots.get((slot_mapping,), lambda: bool(slot_mapping.numel()) and int(slot_mapping.min()) < 0)
     if padded:
         keep = slot_mapping >= 0
@@ -179,6 +203,7 @@ def register() -> None:
     """
     global _registered, _library
     if not _registered:
+        native.load()  # before any step runs, so every step of this process uses the same kernels
         _library = torch.library.Library("flare", "IMPL")  # kept alive: dropping it unregisters
         _library.impl("paged_attention", paged_attention_cpu, "CPU")
         _library.impl("write_kv", write_kv_cpu, "CPU")

@@ -1,12 +1,27 @@
-"""helios' CPU attention kernels against the core's reference op."""
+"""helios' CPU attention kernels against the core's reference op, with decode rows attended by
+the native kernel and by the Python gather path."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
 import helios.core.ops as ops
-from helios.engine import kernels
+from helios.engine import kernels, native
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs once per decode-attention path."""
+    if request.param == "native":
+        if native._compiler() is None:
+            pytest.skip("no C++ compiler: the native kernels cannot be built here")
+        assert native.load(), native.status()
+    else:
+        monkeypatch.setattr(native, "loaded", lambda: False)
+    return request.param
 
 
 def _case(seed: int, lens: list[int], queries: list[int], heads: int = 6, kv_heads: int = 2, dim: int = 16,

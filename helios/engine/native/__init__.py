@@ -1,0 +1,117 @@
+"""helios' native CPU kernels (kernels.cpp): built once per host, loaded at engine start.
+
+The Python kernels of the flare:: ops gather a decode row's whole history into a padded copy
+and run SDPA over it under a mask, every layer; at 32 decode rows that is as much time as all
+the model's matrix products. `flare_native::decode_attention` reads the paged cache in place.
+
+The library is compiled on the serving host (`g++ -O3 -march=native` against the installed
+torch) into the cache directory, keyed by the source, torch version and CPU flags, so it is
+built on first use (about 20 s) and loaded in milliseconds after that; `ignition export` and
+`helios serve` build it ahead of the first request. Where no C++ compiler exists or the build
+fails, helios says why once and keeps the Python kernels (same results, slower); setting
+FLARE_NATIVE_KERNELS=0 does the same on purpose.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from helios.core import hostcache
+from helios.core.host import cpu_flags
+
+log = logging.getLogger("helios.engine")
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "loaded": bool, "reason": why not
+
+
+def enabled_by_environment() -> bool:
+    return os.environ.get("FLARE_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _key() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
+    return digest.hexdigest()[:24]
+
+
+def library_path() -> Path:
+    return hostcache.directory() / "native" / f"helios_kernels-{_key()}.so"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _command(compiler: str, output: Path) -> list[str]:
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
+            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(SOURCE), "-o", str(output),
+            f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]  # fmt: skip
+
+
+def build() -> Path:
+    """The library for this host, compiled now unless the cache holds it (raises on failure)."""
+    path = library_path()
+    if path.exists():
+        return path
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) found; install one (e.g. apt install g++) for the fast kernels")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:  # one build at a time across processes
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return path
+        log.info("building helios' native CPU kernels for this host (once; cached in %s)", path.parent)
+        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+            staged = Path(scratch) / path.name
+            done = subprocess.run(_command(compiler, staged), capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(staged, path)
+    return path
+
+
+def load() -> bool:
+    """Load the native kernels into torch (building them if needed); False, once logged, if not."""
+    with _lock:
+        if "loaded" in _state:
+            return bool(_state["loaded"])
+        if not enabled_by_environment():
+            _state.update(loaded=False, reason="FLARE_NATIVE_KERNELS=0")
+            return False
+        try:
+            torch.ops.load_library(str(build()))
+            torch.ops.flare_native.decode_attention  # the library registered its ops
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+            _state.update(loaded=False, reason=str(exc))
+            log.warning("native CPU kernels unavailable, using the Python kernels: %s", exc)
+            return False
+        _state["loaded"] = True
+        return True
+
+
+def loaded() -> bool:
+    return bool(_state.get("loaded"))
+
+
+def status() -> str:
+    """For the startup line: 'native' or why not."""
+    if loaded():
+        return "native"
+    return f"python ({_state['reason']})" if "reason" in _state else "python"

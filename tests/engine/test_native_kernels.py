@@ -1,0 +1,109 @@
+"""helios' native CPU kernels (helios/engine/native) against the flare:: reference ops."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import helios.core.ops as ops
+from helios.engine import native
+
+pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler: the native kernels cannot be built")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded() -> None:
+    assert native.load(), native.status()
+
+
+def _decode_case(seed: int, dtype: torch.dtype, cache_dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                 lens: list[int], page_tokens: int = 16):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    blocks = max(-(-n // page_tokens) for n in lens)
+    pages = len(lens) * blocks + 2
+    k_cache = torch.randn(pages, page_tokens, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(pages, page_tokens, kv_heads, dim, generator=gen).to(cache_dtype)
+    tables = torch.randperm(pages, generator=gen)[: len(lens) * blocks].view(len(lens), blocks).int()
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return q, k_cache, v_cache, tables, seq_lens, seq_lens.long() - 1
+
+
+DECODE = {  # dtype, cache dtype, heads, kv heads, head size, window, softcap
+    "fp32 gqa": (torch.float32, torch.float32, 9, 3, 64, 0, 0.0),
+    "fp32 window": (torch.float32, torch.float32, 9, 3, 64, 8, 0.0),
+    "fp32 capped": (torch.float32, torch.float32, 4, 2, 128, 0, 30.0),
+    "fp32 window and cap": (torch.float32, torch.float32, 8, 1, 256, 20, 50.0),
+    "fp32 odd head size (run-time size)": (torch.float32, torch.float32, 6, 2, 80, 0, 0.0),
+    "bf16": (torch.bfloat16, torch.bfloat16, 9, 3, 64, 0, 0.0),
+    "bf16 window": (torch.bfloat16, torch.bfloat16, 4, 4, 128, 5, 0.0),
+    "fp32 queries over a bf16 cache": (torch.float32, torch.bfloat16, 9, 3, 64, 0, 0.0),
+    "fp16 cache": (torch.float32, torch.float16, 4, 2, 64, 0, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECODE))
+def test_decode_attention_matches_the_reference_op(name: str) -> None:
+    dtype, cache_dtype, heads, kv_heads, dim, window, softcap = DECODE[name]
+    lens = [1, 17, 40, 100, 5, 64, 65]  # one token, page edges, several key chunks
+    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(len(name), dtype, cache_dtype, heads, kv_heads, dim, lens)
+    starts = torch.arange(len(lens) + 1, dtype=torch.int32)
+    expected = ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap)
+    got = torch.ops.flare_native.decode_attention(q, k_cache, v_cache, tables, seq_lens, positions, 0.125, window, softcap)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_decode_rows_do_not_depend_on_their_neighbours() -> None:
+    """A row's output is bit-identical alone and in a batch (batching invariance)."""
+    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(3, torch.bfloat16, torch.bfloat16, 9, 3, 64,
+                                                                    [30, 7, 99])  # fmt: skip
+    together = torch.ops.flare_native.decode_attention(q, k_cache, v_cache, tables, seq_lens, positions, 0.125, 0, 0.0)
+    for row in range(3):
+        alone = torch.ops.flare_native.decode_attention(q[row : row + 1], k_cache, v_cache, tables[row : row + 1],
+                                                        seq_lens[row : row + 1], positions[row : row + 1], 0.125, 0, 0.0)  # fmt: skip
+        assert torch.equal(alone[0], together[row])
+
+
+def test_bad_shapes_are_refused_with_an_error_not_a_crash() -> None:
+    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(1, torch.float32, torch.float32, 9, 3, 64, [5])
+    with pytest.raises(RuntimeError, match="head layout"):
+        torch.ops.flare_native.decode_attention(q[:, :8], k_cache, v_cache, tables, seq_lens, positions, 0.1, 0, 0.0)
+    with pytest.raises(RuntimeError, match="block_tables"):
+        torch.ops.flare_native.decode_attention(q, k_cache, v_cache, tables.long(), seq_lens, positions, 0.1, 0, 0.0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_the_reference_op(cache_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    caches = [torch.zeros(6, 4, 2, 8, dtype=cache_dtype) for _ in range(4)]
+    k, v = torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen)
+    slots = torch.tensor([3, -1, 17, 0, -1])  # negative slots are padding
+    ops.write_kv(caches[0], caches[1], k, v, slots)
+    torch.ops.flare_native.write_kv(caches[2], caches[3], k, v, slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.flare_native.write_kv(caches[2], caches[3], k[:1], v[:1], torch.tensor([24]))
+
+
+def _load_in_a_fresh_process(env: dict[str, str]) -> str:
+    code = "from helios.engine import native; native.load(); print(native.status())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip() + done.stderr
+
+
+def test_switched_off_by_the_environment() -> None:
+    assert _load_in_a_fresh_process({"FLARE_NATIVE_KERNELS": "0"}).startswith("python (FLARE_NATIVE_KERNELS=0)")
+
+
+def test_a_failed_build_falls_back_to_the_python_kernels(tmp_path) -> None:
+    out = _load_in_a_fresh_process({"FLARE_CACHE_DIR": str(tmp_path), "CXX": "/bin/false"})
+    assert out.startswith("python (compiling kernels.cpp failed") and "using the Python kernels" in out
+    assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built is left to load next time
