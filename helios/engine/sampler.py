@@ -182,20 +182,43 @@ def apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor
     return logits
 
 
+_DRAW_BLOCK = 1024  # inverse-CDF draws: block sums first, then a cumulative sum inside one block
+
+
 def draw(logits: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
     """One categorical draw per row from softmax(logits), [B] int64.
 
-    Row i uses generators[i] (position_generator: one per choice and output position), so a
-    request's tokens depend on its seed and their positions, never on which other requests
+    Inverse-CDF sampling: row i takes one uniform u from generators[i] (position_generator:
+    one per choice and output position) and picks the first token whose cumulative weight (in
+    float64) exceeds u times the row's total, so a zero-probability token is never picked. The
+    cumulative weights are found in two levels (sums of 1024-token blocks, then a cumulative
+    sum inside the chosen block): one random number and about one pass over the vocabulary
+    per row, ~10x cheaper at 32 rows than an exponential race (a random number per token).
+    A request's tokens depend on its seed and their positions, never on which other requests
     share the batch or whether the token was verified with drafts.
     """
-    probs = logits.softmax(dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
-    race = torch.empty_like(probs)
-    for row, generator in zip(race, generators, strict=True):
-        row.exponential_(generator=generator)
-    race.clamp_min_(torch.finfo(race.dtype).tiny)  # an exact 0 would turn p = 0 into NaN
-    return (probs / race).argmax(dim=-1)
+    rows, vocab = logits.shape
+    # Unnormalized weights exp(logit - max) in (0, 1]; terms below e^-87 become exactly 0, not
+    # fp32 subnormals (a low temperature makes them of most of the vocabulary, and they make
+    # every later operation on them many times slower); they cannot move a sum >= 1.
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    weights = shifted.masked_fill_(shifted < _EXP_FLOOR, float("-inf")).exp_()
+    pad = -vocab % _DRAW_BLOCK
+    if pad:
+        weights = torch.nn.functional.pad(weights, (0, pad))
+    blocks = weights.view(rows, -1, _DRAW_BLOCK)
+    coarse = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [B, blocks] cumulative block sums (fp32 within a block)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=logits.device) for g in generators])
+    target = u * coarse[:, -1]
+    # The block holding the target: a block of zero weight never is (its cumulative sum does not rise).
+    block = torch.searchsorted(coarse, target[:, None], right=True)[:, 0].clamp_(max=coarse.shape[1] - 1)
+    before = torch.where(block > 0, coarse.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner = blocks[torch.arange(rows, device=logits.device), block].cumsum(dim=-1, dtype=torch.float64)
+    # Within the block, stay below its own total (the block sum and the cumulative sum round
+    # apart), so the pick is a token with weight.
+    rest = torch.minimum((target - before).clamp_(min=0.0), inner[:, -1] * (1 - 2**-50))
+    offset = torch.searchsorted(inner, rest[:, None], right=True)[:, 0].clamp_(max=_DRAW_BLOCK - 1)
+    return block * _DRAW_BLOCK + offset
 
 
 class Sampler:
@@ -214,10 +237,12 @@ class Sampler:
         logits = apply_mask(logits.float(), allowed)
         logits = apply_penalties(logits, prompt_ids, output_ids, params)
         logits = apply_logit_bias(logits, params)
+        sampled = [row for row, p in enumerate(params) if p.top_k != 1]
+        if len(sampled) == len(params):
+            return self._draw(logits, params, generators)
         # Greedy before temperature: division could round distinct logits into a tie.
         # argmax returns the first maximum, i.e. the lowest token id on ties.
         greedy_ids = logits.argmax(dim=-1)
-        sampled = [row for row, p in enumerate(params) if p.top_k != 1]
         if not sampled:
             return greedy_ids
         if len(sampled) < len(params):
@@ -236,11 +261,13 @@ class Sampler:
         Each row takes the smallest candidate set that provably holds its surviving tokens, on
         its own: how a row draws never depends on which other rows share the batch."""
         logits = apply_temperature(logits, params)
-        full_lse = logsumexp(logits)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        pending = list(range(logits.shape[0]))
         vocab = logits.shape[-1]
-        for size in CANDIDATE_SIZES:
+        # Rows with neither top-k nor top-p keep the whole vocabulary: no candidate set can hold them.
+        whole = [r for r, p in enumerate(params) if not (0 < p.top_k < vocab or p.top_p < 1.0)]
+        pending = [r for r, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        full_lse = logsumexp(logits) if pending else None
+        for size in CANDIDATE_SIZES if pending else ():
             k = min(size, vocab)
             if k == vocab:
                 break
@@ -255,11 +282,16 @@ class Sampler:
                                                     [generators[r] for r in chosen], full_lse[rows[picked]], vocab)  # fmt: skip
             pending = [r for r, ok in zip(pending, fits) if not ok]
             if not pending:
-                return out
-        picked = torch.tensor(pending, device=logits.device)
+                break
+        pending = sorted(pending + whole)
+        if not pending:
+            return out
         rest = [params[r] for r in pending]
-        out[picked] = draw(apply_min_p(apply_top_p(apply_top_k(logits[picked], rest), rest), rest),
-                           [generators[r] for r in pending])  # fmt: skip
+        gens = [generators[r] for r in pending]
+        if len(pending) == logits.shape[0]:  # every row (in order): no copy of the logits
+            return draw(apply_min_p(apply_top_p(apply_top_k(logits, rest), rest), rest), gens)
+        picked = torch.tensor(pending, device=logits.device)
+        out[picked] = draw(apply_min_p(apply_top_p(apply_top_k(logits[picked], rest), rest), rest), gens)
         return out
 
 

@@ -175,3 +175,16 @@ def test_generator_advances_across_steps() -> None:
     assert len(set(steps)) == 5
     replay = make_generator(0)
     assert [draw(logits, [replay]).item() for _ in range(5)] == steps
+
+
+def test_zero_probability_tokens_are_never_drawn() -> None:
+    """Inverse-CDF draws land only on tokens with mass, the first and last tokens included."""
+    inf = float("-inf")
+    row = [0.0, inf, inf, -1.0, inf, 2.0, inf, -0.5]
+    num = 3000
+    tokens = draw(torch.tensor([row]).expand(num, -1), [make_generator(seed) for seed in range(num)])
+    counts = Counter(tokens.tolist())
+    assert set(counts) == {0, 3, 5, 7}
+    probs = torch.tensor(row).softmax(-1)
+    for token in counts:
+        assert abs(counts[token] / num - float(probs[token])) < 0.03
