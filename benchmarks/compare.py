@@ -16,9 +16,11 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,7 +69,9 @@ def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path, se
     config = workdir / "helios-bench.toml"
     config.write_text("[server]\nmax_concurrency = 64\nqueue_size = 512\nkv_pages = 8192\nprefill_chunk_size = 512\n"
                       + settings)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    # A fresh host prefix store: a store left by an earlier run would make the cold prompts warm.
+    store = tempfile.mkdtemp(prefix="helios-bench-prefix-", dir=workdir)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), FLARE_PREFIX_CACHE_DIR=store)
     process = subprocess.Popen([sys.executable, "-m", "helios", "serve", str(core), "--port", str(port), "--config",
                                 str(config), "--log-level", "warning"], env=env, cwd=ROOT)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -76,6 +80,7 @@ def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path, se
         return asyncio.run(serve_bench.run(url, "helios", scenarios))
     finally:
         stop(process)
+        shutil.rmtree(store, ignore_errors=True)
 
 
 def _llama(binary: Path, gguf: Path, threads: int, parallel: int, context: int,
@@ -117,8 +122,9 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def table(results: dict) -> str:
-    helios, f32, q4 = results["helios"], results["llama_f32"], results.get("llama_q4_1", {})
+    helios, f32, q4 = results.get("helios", {}), results.get("llama_f32", {}), results.get("llama_q4_1", {})
     h16, b16 = results.get("helios_bf16", {}), results.get("llama_bf16", {})
+    listed = helios or h16  # which scenarios ran
     rows = [("scenario", "helios fp32", "llama F32", "ratio", "helios bf16", "llama BF16", "ratio", "llama Q4_1",
              "fp32/Q4_1")]  # fmt: skip
 
@@ -128,17 +134,17 @@ def table(results: dict) -> str:
         rows.append((name, f"{h}", f"{f}", ratio(h, f), f"{hb}", f"{lb}", ratio(hb, lb), f"{q}",
                      ratio(h, q) if q else "n/a"))  # fmt: skip
 
-    if "single" in helios:
+    if "single" in listed:
         add("single stream tok/s", lambda r: r.get("single", {}).get("output_tok_s"))
     for level in serve_bench.CONCURRENCY:
-        if "sweep" in helios:
+        if "sweep" in listed:
             add(f"{level} streams tok/s", lambda r, c=str(level): r.get("sweep", {}).get(c, {}).get("output_tok_s"))
     for level in (1, 16, 64):
-        if "sweep" in helios:
+        if "sweep" in listed:
             add(f"TTFT p50 ms @{level}", lambda r, c=str(level): r.get("sweep", {}).get(c, {}).get("ttft_p50_ms"))
-    if "prefill" in helios:
+    if "prefill" in listed:
         add("prefill tok/s (2k prompt)", lambda r: r.get("prefill", {}).get("prefill_tok_s"))
-    if "prefix" in helios:
+    if "prefix" in listed:
         add("warm/cold TTFT (1.5k shared)", lambda r: r.get("prefix", {}).get("warm_over_cold"))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows)
@@ -176,6 +182,7 @@ def main() -> None:
     parser.add_argument("--scenario", default="all")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--skip-q4", action="store_true", help="skip llama-server on the Q4_1 GGUF")
+    parser.add_argument("--skip-f32", action="store_true", help="skip the float32 pair (helios --core, llama F32)")
     parser.add_argument("--bf16-core", type=Path, default=ROOT / "cores" / "smollm2-bf16",
                         help="a bfloat16 core of the same weights (skipped when absent), against a BF16 GGUF")  # fmt: skip
     args = parser.parse_args()
@@ -194,10 +201,11 @@ def main() -> None:
     def save() -> None:  # after every server: a later failure keeps what was measured
         (args.out / "compare.json").write_text(json.dumps(results, indent=2) + "\n")
 
-    results["helios"] = run_helios(args.core, args.threads, scenarios, args.out)
-    save()
-    results["llama_f32"] = run_llama(binary, f32, args.threads, scenarios)
-    save()
+    if not args.skip_f32:
+        results["helios"] = run_helios(args.core, args.threads, scenarios, args.out)
+        save()
+        results["llama_f32"] = run_llama(binary, f32, args.threads, scenarios)
+        save()
     if args.bf16_core.is_dir():
         bf16 = CACHE / "SmolLM2-135M-Instruct.BF16.gguf"
         if not bf16.is_file():

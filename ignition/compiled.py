@@ -2,10 +2,13 @@
 
 The portable program runs node by node from Python: about fifty graph nodes per layer, each
 a separate dispatch. Compiled, the norms, rotary, casts and activations of a layer fuse into
-a handful of C++ loops, the linears call oneDNN on weights packed once at build time
-(they are constants of the package), and nothing goes through Python except the flare::
-attention ops. The package is machine code for this CPU's instruction set, so the manifest
-records the host it was built on and helios falls back to the portable program elsewhere.
+a handful of C++ loops, the linears run on weights packed once at build time (they are
+constants of the package), and nothing goes through Python except the flare:: attention ops.
+The linears use the kernel helios would choose on this host (helios.engine.prepack.choose):
+oneDNN, or for bfloat16 weights helios' native AVX512-BF16 kernel, which the package then
+calls by name (helios loads it before the package, and serves the portable program where it
+cannot). The package is machine code for this CPU's instruction set, so the manifest records
+the host it was built on and helios falls back to the portable program elsewhere.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import Tensor
 
 from helios.core.program import Program
+from helios.engine import native, prepack
 
 
 class _Frozen(torch.nn.Module):
@@ -50,6 +54,10 @@ def compile_program(program: Program, weights: dict[str, Tensor], kv_cache: list
     `kv_cache` and `inputs` are example values (shapes >= 2 where dynamic) and `dynamic`
     the portable program's dynamic shapes for the cache list and each input, in order.
     """
+    native.load()
+    kernel = prepack.choose([program], weights)
+    if kernel == prepack.NATIVE:  # the package's linears call flare_native::linear on packed constants
+        weights = prepack.prepack([program], weights, kernel)
     module = _Frozen(program, weights)
     with torch.no_grad():
         exported = torch.export.export(module, (kv_cache, *inputs), dynamic_shapes=(dynamic[0], tuple(dynamic[1:])))

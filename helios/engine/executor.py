@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import torch
@@ -14,7 +15,7 @@ from torch import Tensor
 from helios.core import Core, host, hostcache
 from helios.core.logs import Stopwatch
 from helios.core.program import SCORED_PREFILL, STEP, CompiledProgram, Program, allocate_kv
-from helios.engine import graph, kernels, prepack, threads
+from helios.engine import graph, kernels, native, prepack, threads
 from helios.engine.sequence import Chunk
 
 log = logging.getLogger("helios.engine")
@@ -33,6 +34,14 @@ class StepResult:
     prompt_scores: dict[int, dict[str, Tensor]]  # id(chunk) -> per-token prompt outputs of scored chunks
 
 
+def _calls_native(shared_object: Path) -> bool:
+    """Whether a compiled step's op descriptions (the .json beside it) name flare_native:: ops."""
+    try:
+        return "flare_native::" in shared_object.with_suffix(".json").read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
 class Executor:
     def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
                  upcast: bool = False, compiled: bool = True, num_slots: int = 1) -> None:  # fmt: skip
@@ -42,6 +51,7 @@ class Executor:
         num_slots: recurrent-state slots of a hybrid core (live plus snapshots; state_slots.py)."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
+        self.linear_kernel = prepack.ONEDNN if device == "cpu" else "device"  # the portable programs' linears
         manifest = core.manifest
         self.device = device
         self.page_tokens = manifest.limits.page_tokens
@@ -68,7 +78,8 @@ class Executor:
             for program in programs:
                 graph.simplify(program)
             if prepack.available():
-                self.weights = prepack.prepack(programs, self.weights)
+                self.linear_kernel = prepack.choose(programs, self.weights)
+                self.weights = prepack.prepack(programs, self.weights, self.linear_kernel)
             clock.lap("simplifying graphs and packing weights")
         self.kv = allocate_kv(kv_layout, num_pages, self.page_tokens, device, num_slots)
         self.num_slots = num_slots
@@ -120,6 +131,9 @@ class Executor:
         reason = host.mismatch(spec.host)
         if reason is not None:
             return None, f"the core's compiled step does not run here: {reason}; serving the portable step"
+        if _calls_native(core.root / spec.file) and not native.loaded():
+            return None, ("the core's compiled step calls helios' native kernels, which are not loaded here "
+                          f"({native.status()}); serving the portable step")  # fmt: skip
         try:
             return core.load_compiled(STEP), None
         except (RuntimeError, OSError) as exc:  # a package that does not load is never fatal

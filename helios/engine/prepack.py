@@ -1,11 +1,17 @@
-"""CPU weight prepacking: the programs' linear layers run on oneDNN with packed weights.
+"""CPU weight prepacking: the programs' linear layers run on packed weights.
 
 ATen sends fp32 `linear` to MKL, whose small-batch GEMM and GEMV paths are several times
 slower than oneDNN's on packed weights on many CPUs (measured here: 3-4x at 1-64 rows).
-At load, every `aten.linear` whose weight is a program input is rewritten to a oneDNN
+At load, every `aten.linear` whose weight is a program input is rewritten to a packed
 linear; weights used only by linears are replaced by their packed form (no second copy),
 and a weight shared with other ops (a tied embedding) keeps its plain tensor while the
 linear reads a packed copy held by the program module.
+
+Two packed kernels exist: oneDNN's, and for bfloat16 weights on CPUs with AVX512-BF16
+helios' own (`flare_native::linear`, helios/engine/native), which reads each weight once per
+step at any row count. Which one a core's linears use is measured on this host over the
+core's own weight shapes at 1 and 32 rows (`choose`), remembered, and logged; export makes
+the same measurement for the compiled step.
 
 The core's programs and weights are unchanged on disk: this is a runtime rewrite, like
 registering faster kernels for the flare:: ops.
@@ -13,10 +19,23 @@ registering faster kernels for the flare:: ops.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import Counter
+
 import torch
 from torch import Tensor, fx
 
+from helios.core import hostcache
+from helios.core.host import fingerprint
 from helios.core.program import Program
+from helios.engine import native
+
+log = logging.getLogger("helios.engine")
+
+ONEDNN, NATIVE = "onednn", "native"
+_CHOICE_ROWS = (1, 32)  # a decode step of one sequence, and of many
+_SLOWER_AT_MANY_ROWS = 1.02  # the native kernel may be this much slower at 32 rows (noise)
 
 _PACK_ROWS_HINT = 32  # oneDNN picks a blocking for this many rows; any row count runs
 
@@ -34,20 +53,98 @@ def pack(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
 
 
+def native_available() -> bool:
+    return native.loaded() and bool(torch.ops.flare_native.has_bf16_linear())
+
+
+def _linear_weights(programs: list[Program], weights: dict[str, Tensor]) -> list[str]:
+    names = list(weights)
+    linear = torch.ops.aten.linear.default
+    found = []
+    for program in programs:
+        for node, name in _weight_inputs(program, names).items():
+            if any(u.target is linear and len(u.args) > 1 and u.args[1] is node for u in node.users):
+                found.append(name)
+    return found
+
+
+def _best_ms(run, repeats: int = 3) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
+_SAMPLE_BYTES = 256 << 20  # measure over at least this much real weight (past any last-level cache), or all of it
+
+
+def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
+    """The packed-linear kernel for these programs' bfloat16 linears on this host: the native
+    one where it is available and, over the core's own linear weights in program order (up to
+    256 MiB of them, so neither kernel runs from cache), faster at one row and no slower at 32
+    rows; else oneDNN. Measured once per host, torch, thread count and weight set (about a
+    second), then remembered."""
+    names = [n for n in _linear_weights(programs, weights) if weights[n].dtype == torch.bfloat16 and weights[n].dim() == 2]
+    names = list(dict.fromkeys(names))
+    if not names or not native_available() or any(weights[n].shape[1] % 2 for n in names):
+        return ONEDNN
+    shapes = Counter(tuple(weights[n].shape) for n in names)
+    key = f"{sorted(shapes.items())}|{torch.get_num_threads()}|{fingerprint()}"
+    remembered = hostcache.get("linear-kernel", key)
+    if remembered in (ONEDNN, NATIVE):
+        log.info("linear kernel: %s (measured before on this host)", remembered)
+        return remembered
+    sample, total = [], 0
+    for name in names:
+        if total >= _SAMPLE_BYTES:
+            break
+        sample.append(weights[name])
+        total += weights[name].numel() * weights[name].element_size()
+    timings: dict[tuple[str, int], float] = {}
+    with torch.inference_mode():
+        for kernel in (NATIVE, ONEDNN):
+            packed = [torch.ops.flare_native.pack_linear(w) if kernel == NATIVE else pack(w) for w in sample]
+            for rows in _CHOICE_ROWS:
+                inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in sample}}
+
+                def run() -> None:
+                    for w, p in zip(sample, packed):
+                        if kernel == NATIVE:
+                            torch.ops.flare_native.linear(inputs[w.shape[1]], p, None, w.shape[0])
+                        else:
+                            packed_linear(inputs[w.shape[1]], p)
+
+                timings[(kernel, rows)] = _best_ms(run)
+            del packed
+    few, many = _CHOICE_ROWS
+    faster = (timings[(NATIVE, few)] < timings[(ONEDNN, few)]
+              and timings[(NATIVE, many)] <= _SLOWER_AT_MANY_ROWS * timings[(ONEDNN, many)])  # fmt: skip
+    choice = NATIVE if faster else ONEDNN
+    log.info("linear kernel: %s (%s)", choice, ", ".join(f"{k} x {r} rows: {ms:.1f} ms" for (k, r), ms in timings.items()))
+    hostcache.put("linear-kernel", key, choice)
+    return choice
+
+
 def _weight_inputs(program: Program, names: list[str]) -> dict[fx.Node, str]:
     """Placeholder node -> weights-dict key, for the program's leading weight inputs."""
     placeholders = [n for n in program.module.graph.nodes if n.op == "placeholder"]
     return dict(zip(placeholders[: len(names)], names, strict=True))
 
 
-def prepack(programs: list[Program], weights: dict[str, Tensor]) -> dict[str, Tensor]:
+def prepack(programs: list[Program], weights: dict[str, Tensor], kernel: str = ONEDNN) -> dict[str, Tensor]:
     """Rewrite the programs' linears in place; returns the weights dict to call them with.
 
-    All programs must take `weights` (same keys, same order) as their first input.
+    All programs must take `weights` (same keys, same order) as their first input. kernel:
+    ONEDNN for every float32/bfloat16 linear, or NATIVE for the bfloat16 ones (choose()).
     """
     names = list(weights)
     linear = torch.ops.aten.linear.default
-    packable = {name for name, w in weights.items() if w.dim() == 2 and w.dtype in (torch.float32, torch.bfloat16)}
+    dtypes = (torch.bfloat16,) if kernel == NATIVE else (torch.float32, torch.bfloat16)
+    packable = {name for name, w in weights.items() if w.dim() == 2 and w.dtype in dtypes
+                and (kernel != NATIVE or w.shape[1] % 2 == 0)}  # fmt: skip
     linear_only = set(packable)
     rewrites: list[tuple[Program, fx.Node, str]] = []
     for program in programs:
@@ -60,16 +157,24 @@ def prepack(programs: list[Program], weights: dict[str, Tensor]) -> dict[str, Te
                     linear_only.discard(name)
     if not rewrites:
         return weights
-    packed = {name: pack(weights[name]) for name in {name for _, _, name in rewrites}}
+    packer = torch.ops.flare_native.pack_linear if kernel == NATIVE else pack
+    packed = {name: packer(weights[name]) for name in {name for _, _, name in rewrites}}
     for program in {id(p): p for p, _, _ in rewrites}.values():
         module = program.module
         for _, node, name in (r for r in rewrites if r[0] is program):
-            node.target = packed_linear
+            weight = node.args[1]
             if name not in linear_only:  # shared with other ops: the linear reads a copy
                 attr = "_helios_packed_" + name.replace(".", "_")
                 module.register_buffer(attr, packed[name], persistent=False)
                 with module.graph.inserting_before(node):
-                    node.args = (node.args[0], module.graph.get_attr(attr), *node.args[2:])
+                    weight = module.graph.get_attr(attr)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            if kernel == NATIVE:
+                node.target = torch.ops.flare_native.linear.default
+                node.args, node.kwargs = (node.args[0], weight, bias, int(weights[name].shape[0])), {}
+            else:
+                node.target = packed_linear
+                node.args = (node.args[0], weight, *node.args[2:])
         module.graph.lint()
         module.recompile()
     # Weights no loaded program reads (a drafter's, e.g. MiMo's MTP layers) stay as they are.

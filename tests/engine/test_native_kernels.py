@@ -107,3 +107,46 @@ def test_a_failed_build_falls_back_to_the_python_kernels(tmp_path) -> None:
     out = _load_in_a_fresh_process({"FLARE_CACHE_DIR": str(tmp_path), "CXX": "/bin/false"})
     assert out.startswith("python (compiling kernels.cpp failed") and "using the Python kernels" in out
     assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built is left to load next time
+
+
+needs_bf16 = pytest.mark.skipif(not (native.load() and torch.ops.flare_native.has_bf16_linear()),
+                                reason="this CPU/compiler has no AVX512-BF16: the native linear is not built")  # fmt: skip
+
+
+@needs_bf16
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "bias"),
+                         [(1, 960, 576, False), (5, 100, 64, True), (33, 300, 128, False), (0, 32, 16, False),
+                          (7, 17, 6, True), (13, 64, 1536, True)])  # fmt: skip
+def test_linear_matches_a_bfloat16_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
+    """Within one bfloat16 rounding of the fp32-accumulated product (what oneDNN's bf16 linear returns)."""
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    got = torch.ops.flare_native.linear(x, torch.ops.flare_native.pack_linear(w), b, out_features)
+    exact = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-3)
+
+
+@needs_bf16
+def test_linear_keeps_leading_dims_and_rows_are_independent() -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    x = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    packed = torch.ops.flare_native.pack_linear(w)
+    together = torch.ops.flare_native.linear(x, packed, None, 48)
+    assert together.shape == (2, 3, 48)
+    alone = torch.ops.flare_native.linear(x[1, 2:3], packed, None, 48)
+    assert torch.equal(alone[0], together[1, 2])  # a row's result does not depend on the batch
+
+
+@needs_bf16
+def test_linear_refuses_what_it_cannot_compute() -> None:
+    w = torch.randn(32, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.flare_native.pack_linear(torch.randn(32, 15).bfloat16())
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.flare_native.linear(torch.randn(2, 8).bfloat16(), torch.ops.flare_native.pack_linear(w), None, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.flare_native.linear(torch.randn(2, 16), torch.ops.flare_native.pack_linear(w), None, 32)

@@ -4,6 +4,13 @@
 // with torch.ops.load_library; the ops live in the flare_native namespace and are called by the
 // Python kernels of the flare:: ops (helios/engine/kernels.py), which keep the reference semantics.
 //
+// linear multiplies bfloat16 activations by bfloat16 weights packed once at load (pack_linear) in
+// the layout AVX512-BF16's pair dot product reads: for each block of 16 outputs, each pair of
+// input features holds the 16 outputs' two weights side by side. A micro-kernel keeps up to 6 rows
+// x 64 outputs of fp32 accumulators in registers and streams one 64-output tile of weights per
+// task, so a decode step reads every weight once whatever its row count. Built only where the
+// compiler targets AVX512-BF16; helios measures it against oneDNN before using it.
+//
 // decode_attention attends one query token per sequence over that sequence's pages in place: no
 // gather of the history into a padded copy, no mask tensor. Each (sequence, kv head) task loads the
 // group of query heads sharing that kv head once and streams its keys and values page by page with
@@ -12,6 +19,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -223,15 +233,143 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   }
 }
 
+// ---------------------------------------------------------------------------------------- linear
+constexpr int64_t kBlock = 16;  // outputs per packed block (one zmm of fp32 accumulators)
+
+bool has_bf16_linear() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bfloat16 -> [ceil(N / 16), K / 2, 16, 2]; outputs past N are zero.
+at::Tensor pack_linear(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_linear: needs a 2-D bfloat16 weight");
+  TORCH_CHECK(w.size(1) % 2 == 0, "pack_linear: the input size must be even");
+  const int64_t n = w.size(0), k = w.size(1), padded = (n + kBlock - 1) / kBlock * kBlock;
+  at::Tensor full = w.contiguous();
+  if (padded != n) full = at::cat({full, at::zeros({padded - n, k}, w.options())});
+  return full.view({padded / kBlock, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+#if defined(__AVX512BF16__)
+template <int MR, int NB>
+inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* out) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int64_t stride = pairs * 2 * kBlock;  // elements between consecutive 16-output blocks
+  for (int64_t k = 0; k < pairs; ++k) {
+    __m512bh b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * stride + k * 2 * kBlock);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * k, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, b[j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + (m * NB + j) * kBlock, acc[m][j]);
+}
+
+template <int NB>
+void tile(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t block, int64_t n, const float* bias,
+          uint16_t* y) {
+  const int64_t pairs = k / 2;
+  alignas(64) float buf[6 * NB * kBlock];
+  const uint16_t* wt = w + block * pairs * 2 * kBlock;
+  for (int64_t m = 0; m < rows;) {
+    const int64_t r = std::min<int64_t>(rows - m, 6);
+    const uint16_t* xm = x + m * k;
+    switch (r) {
+      case 6: micro<6, NB>(xm, k, wt, pairs, buf); break;
+      case 5: micro<5, NB>(xm, k, wt, pairs, buf); break;
+      case 4: micro<4, NB>(xm, k, wt, pairs, buf); break;
+      case 3: micro<3, NB>(xm, k, wt, pairs, buf); break;
+      case 2: micro<2, NB>(xm, k, wt, pairs, buf); break;
+      default: micro<1, NB>(xm, k, wt, pairs, buf); break;
+    }
+    for (int64_t i = 0; i < r; ++i)
+      for (int j = 0; j < NB; ++j) {
+        const int64_t first = (block + j) * kBlock;
+        if (first >= n) break;
+        __m512 v = _mm512_loadu_ps(buf + (i * NB + j) * kBlock);
+        const __mmask16 keep = n - first >= kBlock ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - first)) - 1);
+        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + first));
+        const __m256bh h = _mm512_cvtneps_pbh(v);  // round to nearest even, as torch's bfloat16 cast
+        _mm256_mask_storeu_epi16(y + (m + i) * n + first, keep, (__m256i)h);
+      }
+    m += r;
+  }
+}
+#endif
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4,
+              "linear: needs bfloat16 activations and a pack_linear weight");
+  const int64_t k = packed.size(1) * 2;
+  TORCH_CHECK(x.size(-1) == k, "linear: input size ", x.size(-1), " does not match the weight's ", k);
+  TORCH_CHECK(out_features > 0 && out_features <= packed.size(0) * kBlock, "linear: out_features out of range");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  at::Tensor y = at::empty(shape, x.options());
+  const int64_t rows = x.numel() / k;
+  if (rows == 0) return y;
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features, "linear: bias size");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+#if defined(__AVX512BF16__)
+  const at::Tensor xc = x.contiguous();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const int64_t blocks = packed.size(0), tiles = (blocks + 3) / 4;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t block = t * 4, count = std::min<int64_t>(4, blocks - block);
+      if (count == 4) {
+        tile<4>(xp, rows, k, wp, block, out_features, bp, yp);
+      } else {
+        for (int64_t j = 0; j < count; ++j) tile<1>(xp, rows, k, wp, block + j, out_features, bp, yp);
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "linear: this build has no AVX512-BF16 kernel");
+#endif
+}
+
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = c10::SymInt(out_features);
+  return at::empty_symint(shape, x.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flare_native, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
         "Tensor positions, float scale, int window, float softcap) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("has_bf16_linear() -> bool", &has_bf16_linear);
+  m.def("pack_linear(Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("pack_linear", &pack_linear);
+  m.impl("linear", &linear);
 }
+
+TORCH_LIBRARY_IMPL(flare_native, Meta, m) { m.impl("linear", &linear_meta); }

@@ -1,0 +1,98 @@
+"""bfloat16 linears on helios' native kernel: the measured choice, the load-time rewrite of the
+portable programs, and a compiled step built around it (export) with its fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helios.core import Core, hostcache
+from helios.core.program import STEP, run_prompt
+from helios.engine import native, prepack
+from helios.engine.offline import run_to_completion
+from ignition.export import ExportOptions, export_core
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from tests.engine.test_runtime import _engine, _requests, _tokens
+
+pytestmark = pytest.mark.skipif(not (native.load() and torch.ops.flare_native.has_bf16_linear()),
+                                reason="this CPU/compiler has no AVX512-BF16: the native linear is not built")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def native_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bfloat16 tiny core whose compiled step was built on the native linear (the choice forced,
+    whatever this host measures)."""
+    out = tmp_path_factory.mktemp("cores") / "tiny-bf16-native"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prepack, "choose", lambda programs, weights: prepack.NATIVE)
+        export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"),
+                    ExportOptions(out=out, dtype="bfloat16", compile_step=True))  # fmt: skip
+    return out
+
+
+def test_the_compiled_step_calls_the_native_linear(native_core: Path) -> None:
+    core = Core.open(native_core)
+    spec = core.manifest.compiled[STEP]
+    assert "flare_native::linear" in (native_core / spec.file).with_suffix(".json").read_text()
+    assert spec.max_abs_diff <= core.manifest.golden.tolerance  # export's self-check against the portable step
+    engine = _engine(core)
+    assert engine.executor.step_kind == "compiled"
+    out = run_to_completion(engine, _requests(core, 6))
+    assert all(len(choices[0].token_ids) == 6 for choices in out.values())
+
+
+def test_without_the_native_kernels_the_portable_step_serves(native_core: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "loaded", lambda: False)
+    engine = _engine(Core.open(native_core))
+    assert engine.executor.step_kind == "portable"
+    assert "native kernels" in (engine.executor.compiled_fallback or "")
+    assert engine.executor.linear_kernel == prepack.ONEDNN
+    out = run_to_completion(engine, _requests(engine.core, 4)[:2])
+    assert all(len(choices[0].token_ids) == 4 for choices in out.values())
+
+
+def test_portable_programs_agree_on_either_kernel(native_core: Path) -> None:
+    """The rewrite changes the kernel, not the model: full-vocabulary logprobs of both rewrites
+    agree to within bfloat16 rounding of the linears' outputs."""
+    core = Core.open(native_core)
+    runs = []
+    for kernel in (prepack.ONEDNN, prepack.NATIVE):
+        program = core.load_program(STEP, check_guards=False)
+        weights = prepack.prepack([program], core.load_weights("cpu"), kernel)
+        targets = {n.target for n in program.module.graph.nodes if n.op == "call_function"}
+        assert (torch.ops.flare_native.linear.default in targets) == (kernel == prepack.NATIVE)
+        runs.append(run_prompt(program, weights, core.manifest.kv, core.manifest.limits.page_tokens,
+                               list(range(3, 40)), chunk=7).logprobs)  # fmt: skip
+    assert float((runs[0] - runs[1]).abs().max()) < 0.1
+
+
+def test_the_choice_is_measured_once_and_remembered(native_core: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:  # fmt: skip
+    monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
+    core = Core.open(native_core)
+    program = core.load_program(STEP, check_guards=False)
+    weights = core.load_weights("cpu")
+    # native 1 row, native 32 rows, oneDNN 1 row, oneDNN 32 rows
+    timings = iter([1.0, 10.0, 2.0, 10.0])
+    monkeypatch.setattr(prepack, "_best_ms", lambda run: next(timings))
+    assert prepack.choose([program], weights) == prepack.NATIVE
+    monkeypatch.setattr(prepack, "_best_ms", lambda run: pytest.fail("measured again"))
+    assert prepack.choose([program], weights) == prepack.NATIVE  # remembered
+    assert hostcache.load("linear-kernel")
+
+
+def test_slower_at_many_rows_means_onednn(native_core: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
+    core = Core.open(native_core)
+    timings = iter([1.0, 12.0, 2.0, 10.0])  # faster at one row, 20% slower at 32
+    monkeypatch.setattr(prepack, "_best_ms", lambda run: next(timings))
+    assert prepack.choose([core.load_program(STEP, check_guards=False)], core.load_weights("cpu")) == prepack.ONEDNN
+
+
+def test_float32_weights_stay_on_onednn(tiny_core: Path) -> None:
+    core = Core.open(tiny_core)
+    assert core.manifest.weights.dtype == "float32"
+    assert prepack.choose([core.load_program(STEP, check_guards=False)], core.load_weights("cpu")) == prepack.ONEDNN
