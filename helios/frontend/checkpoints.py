@@ -99,7 +99,8 @@ def _end_of(rendering: Rendering, k: int) -> int | None:
     shared = len(text)
     try:
         for probe in _PROBES:
-            shared = len(os.path.commonprefix([text[:shared], rendering.render([*dicts[:k], {"role": role, "content": probe}])]))
+            probed = rendering.render([*dicts[:k], {"role": role, "content": probe}])
+            shared = len(os.path.commonprefix([text[:shared], probed]))
     except TemplateError:
         return None
     return shared or None

@@ -268,7 +268,8 @@ class Frontend:
             hints: tuple[tuple[int, str], ...] = ()
             if self.checkpoint_hints:
                 conversation, rendering = rendered[-1]  # the one whose text was encoded (placeholders and all)
-                marks = [(conversation.messages[i], j) for i, j in source.cache_marks if 0 <= i < len(conversation.messages)]
+                marks = [(conversation.messages[i], j) for i, j in source.cache_marks
+                         if 0 <= i < len(conversation.messages)]  # fmt: skip
                 hints = token_hints(character_hints(rendering, marks), encoded.spans)
             return PreparedPrompt(tuple(encoded.ids), encoded.text, hints)
         if source.token_ids is not None:
