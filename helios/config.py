@@ -6,7 +6,7 @@
   aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, compiled_step, drain_seconds,
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
   speculation, max_draft_tokens, speculative_rows, history_drafts, state_snapshots, snapshot_interval,
-  host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir
+  checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir
 """
 
 from __future__ import annotations
@@ -79,6 +79,11 @@ class ServerConfig:
     # are kept, least recently used out (None: max_concurrency; 0: no prefix reuse for hybrids).
     state_snapshots: int | None = None
     snapshot_interval: int | None = None
+    # Hybrid cores also snapshot where the prompt's structure hints (the conversation anchor, the
+    # last few message ends, Anthropic cache_control block ends). Such a snapshot off those planned
+    # boundaries ends a prefill chunk early and copies the state; the predicted extra work a request
+    # may spend on them is this fraction of its predicted prefill time (0: none).
+    checkpoint_work_fraction: float = 0.05
     # The host prefix store (helios.engine.host_store): finished prefixes' KV pages kept beyond
     # the page pool in memory (host_cache_memory_mb; None: an eighth of the memory available at
     # startup, at most 4 GiB) and on disk (host_cache_disk_mb in host_cache_dir, one directory
@@ -134,6 +139,9 @@ def _check(config: ServerConfig) -> ServerConfig:
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ConfigError(f"[server] {name} must be a non-negative integer, got {value!r}")
+    fraction = config.checkpoint_work_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 100:
+        raise ConfigError(f"[server] checkpoint_work_fraction must be a number from 0 to 100, got {fraction!r}")
     rows = config.serial_decode_rows
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
         raise ConfigError(f"[server] serial_decode_rows must be a non-negative integer (0 disables), got {rows!r}")

@@ -17,6 +17,7 @@ import torch
 from helios.core import Core
 from helios.core.logs import log_failure
 from helios.engine import precision
+from helios.engine.checkpoints import StepCosts
 from helios.engine.drafter import SpeculationConfig
 from helios.engine.executor import Executor, StepResult
 from helios.engine.kv_cache import PagePool
@@ -71,6 +72,9 @@ class EngineConfig:
     # each prompt's last page boundary).
     state_snapshots: int | None = None
     snapshot_interval: int | None = None
+    # Hybrid cores: the predicted extra work hinted checkpoints (conversation anchor, message ends,
+    # cache_control) may add to a request, as a fraction of its predicted prefill time.
+    checkpoint_work_fraction: float = 0.05
     host_cache: HostCacheConfig | None = None  # the host prefix store (host_store.py); None: off
 
 
@@ -110,6 +114,9 @@ class LLMEngine:
             interval = max(page, config.prefill_chunk_size // page * page)
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
                                  config.compiled_step, self.states.num_slots if self.states else 1)  # fmt: skip
+        self.costs = StepCosts()  # what hinted checkpoints of hybrid cores are predicted to cost
+        if self.states is not None:
+            self._measure_state_copy()
         speculation = config.speculation
         if self.states is not None and speculation.mode != "off":
             log.info("speculation: off for this hybrid core (a rejected draft would have advanced its recurrent state)")
@@ -118,9 +125,10 @@ class LLMEngine:
             speculation = replace(speculation, row_budget=self.executor.speculation_rows(core))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
-                            frozenset(m.tokenizer.eos_token_ids), -(-interval // page) * page),
+                            frozenset(m.tokenizer.eos_token_ids), -(-interval // page) * page,
+                            config.checkpoint_work_fraction),
             self.pool, self.stats, speculation, self.states, self._host_store(core, config, kv_dtype),
-            self.executor.page_bytes,
+            self.executor.page_bytes, self.costs,
         )  # fmt: skip
         if self.executor.compiled_fallback:
             log.warning("%s", self.executor.compiled_fallback)
@@ -163,6 +171,16 @@ class LLMEngine:
             payloads = self.executor.read_pages([page for page, *_ in queued])
             host.put([Record(digest, parent, tokens, payload)
                       for (_, digest, parent, tokens), payload in zip(queued, payloads)])  # fmt: skip
+
+    def _measure_state_copy(self) -> None:
+        """The state-copy rate hinted checkpoints are charged at: a few slot copies onto themselves."""
+        copies = 4
+        started = time.perf_counter_ns()
+        for _ in range(copies):
+            self.executor.copy_state(0, 0)
+        if self.config.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.costs.observe_copy(copies * self.stats.state_slot_bytes, time.perf_counter_ns() - started)
 
     def _measure(self, plan: SchedulerOutput, elapsed_ns: int) -> None:
         """The prefill and copy-in rates the host store's lookup estimates use (running means over
@@ -231,7 +249,11 @@ class LLMEngine:
         events += plan.finished
         if plan.chunks:
             try:
-                output = self._run(plan)
+                started = time.perf_counter_ns()
+                output = self._run(plan)  # its sampling waits for the device, so this times the whole step
+                if self.states is not None:  # hybrid cores' checkpoint costs (checkpoints.StepCosts)
+                    self.costs.observe_step(sum(c.num_tokens + len(c.draft_ids) for c in plan.chunks),
+                                            time.perf_counter_ns() - started)  # fmt: skip
             except Exception as exc:  # a failed step fails its own requests; the engine keeps serving
                 log_failure(log, "step failed", exc)
                 events += self.scheduler.fail(plan, f"execution failed: {exc}")

@@ -72,6 +72,11 @@ class EngineRequest:
     reasoning_budget: ReasoningBudget | None = None  # only when output starts inside reasoning
     use_prefix_cache: bool = True
     constraint: TokenConstraint | None = None  # pristine; each choice runs its own fork()
+    # Candidate prefix-checkpoint boundaries from the prompt's structure: (token position, role),
+    # 0 < position <= len(prompt_ids), role "anchor" (end of the leading system/tools block),
+    # "message" (a message end) or "cache_control" (a marked block's end). Advisory: hybrid cores
+    # choose among them under a work allowance (checkpoints.py); attention cores ignore them.
+    checkpoint_hints: tuple[tuple[int, str], ...] = ()
 
     @property
     def n(self) -> int:
@@ -129,6 +134,7 @@ class EngineStats:
 
     checkpoint_captures: dict[str, int] = field(default_factory=dict)  # role -> state snapshots captured
     checkpoint_skips: dict[str, int] = field(default_factory=dict)  # reason -> captures not made
+    checkpoint_extra_work_ns: int = 0  # predicted extra prefill and copy work charged for hinted captures
 
     def count_checkpoint_capture(self, role: str) -> None:
         self.checkpoint_captures[role] = self.checkpoint_captures.get(role, 0) + 1

@@ -14,8 +14,9 @@ Invariants (each checked by tests/engine/test_scheduler.py without a model):
 * Hybrid cores (recurrent state, state_slots.py): every running sequence holds one live state
   slot, taken at admission or fork and released with its pages. Its prefix is reused only as
   far as a state snapshot reaches; prefill chunks end at snapshot boundaries so the state
-  there can be captured. Such sequences never draft (a rejected draft would have advanced
-  the state).
+  there can be captured: multiples of the snapshot interval, the prompt's last page boundary,
+  and the request's checkpoint hints chosen at first admission under its work allowance
+  (checkpoints.py). Such sequences never draft (a rejected draft would have advanced the state).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from helios.engine.checkpoints import StepCosts, select
 from helios.engine.drafter import HistoryDrafter, SpeculationConfig
 from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
@@ -47,13 +49,18 @@ class SchedulerConfig:
     # Hybrid cores: state snapshots are taken at prompt positions that are multiples of this
     # (a multiple of the page size), and at the prompt's last page boundary; 0: only there.
     snapshot_interval: int = 0
+    # Hybrid cores: hinted snapshots (EngineRequest.checkpoint_hints) may add at most this fraction
+    # of the request's predicted prefill time in predicted extra work; 0: none off the planned boundaries.
+    checkpoint_work_fraction: float = 0.05
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool, stats: EngineStats | None = None,
                  speculation: SpeculationConfig | None = None, states: StatePool | None = None,
-                 host: HostStore | None = None, host_page_bytes: int = 0) -> None:  # fmt: skip
+                 host: HostStore | None = None, host_page_bytes: int = 0,
+                 costs: StepCosts | None = None) -> None:  # fmt: skip
         self.config = config
+        self.costs = costs if costs is not None else StepCosts()  # measured by the engine (hinted checkpoints)
         self.pool = pool
         self.states = states
         self.host = host  # full pages of finished prefixes beyond the pool (host_store.py)
@@ -69,7 +76,7 @@ class Scheduler:
         self._planned_finishes: list[EngineEvent] = []  # finishes decided while planning this step
         self._state_before: list[tuple[int, int]] = []  # this plan's state copies (SchedulerOutput)
         self._state_after: list[tuple[int, int]] = []
-        self._captures: list[tuple[Sequence, bytes, int]] = []
+        self._captures: list[tuple[Sequence, bytes, int, bool]] = []
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
@@ -147,16 +154,40 @@ class Scheduler:
     # ------------------------------------------------------------------ recurrent state (hybrid cores)
     def _next_boundary(self, seq: Sequence) -> int | None:
         """The next prompt position after num_computed where seq's state is snapshotted: a multiple
-        of the snapshot interval, or the prompt's last page boundary (what a later prompt sharing
-        this one can reuse; at least one token is always computed, so not the prompt's end)."""
+        of the snapshot interval, a chosen checkpoint, or the prompt's last page boundary (what a
+        later prompt sharing this one can reuse; at least one token is always computed, so not the
+        prompt's end)."""
         last = self._last_boundary(seq)
         if last <= seq.num_computed:
             return None
         interval = self.config.snapshot_interval
-        if interval:
-            following = (seq.num_computed // interval + 1) * interval
-            return min(following, last)
-        return last
+        following = (seq.num_computed // interval + 1) * interval if interval else last
+        hinted = min((b for b in seq.checkpoints if b > seq.num_computed), default=last)
+        return min(following, hinted, last)
+
+    def _planned_boundary(self, seq: Sequence, boundary: int) -> bool:
+        """Whether seq is snapshotted at this page boundary without any hint (no extra chunk)."""
+        interval = self.config.snapshot_interval
+        return boundary == self._last_boundary(seq) or bool(interval and boundary % interval == 0)
+
+    def _choose_checkpoints(self, seq: Sequence) -> None:
+        """At first admission: which of the request's hints seq snapshots (checkpoints.py)."""
+        assert self.states is not None
+        if not self.states.num_snapshots or not seq.request.checkpoint_hints:
+            return
+        costs, config = self.costs, self.config
+        uncached = seq.num_prompt - seq.num_computed
+        prefill = costs.prefill_ns(uncached, config.prefill_chunk_size)
+        chosen, skips = select(
+            seq.request.checkpoint_hints, page_tokens=self.pool.page_tokens, computed=seq.num_computed,
+            last=self._last_boundary(seq), planned=lambda b: self._planned_boundary(seq, b),
+            exists=lambda b: self.states is not None and self.states.has(self._digest_at(seq, b)),
+            capture_ns=costs.capture_ns(self.stats.state_slot_bytes),
+            allowance_ns=prefill * config.checkpoint_work_fraction if prefill is not None else None,
+        )  # fmt: skip
+        seq.checkpoints = {c.boundary: c for c in chosen}
+        for reason in skips:
+            self.stats.count_checkpoint_skip(reason)
 
     def _last_boundary(self, seq: Sequence) -> int:
         """The prompt's last page boundary before its final token (the longest prefix reusable later)."""
@@ -180,9 +211,13 @@ class Scheduler:
         if slot is None:
             self.stats.count_checkpoint_skip("storage")
             return
+        chosen = seq.checkpoints.get(boundary)
         self._state_after.append((seq.state_slot, slot))
-        self._captures.append((seq, digest, slot))
-        if boundary == self._last_boundary(seq):
+        self._captures.append((seq, digest, slot, chosen is not None and chosen.role == "anchor"))
+        if chosen is not None:
+            self.stats.count_checkpoint_capture(chosen.role)
+            self.stats.checkpoint_extra_work_ns += chosen.cost_ns
+        elif boundary == self._last_boundary(seq):
             self.stats.count_checkpoint_capture("message")  # the last page boundary of the request's messages
 
     def _follow_endpoint(self, seq: Sequence, boundary: int) -> None:
@@ -348,6 +383,8 @@ class Scheduler:
         if not seq.admitted:
             seq.admitted = True
             seq.num_cached = seq.num_computed
+            if self.states is not None:
+                self._choose_checkpoints(seq)
         self.stats.reused_tokens += seq.num_computed
         return True
 
@@ -445,9 +482,9 @@ class Scheduler:
         """Commit a step: computed positions, published pages, sampled tokens, stops and finishes."""
         events: list[EngineEvent] = []
         drafts = {id(chunk.seq): len(chunk.draft_ids) for chunk in plan.chunks if chunk.draft_ids}
-        for _, digest, slot in plan.captures:  # the step ran, so the copies after it were made
+        for _, digest, slot, anchor in plan.captures:  # the step ran, so the copies after it were made
             assert self.states is not None
-            self.states.register(digest, slot)
+            self.states.register(digest, slot, anchor)
         for chunk in plan.chunks:
             seq = chunk.seq
             if seq.finish is not None:
@@ -555,7 +592,7 @@ class Scheduler:
         for seq in plan.sequences:
             if seq.finish is None:
                 events += self._finish_all(seq, FinishCause.ERROR, error)
-        for _, _, slot in plan.captures:
+        for _, _, slot, _ in plan.captures:
             assert self.states is not None
             self.states.unclaim(slot)
         return events

@@ -44,6 +44,7 @@ class Sequence:
     state_slot: int | None = None  # hybrid cores: its live recurrent-state slot while running (state_slots.py)
     endpoint_slot: int | None = None  # hybrid cores: a claimed snapshot slot following its last full page
     endpoint_digest: bytes | None = None  # the chain hash the endpoint slot's state is at
+    checkpoints: dict = field(default_factory=dict)  # hybrid cores: boundary -> Checkpoint chosen at admission
 
     @property
     def num_output(self) -> int:
@@ -96,10 +97,11 @@ class SchedulerOutput:
     page_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) after the step: forked children's partial pages
     finished: tuple[EngineEvent, ...] = ()  # sequences planning found could never fit (length cause)
     # Hybrid cores' recurrent-state slot copies (src, dst): snapshot restores before the step,
-    # forks and snapshot captures after it; captures are (sequence, boundary chain hash, snapshot slot).
+    # forks and snapshot captures after it; captures are (sequence, boundary chain hash, snapshot slot,
+    # whether it is a conversation anchor).
     state_before: tuple[tuple[int, int], ...] = ()
     state_after: tuple[tuple[int, int], ...] = ()
-    captures: tuple[tuple[Sequence, bytes, int], ...] = ()
+    captures: tuple[tuple[Sequence, bytes, int, bool], ...] = ()
     host_in: tuple[tuple[int, object], ...] = ()  # (page, payload) restored from the host store before the step
 
     @property

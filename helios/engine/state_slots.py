@@ -9,7 +9,9 @@ have `num_live + num_snapshots` slots:
             scheduler's concurrency check is also the slot check
   snapshot  an immutable copy of a sequence's state at a page-aligned prefix boundary,
             keyed by the page-hash chain up to that boundary (token content plus the
-            identity slot), least-recently-used first out
+            identity slot), least-recently-used first out; conversation anchors (the end
+            of a system/tools block every conversation with it shares) go out last while
+            they hold at most half of the snapshot slots
 
 Prefix reuse for a hybrid restores a snapshot into the sequence's live slot; a prefix with
 no snapshot is recomputed. A snapshot is taken by copying a live slot after the step whose
@@ -30,6 +32,7 @@ class StatePool:
         self._free_snapshots: deque[int] = deque(range(num_live, num_live + num_snapshots))
         self._by_hash: OrderedDict[bytes, int] = OrderedDict()  # registered snapshots, oldest first
         self._pending: set[int] = set()  # snapshot slots whose copy a planned step will make
+        self._anchors: set[bytes] = set()  # registered snapshots that are conversation anchors
 
     @property
     def num_slots(self) -> int:
@@ -71,19 +74,30 @@ class StatePool:
         if self._free_snapshots:
             slot = self._free_snapshots.popleft()
         elif self._by_hash:
-            _, slot = self._by_hash.popitem(last=False)
+            slot = self._by_hash.pop(self._victim())
         else:
             return None  # every snapshot slot is claimed by captures in flight (or there are none)
         self._pending.add(slot)
         return slot
 
-    def register(self, digest: bytes, slot: int) -> None:
+    def _victim(self) -> bytes:
+        """The snapshot a claim evicts: the least recently used one, sparing anchors while they
+        hold at most half of the slots."""
+        victim = next(iter(self._by_hash))
+        if len(self._anchors) <= self.num_snapshots // 2:
+            victim = next((d for d in self._by_hash if d not in self._anchors), victim)
+        self._anchors.discard(victim)
+        return victim
+
+    def register(self, digest: bytes, slot: int, anchor: bool = False) -> None:
         """The claimed slot now holds the state at `digest`'s boundary."""
         self._pending.discard(slot)
         if digest in self._by_hash:  # an identical snapshot landed first: keep that one
             self._free_snapshots.append(slot)
             return
         self._by_hash[digest] = slot
+        if anchor:
+            self._anchors.add(digest)
 
     def unclaim(self, slot: int) -> None:
         """A claimed capture that will not be registered (its step failed, its sequence left)."""
@@ -95,3 +109,4 @@ class StatePool:
         assert self.live_in_use == live_held, f"{self.live_in_use} live state slots in use, {live_held} held"
         held = len(self._free_snapshots) + len(self._by_hash) + len(self._pending)
         assert held == self.num_snapshots, "snapshot slots leaked"
+        assert self._anchors <= self._by_hash.keys(), "an anchor outlived its snapshot"

@@ -84,6 +84,9 @@ class Conversation:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: Mapping[str, object] = field(default_factory=dict)  # chat_template_kwargs
+    # Candidate prefix-checkpoint boundaries a client marked (Anthropic cache_control): the end of
+    # part `part` of messages[message], as (message, part) pairs; at most four, request order.
+    cache_marks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

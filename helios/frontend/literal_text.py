@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
@@ -22,6 +23,14 @@ from helios.frontend.inference import Conversation, ReasoningPart, RequestError,
 
 _PLACEHOLDER_BASE = 0xF0000  # Supplementary Private Use Area-A: one character per special token
 _GUARDED = frozenset({"system", "developer", "user", "tool"})  # roles whose text is never markup
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPrompt:
+    ids: list[int]
+    text: str  # the prompt text (special-token strings of client text spelled out)
+    rendered: str  # what the template rendered: `text`, or with one placeholder per guarded special string
+    spans: list[tuple[int, int]]  # per token, its (start, end) character offsets in `rendered`
 
 
 class LiteralEncoder:
@@ -37,24 +46,35 @@ class LiteralEncoder:
         self._special_of = {p: s for s, p in self._placeholder_of.items()}
         self._placeholder = re.compile(f"[{chr(_PLACEHOLDER_BASE)}-{chr(_PLACEHOLDER_BASE + max(len(specials), 1))}]")
 
-    def encode_conversation(self, conversation: Conversation, render: Callable[[Conversation], str]) -> tuple[list[int], str]:
-        """(ids, text) of the rendered conversation, client text's special-token strings kept literal."""
+    def encode_conversation(self, conversation: Conversation, render: Callable[[Conversation], str]) -> EncodedPrompt:
+        """The rendered conversation's ids and text, client text's special-token strings kept literal."""
         if self._special is None or not any(self._special.search(t) for t in conversation_texts(conversation, _GUARDED)):
             text = render(conversation)
-            return self.tokenizer.encode(text, add_special_tokens=False).ids, text
+            encoding = self.tokenizer.encode(text, add_special_tokens=False)
+            return EncodedPrompt(encoding.ids, text, text, list(encoding.offsets))
         if any(self._placeholder.search(t) for t in conversation_texts(conversation, _GUARDED)):
             raise RequestError("message text contains characters from U+F0000.. that helios reserves; remove them",
                                "messages")  # fmt: skip
         marked = render(_map_texts(conversation, self._mark))
         ids: list[int] = []
+        spans: list[tuple[int, int]] = []
         position = 0
+
+        def plain(start: int, end: int) -> None:
+            encoding = self.tokenizer.encode(marked[start:end], add_special_tokens=False)
+            ids.extend(encoding.ids)
+            spans.extend((start + a, start + b) for a, b in encoding.offsets)
+
         for match in self._placeholder.finditer(marked):
             if match.start() > position:
-                ids += self.tokenizer.encode(marked[position : match.start()], add_special_tokens=False).ids
-            ids += self.literal.encode(self._special_of[match.group()], add_special_tokens=False).ids
+                plain(position, match.start())
+            literal = self.literal.encode(self._special_of[match.group()], add_special_tokens=False).ids
+            ids += literal
+            spans += [match.span()] * len(literal)  # the placeholder's one character
             position = match.end()
-        ids += self.tokenizer.encode(marked[position:], add_special_tokens=False).ids if position < len(marked) else []
-        return ids, self._placeholder.sub(lambda m: self._special_of[m.group()], marked)
+        if position < len(marked):
+            plain(position, len(marked))
+        return EncodedPrompt(ids, self._placeholder.sub(lambda m: self._special_of[m.group()], marked), marked, spans)
 
     def _mark(self, text: str) -> str:
         assert self._special is not None

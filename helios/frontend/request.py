@@ -17,6 +17,7 @@ from helios.engine.logprobs import validate_logprob_token_ids
 from helios.engine.request import EngineRequest, ReasoningBudget
 from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
 from helios.frontend.bounds import InputBounds, longest_token_chars
+from helios.frontend.checkpoints import Rendering, character_hints, token_hints
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint
 from helios.frontend.grammar import GrammarError, GrammarService
 from helios.frontend.grammar_probe import ProbePool, TrialTokenizer
@@ -95,6 +96,7 @@ def nearest_effort(level: str, accepted: tuple[str, ...]) -> str:
 class PreparedPrompt:
     token_ids: tuple[int, ...]
     text: str | None  # rendered chat text or the raw prompt text (None for token-id prompts)
+    checkpoint_hints: tuple[tuple[int, str], ...] = ()  # EngineRequest.checkpoint_hints (frontend/checkpoints.py)
 
 
 class Frontend:
@@ -109,6 +111,9 @@ class Frontend:
         self.vocab_size = m.tokenizer.vocab_size
         self.max_model_len = m.limits.max_model_len
         self.bounds = InputBounds(self.max_model_len, longest_token_chars(self.tokenizer))
+        # Only hybrid cores act on checkpoint hints (attention cores' page cache covers every
+        # boundary), so only they pay for finding them.
+        self.checkpoint_hints = bool(m.kv.state)
         source = core.chat_template()
         specials = {"bos_token": self._token(m.tokenizer.bos_token_id), "eos_token": self._token(m.tokenizer.eos_token_ids[0]),
                     "pad_token": self._token(m.tokenizer.pad_token_id)}  # fmt: skip
@@ -126,7 +131,11 @@ class Frontend:
 
     # ------------------------------------------------------------------ prompts
     def render(self, conversation: Conversation, output: OutputConstraint | None = None) -> str:
-        if self.template is None:
+        return self._rendering(conversation, output).text
+
+    def _rendering(self, conversation: Conversation, output: OutputConstraint | None) -> Rendering:
+        template = self.template
+        if template is None:
             raise RequestError("this model has no chat template; use /v1/completions with a raw prompt", "messages")
         lowered, presented = self._lowered(conversation, output)
         messages = [self._template_message(m) for m in lowered]
@@ -137,10 +146,13 @@ class Frontend:
         kwargs = self._reasoning_kwargs(conversation)
         try:
             check_template_kwargs(kwargs)
-            return self.template.render(messages, tools=tools, add_generation_prompt=conversation.add_generation_prompt,
-                                        continue_final_message=conversation.continue_final_message, **kwargs)  # fmt: skip
+            text = template.render(messages, tools=tools, add_generation_prompt=conversation.add_generation_prompt,
+                                   continue_final_message=conversation.continue_final_message, **kwargs)  # fmt: skip
         except TemplateError as exc:
             raise RequestError(str(exc), "messages") from None
+        return Rendering(text, lowered, messages,
+                         lambda prefix: template.render(prefix, tools=tools, add_generation_prompt=False, **kwargs),
+                         tools is not None)  # fmt: skip
 
     def _lowered(self, conversation: Conversation, output: OutputConstraint | None,
                  native: bool = False) -> tuple[list[Message], list[ToolSpec]]:  # fmt: skip
@@ -246,8 +258,20 @@ class Frontend:
             ids, text = self.native.encode(source, messages, presented, self._reasoning_kwargs(source), output)
             return PreparedPrompt(ids, text)
         if isinstance(source, Conversation):  # client text's control-token strings stay plain text
-            ids, text = self.literal.encode_conversation(source, lambda conversation: self.render(conversation, output))
-            return PreparedPrompt(tuple(ids), text)
+            rendered: list[tuple[Conversation, Rendering]] = []
+
+            def render(conversation: Conversation) -> str:
+                rendered.append((conversation, self._rendering(conversation, output)))
+                return rendered[-1][1].text
+
+            encoded = self.literal.encode_conversation(source, render)
+            hints: tuple[tuple[int, str], ...] = ()
+            if self.checkpoint_hints:
+                conversation, rendering = rendered[-1]  # the one whose text was encoded (placeholders and all)
+                marks = [(conversation.messages[i], j) for i, j in source.cache_marks
+                         if 0 <= i < len(conversation.messages)]  # fmt: skip
+                hints = token_hints(character_hints(rendering, marks), encoded.spans)
+            return PreparedPrompt(tuple(encoded.ids), encoded.text, hints)
         if source.token_ids is not None:
             if not source.token_ids:
                 raise RequestError("a token-id prompt must not be empty", "prompt")
@@ -373,6 +397,7 @@ class Frontend:
             cache_identity=salt_identity(request.cache_salt),
             reasoning_budget=self.reasoning_budget(budget, prompt.token_ids) if budget is not None else None,
             constraint=self.constraint(request, prompt.token_ids) if request.output is not None else None,
+            checkpoint_hints=prompt.checkpoint_hints,
         )
 
     def constraint(self, request: InferenceRequest, prompt_ids: tuple[int, ...]) -> GrammarConstraint:

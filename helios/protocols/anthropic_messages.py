@@ -58,7 +58,6 @@ class MessagesOptions:
     thinking_enabled: bool | None  # thinking.type enabled/adaptive -> True, disabled -> False, omitted -> None
     budget: int | None  # the requested reasoning budget, even above 2**31-1 where it is not applied as a cut
     effort: str | None  # neutral level: output_config.effort, else derived from the budget
-    cache_boundaries: tuple[tuple[int, int], ...] = ()  # <= 4 (conversation message index, part index), request order
     explicit_budget: bool = False  # thinking_token_budget was sent (a hard cap, never only a hint)
 
 
@@ -290,7 +289,7 @@ def _context_management(body: dict[str, Any]) -> None:
 Thinking = tuple[bool | None, int | None, str | None]  # (thinking switch, requested budget, neutral effort)
 
 
-def _conversation(body: dict[str, Any]) -> tuple[Conversation, list[tuple[int, int]], Thinking]:
+def _conversation(body: dict[str, Any]) -> tuple[Conversation, Thinking]:
     model = body.get("model")
     if not isinstance(model, str):
         raise RequestError("model is required (any string: the loaded model answers)", "model")
@@ -301,8 +300,9 @@ def _conversation(body: dict[str, Any]) -> tuple[Conversation, list[tuple[int, i
     prefill = bool(messages) and messages[-1].role == "assistant"
     conversation = Conversation(tuple(messages), tools, choice, thinking=thinking[0], effort=thinking[2],
                                 add_generation_prompt=not prefill, continue_final_message=prefill,
-                                template_kwargs=f.optional_object(body, "chat_template_kwargs") or {})  # fmt: skip
-    return conversation, marks, thinking
+                                template_kwargs=f.optional_object(body, "chat_template_kwargs") or {},
+                                cache_marks=tuple(marks))  # fmt: skip
+    return conversation, thinking
 
 
 def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[InferenceRequest, MessagesOptions]:
@@ -311,7 +311,7 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise RequestError("max_tokens is required and must be a positive integer", "max_tokens")
-    conversation, marks, (enabled, budget, effort) = _conversation(body)
+    conversation, (enabled, budget, effort) = _conversation(body)
     stops = body.get("stop_sequences")
     if stops is not None and (not isinstance(stops, list) or any(not isinstance(s, str) for s in stops)):
         raise RequestError("stop_sequences must be an array of strings", "stop_sequences")
@@ -332,7 +332,7 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
         output=messages_output_format(body, f.optional_object(body, "output_config") or {}),
         cache_salt=f.cache_salt(body),
     )
-    options = MessagesOptions(body["model"], stream, enabled, budget, effort, tuple(marks),
+    options = MessagesOptions(body["model"], stream, enabled, budget, effort,
                               explicit_budget=body.get("thinking_token_budget") is not None)  # fmt: skip
     return request, options
 

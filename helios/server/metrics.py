@@ -71,6 +71,8 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
     ("state_slot_bytes", "gauge", "Bytes of one recurrent-state slot over every recurrent layer"),
     ("state_slots_used", "gauge", "Live recurrent-state slots held by running sequences"),
     ("state_snapshots", "gauge", "Recurrent-state prefix snapshots held for reuse"),
+    ("checkpoint_extra_work_nanoseconds_total", "counter",
+     "Predicted extra prefill and copy work charged for hinted checkpoints (not a GPU timing)"),
     ("host_cache_parked_records", "gauge", "Complete DRAM copies awaiting disk writes"),
     ("host_cache_store_skipped_total", "counter", "Copy-out offers of records the host store already held"),
 )
@@ -83,8 +85,9 @@ LABELLED: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
     ("host_cache_dropped", "flare_host_cache_dropped_total", "counter",
      "Records the host prefix store dropped, by tier and reason", ("tier", "reason")),
     ("checkpoint_captures", "flare_checkpoint_captures_total", "counter",
-     "Recurrent-state checkpoints captured, by role (message: a prompt's last page boundary; endpoint: a "
-     "finished sequence's last full page)", ("role",)),
+     "Recurrent-state checkpoints captured, by role (anchor: the end of a system/tools block; message: a "
+     "message or cache_control block end, or a prompt's last page boundary; endpoint: a finished sequence's "
+     "last full page)", ("role",)),
     ("checkpoint_skips", "flare_checkpoint_skips_total", "counter", "Checkpoint captures not made, by reason",
      ("reason",)),
 )  # fmt: skip

@@ -72,7 +72,8 @@ class ServerState:
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
             "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds",
             "state_slots", "state_slot_bytes", "state_slots_used", "state_snapshots")}  # fmt: skip
-        values.update(checkpoint_captures=dict(stats.checkpoint_captures), checkpoint_skips=dict(stats.checkpoint_skips))
+        values.update(checkpoint_captures=dict(stats.checkpoint_captures), checkpoint_skips=dict(stats.checkpoint_skips),
+                      checkpoint_extra_work_nanoseconds_total=stats.checkpoint_extra_work_ns)
         host = self.client.engine.host
         if host is not None:
             stats_h = host.stats
@@ -129,6 +130,7 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
         speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
                                       config.history_drafts),
         state_snapshots=config.state_snapshots, snapshot_interval=config.snapshot_interval,
+        checkpoint_work_fraction=config.checkpoint_work_fraction,
         host_cache=host_cache_config(config)),
         mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     client = EngineClient(engine).start()

@@ -177,14 +177,14 @@ def test_claude_code_request_decodes_to_the_neutral_conversation() -> None:
     assert options.model == "claude-sonnet-4-5" and options.stream
     assert (options.thinking_enabled, options.budget, options.effort) == (True, 16000, "high")
     # user text, first tool result, the reminder after the tool messages; system/assistant markers ignored
-    assert options.cache_boundaries == ((1, 0), (3, 0), (5, 0))
+    assert conversation.cache_marks == ((1, 0), (3, 0), (5, 0))
 
 
 def test_cache_boundaries_keep_the_first_four_user_blocks() -> None:
     cached = {"type": "ephemeral"}
     blocks = [{"type": "text", "text": str(i), "cache_control": cached} for i in range(6)]
-    _, options = decode(body(messages=[{"role": "user", "content": blocks}]), headers_version=VERSION)
-    assert options.cache_boundaries == ((0, 0), (0, 1), (0, 2), (0, 3))
+    request, _ = decode(body(messages=[{"role": "user", "content": blocks}]), headers_version=VERSION)
+    assert request.input.cache_marks == ((0, 0), (0, 1), (0, 2), (0, 3))
 
 
 def test_empty_system_produces_nothing_and_prefill_continues() -> None:

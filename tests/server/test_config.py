@@ -41,6 +41,8 @@ def test_file_flags_and_key_file(tmp_path: Path) -> None:
         ("[server]\nhost_cache_dir = \"\"\n", "host_cache_dir must be a nonempty path string"),
         ("[server]\nstate_snapshots = -1\n", "state_snapshots must be a non-negative integer"),
         ("[server]\nsnapshot_interval = 1.5\n", "snapshot_interval must be a non-negative integer"),
+        ("[server]\ncheckpoint_work_fraction = -0.1\n", "checkpoint_work_fraction must be a number from 0 to 100"),
+        ("[server]\ncheckpoint_work_fraction = true\n", "checkpoint_work_fraction must be a number from 0 to 100"),
     ],
 )
 def test_invalid_settings(tmp_path: Path, text: str, message: str) -> None:

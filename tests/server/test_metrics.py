@@ -180,3 +180,30 @@ def test_host_cache_histograms_and_labelled_counters_parse_when_filled() -> None
     assert held == {"dram": 7, "nvme": 5}
     dropped = [(s.labels["tier"], s.labels["reason"], s.value) for s in families["flare_host_cache_dropped"].samples]
     assert dropped == [("nvme", "io_error", 1)]
+
+
+def test_checkpoint_counters_reach_prometheus_and_json() -> None:
+    """The engine's checkpoint counters as ServerState.snapshot exports them (api.md: roles, skip
+    reasons and the charged predicted extra work)."""
+    from types import SimpleNamespace
+
+    from helios.engine.drafter import HistoryDrafter, SpeculationConfig
+    from helios.engine.request import EngineStats
+    from helios.server.state import ServerState
+
+    stats = EngineStats(checkpoint_captures={"anchor": 2, "message": 5}, checkpoint_skips={"unknown_cost": 1,
+                        "work_budget": 3}, checkpoint_extra_work_ns=123_456)  # fmt: skip
+    engine = SimpleNamespace(stats=stats, host=None,
+                             scheduler=SimpleNamespace(drafter=HistoryDrafter(SpeculationConfig(mode="off"))))  # fmt: skip
+    state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
+                            started=0.0)  # fmt: skip
+    values = ServerState.snapshot(state)  # type: ignore[arg-type]
+    families = {f.name: f for f in text_string_to_metric_families(prometheus_text(values, EMPTY_WINDOW))}
+    captures = {s.labels["role"]: s.value for s in families["flare_checkpoint_captures"].samples}
+    skips = {s.labels["reason"]: s.value for s in families["flare_checkpoint_skips"].samples}
+    assert captures == {"anchor": 2, "message": 5} and skips == {"unknown_cost": 1, "work_budget": 3}
+    work = families["flare_checkpoint_extra_work_nanoseconds"]
+    assert work.type == "counter" and work.samples[0].value == 123_456
+    snapshot = json_snapshot(values, EMPTY_WINDOW)
+    assert snapshot["checkpoint_extra_work_nanoseconds_total"] == 123_456
+    assert snapshot["checkpoint_captures"] == {"anchor": 2, "message": 5}
