@@ -7,6 +7,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import uvicorn
@@ -24,6 +25,7 @@ class ScriptedServer:
         self.executor = executor
         self.http = httpx.Client(base_url=url, timeout=60)
         self.prompts: list[str | None] = []  # every prepared prompt's text, in preparation order
+        self.requests: list[tuple[str, str, bytearray]] = []  # (method, path, body as received), in arrival order
 
     def last_prompt(self) -> str | None:
         return self.prompts[-1] if self.prompts else None
@@ -33,6 +35,17 @@ class ScriptedServer:
         token spelling split across texts is written as ordinary pieces, not as the token."""
         tokenizer = self.state.frontend.tokenizer
         self.executor.script([t for text in texts for t in tokenizer.encode(text, add_special_tokens=False).ids])
+
+    def follow(self, policy: Callable[[str], str]) -> None:
+        """Once the queued scripts are used up, the model writes policy(prompt text) for each
+        request: the prompt is decoded from its token ids, special tokens spelled out."""
+        tokenizer = self.state.frontend.tokenizer
+
+        def script(request) -> list[int]:
+            text = tokenizer.decode(list(request.prompt_ids), skip_special_tokens=False)
+            return tokenizer.encode(policy(text), add_special_tokens=False).ids
+
+        self.executor.policy = script
 
     def post(self, path: str, **kwargs) -> httpx.Response:
         return self.http.post(path, **kwargs)
@@ -46,17 +59,34 @@ def scripted_app(core: Path, **settings):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    state = build_state(core, ServerConfig(kv_pages=256, **settings))
+    state = build_state(core, ServerConfig(**{"kv_pages": 256, **settings}))
     engine = state.client.engine
     executor = ScriptedExecutor(engine.executor, eos_id=state.core.manifest.tokenizer.eos_token_ids[0])
     engine.executor = executor
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    app = create_app(state)
+    requests: list[tuple[str, str, bytearray]] = []
+
+    async def recording(scope, receive, send):  # a test hook: every request body as the client sent it
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        record = (scope["method"], scope["path"], bytearray())
+        requests.append(record)
+
+        async def received():
+            message = await receive()
+            record[2].extend(message.get("body", b"") if message["type"] == "http.request" else b"")
+            return message
+
+        return await app(scope, received, send)
+
+    server = uvicorn.Server(uvicorn.Config(recording, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)  # waiting for the socket to listen, not for a result
     scripted = ScriptedServer(f"http://127.0.0.1:{port}", state, executor)
+    scripted.requests = requests  # bodies grow while they arrive
     prepare = state.frontend.prompt
 
     def recorded(*args, **kwargs):  # a test hook: the rendered prompt the request was given
