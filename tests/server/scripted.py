@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -18,14 +19,26 @@ from helios.server.state import build_state
 from support import ScriptedExecutor
 
 
+@dataclass
+class Exchange:
+    """One HTTP request as the client sent it and the response helios sent back (bytes grow
+    while they travel)."""
+
+    method: str
+    path: str
+    body: bytearray = field(default_factory=bytearray)
+    status: int | None = None  # None until the response starts
+    response: bytearray = field(default_factory=bytearray)  # the body as sent: JSON, or SSE frames
+
+
 class ScriptedServer:
-    def __init__(self, url: str, state, executor: ScriptedExecutor) -> None:
+    def __init__(self, url: str, state, executor: ScriptedExecutor, exchanges: list[Exchange]) -> None:
         self.url = url
         self.state = state
         self.executor = executor
         self.http = httpx.Client(base_url=url, timeout=60)
         self.prompts: list[str | None] = []  # every prepared prompt's text, in preparation order
-        self.requests: list[tuple[str, str, bytearray]] = []  # (method, path, body as received), in arrival order
+        self.exchanges = exchanges  # every HTTP request, in arrival order
 
     def last_prompt(self) -> str | None:
         return self.prompts[-1] if self.prompts else None
@@ -64,20 +77,28 @@ def scripted_app(core: Path, **settings):
     executor = ScriptedExecutor(engine.executor, eos_id=state.core.manifest.tokenizer.eos_token_ids[0])
     engine.executor = executor
     app = create_app(state)
-    requests: list[tuple[str, str, bytearray]] = []
+    exchanges: list[Exchange] = []
 
-    async def recording(scope, receive, send):  # a test hook: every request body as the client sent it
+    async def recording(scope, receive, send):  # a test hook: every exchange as it went over the wire
         if scope["type"] != "http":
             return await app(scope, receive, send)
-        record = (scope["method"], scope["path"], bytearray())
-        requests.append(record)
+        exchange = Exchange(scope["method"], scope["path"])
+        exchanges.append(exchange)
 
         async def received():
             message = await receive()
-            record[2].extend(message.get("body", b"") if message["type"] == "http.request" else b"")
+            if message["type"] == "http.request":
+                exchange.body.extend(message.get("body", b""))
             return message
 
-        return await app(scope, received, send)
+        async def sent(message):
+            if message["type"] == "http.response.start":
+                exchange.status = message["status"]
+            elif message["type"] == "http.response.body":
+                exchange.response.extend(message.get("body", b""))
+            await send(message)
+
+        return await app(scope, received, sent)
 
     server = uvicorn.Server(uvicorn.Config(recording, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -85,8 +106,7 @@ def scripted_app(core: Path, **settings):
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)  # waiting for the socket to listen, not for a result
-    scripted = ScriptedServer(f"http://127.0.0.1:{port}", state, executor)
-    scripted.requests = requests  # bodies grow while they arrive
+    scripted = ScriptedServer(f"http://127.0.0.1:{port}", state, executor, exchanges)
     prepare = state.frontend.prompt
 
     def recorded(*args, **kwargs):  # a test hook: the rendered prompt the request was given

@@ -38,7 +38,7 @@ from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from scripted import ScriptedServer, scripted_app
+from scripted import Exchange, ScriptedServer, scripted_app
 from serving import API_KEY
 
 pytestmark = pytest.mark.skipif(os.environ.get("FLARE_RUN_CLIENT_TESTS") != "1",
@@ -47,6 +47,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("FLARE_RUN_CLIENT_TESTS") != "1",
 DATA = Path(__file__).resolve().parents[1] / "data"
 CONTEXT = 131072  # Claude Code's normal mode alone sends ~52k tokens on the byte-level test tokenizer
 CLIENT_TIMEOUT_S = 900
+GENERATION_PATHS = ("/v1/messages", "/v1/responses")
 TASK = "The test in test_calc.py fails. Fix the bug in calc.py and run the test."
 
 CALC = "def add_numbers(left, right):\n    total = left - right\n    return total\n"
@@ -62,9 +63,11 @@ pathlib.Path(".tests-ran").write_text(f"add_numbers(2, 3) = {result}\\n")
 assert result == 5, f"add_numbers(2, 3) returned {result}"
 print("test_calc: " + "passed".upper())
 """
+TEST_ONLY = '.upper()'  # in test_calc.py only
 TEST_COMMAND = f"{sys.executable} test_calc.py"
 PASSED = "test_calc: PASSED"
 FINAL = "Fixed add_numbers in calc.py (it subtracted); test_calc.py passes."
+PREAMBLE = {"edit": "The subtraction is the bug; fixing it.\n\n"}  # answer text before a turn's calls
 THOUGHTS = {"read": "The user wants a fix. First look at calc.py and its test.",
             "edit": "add_numbers subtracts where it should add.",
             "test": "Now run the test to check the fix.",
@@ -169,7 +172,7 @@ class Policy:
             opener = "" if prompt.endswith("<think>\n") else "<think>\n"
             calls = {"read": lambda: self.agent.read(self.repo), "edit": lambda: [self.agent.edit(self.repo)],
                      "test": lambda: [self.agent.test(self.repo)], "final": lambda: []}[step]()  # fmt: skip
-            answer = render_calls(self.syntax, calls) if calls else FINAL
+            answer = PREAMBLE.get(step, "") + render_calls(self.syntax, calls) if calls else FINAL
             output = f"{opener}{THOUGHTS[step]}\n</think>\n\n{answer}"
         self.turns.append((step, output))
         return output
@@ -192,18 +195,23 @@ def _text(stream: str | bytes | None) -> str:
     return stream.decode("utf-8", "replace") if isinstance(stream, bytes) else stream or ""
 
 
+def _tail(data: bytearray, size: int) -> str:
+    return bytes(data[-size:]).decode("utf-8", "replace")
+
+
 def report(app: ScriptedServer, policy: Policy, stdout: str, stderr: str) -> str:
     """What a failure prints: the client's output, the scripted turns, the requests helios received."""
-    requests = [f"--- {method} {path} ({len(body)} bytes): ...{bytes(body[-1500:]).decode('utf-8', 'replace')}"
-                for method, path, body in app.requests[-8:]]  # fmt: skip
+    requests = [f"--- {e.method} {e.path} ({len(e.body)} bytes) -> {e.status}: ...{_tail(e.body, 1500)}\n"
+                f"    response ({len(e.response)} bytes): ...{_tail(e.response, 1500)}" for e in app.exchanges[-8:]]  # fmt: skip
     turns = [f"--- {step}: {output!r}" for step, output in policy.turns]
     return "\n".join(["client stdout:", stdout[-6000:], "client stderr:", stderr[-4000:], "scripted turns:", *turns,
                       "last requests:", *requests])  # fmt: skip
 
 
 def run_session(argv: list[str], env: dict[str, str], app: ScriptedServer, policy: Policy) -> str:
-    """Run the client to completion in the repository; its stdout."""
-    first = len(app.requests)
+    """Run the client to completion in the repository; its stdout. The session's exchanges and
+    the client's output are kept beside the repository (exchanges.txt, client.stdout/stderr)."""
+    first = len(app.exchanges)
     app.follow(policy)
     try:
         result = subprocess.run(argv, env=env, cwd=policy.repo, stdin=subprocess.DEVNULL, capture_output=True,
@@ -211,20 +219,33 @@ def run_session(argv: list[str], env: dict[str, str], app: ScriptedServer, polic
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"{argv[0]} ran past {CLIENT_TIMEOUT_S} s\n"
                              + report(app, policy, _text(exc.stdout), _text(exc.stderr))) from None  # fmt: skip
-    diagnosis = report(app, policy, result.stdout, result.stderr)
+    finally:
+        log = policy.repo.parent / "exchanges.txt"
+        log.write_text("\n\n".join(f"=== {e.method} {e.path} -> {e.status}\n{_tail(e.body, len(e.body))}\n--- response\n"
+                                     f"{_tail(e.response, len(e.response))}" for e in app.exchanges[first:]))  # fmt: skip
+    (log.parent / "client.stdout").write_text(result.stdout)
+    (log.parent / "client.stderr").write_text(result.stderr)
+    diagnosis = report(app, policy, result.stdout, result.stderr) + f"\n(all exchanges: {log})"
     assert result.returncode == 0, f"{argv[0]} exited {result.returncode}\n{diagnosis}"
-    check_task(policy, [bytes(body).decode("utf-8", "replace") for _, _, body in app.requests[first:]], diagnosis)
+    check_task(policy, app.exchanges[first:], diagnosis)
     return result.stdout
 
 
-def check_task(policy: Policy, bodies: list[str], diagnosis: str) -> None:
-    """The client did the work: the file changed on disk, the test ran and its output went back."""
+def check_task(policy: Policy, exchanges: list[Exchange], diagnosis: str) -> None:
+    """The client did the work with helios' answers: every generation streamed and succeeded,
+    the file changed on disk, both parallel reads and the test's output went back as results."""
     repo = policy.repo
+    generations = [e for e in exchanges if e.path in GENERATION_PATHS]
+    assert generations and all(e.status == 200 for e in generations), diagnosis
+    assert all(json.loads(e.body).get("stream") is True for e in generations), diagnosis
     assert [s for s, _ in policy.turns if s != "side"] == ["read", "edit", "test", "final"], diagnosis
     assert (repo / "calc.py").read_text() == CALC.replace(BUG, FIX), diagnosis
     assert (repo / ".tests-ran").read_text() == "add_numbers(2, 3) = 5\n", diagnosis
-    assert any(PASSED in body for body in bodies), diagnosis  # the test's output, as a tool result
-    assert any(THOUGHTS["read"] in body for body in bodies), diagnosis  # reasoning went back as history
+    bodies = [bytes(e.body).decode("utf-8") for e in generations]
+    assert any(BUG in b and TEST_ONLY in b and FIX not in b for b in bodies), diagnosis  # both reads, one request
+    assert any(PASSED in b for b in bodies), diagnosis  # the test's output, as a tool result
+    assert any(THOUGHTS["read"] in b for b in bodies), diagnosis  # reasoning went back as history
+    assert any(PREAMBLE["edit"].strip() in b for b in bodies), diagnosis  # and the text before a call
 
 
 @pytest.fixture(scope="session")
