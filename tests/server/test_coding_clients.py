@@ -11,10 +11,12 @@ exercise two tool-call parsers: a tiny Qwen3 with Qwen3.5's template and qwen3_c
 function-tag calls, and a tiny Qwen3 with Qwen3's template and Hermes JSON calls. Each client
 is configured by exactly what `helios clients` prints (client_setup.configure).
 
-Streaming: both clients always stream. Codex's Responses provider has no buffered mode, and
-Claude Code sends a buffered request only as its fallback after a failed stream, so neither
-can be made to use buffered responses in a normal session; the buffered encoders are covered
-by the protocol suites.
+Streaming: both clients always stream, and neither can be made to use buffered responses for
+its agent loop. Codex's Responses provider has no buffered mode. Claude Code sends buffered
+requests only as its fallback after a failed stream and for its auto permission mode's safety
+classifier, whose prompt (~110k tokens on the test tokenizer) does not prefill on a CPU within
+the classifier's 70 s timeout; so the sessions run with --permission-mode dontAsk and an
+allow list, and the buffered encoders are covered by the protocol suites.
 
 Runs only with FLARE_RUN_CLIENT_TESTS=1 (a few minutes: Claude Code's normal mode sends about
 52k tokens of system prompt and tool definitions on these cores' byte-level tokenizer).
