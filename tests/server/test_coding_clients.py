@@ -134,16 +134,20 @@ class Agent:
     test: Callable[[Path], Call]
 
 
+# Typed arguments (booleans, numbers) and indented multi-line strings: the qwen3_coder parser
+# converts parameter text by the client's own schemas, and the clients validate what arrives.
 CLAUDE = Agent(
     tools=("Read", "Edit", "Bash"),
     read=lambda repo: [("Read", {"file_path": str(repo / "calc.py")}), ("Read", {"file_path": str(repo / "test_calc.py")})],
-    edit=lambda repo: ("Edit", {"file_path": str(repo / "calc.py"), "old_string": BUG, "new_string": FIX}),
-    test=lambda repo: ("Bash", {"command": TEST_COMMAND, "description": "Run the test"}),
+    edit=lambda repo: ("Edit", {"file_path": str(repo / "calc.py"), "old_string": f"    {BUG}\n    return total",
+                                "new_string": f"    {FIX}\n    return total", "replace_all": False}),
+    test=lambda repo: ("Bash", {"command": TEST_COMMAND, "description": "Run the test", "timeout": 120000}),
 )
 PATCH = f"*** Begin Patch\n*** Update File: calc.py\n@@ def add_numbers(left, right):\n-    {BUG}\n+    {FIX}\n*** End Patch\n"
 CODEX = Agent(
     tools=("exec_command", "apply_patch"),
-    read=lambda repo: [("exec_command", {"cmd": "cat calc.py"}), ("exec_command", {"cmd": "cat test_calc.py"})],
+    read=lambda repo: [("exec_command", {"cmd": "cat calc.py", "login": False}),
+                       ("exec_command", {"cmd": "cat test_calc.py", "yield_time_ms": 2000})],
     edit=lambda repo: ("apply_patch", {"input": PATCH}),
     test=lambda repo: ("exec_command", {"cmd": TEST_COMMAND}),
 )
