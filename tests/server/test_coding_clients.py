@@ -101,8 +101,11 @@ def _long_core(flavour: Flavour, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return out
 
 
+Served = tuple[Flavour, Path, ScriptedServer]  # (the core's flavour, its directory, helios serving it)
+
+
 @pytest.fixture(scope="module", params=sorted(FLAVOURS))
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Flavour, Path, ScriptedServer]]:
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     flavour = FLAVOURS[request.param]
     core = _long_core(flavour, tmp_path_factory)
     with scripted_app(core, api_key=API_KEY, kv_pages=16384, host_cache=False) as app:
@@ -138,12 +141,13 @@ class Agent:
 # converts parameter text by the client's own schemas, and the clients validate what arrives.
 CLAUDE = Agent(
     tools=("Read", "Edit", "Bash"),
-    read=lambda repo: [("Read", {"file_path": str(repo / "calc.py")}), ("Read", {"file_path": str(repo / "test_calc.py")})],
+    read=lambda repo: [("Read", {"file_path": str(repo / name)}) for name in ("calc.py", "test_calc.py")],
     edit=lambda repo: ("Edit", {"file_path": str(repo / "calc.py"), "old_string": f"    {BUG}\n    return total",
                                 "new_string": f"    {FIX}\n    return total", "replace_all": False}),
     test=lambda repo: ("Bash", {"command": TEST_COMMAND, "description": "Run the test", "timeout": 120000}),
 )
-PATCH = f"*** Begin Patch\n*** Update File: calc.py\n@@ def add_numbers(left, right):\n-    {BUG}\n+    {FIX}\n*** End Patch\n"
+PATCH = (f"*** Begin Patch\n*** Update File: calc.py\n@@ def add_numbers(left, right):\n-    {BUG}\n+    {FIX}\n"
+         "*** End Patch\n")
 CODEX = Agent(
     tools=("exec_command", "apply_patch"),
     read=lambda repo: [("exec_command", {"cmd": "cat calc.py", "login": False}),
@@ -165,21 +169,22 @@ class Policy:
     turns: list[tuple[str, str]] = field(default_factory=list)  # (step, what the model wrote)
 
     def step(self, prompt: str) -> str:
+        # The template renders each declared tool as JSON; a request declaring none of the loop's
+        # tools is outside the agent loop (a title, a summary).
         if not all(f'"name": "{name}"' in prompt for name in self.agent.tools):
-            return "side"  # a request outside the agent loop (a title, a summary): it declares no tools
+            return "side"
         return "final" if PASSED in prompt else "test" if FIX in prompt else "edit" if BUG in prompt else "read"
 
     def __call__(self, prompt: str) -> str:
         step = self.step(prompt)
+        opened = prompt.endswith("<think>\n")  # Qwen's templates open reasoning in the generation prompt
         if step == "side":
-            output = "Fixing calc.py"
+            output = ("</think>\n\n" if opened else "") + "Fixing calc.py"
         else:
-            # Qwen's templates open the reasoning in the generation prompt when thinking is on.
-            opener = "" if prompt.endswith("<think>\n") else "<think>\n"
             calls = {"read": lambda: self.agent.read(self.repo), "edit": lambda: [self.agent.edit(self.repo)],
                      "test": lambda: [self.agent.test(self.repo)], "final": lambda: []}[step]()  # fmt: skip
             answer = PREAMBLE.get(step, "") + render_calls(self.syntax, calls) if calls else FINAL
-            output = f"{opener}{THOUGHTS[step]}\n</think>\n\n{answer}"
+            output = ("" if opened else "<think>\n") + f"{THOUGHTS[step]}\n</think>\n\n{answer}"
         self.turns.append((step, output))
         return output
 
@@ -208,7 +213,8 @@ def _tail(data: bytearray, size: int) -> str:
 def report(app: ScriptedServer, policy: Policy, stdout: str, stderr: str) -> str:
     """What a failure prints: the client's output, the scripted turns, the requests helios received."""
     requests = [f"--- {e.method} {e.path} ({len(e.body)} bytes) -> {e.status}: ...{_tail(e.body, 1500)}\n"
-                f"    response ({len(e.response)} bytes): ...{_tail(e.response, 1500)}" for e in app.exchanges[-8:]]  # fmt: skip
+                f"    response ({len(e.response)} bytes): ...{_tail(e.response, 1500)}"
+                for e in app.exchanges[-8:]]  # fmt: skip
     turns = [f"--- {step}: {output!r}" for step, output in policy.turns]
     return "\n".join(["client stdout:", stdout[-6000:], "client stderr:", stderr[-4000:], "scripted turns:", *turns,
                       "last requests:", *requests])  # fmt: skip
@@ -227,8 +233,9 @@ def run_session(argv: list[str], env: dict[str, str], app: ScriptedServer, polic
                              + report(app, policy, _text(exc.stdout), _text(exc.stderr))) from None  # fmt: skip
     finally:
         log = policy.repo.parent / "exchanges.txt"
-        log.write_text("\n\n".join(f"=== {e.method} {e.path} -> {e.status}\n{_tail(e.body, len(e.body))}\n--- response\n"
-                                     f"{_tail(e.response, len(e.response))}" for e in app.exchanges[first:]))  # fmt: skip
+        log.write_text("\n\n".join(f"=== {e.method} {e.path} -> {e.status}\n{_tail(e.body, len(e.body))}\n"
+                                     f"--- response\n{_tail(e.response, len(e.response))}"
+                                     for e in app.exchanges[first:]))  # fmt: skip
     (log.parent / "client.stdout").write_text(result.stdout)
     (log.parent / "client.stderr").write_text(result.stderr)
     diagnosis = report(app, policy, result.stdout, result.stderr) + f"\n(all exchanges: {log})"
@@ -265,20 +272,21 @@ def codex() -> Path:
 
 
 @pytest.mark.parametrize("mode", ["normal", "bare"])
-def test_claude_code_session(claude: Path, served, repo: Path, mode: str) -> None:
+def test_claude_code_session(claude: Path, served: Served, repo: Path, mode: str) -> None:
     flavour, core, app = served
     env = configure("claude", core, app.url, API_KEY, repo.parent / "home")
     settings = repo.parent / "home" / ".claude" / "flare.json"
     policy = Policy(CLAUDE, flavour.syntax, repo)
     argv = [str(claude), *(["--bare"] if mode == "bare" else []), "--settings", str(settings), "-p", TASK,
-            "--output-format", "stream-json", "--verbose", "--permission-mode", "dontAsk", "--allowedTools", "Read,Edit,Bash",
-            "--max-turns", "8"]  # fmt: skip
+            "--output-format", "stream-json", "--verbose", "--max-turns", "8",
+            # Tools run without prompts, and without the auto mode's classifier (see the docstring).
+            "--permission-mode", "dontAsk", "--allowedTools", "Read,Edit,Bash"]  # fmt: skip
     events = json_lines(run_session(argv, env, app, policy))
     final = events[-1]
     assert final["type"] == "result" and final["is_error"] is False and final["result"].strip() == FINAL, final
 
 
-def test_codex_session(codex: Path, served, repo: Path) -> None:
+def test_codex_session(codex: Path, served: Served, repo: Path) -> None:
     flavour, core, app = served
     env = configure("codex", core, app.url, API_KEY, repo.parent / "home")
     policy = Policy(CODEX, flavour.syntax, repo)
