@@ -11,12 +11,14 @@ exercise two tool-call parsers: a tiny Qwen3 with Qwen3.5's template and qwen3_c
 function-tag calls, and a tiny Qwen3 with Qwen3's template and Hermes JSON calls. Each client
 is configured by exactly what `helios clients` prints (client_setup.configure).
 
-Streaming: both clients always stream, and neither can be made to use buffered responses for
-its agent loop. Codex's Responses provider has no buffered mode. Claude Code sends buffered
-requests only as its fallback after a failed stream and for its auto permission mode's safety
-classifier, whose prompt (~110k tokens on the test tokenizer) does not prefill on a CPU within
-the classifier's 70 s timeout; so the sessions run with --permission-mode dontAsk and an
-allow list, and the buffered encoders are covered by the protocol suites.
+Streaming and buffered: both clients stream, and neither lets a session choose buffered
+responses. Codex's Responses provider has no buffered mode. Claude Code sends a buffered request
+as its fallback after a failed stream (and for its auto permission mode's safety classifier,
+whose prompt, ~110k tokens on the test tokenizer, does not prefill on a CPU within the
+classifier's 70 s timeout: the sessions run with --permission-mode dontAsk and an allow list).
+So the first try of the test step stops inside its tool call: helios ends that stream with the
+protocol's failure event (Messages `error`, Responses `response.failed`), Claude Code repeats the
+request buffered and Codex reconnects, and each session goes on with helios' answer to the retry.
 
 Runs only with FLARE_RUN_CLIENT_TESTS=1 (a few minutes: Claude Code's normal mode sends about
 52k tokens of system prompt and tool definitions on these cores' byte-level tokenizer).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -127,14 +130,22 @@ def render_calls(syntax: str, calls: list[Call]) -> str:
     return "\n".join(blocks)
 
 
+def unfinished_call(syntax: str, call: Call) -> str:
+    """A call the model stops writing before its envelope closes (helios fails the response)."""
+    text = render_calls(syntax, [call])
+    return text[: text.rindex("}\n</tool_call>" if syntax == "hermes" else "</function>")]
+
+
 @dataclass(frozen=True)
 class Agent:
-    """One client's tools for each step of the task."""
+    """One client's tools for each step of the task, and how it recovers from a failed stream."""
 
     tools: tuple[str, ...]  # what the agent loop's requests declare (other requests get plain text)
     read: Callable[[Path], list[Call]]  # two parallel calls: calc.py and test_calc.py
     edit: Callable[[Path], Call]
     test: Callable[[Path], Call]
+    failed_stream: bytes  # how helios ends a stream whose generation failed, in this client's protocol
+    buffered_retry: bool  # the client repeats a failed stream's request buffered (else streamed)
 
 
 # Typed arguments (booleans, numbers) and indented multi-line strings: the qwen3_coder parser
@@ -145,6 +156,7 @@ CLAUDE = Agent(
     edit=lambda repo: ("Edit", {"file_path": str(repo / "calc.py"), "old_string": f"    {BUG}\n    return total",
                                 "new_string": f"    {FIX}\n    return total", "replace_all": False}),
     test=lambda repo: ("Bash", {"command": TEST_COMMAND, "description": "Run the test", "timeout": 120000}),
+    failed_stream=b"event: error\n", buffered_retry=True,  # Claude Code's non-streaming fallback
 )
 PATCH = (f"*** Begin Patch\n*** Update File: calc.py\n@@ def add_numbers(left, right):\n-    {BUG}\n+    {FIX}\n"
          "*** End Patch\n")
@@ -154,6 +166,7 @@ CODEX = Agent(
                        ("exec_command", {"cmd": "cat test_calc.py", "yield_time_ms": 2000})],
     edit=lambda repo: ("apply_patch", {"input": PATCH}),
     test=lambda repo: ("exec_command", {"cmd": TEST_COMMAND}),
+    failed_stream=b"event: response.failed\n", buffered_retry=False,  # Codex reconnects
 )
 
 
@@ -161,7 +174,8 @@ CODEX = Agent(
 class Policy:
     """The next assistant turn from the conversation so far: read, edit, test, answer. The step
     is the furthest one whose evidence is in the prompt (the bug shown by a read, the fix in an
-    edit call, the test's output in a tool result)."""
+    edit call, the test's output in a tool result). The first try of the test step stops inside
+    its call, so helios fails that stream and the client's recovery repeats the request."""
 
     agent: Agent
     syntax: str
@@ -180,6 +194,10 @@ class Policy:
         opened = prompt.endswith("<think>\n")  # Qwen's templates open reasoning in the generation prompt
         if step == "side":
             output = ("</think>\n\n" if opened else "") + "Fixing calc.py"
+        elif step == "test" and "broken" not in (s for s, _ in self.turns):
+            step = "broken"
+            output = ("" if opened else "<think>\n") + f"{THOUGHTS['test']}\n</think>\n\n" + \
+                unfinished_call(self.syntax, self.agent.test(self.repo))  # fmt: skip
         else:
             calls = {"read": lambda: self.agent.read(self.repo), "edit": lambda: [self.agent.edit(self.repo)],
                      "test": lambda: [self.agent.test(self.repo)], "final": lambda: []}[step]()  # fmt: skip
@@ -192,6 +210,8 @@ class Policy:
 # ---------------------------------------------------------------------------- sessions
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed (the task's repository is a git repository, as the clients expect)")
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "calc.py").write_text(CALC)
@@ -245,13 +265,21 @@ def run_session(argv: list[str], env: dict[str, str], app: ScriptedServer, polic
 
 
 def check_task(policy: Policy, exchanges: list[Exchange], diagnosis: str) -> None:
-    """The client did the work with helios' answers: every generation streamed and succeeded,
-    the file changed on disk, both parallel reads and the test's output went back as results."""
-    repo = policy.repo
+    """The client did the work with helios' answers: every generation succeeded but the broken
+    one, whose stream ended in the protocol's failure event and whose retry (buffered for Claude
+    Code) succeeded; the file changed on disk; both parallel reads and the test's output went
+    back as results."""
+    repo, agent = policy.repo, policy.agent
     generations = [e for e in exchanges if e.path in GENERATION_PATHS]
     assert generations and all(e.status == 200 for e in generations), diagnosis
-    assert all(json.loads(e.body).get("stream") is True for e in generations), diagnosis
-    assert [s for s, _ in policy.turns if s != "side"] == ["read", "edit", "test", "final"], diagnosis
+    assert [s for s, _ in policy.turns if s != "side"] == ["read", "edit", "broken", "test", "final"], diagnosis
+    failed = [i for i, e in enumerate(generations) if agent.failed_stream in e.response]
+    assert len(failed) == 1 and failed[0] + 1 < len(generations), diagnosis
+    retry = generations[failed[0] + 1]
+    streamed = [json.loads(e.body).get("stream") is True for e in generations]
+    assert streamed == [not (agent.buffered_retry and e is retry) for e in generations], diagnosis
+    if agent.buffered_retry:
+        assert json.loads(retry.response)["stop_reason"] == "tool_use", diagnosis
     assert (repo / "calc.py").read_text() == CALC.replace(BUG, FIX), diagnosis
     assert (repo / ".tests-ran").read_text() == "add_numbers(2, 3) = 5\n", diagnosis
     bodies = [bytes(e.body).decode("utf-8") for e in generations]
