@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
+
+from helios.engine.request import EngineRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,9 +25,11 @@ class ScriptedExecutor:
     """The real executor (real programs, KV pages, prefill), except that each sampled row's
     logits are replaced so the next token is the request's scripted one.
 
-    Scripts are handed out to requests in arrival order; a request's choices share its
-    script; past the script's end the model emits its first EOS token. Everything after
-    the executor (sampler, output pipeline, parsers, encoders) is the production path.
+    Scripts are handed out to requests in arrival order; once the queue is empty, a `policy`
+    (when set) writes the script from the request itself (its prompt ids), so a multi-turn
+    client can be answered by what it sent. A request's choices share its script; past the
+    script's end the model emits its first EOS token. Everything after the executor
+    (sampler, output pipeline, parsers, encoders) is the production path.
     """
 
     def __init__(self, real, eos_id: int) -> None:
@@ -32,12 +37,18 @@ class ScriptedExecutor:
         self.eos_id = eos_id
         self.queue: list[list[int]] = []
         self.assigned: dict[str, list[int]] = {}
+        self.policy: Callable[[EngineRequest], list[int]] | None = None
 
     def __getattr__(self, name: str):
         return getattr(self.real, name)
 
     def script(self, token_ids: list[int]) -> None:
         self.queue.append(list(token_ids))
+
+    def _next(self, request: EngineRequest) -> list[int]:
+        if self.queue:
+            return self.queue.pop(0)
+        return list(self.policy(request)) if self.policy is not None else []
 
     def run(self, chunks, page_copies=(), *state_copies):
         import dataclasses
@@ -49,7 +60,7 @@ class ScriptedExecutor:
             request = chunk.seq.request
             script = self.assigned.get(request.request_id)
             if script is None:
-                script = self.assigned[request.request_id] = self.queue.pop(0) if self.queue else []
+                script = self.assigned[request.request_id] = self._next(request)
             for offset in range(chunk.num_rows):
                 position = chunk.seq.num_output + offset
                 token = script[position] if position < len(script) else self.eos_id
