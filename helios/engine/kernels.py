@@ -42,7 +42,7 @@ class _Plan:
     blocks), which copies several times faster than gathering token by token.
     """
 
-    decode_rows: Tensor | None  # [Bd] query rows of the decode sequences (and of small chunks, in place)
+    decode_rows: Tensor | None  # [Bd] query rows of the decode sequences
     decode_tables: Tensor | None  # [Bd, max_blocks] int32: the decode sequences' block tables (native kernel)
     decode_lens: Tensor | None  # [Bd] int64 KV lengths (native kernel)
     decode_positions: Tensor | None  # [Bd] int64 query positions (native kernel)
@@ -86,29 +86,20 @@ def _first_page(position: Tensor | int, window: int, page_tokens: int) -> Tensor
     return (oldest.clamp(min=0) if isinstance(oldest, Tensor) else max(oldest, 0)) // page_tokens
 
 
-# The native kernel attends each query row on its own, streaming the row's visible keys: the
-# fastest path for memory-bound rows (decode, short verification and prefill chunks over short
-# histories); a chunk with many queries over a long history does better in SDPA's blocked kernel.
-IN_PLACE_QUERIES = 16  # a chunk of up to this many queries...
-IN_PLACE_WORK = 1 << 14  # ...whose queries x history is at most this is attended in place
-
-
 def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, positions: Tensor, page_tokens: int,
           window: int, in_place: bool = False) -> _Plan:  # fmt: skip
-    """in_place: decode rows, and the rows of small chunks, are attended by the native kernel
-    (a table, length and position per row), not through a padded gather (pages, mask)."""
+    """in_place: decode rows are attended by the native kernel (a table, length and position
+    per row), not through a padded gather (pages, mask). Prefill chunks, however short, stay
+    on SDPA: a prompt's remainder after a cached prefix then rounds like the whole prompt did
+    (on 16-bit cores a different kernel could part the answers at a near tie)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     sizes = [starts[i + 1] - starts[i] for i in range(len(lens))]
-    if in_place:
-        decode = [i for i, n in enumerate(sizes) if n == 1 or (0 < n <= IN_PLACE_QUERIES and n * lens[i] <= IN_PLACE_WORK)]
-    else:
-        decode = [i for i, n in enumerate(sizes) if n == 1]
+    decode = [i for i, n in enumerate(sizes) if n == 1]
     decode_rows = decode_tables = decode_lens = decode_positions = decode_pages = decode_mask = None
     if decode and in_place:
-        owners = [i for i in decode for _ in range(sizes[i])]
-        decode_rows = torch.tensor([row for i in decode for row in range(starts[i], starts[i + 1])])
-        picked = torch.tensor(owners)
+        picked = torch.tensor(decode)
+        decode_rows = torch.tensor([starts[i] for i in decode])
         decode_tables = block_tables[picked].contiguous()
         decode_lens, decode_positions = seq_lens[picked].long(), positions[decode_rows].long()
     elif decode:
@@ -137,8 +128,7 @@ def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, posit
         key_pos = torch.arange(first * page_tokens, kv_len)
         visible = None if whole else helios.core.ops.visible_keys(key_pos, positions[start:end], window)
         prefills.append(_Prefill(start, end, pages, kv_len - first * page_tokens, visible))
-    covered = sum(sizes[i] for i in decode)  # rows the decode path answers, in q's order when identity
-    identity = len(decode) == len(lens) and decode == list(range(len(lens))) and starts[-1] == covered
+    identity = len(decode) == len(lens) and decode == list(range(len(lens))) and starts[-1] == len(decode)
     return _Plan(decode_rows, decode_tables, decode_lens, decode_positions, decode_pages, decode_mask, tuple(prefills),
                  identity)  # fmt: skip
 
