@@ -75,7 +75,7 @@ class _StepMemo(Generic[T]):
 
 # One plan per window size: a model mixing sliding and global layers alternates between them
 # within a step, and each layout stays valid for all layers of its kind.
-_plans: dict[int, _StepMemo[_Plan]] = {}
+_plans: dict[tuple[int, bool], _StepMemo[_Plan]] = {}  # (window, native in-place decode) -> the step's plan
 
 
 def _first_page(position: Tensor | int, window: int, page_tokens: int) -> Tensor | int:
@@ -94,17 +94,15 @@ def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, posit
     (on 16-bit cores a different kernel could part the answers at a near tie)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    sizes = [starts[i + 1] - starts[i] for i in range(len(lens))]
-    decode = [i for i, n in enumerate(sizes) if n == 1]
+    decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     decode_rows = decode_tables = decode_lens = decode_positions = decode_pages = decode_mask = None
-    if decode and in_place:
+    if decode:
         picked = torch.tensor(decode)
         decode_rows = torch.tensor([starts[i] for i in decode])
+    if decode and in_place:
         decode_tables = block_tables[picked].contiguous()
         decode_lens, decode_positions = seq_lens[picked].long(), positions[decode_rows].long()
     elif decode:
-        picked = torch.tensor(decode)
-        decode_rows = torch.tensor([starts[i] for i in decode])
         dlens, dpos = seq_lens[picked].long(), positions[decode_rows].long()
         first = _first_page(dpos, window, page_tokens)  # [Bd]: pages before the window are not gathered
         blocks = int(((dlens - 1) // page_tokens - first).max()) + 1
@@ -133,12 +131,18 @@ def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, posit
                  identity)  # fmt: skip
 
 
+def _in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether the native kernel can attend this layer's decode rows."""
+    return (native.loaded() and k_cache.shape[-1] <= 512 and q.shape[-1] == k_cache.shape[-1]
+            and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous())  # fmt: skip
+
+
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
                         softcap=0.0):  # fmt: skip
     page_tokens, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    memo = _plans.setdefault(window, _StepMemo())
-    in_place = (native.loaded() and dim <= 512 and q.shape[-1] == dim and k_cache.shape == v_cache.shape
-                and k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous())  # fmt: skip
+    in_place = _in_place(q, k_cache, v_cache)  # layers of one step may differ (head sizes, cache dtypes)
+    memo = _plans.setdefault((window, in_place), _StepMemo())
     plan = memo.get((block_tables, seq_lens, query_start_loc, positions),
                     lambda: _plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window, in_place))  # fmt: skip
     decoded = None

@@ -57,15 +57,15 @@ def native_available() -> bool:
     return native.loaded() and bool(torch.ops.flare_native.has_bf16_linear())
 
 
-def _linear_weights(programs: list[Program], weights: dict[str, Tensor]) -> list[str]:
-    names = list(weights)
+def _weight_uses(programs: list[Program], names: list[str]):
+    """(program, weight node, its weights-dict key, user, whether the user is a linear reading it
+    as its weight only), for every use of every weight input of the programs."""
     linear = torch.ops.aten.linear.default
-    found = []
     for program in programs:
         for node, name in _weight_inputs(program, names).items():
-            if any(u.target is linear and len(u.args) > 1 and u.args[1] is node for u in node.users):
-                found.append(name)
-    return found
+            for user in node.users:
+                is_weight = user.target is linear and len(user.args) > 1 and user.args[1] is node
+                yield program, node, name, user, is_weight and node not in user.args[:1] + user.args[2:]
 
 
 def _best_ms(run, repeats: int = 3) -> float:
@@ -87,8 +87,8 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
     256 MiB of them, so neither kernel runs from cache), faster at one row and no slower at 32
     rows; else oneDNN. Measured once per host, torch, thread count and weight set (about a
     second), then remembered."""
-    names = [n for n in _linear_weights(programs, weights) if weights[n].dtype == torch.bfloat16 and weights[n].dim() == 2]
-    names = list(dict.fromkeys(names))
+    names = list(dict.fromkeys(name for _, _, name, _, of_linear in _weight_uses(programs, list(weights))
+                               if of_linear and weights[name].dtype == torch.bfloat16 and weights[name].dim() == 2))  # fmt: skip
     if not names or not native_available() or any(weights[n].shape[1] % 2 for n in names):
         return ONEDNN
     shapes = Counter(tuple(weights[n].shape) for n in names)
@@ -140,21 +140,16 @@ def prepack(programs: list[Program], weights: dict[str, Tensor], kernel: str = O
     All programs must take `weights` (same keys, same order) as their first input. kernel:
     ONEDNN for every float32/bfloat16 linear, or NATIVE for the bfloat16 ones (choose()).
     """
-    names = list(weights)
-    linear = torch.ops.aten.linear.default
     dtypes = (torch.bfloat16,) if kernel == NATIVE else (torch.float32, torch.bfloat16)
     packable = {name for name, w in weights.items() if w.dim() == 2 and w.dtype in dtypes
                 and (kernel != NATIVE or w.shape[1] % 2 == 0)}  # fmt: skip
     linear_only = set(packable)
     rewrites: list[tuple[Program, fx.Node, str]] = []
-    for program in programs:
-        for node, name in _weight_inputs(program, names).items():
-            for user in node.users:
-                is_weight_of_linear = user.target is linear and len(user.args) > 1 and user.args[1] is node
-                if is_weight_of_linear and name in packable and node not in user.args[:1] + user.args[2:]:
-                    rewrites.append((program, user, name))
-                else:
-                    linear_only.discard(name)
+    for program, _, name, user, of_linear in _weight_uses(programs, list(weights)):
+        if of_linear and name in packable:
+            rewrites.append((program, user, name))
+        else:
+            linear_only.discard(name)
     if not rewrites:
         return weights
     packer = torch.ops.flare_native.pack_linear if kernel == NATIVE else pack

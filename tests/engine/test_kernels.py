@@ -116,3 +116,17 @@ def test_programs_exported_before_the_options_still_call_the_op() -> None:
     args = _case(3, [9, 3, 20], [1, 3, 4])
     torch.testing.assert_close(torch.ops.flare.paged_attention(*args, 0.25), _dense(*args, 0.25, 0, 0.0),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_sink_attention_in_the_same_step_keeps_its_own_layout(decode_path: str) -> None:
+    """A step whose layers mix flare::paged_attention and flare::sink_attention with one window
+    (MiMo-style): the paged layer's in-place plan must not stand in for the sink layer's gather."""
+    from helios.core.ops_sinks import sink_attention
+    from helios.engine.kernels_sinks import sink_attention_cpu
+
+    q, k_cache, v_cache, tables, lens, starts, positions = _case(11, [9, 3, 20, 7], [1, 3, 1, 7])
+    packed = torch.cat([k_cache, v_cache], dim=-1)  # key then value per kv head
+    kernels.paged_attention_cpu(q, k_cache, v_cache, tables, lens, starts, positions, 0.25, 4)
+    got = sink_attention_cpu(q, packed, tables, lens, starts, positions, 0.25, 4, None)
+    torch.testing.assert_close(got, sink_attention(q, packed, tables, lens, starts, positions, 0.25, 4, None),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
