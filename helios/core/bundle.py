@@ -7,8 +7,10 @@ computation comes from the exported programs.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -121,12 +123,13 @@ class Core:
             raise CoreError(f"{self.root}: the core has no {kind!r} program{hint}")
         return Program.load(kind, spec, self.root / spec.file, check_guards)
 
-    def load_compiled(self, kind: str = STEP) -> CompiledProgram:
-        """The program's ahead-of-time build (the caller checks its host first: helios.core.host)."""
+    def load_compiled(self, kind: str = STEP, runner: Callable[[str], Any] | None = None) -> CompiledProgram:
+        """The program's ahead-of-time build (the caller checks its host first: helios.core.host);
+        runner as CompiledProgram.load's."""
         spec = self.manifest.compiled.get(kind)
         if spec is None:
             raise CoreError(f"{self.root}: the core has no compiled {kind!r} program (export with --compile-step)")
-        return CompiledProgram.load(kind, self.manifest.programs[kind], self.root / spec.file)
+        return CompiledProgram.load(kind, self.manifest.programs[kind], self.root / spec.file, runner)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_file(str(self.root / self.manifest.tokenizer.file))

@@ -137,6 +137,13 @@ def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     return torch.empty_like(q)
 
 
+# The plain-torch bodies of the two ops, callable without the dispatcher: where helios' native
+# library is loaded, the ops' CPU slot is served from C++ (helios/engine/native), and tests
+# compare every kernel with these.
+reference_paged_attention = paged_attention._init_fn
+reference_write_kv = write_kv._init_fn
+
+
 def describe() -> dict[str, object]:
     """The op-set record a core manifest stores."""
     return {"namespace": OPS_NAMESPACE, "version": OPS_VERSION, "ops": list(OP_NAMES)}

@@ -19,7 +19,7 @@ import contextlib
 import math
 import threading
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,12 +135,15 @@ class CompiledProgram(_Callable):
         self.runner = runner
 
     @classmethod
-    def load(cls, kind: str, spec: ProgramSpec, path: Path) -> "CompiledProgram":
+    def load(cls, kind: str, spec: ProgramSpec, path: Path,
+             runner: Callable[[str], Any] | None = None) -> "CompiledProgram":  # fmt: skip
+        """runner: builds the object whose .run(tensors) runs the shared object (default: torch's
+        AOTInductor runner, which holds the GIL while it runs)."""
         # The shared object is loaded in place (no package to extract); its constants are the
         # packed weights, so the core's safetensors are not needed for this program. One model
         # instance: the engine calls it from one thread.
-        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
-        return cls(kind, spec, runner)
+        make = runner or (lambda file: torch._C._aoti.AOTIModelContainerRunnerCpu(file, 1))
+        return cls(kind, spec, make(str(path)))
 
     def _run(self, weights: dict[str, Tensor], kv_cache: list[Tensor], inputs: list[Tensor]) -> Any:
         # Flattened as the program was traced: every cache tensor, then the inputs in order.

@@ -135,7 +135,7 @@ class Executor:
             return None, ("the core's compiled step calls helios' native kernels, which are not loaded here "
                           f"({native.status()}); serving the portable step")  # fmt: skip
         try:
-            return core.load_compiled(STEP), None
+            return core.load_compiled(STEP, native.CompiledRunner if native.loaded() else None), None
         except (RuntimeError, OSError) as exc:  # a package that does not load is never fatal
             return None, f"the core's compiled step failed to load ({exc}); serving the portable step"
 
@@ -145,6 +145,10 @@ class Executor:
 
     def _probe_decode(self, rows: int) -> None:
         """One decode step of `rows` one-token sequences on pages 0..rows-1 (before serving)."""
+        self.step(self.weights, self.kv, **self.probe_inputs(rows))
+
+    def probe_inputs(self, rows: int) -> dict[str, Tensor]:
+        """The step's inputs for `rows` one-token sequences on pages 0..rows-1 (results unread)."""
         inputs = {
             "token_ids": torch.zeros(rows, dtype=torch.int64),
             "positions": torch.zeros(rows, dtype=torch.int64),
@@ -158,7 +162,7 @@ class Executor:
             inputs["logprob_token_ids"] = torch.zeros(rows, 1, dtype=torch.int64)
         if self.state:  # the probe's results are never read: slots may repeat
             inputs["state_slots"] = torch.arange(rows, dtype=torch.int64) % self.num_slots
-        self.step(self.weights, self.kv, **{name: value.to(self.device) for name, value in inputs.items()})
+        return {name: value.to(self.device) for name, value in inputs.items()}
 
     def copy_page(self, src: int, dst: int) -> None:
         for tensor in self.page_caches:

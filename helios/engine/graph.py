@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from helios.core.program import Program
-from helios.engine import kernels, kernels_block_sparse, kernels_mamba, kernels_recurrent
+from helios.engine import kernels, kernels_block_sparse, kernels_mamba, kernels_recurrent, native
 
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 _DIRECT = {
@@ -29,6 +29,9 @@ _DIRECT = {
     torch.ops.flare.mamba2_scan.default: kernels_mamba.mamba2_scan_cpu,
     torch.ops.flare.gated_delta_rule.default: kernels.kernels_gated_delta.gated_delta_rule_cpu,
 }
+# Served by the native library's own CPU kernels where it loads (kernels.register): the op call
+# costs less than the Python kernel's step bookkeeping.
+_NATIVE = {torch.ops.flare.paged_attention.default, torch.ops.flare.write_kv.default}
 
 
 def _same_dtype_conversion(node: fx.Node) -> bool:
@@ -53,7 +56,7 @@ def simplify(program: Program) -> int:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             removed += 1
-        elif node.target in _DIRECT:
+        elif node.target in _DIRECT and not (native.loaded() and node.target in _NATIVE):
             node.target = _DIRECT[node.target]
     graph.lint()
     program.module.recompile()

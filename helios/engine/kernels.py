@@ -197,6 +197,16 @@ def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping) -> None:
 
 
 _library: torch.library.Library | None = None
+_fallback: torch.library.Library | None = None
+
+
+def register_fallbacks() -> None:
+    """The kernels the native library hands what it does not cover (called once it is loaded)."""
+    global _fallback
+    if _fallback is None:
+        _fallback = torch.library.Library("flare_fallback", "IMPL")  # kept alive: dropping it unregisters
+        _fallback.impl("paged_attention", paged_attention_cpu, "CPU")
+        _fallback.impl("write_kv", write_kv_cpu, "CPU")
 
 
 def register() -> None:
@@ -206,14 +216,17 @@ def register() -> None:
     torch.library.register_kernel, whose wrapper imports torch._dynamo on its first call
     (over a second, paid by the first request of a compiled step) and costs microseconds on
     every call. The portable programs call the kernels directly anyway (graph.simplify); the
-    compiled step reaches them through the dispatcher.
+    compiled step reaches them through the dispatcher. Where the native library loads, it
+    holds the CPU slot of flare::paged_attention and flare::write_kv itself (a decode step then
+    runs without the GIL) and hands the steps it does not cover to the kernels here.
     """
     global _registered, _library
     if not _registered:
         native.load()  # before any step runs, so every step of this process uses the same kernels
         _library = torch.library.Library("flare", "IMPL")  # kept alive: dropping it unregisters
-        _library.impl("paged_attention", paged_attention_cpu, "CPU")
-        _library.impl("write_kv", write_kv_cpu, "CPU")
+        if not native.loaded():  # else the native library serves them (and falls back to these: native.load)
+            _library.impl("paged_attention", paged_attention_cpu, "CPU")
+            _library.impl("write_kv", write_kv_cpu, "CPU")
         _library.impl("routed_experts", kernels_moe.routed_experts_cpu, "CPU")
         from helios.engine import kernels_block_sparse  # imports this module (its step memo)
 

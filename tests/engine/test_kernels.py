@@ -55,7 +55,7 @@ CASES = {
 def test_cpu_kernel_matches_the_reference(name: str) -> None:
     lens, queries = CASES[name]
     args = _case(hash(name) % 1000, lens, queries)
-    expected = ops.paged_attention(*args, 0.25)
+    expected = ops.reference_paged_attention(*args, 0.25)
     got = kernels.paged_attention_cpu(*args, 0.25)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -98,7 +98,7 @@ def test_windowed_and_capped_kernels_match_a_dense_reference(name: str) -> None:
     lens, queries, window, softcap = WINDOWED[name]
     args = _case(sorted(WINDOWED).index(name), lens, queries)
     dense = _dense(*args, 0.25, window, softcap)
-    reference = ops.paged_attention(*args, 0.25, window, softcap)
+    reference = ops.reference_paged_attention(*args, 0.25, window, softcap)
     torch.testing.assert_close(reference, dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kernels.paged_attention_cpu(*args, 0.25, window, softcap), dense, rtol=1e-5, atol=1e-5)
 

@@ -52,7 +52,7 @@ def test_decode_attention_matches_the_reference_op(name: str) -> None:
     lens = [1, 17, 40, 100, 5, 64, 65]  # one token, page edges, several key chunks
     q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(len(name), dtype, cache_dtype, heads, kv_heads, dim, lens)
     starts = torch.arange(len(lens) + 1, dtype=torch.int32)
-    expected = ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap)
+    expected = ops.reference_paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap)
     got = torch.ops.flare_native.decode_attention(q, k_cache, v_cache, tables, seq_lens, positions, 0.125, window, softcap)
     assert got.dtype == q.dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
@@ -84,7 +84,7 @@ def test_write_kv_matches_the_reference_op(cache_dtype: torch.dtype) -> None:
     caches = [torch.zeros(6, 4, 2, 8, dtype=cache_dtype) for _ in range(4)]
     k, v = torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen)
     slots = torch.tensor([3, -1, 17, 0, -1])  # negative slots are padding
-    ops.write_kv(caches[0], caches[1], k, v, slots)
+    ops.reference_write_kv(caches[0], caches[1], k, v, slots)
     torch.ops.flare_native.write_kv(caches[2], caches[3], k, v, slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(RuntimeError, match="outside the cache"):
@@ -150,3 +150,50 @@ def test_linear_refuses_what_it_cannot_compute() -> None:
         torch.ops.flare_native.linear(torch.randn(2, 8).bfloat16(), torch.ops.flare_native.pack_linear(w), None, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.flare_native.linear(torch.randn(2, 16), torch.ops.flare_native.pack_linear(w), None, 32)
+
+
+STEPS = {  # history lengths, queries per sequence (0: a sequence with none this step)
+    "decode": ([20, 33, 5], [1, 1, 1]),
+    "decode with an idle sequence": ([20, 1, 5], [1, 0, 1]),
+    "mixed": ([20, 40, 7], [1, 4, 1]),
+    "whole prompts": ([12, 5], [12, 5]),
+    "drafts under verification": ([9, 30, 2], [3, 7, 1]),
+}
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (8, 0.0), (0, 20.0), (3, 5.0)])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_the_ops_cpu_slot_computes_what_the_python_kernel_does(name, dtype, cache_dtype, window, softcap) -> None:
+    """Once loaded, the library serves flare::paged_attention itself (decode rows in place, other
+    chunks through the same SDPA calls, soft-capped chunks handed to the Python kernel): bit for
+    bit what helios' Python kernel computes, so a step's rows never depend on which path ran."""
+    from helios.engine import kernels
+
+    lens, queries = STEPS[name]
+    gen = torch.Generator().manual_seed(len(name))
+    page_tokens, heads, kv_heads, dim = 4, 6, 2, 64
+    k_cache = torch.randn(80, page_tokens, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(80, page_tokens, kv_heads, dim, generator=gen).to(cache_dtype)
+    starts = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(80, generator=gen)[: len(lens) * 12].view(len(lens), 12).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    positions = torch.cat([torch.arange(n - t, n) for n, t in zip(lens, queries)]).long()
+    args = (q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap)
+    got = torch.ops.flare.paged_attention(*args)
+    expected = kernels.paged_attention_cpu(*args)
+    assert torch.equal(got, expected)
+    reference = ops.reference_paged_attention(*args)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), reference.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_the_ops_write_kv_slot_is_the_native_copy() -> None:
+    caches = [torch.zeros(6, 4, 2, 8) for _ in range(4)]
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots = torch.tensor([3, -1, 17])
+    torch.ops.flare.write_kv(caches[0], caches[1], k, v, slots)
+    ops.reference_write_kv(caches[2], caches[3], k, v, slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

@@ -102,6 +102,11 @@ def load() -> bool:
             _state.update(loaded=False, reason=str(exc))
             log.warning("native CPU kernels unavailable, using the Python kernels: %s", exc)
             return False
+        # The library now serves the CPU slot of flare::paged_attention and flare::write_kv and
+        # hands what it does not cover to the Python kernels.
+        from helios.engine import kernels
+
+        kernels.register_fallbacks()
         _state["loaded"] = True
         return True
 
@@ -115,3 +120,14 @@ def status() -> str:
     if loaded():
         return "native"
     return f"python ({_state['reason']})" if "reason" in _state else "python"
+
+
+class CompiledRunner:
+    """An AOTInductor shared object run through the native library: as torch's own runner, but
+    the step runs with the GIL released (the server's event loop streams meanwhile)."""
+
+    def __init__(self, path: str) -> None:
+        self._step = torch.classes.flare_native.CompiledStep(path)
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return torch.ops.flare_native.run_compiled(self._step, inputs)

@@ -18,6 +18,8 @@
 // result does not depend on which other rows share the step.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -354,9 +356,131 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& packed, const c10:
   return at::empty_symint(shape, x.options());
 }
 
+// ------------------------------------------------------------------- the flare:: ops' CPU kernels
+// The compiled step calls flare::paged_attention and flare::write_kv through the dispatcher once per
+// layer. Served from C++, a decode step never takes the GIL (the HTTP thread keeps streaming while
+// it runs); the steps these kernels do not cover go to the Python kernels, which helios registers
+// as flare_fallback:: (helios/engine/kernels.py) and which compute the same rows the same way.
+
+at::Tensor attention_fallback(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, const at::Tensor& positions, double scale,
+                              int64_t window, double softcap) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flare_fallback::paged_attention", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, double, int64_t, double)>();
+  return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap);
+}
+
+// Decode rows (one query token per sequence) attend in place; longer chunks (prefill, drafts under
+// verification) run SDPA over their gathered pages exactly as the Python kernel does (the same
+// calls, so the same rounding); soft-capping and layouts the in-place kernel lacks go to it whole.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, const at::Tensor& positions, double scale,
+                           int64_t window, double softcap) {
+  const bool in_place = q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) <= kMaxDim &&
+                        q.size(2) == k_cache.size(3) && k_cache.sizes() == v_cache.sizes() &&
+                        k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() &&
+                        v_cache.is_contiguous() && block_tables.scalar_type() == at::kInt &&
+                        query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+                        seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                        positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                        query_start_loc.numel() == seq_lens.numel() + 1 && q.size(1) % k_cache.size(2) == 0;
+  const int64_t seqs = seq_lens.numel();
+  const int32_t* starts = in_place ? query_start_loc.data_ptr<int32_t>() : nullptr;
+  std::vector<int64_t> picked, rows, chunks;
+  if (in_place) {
+    for (int64_t i = 0; i < seqs; ++i) {
+      const int32_t len = starts[i + 1] - starts[i];
+      if (len == 1) {
+        picked.push_back(i);
+        rows.push_back(starts[i]);
+      } else if (len > 1) {
+        chunks.push_back(i);
+      }
+    }
+  }
+  if (!in_place || (!chunks.empty() && softcap > 0.0))
+    return attention_fallback(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window,
+                              softcap);
+  if (chunks.empty() && static_cast<int64_t>(picked.size()) == seqs && starts[seqs] == seqs && q.size(0) == seqs)
+    return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, positions, scale, window, softcap);
+  at::Tensor out = at::empty_like(q);
+  if (!picked.empty()) {
+    const auto index = [](const std::vector<int64_t>& values) {
+      return at::from_blob(const_cast<int64_t*>(values.data()), {static_cast<int64_t>(values.size())}, at::kLong)
+          .clone();
+    };
+    const at::Tensor seq_index = index(picked), row_index = index(rows);
+    const at::Tensor decoded = decode_attention(q.index_select(0, row_index), k_cache, v_cache,
+                                                block_tables.index_select(0, seq_index),
+                                                seq_lens.index_select(0, seq_index),
+                                                positions.index_select(0, row_index), scale, window, softcap);
+    out.index_copy_(0, row_index, decoded);
+  }
+  const int64_t page_tokens = k_cache.size(1), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const bool gqa = q.size(1) != kv_heads;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* where = positions.data_ptr<int64_t>();
+  for (const int64_t i : chunks) {
+    const int64_t start = starts[i], end = starts[i + 1], kv_len = lens[i];
+    const int64_t first_pos = where[start], last_pos = where[end - 1];
+    const int64_t first = window > 0 ? std::max<int64_t>(first_pos - window + 1, 0) / page_tokens : 0;
+    const at::Tensor pages =
+        block_tables.select(0, i).slice(0, first, (kv_len + page_tokens - 1) / page_tokens).to(at::kLong);
+    const bool whole = end - start == kv_len && first_pos == 0 && last_pos == kv_len - 1 &&
+                       (window <= 0 || kv_len <= window);
+    c10::optional<at::Tensor> visible;
+    if (!whole) {  // helios.core.ops.visible_keys
+      const at::Tensor key_pos = at::arange(first * page_tokens, kv_len, positions.options()).unsqueeze(0);
+      const at::Tensor query_pos = positions.slice(0, start, end).unsqueeze(1);
+      at::Tensor mask = key_pos <= query_pos;
+      if (window > 0) mask = mask & (key_pos > query_pos - window);
+      visible = mask;
+    }
+    const int64_t held = kv_len - first * page_tokens;
+    const at::Tensor keys =
+        k_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held).transpose(0, 1).to(q.scalar_type());
+    const at::Tensor values =
+        v_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held).transpose(0, 1).to(q.scalar_type());
+    const at::Tensor query = q.slice(0, start, end).transpose(0, 1);
+    const at::Tensor attended = at::scaled_dot_product_attention(
+        query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), visible, 0.0, /*is_causal=*/whole, scale, gqa);
+    out.slice(0, start, end).copy_(attended.squeeze(0).transpose(0, 1));
+  }
+  return out;
+}
+
+void write_kv_op(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& slot_mapping) {
+  if (k_cache.is_contiguous() && v_cache.is_contiguous()) return write_kv(k_cache, v_cache, k, v, slot_mapping);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flare_fallback::write_kv", "")
+                             .typed<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  op.call(k_cache, v_cache, k, v, slot_mapping);
+}
+
+// ------------------------------------------------------------------------------- compiled steps
+// torch's Python binding of the AOTInductor runner holds the GIL for the whole step, so the HTTP
+// thread cannot stream a token while the next one is computed. Called as an op, the same runner
+// runs with the GIL released (torch.ops calls drop it).
+struct CompiledStep : torch::CustomClassHolder {
+  explicit CompiledStep(const std::string& path) : runner(path, 1) {}
+  torch::inductor::AOTIModelContainerRunnerCpu runner;
+};
+
+std::vector<at::Tensor> run_compiled(const c10::intrusive_ptr<CompiledStep>& step, const std::vector<at::Tensor>& inputs) {
+  return step->runner.run(inputs);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flare_native, m) {
+  m.class_<CompiledStep>("CompiledStep").def(torch::init<std::string>());
+  m.def("run_compiled(__torch__.torch.classes.flare_native.CompiledStep step, Tensor[] inputs) -> Tensor[]", &run_compiled);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
         "Tensor positions, float scale, int window, float softcap) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
@@ -373,3 +497,18 @@ TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(flare_native, Meta, m) { m.impl("linear", &linear_meta); }
+
+TORCH_LIBRARY(flare_fallback, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, Tensor positions, float scale, int window, float softcap) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(flare, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv_op);
+}
+
+// The KV caches are never autograd inputs: skip custom_op's Python ADInplaceOrView kernel (a
+// version-counter bump and a redispatch, in Python, on every layer's write).
+TORCH_LIBRARY_IMPL(flare, ADInplaceOrView, m) { m.impl("write_kv", torch::CppFunction::makeFallthrough()); }
