@@ -533,6 +533,14 @@ class Scheduler:
             self._copying_bytes -= self.host_state_bytes if job.state else self.host_page_bytes
 
     @property
+    def pinned_records(self) -> int:
+        return len(self._copying)
+
+    @property
+    def copier_ns(self) -> int:
+        return self.copier.worker_ns if self.copier is not None else 0
+
+    @property
     def copies_pending(self) -> bool:
         """Pins are held (copies queued, in flight, or done and not yet released)."""
         return bool(self._copying)
