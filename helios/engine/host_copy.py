@@ -44,8 +44,8 @@ class CopyJob:
 class Copier:
     def __init__(self, store: HostStore, pages: list[Tensor], states: list[Tensor]) -> None:
         self.store = store
-        self._pages = pages  # [num_pages, ...] each: the paged caches in the program's order
-        self._states = states  # [num_slots, ...] each: recurrent-state tensors (hybrid cores)
+        self._pages = _Source(pages)  # [num_pages, ...] each: the paged caches in the program's order
+        self._states = _Source(states)  # [num_slots, ...] each: recurrent-state tensors (hybrid cores)
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in pages)
         self.state_bytes = sum(t[0].numel() * t.element_size() for t in states)
         self._jobs: queue.SimpleQueue[list[CopyJob] | None] = queue.SimpleQueue()
@@ -94,8 +94,7 @@ class Copier:
             for job in jobs:
                 started = time.perf_counter_ns()
                 try:
-                    tensors = self._states if job.state else self._pages
-                    payload = _gather([t[job.index] for t in tensors])
+                    payload = (self._states if job.state else self._pages).gather(job.index)
                     self.store.put([Record(job.digest, job.parent, job.tokens, payload, job.anchor)])
                 except Exception as exc:  # noqa: BLE001 - a failed copy loses one record, never the engine
                     log.warning("host prefix store: a copy-out failed (%s: %s)", type(exc).__name__, exc)
@@ -109,18 +108,31 @@ class Copier:
                 self.on_done()
 
 
-def _gather(parts: list[Tensor]) -> Tensor:
-    """The parts' bytes, concatenated in order, into one new uint8 tensor on the CPU. CPU tensors
-    are copied with numpy (one thread, the GIL released), so the copy never competes with the
-    engine step for torch's intra-op thread pool."""
-    sizes = [p.numel() * p.element_size() for p in parts]
-    out = torch.empty(sum(sizes), dtype=torch.uint8)
+class _Source:
+    """Cache tensors a record gathers one row (a page, a slot) of each from. CPU tensors are read
+    through numpy views made once: a record is one numpy copy per tensor (one thread, the GIL
+    released), so the copier neither competes with the step for torch's intra-op threads nor
+    holds the GIL for long between copies."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.tensors = tensors
+        self.widths = [t[0].numel() * t.element_size() for t in tensors]
+        self.views = [t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
+                      if t.device.type == "cpu" and t.is_contiguous() else None for t in tensors]  # fmt: skip
+
+    def gather(self, index: int) -> Tensor:
+        return _gather(self, index)
+
+
+def _gather(source: _Source, index: int) -> Tensor:
+    """Row `index` of every tensor's bytes, concatenated in order, in one new uint8 CPU tensor."""
+    out = torch.empty(sum(source.widths), dtype=torch.uint8)
     target = out.numpy()
     offset = 0
-    for part, size in zip(parts, sizes):
-        if part.device.type == "cpu" and part.is_contiguous():
-            target[offset : offset + size] = part.reshape(-1).view(torch.uint8).numpy()
+    for tensor, view, width in zip(source.tensors, source.views, source.widths):
+        if view is not None:
+            target[offset : offset + width] = view[index]
         else:
-            out[offset : offset + size].copy_(part.contiguous().reshape(-1).view(torch.uint8))
-        offset += size
+            out[offset : offset + width].copy_(tensor[index].contiguous().reshape(-1).view(torch.uint8))
+        offset += width
     return out

@@ -153,9 +153,9 @@ def _slow_copier(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
 
     gather = host_copy._gather
 
-    def slow(parts):
+    def slow(source, index):
         time.sleep(seconds)
-        return gather(parts)
+        return gather(source, index)
 
     monkeypatch.setattr(host_copy, "_gather", slow)
 
