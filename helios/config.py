@@ -6,7 +6,8 @@
   aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, compiled_step, drain_seconds,
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
   speculation, max_draft_tokens, speculative_rows, history_drafts, state_snapshots, snapshot_interval,
-  checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir
+  checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
+  host_cache_copy_queue_mb
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ class ServerConfig:
     # startup, at most 4 GiB) and on disk (host_cache_disk_mb in host_cache_dir, one directory
     # per core; None: $FLARE_PREFIX_CACHE_DIR, else ~/.cache/flare/prefix), so a restarted
     # server reuses yesterday's prefixes. host_cache = false turns both tiers off;
-    # host_cache_disk_mb = 0 only the disk tier.
+    # host_cache_disk_mb = 0 only the disk tier. host_cache_copy_queue_mb bounds the KV pages pinned
+    # for the copy-out thread (beyond it, while the copier is behind, a finishing chain's end is dropped).
     host_cache: bool = True
+    host_cache_copy_queue_mb: int = 256
     host_cache_memory_mb: int | None = None
     host_cache_disk_mb: int = 4096
     host_cache_dir: str | None = None
@@ -102,7 +105,7 @@ class ServerConfig:
 
 _POSITIVE = ("port", "max_body_bytes", "max_concurrency", "queue_size", "http_slots", "prefill_chunk_size",
              "kv_memory_mb", "frontend_workers", "grammar_threads", "grammar_memory_mb", "grammar_cache_mb",
-             "grammar_workers", "max_draft_tokens")  # fmt: skip
+             "grammar_workers", "max_draft_tokens", "host_cache_copy_queue_mb")  # fmt: skip
 _OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget", "speculative_rows",
                       "host_cache_memory_mb")  # fmt: skip
 

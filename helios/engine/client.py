@@ -53,6 +53,7 @@ class EngineClient:
         self._refusal: str | None = None  # set while draining: why new requests are refused
         self.failure: str | None = None
         self._thread = threading.Thread(target=self._run, name="helios-engine", daemon=True)
+        engine.on_copied(self._wake.set)  # finished host-store copies: release their pins when idle
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "EngineClient":

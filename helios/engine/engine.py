@@ -30,7 +30,8 @@ from helios.engine.logprobs import (
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats
 from helios.engine.sampler import Sampler, position_generator
 from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
-from helios.engine.host_store import HostStore, Record, identity_of
+from helios.engine.host_copy import Copier
+from helios.engine.host_store import HostStore, identity_of
 from helios.engine.state_slots import StatePool
 from helios.engine.sequence import (
     Chunk,
@@ -83,6 +84,10 @@ class HostCacheConfig:
     memory_bytes: int  # DRAM tier bound
     directory: Path | None  # disk tier root (a subdirectory per core identity); None: no disk tier
     disk_bytes: int  # disk tier bound
+    # Bound on the bytes of pages (and state snapshots) pinned for the copier and not yet released:
+    # offers beyond it are dropped while the copier is behind (it also bounds the engine's wait when
+    # the pool needs pinned pages back).
+    copy_queue_bytes: int = 256 << 20
 
 
 class LLMEngine:
@@ -123,12 +128,14 @@ class LLMEngine:
             speculation = SpeculationConfig(mode="off")
         if speculation.mode == "adaptive" and speculation.row_budget is None:  # only adaptive mode keeps a budget
             speculation = replace(speculation, row_budget=self.executor.speculation_rows(core))
+        host = self._host_store(core, config, kv_dtype)
+        copier = Copier(host, self.executor.page_caches, self.executor.state) if host is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
                             frozenset(m.tokenizer.eos_token_ids), -(-interval // page) * page,
                             config.checkpoint_work_fraction),
-            self.pool, self.stats, speculation, self.states, self._host_store(core, config, kv_dtype),
-            self.executor.page_bytes, self.costs,
+            self.pool, self.stats, speculation, self.states, host, self.executor.page_bytes, self.costs,
+            copier, config.host_cache.copy_queue_bytes if config.host_cache is not None else 0,
         )  # fmt: skip
         if self.executor.compiled_fallback:
             log.warning("%s", self.executor.compiled_fallback)
@@ -142,11 +149,9 @@ class LLMEngine:
         host = config.host_cache
         if host is None:
             return None
-        if self.states is not None:
-            log.info("host prefix store: off for this hybrid core (its pages alone cannot resume recurrent layers)")
-            return None
         m = core.manifest
-        identity = identity_of(core.digest, kv_dtype, m.limits.page_tokens, m.kv.cache_shapes())
+        shapes = m.kv.cache_shapes() if not m.kv.state else (m.kv.cache_shapes(), m.kv.state_shapes())
+        identity = identity_of(core.digest, kv_dtype, m.limits.page_tokens, shapes)
         store = HostStore(identity, host.memory_bytes, host.directory, host.disk_bytes)
         # The copy-in rate for the store's lookup estimates: a few pages read and written back in place.
         pages = list(range(min(8, self.pool.num_pages)))
@@ -161,16 +166,20 @@ class LLMEngine:
     def host(self) -> HostStore | None:
         return self.scheduler.host
 
-    def _copy_out(self) -> None:
-        """Hand finished prefixes' pages the host store lacks to it, before the pool reuses them."""
-        host = self.scheduler.host
-        if host is None or not self.scheduler.host_out:
-            return
-        queued = self.scheduler.take_host_out()
-        if queued:
-            payloads = self.executor.read_pages([page for page, *_ in queued])
-            host.put([Record(digest, parent, tokens, payload)
-                      for (_, digest, parent, tokens), payload in zip(queued, payloads)])  # fmt: skip
+    def on_copied(self, callback) -> None:
+        """Call `callback` (from the copier thread) when copies finish, so an idle engine loop
+        steps once to release their pins."""
+        if self.scheduler.copier is not None:
+            self.scheduler.copier.on_done = callback
+
+    def drain_copies(self) -> None:
+        """Wait for the copier and release every pin (tests, shutdown; the pool is whole again)."""
+        copier = self.scheduler.copier
+        if copier is not None:
+            self.scheduler.hand_off_copies()
+            copier.wait()
+            self.scheduler.settle_copies()
+            self._refresh_gauges()
 
     def _measure_state_copy(self) -> None:
         """The state-copy rate hinted checkpoints are charged at: a few slot copies onto themselves."""
@@ -200,11 +209,14 @@ class LLMEngine:
         """Hint the host store to bring this prompt's disk records into memory (off this thread)."""
         host = self.scheduler.host
         if host is not None and request.use_prefix_cache and self.config.enable_prefix_cache:
-            host.prefetch(request.prompt_ids, request.cache_identity, self.pool.page_tokens)
+            host.prefetch(request.prompt_ids, request.cache_identity, self.pool.page_tokens, self.states is not None)
 
     def close(self) -> None:
-        """Finish the host store's disk writes (shutdown)."""
+        """Finish the host store's copies and disk writes (shutdown)."""
         if self.scheduler.host is not None:
+            self.drain_copies()
+            assert self.scheduler.copier is not None
+            self.scheduler.copier.close()
             self.scheduler.host.close()
 
     # ------------------------------------------------------------------ requests
@@ -239,12 +251,13 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._aborted)
+        copier = self.scheduler.copier
+        return self.scheduler.has_work or bool(self._aborted) or (copier is not None and copier.has_done)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineEvent]:
         events = self._apply_aborts()
-        self._copy_out()  # aborted prefixes, before planning can hand their pages out
+        self.scheduler.settle_copies()  # the step boundary: pins of finished copies are released
         plan = self.scheduler.schedule()
         events += plan.finished
         if plan.chunks:
@@ -259,7 +272,7 @@ class LLMEngine:
                 events += self.scheduler.fail(plan, f"execution failed: {exc}")
             else:
                 events += self.scheduler.update_from_output(plan, output)
-        self._copy_out()
+        self.scheduler.hand_off_copies()  # what finishing sequences pinned, copied while the next step runs
         self._refresh_gauges()
         self.stats.steps += 1
         return events
@@ -273,7 +286,8 @@ class LLMEngine:
     def _run(self, plan: SchedulerOutput) -> ModelOutput:
         """Run the programs, then sample every choice of every sampled chunk and verify drafts."""
         started = time.perf_counter_ns()
-        result = self.executor.run(plan.chunks, plan.page_copies, plan.state_before, plan.state_after, plan.host_in)
+        result = self.executor.run(plan.chunks, plan.page_copies, plan.state_before, plan.state_after, plan.host_in,
+                                   plan.state_in)  # fmt: skip
         self._measure(plan, time.perf_counter_ns() - started)
         self._count_verify_step(plan)
         prompt_entries = {key: self._prompt_entries(chunk, result.prompt_scores[key])

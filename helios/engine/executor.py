@@ -195,16 +195,33 @@ class Executor:
             tensor.index_copy_(0, index, part)
             offset += width
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one recurrent-state slot over every state tensor (a host state record's payload)."""
+        return sum(t[0].numel() * t.element_size() for t in self.state)
+
+    def write_states(self, writes: tuple[tuple[int, Tensor], ...]) -> None:
+        """Store host state records' payloads (every state tensor's slot, in order) into slots."""
+        for slot, payload in writes:
+            offset = 0
+            for tensor in self.state:
+                width = tensor[0].numel() * tensor.element_size()
+                part = payload[offset : offset + width].to(self.device).view(tensor.dtype).view(tensor.shape[1:])
+                tensor[slot].copy_(part)
+                offset += width
+
     def copy_state(self, src: int, dst: int) -> None:
         for tensor in self.state:
             tensor[dst].copy_(tensor[src])
 
     def run(self, chunks: tuple[Chunk, ...], page_copies: tuple[tuple[int, int], ...] = (),
             state_before: tuple[tuple[int, int], ...] = (),
-            state_after: tuple[tuple[int, int], ...] = (), host_in: tuple = ()) -> StepResult:  # fmt: skip
-        """Write pages restored from the host store (page, payload) and copy the state slots
-        (src, dst) of `state_before`, run the chunks, then copy the pages and state slots
-        (src, dst) of `page_copies` and `state_after` that the step has just written."""
+            state_after: tuple[tuple[int, int], ...] = (), host_in: tuple = (),
+            state_in: tuple = ()) -> StepResult:  # fmt: skip
+        """Write pages restored from the host store (page, payload), copy the state slots (src, dst)
+        of `state_before`, then write the state slots restored from the host store (slot, payload),
+        run the chunks, then copy the pages and state slots (src, dst) of `page_copies` and
+        `state_after` that the step has just written."""
         if host_in:
             started = time.perf_counter_ns()
             self.write_pages(host_in)
@@ -212,6 +229,11 @@ class Executor:
             self.host_in_bytes += len(host_in) * self.page_bytes
         for src, dst in state_before:
             self.copy_state(src, dst)
+        if state_in:
+            started = time.perf_counter_ns()
+            self.write_states(state_in)
+            self.host_in_ns += time.perf_counter_ns() - started
+            self.host_in_bytes += len(state_in) * self.state_bytes
         if self.serial_decode_rows:
             rows = sum(1 + len(c.draft_ids) for c in chunks)
             serial = rows <= self.serial_decode_rows and all(c.num_tokens == 1 for c in chunks)

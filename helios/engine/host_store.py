@@ -9,11 +9,16 @@ exactly one identity, and every record names it again, so a record can never be 
 into a different core. Every disk record carries a checksum; a record that fails to read
 or verify is deleted, counted and recomputed, never served.
 
-Copy-out: when a sequence finishes, the engine reads its published pages that the store
-does not hold yet (one memory copy on the engine thread, while the pages cannot have been
-reused) and hands them to `put`; the DRAM tier takes them at once and a writer thread
-writes them to disk. Lookups run on the engine thread at admission (DRAM, else one file
-read per page). Each tier is bounded; the least recently used records go first.
+Hybrid cores (recurrent state) also keep state records: the state snapshot at a page boundary,
+keyed by `state_key` of the boundary's chain hash (its parent), with the same identity and
+checksum rules; a hybrid prefix is restored only as far as a state record reaches.
+
+Copy-out: when a sequence finishes, the scheduler pins its published pages (and snapshots) that
+the store does not hold yet and a copier thread (host_copy.py) reads them into records and hands
+them to `put`; the DRAM tier takes them at once and a writer thread writes them to disk. Lookups
+run on the engine thread at admission (DRAM, else one file read per record; a reader thread
+prefetches a submitted prompt's records). Each tier is bounded; the least recently used records
+go first, in DRAM those of conversation anchors' chains last (while they hold at most half of it).
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ class Record:
     digest: bytes
     parent: bytes
     tokens: tuple[int, ...]
-    payload: Tensor  # uint8, every cache tensor's page in the program's cache order
+    payload: Tensor  # uint8, every cache tensor's page in the program's cache order (a state record: every
+    # state tensor's slot in the program's order)
+    anchor: bool = False  # part of a conversation anchor's chain: DRAM evicts it after other records (not stored on disk)
 
     @property
     def nbytes(self) -> int:
@@ -96,8 +103,16 @@ class HostStats:
     transfer_ns: Histogram = field(default_factory=lambda: Histogram(_NS_BUCKETS))
     prefill_ns: Histogram = field(default_factory=lambda: Histogram(_NS_BUCKETS))
 
-    def drop(self, tier: str, reason: str) -> None:
-        self.dropped[(tier, reason)] = self.dropped.get((tier, reason), 0) + 1
+    # Copy-out (host_copy.py): times the engine thread waited for the copier because the pool needed
+    # pinned pages, and how long; records offered while the copier was behind are dropped ("dram",
+    # "end_of_chain": the chain's head is kept, its end dropped).
+    copy_waits: int = 0
+    copy_wait_ns: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def drop(self, tier: str, reason: str, count: int = 1) -> None:
+        with self._lock:  # the engine, copier, writer and reader threads all drop records
+            self.dropped[(tier, reason)] = self.dropped.get((tier, reason), 0) + count
 
 
 def default_memory_bytes() -> int:
@@ -116,6 +131,11 @@ def default_directory() -> Path:
     return Path(override) if override else hostcache.directory() / "prefix"
 
 
+def state_key(digest: bytes) -> bytes:
+    """The key of the state record at the page boundary whose chain hash is `digest`."""
+    return hashlib.blake2b(b"flare-state-v1" + digest, digest_size=16).digest()
+
+
 def identity_of(core_digest: str, kv_dtype: str, page_tokens: int, cache_shapes: tuple) -> bytes:
     text = f"{core_digest}|{kv_dtype}|{page_tokens}|{cache_shapes}"
     return hashlib.blake2b(text.encode(), digest_size=32).digest()
@@ -129,8 +149,9 @@ class HostStore:
         self.directory = directory / identity.hex()[:32] if directory is not None else None
         self.stats = HostStats()
         self._lock = threading.Lock()
-        self._dram: OrderedDict[bytes, Record] = OrderedDict()
-        self._dram_used = 0
+        self._dram: OrderedDict[bytes, Record] = OrderedDict()  # oldest first; anchors' records in _anchors
+        self._anchors: OrderedDict[bytes, Record] = OrderedDict()
+        self._dram_used = self._anchor_used = 0
         self._disk: OrderedDict[bytes, int] = OrderedDict()  # digest -> file bytes, oldest first
         self._disk_used = 0
         self._writes: queue.Queue[Record | None] = queue.Queue()
@@ -147,14 +168,13 @@ class HostStore:
     # ------------------------------------------------------------------ lookups (engine thread)
     def contains(self, digest: bytes) -> bool:
         with self._lock:
-            return digest in self._dram or digest in self._disk
+            return digest in self._dram or digest in self._anchors or digest in self._disk
 
     def fetch(self, digest: bytes, parent: bytes, tokens: tuple[int, ...]) -> Record | None:
-        """The record for this page, verified against what the caller expects, or None."""
+        """The record for this page (or state record: parent the boundary's chain hash, no tokens),
+        verified against what the caller expects, or None."""
         with self._lock:
-            record = self._dram.get(digest)
-            if record is not None:
-                self._dram.move_to_end(digest)
+            record = self._memory_get(digest)
             on_disk = record is None and digest in self._disk
         if record is None and on_disk:
             record = self._read(digest)
@@ -164,11 +184,31 @@ class HostStore:
             return None
         return record
 
+    def _memory_get(self, digest: bytes) -> Record | None:
+        """The DRAM record, now the most recently used of its kind (lock held)."""
+        for tier in (self._dram, self._anchors):
+            record = tier.get(digest)
+            if record is not None:
+                tier.move_to_end(digest)
+                return record
+        return None
+
+    def mark_anchor(self, digests: list[bytes]) -> None:
+        """These held records belong to a conversation anchor's chain (evicted last from DRAM)."""
+        with self._lock:
+            for digest in digests:
+                record = self._dram.pop(digest, None)
+                if record is not None:
+                    self._anchors[digest] = record
+                    self._anchor_used += record.nbytes
+
     # ------------------------------------------------------------------ copy-out
     def put(self, records: list[Record]) -> None:
         for record in records:
             if self.contains(record.digest):
                 self.stats.skipped += 1
+                if record.anchor:
+                    self.mark_anchor([record.digest])
                 continue
             self.stats.bytes_out += record.nbytes
             self._keep_in_memory(record)
@@ -182,14 +222,19 @@ class HostStore:
             self.stats.drop("dram", "oversize")
             return
         with self._lock:
-            if record.digest in self._dram:
+            if record.digest in self._dram or record.digest in self._anchors:
                 return
-            self._dram[record.digest] = record
+            (self._anchors if record.anchor else self._dram)[record.digest] = record
             self._dram_used += record.nbytes
+            self._anchor_used += record.nbytes if record.anchor else 0
             self.stats.held["dram"] += 1
             while self._dram_used > self.memory_bytes:
-                _, old = self._dram.popitem(last=False)
+                # Anchors' records go last while they hold at most half of the tier.
+                from_anchors = not self._dram or (self._anchor_used > self.memory_bytes // 2 and bool(self._anchors))
+                _, old = (self._anchors if from_anchors else self._dram).popitem(last=False)
                 self._dram_used -= old.nbytes
+                if from_anchors:
+                    self._anchor_used -= old.nbytes
                 self.stats.drop("dram", "end_of_chain")
 
     # ------------------------------------------------------------------ the disk tier
@@ -217,12 +262,13 @@ class HostStore:
         self._reader.start()
 
     # ------------------------------------------------------------------ prefetch (off the engine thread)
-    def prefetch(self, tokens: tuple[int, ...], identity: bytes, page_tokens: int) -> None:
-        """Bring this prompt's chain of disk records into memory before admission looks it up
-        (best effort: a full queue drops the hint; admission then reads what it still needs)."""
+    def prefetch(self, tokens: tuple[int, ...], identity: bytes, page_tokens: int, states: bool = False) -> None:
+        """Bring this prompt's chain of disk records (and with `states`, the state records at its
+        page boundaries) into memory before admission looks them up (best effort: a full queue
+        drops the hint; admission then reads what it still needs)."""
         if self._reader is not None and len(tokens) > page_tokens:
             try:
-                self._prefetches.put_nowait((tuple(tokens), identity, page_tokens))
+                self._prefetches.put_nowait((tuple(tokens), identity, page_tokens, states))
             except queue.Full:
                 pass
 
@@ -231,20 +277,26 @@ class HostStore:
             item = self._prefetches.get()
             if item is None:
                 return
-            tokens, identity, size = item
+            tokens, identity, size, states = item
             parent = ROOT_HASH
             for index in range((len(tokens) - 1) // size):
                 digest = page_hash(parent, identity, tokens[index * size : (index + 1) * size])
-                with self._lock:
-                    in_memory, on_disk = digest in self._dram, digest in self._disk
-                if not in_memory:
-                    if not on_disk:
-                        break
-                    record = self._read(digest)
-                    if record is None:
-                        break
-                    self._keep_in_memory(record)
+                if not self._bring(digest):
+                    break
+                if states:
+                    self._bring(state_key(digest))
                 parent = digest
+
+    def _bring(self, digest: bytes) -> bool:
+        """Whether the record is in memory now (read from disk if needed)."""
+        with self._lock:
+            in_memory, on_disk = digest in self._dram or digest in self._anchors, digest in self._disk
+        if in_memory:
+            return True
+        record = self._read(digest) if on_disk else None
+        if record is not None:
+            self._keep_in_memory(record)
+        return record is not None
 
     def _path(self, digest: bytes) -> Path:
         assert self.directory is not None
@@ -329,7 +381,12 @@ class HostStore:
     # ------------------------------------------------------------------ gauges and shutdown
     @property
     def memory_records(self) -> int:
-        return len(self._dram)
+        return len(self._dram) + len(self._anchors)
+
+    @property
+    def anchor_records(self) -> int:
+        """DRAM records of conversation anchors' chains."""
+        return len(self._anchors)
 
     @property
     def disk_records(self) -> int:

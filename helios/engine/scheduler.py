@@ -17,11 +17,18 @@ Invariants (each checked by tests/engine/test_scheduler.py without a model):
   there can be captured: multiples of the snapshot interval, the prompt's last page boundary,
   and the request's checkpoint hints chosen at first admission under its work allowance
   (checkpoints.py). Such sequences never draft (a rejected draft would have advanced the state).
+* Host store copy-out (host_copy.py): a finishing sequence's pages (and a hybrid's snapshots) that
+  the store lacks are pinned (a pool reference, a snapshot pin) before its pages are released,
+  within a bound on pinned bytes (beyond it the chain's end is dropped, counted); the engine hands
+  them to the copier after the step and the pins are released at a later step boundary once
+  copied. Pinned pages never fail an admission or force a preemption: under pool pressure the
+  scheduler first waits for the copier and releases every pin.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -29,7 +36,8 @@ from helios.engine.checkpoints import StepCosts, select
 from helios.engine.drafter import HistoryDrafter, SpeculationConfig
 from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
-from helios.engine.host_store import HostStore
+from helios.engine.host_copy import Copier, CopyJob
+from helios.engine.host_store import HostStore, state_key
 from helios.engine.state_slots import StatePool
 from helios.engine.sequence import (
     Chunk,
@@ -58,15 +66,22 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool, stats: EngineStats | None = None,
                  speculation: SpeculationConfig | None = None, states: StatePool | None = None,
                  host: HostStore | None = None, host_page_bytes: int = 0,
-                 costs: StepCosts | None = None) -> None:  # fmt: skip
+                 costs: StepCosts | None = None, copier: Copier | None = None,
+                 copy_queue_bytes: int = 256 << 20) -> None:  # fmt: skip
         self.config = config
         self.costs = costs if costs is not None else StepCosts()  # measured by the engine (hinted checkpoints)
         self.pool = pool
         self.states = states
         self.host = host  # full pages of finished prefixes beyond the pool (host_store.py)
         self.host_page_bytes = host_page_bytes  # bytes of one page's record payload
-        self._host_in: list[tuple[int, object]] = []  # this plan's restores from the host store
-        self.host_out: list[tuple[bytes, bytes, tuple[int, ...]]] = []  # (digest, parent, tokens) to copy out
+        self.host_state_bytes = copier.state_bytes if copier is not None else 0  # a state record's payload
+        self._host_in: list[tuple[int, object]] = []  # this plan's page restores from the host store
+        self._state_in: list[tuple[int, object]] = []  # this plan's state-slot restores from the host store
+        self.copier = copier  # reads pinned pages and snapshots into host records (host_copy.py)
+        self.copy_queue_bytes = copy_queue_bytes  # bound on pinned bytes the copier has not released yet
+        self.host_out: list[CopyJob] = []  # pinned, not handed to the copier yet (the engine does after the step)
+        self._copying: dict[bytes, CopyJob] = {}  # record digest -> its pinned job, until the pin is released
+        self._copying_bytes = 0
         self.drafter = HistoryDrafter(speculation or SpeculationConfig(mode="off"))
         self.stats = stats if stats is not None else EngineStats(total_pages=pool.num_pages, page_tokens=pool.page_tokens)
         self.waiting: deque[Sequence] = deque()
@@ -139,7 +154,8 @@ class Scheduler:
         before, after, captures = tuple(self._state_before), tuple(self._state_after), tuple(self._captures)
         self._state_before, self._state_after, self._captures = [], [], []
         host_in, self._host_in = tuple(self._host_in), []
-        return SchedulerOutput(tuple(chunks), tuple(copies), finished, before, after, captures, host_in)
+        state_in, self._state_in = tuple(self._state_in), []
+        return SchedulerOutput(tuple(chunks), tuple(copies), finished, before, after, captures, host_in, state_in)
 
     def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk:
         size = min(seq.num_pending, budget)
@@ -325,6 +341,8 @@ class Scheduler:
                 continue
             except OutOfPages:
                 pass
+            if self._reclaim():  # pages pinned for the copier come back first
+                continue
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1 and not self._forked:
                 self._finish_alone(seq)
@@ -366,18 +384,21 @@ class Scheduler:
         reserve = growth + seq.unforked  # each unforked child needs one private page for its first token
         if needed + reserve > self.pool.num_available:
             self.pool.release(pages)
-            return False
+            # Pages pinned for the copier count as available later: wait for it, then try again.
+            return self._reclaim() and self._admit(seq)
         if self.states is not None:  # within max_concurrency, so a live slot is free
             seq.state_slot = self.states.allocate()
-            if snapshot is not None:
-                self._state_before.append((snapshot, seq.state_slot))
         seq.pages = pages + [self.pool.allocate() for _ in range(needed)]
         self.pool.reserve(reserve)
         seq.reserved = reserve
-        reused = len(pages)
+        reused, state = len(pages), None
         if self.host is not None and seq.request.use_prefix_cache and not seq.scoring:
-            restored, end = self._restore_from_host(seq, reused, end)
+            restored, end, state = self._restore_from_host(seq, reused, end)
             reused += restored
+        if state is not None:
+            self._restore_state(seq, end, state)
+        elif snapshot is not None:
+            self._state_before.append((snapshot, seq.state_slot))
         seq.num_computed = reused * size
         seq.chain = self._chain_of(tokens, seq.request.cache_identity, reused, end)
         if not seq.admitted:
@@ -388,25 +409,37 @@ class Scheduler:
         self.stats.reused_tokens += seq.num_computed
         return True
 
-    def _restore_from_host(self, seq: Sequence, first: int, parent: bytes) -> tuple[int, bytes]:
+    def _restore_from_host(self, seq: Sequence, first: int, parent: bytes) -> tuple[int, bytes, object | None]:
         """Fill seq's pages after the pool's match from the host store's records of the same chain
-        (copied in before the step, published now); returns (pages restored, chain hash after them)."""
+        (copied in before the step, published now); a hybrid's only as far as a state record
+        reaches. Returns (pages restored, chain hash after them, that state record's payload)."""
         assert self.host is not None
         size, identity, tokens = self.pool.page_tokens, seq.request.cache_identity, seq.token_ids
-        restored = 0
+        found: list[tuple[bytes, bytes, tuple[int, ...], object]] = []  # (digest, parent, tokens, payload)
+        start = parent
         for index in range(first, (len(tokens) - 1) // size):  # the last token is always computed
             chunk = tuple(tokens[index * size : (index + 1) * size])
             digest = page_hash(parent, identity, chunk)
             record = self.host.fetch(digest, parent, chunk)
             if record is None or record.nbytes != self.host_page_bytes:
                 break
-            page = seq.pages[index]
-            self._host_in.append((page, record.payload))
-            self.pool.publish(page, parent, identity, chunk)
-            self.host.stats.bytes_in += record.nbytes
+            found.append((digest, parent, chunk, record.payload))
             parent = digest
-            restored += 1
+        state = None
+        if self.states is not None:  # the longest restored boundary with a state record
+            while found and state is None:
+                record = self.host.fetch(state_key(found[-1][0]), found[-1][0], ())
+                if record is not None and record.nbytes == self.host_state_bytes:
+                    state = record.payload
+                else:
+                    found.pop()
+        for index, (digest, previous, chunk, payload) in enumerate(found, start=first):
+            page = seq.pages[index]
+            self._host_in.append((page, payload))
+            self.pool.publish(page, previous, identity, chunk)
+        restored = len(found)
         stats = self.host.stats
+        stats.bytes_in += restored * self.host_page_bytes + (self.host_state_bytes if state is not None else 0)
         if restored:
             stats.hits += 1
             stats.reused_tokens += restored * size
@@ -414,25 +447,117 @@ class Scheduler:
         if restored and self.host.copy_ns_per_byte and self.host.prefill_ns_per_token:
             stats.transfer_ns.observe(restored * self.host_page_bytes * self.host.copy_ns_per_byte)
             stats.prefill_ns.observe(restored * size * self.host.prefill_ns_per_token)
-        return restored, parent
+        return restored, found[-1][0] if found else start, state
 
+    def _restore_state(self, seq: Sequence, digest: bytes, payload: object) -> None:
+        """A hybrid's recurrent state at the restored boundary, from its host record: written into
+        seq's live slot before the step, and into a snapshot slot registered once the step ran (so
+        the next request sharing the prefix resumes from the pool)."""
+        assert self.states is not None and seq.state_slot is not None
+        self._state_in.append((seq.state_slot, payload))
+        slot = self.states.claim() if not self.states.has(digest) else None
+        if slot is not None:
+            self._state_in.append((slot, payload))
+            self._captures.append((seq, digest, slot, False))
+
+    # ------------------------------------------------------------------ host store copy-out
     def _offer_to_host(self, seq: Sequence) -> None:
-        """Queue seq's published pages that the host store lacks for copy-out (the engine copies
-        them before the pool can hand them out again)."""
-        if self.host is None or self.states is not None:
+        """Pin seq's published pages the host store lacks (a hybrid's: up to each snapshot boundary
+        on its chain, with that snapshot; the anchor's boundary first) for the copier, within the
+        bound on pinned bytes; what does not fit is dropped, counted as the chain's end."""
+        if self.host is None or self.copier is None or not seq.chain:
             return
-        size, parent = self.pool.page_tokens, ROOT_HASH
-        for index, digest in enumerate(seq.chain):
-            if not self.host.contains(digest):
-                self.host_out.append((digest, parent, tuple(seq.token_ids[index * size : (index + 1) * size])))
-            parent = digest
+        anchor = self._anchor_pages(seq)
+        if self.states is None:
+            ends = [len(seq.chain)]
+        else:
+            ends = sorted((i + 1 for i, digest in enumerate(seq.chain) if self.states.has(digest)),
+                          key=lambda end: (end != anchor, end))  # fmt: skip
+        size, offered, held, dropped = self.pool.page_tokens, 0, [], 0
+        for end in ends:
+            candidates = [(False, i) for i in range(offered, end)] + ([(True, end - 1)] if self.states is not None else [])
+            offered = max(offered, end)
+            for state, index in candidates:
+                digest = seq.chain[index]
+                key = state_key(digest) if state else digest
+                in_anchor = index < anchor
+                if self.host.contains(key):
+                    if in_anchor:
+                        held.append(key)
+                    continue
+                if key in self._copying:
+                    continue
+                nbytes = self.host_state_bytes if state else self.host_page_bytes
+                if dropped or self._copying_bytes + nbytes > self.copy_queue_bytes:
+                    dropped += 1  # the copier is behind: keep the chain's head, drop its end
+                    continue
+                if state:
+                    assert self.states is not None
+                    job = CopyJob(True, self.states.pin(digest), key, digest, (), in_anchor)
+                else:
+                    self.pool.share(seq.pages[index])
+                    parent = seq.chain[index - 1] if index else ROOT_HASH
+                    job = CopyJob(False, seq.pages[index], key, parent,
+                                  tuple(seq.token_ids[index * size : (index + 1) * size]), in_anchor)  # fmt: skip
+                self._copying[key] = job
+                self._copying_bytes += nbytes
+                self.host_out.append(job)
+        if held:
+            self.host.mark_anchor(held)
+        if dropped:
+            self.host.stats.drop("dram", "end_of_chain", dropped)
 
-    def take_host_out(self) -> list[tuple[int, bytes, bytes, tuple[int, ...]]]:
-        """(page, digest, parent, tokens) of queued copy-outs whose page still holds that prefix."""
-        out = [(page, digest, parent, tokens) for digest, parent, tokens in self.host_out
-               if (page := self.pool.page_of(digest)) is not None]  # fmt: skip
-        self.host_out = []
-        return out
+    def _anchor_pages(self, seq: Sequence) -> int:
+        """Full pages of seq's chain that end at or before its conversation anchor (0: none hinted)."""
+        anchor = max((p for p, role in seq.request.checkpoint_hints if role == "anchor"), default=0)
+        return min(anchor // self.pool.page_tokens, len(seq.chain))
+
+    def hand_off_copies(self) -> None:
+        """Give the copier what this step pinned (the engine calls it after the step)."""
+        if self.host_out:
+            assert self.copier is not None
+            self.copier.submit(self.host_out)
+            self.host_out = []
+
+    def settle_copies(self) -> None:
+        """Release the pins of records the copier has finished (the engine calls it at step boundaries)."""
+        if self.copier is None:
+            return
+        for job in self.copier.take_done():
+            if job.state:
+                assert self.states is not None
+                self.states.unpin(job.index)
+            else:
+                self.pool.release([job.index])
+            del self._copying[job.digest]
+            self._copying_bytes -= self.host_state_bytes if job.state else self.host_page_bytes
+
+    @property
+    def pinned_records(self) -> int:
+        return len(self._copying)
+
+    @property
+    def copier_ns(self) -> int:
+        return self.copier.worker_ns if self.copier is not None else 0
+
+    @property
+    def copies_pending(self) -> bool:
+        """Pins are held (copies queued, in flight, or done and not yet released)."""
+        return bool(self._copying)
+
+    def _reclaim(self) -> bool:
+        """Pool pressure: wait for the copier to finish every pinned copy and release the pins;
+        False when nothing was pinned."""
+        if not self._copying or self.copier is None:
+            return False
+        started = time.perf_counter_ns()
+        self.hand_off_copies()
+        self.copier.wait()
+        self.settle_copies()
+        assert self.host is not None
+        self.host.stats.copy_waits += 1
+        self.host.stats.copy_wait_ns += time.perf_counter_ns() - started
+        return True
 
     def _chain_of(self, tokens: list[int], identity: bytes, num_pages: int, end: bytes) -> list[bytes]:
         chain, parent, size = [], ROOT_HASH, self.pool.page_tokens
@@ -673,6 +798,9 @@ class Scheduler:
         for seq in self.running:
             for page in seq.pages:
                 refs[page] += 1
+        for job in self._copying.values():
+            if not job.state:
+                refs[job.index] += 1
         assert refs == self.pool.ref_count, "page references do not match the running sequences"
         assert self.pool.num_reserved == sum(s.reserved for s in self.running), "reservations leaked"
         assert all(not s.pages and not s.reserved for s in self.waiting), "a waiting sequence holds pages"

@@ -103,6 +103,8 @@ class SchedulerOutput:
     state_after: tuple[tuple[int, int], ...] = ()
     captures: tuple[tuple[Sequence, bytes, int, bool], ...] = ()
     host_in: tuple[tuple[int, object], ...] = ()  # (page, payload) restored from the host store before the step
+    state_in: tuple[tuple[int, object], ...] = ()  # (state slot, payload) restored from the host store before the
+    # step, after state_before's copies (a slot written here may have been a snapshot those copies read)
 
     @property
     def sequences(self) -> list[Sequence]:

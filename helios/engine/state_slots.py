@@ -16,7 +16,8 @@ have `num_live + num_snapshots` slots:
 Prefix reuse for a hybrid restores a snapshot into the sequence's live slot; a prefix with
 no snapshot is recomputed. A snapshot is taken by copying a live slot after the step whose
 chunk ended at its boundary; it is registered only once that step succeeded, so a lookup
-never returns a slot whose copy has not happened.
+never returns a slot whose copy has not happened. A snapshot the host store's copier is reading
+is pinned: no claim evicts it until the engine unpins it at a step boundary.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class StatePool:
         self._by_hash: OrderedDict[bytes, int] = OrderedDict()  # registered snapshots, oldest first
         self._pending: set[int] = set()  # snapshot slots whose copy a planned step will make
         self._anchors: set[bytes] = set()  # registered snapshots that are conversation anchors
+        self._pinned: set[int] = set()  # registered snapshot slots being copied to the host store
 
     @property
     def num_slots(self) -> int:
@@ -73,21 +75,39 @@ class StatePool:
         """A snapshot slot for a capture a step will make (the oldest snapshot's, when none is free)."""
         if self._free_snapshots:
             slot = self._free_snapshots.popleft()
-        elif self._by_hash:
-            slot = self._by_hash.pop(self._victim())
         else:
-            return None  # every snapshot slot is claimed by captures in flight (or there are none)
+            victim = self._victim()
+            if victim is None:
+                return None  # every snapshot slot is claimed by captures in flight or pinned (or there are none)
+            slot = self._by_hash.pop(victim)
         self._pending.add(slot)
         return slot
 
-    def _victim(self) -> bytes:
-        """The snapshot a claim evicts: the least recently used one, sparing anchors while they
-        hold at most half of the slots."""
-        victim = next(iter(self._by_hash))
+    def _victim(self) -> bytes | None:
+        """The snapshot a claim evicts: the least recently used unpinned one, sparing anchors while
+        they hold at most half of the slots."""
+        candidates = [d for d, slot in self._by_hash.items() if slot not in self._pinned]
+        if not candidates:
+            return None
+        victim = candidates[0]
         if len(self._anchors) <= self.num_snapshots // 2:
-            victim = next((d for d in self._by_hash if d not in self._anchors), victim)
+            victim = next((d for d in candidates if d not in self._anchors), victim)
         self._anchors.discard(victim)
         return victim
+
+    def pin(self, digest: bytes) -> int:
+        """The registered snapshot's slot, kept from eviction until unpin (a host-store copy)."""
+        slot = self._by_hash[digest]
+        assert slot not in self._pinned, f"snapshot slot {slot} pinned twice"
+        self._pinned.add(slot)
+        return slot
+
+    def unpin(self, slot: int) -> None:
+        self._pinned.remove(slot)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pinned)
 
     def register(self, digest: bytes, slot: int, anchor: bool = False) -> None:
         """The claimed slot now holds the state at `digest`'s boundary."""
@@ -110,3 +130,4 @@ class StatePool:
         held = len(self._free_snapshots) + len(self._by_hash) + len(self._pending)
         assert held == self.num_snapshots, "snapshot slots leaked"
         assert self._anchors <= self._by_hash.keys(), "an anchor outlived its snapshot"
+        assert self._pinned <= set(self._by_hash.values()), "a pinned slot is not a registered snapshot"

@@ -41,9 +41,11 @@ class Rendering:
     tools: bool  # tools are presented (they belong to the anchor's block)
 
 
-def character_hints(rendering: Rendering, marks: Sequence[tuple[Message, int]]) -> list[tuple[int, str]]:
+def character_hints(rendering: Rendering, marks: Sequence[tuple[Message, int]],
+                    anchor_only: bool = False) -> list[tuple[int, str]]:  # fmt: skip
     """(character offset, role) candidates: the anchor, the last MAX_MESSAGE_HINTS message ends, and
-    each marked (message, part index) block's end; those that cannot be located are left out."""
+    each marked (message, part index) block's end (with anchor_only, the anchor alone); those that
+    cannot be located are left out."""
     text, dicts = rendering.text, rendering.dicts
     ends: dict[int, int | None] = {}
 
@@ -58,6 +60,8 @@ def character_hints(rendering: Rendering, marks: Sequence[tuple[Message, int]]) 
         anchor = end_of(lead)
         if anchor:
             hints.append((anchor, "anchor"))
+    if anchor_only:
+        return hints
     for k in range(max(lead + 1, len(dicts) - MAX_MESSAGE_HINTS + 1), len(dicts) + 1):
         end = end_of(k)
         if end:

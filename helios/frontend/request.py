@@ -111,9 +111,11 @@ class Frontend:
         self.vocab_size = m.tokenizer.vocab_size
         self.max_model_len = m.limits.max_model_len
         self.bounds = InputBounds(self.max_model_len, longest_token_chars(self.tokenizer))
-        # Only hybrid cores act on checkpoint hints (attention cores' page cache covers every
-        # boundary), so only they pay for finding them.
+        # Only hybrid cores act on every checkpoint hint (attention cores' page cache covers every
+        # boundary), so only they pay for finding them all; with a host prefix store, attention
+        # cores get the conversation anchor alone (its chain is evicted last from host memory).
         self.checkpoint_hints = bool(m.kv.state)
+        self.anchor_hints = not m.kv.state and config.host_cache
         source = core.chat_template()
         specials = {"bos_token": self._token(m.tokenizer.bos_token_id), "eos_token": self._token(m.tokenizer.eos_token_ids[0]),
                     "pad_token": self._token(m.tokenizer.pad_token_id)}  # fmt: skip
@@ -266,11 +268,12 @@ class Frontend:
 
             encoded = self.literal.encode_conversation(source, render)
             hints: tuple[tuple[int, str], ...] = ()
-            if self.checkpoint_hints:
+            if self.checkpoint_hints or self.anchor_hints:
                 conversation, rendering = rendered[-1]  # the one whose text was encoded (placeholders and all)
                 marks = [(conversation.messages[i], j) for i, j in source.cache_marks
                          if 0 <= i < len(conversation.messages)]  # fmt: skip
-                hints = token_hints(character_hints(rendering, marks), encoded.spans)
+                found = character_hints(rendering, marks, anchor_only=not self.checkpoint_hints)
+                hints = token_hints(found, encoded.spans)
             return PreparedPrompt(tuple(encoded.ids), encoded.text, hints)
         if source.token_ids is not None:
             if not source.token_ids:

@@ -75,6 +75,14 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
      "Predicted extra prefill and copy work charged for hinted checkpoints (not a GPU timing)"),
     ("host_cache_parked_records", "gauge", "Complete DRAM copies awaiting disk writes"),
     ("host_cache_store_skipped_total", "counter", "Copy-out offers of records the host store already held"),
+    ("host_cache_anchor_records", "gauge", "Host-memory records of conversation anchors' chains (evicted last)"),
+    ("host_cache_copyout_pinned_records", "gauge",
+     "KV pages and state snapshots pinned for the copy-out thread and not yet released"),
+    ("host_cache_copyout_waits_total", "counter",
+     "Times the engine thread waited for the copy-out thread because the pool needed pinned pages"),
+    ("host_cache_copyout_wait_nanoseconds_total", "counter", "Engine-thread nanoseconds spent in those waits"),
+    ("host_cache_copyout_worker_nanoseconds_total", "counter",
+     "Copy-out thread nanoseconds spent copying pinned pages and snapshots into host records"),
 )
 _EXTRA_NAMES = {key for key, *_ in EXTRAS}
 

@@ -81,7 +81,11 @@ class ServerState:
                           host_memory_records=host.memory_records, host_disk_records=host.disk_records,
                           host_bytes_out=stats_h.bytes_out, host_bytes_in=stats_h.bytes_in,
                           host_cache_parked_records=host.parked_records, host_cache_store_skipped_total=stats_h.skipped,
-                          host_cache_held=dict(stats_h.held),
+                          host_cache_held=dict(stats_h.held), host_cache_anchor_records=host.anchor_records,
+                          host_cache_copyout_pinned_records=self.client.engine.scheduler.pinned_records,
+                          host_cache_copyout_waits_total=stats_h.copy_waits,
+                          host_cache_copyout_wait_nanoseconds_total=stats_h.copy_wait_ns,
+                          host_cache_copyout_worker_nanoseconds_total=self.client.engine.scheduler.copier_ns,
                           host_cache_dropped={f"{tier}/{reason}": n for (tier, reason), n in stats_h.dropped.items()})
         speculation = self.client.engine.scheduler.drafter
         values.update(
@@ -107,7 +111,8 @@ def host_cache_config(config: ServerConfig) -> HostCacheConfig | None:
         return None
     memory = config.host_cache_memory_mb << 20 if config.host_cache_memory_mb is not None else default_memory_bytes()
     directory = Path(config.host_cache_dir).expanduser() if config.host_cache_dir else default_directory()
-    return HostCacheConfig(memory, directory if config.host_cache_disk_mb else None, config.host_cache_disk_mb << 20)
+    return HostCacheConfig(memory, directory if config.host_cache_disk_mb else None, config.host_cache_disk_mb << 20,
+                           config.host_cache_copy_queue_mb << 20)
 
 
 def build_state(core_dir: Path, config: ServerConfig) -> ServerState:

@@ -208,16 +208,17 @@ def test_candidate_positions_are_exact_token_boundaries(frontend: Frontend, temp
 def replace_template(frontend: Frontend, source: str) -> Frontend:
     clone = object.__new__(Frontend)
     for name in ("manifest", "config", "tokenizer", "literal", "vocab_size", "max_model_len", "bounds",
-                 "checkpoint_hints", "native", "grammars"):  # fmt: skip
+                 "checkpoint_hints", "anchor_hints", "native", "grammars"):  # fmt: skip
         setattr(clone, name, getattr(frontend, name))
     clone.template = ChatTemplate(source, frontend.template.special_tokens)
     return clone
 
 
-def test_attention_cores_get_no_hints(tiny_core: Path) -> None:
-    frontend = Frontend(Core.open(tiny_core), ServerConfig())
+def test_attention_cores_get_only_the_anchor_and_only_with_a_host_store(tiny_core: Path) -> None:
     request, _ = decode(_body("You are terse.", "Go."), headers_version=VERSION)
-    assert frontend.prompt(request.input).checkpoint_hints == ()
+    hints = Frontend(Core.open(tiny_core), ServerConfig()).prompt(request.input).checkpoint_hints
+    assert [role for _, role in hints] == ["anchor"]  # the host store keeps the anchor's chain longest
+    assert Frontend(Core.open(tiny_core), ServerConfig(host_cache=False)).prompt(request.input).checkpoint_hints == ()
 
 
 def test_skips_are_counted_while_costs_are_unknown_and_past_the_allowance(hybrid: Path, frontend: Frontend) -> None:

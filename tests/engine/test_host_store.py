@@ -17,7 +17,7 @@ from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
 from helios.engine.host_store import HostStore, Record, identity_of
 from helios.engine.kv_cache import ROOT_HASH, page_hash
 from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
+from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
@@ -143,3 +143,152 @@ def test_dram_and_disk_stay_within_their_bounds(tmp_path: Path) -> None:
     assert store.memory_records == 10 and store.disk_records <= 8
     assert store.stats.dropped[("dram", "end_of_chain")] == 30
     store.close()
+
+
+# ---------------------------------------------------------------------- the copier thread
+def _slow_copier(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Make the copier thread slow, so pins are held across several steps (not synchronization:
+    nothing waits for it except the code under test)."""
+    from helios.engine import host_copy
+
+    gather = host_copy._gather
+
+    def slow(source, index):
+        time.sleep(seconds)
+        return gather(source, index)
+
+    monkeypatch.setattr(host_copy, "_gather", slow)
+
+
+def _stress_requests(core: Core) -> list[EngineRequest]:
+    """Twelve requests over three shared prefixes of 5 pages, with tails of 1-4 pages."""
+    size = core.manifest.limits.page_tokens
+    heads = [_prompt(core, 5 * size, seed=100 + k) for k in range(3)]
+    return [EngineRequest(f"r{i}", heads[i % 3] + _prompt(core, size * (1 + i % 4) + 3, seed=200 + i), (GREEDY,),
+                          20, ignore_eos=True) for i in range(12)]  # fmt: skip
+
+
+def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pins survive several steps, yet no page is copied after it was reused (every record equals a
+    fresh prefill's KV), no admission fails or output changes because of them, and the pool is
+    whole again at idle."""
+    _slow_copier(monkeypatch, 0.003)
+    requests = _stress_requests(tiny)
+    fresh = LLMEngine(tiny, EngineConfig(num_pages=400, prefill_chunk_size=64, compiled_step=False))
+    expected = run_to_completion(fresh, requests)
+    host = HostCacheConfig(memory_bytes=256 * MIB, directory=None, disk_bytes=0)
+    engine = LLMEngine(tiny, EngineConfig(num_pages=24, prefill_chunk_size=64, max_concurrency=4, host_cache=host,
+                                          compiled_step=False))  # fmt: skip
+    for request in requests:
+        engine.add(request)
+    outputs: dict[str, list] = {}
+    pinned_across_steps = 0
+    while engine.has_work:
+        for event in engine.step():
+            outputs.setdefault(event.request_id, []).append(event)
+        engine.scheduler.check_invariants()  # pins are counted as references of their pages
+        pinned_across_steps += engine.scheduler.copies_pending
+    assert pinned_across_steps > 0 and engine.host.stats.copy_waits > 0  # the pool needed pinned pages back
+    for request in requests:
+        tokens = tuple(t for event in outputs[request.request_id] for t in event.token_ids)
+        assert outputs[request.request_id][-1].finish is FinishCause.LENGTH and outputs[request.request_id][-1].error is None
+        assert tokens == tuple(expected[request.request_id][0].token_ids)
+    engine.drain_copies()
+    pool = engine.pool
+    assert not engine.scheduler.copies_pending and pool.ref_count == [0] * pool.num_pages
+    assert pool.num_available == pool.num_pages  # every page free or evictable again
+    store = engine.host
+    records = list(store._dram.values()) + list(store._anchors.values())
+    assert len(records) > 30
+    for record in records:  # each record is the KV a fresh prefill computed for its chain
+        page = fresh.pool.page_of(record.digest)
+        assert page is not None
+        want = fresh.executor.read_pages([page])[0].view(torch.float32)
+        assert torch.allclose(record.payload.view(torch.float32), want, atol=1e-4, rtol=1e-4), record.digest.hex()
+    engine.close()
+
+
+def test_a_copier_that_is_behind_drops_the_chains_end_counted(tiny: Core, monkeypatch: pytest.MonkeyPatch) -> None:
+    _slow_copier(monkeypatch, 0.01)
+    page_bytes = None
+    probe = LLMEngine(tiny, EngineConfig(num_pages=64, compiled_step=False))
+    page_bytes = probe.executor.page_bytes
+    host = HostCacheConfig(memory_bytes=256 * MIB, directory=None, disk_bytes=0, copy_queue_bytes=4 * page_bytes)
+    engine = LLMEngine(tiny, EngineConfig(num_pages=64, prefill_chunk_size=512, host_cache=host, compiled_step=False))
+    size = tiny.manifest.limits.page_tokens
+    first = _prompt(tiny, 10 * size + 5, seed=3)
+    second = _prompt(tiny, 10 * size + 5, seed=4)
+    run_to_completion(engine, [EngineRequest("a", first, (GREEDY,), 2, ignore_eos=True),
+                               EngineRequest("b", second, (GREEDY,), 2, ignore_eos=True)])  # fmt: skip
+    engine.drain_copies()
+    store = engine.host
+    # both finished in one step: the first's head took the 4 pages the bound allows, the rest waited for nothing
+    assert store.memory_records == 4 and store.stats.dropped[("dram", "end_of_chain")] == 20 - 4
+    assert store.fetch(page_hash(ROOT_HASH, b"", first[:size]), ROOT_HASH, first[:size]) is not None
+    assert store.stats.copy_waits == 0
+    engine.close()
+
+
+def test_the_engine_thread_copies_nothing_when_the_pool_has_room(tiny: Core) -> None:
+    """The counters of the engine thread's copy-out work: before this change every page was read on
+    the engine thread between steps; now the copier thread reads them and the engine never waits."""
+    engine = _engine(tiny, None, pages=600)
+    _ask(engine, _prompt(tiny, 2000, seed=5), "one")
+    _ask(engine, _prompt(tiny, 2000, seed=6), "two")
+    engine.drain_copies()
+    copier = engine.scheduler.copier
+    assert engine.host.memory_records >= 2 * 125 and copier.worker_ns > 0
+    assert engine.host.stats.copy_waits == 0 and engine.host.stats.copy_wait_ns == 0
+    engine.close()
+
+
+# ---------------------------------------------------------------------- conversation anchors
+def test_dram_evicts_other_records_before_an_anchors_chain(tmp_path: Path) -> None:
+    store = HostStore(identity_of("c", "float32", 16, ()), 10 * 1000, None, 0)
+    parent, anchors = ROOT_HASH, []
+    for index in range(24):
+        tokens = tuple(range(index * 16, index * 16 + 16))
+        digest = page_hash(parent, b"", tokens)
+        store.put([Record(digest, parent, tokens, torch.full((1000,), index, dtype=torch.uint8), anchor=index < 4)])
+        anchors += [digest] if index < 4 else []
+        parent = digest
+    assert store.memory_records == 10 and store.anchor_records == 4
+    assert all(store.contains(d) for d in anchors)
+    assert store.stats.dropped[("dram", "end_of_chain")] == 14
+    # anchors past half of the tier go oldest first: the other records keep the other half
+    for index in range(24, 34):
+        tokens = tuple(range(index * 16, index * 16 + 16))
+        store.put([Record(page_hash(ROOT_HASH, b"", tokens), ROOT_HASH, tokens, torch.zeros(1000, dtype=torch.uint8),
+                          anchor=True)])  # fmt: skip
+    assert store.memory_records == 10 and store.anchor_records == 5 and not store.contains(anchors[0])
+    store.close()
+
+
+def test_an_anchors_pages_survive_dram_pressure_that_evicts_the_rest(tiny: Core) -> None:
+    size = tiny.manifest.limits.page_tokens
+    system = _prompt(tiny, 20 * size, seed=7)  # the leading system + tools block: 20 pages
+    first = EngineRequest("first", system + _prompt(tiny, 30 * size, seed=8), (GREEDY,), 4, ignore_eos=True,
+                          checkpoint_hints=((len(system), "anchor"),))  # fmt: skip
+    probe = LLMEngine(tiny, EngineConfig(num_pages=64, compiled_step=False))
+    memory = 60 * probe.executor.page_bytes  # the DRAM tier holds 60 pages
+    engine = _engine(tiny, None, memory=memory, pages=200)
+    run_to_completion(engine, [first])
+    engine.drain_copies()
+    assert engine.host.anchor_records == 20
+    for i in range(3):  # other traffic: 3 x 50 pages through a 60-page tier
+        _ask(engine, _prompt(tiny, 50 * size, seed=20 + i), f"other{i}")
+        engine.drain_copies()
+    for i in range(4):  # and through the pool
+        _ask(engine, _prompt(tiny, 50 * size, seed=30 + i), f"more{i}")
+    engine.drain_copies()
+    store = engine.host
+    assert store.anchor_records == 20 and store.stats.dropped[("dram", "end_of_chain")] > 100
+    later = EngineRequest("later", system + _prompt(tiny, 10 * size, seed=9), (GREEDY,), 4, ignore_eos=True,
+                          checkpoint_hints=((len(system), "anchor"),))  # fmt: skip
+    hits = store.stats.hits
+    assert engine.pool.page_of(page_hash(ROOT_HASH, b"", system[:size])) is None  # not from the pool
+    warm = run_to_completion(engine, [later])["later"][0]
+    assert store.stats.hits == hits + 1 and warm.num_cached_tokens == len(system)
+    alone = run_to_completion(LLMEngine(tiny, EngineConfig(num_pages=200, compiled_step=False)), [later])["later"][0]
+    assert warm.token_ids == alone.token_ids
+    engine.close()

@@ -39,6 +39,7 @@ def test_file_flags_and_key_file(tmp_path: Path) -> None:
         ("[server]\nhost_cache_memory_mb = 0\n", "host_cache_memory_mb must be a positive integer"),
         ("[server]\nhost_cache_disk_mb = -5\n", "host_cache_disk_mb must be a non-negative integer"),
         ("[server]\nhost_cache_dir = \"\"\n", "host_cache_dir must be a nonempty path string"),
+        ("[server]\nhost_cache_copy_queue_mb = 0\n", "host_cache_copy_queue_mb must be a positive integer"),
         ("[server]\nstate_snapshots = -1\n", "state_snapshots must be a non-negative integer"),
         ("[server]\nsnapshot_interval = 1.5\n", "snapshot_interval must be a non-negative integer"),
         ("[server]\ncheckpoint_work_fraction = -0.1\n", "checkpoint_work_fraction must be a number from 0 to 100"),

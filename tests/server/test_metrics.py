@@ -207,3 +207,37 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     snapshot = json_snapshot(values, EMPTY_WINDOW)
     assert snapshot["checkpoint_extra_work_nanoseconds_total"] == 123_456
     assert snapshot["checkpoint_captures"] == {"anchor": 2, "message": 5}
+
+
+def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
+    """The copy-out and anchor counters of the host store as ServerState.snapshot exports them."""
+    from types import SimpleNamespace
+
+    from helios.engine.drafter import HistoryDrafter, SpeculationConfig
+    from helios.engine.host_store import HostStore, identity_of
+    from helios.engine.request import EngineStats
+    from helios.server.state import ServerState
+
+    host = HostStore(identity_of("c", "float32", 16, ()), 1 << 20, None, 0)
+    host.stats.copy_waits, host.stats.copy_wait_ns = 2, 5_000
+    host.stats.drop("dram", "end_of_chain", 7)
+    scheduler = SimpleNamespace(drafter=HistoryDrafter(SpeculationConfig(mode="off")), pinned_records=3,
+                                copier_ns=9_000)  # fmt: skip
+    engine = SimpleNamespace(stats=EngineStats(), host=host, scheduler=scheduler)
+    state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
+                            started=0.0)  # fmt: skip
+    values = ServerState.snapshot(state)  # type: ignore[arg-type]
+    families = {f.name: f for f in text_string_to_metric_families(prometheus_text(values, EMPTY_WINDOW))}
+    assert families["flare_host_cache_copyout_waits"].type == "counter"
+    assert families["flare_host_cache_copyout_waits"].samples[0].value == 2
+    assert families["flare_host_cache_copyout_wait_nanoseconds"].samples[0].value == 5_000
+    assert families["flare_host_cache_copyout_worker_nanoseconds"].samples[0].value == 9_000
+    assert families["flare_host_cache_copyout_pinned_records"].type == "gauge"
+    assert families["flare_host_cache_copyout_pinned_records"].samples[0].value == 3
+    assert families["flare_host_cache_anchor_records"].samples[0].value == 0
+    dropped = [(s.labels["tier"], s.labels["reason"], s.value) for s in families["flare_host_cache_dropped"].samples]
+    assert dropped == [("dram", "end_of_chain", 7)]
+    snapshot = json_snapshot(values, EMPTY_WINDOW)
+    assert snapshot["host_cache_copyout_waits_total"] == 2 and snapshot["host_cache_copyout_pinned_records"] == 3
+    assert snapshot["host_cache_dropped"] == {"dram/end_of_chain": 7}
+    host.close()
