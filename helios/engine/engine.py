@@ -114,6 +114,13 @@ class LLMEngine:
             interval = max(page, config.prefill_chunk_size // page * page)
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
                                  config.compiled_step, self.states.num_slots if self.states else 1)  # fmt: skip
+        if self.executor.vision is not None and m.vision is not None:
+            from helios.engine.images import ImageEncoder
+
+            weights = self.executor.weights or core.load_weights(config.device)  # a compiled step keeps none
+            self.executor.images = ImageEncoder(self.executor.vision, weights, m.vision.feature_dim,
+                                                m.vision.image_feature_window_tokens * config.max_concurrency,
+                                                config.device, self.stats)  # fmt: skip
         self.costs = StepCosts()  # what hinted checkpoints of hybrid cores are predicted to cost
         if self.states is not None:
             self._measure_state_copy()
@@ -200,7 +207,8 @@ class LLMEngine:
         """Hint the host store to bring this prompt's disk records into memory (off this thread)."""
         host = self.scheduler.host
         if host is not None and request.use_prefix_cache and self.config.enable_prefix_cache:
-            host.prefetch(request.prompt_ids, request.cache_identity, self.pool.page_tokens)
+            size = self.pool.page_tokens
+            host.prefetch(request.prompt_ids, lambda index: request.page_identity(index, size), size)
 
     def close(self) -> None:
         """Finish the host store's disk writes (shutdown)."""

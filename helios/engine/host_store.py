@@ -217,9 +217,10 @@ class HostStore:
         self._reader.start()
 
     # ------------------------------------------------------------------ prefetch (off the engine thread)
-    def prefetch(self, tokens: tuple[int, ...], identity: bytes, page_tokens: int) -> None:
+    def prefetch(self, tokens: tuple[int, ...], identity, page_tokens: int) -> None:
         """Bring this prompt's chain of disk records into memory before admission looks it up
-        (best effort: a full queue drops the hint; admission then reads what it still needs)."""
+        (best effort: a full queue drops the hint; admission then reads what it still needs).
+        `identity`: one slot for every page, or page index -> its slot (EngineRequest.page_identity)."""
         if self._reader is not None and len(tokens) > page_tokens:
             try:
                 self._prefetches.put_nowait((tuple(tokens), identity, page_tokens))
@@ -232,9 +233,10 @@ class HostStore:
             if item is None:
                 return
             tokens, identity, size = item
+            slot = identity if callable(identity) else (lambda index, fixed=identity: fixed)
             parent = ROOT_HASH
             for index in range((len(tokens) - 1) // size):
-                digest = page_hash(parent, identity, tokens[index * size : (index + 1) * size])
+                digest = page_hash(parent, slot(index), tokens[index * size : (index + 1) * size])
                 with self._lock:
                     in_memory, on_disk = digest in self._dram, digest in self._disk
                 if not in_memory:

@@ -198,7 +198,8 @@ class Scheduler:
         size = self.pool.page_tokens
         digest = seq.chain[-1] if seq.chain else ROOT_HASH
         for index in range(len(seq.chain), boundary // size):
-            digest = page_hash(digest, seq.request.cache_identity, tuple(seq.token_ids[index * size : (index + 1) * size]))
+            digest = page_hash(digest, seq.request.page_identity(index, size),
+                               tuple(seq.token_ids[index * size : (index + 1) * size]))
         return digest
 
     def _capture(self, seq: Sequence, boundary: int) -> None:
@@ -251,7 +252,7 @@ class Scheduler:
         """Of the cached pages matched for seq, those its recurrent state can resume after: up to the
         longest boundary with a snapshot (returned, to restore before the step); the rest released."""
         assert self.states is not None
-        chain = self._chain_of(seq.token_ids, seq.request.cache_identity, len(pages), end)
+        chain = self._chain_of(seq, len(pages), end)
         found = self.states.lookup(chain)
         keep = found[0] if found is not None else 0
         self.pool.release(pages[keep:])
@@ -357,7 +358,8 @@ class Scheduler:
         end = ROOT_HASH
         if seq.request.use_prefix_cache and not seq.scoring:
             # At least the last token is computed here: its logits are the next sample.
-            pages, end = self.pool.match_prefix(tokens, seq.request.cache_identity, (len(tokens) - 1) // size)
+            identity = lambda index: seq.request.page_identity(index, size)  # noqa: E731
+            pages, end = self.pool.match_prefix(tokens, identity, (len(tokens) - 1) // size)
         snapshot = None
         if pages and self.states is not None:
             pages, end, snapshot = self._reusable_prefix(seq, pages, end)
@@ -379,10 +381,13 @@ class Scheduler:
             restored, end = self._restore_from_host(seq, reused, end)
             reused += restored
         seq.num_computed = reused * size
-        seq.chain = self._chain_of(tokens, seq.request.cache_identity, reused, end)
+        seq.chain = self._chain_of(seq, reused, end)
         if not seq.admitted:
             seq.admitted = True
             seq.num_cached = seq.num_computed
+            reused_images = sum(1 for image in seq.request.images if image.end <= seq.num_computed)
+            if reused_images:
+                self.stats.images["input_reused_images_total"] += reused_images
             if self.states is not None:
                 self._choose_checkpoints(seq)
         self.stats.reused_tokens += seq.num_computed
@@ -392,10 +397,11 @@ class Scheduler:
         """Fill seq's pages after the pool's match from the host store's records of the same chain
         (copied in before the step, published now); returns (pages restored, chain hash after them)."""
         assert self.host is not None
-        size, identity, tokens = self.pool.page_tokens, seq.request.cache_identity, seq.token_ids
+        size, tokens = self.pool.page_tokens, seq.token_ids
         restored = 0
         for index in range(first, (len(tokens) - 1) // size):  # the last token is always computed
             chunk = tuple(tokens[index * size : (index + 1) * size])
+            identity = seq.request.page_identity(index, size)
             digest = page_hash(parent, identity, chunk)
             record = self.host.fetch(digest, parent, chunk)
             if record is None or record.nbytes != self.host_page_bytes:
@@ -434,10 +440,10 @@ class Scheduler:
         self.host_out = []
         return out
 
-    def _chain_of(self, tokens: list[int], identity: bytes, num_pages: int, end: bytes) -> list[bytes]:
-        chain, parent, size = [], ROOT_HASH, self.pool.page_tokens
+    def _chain_of(self, seq: Sequence, num_pages: int, end: bytes) -> list[bytes]:
+        chain, parent, size, tokens = [], ROOT_HASH, self.pool.page_tokens, seq.token_ids
         for index in range(num_pages):
-            parent = page_hash(parent, identity, tuple(tokens[index * size : (index + 1) * size]))
+            parent = page_hash(parent, seq.request.page_identity(index, size), tuple(tokens[index * size : (index + 1) * size]))
             chain.append(parent)
         assert not chain or chain[-1] == end
         return chain
@@ -578,12 +584,11 @@ class Scheduler:
     def publish_full_pages(self, seq: Sequence) -> None:
         """Register every newly computed full page of `seq` in the prefix cache."""
         size = self.pool.page_tokens
-        identity = seq.request.cache_identity
         while (len(seq.chain) + 1) * size <= seq.num_computed:
             index = len(seq.chain)
             parent = seq.chain[-1] if seq.chain else ROOT_HASH
             tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
-            seq.chain.append(self.pool.publish(seq.pages[index], parent, identity, tokens))
+            seq.chain.append(self.pool.publish(seq.pages[index], parent, seq.request.page_identity(index, size), tokens))
 
     # ------------------------------------------------------------------ finishing
     def fail(self, plan: SchedulerOutput, error: str) -> list[EngineEvent]:
