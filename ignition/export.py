@@ -427,6 +427,8 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
     except (KeyError, ValueError) as exc:
         raise SourceError(f"{checkpoint.reference}: unsupported or incomplete config ({exc})") from exc
     limits = _limits(options, config)
+    if options.compile_step and getattr(config, "vision", None) is not None:
+        raise UsageError("--compile-step does not build vision cores yet (the step's image inputs); export without it")
     phase(f"converting weights to {options.dtype}")
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)

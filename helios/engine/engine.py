@@ -381,16 +381,21 @@ class LLMEngine:
 
     @staticmethod
     def _prompt_entries(chunk: Chunk, scores: dict[str, torch.Tensor]) -> list:
-        """Prompt logprob entries of a scored chunk's positions (the first prompt position has none)."""
+        """Prompt logprob entries of a scored chunk's positions (the first prompt position and image
+        positions have none: an image row's token is a placeholder, not a prediction target)."""
         seq = chunk.seq
         num = seq.request.prompt_logprobs or 0
         entries: list = [None] if chunk.start == 0 else []
         values = scores["prompt_logprobs"].tolist()
         ranks = scores["prompt_ranks"].tolist()
+        images = seq.request.images
         for i in range(chunk.num_tokens):
             position = chunk.start + i + 1
             if position >= seq.num_prompt:
                 break
+            if images and any(image.start <= position < image.end for image in images):
+                entries.append(None)
+                continue
             alternatives = ()
             if num:
                 pairs = zip(scores["prompt_top_ids"][i, :num].tolist(), scores["prompt_top_logprobs"][i, :num].tolist())

@@ -47,7 +47,8 @@ def b64(index: int) -> str:
 def vision(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     checkpoint = write_testmodel("gemma4", tmp_path_factory.mktemp("ckpt") / "tiny-gemma4-vision", seed=3, vision=True)
     out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
-    export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=out, dtype="float32"))
+    export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=out, dtype="float32",
+                                                                                         prompt_logprobs=True))
     return checkpoint, out
 
 
@@ -107,6 +108,18 @@ def test_first_generated_logprobs_match_transformers(vision, served, oai: openai
     theirs = torch.log_softmax(logits, -1).topk(20).values.tolist()
     worst = max(abs(a - b) for a, b in zip(ours, theirs))
     assert worst <= 1e-3, worst
+
+
+def test_prompt_logprobs_are_null_at_image_positions(served) -> None:
+    parts = (TextPart("Look:"), ImagePart(IMAGES[1], MEDIA[1]), TextPart("What is it?"))
+    prompt = served[1].frontend.prompt(Conversation((Message("user", parts),)))
+    body = _post(served, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": data_url(1)}},
+        {"type": "text", "text": "What is it?"}]}], "prompt_logprobs": 0, "max_tokens": 1}).json()  # fmt: skip
+    entries = body["prompt_logprobs"]
+    assert len(entries) == len(prompt.token_ids)
+    nulls = {i for i, e in enumerate(entries) if e is None}
+    assert nulls == {0} | set(prompt.image_positions)
 
 
 # ---------------------------------------------------------------------------- SDKs
