@@ -180,12 +180,13 @@ def testmodel(
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the checkpoint.")] = ...,
     seed: Annotated[int, typer.Option("--seed", help="Random seed for the weights.")] = 0,
     chat: Annotated[Optional[str], typer.Option("--chat", help="Use another family's special tokens and chat template (e.g. qwen3).")] = None,
+    vision: Annotated[bool, typer.Option("--vision", help="A multimodal checkpoint with a tiny vision tower and processor config.")] = False,
 ) -> None:
     """Write a tiny random-weight HF checkpoint of FAMILY (for tests)."""
     from ignition.testmodel import write_testmodel
 
     try:
-        write_testmodel(family_name, out, seed, chat)
+        write_testmodel(family_name, out, seed, chat, vision)
     except IgnitionError as error:
         _fail(error)
         return

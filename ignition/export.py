@@ -29,8 +29,8 @@ from helios.core import host, ops
 from helios.core import manifest as mf
 from helios.core.bundle import core_digest, sha256_file
 from helios.core.golden import golden_key
-from helios.core.program import (SCORED_PREFILL, STEP, CompiledProgram, Program, allocate_kv, program_signature,
-                                 run_prompt)
+from helios.core.program import (SCORED_PREFILL, STEP, VISION, CompiledProgram, Program, allocate_kv,
+                                 program_signature, run_prompt, vision_signature)
 from ignition.compiled import compile_program
 from ignition.errors import SourceError, UsageError, VerifyError
 from ignition.models import family
@@ -149,7 +149,7 @@ def _cache_and_input_shapes(kv: mf.KvLayout, inputs: tuple[mf.TensorSpec, ...]) 
     """Dynamic shapes of the cache list (pages, then state slots) and of each program input (named dims)."""
     dims: dict[str, object] = {}
     Dim = torch.export.Dim
-    for name in ("T", "B", "M", "R", "K", "P", "S"):
+    for name in ("T", "B", "M", "R", "K", "P", "S", "I"):
         dims[name] = Dim(name, min=1)
     dims["B+1"] = dims["B"] + 1
     shapes: list[object] = [[{0: dims["P"]}] * kv.num_caches + [{0: dims["S"]}] * len(kv.state_shapes())]
@@ -211,14 +211,72 @@ def compile_step(spec: mf.ProgramSpec, staging: Path, weights: dict[str, torch.T
     return mf.CompiledSpec(file=str(path.relative_to(staging)), host=host.fingerprint(), max_abs_diff=_round_up(worst))
 
 
+def vision_width(config: object) -> int:
+    """The image feature width of a vision config (its language model's hidden size), 0 without one."""
+    vision = getattr(config, "vision", None)
+    return int(vision.text_hidden_size) if vision is not None else 0
+
+
 def export_program(fam: ModuleType, config: object, kind: str, num_top: int, explicit: bool,
                    weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
                    path: Path) -> mf.ProgramSpec:  # fmt: skip
-    inputs, outputs = program_signature(kind, num_top, explicit, state=bool(kv.state))
+    width = vision_width(config)
+    inputs, outputs = program_signature(kind, num_top, explicit, state=bool(kv.state), vision=width)
     # A family may return more than the signature's outputs, after them (MiMo's hidden states for its drafter).
     outputs += getattr(fam, "extra_step_outputs", lambda c: ())(config)
     module = fam.StepProgram(config, num_top, explicit, scored=kind == SCORED_PREFILL)
-    return export_module(module, inputs, outputs, {}, config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
+    examples = {"image_features": torch.randn(2, width, generator=torch.Generator().manual_seed(0)),
+                "image_rows": torch.tensor([1, -1])} if width else {}  # fmt: skip
+    return export_module(module, inputs, outputs, examples, config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
+
+
+def export_vision(fam: ModuleType, config: object, weights: dict[str, torch.Tensor], path: Path) -> mf.ProgramSpec:
+    """The family's `vision` program (one image's patches -> feature rows), traced with a dynamic patch count."""
+    vision = config.vision  # type: ignore[attr-defined]
+    module = fam.vision_program(config)
+    pixels, positions = fam.vision_examples(config)
+    inputs, outputs = vision_signature(int(pixels.shape[1]), vision_width(config))
+    # At least two tokens' patches: a one-row output would specialize the graph (the profile's
+    # resize rule never yields fewer on Gemma 4's patch budgets).
+    patches = torch.export.Dim("X", min=2 * vision.pooling_kernel_size**2)
+    shapes = ({name: None for name in weights}, [], {0: patches}, {0: patches})
+    exported = torch.export.export(module, (weights, [], pixels, positions), dynamic_shapes=shapes)
+    exported.example_inputs = None
+    for node in exported.graph.nodes:
+        node.meta.pop("stack_trace", None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(exported, str(path))
+    return mf.ProgramSpec(file=str(path.relative_to(path.parent.parent)), inputs=inputs, outputs=outputs)
+
+
+def self_check_vision(fam: ModuleType, config: object, checkpoint: Checkpoint, programs: dict[str, Program],
+                      vision: Program, weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
+                      prompts: tuple[tuple[int, ...], ...], tolerance: float) -> float:  # fmt: skip
+    """The saved vision program against the family's reference tower on a seeded image (features),
+    then every step program with those features spliced into a golden prompt, prefilled in chunks
+    that cut through the image, against the reference forward (logprobs). Returns the max |Δ|."""
+    stored = stored_tensors(checkpoint, weights)
+    pixels, positions = fam.vision_examples(config)
+    got = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
+    expected = fam.reference_features(config, stored, pixels, positions)
+    worst = float((got - expected).abs().max())
+    if worst > tolerance:
+        raise VerifyError(f"self-check failed: the exported vision program differs from the reference vision tower by "
+                          f"{worst:.3g} in its features (tolerance {tolerance:g})")  # fmt: skip
+    v = config.vision  # type: ignore[attr-defined]
+    head = list(prompts[0][:5])
+    prompt = head + [v.boi_token_id] + [v.image_token_id] * int(got.shape[0]) + [v.eoi_token_id] + list(prompts[0][5:])
+    image_positions = list(range(len(head) + 1, len(head) + 1 + int(got.shape[0])))
+    reference = torch.log_softmax(fam.reference_logits(config, stored, prompt, expected, image_positions).float(), dim=-1)
+    for kind, program in programs.items():
+        run = run_prompt(program, weights, kv, page_tokens, prompt, chunk=GOLDEN_CHUNK, explicit_ids=[0, 1],
+                         image_features=got, image_positions=image_positions)  # fmt: skip
+        diff = float((run.logprobs - reference).abs().max())
+        if diff > tolerance:
+            raise VerifyError(f"self-check failed: the exported {kind} program with image features differs from the "
+                              f"reference forward by {diff:.3g} in logprob (tolerance {tolerance:g})")  # fmt: skip
+        worst = max(worst, diff)
+    return worst
 
 
 def export_module(module: torch.nn.Module, inputs: tuple[mf.TensorSpec, ...], outputs: tuple[mf.TensorSpec, ...],
@@ -369,6 +427,8 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
     except (KeyError, ValueError) as exc:
         raise SourceError(f"{checkpoint.reference}: unsupported or incomplete config ({exc})") from exc
     limits = _limits(options, config)
+    if options.compile_step and getattr(config, "vision", None) is not None:
+        raise UsageError("--compile-step does not build vision cores yet (the step's image inputs); export without it")
     phase(f"converting weights to {options.dtype}")
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
@@ -391,6 +451,11 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
             programs[kind] = Program.load(kind, spec, staging / spec.file)  # check what was saved, not the module
         extras = export_extra_programs(fam, config, options.max_top_logprobs, weights, kv, options.page_tokens, staging,
                                        phase)
+        vision_program = None
+        if getattr(config, "vision", None) is not None:
+            phase(f"exporting the {VISION} program")
+            specs[VISION] = export_vision(fam, config, weights, staging / "programs" / f"{VISION}.pt2")
+            vision_program = Program.load(VISION, specs[VISION], staging / specs[VISION].file)
         specs.update({kind: spec for kind, (spec, _) in extras.items()})
         phase("writing weights and tokenizer")
         save_file(weights, str(staging / "weights.safetensors"))
@@ -402,6 +467,15 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
         phase("self-check against the reference forward")
         worst, golden = self_check(fam, config, checkpoint, programs, weights, kv, options.page_tokens, prompts, tolerance)
         extra_worst = check_extra_programs(extras, checkpoint, weights, kv, options.page_tokens, staging, tolerance)
+        profile = None
+        if vision_program is not None:
+            phase("self-check of the vision path")
+            extra_worst = max(extra_worst, self_check_vision(fam, config, checkpoint, programs, vision_program, weights,
+                                                             kv, options.page_tokens, prompts, tolerance))  # fmt: skip
+            try:
+                profile = fam.vision_profile(config, checkpoint.processor_config or {}, limits.max_model_len)
+            except ValueError as exc:
+                raise SourceError(f"{checkpoint.reference}: unsupported image processor config ({exc})") from exc
         save_file(golden, str(staging / "golden.safetensors"))
         compiled = {}
         if options.compile_step:
@@ -431,7 +505,7 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
                 max_top_logprobs=options.max_top_logprobs,
                 explicit_logprob_ids=options.logprob_ids,
                 prompt_logprobs=options.prompt_logprobs,
-                vision=False,
+                vision=profile is not None,
             ),
             decode_weight_bytes=fam.decode_weight_bytes(config, weights),
             weights=mf.WeightsInfo(
@@ -451,6 +525,7 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
             ),
             files=files,
             compiled=compiled,
+            vision=profile,
         )
         (staging / mf.MANIFEST_FILE).write_bytes(mf.encode(manifest))
         _install(staging, options.out)

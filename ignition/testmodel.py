@@ -67,6 +67,15 @@ CHATS = {
         "roles": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
         "template": "gemma4.jinja",
     },
+    # The same with Gemma 4's image framing tokens (<|image> <|image|>... <image|>): vision test models.
+    "gemma4-vision": {
+        "special_tokens": ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
+                           "<channel|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                           "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>", "<|video|>", "<|image>",
+                           "<image|>"),  # fmt: skip
+        "roles": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
+        "template": "gemma4.jinja",
+    },
     # Kimi K3's tag tokens (<|open|>TAG<|sep|>...<|close|>TAG<|sep|>) and its published template
     # (../shared/templates/kimi-k3.jinja, llama.cpp's Kimi-K3.jinja); a message ends with <|end_of_msg|>.
     "kimi3": {
@@ -131,10 +140,16 @@ CHATS = {
 }
 
 
-def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None = None) -> Path:
+def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None = None, vision: bool = False) -> Path:
+    """vision: a multimodal checkpoint (the family's testmodel_vision config, its processor config and
+    the family's vision chat flavour, e.g. gemma4-vision)."""
     if family_name not in FAMILIES:
         raise UsageError(f"no test model for family {family_name!r} (supported: {', '.join(sorted(FAMILIES))})")
     fam = FAMILIES[family_name]
+    if vision and not hasattr(fam, "testmodel_vision"):
+        raise UsageError(f"no vision test model for family {family_name!r}")
+    if vision and chat is None:
+        chat = f"{family_name}-vision"
     chat = chat or fam.TEST_CHAT  # a family may default to a chat flavour (Qwen3's own tokens)
     if chat is not None and chat not in CHATS:
         raise UsageError(f"no chat flavour {chat!r} (supported: {', '.join(sorted(CHATS))})")
@@ -149,6 +164,11 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
     config = fam.testmodel_config(tokenizer.get_vocab_size())
     config.update({name.replace("_token", "_token_id"): tokenizer.token_to_id(tok)
                    for name, tok in roles.items() if name != "unk_token"})  # fmt: skip
+    if vision:
+        framing = {t: tokenizer.token_to_id(t) for t in ("<|image|>", "<|image>", "<image|>")}
+        if None in framing.values():
+            raise UsageError(f"chat flavour {chat!r} has no image framing tokens")
+        config = fam.testmodel_vision(config, framing) | {k: v for k, v in config.items() if k.endswith("_token_id")}
     generator = torch.Generator().manual_seed(seed)
     special = getattr(fam, "testmodel_init", lambda name, shape, generator: None)
     tensors = {name: _tensor(special, name, shape, generator)
@@ -163,6 +183,8 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    if vision:
+        (out / "preprocessor_config.json").write_text(json.dumps(fam.TESTMODEL_PROCESSOR, indent=2, sort_keys=True) + "\n")
     return out
 
 

@@ -153,6 +153,50 @@ class Capabilities(_Struct):
     vision: bool
 
 
+class VisionProfile(_Struct):
+    """How helios prepares an image for the core's `vision` program, and the limits it admits.
+
+    Preparation (helios.frontend.images): decode, convert to RGB, resize by `resize`, scale by
+    rescale_factor, normalize by mean/std, cut into patch_size squares in row-major order
+    (each patch's pixels in (row, col, channel) order) with (x, y) patch positions; one image
+    costs patches / pooling_kernel_size^2 tokens. The chat template renders one
+    placeholder_token_id per image; the frontend expands it to prefix_token_ids, that many
+    image_token_id rows (whose embeddings the step replaces with the vision features) and
+    suffix_token_ids.
+    """
+
+    resize: str  # "aspect_ratio_patch_budget": the largest aspect-preserving size of at most
+    # max_patches patches whose sides are multiples of patch_size * pooling_kernel_size (Gemma 4)
+    patch_size: int  # pixels per patch side
+    pooling_kernel_size: int  # k: k x k patches merge into one token
+    max_patches: int  # per image (one vision graph)
+    resample: str  # "bicubic" | "bilinear" (PIL filters)
+    rescale_factor: float  # uint8 pixel -> [0, 1]
+    image_mean: tuple[float, ...]  # per channel, after rescaling
+    image_std: tuple[float, ...]
+    placeholder_token_id: int  # what the chat template renders for one image
+    image_token_id: int  # one per image token in the prompt
+    prefix_token_ids: tuple[int, ...]  # framing before the image tokens (counted in prompt_tokens only)
+    suffix_token_ids: tuple[int, ...]
+    feature_dim: int  # columns of image_features (the language model's hidden size)
+    # The /v1/models limits (spec "Native inference APIs"), at the exported context length;
+    # helios lowers the context-derived ones to its served max_model_len.
+    max_images_per_prompt: int
+    max_image_tokens_per_prompt: int
+    image_feature_window_tokens: int
+    max_image_tokens_per_image: int
+    max_image_pixels: int
+    max_image_bytes: int
+
+    def settings_digest(self) -> bytes:
+        """The processing settings as bytes, for the prefix identity of pages after an image."""
+        import hashlib
+
+        fields = (self.resize, self.patch_size, self.pooling_kernel_size, self.max_patches, self.resample,
+                  self.rescale_factor, self.image_mean, self.image_std)  # fmt: skip
+        return hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
+
+
 class WeightsInfo(_Struct):
     file: str
     dtype: str
@@ -228,6 +272,7 @@ class Manifest(_Struct):
     provenance: Provenance
     files: dict[str, str]  # every other file of the bundle -> sha256
     compiled: dict[str, CompiledSpec] = {}  # program kind -> its ahead-of-time build, where exported
+    vision: VisionProfile | None = None  # image preparation of a vision core (capabilities.vision); None: text-only
 
     @property
     def public_id(self) -> str:

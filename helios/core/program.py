@@ -33,15 +33,22 @@ from helios.core.manifest import KvLayout, ProgramSpec, TensorSpec
 
 STEP = "step"
 SCORED_PREFILL = "scored_prefill"
+VISION = "vision"
 
 
 def program_signature(
-    kind: str, num_top: int, explicit_ids: bool, state: bool = False
+    kind: str, num_top: int, explicit_ids: bool, state: bool = False, vision: int = 0
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Input and output specs of a program kind, for a core's logprob capabilities.
 
     Dims: T tokens in the step, B sequences, M blocks per sequence table, R rows whose
-    next-token distribution is returned, K explicit ids per row, V vocabulary, N = num_top.
+    next-token distribution is returned, K explicit ids per row, V vocabulary, N = num_top,
+    I image-feature rows; `vision` is the feature width (the language model's hidden size), 0 for text-only.
+
+    Vision cores' step programs take two more inputs, last: `image_features` [I, vision] fp32 (vision
+    program outputs) and `image_rows` [I] int64, the flat step rows whose input embedding each
+    feature row replaces (-1: an unused row, so a step without image rows passes one dummy
+    row). Text-only cores keep the signature without them.
     """
     inputs = [
         TensorSpec("token_ids", "int64", ("T",)),
@@ -58,6 +65,9 @@ def program_signature(
         inputs.append(TensorSpec("logprob_token_ids", "int64", ("R", "K")))
     if kind == SCORED_PREFILL:
         inputs.append(TensorSpec("target_ids", "int64", ("T",)))  # next prompt token of each row
+    if vision:
+        inputs.append(TensorSpec("image_features", "float32", ("I", vision)))
+        inputs.append(TensorSpec("image_rows", "int64", ("I",)))
     outputs = [TensorSpec("logits", "float32", ("R", "V")), TensorSpec("logsumexp", "float32", ("R",))]
     if num_top:
         outputs += [TensorSpec("top_logprobs", "float32", ("R", num_top)), TensorSpec("top_ids", "int64", ("R", num_top))]
@@ -71,6 +81,17 @@ def program_signature(
                 TensorSpec("prompt_top_ids", "int64", ("T", num_top)),
             ]
     return tuple(inputs), tuple(outputs)
+
+
+def vision_signature(patch_dim: int, feature_dim: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The `vision` program (vision cores): one image's patches -> its image-token embeddings.
+
+    Called as program(weights, [], pixel_values, pixel_positions). X patches of one image (no
+    padding), F = X / pooling_kernel_size^2 tokens in the profile's order, already projected
+    into the language model's embedding space (the step's image_features rows).
+    """
+    inputs = (TensorSpec("pixel_values", "float32", ("X", patch_dim)), TensorSpec("pixel_positions", "int64", ("X", 2)))
+    return inputs, (TensorSpec("image_features", "float32", ("F", feature_dim)),)
 
 
 _HINTS_LOCK = threading.Lock()
@@ -185,10 +206,14 @@ def run_prompt(
     token_ids: list[int],
     chunk: int | None = None,
     explicit_ids: list[int] | None = None,
+    image_features: Tensor | None = None,
+    image_positions: list[int] | None = None,
 ) -> DenseRun:
     """Prefill one sequence in chunks of `chunk` tokens through the paged cache.
 
     A self-contained check path (verify, tests); the engine batches many sequences itself.
+    Vision cores: row i of `image_features` [len(image_positions), hidden] replaces the input
+    embedding at prompt position image_positions[i].
     """
     total = len(token_ids)
     chunk = chunk or total
@@ -219,11 +244,25 @@ def run_prompt(
             inputs["logprob_token_ids"] = torch.tensor([chosen] * (end - start), dtype=torch.int64)
         if "target_ids" in program.input_names:
             inputs["target_ids"] = torch.cat([ids[start + 1 : end + 1], torch.full((max(0, end + 1 - total),), -1)])
+        if "image_features" in program.input_names:
+            inputs["image_features"], inputs["image_rows"] = chunk_image_inputs(
+                program, image_features, image_positions or [], start, end)
         for name, value in program(weights, kv, **inputs).items():
             collected.setdefault(name, []).append(value)
     outputs = {name: torch.cat(parts) for name, parts in collected.items()}
     logprobs = outputs["logits"] - outputs["logsumexp"][:, None]
     return DenseRun(logprobs=logprobs, outputs=outputs)
+
+
+def chunk_image_inputs(program: "_Callable", features: Tensor | None, positions: list[int], start: int,
+                       end: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(image_features, image_rows) of one chunk [start, end) of a sequence: the feature rows at
+    positions inside it, or one dummy row (-1) when there are none."""
+    width = next(int(t.shape[1]) for t in program.spec.inputs if t.name == "image_features")
+    picked = [(i, p - start) for i, p in enumerate(positions) if start <= p < end]
+    if not picked or features is None:
+        return torch.zeros(1, width), torch.full((1,), -1, dtype=torch.int64)
+    return features[[i for i, _ in picked]].float(), torch.tensor([r for _, r in picked], dtype=torch.int64)
 
 
 @contextlib.contextmanager

@@ -119,6 +119,13 @@ class LLMEngine:
             interval = max(page, config.prefill_chunk_size // page * page)
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
                                  config.compiled_step, self.states.num_slots if self.states else 1)  # fmt: skip
+        if self.executor.vision is not None and m.vision is not None:
+            from helios.engine.images import ImageEncoder
+
+            weights = self.executor.weights or core.load_weights(config.device)  # a compiled step keeps none
+            self.executor.images = ImageEncoder(self.executor.vision, weights, m.vision.feature_dim,
+                                                m.vision.image_feature_window_tokens * config.max_concurrency,
+                                                config.device, self.stats)  # fmt: skip
         self.costs = StepCosts()  # what hinted checkpoints of hybrid cores are predicted to cost
         if self.states is not None:
             self._measure_state_copy()
@@ -209,7 +216,9 @@ class LLMEngine:
         """Hint the host store to bring this prompt's disk records into memory (off this thread)."""
         host = self.scheduler.host
         if host is not None and request.use_prefix_cache and self.config.enable_prefix_cache:
-            host.prefetch(request.prompt_ids, request.cache_identity, self.pool.page_tokens, self.states is not None)
+            size = self.pool.page_tokens
+            host.prefetch(request.prompt_ids, lambda index: request.page_identity(index, size), size,
+                          self.states is not None)
 
     def close(self) -> None:
         """Finish the host store's copies and disk writes (shutdown)."""
@@ -387,16 +396,21 @@ class LLMEngine:
 
     @staticmethod
     def _prompt_entries(chunk: Chunk, scores: dict[str, torch.Tensor]) -> list:
-        """Prompt logprob entries of a scored chunk's positions (the first prompt position has none)."""
+        """Prompt logprob entries of a scored chunk's positions (the first prompt position and image
+        positions have none: an image row's token is a placeholder, not a prediction target)."""
         seq = chunk.seq
         num = seq.request.prompt_logprobs or 0
         entries: list = [None] if chunk.start == 0 else []
         values = scores["prompt_logprobs"].tolist()
         ranks = scores["prompt_ranks"].tolist()
+        images = seq.request.images
         for i in range(chunk.num_tokens):
             position = chunk.start + i + 1
             if position >= seq.num_prompt:
                 break
+            if images and any(image.start <= position < image.end for image in images):
+                entries.append(None)
+                continue
             alternatives = ()
             if num:
                 pairs = zip(scores["prompt_top_ids"][i, :num].tolist(), scores["prompt_top_logprobs"][i, :num].tolist())

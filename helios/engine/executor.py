@@ -14,7 +14,7 @@ from torch import Tensor
 
 from helios.core import Core, host, hostcache
 from helios.core.logs import Stopwatch
-from helios.core.program import SCORED_PREFILL, STEP, CompiledProgram, Program, allocate_kv
+from helios.core.program import SCORED_PREFILL, STEP, VISION, CompiledProgram, Program, allocate_kv
 from helios.engine import graph, kernels, native, prepack, threads
 from helios.engine.sequence import Chunk
 
@@ -40,6 +40,12 @@ def _calls_native(shared_object: Path) -> bool:
         return "flare_native::" in shared_object.with_suffix(".json").read_text(encoding="utf-8")
     except OSError:
         return False
+
+
+def no_image_rows(program) -> dict[str, Tensor]:
+    """A vision core's step inputs for a step without image rows: one unused (-1) row."""
+    width = next(int(t.shape[1]) for t in program.spec.inputs if t.name == "image_features")
+    return {"image_features": torch.zeros(1, width), "image_rows": torch.full((1,), -1, dtype=torch.int64)}
 
 
 class Executor:
@@ -69,6 +75,9 @@ class Executor:
         portable_step = core.load_program(STEP, check_guards=False) if self.compiled_step is None else None
         self.step: Program | CompiledProgram = self.compiled_step or portable_step  # type: ignore[assignment]
         self.scored = core.load_program(SCORED_PREFILL, check_guards=False) if has_scored else None
+        # Vision cores: the vision program (run by engine/images.py's encoder, set up by the engine).
+        self.vision = core.load_program(VISION, check_guards=False) if VISION in manifest.programs else None
+        self.images = None  # helios.engine.images.ImageEncoder of a vision core
         programs = [p for p in (portable_step, self.scored) if p is not None]
         clock.lap(f"loading {len(programs) + (self.compiled_step is not None)} programs")
         if upcast:
@@ -162,6 +171,8 @@ class Executor:
             inputs["logprob_token_ids"] = torch.zeros(rows, 1, dtype=torch.int64)
         if self.state:  # the probe's results are never read: slots may repeat
             inputs["state_slots"] = torch.arange(rows, dtype=torch.int64) % self.num_slots
+        if "image_features" in self.step.input_names:
+            inputs.update(no_image_rows(self.step))
         return {name: value.to(self.device) for name, value in inputs.items()}
 
     def copy_page(self, src: int, dst: int) -> None:
@@ -327,6 +338,8 @@ class Executor:
             inputs["logprob_token_ids"] = torch.tensor([list(ids) + [0] * (k - len(ids)) for ids in explicit])
         if scored:
             inputs["target_ids"] = torch.tensor(targets, dtype=torch.int64)
+        if "image_features" in program.input_names:  # vision cores: the rows whose embeddings are image features
+            inputs.update(self.images.step_inputs(chunks, starts[:-1]) if self.images else no_image_rows(program))
         if self.state:
             inputs["state_slots"] = torch.tensor([c.seq.state_slot for c in chunks], dtype=torch.int64)
         inputs = {name: value.to(self.device) for name, value in inputs.items()}

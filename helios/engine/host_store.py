@@ -262,10 +262,11 @@ class HostStore:
         self._reader.start()
 
     # ------------------------------------------------------------------ prefetch (off the engine thread)
-    def prefetch(self, tokens: tuple[int, ...], identity: bytes, page_tokens: int, states: bool = False) -> None:
+    def prefetch(self, tokens: tuple[int, ...], identity, page_tokens: int, states: bool = False) -> None:
         """Bring this prompt's chain of disk records (and with `states`, the state records at its
         page boundaries) into memory before admission looks them up (best effort: a full queue
-        drops the hint; admission then reads what it still needs)."""
+        drops the hint; admission then reads what it still needs). `identity`: one slot for every
+        page, or page index -> its slot (EngineRequest.page_identity)."""
         if self._reader is not None and len(tokens) > page_tokens:
             try:
                 self._prefetches.put_nowait((tuple(tokens), identity, page_tokens, states))
@@ -278,9 +279,10 @@ class HostStore:
             if item is None:
                 return
             tokens, identity, size, states = item
+            slot = identity if callable(identity) else (lambda index, fixed=identity: fixed)
             parent = ROOT_HASH
             for index in range((len(tokens) - 1) // size):
-                digest = page_hash(parent, identity, tokens[index * size : (index + 1) * size])
+                digest = page_hash(parent, slot(index), tokens[index * size : (index + 1) * size])
                 if not self._bring(digest):
                     break
                 if states:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ROOT_HASH = b"flare-prefix-v1"
@@ -118,18 +119,20 @@ class PagePool:
                     self._free.append(page)
 
     # ------------------------------------------------------------------ prefix cache
-    def match_prefix(self, tokens: tuple[int, ...] | list[int], identity: bytes,
+    def match_prefix(self, tokens: tuple[int, ...] | list[int], identity: bytes | Callable[[int], bytes],
                      max_pages: int) -> tuple[list[int], bytes]:  # fmt: skip
         """Cached pages covering the longest full-page prefix of `tokens` (at most max_pages).
+        `identity`: one slot for every page, or page index -> its slot (EngineRequest.page_identity).
 
         Returns (pages, chain hash after them). The pages are shared (ref-counted) on return.
         """
+        slot = identity if callable(identity) else (lambda index: identity)
         pages: list[int] = []
         parent = ROOT_HASH
         size = self.page_tokens
         for index in range(min(max_pages, len(tokens) // size)):
             chunk = tuple(tokens[index * size : (index + 1) * size])
-            digest = page_hash(parent, identity, chunk)
+            digest = page_hash(parent, slot(index), chunk)
             page = self._by_hash.get(digest)
             if page is None or self._cached[page].tokens != chunk or self._cached[page].parent != parent:
                 break

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from helios.engine.logprobs import RankedLogprob, TokenLogprobs
 from helios.engine.sampling_params import SamplingParams
@@ -52,6 +53,24 @@ class TokenConstraint(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class EngineImage:
+    """One image of a prompt: the token span its vision features fill, and how to make them.
+
+    The engine prepares and encodes an image only when a prefill chunk reaches its span, so an
+    image inside a reused prefix costs neither (engine/images.py)."""
+
+    start: int  # prompt position of its first image token
+    num_tokens: int  # image-token rows (= vision feature rows); framing tokens are outside the span
+    digest: bytes  # content and processing settings: the prefix identity of pages from its span on
+    prepare: Callable[[], tuple[Any, Any]]  # -> (pixel_values [X, D], pixel_positions [X, 2]) tensors
+    pixels: int = 0  # decoded width * height, for metrics
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One prompt to continue, with n sampled choices sharing its prefill.
 
@@ -77,10 +96,19 @@ class EngineRequest:
     # "message" (a message end) or "cache_control" (a marked block's end). Advisory: hybrid cores
     # choose among them under a work allowance (checkpoints.py); attention cores ignore them.
     checkpoint_hints: tuple[tuple[int, str], ...] = ()
+    images: tuple[EngineImage, ...] = ()  # ordered by start, spans disjoint and inside the prompt
 
     @property
     def n(self) -> int:
         return len(self.params)
+
+    def page_identity(self, index: int, page_tokens: int) -> bytes:
+        """The identity slot of full page `index`: cache_identity, plus the digest of every image
+        that starts before the page ends, so pages before the first image stay shared with
+        requests that differ only later, and no page at or after an image is reused for another."""
+        end = (index + 1) * page_tokens
+        digests = [image.digest for image in self.images if image.start < end]
+        return self.cache_identity + b"".join(digests) if digests else self.cache_identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +126,18 @@ class EngineEvent:
     prompt_logprobs: tuple[dict[int, RankedLogprob] | None, ...] | None = None  # first event only
     prompt_chunk_ends: tuple[int, ...] | None = None  # first event only: prompt position where each scored chunk ended
     error: str | None = None
+
+
+IMAGE_COUNTERS = (
+    "input_decoded_images_total",  # images decoded by the frontend (header checks passed)
+    "input_rejected_images_total",  # images refused (format, size, pixels, tokens, budget)
+    "input_decoded_image_bytes_total",  # encoded bytes of decoded images
+    "input_prepared_images_total",  # images resized / normalized / patchified by the engine
+    "input_reused_images_total",  # images inside a reused prefix: neither prepared nor encoded
+    "input_vision_encodes_total",  # vision program runs
+    "input_vision_tokens_total",  # feature rows they produced
+    "input_feature_evictions_total",  # images evicted from the feature arena before use (re-encoded later)
+)
 
 
 @dataclass
@@ -131,6 +171,9 @@ class EngineStats:
     state_slot_bytes: int = 0  # bytes of one slot over every recurrent layer
     state_slots_used: int = 0  # live slots held by running sequences
     state_snapshots: int = 0  # prefix snapshots held
+    # Image preparation and feature counters (spec metrics "input_*"), under their Prometheus names
+    # without flare_; the frontend adds its decode counters to the same table.
+    images: dict[str, int] = field(default_factory=lambda: dict.fromkeys(IMAGE_COUNTERS, 0))
 
     checkpoint_captures: dict[str, int] = field(default_factory=dict)  # role -> state snapshots captured
     checkpoint_skips: dict[str, int] = field(default_factory=dict)  # reason -> captures not made

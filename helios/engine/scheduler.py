@@ -214,7 +214,8 @@ class Scheduler:
         size = self.pool.page_tokens
         digest = seq.chain[-1] if seq.chain else ROOT_HASH
         for index in range(len(seq.chain), boundary // size):
-            digest = page_hash(digest, seq.request.cache_identity, tuple(seq.token_ids[index * size : (index + 1) * size]))
+            digest = page_hash(digest, seq.request.page_identity(index, size),
+                               tuple(seq.token_ids[index * size : (index + 1) * size]))
         return digest
 
     def _capture(self, seq: Sequence, boundary: int) -> None:
@@ -267,7 +268,7 @@ class Scheduler:
         """Of the cached pages matched for seq, those its recurrent state can resume after: up to the
         longest boundary with a snapshot (returned, to restore before the step); the rest released."""
         assert self.states is not None
-        chain = self._chain_of(seq.token_ids, seq.request.cache_identity, len(pages), end)
+        chain = self._chain_of(seq, len(pages), end)
         found = self.states.lookup(chain)
         keep = found[0] if found is not None else 0
         self.pool.release(pages[keep:])
@@ -375,7 +376,8 @@ class Scheduler:
         end = ROOT_HASH
         if seq.request.use_prefix_cache and not seq.scoring:
             # At least the last token is computed here: its logits are the next sample.
-            pages, end = self.pool.match_prefix(tokens, seq.request.cache_identity, (len(tokens) - 1) // size)
+            identity = lambda index: seq.request.page_identity(index, size)  # noqa: E731
+            pages, end = self.pool.match_prefix(tokens, identity, (len(tokens) - 1) // size)
         snapshot = None
         if pages and self.states is not None:
             pages, end, snapshot = self._reusable_prefix(seq, pages, end)
@@ -400,10 +402,13 @@ class Scheduler:
         elif snapshot is not None:
             self._state_before.append((snapshot, seq.state_slot))
         seq.num_computed = reused * size
-        seq.chain = self._chain_of(tokens, seq.request.cache_identity, reused, end)
+        seq.chain = self._chain_of(seq, reused, end)
         if not seq.admitted:
             seq.admitted = True
             seq.num_cached = seq.num_computed
+            reused_images = sum(1 for image in seq.request.images if image.end <= seq.num_computed)
+            if reused_images:
+                self.stats.images["input_reused_images_total"] += reused_images
             if self.states is not None:
                 self._choose_checkpoints(seq)
         self.stats.reused_tokens += seq.num_computed
@@ -414,16 +419,17 @@ class Scheduler:
         (copied in before the step, published now); a hybrid's only as far as a state record
         reaches. Returns (pages restored, chain hash after them, that state record's payload)."""
         assert self.host is not None
-        size, identity, tokens = self.pool.page_tokens, seq.request.cache_identity, seq.token_ids
-        found: list[tuple[bytes, bytes, tuple[int, ...], object]] = []  # (digest, parent, tokens, payload)
+        size, tokens = self.pool.page_tokens, seq.token_ids
+        found: list[tuple[bytes, bytes, bytes, tuple[int, ...], object]] = []  # (digest, parent, identity, tokens, payload)
         start = parent
         for index in range(first, (len(tokens) - 1) // size):  # the last token is always computed
             chunk = tuple(tokens[index * size : (index + 1) * size])
+            identity = seq.request.page_identity(index, size)
             digest = page_hash(parent, identity, chunk)
             record = self.host.fetch(digest, parent, chunk)
             if record is None or record.nbytes != self.host_page_bytes:
                 break
-            found.append((digest, parent, chunk, record.payload))
+            found.append((digest, parent, identity, chunk, record.payload))
             parent = digest
         state = None
         if self.states is not None:  # the longest restored boundary with a state record
@@ -433,7 +439,7 @@ class Scheduler:
                     state = record.payload
                 else:
                     found.pop()
-        for index, (digest, previous, chunk, payload) in enumerate(found, start=first):
+        for index, (digest, previous, identity, chunk, payload) in enumerate(found, start=first):
             page = seq.pages[index]
             self._host_in.append((page, payload))
             self.pool.publish(page, previous, identity, chunk)
@@ -559,10 +565,10 @@ class Scheduler:
         self.host.stats.copy_wait_ns += time.perf_counter_ns() - started
         return True
 
-    def _chain_of(self, tokens: list[int], identity: bytes, num_pages: int, end: bytes) -> list[bytes]:
-        chain, parent, size = [], ROOT_HASH, self.pool.page_tokens
+    def _chain_of(self, seq: Sequence, num_pages: int, end: bytes) -> list[bytes]:
+        chain, parent, size, tokens = [], ROOT_HASH, self.pool.page_tokens, seq.token_ids
         for index in range(num_pages):
-            parent = page_hash(parent, identity, tuple(tokens[index * size : (index + 1) * size]))
+            parent = page_hash(parent, seq.request.page_identity(index, size), tuple(tokens[index * size : (index + 1) * size]))
             chain.append(parent)
         assert not chain or chain[-1] == end
         return chain
@@ -703,12 +709,11 @@ class Scheduler:
     def publish_full_pages(self, seq: Sequence) -> None:
         """Register every newly computed full page of `seq` in the prefix cache."""
         size = self.pool.page_tokens
-        identity = seq.request.cache_identity
         while (len(seq.chain) + 1) * size <= seq.num_computed:
             index = len(seq.chain)
             parent = seq.chain[-1] if seq.chain else ROOT_HASH
             tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
-            seq.chain.append(self.pool.publish(seq.pages[index], parent, identity, tokens))
+            seq.chain.append(self.pool.publish(seq.pages[index], parent, seq.request.page_identity(index, size), tokens))
 
     # ------------------------------------------------------------------ finishing
     def fail(self, plan: SchedulerOutput, error: str) -> list[EngineEvent]:

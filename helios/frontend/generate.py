@@ -61,6 +61,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused at admission (first choice of each prompt)
     reasoning_tokens: int = 0  # generated tokens the output pipeline published as reasoning
+    image_tokens: int = 0  # image feature tokens inside prompt_tokens (framing excluded)
 
     @property
     def total_tokens(self) -> int:
@@ -256,10 +257,11 @@ class Runner:
 
 
 def usage_of(generations: list[Generation]) -> Usage:
-    prompt = cached = completion = reasoning = 0
+    prompt = cached = completion = reasoning = image = 0
     for generation in generations:
         prompt += len(generation.prompt.token_ids)
+        image += generation.prompt.image_tokens
         cached += generation.cached_tokens or 0
         completion += sum(c.output.num_generated for c in generation.choices)
         reasoning += sum(c.reasoning_tokens for c in generation.choices)
-    return Usage(prompt, completion, cached, reasoning)
+    return Usage(prompt, completion, cached, reasoning, image)

@@ -6,15 +6,17 @@ sampling ranges), so each rule is written once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from helios.config import ServerConfig
 from helios.core import Core
 from helios.core.template import ChatTemplate, TemplateError, check_template_kwargs
 from helios.engine.logprobs import validate_logprob_token_ids
-from helios.engine.request import EngineRequest, ReasoningBudget
+from helios.engine.request import IMAGE_COUNTERS, EngineImage, EngineRequest, ReasoningBudget
+from helios.frontend import images as imaging
 from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
 from helios.frontend.bounds import InputBounds, longest_token_chars
 from helios.frontend.checkpoints import Rendering, character_hints, token_hints
@@ -97,6 +99,32 @@ class PreparedPrompt:
     token_ids: tuple[int, ...]
     text: str | None  # rendered chat text or the raw prompt text (None for token-id prompts)
     checkpoint_hints: tuple[tuple[int, str], ...] = ()  # EngineRequest.checkpoint_hints (frontend/checkpoints.py)
+    images: tuple[EngineImage, ...] = ()  # EngineRequest.images: each image's token span, in prompt order
+
+    @property
+    def image_tokens(self) -> int:
+        """Image feature tokens in the prompt (usage multimodal_tokens.image; framing excluded)."""
+        return sum(image.num_tokens for image in self.images)
+
+    @property
+    def image_positions(self) -> frozenset[int]:
+        """Prompt positions filled by image features (their prompt logprobs are null)."""
+        return frozenset(p for image in self.images for p in range(image.start, image.end))
+
+
+TEXT_ONLY_IMAGES = "this model does not accept images (its core has no vision program)"
+
+
+def message_images(messages: list[Message]) -> list[ImagePart]:
+    """The images of lowered messages in the order the template renders them (tool results' inline)."""
+    out: list[ImagePart] = []
+    for message in messages:
+        for part in message.parts:
+            if isinstance(part, ImagePart):
+                out.append(part)
+            elif isinstance(part, ToolResultPart):
+                out += [p for p in part.content if isinstance(p, ImagePart)]
+    return out
 
 
 class Frontend:
@@ -127,6 +155,14 @@ class Frontend:
                           config.grammar_memory_mb << 20)  # fmt: skip
         self.grammars = GrammarService(self.tokenizer, self.vocab_size, eos, probe=probe,
                                        cache_bytes=config.grammar_cache_mb << 20)  # fmt: skip
+        self.vision = m.vision if m.capabilities.vision else None
+        self.image_counters = dict.fromkeys(IMAGE_COUNTERS[:3], 0)  # the frontend's share of the image metrics
+        framing = len(self.vision.prefix_token_ids) + len(self.vision.suffix_token_ids) if self.vision else 0
+        # Context-derived limits at the served context (spec /v1/models), within the core's own.
+        self.max_image_tokens_per_prompt = (min(self.vision.max_image_tokens_per_prompt,
+                                                max(0, self.max_model_len - 1 - framing)) if self.vision else 0)
+        self.max_images_per_prompt = (min(self.vision.max_images_per_prompt,
+                                          max(0, (self.max_model_len - 1) // (1 + framing))) if self.vision else 0)
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.tokenizer.id_to_token(token_id)
@@ -211,10 +247,11 @@ class Frontend:
             arranged.append(message)
         return arranged
 
-    @staticmethod
-    def _template_message(message: Message) -> dict[str, object]:
+    def _template_message(self, message: Message) -> dict[str, object]:
         out: dict[str, object] = {"role": message.role}
         texts, calls, reasoning = [], [], []
+        items: list[dict[str, str]] = []
+        vision = self.vision is not None
         for part in message.parts:
             if isinstance(part, TextPart):
                 texts.append(part.text)
@@ -229,17 +266,25 @@ class Frontend:
                               "function": {"name": part.name, "arguments": arguments}})  # fmt: skip
             elif isinstance(part, ToolResultPart):
                 out["tool_call_id"] = part.call_id
-                if any(isinstance(p, ImagePart) for p in part.content):
-                    raise RequestError("this model does not accept images (its core has no vision program): "
-                                       f"tool result {part.call_id!r} carries one", "messages")  # fmt: skip
+                if any(isinstance(p, ImagePart) for p in part.content) and not vision:
+                    raise RequestError(f"{TEXT_ONLY_IMAGES}: tool result {part.call_id!r} carries one", "messages")
                 result = "\n\n".join(p.text for p in part.content if isinstance(p, TextPart))
                 if part.is_error:  # templates render no flag for it: say it in the result the model reads
                     out["is_error"] = True
                     result = f"Error: {result}" if result else "Error"
                 texts += [result] if result else []
+                items += [{"type": "text", "text": result}] if result else []
+                items += [{"type": "image"} for p in part.content if isinstance(p, ImagePart)]
+                continue
             elif isinstance(part, ImagePart):
-                raise RequestError("this model does not accept images (its core has no vision program)", "messages")
-        out["content"] = "\n\n".join(texts)
+                if not vision:
+                    raise RequestError(TEXT_ONLY_IMAGES, "messages")
+                items.append({"type": "image"})
+                continue
+            if isinstance(part, TextPart):
+                items.append({"type": "text", "text": part.text})
+        # With images, the content is the template's list of text and image items, in order.
+        out["content"] = items if any(i["type"] == "image" for i in items) else "\n\n".join(texts)
         if calls:
             out["tool_calls"] = calls
         if reasoning:
@@ -266,6 +311,7 @@ class Frontend:
                 rendered.append((conversation, self._rendering(conversation, output)))
                 return rendered[-1][1].text
 
+            pictures = self._check_images(message_images(self._lowered(source, output)[0])) if self.vision else []
             encoded = self.literal.encode_conversation(source, render)
             hints: tuple[tuple[int, str], ...] = ()
             if self.checkpoint_hints or self.anchor_hints:
@@ -274,7 +320,15 @@ class Frontend:
                          if 0 <= i < len(conversation.messages)]  # fmt: skip
                 found = character_hints(rendering, marks, anchor_only=not self.checkpoint_hints)
                 hints = token_hints(found, encoded.spans)
-            return PreparedPrompt(tuple(encoded.ids), encoded.text, hints)
+            if not pictures:
+                return PreparedPrompt(tuple(encoded.ids), encoded.text, hints)
+            ids, spans = self._expand_images(list(encoded.ids), [cost for _, _, cost in pictures])
+            framing = len(self.vision.prefix_token_ids) + len(self.vision.suffix_token_ids)
+            growth = [(old, framing + cost.num_tokens - 1) for (old, _), (_, _, cost) in zip(spans, pictures)]
+            hints = tuple((self._shifted(pos, growth), role) for pos, role in hints)
+            engine_images = tuple(self._engine_image(part, header, cost, start)
+                                  for (part, header, cost), (_, start) in zip(pictures, spans))  # fmt: skip
+            return PreparedPrompt(tuple(ids), encoded.text, hints, engine_images)
         if source.token_ids is not None:
             if not source.token_ids:
                 raise RequestError("a token-id prompt must not be empty", "prompt")
@@ -290,6 +344,105 @@ class Frontend:
                 raise RequestError("an empty prompt needs a BOS token, and this model has none", "prompt")
             ids = (bos,)
         return PreparedPrompt(ids, text)
+
+    # ------------------------------------------------------------------ images
+    def image_limits(self) -> dict[str, int]:
+        """The /v1/models image fields at the served context (zeros for a text-only core)."""
+        v = self.vision
+        if v is None:
+            return {}
+        return {"max_images_per_prompt": self.max_images_per_prompt,
+                "max_image_tokens_per_prompt": self.max_image_tokens_per_prompt,
+                "image_feature_window_tokens": v.image_feature_window_tokens,
+                "max_image_tokens_per_image": min(v.max_image_tokens_per_image, v.image_feature_window_tokens),
+                "max_image_pixels": v.max_image_pixels, "max_image_bytes": v.max_image_bytes}  # fmt: skip
+
+    def _check_images(self, parts: list[ImagePart]) -> list[tuple[ImagePart, imaging.ImageHeader, imaging.ImageCost]]:
+        """Cost every image from its header (no decode), then refuse: single images against their
+        limits with the observed size, then the whole request against the prompt budget, naming
+        the first image past it. Returns (part, header, cost) per image, in prompt order."""
+        profile = self.vision
+        assert profile is not None
+        if len(parts) > self.max_images_per_prompt:
+            self.image_counters["input_rejected_images_total"] += len(parts)
+            raise RequestError(f"the request has {len(parts)} images, over max_images_per_prompt "
+                               f"{self.max_images_per_prompt}", "messages")  # fmt: skip
+        costed = []
+        for number, part in enumerate(parts, 1):
+            where = f"image {number}"
+            try:
+                header = imaging.read_header(part.data, profile, where)
+                cost = imaging.cost(header.width, header.height, profile)
+            except imaging.ImageError as exc:
+                self.image_counters["input_rejected_images_total"] += 1
+                raise RequestError(str(exc), "messages") from None
+            if cost.num_tokens > profile.max_image_tokens_per_image:
+                self.image_counters["input_rejected_images_total"] += 1
+                raise RequestError(f"{where} ({header.width}x{header.height} pixels) costs {cost.num_tokens} image "
+                                   f"tokens, over max_image_tokens_per_image {profile.max_image_tokens_per_image}",
+                                   "messages")  # fmt: skip
+            if cost.num_tokens < 2:
+                self.image_counters["input_rejected_images_total"] += 1
+                raise RequestError(f"{where} ({header.width}x{header.height} pixels) resizes to {cost.num_tokens} image "
+                                   "token; this core's vision program needs at least 2", "messages")  # fmt: skip
+            costed.append((part, header, cost))
+        total = sum(c.num_tokens for _, _, c in costed)
+        budget = self.max_image_tokens_per_prompt
+        if total > budget:
+            running, first = 0, 0
+            for first, (_, _, c) in enumerate(costed, 1):
+                running += c.num_tokens
+                if running > budget:
+                    break
+            _, header, c = costed[first - 1]
+            patches = sum(c.num_patches for _, _, c in costed)
+            self.image_counters["input_rejected_images_total"] += len(costed)
+            raise RequestError(f"the request's {len(costed)} images cost {total} image tokens ({patches} patches), over "
+                               f"max_image_tokens_per_prompt {budget}; image {first} ({header.width}x{header.height} "
+                               f"pixels, {c.num_tokens} tokens) is the first past it", "messages")  # fmt: skip
+        return costed
+
+    def _expand_images(self, ids: list[int], costs: list[imaging.ImageCost]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Each template-rendered placeholder -> framing + one image token per feature row. Returns the
+        ids and, per image, (placeholder position before, first image-token position after)."""
+        profile = self.vision
+        assert profile is not None
+        found = [i for i, t in enumerate(ids) if t == profile.placeholder_token_id]
+        if len(found) != len(costs):
+            raise RequestError(f"the chat template rendered {len(found)} image placeholders for {len(costs)} images",
+                               "messages")  # fmt: skip
+        out: list[int] = []
+        spans: list[tuple[int, int]] = []
+        previous = 0
+        for position, cost in zip(found, costs):
+            out += ids[previous:position] + list(profile.prefix_token_ids)
+            spans.append((position, len(out)))
+            out += [profile.image_token_id] * cost.num_tokens + list(profile.suffix_token_ids)
+            previous = position + 1
+        return out + ids[previous:], spans
+
+    @staticmethod
+    def _shifted(position: int, growth: list[tuple[int, int]]) -> int:
+        """A pre-expansion token position after image expansion: it moves by the growth of every
+        placeholder before it."""
+        return position + sum(grown for placeholder, grown in growth if placeholder < position)
+
+    def _engine_image(self, part: ImagePart, header: imaging.ImageHeader, cost: imaging.ImageCost,
+                      start: int) -> EngineImage:  # fmt: skip
+        """Decode now (the frontend pool); prepare later, only if prefill reaches the image (the engine)."""
+        profile = self.vision
+        assert profile is not None
+        try:
+            rgb = imaging.decode(part.data)
+        except Exception:
+            self.image_counters["input_rejected_images_total"] += 1
+            raise RequestError(f"an image ({header.width}x{header.height} {header.format}) could not be decoded",
+                               "messages") from None  # fmt: skip
+        self.image_counters["input_decoded_images_total"] += 1
+        self.image_counters["input_decoded_image_bytes_total"] += header.num_bytes
+        return EngineImage(start=start, num_tokens=cost.num_tokens, digest=imaging.content_digest(part.data, profile),
+                           prepare=functools.partial(imaging.prepare, rgb, profile),
+                           pixels=header.width * header.height)  # fmt: skip
 
     # ------------------------------------------------------------------ engine requests
     @property
@@ -401,6 +554,7 @@ class Frontend:
             reasoning_budget=self.reasoning_budget(budget, prompt.token_ids) if budget is not None else None,
             constraint=self.constraint(request, prompt.token_ids) if request.output is not None else None,
             checkpoint_hints=prompt.checkpoint_hints,
+            images=prompt.images,
         )
 
     def constraint(self, request: InferenceRequest, prompt_ids: tuple[int, ...]) -> GrammarConstraint:

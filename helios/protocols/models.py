@@ -25,9 +25,14 @@ def identity(manifest: Manifest, configured_aliases: tuple[str, ...], created: i
     return ModelIdentity(aliases[0] if aliases else manifest.model.id, manifest.model.id, aliases, created)
 
 
+IMAGE_LIMITS = ("max_images_per_prompt", "max_image_tokens_per_prompt", "image_feature_window_tokens",
+                "max_image_tokens_per_image", "max_image_pixels", "max_image_bytes")
+
+
 def flare_object(manifest: Manifest, *, max_concurrency: int, prefill_chunk_size: int, default_max_tokens: int,
-                 thinking_token_budget: int | None) -> dict[str, Any]:  # fmt: skip
-    """default_max_tokens is the effective integer budget of a request that omits one (never null)."""
+                 thinking_token_budget: int | None, image_limits: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """default_max_tokens is the effective integer budget of a request that omits one (never null).
+    image_limits: the six image fields at the served context (vision cores; zeros without)."""
     spec = manifest.recipe.sampling
     defaults = {name: getattr(spec.defaults, name) for name in DISTRIBUTION_PARAMS}
     defaults["seed"] = spec.defaults.seed
@@ -42,12 +47,7 @@ def flare_object(manifest: Manifest, *, max_concurrency: int, prefill_chunk_size
         "sampling_defaults": defaults,
         "thinking_token_budget": thinking_token_budget,
         "sampling_ranges": ranges,
-        "max_images_per_prompt": 0,
-        "max_image_tokens_per_prompt": 0,
-        "image_feature_window_tokens": 0,
-        "max_image_tokens_per_image": 0,
-        "max_image_pixels": 0,
-        "max_image_bytes": 0,
+        **{name: (image_limits or {}).get(name, 0) for name in IMAGE_LIMITS},
         "input_modalities": ["text"] + (["image"] if manifest.capabilities.vision else []),
         "output_modalities": ["text"],
     }

@@ -44,6 +44,8 @@ def usage_object(usage: Usage, *, reasoning: bool) -> dict[str, Any]:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.image_tokens:  # image requests (spec: usage)
+        body["prompt_tokens_details"]["multimodal_tokens"] = {"image": usage.image_tokens}
     if reasoning:
         body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     return body

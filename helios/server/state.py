@@ -72,6 +72,9 @@ class ServerState:
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
             "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds",
             "state_slots", "state_slot_bytes", "state_slots_used", "state_snapshots")}  # fmt: skip
+        values.update(stats.images)  # image preparation and feature counters (engine), plus the frontend's
+        for name, count in self.frontend.image_counters.items():
+            values[name] = values.get(name, 0) + count
         values.update(checkpoint_captures=dict(stats.checkpoint_captures), checkpoint_skips=dict(stats.checkpoint_skips),
                       checkpoint_extra_work_nanoseconds_total=stats.checkpoint_extra_work_ns)
         host = self.client.engine.host
@@ -147,7 +150,8 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     model = identity(m, config.aliases, created)
     flare = flare_object(m, max_concurrency=config.max_concurrency, prefill_chunk_size=config.prefill_chunk_size,
                          default_max_tokens=frontend.default_max_tokens,
-                         thinking_token_budget=config.thinking_token_budget)  # fmt: skip
+                         thinking_token_budget=config.thinking_token_budget,
+                         image_limits=frontend.image_limits())  # fmt: skip
     return ServerState(
         config=config, core=core, frontend=frontend, client=client, runner=Runner(frontend, client),
         slots=AdmissionSlots(config.http_slots), pool=ThreadPoolExecutor(config.frontend_workers, "helios-frontend"),

@@ -27,24 +27,30 @@ transformers' Gemma4ForCausalLM (eager attention).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import moe
-from ignition.models.common import DecoderProgram, decode_weight_bytes, rotate_half
+from ignition.models import gemma4_vision, moe
+from ignition.models.common import DecoderProgram, rotate_half
 from ignition.models.gemma3 import FULL, SLIDING, embed_scale, softcapped
 from ignition.models.heads import step_outputs
 from ignition.models.moe import STACKED_EXPERTS, expert_weight_map
 
-__all__ = ["decode_weight_bytes"]  # the family interface, shared with common
+
+
+def decode_weight_bytes(config: "Gemma4Config", weights: dict[str, Tensor]) -> int:
+    """As common's, without the vision tower (it runs once per image, not per decode step)."""
+    from ignition.models.common import decode_weight_bytes as dense
+
+    return dense(config, {k: v for k, v in weights.items() if not k.startswith("vision.")})
 
 FAMILY = "gemma4"
-HF_ARCHITECTURES = ("Gemma4ForCausalLM",)
-HF_MODEL_TYPES = ("gemma4_text",)
+HF_ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+HF_MODEL_TYPES = ("gemma4_text", "gemma4")
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 # Like gemma3: exports default to float32 until the 16-bit program is checked on a real checkpoint.
@@ -84,6 +90,22 @@ WEIGHT_MAP = {
     **expert_weight_map(mlp=_L, router="router.proj"),
 }
 
+# Multimodal checkpoints (Gemma4ForConditionalGeneration) nest the text model under model.language_model.
+WEIGHT_MAP |= {"model.language_model." + k[len("model."):]: v for k, v in list(WEIGHT_MAP.items()) if k.startswith("model.")}
+WEIGHT_MAP |= gemma4_vision.WEIGHT_MAP
+
+
+def ignored_tensor(config: "Gemma4Config", name: str) -> bool:
+    """The audio tower is not compiled (no audio inputs); a vision tower without vision support neither."""
+    return name.startswith(("model.audio_tower.", "model.embed_audio."))
+
+
+def text_names(hf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A multimodal checkpoint's text tensors under the text-only names (model.language_model. -> model.)."""
+    prefix = "model.language_model."
+    return {("model." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in hf_weights.items()}
+
+
 # q, k and v are not fused: k_eq_v layers have no v_proj and KV-shared layers neither k nor v.
 FUSED = {"layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up")}
 STACKED = STACKED_EXPERTS
@@ -115,6 +137,7 @@ class Gemma4Config:
     num_experts: int  # 0 = no MoE block
     top_k_experts: int
     moe_intermediate_size: int
+    vision: gemma4_vision.VisionConfig | None = None  # the vision tower of a multimodal checkpoint
 
     @property
     def kv_dim(self) -> int:
@@ -143,12 +166,19 @@ def _rope(hf: dict[str, Any], kind: str, head_dim: int) -> tuple[float, int, flo
 
 
 def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
-    """Read a Hugging Face gemma4_text config.json dict; unsupported variants raise ValueError."""
-    if "text_config" in hf or hf.get("model_type") not in (None, *HF_MODEL_TYPES):
-        raise ValueError(f"only text-only Gemma 4 checkpoints (model_type gemma4_text, Gemma4ForCausalLM) are "
-                         f"supported by the {FAMILY} family, not {hf.get('model_type')!r} with vision/audio towers")  # fmt: skip
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError(f"bidirectional attention is not supported by the {FAMILY} family")
+    """Read a Hugging Face gemma4_text config.json dict, or a multimodal gemma4 one (its text_config
+    plus its vision_config; an audio tower is left out); unsupported variants raise ValueError."""
+    if hf.get("model_type") == "gemma4" or isinstance(hf.get("text_config"), dict):
+        text = dict(hf["text_config"])
+        config = config_from_hf({**text, "model_type": "gemma4_text"})
+        if hf.get("vision_config") is None:
+            return config
+        return replace(config, vision=gemma4_vision.config_from_hf(hf, text))
+    if hf.get("model_type") not in (None, *HF_MODEL_TYPES):
+        raise ValueError(f"model_type {hf.get('model_type')!r} is not supported by the {FAMILY} family")
+    if hf.get("use_bidirectional_attention"):  # "vision": image tokens attend both ways on sliding layers
+        raise ValueError(f"bidirectional attention ({hf['use_bidirectional_attention']!r}) is not supported by the "
+                         f"{FAMILY} family")  # fmt: skip
     if hf.get("attention_bias"):
         raise ValueError(f"attention_bias is not supported by the {FAMILY} family")
     act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
@@ -265,15 +295,28 @@ class StepProgram(DecoderProgram):
     """Gemma 4's step over the flare:: paged-KV ops."""
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        logprob_ids, target_ids = self.optional_inputs(extra_1, extra_2)
+                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
+        those rows' input embeddings are the features (unscaled, as transformers merges them) and
+        their per-layer-input ids the pad id; rows of -1 are unused."""
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
+        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
+        logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
         c = self.config
         eps = c.rms_norm_eps
         wdt = weights["embed"].dtype
         x = (F.embedding(token_ids, weights["embed"]) * embed_scale(c.hidden_size, wdt)).float()
+        ple_ids = token_ids
+        if image is not None:
+            features, rows = image
+            T = x.shape[0]
+            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
+            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
+            is_image = torch.zeros(T + 1, dtype=torch.bool, device=x.device).index_fill(0, rows, True)[:T]
+            ple_ids = torch.where(is_image, c.vision.pad_token_id, token_ids)
         ple = None
         if c.ple_dim:
-            tok = F.embedding(token_ids, weights["embed_per_layer"]) * embed_scale(c.ple_dim, wdt)
+            tok = F.embedding(ple_ids, weights["embed_per_layer"]) * embed_scale(c.ple_dim, wdt)
             proj = F.linear(x.to(wdt), weights["per_layer_proj"]).float() * c.hidden_size**-0.5
             proj = norm4(proj.reshape(-1, c.num_layers, c.ple_dim), weights["per_layer_proj_norm"], eps)
             ple = (proj + tok.float().reshape(-1, c.num_layers, c.ple_dim)) * 2.0**-0.5
@@ -346,19 +389,28 @@ class StepProgram(DecoderProgram):
 # ---------------------------------------------------------------------- plain reference
 
 
-def reference_logits(config: Gemma4Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
+def reference_logits(config: Gemma4Config, hf_weights: dict[str, Tensor], token_ids: list[int],
+                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
     """Dense, unpaged forward over Hugging Face-named weights in float64: logits [T, V] fp32.
 
     Independent of the program: unfused and unpadded weights, explicit per-layer masks, KV
     sharing by keeping each producer's keys/values, the MoE block as a loop over experts.
+    Images: row i of image_features replaces the input embedding at image_positions[i], whose
+    per-layer-input token is the pad id (as transformers' Gemma4Model merges them).
     """
     c = config
+    hf_weights = text_names(hf_weights)
     f64 = torch.float64
     w = lambda name: hf_weights[name].to(f64)
     T = len(token_ids)
     ids = torch.tensor(token_ids)
     table = hf_weights["model.embed_tokens.weight"]
     x = table[ids].to(f64) * embed_scale(c.hidden_size, table.dtype)
+    if image_positions:
+        assert image_features is not None and c.vision is not None
+        x[torch.tensor(image_positions)] = image_features.to(f64)
+        ids = ids.clone()
+        ids[torch.tensor(image_positions)] = c.vision.pad_token_id
     pos = torch.arange(T, dtype=f64)
 
     def norm(t: Tensor, weight: Tensor | None) -> Tensor:
@@ -510,8 +562,48 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
     }
 
 
+def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
+    """A tiny multimodal (Gemma4ForConditionalGeneration) config around testmodel_config's text model:
+    a 2-layer vision tower of width 32 over 4-pixel patches, 3 x 3 pooling, standardized features,
+    up to 70 tokens per image (the reference processor's smallest max_soft_tokens). `tokens`: the
+    tokenizer's ids of <|image|>, <|image> and <image|>."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4,
+            "pooling_kernel_size": 3, "position_embedding_size": 64, "standardize": True,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}, "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+        "audio_config": None,
+        "image_token_id": tokens["<|image|>"],
+        "boi_token_id": tokens["<|image>"],
+        "eoi_token_id": tokens["<image|>"],
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
+        "max_position_embeddings": text["max_position_embeddings"],
+    }  # fmt: skip
+
+
+TESTMODEL_PROCESSOR = {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 4, "max_soft_tokens": 70,
+                       "pooling_kernel_size": 3, "do_resize": True, "resample": 3, "do_rescale": True,
+                       "rescale_factor": 1 / 255, "do_normalize": False, "do_convert_rgb": True}  # fmt: skip
+
+
 def hf_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of a checkpoint with this config."""
+    """Hugging Face tensor names and shapes of a checkpoint with this config (a multimodal one's
+    text model under model.language_model., then its vision tower)."""
+    shapes = _text_shapes(c)
+    if c.vision is None:
+        return shapes
+    nested = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in shapes.items()}
+    return nested | gemma4_vision.hf_shapes(c.vision)
+
+
+def _text_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
     h, H = c.hidden_size, c.num_heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -549,3 +641,26 @@ def hf_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
             }  # fmt: skip
         shapes |= {p + name: shape for name, shape in layer.items()}
     return shapes
+
+
+# ------------------------------------------------------------------------- vision hooks (ignition.export)
+
+
+def vision_program(config: Gemma4Config) -> torch.nn.Module:
+    assert config.vision is not None
+    return gemma4_vision.VisionProgram(config.vision)
+
+
+def vision_examples(config: Gemma4Config) -> tuple[Tensor, Tensor]:
+    assert config.vision is not None
+    return gemma4_vision.example_inputs(config.vision)
+
+
+def reference_features(config: Gemma4Config, hf_weights: dict[str, Tensor], pixels: Tensor, positions: Tensor) -> Tensor:
+    assert config.vision is not None
+    return gemma4_vision.reference_features(config.vision, hf_weights, pixels, positions)
+
+
+def vision_profile(config: Gemma4Config, processor: dict[str, Any], max_model_len: int):
+    assert config.vision is not None
+    return gemma4_vision.profile(config.vision, processor, max_model_len)

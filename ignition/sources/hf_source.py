@@ -97,6 +97,8 @@ def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = N
         add_bos_token=bool(tok_config.get("add_bos_token", False)) and bos is not None,
     )
     files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file()}
+    processor = next((_read_json(directory / n) for n in ("processor_config.json", "preprocessor_config.json")
+                      if (directory / n).is_file()), None)  # fmt: skip
     name = str(config.get("_name_or_path") or directory.name)
     return Checkpoint(
         kind=kind,
@@ -112,6 +114,7 @@ def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = N
         files=files,
         dtype=_published_dtype(config, tensors, quantized is not None),
         source_format="safetensors" + (f" {quantized}" if quantized else ""),
+        processor_config=processor,
     )
 
 

@@ -208,7 +208,7 @@ def test_candidate_positions_are_exact_token_boundaries(frontend: Frontend, temp
 def replace_template(frontend: Frontend, source: str) -> Frontend:
     clone = object.__new__(Frontend)
     for name in ("manifest", "config", "tokenizer", "literal", "vocab_size", "max_model_len", "bounds",
-                 "checkpoint_hints", "anchor_hints", "native", "grammars"):  # fmt: skip
+                 "checkpoint_hints", "anchor_hints", "native", "grammars", "vision"):  # fmt: skip
         setattr(clone, name, getattr(frontend, name))
     clone.template = ChatTemplate(source, frontend.template.special_tokens)
     return clone

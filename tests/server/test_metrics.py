@@ -196,8 +196,9 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     engine = SimpleNamespace(stats=stats, host=None,
                              scheduler=SimpleNamespace(drafter=HistoryDrafter(SpeculationConfig(mode="off"))))  # fmt: skip
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
-                            started=0.0)  # fmt: skip
+                            started=0.0, frontend=SimpleNamespace(image_counters={"input_decoded_images_total": 2}))  # fmt: skip
     values = ServerState.snapshot(state)  # type: ignore[arg-type]
+    assert values["input_decoded_images_total"] == 2 and values["input_vision_encodes_total"] == 0
     families = {f.name: f for f in text_string_to_metric_families(prometheus_text(values, EMPTY_WINDOW))}
     captures = {s.labels["role"]: s.value for s in families["flare_checkpoint_captures"].samples}
     skips = {s.labels["reason"]: s.value for s in families["flare_checkpoint_skips"].samples}
@@ -225,7 +226,7 @@ def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
                                 copier_ns=9_000)  # fmt: skip
     engine = SimpleNamespace(stats=EngineStats(), host=host, scheduler=scheduler)
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
-                            started=0.0)  # fmt: skip
+                            started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
     values = ServerState.snapshot(state)  # type: ignore[arg-type]
     families = {f.name: f for f in text_string_to_metric_families(prometheus_text(values, EMPTY_WINDOW))}
     assert families["flare_host_cache_copyout_waits"].type == "counter"

@@ -1,0 +1,99 @@
+"""Image features for prefill: the vision program runs when a step's chunk first reaches an image.
+
+Feature window: images are prepared and encoded one at a time, as chunked prefill reaches each
+span, and their rows stay in a bounded arena (window_tokens rows per live request) until the
+chunk that consumes an image's last row has run; an evicted image is re-encoded on demand
+(preemption, or a bigger batch than the arena). An image inside a reused prefix is never
+prepared or encoded: no chunk reaches it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from helios.engine.request import EngineImage, EngineStats
+from helios.engine.sequence import Chunk
+
+log = logging.getLogger("helios.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRows:
+    """One chunk's image rows of a step: which flat step rows take which feature rows."""
+
+    features: Tensor  # [I, hidden] fp32
+    rows: Tensor  # [I] int64 flat rows of the step; a lone -1 row when the step has no image rows
+
+
+class ImageEncoder:
+    def __init__(self, program, weights: dict[str, Tensor], width: int, window_tokens: int, device: str,
+                 stats: EngineStats) -> None:  # fmt: skip
+        self.program = program
+        self.weights = weights
+        self.width = width  # feature columns (the language model's hidden size)
+        self.capacity = max(window_tokens, 1)  # rows kept at once over every request
+        self.device = device
+        self.stats = stats
+        self._arena: OrderedDict[tuple[int, int], Tensor] = OrderedDict()  # (id(request), image index) -> rows
+        self._rows = 0
+
+    def step_inputs(self, chunks: list[Chunk], starts: list[int]) -> dict[str, Tensor]:
+        """image_features / image_rows of a step whose chunk i starts at flat row starts[i]."""
+        features: list[Tensor] = []
+        rows: list[int] = []
+        done: list[tuple[int, int]] = []
+        for chunk, flat in zip(chunks, starts):
+            lo, hi = chunk.start, chunk.start + chunk.num_tokens
+            for index, image in enumerate(chunk.seq.request.images):
+                a, b = max(lo, image.start), min(hi, image.end)
+                if a >= b:
+                    continue
+                encoded = self._features(chunk.seq.request, index, image)
+                features.append(encoded[a - image.start : b - image.start])
+                rows += range(flat + a - lo, flat + b - lo)
+                if b == image.end:  # this step consumes its last row: its storage is free after it
+                    done.append((id(chunk.seq.request), index))
+        for key in done:
+            self._drop(key)
+        if not rows:
+            return {"image_features": torch.zeros(1, self.width, device=self.device),
+                    "image_rows": torch.full((1,), -1, dtype=torch.int64, device=self.device)}  # fmt: skip
+        return {"image_features": torch.cat(features).to(self.device),
+                "image_rows": torch.tensor(rows, dtype=torch.int64, device=self.device)}  # fmt: skip
+
+    def _features(self, request, index: int, image: EngineImage) -> Tensor:
+        key = (id(request), index)
+        found = self._arena.get(key)
+        if found is not None:
+            self._arena.move_to_end(key)
+            return found
+        pixels, positions = image.prepare()
+        self.stats.images["input_prepared_images_total"] += 1
+        encoded = self.program(self.weights, [], pixel_values=pixels.to(self.device),
+                               pixel_positions=positions.to(self.device))["image_features"]  # fmt: skip
+        if encoded.shape[0] != image.num_tokens:
+            raise RuntimeError(f"the vision program returned {encoded.shape[0]} rows for an image of "
+                               f"{image.num_tokens} tokens")  # fmt: skip
+        self.stats.images["input_vision_encodes_total"] += 1
+        self.stats.images["input_vision_tokens_total"] += image.num_tokens
+        while self._arena and self._rows + image.num_tokens > self.capacity:
+            _, evicted = self._arena.popitem(last=False)
+            self._rows -= evicted.shape[0]
+            self.stats.images["input_feature_evictions_total"] += 1
+        self._arena[key] = encoded
+        self._rows += encoded.shape[0]
+        return encoded
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        found = self._arena.pop(key, None)
+        if found is not None:
+            self._rows -= found.shape[0]
+
+    @property
+    def stored_rows(self) -> int:
+        return self._rows

@@ -1,0 +1,121 @@
+"""Gemma 4 vision cores: a tiny multimodal checkpoint (2-layer vision tower, 3 x 3 pooling,
+standardized features) exported with its vision program, checked against transformers'
+Gemma4ImageProcessorPil (helios' profile-driven preparation), Gemma4Model.get_image_features
+(the vision program) and Gemma4ForConditionalGeneration (logprobs with images in the prompt),
+on three images of different sizes and formats."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helios.core import Core
+from helios.core.program import STEP, SCORED_PREFILL, VISION, run_prompt
+from helios.frontend import images
+from ignition.export import ExportOptions, export_core
+from ignition.models import gemma4
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import write_testmodel
+
+TOLERANCE = 1e-3
+
+
+def encoded_images() -> list[bytes]:
+    """PNG 37x53, JPEG 64x40, WebP 90x90 (lossless), seeded noise over gradients."""
+    rng = np.random.default_rng(0)
+    out = []
+    for (w, h), fmt, extra in (((37, 53), "PNG", {}), ((64, 40), "JPEG", {"quality": 90}),
+                               ((90, 90), "WEBP", {"lossless": True})):  # fmt: skip
+        grad = np.linspace(0, 255, w)[None, :, None] * np.ones((h, 1, 3))
+        pixels = np.clip(grad * 0.5 + rng.integers(0, 128, (h, w, 3)), 0, 255).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format=fmt, **extra)
+        out.append(buffer.getvalue())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    checkpoint = write_testmodel("gemma4", tmp_path_factory.mktemp("ckpt") / "tiny-gemma4-vision", seed=3, vision=True)
+    out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
+    export_core(open_source(str(checkpoint)), load_recipe("gemma4"),
+                ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))  # fmt: skip
+    return checkpoint, out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: tuple[Path, Path]):
+    from transformers import Gemma4ForConditionalGeneration
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def _processor():
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    settings = {k: v for k, v in gemma4.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
+    return Gemma4ImageProcessorPil(**settings)
+
+
+def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
+    m = Core.open(tiny[1]).manifest
+    assert m.capabilities.vision and VISION in m.programs and m.vision is not None
+    v = m.vision
+    assert (v.patch_size, v.pooling_kernel_size, v.max_patches, v.max_image_tokens_per_image) == (4, 3, 630, 70)
+    assert [t.name for t in m.programs[STEP].inputs][-2:] == ["image_features", "image_rows"]
+    assert m.golden.max_abs_diff <= TOLERANCE
+
+
+def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path]) -> None:
+    profile = Core.open(tiny[1]).manifest.vision
+    processor = _processor()
+    for data in encoded_images():
+        header = images.read_header(data, profile, "image 1")
+        ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")
+        pixels, positions = images.prepare(images.decode(data), profile)
+        n = pixels.shape[0]
+        assert images.cost(header.width, header.height, profile).num_tokens == int(ref["num_soft_tokens_per_image"][0])
+        assert torch.equal(positions, ref["image_position_ids"][0, :n])
+        assert float((pixels - ref["pixel_values"][0, :n]).abs().max()) <= 1e-6
+        assert bool((ref["image_position_ids"][0, n:] == -1).all())
+
+
+def test_features_and_first_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+    core = Core.open(tiny[1])
+    m = core.manifest
+    profile = m.vision
+    weights = core.load_weights()
+    vision = core.load_program(VISION)
+    processor = _processor()
+    tok = core.tokenizer()
+    worst = 0.0
+    for data in encoded_images():
+        pixels, positions = images.prepare(images.decode(data), profile)
+        ours = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
+        ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")
+        with torch.no_grad():
+            theirs = reference.model.get_image_features(ref["pixel_values"], ref["image_position_ids"]).pooler_output[0]
+        worst = max(worst, float((ours - theirs).abs().max()))
+        # A prompt around the image: the step with these features vs the full multimodal model.
+        text = tok.encode("Describe this picture:", add_special_tokens=False).ids
+        ids = ([m.tokenizer.bos_token_id] + text + list(profile.prefix_token_ids) + [profile.image_token_id] * len(ours)
+               + list(profile.suffix_token_ids) + tok.encode(" in short.", add_special_tokens=False).ids)  # fmt: skip
+        image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([ids]), pixel_values=ref["pixel_values"],
+                               image_position_ids=ref["image_position_ids"]).logits[0].float()  # fmt: skip
+        expected = torch.log_softmax(logits, dim=-1)
+        for kind in (STEP, SCORED_PREFILL):
+            run = run_prompt(core.load_program(kind), weights, m.kv, m.limits.page_tokens, ids, chunk=11,
+                             image_features=ours, image_positions=image_positions)  # fmt: skip
+            worst = max(worst, float((run.logprobs[-1] - expected[-1]).abs().max()))
+            worst = max(worst, float((run.logprobs - expected).abs().max()))
+    assert worst <= TOLERANCE, worst
+    print(f"max |delta| vs transformers: {worst:.3g}")

@@ -1,0 +1,274 @@
+"""Images end to end on a tiny Gemma 4 vision core: the OpenAI and Anthropic SDKs (strict) with
+images in user turns and tool results, buffered and streamed; the first generated logprobs
+against transformers; limits and budget rejections with their messages (a 30000 x 30000 PNG
+bomb refused from its header, in bounded memory); prefix reuse across an appended image and
+none across a changed one; the text-only core's refusals unchanged."""
+
+from __future__ import annotations
+
+import base64
+import io
+import resource
+import struct
+import zlib
+from pathlib import Path
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from helios.config import ServerConfig
+from helios.frontend import images
+from helios.frontend.inference import Conversation, ImagePart, Message, TextPart
+from ignition.export import ExportOptions, export_core
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import write_testmodel
+from live import live_server
+from tests.ignition.test_gemma4_vision import encoded_images
+
+IMAGES = encoded_images()  # PNG 37x53, JPEG 64x40, WebP 90x90
+MEDIA = ("image/png", "image/jpeg", "image/webp")
+
+
+def data_url(index: int) -> str:
+    return f"data:{MEDIA[index]};base64," + base64.b64encode(IMAGES[index]).decode()
+
+
+def b64(index: int) -> str:
+    return base64.b64encode(IMAGES[index]).decode()
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    checkpoint = write_testmodel("gemma4", tmp_path_factory.mktemp("ckpt") / "tiny-gemma4-vision", seed=3, vision=True)
+    out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
+    export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=out, dtype="float32",
+                                                                                         prompt_logprobs=True))
+    return checkpoint, out
+
+
+@pytest.fixture(scope="module")
+def served(vision: tuple[Path, Path]):
+    with live_server(vision[1], ServerConfig(kv_pages=256, speculation="off", prefill_chunk_size=40)) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def oai(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="k", _strict_response_validation=True, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(served) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=served[0], api_key="k", default_headers={"anthropic-version": "2023-06-01"},
+                               _strict_response_validation=True, max_retries=0)  # fmt: skip
+
+
+def _user(text: str, *indices: int) -> dict:
+    return {"role": "user", "content": [{"type": "text", "text": text}]
+            + [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in indices]}  # fmt: skip
+
+
+def _post(served, body: dict) -> httpx.Response:
+    return httpx.post(served[0] + "/v1/chat/completions", json={"model": "m", "max_tokens": 2, **body}, timeout=120)
+
+
+# ---------------------------------------------------------------------------- numerics
+
+
+def test_first_generated_logprobs_match_transformers(vision, served, oai: openai.OpenAI) -> None:
+    """Three images in one user turn, prefilled in 40-token chunks that cut through them: the first
+    token's 20 best logprobs equal transformers' Gemma4ForConditionalGeneration on the same ids."""
+    from transformers import Gemma4ForConditionalGeneration
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from ignition.models import gemma4
+
+    state = served[1]
+    messages = [_user("Compare these:", 0, 1, 2)]
+    parts = (TextPart("Compare these:"), *(ImagePart(d, m) for d, m in zip(IMAGES, MEDIA)))
+    prompt = state.frontend.prompt(Conversation((Message("user", parts),)))
+    completion = oai.chat.completions.create(model="m", messages=messages, max_tokens=1, logprobs=True, top_logprobs=20)
+    ours = [t.logprob for t in completion.choices[0].logprobs.content[0].top_logprobs]
+    assert completion.usage.prompt_tokens == len(prompt.token_ids)
+    assert completion.usage.prompt_tokens_details.model_extra["multimodal_tokens"]["image"] == prompt.image_tokens
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(str(vision[0]), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()  # fmt: skip
+    settings = {k: v for k, v in gemma4.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
+    processed = Gemma4ImageProcessorPil(**settings)(images=[Image.open(io.BytesIO(d)) for d in IMAGES], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt.token_ids]), pixel_values=processed["pixel_values"],
+                       image_position_ids=processed["image_position_ids"]).logits[0, -1].float()  # fmt: skip
+    theirs = torch.log_softmax(logits, -1).topk(20).values.tolist()
+    worst = max(abs(a - b) for a, b in zip(ours, theirs))
+    assert worst <= 1e-3, worst
+
+
+def test_prompt_logprobs_are_null_at_image_positions(served) -> None:
+    parts = (TextPart("Look:"), ImagePart(IMAGES[1], MEDIA[1]), TextPart("What is it?"))
+    prompt = served[1].frontend.prompt(Conversation((Message("user", parts),)))
+    body = _post(served, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": data_url(1)}},
+        {"type": "text", "text": "What is it?"}]}], "prompt_logprobs": 0, "max_tokens": 1}).json()  # fmt: skip
+    entries = body["prompt_logprobs"]
+    assert len(entries) == len(prompt.token_ids)
+    nulls = {i for i, e in enumerate(entries) if e is None}
+    assert nulls == {0} | set(prompt.image_positions)
+
+
+# ---------------------------------------------------------------------------- SDKs
+
+
+def test_openai_images_in_user_turns_and_tool_results(oai: openai.OpenAI) -> None:
+    tools = [{"type": "function", "function": {"name": "snap", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [
+        _user("What is in the picture?", 0),
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "snap", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1",
+         "content": [{"type": "text", "text": "photo:"}, {"type": "image_url", "image_url": {"url": data_url(1)}}]},
+    ]  # fmt: skip
+    buffered = oai.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=3, seed=1)
+    image_tokens = buffered.usage.prompt_tokens_details.model_extra["multimodal_tokens"]["image"]
+    assert image_tokens > 0 and buffered.usage.prompt_tokens > image_tokens
+    stream = oai.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=3, seed=1, stream=True,
+                                         stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens == buffered.usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.model_extra["multimodal_tokens"]["image"] == image_tokens
+
+
+def test_anthropic_images_in_user_turns_and_tool_results(claude: anthropic.Anthropic) -> None:
+    image = lambda i: {"type": "image", "source": {"type": "base64", "media_type": MEDIA[i], "data": b64(i)}}  # noqa: E731
+    tools = [{"name": "snap", "input_schema": {"type": "object", "properties": {}}}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, image(2)]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "snap", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "shot"}, image(0)]}]},
+    ]  # fmt: skip
+    message = claude.messages.create(model="m", max_tokens=3, messages=messages, tools=tools)
+    counted = claude.messages.count_tokens(model="m", messages=messages, tools=tools)
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == counted.input_tokens
+    with claude.messages.stream(model="m", max_tokens=3, messages=messages, tools=tools) as stream:
+        final = stream.get_final_message()
+    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == counted.input_tokens
+
+
+def test_responses_input_image(served) -> None:
+    body = {"model": "m", "max_output_tokens": 2, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Describe"}, {"type": "input_image", "image_url": data_url(1)}]}]}  # fmt: skip
+    response = httpx.post(served[0] + "/v1/responses", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+
+
+# ---------------------------------------------------------------------------- prefix identity
+
+
+def test_appending_an_image_reuses_the_prefix_and_a_changed_image_does_not(served) -> None:
+    # Text after the image, so the first answer's full pages cover the whole image span.
+    first = [_user("First picture:", 0)]
+    first[0]["content"].append({"type": "text", "text": "Say what you see in it, in the fewest words you can."})
+    usage = _post(served, {"messages": first}).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    before = dict(served[1].snapshot())
+    appended = first + [{"role": "assistant", "content": "ok"}, _user("And another:", 1)]
+    usage = _post(served, {"messages": appended}).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens_details"]["multimodal_tokens"]["image"] // 2
+    after = served[1].snapshot()
+    assert after["input_reused_images_total"] == before["input_reused_images_total"] + 1  # image 1: no prep, no vision
+    assert after["input_vision_encodes_total"] == before["input_vision_encodes_total"] + 1
+    # The same text around a different first image: nothing at or after the image is reused.
+    changed = [_user("First picture:", 2)] + appended[1:]
+    changed[0]["content"].append(first[0]["content"][-1])
+    alone = Conversation((Message("user", (TextPart("First picture:"), ImagePart(IMAGES[2], MEDIA[2]))),))
+    image_start = served[1].frontend.prompt(alone).images[0].start  # the same tokens precede it in `changed`
+    usage = _post(served, {"messages": changed}).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] <= image_start
+
+
+# ---------------------------------------------------------------------------- limits
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height, with one tiny IDAT (a decompression-bomb shape)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def test_png_bomb_is_refused_from_its_header_in_bounded_memory(served) -> None:
+    bomb = "data:image/png;base64," + base64.b64encode(_png_header_only(30000, 30000)).decode()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB; the server runs in this process
+    response = _post(served, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": bomb}}]}]})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == ("image 1 is 30000x30000 = 900000000 pixels, over max_image_pixels "
+                                                   "50000000 (parameter: messages)")  # fmt: skip
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200_000  # a decode would need 2.7 GB
+
+
+def test_budget_rejection_costs_every_image_and_names_the_first_past_it(served) -> None:
+    state = served[1]
+    budget = state.frontend.max_image_tokens_per_prompt
+    cost = images.cost(90, 90, state.frontend.vision)  # the WebP: 96x96 after resizing, 24x24 patches
+    per_image = cost.num_tokens
+    assert (per_image, cost.num_patches) == (64, 576)
+    count = budget // per_image + 2
+    content = [{"type": "image_url", "image_url": {"url": data_url(2)}}] * count
+    response = _post(served, {"messages": [{"role": "user", "content": content}]})
+    assert response.status_code == 400
+    patches = count * cost.num_patches
+    first = budget // per_image + 1
+    assert response.json()["error"]["message"] == (
+        f"the request's {count} images cost {count * per_image} image tokens ({patches} patches), over "
+        f"max_image_tokens_per_prompt {budget}; image {first} (90x90 pixels, {per_image} tokens) is the first past it "
+        "(parameter: messages)")
+
+
+def test_animated_remote_and_oversized_images_are_refused(served) -> None:
+    frames = [Image.fromarray(np.full((8, 8, 3), v, np.uint8)) for v in (0, 255)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="WEBP", save_all=True, append_images=frames[1:], duration=50, loop=0)
+    animated = "data:image/webp;base64," + base64.b64encode(buffer.getvalue()).decode()
+    cases = [
+        (animated, "image 1 is animated; only static images are accepted"),
+        ("https://example.com/a.png", "images must be base64 data URLs (remote image downloads are unsupported)"),
+        ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "image 1 is not a readable PNG, JPEG or WebP image"),
+    ]  # fmt: skip
+    for url, message in cases:
+        response = _post(served, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"] == message + " (parameter: messages)", response.text
+    card = httpx.get(served[0] + "/v1/models").json()["data"][0]["flare"]
+    assert card["input_modalities"] == ["text", "image"] and card["max_image_pixels"] == 50_000_000
+    assert card["max_image_tokens_per_image"] == 70 and card["image_feature_window_tokens"] == 70
+    show = httpx.post(served[0] + "/api/show", json={"model": card and httpx.get(served[0] + "/v1/models").json()["data"][0]["id"]})
+    assert "vision" in show.json()["capabilities"]
+
+
+def test_text_only_core_refuses_images_everywhere(tiny_core: Path) -> None:
+    with live_server(tiny_core, ServerConfig(kv_pages=64)) as (url, _):
+        png = data_url(0)
+        chat = httpx.post(url + "/v1/chat/completions", json={"model": "m", "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png}}]}]}, timeout=60)  # fmt: skip
+        assert chat.status_code == 400
+        assert chat.json()["error"]["message"] == ("this model does not accept images (its core has no vision program) "
+                                                   "(parameter: messages)")  # fmt: skip
+        messages = httpx.post(url + "/v1/messages", headers={"anthropic-version": "2023-06-01"}, json={
+            "model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(0)}}]}]},
+            timeout=60)  # fmt: skip
+        assert messages.status_code == 400 and "does not accept images" in messages.json()["error"]["message"]
+        responses = httpx.post(url + "/v1/responses", json={"model": "m", "max_output_tokens": 1, "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": png}]}]}, timeout=60)  # fmt: skip
+        assert responses.status_code == 400 and "does not accept images" in responses.json()["error"]["message"]
+        card = httpx.get(url + "/v1/models").json()["data"][0]["flare"]
+        assert card["input_modalities"] == ["text"] and card["max_images_per_prompt"] == 0
