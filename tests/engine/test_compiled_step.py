@@ -4,6 +4,8 @@ clean fallback to the portable step anywhere else."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,8 +76,6 @@ def test_a_package_that_fails_to_load_falls_back(tiny_core: Path, tmp_path: Path
 def test_the_step_runs_with_the_gil_released(tiny: Core) -> None:
     """Run through the native library, the compiled step lets Python threads (the server's event
     loop) run meanwhile; torch's own runner holds the GIL for the whole step."""
-    import threading
-
     from helios.engine import native
 
     if not native.load():
@@ -97,12 +97,12 @@ def test_the_step_runs_with_the_gil_released(tiny: Core) -> None:
     try:
         while ticks[0] == 0:  # the spinner is running
             pass
-        during = []
-        for _ in range(5):
+        during, deadline = 0, time.monotonic() + 30  # the spinner may not get a core at once on a busy host
+        while during == 0 and time.monotonic() < deadline:
             before = ticks[0]
             step.runner.run(args)  # no Python bytecode runs on this thread meanwhile
-            during.append(ticks[0] - before)
+            during = ticks[0] - before
     finally:
         running.clear()
         thread.join()
-    assert max(during) > 0
+    assert during > 0

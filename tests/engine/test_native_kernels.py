@@ -166,9 +166,9 @@ STEPS = {  # history lengths, queries per sequence (0: a sequence with none this
                                                (torch.float32, torch.bfloat16)])  # fmt: skip
 @pytest.mark.parametrize("name", sorted(STEPS))
 def test_the_ops_cpu_slot_computes_what_the_python_kernel_does(name, dtype, cache_dtype, window, softcap) -> None:
-    """Once loaded, the library serves flare::paged_attention itself (decode rows in place, other
-    chunks through the same SDPA calls, soft-capped chunks handed to the Python kernel): bit for
-    bit what helios' Python kernel computes, so a step's rows never depend on which path ran."""
+    """Once loaded, the library serves flare::paged_attention itself: decode rows in place,
+    bfloat16 chunks on its chunk kernel, other chunks through the same SDPA calls as helios' Python
+    kernel (bit for bit), soft-capped chunks handed to that kernel."""
     from helios.engine import kernels
 
     lens, queries = STEPS[name]
@@ -184,7 +184,9 @@ def test_the_ops_cpu_slot_computes_what_the_python_kernel_does(name, dtype, cach
     args = (q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap)
     got = torch.ops.flare.paged_attention(*args)
     expected = kernels.paged_attention_cpu(*args)
-    assert torch.equal(got, expected)
+    chunked = any(n > 1 for n in queries) and softcap == 0.0
+    if not (chunked and torch.ops.flare_native.has_bf16_linear() and dtype == cache_dtype == torch.bfloat16):
+        assert torch.equal(got, expected)  # else chunks run the bfloat16 chunk kernel (next tests)
     reference = ops.reference_paged_attention(*args)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), reference.float(), rtol=tolerance, atol=tolerance)
@@ -197,3 +199,48 @@ def test_the_ops_write_kv_slot_is_the_native_copy() -> None:
     torch.ops.flare.write_kv(caches[0], caches[1], k, v, slots)
     ops.reference_write_kv(caches[2], caches[3], k, v, slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+bf16_chunks = pytest.mark.skipif(not native.load() or not torch.ops.flare_native.has_bf16_linear(),
+                                 reason="the chunk kernel needs AVX512-BF16")  # fmt: skip
+
+
+def _chunk_case(seed: int, dim: int, kv_len: int):
+    gen = torch.Generator().manual_seed(seed)
+    pages, page_tokens, heads, kv_heads = -(-kv_len // 16) + 2, 16, 9, 3
+    k_cache = torch.randn(pages, page_tokens, kv_heads, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(pages, page_tokens, kv_heads, dim, generator=gen).bfloat16()
+    tables = torch.randperm(pages, generator=gen)[None, : pages - 2].int()
+    q = torch.randn(kv_len, heads, dim, generator=gen).bfloat16()
+    return q, k_cache, v_cache, tables
+
+
+def _attend(q, k_cache, v_cache, tables, first: int, kv_len: int, window: int = 0):
+    rows = q.shape[0]
+    return torch.ops.flare.paged_attention(q, k_cache, v_cache, tables, torch.tensor([kv_len], dtype=torch.int32),
+                                           torch.tensor([0, rows], dtype=torch.int32), torch.arange(first, first + rows),
+                                           0.125, window, 0.0)  # fmt: skip
+
+
+@bf16_chunks
+@pytest.mark.parametrize("dim,window", [(64, 0), (128, 0), (64, 40), (256, 0)])
+def test_bf16_chunks_match_the_reference(dim: int, window: int) -> None:
+    q, k_cache, v_cache, tables = _chunk_case(dim + window, dim, 200)
+    for first, rows in ((0, 200), (150, 50), (199, 1 + 0), (60, 7)):
+        got = _attend(q[first : first + rows], k_cache, v_cache, tables, first, first + rows, window)
+        args = (q[first : first + rows].float(), k_cache.float(), v_cache.float(), tables,
+                torch.tensor([first + rows], dtype=torch.int32), torch.tensor([0, rows], dtype=torch.int32),
+                torch.arange(first, first + rows), 0.125, window, 0.0)  # fmt: skip
+        torch.testing.assert_close(got.float(), ops.reference_paged_attention(*args), rtol=2e-2, atol=2e-2)
+
+
+@bf16_chunks
+def test_a_rows_result_does_not_depend_on_its_chunk() -> None:
+    """A prompt attended whole, in chunks, or after a cached prefix gives every row the same bits
+    (chunked prefill and prefix reuse never change a 16-bit core's answer)."""
+    q, k_cache, v_cache, tables = _chunk_case(3, 64, 300)
+    whole = _attend(q, k_cache, v_cache, tables, 0, 300)
+    for cuts in ((100,), (7, 200), (64, 128, 298), (13, 15, 17)):  # chunks of 2+ rows (one row is a decode row)
+        edges = [0, *cuts, 300]
+        parts = [_attend(q[a:b], k_cache, v_cache, tables, a, b) for a, b in zip(edges, edges[1:])]
+        assert torch.equal(torch.cat(parts), whole), cuts

@@ -349,6 +349,201 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 #endif
 }
 
+// --------------------------------------------------------------------------- prefill attention
+// One chunk of a sequence's queries (a prompt chunk, or drafts under verification) over its keys,
+// bfloat16 throughout, on the same register micro-kernel as linear: keys and values are packed
+// once per chunk and kv head in 64-key tiles (keys: pairs of head features x 16 keys; values:
+// pairs of keys x 16 features), then each task takes up to 6 query rows of one head through the
+// tiles in order with an online softmax in fp32 (probabilities rounded to bfloat16 for the value
+// product, as SDPA's bfloat16 kernel does). Tiles no row of a task can see are skipped, and a tile
+// contributes exactly nothing to a row that sees none of it, so a row's result depends only on its
+// own position and the keys: it is the same whichever chunk or neighbours it comes with.
+constexpr int64_t kTile = 64;  // keys per tile (4 blocks of 16)
+
+bool chunk_attention_supported(const at::Tensor& q, const at::Tensor& k_cache) {
+#if defined(__AVX512BF16__)
+  return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && q.size(2) % 64 == 0 &&
+         q.size(2) <= 256;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// keys [held, kv_heads, dim] -> per kv head, per tile: [4 blocks][dim / 2 pairs][16 keys][2]
+// values                    -> per kv head, per tile: [dim / 16 blocks][32 key pairs][16 features][2]
+void pack_tiles(const uint16_t* keys, const uint16_t* values, int64_t held, int64_t kv_heads, int64_t dim,
+                uint16_t* kp, uint16_t* vp) {
+  const int64_t tiles = (held + kTile - 1) / kTile, tile_elems = kTile * dim;
+  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / tiles, t = task % tiles;
+      uint16_t* kt = kp + (h * tiles + t) * tile_elems;
+      uint16_t* vt = vp + (h * tiles + t) * tile_elems;
+      for (int64_t c = 0; c < kTile; ++c) {
+        const int64_t j = t * kTile + c;
+        const uint16_t* key = keys + (j * kv_heads + h) * dim;
+        const uint16_t* value = values + (j * kv_heads + h) * dim;
+        const bool real = j < held;
+        const int64_t block = c / kBlock, lane = c % kBlock;
+        for (int64_t d = 0; d < dim; ++d)  // key block, feature pair, key lane, pair member
+          kt[((block * (dim / 2) + d / 2) * kBlock + lane) * 2 + d % 2] = real ? key[d] : 0;
+        for (int64_t d = 0; d < dim; ++d)  // feature block, key pair, feature lane, pair member
+          vt[(((d / kBlock) * (kTile / 2) + c / 2) * kBlock + d % kBlock) * 2 + c % 2] = real ? value[d] : 0;
+      }
+    }
+  });
+}
+
+// exp_nonpositive on 16 lanes (same polynomial; 2^n applied with scalef).
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <int MR>
+void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint16_t* kp, const uint16_t* vp,
+                int64_t tiles, int64_t dim, int64_t key0, int64_t held, float scale, int64_t window, float* o_acc,
+                uint16_t* out, int64_t ldo) {
+  constexpr int NB = 4;
+  const int64_t pairs = dim / 2, tile_elems = kTile * dim;
+  alignas(64) float scores[MR * kTile];
+  alignas(64) uint16_t probs[MR * kTile];
+  alignas(64) float part[MR * NB * kBlock];
+  float m[MR], l[MR];
+  for (int r = 0; r < MR; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+  std::fill(o_acc, o_acc + MR * dim, 0.0f);
+  int64_t lo = key0, hi = key0;
+  for (int r = 0; r < MR; ++r) hi = std::max(hi, std::min<int64_t>(where[r] + 1, key0 + held));
+  if (window > 0) {
+    lo = where[0] - window + 1;
+    for (int r = 1; r < MR; ++r) lo = std::min(lo, where[r] - window + 1);
+    lo = std::max(lo, key0);
+  }
+  for (int64_t t = (lo - key0) / kTile; t < tiles && key0 + t * kTile < hi; ++t) {
+    micro<MR, NB>(q, ldq, kp + t * tile_elems, pairs, scores);  // scores[r][c]: (r * 4 + c / 16) * 16 + c % 16
+    const int64_t first = key0 + t * kTile;  // absolute position of the tile's first key
+    for (int r = 0; r < MR; ++r) {
+      float* s = scores + r * kTile;
+      const int64_t last = std::min<int64_t>(where[r], key0 + held - 1);  // visible: floor <= j <= last
+      const int64_t floor = window > 0 ? where[r] - window + 1 : first;
+      uint16_t* pr = probs + r * kTile;
+      if (last < first || floor > first + kTile - 1) {  // sees none of this tile: contributes nothing
+        std::memset(pr, 0, sizeof(uint16_t) * kTile);
+        continue;
+      }
+      const bool whole = last >= first + kTile - 1 && floor <= first;
+      __m512 v[4];
+      __mmask16 keep[4];
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int b = 0; b < 4; ++b) {
+        v[b] = _mm512_mul_ps(_mm512_loadu_ps(s + b * kBlock), _mm512_set1_ps(scale));
+        if (whole) {
+          keep[b] = 0xFFFF;
+        } else {  // lanes j = first + 16 b + lane with floor <= j <= last
+          const int64_t lo = std::max<int64_t>(floor - first - b * kBlock, 0);
+          const int64_t hi = std::min<int64_t>(last - first - b * kBlock, kBlock - 1);
+          keep[b] = hi < lo ? 0 : static_cast<__mmask16>(((1u << (hi + 1)) - 1) & ~((1u << lo) - 1));
+        }
+        top = _mm512_mask_max_ps(top, keep[b], top, v[b]);
+      }
+      const float next = std::max(m[r], _mm512_reduce_max_ps(top));
+      const float rescale = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_nonpositive(m[r] - next);
+      __m512 total = _mm512_setzero_ps();
+      for (int b = 0; b < 4; ++b) {
+        const __m512 p = _mm512_maskz_mov_ps(keep[b], exp_nonpositive16(_mm512_sub_ps(v[b], _mm512_set1_ps(next))));
+        total = _mm512_add_ps(total, p);
+        const __m256bh h = _mm512_cvtneps_pbh(p);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + b * kBlock), (__m256i)h);
+      }
+      l[r] = l[r] * rescale + _mm512_reduce_add_ps(total);
+      m[r] = next;
+      if (rescale != 1.0f)
+        for (int64_t d = 0; d < dim; ++d) o_acc[r * dim + d] *= rescale;
+    }
+    const uint16_t* vt = vp + t * tile_elems;
+    for (int64_t base = 0; base < dim; base += NB * kBlock) {  // 64 features per product
+      micro<MR, NB>(probs, kTile, vt + (base / kBlock) * (kTile / 2) * 2 * kBlock, kTile / 2, part);
+      for (int r = 0; r < MR; ++r)
+        for (int64_t d = 0; d < NB * kBlock; ++d) o_acc[r * dim + base + d] += part[r * NB * kBlock + d];
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < dim; d += kBlock) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o_acc + r * dim + d), _mm512_set1_ps(inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + d), (__m256i)h);
+    }
+  }
+}
+#endif
+
+// q [Tq, heads, dim] of one chunk, keys/values [held, kv_heads, dim] (key i at absolute position
+// key0 + i), positions [Tq]; returns [Tq, heads, dim].
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& positions, int64_t key0, double scale, int64_t window) {
+#if defined(__AVX512BF16__)
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t held = keys.size(0), kv_heads = keys.size(1), group = heads / kv_heads;
+  const int64_t tiles = (held + kTile - 1) / kTile;
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor where = positions.to(at::kLong).contiguous();
+  at::Tensor kpack = at::empty({kv_heads * tiles * kTile * dim}, q.options());
+  at::Tensor vpack = at::empty({kv_heads * tiles * kTile * dim}, q.options());
+  auto* kp = reinterpret_cast<uint16_t*>(kpack.data_ptr());
+  auto* vp = reinterpret_cast<uint16_t*>(vpack.data_ptr());
+  pack_tiles(reinterpret_cast<const uint16_t*>(kc.data_ptr()), reinterpret_cast<const uint16_t*>(vc.data_ptr()),
+             held, kv_heads, dim, kp, vp);
+  at::Tensor out = at::empty_like(qc);
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t* wp = where.data_ptr<int64_t>();
+  const int64_t blocks = (rows + 5) / 6, tasks = blocks * heads;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(6 * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      // Later rows see more keys: alternate light and heavy row blocks so each thread's
+      // contiguous share of tasks costs about the same.
+      const int64_t pair = task / heads, head = task % heads;
+      const int64_t block = pair % 2 == 0 ? pair / 2 : blocks - 1 - pair / 2;
+      const int64_t r0 = block * 6, count = std::min<int64_t>(6, rows - r0);
+      const int64_t kvh = head / group;
+      const uint16_t* x = qp + (r0 * heads + head) * dim;
+      uint16_t* y = op + (r0 * heads + head) * dim;
+      const uint16_t* kt = kp + kvh * tiles * kTile * dim;
+      const uint16_t* vt = vp + kvh * tiles * kTile * dim;
+      const int64_t* w = wp + r0;
+      const int64_t ld = heads * dim;
+      switch (count) {
+        case 6: chunk_rows<6>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        case 5: chunk_rows<5>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        case 4: chunk_rows<4>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        case 3: chunk_rows<3>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        case 2: chunk_rows<2>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        default: chunk_rows<1>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "chunk_attention: this build has no AVX512-BF16 kernel");
+#endif
+}
+
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t out_features) {
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
@@ -442,6 +637,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       visible = mask;
     }
     const int64_t held = kv_len - first * page_tokens;
+    if (chunk_attention_supported(q, k_cache)) {
+      const at::Tensor gathered_k = k_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held);
+      const at::Tensor gathered_v = v_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held);
+      out.slice(0, start, end).copy_(chunk_attention(q.slice(0, start, end), gathered_k, gathered_v,
+                                                     positions.slice(0, start, end), first * page_tokens, scale, window));
+      continue;
+    }
     const at::Tensor keys =
         k_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held).transpose(0, 1).to(q.scalar_type());
     const at::Tensor values =
@@ -487,6 +689,7 @@ TORCH_LIBRARY(flare_native, m) {
   m.def("has_bf16_linear() -> bool", &has_bf16_linear);
   m.def("pack_linear(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("chunk_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, int key0, float scale, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
@@ -494,6 +697,7 @@ TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("pack_linear", &pack_linear);
   m.impl("linear", &linear);
+  m.impl("chunk_attention", &chunk_attention);
 }
 
 TORCH_LIBRARY_IMPL(flare_native, Meta, m) { m.impl("linear", &linear_meta); }
