@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from helios.engine.checkpoints import StepCosts, select
-from helios.engine.drafter import HistoryDrafter, SpeculationConfig
+from helios.engine.drafter import Drafter, SpeculationConfig
 from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
 from helios.engine.host_store import HostStore
@@ -67,8 +67,8 @@ class Scheduler:
         self.host_page_bytes = host_page_bytes  # bytes of one page's record payload
         self._host_in: list[tuple[int, object]] = []  # this plan's restores from the host store
         self.host_out: list[tuple[bytes, bytes, tuple[int, ...]]] = []  # (digest, parent, tokens) to copy out
-        self.drafter = HistoryDrafter(speculation or SpeculationConfig(mode="off"))
         self.stats = stats if stats is not None else EngineStats(total_pages=pool.num_pages, page_tokens=pool.page_tokens)
+        self.drafter = Drafter(speculation or SpeculationConfig(mode="off"), self.stats)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
@@ -285,10 +285,7 @@ class Scheduler:
         drafts come only from free ones: drafts never preempt."""
         if spare <= 0 or seq.unforked or self.states is not None or not self._may_draft(seq):
             return (), ()
-        request = seq.request
-        room = min(request.max_tokens - seq.num_output - 1,  # the correction or bonus token always follows
-                   self.config.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
-        drafts = self.drafter.propose(seq, self.drafter.depth(seq, min(spare, room)))
+        drafts = self.drafter.propose(seq, self.drafter.depth(seq, min(spare, self._room(seq))))
         states: list = []
         if seq.constraint is not None and drafts:
             states.append(seq.constraint)
@@ -306,6 +303,30 @@ class Scheduler:
                 break
             seq.pages.append(self.pool.allocate())
         return drafts, tuple(states[: len(drafts) + 1]) if drafts else ()
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts seq may take within its limits: the correction or bonus token always follows."""
+        return min(seq.request.max_tokens - seq.num_output - 1, self.config.max_model_len - len(seq.token_ids) - 1)
+
+    def learned_depths(self) -> dict[int, int]:
+        """id(seq) -> drafts the learned drafter should propose after this step for each running
+        sequence's next round, sharing the step's spare rows oldest first as planning will; 0 (left
+        out) where it could not draft or where its history's proposal wins anyway (Drafter.propose)."""
+        drafter = self.drafter
+        if not drafter.enabled or not drafter.config.learned or self.states is not None:
+            return {}
+        spare = self._draft_rows()
+        depths: dict[int, int] = {}
+        for seq in self.running:
+            if spare <= 0:
+                break
+            if seq.num_pending != 1 or seq.scoring or seq.unforked or not self._may_draft(seq):
+                continue
+            k = drafter.depth(seq, min(spare, self._room(seq)))
+            if k > 0 and not drafter.history_wins(seq, k):
+                depths[id(seq)] = k
+                spare -= k
+        return depths
 
     @staticmethod
     def _may_draft(seq: Sequence) -> bool:
@@ -338,6 +359,7 @@ class Scheduler:
         """Release seq's pages and reservation and queue it first; its tokens and state are kept."""
         self.running.remove(seq)
         self._settle_endpoint(seq, keep=True)  # its copies were made by steps that succeeded
+        self.drafter.preempted(seq)
         self._release(seq)
         seq.num_computed = 0
         seq.chain = []

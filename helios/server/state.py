@@ -70,7 +70,7 @@ class ServerState:
         values = {name: getattr(stats, name) for name in (
             "prefill_tokens", "generated_tokens", "decode_weight_bytes", "verification_rounds", "active", "pending",
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
-            "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds",
+            "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds", "draft_steps",
             "state_slots", "state_slot_bytes", "state_slots_used", "state_snapshots")}  # fmt: skip
         values.update(checkpoint_captures=dict(stats.checkpoint_captures), checkpoint_skips=dict(stats.checkpoint_skips),
                       checkpoint_extra_work_nanoseconds_total=stats.checkpoint_extra_work_ns)
@@ -87,8 +87,14 @@ class ServerState:
         values.update(
             preemptions_total=stats.preemptions,
             used_pages=stats.total_pages - stats.free_pages - stats.cached_pages,
-            learned_drafter=False,
-            history_drafts_enabled=int(speculation.enabled and speculation.config.shared_history),
+            # api.md: learned_drafter is a boolean; which drafter it is goes beside it (JSON only):
+            # "mtp" for the core's MTP programs, a draft core's model id, or null.
+            learned_drafter=speculation.learned_name is not None,
+            learned_drafter_name=speculation.learned_name,
+            learned_draft_tokens_total=stats.learned_offered,
+            learned_accepted_draft_tokens_total=stats.learned_accepted,
+            history_drafts_enabled=int(speculation.enabled and speculation.config.history
+                                       and speculation.config.shared_history),
             http_admission_in_use=self.slots.in_use,
             http_admission_capacity=self.slots.capacity,
             uptime_seconds=int(time.time() - self.started),
