@@ -184,13 +184,16 @@ class Drafter:
         self._learned_round.add(id(seq))
         return learned
 
-    def accepted(self, seq, offered: int, accepted: int) -> None:
-        """Adaptive depth: one more than last round's accepted run, growing while all are accepted."""
+    def verified(self, seq, offered: int, accepted: int) -> None:
+        """A round of seq was verified (whatever it committed): count the learned drafter's share."""
         if id(seq) in self._learned_round:
             self._learned_round.discard(id(seq))
             if self.stats is not None:
                 self.stats.learned_offered += offered
                 self.stats.learned_accepted += accepted
+
+    def accepted(self, seq, offered: int, accepted: int) -> None:
+        """Adaptive depth: one more than last round's accepted run, growing while all are accepted."""
         if offered == 0 or self.config.mode == "fixed":
             return
         seq.draft_depth = float(min(self.config.max_drafts, offered + 2 if accepted == offered else accepted + 1))

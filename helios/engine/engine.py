@@ -18,6 +18,7 @@ from helios.core import Core
 from helios.core.logs import log_failure
 from helios.engine import precision
 from helios.engine.checkpoints import StepCosts
+from helios.engine.draft_core import DraftCoreDrafter
 from helios.engine.drafter import SpeculationConfig
 from helios.engine.executor import Executor, StepResult
 from helios.engine.kv_cache import PagePool
@@ -77,6 +78,9 @@ class EngineConfig:
     # cache_control) may add to a request, as a fraction of its predicted prefill time.
     checkpoint_work_fraction: float = 0.05
     host_cache: HostCacheConfig | None = None  # the host prefix store (host_store.py); None: off
+    # A small core with the same tokenizer that proposes drafts (draft_core.py); None: the core's own
+    # MTP programs where it has them, else history drafts only.
+    draft_core: Core | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +119,7 @@ class LLMEngine:
             interval = max(page, config.prefill_chunk_size // page * page)
         speculation = config.speculation
         learned = speculation.mode != "off" and speculation.learned and not m.kv.state
-        drafters = mtp_kinds(m.programs) if learned else ()
+        drafters = mtp_kinds(m.programs) if learned and config.draft_core is None else ()
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
                                  config.compiled_step, self.states.num_slots if self.states else 1, drafters)  # fmt: skip
         self.costs = StepCosts()  # what hinted checkpoints of hybrid cores are predicted to cost
@@ -135,10 +139,13 @@ class LLMEngine:
         )  # fmt: skip
         if self.executor.compiled_fallback:
             log.warning("%s", self.executor.compiled_fallback)
-        self.learned: MtpDrafter | None = None
+        self.learned: MtpDrafter | DraftCoreDrafter | None = None
         if drafters:
             self.learned = self._mtp_drafter(core, drafters, speculation)
-            self.scheduler.drafter.learned = self.learned
+        elif learned and config.draft_core is not None:
+            self.learned = DraftCoreDrafter(config.draft_core, m, num_pages, config.device, speculation.max_drafts,
+                                            config.max_concurrency, config.prefill_chunk_size, self.stats)  # fmt: skip
+        self.scheduler.drafter.learned = self.learned
         self.sampler = Sampler()
         self.mask_hook = mask_hook
         self._aborted: set[tuple[str, int | None]] = set()

@@ -545,6 +545,7 @@ class Scheduler:
             stats.count_round(offered)
         accepted = len(sampled) - 1  # every token before the last matched its draft
         stats.accepted_drafts += accepted
+        self.drafter.verified(seq, offered, accepted)
         tokens: list[int] = []
         entries: list = []
         cause, rejected = None, False

@@ -15,6 +15,8 @@ from helios.config import ConfigError, ServerConfig
 from helios.core import Core
 from helios.core.logs import Stopwatch
 from helios.engine.client import EngineClient
+from helios.core.manifest import Manifest
+from helios.engine.draft_core import incompatibility
 from helios.engine.drafter import SpeculationConfig
 from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
 from helios.engine.host_store import default_directory, default_memory_bytes
@@ -116,6 +118,17 @@ def host_cache_config(config: ServerConfig) -> HostCacheConfig | None:
     return HostCacheConfig(memory, directory if config.host_cache_disk_mb else None, config.host_cache_disk_mb << 20)
 
 
+def _draft_core(config: ServerConfig, target: Manifest) -> Core | None:
+    """The draft core named by [server] draft_core / --draft-core, checked against the served core."""
+    if config.draft_core is None or config.speculation == "off" or not config.learned_drafts:
+        return None
+    draft = Core.open(Path(config.draft_core).expanduser(), trust_unchanged=True)
+    why = incompatibility(target, draft.manifest)
+    if why is not None:
+        raise ConfigError(f"[server] draft_core / --draft-core {config.draft_core}: {why}")
+    return draft
+
+
 def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     clock = Stopwatch(logging.getLogger("helios.server"), "startup")
     core = Core.open(core_dir, trust_unchanged=True)
@@ -128,13 +141,15 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
             "[server] thinking_token_budget needs a core whose reasoning syntax closes with a single-token delimiter; "
             f"recipe {m.recipe.name!r} has none (reasoning syntax {m.recipe.reasoning_syntax!r}): remove the setting"
         )
+    draft = _draft_core(config, m)
     engine = LLMEngine(core, EngineConfig(
         max_concurrency=config.max_concurrency, max_pending=config.queue_size,
         prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
         kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache,
         serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step,
         speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
-                                      config.history_drafts),
+                                      config.history_drafts, learned=config.learned_drafts),
+        draft_core=draft,
         state_snapshots=config.state_snapshots, snapshot_interval=config.snapshot_interval,
         checkpoint_work_fraction=config.checkpoint_work_fraction,
         host_cache=host_cache_config(config)),
