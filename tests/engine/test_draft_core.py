@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from helios.config import ConfigError, ServerConfig
+from helios.config import ConfigError, ServerConfig, load_config
 from helios.core import Core
 from helios.engine.draft_core import incompatibility
 from helios.engine.drafter import SpeculationConfig
@@ -143,7 +143,7 @@ def test_metrics_name_the_draft_core(cores: tuple[Path, Path]) -> None:
     assert snapshot["draft_steps"] > 0
 
 
-def test_a_draft_core_of_another_tokenizer_is_refused(cores: tuple[Path, Path]) -> None:
+def test_a_draft_core_of_another_tokenizer_is_refused(cores: tuple[Path, Path], tmp_path: Path) -> None:
     from helios.server.state import _draft_core
 
     target, draft = Core.open(cores[0]), Core.open(cores[1])
@@ -156,5 +156,9 @@ def test_a_draft_core_of_another_tokenizer_is_refused(cores: tuple[Path, Path]) 
         LLMEngine(stranger, EngineConfig(num_pages=16, speculation=DRAFTS, draft_core=draft))
     with pytest.raises(ConfigError, match=r"draft_core / --draft-core .*different tokenizer"):
         _draft_core(ServerConfig(draft_core=str(cores[1])), other)
+    assert load_config(None, draft_core=cores[1]).draft_core == str(cores[1])  # --draft-core
+    (tmp_path / "bad.toml").write_text("[server]\ndraft_core = 3\n")
+    with pytest.raises(ConfigError, match="draft_core must be a nonempty path"):
+        load_config(tmp_path / "bad.toml")
     paged = msgspec.structs.replace(draft.manifest, limits=msgspec.structs.replace(draft.manifest.limits, page_tokens=32))
     assert "--page-tokens 16" in (incompatibility(target.manifest, paged) or "")

@@ -39,7 +39,7 @@ CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n
 def core(tmp_path_factory: pytest.TempPathFactory) -> Core:
     checkpoint = write_testmodel("mimo_v2", tmp_path_factory.mktemp("ckpt") / "tiny-mimo", seed=3)
     out = tmp_path_factory.mktemp("cores") / "tiny-mimo"
-    export_core(open_source(str(checkpoint)), load_recipe("mimo_v2"), ExportOptions(out=out))
+    export_core(open_source(str(checkpoint)), load_recipe("mimo_v2"), ExportOptions(out=out, prompt_logprobs=True))
     core = Core.open(out)
     assert "mtp_draft.0" in core.manifest.programs
     return core
@@ -70,6 +70,10 @@ def _same(a, b, tolerance: float = 1e-4) -> None:
     for key in a:
         for x, y in zip(a[key], b[key], strict=True):
             assert x.token_ids == y.token_ids and x.finish == y.finish, key
+            assert (x.prompt_logprobs is None) == (y.prompt_logprobs is None)
+            for p, q in zip(x.prompt_logprobs or (), y.prompt_logprobs or (), strict=True):
+                assert (p is None) == (q is None) and (p or {}).keys() == (q or {}).keys()
+                assert all(abs(p[t].logprob - q[t].logprob) <= tolerance for t in p or {})
             for p, q in zip(x.logprobs, y.logprobs, strict=True):
                 assert abs(p.logprob - q.logprob) <= tolerance
                 assert [t for t, _ in p.alternatives] == [t for t, _ in q.alternatives]
@@ -90,6 +94,9 @@ def test_output_is_the_same_with_speculation_off_history_and_mtp(core: Core) -> 
     stop = tuple(off["r0"][0].token_ids[10:12])  # a token stop sequence verification reaches inside a round
     requests.append(EngineRequest("stop", _prompts(core)[0], (GREEDY,), 24, ignore_eos=True, num_top_logprobs=2,
                                   stop_token_sequences=(stop,)))  # fmt: skip
+    # prompt logprobs: the scored-prefill program's hidden states feed the MTP layer too
+    requests.append(EngineRequest("scored", _prompts(core)[2], (GREEDY,), 16, ignore_eos=True, num_top_logprobs=2,
+                                  prompt_logprobs=1))  # fmt: skip
     off, plain = _run(core, requests, OFF)
     assert off["stop"][0].finish is FinishCause.STOP_TOKEN and len(off["stop"][0].token_ids) < 24
     assert plain.learned is None and plain.stats.draft_steps == 0
@@ -163,12 +170,17 @@ def test_mtp_proposals_follow_the_reference_mtp_over_committed_tokens(core: Core
 def test_preemption_and_cancellation_leave_nothing_behind(core: Core) -> None:
     """A pool too small for every request at once (preemption, recompute) and cancellations
     mid-generation: same output as plain decoding, every page back, no draft state kept."""
-    requests = _requests(core, max_tokens=32)
-    again = requests + [replace(r, request_id=r.request_id + "b") for r in requests[::2]]
-    off, _ = _run(core, again, OFF, num_pages=14, prefill_chunk_size=16)
-    spec, engine = _run(core, again, MTP, num_pages=14, prefill_chunk_size=16)
+    requests = _requests(core, max_tokens=28)
+    again = requests[1:] + [replace(requests[1], request_id="r1b")]  # the short prompts: they all get admitted
+    off, _ = _run(core, again, OFF, num_pages=8, prefill_chunk_size=16)
+    engine = LLMEngine(core, EngineConfig(num_pages=8, prefill_chunk_size=16, speculation=MTP))
+    records = _recording(engine)
+    spec = run_to_completion(engine, again)
+    _check_nothing_held(engine)
     assert engine.stats.preemptions > 0 and engine.stats.draft_steps > 0
     assert {k: [c.token_ids for c in v] for k, v in spec.items()} == {k: [c.token_ids for c in v] for k, v in off.items()}
+    finals = [list(r.prompt_ids) + c.token_ids for r in again for c in spec[r.request_id]]
+    assert _check_against_reference(core, records[::4], finals) > 0  # recomputed after preemption, reused pages
     engine = LLMEngine(core, EngineConfig(num_pages=96, speculation=MTP))
     for request in requests:
         engine.add(request)
