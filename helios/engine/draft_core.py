@@ -22,7 +22,7 @@ from helios.core import Core
 from helios.core.manifest import Manifest
 from helios.engine import precision
 from helios.engine.executor import Executor
-from helios.engine.mtp import _Rows
+from helios.engine.mtp import DraftRows
 from helios.engine.request import EngineStats, FinishCause
 from helios.engine.sequence import SchedulerOutput, Sequence
 
@@ -92,7 +92,7 @@ class DraftCoreDrafter:
         size = self.page_tokens
         restored = {page for page, _ in plan.host_in}
         scratch: dict[int, int] = {}  # id(seq) -> first scratch page, for those that will draft
-        rows = _Rows.empty()
+        rows = DraftRows.empty()
         wanted: list[tuple[Sequence, int]] = []
         for chunk in plan.chunks:
             for seq in chunk.choices or (chunk.seq,):
@@ -129,7 +129,7 @@ class DraftCoreDrafter:
             group = [e for e in chain if depths[id(e[0])] > step and len(e[0].token_ids) + step <= self.max_len]
             if not group:
                 break
-            rows = _Rows.empty()
+            rows = DraftRows.empty()
             for seq, tokens in group:
                 position = len(seq.token_ids) - 1 + step
                 table = self._with_scratch(seq, position, scratch[id(seq)])
@@ -148,7 +148,7 @@ class DraftCoreDrafter:
     def _argmax(self, logits: Tensor) -> list[int]:
         return logits[:, : self.vocab].argmax(dim=-1).tolist()
 
-    def _call(self, rows: _Rows, logits_rows: list[int]) -> Tensor:
+    def _call(self, rows: DraftRows, logits_rows: list[int]) -> Tensor:
         width = max(len(t) for t in rows.tables)
         tables = torch.zeros((len(rows.tables), width), dtype=torch.int32)
         for index, table in enumerate(rows.tables):

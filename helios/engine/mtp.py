@@ -39,7 +39,7 @@ def mtp_kinds(programs) -> tuple[str, ...]:
 
 
 @dataclass(slots=True)
-class _Rows:
+class DraftRows:
     """One program call's rows, grouped by sequence (the programs' paged-attention inputs)."""
 
     token_ids: list[int]
@@ -51,7 +51,7 @@ class _Rows:
     starts: list[int]
 
     @classmethod
-    def empty(cls) -> _Rows:
+    def empty(cls) -> DraftRows:
         return cls([], [], [], [], [], [], [0])
 
     def add(self, tokens: list[int], positions: range, table: list[int], hidden: Tensor, size: int) -> None:
@@ -103,7 +103,7 @@ class MtpDrafter:
         for those in `depths` (id(seq) -> how many)."""
         self._proposals = {}
         size = self.page_tokens
-        rows = _Rows.empty()
+        rows = DraftRows.empty()
         wanted: list[tuple[Sequence, int]] = []  # (seq, its last row in the call)
         for chunk in plan.chunks:
             states = hidden.get(id(chunk))
@@ -148,7 +148,7 @@ class MtpDrafter:
         size = self.page_tokens
         for step in range(1, max(depths[id(entry[0])] for entry in chain)):
             group = [entry for entry in chain if depths[id(entry[0])] > step]
-            rows = _Rows.empty()
+            rows = DraftRows.empty()
             for seq, tokens, state, scratch in group:
                 position = len(seq.token_ids) - 2 + step
                 table = list(seq.pages)
@@ -159,7 +159,7 @@ class MtpDrafter:
                 entry[1].append(token)
                 entry[2] = out[index : index + 1]
 
-    def _call(self, layer: int, rows: _Rows, logits_rows: list[int]) -> tuple[Tensor, Tensor]:
+    def _call(self, layer: int, rows: DraftRows, logits_rows: list[int]) -> tuple[Tensor, Tensor]:
         """Run MTP layer `layer` over the rows: (logits of logits_rows [R, V], every row's MTP hidden state)."""
         width = max(len(t) for t in rows.tables)
         tables = torch.zeros((len(rows.tables), width), dtype=torch.int32)

@@ -11,6 +11,9 @@ Invariants (each checked by tests/engine/test_scheduler.py without a model):
   the prefix cache where those survive. Only a sequence that alone fills the pool stops
   with the length cause; other requests' load never shortens an output.
 * Every finish (stop, length, abort, error) releases the sequence's pages and reservation.
+* Draft state (history indexes, a learned drafter's proposals and progress) is dropped at every
+  finish and, for the learned drafter, at preemption (Drafter.finished / preempted); a learned
+  drafter's KV lives on the sequence's own pages, so it goes with them.
 * Hybrid cores (recurrent state, state_slots.py): every running sequence holds one live state
   slot, taken at admission or fork and released with its pages. Its prefix is reused only as
   far as a state snapshot reaches; prefill chunks end at snapshot boundaries so the state

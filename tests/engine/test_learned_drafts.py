@@ -217,3 +217,31 @@ def test_metrics_name_the_learned_drafter(core: Core) -> None:
         samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
         assert not any("learned_drafter" in s or "draft_steps" in s for s in samples)  # api.md: none in the text
         assert samples["flare_learned_draft_tokens_total"] == engine.stats.learned_offered
+
+
+def test_history_wins_only_with_a_long_match_filling_the_depth() -> None:
+    """Drafter.propose: history's proposal from a 4-token match covering the depth, else the
+    learned one (counted as learned when verified), else the shorter history."""
+    from helios.engine.drafter import Drafter
+    from helios.engine.request import EngineStats
+    from helios.engine.sequence import Sequence
+
+    stats = EngineStats()
+    drafter = Drafter(SpeculationConfig(mode="fixed", max_drafts=3, shared_history=False), stats)
+    learned = {"drafts": (7, 7, 7)}
+    drafter.learned = SimpleNamespace(name="x", proposal=lambda seq: learned["drafts"], forget=lambda seq: None)
+    request = EngineRequest("a", (1,), (GREEDY,), 50)
+    copying = Sequence(request, 0, [1, 2, 3, 4, 5, 6, 1, 2, 3, 4], 10, 0)
+    assert drafter.propose(copying, 3) == (5, 6, 1) and drafter.history_wins(copying, 3)
+    assert drafter.propose(copying, 7) == (7, 7, 7)  # only 6 tokens follow the match: learned
+    short = Sequence(request, 0, [1, 2, 3, 9, 5, 1, 2, 3], 8, 1)  # a 3-token match only
+    assert drafter.propose(short, 3) == (7, 7, 7) and not drafter.history_wins(short, 3)
+    drafter.verified(short, 3, 1)
+    assert (stats.learned_offered, stats.learned_accepted) == (3, 1)
+    learned["drafts"] = ()
+    assert drafter.propose(short, 3) == (9, 5, 1)  # no learned proposal: the history's
+    drafter.verified(short, 3, 0)
+    assert (stats.learned_offered, stats.learned_accepted) == (3, 1)
+    for seq in (copying, short):
+        drafter.finished(seq)
+    assert drafter.num_tracked == 0
