@@ -94,6 +94,7 @@ class DraftCoreDrafter:
         scratch: dict[int, int] = {}  # id(seq) -> first scratch page, for those that will draft
         rows = DraftRows.empty()
         wanted: list[tuple[Sequence, int]] = []
+        frontiers: dict[int, int] = {}  # kept once the rows are computed
         for chunk in plan.chunks:
             for seq in chunk.choices or (chunk.seq,):
                 table = tables.get(id(seq))
@@ -116,12 +117,13 @@ class DraftCoreDrafter:
                     continue
                 rows.add(seq.token_ids[first:end], range(first, end), table, torch.empty(0), size)
                 if seq.finish is None:
-                    self._frontier[id(seq)] = min(end, covered)  # rows in scratch pages are redone
+                    frontiers[id(seq)] = min(end, covered)  # rows in scratch pages are redone
                 if drafts:
                     wanted.append((seq, rows.starts[-1] - 1))
         if not rows.token_ids:
             return
         logits = self._call(rows, [row for _, row in wanted] or [rows.starts[-1] - 1])
+        self._frontier.update(frontiers)
         if not wanted:
             return
         chain = [[seq, [token]] for (seq, _), token in zip(wanted, self._argmax(logits))]
