@@ -41,6 +41,7 @@ def serve(
     host: Annotated[Optional[str], typer.Option("--host", help="Address to bind (default 127.0.0.1).")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help="Port to bind (default 8000).")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="critical, error, warning, info or debug (debug: where startup time goes).")] = "info",
+    draft_core: Annotated[Optional[Path], typer.Option("--draft-core", help=escape("A small core with the same tokenizer that proposes speculative drafts (overrides [server] draft_core)."))] = None,
 ) -> None:
     """Serve a core: OpenAI Chat/Completions/Responses, Anthropic Messages, Ollama discovery, scoring, health, metrics."""
     import os
@@ -71,7 +72,7 @@ def serve(
     from helios.server.state import build_state
 
     try:
-        settings = load_config(config, api_key_file=api_key_file, host=host, port=port)
+        settings = load_config(config, api_key_file=api_key_file, host=host, port=port, draft_core=draft_core)
         state = build_state(core, settings)
     except (ConfigError, CoreError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)

@@ -5,8 +5,8 @@
   default_max_tokens, prefill_chunk_size, kv_pages, kv_memory_mb, thinking_token_budget,
   aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, compiled_step, drain_seconds,
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
-  speculation, max_draft_tokens, speculative_rows, history_drafts, state_snapshots, snapshot_interval,
-  checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
+  speculation, max_draft_tokens, speculative_rows, history_drafts, learned_drafts, draft_core, state_snapshots,
+  snapshot_interval, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
   host_cache_copy_queue_mb
 """
 
@@ -70,10 +70,15 @@ class ServerConfig:
     # cost; measured at startup unless set); "fixed" always offers max_draft_tokens; "off" decodes one
     # token at a time.
     # history_drafts: also draft from recent outputs of other requests (same cache identity).
+    # Learned drafts (helios.engine.mtp, helios.engine.draft_core): draft_core names a small core
+    # with the same tokenizer that proposes drafts (--draft-core overrides it); without one, a core
+    # carrying MTP programs drafts with them. learned_drafts = false keeps only history drafts.
     speculation: str = "adaptive"
     max_draft_tokens: int = 6
     speculative_rows: int | None = None  # None: measured at startup (helios.engine.threads.measure_row_budget)
     history_drafts: bool = True
+    learned_drafts: bool = True
+    draft_core: str | None = None
     # Hybrid cores (recurrent layers): prefix reuse resumes from state snapshots taken during
     # prefill at multiples of snapshot_interval prompt tokens (rounded up to whole pages; None:
     # the prefill chunk size) and at each prompt's last page boundary; state_snapshots of them
@@ -131,7 +136,9 @@ def _check(config: ServerConfig) -> ServerConfig:
         raise ConfigError("[server] aliases must be a list of strings")
     if config.speculation not in ("adaptive", "fixed", "off"):
         raise ConfigError(f"[server] speculation must be adaptive, fixed or off, got {config.speculation!r}")
-    for name in ("prefix_cache", "compiled_step", "history_drafts", "host_cache"):
+    if config.draft_core is not None and (not isinstance(config.draft_core, str) or not config.draft_core):
+        raise ConfigError("[server] draft_core must be a nonempty path string (a core directory)")
+    for name in ("prefix_cache", "compiled_step", "history_drafts", "learned_drafts", "host_cache"):
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"[server] {name} must be true or false")
     for name in ("drain_seconds", "header_timeout_seconds", "body_timeout_seconds"):
@@ -152,7 +159,7 @@ def _check(config: ServerConfig) -> ServerConfig:
 
 
 def load_config(path: Path | None = None, *, api_key_file: Path | None = None, host: str | None = None,
-                port: int | None = None) -> ServerConfig:  # fmt: skip
+                port: int | None = None, draft_core: Path | None = None) -> ServerConfig:  # fmt: skip
     """Build the server configuration: file, then flags (a key file overrides api_key)."""
     values: dict[str, Any] = {}
     if path is not None:
@@ -185,6 +192,8 @@ def load_config(path: Path | None = None, *, api_key_file: Path | None = None, h
         config = replace(config, host=host)
     if port is not None:
         config = replace(config, port=port)
+    if draft_core is not None:
+        config = replace(config, draft_core=str(draft_core))
     if config.api_key == "":
         config = replace(config, api_key=None)
     return _check(config)

@@ -1,5 +1,11 @@
 """Draft proposals for speculative decoding, and how many to offer.
 
+Two sources: the history drafter below, and a learned drafter where the engine has one (a
+core's MTP programs, mtp.py, or a separate draft core, draft_core.py), which proposes after
+each step for the next (LearnedDrafter). A sequence takes its history's proposal when that
+comes from a long match covering the whole depth (copying is what history predicts best),
+else the learned one, else whatever history found.
+
 The history drafter needs no model: coding agents re-emit what their context holds (files
 they edit, JSON they were shown, earlier turns), so the tokens that followed the most
 recent earlier occurrence of the sequence's last n tokens are a good guess at what comes
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 NGRAM_SIZES = (4, 3, 2)  # longest match first: longer contexts predict better
 
@@ -27,6 +34,8 @@ class SpeculationConfig:
     # None: measured at startup (threads.measure_row_budget)
     shared_history: bool = True  # draft from other requests' recent outputs (same cache identity) too
     history_tokens: int = 1 << 16  # shared history kept, in tokens
+    learned: bool = True  # use the engine's learned drafter (core MTP programs or a draft core) where it has one
+    history: bool = True  # propose from n-gram history at all (False: learned drafts only, for tests)
 
 
 @dataclass(slots=True)
@@ -48,6 +57,10 @@ class NgramIndex:
 
     def follow(self, tokens: list[int], k: int) -> tuple[int, ...]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix found."""
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: list[int], k: int) -> tuple[tuple[int, ...], int]:
+        """(follow's tokens, the length of the suffix matched; 0 when none)."""
         length = len(tokens)
         self.catch_up(tokens, length - 1)  # every n-gram ending before the last token
         for n in NGRAM_SIZES:
@@ -55,8 +68,8 @@ class NgramIndex:
                 continue
             end = self.latest[n].get(tuple(tokens[length - n :]))
             if end is not None:
-                return tuple(tokens[end : min(end + k, length)])
-        return ()
+                return tuple(tokens[end : min(end + k, length)]), n
+        return (), 0
 
 
 class SharedHistory:
@@ -87,27 +100,52 @@ class SharedHistory:
                 self.add(ident, toks)
 
     def follow(self, identity: bytes, tokens: list[int], k: int) -> tuple[int, ...]:
+        return self.match(identity, tokens, k)[0]
+
+    def match(self, identity: bytes, tokens: list[int], k: int) -> tuple[tuple[int, ...], int]:
         for n in NGRAM_SIZES:
             if len(tokens) < n:
                 continue
             hit = self._index.get((identity, tuple(tokens[-n:])))
             if hit is not None:
                 source, end = hit
-                return tuple(source[end : end + k])
-        return ()
+                return tuple(source[end : end + k]), n
+        return (), 0
 
 
-class HistoryDrafter:
+class LearnedDrafter(Protocol):
+    """A model that proposes drafts (mtp.py, draft_core.py): the engine runs it after each step;
+    the scheduler reads its proposals while planning the next and tells it when a sequence leaves."""
+
+    name: str  # what /metrics reports as learned_drafter_name ("mtp", a draft core's id)
+
+    def proposal(self, seq) -> tuple[int, ...]:
+        """Drafts proposed for seq after the last step (empty when none)."""
+        ...
+
+    def forget(self, seq) -> None:
+        """seq finished or was preempted: drop whatever is kept for it."""
+        ...
+
+
+class Drafter:
     """Proposes drafts for decode sequences and adapts each one's depth to its acceptance."""
 
-    def __init__(self, config: SpeculationConfig) -> None:
+    def __init__(self, config: SpeculationConfig, stats=None) -> None:
         self.config = config
+        self.stats = stats  # EngineStats: the learned drafter's offered and accepted counts
         self.shared = SharedHistory(config.history_tokens if config.shared_history else 0)
         self._indexes: dict[int, NgramIndex] = {}  # id(seq) -> its index (dropped when it finishes)
+        self.learned: LearnedDrafter | None = None  # set by the engine where it has one
+        self._learned_round: set[int] = set()  # id(seq) of sequences whose drafts this round are learned
 
     @property
     def enabled(self) -> bool:
         return self.config.mode != "off" and self.config.max_drafts > 0
+
+    @property
+    def learned_name(self) -> str | None:
+        return self.learned.name if self.learned is not None and self.enabled else None
 
     def depth(self, seq, limit: int) -> int:
         """Drafts to try for seq this round, at most `limit`."""
@@ -115,16 +153,44 @@ class HistoryDrafter:
             return min(self.config.max_drafts, limit)
         return max(0, min(int(seq.draft_depth), self.config.max_drafts, limit))
 
-    def propose(self, seq, k: int) -> tuple[int, ...]:
-        if k <= 0:
-            return ()
+    def history(self, seq, k: int) -> tuple[tuple[int, ...], int]:
+        """(the history's proposal of up to k drafts, the length of the n-gram it matched)."""
+        if k <= 0 or not self.config.history:
+            return (), 0
         index = self._indexes.get(id(seq))
         if index is None:
             index = self._indexes[id(seq)] = NgramIndex()
-        drafts = index.follow(seq.token_ids, k)
+        drafts, n = index.match(seq.token_ids, k)
         if not drafts and self.config.shared_history:
-            drafts = self.shared.follow(seq.request.cache_identity, seq.token_ids, k)
-        return drafts
+            drafts, n = self.shared.match(seq.request.cache_identity, seq.token_ids, k)
+        return drafts, n
+
+    def history_wins(self, seq, k: int) -> bool:
+        """Whether history's proposal beats the learned drafter's: a longest-n-gram match that
+        fills the whole depth (the engine then skips the learned chain for seq)."""
+        drafts, n = self.history(seq, k)
+        return n == NGRAM_SIZES[0] and len(drafts) >= k
+
+    def propose(self, seq, k: int) -> tuple[int, ...]:
+        self._learned_round.discard(id(seq))
+        if k <= 0:
+            return ()
+        drafts, n = self.history(seq, k)
+        if self.learned is None or not self.config.learned or (n == NGRAM_SIZES[0] and len(drafts) >= k):
+            return drafts
+        learned = self.learned.proposal(seq)[:k]
+        if not learned:
+            return drafts
+        self._learned_round.add(id(seq))
+        return learned
+
+    def verified(self, seq, offered: int, accepted: int) -> None:
+        """A round of seq was verified (whatever it committed): count the learned drafter's share."""
+        if id(seq) in self._learned_round:
+            self._learned_round.discard(id(seq))
+            if self.stats is not None:
+                self.stats.learned_offered += offered
+                self.stats.learned_accepted += accepted
 
     def accepted(self, seq, offered: int, accepted: int) -> None:
         """Adaptive depth: one more than last round's accepted run, growing while all are accepted."""
@@ -132,7 +198,24 @@ class HistoryDrafter:
             return
         seq.draft_depth = float(min(self.config.max_drafts, offered + 2 if accepted == offered else accepted + 1))
 
+    def preempted(self, seq) -> None:
+        """seq lost its pages: the learned drafter's state for it is void (its index stays)."""
+        self._learned_round.discard(id(seq))
+        if self.learned is not None:
+            self.learned.forget(seq)
+
     def finished(self, seq) -> None:
         self._indexes.pop(id(seq), None)
+        self._learned_round.discard(id(seq))
+        if self.learned is not None:
+            self.learned.forget(seq)
         if self.config.shared_history and seq.num_output > 0:
             self.shared.add(seq.request.cache_identity, seq.token_ids[seq.num_prompt :])
+
+    @property
+    def num_tracked(self) -> int:
+        """Sequences this drafter keeps state for (tests: nothing is left after they end)."""
+        return len(self._indexes) + len(self._learned_round)
+
+
+HistoryDrafter = Drafter  # the name before learned drafters joined

@@ -18,6 +18,7 @@ from helios.core import Core
 from helios.core.logs import log_failure
 from helios.engine import precision
 from helios.engine.checkpoints import StepCosts
+from helios.engine.draft_core import DraftCoreDrafter
 from helios.engine.drafter import SpeculationConfig
 from helios.engine.executor import Executor, StepResult
 from helios.engine.kv_cache import PagePool
@@ -28,6 +29,7 @@ from helios.engine.logprobs import (
     prompt_entry,
 )
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats
+from helios.engine.mtp import MTP_CACHE, MtpDrafter, mtp_kinds
 from helios.engine.sampler import Sampler, position_generator
 from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
 from helios.engine.host_copy import Copier
@@ -77,6 +79,9 @@ class EngineConfig:
     # cache_control) may add to a request, as a fraction of its predicted prefill time.
     checkpoint_work_fraction: float = 0.05
     host_cache: HostCacheConfig | None = None  # the host prefix store (host_store.py); None: off
+    # A small core with the same tokenizer that proposes drafts (draft_core.py); None: the core's own
+    # MTP programs where it has them, else history drafts only.
+    draft_core: Core | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +122,11 @@ class LLMEngine:
         interval = config.snapshot_interval
         if interval is None:
             interval = max(page, config.prefill_chunk_size // page * page)
+        speculation = config.speculation
+        learned = speculation.mode != "off" and speculation.learned and not m.kv.state
+        drafters = mtp_kinds(m.programs) if learned and config.draft_core is None else ()
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
-                                 config.compiled_step, self.states.num_slots if self.states else 1)  # fmt: skip
+                                 config.compiled_step, self.states.num_slots if self.states else 1, drafters)  # fmt: skip
         if self.executor.vision is not None and m.vision is not None:
             from helios.engine.images import ImageEncoder
 
@@ -129,7 +137,6 @@ class LLMEngine:
         self.costs = StepCosts()  # what hinted checkpoints of hybrid cores are predicted to cost
         if self.states is not None:
             self._measure_state_copy()
-        speculation = config.speculation
         if self.states is not None and speculation.mode != "off":
             log.info("speculation: off for this hybrid core (a rejected draft would have advanced its recurrent state)")
             speculation = SpeculationConfig(mode="off")
@@ -146,11 +153,33 @@ class LLMEngine:
         )  # fmt: skip
         if self.executor.compiled_fallback:
             log.warning("%s", self.executor.compiled_fallback)
+        self.learned: MtpDrafter | DraftCoreDrafter | None = None
+        if drafters:
+            self.learned = self._mtp_drafter(core, drafters, speculation)
+        elif learned and config.draft_core is not None:
+            self.learned = DraftCoreDrafter(config.draft_core, m, num_pages, config.device, speculation.max_drafts,
+                                            config.max_concurrency, config.prefill_chunk_size, self.stats)  # fmt: skip
+        self.scheduler.drafter.learned = self.learned
         self.sampler = Sampler()
         self.mask_hook = mask_hook
         self._aborted: set[tuple[str, int | None]] = set()
         self._prefill_ns = self._prefill_tokens = 0
         self._refresh_gauges()
+
+    def _mtp_drafter(self, core: Core, kinds: tuple[str, ...], speculation: SpeculationConfig) -> MtpDrafter:
+        """The core's MTP programs as the learned drafter, its caches widened by scratch pages
+        (enough for every live sequence's speculative rows past its own pages)."""
+        kv = core.manifest.kv
+        first = kv.num_caches - sum(len(e.layers) for e in kv.extra)
+        indexes, index = [], first
+        for extra in kv.extra:
+            if extra.name == MTP_CACHE:
+                indexes += range(index, index + len(extra.layers))
+            index += len(extra.layers)
+        page = self.pool.page_tokens
+        log.info("speculation: drafting with the core's %d MTP layer(s) (%s)", len(kinds), ", ".join(kinds))
+        return MtpDrafter(self.executor, kinds, tuple(indexes), page, speculation.max_drafts // page + 2,
+                          self.config.max_concurrency, self.stats)  # fmt: skip
 
     def _host_store(self, core: Core, config: EngineConfig, kv_dtype: str) -> HostStore | None:
         host = config.host_cache
@@ -272,7 +301,8 @@ class LLMEngine:
         if plan.chunks:
             try:
                 started = time.perf_counter_ns()
-                output = self._run(plan)  # its sampling waits for the device, so this times the whole step
+                result = self._execute(plan)
+                output = self._sample_step(plan, result)  # sampling waits for the device, so this times the whole step
                 if self.states is not None:  # hybrid cores' checkpoint costs (checkpoints.StepCosts)
                     self.costs.observe_step(sum(c.num_tokens + len(c.draft_ids) for c in plan.chunks),
                                             time.perf_counter_ns() - started)  # fmt: skip
@@ -280,7 +310,10 @@ class LLMEngine:
                 log_failure(log, "step failed", exc)
                 events += self.scheduler.fail(plan, f"execution failed: {exc}")
             else:
+                tables = {id(s): list(s.pages) for s in plan.sequences} if self.learned is not None else {}
                 events += self.scheduler.update_from_output(plan, output)
+                if self.learned is not None:
+                    self._propose(plan, result, tables)
         self.scheduler.hand_off_copies()  # what finishing sequences pinned, copied while the next step runs
         self._refresh_gauges()
         self.stats.steps += 1
@@ -292,12 +325,27 @@ class LLMEngine:
         doomed, self._aborted = self._aborted, set()
         return self.scheduler.abort(doomed)
 
+    def _propose(self, plan: SchedulerOutput, result: StepResult, tables: dict[int, list[int]]) -> None:
+        """The learned drafter's turn after a committed step (a failure there costs drafts only)."""
+        assert self.learned is not None
+        try:
+            self.learned.observe(plan, result.hidden, tables, self.scheduler.learned_depths())
+        except Exception as exc:
+            log_failure(log, "learned drafter failed; this round has no learned drafts", exc)
+
     def _run(self, plan: SchedulerOutput) -> ModelOutput:
         """Run the programs, then sample every choice of every sampled chunk and verify drafts."""
+        return self._sample_step(plan, self._execute(plan))
+
+    def _execute(self, plan: SchedulerOutput) -> StepResult:
         started = time.perf_counter_ns()
         result = self.executor.run(plan.chunks, plan.page_copies, plan.state_before, plan.state_after, plan.host_in,
                                    plan.state_in)  # fmt: skip
         self._measure(plan, time.perf_counter_ns() - started)
+        return result
+
+    def _sample_step(self, plan: SchedulerOutput, result: StepResult) -> ModelOutput:
+        """Sample every choice of every sampled chunk and verify drafts."""
         self._count_verify_step(plan)
         prompt_entries = {key: self._prompt_entries(chunk, result.prompt_scores[key])
                           for chunk in plan.chunks if (key := id(chunk)) in result.prompt_scores}  # fmt: skip

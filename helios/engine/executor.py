@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -32,6 +32,9 @@ class StepResult:
     top_ids: Tensor | None  # [R, N]
     explicit_logprobs: Tensor | None  # [R, K] for each row's request ids (padded)
     prompt_scores: dict[int, dict[str, Tensor]]  # id(chunk) -> per-token prompt outputs of scored chunks
+    # id(chunk) -> the step's final hidden state of each computed position [num_tokens + drafts, hidden]
+    # (cores whose step returns "hidden_states", for their learned drafter; empty unless asked for)
+    hidden: dict[int, Tensor] = field(default_factory=dict)
 
 
 def _calls_native(shared_object: Path) -> bool:
@@ -50,11 +53,14 @@ def no_image_rows(program) -> dict[str, Tensor]:
 
 class Executor:
     def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
-                 upcast: bool = False, compiled: bool = True, num_slots: int = 1) -> None:  # fmt: skip
+                 upcast: bool = False, compiled: bool = True, num_slots: int = 1,
+                 drafters: tuple[str, ...] = ()) -> None:  # fmt: skip
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure). compiled: run the
         core's ahead-of-time step where it was built for this host (else the portable one).
-        num_slots: recurrent-state slots of a hybrid core (live plus snapshots; state_slots.py)."""
+        num_slots: recurrent-state slots of a hybrid core (live plus snapshots; state_slots.py).
+        drafters: the core's drafter program kinds to load too (e.g. "mtp_draft.0"); with them
+        each step keeps its hidden states (StepResult.hidden)."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
         self.linear_kernel = prepack.ONEDNN if device == "cpu" else "device"  # the portable programs' linears
@@ -65,7 +71,8 @@ class Executor:
         has_scored = SCORED_PREFILL in manifest.programs
         # The compiled step carries its own packed weights: the core's are loaded only for a
         # program that still needs them.
-        self.weights = core.load_weights(device) if self.compiled_step is None or has_scored else {}
+        needs_weights = self.compiled_step is None or has_scored or bool(drafters)
+        self.weights = core.load_weights(device) if needs_weights else {}
         clock.lap("loading weights")
         kv_layout = manifest.kv
         if upcast:  # a 16-bit core on a host without native 16-bit matmuls: fp32 at load
@@ -78,7 +85,9 @@ class Executor:
         # Vision cores: the vision program (run by engine/images.py's encoder, set up by the engine).
         self.vision = core.load_program(VISION, check_guards=False) if VISION in manifest.programs else None
         self.images = None  # helios.engine.images.ImageEncoder of a vision core
-        programs = [p for p in (portable_step, self.scored) if p is not None]
+        self.drafters = {kind: core.load_program(kind, check_guards=False) for kind in drafters}
+        self.keep_hidden = bool(drafters)
+        programs = [p for p in (portable_step, self.scored, *self.drafters.values()) if p is not None]
         clock.lap(f"loading {len(programs) + (self.compiled_step is not None)} programs")
         if upcast:
             for program in programs:
@@ -266,8 +275,15 @@ class Executor:
         sampled: list[Chunk] = []
         rows: dict[str, list[Tensor]] = {}
         prompt_scores: dict[int, dict[str, Tensor]] = {}
+        hidden: dict[int, Tensor] = {}
         for group, outputs in parts:
             sampled += [c for c in group if c.wants_logits]
+            if self.keep_hidden and "hidden_states" in outputs:
+                offset = 0
+                for chunk in group:
+                    width = chunk.num_tokens + len(chunk.draft_ids)
+                    hidden[id(chunk)] = outputs["hidden_states"][offset : offset + width]
+                    offset += width
             for name in ("logits", "logsumexp", "top_logprobs", "top_ids", "explicit_logprobs"):
                 if name in outputs:
                     rows.setdefault(name, []).append(outputs[name])
@@ -289,6 +305,7 @@ class Executor:
             top_ids=cat.get("top_ids"),
             explicit_logprobs=cat.get("explicit_logprobs"),
             prompt_scores=prompt_scores,
+            hidden=hidden,
         )
 
     def _call(self, program, chunks: list[Chunk], scored: bool) -> dict[str, Tensor]:
@@ -345,6 +362,19 @@ class Executor:
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
         outputs = program(self.weights, self.kv, **inputs)
         if not any(c.wants_logits for c in chunks):
-            outputs = {k: v[:0] if k not in ("prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "prompt_top_ids") else v
-                       for k, v in outputs.items()}  # fmt: skip
-        return {name: value.cpu() for name, value in outputs.items()}
+            per_token = ("prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "prompt_top_ids", "hidden_states")
+            outputs = {k: v[:0] if k not in per_token else v for k, v in outputs.items()}
+        if not self.keep_hidden:
+            outputs.pop("hidden_states", None)
+        # Hidden states stay on the device: the drafter's programs read them there.
+        return {name: value if name == "hidden_states" else value.cpu() for name, value in outputs.items()}
+
+    def widen(self, index: int, extra_pages: int) -> Tensor:
+        """Give paged cache `index` `extra_pages` scratch pages past the pool (ids num_pages..):
+        returns the widened tensor; the step programs keep seeing the pool's pages only (a view).
+        A drafter writes its speculative rows there where a sequence has no page yet."""
+        old = self.kv[index]
+        wide = torch.zeros((old.shape[0] + extra_pages, *old.shape[1:]), dtype=old.dtype, device=old.device)
+        wide[: old.shape[0]].copy_(old)
+        self.kv[index] = wide[: old.shape[0]]
+        return wide

@@ -154,6 +154,9 @@ class EngineStats:
     accepted_drafts: int = 0  # drafts accepted by verification (the bonus / correction token excluded)
     draft_rounds: int = 0  # request rounds that offered at least one draft
     verify_steps: int = 0  # steps that ran decode or verification rows
+    draft_steps: int = 0  # draft positions the learned drafter ran (each proposed draft token; 0 without one)
+    learned_offered: int = 0  # of verification_drafts, those the learned drafter proposed
+    learned_accepted: int = 0  # of accepted_drafts, those the learned drafter proposed
     rounds_by_depth: dict[int, int] = field(default_factory=dict)  # drafts offered -> request rounds
     steps_by_batch: dict[int, int] = field(default_factory=dict)  # decode rows in a verification step -> steps
     steps_by_width: dict[int, int] = field(default_factory=dict)  # widest row group (1 + drafts) -> steps

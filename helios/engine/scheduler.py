@@ -11,6 +11,9 @@ Invariants (each checked by tests/engine/test_scheduler.py without a model):
   the prefix cache where those survive. Only a sequence that alone fills the pool stops
   with the length cause; other requests' load never shortens an output.
 * Every finish (stop, length, abort, error) releases the sequence's pages and reservation.
+* Draft state (history indexes, a learned drafter's proposals and progress) is dropped at every
+  finish and, for the learned drafter, at preemption (Drafter.finished / preempted); a learned
+  drafter's KV lives on the sequence's own pages, so it goes with them.
 * Hybrid cores (recurrent state, state_slots.py): every running sequence holds one live state
   slot, taken at admission or fork and released with its pages. Its prefix is reused only as
   far as a state snapshot reaches; prefill chunks end at snapshot boundaries so the state
@@ -33,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from helios.engine.checkpoints import StepCosts, select
-from helios.engine.drafter import HistoryDrafter, SpeculationConfig
+from helios.engine.drafter import Drafter, SpeculationConfig
 from helios.engine.kv_cache import ROOT_HASH, OutOfPages, PagePool, page_hash
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, FinishCause
 from helios.engine.host_copy import Copier, CopyJob
@@ -82,8 +85,8 @@ class Scheduler:
         self.host_out: list[CopyJob] = []  # pinned, not handed to the copier yet (the engine does after the step)
         self._copying: dict[bytes, CopyJob] = {}  # record digest -> its pinned job, until the pin is released
         self._copying_bytes = 0
-        self.drafter = HistoryDrafter(speculation or SpeculationConfig(mode="off"))
         self.stats = stats if stats is not None else EngineStats(total_pages=pool.num_pages, page_tokens=pool.page_tokens)
+        self.drafter = Drafter(speculation or SpeculationConfig(mode="off"), self.stats)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
@@ -302,10 +305,7 @@ class Scheduler:
         drafts come only from free ones: drafts never preempt."""
         if spare <= 0 or seq.unforked or self.states is not None or not self._may_draft(seq):
             return (), ()
-        request = seq.request
-        room = min(request.max_tokens - seq.num_output - 1,  # the correction or bonus token always follows
-                   self.config.max_model_len - len(seq.token_ids) - 1)  # fmt: skip
-        drafts = self.drafter.propose(seq, self.drafter.depth(seq, min(spare, room)))
+        drafts = self.drafter.propose(seq, self.drafter.depth(seq, min(spare, self._room(seq))))
         states: list = []
         if seq.constraint is not None and drafts:
             states.append(seq.constraint)
@@ -323,6 +323,30 @@ class Scheduler:
                 break
             seq.pages.append(self.pool.allocate())
         return drafts, tuple(states[: len(drafts) + 1]) if drafts else ()
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts seq may take within its limits: the correction or bonus token always follows."""
+        return min(seq.request.max_tokens - seq.num_output - 1, self.config.max_model_len - len(seq.token_ids) - 1)
+
+    def learned_depths(self) -> dict[int, int]:
+        """id(seq) -> drafts the learned drafter should propose after this step for each running
+        sequence's next round, sharing the step's spare rows oldest first as planning will; 0 (left
+        out) where it could not draft or where its history's proposal wins anyway (Drafter.propose)."""
+        drafter = self.drafter
+        if not drafter.enabled or not drafter.config.learned or self.states is not None:
+            return {}
+        spare = self._draft_rows()
+        depths: dict[int, int] = {}
+        for seq in self.running:
+            if spare <= 0:
+                break
+            if seq.num_pending != 1 or seq.scoring or seq.unforked or not self._may_draft(seq):
+                continue
+            k = drafter.depth(seq, min(spare, self._room(seq)))
+            if k > 0 and not drafter.history_wins(seq, k):
+                depths[id(seq)] = k
+                spare -= k
+        return depths
 
     @staticmethod
     def _may_draft(seq: Sequence) -> bool:
@@ -357,6 +381,7 @@ class Scheduler:
         """Release seq's pages and reservation and queue it first; its tokens and state are kept."""
         self.running.remove(seq)
         self._settle_endpoint(seq, keep=True)  # its copies were made by steps that succeeded
+        self.drafter.preempted(seq)
         self._release(seq)
         seq.num_computed = 0
         seq.chain = []
@@ -654,6 +679,7 @@ class Scheduler:
             stats.count_round(offered)
         accepted = len(sampled) - 1  # every token before the last matched its draft
         stats.accepted_drafts += accepted
+        self.drafter.verified(seq, offered, accepted)
         tokens: list[int] = []
         entries: list = []
         cause, rejected = None, False

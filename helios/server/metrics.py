@@ -66,6 +66,8 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
     ("http_admission_in_use", "gauge", "HTTP admission slots held"),
     ("http_admission_capacity", "gauge", "HTTP admission slots in total"),
     ("history_drafts_enabled", "gauge", "Whether shared decoded history augments learned proposals"),
+    ("learned_draft_tokens_total", "counter", "Of the verified draft tokens, those the learned drafter proposed"),
+    ("learned_accepted_draft_tokens_total", "counter", "Of the accepted draft tokens, those the learned drafter proposed"),
     ("uptime_seconds", "gauge", "Seconds since server start"),
     ("state_slots", "gauge", "Recurrent-state slots of a hybrid core, live plus snapshot (0 for other cores)"),
     ("state_slot_bytes", "gauge", "Bytes of one recurrent-state slot over every recurrent layer"),
@@ -85,6 +87,8 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
      "Copy-out thread nanoseconds spent copying pinned pages and snapshots into host records"),
 )
 _EXTRA_NAMES = {key for key, *_ in EXTRAS}
+# JSON-only keys: strings with no Prometheus sample (api.md names learned_drafter's kind nowhere in the text).
+JSON_ONLY = frozenset({"learned_drafter_name"})
 
 # Labelled counters: JSON holds {"label value[/label value]": count}; Prometheus one line per entry.
 LABELLED: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
@@ -113,6 +117,7 @@ def json_snapshot(values: Mapping[str, Number], first_response: Mapping[str, Any
     """Every table field (absent = 0, integers except learned_drafter), extras, first_response."""
     out: dict[str, Any] = {field: int(values.get(field, 0)) for field, *_ in FIELDS}
     out["learned_drafter"] = bool(values.get("learned_drafter", False))
+    out["learned_drafter_name"] = values.get("learned_drafter_name")
     out.update((key, value) for key, value in values.items() if key not in _TABLE)
     for key in _LABELLED_NAMES:
         out.setdefault(key, {})
@@ -145,7 +150,7 @@ def prometheus_text(values: Mapping[str, Number], first_response: Mapping[str, A
             pairs = ",".join(f'{label}="{value}"' for label, value in zip(labels, label_values.split("/"), strict=True))
             lines.append(f"{name}{{{pairs}}} {_number(count)}")
     for key, value in values.items():
-        if key in _TABLE or key in _EXTRA_NAMES or key in _LABELLED_NAMES:
+        if key in _TABLE or key in _EXTRA_NAMES or key in _LABELLED_NAMES or key in JSON_ONLY:
             continue
         if not _NAME.fullmatch(key):
             raise ValueError(f"metric key {key!r} is not a valid Prometheus name")

@@ -15,6 +15,8 @@ from helios.config import ConfigError, ServerConfig
 from helios.core import Core
 from helios.core.logs import Stopwatch
 from helios.engine.client import EngineClient
+from helios.core.manifest import Manifest
+from helios.engine.draft_core import incompatibility
 from helios.engine.drafter import SpeculationConfig
 from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
 from helios.engine.host_store import default_directory, default_memory_bytes
@@ -70,7 +72,7 @@ class ServerState:
         values = {name: getattr(stats, name) for name in (
             "prefill_tokens", "generated_tokens", "decode_weight_bytes", "verification_rounds", "active", "pending",
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
-            "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds",
+            "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds", "draft_steps",
             "state_slots", "state_slot_bytes", "state_slots_used", "state_snapshots")}  # fmt: skip
         values.update(stats.images)  # image preparation and feature counters (engine), plus the frontend's
         for name, count in self.frontend.image_counters.items():
@@ -94,8 +96,14 @@ class ServerState:
         values.update(
             preemptions_total=stats.preemptions,
             used_pages=stats.total_pages - stats.free_pages - stats.cached_pages,
-            learned_drafter=False,
-            history_drafts_enabled=int(speculation.enabled and speculation.config.shared_history),
+            # api.md: learned_drafter is a boolean; which drafter it is goes beside it (JSON only):
+            # "mtp" for the core's MTP programs, a draft core's model id, or null.
+            learned_drafter=speculation.learned_name is not None,
+            learned_drafter_name=speculation.learned_name,
+            learned_draft_tokens_total=stats.learned_offered,
+            learned_accepted_draft_tokens_total=stats.learned_accepted,
+            history_drafts_enabled=int(speculation.enabled and speculation.config.history
+                                       and speculation.config.shared_history),
             http_admission_in_use=self.slots.in_use,
             http_admission_capacity=self.slots.capacity,
             uptime_seconds=int(time.time() - self.started),
@@ -118,6 +126,17 @@ def host_cache_config(config: ServerConfig) -> HostCacheConfig | None:
                            config.host_cache_copy_queue_mb << 20)
 
 
+def _draft_core(config: ServerConfig, target: Manifest) -> Core | None:
+    """The draft core named by [server] draft_core / --draft-core, checked against the served core."""
+    if config.draft_core is None or config.speculation == "off" or not config.learned_drafts:
+        return None
+    draft = Core.open(Path(config.draft_core).expanduser(), trust_unchanged=True)
+    why = incompatibility(target, draft.manifest)
+    if why is not None:
+        raise ConfigError(f"[server] draft_core / --draft-core {config.draft_core}: {why}")
+    return draft
+
+
 def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     clock = Stopwatch(logging.getLogger("helios.server"), "startup")
     core = Core.open(core_dir, trust_unchanged=True)
@@ -130,13 +149,15 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
             "[server] thinking_token_budget needs a core whose reasoning syntax closes with a single-token delimiter; "
             f"recipe {m.recipe.name!r} has none (reasoning syntax {m.recipe.reasoning_syntax!r}): remove the setting"
         )
+    draft = _draft_core(config, m)
     engine = LLMEngine(core, EngineConfig(
         max_concurrency=config.max_concurrency, max_pending=config.queue_size,
         prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
         kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache,
         serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step,
         speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
-                                      config.history_drafts),
+                                      config.history_drafts, learned=config.learned_drafts),
+        draft_core=draft,
         state_snapshots=config.state_snapshots, snapshot_interval=config.snapshot_interval,
         checkpoint_work_fraction=config.checkpoint_work_fraction,
         host_cache=host_cache_config(config)),

@@ -227,7 +227,15 @@ def _speculation(prev: Snapshot | None, cur: Snapshot) -> Section:
         Row("acceptance",
             "-" if acceptance is None else f"{_percent(acceptance)} ({_count(accepted)} of {_count(drafts)})"),
         Row("drafted rounds", _percent(ratio(offered, rounds))),
-        Row("drafter", "learned" if cur.get("learned_drafter") else "prompt and output history")))  # fmt: skip
+        Row("drafter", _drafter(cur))))  # fmt: skip
+
+
+def _drafter(cur: Snapshot) -> str:
+    if not cur.get("learned_drafter"):
+        return "prompt and output history"
+    name = cur.get("learned_drafter_name")
+    learned = "the core's MTP layers" if name == "mtp" else f"draft core {name}" if name else "learned"
+    return f"{learned}; history on long matches"
 
 
 def _host_cache(prev: Snapshot | None, cur: Snapshot, elapsed: float) -> Section:
