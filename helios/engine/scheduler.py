@@ -21,8 +21,10 @@ Invariants (each checked by tests/engine/test_scheduler.py without a model):
   the store lacks are pinned (a pool reference, a snapshot pin) before its pages are released,
   within a bound on pinned bytes (beyond it the chain's end is dropped, counted); the engine hands
   them to the copier after the step and the pins are released at a later step boundary once
-  copied. Pinned pages never fail an admission or force a preemption: under pool pressure the
-  scheduler first waits for the copier and releases every pin.
+  copied. Pins are taken only when the pool keeps the headroom the next step may need; otherwise
+  the offer is deferred (counted) and retried at later step boundaries from the pool's cached pages.
+  Pinned pages never fail an admission or force a preemption: under pool pressure the scheduler
+  waits for the copier and releases every pin.
 """
 
 from __future__ import annotations
@@ -595,7 +597,9 @@ class Scheduler:
         if states is not None:
             total += states.num_slots
             free += states.num_free
-        intake = min(self.copy_queue_bytes // self.host_page_bytes, pool.num_pages) if self.copier and self.host_page_bytes else 0
+        intake = 0
+        if self.copier is not None and self.host_page_bytes:
+            intake = min(self.copy_queue_bytes // self.host_page_bytes, pool.num_pages)
         return total - free, total, intake
 
     @property

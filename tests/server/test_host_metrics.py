@@ -109,15 +109,15 @@ def test_host_cache_metrics_follow_a_scripted_run(tiny: Core, tmp_path: Path) ->
     # A tight pool: x finishes while a long prompt waits for more pages than pinning x's pages would
     # leave, so its offer is deferred (the engine never waits for the copier); the waiting prompt then
     # evicts x's pages before a retry finds headroom, so x's chain is dropped at its retry.
-    deferred_before = m("flare_host_cache_copyout_headroom_deferrals_total", "host_cache_copyout_headroom_deferrals_total")
-    assert deferred_before == 0
+    deferrals = ("flare_host_cache_copyout_headroom_deferrals_total", "host_cache_copyout_headroom_deferrals_total")
+    assert m(*deferrals) == 0
     run_to_completion(engine, [
         EngineRequest("x", _prompt(tiny, 10 * size + 3, seed=2), (GREEDY,), 2, ignore_eos=True),
         EngineRequest("y", _prompt(tiny, 10 * size + 3, seed=3), (GREEDY,), 30, ignore_eos=True),
         EngineRequest("z", _prompt(tiny, 25 * size + 3, seed=4), (GREEDY,), 2, ignore_eos=True),
     ])  # fmt: skip
     engine.drain_copies()
-    assert m("flare_host_cache_copyout_headroom_deferrals_total", "host_cache_copyout_headroom_deferrals_total") >= 1
+    assert m(*deferrals) >= 1
     assert m("flare_host_cache_copyout_waits_total", "host_cache_copyout_waits_total") == 0
     assert m("flare_host_cache_dropped_total", "host_cache_dropped", tier="dram", reason="end_of_chain") >= 1
     assert engine.scheduler.copies_deferred == 0  # retried (or given up) once the pool had room
@@ -163,3 +163,18 @@ def test_oversize_and_io_error_drops_reach_both_expositions(tiny: Core, tmp_path
     assert m("flare_host_cache_dropped_total", "host_cache_dropped", tier="nvme", reason="io_error") == 1
     assert m("flare_host_cache_hits_total", "host_hits") == 0  # the chain stopped at its corrupt head
     restarted.close()
+
+
+def test_checkpoint_slots_count_pages_and_recurrent_state_slots() -> None:
+    """A hybrid core's local checkpoint pool: KV pages plus live and snapshot state slots."""
+    from helios.engine.kv_cache import PagePool
+    from helios.engine.scheduler import Scheduler, SchedulerConfig
+    from helios.engine.state_slots import StatePool
+
+    pool, states = PagePool(10, 16), StatePool(2, 3)
+    scheduler = Scheduler(SchedulerConfig(2, 64, 1024), pool, states=states)
+    assert scheduler.checkpoint_slots == (0, 15, 0)  # no host store: no copy-out intake
+    pool.allocate()
+    states.allocate()  # a live sequence's state row
+    states.claim()  # a snapshot a step will capture
+    assert scheduler.checkpoint_slots == (3, 15, 0)
