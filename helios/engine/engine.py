@@ -212,9 +212,12 @@ class LLMEngine:
         """Wait for the copier and release every pin (tests, shutdown; the pool is whole again)."""
         copier = self.scheduler.copier
         if copier is not None:
-            self.scheduler.hand_off_copies()
-            copier.wait()
-            self.scheduler.settle_copies()
+            while True:  # a retried deferred offer pins more: until nothing is pinned or deferred
+                self.scheduler.hand_off_copies()
+                copier.wait()
+                self.scheduler.settle_copies()
+                if not self.scheduler.host_out:
+                    break
             self._refresh_gauges()
 
     def _measure_state_copy(self) -> None:
@@ -290,7 +293,8 @@ class LLMEngine:
     @property
     def has_work(self) -> bool:
         copier = self.scheduler.copier
-        return self.scheduler.has_work or bool(self._aborted) or (copier is not None and copier.has_done)
+        return (self.scheduler.has_work or bool(self._aborted) or bool(self.scheduler.copies_deferred)
+                or (copier is not None and copier.has_done))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineEvent]:

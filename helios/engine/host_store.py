@@ -95,7 +95,7 @@ class HostStats:
     bytes_in: int = 0
     held: dict[str, int] = field(default_factory=lambda: {"dram": 0, "nvme": 0})  # records taken in, by tier
     dropped: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, reason) -> records
-    skipped: int = 0  # offers of records already held
+    skipped: int = 0  # offered records already held or being copied: duplicates, and retries of deferred offers
     # Per admission lookup: prompt tokens it left to compute, and the estimated cost of what it
     # restored (transfer, from the measured copy-in rate) against recomputing it (from the
     # measured prefill rate); the estimates are observed once both rates are known.
@@ -108,6 +108,10 @@ class HostStats:
     # "end_of_chain": the chain's head is kept, its end dropped).
     copy_waits: int = 0
     copy_wait_ns: int = 0
+    # Copy-out offers deferred by the headroom check before pinning (scheduler._short_of_headroom):
+    # the pins would leave the pool short of what the next step may need, so the offer waits for a
+    # later step boundary instead of the engine waiting for the copier.
+    copy_deferrals: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def drop(self, tier: str, reason: str, count: int = 1) -> None:

@@ -45,6 +45,11 @@ class StatePool:
         return self.num_live - len(self._free_live)
 
     @property
+    def num_free(self) -> int:
+        """Live and snapshot slots holding nothing."""
+        return len(self._free_live) + len(self._free_snapshots)
+
+    @property
     def snapshots_held(self) -> int:
         return len(self._by_hash)
 

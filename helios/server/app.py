@@ -35,7 +35,7 @@ def metrics(request: Request) -> Response:
         return error_response(HttpError(400, str(exc), param="format"))
     values, first = state.snapshot(), state.first_response.summary()
     if chosen == "json":
-        return json_response(json_snapshot(values, first))
+        return json_response(json_snapshot(values, first, state.histograms()))
     text = prometheus_text(values, first, state.histograms())
     return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -76,7 +76,15 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
     ("checkpoint_extra_work_nanoseconds_total", "counter",
      "Predicted extra prefill and copy work charged for hinted checkpoints (not a GPU timing)"),
     ("host_cache_parked_records", "gauge", "Complete DRAM copies awaiting disk writes"),
-    ("host_cache_store_skipped_total", "counter", "Copy-out offers of records the host store already held"),
+    ("host_cache_store_skipped_total", "counter",
+     "Copy-out offers of records the host store already held or was copying (duplicates and retries)"),
+    ("host_cache_copyout_headroom_deferrals_total", "counter",
+     "Copy-out offers deferred by the pool headroom check before pinning pages (retried at a later step)"),
+    ("host_cache_slots_in_use", "gauge",
+     "Local checkpoint pool slots in use: KV pages and recurrent-state slots not free (live, cached, pinned)"),
+    ("host_cache_slots_total", "gauge",
+     "Local checkpoint pool slots: KV pages plus recurrent-state slots, the copy-out intake included"),
+    ("host_cache_intake_slots", "gauge", "Pool slots the copy-out intake may hold pinned for the host store at once"),
     ("host_cache_anchor_records", "gauge", "Host-memory records of conversation anchors' chains (evicted last)"),
     ("host_cache_copyout_pinned_records", "gauge",
      "KV pages and state snapshots pinned for the copy-out thread and not yet released"),
@@ -90,18 +98,21 @@ _EXTRA_NAMES = {key for key, *_ in EXTRAS}
 # JSON-only keys: strings with no Prometheus sample (api.md names learned_drafter's kind nowhere in the text).
 JSON_ONLY = frozenset({"learned_drafter_name"})
 
-# Labelled counters: JSON holds {"label value[/label value]": count}; Prometheus one line per entry.
-LABELLED: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
+# Labelled counters: JSON holds {"label value[/label value]": count} (absent entries read as zero);
+# Prometheus one line per entry, every label value api.md names included (zero until counted).
+_TIERS, _DROP_REASONS = ("dram", "nvme"), ("end_of_chain", "oversize", "io_error")
+LABELLED: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("host_cache_held", "flare_host_cache_held_total", "counter", "Records the host prefix store took in, by tier",
-     ("tier",)),
+     ("tier",), _TIERS),
     ("host_cache_dropped", "flare_host_cache_dropped_total", "counter",
-     "Records the host prefix store dropped, by tier and reason", ("tier", "reason")),
+     "Records the host prefix store dropped, by tier and reason", ("tier", "reason"),
+     tuple(f"{tier}/{reason}" for tier in _TIERS for reason in _DROP_REASONS)),
     ("checkpoint_captures", "flare_checkpoint_captures_total", "counter",
      "Recurrent-state checkpoints captured, by role (anchor: the end of a system/tools block; message: a "
      "message or cache_control block end, or a prompt's last page boundary; endpoint: a finished sequence's "
-     "last full page)", ("role",)),
+     "last full page)", ("role",), ("anchor", "message", "endpoint")),
     ("checkpoint_skips", "flare_checkpoint_skips_total", "counter", "Checkpoint captures not made, by reason",
-     ("reason",)),
+     ("reason",), ("unknown_cost", "work_budget", "storage")),
 )  # fmt: skip
 _LABELLED_NAMES = {key for key, *_ in LABELLED}
 
@@ -113,14 +124,22 @@ HISTOGRAMS: tuple[tuple[str, str], ...] = (
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
-def json_snapshot(values: Mapping[str, Number], first_response: Mapping[str, Any]) -> dict[str, Any]:
-    """Every table field (absent = 0, integers except learned_drafter), extras, first_response."""
+def json_snapshot(values: Mapping[str, Number], first_response: Mapping[str, Any],
+                  histograms: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every table field (absent = 0, integers except learned_drafter), extras, first_response, and
+    each histogram under its Prometheus name without flare_: {"buckets": {le: cumulative count},
+    "sum", "count"} (empty without a host prefix store)."""
     out: dict[str, Any] = {field: int(values.get(field, 0)) for field, *_ in FIELDS}
     out["learned_drafter"] = bool(values.get("learned_drafter", False))
     out["learned_drafter_name"] = values.get("learned_drafter_name")
     out.update((key, value) for key, value in values.items() if key not in _TABLE)
     for key in _LABELLED_NAMES:
         out.setdefault(key, {})
+    for name, _ in HISTOGRAMS:
+        histogram = (histograms or {}).get(name)
+        buckets = histogram.cumulative() if histogram is not None else [("+Inf", 0)]
+        out[name.removeprefix("flare_")] = {"buckets": dict(buckets), "count": buckets[-1][1],
+                                            "sum": histogram.sum if histogram is not None else 0}  # fmt: skip
     out["first_response"] = {
         "median_seconds": first_response.get("median_seconds"),
         "samples": int(first_response.get("samples", 0)),
@@ -144,9 +163,10 @@ def prometheus_text(values: Mapping[str, Number], first_response: Mapping[str, A
             metric(name, kind, help_text, int(values.get(field, 0)))
     for key, kind, help_text in EXTRAS:
         metric(f"flare_{key}", kind, help_text, values.get(key, 0))
-    for key, name, kind, help_text, labels in LABELLED:
+    for key, name, kind, help_text, labels, known in LABELLED:
         lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-        for label_values, count in sorted(dict(values.get(key) or {}).items()):  # type: ignore[call-overload]
+        counts = dict.fromkeys(known, 0) | dict(values.get(key) or {})  # type: ignore[call-overload]
+        for label_values, count in sorted(counts.items()):
             pairs = ",".join(f'{label}="{value}"' for label, value in zip(labels, label_values.split("/"), strict=True))
             lines.append(f"{name}{{{pairs}}} {_number(count)}")
     for key, value in values.items():

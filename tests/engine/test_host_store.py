@@ -170,8 +170,9 @@ def _stress_requests(core: Core) -> list[EngineRequest]:
 
 def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pins survive several steps, yet no page is copied after it was reused (every record equals a
-    fresh prefill's KV), no admission fails or output changes because of them, and the pool is
-    whole again at idle."""
+    fresh prefill's KV), no admission fails or output changes because of them, the engine never
+    waits for the copier (offers the pool lacks headroom for are deferred and retried instead), and
+    the pool is whole again at idle."""
     _slow_copier(monkeypatch, 0.003)
     requests = _stress_requests(tiny)
     fresh = LLMEngine(tiny, EngineConfig(num_pages=400, prefill_chunk_size=64, compiled_step=False))
@@ -188,7 +189,8 @@ def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, m
             outputs.setdefault(event.request_id, []).append(event)
         engine.scheduler.check_invariants()  # pins are counted as references of their pages
         pinned_across_steps += engine.scheduler.copies_pending
-    assert pinned_across_steps > 0 and engine.host.stats.copy_waits > 0  # the pool needed pinned pages back
+    stats = engine.host.stats
+    assert pinned_across_steps > 0 and stats.copy_deferrals > 0 and stats.copy_waits == 0
     for request in requests:
         tokens = tuple(t for event in outputs[request.request_id] for t in event.token_ids)
         assert outputs[request.request_id][-1].finish is FinishCause.LENGTH and outputs[request.request_id][-1].error is None
@@ -199,7 +201,7 @@ def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, m
     assert pool.num_available == pool.num_pages  # every page free or evictable again
     store = engine.host
     records = list(store._dram.values()) + list(store._anchors.values())
-    assert len(records) > 30
+    assert len(records) >= 5  # deferred offers whose pages the tiny pool evicted meanwhile were dropped
     for record in records:  # each record is the KV a fresh prefill computed for its chain
         page = fresh.pool.page_of(record.digest)
         assert page is not None

@@ -178,8 +178,8 @@ def test_host_cache_histograms_and_labelled_counters_parse_when_filled() -> None
     assert missing["4"] == 1 and missing["64"] == 2 and missing["+Inf"] == 3
     held = {s.labels["tier"]: s.value for s in families["flare_host_cache_held"].samples}
     assert held == {"dram": 7, "nvme": 5}
-    dropped = [(s.labels["tier"], s.labels["reason"], s.value) for s in families["flare_host_cache_dropped"].samples]
-    assert dropped == [("nvme", "io_error", 1)]
+    dropped = {(s.labels["tier"], s.labels["reason"]): s.value for s in families["flare_host_cache_dropped"].samples}
+    assert dropped[("nvme", "io_error")] == 1 and sum(dropped.values()) == 1  # the other five pairs read zero
 
 
 def test_checkpoint_counters_reach_prometheus_and_json() -> None:
@@ -193,8 +193,8 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
 
     stats = EngineStats(checkpoint_captures={"anchor": 2, "message": 5}, checkpoint_skips={"unknown_cost": 1,
                         "work_budget": 3}, checkpoint_extra_work_ns=123_456)  # fmt: skip
-    engine = SimpleNamespace(stats=stats, host=None,
-                             scheduler=SimpleNamespace(drafter=HistoryDrafter(SpeculationConfig(mode="off"))))  # fmt: skip
+    engine = SimpleNamespace(stats=stats, host=None, scheduler=SimpleNamespace(
+        drafter=HistoryDrafter(SpeculationConfig(mode="off")), checkpoint_slots=(0, 0, 0)))  # fmt: skip
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
                             started=0.0, frontend=SimpleNamespace(image_counters={"input_decoded_images_total": 2}))  # fmt: skip
     values = ServerState.snapshot(state)  # type: ignore[arg-type]
@@ -202,7 +202,8 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     families = {f.name: f for f in text_string_to_metric_families(prometheus_text(values, EMPTY_WINDOW))}
     captures = {s.labels["role"]: s.value for s in families["flare_checkpoint_captures"].samples}
     skips = {s.labels["reason"]: s.value for s in families["flare_checkpoint_skips"].samples}
-    assert captures == {"anchor": 2, "message": 5} and skips == {"unknown_cost": 1, "work_budget": 3}
+    assert captures == {"anchor": 2, "message": 5, "endpoint": 0}  # every role api.md names, zero until counted
+    assert skips == {"unknown_cost": 1, "work_budget": 3, "storage": 0}
     work = families["flare_checkpoint_extra_work_nanoseconds"]
     assert work.type == "counter" and work.samples[0].value == 123_456
     snapshot = json_snapshot(values, EMPTY_WINDOW)
@@ -223,7 +224,7 @@ def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
     host.stats.copy_waits, host.stats.copy_wait_ns = 2, 5_000
     host.stats.drop("dram", "end_of_chain", 7)
     scheduler = SimpleNamespace(drafter=HistoryDrafter(SpeculationConfig(mode="off")), pinned_records=3,
-                                copier_ns=9_000)  # fmt: skip
+                                copier_ns=9_000, checkpoint_slots=(5, 40, 8))  # fmt: skip
     engine = SimpleNamespace(stats=EngineStats(), host=host, scheduler=scheduler)
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
                             started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
@@ -236,8 +237,8 @@ def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
     assert families["flare_host_cache_copyout_pinned_records"].type == "gauge"
     assert families["flare_host_cache_copyout_pinned_records"].samples[0].value == 3
     assert families["flare_host_cache_anchor_records"].samples[0].value == 0
-    dropped = [(s.labels["tier"], s.labels["reason"], s.value) for s in families["flare_host_cache_dropped"].samples]
-    assert dropped == [("dram", "end_of_chain", 7)]
+    dropped = {(s.labels["tier"], s.labels["reason"]): s.value for s in families["flare_host_cache_dropped"].samples}
+    assert dropped[("dram", "end_of_chain")] == 7 and sum(dropped.values()) == 7 and len(dropped) == 6
     snapshot = json_snapshot(values, EMPTY_WINDOW)
     assert snapshot["host_cache_copyout_waits_total"] == 2 and snapshot["host_cache_copyout_pinned_records"] == 3
     assert snapshot["host_cache_dropped"] == {"dram/end_of_chain": 7}
