@@ -13,6 +13,8 @@ import struct
 import zlib
 from pathlib import Path
 
+import json
+
 import anthropic
 import httpx
 import numpy as np
@@ -29,6 +31,8 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
 from live import live_server
+from serving import SCHEMA_PATH, schema_validator, sse_events
+from support import anthropic_spec
 from tests.ignition.test_gemma4_vision import encoded_images
 
 IMAGES = encoded_images()  # PNG 37x53, JPEG 64x40, WebP 90x90
@@ -156,9 +160,34 @@ def test_anthropic_images_in_user_turns_and_tool_results(claude: anthropic.Anthr
     message = claude.messages.create(model="m", max_tokens=3, messages=messages, tools=tools)
     counted = claude.messages.count_tokens(model="m", messages=messages, tools=tools)
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == counted.input_tokens
+    image_tokens = message.usage.model_extra["multimodal_tokens"]["image"]
+    assert 0 < image_tokens < counted.input_tokens
     with claude.messages.stream(model="m", max_tokens=3, messages=messages, tools=tools) as stream:
         final = stream.get_final_message()
     assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == counted.input_tokens
+    assert final.usage.model_extra["multimodal_tokens"]["image"] == image_tokens
+
+
+def test_messages_usage_reports_image_tokens_within_the_schemas(served) -> None:
+    """Raw bodies: the buffered message and both stream usages (message_start, message_delta) carry
+    multimodal_tokens.image and still validate against the hosted Anthropic schemas."""
+    spec = anthropic_spec()
+    image = {"type": "image", "source": {"type": "base64", "media_type": MEDIA[1], "data": b64(1)}}
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]}
+    headers = {"anthropic-version": "2023-06-01"}
+    expected = images.cost(64, 40, served[1].frontend.vision).num_tokens
+    buffered = httpx.post(served[0] + "/v1/messages", json=body, headers=headers, timeout=120).json()
+    schema_validator(spec, "Message").validate(buffered)
+    assert buffered["usage"]["multimodal_tokens"] == {"image": expected}
+    streamed = httpx.post(served[0] + "/v1/messages", json={**body, "stream": True}, headers=headers, timeout=120)
+    events = {e["type"]: e for e in map(json.loads, sse_events(streamed))}
+    schema_validator(spec, "MessageStartEvent").validate(events["message_start"])
+    schema_validator(spec, "MessageDeltaEvent").validate(events["message_delta"])
+    assert events["message_start"]["message"]["usage"]["multimodal_tokens"] == {"image": expected}
+    assert events["message_delta"]["usage"]["multimodal_tokens"] == {"image": expected}
+    text_only = httpx.post(served[0] + "/v1/messages", json={**body, "messages": [{"role": "user", "content": "Hi"}]},
+                           headers=headers, timeout=120).json()  # fmt: skip
+    assert "multimodal_tokens" not in text_only["usage"]
 
 
 def test_responses_input_image(served) -> None:
@@ -166,6 +195,19 @@ def test_responses_input_image(served) -> None:
         {"type": "input_text", "text": "Describe"}, {"type": "input_image", "image_url": data_url(1)}]}]}  # fmt: skip
     response = httpx.post(served[0] + "/v1/responses", json=body, timeout=120)
     assert response.status_code == 200, response.text
+    spec = json.loads(SCHEMA_PATH.read_text())
+    schema_validator(spec, "Response").validate(response.json())
+    usage = response.json()["usage"]
+    expected = images.cost(64, 40, served[1].frontend.vision).num_tokens
+    assert usage["input_tokens_details"]["multimodal_tokens"] == {"image": expected}
+    assert usage["input_tokens"] > expected
+    streamed = httpx.post(served[0] + "/v1/responses", json={**body, "stream": True}, timeout=120)
+    events = [json.loads(e) for e in sse_events(streamed)]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")  # 2 tokens may run out
+    schema_validator(spec, "ResponseStreamEvent").validate(events[-1])
+    streamed_usage = events[-1]["response"]["usage"]  # its cached_tokens may differ: the prefix is warm now
+    assert streamed_usage["input_tokens"] == usage["input_tokens"]
+    assert streamed_usage["input_tokens_details"]["multimodal_tokens"] == {"image": expected}
 
 
 # ---------------------------------------------------------------------------- prefix identity
