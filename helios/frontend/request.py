@@ -115,6 +115,10 @@ class PreparedPrompt:
 TEXT_ONLY_IMAGES = "this model does not accept images (its core has no vision program)"
 
 
+class ImageRejected(RequestError):
+    """A 400 about the request's images (limits, budget, format), not its text or template."""
+
+
 def message_images(messages: list[Message]) -> list[ImagePart]:
     """The images of lowered messages in the order the template renders them (tool results' inline)."""
     out: list[ImagePart] = []
@@ -267,7 +271,7 @@ class Frontend:
             elif isinstance(part, ToolResultPart):
                 out["tool_call_id"] = part.call_id
                 if any(isinstance(p, ImagePart) for p in part.content) and not vision:
-                    raise RequestError(f"{TEXT_ONLY_IMAGES}: tool result {part.call_id!r} carries one", "messages")
+                    raise ImageRejected(f"{TEXT_ONLY_IMAGES}: tool result {part.call_id!r} carries one", "messages")
                 result = "\n\n".join(p.text for p in part.content if isinstance(p, TextPart))
                 if part.is_error:  # templates render no flag for it: say it in the result the model reads
                     out["is_error"] = True
@@ -278,7 +282,7 @@ class Frontend:
                 continue
             elif isinstance(part, ImagePart):
                 if not vision:
-                    raise RequestError(TEXT_ONLY_IMAGES, "messages")
+                    raise ImageRejected(TEXT_ONLY_IMAGES, "messages")
                 items.append({"type": "image"})
                 continue
             if isinstance(part, TextPart):
@@ -365,7 +369,7 @@ class Frontend:
         assert profile is not None
         if len(parts) > self.max_images_per_prompt:
             self.image_counters["input_rejected_images_total"] += len(parts)
-            raise RequestError(f"the request has {len(parts)} images, over max_images_per_prompt "
+            raise ImageRejected(f"the request has {len(parts)} images, over max_images_per_prompt "
                                f"{self.max_images_per_prompt}", "messages")  # fmt: skip
         costed = []
         for number, part in enumerate(parts, 1):
@@ -375,15 +379,15 @@ class Frontend:
                 cost = imaging.cost(header.width, header.height, profile)
             except imaging.ImageError as exc:
                 self.image_counters["input_rejected_images_total"] += 1
-                raise RequestError(str(exc), "messages") from None
+                raise ImageRejected(str(exc), "messages") from None
             if cost.num_tokens > profile.max_image_tokens_per_image:
                 self.image_counters["input_rejected_images_total"] += 1
-                raise RequestError(f"{where} ({header.width}x{header.height} pixels) costs {cost.num_tokens} image "
+                raise ImageRejected(f"{where} ({header.width}x{header.height} pixels) costs {cost.num_tokens} image "
                                    f"tokens, over max_image_tokens_per_image {profile.max_image_tokens_per_image}",
                                    "messages")  # fmt: skip
             if cost.num_tokens < 2:
                 self.image_counters["input_rejected_images_total"] += 1
-                raise RequestError(f"{where} ({header.width}x{header.height} pixels) resizes to {cost.num_tokens} image "
+                raise ImageRejected(f"{where} ({header.width}x{header.height} pixels) resizes to {cost.num_tokens} image "
                                    "token; this core's vision program needs at least 2", "messages")  # fmt: skip
             costed.append((part, header, cost))
         total = sum(c.num_tokens for _, _, c in costed)
@@ -397,7 +401,7 @@ class Frontend:
             _, header, c = costed[first - 1]
             patches = sum(c.num_patches for _, _, c in costed)
             self.image_counters["input_rejected_images_total"] += len(costed)
-            raise RequestError(f"the request's {len(costed)} images cost {total} image tokens ({patches} patches), over "
+            raise ImageRejected(f"the request's {len(costed)} images cost {total} image tokens ({patches} patches), over "
                                f"max_image_tokens_per_prompt {budget}; image {first} ({header.width}x{header.height} "
                                f"pixels, {c.num_tokens} tokens) is the first past it", "messages")  # fmt: skip
         return costed
@@ -436,7 +440,7 @@ class Frontend:
             rgb = imaging.decode(part.data)
         except Exception:
             self.image_counters["input_rejected_images_total"] += 1
-            raise RequestError(f"an image ({header.width}x{header.height} {header.format}) could not be decoded",
+            raise ImageRejected(f"an image ({header.width}x{header.height} {header.format}) could not be decoded",
                                "messages") from None  # fmt: skip
         self.image_counters["input_decoded_images_total"] += 1
         self.image_counters["input_decoded_image_bytes_total"] += header.num_bytes

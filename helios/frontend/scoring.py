@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from helios.frontend.generate import Runner, new_request_id, usage_of
 from helios.frontend.inference import (
     Conversation,
+    ImagePart,
     InferenceRequest,
     LogprobOptions,
     Message,
@@ -25,7 +26,7 @@ from helios.frontend.inference import (
     StopOptions,
     TextPart,
 )
-from helios.frontend.request import Frontend, PreparedPrompt
+from helios.frontend.request import Frontend, ImageRejected, PreparedPrompt
 
 MAX_QUESTIONS = 64
 MAX_OPTIONS = 128
@@ -44,20 +45,26 @@ DEFAULT_INSTRUCTIONS = {"binary": "Which option describes the state?", "choice":
 
 
 # ---------------------------------------------------------------------------- neutral questions
+# What the model reads for one value: text, or text with images in reading order (System One
+# image assets); a tuple always holds at least one ImagePart and never two adjacent strings.
+Content = str | tuple[str | ImagePart, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
-    name: str  # what the model reads as the option (structured values already rendered to text)
-    description: str | None = None  # optional explanation, shown after the name
+    name: Content  # what the model reads as the option (structured values already rendered to text)
+    description: Content | None = None  # optional explanation, shown after the name
 
 
 @dataclass(frozen=True, slots=True)
 class QuestionSpec:
     kind: str  # "binary" (options: yes then no) | "choice" | "score" (levels, lowest first)
-    instructions: str | None  # None: a default question for choice and score
+    instructions: Content | None  # None: a default question for choice and score
     options: tuple[Option, ...]  # 1..MAX_OPTIONS (binary: exactly 2)
 
 
-def binary_question(instructions: str | None, if_true: str | None = None, if_false: str | None = None) -> QuestionSpec:
+def binary_question(instructions: Content | None, if_true: Content | None = None,
+                    if_false: Content | None = None) -> QuestionSpec:
     """A yes/no question; the read's first probability is P(true)."""
     return QuestionSpec("binary", instructions, (Option("Yes", if_true), Option("No", if_false)))
 
@@ -136,35 +143,59 @@ def require_explicit_ids(frontend: Frontend) -> None:
                            "`ignition export` without --no-logprob-ids", "model")  # fmt: skip
 
 
-def _question_text(question: QuestionSpec, labels: Sequence[str]) -> str:
+def joined(*pieces: Content | ImagePart) -> Content:
+    """Pieces read one after another: a plain string while there are no images (the text-only
+    prompt is byte-for-byte the same), else a Content tuple with adjacent strings merged."""
+    flat: list[str | ImagePart] = []
+    for piece in pieces:
+        for item in piece if isinstance(piece, tuple) else (piece,):
+            if isinstance(item, str) and flat and isinstance(flat[-1], str):
+                flat[-1] += item
+            elif not (isinstance(item, str) and not item):
+                flat.append(item)
+    if not any(isinstance(item, ImagePart) for item in flat):
+        return "".join(flat)  # type: ignore[arg-type]
+    return tuple(flat)
+
+
+def _question_text(question: QuestionSpec, labels: Sequence[str]) -> Content:
     instructions = question.instructions or DEFAULT_INSTRUCTIONS.get(question.kind, "")
     heading = "Levels, from lowest to highest:" if question.kind == "score" else "Options:"
-    lines = [instructions, "", heading]
+    lines: list[Content] = [instructions, "", heading]
     for label, option in zip(labels, question.options):
-        lines.append(f"{label}. {option.name}" + (f": {option.description}" if option.description else ""))
+        lines.append(joined(f"{label}. ", option.name, *((": ", option.description) if option.description else ())))
     lines += ["", f"Reply with one label ({', '.join(labels)}).", "Answer:"]
-    return "\n".join(lines)
+    return joined(*(piece for i, line in enumerate(lines) for piece in ((line,) if i == 0 else ("\n", line))))
 
 
-def _conversation(state: str, question_text: str, merged: bool) -> Conversation:
+def _parts(content: Content) -> tuple[TextPart | ImagePart, ...]:
+    return (TextPart(content),) if isinstance(content, str) else \
+        tuple(TextPart(item) if isinstance(item, str) else item for item in content)  # fmt: skip
+
+
+def _conversation(state: Content, question_text: Content, merged: bool) -> Conversation:
     """The state as its own user message, or (for templates that insist on alternating
     roles) merged into the question's turn; either way the state prefix is shared."""
     system = Message("system", (TextPart(SYSTEM_INSTRUCTION),))
-    state_text = f"State:\n{state}"
+    state_text = joined("State:\n", state)
     if merged:
-        turns = (Message("user", (TextPart(f"{state_text}\n\n{question_text}"),)),)
+        turns = (Message("user", _parts(joined(state_text, "\n\n", question_text))),)
     else:
-        turns = (Message("user", (TextPart(state_text),)), Message("user", (TextPart(question_text),)))
+        turns = (Message("user", _parts(state_text)), Message("user", _parts(question_text)))
     return Conversation((system, *turns), thinking=False)
 
 
-def _render(frontend: Frontend, state: str, question_text: str) -> PreparedPrompt:
+def _render(frontend: Frontend, state: Content, question_text: Content) -> PreparedPrompt:
     try:
         return frontend.prompt(_conversation(state, question_text, merged=False))
+    except ImageRejected:
+        raise  # the images, not the template: the merged form would be refused the same way
     except RequestError:
         pass
     try:
         return frontend.prompt(_conversation(state, question_text, merged=True))
+    except ImageRejected:
+        raise
     except RequestError as exc:
         raise RequestError(f"this model's chat template cannot render a scoring prompt: {exc.message}",
                            "model") from None  # fmt: skip
@@ -209,7 +240,7 @@ class _LabelCheck:
         return found
 
 
-def compile_question(frontend: Frontend, state: str, question: QuestionSpec, where: str) -> CompiledQuestion:
+def compile_question(frontend: Frontend, state: Content, question: QuestionSpec, where: str) -> CompiledQuestion:
     """Render one question and verify its labels against the final rendered prompt.
 
     Labels are chosen against a first rendering (the prompt's tail does not depend on them),
@@ -235,11 +266,17 @@ def compile_question(frontend: Frontend, state: str, question: QuestionSpec, whe
     raise RequestError(f"{where}: the labels could not be verified as single tokens after the rendered prompt", where)
 
 
-def compile_questions(frontend: Frontend, state: str,
+def compile_questions(frontend: Frontend, state: Content,
                       questions: Sequence[tuple[str, QuestionSpec]]) -> list[CompiledQuestion]:  # fmt: skip
     """CPU work (rendering, tokenization) for every question; run it off the event loop."""
     require_explicit_ids(frontend)
-    return [compile_question(frontend, state, spec, where) for where, spec in questions]
+    compiled = []
+    for where, spec in questions:
+        try:
+            compiled.append(compile_question(frontend, state, spec, where))
+        except ImageRejected as exc:  # images count in the prompt's order: state first, then the question's
+            raise ImageRejected(f"{where}: {exc.message}", "assets") from None
+    return compiled
 
 
 # ---------------------------------------------------------------------------- reads

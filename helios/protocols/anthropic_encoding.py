@@ -19,7 +19,8 @@ class MessagesEncoder:
 
     def __init__(self, run: Submission, model: str) -> None:
         self.run = run
-        self.events = MessagesStream(run.request_id, model, len(run.generations[0].prompt.token_ids))
+        prompt = run.generations[0].prompt
+        self.events = MessagesStream(run.request_id, model, len(prompt.token_ids), prompt.image_tokens)
         self._started = False
         self._finish: FinishEvent | None = None
 

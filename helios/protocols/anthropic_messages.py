@@ -356,14 +356,18 @@ def stop_reason(finish: FinishEvent) -> tuple[str, str | None]:
     return reason, finish.matched_stop if reason == "stop_sequence" else None
 
 
-def usage_json(usage: Usage) -> dict[str, int]:
-    """Reused prompt tokens are cache reads; the rest are input (their sum is count_tokens')."""
-    return {
+def usage_json(usage: Usage) -> dict[str, Any]:
+    """Reused prompt tokens are cache reads; the rest are input (their sum is count_tokens').
+    Image requests add multimodal_tokens.image: image feature tokens within that sum."""
+    body: dict[str, Any] = {
         "input_tokens": max(usage.prompt_tokens - usage.cached_tokens, 0),
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": usage.cached_tokens,
         "output_tokens": usage.completion_tokens,
     }
+    if usage.image_tokens:
+        body["multimodal_tokens"] = {"image": usage.image_tokens}
+    return body
 
 
 def _tool_use(call: ToolCallEvent, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -395,8 +399,9 @@ class MessagesStream:
     """Named SSE events for one message: blocks open on their first nonempty event and close
     when another kind starts or the message finishes; thinking closes with its signature."""
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
+    def __init__(self, message_id: str, model: str, prompt_tokens: int, image_tokens: int = 0) -> None:
         self.message_id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
+        self.image_tokens = image_tokens  # image feature tokens within prompt_tokens
         self._index = -1  # index of the latest block
         self._open: str | None = None  # "text" | "thinking" while a block is open
         self._thinking = ""  # the open thinking block's text, for its signature
@@ -404,6 +409,8 @@ class MessagesStream:
     def start(self) -> Events:
         usage = {"input_tokens": self.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
                  "output_tokens": 0}  # fmt: skip
+        if self.image_tokens:
+            usage["multimodal_tokens"] = {"image": self.image_tokens}
         message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None, "usage": usage}  # fmt: skip
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]

@@ -7,14 +7,20 @@ are ignored, as the live service does; confidence uses the Jev formulas.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from helios.frontend.inference import ImagePart, RequestError
 from helios.frontend.scoring import (
     MAX_LEVELS,
     MAX_OPTIONS,
     MAX_QUESTIONS,
+    Content,
     LabelRead,
     Option,
     QuestionSpec,
@@ -23,11 +29,16 @@ from helios.frontend.scoring import (
     choice_confidence,
     expected_score,
     first_argmax,
+    joined,
     score_confidence,
 )
 
 TAGS = ("noul", "choice", "score")
 ASSETS_HEADER = "typesafe-danger-zone-images"
+
+
+# format -> (media type, the file's first bytes): System One assets are PNG or JPEG
+ASSET_FORMATS = {"png": ("image/png", b"\x89PNG\r\n\x1a\n"), "jpeg": ("image/jpeg", b"\xff\xd8\xff")}
 
 
 class SchemaError(Exception):
@@ -53,7 +64,7 @@ class SystemOneQuestion:
 @dataclass(frozen=True, slots=True)
 class SystemOneRequest:
     model: str
-    state: str  # rendered: text verbatim, structured JSON serialized
+    state: Content  # rendered: text verbatim, structured JSON serialized; asset references as images
     questions: tuple[SystemOneQuestion, ...]
 
 
@@ -97,12 +108,12 @@ def as_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _noul(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQuestion | None:
+def _noul(key: str, question: dict[str, Any], errors: _Errors, refs: References) -> SystemOneQuestion | None:
     loc = ["questions", key, "noul"]
     instructions = question.get("instructions")
     criteria = question.get("criteria")
     ok = instructions is None or errors.structured([*loc, "instructions"], instructions)
-    sides: dict[str, str | None] = {"true": None, "false": None}
+    sides: dict[str, Content | None] = {"true": None, "false": None}
     if criteria is not None:
         if not isinstance(criteria, dict):
             errors.add("dict_type", [*loc, "criteria"], "Input should be a valid dictionary", criteria)
@@ -112,7 +123,7 @@ def _noul(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQuest
             if value is None:
                 continue
             if errors.structured([*loc, "criteria", side], value):
-                sides[side] = as_text(value)
+                sides[side] = refs.content(value)
             else:
                 ok = False
     if instructions is None and not any(sides.values()):
@@ -120,23 +131,24 @@ def _noul(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQuest
         return None
     if not ok:
         return None
-    spec = binary_question(None if instructions is None else as_text(instructions), sides["true"], sides["false"])
+    spec = binary_question(None if instructions is None else refs.content(instructions), sides["true"], sides["false"])
     return SystemOneQuestion(key, "noul", spec)
 
 
-def _instructions(loc: list[Any], question: dict[str, Any], errors: _Errors) -> tuple[bool, str | None]:
+def _instructions(loc: list[Any], question: dict[str, Any], errors: _Errors,
+                  refs: References) -> tuple[bool, Content | None]:
     """(valid, rendered text); instructions are optional for choice and score questions."""
     value = question.get("instructions")
     if value is None:
         return True, None
     if not errors.structured([*loc, "instructions"], value):
         return False, None
-    return True, as_text(value)
+    return True, refs.content(value)
 
 
-def _choice(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQuestion | None:
+def _choice(key: str, question: dict[str, Any], errors: _Errors, refs: References) -> SystemOneQuestion | None:
     loc = ["questions", key, "choice"]
-    ok, instructions = _instructions(loc, question, errors)
+    ok, instructions = _instructions(loc, question, errors, refs)
     if "criteria" not in question:
         errors.missing([*loc, "criteria"], question)
         return None
@@ -150,15 +162,15 @@ def _choice(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQue
         if description is not None and not errors.structured([*loc, "criteria", name], description):
             ok = False
             continue
-        options.append(Option(name, None if description is None else as_text(description)))
+        options.append(Option(name, None if description is None else refs.content(description)))
     if not ok:
         return None
     return SystemOneQuestion(key, "choice", QuestionSpec("choice", instructions, tuple(options)), tuple(criteria))
 
 
-def _score(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQuestion | None:
+def _score(key: str, question: dict[str, Any], errors: _Errors, refs: References) -> SystemOneQuestion | None:
     loc = ["questions", key, "score"]
-    ok, instructions = _instructions(loc, question, errors)
+    ok, instructions = _instructions(loc, question, errors, refs)
     if "criteria" not in question:
         errors.missing([*loc, "criteria"], question)
         return None
@@ -171,14 +183,14 @@ def _score(key: str, question: dict[str, Any], errors: _Errors) -> SystemOneQues
         ok = errors.structured([*loc, "criteria", index], level) and ok
     if not ok:
         return None
-    spec = QuestionSpec("score", instructions, tuple(Option(as_text(level)) for level in levels))
+    spec = QuestionSpec("score", instructions, tuple(Option(refs.content(level)) for level in levels))
     return SystemOneQuestion(key, "score", spec, legend=tuple(levels))
 
 
 _DECODERS = {"noul": _noul, "choice": _choice, "score": _score}
 
 
-def _question(key: str, question: Any, errors: _Errors) -> SystemOneQuestion | None:
+def _question(key: str, question: Any, errors: _Errors, refs: References) -> SystemOneQuestion | None:
     loc = ["questions", key]
     if not isinstance(question, dict):
         errors.add("model_attributes_type", loc, "Input should be a valid dictionary or object to extract fields from",
@@ -195,12 +207,148 @@ def _question(key: str, question: Any, errors: _Errors) -> SystemOneQuestion | N
                    f"Input tag {tag!r} found using 'type' does not match any of the expected tags: {expected}",
                    question, {"discriminator": "'type'", "tag": str(tag), "expected_tags": expected})  # fmt: skip
         return None
-    return _DECODERS[tag](key, question, errors)
+    return _DECODERS[tag](key, question, errors, refs)
 
 
-def decode(body: dict[str, Any]) -> SystemOneRequest:
-    """The request, or SchemaError with every problem found."""
+class References:
+    """Asset references in string values -> images (spec: System One image assets).
+
+    A string equal to an asset name is that image; otherwise names are replaced at their
+    nonoverlapping left-to-right occurrences (the longest name wins at one position). Inside
+    structured JSON only string values change (keys stay text): a whole-value reference
+    stands where the quoted string was, a partial one inside its quotes. `used` collects the
+    names met, so unreferenced assets can be refused.
+    """
+
+    def __init__(self, assets: dict[str, ImagePart]) -> None:
+        self.assets = assets
+        self.used: set[str] = set()
+        names = sorted(assets, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, names))) if names else None
+        self._nonce = secrets.token_hex(8)  # slots in serialized JSON no client string can imitate
+
+    def content(self, value: Any) -> Content:
+        if self._pattern is None:
+            return as_text(value)
+        if isinstance(value, str):
+            return self._string(value)
+        found: list[Content] = []
+
+        def walk(node: Any) -> Any:
+            if isinstance(node, str):
+                replaced = self._string(node)
+                if isinstance(replaced, str):
+                    return replaced
+                found.append(replaced)
+                return f"\ue000{self._nonce}:{len(found) - 1}\ue001"
+            if isinstance(node, dict):
+                return {k: walk(v) for k, v in node.items()}
+            if isinstance(node, list):
+                return [walk(v) for v in node]
+            return node
+
+        text = json.dumps(walk(value), ensure_ascii=False)
+        if not found:
+            return text
+        pieces: list[Content] = []
+        slots = re.compile(f'"\ue000{self._nonce}:(\\d+)\ue001"')
+        last = 0
+        for match in slots.finditer(text):
+            pieces.append(text[last:match.start()])
+            replaced = found[int(match.group(1))]
+            whole = len(replaced) == 1 and isinstance(replaced[0], ImagePart)
+            inner = [json.dumps(p, ensure_ascii=False)[1:-1] if isinstance(p, str) else p for p in replaced]
+            pieces.append(joined(*inner) if whole else joined('"', *inner, '"'))
+            last = match.end()
+        pieces.append(text[last:])
+        return joined(*pieces)
+
+    def _string(self, value: str) -> Content:
+        if value in self.assets:  # whole-value match first
+            self.used.add(value)
+            return (self.assets[value],)
+        assert self._pattern is not None
+        pieces: list[Content] = []
+        last = 0
+        for match in self._pattern.finditer(value):
+            self.used.add(match.group())
+            pieces += [value[last:match.start()], (self.assets[match.group()],)]
+            last = match.end()
+        if not pieces:
+            return value
+        pieces.append(value[last:])
+        return joined(*pieces)
+
+
+def decode_assets(body: dict[str, Any], parts: dict[str, bytes] | None = None) -> dict[str, ImagePart]:
+    """The request's image assets by name: an asset's multipart part (when it names one) wins over
+    its data_base64; every part must belong to exactly one asset. Shape errors are 422 entries;
+    undecodable or mismatched data, and part bookkeeping, are 400s."""
+    raw = body.get("assets")
+    parts = parts or {}
+    if raw is None or raw == {}:
+        if parts:
+            raise RequestError(f"multipart part {next(iter(parts))!r} belongs to no asset", "assets")
+        return {}
     errors = _Errors()
+    if not isinstance(raw, dict):
+        errors.add("dict_type", ["assets"], "Input should be a valid dictionary", raw)
+        raise SchemaError(errors.entries)
+    for name, asset in raw.items():
+        loc = ["assets", name]
+        if not isinstance(asset, dict):
+            errors.add("model_attributes_type", loc, "Input should be a valid dictionary or object to extract fields "
+                       "from", asset)  # fmt: skip
+            continue
+        if asset.get("type", "image") != "image":
+            raise RequestError(f"asset {name!r} has type {asset.get('type')!r}: only image assets are supported "
+                               "(audio and video are not)", "assets")  # fmt: skip
+        if "format" not in asset:
+            errors.missing([*loc, "format"], asset)
+        elif asset["format"] not in ASSET_FORMATS:
+            errors.add("literal_error", [*loc, "format"], "Input should be 'png' or 'jpeg'", asset["format"],
+                       {"expected": "'png' or 'jpeg'"})  # fmt: skip
+        for key in ("data_base64", "part"):
+            if asset.get(key) is not None and not isinstance(asset[key], str):
+                errors.add("string_type", [*loc, key], "Input should be a valid string", asset[key])
+        if asset.get("data_base64") is None and asset.get("part") is None:
+            errors.missing([*loc, "data_base64"], asset)
+    if errors.entries:
+        raise SchemaError(errors.entries)
+    owners: dict[str, str] = {}
+    out: dict[str, ImagePart] = {}
+    for name, asset in raw.items():
+        media_type, magic = ASSET_FORMATS[asset["format"]]
+        part = asset.get("part")
+        if part is not None:
+            if part not in parts:
+                raise RequestError(f"asset {name!r} names multipart part {part!r}, which the request does not have",
+                                   "assets")  # fmt: skip
+            if part in owners:
+                raise RequestError(f"multipart part {part!r} belongs to both asset {owners[part]!r} and {name!r}",
+                                   "assets")  # fmt: skip
+            owners[part] = name
+            data = parts[part]
+        else:
+            try:
+                data = base64.b64decode(asset["data_base64"], validate=True)
+            except (binascii.Error, ValueError):
+                raise RequestError(f"asset {name!r}: data_base64 is not valid base64", "assets") from None
+        if not data.startswith(magic):
+            raise RequestError(f"asset {name!r} is not a {asset['format'].upper()} image (its format field says "
+                               f"{asset['format']!r})", "assets")  # fmt: skip
+        out[name] = ImagePart(data, media_type)
+    orphan = next((p for p in parts if p not in owners), None)
+    if orphan is not None:
+        raise RequestError(f"multipart part {orphan!r} belongs to no asset", "assets")
+    return out
+
+
+def decode(body: dict[str, Any], assets: dict[str, ImagePart] | None = None) -> SystemOneRequest:
+    """The request, or SchemaError with every problem found; asset references become images and
+    an asset no string references is refused (400)."""
+    errors = _Errors()
+    refs = References(assets or {})
     model = body.get("model")
     if "model" not in body:
         errors.missing(["model"], body)
@@ -217,10 +365,16 @@ def decode(body: dict[str, Any]) -> SystemOneRequest:
     elif not isinstance(questions, dict):
         errors.add("dict_type", ["questions"], "Input should be a valid dictionary", questions)
     elif errors.length(["questions"], questions, "Dictionary", 1, MAX_QUESTIONS):
-        decoded = [q for key, value in questions.items() if (q := _question(key, value, errors)) is not None]
+        decoded = [q for key, value in questions.items() if (q := _question(key, value, errors, refs)) is not None]
     if errors.entries:
         raise SchemaError(errors.entries)
-    return SystemOneRequest(model, as_text(body["state"]), tuple(decoded))
+    state = refs.content(body["state"])
+    unused = [name for name in refs.assets if name not in refs.used]
+    if unused:
+        raise RequestError(f"asset{'s' if len(unused) > 1 else ''} {', '.join(map(repr, unused))} "
+                           f"{'are' if len(unused) > 1 else 'is'} never referenced in state, instructions or criteria",
+                           "assets")  # fmt: skip
+    return SystemOneRequest(model, state, tuple(decoded))
 
 
 def uses_assets(body: dict[str, Any]) -> bool:

@@ -55,6 +55,18 @@ async def read_json(request: Request, *, compressed: bool = True) -> Any:
     compressed=False refuses every Content-Encoding but identity with 415.
     """
     state = state_of(request)
+    raw = await read_bytes(request, compressed=compressed)
+    try:
+        if len(raw) > LARGE_JSON_BYTES:
+            return await state.in_pool(parse_json, raw)
+        return parse_json(raw)
+    except JsonBodyError as exc:
+        raise HttpError(400, str(exc)) from None
+
+
+async def read_bytes(request: Request, *, compressed: bool = True) -> bytes:
+    """The (decoded) body bytes, bounded by max_body_bytes and body_timeout_seconds."""
+    state = state_of(request)
     encoding = request.headers.get("content-encoding")
     if not compressed and (encoding or "identity").strip().lower() not in ("", "identity"):
         raise HttpError(415, f"Unsupported Content-Encoding {encoding.strip()!r}: this route accepts identity only")
@@ -64,12 +76,7 @@ async def read_json(request: Request, *, compressed: bool = True) -> Any:
     except BodyError as exc:
         raise HttpError(exc.status, exc.message) from None
     REQUEST_BYTES.set(len(raw))  # the request's frontend work is charged by its size (ServerState.in_pool)
-    try:
-        if len(raw) > LARGE_JSON_BYTES:
-            return await state.in_pool(parse_json, raw)
-        return parse_json(raw)
-    except JsonBodyError as exc:
-        raise HttpError(400, str(exc)) from None
+    return raw
 
 
 class ClientDisconnected(Exception):

@@ -13,9 +13,19 @@ from litestar import Request, Response, post
 from helios.frontend.generate import new_request_id
 from helios.frontend.scoring import LabelRead, QuestionSpec, ScoringUsage, compile_questions, read_labels
 from helios.protocols import decisions, systemone
+from helios.server import multipart
+from helios.server.json_body import JsonBodyError, parse_json
 from helios.server.generation import admit as _admit
 from helios.server.responses import HttpError, error_response, json_response, translate
-from helios.server.route_io import ClientDisconnected, authorize, gone, read_json, state_of, unless_disconnected
+from helios.server.route_io import (
+    ClientDisconnected,
+    authorize,
+    gone,
+    read_bytes,
+    read_json,
+    state_of,
+    unless_disconnected,
+)
 from helios.server.state import ServerState
 
 TEXT_ONLY = "this model is text-only (its core has no vision program): image assets need a vision core"
@@ -26,13 +36,13 @@ def _multipart(request: Request) -> bool:
 
 
 def _check_assets(request: Request, has_assets: bool) -> None:
-    """Images need TypeSafe-Danger-Zone-Images: true and a vision core; no vision cores exist
-    yet, so any asset (base64 or multipart) is refused once the request is understood."""
+    """Images need TypeSafe-Danger-Zone-Images: true and a vision core."""
     if not has_assets:
         return
     if request.headers.get(systemone.ASSETS_HEADER, "").strip().lower() != "true":
         raise HttpError(400, "image assets require the TypeSafe-Danger-Zone-Images: true header and a vision core")
-    raise HttpError(400, TEXT_ONLY)
+    if state_of(request).frontend.vision is None:
+        raise HttpError(400, TEXT_ONLY)
 
 
 async def _body(request: Request) -> dict:
@@ -40,6 +50,34 @@ async def _body(request: Request) -> dict:
     if not isinstance(body, dict):
         raise HttpError(400, "the request body must be a JSON object")
     return body
+
+
+async def _multipart_body(request: Request) -> tuple[dict, dict[str, bytes]]:
+    """(the application/json request part, the remaining parts' bytes by unique name). Only an
+    identity body: compressed multipart is a 415 (JSON bodies keep the usual encodings)."""
+    encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise HttpError(415, "multipart/form-data bodies must not be compressed (Content-Encoding: identity)")
+    _check_assets(request, True)
+    raw = await read_bytes(request, compressed=False)
+    try:
+        parts = multipart.parse(raw, request.headers.get("content-type", ""))
+    except multipart.MultipartError as exc:
+        raise HttpError(400, str(exc)) from None
+    if not parts or parts[0].content_type != "application/json":
+        raise HttpError(400, "the first multipart part must be the application/json request")
+    try:
+        body = parse_json(parts[0].data)
+    except JsonBodyError as exc:
+        raise HttpError(400, f"the application/json part: {exc}") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the application/json part must be a JSON object")
+    images: dict[str, bytes] = {}
+    for part in parts[1:]:
+        if part.name in images or part.name == parts[0].name:
+            raise HttpError(400, f"multipart part name {part.name!r} is used twice; image parts need unique names")
+        images[part.name] = part.data
+    return body, images
 
 
 async def _score(state: ServerState, text: str, questions: Sequence[tuple[str, QuestionSpec]],
@@ -59,14 +97,13 @@ async def systemone_route(request: Request) -> Response:
     try:
         authorize(request)
         if _multipart(request):
-            encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
-            if encoding not in ("", "identity"):
-                raise HttpError(415, "multipart/form-data bodies must not be compressed (Content-Encoding: identity)")
-            _check_assets(request, True)
-        body = await _body(request)
+            body, parts = await _multipart_body(request)
+        else:
+            body, parts = await _body(request), {}
         _check_assets(request, systemone.uses_assets(body))
-        decoded = systemone.decode(body)
         state = state_of(request)
+        assets = systemone.decode_assets(body, parts)
+        decoded = systemone.decode(body, assets)
         questions = [(f"questions.{q.key}", q.spec) for q in decoded.questions]
         reads, usage = await unless_disconnected(request, _score(state, decoded.state, questions, request_id))
         body_out = systemone.response(state.model.public_id, decoded, reads, usage)

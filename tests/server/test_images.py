@@ -13,6 +13,8 @@ import struct
 import zlib
 from pathlib import Path
 
+import json
+
 import anthropic
 import httpx
 import numpy as np
@@ -29,6 +31,8 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
 from live import live_server
+from serving import SCHEMA_PATH, schema_validator, sse_events
+from support import anthropic_spec
 from tests.ignition.test_gemma4_vision import encoded_images
 
 IMAGES = encoded_images()  # PNG 37x53, JPEG 64x40, WebP 90x90
@@ -156,9 +160,34 @@ def test_anthropic_images_in_user_turns_and_tool_results(claude: anthropic.Anthr
     message = claude.messages.create(model="m", max_tokens=3, messages=messages, tools=tools)
     counted = claude.messages.count_tokens(model="m", messages=messages, tools=tools)
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == counted.input_tokens
+    image_tokens = message.usage.model_extra["multimodal_tokens"]["image"]
+    assert 0 < image_tokens < counted.input_tokens
     with claude.messages.stream(model="m", max_tokens=3, messages=messages, tools=tools) as stream:
         final = stream.get_final_message()
     assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == counted.input_tokens
+    assert final.usage.model_extra["multimodal_tokens"]["image"] == image_tokens
+
+
+def test_messages_usage_reports_image_tokens_within_the_schemas(served) -> None:
+    """Raw bodies: the buffered message and both stream usages (message_start, message_delta) carry
+    multimodal_tokens.image and still validate against the hosted Anthropic schemas."""
+    spec = anthropic_spec()
+    image = {"type": "image", "source": {"type": "base64", "media_type": MEDIA[1], "data": b64(1)}}
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]}
+    headers = {"anthropic-version": "2023-06-01"}
+    expected = images.cost(64, 40, served[1].frontend.vision).num_tokens
+    buffered = httpx.post(served[0] + "/v1/messages", json=body, headers=headers, timeout=120).json()
+    schema_validator(spec, "Message").validate(buffered)
+    assert buffered["usage"]["multimodal_tokens"] == {"image": expected}
+    streamed = httpx.post(served[0] + "/v1/messages", json={**body, "stream": True}, headers=headers, timeout=120)
+    events = {e["type"]: e for e in map(json.loads, sse_events(streamed))}
+    schema_validator(spec, "MessageStartEvent").validate(events["message_start"])
+    schema_validator(spec, "MessageDeltaEvent").validate(events["message_delta"])
+    assert events["message_start"]["message"]["usage"]["multimodal_tokens"] == {"image": expected}
+    assert events["message_delta"]["usage"]["multimodal_tokens"] == {"image": expected}
+    text_only = httpx.post(served[0] + "/v1/messages", json={**body, "messages": [{"role": "user", "content": "Hi"}]},
+                           headers=headers, timeout=120).json()  # fmt: skip
+    assert "multimodal_tokens" not in text_only["usage"]
 
 
 def test_responses_input_image(served) -> None:
@@ -166,6 +195,19 @@ def test_responses_input_image(served) -> None:
         {"type": "input_text", "text": "Describe"}, {"type": "input_image", "image_url": data_url(1)}]}]}  # fmt: skip
     response = httpx.post(served[0] + "/v1/responses", json=body, timeout=120)
     assert response.status_code == 200, response.text
+    spec = json.loads(SCHEMA_PATH.read_text())
+    schema_validator(spec, "Response").validate(response.json())
+    usage = response.json()["usage"]
+    expected = images.cost(64, 40, served[1].frontend.vision).num_tokens
+    assert usage["input_tokens_details"]["multimodal_tokens"] == {"image": expected}
+    assert usage["input_tokens"] > expected
+    streamed = httpx.post(served[0] + "/v1/responses", json={**body, "stream": True}, timeout=120)
+    events = [json.loads(e) for e in sse_events(streamed)]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")  # 2 tokens may run out
+    schema_validator(spec, "ResponseStreamEvent").validate(events[-1])
+    streamed_usage = events[-1]["response"]["usage"]  # its cached_tokens may differ: the prefix is warm now
+    assert streamed_usage["input_tokens"] == usage["input_tokens"]
+    assert streamed_usage["input_tokens_details"]["multimodal_tokens"] == {"image": expected}
 
 
 # ---------------------------------------------------------------------------- prefix identity
@@ -270,5 +312,97 @@ def test_text_only_core_refuses_images_everywhere(tiny_core: Path) -> None:
         responses = httpx.post(url + "/v1/responses", json={"model": "m", "max_output_tokens": 1, "input": [
             {"role": "user", "content": [{"type": "input_image", "image_url": png}]}]}, timeout=60)  # fmt: skip
         assert responses.status_code == 400 and "does not accept images" in responses.json()["error"]["message"]
+        body = {**SYSTEMONE, "assets": {"receipt": {"data_base64": b64(0), "format": "png"}}}
+        for send in (lambda: httpx.post(url + "/v1/systemone", json=body, headers=DANGER, timeout=60),
+                     lambda: httpx.post(url + "/v1/systemone", headers=DANGER, timeout=60, files=[
+                         ("request", (None, json.dumps(body).encode(), "application/json"))])):  # fmt: skip
+            refused = send()
+            assert refused.status_code == 400
+            assert refused.json()["error"]["message"] == ("this model is text-only (its core has no vision program): "
+                                                          "image assets need a vision core")  # fmt: skip
         card = httpx.get(url + "/v1/models").json()["data"][0]["flare"]
         assert card["input_modalities"] == ["text"] and card["max_images_per_prompt"] == 0
+
+
+# ---------------------------------------------------------------------------- System One assets
+
+DANGER = {"TypeSafe-Danger-Zone-Images": "true"}
+SYSTEMONE = {"model": "m", "state": {"photo": "receipt", "note": "Seen on receipt's back"}, "questions": {
+    "paid": {"type": "noul", "instructions": "Does receipt show a payment?"},
+    "kind": {"type": "choice", "criteria": {"receipt": "Looks like logo", "other": None}},
+    "quality": {"type": "score", "criteria": ["blurry", "logo"]}}}  # fmt: skip
+
+
+def _systemone(served, body: dict, headers: dict | None = None, **kwargs) -> httpx.Response:
+    return httpx.post(served[0] + "/v1/systemone", json=body, headers=DANGER if headers is None else headers,
+                      timeout=120, **kwargs)  # fmt: skip
+
+
+def _multipart(served, body: dict, parts: list[tuple[str, bytes, str]], headers: dict | None = None) -> httpx.Response:
+    files = [("request", (None, json.dumps(body).encode(), "application/json"))]
+    files += [(name, (name, data, media)) for name, data, media in parts]
+    return httpx.post(served[0] + "/v1/systemone", files=files, headers={**DANGER, **(headers or {})}, timeout=120)
+
+
+def test_systemone_assets_base64_and_multipart_read_the_same_images(served) -> None:
+    """References in nested state, instructions, choice descriptions and score levels become the
+    images; keys and legends keep the text; a part given for an asset wins over its data_base64."""
+    assets = {"receipt": {"data_base64": b64(0), "format": "png"}, "logo": {"data_base64": b64(1), "format": "jpeg"}}
+    before = dict(served[1].snapshot())
+    inline = _systemone(served, {**SYSTEMONE, "assets": assets})
+    assert inline.status_code == 200, inline.text
+    answers = inline.json()["answers"]
+    assert list(answers["kind"]["probabilities"]) == ["receipt", "other"]  # keys stay text
+    assert answers["quality"]["legend"] == {"0": "blurry", "1": "logo"}  # the original references
+    assert sum(answers["kind"]["probabilities"].values()) == pytest.approx(1.0)
+    assert served[1].snapshot()["input_decoded_images_total"] > before["input_decoded_images_total"]
+    text = _systemone(served, {**SYSTEMONE, "assets": {}}, headers={})  # the same words, no images
+    assert text.status_code == 200, text.text
+    per_image = [images.cost(37, 53, served[1].frontend.vision).num_tokens,
+                 images.cost(64, 40, served[1].frontend.vision).num_tokens]  # fmt: skip
+    # state: 3 references to receipt; paid +1 receipt; kind +1 logo; quality +1 logo; each replacing one word
+    assert inline.json()["usage"]["input_tokens"] > text.json()["usage"]["input_tokens"] + 6 * min(per_image)
+    by_part = {**assets, "receipt": {"format": "png", "part": "r", "data_base64": b64(2)}}  # the part wins
+    multipart = _multipart(served, {**SYSTEMONE, "assets": by_part}, [("r", IMAGES[0], "image/png")])
+    assert multipart.status_code == 200, multipart.text
+    assert multipart.json()["usage"]["input_tokens"] == inline.json()["usage"]["input_tokens"]
+    for key, answer in multipart.json()["answers"].items():
+        for name, p in answer.get("probabilities", {}).items():
+            assert p == pytest.approx(answers[key]["probabilities"][name], abs=1e-4)
+
+
+def test_systemone_asset_refusals(served) -> None:
+    assets = {"receipt": {"data_base64": b64(0), "format": "png"}}
+    body = {**SYSTEMONE, "assets": assets}
+    bomb = base64.b64encode(_png_header_only(30000, 30000)).decode()
+    cases = [
+        (_systemone(served, body, headers={}), 400, "TypeSafe-Danger-Zone-Images: true"),
+        (_systemone(served, {**body, "assets": {**assets, "spare": {"data_base64": b64(1), "format": "jpeg"}}}),
+         400, "asset 'spare' is never referenced in state, instructions or criteria"),
+        (_systemone(served, {**body, "assets": {"receipt": {"data_base64": b64(1), "format": "png"}}}),
+         400, "asset 'receipt' is not a PNG image (its format field says 'png')"),
+        (_systemone(served, {**body, "assets": {"receipt": {"data_base64": b64(2), "format": "webp"}}}), 422, None),
+        (_systemone(served, {**body, "assets": {"receipt": {"data_base64": bomb, "format": "png"}}}),
+         400, "image 1 is 30000x30000 = 900000000 pixels, over max_image_pixels 50000000 (parameter: assets)"),
+        (_systemone(served, {**body, "assets": {"receipt": {"data_base64": b64(0), "format": "png", "type": "audio"}}}),
+         400, "only image assets are supported"),
+        (_multipart(served, body, [("extra", IMAGES[1], "image/jpeg")]), 400, "multipart part 'extra' belongs to no asset"),
+        (_multipart(served, {**body, "assets": {"receipt": {"format": "png", "part": "nope"}}}, []),
+         400, "asset 'receipt' names multipart part 'nope', which the request does not have"),
+        (_multipart(served, body, [], headers={"Content-Encoding": "gzip"}), 415, "must not be compressed"),
+    ]  # fmt: skip
+    for response, status, message in cases:
+        assert response.status_code == status, response.text
+        if status == 422:
+            assert response.json()["detail"][0]["loc"] == ["body", "assets", "receipt", "format"]
+        else:
+            assert message in response.json()["error"]["message"], response.text
+    files = [("receipt", ("r.png", IMAGES[0], "image/png")), ("request", (None, json.dumps(body).encode(), "application/json"))]
+    json_second = httpx.post(served[0] + "/v1/systemone", files=files, headers=DANGER, timeout=120)
+    assert json_second.status_code == 400
+    assert json_second.json()["error"]["message"] == "the first multipart part must be the application/json request"
+    budget = served[1].frontend.max_image_tokens_per_prompt
+    per_image = images.cost(37, 53, served[1].frontend.vision).num_tokens
+    many = {f"p{i}": {"data_base64": b64(0), "format": "png"} for i in range(budget // per_image + 2)}
+    over = _systemone(served, {**SYSTEMONE, "state": " ".join(many), "assets": many})
+    assert over.status_code == 400 and "max_image_tokens_per_prompt" in over.json()["error"]["message"], over.text

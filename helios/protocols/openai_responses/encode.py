@@ -105,11 +105,14 @@ def status_of(finish: FinishEvent | None) -> str:
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens,
+    body = {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens}  # fmt: skip
+    if usage.image_tokens:  # image requests: Chat's multimodal_tokens, beside the other input details
+        body["input_tokens_details"]["multimodal_tokens"] = {"image": usage.image_tokens}
+    return body
 
 
 def _response(response_id: str, created_at: int, options: ResponsesOptions, status: str, output: list[dict[str, Any]],
