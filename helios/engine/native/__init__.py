@@ -4,6 +4,10 @@ The Python kernels of the flare:: ops gather a decode row's whole history into a
 and run SDPA over it under a mask, every layer; at 32 decode rows that is as much time as all
 the model's matrix products. `flare_native::decode_attention` reads the paged cache in place.
 
+Once loaded it also holds the CPU slot of flare::paged_attention and flare::write_kv (decode
+rows in place, bfloat16 chunks on its own kernel, the rest handed to helios' Python kernels),
+and CompiledRunner runs a compiled step as an op, so the GIL is released while it runs.
+
 The library is compiled on the serving host (`g++ -O3 -march=native` against the installed
 torch) into the cache directory, keyed by the source, torch version and CPU flags, so it is
 built on first use (about 20 s) and loaded in milliseconds after that; `ignition export` and

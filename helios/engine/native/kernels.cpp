@@ -1,8 +1,10 @@
 // helios' native CPU kernels: paged decode attention and KV writes, straight over the paged cache.
 //
 // Built on the serving host by helios/engine/native/__init__.py (g++ -O3 -march=native) and loaded
-// with torch.ops.load_library; the ops live in the flare_native namespace and are called by the
-// Python kernels of the flare:: ops (helios/engine/kernels.py), which keep the reference semantics.
+// with torch.ops.load_library. The ops live in the flare_native namespace; once loaded, the library
+// also serves the CPU slot of flare::paged_attention and flare::write_kv (what it does not cover goes
+// to helios' Python kernels, registered as flare_fallback::), and runs AOTInductor steps with the GIL
+// released (run_compiled).
 //
 // linear multiplies bfloat16 activations by bfloat16 weights packed once at load (pack_linear) in
 // the layout AVX512-BF16's pair dot product reads: for each block of 16 outputs, each pair of
