@@ -151,21 +151,9 @@ class DraftCoreDrafter:
         return logits[:, : self.vocab].argmax(dim=-1).tolist()
 
     def _call(self, rows: DraftRows, logits_rows: list[int]) -> Tensor:
-        width = max(len(t) for t in rows.tables)
-        tables = torch.zeros((len(rows.tables), width), dtype=torch.int32)
-        for index, table in enumerate(rows.tables):
-            tables[index, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        inputs = {
-            "token_ids": torch.tensor(rows.token_ids, dtype=torch.int64),
-            "positions": torch.tensor(rows.positions, dtype=torch.int64),
-            "slot_mapping": torch.tensor(rows.slots, dtype=torch.int64),
-            "block_tables": tables,
-            "seq_lens": torch.tensor(rows.seq_lens, dtype=torch.int32),
-            "query_start_loc": torch.tensor(rows.starts, dtype=torch.int32),
-            "logits_indices": torch.tensor(logits_rows, dtype=torch.int64),
-        }
-        if self.executor.explicit:
-            inputs["logprob_token_ids"] = torch.zeros(len(logits_rows), 1, dtype=torch.int64)
         ex = self.executor
-        outputs = ex.step(ex.weights, ex.kv, **{name: value.to(ex.device) for name, value in inputs.items()})
+        inputs = rows.inputs(logits_rows, ex.device)
+        if ex.explicit:
+            inputs["logprob_token_ids"] = torch.zeros(len(logits_rows), 1, dtype=torch.int64, device=ex.device)
+        outputs = ex.step(ex.weights, ex.kv, **inputs)
         return outputs["logits"]

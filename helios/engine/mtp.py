@@ -63,6 +63,23 @@ class DraftRows:
         self.seq_lens.append(positions.stop)
         self.starts.append(self.starts[-1] + len(positions))
 
+    def inputs(self, logits_rows: list[int], device: str) -> dict[str, Tensor]:
+        """The step-program inputs of these rows (every program with a paged cache takes them)."""
+        width = max(len(t) for t in self.tables)
+        tables = torch.zeros((len(self.tables), width), dtype=torch.int32)
+        for index, table in enumerate(self.tables):
+            tables[index, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        inputs = {
+            "token_ids": torch.tensor(self.token_ids, dtype=torch.int64),
+            "positions": torch.tensor(self.positions, dtype=torch.int64),
+            "slot_mapping": torch.tensor(self.slots, dtype=torch.int64),
+            "block_tables": tables,
+            "seq_lens": torch.tensor(self.seq_lens, dtype=torch.int32),
+            "query_start_loc": torch.tensor(self.starts, dtype=torch.int32),
+            "logits_indices": torch.tensor(logits_rows, dtype=torch.int64),
+        }
+        return {name: value.to(device) for name, value in inputs.items()}
+
 
 class MtpDrafter:
     """Proposes each running sequence's next drafts from the core's MTP programs (see the module)."""
@@ -161,21 +178,8 @@ class MtpDrafter:
 
     def _call(self, layer: int, rows: DraftRows, logits_rows: list[int]) -> tuple[Tensor, Tensor]:
         """Run MTP layer `layer` over the rows: (logits of logits_rows [R, V], every row's MTP hidden state)."""
-        width = max(len(t) for t in rows.tables)
-        tables = torch.zeros((len(rows.tables), width), dtype=torch.int32)
-        for index, table in enumerate(rows.tables):
-            tables[index, : len(table)] = torch.tensor(table, dtype=torch.int32)
         device = self.executor.device
-        inputs = {
-            "token_ids": torch.tensor(rows.token_ids, dtype=torch.int64),
-            "positions": torch.tensor(rows.positions, dtype=torch.int64),
-            "slot_mapping": torch.tensor(rows.slots, dtype=torch.int64),
-            "block_tables": tables,
-            "seq_lens": torch.tensor(rows.seq_lens, dtype=torch.int32),
-            "query_start_loc": torch.tensor(rows.starts, dtype=torch.int32),
-            "logits_indices": torch.tensor(logits_rows, dtype=torch.int64),
-        }
-        inputs = {name: value.to(device) for name, value in inputs.items()}
+        inputs = rows.inputs(logits_rows, device)
         inputs["hidden_states"] = torch.cat(rows.hidden).to(device)
         outputs = self.programs[layer](self.executor.weights, self.kv, **inputs)
         return outputs["logits"], outputs["hidden_states"]

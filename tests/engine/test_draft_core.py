@@ -137,7 +137,7 @@ def test_metrics_name_the_draft_core(cores: tuple[Path, Path]) -> None:
     engine = LLMEngine(target, EngineConfig(num_pages=32, speculation=DRAFTS, draft_core=draft))
     run_to_completion(engine, _requests(target, max_tokens=6)[:1])
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
-                            started=0.0)  # fmt: skip
+                            started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
     snapshot = json_snapshot(ServerState.snapshot(state), FirstResponseWindow().summary(now=0.0))  # type: ignore[arg-type]
     assert snapshot["learned_drafter"] is True and snapshot["learned_drafter_name"] == draft.manifest.public_id
     assert snapshot["draft_steps"] > 0

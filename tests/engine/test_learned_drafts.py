@@ -208,7 +208,7 @@ def test_metrics_name_the_learned_drafter(core: Core) -> None:
         engine = LLMEngine(core, EngineConfig(num_pages=32, speculation=speculation))
         run_to_completion(engine, _requests(core, max_tokens=6)[:1])
         state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
-                                started=0.0)  # fmt: skip
+                                started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
         values = ServerState.snapshot(state)  # type: ignore[arg-type]
         snapshot = json_snapshot(values, window)
         assert snapshot["learned_drafter"] is (name is not None) and snapshot["learned_drafter_name"] == name
