@@ -140,7 +140,7 @@ def test_keepalives_fill_long_waits(monkeypatch: pytest.MonkeyPatch) -> None:
 
     frames = asyncio.run(main())
     assert frames[0] == b": keepalive\n\n" and frames[-1] == b"data: [DONE]\n\n"
-    generation = SimpleNamespace(prompt=SimpleNamespace(token_ids=(1, 2)))  # what message_start reads
+    generation = SimpleNamespace(prompt=SimpleNamespace(token_ids=(1, 2), image_tokens=0))  # what message_start reads
     messages = anthropic_encoding.MessagesEncoder(Submission(_request(), "msg-x", [generation]), "flare")  # type: ignore[list-item]
     assert messages.keepalive() == [b'event: ping\ndata: {"type":"ping"}\n\n']  # Messages waits with pings
 

@@ -57,8 +57,11 @@ def vision(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def served(vision: tuple[Path, Path]):
-    with live_server(vision[1], ServerConfig(kv_pages=256, speculation="off", prefill_chunk_size=40)) as pair:
+def served(vision: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    # Its own disk tier: records another test (or run) left for this core never count as reuse here.
+    config = ServerConfig(kv_pages=256, speculation="off", prefill_chunk_size=40,
+                          host_cache_dir=str(tmp_path_factory.mktemp("prefix")))  # fmt: skip
+    with live_server(vision[1], config) as pair:
         yield pair
 
 
