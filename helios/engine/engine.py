@@ -205,18 +205,18 @@ class LLMEngine:
     def on_copied(self, callback) -> None:
         """Call `callback` (from the copier thread) when copies finish, so an idle engine loop
         steps once to release their pins."""
-        if self.scheduler.copier is not None:
-            self.scheduler.copier.on_done = callback
+        if self.scheduler.copy_out.copier is not None:
+            self.scheduler.copy_out.copier.on_done = callback
 
     def drain_copies(self) -> None:
         """Wait for the copier and release every pin (tests, shutdown; the pool is whole again)."""
-        copier = self.scheduler.copier
+        copier = self.scheduler.copy_out.copier
         if copier is not None:
             while True:  # a retried deferred offer pins more: until nothing is pinned or deferred
-                self.scheduler.hand_off_copies()
+                self.scheduler.copy_out.hand_off_copies()
                 copier.wait()
-                self.scheduler.settle_copies()
-                if not self.scheduler.host_out:
+                self.scheduler.copy_out.settle_copies()
+                if not self.scheduler.copy_out.host_out:
                     break
             self._refresh_gauges()
 
@@ -256,8 +256,8 @@ class LLMEngine:
         """Finish the host store's copies and disk writes (shutdown)."""
         if self.scheduler.host is not None:
             self.drain_copies()
-            assert self.scheduler.copier is not None
-            self.scheduler.copier.close()
+            assert self.scheduler.copy_out.copier is not None
+            self.scheduler.copy_out.copier.close()
             self.scheduler.host.close()
 
     # ------------------------------------------------------------------ requests
@@ -292,14 +292,14 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        copier = self.scheduler.copier
-        return (self.scheduler.has_work or bool(self._aborted) or bool(self.scheduler.copies_deferred)
+        copier = self.scheduler.copy_out.copier
+        return (self.scheduler.has_work or bool(self._aborted) or bool(self.scheduler.copy_out.copies_deferred)
                 or (copier is not None and copier.has_done))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineEvent]:
         events = self._apply_aborts()
-        self.scheduler.settle_copies()  # the step boundary: pins of finished copies are released
+        self.scheduler.copy_out.settle_copies()  # the step boundary: pins of finished copies are released
         plan = self.scheduler.schedule()
         events += plan.finished
         if plan.chunks:
@@ -318,7 +318,7 @@ class LLMEngine:
                 events += self.scheduler.update_from_output(plan, output)
                 if self.learned is not None:
                     self._propose(plan, result, tables)
-        self.scheduler.hand_off_copies()  # what finishing sequences pinned, copied while the next step runs
+        self.scheduler.copy_out.hand_off_copies()  # what finishing sequences pinned, copied while the next step runs
         self._refresh_gauges()
         self.stats.steps += 1
         return events

@@ -80,7 +80,7 @@ class ServerState:
         values.update(checkpoint_captures=dict(stats.checkpoint_captures), checkpoint_skips=dict(stats.checkpoint_skips),
                       checkpoint_extra_work_nanoseconds_total=stats.checkpoint_extra_work_ns)
         scheduler = self.client.engine.scheduler
-        slots = scheduler.checkpoint_slots
+        slots = scheduler.copy_out.checkpoint_slots
         values.update(host_cache_slots_in_use=slots[0], host_cache_slots_total=slots[1], host_cache_intake_slots=slots[2])
         host = self.client.engine.host
         if host is not None:
@@ -90,11 +90,11 @@ class ServerState:
                           host_bytes_out=stats_h.bytes_out, host_bytes_in=stats_h.bytes_in,
                           host_cache_parked_records=host.parked_records, host_cache_store_skipped_total=stats_h.skipped,
                           host_cache_held=dict(stats_h.held), host_cache_anchor_records=host.anchor_records,
-                          host_cache_copyout_pinned_records=self.client.engine.scheduler.pinned_records,
+                          host_cache_copyout_pinned_records=scheduler.copy_out.pinned_records,
                           host_cache_copyout_headroom_deferrals_total=stats_h.copy_deferrals,
                           host_cache_copyout_waits_total=stats_h.copy_waits,
                           host_cache_copyout_wait_nanoseconds_total=stats_h.copy_wait_ns,
-                          host_cache_copyout_worker_nanoseconds_total=self.client.engine.scheduler.copier_ns,
+                          host_cache_copyout_worker_nanoseconds_total=scheduler.copy_out.copier_ns,
                           host_cache_dropped={f"{tier}/{reason}": n for (tier, reason), n in stats_h.dropped.items()})
         speculation = self.client.engine.scheduler.drafter
         values.update(

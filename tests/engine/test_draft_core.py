@@ -25,6 +25,7 @@ from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.engine.test_learned_drafts import _check_nothing_held, _same
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.8, 0.95, -1, 0.0, 1.0, 0.0, 0.0, 21)
@@ -59,23 +60,6 @@ def _run(target: Core, requests, speculation: SpeculationConfig, draft: Core | N
     out = run_to_completion(engine, requests)
     _check_nothing_held(engine)
     return out, engine
-
-
-def _check_nothing_held(engine: LLMEngine) -> None:
-    engine.scheduler.check_invariants()
-    assert engine.pool.num_free + engine.pool.num_cached == engine.pool.num_pages
-    assert engine.scheduler.drafter.num_tracked == 0
-    assert engine.learned is None or engine.learned.num_tracked == 0
-
-
-def _same(a, b, tolerance: float = 1e-4) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        for x, y in zip(a[key], b[key], strict=True):
-            assert x.token_ids == y.token_ids and x.finish == y.finish, key
-            for p, q in zip(x.logprobs, y.logprobs, strict=True):
-                assert abs(p.logprob - q.logprob) <= tolerance
-                assert [t for t, _ in p.alternatives] == [t for t, _ in q.alternatives]
 
 
 def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(cores: tuple[Path, Path]) -> None:

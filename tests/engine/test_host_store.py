@@ -188,7 +188,7 @@ def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, m
         for event in engine.step():
             outputs.setdefault(event.request_id, []).append(event)
         engine.scheduler.check_invariants()  # pins are counted as references of their pages
-        pinned_across_steps += engine.scheduler.copies_pending
+        pinned_across_steps += engine.scheduler.copy_out.copies_pending
     stats = engine.host.stats
     assert pinned_across_steps > 0 and stats.copy_deferrals > 0 and stats.copy_waits == 0
     for request in requests:
@@ -197,7 +197,7 @@ def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, m
         assert tokens == tuple(expected[request.request_id][0].token_ids)
     engine.drain_copies()
     pool = engine.pool
-    assert not engine.scheduler.copies_pending and pool.ref_count == [0] * pool.num_pages
+    assert not engine.scheduler.copy_out.copies_pending and pool.ref_count == [0] * pool.num_pages
     assert pool.num_available == pool.num_pages  # every page free or evictable again
     store = engine.host
     records = list(store._dram.values()) + list(store._anchors.values())
@@ -238,7 +238,7 @@ def test_the_engine_thread_copies_nothing_when_the_pool_has_room(tiny: Core) -> 
     _ask(engine, _prompt(tiny, 2000, seed=5), "one")
     _ask(engine, _prompt(tiny, 2000, seed=6), "two")
     engine.drain_copies()
-    copier = engine.scheduler.copier
+    copier = engine.scheduler.copy_out.copier
     assert engine.host.memory_records >= 2 * 125 and copier.worker_ns > 0
     assert engine.host.stats.copy_waits == 0 and engine.host.stats.copy_wait_ns == 0
     engine.close()

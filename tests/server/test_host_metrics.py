@@ -4,7 +4,6 @@ the reference parser, and the JSON object) the way GET /metrics builds them."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +18,7 @@ from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
 from helios.server.metrics import FirstResponseWindow, json_snapshot, prometheus_text
 from helios.server.state import ServerState
+from tests.engine.test_host_store import _prompt
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 MIB = 1 << 20
@@ -29,10 +29,6 @@ PAGES = 40
 def tiny(tiny_core: Path) -> Core:
     return Core.open(tiny_core)
 
-
-def _prompt(core: Core, length: int, seed: int) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(10, core.manifest.tokenizer.vocab_size) for _ in range(length))
 
 
 def _export(engine: LLMEngine) -> tuple[dict[tuple[str, tuple], float], dict]:
@@ -120,7 +116,7 @@ def test_host_cache_metrics_follow_a_scripted_run(tiny: Core, tmp_path: Path) ->
     assert m(*deferrals) >= 1
     assert m("flare_host_cache_copyout_waits_total", "host_cache_copyout_waits_total") == 0
     assert m("flare_host_cache_dropped_total", "host_cache_dropped", tier="dram", reason="end_of_chain") >= 1
-    assert engine.scheduler.copies_deferred == 0  # retried (or given up) once the pool had room
+    assert engine.scheduler.copy_out.copies_deferred == 0  # retried (or given up) once the pool had room
 
     # The conversation's pages left the pool under that traffic: admission restores them from the store.
     assert engine.pool.page_of(page_hash(ROOT_HASH, b"", conversation[:size])) is None
@@ -173,8 +169,8 @@ def test_checkpoint_slots_count_pages_and_recurrent_state_slots() -> None:
 
     pool, states = PagePool(10, 16), StatePool(2, 3)
     scheduler = Scheduler(SchedulerConfig(2, 64, 1024), pool, states=states)
-    assert scheduler.checkpoint_slots == (0, 15, 0)  # no host store: no copy-out intake
+    assert scheduler.copy_out.checkpoint_slots == (0, 15, 0)  # no host store: no copy-out intake
     pool.allocate()
     states.allocate()  # a live sequence's state row
     states.claim()  # a snapshot a step will capture
-    assert scheduler.checkpoint_slots == (3, 15, 0)
+    assert scheduler.copy_out.checkpoint_slots == (3, 15, 0)

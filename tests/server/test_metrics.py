@@ -194,7 +194,7 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     stats = EngineStats(checkpoint_captures={"anchor": 2, "message": 5}, checkpoint_skips={"unknown_cost": 1,
                         "work_budget": 3}, checkpoint_extra_work_ns=123_456)  # fmt: skip
     engine = SimpleNamespace(stats=stats, host=None, scheduler=SimpleNamespace(
-        drafter=HistoryDrafter(SpeculationConfig(mode="off")), checkpoint_slots=(0, 0, 0)))  # fmt: skip
+        drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(checkpoint_slots=(0, 0, 0))))  # fmt: skip
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
                             started=0.0, frontend=SimpleNamespace(image_counters={"input_decoded_images_total": 2}))  # fmt: skip
     values = ServerState.snapshot(state)  # type: ignore[arg-type]
@@ -223,8 +223,8 @@ def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
     host = HostStore(identity_of("c", "float32", 16, ()), 1 << 20, None, 0)
     host.stats.copy_waits, host.stats.copy_wait_ns = 2, 5_000
     host.stats.drop("dram", "end_of_chain", 7)
-    scheduler = SimpleNamespace(drafter=HistoryDrafter(SpeculationConfig(mode="off")), pinned_records=3,
-                                copier_ns=9_000, checkpoint_slots=(5, 40, 8))  # fmt: skip
+    scheduler = SimpleNamespace(drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(
+        pinned_records=3, copier_ns=9_000, checkpoint_slots=(5, 40, 8)))  # fmt: skip
     engine = SimpleNamespace(stats=EngineStats(), host=host, scheduler=scheduler)
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
                             started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
