@@ -23,8 +23,8 @@ Step3p7ForConditionalGeneration on the text path):
   `swiglu_limits`, the shared expert AND the dense MLP by `swiglu_limits_shared` (0 = none).
 Tensors export leaves out: the multi-token-prediction layers past num_hidden_layers
 (transformers ignores those too), and the vision tower and projector of a checkpoint that is
-not multimodal. Multimodal checkpoints (a vision_config and a top-level image_token_id, as
-transformers' Step3p7Config writes them) export a vision program (step3p7_vision.py); the step
+not multimodal. Multimodal checkpoints (a vision_config and a top-level image_token_id inside
+the vocabulary, see _multimodal) export a vision program (step3p7_vision.py); the step
 then takes image_features / image_rows and those rows' input embeddings are the features.
 """
 
@@ -364,10 +364,15 @@ def config_from_hf(hf: dict[str, Any]) -> Step3p7Config:
 
 
 def _multimodal(top: dict[str, Any]) -> bool:
-    """A vision tower to compile: a vision_config beside the nested text_config, and the image token
-    id transformers' Step3p7Config writes (text-only test checkpoints carry a vision_config only so
-    that transformers builds a tiny tower it then leaves unused)."""
-    return isinstance(top.get("vision_config"), dict) and "text_config" in top and "image_token_id" in top
+    """A vision tower to compile: a vision_config beside the nested text_config and an image_token_id
+    inside the text vocabulary (transformers embeds the prompt's image tokens before replacing
+    them, so no working multimodal checkpoint has one outside). Text-only test checkpoints carry a
+    vision_config only so that transformers builds a tiny tower it leaves unused, and no id (or,
+    saved by transformers, its default 151679, past their vocabulary)."""
+    if not isinstance(top.get("vision_config"), dict) or not isinstance(top.get("text_config"), dict):
+        return False
+    image = top.get("image_token_id")
+    return isinstance(image, int) and 0 <= image < int(top["text_config"].get("vocab_size", 128815))
 
 
 def ignored_tensor(config: Step3p7Config, name: str) -> bool:

@@ -17,11 +17,15 @@ transformers' own code either way.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
+import json
 import platform
 import types
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -110,8 +114,8 @@ def _normalize(image: torch.Tensor, mean, std, inplace: bool = False) -> torch.T
     return (image - mean) / std
 
 
-@pytest.fixture(scope="module")
-def processor(tiny: tuple[Path, Path]):
+@contextlib.contextmanager
+def reference_processor(checkpoint: Path) -> Iterator[Any]:
     """transformers' Step3p7Processor (image processor + the checkpoint's tokenizer), on torchvision
     where it imports, else on the torch primitives above."""
     import transformers.image_processing_backends as backends
@@ -128,9 +132,22 @@ def processor(tiny: tuple[Path, Path]):
         patch.setattr(backends, "tvF", shim, raising=False)
         patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BILINEAR: _Mode.BILINEAR})
     settings = {k: v for k, v in step3p7.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tiny[0] / "tokenizer.json"))
-    yield Step3p7Processor(Step3p7ImageProcessor(**settings), tokenizer)
-    patch.undo()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    try:
+        yield Step3p7Processor(Step3p7ImageProcessor(**settings), tokenizer)
+    finally:
+        patch.undo()
+
+
+def pixel_inputs(processed) -> dict[str, Any]:
+    """The processor outputs Step3p7ForConditionalGeneration takes."""
+    return {k: processed[k] for k in ("pixel_values", "pixel_values_local", "num_local_patches") if k in processed}
+
+
+@pytest.fixture(scope="module")
+def processor(tiny: tuple[Path, Path]):
+    with reference_processor(tiny[0]) as made:
+        yield made
 
 
 def _reference_views(processed) -> list[torch.Tensor]:
@@ -195,12 +212,10 @@ def test_features_and_first_logprobs_match_transformers(tiny: tuple[Path, Path],
         # A prompt around the image, expanded by transformers' processor.
         text = "Describe this picture: <im_patch> in short."
         processed = processor(text=text, images=[Image.open(io.BytesIO(data))], return_tensors="pt")
-        pixel_inputs = {k: processed[k] for k in ("pixel_values", "pixel_values_local", "num_local_patches")
-                        if k in processed}  # fmt: skip
         with torch.no_grad():
-            theirs = reference.model.get_image_features(**pixel_inputs).pooler_output[0]
+            theirs = reference.model.get_image_features(**pixel_inputs(processed)).pooler_output[0]
             ids = [m.tokenizer.bos_token_id] + processed["input_ids"][0].tolist()
-            logits = reference(input_ids=torch.tensor([ids]), **pixel_inputs).logits[0].float()
+            logits = reference(input_ids=torch.tensor([ids]), **pixel_inputs(processed)).logits[0].float()
         worst_features = max(worst_features, float((ours - theirs).abs().max()))
         expected = torch.log_softmax(logits, dim=-1)
         image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
@@ -229,3 +244,15 @@ def test_hub_layout_vision_tensors_are_refused(tiny: tuple[Path, Path], tmp_path
     save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(SourceError, match="StepFun's own layout"):
         export_core(open_source(str(source)), load_recipe("step5"), ExportOptions(out=tmp_path / "core", dtype="float32"))
+
+
+def test_transformers_spellings_read_the_same_vision_config(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """transformers rewrites the tiny config in its own spellings (hidden_size, num_hidden_layers,
+    intermediate_size): the same vision tower."""
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(str(tiny[0])).save_pretrained(str(tmp_path))
+    native = json.loads((tmp_path / "config.json").read_text())
+    assert "hidden_size" in native["vision_config"] and "width" not in native["vision_config"]
+    ours = step3p7.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
+    assert ours.vision is not None and step3p7.config_from_hf(native) == ours
