@@ -432,10 +432,13 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
     if options.compile_step and getattr(config, "vision", None) is not None:
         raise UsageError("--compile-step does not build vision cores yet (the step's image inputs); export without it")
     phase(f"converting weights to {options.dtype}")
-    try:
-        weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
-    except ValueError as exc:  # a family's ignored_tensor refusing a layout it cannot read
-        raise SourceError(f"{checkpoint.reference}: {exc}") from exc
+    canonical = getattr(fam, "canonical_tensors", None)  # optional: a family's second layout, rewritten
+    if canonical is not None:
+        try:
+            checkpoint = replace(checkpoint, tensors=canonical(config, checkpoint.tensors))
+        except ValueError as exc:
+            raise SourceError(f"{checkpoint.reference}: {exc}") from exc
+    weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
     kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      dtype=options.kv_dtype or options.dtype, shared_kv=getattr(fam, "SHARED_KV", False),

@@ -379,14 +379,15 @@ def ignored_tensor(config: Step3p7Config, name: str) -> bool:
     """Checkpoint tensors export leaves out: the vision tower and projector of a text-only config,
     and the MTP layers (layer numbers num_layers .. num_layers + num_mtp_layers - 1)."""
     if name.startswith(_VISION_PREFIXES):
-        if config.vision is None:
-            return True
-        if name.startswith(step3p7_vision.HUB_PREFIXES):
-            raise ValueError(f"vision tensor {name!r} is in StepFun's own layout, which the {FAMILY} family does "
-                             "not read yet: save the checkpoint with transformers (model.vision_model.*) first")
-        return False
+        return config.vision is None
     match = _LAYER.match(name)
     return match is not None and config.num_layers <= int(match.group(1)) < config.num_layers + config.num_mtp_layers
+
+
+def canonical_tensors(config: Step3p7Config, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A multimodal checkpoint's vision tensors in transformers' names, whichever layout it ships
+    (StepFun's vision_model.transformer.resblocks.* or transformers' model.vision_model.*)."""
+    return tensors if config.vision is None else step3p7_vision.native_tensors(config.vision, tensors)
 
 
 def kv_shape(config: Step3p7Config) -> tuple[int, int, int]:

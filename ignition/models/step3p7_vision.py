@@ -19,6 +19,7 @@ data in the manifest (vision_profile).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +53,24 @@ WEIGHT_MAP = {
     _VL + "lambda_1": "vision.layers.{}.scale1",
     _VL + "lambda_2": "vision.layers.{}.scale2",
 }  # fmt: skip
-# StepFun's own layout (vision_model.conv1, transformer.resblocks.N with a fused, rope-permuted
-# in_proj, vit_large_projector): not read yet; export refuses it by name.
+# StepFun's own layout (what its hub checkpoints ship) -> transformers' names (native_tensors);
+# the fused in_proj is split into q/k/v and q/k de-interleaved, as transformers' loader does.
 HUB_PREFIXES = ("vision_model.", "vit_large_projector.")
+_HUB_RENAMES = (
+    (r"^vision_model\.conv1\.weight$", _V + "embeddings.patch_embedding.weight"),
+    (r"^vision_model\.positional_embedding$", _V + "embeddings.position_embedding.weight"),
+    (r"^vision_model\.ln_pre\.", _V + "pre_layernorm."),
+    (r"^vision_model\.vit_downsampler([12])\.", _V + r"downsampler\1."),
+    (r"^vit_large_projector\.", _PROJ),
+    (r"^vision_model\.transformer\.resblocks\.(\d+)\.attn\.out_proj\.", _V + r"layers.\1.self_attn.out_proj."),
+    (r"^vision_model\.transformer\.resblocks\.(\d+)\.ln_1\.", _V + r"layers.\1.layernorm_before."),
+    (r"^vision_model\.transformer\.resblocks\.(\d+)\.ln_2\.", _V + r"layers.\1.layernorm_after."),
+    (r"^vision_model\.transformer\.resblocks\.(\d+)\.mlp\.c_fc\.", _V + r"layers.\1.mlp.fc1."),
+    (r"^vision_model\.transformer\.resblocks\.(\d+)\.mlp\.c_proj\.", _V + r"layers.\1.mlp.fc2."),
+    (r"^vision_model\.transformer\.resblocks\.(\d+)\.ls_1\.gamma$", _V + r"layers.\1.lambda_1"),
+    (r"^vision_model\.transformer\.resblocks\.(\d+)\.ls_2\.gamma$", _V + r"layers.\1.lambda_2"),
+)
+_HUB_IN_PROJ = re.compile(r"^vision_model\.transformer\.resblocks\.(\d+)\.attn\.in_proj_(weight|bias)$")
 DOWNSAMPLE = 4  # two stride-2 convolutions: 4 x 4 patches per token
 
 
@@ -119,6 +135,34 @@ def config_from_hf(hf: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
         projector_bias=bool(hf.get("projector_bias", False)),
         image_token_id=int(hf["image_token_id"]),
     )
+
+
+def native_tensors(v: VisionConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint's tensors with StepFun's vision layout rewritten in transformers' names (other
+    tensors untouched): in_proj_{weight,bias} split into q/k/v, and q/k rows de-interleaved from
+    (pair, 2) to (2, pair) per head, so rotate-half rotary reads them (transformers' PermuteForRope)."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in tensors.items():
+        if not name.startswith(HUB_PREFIXES):
+            out[name] = tensor
+            continue
+        fused = _HUB_IN_PROJ.match(name)
+        if fused:
+            layer, kind = fused.groups()
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=0)):
+                if part != "v_proj":
+                    half = chunk.shape[0] // v.num_heads // 2
+                    chunk = chunk.reshape(v.num_heads, half, 2, *chunk.shape[1:]).transpose(1, 2).reshape(chunk.shape)
+                out[f"{_V}layers.{layer}.self_attn.{part}.{kind}"] = chunk.contiguous()
+            continue
+        for pattern, replacement in _HUB_RENAMES:
+            renamed = re.sub(pattern, replacement, name)
+            if renamed != name:
+                out[renamed] = tensor
+                break
+        else:
+            raise ValueError(f"unexpected vision tensor {name!r} in StepFun's layout")
+    return out
 
 
 def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -353,7 +397,8 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     for i in range(v.num_layers):
         p = _VL.format(i)
         y = ln(x, p + "layernorm_before")
-        q, k, val = (y @ w(p + f"self_attn.{n}.weight").T + w(p + f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj"))
+        q, k, val = (y @ w(p + f"self_attn.{n}.weight").T + w(p + f"self_attn.{n}.bias")
+                     for n in ("q_proj", "k_proj", "v_proj"))  # fmt: skip
         q, k, val = rotate(q.view(-1, H, hd)), rotate(k.view(-1, H, hd)), val.view(-1, H, hd)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
         attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), val).reshape(-1, h)

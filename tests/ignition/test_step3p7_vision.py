@@ -5,7 +5,8 @@ Step3p7ImageProcessor + Step3p7Processor (helios' profile-driven views and token
 Step3p7Model.get_image_features (the vision program, per view) and
 Step3p7ForConditionalGeneration (logprobs with images in the prompt), on images of different
 sizes and formats: no tiles, tiles in one row, tiles in rows (with <patch_newline>), an extreme
-aspect squared by zero padding, and one scaled down to max_image_size.
+aspect squared by zero padding, and one scaled down to max_image_size. StepFun's hub vision layout
+reads to the same core weights as transformers' names.
 
 transformers' Step3p7ImageProcessor is a torchvision-backed processor. Where torchvision is not
 installed (the project does not depend on it), its three tensor primitives are supplied here:
@@ -229,21 +230,69 @@ def test_features_and_first_logprobs_match_transformers(tiny: tuple[Path, Path],
     print(f"max |delta| vs transformers: features {worst_features:.3g}, logprobs {worst:.3g}")
 
 
-def test_hub_layout_vision_tensors_are_refused(tiny: tuple[Path, Path], tmp_path: Path) -> None:
-    """StepFun's own vision layout (fused, rope-permuted in_proj) is named in a clear export error."""
+_LAYER_TO_HUB = (("self_attn.out_proj.", "attn.out_proj."), ("layernorm_before.", "ln_1."),
+                 ("layernorm_after.", "ln_2."), ("mlp.fc1.", "mlp.c_fc."), ("mlp.fc2.", "mlp.c_proj."),
+                 ("lambda_1", "ls_1.gamma"), ("lambda_2", "ls_2.gamma"))  # fmt: skip
+_TO_HUB = (("model.vision_model.embeddings.patch_embedding.weight", "vision_model.conv1.weight"),
+           ("model.vision_model.embeddings.position_embedding.weight", "vision_model.positional_embedding"),
+           ("model.vision_model.pre_layernorm.", "vision_model.ln_pre."),
+           ("model.vision_model.downsampler", "vision_model.vit_downsampler"),
+           ("model.multi_modal_projector.", "vit_large_projector."))  # fmt: skip
+
+
+def hub_layout(tensors: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
+    """transformers' vision names -> StepFun's (the inverse of transformers' step3p7 conversion):
+    q/k/v fused into in_proj with q and k rows interleaved per head, as the hub checkpoints ship them."""
+    import re
+
+    def interleave(w: torch.Tensor) -> torch.Tensor:
+        half = w.shape[0] // heads // 2
+        return w.reshape(heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    out, fused = {}, {}
+    for name, t in tensors.items():
+        layer = re.match(r"^model\.vision_model\.layers\.(\d+)\.(.*)$", name)
+        if layer:
+            i, rest = layer.groups()
+            qkv = re.match(r"self_attn\.([qkv])_proj\.(weight|bias)$", rest)
+            if qkv:
+                fused.setdefault((i, qkv.group(2)), {})[qkv.group(1)] = interleave(t) if qkv.group(1) != "v" else t
+                continue
+            for ours, theirs in _LAYER_TO_HUB:
+                rest = rest.replace(ours, theirs)
+            out[f"vision_model.transformer.resblocks.{i}.{rest}"] = t
+            continue
+        for ours, theirs in _TO_HUB:
+            name = name.replace(ours, theirs) if name.startswith(ours) else name
+        out[name] = t
+    for (i, kind), parts in fused.items():
+        out[f"vision_model.transformer.resblocks.{i}.attn.in_proj_{kind}"] = torch.cat([parts[x] for x in "qkv"])
+    return out
+
+
+def test_stepfun_hub_vision_layout_reads_the_same_weights(tiny: tuple[Path, Path], reference, tmp_path: Path) -> None:
+    """StepFun's own vision layout (conv1, transformer.resblocks.N with a fused, rope-interleaved
+    in_proj, vit_large_projector): transformers loads it to the same model, and the core exported
+    from it has the same weights as the one from transformers' names."""
     import shutil
 
     from safetensors.torch import load_file, save_file
-
-    from ignition.errors import SourceError
+    from transformers import Step3p7ForConditionalGeneration
 
     source = tmp_path / "hub"
     shutil.copytree(tiny[0], source)
-    tensors = load_file(str(source / "model.safetensors"))
-    tensors["vision_model.conv1.weight"] = tensors.pop("model.vision_model.embeddings.patch_embedding.weight")
+    heads = json.loads((tiny[0] / "config.json").read_text())["vision_config"]["heads"]
+    tensors = hub_layout(load_file(str(tiny[0] / "model.safetensors")), heads)
+    assert "vision_model.transformer.resblocks.0.attn.in_proj_weight" in tensors
     save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(SourceError, match="StepFun's own layout"):
-        export_core(open_source(str(source)), load_recipe("step5"), ExportOptions(out=tmp_path / "core", dtype="float32"))
+    loaded = Step3p7ForConditionalGeneration.from_pretrained(str(source), dtype=torch.float32).state_dict()
+    expected = reference.state_dict()
+    assert all(torch.equal(loaded[n], expected[n]) for n in expected)
+    out = tmp_path / "core"
+    export_core(open_source(str(source)), load_recipe("step5"), ExportOptions(out=out, dtype="float32"))
+    ours, theirs = Core.open(out).load_weights(), Core.open(tiny[1]).load_weights()
+    assert ours.keys() == theirs.keys() and any(n.startswith("vision.") for n in ours)
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
 
 
 def test_transformers_spellings_read_the_same_vision_config(tiny: tuple[Path, Path], tmp_path: Path) -> None:
