@@ -463,7 +463,7 @@ class LLMEngine:
             position = chunk.start + i + 1
             if position >= seq.num_prompt:
                 break
-            if images and any(image.start <= position < image.end for image in images):
+            if images and any(image.covers(position) for image in images):
                 entries.append(None)
                 continue
             alternatives = ()
