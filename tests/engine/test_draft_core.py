@@ -146,3 +146,4 @@ def test_a_draft_core_of_another_tokenizer_is_refused(cores: tuple[Path, Path], 
         load_config(tmp_path / "bad.toml")
     paged = msgspec.structs.replace(draft.manifest, limits=msgspec.structs.replace(draft.manifest.limits, page_tokens=32))
     assert "--page-tokens 16" in (incompatibility(target.manifest, paged) or "")
+
