@@ -303,6 +303,10 @@ def config_from_hf(hf: dict[str, Any]) -> Glm5NextConfig:
         _refuse("index_kpool", kpool, "it must be positive")
     if topk < kpool or topk % kpool:
         _refuse("index_topk", topk, f"it must be a positive multiple of index_kpool {kpool}")
+    if not text.get("index_kpool_always_select_tail", True) and kpool > 1:
+        # Without the tail a query before its first complete pool keeps no position; transformers then
+        # softmaxes over an all-masked row (every position, future ones too, at equal weight).
+        _refuse("index_kpool_always_select_tail", False, "the first index_kpool - 1 positions would attend to nothing")
     limit = float(text.get("swiglu_limit", 10.0) or 0.0)
     if limit <= 0:
         _refuse("swiglu_limit", limit, "the SwiGLU clamp must be positive")
