@@ -38,10 +38,10 @@ def _kda(c: Glm5NextConfig, w: dict[str, Tensor], a: str, h: Tensor) -> Tensor:
     q, k, v = (conv * torch.sigmoid(conv)).view(total, 3, heads, dim).unbind(1)
     q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dim**-0.5
     k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    g = a + "forget_gate."
-    f_a, f_b = w.get(g + "f_a_proj.weight", w.get(a + "f_a_proj.weight")), w.get(g + "f_b_proj.weight", w.get(a + "f_b_proj.weight"))
-    dt, a_log = w.get(g + "dt_bias", w.get(a + "dt_bias")), w.get(g + "A_log", w.get(a + "A_log"))
-    assert f_a is not None and f_b is not None and dt is not None and a_log is not None
+    def gate_part(name: str) -> Tensor:  # transformers' forget_gate.* or GLM's names directly under self_attn
+        return w[a + "forget_gate." + name] if a + "forget_gate." + name in w else w[a + name]
+
+    f_a, f_b, dt, a_log = (gate_part(n) for n in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"))
     gate = ((h @ f_a.T @ f_b.T) + dt).view(total, heads, dim)
     rate = a_log.exp()[:, None]
     if c.linear_lower_bound is not None:

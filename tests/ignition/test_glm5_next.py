@@ -324,7 +324,8 @@ def test_glm_names_and_nested_config_read_the_same_model(tmp_path: Path) -> None
     checkpoint = open_source(str(write_testmodel("glm5_next", tmp_path / "ckpt", seed=2)))
     config = glm5_next.config_from_hf(checkpoint.hf_config)
     nested = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
-              "text_config": {**checkpoint.hf_config, "model_type": "glm5_next_text"}, "vision_config": {"depth": 1}}  # fmt: skip
+              "text_config": {**checkpoint.hf_config, "model_type": "glm5_next_text"},
+              "vision_config": {"depth": 1}}  # fmt: skip
     assert family_of_hf_config(nested) == "glm5_next" and glm5_next.config_from_hf(nested) == config
     renamed: dict[str, torch.Tensor] = {}
     for name, tensor in checkpoint.tensors.items():
@@ -352,7 +353,8 @@ def test_glm_names_and_nested_config_read_the_same_model(tmp_path: Path) -> None
     assert ours.keys() == plain.keys() and all(torch.equal(ours[n], plain[n]) for n in plain)
     assert not any("visual" in n for n in plain) and plain["layers.0.conv"].shape == (192, 1, 4)
     ids = list(range(3, 30))
-    assert torch.equal(glm5_next.reference_logits(config, renamed, ids), glm5_next.reference_logits(config, checkpoint.tensors, ids))
+    assert torch.equal(glm5_next.reference_logits(config, renamed, ids),
+                       glm5_next.reference_logits(config, checkpoint.tensors, ids))  # fmt: skip
 
 
 @pytest.mark.parametrize(("change", "field"), [
