@@ -6,7 +6,7 @@
   aliases, frontend_workers, prefix_cache, grammar_threads, serial_decode_rows, compiled_step, drain_seconds,
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
   speculation, max_draft_tokens, speculative_rows, history_drafts, learned_drafts, draft_core, state_snapshots,
-  snapshot_interval, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
+  snapshot_interval, anchor_guards, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
   host_cache_copy_queue_mb
 """
 
@@ -85,6 +85,9 @@ class ServerConfig:
     # are kept, least recently used out (None: max_concurrency; 0: no prefix reuse for hybrids).
     state_snapshots: int | None = None
     snapshot_interval: int | None = None
+    # Of the state_snapshots slots, this many are kept for conversation anchors: other captures
+    # take a free slot only beyond the unused guards (None: a quarter of state_snapshots).
+    anchor_guards: int | None = None
     # Hybrid cores also snapshot where the prompt's structure hints (the conversation anchor, the
     # last few message ends, Anthropic cache_control block ends). Such a snapshot off those planned
     # boundaries ends a prefill chunk early and copies the state; the predicted extra work a request
@@ -145,7 +148,7 @@ def _check(config: ServerConfig) -> ServerConfig:
         seconds = getattr(config, name)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
             raise ConfigError(f"[server] {name} must be a number of seconds above 0 and at most 3600, got {seconds!r}")
-    for name in ("state_snapshots", "snapshot_interval", "host_cache_disk_mb"):
+    for name in ("state_snapshots", "snapshot_interval", "anchor_guards", "host_cache_disk_mb"):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ConfigError(f"[server] {name} must be a non-negative integer, got {value!r}")

@@ -75,6 +75,7 @@ class EngineConfig:
     # each prompt's last page boundary).
     state_snapshots: int | None = None
     snapshot_interval: int | None = None
+    anchor_guards: int | None = None  # snapshot slots kept for conversation anchors (None: a quarter)
     # Hybrid cores: the predicted extra work hinted checkpoints (conversation anchor, message ends,
     # cache_control) may add to a request, as a fraction of its predicted prefill time.
     checkpoint_work_fraction: float = 0.05
@@ -115,7 +116,7 @@ class LLMEngine:
         self.states = None
         if m.kv.state:
             snapshots = config.max_concurrency if config.state_snapshots is None else config.state_snapshots
-            self.states = StatePool(config.max_concurrency, snapshots)
+            self.states = StatePool(config.max_concurrency, snapshots, config.anchor_guards)
             self.stats.state_slots = self.states.num_slots
             self.stats.state_slot_bytes = m.kv.slot_bytes
         page = m.limits.page_tokens
@@ -478,6 +479,7 @@ class LLMEngine:
         if self.states is not None:
             self.stats.state_slots_used = self.states.live_in_use
             self.stats.state_snapshots = self.states.snapshots_held
+            self.stats.checkpoint_anchor_reservations = self.states.unused_guards
 
 
 def _budget_close(seq: Sequence) -> int | None:

@@ -51,6 +51,9 @@ def no_image_rows(program) -> dict[str, Tensor]:
     return {"image_features": torch.zeros(1, width), "image_rows": torch.full((1,), -1, dtype=torch.int64)}
 
 
+_STAGING_BYTES = 32 << 20  # host-store restores stage their payloads through a buffer this large
+
+
 class Executor:
     def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
                  upcast: bool = False, compiled: bool = True, num_slots: int = 1,
@@ -101,6 +104,7 @@ class Executor:
             clock.lap("simplifying graphs and packing weights")
         self.kv = allocate_kv(kv_layout, num_pages, self.page_tokens, device, num_slots)
         self.num_slots = num_slots
+        self._staging: Tensor | None = None  # host-store restores' payloads (write_pages)
         self.host_in_ns = self.host_in_bytes = 0  # time and bytes of host-store copy-ins (its cost estimate)
         self.state = self.kv[kv_layout.num_caches :]  # recurrent-state tensors [num_slots, ...] (hybrid cores)
         clock.lap(f"allocating {num_pages} KV pages" + (f" and {num_slots} state slots" if self.state else ""))
@@ -206,14 +210,22 @@ class Executor:
 
     def write_pages(self, writes: tuple[tuple[int, Tensor], ...]) -> None:
         """Store payloads read by read_pages (here or in an earlier process) into pages."""
-        index = torch.tensor([page for page, _ in writes], dtype=torch.int64, device=self.device)
-        rows = torch.stack([payload for _, payload in writes]).to(self.device)
-        offset = 0
-        for tensor in self.page_caches:
-            width = tensor[0].numel() * tensor.element_size()
-            part = rows[:, offset : offset + width].contiguous().view(tensor.dtype).view(len(writes), *tensor.shape[1:])
-            tensor.index_copy_(0, index, part)
-            offset += width
+        # Staged through one reused buffer of at most _STAGING_BYTES, a batch at a time: a fresh
+        # buffer per restore paid the first touch of every byte (tens of MiB for a long prefix)
+        # on the engine thread each time.
+        batch = max(1, _STAGING_BYTES // self.page_bytes)
+        if self._staging is None:
+            self._staging = torch.empty(batch, self.page_bytes, dtype=torch.uint8)
+        for start in range(0, len(writes), batch):
+            part = writes[start : start + batch]
+            index = torch.tensor([page for page, _ in part], dtype=torch.int64, device=self.device)
+            rows = torch.stack([payload for _, payload in part], out=self._staging[: len(part)]).to(self.device)
+            offset = 0
+            for tensor in self.page_caches:
+                width = tensor[0].numel() * tensor.element_size()
+                values = rows[:, offset : offset + width].contiguous().view(tensor.dtype).view(len(part), *tensor.shape[1:])
+                tensor.index_copy_(0, index, values)
+                offset += width
 
     @property
     def state_bytes(self) -> int:

@@ -174,6 +174,7 @@ class EngineStats:
     state_slot_bytes: int = 0  # bytes of one slot over every recurrent layer
     state_slots_used: int = 0  # live slots held by running sequences
     state_snapshots: int = 0  # prefix snapshots held
+    checkpoint_anchor_reservations: int = 0  # unused anchor guards (snapshot slots kept for anchors)
     # Image preparation and feature counters (spec metrics "input_*"), under their Prometheus names
     # without flare_; the frontend adds its decode counters to the same table.
     images: dict[str, int] = field(default_factory=lambda: dict.fromkeys(IMAGE_COUNTERS, 0))

@@ -230,13 +230,14 @@ class Scheduler:
         digest = self._digest_at(seq, boundary)
         if self.states.has(digest):
             return
-        slot = self.states.claim()
+        chosen = seq.checkpoints.get(boundary)
+        anchor = chosen is not None and chosen.role == "anchor"
+        slot = self.states.claim(anchor)
         if slot is None:
             self.stats.count_checkpoint_skip("storage")
             return
-        chosen = seq.checkpoints.get(boundary)
         self._state_after.append((seq.state_slot, slot))
-        self._captures.append((seq, digest, slot, chosen is not None and chosen.role == "anchor"))
+        self._captures.append((seq, digest, slot, anchor))
         if chosen is not None:
             self.stats.count_checkpoint_capture(chosen.role)
             self.stats.checkpoint_extra_work_ns += chosen.cost_ns

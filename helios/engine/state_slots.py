@@ -13,6 +13,14 @@ have `num_live + num_snapshots` slots:
             of a system/tools block every conversation with it shares) go out last while
             they hold at most half of the snapshot slots
 
+Anchor guards: `anchor_guards` of the snapshot slots are kept for conversation anchors.
+A capture of any other role takes a free slot only while more slots are free than guards
+are unused, and otherwise evicts an older snapshot, so a run of message or interval
+captures cannot leave a new conversation's anchor without a slot. A guard is in use when
+an anchor snapshot holds it or an anchor capture is armed to land in it (its step not
+yet run); `unused_guards` counts the rest (flare_checkpoint_anchor_reservations). Anchors
+whose snapshots the host store is copying still hold their guards.
+
 Prefix reuse for a hybrid restores a snapshot into the sequence's live slot; a prefix with
 no snapshot is recomputed. A snapshot is taken by copying a live slot after the step whose
 chunk ended at its boundary; it is registered only once that step succeeded, so a lookup
@@ -26,13 +34,15 @@ from collections import OrderedDict, deque
 
 
 class StatePool:
-    def __init__(self, num_live: int, num_snapshots: int) -> None:
+    def __init__(self, num_live: int, num_snapshots: int, anchor_guards: int | None = None) -> None:
         self.num_live = num_live
         self.num_snapshots = num_snapshots
+        self.anchor_guards = min(num_snapshots, num_snapshots // 4 if anchor_guards is None else anchor_guards)
         self._free_live: deque[int] = deque(range(num_live))
         self._free_snapshots: deque[int] = deque(range(num_live, num_live + num_snapshots))
         self._by_hash: OrderedDict[bytes, int] = OrderedDict()  # registered snapshots, oldest first
         self._pending: set[int] = set()  # snapshot slots whose copy a planned step will make
+        self._armed: set[int] = set()  # of those, the slots anchor captures will land in
         self._anchors: set[bytes] = set()  # registered snapshots that are conversation anchors
         self._pinned: set[int] = set()  # registered snapshot slots being copied to the host store
 
@@ -76,16 +86,24 @@ class StatePool:
     def has(self, digest: bytes) -> bool:
         return digest in self._by_hash
 
-    def claim(self) -> int | None:
-        """A snapshot slot for a capture a step will make (the oldest snapshot's, when none is free)."""
-        if self._free_snapshots:
+    @property
+    def unused_guards(self) -> int:
+        """Anchor guards no anchor snapshot holds and no armed anchor capture will fill."""
+        return max(0, self.anchor_guards - len(self._anchors) - len(self._armed))
+
+    def claim(self, anchor: bool = False) -> int | None:
+        """A snapshot slot for a capture a step will make: a free one (for other roles, only one
+        beyond the unused anchor guards), else the oldest snapshot's."""
+        if self._free_snapshots and (anchor or len(self._free_snapshots) > self.unused_guards):
             slot = self._free_snapshots.popleft()
         else:
             victim = self._victim()
             if victim is None:
-                return None  # every snapshot slot is claimed by captures in flight or pinned (or there are none)
+                return None  # every snapshot slot is claimed by captures in flight, pinned or guarded
             slot = self._by_hash.pop(victim)
         self._pending.add(slot)
+        if anchor:
+            self._armed.add(slot)
         return slot
 
     def _victim(self) -> bytes | None:
@@ -117,6 +135,7 @@ class StatePool:
     def register(self, digest: bytes, slot: int, anchor: bool = False) -> None:
         """The claimed slot now holds the state at `digest`'s boundary."""
         self._pending.discard(slot)
+        self._armed.discard(slot)
         if digest in self._by_hash:  # an identical snapshot landed first: keep that one
             self._free_snapshots.append(slot)
             return
@@ -127,6 +146,7 @@ class StatePool:
     def unclaim(self, slot: int) -> None:
         """A claimed capture that will not be registered (its step failed, its sequence left)."""
         self._pending.discard(slot)
+        self._armed.discard(slot)
         self._free_snapshots.append(slot)
 
     def check(self, live_held: int) -> None:
@@ -136,3 +156,4 @@ class StatePool:
         assert held == self.num_snapshots, "snapshot slots leaked"
         assert self._anchors <= self._by_hash.keys(), "an anchor outlived its snapshot"
         assert self._pinned <= set(self._by_hash.values()), "a pinned slot is not a registered snapshot"
+        assert self._armed <= self._pending, "an armed anchor slot is not claimed"

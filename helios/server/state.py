@@ -73,7 +73,8 @@ class ServerState:
             "prefill_tokens", "generated_tokens", "decode_weight_bytes", "verification_rounds", "active", "pending",
             "completed", "failed", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
             "reasoning_budget_cuts", "verify_steps", "verification_drafts", "accepted_drafts", "draft_rounds", "draft_steps",
-            "state_slots", "state_slot_bytes", "state_slots_used", "state_snapshots")}  # fmt: skip
+            "state_slots", "state_slot_bytes", "state_slots_used", "state_snapshots",
+            "checkpoint_anchor_reservations")}  # fmt: skip
         values.update(stats.images)  # image preparation and feature counters (engine), plus the frontend's
         for name, count in self.frontend.image_counters.items():
             values[name] = values.get(name, 0) + count
@@ -163,6 +164,7 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
                                       config.history_drafts, learned=config.learned_drafts),
         draft_core=draft,
         state_snapshots=config.state_snapshots, snapshot_interval=config.snapshot_interval,
+        anchor_guards=config.anchor_guards,
         checkpoint_work_fraction=config.checkpoint_work_fraction,
         host_cache=host_cache_config(config)),
         mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip

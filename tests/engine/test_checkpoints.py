@@ -143,6 +143,36 @@ def test_anchor_snapshots_are_evicted_last() -> None:
     pool.check(0)
 
 
+def test_anchor_guards_keep_slots_for_anchors() -> None:
+    pool = StatePool(1, 6, anchor_guards=2)
+    assert pool.unused_guards == 2
+    for digest in (b"m1", b"m2", b"m3", b"m4"):  # other captures fill the four unguarded slots
+        pool.register(digest, pool.claim(), False)
+    pool.register(b"m5", pool.claim())  # the guards stay free: the oldest snapshot is replaced
+    assert not pool.has(b"m1") and pool.unused_guards == 2
+    armed = pool.claim(anchor=True)  # an anchor capture planned: its guard is armed, not unused
+    assert armed is not None and pool.unused_guards == 1
+    pool.unclaim(armed)  # its step failed: the guard is unused again
+    assert pool.unused_guards == 2
+    pool.register(b"a1", pool.claim(anchor=True), True)
+    assert pool.unused_guards == 1
+    slot = pool.pin(b"a1")  # the host store copying the anchor: it still holds its guard
+    assert pool.unused_guards == 1
+    pool.unpin(slot)
+    pool.register(b"a2", pool.claim(anchor=True), True)
+    assert pool.unused_guards == 0
+    pool.register(b"m6", pool.claim())  # no guard left unused: a plain capture replaces m2, not an anchor
+    assert not pool.has(b"m2") and pool.has(b"a1") and pool.has(b"a2")
+    pool.check(0)
+
+
+def test_no_guards_when_asked_for_none() -> None:
+    pool = StatePool(1, 2, anchor_guards=0)
+    assert pool.unused_guards == 0
+    assert pool.claim() is not None and pool.claim() is not None
+    assert StatePool(1, 8).anchor_guards == 2  # default: a quarter of the snapshot slots
+
+
 # ---------------------------------------------------------------------------- a tiny hybrid core
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -112,3 +112,19 @@ def test_the_next_turn_resumes_after_the_previous_answer_from_its_endpoint(hybri
     uncached = run_to_completion(_engine(hybrid, enable_prefix_cache=False), [second])["t2"][0]
     assert resumed.token_ids == uncached.token_ids
     _idle(engine)
+
+
+def test_an_anchor_capture_fills_a_guard_and_the_gauge_follows(hybrid: Core) -> None:
+    prompt = _prompt(hybrid, "Tell me a story about a fox and a dog, then another about a cat.")
+    size = hybrid.manifest.limits.page_tokens
+    anchor = size * (len(prompt) // size // 2)
+    assert anchor > 0
+    engine = _engine(hybrid, state_snapshots=8, anchor_guards=2, checkpoint_work_fraction=1.0)
+    assert engine.states.unused_guards == 2
+    warm = EngineRequest("warm", _prompt(hybrid, "Hi there, a warm-up turn of some length."), (GREEDY,), 4)
+    run_to_completion(engine, [warm])  # step costs of two sizes measured: hints can be priced
+    request = EngineRequest("a", prompt, (GREEDY,), 2, checkpoint_hints=((anchor, "anchor"),))
+    run_to_completion(engine, [request])
+    assert engine.stats.checkpoint_captures.get("anchor") == 1
+    assert engine.states.unused_guards == 1 and engine.stats.checkpoint_anchor_reservations == 1
+    _idle(engine)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from helios.core import Core
 from helios.engine import precision
@@ -75,3 +76,13 @@ def test_batching_invariance_in_bf16(kind: str, bf16_core: Path, bf16_compiled_c
     # differences into 2^-9 steps (docs/export.md). Batched with others, prefix cache or not,
     # the answers are the same.
     _check_batching_invariance(core, 16, prefix=PREAMBLE, settings=INVARIANCE_SETTINGS[:2])
+
+
+def test_the_native_matmul_answer_is_kept_per_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Measured once: a busy moment on a later start cannot flip a bf16 core to upcast."""
+    monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
+    timings = iter([1.0, 3.0] * 3)  # bf16 rounds 3x faster than fp32 ones
+    monkeypatch.setattr(precision, "_seconds", lambda dtype: next(timings))
+    assert precision.is_native(torch.bfloat16) is True
+    monkeypatch.setattr(precision, "_seconds", lambda dtype: 5.0 if dtype == torch.bfloat16 else 1.0)
+    assert precision.is_native(torch.bfloat16) is True  # remembered, not measured again

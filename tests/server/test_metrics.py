@@ -192,7 +192,7 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     from helios.server.state import ServerState
 
     stats = EngineStats(checkpoint_captures={"anchor": 2, "message": 5}, checkpoint_skips={"unknown_cost": 1,
-                        "work_budget": 3}, checkpoint_extra_work_ns=123_456)  # fmt: skip
+                        "work_budget": 3}, checkpoint_extra_work_ns=123_456, checkpoint_anchor_reservations=3)  # fmt: skip
     engine = SimpleNamespace(stats=stats, host=None, scheduler=SimpleNamespace(
         drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(checkpoint_slots=(0, 0, 0))))  # fmt: skip
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
@@ -209,6 +209,9 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     snapshot = json_snapshot(values, EMPTY_WINDOW)
     assert snapshot["checkpoint_extra_work_nanoseconds_total"] == 123_456
     assert snapshot["checkpoint_captures"] == {"anchor": 2, "message": 5}
+    reservations = families["flare_checkpoint_anchor_reservations"]
+    assert reservations.type == "gauge" and reservations.samples[0].value == 3
+    assert snapshot["checkpoint_anchor_reservations"] == 3
 
 
 def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
