@@ -21,6 +21,7 @@ from helios.core.ops_gated_delta import prepare
 from helios.core.ops_recurrent import state_spans
 
 CHUNK = 16  # tokens per chunk of the chunked form (its explicit decay tensor grows with CHUNK^2)
+_IN_PLACE_BYTES = 1 << 18  # decode states of at least this many bytes per slot update in place
 
 
 def kda_cpu(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm):
@@ -45,11 +46,23 @@ def kda_cpu(q, k, v, g, beta, state, state_slots, query_start_loc, positions, sc
 def _decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
             decode: list[tuple[int, int, bool]], out: Tensor) -> None:  # fmt: skip
     """One recurrent step for every one-token sequence: with D = diag(exp(g)), the decayed state's
-    reads are S^T (D k) and S^T (D q), and o = (D S)'^T q = S^T (D q) + (k . q) delta."""
+    reads are S^T (D k) and S^T (D q), and o = (D S)'^T q = S^T (D q) + (k . q) delta. Large states
+    (real models: megabytes per slot) update in place in their slots, one sequence after another,
+    as flare::gated_delta_rule's kernel does; small ones batch all rows in one gather."""
     rows = torch.tensor([r for r, _, _ in decode])
     slots = torch.tensor([s for _, s, _ in decode])
     qt, kt, vt, bt = q[rows], k[rows], v[rows], beta[rows]  # [Bd, H, D]
     decay = g[rows].exp()  # [Bd, H, Dk]
+    if state[0].numel() * 4 >= _IN_PLACE_BYTES and state.dtype == torch.float32:
+        for i, (row, slot, fresh) in enumerate(decode):
+            s = state[slot]  # [H, Dk, Dv] view
+            if fresh:
+                s.zero_()
+            read = torch.bmm(s.transpose(-1, -2), torch.stack([decay[i] * kt[i], decay[i] * qt[i]], dim=-1))
+            delta = (vt[i] - read[..., 0]) * bt[i][:, None]
+            out[row] = read[..., 1] + (kt[i] * qt[i]).sum(-1, keepdim=True) * delta
+            s.mul_(decay[i][..., None]).baddbmm_(kt[i][:, :, None], delta[:, None, :])
+        return
     s = state.index_select(0, slots).float()  # [Bd, H, Dk, Dv]
     fresh = [i for i, (_, _, f) in enumerate(decode) if f]
     if fresh:

@@ -70,9 +70,11 @@ def test_kda_matches_transformers_and_is_chunk_independent() -> None:
             assert float((state[1] - final[0]).abs().max()) < 1e-5, (op, chunk)
 
 
-def test_kda_kernel_mixed_batch() -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kda_kernel_mixed_batch(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """One step holding a fresh prefill, a continuing prefill and two decode rows (one fresh) equals
-    the reference op on the same slots."""
+    the reference op on the same slots (decode states gathered, or updated in place as large ones are)."""
+    monkeypatch.setattr(kernels_glm5_next, "_IN_PLACE_BYTES", 1 if in_place else 1 << 40)
     q, k, v, g, beta = _kda_inputs(12, seed=1)
     initial = torch.randn(5, 3, 8, 8, generator=torch.Generator().manual_seed(2)) * 0.1
     qsl = torch.tensor([0, 5, 6, 11, 12], dtype=torch.int32)
