@@ -251,10 +251,12 @@ def export_vision(fam: ModuleType, config: object, weights: dict[str, torch.Tens
 
 def self_check_vision(fam: ModuleType, config: object, checkpoint: Checkpoint, programs: dict[str, Program],
                       vision: Program, weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
-                      prompts: tuple[tuple[int, ...], ...], tolerance: float) -> float:  # fmt: skip
-    """The saved vision program against the family's reference tower on a seeded image (features),
-    then every step program with those features spliced into a golden prompt, prefilled in chunks
-    that cut through the image, against the reference forward (logprobs). Returns the max |Δ|."""
+                      prompts: tuple[tuple[int, ...], ...], tolerance: float,
+                      profile: mf.VisionProfile) -> float:  # fmt: skip
+    """The saved vision program against the family's reference tower on a seeded view (features),
+    then every step program with those features spliced into a golden prompt (framed by the
+    profile's prefix/suffix tokens), prefilled in chunks that cut through the image, against the
+    reference forward (logprobs). Returns the max |Δ|."""
     stored = stored_tensors(checkpoint, weights)
     pixels, positions = fam.vision_examples(config)
     got = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
@@ -263,10 +265,10 @@ def self_check_vision(fam: ModuleType, config: object, checkpoint: Checkpoint, p
     if worst > tolerance:
         raise VerifyError(f"self-check failed: the exported vision program differs from the reference vision tower by "
                           f"{worst:.3g} in its features (tolerance {tolerance:g})")  # fmt: skip
-    v = config.vision  # type: ignore[attr-defined]
-    head = list(prompts[0][:5])
-    prompt = head + [v.boi_token_id] + [v.image_token_id] * int(got.shape[0]) + [v.eoi_token_id] + list(prompts[0][5:])
-    image_positions = list(range(len(head) + 1, len(head) + 1 + int(got.shape[0])))
+    head = list(prompts[0][:5]) + list(profile.prefix_token_ids)
+    prompt = (head + [profile.image_token_id] * int(got.shape[0]) + list(profile.suffix_token_ids)
+              + list(prompts[0][5:]))  # fmt: skip
+    image_positions = list(range(len(head), len(head) + int(got.shape[0])))
     reference = torch.log_softmax(fam.reference_logits(config, stored, prompt, expected, image_positions).float(), dim=-1)
     for kind, program in programs.items():
         run = run_prompt(program, weights, kv, page_tokens, prompt, chunk=GOLDEN_CHUNK, explicit_ids=[0, 1],
@@ -430,6 +432,12 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
     if options.compile_step and getattr(config, "vision", None) is not None:
         raise UsageError("--compile-step does not build vision cores yet (the step's image inputs); export without it")
     phase(f"converting weights to {options.dtype}")
+    canonical = getattr(fam, "canonical_tensors", None)  # optional: a family's second layout, rewritten
+    if canonical is not None:
+        try:
+            checkpoint = replace(checkpoint, tensors=canonical(config, checkpoint.tensors))
+        except ValueError as exc:
+            raise SourceError(f"{checkpoint.reference}: {exc}") from exc
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
     kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -469,13 +477,14 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
         extra_worst = check_extra_programs(extras, checkpoint, weights, kv, options.page_tokens, staging, tolerance)
         profile = None
         if vision_program is not None:
-            phase("self-check of the vision path")
-            extra_worst = max(extra_worst, self_check_vision(fam, config, checkpoint, programs, vision_program, weights,
-                                                             kv, options.page_tokens, prompts, tolerance))  # fmt: skip
             try:
-                profile = fam.vision_profile(config, checkpoint.processor_config or {}, limits.max_model_len)
+                profile = fam.vision_profile(config, checkpoint.processor_config or {}, limits.max_model_len,
+                                             tokenizer.token_to_id)  # fmt: skip
             except ValueError as exc:
                 raise SourceError(f"{checkpoint.reference}: unsupported image processor config ({exc})") from exc
+            phase("self-check of the vision path")
+            extra_worst = max(extra_worst, self_check_vision(fam, config, checkpoint, programs, vision_program, weights,
+                                                             kv, options.page_tokens, prompts, tolerance, profile))  # fmt: skip
         save_file(golden, str(staging / "golden.safetensors"))
         compiled = {}
         if options.compile_step:

@@ -101,6 +101,15 @@ CHATS = {
         "roles": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<|im_end|>", "pad_token": "<｜end▁of▁sentence｜>"},
         "template": "step3.5-flash.jinja",
     },
+    # The same with Step 3.7's image framing tokens (<im_start> <patch_start> ... <patch_newline>): vision test models.
+    "step5-vision": {
+        "special_tokens": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<|im_start|>", "<|im_end|>", "<think>",
+                           "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                           "<im_patch>", "<im_start>", "<im_end>", "<patch_start>", "<patch_end>",
+                           "<patch_newline>"),  # fmt: skip
+        "roles": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<|im_end|>", "pad_token": "<｜end▁of▁sentence｜>"},
+        "template": "step3.5-flash.jinja",
+    },
     # GLM-5.3-Flash's role and tool tokens and its published template (../shared/templates/glm-5.3-flash.jinja);
     # the model ends a turn with <|endoftext|> here (real checkpoints also stop at <|user|> / <|observation|>).
     "glm53": {
@@ -165,7 +174,8 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
     config.update({name.replace("_token", "_token_id"): tokenizer.token_to_id(tok)
                    for name, tok in roles.items() if name != "unk_token"})  # fmt: skip
     if vision:
-        framing = {t: tokenizer.token_to_id(t) for t in ("<|image|>", "<|image>", "<image|>")}
+        names = getattr(fam, "TESTMODEL_VISION_TOKENS", ("<|image|>", "<|image>", "<image|>"))
+        framing = {t: tokenizer.token_to_id(t) for t in names}
         if None in framing.values():
             raise UsageError(f"chat flavour {chat!r} has no image framing tokens")
         config = fam.testmodel_vision(config, framing) | {k: v for k, v in config.items() if k.endswith("_token_id")}

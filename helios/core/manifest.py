@@ -156,21 +156,27 @@ class Capabilities(_Struct):
 class VisionProfile(_Struct):
     """How helios prepares an image for the core's `vision` program, and the limits it admits.
 
-    Preparation (helios.frontend.images): decode, convert to RGB, resize by `resize`, scale by
-    rescale_factor, normalize by mean/std, cut into patch_size squares in row-major order
-    (each patch's pixels in (row, col, channel) order) with (x, y) patch positions; one image
-    costs patches / pooling_kernel_size^2 tokens. The chat template renders one
-    placeholder_token_id per image; the frontend expands it to prefix_token_ids, that many
-    image_token_id rows (whose embeddings the step replaces with the vision features) and
-    suffix_token_ids.
+    Preparation (helios.frontend.images): decode, convert to RGB, resize by `resize` into one
+    or more views, scale by rescale_factor, normalize by mean/std, cut each view into
+    patch_size squares in row-major order (each patch's pixels in (row, col, channel) order)
+    with (x, y) patch positions; the vision program runs once per view and a view costs
+    patches / pooling_kernel_size^2 tokens. The chat template renders one placeholder_token_id
+    per image; the frontend expands it to the tile views' tokens (only under a tiling rule:
+    each tile framed by tile_prefix/tile_suffix_token_ids, tile_row_separator_token_ids after
+    the last tile of every row but the last), then prefix_token_ids, the (global) view's
+    image_token_id rows and suffix_token_ids. Image-token rows' embeddings are replaced by the
+    vision features, views in that order; framing tokens are ordinary prompt tokens.
     """
 
-    resize: str  # "aspect_ratio_patch_budget": the largest aspect-preserving size of at most
-    # max_patches patches whose sides are multiples of patch_size * pooling_kernel_size (Gemma 4)
+    resize: str  # "aspect_ratio_patch_budget": one view, the largest aspect-preserving size of at most
+    # max_patches patches whose sides are multiples of patch_size * pooling_kernel_size (Gemma 4);
+    # "global_and_tiles": a square image_size global view after zero or more tile_size tiles cut
+    # by Step 3.7's sliding-window plan (frontend/images.py tile_plan; Step 3.7)
     patch_size: int  # pixels per patch side
-    pooling_kernel_size: int  # k: k x k patches merge into one token
-    max_patches: int  # per image (one vision graph)
-    resample: str  # "bicubic" | "bilinear" (PIL filters)
+    pooling_kernel_size: int  # k: k x k patches merge into one token (per view)
+    max_patches: int  # per view (one vision program call); the only view under aspect_ratio_patch_budget
+    resample: str  # "bicubic" | "bilinear" (PIL filters) | "torch_bilinear" (antialiased bilinear on
+    # uint8 tensors, rounded per resize, as torchvision's CPU resize computes it)
     rescale_factor: float  # uint8 pixel -> [0, 1]
     image_mean: tuple[float, ...]  # per channel, after rescaling
     image_std: tuple[float, ...]
@@ -187,13 +193,23 @@ class VisionProfile(_Struct):
     max_image_tokens_per_image: int
     max_image_pixels: int
     max_image_bytes: int
+    # Tiling rules only (global_and_tiles); zeros and empty under aspect_ratio_patch_budget, so
+    # cores written before these fields read unchanged.
+    image_size: int = 0  # the global view's side in pixels (multiple of patch_size * k)
+    tile_size: int = 0  # each tile's side after resizing (multiple of patch_size * k)
+    max_image_side: int = 0  # a longer side is first scaled down to this
+    tile_prefix_token_ids: tuple[int, ...] = ()  # framing around each tile's image tokens
+    tile_suffix_token_ids: tuple[int, ...] = ()
+    tile_row_separator_token_ids: tuple[int, ...] = ()  # after the last tile of each row but the last
 
     def settings_digest(self) -> bytes:
         """The processing settings as bytes, for the prefix identity of pages after an image."""
         import hashlib
 
-        fields = (self.resize, self.patch_size, self.pooling_kernel_size, self.max_patches, self.resample,
-                  self.rescale_factor, self.image_mean, self.image_std)  # fmt: skip
+        fields: tuple = (self.resize, self.patch_size, self.pooling_kernel_size, self.max_patches, self.resample,
+                         self.rescale_factor, self.image_mean, self.image_std)  # fmt: skip
+        if self.tile_size:  # only tiling profiles: a Gemma 4 core's digests stay what they were
+            fields += (self.image_size, self.tile_size, self.max_image_side)
         return hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
 
 

@@ -99,6 +99,9 @@ class EngineClient:
         if reason is not None:
             raise RequestRejected(reason)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.n, set(range(request.n)))
+        # Before the engine can see it: admission then waits for the host store to read the prompt's
+        # disk records on its own thread instead of reading them on the engine's.
+        self.engine.prefetch(request)
         with self._lock:
             self._check_available()
             if request.request_id in self._streams:
@@ -107,7 +110,6 @@ class EngineClient:
                 raise QueueFull("the model request queue is full")
             self._streams[request.request_id] = stream
             self._inbox.append(request)
-        self.engine.prefetch(request)  # the host store reads disk records while the request waits
         self._wake.set()
         return self._events(request.request_id, stream)
 

@@ -251,7 +251,7 @@ class LLMEngine:
         if host is not None and request.use_prefix_cache and self.config.enable_prefix_cache:
             size = self.pool.page_tokens
             host.prefetch(request.prompt_ids, lambda index: request.page_identity(index, size), size,
-                          self.states is not None)
+                          self.states is not None, key=request.request_id)
 
     def close(self) -> None:
         """Finish the host store's copies and disk writes (shutdown)."""
@@ -303,6 +303,8 @@ class LLMEngine:
         self.scheduler.copy_out.settle_copies()  # the step boundary: pins of finished copies are released
         plan = self.scheduler.schedule()
         events += plan.finished
+        if not plan.chunks and self.scheduler.awaiting_prefetch and self.scheduler.host is not None:
+            self.scheduler.host.wait_prefetch(0.005)  # nothing to run until the head's records are read
         if plan.chunks:
             try:
                 started = time.perf_counter_ns()
@@ -461,7 +463,7 @@ class LLMEngine:
             position = chunk.start + i + 1
             if position >= seq.num_prompt:
                 break
-            if images and any(image.start <= position < image.end for image in images):
+            if images and any(image.covers(position) for image in images):
                 entries.append(None)
                 continue
             alternatives = ()

@@ -161,8 +161,10 @@ class HostStore:
         self._writes: queue.Queue[Record | None] = queue.Queue()
         self._parked = 0  # records queued for a disk write
         self._writer: threading.Thread | None = None
-        self._prefetches: queue.Queue[tuple[tuple[int, ...], bytes, int] | None] = queue.Queue(maxsize=64)
+        self._prefetches: queue.Queue[tuple | None] = queue.Queue(maxsize=64)
         self._reader: threading.Thread | None = None
+        self._prefetching: set[str] = set()  # keys (request ids) of prefetches queued or being read
+        self._prefetched = threading.Event()  # set whenever one finishes
         # Measured rates for the lookup estimates (engine-owned; 0 until measured).
         self.copy_ns_per_byte = 0.0
         self.prefill_ns_per_token = 0.0
@@ -266,32 +268,61 @@ class HostStore:
         self._reader.start()
 
     # ------------------------------------------------------------------ prefetch (off the engine thread)
-    def prefetch(self, tokens: tuple[int, ...], identity, page_tokens: int, states: bool = False) -> None:
+    def prefetch(self, tokens: tuple[int, ...], identity, page_tokens: int, states: bool = False,
+                 key: str | None = None) -> None:  # fmt: skip
         """Bring this prompt's chain of disk records (and with `states`, the state records at its
         page boundaries) into memory before admission looks them up (best effort: a full queue
         drops the hint; admission then reads what it still needs). `identity`: one slot for every
-        page, or page index -> its slot (EngineRequest.page_identity)."""
-        if self._reader is not None and len(tokens) > page_tokens:
-            try:
-                self._prefetches.put_nowait((tuple(tokens), identity, page_tokens, states))
-            except queue.Full:
-                pass
+        page, or page index -> its slot (EngineRequest.page_identity). With a `key`,
+        `prefetching(key)` is true until the reader is done with it, so admission can wait for
+        the records instead of reading them on the engine thread."""
+        if self._reader is None or len(tokens) <= page_tokens:
+            return
+        if key is not None:
+            with self._lock:
+                self._prefetching.add(key)
+        try:
+            self._prefetches.put_nowait((tuple(tokens), identity, page_tokens, states, key))
+        except queue.Full:
+            self._done_prefetching(key)
+
+    def prefetching(self, key: str) -> bool:
+        """Whether the reader still has this key's records to bring in (false once it stopped)."""
+        reader = self._reader
+        with self._lock:
+            return key in self._prefetching and reader is not None and reader.is_alive()
+
+    def wait_prefetch(self, timeout: float) -> None:
+        """Block until some prefetch finishes, or `timeout` seconds (the engine, with nothing else to do)."""
+        self._prefetched.wait(timeout)
+        self._prefetched.clear()
+
+    def _done_prefetching(self, key: str | None) -> None:
+        if key is not None:
+            with self._lock:
+                self._prefetching.discard(key)
+        self._prefetched.set()
 
     def _prefetch_loop(self) -> None:
         while True:
             item = self._prefetches.get()
             if item is None:
                 return
-            tokens, identity, size, states = item
-            slot = identity if callable(identity) else (lambda index, fixed=identity: fixed)
-            parent = ROOT_HASH
-            for index in range((len(tokens) - 1) // size):
-                digest = page_hash(parent, slot(index), tokens[index * size : (index + 1) * size])
-                if not self._bring(digest):
-                    break
-                if states:
-                    self._bring(state_key(digest))
-                parent = digest
+            tokens, identity, size, states, key = item
+            try:
+                slot = identity if callable(identity) else (lambda index, fixed=identity: fixed)
+                parent = ROOT_HASH
+                for index in range((len(tokens) - 1) // size):
+                    digest = page_hash(parent, slot(index), tokens[index * size : (index + 1) * size])
+                    if not self._bring(digest):
+                        break
+                    if states:
+                        self._bring(state_key(digest))
+                    parent = digest
+            except Exception as exc:  # noqa: BLE001 - a hint: admission reads what it still needs
+                log.warning("host prefix store: prefetch failed (%s: %s)", type(exc).__name__, exc)
+            finally:
+                self._done_prefetching(key)
 
     def _bring(self, digest: bytes) -> bool:
         """Whether the record is in memory now (read from disk if needed)."""

@@ -1,6 +1,7 @@
 """Image features for prefill: the vision program runs when a step's chunk first reaches an image.
 
-Feature window: images are prepared and encoded one at a time, as chunked prefill reaches each
+Feature window: images are prepared and encoded one at a time (every view of an image: the vision
+program runs once per view, features concatenated in the profile's order), as chunked prefill reaches each
 span, and their rows stay in a bounded arena (window_tokens rows per live request) until the
 chunk that consumes an image's last row has run; an evicted image is re-encoded on demand
 (preemption, or a bigger batch than the arena). An image inside a reused prefix is never
@@ -50,13 +51,15 @@ class ImageEncoder:
         for chunk, flat in zip(chunks, starts):
             lo, hi = chunk.start, chunk.start + chunk.num_tokens
             for index, image in enumerate(chunk.seq.request.images):
-                a, b = max(lo, image.start), min(hi, image.end)
-                if a >= b:
+                if max(lo, image.start) >= min(hi, image.end):
                     continue
                 encoded = self._features(chunk.seq.request, index, image)
-                features.append(encoded[a - image.start : b - image.start])
-                rows += range(flat + a - lo, flat + b - lo)
-                if b == image.end:  # this step consumes its last row: its storage is free after it
+                for position, row, count in image.spans():  # runs of feature rows (tiled images: several)
+                    a, b = max(lo, position), min(hi, position + count)
+                    if a < b:
+                        features.append(encoded[row + a - position : row + b - position])
+                        rows += range(flat + a - lo, flat + b - lo)
+                if hi >= image.end:  # this step consumes its last row: its storage is free after it
                     done.append((id(chunk.seq.request), index))
         for key in done:
             self._drop(key)
@@ -72,10 +75,11 @@ class ImageEncoder:
         if found is not None:
             self._arena.move_to_end(key)
             return found
-        pixels, positions = image.prepare()
+        views = image.prepare()
         self.stats.images["input_prepared_images_total"] += 1
-        encoded = self.program(self.weights, [], pixel_values=pixels.to(self.device),
-                               pixel_positions=positions.to(self.device))["image_features"]  # fmt: skip
+        encoded = torch.cat([self.program(self.weights, [], pixel_values=pixels.to(self.device),
+                                          pixel_positions=positions.to(self.device))["image_features"]
+                             for pixels, positions in views])  # fmt: skip
         if encoded.shape[0] != image.num_tokens:
             raise RuntimeError(f"the vision program returned {encoded.shape[0]} rows for an image of "
                                f"{image.num_tokens} tokens")  # fmt: skip

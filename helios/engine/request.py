@@ -60,14 +60,37 @@ class EngineImage:
     image inside a reused prefix costs neither (engine/images.py)."""
 
     start: int  # prompt position of its first image token
-    num_tokens: int  # image-token rows (= vision feature rows); framing tokens are outside the span
+    num_tokens: int  # image-token rows (= vision feature rows); framing tokens around the span are outside it
     digest: bytes  # content and processing settings: the prefix identity of pages from its span on
-    prepare: Callable[[], tuple[Any, Any]]  # -> (pixel_values [X, D], pixel_positions [X, 2]) tensors
+    prepare: Callable[[], list[tuple[Any, Any]]]  # -> per view, (pixel_values [X, D], pixel_positions [X, 2])
     pixels: int = 0  # decoded width * height, for metrics
+    # Tiled images: (offset from start, rows) runs of feature rows in feature order, framing tokens
+    # between them (rows sum to num_tokens, offsets increasing, the first 0); () is one run.
+    runs: tuple[tuple[int, int], ...] = ()
 
     @property
     def end(self) -> int:
-        return self.start + self.num_tokens
+        """One past the last image-token position."""
+        if not self.runs:
+            return self.start + self.num_tokens
+        offset, rows = self.runs[-1]
+        return self.start + offset + rows
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(first prompt position, first feature row, rows) of each run."""
+        if not self.runs:
+            return [(self.start, 0, self.num_tokens)]
+        out, row = [], 0
+        for offset, rows in self.runs:
+            out.append((self.start + offset, row, rows))
+            row += rows
+        return out
+
+    def covers(self, position: int) -> bool:
+        """Whether a prompt position holds one of this image's feature rows (not framing)."""
+        if not self.start <= position < self.end:
+            return False
+        return any(p <= position < p + n for p, _, n in self.spans())
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,7 @@ class Scheduler:
         self.drafter = Drafter(speculation or SpeculationConfig(mode="off"), self.stats)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.awaiting_prefetch = False  # the last plan left the queue's head waiting for its host-store prefetch
         self._arrivals = itertools.count()
         self._forked: list[Sequence] = []  # children created while planning; they join `running` after it
         self._planned_finishes: list[EngineEvent] = []  # finishes decided while planning this step
@@ -138,8 +139,14 @@ class Scheduler:
                 budget -= chunks[-1].num_tokens
             index += 1
         preempted = self.stats.preemptions != preemptions_before
+        self.awaiting_prefetch = False
         while self.waiting and budget > 0 and not preempted:  # no re-admission into a pool just found short
             head = self.waiting[0]
+            if self.host is not None and self.host.prefetching(head.request.request_id):
+                # Its disk records are being read off this thread: admitted once they are in memory
+                # (running sequences keep stepping meanwhile).
+                self.awaiting_prefetch = True
+                break
             # Running parents count their unforked children: they take a slot when they fork.
             live = sum(s.num_choices for s in self.running) + len(self._forked)
             if live + head.num_choices > self.config.max_concurrency:

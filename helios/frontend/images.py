@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import platform
 import warnings
 from dataclasses import dataclass
 
@@ -44,10 +45,25 @@ class ImageHeader:
 class ImageCost:
     """What one image costs after the profile's normalization."""
 
-    height: int  # resized extent in pixels
+    height: int  # resized extent of the (global) view in pixels
     width: int
-    num_patches: int
+    num_patches: int  # over every view
     num_tokens: int  # patches / k^2: image tokens (usage multimodal_tokens.image)
+    tiles: tuple[int, int] = (0, 0)  # (columns, rows) of tile views before the global view; (0, 0): none
+
+
+@dataclass(frozen=True, slots=True)
+class TilePlan:
+    """Step 3.7's sliding-window layout of one image (transformers' Step3p7ImageProcessor._plan_patches)."""
+
+    width: int  # extent after squaring and the max_image_side scale-down: the global view's first resize
+    height: int
+    crop_width: int  # extent the image is resized to before tiles are cut
+    crop_height: int
+    window: int  # tile side before each tile's resize to tile_size; 0: no tiles
+    columns: int
+    rows: int
+    square_pad: bool  # near-degenerate images are zero-padded to a square (original top-left) first
 
 
 def read_header(data: bytes, profile: VisionProfile, where: str) -> ImageHeader:
@@ -74,8 +90,40 @@ def read_header(data: bytes, profile: VisionProfile, where: str) -> ImageHeader:
     return ImageHeader(image.format, width, height, len(data))
 
 
+def tile_plan(width: int, height: int, profile: VisionProfile) -> TilePlan:
+    """Squaring of extreme aspects (min side < 32 and ratio > 4), the scale-down to max_image_side,
+    then the window: none when the image fits the global view and is not elongated (ratio <= 1.5),
+    the short side when it fits but is elongated or is very elongated (ratio > 4, capped at
+    tile_size), else tile_size; each side snaps to a window multiple, up when the remainder
+    exceeds a fifth of the window."""
+    square_pad = min(width, height) < 32 and max(width / height, height / width) > 4
+    if square_pad:
+        width = height = max(width, height)
+    if max(width, height) > profile.max_image_side:
+        scale = profile.max_image_side / max(width, height)
+        width, height = int(width * scale), int(height * scale)
+    short, long = min(width, height), max(width, height)
+    if long <= profile.image_size:
+        window = short if long / short > 1.5 else 0
+    elif long / short > 4:
+        window = min(short, profile.tile_size)
+    else:
+        window = profile.tile_size
+    if window == 0:
+        return TilePlan(width, height, width, height, 0, 0, 0, square_pad)
+    crop_w, crop_h = (window * (d // window + (d % window > 0.2 * window)) if d >= window else d
+                      for d in (width, height))  # fmt: skip
+    return TilePlan(width, height, crop_w, crop_h, window, max(1, crop_w // window), max(1, crop_h // window),
+                    square_pad)  # fmt: skip
+
+
 def cost(width: int, height: int, profile: VisionProfile) -> ImageCost:
     """The resized grid and token count of a width x height image under the profile's resize rule."""
+    if profile.resize == "global_and_tiles":
+        plan = tile_plan(width, height, profile)
+        ps, k = profile.patch_size, profile.pooling_kernel_size
+        patches = plan.columns * plan.rows * (profile.tile_size // ps) ** 2 + (profile.image_size // ps) ** 2
+        return ImageCost(profile.image_size, profile.image_size, patches, patches // k**2, (plan.columns, plan.rows))
     if profile.resize != "aspect_ratio_patch_budget":
         raise ImageError(f"this core's image resize rule {profile.resize!r} is not known to this helios")
     ps, k, budget = profile.patch_size, profile.pooling_kernel_size, profile.max_patches
@@ -129,6 +177,75 @@ def prepare(rgb: np.ndarray, profile: VisionProfile) -> tuple[torch.Tensor, torc
     gy, gx = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     positions = np.stack([gx.reshape(-1), gy.reshape(-1)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(patches)), torch.from_numpy(positions.astype(np.int64))
+
+
+def prepare_views(rgb: np.ndarray, profile: VisionProfile) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """RGB uint8 [H, W, 3] -> the vision program's inputs for each view of the image, in feature
+    order: prepare()'s one view, or under global_and_tiles the tiles (row-major) then the global view."""
+    if profile.resize != "global_and_tiles":
+        return [prepare(rgb, profile)]
+    height, width = rgb.shape[:2]
+    plan = tile_plan(width, height, profile)
+    image = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).contiguous()  # [3, H, W] uint8
+    if plan.square_pad:
+        side = max(width, height)
+        image = torch.nn.functional.pad(image, (0, side - width, 0, side - height))
+    views = []
+    if plan.window:
+        crop, w, t = _resize(image, plan.crop_height, plan.crop_width, profile), plan.window, profile.tile_size
+        views += [_resize(crop[:, y : y + w, x : x + w], t, t, profile)
+                  for y in range(0, plan.crop_height, w) for x in range(0, plan.crop_width, w)]  # fmt: skip
+    size = profile.image_size
+    views.append(_resize(_resize(image, plan.height, plan.width, profile), size, size, profile))
+    # Rescale and normalize fused into one mean/std (as transformers' torch image processors do).
+    mean = (torch.tensor(profile.image_mean) * (1.0 / profile.rescale_factor))[:, None, None]
+    std = (torch.tensor(profile.image_std) * (1.0 / profile.rescale_factor))[:, None, None]
+    return [_patchify(((view.float() - mean) / std).permute(1, 2, 0).numpy(), profile.patch_size) for view in views]
+
+
+def _resize(image: torch.Tensor, height: int, width: int, profile: VisionProfile) -> torch.Tensor:
+    """[3, h, w] uint8 -> [3, height, width] uint8 by the profile's filter, as torchvision resizes
+    on the CPU: natively on uint8 (AVX2/AVX512 hosts), else in fp32 then rounded."""
+    if tuple(image.shape[1:]) == (height, width):
+        return image
+    if profile.resample != "torch_bilinear":
+        resample = Image.BICUBIC if profile.resample == "bicubic" else Image.BILINEAR
+        pil = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy()).resize((width, height), resample=resample)
+        return torch.from_numpy(np.array(pil)).permute(2, 0, 1)
+    native = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
+    x = image[None] if native else image[None].float()
+    out = torch.nn.functional.interpolate(x, size=[height, width], mode="bilinear", align_corners=False, antialias=True)
+    return out[0] if native else out[0].round().to(torch.uint8)
+
+
+def _patchify(pixels: np.ndarray, ps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[H, W, 3] fp32 -> (patches [X, ps * ps * 3] in (row, col, channel) order, row-major; (x, y) positions)."""
+    rows, cols = pixels.shape[0] // ps, pixels.shape[1] // ps
+    patches = pixels.reshape(rows, ps, cols, ps, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols, ps * ps * 3)
+    gy, gx = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    positions = np.stack([gx.reshape(-1), gy.reshape(-1)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(patches)), torch.from_numpy(positions.astype(np.int64))
+
+
+def token_layout(cost: ImageCost, profile: VisionProfile) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """The tokens one image placeholder expands to, and where its feature rows sit among them:
+    (offset, rows) runs in feature order (one per view)."""
+    ids: list[int] = []
+    runs: list[tuple[int, int]] = []
+    columns, rows = cost.tiles
+    per_tile = (profile.tile_size // profile.patch_size // profile.pooling_kernel_size) ** 2 if columns else 0
+    for row in range(rows):
+        for column in range(columns):
+            ids += profile.tile_prefix_token_ids
+            runs.append((len(ids), per_tile))
+            ids += [profile.image_token_id] * per_tile + list(profile.tile_suffix_token_ids)
+            if column == columns - 1 and row < rows - 1:
+                ids += profile.tile_row_separator_token_ids
+    ids += profile.prefix_token_ids
+    rest = cost.num_tokens - columns * rows * per_tile
+    runs.append((len(ids), rest))
+    ids += [profile.image_token_id] * rest + list(profile.suffix_token_ids)
+    return ids, tuple(runs)
 
 
 def content_digest(data: bytes, profile: VisionProfile) -> bytes:

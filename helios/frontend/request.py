@@ -109,7 +109,7 @@ class PreparedPrompt:
     @property
     def image_positions(self) -> frozenset[int]:
         """Prompt positions filled by image features (their prompt logprobs are null)."""
-        return frozenset(p for image in self.images for p in range(image.start, image.end))
+        return frozenset(p for image in self.images for p in range(image.start, image.end) if image.covers(p))
 
 
 TEXT_ONLY_IMAGES = "this model does not accept images (its core has no vision program)"
@@ -327,11 +327,10 @@ class Frontend:
             if not pictures:
                 return PreparedPrompt(tuple(encoded.ids), encoded.text, hints)
             ids, spans = self._expand_images(list(encoded.ids), [cost for _, _, cost in pictures])
-            framing = len(self.vision.prefix_token_ids) + len(self.vision.suffix_token_ids)
-            growth = [(old, framing + cost.num_tokens - 1) for (old, _), (_, _, cost) in zip(spans, pictures)]
+            growth = [(old, grown) for old, _, grown, _ in spans]
             hints = tuple((self._shifted(pos, growth), role) for pos, role in hints)
-            engine_images = tuple(self._engine_image(part, header, cost, start)
-                                  for (part, header, cost), (_, start) in zip(pictures, spans))  # fmt: skip
+            engine_images = tuple(self._engine_image(part, header, cost, start, runs)
+                                  for (part, header, cost), (_, start, _, runs) in zip(pictures, spans))  # fmt: skip
             return PreparedPrompt(tuple(ids), encoded.text, hints, engine_images)
         if source.token_ids is not None:
             if not source.token_ids:
@@ -406,9 +405,11 @@ class Frontend:
                                f"pixels, {c.num_tokens} tokens) is the first past it", "messages")  # fmt: skip
         return costed
 
-    def _expand_images(self, ids: list[int], costs: list[imaging.ImageCost]) -> tuple[list[int], list[tuple[int, int]]]:
-        """Each template-rendered placeholder -> framing + one image token per feature row. Returns the
-        ids and, per image, (placeholder position before, first image-token position after)."""
+    def _expand_images(self, ids: list[int], costs: list[imaging.ImageCost]
+                       ) -> tuple[list[int], list[tuple[int, int, int, tuple[tuple[int, int], ...]]]]:  # fmt: skip
+        """Each template-rendered placeholder -> the profile's token layout (framing and one image
+        token per feature row, imaging.token_layout). Returns the ids and, per image, (placeholder
+        position before, first image-token position after, tokens added, EngineImage.runs)."""
         profile = self.vision
         assert profile is not None
         found = [i for i, t in enumerate(ids) if t == profile.placeholder_token_id]
@@ -416,12 +417,15 @@ class Frontend:
             raise RequestError(f"the chat template rendered {len(found)} image placeholders for {len(costs)} images",
                                "messages")  # fmt: skip
         out: list[int] = []
-        spans: list[tuple[int, int]] = []
+        spans: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = []
         previous = 0
         for position, cost in zip(found, costs):
-            out += ids[previous:position] + list(profile.prefix_token_ids)
-            spans.append((position, len(out)))
-            out += [profile.image_token_id] * cost.num_tokens + list(profile.suffix_token_ids)
+            out += ids[previous:position]
+            layout, runs = imaging.token_layout(cost, profile)
+            first = runs[0][0]
+            relative = tuple((offset - first, rows) for offset, rows in runs) if len(runs) > 1 else ()
+            spans.append((position, len(out) + first, len(layout) - 1, relative))
+            out += layout
             previous = position + 1
         return out + ids[previous:], spans
 
@@ -431,8 +435,8 @@ class Frontend:
         placeholder before it."""
         return position + sum(grown for placeholder, grown in growth if placeholder < position)
 
-    def _engine_image(self, part: ImagePart, header: imaging.ImageHeader, cost: imaging.ImageCost,
-                      start: int) -> EngineImage:  # fmt: skip
+    def _engine_image(self, part: ImagePart, header: imaging.ImageHeader, cost: imaging.ImageCost, start: int,
+                      runs: tuple[tuple[int, int], ...] = ()) -> EngineImage:  # fmt: skip
         """Decode now (the frontend pool); prepare later, only if prefill reaches the image (the engine)."""
         profile = self.vision
         assert profile is not None
@@ -445,8 +449,8 @@ class Frontend:
         self.image_counters["input_decoded_images_total"] += 1
         self.image_counters["input_decoded_image_bytes_total"] += header.num_bytes
         return EngineImage(start=start, num_tokens=cost.num_tokens, digest=imaging.content_digest(part.data, profile),
-                           prepare=functools.partial(imaging.prepare, rgb, profile),
-                           pixels=header.width * header.height)  # fmt: skip
+                           prepare=functools.partial(imaging.prepare_views, rgb, profile),
+                           pixels=header.width * header.height, runs=runs)  # fmt: skip
 
     # ------------------------------------------------------------------ engine requests
     @property

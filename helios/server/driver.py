@@ -116,26 +116,40 @@ async def _with_keepalive(updates: AsyncIterator[ChoiceUpdate]) -> AsyncIterator
     """The updates, or None after KEEPALIVE_SECONDS without one.
 
     A pump task reads the updates, so a timeout never interrupts the engine iterators; when
-    this generator ends early or is cancelled, it cancels the pump, which closes them.
+    this generator ends early or is cancelled, it cancels the pump, which closes them. One
+    timer per stream, re-armed only when it fires, notices the silence: a timeout context
+    around every update cost a timer handle per token.
     """
     queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    last = loop.time()
 
     async def pump() -> None:
+        nonlocal last
         try:
             async with aclosing(updates) as source:
                 async for update in source:
+                    last = loop.time()
                     queue.put_nowait(update)
             queue.put_nowait(_END)
         except Exception as exc:  # noqa: BLE001 - raised again by the consumer
             queue.put_nowait(exc)
 
+    def check() -> None:
+        nonlocal last, timer
+        now = loop.time()
+        if now - last >= KEEPALIVE_SECONDS:
+            last = now  # also when updates wait in the queue: the consumer is busy, not silent
+            if queue.empty():
+                queue.put_nowait(None)
+        timer = loop.call_at(last + KEEPALIVE_SECONDS, check)
+
+    timer = loop.call_at(last + KEEPALIVE_SECONDS, check)
     task = asyncio.create_task(pump())
     try:
         while True:
-            try:
-                async with asyncio.timeout(KEEPALIVE_SECONDS):
-                    item = await queue.get()
-            except TimeoutError:
+            item = await queue.get()
+            if item is None:
                 yield None
                 continue
             if item is _END:
@@ -144,6 +158,7 @@ async def _with_keepalive(updates: AsyncIterator[ChoiceUpdate]) -> AsyncIterator
                 raise item
             yield item
     finally:
+        timer.cancel()
         task.cancel()
         # Wait for the iterators to close, so the engine has the abort before this returns;
         # a second cancellation of this task interrupts only the wait, not the pump's.

@@ -12,7 +12,9 @@ extra_caches(config) (per-token caches beside the KV in some layers, KvLayout.ex
 (name, layers, num_heads, head_dim); MiniMax M3's and GLM's indexer keys), state_caches(config)
 (recurrent state slots, KvLayout.state: tuples (name, layers, per-slot shape, dtype); Nemotron-H's
 conv windows and SSM states) and ignored_tensor(config, name)
--> bool (checkpoint tensors export leaves out: vision towers, MTP layers), and
+-> bool (checkpoint tensors export leaves out: vision towers, MTP layers), canonical_tensors(config,
+tensors) -> tensors (a second checkpoint layout rewritten into the names WEIGHT_MAP reads, before
+anything else sees them; Step 3.7's hub vision layout), and
 testmodel_init(name, shape, generator) (a test tensor the generic init cannot make, or None),
 extra_step_outputs(config) (TensorSpecs the step programs return after program_signature's; MiMo's
 hidden states) and extra_programs(config, num_top, weights) (program kinds beyond step/scored_prefill that

@@ -661,6 +661,6 @@ def reference_features(config: Gemma4Config, hf_weights: dict[str, Tensor], pixe
     return gemma4_vision.reference_features(config.vision, hf_weights, pixels, positions)
 
 
-def vision_profile(config: Gemma4Config, processor: dict[str, Any], max_model_len: int):
+def vision_profile(config: Gemma4Config, processor: dict[str, Any], max_model_len: int, token_id=None):
     assert config.vision is not None
     return gemma4_vision.profile(config.vision, processor, max_model_len)

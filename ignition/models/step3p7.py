@@ -21,8 +21,11 @@ Step3p7ForConditionalGeneration on the text path):
   moe_router_scaling_factor, plus an always-on shared expert. Gates and ups are clamped per
   layer (`silu_clamp_after`: min(silu(gate), L) * clamp(up, -L, L)): routed experts by
   `swiglu_limits`, the shared expert AND the dense MLP by `swiglu_limits_shared` (0 = none).
-Tensors export leaves out: the vision tower and projector, and the multi-token-prediction
-layers past num_hidden_layers (transformers ignores those too).
+Tensors export leaves out: the multi-token-prediction layers past num_hidden_layers
+(transformers ignores those too), and the vision tower and projector of a checkpoint that is
+not multimodal. Multimodal checkpoints (a vision_config and a top-level image_token_id inside
+the vocabulary, see _multimodal) export a vision program (step3p7_vision.py); the step
+then takes image_features / image_rows and those rows' input embeddings are the features.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import moe
+from ignition.models import moe, step3p7_vision
 from ignition.models.common import DecoderProgram, rotate_half
 from ignition.models.gemma3 import FULL, SLIDING, gemma_norm
 from ignition.models.heads import step_outputs
@@ -106,6 +109,7 @@ WEIGHT_MAP = {
     "model.language_model.layers.{}.mlp.shared_experts.gate_proj.weight": "layers.{}.shared.w_gate",
     "model.language_model.layers.{}.mlp.shared_experts.up_proj.weight": "layers.{}.shared.w_up",
     "model.language_model.layers.{}.mlp.shared_experts.down_proj.weight": "layers.{}.w_shared_down",
+    **step3p7_vision.WEIGHT_MAP,
 }
 
 STACKED = {"layers.{}.w_experts_gate_up": ("layers.{}.moe_gate", "layers.{}.moe_up")}
@@ -160,6 +164,7 @@ class Step3p7Config:
     routed_limits: tuple[float, ...]  # swiglu_limits per layer, 0 = no clamp
     shared_limits: tuple[float, ...]  # swiglu_limits_shared per layer (shared expert and dense MLP)
     num_mtp_layers: int  # multi-token-prediction layers the checkpoint appends (not compiled)
+    vision: step3p7_vision.VisionConfig | None = None  # the vision tower of a multimodal checkpoint
 
     @property
     def kv_dim(self) -> int:
@@ -354,16 +359,35 @@ def config_from_hf(hf: dict[str, Any]) -> Step3p7Config:
         routed_limits=limits[0],
         shared_limits=limits[1],
         num_mtp_layers=mtp,
+        vision=step3p7_vision.config_from_hf(top, hf) if _multimodal(top) else None,
     )
 
 
+def _multimodal(top: dict[str, Any]) -> bool:
+    """A vision tower to compile: a vision_config beside the nested text_config and an image_token_id
+    inside the text vocabulary (transformers embeds the prompt's image tokens before replacing
+    them, so no working multimodal checkpoint has one outside). Text-only test checkpoints carry a
+    vision_config only so that transformers builds a tiny tower it leaves unused, and no id (or,
+    saved by transformers, its default 151679, past their vocabulary)."""
+    if not isinstance(top.get("vision_config"), dict) or not isinstance(top.get("text_config"), dict):
+        return False
+    image = top.get("image_token_id")
+    return isinstance(image, int) and 0 <= image < int(top["text_config"].get("vocab_size", 128815))
+
+
 def ignored_tensor(config: Step3p7Config, name: str) -> bool:
-    """Checkpoint tensors export leaves out: the vision tower and projector, and the MTP layers
-    (layer numbers num_layers .. num_layers + num_mtp_layers - 1)."""
+    """Checkpoint tensors export leaves out: the vision tower and projector of a text-only config,
+    and the MTP layers (layer numbers num_layers .. num_layers + num_mtp_layers - 1)."""
     if name.startswith(_VISION_PREFIXES):
-        return True
+        return config.vision is None
     match = _LAYER.match(name)
     return match is not None and config.num_layers <= int(match.group(1)) < config.num_layers + config.num_mtp_layers
+
+
+def canonical_tensors(config: Step3p7Config, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A multimodal checkpoint's vision tensors in transformers' names, whichever layout it ships
+    (StepFun's vision_model.transformer.resblocks.* or transformers' model.vision_model.*)."""
+    return tensors if config.vision is None else step3p7_vision.native_tensors(config.vision, tensors)
 
 
 def kv_shape(config: Step3p7Config) -> tuple[int, int, int]:
@@ -372,7 +396,8 @@ def kv_shape(config: Step3p7Config) -> tuple[int, int, int]:
 
 def decode_weight_bytes(config: Step3p7Config, weights: dict[str, Tensor]) -> int:
     """Weights one decode token reads: the shared ones plus its top-k experts per sparse layer."""
-    return moe.decode_weight_bytes(config, weights, config.router.top_k)
+    text = {k: v for k, v in weights.items() if not k.startswith("vision.")}  # the tower runs per image, not per step
+    return moe.decode_weight_bytes(config, text, config.router.top_k)
 
 
 # ---------------------------------------------------------------------------- step program
@@ -444,14 +469,23 @@ class StepProgram(DecoderProgram):
                               shared_activation=shared)  # fmt: skip
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        logprob_ids, target_ids = self.optional_inputs(extra_1, extra_2)
+                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
+        those rows' input embeddings are the features (transformers' masked_scatter); rows of -1 are unused."""
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
+        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
+        logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
         c = self.config
         eps = c.rms_norm_eps
         # As in the other families: weights and matmul inputs in the core's dtype, residual
         # stream, norms, rotary, gate and router in fp32.
         wdt = weights["embed"].dtype
         x = F.embedding(token_ids, weights["embed"]).float()
+        if image is not None:
+            features, rows = image
+            T = x.shape[0]
+            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
+            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
         ropes = {window > 0: _cos_sin(positions, c.rope_sliding if window else c.rope_full) for window in set(c.layer_windows)}
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         for i, window in enumerate(c.layer_windows):
@@ -483,11 +517,13 @@ def _reference_inv_freq(spec: RopeSpec) -> list[float]:
     return out
 
 
-def reference_logits(config: Step3p7Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
+def reference_logits(config: Step3p7Config, hf_weights: dict[str, Tensor], token_ids: list[int],
+                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
     """Dense, unpaged forward over checkpoint-named weights in float64: logits [T, V] fp32.
 
     Independent of the program: unfused weights, explicit per-layer masks, rotary as complex
-    rotations, routing by sorting and a loop over experts.
+    rotations, routing by sorting and a loop over experts. Images: row i of image_features
+    replaces the input embedding at image_positions[i].
     """
     c = config
     f64 = torch.float64
@@ -496,6 +532,9 @@ def reference_logits(config: Step3p7Config, hf_weights: dict[str, Tensor], token
     T = len(token_ids)
     pos = torch.arange(T, dtype=f64)
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)].to(f64)
+    if image_positions:
+        assert image_features is not None
+        x[torch.tensor(image_positions)] = image_features.to(f64)
 
     def norm(t: Tensor, weight: Tensor) -> Tensor:
         return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * (1.0 + weight)
@@ -643,7 +682,8 @@ def _layer_shapes(c: Step3p7Config, i: int) -> dict[str, tuple[int, ...]]:
 
 def hf_shapes(c: Step3p7Config) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor names (StepFun's layout) and shapes, MTP layers included (a decoder
-    layer plus its eh_proj / enorm / hnorm, as Step's checkpoints append them)."""
+    layer plus its eh_proj / enorm / hnorm, as Step's checkpoints append them); a multimodal
+    config's vision tower and projector in transformers' layout."""
     h = c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -653,4 +693,49 @@ def hf_shapes(c: Step3p7Config) -> dict[str, tuple[int, ...]]:
         if i >= c.num_layers:
             layer |= {"eh_proj.weight": (h, 2 * h), "enorm.weight": (h,), "hnorm.weight": (h,)}
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    if c.vision is not None:
+        shapes |= step3p7_vision.hf_shapes(c.vision)
     return shapes
+
+
+# Test vision checkpoints: the "step" chat flavour plus the processor's framing tokens.
+TESTMODEL_VISION_TOKENS = ("<im_patch>", *step3p7_vision.FRAMING)
+
+
+def testmodel_vision(config: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
+    """testmodel_config's checkpoint made multimodal: a 2-layer vision tower of width 32 (4 heads)
+    over 14-pixel patches with a 12 x 12 position grid (a 168-pixel global view, 9 tokens; 112-pixel
+    tiles, 4 tokens each, whose positions are interpolated), projector with a bias, and the
+    tokenizer's <im_patch> as image_token_id. `tokens`: TESTMODEL_VISION_TOKENS -> ids."""
+    vision = {"width": 32, "layers": 2, "heads": 4, "image_size": 168, "patch_size": 14, "mlp_ratio": 2.0,
+              "layer_norm_eps": 1e-5, "hidden_act": "quick_gelu", "ls_init_value": 0.5,
+              "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}}  # fmt: skip
+    return config | {"vision_config": vision, "image_token_id": tokens["<im_patch>"], "projector_bias": True}
+
+
+# Step3p7ImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json).
+TESTMODEL_PROCESSOR = {"image_processor_type": "Step3p7ImageProcessor", "size": {"height": 168, "width": 168},
+                       "patch_size": 112, "max_image_size": 448}  # fmt: skip
+
+
+# ------------------------------------------------------------------------- vision hooks (ignition.export)
+
+
+def vision_program(config: Step3p7Config) -> torch.nn.Module:
+    assert config.vision is not None
+    return step3p7_vision.VisionProgram(config.vision)
+
+
+def vision_examples(config: Step3p7Config) -> tuple[Tensor, Tensor]:
+    assert config.vision is not None
+    return step3p7_vision.example_inputs(config.vision)
+
+
+def reference_features(config: Step3p7Config, hf_weights: dict[str, Tensor], pixels: Tensor, positions: Tensor) -> Tensor:
+    assert config.vision is not None
+    return step3p7_vision.reference_features(config.vision, hf_weights, pixels, positions)
+
+
+def vision_profile(config: Step3p7Config, processor: dict[str, Any], max_model_len: int, token_id=None):
+    assert config.vision is not None
+    return step3p7_vision.profile(config.vision, processor, max_model_len, token_id or (lambda text: None))

@@ -294,3 +294,50 @@ def test_an_anchors_pages_survive_dram_pressure_that_evicts_the_rest(tiny: Core)
     alone = run_to_completion(LLMEngine(tiny, EngineConfig(num_pages=200, compiled_step=False)), [later])["later"][0]
     assert warm.token_ids == alone.token_ids
     engine.close()
+
+
+def test_after_a_restart_the_engine_thread_never_reads_disk(tiny: Core, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Admission waits for the prefetch thread's reads (other requests keep stepping meanwhile)
+    and then restores from memory: the engine thread does no disk reads or checksums."""
+    import asyncio
+    import threading
+
+    from helios.engine.client import EngineClient
+
+    conversation = _prompt(tiny, 2000, seed=3)
+    first = _engine(tiny, tmp_path)
+    cold = _ask(first, conversation, "cold")
+    first.host.flush()
+    first.close()
+
+    engine = _engine(tiny, tmp_path)
+    readers: list[str] = []
+    real_read = HostStore._read
+
+    def slow_read(store: HostStore, digest: bytes):
+        readers.append(threading.current_thread().name)
+        time.sleep(0.002)  # a slow disk: the engine would reach admission long before the reads end
+        return real_read(store, digest)
+
+    monkeypatch.setattr(HostStore, "_read", slow_read)
+    client = EngineClient(engine).start()
+    try:
+        async def scenario():
+            async def collect(request: EngineRequest):
+                tokens = []
+                async for event in client.submit(request):
+                    tokens += event.token_ids
+                return tokens
+
+            other = EngineRequest("other", _prompt(tiny, 40, seed=99), (GREEDY,), 30, ignore_eos=True)
+            warm = EngineRequest("warm", conversation, (GREEDY,), 8, ignore_eos=True, num_top_logprobs=3)
+            return await asyncio.gather(collect(other), collect(warm))
+
+        other_tokens, warm_tokens = asyncio.run(scenario())
+    finally:
+        client.shutdown()
+    assert len(other_tokens) == 30 and warm_tokens == list(cold.token_ids)
+    assert len(readers) >= 120 and set(readers) == {"helios-host-prefetch"}
+    assert engine.host.stats.hits == 1 and engine.host.stats.reused_tokens >= 1984 - 16
+    engine.close()
