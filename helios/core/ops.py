@@ -15,6 +15,7 @@ from helios.core import ops_block_sparse  # noqa: F401  (defines flare::block_se
 from helios.core import ops_deepseek_v4  # noqa: F401  (defines flare::dsv4_pool, dsv4_indexer_topk, dsv4_attention)
 from helios.core import ops_mamba  # noqa: F401  (defines flare::mamba2_scan)
 from helios.core import ops_gated_delta  # noqa: F401  (defines flare::gated_delta_rule)
+from helios.core import ops_glm5_next  # noqa: F401  (defines flare::kda, flare::kpool_topk)
 from helios.core import ops_moe  # noqa: F401  (defines flare::routed_experts)
 from helios.core import ops_recurrent  # noqa: F401  (defines flare::causal_conv1d)
 from helios.core import ops_sinks  # noqa: F401  (defines flare::sink_attention)
@@ -25,10 +26,10 @@ OPS_VERSION = 1
 # routed_experts: helios.core.ops_moe; block_select, block_sparse_attention: helios.core.ops_block_sparse;
 # indexer_topk, sparse_paged_attention: helios.core.ops_sparse; dsv4_*: helios.core.ops_deepseek_v4;
 # causal_conv1d: helios.core.ops_recurrent; mamba2_scan: helios.core.ops_mamba; gated_delta_rule:
-# helios.core.ops_gated_delta; sink_attention: helios.core.ops_sinks
+# helios.core.ops_gated_delta; sink_attention: helios.core.ops_sinks; kda, kpool_topk: helios.core.ops_glm5_next
 OP_NAMES = ("write_kv", "paged_attention", "routed_experts", "block_select", "block_sparse_attention", "indexer_topk",
             "sparse_paged_attention", "dsv4_pool", "dsv4_indexer_topk", "dsv4_attention", "causal_conv1d",
-            "mamba2_scan", "gated_delta_rule", "sink_attention")  # fmt: skip
+            "mamba2_scan", "gated_delta_rule", "sink_attention", "kda", "kpool_topk")  # fmt: skip
 
 
 @torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))

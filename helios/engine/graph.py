@@ -28,6 +28,7 @@ _DIRECT = {
     torch.ops.flare.causal_conv1d.default: kernels_recurrent.causal_conv1d_cpu,
     torch.ops.flare.mamba2_scan.default: kernels_mamba.mamba2_scan_cpu,
     torch.ops.flare.gated_delta_rule.default: kernels.kernels_gated_delta.gated_delta_rule_cpu,
+    torch.ops.flare.kda.default: kernels.kernels_glm5_next.kda_cpu,
 }
 # Served by the native library's own CPU kernels where it loads (kernels.register): the op call
 # costs less than the Python kernel's step bookkeeping.

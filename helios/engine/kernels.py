@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 import helios.core.ops  # defines the ops before kernels are registered; shares their masking and capped attention
-from helios.engine import kernels_gated_delta, kernels_mamba, kernels_moe, kernels_recurrent, kernels_sparse, native
+from helios.engine import (kernels_gated_delta, kernels_glm5_next, kernels_mamba, kernels_moe, kernels_recurrent,
+                           kernels_sparse, native)
 
 T = TypeVar("T")
 
@@ -239,6 +240,7 @@ def register() -> None:
         kernels_recurrent.register(_library)
         kernels_mamba.register(_library)
         kernels_gated_delta.register(_library)
+        kernels_glm5_next.register(_library)
         from helios.engine import kernels_sinks  # builds on this module's step plans
 
         kernels_sinks.register(_library)

@@ -143,6 +143,37 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+def unit_rms(x: Tensor, eps: float) -> Tensor:
+    """Weightless RMSNorm over the last dim (fp32)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def hyper_connection(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
+                     norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Manifold-constrained hyper-connections (mHC) before a block, as transformers' DeepseekV4HyperConnection
+    and Glm5NextTextHyperConnection compute them: streams [T, hc, hidden] fp32, the block's fn [(2 + hc) * hc,
+    hc * hidden], base [(2 + hc) * hc], scale [3] -> (post [T, hc], comb [T, hc, hc] Sinkhorn-normalized,
+    the block's input [T, hidden]), fp32. The block's output then enters through `hyper_residual`."""
+    hc = streams.shape[1]
+    mixes = F.linear(unit_rms(streams.flatten(1), norm_eps), fn.float())
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    scale = scale.float()
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return post, comb, (pre[:, :, None] * streams).sum(dim=1)
+
+
+def hyper_residual(post: Tensor, comb: Tensor, out: Tensor, streams: Tensor) -> Tensor:
+    """The streams after a block: its output [T, hidden] expanded by post, plus comb^T mixing the input streams."""
+    return post[:, :, None] * out[:, None, :] + torch.matmul(comb.transpose(-1, -2), streams)
+
+
 class DecoderProgram(torch.nn.Module):
     """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature.
 

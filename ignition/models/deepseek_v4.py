@@ -34,7 +34,7 @@ from torch import Tensor
 
 import helios.core.ops_deepseek_v4  # noqa: F401  (defines the flare::dsv4_* ops the program calls)
 from ignition.models import moe
-from ignition.models.common import optional_inputs, rms_norm
+from ignition.models.common import hyper_connection, hyper_residual, optional_inputs, rms_norm, unit_rms
 from ignition.models.deepseek_v3 import RopeSpec, rope_inv_freq
 from ignition.models.heads import step_outputs
 from ignition.models.naming import rename
@@ -400,11 +400,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([head, torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)], dim=-1)
 
 
-def unit_rms(x: Tensor, eps: float) -> Tensor:
-    """Weightless RMSNorm over the last dim (fp32)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
 @dataclass(frozen=True, slots=True)
 class _Paged:
     slot_mapping: Tensor
@@ -426,21 +421,11 @@ class StepProgram(torch.nn.Module):
         self.extra_names = tuple(e[0] for e in extra_caches(config))
 
     def hyper(self, weights: dict[str, Tensor], prefix: str, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """streams [T, hc, hidden] -> (post [T, hc], comb [T, hc, hc], the block's input [T, hidden]), fp32."""
+        """streams [T, hc, hidden] -> (post [T, hc], comb [T, hc, hc], the block's input [T, hidden]), fp32
+        (ignition.models.common.hyper_connection, shared with glm5_next)."""
         c = self.config
-        hc, eps = c.hc_mult, c.hc_eps
-        mixes = F.linear(unit_rms(streams.flatten(1), c.rms_norm_eps), weights[prefix + "fn"].float())
-        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = weights[prefix + "base"].float().split([hc, hc, hc * hc])
-        scale = weights[prefix + "scale"].float()
-        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(c.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        return post, comb, (pre[:, :, None] * streams).sum(dim=1)
+        return hyper_connection(streams, weights[prefix + "fn"], weights[prefix + "base"], weights[prefix + "scale"],
+                                c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)  # fmt: skip
 
     def compress(self, weights: dict[str, Tensor], layer: int, part: str, h: Tensor, state: Tensor, entries: Tensor,
                  paged: _Paged) -> None:  # fmt: skip
@@ -521,11 +506,11 @@ class StepProgram(torch.nn.Module):
             post, comb, collapsed = self.hyper(weights, p + "attn_hc.", streams)
             h = rms_norm(collapsed, weights[p + "attn_norm"].float(), c.rms_norm_eps).to(wdt)
             out = self.attention(weights, i, h, ropes, caches, paged)
-            streams = post[:, :, None] * out[:, None, :] + torch.matmul(comb.transpose(-1, -2), streams)
+            streams = hyper_residual(post, comb, out, streams)
             post, comb, collapsed = self.hyper(weights, p + "ffn_hc.", streams)
             h = rms_norm(collapsed, weights[p + "mlp_norm"].float(), c.rms_norm_eps).to(wdt)
             out = self.mlp(weights, i, h, token_ids)
-            streams = post[:, :, None] * out[:, None, :] + torch.matmul(comb.transpose(-1, -2), streams)
+            streams = hyper_residual(post, comb, out, streams)
         mixes = F.linear(unit_rms(streams.flatten(1), c.rms_norm_eps), weights["hc_head.fn"].float())
         pre = torch.sigmoid(mixes * weights["hc_head.scale"].float() + weights["hc_head.base"].float()) + c.hc_eps
         x = rms_norm((pre[:, :, None] * streams).sum(dim=1), weights["norm"].float(), c.rms_norm_eps).to(wdt)

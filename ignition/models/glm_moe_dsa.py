@@ -14,7 +14,7 @@ Checked against transformers 5.24 `GlmMoeDsaForCausalLM` (models/glm_moe_dsa).
 
 GLM-5.3-Flash itself is transformers' glm5_next (Glm5NextForConditionalGeneration: KDA linear
 attention layers, hyper-connection residual streams, a k-pool indexer, NoPE MLA, a vision
-tower); its configs are refused here by name.
+tower), compiled by the glm5_next family (the glm53 recipe); its configs are refused here by name.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def _check_supported(hf: dict[str, Any]) -> None:
     if names & set(_GLM5_NEXT):
         raise ValueError(
             f"model_type {hf.get('model_type')!r} is GLM-5.3-Flash's glm5_next architecture (KDA linear attention, "
-            f"hyper-connections, k-pool indexer, vision tower), not {FAMILY}: not supported yet"
+            f"hyper-connections, k-pool indexer, vision tower), not {FAMILY}: the glm5_next family compiles it "
+            f"(recipe glm53)"
         )
     if hf.get("q_lora_rank") is None:
         raise ValueError(f"q_lora_rank is required by the {FAMILY} family (the indexer reads the q LoRA)")

@@ -1,5 +1,5 @@
-"""Recurrent-state slots through the engine on real tiny hybrid cores (Mamba-2 and gated
-DeltaNet families): preemption, n = 4 forks and aborts leave no slot behind, every answer
+"""Recurrent-state slots through the engine on real tiny hybrid cores (Mamba-2, gated DeltaNet
+and KDA families): preemption, n = 4 forks and aborts leave no slot behind, every answer
 equals the request run alone, and a shared prefix resumes from a state snapshot exactly."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from ignition.testmodel import write_testmodel
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 17)
-HYBRIDS = [(family, recipe) for family, recipe in (("nemotron_h", "nemotron_h"), ("qwen3_next", "qwen38"))
-           if family in FAMILIES]  # fmt: skip
+HYBRIDS = [(family, recipe) for family, recipe in (("nemotron_h", "nemotron_h"), ("qwen3_next", "qwen38"),
+                                                   ("glm5_next", "glm53")) if family in FAMILIES]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=HYBRIDS, ids=[f for f, _ in HYBRIDS])

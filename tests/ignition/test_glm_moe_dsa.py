@@ -1,5 +1,6 @@
 """The glm_moe_dsa family (GLM-5: MLA + DeepSeek Sparse Attention + routed MoE): tiny checkpoints
-exported with the glm53 recipe and checked against transformers' own GlmMoeDsaForCausalLM,
+exported with a GLM-5 test recipe (tests/data/tiny_glm5.toml: glm53's template and parsers) and
+checked against transformers' own GlmMoeDsaForCausalLM,
 with prompts longer than index_topk (the indexer drops keys) and than a KV page; the engine's
 batching invariance over a pool of latent + indexer-key tensors; the GLM-5.3-Flash template and
 the glm / glm47 parsers through Chat Completions, Messages and Responses; refused variants."""
@@ -29,6 +30,8 @@ from ignition.testmodel import _init, write_testmodel
 from tests.ignition.family_checks import GREEDY, TEXTS, check_generation_matches, hf_logprobs
 
 PAGE_TOKENS = 16
+# GLM-5's presets for this family's cores (the shipped glm53 recipe names glm5_next, GLM-5.3-Flash's architecture).
+GLM5_RECIPE = Path(__file__).parents[1] / "data" / "tiny_glm5.toml"
 TOPK = 8  # testmodel_config's index_topk
 # The default tiny config (indexer full / shared / full, plain rotary, one expert group), and one
 # with YaRN (mscale != mscale_all_dim), tied embeddings, two expert groups, every layer dense
@@ -68,7 +71,7 @@ def _export(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"tiny-glm-{name}", VARIANTS[name], seed=5)
     core = tmp_path_factory.mktemp("cores") / f"tiny-glm-{name}"
     options = ExportOptions(out=core, prompt_logprobs=name == "default", page_tokens=PAGE_TOKENS)
-    export_core(open_source(str(checkpoint)), load_recipe("glm53"), options)
+    export_core(open_source(str(checkpoint)), load_recipe(str(GLM5_RECIPE)), options)
     return checkpoint, core
 
 
@@ -130,7 +133,7 @@ def test_logprobs_match_transformers(exported: tuple[str, Path, Path], tie_watch
     core = Core.open(core_dir)
     m = core.manifest
     config = glm_moe_dsa.config_from_hf(json.loads((checkpoint / "config.json").read_text()))
-    assert m.model.family == "glm_moe_dsa" and m.recipe.name == "glm53"
+    assert m.model.family == "glm_moe_dsa" and m.recipe.name == "tiny_glm5"
     assert m.kv.shared_kv and (m.kv.num_kv_heads, m.kv.head_dim) == (1, 32 + 8)  # kv_lora_rank + qk_rope_head_dim
     assert [(e.name, e.layers, e.num_heads, e.head_dim) for e in m.kv.extra] == [("indexer_k", tuple(config.indexer_layers), 1, 16)]
     step, weights = core.load_program(), core.load_weights()
