@@ -22,6 +22,15 @@ _IN_PLACE_BYTES = 1 << 18  # decode states of at least this many bytes per slot 
 
 
 def gated_delta_rule_cpu(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm):
+    return run_spans(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked, _decode)
+
+
+def run_spans(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm,
+              chunked_form, decode_form) -> Tensor:  # fmt: skip
+    """A delta-rule op over a batch's sequences: chunks of more than one token through
+    `chunked_form(q, k, v, g, beta, initial_state) -> (out, final_state)`, one-token sequences
+    together through `decode_form(q, k, v, g, beta, state, [(row, slot, fresh)], out)` (shared by
+    gated DeltaNet and KDA, whose gates differ: per head, per key channel)."""
     q, k, v = prepare(q, k, v, scale, qk_l2norm)
     g, beta = g.float(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32)
@@ -32,11 +41,11 @@ def gated_delta_rule_cpu(q, k, v, g, beta, state, state_slots, query_start_loc, 
             decode.append((start, span.slot, span.fresh))
         elif end > start:
             initial = None if span.fresh else state[span.slot].float()
-            o, final = chunked(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], initial)
+            o, final = chunked_form(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], initial)
             out[start:end] = o
             state[span.slot] = final.to(state.dtype)
     if decode:
-        _decode(q, k, v, g, beta, state, decode, out)
+        decode_form(q, k, v, g, beta, state, decode, out)
     return out
 
 

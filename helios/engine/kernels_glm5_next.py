@@ -17,30 +17,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from helios.core.ops_gated_delta import prepare
-from helios.core.ops_recurrent import state_spans
+from helios.engine.kernels_gated_delta import run_spans
 
 CHUNK = 16  # tokens per chunk of the chunked form (its explicit decay tensor grows with CHUNK^2)
 _IN_PLACE_BYTES = 1 << 18  # decode states of at least this many bytes per slot update in place
 
 
 def kda_cpu(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm):
-    q, k, v = prepare(q, k, v, scale, qk_l2norm)
-    g, beta = g.float(), beta.float()
-    out = torch.empty(v.shape, dtype=torch.float32)
-    decode: list[tuple[int, int, bool]] = []  # (row, slot, fresh)
-    for span in state_spans(state_slots, query_start_loc, positions):
-        start, end = span.start, span.end
-        if end - start == 1:
-            decode.append((start, span.slot, span.fresh))
-        elif end > start:
-            initial = None if span.fresh else state[span.slot].float()
-            o, final = chunked(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], initial)
-            out[start:end] = o
-            state[span.slot] = final.to(state.dtype)
-    if decode:
-        _decode(q, k, v, g, beta, state, decode, out)
-    return out
+    return run_spans(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked, _decode)
 
 
 def _decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
