@@ -7,11 +7,12 @@
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
   speculation, max_draft_tokens, speculative_rows, history_drafts, learned_drafts, draft_core, state_snapshots,
   snapshot_interval, anchor_guards, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
-  host_cache_copy_queue_mb
+  host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -36,7 +37,15 @@ class ServerConfig:
     default_max_tokens: int | None = None  # None: the remaining context
     prefill_chunk_size: int = 512  # prefill tokens per engine step
     kv_pages: int | None = None  # KV pool size in pages; None: from kv_memory_mb
-    kv_memory_mb: int = 1024
+    # KV pool size in MiB; None: 1024 on CPU, on CUDA kv_memory_fraction of the device memory free
+    # after the weights, less the CUDA graphs' reserve (helios.engine.devices.kv_pages_for)
+    kv_memory_mb: int | None = None
+    kv_memory_fraction: float = 0.9
+    # "auto" (CUDA when torch sees a device, else cpu), "cpu", "cuda" or "cuda:N" (resolved at startup:
+    # helios.engine.devices.resolve). cuda_graphs: on CUDA, decode-only steps replay a CUDA graph
+    # captured per decode bucket of the core (helios.engine.graphs); ignored on CPU.
+    device: str = "auto"
+    cuda_graphs: bool = True
     thinking_token_budget: int | None = None  # default reasoning-token cap
     aliases: tuple[str, ...] = ()  # extra model names; the first nonempty is the public id
     frontend_workers: int = 4  # threads for decompression and tokenization
@@ -112,9 +121,9 @@ class ServerConfig:
 
 
 _POSITIVE = ("port", "max_body_bytes", "max_concurrency", "queue_size", "http_slots", "prefill_chunk_size",
-             "kv_memory_mb", "frontend_workers", "grammar_threads", "grammar_memory_mb", "grammar_cache_mb",
+             "frontend_workers", "grammar_threads", "grammar_memory_mb", "grammar_cache_mb",
              "grammar_workers", "max_draft_tokens", "host_cache_copy_queue_mb")  # fmt: skip
-_OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "thinking_token_budget", "speculative_rows",
+_OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "kv_memory_mb", "thinking_token_budget", "speculative_rows",
                       "host_cache_memory_mb")  # fmt: skip
 
 
@@ -141,7 +150,12 @@ def _check(config: ServerConfig) -> ServerConfig:
         raise ConfigError(f"[server] speculation must be adaptive, fixed or off, got {config.speculation!r}")
     if config.draft_core is not None and (not isinstance(config.draft_core, str) or not config.draft_core):
         raise ConfigError("[server] draft_core must be a nonempty path string (a core directory)")
-    for name in ("prefix_cache", "compiled_step", "history_drafts", "learned_drafts", "host_cache"):
+    if not isinstance(config.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
+        raise ConfigError(f'[server] device must be "auto", "cpu", "cuda" or "cuda:N", got {config.device!r}')
+    share = config.kv_memory_fraction
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ConfigError(f"[server] kv_memory_fraction must be a number above 0 and at most 1, got {share!r}")
+    for name in ("prefix_cache", "compiled_step", "history_drafts", "learned_drafts", "host_cache", "cuda_graphs"):
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"[server] {name} must be true or false")
     for name in ("drain_seconds", "header_timeout_seconds", "body_timeout_seconds"):

@@ -16,7 +16,7 @@ import torch
 
 from helios.core import Core
 from helios.core.logs import log_failure
-from helios.engine import precision
+from helios.engine import devices, precision
 from helios.engine.checkpoints import StepCosts
 from helios.engine.draft_core import DraftCoreDrafter
 from helios.engine.drafter import SpeculationConfig
@@ -63,9 +63,14 @@ class EngineConfig:
     max_pending: int = 256  # waiting requests before submissions are refused
     prefill_chunk_size: int = 512  # prefill tokens per step
     num_pages: int | None = None  # KV pool size in pages; None: from kv_memory_bytes
-    kv_memory_bytes: int = 1 << 30  # used when num_pages is None
+    kv_memory_bytes: int | None = 1 << 30  # used when num_pages is None; None: CPU 1 GiB, CUDA from free memory
     max_model_len: int | None = None  # None: the core's limit
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (helios.engine.devices.resolve)
+    # CUDA, neither num_pages nor kv_memory_bytes: this fraction of the device memory free after the
+    # weights, less the graphs' reserve, holds the KV pool (devices.kv_pages_for).
+    kv_memory_fraction: float = 0.9
+    # CUDA only: decode-only steps replay a graph captured per decode bucket (helios.engine.graphs).
+    cuda_graphs: bool = False
     enable_prefix_cache: bool = True
     serial_decode_rows: int | None = 0  # CPU: decode-only steps of at most this many rows use one thread; None: measure
     compiled_step: bool = True  # run the core's ahead-of-time step where it was built for this host
@@ -109,7 +114,7 @@ class LLMEngine:
         kv_dtype = "float32" if self.upcast_from else m.kv.dtype
         page_bytes = m.kv.token_elements * m.limits.page_tokens * torch.tensor(
             [], dtype=getattr(torch, kv_dtype)).element_size()  # fmt: skip
-        num_pages = config.num_pages or max(1, config.kv_memory_bytes // page_bytes)
+        num_pages = config.num_pages or self._pool_pages(core, config, page_bytes)
         self.pool = PagePool(num_pages, m.limits.page_tokens)
         self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,
                                  decode_weight_bytes=m.decode_weight_bytes)  # fmt: skip
@@ -127,7 +132,8 @@ class LLMEngine:
         learned = speculation.mode != "off" and speculation.learned and not m.kv.state
         drafters = mtp_kinds(m.programs) if learned and config.draft_core is None else ()
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
-                                 config.compiled_step, self.states.num_slots if self.states else 1, drafters)  # fmt: skip
+                                 config.compiled_step, self.states.num_slots if self.states else 1, drafters,
+                                 cuda_graphs=config.cuda_graphs and devices.is_cuda(config.device))  # fmt: skip
         if self.executor.vision is not None and m.vision is not None:
             from helios.engine.images import ImageEncoder
 
@@ -230,6 +236,20 @@ class LLMEngine:
         if self.config.device.startswith("cuda"):
             torch.cuda.synchronize()
         self.costs.observe_copy(copies * self.stats.state_slot_bytes, time.perf_counter_ns() - started)
+
+    @staticmethod
+    def _pool_pages(core: Core, config: EngineConfig, page_bytes: int) -> int:
+        """KV pages of a pool given by bytes; on CUDA without a size, from the device's free memory
+        less the weights still to load and the graphs' reserve (devices.kv_pages_for)."""
+        if config.kv_memory_bytes is not None or not devices.is_cuda(config.device):
+            return max(1, (1 << 30 if config.kv_memory_bytes is None else config.kv_memory_bytes) // page_bytes)
+        weights = (core.root / core.manifest.weights.file).stat().st_size
+        reserve = devices.GRAPH_RESERVE_PER_BUCKET * len(core.manifest.decode_buckets) if config.cuda_graphs else 0
+        free = devices.free_device_bytes(config.device)
+        pages = devices.kv_pages_for(max(0, free - weights), config.kv_memory_fraction, page_bytes, reserve)
+        log.info("KV pool: %d pages from %d MiB free on %s (%d MiB of weights to load, %d MiB kept for CUDA graphs)",
+                 pages, free >> 20, config.device, weights >> 20, reserve >> 20)  # fmt: skip
+        return pages
 
     def _measure(self, plan: SchedulerOutput, elapsed_ns: int) -> None:
         """The prefill and copy-in rates the host store's lookup estimates use (running means over

@@ -15,7 +15,7 @@ from torch import Tensor
 from helios.core import Core, host, hostcache
 from helios.core.logs import Stopwatch
 from helios.core.program import SCORED_PREFILL, STEP, VISION, CompiledProgram, Program, allocate_kv
-from helios.engine import graph, kernels, native, prepack, threads
+from helios.engine import graph, graphs, kernels, native, prepack, threads
 from helios.engine.sequence import Chunk
 
 log = logging.getLogger("helios.engine")
@@ -57,13 +57,14 @@ _STAGING_BYTES = 32 << 20  # host-store restores stage their payloads through a 
 class Executor:
     def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
                  upcast: bool = False, compiled: bool = True, num_slots: int = 1,
-                 drafters: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 drafters: tuple[str, ...] = (), cuda_graphs: bool = False) -> None:  # fmt: skip
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure). compiled: run the
         core's ahead-of-time step where it was built for this host (else the portable one).
         num_slots: recurrent-state slots of a hybrid core (live plus snapshots; state_slots.py).
         drafters: the core's drafter program kinds to load too (e.g. "mtp_draft.0"); with them
-        each step keeps its hidden states (StepResult.hidden)."""
+        each step keeps its hidden states (StepResult.hidden). cuda_graphs: on a CUDA device, decode-only
+        steps replay a graph captured per decode bucket (graphs.py); the pool gets one scratch page."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
         self.linear_kernel = prepack.ONEDNN if device == "cpu" else "device"  # the portable programs' linears
@@ -102,7 +103,10 @@ class Executor:
                 self.linear_kernel = prepack.choose(programs, self.weights)
                 self.weights = prepack.prepack(programs, self.weights, self.linear_kernel)
             clock.lap("simplifying graphs and packing weights")
-        self.kv = allocate_kv(kv_layout, num_pages, self.page_tokens, device, num_slots)
+        graphed = cuda_graphs and device != "cpu" and portable_step is not None and graphs.GraphRunner.eligible(
+            portable_step.input_names)  # fmt: skip
+        # with graphs, one page past the scheduler's pool: padded rows' scratch page (graphs.py)
+        self.kv = allocate_kv(kv_layout, num_pages + int(graphed), self.page_tokens, device, num_slots)
         self.num_slots = num_slots
         self._staging: Tensor | None = None  # host-store restores' payloads (write_pages)
         self.host_in_ns = self.host_in_bytes = 0  # time and bytes of host-store copy-ins (its cost estimate)
@@ -120,6 +124,16 @@ class Executor:
                 "thread policy: decode steps of up to %d rows on one thread (measured before on this host)")  # fmt: skip
             clock.lap("the thread policy")
         self.serial_decode_rows = serial_decode_rows
+        self.launches = {"graph": 0, "eager": 0}  # program calls by kind (flare_graph_launches_total{kind})
+        self.graphs: graphs.GraphRunner | None = None
+        if graphed:
+            self.graphs = graphs.GraphRunner(
+                self.step, self.weights, self.kv, manifest.decode_buckets, self.page_tokens,
+                -(-manifest.limits.max_model_len // self.page_tokens), num_pages, device,
+                graphs.CudaGraphBackend(device), explicit_width=max(1, manifest.capabilities.max_top_logprobs)
+                if "logprob_token_ids" in self.step.input_names else 0)  # fmt: skip
+            log.info("CUDA graphs: decode steps of up to %d rows replay a graph per bucket %s (captured on first use)",
+                     max(manifest.decode_buckets), sorted(manifest.decode_buckets))  # fmt: skip
 
     @staticmethod
     def _remembered(kind: str, key: str, measure, found: str) -> int:
@@ -372,7 +386,15 @@ class Executor:
         if self.state:
             inputs["state_slots"] = torch.tensor([c.seq.state_slot for c in chunks], dtype=torch.int64)
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
-        outputs = program(self.weights, self.kv, **inputs)
+        outputs = None
+        if self.graphs is not None and program is self.step and all(c.num_tokens == 1 and not c.draft_ids
+                                                                    and c.wants_logits for c in chunks):  # fmt: skip
+            outputs = self.graphs.run(inputs)  # None: no bucket holds the step
+        if outputs is None:
+            outputs = program(self.weights, self.kv, **inputs)
+            self.launches["eager"] += 1
+        else:
+            self.launches["graph"] += 1
         if not any(c.wants_logits for c in chunks):
             per_token = ("prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "prompt_top_ids", "hidden_states")
             outputs = {k: v[:0] if k not in per_token else v for k, v in outputs.items()}

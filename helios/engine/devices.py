@@ -1,0 +1,74 @@
+"""Which device helios serves on, and how large a CUDA KV pool fits beside the weights.
+
+`[server] device` is "auto", "cpu", "cuda" or "cuda:N" (helios.config checks the spelling);
+resolve() turns it into the torch device string the engine runs on. kv_pages_for() is the
+pure sizing rule for a CUDA pool sized from free device memory (no kv_pages / kv_memory_mb).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+DEVICE_SETTING = re.compile(r"auto|cpu|cuda(:\d+)?")
+# Device memory the captured CUDA graphs of one decode bucket are expected to hold (their
+# private pool: activations of the bucket's step). An estimate, not yet measured on a GPU:
+# the KV pool is sized after it is set aside.
+GRAPH_RESERVE_PER_BUCKET = 32 << 20
+
+
+class DeviceError(ValueError):
+    """The requested device cannot be used here; the message says what to do."""
+
+
+def resolve(setting: str, cuda_available: Callable[[], bool] | None = None,
+            device_count: Callable[[], int] | None = None) -> str:  # fmt: skip
+    """"cpu", "cuda" or "cuda:N" for a `[server] device` setting; DeviceError where CUDA is asked
+    for and absent (or the index is past the host's devices). The probes default to torch.cuda's."""
+    if not DEVICE_SETTING.fullmatch(setting):
+        raise DeviceError(f'[server] device must be "auto", "cpu", "cuda" or "cuda:N", got {setting!r}')
+    if setting == "cpu":
+        return "cpu"
+    import torch
+
+    available = (cuda_available or torch.cuda.is_available)()
+    if setting == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        raise DeviceError(f'[server] device = "{setting}" but this host has no usable CUDA device (torch '
+                          f'{torch.__version__}, built with CUDA {torch.version.cuda}): install a CUDA build of torch '
+                          'on a host with an NVIDIA GPU and driver, or set device = "cpu" (or "auto")')  # fmt: skip
+    if ":" in setting:
+        index, count = int(setting.split(":")[1]), (device_count or torch.cuda.device_count)()
+        if index >= count:
+            raise DeviceError(f'[server] device = "{setting}" but this host has {count} CUDA device(s) '
+                              f'(cuda:0..cuda:{count - 1}): pick one of them')  # fmt: skip
+    return setting
+
+
+def is_cuda(device: str) -> bool:
+    return device.split(":")[0] == "cuda"
+
+
+def kv_pages_for(free_bytes: int, fraction: float, page_bytes: int, graph_reserve_bytes: int) -> int:
+    """KV pages a CUDA pool gets from `free_bytes` of free device memory (after the weights):
+    `fraction` of it, less what the captured graphs keep, in whole pages. DeviceError when not
+    even one page fits (the message says how much was free and what to change)."""
+    if not 0 < fraction <= 1:
+        raise DeviceError(f"[server] kv_memory_fraction must be above 0 and at most 1, got {fraction!r}")
+    if page_bytes < 1 or free_bytes < 0 or graph_reserve_bytes < 0:
+        raise ValueError("page_bytes must be positive, free and reserve bytes non-negative")
+    usable = int(free_bytes * fraction) - graph_reserve_bytes
+    if usable < page_bytes:
+        raise DeviceError(f"the KV pool does not fit on the device: {free_bytes >> 20} MiB free after the weights, "
+                          f"{fraction:g} of it less {graph_reserve_bytes >> 20} MiB for CUDA graphs leaves less than "
+                          f"one {page_bytes} byte page; free device memory, raise kv_memory_fraction, set "
+                          "cuda_graphs = false, or give kv_pages / kv_memory_mb")  # fmt: skip
+    return usable // page_bytes
+
+
+def free_device_bytes(device: str) -> int:  # pragma: no cover - needs a GPU
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
