@@ -82,7 +82,9 @@ def serve(
         weights += " weights upcast to float32 at load: this CPU has no fast native " + state.client.engine.upcast_from + " matmul"
     else:
         weights += " weights"
-    weights += f", {state.client.engine.executor.step_kind} step, {native.status()} attention kernels"
+    executor = state.client.engine.executor
+    weights += f", {executor.step_kind} step, {native.status()} attention kernels"
+    weights += f", on {executor.device}, CUDA graphs {'on' if executor.graphs is not None else 'off'}"
     typer.echo(f"serving {state.model.public_id} ({weights}) on http://{settings.host}:{settings.port}/v1", err=True)
     serve_until_signal(create_app(state), state, settings.host, settings.port, log_level)
 

@@ -30,9 +30,12 @@ IMAGE_LIMITS = ("max_images_per_prompt", "max_image_tokens_per_prompt", "image_f
 
 
 def flare_object(manifest: Manifest, *, max_concurrency: int, prefill_chunk_size: int, default_max_tokens: int,
-                 thinking_token_budget: int | None, image_limits: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+                 thinking_token_budget: int | None, image_limits: dict[str, int] | None = None,
+                 device: str = "cpu", cuda_graphs: bool = False) -> dict[str, Any]:  # fmt: skip
     """default_max_tokens is the effective integer budget of a request that omits one (never null).
-    image_limits: the six image fields at the served context (vision cores; zeros without)."""
+    image_limits: the six image fields at the served context (vision cores; zeros without).
+    device: the device the engine runs on ("cpu", "cuda", "cuda:N"); cuda_graphs: whether decode steps
+    replay captured CUDA graphs (never on CPU). api.md names neither: docs/serving.md documents them."""
     spec = manifest.recipe.sampling
     defaults = {name: getattr(spec.defaults, name) for name in DISTRIBUTION_PARAMS}
     defaults["seed"] = spec.defaults.seed
@@ -50,6 +53,8 @@ def flare_object(manifest: Manifest, *, max_concurrency: int, prefill_chunk_size
         **{name: (image_limits or {}).get(name, 0) for name in IMAGE_LIMITS},
         "input_modalities": ["text"] + (["image"] if manifest.capabilities.vision else []),
         "output_modalities": ["text"],
+        "device": device,
+        "cuda_graphs": cuda_graphs,
     }
 
 

@@ -115,6 +115,10 @@ LABELLED: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[str, ...]], ...
      "last full page)", ("role",), ("anchor", "message", "endpoint")),
     ("checkpoint_skips", "flare_checkpoint_skips_total", "counter", "Checkpoint captures not made, by reason",
      ("reason",), ("unknown_cost", "work_budget", "storage")),
+    # api.md: "graph launches by kind", unnamed there; docs/serving.md names it
+    ("graph_launches", "flare_graph_launches_total", "counter",
+     "Step program launches, by kind (graph: a captured CUDA graph replayed; eager: run op by op)",
+     ("kind",), ("graph", "eager")),
 )  # fmt: skip
 _LABELLED_NAMES = {key for key, *_ in LABELLED}
 

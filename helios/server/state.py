@@ -14,6 +14,7 @@ from typing import Any, Callable, TypeVar
 from helios.config import ConfigError, ServerConfig
 from helios.core import Core
 from helios.core.logs import Stopwatch
+from helios.engine import devices
 from helios.engine.client import EngineClient
 from helios.core.manifest import Manifest
 from helios.engine.draft_core import incompatibility
@@ -112,6 +113,7 @@ class ServerState:
             http_admission_in_use=self.slots.in_use,
             http_admission_capacity=self.slots.capacity,
             uptime_seconds=int(time.time() - self.started),
+            graph_launches=dict(self.client.engine.executor.launches),  # by kind: graph (CUDA replay), eager
         )
         # Speculative counters by depth (drafts a request round offered), batch (decode rows in a
         # verification step) and width (1 + the most drafts any row group of the step carried).
@@ -142,6 +144,15 @@ def _draft_core(config: ServerConfig, target: Manifest) -> Core | None:
     return draft
 
 
+def resolve_device(config: ServerConfig) -> str:
+    """The torch device of [server] device ("auto": CUDA where torch sees one); ConfigError where CUDA
+    is asked for and this host has none."""
+    try:
+        return devices.resolve(config.device)
+    except devices.DeviceError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     clock = Stopwatch(logging.getLogger("helios.server"), "startup")
     core = Core.open(core_dir, trust_unchanged=True)
@@ -154,11 +165,16 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
             "[server] thinking_token_budget needs a core whose reasoning syntax closes with a single-token delimiter; "
             f"recipe {m.recipe.name!r} has none (reasoning syntax {m.recipe.reasoning_syntax!r}): remove the setting"
         )
+    device = resolve_device(config)
+    cuda = devices.is_cuda(device)
     draft = _draft_core(config, m)
+    # kv_memory_mb unset: 1 GiB on CPU; on CUDA the pool is sized from free device memory (devices.kv_pages_for)
+    kv_bytes = config.kv_memory_mb << 20 if config.kv_memory_mb is not None else (None if cuda else 1 << 30)
     engine = LLMEngine(core, EngineConfig(
         max_concurrency=config.max_concurrency, max_pending=config.queue_size,
         prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
-        kv_memory_bytes=config.kv_memory_mb << 20, enable_prefix_cache=config.prefix_cache,
+        kv_memory_bytes=kv_bytes, enable_prefix_cache=config.prefix_cache,
+        device=device, cuda_graphs=cuda and config.cuda_graphs, kv_memory_fraction=config.kv_memory_fraction,
         serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step,
         speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
                                       config.history_drafts, learned=config.learned_drafts),
@@ -178,7 +194,8 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     flare = flare_object(m, max_concurrency=config.max_concurrency, prefill_chunk_size=config.prefill_chunk_size,
                          default_max_tokens=frontend.default_max_tokens,
                          thinking_token_budget=config.thinking_token_budget,
-                         image_limits=frontend.image_limits())  # fmt: skip
+                         image_limits=frontend.image_limits(), device=device,
+                         cuda_graphs=engine.executor.graphs is not None)  # fmt: skip
     return ServerState(
         config=config, core=core, frontend=frontend, client=client, runner=Runner(frontend, client),
         slots=AdmissionSlots(config.http_slots), pool=ThreadPoolExecutor(config.frontend_workers, "helios-frontend"),

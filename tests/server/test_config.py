@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from support import run_cli
-from helios.config import ConfigError, load_config
+from helios.config import ConfigError, ServerConfig, load_config
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -44,12 +44,35 @@ def test_file_flags_and_key_file(tmp_path: Path) -> None:
         ("[server]\nsnapshot_interval = 1.5\n", "snapshot_interval must be a non-negative integer"),
         ("[server]\ncheckpoint_work_fraction = -0.1\n", "checkpoint_work_fraction must be a number from 0 to 100"),
         ("[server]\ncheckpoint_work_fraction = true\n", "checkpoint_work_fraction must be a number from 0 to 100"),
+        ("[server]\ndevice = \"gpu\"\n", 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
+        ("[server]\ndevice = \"cuda:x\"\n", 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
+        ("[server]\ncuda_graphs = 1\n", "cuda_graphs must be true or false"),
+        ("[server]\nkv_memory_fraction = 0\n", "kv_memory_fraction must be a number above 0 and at most 1"),
+        ("[server]\nkv_memory_fraction = 1.5\n", "kv_memory_fraction must be a number above 0 and at most 1"),
+        ("[server]\nkv_memory_mb = 0\n", "kv_memory_mb must be a positive integer"),
     ],
 )
 def test_invalid_settings(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(_write(tmp_path, text))
     assert message in str(info.value)
+
+
+def test_device_setting() -> None:
+    """[server] device: auto is CUDA only where torch sees a device; cuda on a host without one is a
+    ConfigError that says what to do (helios.engine.devices.resolve)."""
+    import torch
+
+    from helios.server.state import resolve_device
+
+    config = load_config(None)
+    assert (config.device, config.cuda_graphs, config.kv_memory_mb, config.kv_memory_fraction) == ("auto", True, None, 0.9)
+    assert resolve_device(config) == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device(ServerConfig(device="cpu")) == "cpu"
+    if not torch.cuda.is_available():
+        for setting in ("cuda", "cuda:0"):
+            with pytest.raises(ConfigError, match='no usable CUDA device.*set device = "cpu"'):
+                resolve_device(ServerConfig(device=setting))
 
 
 def test_startup_refuses_invalid_settings(tiny_core: Path, tmp_path: Path) -> None:

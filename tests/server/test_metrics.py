@@ -194,7 +194,8 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     stats = EngineStats(checkpoint_captures={"anchor": 2, "message": 5}, checkpoint_skips={"unknown_cost": 1,
                         "work_budget": 3}, checkpoint_extra_work_ns=123_456, checkpoint_anchor_reservations=3)  # fmt: skip
     engine = SimpleNamespace(stats=stats, host=None, scheduler=SimpleNamespace(
-        drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(checkpoint_slots=(0, 0, 0))))  # fmt: skip
+        drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(checkpoint_slots=(0, 0, 0))),
+        executor=SimpleNamespace(launches={"graph": 7, "eager": 2}))  # fmt: skip
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
                             started=0.0, frontend=SimpleNamespace(image_counters={"input_decoded_images_total": 2}))  # fmt: skip
     values = ServerState.snapshot(state)  # type: ignore[arg-type]
@@ -212,6 +213,9 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     reservations = families["flare_checkpoint_anchor_reservations"]
     assert reservations.type == "gauge" and reservations.samples[0].value == 3
     assert snapshot["checkpoint_anchor_reservations"] == 3
+    launches = families["flare_graph_launches"]  # docs/serving.md: step launches by kind
+    assert launches.type == "counter" and {s.labels["kind"]: s.value for s in launches.samples} == {"graph": 7, "eager": 2}
+    assert snapshot["graph_launches"] == {"graph": 7, "eager": 2}
 
 
 def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
@@ -228,7 +232,8 @@ def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
     host.stats.drop("dram", "end_of_chain", 7)
     scheduler = SimpleNamespace(drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(
         pinned_records=3, copier_ns=9_000, checkpoint_slots=(5, 40, 8)))  # fmt: skip
-    engine = SimpleNamespace(stats=EngineStats(), host=host, scheduler=scheduler)
+    engine = SimpleNamespace(stats=EngineStats(), host=host, scheduler=scheduler,
+                             executor=SimpleNamespace(launches={"graph": 0, "eager": 0}))
     state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
                             started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
     values = ServerState.snapshot(state)  # type: ignore[arg-type]

@@ -46,6 +46,9 @@ def test_models_advertise_the_effective_integer_default(server: Server, limited:
     card = server.get("/v1/models").json()["data"][0]
     assert card["flare"]["default_max_tokens"] == card["max_model_len"]
     assert limited.get("/v1/models").json()["data"][0]["flare"]["default_max_tokens"] == DEFAULT
+    # docs/serving.md: the device ("auto" is CPU on a host without CUDA) and whether CUDA graphs are on
+    assert (card["flare"]["device"], card["flare"]["cuda_graphs"]) == ("cpu", False) or card["flare"]["device"] != "cpu"
+    assert set(server.metrics()["graph_launches"]) == {"graph", "eager"}
 
 
 def test_every_route_applies_the_configured_default(limited: Server) -> None:
