@@ -172,6 +172,8 @@ class LLMEngine:
         self._aborted: set[tuple[str, int | None]] = set()
         self._prefill_ns = self._prefill_tokens = 0
         self._refresh_gauges()
+        if self.executor.graphs is not None:  # after the drafters widened the caches the graphs read
+            self.executor.capture_graphs()
 
     def _mtp_drafter(self, core: Core, kinds: tuple[str, ...], speculation: SpeculationConfig) -> MtpDrafter:
         """The core's MTP programs as the learned drafter, its caches widened by scratch pages

@@ -132,8 +132,20 @@ class Executor:
                 -(-manifest.limits.max_model_len // self.page_tokens), num_pages, device,
                 graphs.CudaGraphBackend(device), explicit_width=max(1, manifest.capabilities.max_top_logprobs)
                 if "logprob_token_ids" in self.step.input_names else 0)  # fmt: skip
-            log.info("CUDA graphs: decode steps of up to %d rows replay a graph per bucket %s (captured on first use)",
+            log.info("CUDA graphs: decode steps of up to %d rows replay a graph per bucket %s (captured at startup)",
                      max(manifest.decode_buckets), sorted(manifest.decode_buckets))  # fmt: skip
+
+    def capture_graphs(self) -> None:
+        """Capture the decode buckets' CUDA graphs (graphs.GraphRunner.capture_all); where that fails,
+        graphs are off and every step runs eagerly (a warning says why)."""
+        assert self.graphs is not None
+        clock = Stopwatch(log, "CUDA graph capture")
+        failure = self.graphs.capture_all()
+        if failure is not None:
+            log.warning("CUDA graphs: capture failed (%s); serving every step eagerly", failure)
+            self.graphs = None
+        else:
+            clock.lap(f"capturing {len(self.graphs.buckets)} decode buckets")
 
     @staticmethod
     def _remembered(kind: str, key: str, measure, found: str) -> int:

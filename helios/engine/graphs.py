@@ -18,6 +18,9 @@ table names only the scratch page and whose sequence length is 1: it reads only 
 wrote. Real rows' block tables are padded to the static width with the scratch page as well,
 past their sequence length, where attention reads nothing.
 
+Graphs are captured at startup (capture_all, after any drafter has widened the caches); a
+cache tensor replaced later makes the runner recapture on first use.
+
 Steps the runner declines (prefill, mixed, verification and draft steps, more rows than the
 largest bucket, more explicit logprob ids than the static width) run eagerly; the executor
 counts both kinds (flare_graph_launches_total{kind}).
@@ -111,6 +114,8 @@ class GraphRunner:
                  backend: GraphBackend, explicit_width: int = 0) -> None:  # fmt: skip
         if not buckets or any(b < 1 for b in buckets):
             raise ValueError(f"decode buckets must be positive batch sizes, got {buckets!r}")
+        if "logprob_token_ids" in program.input_names and explicit_width < 1:
+            raise ValueError("a step taking logprob_token_ids needs a static explicit_width of at least 1")
         self.program, self.weights, self.kv = program, weights, kv
         self.buckets = tuple(sorted(set(buckets)))
         self.page_tokens, self.max_blocks, self.scratch_page = page_tokens, max_blocks, scratch_page
@@ -146,6 +151,23 @@ class GraphRunner:
                 static["logprob_token_ids"] = torch.zeros(bucket, self.explicit_width, dtype=torch.int64, **on)
             self.static[bucket] = {name: static[name] for name in self.program.input_names}
         return self.static[bucket]
+
+    def capture_all(self) -> str | None:
+        """Capture every bucket's step now, largest first, on all-padding buffers (they write only the
+        scratch page, so this is safe before serving). Returns None, or why capturing failed (the
+        caller then runs every step eagerly: with the pure-torch reference ops, which read sequence
+        lengths on the host, a CUDA capture is expected to fail until capturable CUDA kernels exist)."""
+        try:
+            for bucket in reversed(self.buckets):
+                static = self.buffers(bucket)
+                if not self.backend.captured(bucket):
+                    self.backend.capture(bucket, self._step_on(static))
+        except RuntimeError as exc:  # torch raises RuntimeError (incl. torch.cuda errors) for capture failures
+            return f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return None
+
+    def _step_on(self, static: dict[str, Tensor]) -> Callable[[], dict[str, Tensor]]:
+        return lambda: self.program(self.weights, self.kv, **static)
 
     def fits(self, inputs: dict[str, Tensor]) -> int | None:
         """The bucket for a decode-only step's eager inputs (one token per row), or None: eager."""
@@ -194,7 +216,7 @@ class GraphRunner:
                 CudaGraphBackend(self.device)  # fmt: skip
             self._kv_identity = self._identity()
         if not self.backend.captured(bucket):
-            self.backend.capture(bucket, lambda: self.program(self.weights, self.kv, **static))
+            self.backend.capture(bucket, self._step_on(static))
         outputs = self.backend.replay(bucket)
         width = int(inputs["logprob_token_ids"].shape[1]) if "logprob_token_ids" in inputs else None
         sliced = {}

@@ -111,6 +111,33 @@ def test_capture_once_per_bucket_and_eager_beyond_the_buckets() -> None:
     assert len(program.calls) == calls  # declined steps never reach the program
 
 
+def test_startup_capture_runs_every_bucket_on_padding_only_and_a_failure_is_reported() -> None:
+    class Recording(EagerBackend):
+        order: list[int] = []
+
+        def capture(self, bucket, step):
+            self.order.append(bucket)
+            step()  # what CUDA's warm-up runs do: the all-padding step
+            super().capture(bucket, step)
+
+    program = _Recorder()
+    runner = GraphRunner(program, {}, [torch.zeros(10, PAGE, 1, 1)], (1, 2, 4), PAGE, 4, 9, "cpu", Recording(), 3)
+    assert runner.capture_all() is None
+    assert runner.backend.order == [4, 2, 1]  # largest first
+    for seen in program.calls:  # padding only: the scratch page, one token, nothing real read
+        assert set(seen["slot_mapping"].tolist()) == {9 * PAGE} and set(seen["block_tables"].flatten().tolist()) == {9}
+        assert set(seen["seq_lens"].tolist()) == {1}
+    runner.run(_decode_inputs([[0]], [1], [1]))
+    assert runner.backend.captures == 3  # no recapture at the first real step
+
+    class Failing(EagerBackend):
+        def capture(self, bucket, step):
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    failing = GraphRunner(_Recorder(), {}, [torch.zeros(10, PAGE, 1, 1)], (1, 2), PAGE, 4, 9, "cpu", Failing(), 3)
+    assert failing.capture_all() == "RuntimeError: operation not permitted when stream is capturing"
+
+
 def test_a_replaced_cache_tensor_recaptures() -> None:
     kv = [torch.zeros(10, PAGE, 1, 1)]
     runner = _runner(_Recorder(), kv=kv)
