@@ -245,3 +245,44 @@ def test_cuda_kv_pages_from_free_memory() -> None:
         devices.kv_pages_for(10 * mib, 0.0, mib, 0)
     with pytest.raises(ValueError):
         devices.kv_pages_for(10 * mib, 0.5, 0, 0)
+
+
+def test_executor_routes_decode_only_steps_through_the_runner(tiny_core: Path) -> None:
+    """Executor._call's wiring, on CPU with the double injected (on CPU the executor never builds a
+    runner itself): decode-only steps replay, prefill steps stay eager, both are counted, and the
+    replayed step's outputs match the eager one's."""
+    from types import SimpleNamespace
+
+    from helios.engine.executor import Executor
+    from helios.engine.sequence import Chunk, Sequence
+
+    core = Core.open(tiny_core)
+    pages = 16
+    executor = Executor(core, pages, "cpu", 0, compiled=False)
+    assert executor.graphs is None and executor.kv[0].shape[0] == pages  # CPU: no runner, no scratch page
+    page = executor.page_tokens
+    request = SimpleNamespace(logprob_token_ids=None)
+    prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13] * (page + 2)]
+    seqs = [Sequence(request, 0, list(p), len(p), i, pages=[2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+    executor.run(tuple(Chunk(s, 0, len(s.token_ids), True, False) for s in seqs))
+    for index, seq in enumerate(seqs):
+        seq.token_ids.append(20 + index)
+    decode = tuple(Chunk(s, len(s.token_ids) - 1, 1, True, False) for s in seqs)
+    before = [t.clone() for t in executor.kv]
+    eager = executor.run(decode)
+    assert executor.launches == {"graph": 0, "eager": 2}
+    for tensor, saved in zip(executor.kv, before):
+        tensor.copy_(saved)
+    m = core.manifest
+    executor.graphs = GraphRunner(executor.step, executor.weights, executor.kv, (1, 2, 4), page,
+                                  -(-m.limits.max_model_len // page), pages - 1, "cpu", EagerBackend(),
+                                  explicit_width=max(1, m.capabilities.max_top_logprobs)
+                                  if "logprob_token_ids" in executor.step.input_names else 0)  # fmt: skip
+    graphed = executor.run(decode)
+    assert executor.launches == {"graph": 1, "eager": 2}
+    torch.testing.assert_close(graphed.logits, eager.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(graphed.logsumexp, eager.logsumexp, rtol=0, atol=1e-5)
+    assert graphed.sampled == eager.sampled
+    extra = Sequence(request, 0, [1, 2, 3], 3, 9, pages=[8])
+    executor.run((Chunk(extra, 0, 3, True, False),))  # a prefill step: eager
+    assert executor.launches == {"graph": 1, "eager": 3}
