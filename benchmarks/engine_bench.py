@@ -2,6 +2,7 @@
 
     python benchmarks/engine_bench.py cores/smollm2 [--tokens 64] [--batches 1,8,32] [--json out.json]
     python benchmarks/engine_bench.py cores/smollm2 --grammar [--tokens 64] [--grammar-threads 1]
+    python benchmarks/engine_bench.py cores/smollm2 --device cuda [--no-graphs] [--batches 1,8,32,128]
 
 Measures decode tokens/s for 1, 8 and 32 concurrent sequences (greedy, ignore_eos,
 prompts already prefilled), and estimates the ceiling of each from measured fp32 matmul
@@ -11,6 +12,10 @@ step time >= max(weight bytes / bandwidth, 2 * parameters * rows / FLOP/s).
 --grammar instead compares 16 concurrent JSON-schema-constrained requests (a schema too
 long to finish within --tokens, so every row stays masked) against 16 unconstrained ones
 on the same engine, and prints the throughput cost of the grammar masks (target <= 15%).
+
+--device cuda[:N] runs the engine on a GPU with CUDA graphs for decode steps (--no-graphs: eager);
+the CPU ceiling is not estimated there, and each row reports the step launches by kind instead.
+Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -95,6 +100,21 @@ def grammar_overhead(core: Core, tokens: int, threads: int, batch: int = 16, rou
             "slowdown": round(1 - masked / free, 3)}  # fmt: skip
 
 
+def device_throughput(core: Core, args: argparse.Namespace) -> dict:
+    """Decode tokens/s on a GPU per batch, with the step launches by kind (graph replays, eager)."""
+    engine = LLMEngine(core, EngineConfig(num_pages=4096, max_concurrency=256, device=args.device,
+                                          cuda_graphs=not args.no_graphs))  # fmt: skip
+    tokenizer = core.tokenizer()
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        before = dict(engine.executor.launches)
+        measured = decode_throughput(engine, tokenizer, batch, args.tokens)
+        launches = {kind: count - before[kind] for kind, count in engine.executor.launches.items()}
+        rows.append({"batch": batch, "tokens_per_s": round(measured, 1), "launches": launches})
+    return {"core": str(args.core), "device": args.device, "cuda_graphs": engine.executor.graphs is not None,
+            "gpu": torch.cuda.get_device_name(torch.device(args.device)), "rows": rows}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("core", type=Path)
@@ -103,6 +123,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--grammar", action="store_true", help="measure the cost of grammar masks instead")
     parser.add_argument("--grammar-threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--no-graphs", action="store_true", help="CUDA: run decode steps eagerly")
     args = parser.parse_args()
     core = Core.open(args.core, verify_checksums=False)
     if args.grammar:
@@ -115,6 +137,12 @@ def main() -> None:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
         return
     m = core.manifest
+    if args.device != "cpu":
+        report = device_throughput(core, args)
+        print(json.dumps(report, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        return
     engine = LLMEngine(core, EngineConfig(num_pages=4096, max_concurrency=256))
     tokenizer = core.tokenizer()
     bandwidth = measure_bandwidth()
