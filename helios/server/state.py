@@ -170,20 +170,23 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     draft = _draft_core(config, m)
     # kv_memory_mb unset: 1 GiB on CPU; on CUDA the pool is sized from free device memory (devices.kv_pages_for)
     kv_bytes = config.kv_memory_mb << 20 if config.kv_memory_mb is not None else (None if cuda else 1 << 30)
-    engine = LLMEngine(core, EngineConfig(
-        max_concurrency=config.max_concurrency, max_pending=config.queue_size,
-        prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
-        kv_memory_bytes=kv_bytes, enable_prefix_cache=config.prefix_cache,
-        device=device, cuda_graphs=cuda and config.cuda_graphs, kv_memory_fraction=config.kv_memory_fraction,
-        serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step,
-        speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
-                                      config.history_drafts, learned=config.learned_drafts),
-        draft_core=draft,
-        state_snapshots=config.state_snapshots, snapshot_interval=config.snapshot_interval,
-        anchor_guards=config.anchor_guards,
-        checkpoint_work_fraction=config.checkpoint_work_fraction,
-        host_cache=host_cache_config(config)),
-        mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
+    try:
+        engine = LLMEngine(core, EngineConfig(
+            max_concurrency=config.max_concurrency, max_pending=config.queue_size,
+            prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
+            kv_memory_bytes=kv_bytes, enable_prefix_cache=config.prefix_cache,
+            device=device, cuda_graphs=cuda and config.cuda_graphs, kv_memory_fraction=config.kv_memory_fraction,
+            serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step,
+            speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
+                                          config.history_drafts, learned=config.learned_drafts),
+            draft_core=draft,
+            state_snapshots=config.state_snapshots, snapshot_interval=config.snapshot_interval,
+            anchor_guards=config.anchor_guards,
+            checkpoint_work_fraction=config.checkpoint_work_fraction,
+            host_cache=host_cache_config(config)),
+            mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
+    except devices.DeviceError as exc:  # the KV pool does not fit on the device
+        raise ConfigError(str(exc)) from None
     client = EngineClient(engine).start()
     clock.lap("starting the engine")
     frontend = Frontend(core, config)
