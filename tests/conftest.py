@@ -14,14 +14,9 @@ from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
 
 def pytest_configure(config: pytest.Config) -> None:
-    # What helios remembers between starts (thread policy, verified checksums, the host prefix
-    # store's disk tier) stays inside this test session, also for the servers tests start as
-    # subprocesses. Each pytest-xdist worker gets its own: the workers export byte-identical
-    # cores, so a shared prefix store would let one worker's records count as another's reuse.
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        os.environ["FLARE_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"flare-test-cache-{os.environ['PYTEST_XDIST_WORKER']}-")
-    else:
-        os.environ.setdefault("FLARE_CACHE_DIR", tempfile.mkdtemp(prefix="flare-test-cache-"))
+    # What helios remembers between starts (thread policy, verified checksums) stays inside
+    # this test session, also for the servers tests start as subprocesses.
+    os.environ.setdefault("FLARE_CACHE_DIR", tempfile.mkdtemp(prefix="flare-test-cache-"))
 
 
 @pytest.fixture(scope="session")
