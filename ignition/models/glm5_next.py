@@ -46,7 +46,7 @@ import helios.core.ops_sparse  # noqa: F401  (defines flare::sparse_paged_attent
 from ignition.models import deepseek_v3 as mla
 from ignition.models import moe
 from ignition.models.common import hyper_connection, hyper_residual, optional_inputs, rms_norm
-from ignition.models.glm_moe_dsa import INDEXER_NORM_EPS, _indexer_types
+from ignition.models.glm_moe_dsa import INDEXER_NORM_EPS, _indexer_types, glm_router
 from ignition.models.heads import step_outputs
 
 FAMILY = "glm5_next"
@@ -310,12 +310,7 @@ def config_from_hf(hf: dict[str, Any]) -> Glm5NextConfig:
     limit = float(text.get("swiglu_limit", 10.0) or 0.0)
     if limit <= 0:
         _refuse("swiglu_limit", limit, "the SwiGLU clamp must be positive")
-    router = moe.RouterSpec(
-        num_experts=int(text.get("n_routed_experts", 288)), top_k=int(text.get("num_experts_per_tok", 8)),
-        scoring="sigmoid", norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(text.get("routed_scaling_factor", 2.5)), n_group=int(text.get("n_group") or 1),
-        topk_group=int(text.get("topk_group") or 1), has_correction_bias=True, norm_eps=1e-20,
-    )  # fmt: skip
+    router = glm_router(text, default_experts=288)
     return Glm5NextConfig(
         vocab_size=int(text.get("vocab_size", 154880)),
         hidden_size=int(text.get("hidden_size", 4096)),

@@ -130,12 +130,7 @@ def config_from_hf(hf: dict[str, Any]) -> GlmMoeDsaConfig:
     topk = int(hf.get("index_topk", 2048))
     if topk < 1:
         raise ValueError(f"index_topk must be positive, got {topk}")
-    router = moe.RouterSpec(
-        num_experts=int(hf.get("n_routed_experts", 256)), top_k=int(hf.get("num_experts_per_tok", 8)),
-        scoring="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)), n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1), has_correction_bias=True, norm_eps=1e-20,
-    )  # fmt: skip
+    router = glm_router(hf, default_experts=256)
     return GlmMoeDsaConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
@@ -345,3 +340,13 @@ def hf_shapes(c: GlmMoeDsaConfig) -> dict[str, tuple[int, ...]]:
                            p + "k_norm.weight": (c.index_head_dim,), p + "k_norm.bias": (c.index_head_dim,),
                            p + "weights_proj.weight": (c.index_n_heads, c.hidden_size)})  # fmt: skip
     return shapes
+
+
+def glm_router(hf: dict, default_experts: int) -> moe.RouterSpec:
+    """GLM's MoE router (GLM-5 and GLM-5.3): sigmoid scores with a correction bias, group-limited."""
+    return moe.RouterSpec(
+        num_experts=int(hf.get("n_routed_experts", default_experts)), top_k=int(hf.get("num_experts_per_tok", 8)),
+        scoring="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)), n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1), has_correction_bias=True, norm_eps=1e-20,
+    )  # fmt: skip
