@@ -15,6 +15,7 @@ tokens. The program leaves the state after the sequence's last token of the step
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import mmap
@@ -129,9 +130,7 @@ class Program(_Callable):
     @classmethod
     def load(cls, kind: str, spec: ProgramSpec, path: Path, check_guards: bool = True) -> "Program":
         """check_guards=False skips per-call input-shape checks (callers that build inputs themselves)."""
-        with _memoized_type_hints():
-            exported = torch.export.load(str(path))
-        module = exported.module(check_guards=check_guards)
+        module = _exported(path).module(check_guards=check_guards)
         if not check_guards:
             # The unlifted module still validates inputs against the range constraints with
             # sympy on every call (several ms per decode step); callers that build their
@@ -143,6 +142,32 @@ class Program(_Callable):
 
     def _run(self, weights: dict[str, Tensor], kv_cache: list[Tensor], inputs: list[Tensor]) -> Any:
         return self.module(weights, kv_cache, *inputs)
+
+
+_EXPORTED: "collections.OrderedDict[tuple, torch.export.ExportedProgram]" = collections.OrderedDict()
+_EXPORTED_LOCK = threading.Lock()
+_EXPORTED_KEEP = 16  # programs kept deserialized per process (a core has a few; tests open many)
+
+
+def _exported(path: Path) -> torch.export.ExportedProgram:
+    """The deserialized program at `path`, kept per process: deserializing a .pt2 rebuilds every
+    node's fake tensors and symbolic shapes (seconds for a small model's step), while unlifting a
+    fresh module from it (`.module()`, which each caller gets its own of) takes a tenth of that.
+    Keyed by the file's identity (device, inode, size, modification time: a rewritten file is
+    read again, a renamed one, like export's staging directory becoming the core, is not)."""
+    info = path.stat()
+    key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    with _EXPORTED_LOCK:
+        if key in _EXPORTED:
+            _EXPORTED.move_to_end(key)
+            return _EXPORTED[key]
+    with _memoized_type_hints():
+        exported = torch.export.load(str(path))
+    with _EXPORTED_LOCK:
+        _EXPORTED[key] = exported
+        while len(_EXPORTED) > _EXPORTED_KEEP:
+            _EXPORTED.popitem(last=False)
+    return exported
 
 
 class CompiledProgram(_Callable):
