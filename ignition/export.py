@@ -128,8 +128,10 @@ def internal_weights(fam: ModuleType, checkpoint: Checkpoint, config: object, dt
         named.pop("lm_head", None)
     # MoE families: per-expert tensors -> one [E, rows, cols] stack per layer (ignition.models.moe).
     stack_experts(getattr(fam, "STACKED", {}), named, checkpoint.reference)
+    # Main layers, and MTP layers numbered after them where a family names them as layers (DeepSeek-V3's).
+    num_layers = config.num_layers + getattr(config, "num_mtp_layers", 0)  # type: ignore[attr-defined]
     for fused, parts in fam.FUSED.items():
-        for layer in range(config.num_layers):  # type: ignore[attr-defined]
+        for layer in range(num_layers):
             names = [p.format(layer) for p in parts]
             missing = [n for n in names if n not in named]
             if len(missing) == len(names):

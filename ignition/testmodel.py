@@ -149,9 +149,11 @@ CHATS = {
 }
 
 
-def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None = None, vision: bool = False) -> Path:
+def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None = None, vision: bool = False,
+                    overrides: dict | None = None) -> Path:  # fmt: skip
     """vision: a multimodal checkpoint (the family's testmodel_vision config, its processor config and
-    the family's vision chat flavour, e.g. gemma4-vision)."""
+    the family's vision chat flavour, e.g. gemma4-vision); overrides: config.json fields replacing the
+    family's test config before the tensors are made to fit it (e.g. num_nextn_predict_layers)."""
     if family_name not in FAMILIES:
         raise UsageError(f"no test model for family {family_name!r} (supported: {', '.join(sorted(FAMILIES))})")
     fam = FAMILIES[family_name]
@@ -170,7 +172,7 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
     else:
         template = fam.TEST_CHAT_TEMPLATE
     tokenizer = build_tokenizer(specials)
-    config = fam.testmodel_config(tokenizer.get_vocab_size())
+    config = fam.testmodel_config(tokenizer.get_vocab_size()) | (overrides or {})
     config.update({name.replace("_token", "_token_id"): tokenizer.token_to_id(tok)
                    for name, tok in roles.items() if name != "unk_token"})  # fmt: skip
     if vision:

@@ -26,7 +26,7 @@ from helios.engine.request import EngineStats, FinishCause
 from helios.engine.sequence import SchedulerOutput, Sequence
 
 MTP_KIND = "mtp_draft"  # program kinds mtp_draft.0, mtp_draft.1, ... (one per MTP layer)
-MTP_CACHE = "mtp_kv"  # the layout's extra caches the MTP programs write (ignition.models.mimo_v2)
+MTP_CACHE = "mtp_kv"  # the layout's extra caches the MTP programs write (ignition.models.mtp)
 
 
 def mtp_kinds(programs) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ testmodel_init(name, shape, generator) (a test tensor the generic init cannot ma
 extra_step_outputs(config) (TensorSpecs the step programs return after program_signature's; MiMo's
 hidden states) and extra_programs(config, num_top, weights) (program kinds beyond step/scored_prefill that
 export traces into the core: objects with kind, module, inputs, outputs, examples and check, as
-ignition.models.mimo_v2.ExtraProgram; MiMo's mtp_draft.N).
+ignition.models.mtp.ExtraProgram; the mtp_draft.N drafter programs of MiMo and DeepSeek-V3 (kimi_k3)).
 """
 
 from __future__ import annotations

@@ -7,11 +7,23 @@ query and its value half after attention, so `flare::paged_attention` runs as MQ
 latent for prefill and decode alike. MLPs: dense SwiGLU for the first
 `first_k_dense_replace` layers, then sigmoid-routed MoE with shared experts (ignition.models.moe).
 Checked against transformers 5.24 `DeepseekV3ForCausalLM` (models/deepseek_v3).
+
+Multi-token prediction (`num_nextn_predict_layers` K > 0; transformers does not load them): MTP
+layer k is checkpoint layer L = num_hidden_layers + k, as vLLM's and SGLang's deepseek_mtp loaders
+read it: `model.layers.L.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,embed_tokens}` and
+a full decoder layer (MLA, and MoE or dense as is_moe(L) says). Row t: eh_proj(cat(enorm(embed(the
+token after t)), hnorm(the main final-normed hidden state at t))) -> the decoder layer over its own
+latent cache (KvLayout.extra "mtp_kv", on the step's pages) -> shared_head.norm -> shared_head.head
+(the layer's own embed_tokens / shared_head.head when the checkpoint has them, else the main
+model's). Each is exported as "mtp_draft.k" (ignition.models.mtp); the step programs then also
+return the final-normed hidden states (output "hidden_states"). `reference_mtp` is the plain-torch
+reference (there is no transformers one).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import moe
+from helios.core.manifest import KvLayout, TensorSpec
+from ignition.models import moe, mtp
 from ignition.models.common import decoder_shapes, optional_inputs, reference_swiglu, rms_norm
-from ignition.models.heads import step_outputs
+from ignition.models.heads import generation_outputs, step_outputs
 
 FAMILY = "kimi_k3"
 HF_ARCHITECTURES = ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")
@@ -71,8 +84,21 @@ def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
     return out
 
 
-WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP)
+# An MTP layer's own tensors (layer numbers from num_hidden_layers on; its decoder layer is named as any other).
+_MTP_WEIGHT_MAP = {
+    "model.layers.{}.enorm.weight": "layers.{}.enorm",
+    "model.layers.{}.hnorm.weight": "layers.{}.hnorm",
+    "model.layers.{}.eh_proj.weight": "layers.{}.eh_proj",
+    "model.layers.{}.shared_head.norm.weight": "layers.{}.head_norm",
+    "model.layers.{}.shared_head.head.weight": "layers.{}.head",  # optional: else the main lm_head
+    "model.layers.{}.embed_tokens.weight": "layers.{}.embed",  # optional: else the main embedding
+}
+
+WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP | _MTP_WEIGHT_MAP)
 TEXT_WEIGHT_MAP = _TEXT_WEIGHT_MAP  # DeepseekV3ForCausalLM's own layout (glm_moe_dsa builds on it)
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+_INTERNAL_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 STACKED = moe.STACKED_EXPERTS
 
@@ -165,6 +191,7 @@ class DeepseekV3Config:
     moe_intermediate_size: int  # each expert's SwiGLU width
     n_shared_experts: int  # the shared expert is n_shared_experts * moe_intermediate_size wide; 0: none
     router: moe.RouterSpec
+    num_mtp_layers: int  # num_nextn_predict_layers: layers num_layers.. compiled as mtp_draft.N programs
 
     @property
     def qk_head_dim(self) -> int:
@@ -257,6 +284,7 @@ def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
         moe_intermediate_size=int(hf["moe_intermediate_size"]),
         n_shared_experts=int(hf.get("n_shared_experts") or 0),
         router=router,
+        num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
     )
 
 
@@ -265,9 +293,35 @@ def kv_shape(config: DeepseekV3Config) -> tuple[int, int, int]:
     return config.num_layers, 1, config.latent_dim
 
 
+def ignored_tensor(config: DeepseekV3Config, name: str) -> bool:
+    """Layers past the main ones and num_nextn_predict_layers MTP layers (transformers loads neither;
+    num_nextn_predict_layers = 0 exports a DeepSeek-V3 checkpoint without its MTP layer)."""
+    match = _LAYER_NAME.match(canonical_name(name))
+    return match is not None and int(match.group(1)) >= config.num_layers + config.num_mtp_layers
+
+
+def extra_caches(config: DeepseekV3Config) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
+    """The MTP layers' own latent caches, on the step's pages (numbered after the main layers)."""
+    if not config.num_mtp_layers:
+        return ()
+    return ((mtp.MTP_CACHE, tuple(range(config.num_layers, config.num_layers + config.num_mtp_layers)), 1,
+             config.latent_dim),)  # fmt: skip
+
+
+def extra_step_outputs(config: DeepseekV3Config) -> tuple[TensorSpec, ...]:
+    """Outputs the step programs return after program_signature's: the drafter's input, with MTP layers."""
+    return mtp.extra_step_outputs(config.hidden_size, config.num_mtp_layers)
+
+
+def _is_mtp_weight(config: Any, name: str) -> bool:
+    match = _INTERNAL_LAYER.match(name)
+    return match is not None and int(match.group(1)) >= config.num_layers
+
+
 def decode_weight_bytes(config: DeepseekV3Config, weights: dict[str, Tensor]) -> int:
-    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer."""
-    return moe.decode_weight_bytes(config, weights, config.router.top_k)
+    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer (no MTP layer)."""
+    main = {name: t for name, t in weights.items() if not _is_mtp_weight(config, name)}
+    return moe.decode_weight_bytes(config, main, config.router.top_k)
 
 
 # ---------------------------------------------------------------------------- step program
@@ -374,13 +428,20 @@ class StepProgram(torch.nn.Module):
         wdt = weights["embed"].dtype
         # As in the other families: residual stream, norms and rotary in fp32, matmuls in the core dtype.
         x = F.embedding(token_ids, weights["embed"]).float()
-        freqs = positions.float()[:, None] * rope_inv_freq(c.rope, positions.device)[None, :]
-        cos = (freqs.cos() * c.rope.cos_sin_scale)[:, None, :]  # [T, 1, rope / 2]
-        sin = (freqs.sin() * c.rope.cos_sin_scale)[:, None, :]
+        cos, sin = self.rotary(positions)
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         x = self.decoder(weights, kv_cache, x, cos, sin, paged)
-        x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
+        hidden = rms_norm(x, weights["norm"], c.rms_norm_eps)
+        outputs = step_outputs(hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top,
+                               logprob_ids, target_ids)  # fmt: skip
+        # With MTP layers the drafter's input too (glm5_next's config, built on this one, has no such field).
+        return (*outputs, hidden) if getattr(c, "num_mtp_layers", 0) else outputs
+
+    def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, 1, rope / 2] fp32, YaRN's attention factor included."""
+        rope = self.config.rope
+        freqs = positions.float()[:, None] * rope_inv_freq(rope, positions.device)[None, :]
+        return (freqs.cos() * rope.cos_sin_scale)[:, None, :], (freqs.sin() * rope.cos_sin_scale)[:, None, :]
 
     def decoder(self, weights: dict[str, Tensor], kv_cache: list[Tensor], x: Tensor, cos: Tensor, sin: Tensor,
                 paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
@@ -392,6 +453,47 @@ class StepProgram(torch.nn.Module):
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
         return x
+
+
+class MtpProgram(StepProgram):
+    """MTP layer `layer`'s draft step (ignition.models.mtp's contract): forward(weights, kv_cache,
+    token_ids, positions, hidden_states, slot_mapping, block_tables, seq_lens, query_start_loc,
+    logits_indices) -> the logits_indices rows' logits, logsumexp (and top-N), then every row's
+    MTP hidden state [T, hidden] fp32 (shared_head.norm's output: the next draft's hidden_states)."""
+
+    def __init__(self, config: DeepseekV3Config, layer: int, num_top: int) -> None:
+        super().__init__(config, num_top, explicit_ids=False, scored=False)
+        self.layer = layer
+
+    def forward(self, weights, kv_cache, token_ids, positions, hidden_states, slot_mapping, block_tables, seq_lens,
+                query_start_loc, logits_indices):  # fmt: skip
+        c = self.config
+        index = c.num_layers + self.layer  # its checkpoint layer number, and its cache's (extra_caches)
+        p, wdt, eps = f"layers.{index}.", weights["embed"].dtype, c.rms_norm_eps
+        embed = weights[p + "embed"] if p + "embed" in weights else weights["embed"]
+        joined = torch.cat([rms_norm(F.embedding(token_ids, embed).float(), weights[p + "enorm"], eps),
+                            rms_norm(hidden_states.float(), weights[p + "hnorm"], eps)], dim=-1)  # fmt: skip
+        x = F.linear(joined.to(wdt), weights[p + "eh_proj"]).float()
+        cos, sin = self.rotary(positions)
+        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
+        h = rms_norm(x, weights[p + "attn_norm"], eps).to(wdt)
+        x = x + self.attention(weights, index, h, cos, sin, kv_cache[index], paged)
+        h = rms_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
+        x = x + self.mlp(weights, index, h).float()
+        out = rms_norm(x, weights[p + "head_norm"], eps)
+        if p + "head" in weights:
+            head = weights[p + "head"]
+        else:
+            head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
+        return (*generation_outputs(out[logits_indices].to(wdt), head, self.num_top, None), out)
+
+
+def extra_programs(config: DeepseekV3Config, num_top: int, weights: dict[str, Tensor]) -> tuple[mtp.ExtraProgram, ...]:
+    """One mtp_draft.N program per MTP layer, checked at export against reference_mtp."""
+    n = config.num_layers
+    mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"layers.{n + k}.eh_proj", lambda k: f"model.layers.{n + k}.")
+    modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
+    return mtp.draft_programs(modules, config.hidden_size, num_top, lambda *args: check_mtp_program(config, *args))
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -451,35 +553,81 @@ def reference_mla(c: DeepseekV3Config, w: dict[str, Tensor], prefix: str, h: Ten
     return attn @ w[prefix + "o_proj.weight"].T
 
 
-def reference_logits(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32.
+def _reference_layer(c: DeepseekV3Config, w: dict[str, Tensor], layer: int, x: Tensor, rotate: Callable[[Tensor], Tensor],
+                     mask: Tensor) -> Tensor:  # fmt: skip
+    """Decoder layer `layer` (checkpoint numbering; MTP layers' too) over the residual stream x [T, hidden]."""
+    p = f"model.layers.{layer}."
+    h = reference_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+    x = x + reference_mla(c, w, p + "self_attn.", h, rotate, mask)
+    h = reference_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+    if c.is_moe(layer):
+        return x + moe.reference_moe(c.router, w, p + "mlp.", h, shared=c.n_shared_experts > 0)
+    return x + reference_swiglu(w, p + "mlp.", h)
+
+
+def _reference_setup(c: DeepseekV3Config, hf_weights: dict[str, Tensor], total: int):
+    """(fp32 weights under DeepseekV3ForCausalLM names, complex rotary over T positions, causal mask [T, T])."""
+    w = {canonical_name(k): v.float() for k, v in hf_weights.items()}
+    angles = reference_angles(c.rope, total)
+
+    def rotate(t: Tensor) -> Tensor:
+        return reference_rotate(t, angles, c.rope.cos_sin_scale, c.rope.interleave)
+
+    return w, rotate, torch.full((total, total), float("-inf")).triu(1)
+
+
+def _reference_head(c: DeepseekV3Config, w: dict[str, Tensor], x: Tensor, own: str | None = None) -> Tensor:
+    if own is not None and own in w:
+        return x @ w[own].T
+    return x @ (w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]).T
+
+
+def reference_forward(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Dense, unpaged forward over Hugging Face-named weights: (logits [T, V], final-normed hidden
+    states [T, hidden]), fp32.
 
     Non-absorbed MLA on purpose (kv_b_proj expands every head's k_nope and v from c_kv,
     explicit causal mask, complex-number rotary), so the export self-check compares two
     formulations of the same attention.
     """
     c = config
-    w = {canonical_name(k): v.float() for k, v in hf_weights.items()}
-    total = len(token_ids)
+    w, rotate, mask = _reference_setup(c, hf_weights, len(token_ids))
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
-    angles = reference_angles(c.rope, total)
-    mask = torch.full((total, total), float("-inf")).triu(1)
-
-    def rotate(t: Tensor) -> Tensor:
-        return reference_rotate(t, angles, c.rope.cos_sin_scale, c.rope.interleave)
-
     for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        h = reference_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-        x = x + reference_mla(c, w, p + "self_attn.", h, rotate, mask)
-        h = reference_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        if c.is_moe(i):
-            x = x + moe.reference_moe(c.router, w, p + "mlp.", h, shared=c.n_shared_experts > 0)
-        else:
-            x = x + reference_swiglu(w, p + "mlp.", h)
+        x = _reference_layer(c, w, i, x, rotate, mask)
     x = reference_norm(x, w["model.norm.weight"], c.rms_norm_eps)
-    head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
-    return x @ head.T
+    return _reference_head(c, w, x), x
+
+
+def reference_logits(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
+    return reference_forward(config, hf_weights, token_ids)[0]
+
+
+def reference_mtp(config: DeepseekV3Config, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int],
+                  hidden: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """MTP layer `layer` over a whole sequence, fp32: row t joins next_ids[t] (the token after
+    position t) with hidden[t] (the main model's final-normed hidden state at t), causally over
+    rows <= t. Returns (logits [T, V]: the token after next_ids[t], MTP hidden states [T, hidden],
+    shared_head.norm's output)."""
+    c = config
+    index = c.num_layers + layer
+    m = f"model.layers.{index}."
+    w, rotate, mask = _reference_setup(c, hf_weights, len(next_ids))
+    embed = w.get(m + "embed_tokens.weight", w["model.embed_tokens.weight"])
+    joined = torch.cat([reference_norm(embed[torch.tensor(next_ids)], w[m + "enorm.weight"], c.rms_norm_eps),
+                        reference_norm(hidden.float(), w[m + "hnorm.weight"], c.rms_norm_eps)], dim=-1)  # fmt: skip
+    x = _reference_layer(c, w, index, joined @ w[m + "eh_proj.weight"].T, rotate, mask)
+    x = reference_norm(x, w[m + "shared_head.norm.weight"], c.rms_norm_eps)
+    return _reference_head(c, w, x, m + "shared_head.head.weight"), x
+
+
+def check_mtp_program(config: DeepseekV3Config, layer: int, program: Any, hf_weights: dict[str, Tensor],
+                      weights: dict[str, Tensor], kv: KvLayout, page_tokens: int) -> float:  # fmt: skip
+    """Max |Δ logprob| of mtp_draft.`layer` against reference_mtp, fed the reference's own main
+    hidden states (ignition.models.mtp.check_against_reference)."""
+    return mtp.check_against_reference(
+        program, weights, kv, page_tokens, config.vocab_size, lambda ids: reference_forward(config, hf_weights, ids)[1],
+        lambda next_ids, hidden: reference_mtp(config, hf_weights, layer, next_ids, hidden)[0])  # fmt: skip
 
 
 # ----------------------------------------------------------------------- test checkpoints
@@ -543,8 +691,15 @@ def hf_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
                           "self_attn.q_a_layernorm.weight": (c.q_lora_rank,),
                           "self_attn.q_b_proj.weight": (heads * c.qk_head_dim, c.q_lora_rank)})  # fmt: skip
     shapes = decoder_shapes(c, attention)
+    num_mtp = getattr(c, "num_mtp_layers", 0)  # glm5_next's config, built on this one, has no such field
+    for layer in range(c.num_layers, c.num_layers + num_mtp):
+        p = f"model.layers.{layer}."
+        shapes.update({p + name: shape for name, shape in attention.items()})
+        shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
+                       p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (c.vocab_size, h),
+                       p + "embed_tokens.weight": (c.vocab_size, h)})  # fmt: skip
     f, s = c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
-    for layer in range(c.num_layers):
+    for layer in range(c.num_layers + num_mtp):
         p = f"model.layers.{layer}.mlp."
         if not c.is_moe(layer):
             shapes.update({p + "gate_proj.weight": (c.intermediate_size, h), p + "up_proj.weight": (c.intermediate_size, h),

@@ -150,6 +150,7 @@ def config_from_hf(hf: dict[str, Any]) -> GlmMoeDsaConfig:
         moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
         n_shared_experts=int(hf.get("n_shared_experts", 1) or 0),
         router=router,
+        num_mtp_layers=0,  # GLM's MTP layers are not compiled (kimi_k3's are)
         index_topk=topk,
         index_n_heads=int(hf.get("index_n_heads", 32)),
         index_head_dim=index_dim,

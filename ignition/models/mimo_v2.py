@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,9 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.core.manifest import KvLayout, TensorSpec
-from helios.core.program import allocate_kv
-from ignition.errors import SourceError
-from ignition.models import moe
+from ignition.models import moe, mtp
 from ignition.models.common import optional_inputs, rms_norm, rotate_half
 from ignition.models.heads import generation_outputs, step_outputs
 
@@ -64,7 +62,6 @@ SHARED_KV = True  # one packed key|value tensor per layer (flare::sink_attention
 ACCURATE_16BIT = False
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-MTP_KIND = "mtp_draft"  # program kinds "mtp_draft.0", "mtp_draft.1", ...
 
 _L, _M = "model.layers.{}.", "model.mtp.layers.{}."
 _ATTENTION = {
@@ -93,7 +90,7 @@ WEIGHT_MAP = {
     **{_M + k: "mtp.{}." + v for k, v in (_ATTENTION | _MTP).items()},
 }
 STACKED = moe.STACKED_EXPERTS
-# The MTP layers stay unfused (export fuses main layers only); dense and MoE layers each lack the other's group.
+# The MTP layers (mtp.N.*) stay unfused (FUSED names layers.N.*); dense and MoE layers each lack the other's group.
 FUSED = {"layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
          "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up")}  # fmt: skip
 
@@ -301,7 +298,7 @@ def extra_caches(config: MiMoV2Config) -> tuple[tuple[str, tuple[int, ...], int,
     if not config.num_mtp_layers:
         return ()
     layers = tuple(range(config.num_layers, config.num_layers + config.num_mtp_layers))
-    return (("mtp_kv", layers, config.cache_heads, config.row_width),)
+    return ((mtp.MTP_CACHE, layers, config.cache_heads, config.row_width),)
 
 
 def decode_weight_bytes(config: MiMoV2Config, weights: dict[str, Tensor]) -> int:
@@ -407,7 +404,7 @@ class StepProgram(torch.nn.Module):
 
 def extra_step_outputs(config: MiMoV2Config) -> tuple[TensorSpec, ...]:
     """Outputs the step programs return after program_signature's: the drafter's input, with MTP layers."""
-    return (TensorSpec("hidden_states", "float32", ("T", config.hidden_size)),) if config.num_mtp_layers else ()
+    return mtp.extra_step_outputs(config.hidden_size, config.num_mtp_layers)
 
 
 class MtpProgram(torch.nn.Module):
@@ -444,48 +441,11 @@ class MtpProgram(torch.nn.Module):
         return (*generation_outputs(out[logits_indices].to(wdt), head, self.num_top, None), out)
 
 
-def mtp_signature(config: MiMoV2Config, num_top: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """Inputs and outputs of an mtp_draft.N program (dims as program_signature's)."""
-    hidden = TensorSpec("hidden_states", "float32", ("T", config.hidden_size))
-    inputs = (TensorSpec("token_ids", "int64", ("T",)), TensorSpec("positions", "int64", ("T",)), hidden,
-              TensorSpec("slot_mapping", "int64", ("T",)), TensorSpec("block_tables", "int32", ("B", "M")),
-              TensorSpec("seq_lens", "int32", ("B",)), TensorSpec("query_start_loc", "int32", ("B+1",)),
-              TensorSpec("logits_indices", "int64", ("R",)))  # fmt: skip
-    outputs = [TensorSpec("logits", "float32", ("R", "V")), TensorSpec("logsumexp", "float32", ("R",))]
-    if num_top:
-        outputs += [TensorSpec("top_logprobs", "float32", ("R", num_top)), TensorSpec("top_ids", "int64", ("R", num_top))]
-    return inputs, (*outputs, hidden)
-
-
-@dataclass(frozen=True)
-class ExtraProgram:
-    """A program kind beyond step/scored_prefill that export traces into the core (extra_programs)."""
-
-    kind: str
-    module: torch.nn.Module
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    examples: dict[str, Tensor]  # example values of the inputs export has none for
-    # (saved program, fp32 HF-named weights as stored, core weights, layout, page tokens) -> max |Δ logprob|
-    check: Callable[[Any, dict[str, Tensor], dict[str, Tensor], KvLayout, int], float]
-
-
-def extra_programs(config: MiMoV2Config, num_top: int, weights: dict[str, Tensor]) -> tuple[ExtraProgram, ...]:
+def extra_programs(config: MiMoV2Config, num_top: int, weights: dict[str, Tensor]) -> tuple[mtp.ExtraProgram, ...]:
     """One mtp_draft.N program per MTP layer, checked at export against reference_mtp."""
-    missing = [k for k in range(config.num_mtp_layers) if f"mtp.{k}.eh_proj" not in weights]
-    if missing:  # e.g. a transformers save_pretrained copy, which drops model.mtp.*
-        raise SourceError(f"num_nextn_predict_layers = {config.num_mtp_layers}, but the checkpoint has no "
-                          f"model.mtp.layers.{missing[0]}.* tensors; set num_nextn_predict_layers to "
-                          f"{missing[0]} in config.json to export without them")  # fmt: skip
-    inputs, outputs = mtp_signature(config, num_top)
-    examples = {"hidden_states": torch.zeros(5, config.hidden_size)}
-
-    def checker(layer: int) -> Callable[..., float]:
-        return lambda program, hf_weights, weights, kv, page_tokens: check_mtp_program(
-            config, layer, program, hf_weights, weights, kv, page_tokens)  # fmt: skip
-
-    return tuple(ExtraProgram(f"{MTP_KIND}.{k}", MtpProgram(config, k, num_top), inputs, outputs, examples, checker(k))
-                 for k in range(config.num_mtp_layers))  # fmt: skip
+    mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"mtp.{k}.eh_proj", lambda k: f"model.mtp.layers.{k}.")
+    modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
+    return mtp.draft_programs(modules, config.hidden_size, num_top, partial(check_mtp_program, config))
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -596,42 +556,13 @@ def reference_mtp(config: MiMoV2Config, hf_weights: dict[str, Tensor], layer: in
     return _ref_head(c, w, x), x.float()
 
 
-def run_mtp_prompt(program: Any, weights: dict[str, Tensor], kv: KvLayout, page_tokens: int, next_ids: list[int],
-                   hidden: Tensor, chunk: int | None = None) -> dict[str, Tensor]:  # fmt: skip
-    """One sequence through an mtp_draft program in chunks over a fresh paged cache (pages used
-    in reverse order, as helios.core.program.run_prompt); outputs concatenated over chunks."""
-    total = len(next_ids)
-    chunk = chunk or total
-    pages = list(reversed(range(math.ceil(total / page_tokens) + 1)))[: math.ceil(total / page_tokens)]
-    caches = allocate_kv(kv, len(pages) + 1, page_tokens)
-    ids = torch.tensor(next_ids, dtype=torch.int64)
-    collected: dict[str, list[Tensor]] = {}
-    for start in range(0, total, chunk):
-        end = min(total, start + chunk)
-        slots = torch.tensor([pages[t // page_tokens] * page_tokens + t % page_tokens for t in range(start, end)])
-        inputs = {"token_ids": ids[start:end], "positions": torch.arange(start, end), "hidden_states": hidden[start:end],
-                  "slot_mapping": slots, "block_tables": torch.tensor([pages], dtype=torch.int32),
-                  "seq_lens": torch.tensor([end], dtype=torch.int32),
-                  "query_start_loc": torch.tensor([0, end - start], dtype=torch.int32),
-                  "logits_indices": torch.arange(end - start)}  # fmt: skip
-        for name, value in program(weights, caches, **inputs).items():
-            collected.setdefault(name, []).append(value)
-    return {name: torch.cat(parts) for name, parts in collected.items()}
-
-
-_CHECK_TEXT_IDS = 40  # tokens of the export-time MTP check (several chunks and pages at 16-token pages)
-
-
 def check_mtp_program(config: MiMoV2Config, layer: int, program: Any, hf_weights: dict[str, Tensor],
                       weights: dict[str, Tensor], kv: KvLayout, page_tokens: int) -> float:  # fmt: skip
-    """Max |Δ logprob| of mtp_draft.`layer` against reference_mtp on a fixed token sequence, fed
-    the reference's own main hidden states (prefilled in chunks of 7 rows)."""
-    ids = [(7 * t + 3) % config.vocab_size for t in range(_CHECK_TEXT_IDS + 1)]
-    _, hidden = reference_forward(config, hf_weights, ids[:-1])
-    expected, _ = reference_mtp(config, hf_weights, layer, ids[1:], hidden)
-    got = run_mtp_prompt(program, weights, kv, page_tokens, ids[1:], hidden, chunk=7)
-    logprobs = got["logits"] - got["logsumexp"][:, None]
-    return float((logprobs - torch.log_softmax(expected, dim=-1)).abs().max())
+    """Max |Δ logprob| of mtp_draft.`layer` against reference_mtp, fed the reference's own main
+    hidden states (ignition.models.mtp.check_against_reference)."""
+    return mtp.check_against_reference(
+        program, weights, kv, page_tokens, config.vocab_size, lambda ids: reference_forward(config, hf_weights, ids)[1],
+        lambda next_ids, hidden: reference_mtp(config, hf_weights, layer, next_ids, hidden)[0])  # fmt: skip
 
 
 # ----------------------------------------------------------------------- test checkpoints

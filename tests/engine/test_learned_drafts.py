@@ -1,5 +1,6 @@
-"""Learned drafts from a core's MTP programs (helios.engine.mtp) on a tiny MiMo-V2 core (one MTP
-layer, an 8-key window, 16-token pages): output and logprobs are those of plain decoding with
+"""Learned drafts from a core's MTP programs (helios.engine.mtp) on two tiny cores with one MTP
+layer each: MiMo-V2 (sliding attention with an 8-key window) and DeepSeek-V3's (kimi_k3: MLA over a
+latent cache, routed MoE), 16-token pages. Output and logprobs are those of plain decoding with
 speculation off, history drafts only and MTP drafts; every MTP proposal is what the family's MTP
 layer computes over the committed tokens (its KV stays consistent through rejected rounds, forks
 and preemption); nothing is left behind after cancellation or preemption; /metrics names it."""
@@ -21,7 +22,7 @@ from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
 from ignition.export import ExportOptions, export_core
-from ignition.models.mimo_v2 import run_mtp_prompt
+from ignition.models.mtp import run_mtp_prompt
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
@@ -35,11 +36,18 @@ BOTH = SpeculationConfig(mode="adaptive", max_drafts=4, row_budget=64)
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 3
 
 
-@pytest.fixture(scope="module")
-def core(tmp_path_factory: pytest.TempPathFactory) -> Core:
-    checkpoint = write_testmodel("mimo_v2", tmp_path_factory.mktemp("ckpt") / "tiny-mimo", seed=3)
-    out = tmp_path_factory.mktemp("cores") / "tiny-mimo"
-    export_core(open_source(str(checkpoint)), load_recipe("mimo_v2"), ExportOptions(out=out, prompt_logprobs=True))
+# name -> (family, recipe, test config changes)
+CORES = {"mimo_v2": ("mimo_v2", "mimo_v2", {}),
+         "deepseek_v3": ("kimi_k3", "kimi3", {"num_nextn_predict_layers": 1})}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(CORES))
+def core(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Core:
+    family, recipe, overrides = CORES[request.param]
+    checkpoint = write_testmodel(family, tmp_path_factory.mktemp("ckpt") / f"tiny-{request.param}", seed=3,
+                                 overrides=overrides)  # fmt: skip
+    out = tmp_path_factory.mktemp("cores") / f"tiny-{request.param}"
+    export_core(open_source(str(checkpoint)), load_recipe(recipe), ExportOptions(out=out, prompt_logprobs=True))
     core = Core.open(out)
     assert "mtp_draft.0" in core.manifest.programs
     return core

@@ -25,6 +25,7 @@ from helios.engine.request import EngineRequest
 from ignition.errors import SourceError
 from ignition.export import ExportOptions, export_core, internal_weights
 from ignition.models import family_of_hf_config, mimo_v2
+from ignition.models.mtp import run_mtp_prompt
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import _tensor, write_testmodel
@@ -376,7 +377,7 @@ def test_mtp_program_matches_references(tiny: tuple[Path, Path], reference) -> N
     program = core.load_program("mtp_draft.0")
     worst = 0.0
     for chunk, count in ((PAGE, len(next_ids)), (1, PAGE + 4)):
-        got = mimo_v2.run_mtp_prompt(program, weights, m.kv, PAGE, next_ids[:count], rows[:count], chunk=chunk)
+        got = run_mtp_prompt(program, weights, m.kv, PAGE, next_ids[:count], rows[:count], chunk=chunk)
         worst = max(worst, float((got["logits"] - got["logsumexp"][:, None] - ours[:count]).abs().max()))
         worst = max(worst, float((got["hidden_states"] - mtp_hidden[:count]).abs().max()))
         top = ours[:count].gather(1, got["top_ids"])
