@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from helios.core.manifest import KvLayout, TensorSpec
+from helios.core.manifest import TensorSpec
 from ignition.models import moe, mtp
 from ignition.models.common import decoder_shapes, optional_inputs, reference_swiglu, rms_norm
 from ignition.models.heads import generation_outputs, step_outputs
@@ -493,7 +493,9 @@ def extra_programs(config: DeepseekV3Config, num_top: int, weights: dict[str, Te
     n = config.num_layers
     mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"layers.{n + k}.eh_proj", lambda k: f"model.layers.{n + k}.")
     modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
-    return mtp.draft_programs(modules, config.hidden_size, num_top, lambda *args: check_mtp_program(config, *args))
+    return mtp.draft_programs(modules, config.hidden_size, num_top, mtp.reference_check(
+        config.vocab_size, lambda w, ids: reference_forward(config, w, ids)[1],
+        lambda w, layer, next_ids, hidden: reference_mtp(config, w, layer, next_ids, hidden)[0]))
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -619,15 +621,6 @@ def reference_mtp(config: DeepseekV3Config, hf_weights: dict[str, Tensor], layer
     x = _reference_layer(c, w, index, joined @ w[m + "eh_proj.weight"].T, rotate, mask)
     x = reference_norm(x, w[m + "shared_head.norm.weight"], c.rms_norm_eps)
     return _reference_head(c, w, x, m + "shared_head.head.weight"), x
-
-
-def check_mtp_program(config: DeepseekV3Config, layer: int, program: Any, hf_weights: dict[str, Tensor],
-                      weights: dict[str, Tensor], kv: KvLayout, page_tokens: int) -> float:  # fmt: skip
-    """Max |Δ logprob| of mtp_draft.`layer` against reference_mtp, fed the reference's own main
-    hidden states (ignition.models.mtp.check_against_reference)."""
-    return mtp.check_against_reference(
-        program, weights, kv, page_tokens, config.vocab_size, lambda ids: reference_forward(config, hf_weights, ids)[1],
-        lambda next_ids, hidden: reference_mtp(config, hf_weights, layer, next_ids, hidden)[0])  # fmt: skip
 
 
 # ----------------------------------------------------------------------- test checkpoints

@@ -37,14 +37,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from helios.core.manifest import KvLayout, TensorSpec
+from helios.core.manifest import TensorSpec
 from ignition.models import moe, mtp
 from ignition.models.common import optional_inputs, rms_norm, rotate_half
 from ignition.models.heads import generation_outputs, step_outputs
@@ -445,7 +444,9 @@ def extra_programs(config: MiMoV2Config, num_top: int, weights: dict[str, Tensor
     """One mtp_draft.N program per MTP layer, checked at export against reference_mtp."""
     mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"mtp.{k}.eh_proj", lambda k: f"model.mtp.layers.{k}.")
     modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
-    return mtp.draft_programs(modules, config.hidden_size, num_top, partial(check_mtp_program, config))
+    return mtp.draft_programs(modules, config.hidden_size, num_top, mtp.reference_check(
+        config.vocab_size, lambda w, ids: reference_forward(config, w, ids)[1],
+        lambda w, layer, next_ids, hidden: reference_mtp(config, w, layer, next_ids, hidden)[0]))
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -554,15 +555,6 @@ def reference_mtp(config: MiMoV2Config, hf_weights: dict[str, Tensor], layer: in
     x = x + _ref_swiglu(w, m + "mlp.", _ref_norm(x, w[m + "post_attention_layernorm.weight"], eps))
     x = _ref_norm(x, w[m + "final_layernorm.weight"], eps)
     return _ref_head(c, w, x), x.float()
-
-
-def check_mtp_program(config: MiMoV2Config, layer: int, program: Any, hf_weights: dict[str, Tensor],
-                      weights: dict[str, Tensor], kv: KvLayout, page_tokens: int) -> float:  # fmt: skip
-    """Max |Δ logprob| of mtp_draft.`layer` against reference_mtp, fed the reference's own main
-    hidden states (ignition.models.mtp.check_against_reference)."""
-    return mtp.check_against_reference(
-        program, weights, kv, page_tokens, config.vocab_size, lambda ids: reference_forward(config, hf_weights, ids)[1],
-        lambda next_ids, hidden: reference_mtp(config, hf_weights, layer, next_ids, hidden)[0])  # fmt: skip
 
 
 # ----------------------------------------------------------------------- test checkpoints

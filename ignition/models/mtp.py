@@ -131,3 +131,18 @@ def check_against_reference(program: Any, weights: dict[str, Tensor], kv: KvLayo
     got = run_mtp_prompt(program, weights, kv, page_tokens, ids[1:], hidden, chunk=7)
     logprobs = got["logits"] - got["logsumexp"][:, None]
     return float((logprobs - torch.log_softmax(expected, dim=-1)).abs().max())
+
+
+def reference_check(vocab_size: int, main_hidden: Callable[[dict[str, Tensor], list[int]], Tensor],
+                    mtp_logits: Callable[[dict[str, Tensor], int, list[int], Tensor], Tensor]) -> Callable[..., float]:  # fmt: skip
+    """draft_programs' `check` for a family with plain-torch references: main_hidden(hf_weights,
+    ids) -> final-normed hidden states; mtp_logits(hf_weights, layer, next_ids, hidden) -> the
+    reference MTP layer's logits (check_against_reference)."""
+
+    def check(layer: int, program: Any, hf_weights: dict[str, Tensor], weights: dict[str, Tensor], kv: KvLayout,
+              page_tokens: int) -> float:  # fmt: skip
+        return check_against_reference(program, weights, kv, page_tokens, vocab_size,
+                                       lambda ids: main_hidden(hf_weights, ids),
+                                       lambda next_ids, hidden: mtp_logits(hf_weights, layer, next_ids, hidden))  # fmt: skip
+
+    return check
