@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,9 +91,11 @@ def _bounded_build(build: Callable[[], llguidance.LLMatcher], field: str, what: 
 
     # llguidance releases the GIL while compiling; an abandoned compile still stops at its fuel limits.
     worker = threading.Thread(target=run, name="grammar-compile", daemon=True)
+    started = time.monotonic()
     worker.start()
     worker.join(timeout_s)
-    if not result:
+    # The deadline holds also for a compile that finished while this thread waited for the GIL.
+    if not result or time.monotonic() - started > timeout_s:
         raise GrammarError(f"{field}: compiling the grammar took longer than {timeout_s:g} s", field)
     outcome = result[0]
     if isinstance(outcome, BaseException):

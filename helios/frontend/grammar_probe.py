@@ -303,6 +303,8 @@ class ProbePool:
                 raise ProbeRefused("the grammar could not be compiled (the grammar compiler failed on it)")
             with self._lock:
                 self._idle.append(worker)
+        if time.monotonic() > deadline:  # answered, but after the deadline (e.g. this thread was descheduled)
+            raise ProbeRefused(f"compiling the grammar took longer than {timeout_s:g} s")
         status, value = answer
         if status == "memory":
             raise ProbeRefused("compiling the grammar needs more memory than a grammar may use")
