@@ -56,7 +56,7 @@ def compile_program(program: Program, weights: dict[str, Tensor], kv_cache: list
     """
     native.load()
     kernel = prepack.choose([program], weights)
-    if kernel == prepack.NATIVE:  # the package's linears call flare_native::linear on packed constants
+    if kernel in prepack.NATIVE_KERNELS:  # the package's linears call flare_native::linear(_tiles) on packed constants
         weights = prepack.prepack([program], weights, kernel)
     module = _Frozen(program, weights)
     with torch.no_grad():

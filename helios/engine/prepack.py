@@ -7,11 +7,13 @@ linear; weights used only by linears are replaced by their packed form (no secon
 and a weight shared with other ops (a tied embedding) keeps its plain tensor while the
 linear reads a packed copy held by the program module.
 
-Two packed kernels exist: oneDNN's, and for bfloat16 weights on CPUs with AVX512-BF16
+Three packed kernels exist: oneDNN's, and for bfloat16 weights on CPUs with AVX512-BF16
 helios' own (`flare_native::linear`, helios/engine/native), which reads each weight once per
-step at any row count. Which one a core's linears use is measured on this host over the
-core's own weight shapes at 1 and 32 rows (`choose`), remembered, and logged; export makes
-the same measurement for the compiled step.
+step at any row count, and on CPUs with AMX-BF16 the same packed weights run as AMX tiles
+(`flare_native::linear_tiles`). Which one a core's linears use is measured on this host over
+the core's own weight shapes at 1 and 32 rows (`choose`), remembered, and logged; export
+makes the same measurement for the compiled step. A program uses one kernel at every row
+count, so a row's result never depends on how many rows share its step.
 
 The core's programs and weights are unchanged on disk: this is a runtime rewrite, like
 registering faster kernels for the flare:: ops.
@@ -33,9 +35,10 @@ from helios.engine import native
 
 log = logging.getLogger("helios.engine")
 
-ONEDNN, NATIVE = "onednn", "native"
+ONEDNN, NATIVE, NATIVE_TILES = "onednn", "native", "native-amx"
+NATIVE_KERNELS = (NATIVE, NATIVE_TILES)  # both read pack_linear's layout
 _CHOICE_ROWS = (1, 32)  # a decode step of one sequence, and of many
-_SLOWER_AT_MANY_ROWS = 1.02  # the native kernel may be this much slower at 32 rows (noise)
+_SLOWER_AT_MANY_ROWS = 1.02  # a kernel this close to the best at 32 rows counts as as fast (noise)
 
 _PACK_ROWS_HINT = 32  # oneDNN picks a blocking for this many rows; any row count runs
 
@@ -55,6 +58,14 @@ def pack(weight: Tensor) -> Tensor:
 
 def native_available() -> bool:
     return native.loaded() and bool(torch.ops.flare_native.has_bf16_linear())
+
+
+def tiles_available() -> bool:
+    return native_available() and bool(torch.ops.flare_native.has_amx_linear())
+
+
+def _native_op(kernel: str):
+    return torch.ops.flare_native.linear_tiles if kernel == NATIVE_TILES else torch.ops.flare_native.linear
 
 
 def _weight_uses(programs: list[Program], names: list[str]):
@@ -81,20 +92,42 @@ def _best_ms(run, repeats: int = 3) -> float:
 _SAMPLE_BYTES = 256 << 20  # measure over at least this much real weight (past any last-level cache), or all of it
 
 
+def _measure(kernel: str, rows: int, sample: list[Tensor]) -> float:
+    """Best-of-three milliseconds for `sample`'s linears, in order, at `rows` rows on `kernel`."""
+    native_kernel = kernel in NATIVE_KERNELS
+    packed = [torch.ops.flare_native.pack_linear(w) if native_kernel else pack(w) for w in sample]
+    inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in sample}}
+    op = _native_op(kernel)
+
+    def run() -> None:
+        for w, p in zip(sample, packed):
+            if native_kernel:
+                op(inputs[w.shape[1]], p, None, w.shape[0])
+            else:
+                packed_linear(inputs[w.shape[1]], p)
+
+    with torch.inference_mode():
+        return _best_ms(run)
+
+
 def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
-    """The packed-linear kernel for these programs' bfloat16 linears on this host: the native
-    one where it is available and, over the core's own linear weights in program order (up to
-    256 MiB of them, so neither kernel runs from cache), faster at one row and no slower at 32
-    rows; else oneDNN. Measured once per host, torch, thread count and weight set (about a
-    second), then remembered."""
+    """The packed-linear kernel for these programs' bfloat16 linears on this host.
+
+    Each candidate (oneDNN; the native kernel where AVX512-BF16 is there; its AMX-tile form
+    where AMX-BF16 is) is timed over the core's own linear weights in program order (up to
+    256 MiB of them, so no kernel runs from cache) at one row and at 32 rows. Of the
+    candidates within 2% of the fastest at 32 rows, the fastest at one row wins. Measured
+    once per host, torch, thread count and weight set (a second or two), then remembered."""
     names = list(dict.fromkeys(name for _, _, name, _, of_linear in _weight_uses(programs, list(weights))
                                if of_linear and weights[name].dtype == torch.bfloat16 and weights[name].dim() == 2))  # fmt: skip
     if not names or not native_available() or any(weights[n].shape[1] % 2 for n in names):
         return ONEDNN
+    candidates = [NATIVE, *([NATIVE_TILES] if tiles_available() else []), ONEDNN]
     shapes = Counter(tuple(weights[n].shape) for n in names)
-    key = f"{sorted(shapes.items())}|{torch.get_num_threads()}|{fingerprint()}"
+    # The candidates are part of the key: a choice made before a kernel existed is not reused.
+    key = f"{sorted(shapes.items())}|{torch.get_num_threads()}|{fingerprint()}|{','.join(candidates)}"
     remembered = hostcache.get("linear-kernel", key)
-    if remembered in (ONEDNN, NATIVE):
+    if remembered in candidates:
         log.info("linear kernel: %s (measured before on this host)", remembered)
         return remembered
     sample, total = [], 0
@@ -103,26 +136,11 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
             break
         sample.append(weights[name])
         total += weights[name].numel() * weights[name].element_size()
-    timings: dict[tuple[str, int], float] = {}
-    with torch.inference_mode():
-        for kernel in (NATIVE, ONEDNN):
-            packed = [torch.ops.flare_native.pack_linear(w) if kernel == NATIVE else pack(w) for w in sample]
-            for rows in _CHOICE_ROWS:
-                inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in sample}}
-
-                def run() -> None:
-                    for w, p in zip(sample, packed):
-                        if kernel == NATIVE:
-                            torch.ops.flare_native.linear(inputs[w.shape[1]], p, None, w.shape[0])
-                        else:
-                            packed_linear(inputs[w.shape[1]], p)
-
-                timings[(kernel, rows)] = _best_ms(run)
-            del packed
+    timings = {(kernel, rows): _measure(kernel, rows, sample) for kernel in candidates for rows in _CHOICE_ROWS}
     few, many = _CHOICE_ROWS
-    faster = (timings[(NATIVE, few)] < timings[(ONEDNN, few)]
-              and timings[(NATIVE, many)] <= _SLOWER_AT_MANY_ROWS * timings[(ONEDNN, many)])  # fmt: skip
-    choice = NATIVE if faster else ONEDNN
+    best_many = min(timings[(kernel, many)] for kernel in candidates)
+    close = [kernel for kernel in candidates if timings[(kernel, many)] <= _SLOWER_AT_MANY_ROWS * best_many]
+    choice = min(close, key=lambda kernel: timings[(kernel, few)])
     log.info("linear kernel: %s (%s)", choice, ", ".join(f"{k} x {r} rows: {ms:.1f} ms" for (k, r), ms in timings.items()))
     hostcache.put("linear-kernel", key, choice)
     return choice
@@ -138,11 +156,13 @@ def prepack(programs: list[Program], weights: dict[str, Tensor], kernel: str = O
     """Rewrite the programs' linears in place; returns the weights dict to call them with.
 
     All programs must take `weights` (same keys, same order) as their first input. kernel:
-    ONEDNN for every float32/bfloat16 linear, or NATIVE for the bfloat16 ones (choose()).
+    ONEDNN for every float32/bfloat16 linear, or NATIVE / NATIVE_TILES for the bfloat16 ones
+    (choose()).
     """
-    dtypes = (torch.bfloat16,) if kernel == NATIVE else (torch.float32, torch.bfloat16)
+    native_kernel = kernel in NATIVE_KERNELS
+    dtypes = (torch.bfloat16,) if native_kernel else (torch.float32, torch.bfloat16)
     packable = {name for name, w in weights.items() if w.dim() == 2 and w.dtype in dtypes
-                and (kernel != NATIVE or w.shape[1] % 2 == 0)}  # fmt: skip
+                and (not native_kernel or w.shape[1] % 2 == 0)}  # fmt: skip
     linear_only = set(packable)
     rewrites: list[tuple[Program, fx.Node, str]] = []
     for program, _, name, user, of_linear in _weight_uses(programs, list(weights)):
@@ -152,7 +172,7 @@ def prepack(programs: list[Program], weights: dict[str, Tensor], kernel: str = O
             linear_only.discard(name)
     if not rewrites:
         return weights
-    packer = torch.ops.flare_native.pack_linear if kernel == NATIVE else pack
+    packer = torch.ops.flare_native.pack_linear if native_kernel else pack
     packed = {name: packer(weights[name]) for name in {name for _, _, name in rewrites}}
     for program in {id(p): p for p, _, _ in rewrites}.values():
         module = program.module
@@ -164,8 +184,8 @@ def prepack(programs: list[Program], weights: dict[str, Tensor], kernel: str = O
                 with module.graph.inserting_before(node):
                     weight = module.graph.get_attr(attr)
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            if kernel == NATIVE:
-                node.target = torch.ops.flare_native.linear.default
+            if native_kernel:
+                node.target = _native_op(kernel).default
                 node.args, node.kwargs = (node.args[0], weight, bias, int(weights[name].shape[0])), {}
             else:
                 node.target = packed_linear

@@ -141,6 +141,42 @@ def test_linear_keeps_leading_dims_and_rows_are_independent() -> None:
     assert torch.equal(alone[0], together[1, 2])  # a row's result does not depend on the batch
 
 
+needs_amx = pytest.mark.skipif(not (native.load() and torch.ops.flare_native.has_amx_linear()),
+                               reason="this CPU/compiler has no AMX-BF16: linear_tiles runs the AVX512-BF16 path")  # fmt: skip
+
+
+@needs_amx
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "bias"),
+                         [(1, 960, 576, False), (5, 100, 64, True), (16, 48, 1536, False), (33, 300, 128, True),
+                          (64, 1000, 576, False), (0, 32, 32, False), (7, 17, 6, True)])  # fmt: skip
+def test_tiles_match_a_bfloat16_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
+    """AMX tiles (and the input sizes they leave to the AVX512-BF16 path, 6 here) within one
+    bfloat16 rounding of the fp32-accumulated product, as linear."""
+    gen = torch.Generator().manual_seed(rows * 5 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    got = torch.ops.flare_native.linear_tiles(x, torch.ops.flare_native.pack_linear(w), b, out_features)
+    exact = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-3)
+
+
+@needs_amx
+def test_a_rows_tiles_result_does_not_depend_on_the_batch() -> None:
+    """Fewer than 16 rows run on short tiles, more on padded 16-row tiles in pairs: the same row
+    gets the same bits in a batch of 1, 5, 16, 17, 40 or 64 rows."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(100, 576, generator=gen).bfloat16()
+    packed = torch.ops.flare_native.pack_linear(w)
+    row = torch.randn(1, 576, generator=gen).bfloat16()
+    alone = torch.ops.flare_native.linear_tiles(row, packed, None, 100)
+    for rows in (5, 16, 17, 40, 64):
+        batch = torch.randn(rows, 576, generator=gen).bfloat16()
+        batch[rows - 1] = row[0]
+        assert torch.equal(torch.ops.flare_native.linear_tiles(batch, packed, None, 100)[rows - 1], alone[0]), rows
+
+
 @needs_bf16
 def test_linear_refuses_what_it_cannot_compute() -> None:
     w = torch.randn(32, 16).bfloat16()

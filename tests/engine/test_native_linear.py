@@ -61,19 +61,29 @@ def test_without_the_native_kernels_the_portable_step_serves(native_core: Path, 
     assert all(len(choices[0].token_ids) == 4 for choices in out.values())
 
 
-def test_portable_programs_agree_on_either_kernel(native_core: Path) -> None:
-    """The rewrite changes the kernel, not the model: full-vocabulary logprobs of both rewrites
+KERNELS = [prepack.ONEDNN, prepack.NATIVE] + ([prepack.NATIVE_TILES] if prepack.tiles_available() else [])
+
+
+def test_portable_programs_agree_on_every_kernel(native_core: Path) -> None:
+    """The rewrite changes the kernel, not the model: full-vocabulary logprobs of every rewrite
     agree to within bfloat16 rounding of the linears' outputs."""
     core = Core.open(native_core)
     runs = []
-    for kernel in (prepack.ONEDNN, prepack.NATIVE):
+    for kernel in KERNELS:
         program = core.load_program(STEP, check_guards=False)
         weights = prepack.prepack([program], core.load_weights("cpu"), kernel)
         targets = {n.target for n in program.module.graph.nodes if n.op == "call_function"}
         assert (torch.ops.flare_native.linear.default in targets) == (kernel == prepack.NATIVE)
+        assert (torch.ops.flare_native.linear_tiles.default in targets) == (kernel == prepack.NATIVE_TILES)
         runs.append(run_prompt(program, weights, core.manifest.kv, core.manifest.limits.page_tokens,
                                list(range(3, 40)), chunk=7).logprobs)  # fmt: skip
-    assert float((runs[0] - runs[1]).abs().max()) < 0.1
+    for other in runs[1:]:
+        assert float((runs[0] - other).abs().max()) < 0.1
+
+
+def _timed(monkeypatch: pytest.MonkeyPatch, timings: dict[tuple[str, int], float]) -> None:
+    """choose() sees these (kernel, rows) -> ms; a kernel this host lacks is never timed."""
+    monkeypatch.setattr(prepack, "_measure", lambda kernel, rows, sample: timings[(kernel, rows)])
 
 
 def test_the_choice_is_measured_once_and_remembered(native_core: Path, monkeypatch: pytest.MonkeyPatch,
@@ -82,11 +92,10 @@ def test_the_choice_is_measured_once_and_remembered(native_core: Path, monkeypat
     core = Core.open(native_core)
     program = core.load_program(STEP, check_guards=False)
     weights = core.load_weights("cpu")
-    # native 1 row, native 32 rows, oneDNN 1 row, oneDNN 32 rows
-    timings = iter([1.0, 10.0, 2.0, 10.0])
-    monkeypatch.setattr(prepack, "_best_ms", lambda run: next(timings))
+    _timed(monkeypatch, {(prepack.NATIVE, 1): 1.0, (prepack.NATIVE, 32): 10.0, (prepack.ONEDNN, 1): 2.0,
+                         (prepack.ONEDNN, 32): 10.0, (prepack.NATIVE_TILES, 1): 1.5, (prepack.NATIVE_TILES, 32): 10.1})  # fmt: skip
     assert prepack.choose([program], weights) == prepack.NATIVE
-    monkeypatch.setattr(prepack, "_best_ms", lambda run: pytest.fail("measured again"))
+    monkeypatch.setattr(prepack, "_measure", lambda *args: pytest.fail("measured again"))
     assert prepack.choose([program], weights) == prepack.NATIVE  # remembered
     assert hostcache.load("linear-kernel")
 
@@ -94,9 +103,22 @@ def test_the_choice_is_measured_once_and_remembered(native_core: Path, monkeypat
 def test_slower_at_many_rows_means_onednn(native_core: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
     core = Core.open(native_core)
-    timings = iter([1.0, 12.0, 2.0, 10.0])  # faster at one row, 20% slower at 32
-    monkeypatch.setattr(prepack, "_best_ms", lambda run: next(timings))
+    _timed(monkeypatch, {(prepack.NATIVE, 1): 1.0, (prepack.NATIVE, 32): 12.0,  # faster at one row, 20% slower at 32
+                         (prepack.ONEDNN, 1): 2.0, (prepack.ONEDNN, 32): 10.0,
+                         (prepack.NATIVE_TILES, 1): 1.0, (prepack.NATIVE_TILES, 32): 11.0})  # fmt: skip
     assert prepack.choose([core.load_program(STEP, check_guards=False)], core.load_weights("cpu")) == prepack.ONEDNN
+
+
+@pytest.mark.skipif(not prepack.tiles_available(), reason="this CPU has no AMX-BF16")
+def test_tiles_win_where_they_are_as_fast_at_one_row_and_fastest_at_many(native_core: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
+    core = Core.open(native_core)
+    _timed(monkeypatch, {(prepack.NATIVE, 1): 12.8, (prepack.NATIVE, 32): 53.0, (prepack.ONEDNN, 1): 17.5,
+                         (prepack.ONEDNN, 32): 19.7, (prepack.NATIVE_TILES, 1): 12.5, (prepack.NATIVE_TILES, 32): 15.2})  # fmt: skip
+    program = core.load_program(STEP, check_guards=False)
+    kernel = prepack.choose([program], core.load_weights("cpu"))
+    assert kernel == prepack.NATIVE_TILES
 
 
 def test_float32_weights_stay_on_onednn(tiny_core: Path) -> None:
