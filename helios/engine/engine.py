@@ -340,13 +340,24 @@ class LLMEngine:
                 events += self.scheduler.fail(plan, f"execution failed: {exc}")
             else:
                 tables = {id(s): list(s.pages) for s in plan.sequences} if self.learned is not None else {}
+                generated = self.stats.generated_tokens
                 events += self.scheduler.update_from_output(plan, output)
+                self._observe_payoff(plan, self.stats.generated_tokens - generated, time.perf_counter_ns() - started)
                 if self.learned is not None:
                     self._propose(plan, result, tables)
         self.scheduler.copy_out.hand_off_copies()  # what finishing sequences pinned, copied while the next step runs
         self._refresh_gauges()
         self.stats.steps += 1
         return events
+
+    def _observe_payoff(self, plan: SchedulerOutput, committed: int, elapsed_ns: int) -> None:
+        """Adaptive speculation's gate learns from decode-only steps (drafter.PayoffGate)."""
+        if self.scheduler.drafter.config.mode != "adaptive":
+            return
+        if any(c.num_tokens != 1 or c.scored for c in plan.chunks):
+            return  # a prefill chunk's cost says nothing about drafts
+        drafted = any(c.draft_ids for c in plan.chunks)
+        self.scheduler.drafter.gate.observe(len(plan.chunks), drafted, committed, elapsed_ns / 1e9)
 
     def _apply_aborts(self) -> list[EngineEvent]:
         if not self._aborted:

@@ -300,13 +300,16 @@ class Scheduler:
     # ------------------------------------------------------------------ speculation
     def _draft_rows(self) -> int:
         """Draft tokens this step may add: adaptive speculation stops where decode rows alone
-        reach the row budget (the step is compute-bound there, and drafts would only cost)."""
+        reach the row budget (the step is compute-bound there, and drafts would only cost), and
+        wherever its gate measured drafts losing to plain steps at this many sequences."""
         drafter = self.drafter
         if not drafter.enabled:
             return 0
         if drafter.config.mode == "fixed":
             return 1 << 30
         decoding = sum(1 for s in self.running if s.num_pending == 1 and not s.scoring)
+        if not drafter.gate.allow(decoding):
+            return 0
         return max(0, drafter.config.row_budget - decoding)
 
     def _drafts(self, seq: Sequence, spare: int) -> tuple[tuple[int, ...], tuple]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helios.core import Core
-from helios.engine.drafter import NgramIndex, SharedHistory, SpeculationConfig
+from helios.engine.drafter import NgramIndex, PayoffGate, SharedHistory, SpeculationConfig
 from helios.engine.engine import EngineConfig, LLMEngine
 from helios.engine.executor import StepResult
 from helios.engine.offline import run_to_completion
@@ -190,3 +190,43 @@ def test_shared_history_is_partitioned_by_cache_identity() -> None:
     shared.add(b"tenant-a", [10, 11, 12, 13, 14, 15])
     assert shared.follow(b"tenant-a", [99, 11, 12], 2) == (13, 14)
     assert shared.follow(b"tenant-b", [99, 11, 12], 2) == ()
+
+
+def test_the_payoff_gate_keeps_drafts_only_where_they_win() -> None:
+    """Per bucket of decoding sequences: drafts are tried first, then plain steps; the faster arm
+    (committed tokens per sequence per second) wins, and the other one still gets one step in
+    EXPLORE_EVERY, so a change in traffic turns the answer back."""
+    gate = PayoffGate()
+    assert gate.allow(16)  # nothing measured: try drafts
+    gate.observe(16, True, committed=20, seconds=0.045)  # 16 sequences, 4 drafts accepted, dear step
+    assert not gate.allow(16) and not gate.allow(9)  # the same bucket (9-16): now measure plain steps
+    gate.observe(16, False, committed=16, seconds=0.030)
+    answers = []
+    for _ in range(PayoffGate.EXPLORE_EVERY * 2):
+        answers.append(gate.allow(16))
+        gate.observe(16, answers[-1], committed=20 if answers[-1] else 16, seconds=0.045 if answers[-1] else 0.030)
+    assert answers.count(True) == 2  # plain wins; drafts explored once per EXPLORE_EVERY steps
+    assert gate.allow(1)  # another bucket is measured on its own
+    for _ in range(8):  # the traffic turns repetitive: every draft accepted, drafts now win in 9-16
+        gate.observe(16, True, committed=64, seconds=0.045)
+    assert gate.allow(16)
+
+
+def test_the_gate_backs_speculation_off_where_drafts_lose(core: Core, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive mode where the gate measured verification steps committing less per second than
+    plain ones: steps carry no drafts, outputs are unchanged, and every decode-only step (not a
+    prefill) is reported to the gate with its row count and what it committed."""
+    adaptive = SpeculationConfig(mode="adaptive", max_drafts=4, row_budget=64)
+    engine = LLMEngine(core, EngineConfig(num_pages=256, speculation=adaptive))
+    gate = engine.scheduler.drafter.gate
+    gate.observe(5, True, committed=6, seconds=1.0)  # drafted steps: 1.2 tokens per sequence per second
+    gate.observe(5, False, committed=5, seconds=0.5)  # plain: 2
+    seen: list[tuple[int, bool, int]] = []
+    monkeypatch.setattr(gate, "observe", lambda decoding, drafted, committed, seconds: seen.append((decoding, drafted, committed)))
+    requests = _requests(core, GREEDY, max_tokens=6)
+    out = run_to_completion(engine, requests)
+    assert engine.stats.verification_drafts == 0
+    plain, _ = _run(core, requests, None)
+    _same(plain, out)
+    assert seen and seen[0][0] == len(requests)
+    assert all(not drafted and committed == decoding for decoding, drafted, committed in seen)
