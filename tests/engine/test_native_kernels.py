@@ -111,19 +111,24 @@ def test_a_failed_build_falls_back_to_the_python_kernels(tmp_path) -> None:
 
 needs_bf16 = pytest.mark.skipif(not (native.load() and torch.ops.flare_native.has_bf16_linear()),
                                 reason="this CPU/compiler has no AVX512-BF16: the native linear is not built")  # fmt: skip
+needs_amx = pytest.mark.skipif(not (native.load() and torch.ops.flare_native.has_amx_linear()),
+                               reason="this CPU/compiler has no AMX-BF16: linear_tiles runs the AVX512-BF16 path")  # fmt: skip
+SHAPES = [(1, 960, 576, False), (5, 100, 64, True), (33, 300, 128, False), (0, 32, 16, False), (7, 17, 6, True),
+          (13, 64, 1536, True), (16, 48, 1536, False), (64, 1000, 576, False), (0, 32, 32, False)]  # fmt: skip
 
 
 @needs_bf16
-@pytest.mark.parametrize(("rows", "out_features", "in_features", "bias"),
-                         [(1, 960, 576, False), (5, 100, 64, True), (33, 300, 128, False), (0, 32, 16, False),
-                          (7, 17, 6, True), (13, 64, 1536, True)])  # fmt: skip
-def test_linear_matches_a_bfloat16_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
-    """Within one bfloat16 rounding of the fp32-accumulated product (what oneDNN's bf16 linear returns)."""
+@pytest.mark.parametrize("op", ["linear", pytest.param("linear_tiles", marks=needs_amx)])
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "bias"), SHAPES)
+def test_linear_matches_a_bfloat16_linear(op: str, rows: int, out_features: int, in_features: int, bias: bool) -> None:
+    """Within one bfloat16 rounding of the fp32-accumulated product (what oneDNN's bf16 linear
+    returns), on AVX512-BF16 and on AMX tiles (input sizes not a multiple of 32, such as 6 or
+    16 here, run linear_tiles on the AVX512-BF16 path)."""
     gen = torch.Generator().manual_seed(rows * 7 + out_features)
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    got = torch.ops.flare_native.linear(x, torch.ops.flare_native.pack_linear(w), b, out_features)
+    got = getattr(torch.ops.flare_native, op)(x, torch.ops.flare_native.pack_linear(w), b, out_features)
     exact = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-3)
@@ -139,27 +144,6 @@ def test_linear_keeps_leading_dims_and_rows_are_independent() -> None:
     assert together.shape == (2, 3, 48)
     alone = torch.ops.flare_native.linear(x[1, 2:3], packed, None, 48)
     assert torch.equal(alone[0], together[1, 2])  # a row's result does not depend on the batch
-
-
-needs_amx = pytest.mark.skipif(not (native.load() and torch.ops.flare_native.has_amx_linear()),
-                               reason="this CPU/compiler has no AMX-BF16: linear_tiles runs the AVX512-BF16 path")  # fmt: skip
-
-
-@needs_amx
-@pytest.mark.parametrize(("rows", "out_features", "in_features", "bias"),
-                         [(1, 960, 576, False), (5, 100, 64, True), (16, 48, 1536, False), (33, 300, 128, True),
-                          (64, 1000, 576, False), (0, 32, 32, False), (7, 17, 6, True)])  # fmt: skip
-def test_tiles_match_a_bfloat16_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
-    """AMX tiles (and the input sizes they leave to the AVX512-BF16 path, 6 here) within one
-    bfloat16 rounding of the fp32-accumulated product, as linear."""
-    gen = torch.Generator().manual_seed(rows * 5 + out_features)
-    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    got = torch.ops.flare_native.linear_tiles(x, torch.ops.flare_native.pack_linear(w), b, out_features)
-    exact = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-3)
 
 
 @needs_amx
