@@ -21,6 +21,7 @@ from torch import Tensor
 from helios.core import Core
 from helios.core.manifest import Manifest
 from helios.engine import precision
+from helios.engine.drafter import DraftPicker
 from helios.engine.executor import Executor
 from helios.engine.mtp import DraftRows
 from helios.engine.request import EngineStats, FinishCause
@@ -68,6 +69,7 @@ class DraftCoreDrafter:
         self.stats = stats
         self._frontier: dict[int, int] = {}  # id(seq) -> positions before it hold its committed draft KV
         self._proposals: dict[int, tuple[int, ...]] = {}  # id(seq) -> drafts for its next round
+        self.picker = DraftPicker()  # the engine gives it its mask hook
         log.info("speculation: drafting with draft core %s (%s step)", self.name, self.executor.step_kind)
 
     # ------------------------------------------------------------------ LearnedDrafter
@@ -126,19 +128,25 @@ class DraftCoreDrafter:
         self._frontier.update(frontiers)
         if not wanted:
             return
-        chain = [[seq, [token]] for (seq, _), token in zip(wanted, self._argmax(logits))]
-        for step in range(1, max(depths[id(entry[0])] for entry in chain)):
-            group = [e for e in chain if depths[id(e[0])] > step and len(e[0].token_ids) + step <= self.max_len]
+        picks = self.picker.pick(logits[:, : self.vocab], [(seq, self.picker.start(seq)) for seq, _ in wanted])
+        # [seq, its drafts, grammar state]
+        chain = [[seq, [pick[0]], pick[1]] for (seq, _), pick in zip(wanted, picks) if pick is not None]
+        for step in range(1, max((depths[id(entry[0])] for entry in chain), default=1)):
+            group = [e for e in chain if depths[id(e[0])] > step and len(e[0].token_ids) + step <= self.max_len
+                     and len(e[1]) == step]  # fmt: skip
             if not group:
                 break
             rows = DraftRows.empty()
-            for seq, tokens in group:
+            for seq, tokens, _ in group:
                 position = len(seq.token_ids) - 1 + step
                 table = self._with_scratch(seq, position, scratch[id(seq)])
                 rows.add([tokens[-1]], range(position, position + 1), table, torch.empty(0), size)
-            for entry, token in zip(group, self._argmax(self._call(rows, list(range(len(group)))))):
-                entry[1].append(token)
-        for seq, tokens in chain:
+            logits = self._call(rows, list(range(len(group))))[:, : self.vocab]
+            for entry, pick in zip(group, self.picker.pick(logits, [(entry[0], entry[2]) for entry in group])):
+                if pick is not None:
+                    entry[1].append(pick[0])
+                    entry[2] = pick[1]
+        for seq, tokens, _ in chain:
             self._proposals[id(seq)] = tuple(tokens)
             self.stats.draft_steps += len(tokens)
 
@@ -146,9 +154,6 @@ class DraftCoreDrafter:
         """seq's page table extended by its scratch pages up to `position`."""
         table = list(seq.pages)
         return table + list(range(first, first + position // self.page_tokens + 1 - len(table)))
-
-    def _argmax(self, logits: Tensor) -> list[int]:
-        return logits[:, : self.vocab].argmax(dim=-1).tolist()
 
     def _call(self, rows: DraftRows, logits_rows: list[int]) -> Tensor:
         ex = self.executor

@@ -20,8 +20,11 @@ Drafts never change what is generated: the engine verifies them against the targ
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from torch import Tensor
 
 NGRAM_SIZES = (4, 3, 2)  # longest match first: longer contexts predict better
 
@@ -118,6 +121,7 @@ class LearnedDrafter(Protocol):
     the scheduler reads its proposals while planning the next and tells it when a sequence leaves."""
 
     name: str  # what /metrics reports as learned_drafter_name ("mtp", a draft core's id)
+    picker: "DraftPicker"  # its greedy picks, under a constrained sequence's grammar (the engine sets the mask hook)
 
     def proposal(self, seq) -> tuple[int, ...]:
         """Drafts proposed for seq after the last step (empty when none)."""
@@ -175,6 +179,57 @@ class PayoffGate:
 
     def rates(self) -> dict[tuple[int, bool], float]:
         return dict(self._rate)
+
+
+MaskHook = Callable[[list], "Tensor | None"]  # rows' allowed-token masks [B, V] bool, from each row's
+# `.constraint` (and `.request`): a Sequence, or a DraftRow for a row after drafts
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRow:
+    """A row after drafts as the mask hook sees it: its choice's constraint after the drafts before it."""
+
+    request: Any  # EngineRequest
+    constraint: object
+
+
+class DraftPicker:
+    """A learned drafter's greedy picks, under each sequence's grammar where it has one.
+
+    A draft the grammar rejects is cut by the scheduler before verification, and with it every
+    draft after it; so each pick is the likeliest token the sequence's constraint allows after
+    the drafts before it (the engine's mask hook computes the masks, as for sampling), and the
+    chain follows the constraint forward. Rows without a constraint take the plain argmax."""
+
+    def __init__(self, mask_hook: MaskHook | None = None) -> None:
+        self.mask_hook = mask_hook
+
+    @staticmethod
+    def start(seq) -> object | None:
+        """The grammar state a chain of drafts for seq starts from (None: unconstrained)."""
+        return getattr(seq, "constraint", None)
+
+    def pick(self, logits: Tensor, rows: list[tuple[Any, object | None]]) -> list[tuple[int, object | None] | None]:
+        """logits [R, >= V]: per row (seq, its grammar state), the pick and the state after it,
+        or None where the grammar allows nothing more (the chain stops there)."""
+        allowed = None
+        if self.mask_hook is not None and any(state is not None for _, state in rows):
+            allowed = self.mask_hook([DraftRow(seq.request, state) for seq, state in rows])
+        if allowed is not None:
+            vocab = min(logits.shape[1], allowed.shape[1])
+            logits = logits[:, :vocab].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+        tokens = logits.argmax(dim=-1).tolist()
+        picks: list[tuple[int, object | None] | None] = []
+        for index, ((_, state), token) in enumerate(zip(rows, tokens)):
+            if state is None:
+                picks.append((token, None))
+                continue
+            if allowed is not None and not bool(allowed[index].any()):
+                picks.append(None)
+                continue
+            after = state.fork()  # type: ignore[attr-defined]
+            picks.append((token, after) if after.advance(token) else None)
+        return picks
 
 
 class Drafter:

@@ -10,7 +10,6 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -19,7 +18,7 @@ from helios.core.logs import log_failure
 from helios.engine import devices, precision
 from helios.engine.checkpoints import StepCosts
 from helios.engine.draft_core import DraftCoreDrafter
-from helios.engine.drafter import SpeculationConfig
+from helios.engine.drafter import DraftPicker, DraftRow, MaskHook, SpeculationConfig
 from helios.engine.executor import Executor, StepResult
 from helios.engine.kv_cache import PagePool
 from helios.engine.logprobs import (
@@ -44,18 +43,6 @@ from helios.engine.sequence import (
 )
 
 log = logging.getLogger("helios.engine")
-
-MaskHook = Callable[[list], "torch.Tensor | None"]  # rows' allowed-token masks [B, V] bool, from each row's
-# `.constraint` (and `.request`): a Sequence, or a DraftRow for a verification row after drafts
-
-
-@dataclass(frozen=True, slots=True)
-class DraftRow:
-    """A verification row as the mask hook sees it: its choice's constraint after the drafts before it."""
-
-    request: EngineRequest
-    constraint: object
-
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -167,6 +154,8 @@ class LLMEngine:
             self.learned = DraftCoreDrafter(config.draft_core, m, num_pages, config.device, speculation.max_drafts,
                                             config.max_concurrency, config.prefill_chunk_size, self.stats)  # fmt: skip
         self.scheduler.drafter.learned = self.learned
+        if self.learned is not None:  # learned drafts follow the grammar of a constrained sequence
+            self.learned.picker = DraftPicker(mask_hook)
         self.sampler = Sampler()
         self.mask_hook = mask_hook
         self._aborted: set[tuple[str, int | None]] = set()

@@ -11,8 +11,8 @@ the committed ones, overwritten by the committed rows of later steps before anyt
 (a query reads only positions at or before its own). Where a sequence has no page yet for them
 they go to scratch pages past the pool, which only the drafter's caches have.
 
-Drafts are greedy (argmax); verification (engine.py) decides what is committed, so drafts
-change speed only, never output.
+Drafts are greedy (argmax; under a grammar, the likeliest token it allows: drafter.DraftPicker);
+verification (engine.py) decides what is committed, so drafts change speed only, never output.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from helios.engine.drafter import DraftPicker
 from helios.engine.request import EngineStats, FinishCause
 from helios.engine.sequence import SchedulerOutput, Sequence
 
@@ -100,6 +101,7 @@ class MtpDrafter:
         self.kv = [wide.get(i, t) for i, t in enumerate(executor.kv)]  # the drafter's view: scratch included
         self.stats = stats
         self._proposals: dict[int, tuple[int, ...]] = {}  # id(seq) -> drafts for its next round
+        self.picker = DraftPicker()  # the engine gives it its mask hook
 
     # ------------------------------------------------------------------ LearnedDrafter
     def proposal(self, seq: Sequence) -> tuple[int, ...]:
@@ -146,17 +148,19 @@ class MtpDrafter:
         logits, out = self._call(0, rows, [row for _, row in wanted] or [rows.starts[-1] - 1])
         if not wanted:
             return
-        drafts = logits.argmax(dim=-1).tolist()
-        # [seq, its drafts, the MTP hidden state of its latest row, its scratch pages' first id]
-        chain = [[seq, [token], out[row : row + 1], self.num_pages + i * self.scratch_per_seq]
-                 for i, ((seq, row), token) in enumerate(zip(wanted[: self.max_rows], drafts))]  # fmt: skip
-        self._chain(chain, depths)
-        for seq, tokens, _, _ in chain:
+        picks = self.picker.pick(logits, [(seq, self.picker.start(seq)) for seq, _ in wanted])
+        # [seq, its drafts, the MTP hidden state of its latest row, its scratch pages' first id, grammar state]
+        chain = [[seq, [pick[0]], out[row : row + 1], self.num_pages + i * self.scratch_per_seq, pick[1]]
+                 for i, ((seq, row), pick) in enumerate(zip(wanted[: self.max_rows], picks)) if pick is not None]  # fmt: skip
+        if chain:
+            self._chain(chain, depths)
+        for seq, tokens, _, _, _ in chain:
             self._proposals[id(seq)] = tuple(tokens)
             self.stats.draft_steps += len(tokens)
-        for (seq, _), token in zip(wanted[self.max_rows :], drafts[self.max_rows :]):
-            self._proposals[id(seq)] = (token,)
-            self.stats.draft_steps += 1
+        for (seq, _), pick in zip(wanted[self.max_rows :], picks[self.max_rows :]):
+            if pick is not None:
+                self._proposals[id(seq)] = (pick[0],)
+                self.stats.draft_steps += 1
 
     def _chain(self, chain: list[list], depths: dict[int, int]) -> None:
         """Extend each sequence's drafts to its depth: draft j + 1 from layer j mod K at position
@@ -164,17 +168,22 @@ class MtpDrafter:
         state, its KV written into the sequence's page or, past its pages, its scratch pages."""
         size = self.page_tokens
         for step in range(1, max(depths[id(entry[0])] for entry in chain)):
-            group = [entry for entry in chain if depths[id(entry[0])] > step]
+            # a chain whose grammar allowed nothing more stopped growing (its drafts fell behind)
+            group = [entry for entry in chain if depths[id(entry[0])] > step and len(entry[1]) == step]
+            if not group:
+                break
             rows = DraftRows.empty()
-            for seq, tokens, state, scratch in group:
+            for seq, tokens, state, scratch, _ in group:
                 position = len(seq.token_ids) - 2 + step
                 table = list(seq.pages)
                 table += range(scratch, scratch + position // size + 1 - len(table))
                 rows.add([tokens[-1]], range(position, position + 1), table, state, size)
             logits, out = self._call(step % len(self.programs), rows, list(range(len(group))))
-            for index, (entry, token) in enumerate(zip(group, logits.argmax(dim=-1).tolist())):
-                entry[1].append(token)
-                entry[2] = out[index : index + 1]
+            picks = self.picker.pick(logits, [(entry[0], entry[4]) for entry in group])
+            for index, (entry, pick) in enumerate(zip(group, picks)):
+                if pick is not None:
+                    entry[1].append(pick[0])
+                    entry[2], entry[4] = out[index : index + 1], pick[1]
 
     def _call(self, layer: int, rows: DraftRows, logits_rows: list[int]) -> tuple[Tensor, Tensor]:
         """Run MTP layer `layer` over the rows: (logits of logits_rows [R, V], every row's MTP hidden state)."""
