@@ -8,12 +8,13 @@ import math
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from helios.core import Core
-from helios.engine.drafter import NgramIndex, PayoffGate, SharedHistory, SpeculationConfig
+from helios.engine.drafter import DraftPicker, NgramIndex, PayoffGate, SharedHistory, SpeculationConfig
 from helios.engine.engine import EngineConfig, LLMEngine
 from helios.engine.executor import StepResult
 from helios.engine.offline import run_to_completion
@@ -230,3 +231,41 @@ def test_the_gate_backs_speculation_off_where_drafts_lose(core: Core, monkeypatc
     _same(plain, out)
     assert seen and seen[0][0] == len(requests)
     assert all(not drafted and committed == decoding for decoding, drafted, committed in seen)
+
+
+class _Grammar:
+    """A stand-in constraint: allows the tokens of `allowed` in order, then nothing."""
+
+    def __init__(self, allowed: list[set[int]]) -> None:
+        self.allowed = allowed
+
+    def fork(self) -> _Grammar:
+        return _Grammar(list(self.allowed))
+
+    def advance(self, token: int) -> bool:
+        if not self.allowed or token not in self.allowed[0]:
+            return False
+        self.allowed.pop(0)
+        return True
+
+
+def test_the_draft_picker_takes_the_likeliest_token_the_grammar_allows() -> None:
+    vocab = 6
+
+    def masks(rows: list) -> torch.Tensor:
+        allowed = torch.ones(len(rows), vocab, dtype=torch.bool)
+        for index, row in enumerate(rows):
+            if isinstance(row.constraint, _Grammar):
+                allowed[index] = torch.tensor([t in (row.constraint.allowed or [set()])[0] for t in range(vocab)])
+        return allowed
+
+    picker = DraftPicker(masks)
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0, 0.0, 0.0]] * 3)  # the plain argmax is token 1
+    seq = SimpleNamespace(request=None)
+    grammar = _Grammar([{2, 3}, {4}])
+    free, masked, done = picker.pick(logits, [(seq, None), (seq, grammar), (seq, _Grammar([]))])
+    assert free == (1, None)  # no constraint: the plain argmax
+    assert masked is not None and masked[0] == 3 and masked[1].allowed == [{4}]  # best allowed, state advanced
+    assert done is None  # the grammar allows nothing more: the chain stops
+    assert grammar.allowed == [{2, 3}, {4}]  # the caller's state is forked, never advanced
+    assert DraftPicker(None).pick(logits[:1], [(seq, grammar)]) == [None]  # unmasked, the argmax is refused
