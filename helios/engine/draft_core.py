@@ -128,7 +128,7 @@ class DraftCoreDrafter:
         self._frontier.update(frontiers)
         if not wanted:
             return
-        picks = self.picker.pick(logits[:, : self.vocab], [(seq, self.picker.start(seq)) for seq, _ in wanted])
+        picks = self.picker.pick(logits[:, : self.vocab], [(seq, seq.constraint) for seq, _ in wanted])
         # [seq, its drafts, grammar state]
         chain = [[seq, [pick[0]], pick[1]] for (seq, _), pick in zip(wanted, picks) if pick is not None]
         for step in range(1, max((depths[id(entry[0])] for entry in chain), default=1)):

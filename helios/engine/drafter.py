@@ -177,9 +177,6 @@ class PayoffGate:
         self._rate[(bucket, drafted)] = rate if old is None else old + self.ALPHA * (rate - old)
         self._steps[bucket] = self._steps.get(bucket, 0) + 1
 
-    def rates(self) -> dict[tuple[int, bool], float]:
-        return dict(self._rate)
-
 
 MaskHook = Callable[[list], "Tensor | None"]  # rows' allowed-token masks [B, V] bool, from each row's
 # `.constraint` (and `.request`): a Sequence, or a DraftRow for a row after drafts
@@ -203,11 +200,6 @@ class DraftPicker:
 
     def __init__(self, mask_hook: MaskHook | None = None) -> None:
         self.mask_hook = mask_hook
-
-    @staticmethod
-    def start(seq) -> object | None:
-        """The grammar state a chain of drafts for seq starts from (None: unconstrained)."""
-        return getattr(seq, "constraint", None)
 
     def pick(self, logits: Tensor, rows: list[tuple[Any, object | None]]) -> list[tuple[int, object | None] | None]:
         """logits [R, >= V]: per row (seq, its grammar state), the pick and the state after it,

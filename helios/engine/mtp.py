@@ -148,7 +148,7 @@ class MtpDrafter:
         logits, out = self._call(0, rows, [row for _, row in wanted] or [rows.starts[-1] - 1])
         if not wanted:
             return
-        picks = self.picker.pick(logits, [(seq, self.picker.start(seq)) for seq, _ in wanted])
+        picks = self.picker.pick(logits, [(seq, seq.constraint) for seq, _ in wanted])
         # [seq, its drafts, the MTP hidden state of its latest row, its scratch pages' first id, grammar state]
         chain = [[seq, [pick[0]], out[row : row + 1], self.num_pages + i * self.scratch_per_seq, pick[1]]
                  for i, ((seq, row), pick) in enumerate(zip(wanted[: self.max_rows], picks)) if pick is not None]  # fmt: skip

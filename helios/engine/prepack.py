@@ -92,10 +92,13 @@ def _best_ms(run, repeats: int = 3) -> float:
 _SAMPLE_BYTES = 256 << 20  # measure over at least this much real weight (past any last-level cache), or all of it
 
 
-def _measure(kernel: str, rows: int, sample: list[Tensor]) -> float:
-    """Best-of-three milliseconds for `sample`'s linears, in order, at `rows` rows on `kernel`."""
+def _pack_sample(kernel: str, sample: list[Tensor]) -> list[Tensor]:
+    return [torch.ops.flare_native.pack_linear(w) if kernel in NATIVE_KERNELS else pack(w) for w in sample]
+
+
+def _measure(kernel: str, rows: int, sample: list[Tensor], packed: list[Tensor]) -> float:
+    """Best-of-three milliseconds for `sample`'s linears (packed for `kernel`), in order, at `rows` rows."""
     native_kernel = kernel in NATIVE_KERNELS
-    packed = [torch.ops.flare_native.pack_linear(w) if native_kernel else pack(w) for w in sample]
     inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in sample}}
     op = _native_op(kernel)
 
@@ -136,7 +139,12 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
             break
         sample.append(weights[name])
         total += weights[name].numel() * weights[name].element_size()
-    timings = {(kernel, rows): _measure(kernel, rows, sample) for kernel in candidates for rows in _CHOICE_ROWS}
+    timings: dict[tuple[str, int], float] = {}
+    for kernel in candidates:
+        packed = _pack_sample(kernel, sample)
+        for rows in _CHOICE_ROWS:
+            timings[(kernel, rows)] = _measure(kernel, rows, sample, packed)
+        del packed
     few, many = _CHOICE_ROWS
     best_many = min(timings[(kernel, many)] for kernel in candidates)
     close = [kernel for kernel in candidates if timings[(kernel, many)] <= _SLOWER_AT_MANY_ROWS * best_many]

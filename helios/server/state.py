@@ -170,10 +170,6 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     draft = _draft_core(config, m)
     # kv_memory_mb unset: 1 GiB on CPU; on CUDA the pool is sized from free device memory (devices.kv_pages_for)
     kv_bytes = config.kv_memory_mb << 20 if config.kv_memory_mb is not None else (None if cuda else 1 << 30)
-    # The frontend (tokenizer, chat template, parsers: Python and Rust) builds on a thread while
-    # the engine maps weights and programs and allocates its pool (mostly outside the GIL).
-    starter = ThreadPoolExecutor(1, "helios-startup")
-    pending_frontend = starter.submit(Frontend, core, config)
     try:
         engine = LLMEngine(core, EngineConfig(
             max_concurrency=config.max_concurrency, max_pending=config.queue_size,
@@ -191,11 +187,9 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
             mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads))  # fmt: skip
     except devices.DeviceError as exc:  # the KV pool does not fit on the device
         raise ConfigError(str(exc)) from None
-    finally:
-        starter.shutdown(wait=False)
     client = EngineClient(engine).start()
-    clock.lap("starting the engine (the frontend beside it)")
-    frontend = pending_frontend.result()
+    clock.lap("starting the engine")
+    frontend = Frontend(core, config)
     frontend.grammars.probe.start()  # its worker builds the tokenizer while the server starts
     clock.lap("starting the frontend")
     created = int(time.time())

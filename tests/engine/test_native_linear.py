@@ -83,7 +83,8 @@ def test_portable_programs_agree_on_every_kernel(native_core: Path) -> None:
 
 def _timed(monkeypatch: pytest.MonkeyPatch, timings: dict[tuple[str, int], float]) -> None:
     """choose() sees these (kernel, rows) -> ms; a kernel this host lacks is never timed."""
-    monkeypatch.setattr(prepack, "_measure", lambda kernel, rows, sample: timings[(kernel, rows)])
+    monkeypatch.setattr(prepack, "_pack_sample", lambda kernel, sample: [])
+    monkeypatch.setattr(prepack, "_measure", lambda kernel, rows, sample, packed: timings[(kernel, rows)])
 
 
 def test_the_choice_is_measured_once_and_remembered(native_core: Path, monkeypatch: pytest.MonkeyPatch,

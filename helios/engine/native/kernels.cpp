@@ -286,6 +286,15 @@ inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pai
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + (m * NB + j) * kBlock, acc[m][j]);
 }
 
+// One row's 16 fp32 results of block `first / 16` (+ bias), rounded to bfloat16 (nearest even, as
+// torch's cast) into out[first:], masked past n.
+inline void store_block(const float* acc, const float* bias, int64_t first, int64_t n, uint16_t* out) {
+  __m512 v = _mm512_loadu_ps(acc);
+  const __mmask16 keep = n - first >= kBlock ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - first)) - 1);
+  if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + first));
+  _mm256_mask_storeu_epi16(out + first, keep, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 template <int NB>
 void tile(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t block, int64_t n, const float* bias,
           uint16_t* y) {
@@ -307,11 +316,7 @@ void tile(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t
       for (int j = 0; j < NB; ++j) {
         const int64_t first = (block + j) * kBlock;
         if (first >= n) break;
-        __m512 v = _mm512_loadu_ps(buf + (i * NB + j) * kBlock);
-        const __mmask16 keep = n - first >= kBlock ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - first)) - 1);
-        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + first));
-        const __m256bh h = _mm512_cvtneps_pbh(v);  // round to nearest even, as torch's bfloat16 cast
-        _mm256_mask_storeu_epi16(y + (m + i) * n + first, keep, (__m256i)h);
+        store_block(buf + (i * NB + j) * kBlock, bias, first, n, y + (m + i) * n);
       }
     m += r;
   }
@@ -400,11 +405,7 @@ void amx_linear(const uint16_t* x, int64_t rows, int64_t padded_rows, int64_t k,
             for (int64_t j = 0; j < nb; ++j) {
               const int64_t first = (block + j) * kBlock;
               if (first >= n) break;
-              __m512 v = _mm512_loadu_ps(buf + (2 * i + j) * 256 + r * 16);
-              const __mmask16 keep = n - first >= kBlock ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - first)) - 1);
-              if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + first));
-              const __m256bh h = _mm512_cvtneps_pbh(v);
-              _mm256_mask_storeu_epi16(y + (m + 16 * i + r) * n + first, keep, (__m256i)h);
+              store_block(buf + (2 * i + j) * 256 + r * 16, bias, first, n, y + (m + 16 * i + r) * n);
             }
       }
     }
