@@ -44,6 +44,11 @@ from helios.engine.sequence import (
 
 log = logging.getLogger("helios.engine")
 
+# Hybrid cores with speculation: spare live state slots, each lent to one drafting sequence for a
+# step (its state before verification). Speculation pays at low concurrency, where few sequences
+# draft at once; a sequence finding none free decodes without drafts that step.
+ROLLBACK_SLOTS = 8
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_concurrency: int = 64  # live choices at once
@@ -108,7 +113,9 @@ class LLMEngine:
         self.states = None
         if m.kv.state:
             snapshots = config.max_concurrency if config.state_snapshots is None else config.state_snapshots
-            self.states = StatePool(config.max_concurrency, snapshots, config.anchor_guards)
+            # Speculation lends spare live slots for rollback copies (scheduler: drafting hybrids).
+            spare = min(config.max_concurrency, ROLLBACK_SLOTS) if config.speculation.mode != "off" else 0
+            self.states = StatePool(config.max_concurrency, snapshots, config.anchor_guards, spare)
             self.stats.state_slots = self.states.num_slots
             self.stats.state_slot_bytes = m.kv.slot_bytes
         page = m.limits.page_tokens
@@ -116,7 +123,7 @@ class LLMEngine:
         if interval is None:
             interval = max(page, config.prefill_chunk_size // page * page)
         speculation = config.speculation
-        learned = speculation.mode != "off" and speculation.learned and not m.kv.state
+        learned = speculation.mode != "off" and speculation.learned
         drafters = mtp_kinds(m.programs) if learned and config.draft_core is None else ()
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
                                  config.compiled_step, self.states.num_slots if self.states else 1, drafters,
@@ -131,9 +138,6 @@ class LLMEngine:
         self.costs = StepCosts()  # what hinted checkpoints of hybrid cores are predicted to cost
         if self.states is not None:
             self._measure_state_copy()
-        if self.states is not None and speculation.mode != "off":
-            log.info("speculation: off for this hybrid core (a rejected draft would have advanced its recurrent state)")
-            speculation = SpeculationConfig(mode="off")
         if speculation.mode == "adaptive" and speculation.row_budget is None:  # only adaptive mode keeps a budget
             speculation = replace(speculation, row_budget=self.executor.speculation_rows(core))
         host = self._host_store(core, config, kv_dtype)

@@ -197,6 +197,7 @@ class EngineStats:
     state_slot_bytes: int = 0  # bytes of one slot over every recurrent layer
     state_slots_used: int = 0  # live slots held by running sequences
     state_snapshots: int = 0  # prefix snapshots held
+    state_rewinds: int = 0  # hybrid cores: speculative rounds whose rejected drafts rewound the state
     checkpoint_anchor_reservations: int = 0  # unused anchor guards (snapshot slots kept for anchors)
     # Image preparation and feature counters (spec metrics "input_*"), under their Prometheus names
     # without flare_; the frontend adds its decode counters to the same table.

@@ -19,7 +19,12 @@ Invariants (each checked by tests/engine/test_scheduler.py without a model):
   far as a state snapshot reaches; prefill chunks end at snapshot boundaries so the state
   there can be captured: multiples of the snapshot interval, the prompt's last page boundary,
   and the request's checkpoint hints chosen at first admission under its work allowance
-  (checkpoints.py). Such sequences never draft (a rejected draft would have advanced the state).
+  (checkpoints.py). A drafting sequence borrows a spare slot for the step: the step's copy of its
+  state before verification. A round with every draft accepted gives the spare back; a rejection
+  makes the spare its live slot (the state before the step) and rewinds num_computed to the
+  round's first position, so the next step recomputes the committed tokens without the rejected
+  ones. Drafts stop short of the next page boundary, so a rewind never crosses a published page
+  or a planned snapshot.
 * Host store copy-out (copy_out.py): a finishing sequence's records the store lacks are pinned
   for the copier before its pages are released, or deferred when the pool lacks headroom. Pinned
   pages never fail an admission or force a preemption: under pool pressure the scheduler waits
@@ -317,9 +322,10 @@ class Scheduler:
         limits, and for a constrained one the constraint before each verification row (its own,
         then forks advanced through each draft; drafts the grammar rejects are cut). Pages for
         drafts come only from free ones: drafts never preempt."""
-        if spare <= 0 or seq.unforked or self.states is not None or not self._may_draft(seq):
+        if spare <= 0 or seq.unforked or not self._may_draft(seq):
             return (), ()
-        drafts = self.drafter.propose(seq, self.drafter.depth(seq, min(spare, self._room(seq))))
+        limit = min(spare, self._room(seq), self._state_room(seq))
+        drafts = self.drafter.propose(seq, self.drafter.depth(seq, limit)) if limit > 0 else ()
         states: list = []
         if seq.constraint is not None and drafts:
             states.append(seq.constraint)
@@ -336,7 +342,25 @@ class Scheduler:
                 drafts = drafts[: len(seq.pages) * size - len(seq.token_ids)]
                 break
             seq.pages.append(self.pool.allocate())
+        if drafts and self.states is not None:
+            assert seq.state_slot is not None
+            seq.rollback_slot = self.states.borrow()
+            if seq.rollback_slot is None:
+                return (), ()
+            self._state_before.append((seq.state_slot, seq.rollback_slot))
         return drafts, tuple(states[: len(drafts) + 1]) if drafts else ()
+
+    def _state_room(self, seq: Sequence) -> int:
+        """Drafts a hybrid sequence may take: its round stays short of the next page boundary (so
+        a rewind after a rejection never re-enters a published page or a planned snapshot), and
+        only while a spare state slot is free for the rollback copy. Unlimited without state."""
+        if self.states is None:
+            return 1 << 30
+        if not self.states.can_borrow:
+            return 0
+        size = self.pool.page_tokens
+        boundary = (seq.num_computed // size + 1) * size
+        return max(0, boundary - seq.num_computed - 2)
 
     def _room(self, seq: Sequence) -> int:
         """Drafts seq may take within its limits: the correction or bonus token always follows."""
@@ -347,7 +371,7 @@ class Scheduler:
         sequence's next round, sharing the step's spare rows oldest first as planning will; 0 (left
         out) where it could not draft or where its history's proposal wins anyway (Drafter.propose)."""
         drafter = self.drafter
-        if not drafter.enabled or not drafter.config.learned or self.states is not None:
+        if not drafter.enabled or not drafter.config.learned:
             return {}
         spare = self._draft_rows()
         depths: dict[int, int] = {}
@@ -356,7 +380,7 @@ class Scheduler:
                 break
             if seq.num_pending != 1 or seq.scoring or seq.unforked or not self._may_draft(seq):
                 continue
-            k = drafter.depth(seq, min(spare, self._room(seq)))
+            k = drafter.depth(seq, min(spare, self._room(seq), self._state_room(seq)))
             if k > 0 and not drafter.history_wins(seq, k):
                 depths[id(seq)] = k
                 spare -= k
@@ -593,6 +617,7 @@ class Scheduler:
             stats.draft_rounds += offered > 0
             stats.count_round(offered)
         accepted = len(sampled) - 1  # every token before the last matched its draft
+        round_start = seq.num_computed - 1  # the chunk's position (its one token, before the drafts)
         stats.accepted_drafts += accepted
         self.drafter.verified(seq, offered, accepted)
         tokens: list[int] = []
@@ -618,7 +643,21 @@ class Scheduler:
             seq.num_computed += accepted  # the accepted drafts' KV was written by this step
             self.publish_full_pages(seq)
             self.drafter.accepted(seq, offered, accepted)
+            self._settle_rollback(seq, rewind_to=round_start if accepted < offered else None)
         return events
+
+    def _settle_rollback(self, seq: Sequence, rewind_to: int | None) -> None:
+        """End a hybrid sequence's round: give the borrowed slot back, or, when a draft was rejected
+        (the live state absorbed it), make it the live slot and rewind to the round's first position."""
+        if seq.rollback_slot is None:
+            return
+        assert self.states is not None and seq.state_slot is not None
+        slot, seq.rollback_slot = seq.rollback_slot, None
+        if rewind_to is not None:
+            slot, seq.state_slot = seq.state_slot, slot
+            seq.num_computed = rewind_to
+            self.stats.state_rewinds += 1
+        self.states.give_back(slot)
 
     def _track_reasoning(self, seq: Sequence, sampled: SampledToken) -> None:
         budget = seq.request.reasoning_budget
@@ -718,6 +757,9 @@ class Scheduler:
         if self.states is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None
+            if seq.rollback_slot is not None:
+                self.states.give_back(seq.rollback_slot)
+                seq.rollback_slot = None
 
     def _event(self, seq: Sequence, tokens: tuple[int, ...], entries: tuple, cause: FinishCause | None,
                error: str | None = None) -> EngineEvent:  # fmt: skip
@@ -754,6 +796,8 @@ class Scheduler:
         if self.states is not None:
             assert all(s.state_slot is not None for s in self.running), "a running sequence has no state slot"
             assert all(s.state_slot is None for s in self.waiting), "a waiting sequence holds a state slot"
+            lent = sum(s.rollback_slot is not None for s in self.running)
+            assert lent == self.states.num_borrowed, "a borrowed state slot is not held by a running sequence"
             self.states.check(len(self.running))
 
 

@@ -45,6 +45,7 @@ class Sequence:
     endpoint_slot: int | None = None  # hybrid cores: a claimed snapshot slot following its last full page
     endpoint_digest: bytes | None = None  # the chain hash the endpoint slot's state is at
     checkpoints: dict = field(default_factory=dict)  # hybrid cores: boundary -> Checkpoint chosen at admission
+    rollback_slot: int | None = None  # hybrid cores: a borrowed slot holding its state before this step's drafts
 
     @property
     def num_output(self) -> int:

@@ -6,7 +6,9 @@ have `num_live + num_snapshots` slots:
 
   live      one per running sequence (allocated at admission or fork, freed at finish,
             abort and preemption); never more than max_concurrency are in use, so the
-            scheduler's concurrency check is also the slot check
+            scheduler's concurrency check is also the slot check. `num_spare` more live slots
+            are lent for one step at a time to speculating sequences (`borrow`): the step's
+            rollback copy, the state before a verification step whose drafts may be rejected
   snapshot  an immutable copy of a sequence's state at a page-aligned prefix boundary,
             keyed by the page-hash chain up to that boundary (token content plus the
             identity slot), least-recently-used first out; conversation anchors (the end
@@ -34,12 +36,14 @@ from collections import OrderedDict, deque
 
 
 class StatePool:
-    def __init__(self, num_live: int, num_snapshots: int, anchor_guards: int | None = None) -> None:
-        self.num_live = num_live
+    def __init__(self, num_live: int, num_snapshots: int, anchor_guards: int | None = None, num_spare: int = 0) -> None:
+        self.num_sequences = num_live  # live slots sequences may hold at once
+        self.num_live = num_live + num_spare
         self.num_snapshots = num_snapshots
         self.anchor_guards = min(num_snapshots, num_snapshots // 4 if anchor_guards is None else anchor_guards)
-        self._free_live: deque[int] = deque(range(num_live))
-        self._free_snapshots: deque[int] = deque(range(num_live, num_live + num_snapshots))
+        self._free_live: deque[int] = deque(range(self.num_live))
+        self._free_snapshots: deque[int] = deque(range(self.num_live, self.num_live + num_snapshots))
+        self._borrowed = 0  # live slots lent for a step (borrow), not yet given back
         self._by_hash: OrderedDict[bytes, int] = OrderedDict()  # registered snapshots, oldest first
         self._pending: set[int] = set()  # snapshot slots whose copy a planned step will make
         self._armed: set[int] = set()  # of those, the slots anchor captures will land in
@@ -72,6 +76,28 @@ class StatePool:
         if slot is not None:
             assert slot < self.num_live and slot not in self._free_live, f"state slot {slot} released twice"
             self._free_live.append(slot)
+
+    @property
+    def can_borrow(self) -> bool:
+        return len(self._free_live) > self.num_sequences - (self.live_in_use - self._borrowed)
+
+    def borrow(self) -> int | None:
+        """A live slot lent for one step (a rollback copy), never one a sequence may still need: None
+        when every free slot is owed to the sequences max_concurrency allows."""
+        if not self.can_borrow:
+            return None
+        self._borrowed += 1
+        return self._free_live.popleft()
+
+    def give_back(self, slot: int) -> None:
+        """End a loan: `slot` is the borrowed one, or the slot it replaced as a sequence's live slot."""
+        assert self._borrowed > 0, "giving back a slot that was not borrowed"
+        self._borrowed -= 1
+        self.release(slot)
+
+    @property
+    def num_borrowed(self) -> int:
+        return self._borrowed
 
     # ------------------------------------------------------------------ snapshots
     def lookup(self, chain: list[bytes]) -> tuple[int, int] | None:
@@ -151,7 +177,8 @@ class StatePool:
 
     def check(self, live_held: int) -> None:
         """Slots add up (tests): `live_held` running sequences hold one live slot each."""
-        assert self.live_in_use == live_held, f"{self.live_in_use} live state slots in use, {live_held} held"
+        assert self.live_in_use == live_held + self._borrowed, \
+            f"{self.live_in_use} live state slots in use, {live_held} held and {self._borrowed} borrowed"
         held = len(self._free_snapshots) + len(self._by_hash) + len(self._pending)
         assert held == self.num_snapshots, "snapshot slots leaked"
         assert self._anchors <= self._by_hash.keys(), "an anchor outlived its snapshot"

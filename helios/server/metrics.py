@@ -73,6 +73,8 @@ EXTRAS: tuple[tuple[str, str, str], ...] = (
     ("state_slot_bytes", "gauge", "Bytes of one recurrent-state slot over every recurrent layer"),
     ("state_slots_used", "gauge", "Live recurrent-state slots held by running sequences"),
     ("state_snapshots", "gauge", "Recurrent-state prefix snapshots held for reuse"),
+    ("state_rewinds_total", "counter",
+     "Speculative rounds of a hybrid core whose rejected drafts rewound its recurrent state (committed tokens recomputed)"),
     ("checkpoint_anchor_reservations", "gauge",
      "Unused anchor guards: snapshot slots kept for conversation anchors that no anchor holds or is armed to fill"),
     ("checkpoint_extra_work_nanoseconds_total", "counter",

@@ -101,6 +101,7 @@ class ServerState:
         speculation = self.client.engine.scheduler.drafter
         values.update(
             preemptions_total=stats.preemptions,
+            state_rewinds_total=stats.state_rewinds,
             used_pages=stats.total_pages - stats.free_pages - stats.cached_pages,
             # api.md: learned_drafter is a boolean; which drafter it is goes beside it (JSON only):
             # "mtp" for the core's MTP programs, a draft core's model id, or null.

@@ -128,3 +128,54 @@ def test_an_anchor_capture_fills_a_guard_and_the_gauge_follows(hybrid: Core) -> 
     assert engine.stats.checkpoint_captures.get("anchor") == 1
     assert engine.states.unused_guards == 1 and engine.stats.checkpoint_anchor_reservations == 1
     _idle(engine)
+
+
+
+def test_speculation_rewinds_the_state_after_rejections_and_changes_no_output(hybrid: Core) -> None:
+    """Drafts on a hybrid core: a rejected draft's state is rolled back (the borrowed copy becomes
+    the live slot), so tokens and logprobs equal plain decoding. The drafts are the plain run's own
+    continuation with every third round's middle draft wrong, so every family sees accepted and
+    rejected drafts; forks, preemption and a single spare slot (others then decode plainly) included."""
+    from helios.engine.drafter import SpeculationConfig
+
+    text = "one two three four one two three four "
+    requests = [EngineRequest(f"s{i}", _prompt(hybrid, text * (i + 1)), (GREEDY,), 40, ignore_eos=True,
+                              num_top_logprobs=2) for i in range(3)]  # fmt: skip
+    requests.append(EngineRequest("n2", _prompt(hybrid, text), tuple(replace(SAMPLED, seed=s) for s in range(2)), 32,
+                                  ignore_eos=True))  # fmt: skip
+    plain = run_to_completion(_engine(hybrid, enable_prefix_cache=False), requests)
+    truth = {(r.request_id, i): r.prompt_ids + tuple(plain[r.request_id][i].token_ids) for r in requests
+             for i in range(r.n)}  # fmt: skip
+
+    def oracle(seq, k: int) -> tuple[int, ...]:
+        n = len(seq.token_ids)
+        drafts = list(truth[seq.request.request_id, seq.choice_index][n : n + k])
+        if n % 3 == 0 and len(drafts) > 1:
+            drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % 64
+        return tuple(drafts)
+
+    for spare, pages in ((None, 64), (1, 14)):  # roomy; then one spare slot and a pool that preempts
+        engine = _engine(hybrid, num_pages=pages, speculation=SpeculationConfig(mode="fixed", max_drafts=4))
+        engine.scheduler.drafter.propose = oracle
+        if spare is not None:  # keep one spare live slot of the engine's eight
+            states = engine.states
+            states._free_live = type(states._free_live)(sorted(states._free_live)[: states.num_sequences + spare])
+            states.num_live = states.num_sequences + spare
+        outputs = {r.request_id: [ChoiceOutput() for _ in range(r.n)] for r in requests}
+        for request in requests:
+            engine.add(request)
+        while engine.has_work:
+            for event in engine.step():
+                collect(outputs, event)
+            engine.scheduler.check_invariants()
+        stats = engine.stats
+        assert stats.verification_drafts > stats.accepted_drafts > 0, "drafts were accepted and rejected"
+        assert stats.state_rewinds > 0
+        if spare is not None:
+            assert stats.preemptions > 0
+        for rid, choices in plain.items():
+            for ours, theirs in zip(outputs[rid], choices, strict=True):
+                assert ours.token_ids == theirs.token_ids, rid
+                for a, b in zip(ours.logprobs or (), theirs.logprobs or (), strict=True):
+                    assert abs(a.logprob - b.logprob) <= 1e-4
+        _idle(engine)

@@ -159,3 +159,17 @@ def test_a_failed_step_returns_the_endpoint_slot_it_may_not_have_filled() -> Non
         s.check_invariants()
     assert "endpoint" not in s.stats.checkpoint_captures and s.states.snapshots_held == 1  # only the prompt's
     s.states.check(0)
+
+
+def test_spare_slots_are_lent_only_beyond_what_sequences_are_owed() -> None:
+    pool = StatePool(2, 0, num_spare=1)
+    first = pool.allocate()
+    lent = pool.borrow()  # one spare: lent while the second sequence's slot stays free for it
+    assert lent is not None and pool.borrow() is None and not pool.can_borrow
+    second = pool.allocate()  # the sequence allowed by max_concurrency still gets its slot
+    pool.check(2)
+    pool.give_back(first)  # a rewind: the borrowed slot became the sequence's live one
+    pool.release(lent)
+    pool.release(second)
+    pool.check(0)
+    assert pool.can_borrow and pool.num_borrowed == 0
