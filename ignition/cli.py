@@ -181,7 +181,7 @@ def testmodel(
     seed: Annotated[int, typer.Option("--seed", help="Random seed for the weights.")] = 0,
     chat: Annotated[Optional[str], typer.Option("--chat", help="Use another family's special tokens and chat template (e.g. qwen3).")] = None,
     vision: Annotated[bool, typer.Option("--vision", help="A multimodal checkpoint with a tiny vision tower and processor config.")] = False,
-    mtp_layers: Annotated[Optional[int], typer.Option("--mtp-layers", help="num_nextn_predict_layers: multi-token-prediction layers in the family's checkpoint layout (kimi_k3, mimo_v2).")] = None,
+    mtp_layers: Annotated[Optional[int], typer.Option("--mtp-layers", help="num_nextn_predict_layers: multi-token-prediction layers in the family's checkpoint layout (kimi_k3, mimo_v2, qwen3_next).")] = None,
 ) -> None:
     """Write a tiny random-weight HF checkpoint of FAMILY (for tests)."""
     from ignition.testmodel import write_testmodel

@@ -19,7 +19,16 @@ What it computes, as transformers 5.24's modeling_qwen3_next / qwen3_5 / qwen3_5
 - MLP: dense SwiGLU, or (Qwen3-Next per decoder_sparse_step / mlp_only_layers, Qwen3.5-MoE
   every layer) softmax top-k routing (renormalized with norm_topk_prob; always for Qwen3.5-MoE)
   plus a shared expert scaled by sigmoid(shared_expert_gate(h)).
-Left out at export: the vision tower (model.visual.*) and the multi-token-prediction head (mtp.*).
+- Multi-token prediction (`mtp_num_hidden_layers` or `num_nextn_predict_layers` layers under
+  `mtp.`, which transformers does not load), as vLLM's qwen3_next_mtp / qwen3_5_mtp serve it:
+  pre_fc_norm_embedding(embedding of the next token) and pre_fc_norm_hidden(the main model's
+  final-normed hidden state) concatenated [embedding | hidden], projected by `fc` (shared by the
+  MTP layers), one gated full-attention decoder layer (its own KV on the step's pages: two
+  KvLayout.extra "mtp_kv" caches, keys then values) with the MLP a layer of that index would
+  have, normed by the MTP `norm` and scored by the shared head. Each MTP layer is exported as
+  "mtp_draft.N" (ignition.models.mtp) and the step programs then also return the final-normed
+  hidden states. No transformers reference: `reference_mtp` in qwen3_next_reference is ours.
+Left out at export: the vision tower (model.visual.*); MTP layers when the config declares none.
 The plain-torch reference forward is in qwen3_next_reference.
 """
 
@@ -33,9 +42,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import helios.core.ops_gated_delta  # noqa: F401  (defines flare::gated_delta_rule)
-from ignition.models import moe
+from helios.core.manifest import TensorSpec
+from ignition.models import moe, mtp
 from ignition.models.common import optional_inputs, rope, rotate_half
-from ignition.models.heads import step_outputs
+from ignition.models.heads import generation_outputs, step_outputs
 
 FAMILY = "qwen3_next"
 HF_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
@@ -93,10 +103,30 @@ _TEXT_WEIGHT_MAP = {
 
 # The multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text model under model.language_model.
 _TEXT_PREFIX, _MULTIMODAL_PREFIX = "model.", "model.language_model."
-WEIGHT_MAP = {**_TEXT_WEIGHT_MAP, **{_MULTIMODAL_PREFIX + k.removeprefix(_TEXT_PREFIX): v
-                                     for k, v in _TEXT_WEIGHT_MAP.items() if k.startswith(_TEXT_PREFIX)}}  # fmt: skip
+# MTP layer N's decoder tensors (top-level `mtp.layers.N.`, in text and multimodal checkpoints alike)
+# become "mtp.N.*", named as a main layer's otherwise; the tensors the MTP layers share are "mtp.*".
+_MTP_LAYER = "mtp.layers.{}."
+_MTP_WEIGHT_MAP = {
+    "mtp.fc.weight": "mtp.fc",
+    "mtp.pre_fc_norm_embedding.weight": "mtp.pre_fc_norm_embedding",
+    "mtp.pre_fc_norm_hidden.weight": "mtp.pre_fc_norm_hidden",
+    "mtp.norm.weight": "mtp.norm",
+    **{_MTP_LAYER + k.removeprefix(_L): "mtp." + v.removeprefix("layers.")
+       for k, v in _TEXT_WEIGHT_MAP.items() if k.startswith(_L) and "linear_attn" not in k},
+}  # fmt: skip
 
-STACKED = moe.STACKED_EXPERTS
+WEIGHT_MAP = {**_TEXT_WEIGHT_MAP, **{_MULTIMODAL_PREFIX + k.removeprefix(_TEXT_PREFIX): v
+                                     for k, v in _TEXT_WEIGHT_MAP.items() if k.startswith(_TEXT_PREFIX)},
+              **_MTP_WEIGHT_MAP}  # fmt: skip
+
+
+def _mtp_names(table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """The same stacking or fusion for the MTP layers' "mtp.N." names."""
+    swap = lambda name: "mtp." + name.removeprefix("layers.")  # noqa: E731
+    return {swap(k): tuple(swap(p) for p in parts) for k, parts in table.items()}
+
+
+STACKED = moe.STACKED_EXPERTS | _mtp_names(moe.STACKED_EXPERTS)
 
 # Each layer holds only its own groups (attention or DeltaNet, dense or MoE); export skips absent ones.
 FUSED = {
@@ -106,8 +136,11 @@ FUSED = {
     "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"),
     **moe.SHARED_EXPERT_FUSED,
 }
+FUSED |= _mtp_names({k: v for k, v in FUSED.items() if k in ("layers.{}.wqkv", "layers.{}.w_gate_up")}
+                    | moe.SHARED_EXPERT_FUSED)  # fmt: skip
 
-_IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_VISION_PREFIXES = ("model.visual.", "visual.")
+_MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
 def canonical_name(name: str) -> str:
@@ -116,8 +149,17 @@ def canonical_name(name: str) -> str:
 
 
 def ignored_tensor(config: Any, name: str) -> bool:
-    """The vision tower and the multi-token-prediction head: not part of the text step."""
-    return name.startswith(_IGNORED_PREFIXES)
+    """The vision tower, and the multi-token-prediction tensors when the config declares no MTP layer
+    (or beyond the ones it declares): not part of the core."""
+    if name.startswith(_VISION_PREFIXES):
+        return True
+    if not name.startswith(_MTP_PREFIXES):
+        return False
+    layers = config.num_mtp_layers
+    if not layers:
+        return True
+    parts = name.split(".")
+    return parts[0] == "mtp" and parts[1] == "layers" and int(parts[2]) >= layers
 
 
 # ---------------------------------------------------------------------------- config
@@ -154,6 +196,8 @@ class Qwen3NextConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    num_mtp_layers: int = 0  # MTP layers compiled as mtp_draft.N programs
+    mtp_moe: bool = False  # whether the MTP layers' MLP is routed (else dense SwiGLU)
 
     @property
     def kv_dim(self) -> int:
@@ -314,12 +358,43 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3NextConfig:
         linear_value_head_dim=int(text["linear_value_head_dim"]),
         conv_kernel_size=int(text.get("linear_conv_kernel_dim", 4)),
         **_mlp_fields(text, variant, num_layers),
+        **_mtp_fields(text, variant),
     )
+
+
+def _mtp_fields(hf: dict[str, Any], variant: str) -> dict[str, Any]:
+    """MTP layers the config declares (Qwen3.5's mtp_num_hidden_layers; vLLM's num_nextn_predict_layers),
+    and whether their MLP is routed: as a main layer of the same index would be (vLLM builds MTP
+    layer N as decoder layer N), always for Qwen3.5-MoE, never for dense Qwen3.5."""
+    layers = int(hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers") or 0)
+    if layers and hf.get("mtp_use_dedicated_embeddings"):
+        _refuse("mtp_use_dedicated_embeddings", True, "the MTP layers share the main model's embedding here")
+    if variant == "qwen3_5":
+        routed = False
+    elif variant == "qwen3_5_moe":
+        routed = True
+    else:
+        step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
+        routed = 0 not in dense and int(hf.get("num_experts") or 0) > 0 and 1 % step == 0
+    return {"num_mtp_layers": layers, "mtp_moe": routed and layers > 0}
 
 
 def kv_shape(config: Qwen3NextConfig) -> tuple[int, int, int]:
     """Paged KV for every layer (the DeltaNet layers never touch theirs; recurrent-state contract)."""
     return config.num_layers, config.num_kv_heads, config.head_dim
+
+
+def extra_caches(config: Qwen3NextConfig) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
+    """The MTP layers' keys, then their values, on the step's pages (numbered after the main layers)."""
+    if not config.num_mtp_layers:
+        return ()
+    layers = tuple(range(config.num_layers, config.num_layers + config.num_mtp_layers))
+    return tuple((mtp.MTP_CACHE, layers, config.num_kv_heads, config.head_dim) for _ in range(2))
+
+
+def extra_step_outputs(config: Qwen3NextConfig) -> tuple[TensorSpec, ...]:
+    """Outputs the step programs return after program_signature's: the drafter's input, with MTP layers."""
+    return mtp.extra_step_outputs(config.hidden_size, config.num_mtp_layers)
 
 
 def state_caches(config: Qwen3NextConfig) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...], str], ...]:
@@ -332,8 +407,9 @@ def state_caches(config: Qwen3NextConfig) -> tuple[tuple[str, tuple[int, ...], t
 
 
 def decode_weight_bytes(config: Qwen3NextConfig, weights: dict[str, Tensor]) -> int:
-    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer."""
-    return moe.decode_weight_bytes(config, weights, config.num_experts_per_tok)
+    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer (no MTP layer)."""
+    main = {name: t for name, t in weights.items() if not name.startswith("mtp.")}
+    return moe.decode_weight_bytes(config, main, config.num_experts_per_tok)
 
 
 # ---------------------------------------------------------------------------- step program
@@ -354,7 +430,9 @@ def partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class StepProgram(torch.nn.Module):
     """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with state:
-    kv_cache = [k0, v0, ..., k{L-1}, v{L-1}, conv states of the DeltaNet layers, their delta-rule states]."""
+    kv_cache = [k0, v0, ..., k{L-1}, v{L-1}, (the MTP layers' keys, then values,) conv states of the
+    DeltaNet layers, their delta-rule states]; with MTP layers it also returns the final-normed
+    hidden state of every row (what mtp_draft.N takes)."""
 
     def __init__(self, config: Qwen3NextConfig, num_top: int, explicit_ids: bool, scored: bool) -> None:
         super().__init__()
@@ -374,32 +452,24 @@ class StepProgram(torch.nn.Module):
         x = F.embedding(token_ids, weights["embed"]).float()
         cos, sin = rope(positions, c.rotary_dim, c.rope_theta, torch.float32)
         linear = {layer: j for j, layer in enumerate(c.linear_layers)}
-        states = kv_cache[2 * c.num_layers :]  # conv states, then delta-rule states, of the linear layers
+        states = kv_cache[2 * (c.num_layers + c.num_mtp_layers) :]  # conv, then delta-rule states, of the linear layers
         steps = (state_slots, query_start_loc, positions)
         for i, kind in enumerate(c.layer_types):
-            h = centered_norm(x, weights[f"layers.{i}.attn_norm"], eps).to(wdt)
+            p = f"layers.{i}."
+            h = centered_norm(x, weights[p + "attn_norm"], eps).to(wdt)
             if kind == LINEAR:
                 j = linear[i]
                 mixed = self.gated_delta_net(weights, i, h, states[j], states[len(linear) + j], steps)
             else:
-                mixed = self.attention(weights, i, h, kv_cache[2 * i], kv_cache[2 * i + 1], cos, sin, positions,
-                                       slot_mapping, block_tables, seq_lens, query_start_loc)  # fmt: skip
+                mixed = attention(c, weights, p, h, kv_cache[2 * i], kv_cache[2 * i + 1], cos, sin, positions,
+                                  slot_mapping, block_tables, seq_lens, query_start_loc)  # fmt: skip
             x = x + mixed
-            h = centered_norm(x, weights[f"layers.{i}.mlp_norm"], eps).to(wdt)
-            x = x + (self.moe(weights, i, h) if c.moe_layers[i] else self.dense_mlp(weights, i, h))
-        x = centered_norm(x, weights["norm"], eps).to(wdt)
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
-
-    def attention(self, weights, i, h, k_cache, v_cache, cos, sin, positions, slot_mapping, block_tables, seq_lens,
-                  query_start_loc) -> Tensor:  # fmt: skip
-        """Gated full attention: h [T, hidden] -> [T, hidden] fp32."""
-        c, eps = self.config, self.config.rms_norm_eps
-        q_dim = c.num_heads * c.head_dim
-        q_gate, k, v = F.linear(h, weights[f"layers.{i}.wqkv"]).float().split([2 * q_dim, c.kv_dim, c.kv_dim], dim=-1)
-        q, gate = q_gate.reshape(-1, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
-        q = partial_rotary(centered_norm(q, weights[f"layers.{i}.q_norm"], eps), cos, sin)
-        k = partial_rotary(centered_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), weights[f"layers.{i}.k_norm"], eps),
-                           cos, sin)  # fmt: skip
+            h = centered_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
+            x = x + (routed_mlp(c, weights, p, h) if c.moe_layers[i] else dense_mlp(weights, p, h))
+        hidden = centered_norm(x, weights["norm"], eps)
+        outputs = step_outputs(hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top,
+                               logprob_ids, target_ids)  # fmt: skip
+        return (*outputs, hidden) if c.num_mtp_layers else outputs
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         kvt = k_cache.dtype
         torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
@@ -435,17 +505,81 @@ class StepProgram(torch.nn.Module):
         out = out * F.silu(z.reshape(-1, vh, dv))
         return F.linear(out.reshape(-1, c.value_dim).to(h.dtype), weights[p + "w_out"]).float()
 
-    def dense_mlp(self, weights, i, h) -> Tensor:
-        gate, up = F.linear(h, weights[f"layers.{i}.w_gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, weights[f"layers.{i}.w_down"]).float()
 
-    def moe(self, weights, i, h) -> Tensor:
-        """Routed experts plus the shared expert scaled by sigmoid(shared_expert_gate(h)); fp32 router."""
-        p = f"layers.{i}."
-        top, ids = moe.route(self.config.router, F.linear(h.float(), weights[p + "w_router"].float()))
-        out = moe.routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"])
-        shared = moe.shared_mlp(h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"])
-        return out + torch.sigmoid(F.linear(h.float(), weights[p + "w_shared_expert_gate"].float())) * shared
+def attention(c: Qwen3NextConfig, weights, p: str, h, k_cache, v_cache, cos, sin, positions, slot_mapping,
+              block_tables, seq_lens, query_start_loc) -> Tensor:  # fmt: skip
+    """Gated full attention of the layer whose weights are under `p`: h [T, hidden] -> [T, hidden] fp32."""
+    eps = c.rms_norm_eps
+    q_dim = c.num_heads * c.head_dim
+    q_gate, k, v = F.linear(h, weights[p + "wqkv"]).float().split([2 * q_dim, c.kv_dim, c.kv_dim], dim=-1)
+    q, gate = q_gate.reshape(-1, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
+    q = partial_rotary(centered_norm(q, weights[p + "q_norm"], eps), cos, sin)
+    k = partial_rotary(centered_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), weights[p + "k_norm"], eps), cos, sin)
+    v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+    kvt = k_cache.dtype
+    torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
+    attn = torch.ops.flare.paged_attention(q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                           positions, c.head_dim**-0.5)  # fmt: skip
+    attn = attn.float() * torch.sigmoid(gate)
+    return F.linear(attn.reshape(-1, q_dim).to(h.dtype), weights[p + "wo"]).float()
+
+
+def dense_mlp(weights, p: str, h) -> Tensor:
+    gate, up = F.linear(h, weights[p + "w_gate_up"]).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, weights[p + "w_down"]).float()
+
+
+def routed_mlp(c: Qwen3NextConfig, weights, p: str, h) -> Tensor:
+    """Routed experts plus the shared expert scaled by sigmoid(shared_expert_gate(h)); fp32 router."""
+    top, ids = moe.route(c.router, F.linear(h.float(), weights[p + "w_router"].float()))
+    out = moe.routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"])
+    shared = moe.shared_mlp(h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"])
+    return out + torch.sigmoid(F.linear(h.float(), weights[p + "w_shared_expert_gate"].float())) * shared
+
+
+class MtpProgram(torch.nn.Module):
+    """One MTP layer's draft step (ignition.models.mtp's contract): forward(weights, kv_cache,
+    *MTP inputs). Row t joins token_ids[t] (the token after positions[t]) with hidden_states[t] (the
+    main model's, or the previous MTP row's, final-normed state at positions[t]); the layer writes
+    its keys and values at slot_mapping[t]. Returns the logits_indices rows' distributions and
+    every row's MTP hidden state (the MTP norm's output, the next draft's hidden_states)."""
+
+    def __init__(self, config: Qwen3NextConfig, layer: int, num_top: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer = layer
+        self.num_top = num_top
+
+    def forward(self, weights, kv_cache, token_ids, positions, hidden_states, slot_mapping, block_tables, seq_lens,
+                query_start_loc, logits_indices):  # fmt: skip
+        c, eps, p = self.config, self.config.rms_norm_eps, f"mtp.{self.layer}."
+        wdt = weights["embed"].dtype
+        embedded = F.embedding(token_ids, weights["embed"])
+        joined = torch.cat([centered_norm(embedded, weights["mtp.pre_fc_norm_embedding"], eps),
+                            centered_norm(hidden_states, weights["mtp.pre_fc_norm_hidden"], eps)], dim=-1)  # fmt: skip
+        x = F.linear(joined.to(wdt), weights["mtp.fc"]).float()
+        cos, sin = rope(positions, c.rotary_dim, c.rope_theta, torch.float32)
+        keys = kv_cache[2 * c.num_layers + self.layer]  # the extra caches: every MTP layer's keys, then values
+        values = kv_cache[2 * c.num_layers + c.num_mtp_layers + self.layer]
+        h = centered_norm(x, weights[p + "attn_norm"], eps).to(wdt)
+        x = x + attention(c, weights, p, h, keys, values, cos, sin, positions, slot_mapping, block_tables, seq_lens,
+                          query_start_loc)  # fmt: skip
+        h = centered_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
+        x = x + (routed_mlp(c, weights, p, h) if c.mtp_moe else dense_mlp(weights, p, h))
+        out = centered_norm(x, weights["mtp.norm"], eps)
+        head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
+        return (*generation_outputs(out[logits_indices].to(wdt), head, self.num_top, None), out)
+
+
+def extra_programs(config: Qwen3NextConfig, num_top: int, weights: dict[str, Tensor]) -> tuple[mtp.ExtraProgram, ...]:
+    """One mtp_draft.N program per MTP layer, checked at export against qwen3_next_reference.reference_mtp."""
+    from ignition.models import qwen3_next_reference as ref
+
+    mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"mtp.{k}.wqkv", lambda k: f"mtp.layers.{k}.")
+    modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
+    return mtp.draft_programs(modules, config.hidden_size, num_top, mtp.reference_check(
+        config.vocab_size, lambda w, ids: ref.reference_forward(config, w, ids)[1],
+        lambda w, layer, next_ids, hidden: ref.reference_mtp(config, w, layer, next_ids, hidden)[0]))  # fmt: skip
 
 
 def reference_logits(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
@@ -507,7 +641,8 @@ def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator
         return 0.3 * torch.randn(shape, generator=generator)
     if name.endswith("linear_attn.conv1d.weight"):  # [C, 1, K]
         return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
-    if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name in ("model.norm.weight",):
+    if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name in (
+            "model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
         return 0.1 * torch.randn(shape, generator=generator)
     if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, out, in]
         return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
@@ -525,10 +660,7 @@ def hf_shapes(c: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         layer: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
         if kind == FULL:
-            q = c.num_heads * c.head_dim
-            layer |= {"self_attn.q_proj.weight": (2 * q, h), "self_attn.k_proj.weight": (c.kv_dim, h),
-                      "self_attn.v_proj.weight": (c.kv_dim, h), "self_attn.o_proj.weight": (h, q),
-                      "self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}  # fmt: skip
+            layer |= _attention_shapes(c)
         else:
             vh = c.linear_num_value_heads
             if c.grouped_projections:
@@ -543,7 +675,20 @@ def hf_shapes(c: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
                       "linear_attn.out_proj.weight": (h, c.value_dim)}  # fmt: skip
         layer |= _mlp_shapes(c, c.moe_layers[i])
         shapes.update({p + name: shape for name, shape in layer.items()})
+    if c.num_mtp_layers:
+        shapes |= {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                   "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}  # fmt: skip
+    for k in range(c.num_mtp_layers):
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)} | _attention_shapes(c)
+        shapes.update({f"mtp.layers.{k}.{name}": shape for name, shape in (layer | _mlp_shapes(c, c.mtp_moe)).items()})
     return shapes
+
+
+def _attention_shapes(c: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
+    h, q = c.hidden_size, c.num_heads * c.head_dim
+    return {"self_attn.q_proj.weight": (2 * q, h), "self_attn.k_proj.weight": (c.kv_dim, h),
+            "self_attn.v_proj.weight": (c.kv_dim, h), "self_attn.o_proj.weight": (h, q),
+            "self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}  # fmt: skip
 
 
 def _mlp_shapes(c: Qwen3NextConfig, routed: bool) -> dict[str, tuple[int, ...]]:

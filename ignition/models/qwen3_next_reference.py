@@ -92,32 +92,63 @@ def _attention(c: Qwen3NextConfig, w: dict[str, Tensor], p: str, h: Tensor, norm
     return attn.reshape(total, -1) @ w[p + "self_attn.o_proj.weight"].T
 
 
-def _mlp(c: Qwen3NextConfig, w: dict[str, Tensor], p: str, layer: int, h: Tensor) -> Tensor:
+def _mlp(c: Qwen3NextConfig, w: dict[str, Tensor], p: str, routed: bool, h: Tensor) -> Tensor:
     def swiglu(prefix: str) -> Tensor:
         gate, up = h @ w[prefix + "gate_proj.weight"].T, h @ w[prefix + "up_proj.weight"].T
         return (F.silu(gate) * up) @ w[prefix + "down_proj.weight"].T
 
-    if not c.moe_layers[layer]:
+    if not routed:
         return swiglu(p + "mlp.")
     routed = moe.reference_moe(c.router, w, p + "mlp.", h)
     shared = swiglu(p + "mlp.shared_expert.")
     return routed + torch.sigmoid(h @ w[p + "mlp.shared_expert_gate.weight"].T) * shared
 
 
-def reference_logits(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    """Dense, unpaged forward over Hugging Face-named weights (either layout): logits [T, V] fp32."""
-    c = config
-    w = {canonical_name(k): v.to(F64) for k, v in hf_weights.items() if not ignored_tensor(c, k)}
-
+def _norm(c: Qwen3NextConfig):
     def norm(t: Tensor, weight: Tensor) -> Tensor:  # zero-centred RMSNorm
         return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * (1.0 + weight)
 
+    return norm
+
+
+def _weights(c: Qwen3NextConfig, hf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {canonical_name(k): v.to(F64) for k, v in hf_weights.items() if not ignored_tensor(c, k)}
+
+
+def _head(c: Qwen3NextConfig, w: dict[str, Tensor], x: Tensor) -> Tensor:
+    return (x @ w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"].T).float()
+
+
+def reference_forward(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Dense, unpaged forward over Hugging Face-named weights (either layout): (logits [T, V] fp32,
+    final-normed hidden states [T, hidden] fp32: what the MTP layers take)."""
+    c, w, norm = config, _weights(config, hf_weights), _norm(config)
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
     for i, kind in enumerate(c.layer_types):
         p = f"model.layers.{i}."
         h = norm(x, w[p + "input_layernorm.weight"])
         x = x + (_attention(c, w, p, h, norm) if kind == FULL else _delta_net(c, w, p, h))
-        x = x + _mlp(c, w, p, i, norm(x, w[p + "post_attention_layernorm.weight"]))
+        x = x + _mlp(c, w, p, c.moe_layers[i], norm(x, w[p + "post_attention_layernorm.weight"]))
     x = norm(x, w["model.norm.weight"])
-    head = w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
-    return (x @ head.T).float()
+    return _head(c, w, x), x.float()
+
+
+def reference_logits(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
+    return reference_forward(config, hf_weights, token_ids)[0]
+
+
+def reference_mtp(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int],
+                  hidden: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """MTP layer `layer` over a whole sequence (vLLM's Qwen3NextMultiTokenPredictor): row t joins
+    next_ids[t] (the token after position t) with hidden[t] (the main model's final-normed state at
+    t) and attends causally over rows <= t. Returns (logits [T, V]: the token after next_ids[t],
+    MTP hidden states [T, hidden]), fp32."""
+    c, w, norm = config, _weights(config, hf_weights), _norm(config)
+    embedded = norm(w["model.embed_tokens.weight"][torch.tensor(next_ids)], w["mtp.pre_fc_norm_embedding.weight"])
+    joined = torch.cat([embedded, norm(hidden.to(F64), w["mtp.pre_fc_norm_hidden.weight"])], dim=-1)
+    x = joined @ w["mtp.fc.weight"].T
+    p = f"mtp.layers.{layer}."
+    x = x + _attention(c, w, p, norm(x, w[p + "input_layernorm.weight"]), norm)
+    x = x + _mlp(c, w, p, c.mtp_moe, norm(x, w[p + "post_attention_layernorm.weight"]))
+    x = norm(x, w["mtp.norm.weight"])
+    return _head(c, w, x), x.float()

@@ -56,9 +56,10 @@ LONG = TEXTS[0] + " " + TEXTS[3] + " " + TEXTS[2]  # many 16-token chunks and pa
 EIGHT = [*TEXTS, "Water boils at one hundred degrees.", "1, 2, 3, 4, 5, 6, 7,", "Hello", "My favourite colour is"]
 
 
-def write_variant(out: Path, name: str, seed: int) -> Path:
-    """A tiny checkpoint of VARIANTS[name] (tensors regenerated for its config)."""
+def write_variant(out: Path, name: str, seed: int, extra: dict | None = None) -> Path:
+    """A tiny checkpoint of VARIANTS[name] (tensors regenerated for its config), `extra` config fields added."""
     changes, dropped, _, _ = VARIANTS[name]
+    changes = changes | (extra or {})
     write_testmodel("qwen3_next", out, seed=seed)
     if not changes:
         return out
@@ -301,3 +302,37 @@ def test_responses_round_trip(app) -> None:
     final = reply["output"]
     assert [i["type"] for i in final] == ["reasoning", "message"] and final[0]["content"][0]["text"].strip() == "Done."
     assert final[1]["content"][0]["text"].strip() == ANSWER and reply["status"] == "completed"
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_mtp_layer_exports_as_a_drafter_program_matching_the_reference(name: str, tmp_path: Path) -> None:
+    """mtp_num_hidden_layers = 1: the step also returns its final-normed hidden states and the MTP
+    layer becomes mtp_draft.0 (dense MLP for Qwen3.5, routed for the MoE lines), both matching the
+    float64 reference; the same checkpoint with the field removed exports without them."""
+    from safetensors.torch import load_file
+
+    from helios.core.program import run_prompt
+    from ignition.models import mtp, qwen3_next_reference
+
+    checkpoint = write_variant(tmp_path / "ckpt", name, seed=5, extra={"mtp_num_hidden_layers": 1})
+    out = tmp_path / "core"
+    export_core(open_source(str(checkpoint)), load_recipe(VARIANTS[name][2]), ExportOptions(out=out, page_tokens=16))
+    core = Core.open(out)
+    config = qwen3_next.config_from_hf(json.loads((checkpoint / "config.json").read_text()))
+    assert config.mtp_moe is (name != "qwen3_5") and "mtp_draft.0" in core.manifest.programs
+    assert [e.name for e in core.manifest.kv.extra] == ["mtp_kv", "mtp_kv"]  # keys, then values
+    hf, weights, kv = load_file(str(checkpoint / "model.safetensors")), core.load_weights(), core.manifest.kv
+    ids = [(11 * t + 5) % config.vocab_size for t in range(37)]
+    hidden = run_prompt(core.load_program(), weights, kv, 16, ids).outputs["hidden_states"]
+    expected = qwen3_next_reference.reference_forward(config, hf, ids)[1]
+    assert float((hidden - expected).abs().max()) <= 1e-4
+    error = mtp.check_against_reference(core.load_program("mtp_draft.0"), weights, kv, 16, config.vocab_size,
+                                        lambda i: qwen3_next_reference.reference_forward(config, hf, i)[1],
+                                        lambda n, h: qwen3_next_reference.reference_mtp(config, hf, 0, n, h)[0])  # fmt: skip
+    assert error <= 1e-4
+    # without the config field the mtp.* tensors are left out, as transformers leaves them
+    plain = {k: v for k, v in json.loads((checkpoint / "config.json").read_text()).items() if k != "mtp_num_hidden_layers"}
+    (checkpoint / "config.json").write_text(json.dumps(plain))
+    export_core(open_source(str(checkpoint)), load_recipe(VARIANTS[name][2]),
+                ExportOptions(out=out, page_tokens=16, force=True))  # fmt: skip
+    assert "mtp_draft.0" not in Core.open(out).manifest.programs and not Core.open(out).manifest.kv.extra
