@@ -126,6 +126,11 @@ def internal_weights(fam: ModuleType, checkpoint: Checkpoint, config: object, dt
         named[mapped[0]] = tensor
     if config.tie_word_embeddings:  # type: ignore[attr-defined]
         named.pop("lm_head", None)
+    # Copies a checkpoint stores twice (DeepSeek-V3's MTP layers repeat the embedding and head):
+    # an exact copy is kept once, and the programs read the original where the copy is absent.
+    for copy, original in getattr(fam, "duplicates", lambda c: {})(config).items():
+        if copy in named and original in named and torch.equal(named[copy], named[original]):
+            del named[copy]
     # MoE families: per-expert tensors -> one [E, rows, cols] stack per layer (ignition.models.moe).
     stack_experts(getattr(fam, "STACKED", {}), named, checkpoint.reference)
     # Main layers, and MTP layers numbered after them where a family names them as layers (DeepSeek-V3's).

@@ -16,7 +16,8 @@ conv windows and SSM states) and ignored_tensor(config, name)
 tensors) -> tensors (a second checkpoint layout rewritten into the names WEIGHT_MAP reads, before
 anything else sees them; Step 3.7's hub vision layout), and
 testmodel_init(name, shape, generator) (a test tensor the generic init cannot make, or None),
-extra_step_outputs(config) (TensorSpecs the step programs return after program_signature's; MiMo's
+duplicates(config) (internal name -> the name it may be an exact copy of; export keeps such a copy
+once), extra_step_outputs(config) (TensorSpecs the step programs return after program_signature's; MiMo's
 hidden states) and extra_programs(config, num_top, weights) (program kinds beyond step/scored_prefill that
 export traces into the core: objects with kind, module, inputs, outputs, examples and check, as
 ignition.models.mtp.ExtraProgram; the mtp_draft.N drafter programs of MiMo and DeepSeek-V3 (kimi_k3)).

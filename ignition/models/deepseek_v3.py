@@ -488,6 +488,15 @@ class MtpProgram(StepProgram):
         return (*generation_outputs(out[logits_indices].to(wdt), head, self.num_top, None), out)
 
 
+def duplicates(config: DeepseekV3Config) -> dict[str, str]:
+    """The MTP layers' own embedding and head -> the main ones they may copy (DeepSeek-V3's release
+    stores both twice): export keeps an exact copy once, and MtpProgram then reads the main one."""
+    head = "embed" if config.tie_word_embeddings else "lm_head"
+    return {name: original for k in range(getattr(config, "num_mtp_layers", 0))
+            for name, original in ((f"layers.{config.num_layers + k}.embed", "embed"),
+                                   (f"layers.{config.num_layers + k}.head", head))}  # fmt: skip
+
+
 def extra_programs(config: DeepseekV3Config, num_top: int, weights: dict[str, Tensor]) -> tuple[mtp.ExtraProgram, ...]:
     """One mtp_draft.N program per MTP layer, checked at export against reference_mtp."""
     n = config.num_layers

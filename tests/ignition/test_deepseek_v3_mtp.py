@@ -222,3 +222,26 @@ def test_testmodel_cli_writes_the_mtp_layer(tmp_path: Path) -> None:
                                        "shared_head.head.weight", "embed_tokens.weight")}  # fmt: skip
     assert mtp_own <= names and MTP_LAYER + "self_attn.kv_b_proj.weight" in names
     assert MTP_LAYER + "mlp.experts.7.down_proj.weight" in names and not any(n.startswith("model.layers.4.") for n in names)
+
+
+def test_an_mtp_copy_of_the_main_embedding_and_head_is_stored_once(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """DeepSeek-V3's release repeats the embedding and lm_head in its MTP layer: an exact copy is
+    dropped at export (the program reads the main tensors); a copy that differs is kept."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "copied"
+    shutil.copytree(tiny["ckpt"], path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[MTP_LAYER + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[MTP_LAYER + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    copied = Core.open(_export(path, tmp_path / "core"))  # its export self-check passes on the main tensors
+    names = set(copied.load_weights())
+    assert "layers.3.embed" not in names and "layers.3.head" not in names and {"embed", "lm_head"} <= names
+    assert "layers.3.embed" in Core.open(tiny["core"]).load_weights()  # the test checkpoint's own differ: kept
+    config = deepseek_v3.config_from_hf(json.loads((path / "config.json").read_text()))
+    ids = [(5 * t + 2) % config.vocab_size for t in range(20)]
+    hidden = torch.randn(len(ids), config.hidden_size)
+    got = run_mtp_prompt(copied.load_program("mtp_draft.0"), copied.load_weights(), copied.manifest.kv, PAGE, ids, hidden)
+    expected = deepseek_v3.reference_mtp(config, tensors, 0, ids, hidden)[0]
+    assert float((got["logits"] - got["logsumexp"][:, None] - torch.log_softmax(expected, -1)).abs().max()) <= 1e-4
