@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
+import msgspec
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
@@ -178,6 +179,8 @@ def _example_inputs(inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: 
         "query_start_loc": torch.tensor([0, 3, 5], dtype=torch.int32),
         "logits_indices": torch.tensor([2, 4]),
         "state_slots": torch.tensor([2, 0]),  # of EXAMPLE_SLOTS
+        "window_slot_mapping": torch.tensor([0, 1, 2, 2 * page_tokens, 2 * page_tokens + 1]),
+        "window_block_tables": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
         "logprob_token_ids": torch.tensor([[0, 1, 2], [3, 4, 5]]) % vocab,
         "target_ids": torch.tensor([2, 3, -1, 5, -1]) % vocab,
     }
@@ -228,7 +231,8 @@ def export_program(fam: ModuleType, config: object, kind: str, num_top: int, exp
                    weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
                    path: Path) -> mf.ProgramSpec:  # fmt: skip
     width = vision_width(config)
-    inputs, outputs = program_signature(kind, num_top, explicit, state=bool(kv.state), vision=width)
+    inputs, outputs = program_signature(kind, num_top, explicit, state=bool(kv.state), vision=width,
+                                        window=kv.window_pool is not None)  # fmt: skip
     # A family may return more than the signature's outputs, after them (MiMo's hidden states for its drafter).
     outputs += getattr(fam, "extra_step_outputs", lambda c: ())(config)
     module = fam.StepProgram(config, num_top, explicit, scored=kind == SCORED_PREFILL)
@@ -451,6 +455,9 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
                      dtype=options.kv_dtype or options.dtype, shared_kv=getattr(fam, "SHARED_KV", False),
                      extra=tuple(mf.ExtraCache(*e) for e in getattr(fam, "extra_caches", lambda c: ())(config)),
                      state=tuple(mf.StateCache(*e) for e in getattr(fam, "state_caches", lambda c: ())(config)))  # fmt: skip
+    pooled = getattr(fam, "window_pool", lambda c: None)(config)  # optional: sliding layers' caches pooled apart
+    if pooled is not None:
+        kv = msgspec.structs.replace(kv, window_pool=mf.WindowPool(*pooled))
     template = checkpoint.chat_template if recipe.info.template_source == "checkpoint" else None
     tokenizer = Tokenizer.from_str(checkpoint.tokenizer_json)
     staging = Path(tempfile.mkdtemp(prefix=f".{options.out.name}.", dir=options.out.parent))

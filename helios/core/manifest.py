@@ -86,6 +86,20 @@ class ExtraCache(_Struct):
     head_dim: int
 
 
+class WindowPool(_Struct):
+    """Sliding-window layers whose paged caches live in a second, smaller pool (KvLayout.window_pool).
+
+    Their tensors are [num_window_pages, page_tokens, heads, head_dim], addressed by the step's
+    `window_slot_mapping` and `window_block_tables` inputs (one table per sequence over the same
+    logical page indexes as block_tables). Once every query still to come is past a page's
+    window, the runner may free it and leave any id in its table entry: these layers never read
+    keys more than `window` - 1 positions behind their query. A runner that does not reclaim
+    passes the main pool's tables for both (the caches then have as many pages as the others)."""
+
+    window: int  # tokens: key j is visible to the query at p iff p - window < j <= p (the largest of these layers')
+    caches: tuple[int, ...]  # indexes into the program's paged cache list (KvLayout.cache_shapes order), ascending
+
+
 class StateCache(_Struct):
     """Fixed-size per-sequence state some layers carry instead of (or beside) paged KV: a
     recurrent layer's conv window or its SSM / linear-attention state. One tensor
@@ -114,6 +128,9 @@ class KvLayout(_Struct):
     # in order, entries in order. A core with state takes the `state_slots` input; absent (none)
     # in cores written before it existed.
     state: tuple[StateCache, ...] = ()
+    # Sliding-window layers' caches in a second page pool (their pages reclaimed behind the window);
+    # absent (none) in cores written before it existed and in families that keep one pool.
+    window_pool: WindowPool | None = None
 
     @property
     def num_caches(self) -> int:
@@ -138,8 +155,18 @@ class KvLayout(_Struct):
 
     @property
     def token_elements(self) -> int:
-        """Cache elements one token takes over all tensors (page bytes = page_tokens * this * dtype size)."""
-        return sum(heads * dim for heads, dim in self.cache_shapes())
+        """Cache elements one token takes over the main pool's tensors (page bytes = page_tokens *
+        this * dtype size); without a window pool, over every tensor."""
+        windowed = set(self.window_pool.caches) if self.window_pool is not None else set()
+        return sum(heads * dim for index, (heads, dim) in enumerate(self.cache_shapes()) if index not in windowed)
+
+    @property
+    def window_token_elements(self) -> int:
+        """Cache elements one token takes over the window pool's tensors (0 without one)."""
+        if self.window_pool is None:
+            return 0
+        shapes = self.cache_shapes()
+        return sum(shapes[index][0] * shapes[index][1] for index in self.window_pool.caches)
 
 
 def _dtype_size(dtype: str) -> int:
@@ -165,18 +192,24 @@ class VisionProfile(_Struct):
     each tile framed by tile_prefix/tile_suffix_token_ids, tile_row_separator_token_ids after
     the last tile of every row but the last), then prefix_token_ids, the (global) view's
     image_token_id rows and suffix_token_ids. Image-token rows' embeddings are replaced by the
-    vision features, views in that order; framing tokens are ordinary prompt tokens.
+    vision features, views in that order; framing tokens are ordinary prompt tokens. Under
+    smart_resize, patches come in k x k merge-block order (blocks row-major, patches row-major
+    inside each) and each patch's pixels in (channel, frame, row, col) order, the still image
+    repeated over temporal_patch_size frames (transformers' Qwen2-VL-style processors' layout).
     """
 
     resize: str  # "aspect_ratio_patch_budget": one view, the largest aspect-preserving size of at most
     # max_patches patches whose sides are multiples of patch_size * pooling_kernel_size (Gemma 4);
     # "global_and_tiles": a square image_size global view after zero or more tile_size tiles cut
-    # by Step 3.7's sliding-window plan (frontend/images.py tile_plan; Step 3.7)
+    # by Step 3.7's sliding-window plan (frontend/images.py tile_plan; Step 3.7); "smart_resize": one
+    # view, sides rounded to multiples of patch_size * k with the area kept within min_pixels ..
+    # max_pixels (frontend/images.py smart_resize; MiniMax M3)
     patch_size: int  # pixels per patch side
     pooling_kernel_size: int  # k: k x k patches merge into one token (per view)
     max_patches: int  # per view (one vision program call); the only view under aspect_ratio_patch_budget
     resample: str  # "bicubic" | "bilinear" (PIL filters) | "torch_bilinear" (antialiased bilinear on
-    # uint8 tensors, rounded per resize, as torchvision's CPU resize computes it)
+    # uint8 tensors, rounded per resize, as torchvision's CPU resize computes it) | "torch_bicubic" (the same,
+    # antialiased bicubic)
     rescale_factor: float  # uint8 pixel -> [0, 1]
     image_mean: tuple[float, ...]  # per channel, after rescaling
     image_std: tuple[float, ...]
@@ -201,6 +234,10 @@ class VisionProfile(_Struct):
     tile_prefix_token_ids: tuple[int, ...] = ()  # framing around each tile's image tokens
     tile_suffix_token_ids: tuple[int, ...] = ()
     tile_row_separator_token_ids: tuple[int, ...] = ()  # after the last tile of each row but the last
+    # smart_resize only; zeros under the other rules, so cores written before these fields read unchanged.
+    min_pixels: int = 0  # the resized area's bounds (transformers' size shortest_edge / longest_edge)
+    max_pixels: int = 0
+    temporal_patch_size: int = 0  # frames per patch row (the still image repeated); 0: one frame, no repeat
 
     def settings_digest(self) -> bytes:
         """The processing settings as bytes, for the prefix identity of pages after an image."""
@@ -210,6 +247,8 @@ class VisionProfile(_Struct):
                          self.rescale_factor, self.image_mean, self.image_std)  # fmt: skip
         if self.tile_size:  # only tiling profiles: a Gemma 4 core's digests stay what they were
             fields += (self.image_size, self.tile_size, self.max_image_side)
+        if self.max_pixels:  # only smart_resize profiles: older cores' digests stay what they were
+            fields += (self.min_pixels, self.max_pixels, self.temporal_patch_size)
         return hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
 
 

@@ -39,7 +39,7 @@ VISION = "vision"
 
 
 def program_signature(
-    kind: str, num_top: int, explicit_ids: bool, state: bool = False, vision: int = 0
+    kind: str, num_top: int, explicit_ids: bool, state: bool = False, vision: int = 0, window: bool = False
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Input and output specs of a program kind, for a core's logprob capabilities.
 
@@ -51,6 +51,10 @@ def program_signature(
     program outputs) and `image_rows` [I] int64, the flat step rows whose input embedding each
     feature row replaces (-1: an unused row, so a step without image rows passes one dummy
     row). Text-only cores keep the signature without them.
+
+    Cores with a window pool (KvLayout.window_pool) take `window_slot_mapping` [T] and
+    `window_block_tables` [B, M] after state_slots: the slots and page tables of the window pool's
+    caches, over the same logical pages as slot_mapping and block_tables.
     """
     inputs = [
         TensorSpec("token_ids", "int64", ("T",)),
@@ -63,6 +67,9 @@ def program_signature(
     ]
     if state:
         inputs.append(TensorSpec("state_slots", "int64", ("B",)))  # recurrent-state slot of each sequence
+    if window:
+        inputs.append(TensorSpec("window_slot_mapping", "int64", ("T",)))
+        inputs.append(TensorSpec("window_block_tables", "int32", ("B", "M")))
     if explicit_ids:
         inputs.append(TensorSpec("logprob_token_ids", "int64", ("R", "K")))
     if kind == SCORED_PREFILL:
@@ -198,12 +205,16 @@ class CompiledProgram(_Callable):
 
 
 def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str = "cpu",
-                num_slots: int = 1) -> list[Tensor]:  # fmt: skip
+                num_slots: int = 1, num_window_pages: int | None = None) -> list[Tensor]:  # fmt: skip
     """A zeroed paged cache: [k0, v0, k1, v1, ...] (shared_kv: [kv0, kv1, ...]), then the
-    layout's extra caches, each [num_pages, page_tokens, heads, head_dim] (KvLayout.cache_shapes),
-    then its state tensors [num_slots, *shape] (KvLayout.state_shapes; none without state)."""
+    layout's extra caches, each [num_pages, page_tokens, heads, head_dim] (KvLayout.cache_shapes;
+    the window pool's tensors num_window_pages, default num_pages), then its state tensors
+    [num_slots, *shape] (KvLayout.state_shapes; none without state)."""
     dtype = getattr(torch, layout.dtype)
-    shapes = [((num_pages, page_tokens, heads, dim), dtype) for heads, dim in layout.cache_shapes()]
+    windowed = set(layout.window_pool.caches) if layout.window_pool is not None else set()
+    window_pages = num_pages if num_window_pages is None else num_window_pages
+    shapes = [((window_pages if index in windowed else num_pages, page_tokens, heads, dim), dtype)
+              for index, (heads, dim) in enumerate(layout.cache_shapes())]  # fmt: skip
     shapes += [((num_slots, *shape), getattr(torch, state_dtype)) for shape, state_dtype in layout.state_shapes()]
     if device != "cpu":
         return [torch.zeros(shape, dtype=dt, device=device) for shape, dt in shapes]
@@ -280,6 +291,8 @@ def run_prompt(
         }
         if "state_slots" in program.input_names:  # one sequence in slot 0, carried across chunks
             inputs["state_slots"] = torch.zeros(1, dtype=torch.int64)
+        if "window_slot_mapping" in program.input_names:  # no reclaiming here: the window caches mirror the pool
+            inputs["window_slot_mapping"], inputs["window_block_tables"] = slots, block_table
         if "logprob_token_ids" in program.input_names:
             chosen = explicit_ids or [0]
             inputs["logprob_token_ids"] = torch.tensor([chosen] * (end - start), dtype=torch.int64)

@@ -34,6 +34,7 @@ from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
 from helios.engine.host_copy import Copier
 from helios.engine.host_store import HostStore, identity_of
 from helios.engine.state_slots import StatePool
+from helios.engine.window_pages import WindowPages, pages_per_sequence
 from helios.engine.sequence import (
     Chunk,
     ModelOutput,
@@ -77,6 +78,10 @@ class EngineConfig:
     # cache_control) may add to a request, as a fraction of its predicted prefill time.
     checkpoint_work_fraction: float = 0.05
     host_cache: HostCacheConfig | None = None  # the host prefix store (host_store.py); None: off
+    # Cores whose sliding-window layers keep their caches in a window pool (KvLayout.window_pool): give
+    # those layers a second page table and free their pages behind the window (window_pages.py).
+    # False: both tables are the main pool's (the window caches as large as the others).
+    reclaim_window_pages: bool = True
     # A small core with the same tokenizer that proposes drafts (draft_core.py); None: the core's own
     # MTP programs where it has them, else history drafts only.
     draft_core: Core | None = None
@@ -104,10 +109,24 @@ class LLMEngine:
         self.upcast_from = m.weights.dtype if config.device == "cpu" and m.weights.dtype in ("bfloat16", "float16") \
             and not precision.is_native(getattr(torch, m.weights.dtype)) else None  # fmt: skip
         kv_dtype = "float32" if self.upcast_from else m.kv.dtype
-        page_bytes = m.kv.token_elements * m.limits.page_tokens * torch.tensor(
-            [], dtype=getattr(torch, kv_dtype)).element_size()  # fmt: skip
-        num_pages = config.num_pages or self._pool_pages(core, config, page_bytes)
+        element = torch.tensor([], dtype=getattr(torch, kv_dtype)).element_size()
+        num_window_pages, window_bytes = None, 0
+        pooled = m.kv.window_pool if config.reclaim_window_pages else None
+        if pooled is None:  # the window caches (if any) are as large as the rest: one page size for all
+            page_bytes = (m.kv.token_elements + m.kv.window_token_elements) * m.limits.page_tokens * element
+        else:
+            page_bytes = m.kv.token_elements * m.limits.page_tokens * element
+            step_tokens = max(config.prefill_chunk_size, 1 + config.speculation.max_drafts)
+            num_window_pages = config.max_concurrency * pages_per_sequence(pooled.window, m.limits.page_tokens,
+                                                                           step_tokens)  # fmt: skip
+            window_bytes = num_window_pages * m.kv.window_token_elements * m.limits.page_tokens * element
+        num_pages = config.num_pages or self._pool_pages(core, config, page_bytes, window_bytes)
         self.pool = PagePool(num_pages, m.limits.page_tokens)
+        self.window = WindowPages(PagePool(num_window_pages, m.limits.page_tokens), pooled.window) \
+            if pooled is not None and num_window_pages is not None else None  # fmt: skip
+        if self.window is not None:
+            log.info("window pool: the sliding layers' caches hold %d pages (%d MiB) for a %d-token window, "
+                     "reclaimed behind it", num_window_pages, window_bytes >> 20, pooled.window)  # fmt: skip
         self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,
                                  decode_weight_bytes=m.decode_weight_bytes)  # fmt: skip
         self.states = None
@@ -127,7 +146,8 @@ class LLMEngine:
         drafters = mtp_kinds(m.programs) if learned and config.draft_core is None else ()
         self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
                                  config.compiled_step, self.states.num_slots if self.states else 1, drafters,
-                                 cuda_graphs=config.cuda_graphs and devices.is_cuda(config.device))  # fmt: skip
+                                 cuda_graphs=config.cuda_graphs and devices.is_cuda(config.device),
+                                 num_window_pages=num_window_pages)  # fmt: skip
         if self.executor.vision is not None and m.vision is not None:
             from helios.engine.images import ImageEncoder
 
@@ -147,7 +167,7 @@ class LLMEngine:
                             frozenset(m.tokenizer.eos_token_ids), -(-interval // page) * page,
                             config.checkpoint_work_fraction),
             self.pool, self.stats, speculation, self.states, host, self.executor.page_bytes, self.costs,
-            copier, config.host_cache.copy_queue_bytes if config.host_cache is not None else 0,
+            copier, config.host_cache.copy_queue_bytes if config.host_cache is not None else 0, self.window,
         )  # fmt: skip
         if self.executor.compiled_fallback:
             log.warning("%s", self.executor.compiled_fallback)
@@ -188,6 +208,10 @@ class LLMEngine:
         if host is None:
             return None
         m = core.manifest
+        if self.window is not None:
+            log.warning("host cache: off for this core: its sliding layers' pages are reclaimed behind the window "
+                        "(reclaim_window_pages), which the host store's records do not cover yet")  # fmt: skip
+            return None
         shapes = m.kv.cache_shapes() if not m.kv.state else (m.kv.cache_shapes(), m.kv.state_shapes())
         identity = identity_of(core.digest, kv_dtype, m.limits.page_tokens, shapes)
         store = HostStore(identity, host.memory_bytes, host.directory, host.disk_bytes)
@@ -233,13 +257,16 @@ class LLMEngine:
         self.costs.observe_copy(copies * self.stats.state_slot_bytes, time.perf_counter_ns() - started)
 
     @staticmethod
-    def _pool_pages(core: Core, config: EngineConfig, page_bytes: int) -> int:
+    def _pool_pages(core: Core, config: EngineConfig, page_bytes: int, window_bytes: int = 0) -> int:
         """KV pages of a pool given by bytes; on CUDA without a size, from the device's free memory
-        less the weights still to load and the graphs' reserve (devices.kv_pages_for)."""
+        less the weights still to load and the graphs' reserve (devices.kv_pages_for). A window
+        pool's bytes come off the budget first."""
         if config.kv_memory_bytes is not None or not devices.is_cuda(config.device):
-            return max(1, (1 << 30 if config.kv_memory_bytes is None else config.kv_memory_bytes) // page_bytes)
+            budget = 1 << 30 if config.kv_memory_bytes is None else config.kv_memory_bytes
+            return max(1, (budget - window_bytes) // page_bytes)
         weights = (core.root / core.manifest.weights.file).stat().st_size
         reserve = devices.GRAPH_RESERVE_PER_BUCKET * len(core.manifest.decode_buckets) if config.cuda_graphs else 0
+        reserve += window_bytes
         free = devices.free_device_bytes(config.device)
         pages = devices.kv_pages_for(max(0, free - weights), config.kv_memory_fraction, page_bytes, reserve)
         log.info("KV pool: %d pages from %d MiB free on %s (%d MiB of weights to load, %d MiB kept for CUDA graphs)",
@@ -373,7 +400,7 @@ class LLMEngine:
     def _execute(self, plan: SchedulerOutput) -> StepResult:
         started = time.perf_counter_ns()
         result = self.executor.run(plan.chunks, plan.page_copies, plan.state_before, plan.state_after, plan.host_in,
-                                   plan.state_in)  # fmt: skip
+                                   plan.state_in, plan.window_copies)  # fmt: skip
         self._measure(plan, time.perf_counter_ns() - started)
         return result
 

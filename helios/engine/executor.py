@@ -57,14 +57,17 @@ _STAGING_BYTES = 32 << 20  # host-store restores stage their payloads through a 
 class Executor:
     def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
                  upcast: bool = False, compiled: bool = True, num_slots: int = 1,
-                 drafters: tuple[str, ...] = (), cuda_graphs: bool = False) -> None:  # fmt: skip
+                 drafters: tuple[str, ...] = (), cuda_graphs: bool = False,
+                 num_window_pages: int | None = None) -> None:  # fmt: skip
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure). compiled: run the
         core's ahead-of-time step where it was built for this host (else the portable one).
         num_slots: recurrent-state slots of a hybrid core (live plus snapshots; state_slots.py).
         drafters: the core's drafter program kinds to load too (e.g. "mtp_draft.0"); with them
         each step keeps its hidden states (StepResult.hidden). cuda_graphs: on a CUDA device, decode-only
-        steps replay a graph captured per decode bucket (graphs.py); the pool gets one scratch page."""
+        steps replay a graph captured per decode bucket (graphs.py); the pool gets one scratch page.
+        num_window_pages: pages of a window-pool core's sliding-layer caches (window_pages.py; None:
+        as many as the main pool's)."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
         self.linear_kernel = prepack.ONEDNN if device == "cpu" else "device"  # the portable programs' linears
@@ -106,7 +109,12 @@ class Executor:
         graphed = cuda_graphs and device != "cpu" and portable_step is not None and graphs.GraphRunner.eligible(
             portable_step.input_names)  # fmt: skip
         # with graphs, one page past the scheduler's pool: padded rows' scratch page (graphs.py)
-        self.kv = allocate_kv(kv_layout, num_pages + int(graphed), self.page_tokens, device, num_slots)
+        self.window_indexes = frozenset(kv_layout.window_pool.caches) if kv_layout.window_pool is not None else frozenset()
+        self.num_window_pages = num_pages if num_window_pages is None else num_window_pages
+        # Sequences carry window page tables (window_pages.py); else the main pool's pages serve both.
+        self.pooled_windows = num_window_pages is not None and bool(self.window_indexes)
+        self.kv = allocate_kv(kv_layout, num_pages + int(graphed), self.page_tokens, device, num_slots,
+                              self.num_window_pages + int(graphed))  # fmt: skip
         self.num_slots = num_slots
         self._staging: Tensor | None = None  # host-store restores' payloads (write_pages)
         self.host_in_ns = self.host_in_bytes = 0  # time and bytes of host-store copy-ins (its cost estimate)
@@ -117,7 +125,7 @@ class Executor:
         if device != "cpu":
             serial_decode_rows = 0
         elif serial_decode_rows is None:
-            rows = tuple(r for r in threads.PROBE_ROWS if r <= num_pages)  # the probe uses pages 0..rows-1
+            rows = tuple(r for r in threads.PROBE_ROWS if r <= self.probe_pages)  # the probe uses pages 0..rows-1
             serial_decode_rows = self._remembered(
                 "thread-policy", f"{core.digest}|{self.step_kind}|{upcast}|{self.threads}|{rows}",
                 lambda: threads.measure(self._probe_decode, self.threads, rows).serial_rows,
@@ -164,7 +172,7 @@ class Executor:
     def speculation_rows(self, core: Core) -> int:
         """The row budget adaptive speculation keeps within (threads.measure_row_budget), measured
         once per core, step kind, thread count and host and remembered under ~/.cache/flare."""
-        rows = tuple(r for r in threads.SPECULATION_ROWS if r <= self.kv[0].shape[0])  # the probe uses pages 0..rows-1
+        rows = tuple(r for r in threads.SPECULATION_ROWS if r <= self.probe_pages)  # the probe uses pages 0..rows-1
         return self._remembered("speculation-rows", f"{core.digest}|{self.step_kind}|{self.threads}|{rows}",
                                 lambda: threads.measure_row_budget(self._probe_decode, rows),
                                 "speculation: up to %d decode rows per step (measured before on this host)")  # fmt: skip
@@ -191,6 +199,11 @@ class Executor:
     def step_kind(self) -> str:
         return "compiled" if self.compiled_step is not None else "portable"
 
+    @property
+    def probe_pages(self) -> int:
+        """Pages every paged cache has (a probe's rows each take one)."""
+        return min(int(t.shape[0]) for t in self.kv[: len(self.kv) - len(self.state)])
+
     def _probe_decode(self, rows: int) -> None:
         """One decode step of `rows` one-token sequences on pages 0..rows-1 (before serving)."""
         self.step(self.weights, self.kv, **self.probe_inputs(rows))
@@ -210,6 +223,8 @@ class Executor:
             inputs["logprob_token_ids"] = torch.zeros(rows, 1, dtype=torch.int64)
         if self.state:  # the probe's results are never read: slots may repeat
             inputs["state_slots"] = torch.arange(rows, dtype=torch.int64) % self.num_slots
+        if self.window_indexes:
+            inputs["window_slot_mapping"], inputs["window_block_tables"] = inputs["slot_mapping"], inputs["block_tables"]
         if "image_features" in self.step.input_names:
             inputs.update(no_image_rows(self.step))
         return {name: value.to(self.device) for name, value in inputs.items()}
@@ -218,9 +233,19 @@ class Executor:
         for tensor in self.page_caches:
             tensor[dst].copy_(tensor[src])
 
+    def copy_window_page(self, src: int, dst: int) -> None:
+        for tensor in self.window_caches:
+            tensor[dst].copy_(tensor[src])
+
     @property
     def page_caches(self) -> list[Tensor]:
-        return self.kv[: len(self.kv) - len(self.state)]
+        """The main pool's paged cache tensors (with pooled windows, the window pool's are window_caches)."""
+        paged = self.kv[: len(self.kv) - len(self.state)]
+        return [t for i, t in enumerate(paged) if not (self.pooled_windows and i in self.window_indexes)]
+
+    @property
+    def window_caches(self) -> list[Tensor]:
+        return [self.kv[i] for i in sorted(self.window_indexes)] if self.pooled_windows else []
 
     @property
     def page_bytes(self) -> int:
@@ -275,7 +300,7 @@ class Executor:
     def run(self, chunks: tuple[Chunk, ...], page_copies: tuple[tuple[int, int], ...] = (),
             state_before: tuple[tuple[int, int], ...] = (),
             state_after: tuple[tuple[int, int], ...] = (), host_in: tuple = (),
-            state_in: tuple = ()) -> StepResult:  # fmt: skip
+            state_in: tuple = (), window_copies: tuple[tuple[int, int], ...] = ()) -> StepResult:  # fmt: skip
         """Write pages restored from the host store (page, payload), copy the state slots (src, dst)
         of `state_before`, then write the state slots restored from the host store (slot, payload),
         run the chunks, then copy the pages and state slots (src, dst) of `page_copies` and
@@ -308,6 +333,8 @@ class Executor:
             parts.append((scored, self._call(self.scored, scored, scored=True)))
         for src, dst in page_copies:
             self.copy_page(src, dst)
+        for src, dst in window_copies:
+            self.copy_window_page(src, dst)
         for src, dst in state_after:
             self.copy_state(src, dst)
         sampled: list[Chunk] = []
@@ -397,6 +424,8 @@ class Executor:
             inputs.update(self.images.step_inputs(chunks, starts[:-1]) if self.images else no_image_rows(program))
         if self.state:
             inputs["state_slots"] = torch.tensor([c.seq.state_slot for c in chunks], dtype=torch.int64)
+        if "window_slot_mapping" in program.input_names:
+            inputs["window_slot_mapping"], inputs["window_block_tables"] = self._window_inputs(chunks, positions, width)
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
         outputs = None
         if self.graphs is not None and program is self.step and all(c.num_tokens == 1 and not c.draft_ids
@@ -414,6 +443,27 @@ class Executor:
             outputs.pop("hidden_states", None)
         # Hidden states stay on the device: the drafter's programs read them there.
         return {name: value if name == "hidden_states" else value.cpu() for name, value in outputs.items()}
+
+    def _window_inputs(self, chunks: list[Chunk], positions: list[int], width: int) -> tuple[Tensor, Tensor]:
+        """The window pool's slots of the step's positions and its page tables (window_pages.py): a
+        reclaimed entry (-1) is sent as page 0, which no query reads (it is behind every window).
+        Without pooled windows (num_window_pages not given), the main pool's pages serve both."""
+        size = self.page_tokens
+        slots: list[int] = []
+        tables = torch.zeros((len(chunks), width), dtype=torch.int32)
+        offset = 0
+        for row, chunk in enumerate(chunks):
+            seq = chunk.seq
+            table = seq.window_pages if self.pooled_windows else seq.pages
+            assert len(table) <= width, "a window page table is longer than the step's tables"
+            count = chunk.num_tokens + len(chunk.draft_ids)
+            for p in positions[offset : offset + count]:
+                page = table[p // size]
+                assert page >= 0, f"position {p} has no window page"
+                slots.append(page * size + p % size)
+            offset += count
+            tables[row, : len(table)] = torch.tensor([max(0, page) for page in table], dtype=torch.int32)
+        return torch.tensor(slots, dtype=torch.int64), tables
 
     def widen(self, index: int, extra_pages: int) -> Tensor:
         """Give paged cache `index` `extra_pages` scratch pages past the pool (ids num_pages..):

@@ -144,6 +144,11 @@ class PagePool:
                 self._evictable.move_to_end(page)
         return pages, parent
 
+    def cached_tokens(self, page: int) -> tuple[int, ...] | None:
+        """The tokens a cached page holds (None: it holds no published prefix)."""
+        entry = self._cached.get(page)
+        return entry.tokens if entry is not None else None
+
     def page_of(self, digest: bytes) -> int | None:
         """The page holding the published prefix `digest`, if it is still cached."""
         return self._by_hash.get(digest)

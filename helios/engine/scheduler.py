@@ -25,6 +25,10 @@ Invariants (each checked by tests/engine/test_scheduler.py without a model):
   round's first position, so the next step recomputes the committed tokens without the rejected
   ones. Drafts stop short of the next page boundary, so a rewind never crosses a published page
   or a planned snapshot.
+* Window-pool cores (window_pages.py): the sliding layers' pages are a second table per sequence,
+  covered for each chunk when it is planned, trimmed after every step to what queries still to
+  come can see, shared and copied at forks, released with the main pages; a prefix is reused only
+  as far as the window pages its first query needs are still cached.
 * Host store copy-out (copy_out.py): a finishing sequence's records the store lacks are pinned
   for the copier before its pages are released, or deferred when the pool lacks headroom. Pinned
   pages never fail an admission or force a preemption: under pool pressure the scheduler waits
@@ -45,6 +49,7 @@ from helios.engine.copy_out import CopyOut
 from helios.engine.host_copy import Copier
 from helios.engine.host_store import HostStore, state_key
 from helios.engine.state_slots import StatePool
+from helios.engine.window_pages import WindowPages
 from helios.engine.sequence import (
     Chunk,
     ModelOutput,
@@ -73,11 +78,13 @@ class Scheduler:
                  speculation: SpeculationConfig | None = None, states: StatePool | None = None,
                  host: HostStore | None = None, host_page_bytes: int = 0,
                  costs: StepCosts | None = None, copier: Copier | None = None,
-                 copy_queue_bytes: int = 256 << 20) -> None:  # fmt: skip
+                 copy_queue_bytes: int = 256 << 20, window: WindowPages | None = None) -> None:  # fmt: skip
         self.config = config
         self.costs = costs if costs is not None else StepCosts()  # measured by the engine (hinted checkpoints)
         self.pool = pool
         self.states = states
+        self.window = window  # the sliding layers' pages, reclaimed behind the window (window_pages.py)
+        self._window_copies: list[tuple[int, int]] = []  # this plan's forked children's partial window pages
         self.host = host  # full pages of finished prefixes beyond the pool (host_store.py)
         self.host_page_bytes = host_page_bytes  # bytes of one page's record payload
         self._host_in: list[tuple[int, object]] = []  # this plan's page restores from the host store
@@ -173,7 +180,9 @@ class Scheduler:
         self._state_before, self._state_after, self._captures = [], [], []
         host_in, self._host_in = tuple(self._host_in), []
         state_in, self._state_in = tuple(self._state_in), []
-        return SchedulerOutput(tuple(chunks), tuple(copies), finished, before, after, captures, host_in, state_in)
+        window_copies, self._window_copies = tuple(self._window_copies), []
+        return SchedulerOutput(tuple(chunks), tuple(copies), finished, before, after, captures, host_in,
+                               window_copies, state_in)  # fmt: skip
 
     def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk:
         size = min(seq.num_pending, budget)
@@ -293,9 +302,20 @@ class Scheduler:
         self.pool.release(pages[keep:])
         return pages[:keep], chain[keep - 1] if keep else ROOT_HASH, found[1] if found is not None else None
 
+    def _window_prefix(self, seq: Sequence, pages: list[int], end: bytes) -> tuple[list[int], bytes]:
+        """Of the cached pages matched for seq, those whose window pages are still cached too (its
+        first query's window); the rest released."""
+        assert self.window is not None
+        chain = self._chain_of(seq, len(pages), end)
+        keep = self.window.reusable(seq, chain, seq.token_ids)
+        self.pool.release(pages[keep:])
+        return pages[:keep], chain[keep - 1] if keep else ROOT_HASH
+
     def _chunk(self, seq: Sequence, start: int, size: int, copies: list[tuple[int, int]],
                drafts: tuple[int, ...] = (), states: tuple = ()) -> Chunk:  # fmt: skip
         wants = start + size == len(seq.token_ids)
+        if self.window is not None:
+            self.window.cover(seq, start + size + len(drafts))
         choices: tuple[Sequence, ...] = (seq,)
         if wants and seq.unforked and seq.request.max_tokens > 0:
             choices += tuple(self._fork(seq, start + size, copies))
@@ -444,11 +464,15 @@ class Scheduler:
         snapshot = None
         if pages and self.states is not None:
             pages, end, snapshot = self._reusable_prefix(seq, pages, end)
+        if pages and self.window is not None:
+            pages, end = self._window_prefix(seq, pages, end)
         needed = self.pool.pages_for(len(tokens)) - len(pages)
         growth = 1 if len(tokens) % size == 0 else 0  # the next token starts a new page
         reserve = growth + seq.unforked  # each unforked child needs one private page for its first token
         if needed + reserve > self.pool.num_available:
             self.pool.release(pages)
+            if self.window is not None:
+                self.window.release(seq)
             # Pages pinned for the copier count as available later: wait for it, then try again.
             return self.copy_out.reclaim() and self._admit(seq)
         if self.states is not None:  # within max_concurrency, so a live slot is free
@@ -557,6 +581,8 @@ class Scheduler:
                 child.pages.append(page)
             else:
                 child.reserved = 1  # the reserved page passes to the child, for its first token
+            if self.window is not None:
+                self.window.fork(parent, child, full, self._window_copies)
             parent.reserved -= 1
             child.num_computed, child.num_cached, child.admitted = computed, parent.num_cached, True
             child.chain = list(parent.chain)
@@ -605,6 +631,9 @@ class Scheduler:
             sampled = output.tokens.get(id(seq))
             if sampled is not None:
                 events += self._commit(seq, sampled, drafts.get(id(seq), 0))
+        if self.window is not None:
+            for seq in self.running:
+                self.window.trim(seq)
         return events
 
     def _commit(self, seq: Sequence, sampled: tuple[SampledToken, ...], offered: int) -> list[EngineEvent]:
@@ -693,7 +722,10 @@ class Scheduler:
             index = len(seq.chain)
             parent = seq.chain[-1] if seq.chain else ROOT_HASH
             tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
-            seq.chain.append(self.pool.publish(seq.pages[index], parent, seq.request.page_identity(index, size), tokens))
+            identity = seq.request.page_identity(index, size)
+            seq.chain.append(self.pool.publish(seq.pages[index], parent, identity, tokens))
+            if self.window is not None:
+                self.window.publish(seq, index, parent, identity, tokens)
 
     # ------------------------------------------------------------------ finishing
     def fail(self, plan: SchedulerOutput, error: str) -> list[EngineEvent]:
@@ -754,6 +786,8 @@ class Scheduler:
         self.pool.release(seq.pages)
         self.pool.unreserve(seq.reserved)
         seq.pages, seq.reserved = [], 0
+        if self.window is not None:
+            self.window.release(seq)
         if self.states is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None
@@ -793,6 +827,9 @@ class Scheduler:
         assert self.pool.num_reserved == sum(s.reserved for s in self.running), "reservations leaked"
         assert all(not s.pages and not s.reserved for s in self.waiting), "a waiting sequence holds pages"
         assert self.pool.num_free + self.pool.num_cached + self.pool.num_private == self.pool.num_pages
+        if self.window is not None:
+            assert self.window.refs(self.running) == self.window.pool.ref_count, "window page references leaked"
+            assert all(not s.window_pages for s in self.waiting), "a waiting sequence holds window pages"
         if self.states is not None:
             assert all(s.state_slot is not None for s in self.running), "a running sequence has no state slot"
             assert all(s.state_slot is None for s in self.waiting), "a waiting sequence holds a state slot"

@@ -45,6 +45,7 @@ class Sequence:
     endpoint_slot: int | None = None  # hybrid cores: a claimed snapshot slot following its last full page
     endpoint_digest: bytes | None = None  # the chain hash the endpoint slot's state is at
     checkpoints: dict = field(default_factory=dict)  # hybrid cores: boundary -> Checkpoint chosen at admission
+    window_pages: list[int] = field(default_factory=list)  # window-pool cores: window_pages.py (-1: none held)
     rollback_slot: int | None = None  # hybrid cores: a borrowed slot holding its state before this step's drafts
 
     @property
@@ -104,6 +105,7 @@ class SchedulerOutput:
     state_after: tuple[tuple[int, int], ...] = ()
     captures: tuple[tuple[Sequence, bytes, int, bool], ...] = ()
     host_in: tuple[tuple[int, object], ...] = ()  # (page, payload) restored from the host store before the step
+    window_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) after the step in the window pool (window_pages.py)
     state_in: tuple[tuple[int, object], ...] = ()  # (state slot, payload) restored from the host store before the
     # step, after state_before's copies (a slot written here may have been a snapshot those copies read)
 

@@ -233,6 +233,15 @@ def gguf_tensor_fixup(hf_name: str, tensor: Tensor, hf: dict[str, Any]) -> Tenso
     return tensor - 1.0 if hf_name.endswith("norm.weight") else tensor
 
 
+def window_pool(config: Gemma3Config) -> tuple[int, tuple[int, ...]] | None:
+    """The sliding layers' keys and values in a second page pool (KvLayout.window_pool): helios frees
+    their pages once every query still to come is past them. None without sliding layers."""
+    windows = config.layer_windows
+    if not any(windows):
+        return None
+    return max(windows), tuple(index for i, w in enumerate(windows) if w > 0 for index in (2 * i, 2 * i + 1))
+
+
 # ---------------------------------------------------------------------------- step program
 
 
@@ -260,9 +269,12 @@ class StepProgram(DecoderProgram):
         return F.linear(F.gelu(gate, approximate="tanh") * up, weights[f"layers.{layer}.w_down"])
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        logprob_ids, target_ids = self.optional_inputs(extra_1, extra_2)
+                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
         c = self.config
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
+        # Sliding layers' caches are in the window pool (window_pool), with its own slots and tables.
+        pooled = (extra.pop(0), extra.pop(0)) if any(c.layer_windows) else (slot_mapping, block_tables)
+        logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
         eps = c.rms_norm_eps
         # As in the shared decoder: weights and matmul inputs in the core's dtype, residual stream,
         # norms and rotary in fp32.
@@ -285,9 +297,10 @@ class StepProgram(DecoderProgram):
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
             kvt = k_cache.dtype
-            torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
+            slots, tables = pooled if window > 0 else (slot_mapping, block_tables)
+            torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slots)
             attn = torch.ops.flare.paged_attention(
-                q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window,
+                q.to(kvt), k_cache, v_cache, tables, seq_lens, query_start_loc, positions, scale, window,
                 c.attn_softcap,
             )
             attn = F.linear(attn.reshape(-1, q_dim).to(wdt), weights[f"layers.{i}.wo"])
