@@ -34,7 +34,7 @@ from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
 from helios.engine.host_copy import Copier
 from helios.engine.host_store import HostStore, identity_of
 from helios.engine.state_slots import StatePool
-from helios.engine.window_pages import WindowPages, pages_per_sequence
+from helios.engine.window_pages import WindowPages, min_pool_pages, pool_pages
 from helios.engine.sequence import (
     Chunk,
     ModelOutput,
@@ -110,23 +110,27 @@ class LLMEngine:
             and not precision.is_native(getattr(torch, m.weights.dtype)) else None  # fmt: skip
         kv_dtype = "float32" if self.upcast_from else m.kv.dtype
         element = torch.tensor([], dtype=getattr(torch, kv_dtype)).element_size()
-        num_window_pages, window_bytes = None, 0
+        page, main_bytes = m.limits.page_tokens, m.kv.token_elements * m.limits.page_tokens * element
+        window_page_bytes = m.kv.window_token_elements * page * element  # 0 without window caches
+        # One pool for every cache tensor: what the budget holds (the window caches, if any, as large).
+        num_pages = config.num_pages or self._pool_pages(core, config, main_bytes + window_page_bytes)
         pooled = m.kv.window_pool if config.reclaim_window_pages else None
-        if pooled is None:  # the window caches (if any) are as large as the rest: one page size for all
-            page_bytes = (m.kv.token_elements + m.kv.window_token_elements) * m.limits.page_tokens * element
-        else:
-            page_bytes = m.kv.token_elements * m.limits.page_tokens * element
-            step_tokens = max(config.prefill_chunk_size, 1 + config.speculation.max_drafts)
-            num_window_pages = config.max_concurrency * pages_per_sequence(pooled.window, m.limits.page_tokens,
-                                                                           step_tokens)  # fmt: skip
-            window_bytes = num_window_pages * m.kv.window_token_elements * m.limits.page_tokens * element
-        num_pages = config.num_pages or self._pool_pages(core, config, page_bytes, window_bytes)
+        num_window_pages = None
+        if pooled is not None:
+            # As many window pages as that one pool (equal token capacity), at most what running
+            # sequences can hold at once, at least what one needs; the bytes saved go to the main pool.
+            drafts = config.speculation.max_drafts if config.speculation.mode != "off" else 0
+            most = pool_pages(pooled.window, page, config.max_concurrency, config.prefill_chunk_size, drafts)
+            num_window_pages = max(min_pool_pages(pooled.window, page, config.prefill_chunk_size), min(most, num_pages))
+            if main_bytes:  # (a core whose every layer slides keeps page ids only in the main pool)
+                num_pages = max(1, num_pages + (num_pages - num_window_pages) * window_page_bytes // main_bytes)
         self.pool = PagePool(num_pages, m.limits.page_tokens)
-        self.window = WindowPages(PagePool(num_window_pages, m.limits.page_tokens), pooled.window) \
-            if pooled is not None and num_window_pages is not None else None  # fmt: skip
-        if self.window is not None:
-            log.info("window pool: the sliding layers' caches hold %d pages (%d MiB) for a %d-token window, "
-                     "reclaimed behind it", num_window_pages, window_bytes >> 20, pooled.window)  # fmt: skip
+        self.window = None
+        if pooled is not None and num_window_pages is not None:
+            self.window = WindowPages(PagePool(num_window_pages, page), pooled.window)
+            log.info("window pool: the sliding layers' caches hold %d pages (%d MiB), freed %d tokens behind each "
+                     "query; the other layers' pool %d pages", num_window_pages,
+                     num_window_pages * window_page_bytes >> 20, pooled.window, num_pages)  # fmt: skip
         self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,
                                  decode_weight_bytes=m.decode_weight_bytes)  # fmt: skip
         self.states = None
@@ -257,16 +261,13 @@ class LLMEngine:
         self.costs.observe_copy(copies * self.stats.state_slot_bytes, time.perf_counter_ns() - started)
 
     @staticmethod
-    def _pool_pages(core: Core, config: EngineConfig, page_bytes: int, window_bytes: int = 0) -> int:
+    def _pool_pages(core: Core, config: EngineConfig, page_bytes: int) -> int:
         """KV pages of a pool given by bytes; on CUDA without a size, from the device's free memory
-        less the weights still to load and the graphs' reserve (devices.kv_pages_for). A window
-        pool's bytes come off the budget first."""
+        less the weights still to load and the graphs' reserve (devices.kv_pages_for)."""
         if config.kv_memory_bytes is not None or not devices.is_cuda(config.device):
-            budget = 1 << 30 if config.kv_memory_bytes is None else config.kv_memory_bytes
-            return max(1, (budget - window_bytes) // page_bytes)
+            return max(1, (1 << 30 if config.kv_memory_bytes is None else config.kv_memory_bytes) // page_bytes)
         weights = (core.root / core.manifest.weights.file).stat().st_size
         reserve = devices.GRAPH_RESERVE_PER_BUCKET * len(core.manifest.decode_buckets) if config.cuda_graphs else 0
-        reserve += window_bytes
         free = devices.free_device_bytes(config.device)
         pages = devices.kv_pages_for(max(0, free - weights), config.kv_memory_fraction, page_bytes, reserve)
         log.info("KV pool: %d pages from %d MiB free on %s (%d MiB of weights to load, %d MiB kept for CUDA graphs)",

@@ -147,8 +147,10 @@ class Scheduler:
                 if self.states is not None and (seq.num_computed + 1) % self.pool.page_tokens == 0:
                     self._follow_endpoint(seq, seq.num_computed + 1)
             elif budget > 0 and seq.num_pending > 0:
-                chunks.append(self._prefill_chunk(seq, budget, copies))
-                budget -= chunks[-1].num_tokens
+                chunk = self._prefill_chunk(seq, budget, copies)
+                if chunk is not None:  # None: the window pool has no page for it this step
+                    chunks.append(chunk)
+                    budget -= chunk.num_tokens
             index += 1
         preempted = self.stats.preemptions != preemptions_before
         self.awaiting_prefetch = False
@@ -163,7 +165,7 @@ class Scheduler:
             live = sum(s.num_choices for s in self.running) + len(self._forked)
             if live + head.num_choices > self.config.max_concurrency:
                 break
-            if not self._admit(head):
+            if not self._admit(head, budget):
                 if not self.running and not self._forked:  # even an empty pool cannot hold it
                     self.waiting.popleft()
                     self._finish_alone(head)
@@ -171,8 +173,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(head)
-            chunks.append(self._prefill_chunk(head, budget, copies))
-            budget -= chunks[-1].num_tokens
+            chunk = self._prefill_chunk(head, budget, copies)
+            assert chunk is not None, "admission secured the first chunk's window pages"
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
         self.running += self._forked
         self._forked = []
         finished, self._planned_finishes = tuple(self._planned_finishes), []
@@ -184,8 +188,12 @@ class Scheduler:
         return SchedulerOutput(tuple(chunks), tuple(copies), finished, before, after, captures, host_in,
                                window_copies, state_in)  # fmt: skip
 
-    def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk:
+    def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk | None:
         size = min(seq.num_pending, budget)
+        if self.window is not None:  # cut to the window pages the pool has left (never below one token)
+            size = self.window.coverable(seq, seq.num_computed + size) - seq.num_computed
+            if size <= 0:
+                return None
         if self.states is not None and self.states.num_snapshots:
             boundary = self._next_boundary(seq)
             if boundary is not None and boundary < seq.num_computed + size:
@@ -315,7 +323,8 @@ class Scheduler:
                drafts: tuple[int, ...] = (), states: tuple = ()) -> Chunk:  # fmt: skip
         wants = start + size == len(seq.token_ids)
         if self.window is not None:
-            self.window.cover(seq, start + size + len(drafts))
+            covered = self.window.cover(seq, start + size + len(drafts))
+            assert covered, "planning secured the chunk's window pages"
         choices: tuple[Sequence, ...] = (seq,)
         if wants and seq.unforked and seq.request.max_tokens > 0:
             choices += tuple(self._fork(seq, start + size, copies))
@@ -362,6 +371,9 @@ class Scheduler:
                 drafts = drafts[: len(seq.pages) * size - len(seq.token_ids)]
                 break
             seq.pages.append(self.pool.allocate())
+        if drafts and self.window is not None:  # drafts never preempt: only pages the window pool has left
+            end = self.window.coverable(seq, len(seq.token_ids) + len(drafts))
+            drafts = drafts[: max(0, end - len(seq.token_ids))]
         if drafts and self.states is not None:
             assert seq.state_slot is not None
             seq.rollback_slot = self.states.borrow()
@@ -426,14 +438,22 @@ class Scheduler:
                 pass
             if self.copy_out.reclaim():  # pages pinned for the copier come back first
                 continue
-            victim = self.running[-1]
-            if victim is seq and len(self.running) == 1 and not self._forked:
-                self._finish_alone(seq)
+            if not self._make_room(seq):
                 return False
-            self._preempt(victim)
-            if victim is seq:
+        while self.window is not None and not self.window.cover(seq, len(seq.token_ids)):
+            if not self._make_room(seq):
                 return False
         return True
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Preempt the newest running sequence for seq's growth; False when that was seq itself (or
+        it could not fit even alone, and finished)."""
+        victim = self.running[-1]
+        if victim is seq and len(self.running) == 1 and not self._forked:
+            self._finish_alone(seq)
+            return False
+        self._preempt(victim)
+        return victim is not seq
 
     def _preempt(self, seq: Sequence) -> None:
         """Release seq's pages and reservation and queue it first; its tokens and state are kept."""
@@ -452,7 +472,7 @@ class Scheduler:
         """A sequence that cannot fit even an otherwise empty pool (spec: past page capacity)."""
         self._planned_finishes += self._finish_all(seq, FinishCause.LENGTH)
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, budget: int) -> bool:
         """Take pages for seq's tokens (after prefix reuse) and reserve its choices' next pages."""
         tokens, size = seq.token_ids, self.pool.page_tokens
         pages: list[int] = []
@@ -469,12 +489,18 @@ class Scheduler:
         needed = self.pool.pages_for(len(tokens)) - len(pages)
         growth = 1 if len(tokens) % size == 0 else 0  # the next token starts a new page
         reserve = growth + seq.unforked  # each unforked child needs one private page for its first token
-        if needed + reserve > self.pool.num_available:
+        short = needed + reserve > self.pool.num_available
+        if not short and self.window is not None:  # its first chunk's window pages, and its forks' copies
+            start = len(pages) * size
+            first = min(len(tokens) - start, budget)
+            short = self.window.needed(seq, start, start + first) + seq.unforked > self.window.pool.num_available
+            short = short or not self.window.reserve_forks(seq)
+        if short:
             self.pool.release(pages)
             if self.window is not None:
                 self.window.release(seq)
             # Pages pinned for the copier count as available later: wait for it, then try again.
-            return self.copy_out.reclaim() and self._admit(seq)
+            return self.copy_out.reclaim() and self._admit(seq, budget)
         if self.states is not None:  # within max_concurrency, so a live slot is free
             seq.state_slot = self.states.allocate()
         seq.pages = pages + [self.pool.allocate() for _ in range(needed)]
@@ -829,6 +855,7 @@ class Scheduler:
         assert self.pool.num_free + self.pool.num_cached + self.pool.num_private == self.pool.num_pages
         if self.window is not None:
             assert self.window.refs(self.running) == self.window.pool.ref_count, "window page references leaked"
+            assert self.window.pool.num_reserved == sum(s.window_reserved for s in self.running), "window reservations"
             assert all(not s.window_pages for s in self.waiting), "a waiting sequence holds window pages"
         if self.states is not None:
             assert all(s.state_slot is not None for s in self.running), "a running sequence has no state slot"

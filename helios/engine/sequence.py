@@ -46,6 +46,7 @@ class Sequence:
     endpoint_digest: bytes | None = None  # the chain hash the endpoint slot's state is at
     checkpoints: dict = field(default_factory=dict)  # hybrid cores: boundary -> Checkpoint chosen at admission
     window_pages: list[int] = field(default_factory=list)  # window-pool cores: window_pages.py (-1: none held)
+    window_reserved: int = 0  # window-pool pages reserved for its unforked children's copies
     rollback_slot: int | None = None  # hybrid cores: a borrowed slot holding its state before this step's drafts
 
     @property

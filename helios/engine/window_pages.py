@@ -11,10 +11,12 @@ Full window pages are published under the main pool's chain hashes, so a prefix 
 matches resumes only as far as the window pages its first query needs are still cached (the
 last `window` - 1 positions before it); a shorter reuse is taken otherwise.
 
-Sizing: a sequence holds at most pages_per_sequence() pages at once (the window behind its next
-query plus one step's tokens), and at most max_concurrency sequences run, so a pool of
-max_concurrency * pages_per_sequence() pages never runs out; unreferenced cached pages are
-evicted for new ones as in the main pool.
+Sizing: the engine gives the pool as many pages as the main pool would have had for the same
+memory (equal token capacity, so no workload holds fewer tokens than with one pool), but never
+more than `pool_pages`, what max_concurrency sequences can hold at once; the memory saved goes
+to the main pool. When the pool is short, the scheduler treats it as the main pool: a decoding
+sequence preempts the newest ones, a prefill chunk is cut to the pages left, admission waits,
+and forks take pages reserved at admission; unreferenced cached pages are evicted for new ones.
 """
 
 from __future__ import annotations
@@ -25,11 +27,21 @@ from helios.engine.sequence import Sequence
 NONE = -1  # a window table entry holding no page (reclaimed, or not needed yet)
 
 
-def pages_per_sequence(window: int, page_tokens: int, step_tokens: int) -> int:
-    """The most window pages one sequence holds at once: the window behind its next query (window - 1
-    positions) plus one step's tokens (a prefill chunk, or a decode token and its drafts), each
-    span straddling at most one page boundary more than its length needs."""
-    return -(-max(0, window - 1) // page_tokens) + -(-max(1, step_tokens) // page_tokens) + 2
+def pool_pages(window: int, page_tokens: int, max_sequences: int, prefill_tokens: int, max_drafts: int) -> int:
+    """Window pages that running sequences can hold at once: each its window behind the next query
+    (window - 1 positions, straddling one more page) and the pages drafts began beyond it, plus the
+    pages of one step's tokens: a decode token and its drafts per sequence, and the prefill budget
+    shared by all (each chunk straddling one more page)."""
+    def pages(tokens: int) -> int:
+        return -(-max(0, tokens) // page_tokens)
+
+    per_sequence = pages(window - 1) + 1 + pages(max_drafts) + pages(1 + max_drafts) + 1
+    return max_sequences * per_sequence + pages(prefill_tokens)
+
+
+def min_pool_pages(window: int, page_tokens: int, prefill_tokens: int) -> int:
+    """Pages one sequence alone needs for a window and a full prefill chunk."""
+    return -(-max(0, window - 1) // page_tokens) + -(-prefill_tokens // page_tokens) + 4
 
 
 class WindowPages:
@@ -43,8 +55,25 @@ class WindowPages:
         return max(0, position - self.window + 1) // self.page_tokens
 
     # ------------------------------------------------------------------ a step's pages
-    def cover(self, seq: Sequence, end: int) -> None:
-        """Window pages for every position seq's next step writes, [num_computed, end)."""
+    def needed(self, seq: Sequence, start: int, end: int) -> int:
+        """Pages seq lacks for positions [start, end) (its next step's, from num_computed)."""
+        table, size = seq.window_pages, self.page_tokens
+        return sum(1 for index in range(start // size, -(-end // size))
+                   if index >= len(table) or table[index] == NONE)  # fmt: skip
+
+    def coverable(self, seq: Sequence, end: int) -> int:
+        """The furthest end <= `end` whose pages the pool can give seq now."""
+        size, table, left = self.page_tokens, seq.window_pages, self.pool.num_available
+        for index in range(seq.num_computed // size, -(-end // size)):
+            if index >= len(table) or table[index] == NONE:
+                if left == 0:
+                    return max(seq.num_computed, index * size)
+                left -= 1
+        return end
+
+    def cover(self, seq: Sequence, end: int) -> bool:
+        """Window pages for every position seq's next step writes, [num_computed, end); False (some
+        taken, the rest not) when the pool has too few."""
         table, size = seq.window_pages, self.page_tokens
         while len(table) < -(-end // size):
             table.append(NONE)
@@ -52,9 +81,9 @@ class WindowPages:
             if table[index] == NONE:
                 try:
                     table[index] = self.pool.allocate()
-                except OutOfPages:  # pages_per_sequence bounds what running sequences hold
-                    raise RuntimeError(f"the window pool ({self.pool.num_pages} pages) ran out; "
-                                       "it is sized for max_concurrency sequences") from None  # fmt: skip
+                except OutOfPages:
+                    return False
+        return True
 
     def trim(self, seq: Sequence) -> None:
         """Release seq's pages no query still to come can see."""
@@ -67,6 +96,15 @@ class WindowPages:
     def release(self, seq: Sequence) -> None:
         self.pool.release([page for page in seq.window_pages if page != NONE])
         seq.window_pages = []
+        self.pool.unreserve(seq.window_reserved)
+        seq.window_reserved = 0
+
+    def reserve_forks(self, seq: Sequence) -> bool:
+        """At admission: one page for each unforked child's copy of the partial page."""
+        if not self.pool.reserve(seq.unforked):
+            return False
+        seq.window_reserved = seq.unforked
+        return True
 
     # ------------------------------------------------------------------ prefix reuse
     def publish(self, seq: Sequence, index: int, parent: bytes, identity: bytes, tokens: tuple[int, ...]) -> None:
@@ -102,8 +140,11 @@ class WindowPages:
         for page in child.window_pages:
             if page != NONE:
                 self.pool.share(page)
+        if parent.window_reserved:
+            parent.window_reserved -= 1
+            self.pool.unreserve(1)
         if len(parent.window_pages) > full and parent.window_pages[full] != NONE:
-            page = self.pool.allocate()
+            page = self.pool.allocate()  # the page just unreserved for it
             copies.append((parent.window_pages[full], page))
             child.window_pages.append(page)
 

@@ -20,7 +20,7 @@ from helios.engine.offline import ChoiceOutput, collect, run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
 from helios.engine.sequence import Sequence
-from helios.engine.window_pages import NONE, WindowPages, pages_per_sequence
+from helios.engine.window_pages import NONE, WindowPages, pool_pages
 from tests.ignition.family_checks import TEXTS, export_tiny
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
@@ -61,7 +61,7 @@ def _run(engine: LLMEngine, requests: list[EngineRequest], peak: list[int] | Non
     window = engine.window
     bound = None
     if window is not None:  # after a step: the window behind the next query, plus one page begun early
-        bound = -(-(window.window - 1) // window.page_tokens) + 2
+        bound = -(-(window.window - 1) // window.page_tokens) + 2 + int(engine.scheduler.drafter.enabled)
     while engine.has_work:
         for event in engine.step():
             collect(outputs, event)
@@ -94,7 +94,11 @@ def test_outputs_equal_the_unreclaimed_core_and_window_pages_stay_bounded(core: 
     requests = _requests(core)
     mirrored = _run(_engine(core, reclaim_window_pages=False), requests)
     engine = _engine(core)
-    assert engine.window is not None and engine.window.pool.num_pages == 64 * pages_per_sequence(8, 16, 16)
+    # as many window pages as the main pool (equal token capacity): fewer than 64 sequences could hold
+    assert engine.window is not None and engine.window.pool.num_pages == engine.pool.num_pages == 96
+    assert pool_pages(8, 16, 64, 16, 0) == 64 * 4 + 1
+    roomy = _engine(core, num_pages=400)  # more than they could: the window pool stops there, the rest is main pool
+    assert roomy.window is not None and roomy.window.pool.num_pages == 257 and roomy.pool.num_pages == 400 + (400 - 257) * 2
     peak: list[int] = []
     pooled = _run(engine, requests, peak)
     _same(mirrored, pooled)
@@ -172,3 +176,26 @@ def test_reuse_stops_where_a_window_page_was_evicted() -> None:
     pages.release(seq)
     again.release(taken)
     assert all(count == 0 for count in again.ref_count)
+
+
+def test_a_short_window_pool_cuts_chunks_and_preempts_without_changing_output(core: Core) -> None:
+    """Five window pages for six sequences needing one or two each: prefill chunks are cut to the
+    pages left, admission waits, decoding sequences preempt the newest; outputs are unchanged."""
+    requests = _requests(core, max_tokens=40)
+    plain = _run(_engine(core, reclaim_window_pages=False, enable_prefix_cache=False), requests)
+    engine = _engine(core)
+    assert engine.window is not None
+    engine.window.pool = PagePool(5, 16)  # the executor's window caches are larger: any id below 7 is valid
+    running: list[int] = []
+    step = engine.step
+
+    def counted():
+        events = step()
+        running.append(len(engine.scheduler.running))
+        return events
+
+    engine.step = counted  # type: ignore[method-assign]
+    squeezed = _run(engine, requests)
+    assert max(running) < 6 <= sum(r.n for r in requests)  # the window pool, not the main pool, held them back
+    assert engine.stats.preemptions > 0  # a decoding sequence crossing into a new page, with none left
+    assert {k: [c.token_ids for c in v] for k, v in squeezed.items()} == {k: [c.token_ids for c in v] for k, v in plain.items()}
