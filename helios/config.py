@@ -7,7 +7,7 @@
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
   speculation, max_draft_tokens, speculative_rows, history_drafts, learned_drafts, draft_core, state_snapshots,
   snapshot_interval, anchor_guards, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
-  host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction
+  host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction, window_pool
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # extra model names; the first nonempty is the public id
     frontend_workers: int = 4  # threads for decompression and tokenization
     prefix_cache: bool = True
+    # Cores whose sliding-window layers keep their caches in a window pool: free those pages behind
+    # the window (helios.engine.window_pages); false serves both tables from the one pool.
+    window_pool: bool = True
     # Threads computing a step's grammar masks. On CPU serving torch owns every core and a
     # second spinning pool slows each step many times over; raise it on GPU hosts.
     grammar_threads: int = 1
@@ -155,7 +158,8 @@ def _check(config: ServerConfig) -> ServerConfig:
     share = config.kv_memory_fraction
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
         raise ConfigError(f"[server] kv_memory_fraction must be a number above 0 and at most 1, got {share!r}")
-    for name in ("prefix_cache", "compiled_step", "history_drafts", "learned_drafts", "host_cache", "cuda_graphs"):
+    for name in ("prefix_cache", "compiled_step", "history_drafts", "learned_drafts", "host_cache", "cuda_graphs",
+                 "window_pool"):
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"[server] {name} must be true or false")
     for name in ("drain_seconds", "header_timeout_seconds", "body_timeout_seconds"):
