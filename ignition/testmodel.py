@@ -91,6 +91,14 @@ CHATS = {
         "roles": {"eos_token": "[e~[", "pad_token": "[e~["},
         "template": "minimax_m3.jinja",
     },
+    # The same with MiniMax M3's image framing tokens (]<]start of image[>[ ]<]image[>[... ]<]end of image[>[):
+    # vision test models.
+    "minimax_m3-vision": {
+        "special_tokens": ("[e~[", "]~!b[", "]~b]", "]<]minimax[>[", "<mm:think>", "</mm:think>", "]<]image[>[",
+                           "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["),  # fmt: skip
+        "roles": {"eos_token": "[e~[", "pad_token": "[e~["},
+        "template": "minimax_m3.jinja",
+    },
     # StepFun's ChatML turns, <think> reasoning and function-tag <tool_call>s, with Step-3.5-Flash's
     # published template (../shared/templates/step-3.5-flash.jinja); it opens with {{bos_token}}
     # and renders image parts as <im_patch>.

@@ -124,6 +124,10 @@ def cost(width: int, height: int, profile: VisionProfile) -> ImageCost:
         ps, k = profile.patch_size, profile.pooling_kernel_size
         patches = plan.columns * plan.rows * (profile.tile_size // ps) ** 2 + (profile.image_size // ps) ** 2
         return ImageCost(profile.image_size, profile.image_size, patches, patches // k**2, (plan.columns, plan.rows))
+    if profile.resize == "smart_resize":
+        th, tw = smart_resize(width, height, profile)
+        patches = (th // profile.patch_size) * (tw // profile.patch_size)
+        return ImageCost(th, tw, patches, patches // profile.pooling_kernel_size**2)
     if profile.resize != "aspect_ratio_patch_budget":
         raise ImageError(f"this core's image resize rule {profile.resize!r} is not known to this helios")
     ps, k, budget = profile.patch_size, profile.pooling_kernel_size, profile.max_patches
@@ -141,6 +145,25 @@ def cost(width: int, height: int, profile: VisionProfile) -> ImageCost:
         tw, th = side, min(int(math.floor(height / width)) * side, max_side)
     patches = (th // ps) * (tw // ps)
     return ImageCost(th, tw, patches, patches // k**2)
+
+
+def smart_resize(width: int, height: int, profile: VisionProfile) -> tuple[int, int]:
+    """(height, width) after transformers' Qwen2-VL-style smart_resize: each side rounded to a multiple
+    of factor = patch_size * k, then, if the area leaves min_pixels .. max_pixels, both sides scaled
+    by one factor into it (floored down, or ceiled up; a side never below factor)."""
+    if max(width, height) / min(width, height) > 200:
+        raise ImageError(f"a {width}x{height} image's aspect ratio is over 200, which this core's profile refuses")
+    factor = profile.patch_size * profile.pooling_kernel_size
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > profile.max_pixels:
+        beta = math.sqrt((height * width) / profile.max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < profile.min_pixels:
+        beta = math.sqrt(profile.min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
 
 
 def decode(data: bytes) -> np.ndarray:
@@ -181,7 +204,10 @@ def prepare(rgb: np.ndarray, profile: VisionProfile) -> tuple[torch.Tensor, torc
 
 def prepare_views(rgb: np.ndarray, profile: VisionProfile) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """RGB uint8 [H, W, 3] -> the vision program's inputs for each view of the image, in feature
-    order: prepare()'s one view, or under global_and_tiles the tiles (row-major) then the global view."""
+    order: prepare()'s one view, under global_and_tiles the tiles (row-major) then the global view, or
+    under smart_resize one view in merge-block order (_prepare_merge_blocks)."""
+    if profile.resize == "smart_resize":
+        return [_prepare_merge_blocks(rgb, profile)]
     if profile.resize != "global_and_tiles":
         return [prepare(rgb, profile)]
     height, width = rgb.shape[:2]
@@ -208,6 +234,10 @@ def _resize(image: torch.Tensor, height: int, width: int, profile: VisionProfile
     on the CPU: natively on uint8 (AVX2/AVX512 hosts), else in fp32 then rounded."""
     if tuple(image.shape[1:]) == (height, width):
         return image
+    if profile.resample == "torch_bicubic":  # torchvision resizes uint8 natively by bicubic on every CPU
+        out = torch.nn.functional.interpolate(image[None], size=[height, width], mode="bicubic", align_corners=False,
+                                              antialias=True)  # fmt: skip
+        return out[0]
     if profile.resample != "torch_bilinear":
         resample = Image.BICUBIC if profile.resample == "bicubic" else Image.BILINEAR
         pil = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy()).resize((width, height), resample=resample)
@@ -225,6 +255,27 @@ def _patchify(pixels: np.ndarray, ps: int) -> tuple[torch.Tensor, torch.Tensor]:
     gy, gx = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     positions = np.stack([gx.reshape(-1), gy.reshape(-1)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(patches)), torch.from_numpy(positions.astype(np.int64))
+
+
+def _prepare_merge_blocks(rgb: np.ndarray, profile: VisionProfile) -> tuple[torch.Tensor, torch.Tensor]:
+    """smart_resize's one view: resized, rescaled and normalized (fused, as transformers' torch image
+    processors do), patches in k x k merge-block order, each patch's pixels in (channel, frame, row,
+    col) order over temporal_patch_size copies of the image, with (x, y) positions."""
+    height, width = rgb.shape[:2]
+    c = cost(width, height, profile)
+    image = _resize(torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).contiguous(), c.height, c.width,
+                    profile)  # fmt: skip
+    mean = (torch.tensor(profile.image_mean) * (1.0 / profile.rescale_factor))[:, None, None]
+    std = (torch.tensor(profile.image_std) * (1.0 / profile.rescale_factor))[:, None, None]
+    pixels = (image.float() - mean) / std  # [3, H, W]
+    ps, k, frames = profile.patch_size, profile.pooling_kernel_size, max(1, profile.temporal_patch_size)
+    rows, cols = c.height // ps, c.width // ps
+    blocks = pixels.reshape(3, rows // k, k, ps, cols // k, k, ps).permute(1, 4, 2, 5, 0, 3, 6)  # [R, C, k, k, 3, p, p]
+    patches = blocks.unsqueeze(5).expand(-1, -1, -1, -1, -1, frames, -1, -1).reshape(rows * cols, 3 * frames * ps * ps)
+    gy, gx = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    order = (rows // k, k, cols // k, k)
+    ys, xs = (g.reshape(order).transpose(1, 2).reshape(-1) for g in (gy, gx))
+    return patches.contiguous(), torch.stack([xs, ys], dim=-1)
 
 
 def token_layout(cost: ImageCost, profile: VisionProfile) -> tuple[list[int], tuple[tuple[int, int], ...]]:

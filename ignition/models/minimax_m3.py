@@ -10,6 +10,12 @@ among them), and the attention sees only those blocks (helios.core.ops_block_spa
 per `mlp_layer_types`: dense SwiGLU-OAI (clamped, alpha-gated, up + 1), or a sigmoid-routed
 MoE with a score-correction bias, renormalized weights times routed_scaling_factor, and an
 always-on shared expert of the same activation. Checked against transformers 5.24.
+
+Multimodal checkpoints (MiniMaxM3SparseForConditionalGeneration: a vision_config beside the
+text_config and an image token id inside the vocabulary, see _multimodal) export a vision program
+(minimax_m3_vision.py); the step then takes image_features / image_rows and those rows' input
+embeddings are the features (transformers' masked_scatter; image tokens keep plain 1-D positions).
+A text-only config refuses vision tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import moe
+from ignition.models import minimax_m3_vision, moe
 from ignition.models.common import optional_inputs, rotate_half
 from ignition.models.heads import step_outputs
 
@@ -82,7 +88,7 @@ def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
     return out
 
 
-WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP)
+WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP) | minimax_m3_vision.WEIGHT_MAP
 STACKED = moe.STACKED_EXPERTS
 # A dense layer stored as gate_proj/up_proj, a shared expert stored the same way; groups absent
 # from a layer (transformers' fused layout, the other kind of layer) are skipped.
@@ -117,6 +123,7 @@ class MiniMaxM3Config:
     index_block_size: int
     index_topk_blocks: int
     index_local_blocks: int
+    vision: minimax_m3_vision.VisionConfig | None = None  # the vision tower of a multimodal checkpoint
 
     @property
     def kv_dim(self) -> int:
@@ -179,7 +186,7 @@ def _rotary(hf: dict[str, Any], head_dim: int) -> tuple[int, float]:
 def config_from_hf(hf: dict[str, Any]) -> MiniMaxM3Config:
     """Read a config.json dict: MiniMaxM3VLTextConfig's fields, or a multimodal config's text_config."""
     tie = bool(hf.get("tie_word_embeddings", False)) or bool(_text(hf).get("tie_word_embeddings", False))
-    hf = _text(hf)
+    top, hf = hf, _text(hf)
     if hf.get("quantization_config"):
         raise _refuse("quantization_config", hf["quantization_config"], "quantized checkpoints are not read yet")
     layers, heads = int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
@@ -231,7 +238,29 @@ def config_from_hf(hf: dict[str, Any]) -> MiniMaxM3Config:
         index_block_size=block,
         index_topk_blocks=topk,
         index_local_blocks=local,
+        vision=minimax_m3_vision.config_from_hf(top, hf) if _multimodal(top) else None,
     )  # fmt: skip
+
+
+def _multimodal(top: dict[str, Any]) -> bool:
+    """A vision tower to compile: a vision_config beside the nested text_config and an image token id
+    (image_token_id / image_token_index, else the class default) inside the text vocabulary."""
+    if not isinstance(top.get("vision_config"), dict) or not isinstance(top.get("text_config"), dict):
+        return False
+    return 0 <= minimax_m3_vision.image_token_id(top) < int(top["text_config"]["vocab_size"])
+
+
+def canonical_tensors(config: MiniMaxM3Config, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A multimodal checkpoint's vision tensors in transformers' names, whichever layout it ships
+    (MiniMax's vision_tower.vision_model.* / patch_merge_mlp.* or transformers' model.vision_tower.*);
+    a text-only config refuses them."""
+    if config.vision is None:
+        stray = sorted(n for n in tensors if n.startswith(minimax_m3_vision.VISION_PREFIXES))
+        if stray:
+            raise ValueError(f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
+                             f"multimodal (no vision_config, or an image token id outside the vocabulary)")  # fmt: skip
+        return tensors
+    return minimax_m3_vision.native_tensors(tensors)
 
 
 def kv_shape(config: MiniMaxM3Config) -> tuple[int, int, int]:
@@ -245,7 +274,8 @@ def extra_caches(config: MiniMaxM3Config) -> tuple[tuple[str, tuple[int, ...], i
 
 
 def decode_weight_bytes(config: MiniMaxM3Config, weights: dict[str, Tensor]) -> int:
-    return moe.decode_weight_bytes(config, weights, config.router.top_k)
+    text = {k: v for k, v in weights.items() if not k.startswith("vision.")}  # the tower runs per image, not per step
+    return moe.decode_weight_bytes(config, text, config.router.top_k)
 
 
 # ---------------------------------------------------------------------------- step program
@@ -315,12 +345,21 @@ class StepProgram(torch.nn.Module):
         return moe.shared_mlp(h, weights[p + "w_gate_up"], weights[p + "w_down"], c.activation)
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
+                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
+        those rows' input embeddings are the features; rows of -1 are unused."""
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
+        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
+        logprob_ids, target_ids = optional_inputs(*(extra + [None, None])[:2], self.explicit_ids, self.scored)
         c = self.config
         wdt = weights["embed"].dtype
         # Residual stream, norms and rotary in fp32, matmuls in the core dtype (as the other families).
         x = F.embedding(token_ids, weights["embed"]).float()
+        if image is not None:
+            features, rows = image
+            T = x.shape[0]
+            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
+            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, device=positions.device).float() / c.rotary_dim))
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, rotary_dim]
@@ -373,15 +412,20 @@ def _reference_select(scores: Tensor, positions: Tensor, c: MiniMaxM3Config) -> 
     return chosen
 
 
-def reference_logits(config: MiniMaxM3Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
+def reference_logits(config: MiniMaxM3Config, hf_weights: dict[str, Tensor], token_ids: list[int],
+                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
     """Dense, unpaged forward over Hugging Face-named weights (any of the layouts WEIGHT_MAP reads):
     logits [T, V] fp32. Independent of the program path: explicit attention matrices, the
-    indexer's choice made query by query (sorting, not top-k), rotary from float64 angles."""
+    indexer's choice made query by query (sorting, not top-k), rotary from float64 angles.
+    Images: row i of image_features replaces the input embedding at image_positions[i]."""
     c = config
     w = {canonical_name(k): v.float() for k, v in hf_weights.items()}
     total = len(token_ids)
     positions = torch.arange(total)
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
+    if image_positions:
+        assert image_features is not None
+        x[torch.tensor(image_positions)] = image_features.float()
     inv = c.rope_theta ** (-torch.arange(0, c.rotary_dim, 2, dtype=torch.float64) / c.rotary_dim)
     angles = torch.cat([positions[:, None] * inv[None, :]] * 2, dim=-1)  # [T, rotary_dim]
     cos, sin = angles.cos().float(), angles.sin().float()
@@ -491,7 +535,17 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
 
 
 def hf_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
-    """transformers' MiniMaxM3VLForCausalLM tensor names and shapes (stacked experts, fused gate/up)."""
+    """transformers' MiniMaxM3VLForCausalLM tensor names and shapes (stacked experts, fused gate/up); a
+    multimodal config's as MiniMaxM3SparseForConditionalGeneration names them (the text model under
+    model.language_model., then the vision tower and projector)."""
+    shapes = _text_shapes(c)
+    if c.vision is None:
+        return shapes
+    nested = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in shapes.items()}
+    return nested | minimax_m3_vision.hf_shapes(c.vision)
+
+
+def _text_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
     h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.kv_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -518,3 +572,64 @@ def hf_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
                        m + "experts.gate_up_proj": (e, 2 * f, h), m + "experts.down_proj": (e, h, f),
                        m + "shared_experts.gate_up_proj.weight": (2 * s, h), m + "shared_experts.down_proj.weight": (h, s)})  # fmt: skip
     return shapes
+
+
+# Test vision checkpoints: the "minimax_m3" chat flavour plus the processor's framing tokens.
+TESTMODEL_VISION_TOKENS = (minimax_m3_vision.IMAGE_TOKEN, minimax_m3_vision.START_TOKEN, minimax_m3_vision.END_TOKEN,
+                           "]<]video[>[")  # fmt: skip
+
+
+def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
+    """A tiny multimodal (MiniMaxM3SparseForConditionalGeneration) config around testmodel_config's text
+    model: a 2-layer vision tower of width 32 (2 heads of 16, 12 of them rotated over 3 axes) over
+    14-pixel patches of 2 frames, 2 x 2 merging, a projector of width 48. `tokens`:
+    TESTMODEL_VISION_TOKENS -> ids."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return {
+        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+        "model_type": "minimax_m3_vl",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "minimax_m3_vl_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+            "hidden_act": "gelu", "layer_norm_eps": 1e-5, "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+        },
+        "projector_hidden_size": 48,
+        "image_token_id": tokens[minimax_m3_vision.IMAGE_TOKEN],
+        "video_token_id": tokens["]<]video[>["],
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
+        "max_position_embeddings": text["max_position_embeddings"],  # also at the top, where testmodel reads it
+    }  # fmt: skip
+
+
+# MiniMaxM3VLImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): 4 .. 64
+# tokens of 28 x 28 pixels per image.
+TESTMODEL_PROCESSOR = {"image_processor_type": "MiniMaxM3VLImageProcessor",
+                       "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}, "patch_size": 14,
+                       "temporal_patch_size": 2, "merge_size": 2, "resample": 3,
+                       "image_mean": list(minimax_m3_vision.PROCESSOR_DEFAULTS["image_mean"]),
+                       "image_std": list(minimax_m3_vision.PROCESSOR_DEFAULTS["image_std"])}  # fmt: skip
+
+
+# ------------------------------------------------------------------------- vision hooks (ignition.export)
+
+
+def vision_program(config: MiniMaxM3Config) -> torch.nn.Module:
+    assert config.vision is not None
+    return minimax_m3_vision.VisionProgram(config.vision)
+
+
+def vision_examples(config: MiniMaxM3Config) -> tuple[Tensor, Tensor]:
+    assert config.vision is not None
+    return minimax_m3_vision.example_inputs(config.vision)
+
+
+def reference_features(config: MiniMaxM3Config, hf_weights: dict[str, Tensor], pixels: Tensor,
+                       positions: Tensor) -> Tensor:  # fmt: skip
+    assert config.vision is not None
+    return minimax_m3_vision.reference_features(config.vision, hf_weights, pixels, positions)
+
+
+def vision_profile(config: MiniMaxM3Config, processor: dict[str, Any], max_model_len: int, token_id=None):
+    assert config.vision is not None
+    return minimax_m3_vision.profile(config.vision, processor, max_model_len, token_id or (lambda text: None))

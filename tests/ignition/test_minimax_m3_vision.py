@@ -1,0 +1,358 @@
+"""MiniMax M3 vision cores: a tiny multimodal checkpoint (`ignition testmodel minimax_m3 --vision`: a
+2-layer vision tower over 14-pixel patches of 2 frames with a partial 3-D rotary, 2 x 2 merging,
+the two-stage GELU projector, smart_resize bounds of 4 .. 64 tokens) exported with its vision
+program, checked against transformers' MiniMaxM3VLImageProcessor + MiniMaxM3VLProcessor (helios'
+smart_resize profile: pixel values, grid and the placeholder's expansion),
+MiniMaxM3VLModel.get_image_features (the vision program) and
+MiniMaxM3SparseForConditionalGeneration (logprobs with an image in the prompt), on a PNG that
+resizes within the bounds, a JPEG scaled down to max_pixels and a WebP scaled up to min_pixels.
+
+transformers' MiniMaxM3VLImageProcessor is torchvision-backed and imports torchvision at module
+level. Where torchvision is not installed (the project does not depend on it), the module is
+imported against a stand-in for torchvision.transforms.v2.functional whose resize is torch's own
+antialiased bicubic interpolate on the uint8 image (what torchvision's CPU resize calls for bicubic
+uint8 images, natively on every CPU) and whose normalize is plain torch; the processor's class
+check of its absent video processor is skipped. smart_resize, the rescale/normalize fusion, the
+patch order, the temporal repeat and the framing are transformers' own code either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+import io
+import json
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helios.core import Core
+from helios.core.program import SCORED_PREFILL, STEP, VISION, run_prompt
+from helios.frontend import images
+from ignition.export import ExportOptions, export_core
+from ignition.models import minimax_m3, minimax_m3_vision
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import write_testmodel
+
+TOLERANCE = 1e-3
+# (width, height, format, PIL save options) and the smart_resize branch each takes under 3136 .. 50176 pixels.
+SHAPES = (
+    (150, 60, "PNG", {}),  # sides rounded to 140 x 56, inside the bounds: 2 x 5 tokens
+    (300, 200, "JPEG", {"quality": 90}),  # 308 x 196 is over max_pixels: scaled down to 252 x 168, 6 x 9 tokens
+    (40, 30, "WEBP", {"lossless": True}),  # 28 x 28 is under min_pixels: scaled up to 84 x 56, 2 x 3 tokens
+)
+PROMPT = "Describe this picture: ]<]image[>[ in short."
+
+
+def encode(width: int, height: int, fmt: str, options: dict, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed + width)
+    grad = np.linspace(0, 255, width)[None, :, None] * np.ones((height, 1, 3))
+    pixels = np.clip(grad * 0.5 + rng.integers(0, 128, (height, width, 3)), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+def encoded_images() -> list[bytes]:
+    return [encode(*shape) for shape in SHAPES]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    checkpoint = write_testmodel("minimax_m3", tmp_path_factory.mktemp("ckpt") / "tiny-minimax-m3-vision", seed=3,
+                                 vision=True)  # fmt: skip
+    out = tmp_path_factory.mktemp("cores") / "minimax-m3-vision"
+    export_core(open_source(str(checkpoint)), load_recipe("minimax_m3"),
+                ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))  # fmt: skip
+    return checkpoint, out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: tuple[Path, Path]):
+    from transformers import MiniMaxM3SparseForConditionalGeneration
+
+    model = MiniMaxM3SparseForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32,
+                                                                    attn_implementation="eager")  # fmt: skip
+    return model.eval()
+
+
+class _Mode(enum.Enum):
+    NEAREST = "nearest"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    LANCZOS = "lanczos"
+
+
+def _resize(image: torch.Tensor, size, interpolation=_Mode.BILINEAR, antialias: bool = True) -> torch.Tensor:
+    """torchvision.transforms.v2.functional.resize's CPU path for uint8 bicubic images (native uint8)."""
+    assert interpolation == _Mode.BICUBIC and image.dtype == torch.uint8
+    if tuple(image.shape[-2:]) == tuple(size):
+        return image
+    x = image.reshape(-1, *image.shape[-3:])
+    y = torch.nn.functional.interpolate(x, size=list(size), mode="bicubic", align_corners=False, antialias=antialias)
+    return y.reshape(*image.shape[:-2], *size)
+
+
+def _normalize(image: torch.Tensor, mean, std, inplace: bool = False) -> torch.Tensor:
+    mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
+    std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
+    return (image - mean) / std
+
+
+def _import_processing_modules() -> tuple[types.ModuleType, types.ModuleType, bool]:
+    """transformers' minimax_m3_vl image processing and processing modules, and whether torchvision is real."""
+    import transformers  # noqa: F401  (its availability checks run before any stand-in exists)
+
+    names = ("image_processing_minimax_m3_vl", "processing_minimax_m3_vl")
+    try:
+        import torchvision.transforms.v2.functional  # noqa: F401
+
+        modules = tuple(importlib.import_module(f"transformers.models.minimax_m3_vl.{n}") for n in names)
+        return (*modules, True)  # type: ignore[return-value]
+    except Exception:  # absent, or a build whose compiled ops do not load on this torch
+        pass
+    functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, InterpolationMode=_Mode)
+    stand_ins = {"torchvision": types.ModuleType("torchvision"),
+                 "torchvision.transforms": types.ModuleType("torchvision.transforms"),
+                 "torchvision.transforms.v2": types.SimpleNamespace(functional=functional),
+                 "torchvision.transforms.v2.functional": functional}  # fmt: skip
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    sys.modules.update(stand_ins)  # type: ignore[arg-type]
+    try:
+        modules = tuple(importlib.import_module(f"transformers.models.minimax_m3_vl.{n}") for n in names)
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return (*modules, False)  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def reference_processor(checkpoint: Path) -> Iterator[Any]:
+    """transformers' MiniMaxM3VLProcessor (image processor + the checkpoint's tokenizer), on torchvision
+    where it imports, else on the torch primitives above."""
+    import transformers.image_processing_backends as backends
+    from transformers import PreTrainedTokenizerFast
+    from transformers.image_utils import PILImageResampling
+
+    image_processing, processing, real = _import_processing_modules()
+    patch = pytest.MonkeyPatch()
+    if not real:
+        functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, InterpolationMode=_Mode)
+        patch.setattr(backends, "tvF", functional, raising=False)
+        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: _Mode.BICUBIC})
+        # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
+        patch.setattr(processing.MiniMaxM3VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None)
+    settings = {k: v for k, v in minimax_m3.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    try:
+        yield processing.MiniMaxM3VLProcessor(image_processing.MiniMaxM3VLImageProcessor(**settings), tokenizer)
+    finally:
+        patch.undo()
+
+
+def pixel_inputs(processed) -> dict[str, Any]:
+    """The processor outputs MiniMaxM3SparseForConditionalGeneration takes for images."""
+    return {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
+
+
+@pytest.fixture(scope="module")
+def processor(tiny: tuple[Path, Path]):
+    with reference_processor(tiny[0]) as made:
+        yield made
+
+
+def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
+    core = Core.open(tiny[1])
+    m = core.manifest
+    assert m.capabilities.vision and VISION in m.programs and m.vision is not None
+    v = m.vision
+    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == \
+        ("smart_resize", "torch_bicubic", 14, 2, 2)  # fmt: skip
+    assert (v.min_pixels, v.max_pixels) == (4 * 28 * 28, 64 * 28 * 28)
+    assert v.max_image_tokens_per_image == v.image_feature_window_tokens == 64 and v.max_patches == 256
+    assert v.max_image_tokens_per_prompt == m.limits.max_model_len - 3
+    assert v.max_images_per_prompt == (m.limits.max_model_len - 1) // (4 + 2)
+    tok = core.tokenizer()
+    assert v.placeholder_token_id == v.image_token_id == tok.token_to_id("]<]image[>[")
+    assert v.prefix_token_ids == (tok.token_to_id("]<]start of image[>["),)
+    assert v.suffix_token_ids == (tok.token_to_id("]<]end of image[>["),)
+    assert m.programs[VISION].inputs[0].shape == ("X", 3 * 2 * 14 * 14)
+    assert [t.name for t in m.programs[STEP].inputs][-2:] == ["image_features", "image_rows"]
+    assert m.golden.max_abs_diff <= TOLERANCE
+    assert m.decode_weight_bytes < sum(t.numel() * 4 for n, t in core.load_weights().items() if not n.startswith("vision."))
+
+
+def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], processor) -> None:
+    """Per image: the grid, every patch row (pixel values, 1e-5) and its position, the token count
+    and the placeholder's expansion equal what MiniMaxM3VLProcessor makes of ']<]image[>[' and the image."""
+    from transformers.vision_utils import get_vision_position_ids
+
+    profile = Core.open(tiny[1]).manifest.vision
+    assert profile is not None
+    for data, (width, height, fmt, _) in zip(encoded_images(), SHAPES):
+        header = images.read_header(data, profile, "image 1")
+        assert (header.format, header.width, header.height) == (fmt, width, height)
+        cost = images.cost(header.width, header.height, profile)
+        processed = processor(text="]<]image[>[", images=[Image.open(io.BytesIO(data))], return_tensors="pt")
+        grid = processed["image_grid_thw"]
+        assert grid.tolist() == [[1, cost.height // 14, cost.width // 14]], (header, cost)
+        views = images.prepare_views(images.decode(data), profile)
+        assert len(views) == 1
+        pixels, positions = views[0]
+        assert pixels.shape == processed["pixel_values"].shape == (cost.num_patches, 3 * 2 * 14 * 14)
+        assert float((pixels - processed["pixel_values"]).abs().max()) <= 1e-5
+        thw = get_vision_position_ids(grid, 2, include_temporal=True)  # (frame, y, x) in the tower's order
+        assert thw[:, 0].eq(0).all() and positions.tolist() == thw[:, [2, 1]].tolist()
+        ids, runs = images.token_layout(cost, profile)
+        assert ids == processed["input_ids"][0].tolist()
+        assert cost.num_tokens == cost.num_patches // 4 == sum(rows for _, rows in runs) == ids.count(profile.image_token_id)
+
+
+def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], reference, processor) -> None:
+    core = Core.open(tiny[1])
+    m = core.manifest
+    profile = m.vision
+    weights = core.load_weights()
+    vision = core.load_program(VISION)
+    programs = {kind: core.load_program(kind) for kind in (STEP, SCORED_PREFILL)}
+    worst_features = worst = worst_first = 0.0
+    for data in encoded_images():
+        pixels, positions = images.prepare_views(images.decode(data), profile)[0]
+        ours = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
+        processed = processor(text=PROMPT, images=[Image.open(io.BytesIO(data))], return_tensors="pt")
+        ids = processed["input_ids"][0].tolist()
+        with torch.no_grad():
+            theirs = reference.get_image_features(**pixel_inputs(processed)).pooler_output[0]
+            logits = reference(input_ids=torch.tensor([ids]), **pixel_inputs(processed)).logits[0].float()
+        worst_features = max(worst_features, float((ours - theirs).abs().max()))
+        expected = torch.log_softmax(logits, dim=-1)
+        image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
+        assert len(image_positions) == len(ours)
+        for program in programs.values():  # chunks of 11 cut through the image rows
+            run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=11,
+                             image_features=ours, image_positions=image_positions)  # fmt: skip
+            worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
+            worst = max(worst, float((run.logprobs - expected).abs().max()))
+    assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
+    print(f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
+          f"all prompt positions {worst:.3g}")
+
+
+def test_minimax_hub_vision_layout_reads_the_same_weights(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """MiniMax's own layout (vision_tower.vision_model.*, patch_merge_mlp.*, language_model.*) exports
+    to the same core weights as transformers' names; a text-only config refuses vision tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ignition.errors import SourceError
+
+    renames = (("model.vision_tower.embeddings.proj.", "vision_tower.vision_model.embeddings.patch_embedding."),
+               ("model.vision_tower.layers.", "vision_tower.vision_model.encoder.layers."),
+               ("model.vision_tower.pre_layrnorm.", "vision_tower.vision_model.pre_layrnorm."),
+               ("model.multi_modal_projector.merge_linear_", "patch_merge_mlp.linear_"),
+               ("model.multi_modal_projector.", "multi_modal_projector."),
+               ("model.language_model.", "language_model.model."))  # fmt: skip
+    source = tmp_path / "hub"
+    shutil.copytree(tiny[0], source)
+    tensors = {}
+    for name, t in load_file(str(tiny[0] / "model.safetensors")).items():
+        for ours, theirs in renames:
+            if name.startswith(ours):
+                name = theirs + name[len(ours) :]
+                break
+        tensors[name] = t
+    assert "patch_merge_mlp.linear_1.weight" in tensors and "vision_tower.vision_model.encoder.layers.1.mlp.fc2.bias" in tensors
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "core"
+    export_core(open_source(str(source)), load_recipe("minimax_m3"), ExportOptions(out=out, dtype="float32"))
+    ours, theirs = Core.open(out).load_weights(), Core.open(tiny[1]).load_weights()
+    assert ours.keys() == theirs.keys() and any(n.startswith("vision.merge1") for n in ours)
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    config = json.loads((source / "config.json").read_text())
+    config["image_token_id"] = 10**6  # outside the vocabulary: a text-only reading
+    (source / "config.json").write_text(json.dumps(config))
+    assert minimax_m3.config_from_hf(config).vision is None
+    with pytest.raises(SourceError, match="vision tensors in a checkpoint whose config is not multimodal"):
+        export_core(open_source(str(source)), load_recipe("minimax_m3"), ExportOptions(out=tmp_path / "text"))
+
+
+def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Path, Path]) -> None:
+    """The exported program and the float64 reference agree on the export's example view, whose
+    frames repeat one image (the self-check's input)."""
+    config = minimax_m3.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
+    assert config.vision is not None
+    pixels, positions = minimax_m3_vision.example_inputs(config.vision)
+    core = Core.open(tiny[1])
+    got = core.load_program(VISION)(core.load_weights(), [], pixel_values=pixels, pixel_positions=positions)
+    from safetensors.torch import load_file
+
+    expected = minimax_m3_vision.reference_features(config.vision, load_file(str(tiny[0] / "model.safetensors")),
+                                                    pixels, positions)  # fmt: skip
+    assert got["image_features"].shape == (6, 64)
+    assert float((got["image_features"] - expected).abs().max()) <= 1e-4
+
+
+def test_smart_resize_costs_match_the_reference_over_many_sizes() -> None:
+    """helios' smart_resize (the cost of every image, from its header) equals transformers' on sizes
+    that take each branch: inside the bounds, over max_pixels, under min_pixels, a side under half a
+    token, extreme aspect ratios (a side floored to one token) and a ratio over 200 (refused)."""
+    image_processing, _, _ = _import_processing_modules()
+    profile = _profile()
+    sizes = [(w, h) for w in (1, 13, 14, 27, 40, 150, 300, 333, 1000, 2048) for h in (1, 15, 28, 60, 200, 719, 4000)]
+    for width, height in sizes:
+        try:
+            expected = image_processing.smart_resize(height, width, factor=28, min_pixels=profile.min_pixels,
+                                                     max_pixels=profile.max_pixels)  # fmt: skip
+        except ValueError:
+            with pytest.raises(images.ImageError, match="aspect ratio is over 200"):
+                images.cost(width, height, profile)
+            continue
+        cost = images.cost(width, height, profile)
+        assert (cost.height, cost.width) == expected, (width, height)
+        assert cost.num_tokens == expected[0] * expected[1] // 28**2 == cost.num_patches // 4
+
+
+def _profile():
+    from helios.core import manifest as mf
+
+    return mf.VisionProfile(
+        resize="smart_resize", patch_size=14, pooling_kernel_size=2, max_patches=256, resample="torch_bicubic",
+        rescale_factor=1 / 255, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), placeholder_token_id=6,
+        image_token_id=6, prefix_token_ids=(8,), suffix_token_ids=(9,), feature_dim=64, max_images_per_prompt=10,
+        max_image_tokens_per_prompt=100, image_feature_window_tokens=64, max_image_tokens_per_image=64,
+        max_image_pixels=10**8, max_image_bytes=1 << 20, min_pixels=4 * 784, max_pixels=64 * 784, temporal_patch_size=2,
+    )  # fmt: skip
+
+
+def test_older_profiles_read_unchanged() -> None:
+    """A profile written before the smart_resize fields decodes with them zero, and the prefix
+    digests of the other rules are what they were (the new fields join the digest only under
+    smart_resize)."""
+    import hashlib
+
+    import msgspec
+
+    from helios.core import manifest as mf
+
+    raw = msgspec.json.decode(msgspec.json.encode(_profile()))
+    older = {k: v for k, v in raw.items() if k not in ("min_pixels", "max_pixels", "temporal_patch_size")}
+    older |= {"resize": "aspect_ratio_patch_budget", "resample": "bicubic"}
+    profile = msgspec.json.decode(msgspec.json.encode(older), type=mf.VisionProfile)
+    assert (profile.min_pixels, profile.max_pixels, profile.temporal_patch_size) == (0, 0, 0)
+    fields = (profile.resize, profile.patch_size, profile.pooling_kernel_size, profile.max_patches, profile.resample,
+              profile.rescale_factor, profile.image_mean, profile.image_std)  # fmt: skip
+    assert profile.settings_digest() == hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
+    assert _profile().settings_digest() != msgspec.structs.replace(_profile(), max_pixels=32 * 784).settings_digest()
