@@ -263,6 +263,15 @@ def kv_shape(config: Gemma4Config) -> tuple[int, int, int]:
     return config.num_kv_layers, config.num_kv_heads, config.head_dim
 
 
+def window_pool(config: Gemma4Config) -> tuple[int, tuple[int, ...]] | None:
+    """The sliding cache-owning layers' keys and values in a second page pool (KvLayout.window_pool),
+    freed behind the window by helios; KV-shared sliding layers read them there. None without any."""
+    owners = [i for i in range(config.num_kv_layers) if config.layer_windows[i] > 0]
+    if not owners:
+        return None
+    return max(config.layer_windows), tuple(index for i in owners for index in (2 * i, 2 * i + 1))
+
+
 # ---------------------------------------------------------------------------- step program
 
 
@@ -295,12 +304,15 @@ class StepProgram(DecoderProgram):
     """Gemma 4's step over the flare:: paged-KV ops."""
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None,
+                extra_5=None, extra_6=None):  # fmt: skip
         """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
         those rows' input embeddings are the features (unscaled, as transformers merges them) and
-        their per-layer-input ids the pad id; rows of -1 are unused."""
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
+        their per-layer-input ids the pad id; rows of -1 are unused. Sliding layers' caches are in
+        the window pool (window_pool), addressed by window_slot_mapping / window_block_tables."""
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4, extra_5, extra_6) if t is not None]
         image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
+        pooled = (extra.pop(0), extra.pop(0)) if window_pool(self.config) is not None else (slot_mapping, block_tables)
         logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
         c = self.config
         eps = c.rms_norm_eps
@@ -332,6 +344,7 @@ class StepProgram(DecoderProgram):
             q = q * cos + rotate_half(q) * sin
             src = c.kv_sources[i]
             k_cache, v_cache = kv_cache[2 * src], kv_cache[2 * src + 1]
+            slots, tables = pooled if window > 0 else (slot_mapping, block_tables)
             kvt = k_cache.dtype
             if src == i:  # this layer produces keys and values
                 k_raw = F.linear(h, weights[p + "wk"]).float().reshape(-1, kvh, hd)
@@ -340,11 +353,11 @@ class StepProgram(DecoderProgram):
                 k = k * cos + rotate_half(k) * sin
                 v = norm4(v_raw, None, eps)
                 k, v = self._to_cache(k), self._to_cache(v)
-                torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
+                torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slots)
             if hd < c.head_dim:
                 q = F.pad(q, (0, c.head_dim - hd))
             attn = torch.ops.flare.paged_attention(
-                q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, 1.0, window, 0.0
+                q.to(kvt), k_cache, v_cache, tables, seq_lens, query_start_loc, positions, 1.0, window, 0.0
             )
             attn = F.linear(attn[..., :hd].reshape(-1, H * hd).to(wdt), weights[p + "wo"])
             x = x + norm4(attn, weights[p + "post_attn_norm"], eps)

@@ -394,6 +394,15 @@ def kv_shape(config: Step3p7Config) -> tuple[int, int, int]:
     return config.num_layers, config.num_kv_heads, config.head_dim
 
 
+def window_pool(config: Step3p7Config) -> tuple[int, tuple[int, ...]] | None:
+    """The sliding layers' keys and values in a second page pool (KvLayout.window_pool), freed behind
+    the window by helios. None without sliding layers."""
+    windows = config.layer_windows
+    if not any(windows):
+        return None
+    return max(windows), tuple(index for i, w in enumerate(windows) if w > 0 for index in (2 * i, 2 * i + 1))
+
+
 def decode_weight_bytes(config: Step3p7Config, weights: dict[str, Tensor]) -> int:
     """Weights one decode token reads: the shared ones plus its top-k experts per sparse layer."""
     text = {k: v for k, v in weights.items() if not k.startswith("vision.")}  # the tower runs per image, not per step
@@ -469,11 +478,14 @@ class StepProgram(DecoderProgram):
                               shared_activation=shared)  # fmt: skip
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None,
+                extra_5=None, extra_6=None):  # fmt: skip
         """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
-        those rows' input embeddings are the features (transformers' masked_scatter); rows of -1 are unused."""
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
+        those rows' input embeddings are the features (transformers' masked_scatter); rows of -1 are
+        unused. Sliding layers' caches are in the window pool: window_slot_mapping / window_block_tables."""
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4, extra_5, extra_6) if t is not None]
         image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
+        pooled = (extra.pop(0), extra.pop(0)) if window_pool(self.config) is not None else (slot_mapping, block_tables)
         logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
         c = self.config
         eps = c.rms_norm_eps
@@ -488,9 +500,10 @@ class StepProgram(DecoderProgram):
             x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
         ropes = {window > 0: _cos_sin(positions, c.rope_sliding if window else c.rope_full) for window in set(c.layer_windows)}
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
+        windowed = (*pooled, seq_lens, query_start_loc, positions)  # sliding layers: the window pool's slots, tables
         for i, window in enumerate(c.layer_windows):
             h = gemma_norm(x, weights[f"layers.{i}.attn_norm"], eps).to(wdt)
-            x = x + self.attention(weights, i, h, ropes[window > 0], kv_cache, paged)
+            x = x + self.attention(weights, i, h, ropes[window > 0], kv_cache, windowed if window > 0 else paged)
             h = gemma_norm(x, weights[f"layers.{i}.mlp_norm"], eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
         x = gemma_norm(x, weights["norm"], eps).to(wdt)

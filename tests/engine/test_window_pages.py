@@ -1,6 +1,6 @@
-"""The window pool (helios.engine.window_pages): a tiny Gemma 3 core's sliding layers (window 8,
-16-token pages) keep their keys and values in a second pool whose pages are freed behind the
-window. Outputs equal those of the same core with both tables on the main pool (and each request
+"""The window pool (helios.engine.window_pages): tiny Gemma 3, Gemma 4 and Step 3.7 cores' sliding
+layers (window 8, 16-token pages; Gemma 4's KV-shared layers reading them there) keep their keys and
+values in a second pool whose pages are freed behind the window. Outputs equal those of the same core with both tables on the main pool (and each request
 run alone), through long prompts, batching, chunked prefill, prefix reuse, forks, preemption and
 speculation; the window pages a sequence holds stay bounded by the window, not its length; a
 prefix is reused only as far as the window pages its first query needs survive."""
@@ -27,11 +27,16 @@ GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 11)
 
 
-@pytest.fixture(scope="module")
-def core(tmp_path_factory: pytest.TempPathFactory) -> Core:
-    core = Core.open(export_tiny("gemma3", "gemma3", tmp_path_factory)[1])
+@pytest.fixture(scope="module", params=["gemma3", "gemma4", "step5"])
+def core(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Core:
+    family = request.param
+    core = Core.open(export_tiny(family, family, tmp_path_factory)[1])
     pooled = core.manifest.kv.window_pool
-    assert pooled is not None and pooled.window == 8 and pooled.caches == (0, 1, 4, 5)  # layers 0 and 2 slide
+    assert pooled is not None and pooled.window == 8
+    windows = [i for i in range(core.manifest.kv.num_caches) if i in pooled.caches]
+    assert 0 < len(windows) < core.manifest.kv.num_caches  # global layers' caches stay in the main pool
+    if family == "gemma3":
+        assert pooled.caches == (0, 1, 4, 5)
     return core
 
 
@@ -98,7 +103,9 @@ def test_outputs_equal_the_unreclaimed_core_and_window_pages_stay_bounded(core: 
     assert engine.window is not None and engine.window.pool.num_pages == engine.pool.num_pages == 96
     assert pool_pages(8, 16, 64, 16, 0) == 64 * 4 + 1
     roomy = _engine(core, num_pages=400)  # more than they could: the window pool stops there, the rest is main pool
-    assert roomy.window is not None and roomy.window.pool.num_pages == 257 and roomy.pool.num_pages == 400 + (400 - 257) * 2
+    kv = core.manifest.kv
+    assert roomy.window is not None and roomy.window.pool.num_pages == 257
+    assert roomy.pool.num_pages == 400 + (400 - 257) * kv.window_token_elements // kv.token_elements
     peak: list[int] = []
     pooled = _run(engine, requests, peak)
     _same(mirrored, pooled)
@@ -131,12 +138,25 @@ def test_prefix_reuse_with_window_pages_and_preemption(core: Core) -> None:
 
 
 def test_speculation_with_window_pages(core: Core) -> None:
+    """Drafts (the plain run's own continuation, every third round's middle one wrong) write window
+    pages past the committed tokens; rejected ones are overwritten, never read."""
     requests = _requests(core)
     plain = _run(_engine(core), requests)
+    truth = {(r.request_id, i): r.prompt_ids + tuple(plain[r.request_id][i].token_ids) for r in requests
+             for i in range(r.n)}  # fmt: skip
+
+    def oracle(seq, k: int) -> tuple[int, ...]:
+        n = len(seq.token_ids)
+        drafts = list(truth[seq.request.request_id, seq.choice_index][n : n + k])
+        if n % 3 == 0 and len(drafts) > 1:
+            drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % 64
+        return tuple(drafts)
+
     engine = _engine(core, speculation=SpeculationConfig(mode="fixed", max_drafts=4))
+    engine.scheduler.drafter.propose = oracle
     spec = _run(engine, requests)
     _same(plain, spec, tolerance=1e-4)
-    assert engine.stats.verification_drafts > 0
+    assert engine.stats.verification_drafts > engine.stats.accepted_drafts > 0
 
 
 def test_reuse_stops_where_a_window_page_was_evicted() -> None:
