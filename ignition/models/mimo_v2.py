@@ -292,6 +292,16 @@ def kv_shape(config: MiMoV2Config) -> tuple[int, int, int]:
     return config.num_layers, config.cache_heads, config.row_width
 
 
+def window_pool(config: MiMoV2Config) -> tuple[int, tuple[int, ...]] | None:
+    """The sliding main layers' packed caches in a second page pool (KvLayout.window_pool), freed
+    behind the window by helios; the MTP layers' caches (sliding too) stay in the main pool, where
+    the drafter's scratch pages are. None without sliding layers."""
+    windows = config.layer_windows
+    if not any(windows):
+        return None
+    return max(windows), tuple(i for i, w in enumerate(windows) if w > 0)
+
+
 def extra_caches(config: MiMoV2Config) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
     """The MTP layers' own packed KV, on the step's pages (numbered after the main layers)."""
     if not config.num_mtp_layers:
@@ -380,8 +390,11 @@ class StepProgram(torch.nn.Module):
         self.scored = scored
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
+                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
+        # Sliding layers' caches are in the window pool (window_pool), with its own slots and tables.
+        pooled = (extra.pop(0), extra.pop(0)) if window_pool(self.config) is not None else (slot_mapping, block_tables)
+        logprob_ids, target_ids = optional_inputs(*(extra + [None, None])[:2], self.explicit_ids, self.scored)
         c = self.config
         # As in the other families: weights and matmul inputs in the core's dtype; residual stream,
         # norms, rotary and router in fp32.
@@ -389,10 +402,11 @@ class StepProgram(torch.nn.Module):
         x = F.embedding(token_ids, weights["embed"]).float()
         ropes = _ropes(c, positions)
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
+        windowed = (*pooled, seq_lens, query_start_loc, positions)
         for i, window in enumerate(c.layer_windows):
             p = f"layers.{i}."
             h = rms_norm(x, weights[p + "attn_norm"], c.rms_norm_eps).to(wdt)
-            x = x + _attention(c, weights, p, h, window, ropes[window > 0], kv_cache[i], paged)
+            x = x + _attention(c, weights, p, h, window, ropes[window > 0], kv_cache[i], windowed if window > 0 else paged)
             h = rms_norm(x, weights[p + "mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + (moe.sparse_moe(c.router, weights, i, h) if c.layer_sparse[i] else _dense_mlp(weights, p, h)).float()
         hidden = rms_norm(x, weights["norm"], c.rms_norm_eps)

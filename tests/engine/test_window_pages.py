@@ -27,7 +27,7 @@ GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 11)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gemma4", "step5"])
+@pytest.fixture(scope="module", params=["gemma3", "gemma4", "step5", "mimo_v2"])
 def core(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Core:
     family = request.param
     core = Core.open(export_tiny(family, family, tmp_path_factory)[1])
