@@ -7,7 +7,7 @@
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
   speculation, max_draft_tokens, speculative_rows, history_drafts, learned_drafts, draft_core, state_snapshots,
   snapshot_interval, anchor_guards, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
-  host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction, window_pool
+  host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction, window_pool, image_cache_mb
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class ServerConfig:
     # Cores whose sliding-window layers keep their caches in a window pool: free those pages behind
     # the window (helios.engine.window_pages); false serves both tables from the one pool.
     window_pool: bool = True
+    # Vision cores: memory for decoded images (frontend) and, separately, for prepared image
+    # features (engine), each kept by image digest so a repeated image is neither decoded nor
+    # encoded again; 0 turns both off.
+    image_cache_mb: int = 256
     # Threads computing a step's grammar masks. On CPU serving torch owns every core and a
     # second spinning pool slows each step many times over; raise it on GPU hosts.
     grammar_threads: int = 1
@@ -166,7 +170,7 @@ def _check(config: ServerConfig) -> ServerConfig:
         seconds = getattr(config, name)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
             raise ConfigError(f"[server] {name} must be a number of seconds above 0 and at most 3600, got {seconds!r}")
-    for name in ("state_snapshots", "snapshot_interval", "anchor_guards", "host_cache_disk_mb"):
+    for name in ("state_snapshots", "snapshot_interval", "anchor_guards", "host_cache_disk_mb", "image_cache_mb"):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ConfigError(f"[server] {name} must be a non-negative integer, got {value!r}")

@@ -82,6 +82,7 @@ class EngineConfig:
     # those layers a second page table and free their pages behind the window (window_pages.py).
     # False: both tables are the main pool's (the window caches as large as the others).
     reclaim_window_pages: bool = True
+    image_cache_bytes: int = 256 << 20  # vision cores: prepared image features kept by digest (images.py)
     # A small core with the same tokenizer that proposes drafts (draft_core.py); None: the core's own
     # MTP programs where it has them, else history drafts only.
     draft_core: Core | None = None
@@ -158,7 +159,7 @@ class LLMEngine:
             weights = self.executor.weights or core.load_weights(config.device)  # a compiled step keeps none
             self.executor.images = ImageEncoder(self.executor.vision, weights, m.vision.feature_dim,
                                                 m.vision.image_feature_window_tokens * config.max_concurrency,
-                                                config.device, self.stats)  # fmt: skip
+                                                config.device, self.stats, config.image_cache_bytes)  # fmt: skip
         self.costs = StepCosts()  # what hinted checkpoints of hybrid cores are predicted to cost
         if self.states is not None:
             self._measure_state_copy()

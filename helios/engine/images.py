@@ -6,6 +6,11 @@ span, and their rows stay in a bounded arena (window_tokens rows per live reques
 chunk that consumes an image's last row has run; an evicted image is re-encoded on demand
 (preemption, or a bigger batch than the arena). An image inside a reused prefix is never
 prepared or encoded: no chunk reaches it.
+
+Prepared-input cache: an image's features are also kept by its digest (its content and processing
+settings), least recently used first out within `cache_bytes`, so the same image in another
+request, another position or a prompt whose prefix was not reused is neither prepared nor encoded
+again (features depend on nothing else: the vision program and its weights are the core's).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ class ImageRows:
 
 class ImageEncoder:
     def __init__(self, program, weights: dict[str, Tensor], width: int, window_tokens: int, device: str,
-                 stats: EngineStats) -> None:  # fmt: skip
+                 stats: EngineStats, cache_bytes: int = 0) -> None:  # fmt: skip
         self.program = program
         self.weights = weights
         self.width = width  # feature columns (the language model's hidden size)
@@ -42,6 +47,9 @@ class ImageEncoder:
         self.stats = stats
         self._arena: OrderedDict[tuple[int, int], Tensor] = OrderedDict()  # (id(request), image index) -> rows
         self._rows = 0
+        self.cache_bytes = cache_bytes  # bound of the prepared-input cache (0: none)
+        self._cache: OrderedDict[bytes, Tensor] = OrderedDict()  # image digest -> its feature rows, oldest first
+        self._cached_bytes = 0
 
     def step_inputs(self, chunks: list[Chunk], starts: list[int]) -> dict[str, Tensor]:
         """image_features / image_rows of a step whose chunk i starts at flat row starts[i]."""
@@ -75,6 +83,22 @@ class ImageEncoder:
         if found is not None:
             self._arena.move_to_end(key)
             return found
+        encoded = self._cache.get(image.digest)
+        if encoded is not None and encoded.shape[0] == image.num_tokens:
+            self._cache.move_to_end(image.digest)
+            self.stats.images["input_prepared_cache_hits_total"] += 1
+        else:
+            encoded = self._encode(image)
+            self._remember(image.digest, encoded)
+        while self._arena and self._rows + image.num_tokens > self.capacity:
+            _, evicted = self._arena.popitem(last=False)
+            self._rows -= evicted.shape[0]
+            self.stats.images["input_feature_evictions_total"] += 1
+        self._arena[key] = encoded
+        self._rows += encoded.shape[0]
+        return encoded
+
+    def _encode(self, image: EngineImage) -> Tensor:
         views = image.prepare()
         self.stats.images["input_prepared_images_total"] += 1
         encoded = torch.cat([self.program(self.weights, [], pixel_values=pixels.to(self.device),
@@ -85,13 +109,20 @@ class ImageEncoder:
                                f"{image.num_tokens} tokens")  # fmt: skip
         self.stats.images["input_vision_encodes_total"] += 1
         self.stats.images["input_vision_tokens_total"] += image.num_tokens
-        while self._arena and self._rows + image.num_tokens > self.capacity:
-            _, evicted = self._arena.popitem(last=False)
-            self._rows -= evicted.shape[0]
-            self.stats.images["input_feature_evictions_total"] += 1
-        self._arena[key] = encoded
-        self._rows += encoded.shape[0]
         return encoded
+
+    def _remember(self, digest: bytes, encoded: Tensor) -> None:
+        """Keep an image's features by digest within cache_bytes, oldest out first."""
+        size = encoded.numel() * encoded.element_size()
+        if size > self.cache_bytes:
+            return
+        while self._cache and self._cached_bytes + size > self.cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= old.numel() * old.element_size()
+            self.stats.images["input_prepared_cache_evictions_total"] += 1
+        self._cache[digest] = encoded
+        self._cached_bytes += size
+        self.stats.images["input_prepared_cache_bytes"] = self._cached_bytes
 
     def _drop(self, key: tuple[int, int]) -> None:
         found = self._arena.pop(key, None)

@@ -160,6 +160,9 @@ IMAGE_COUNTERS = (
     "input_vision_encodes_total",  # vision program runs
     "input_vision_tokens_total",  # feature rows they produced
     "input_feature_evictions_total",  # images evicted from the feature arena before use (re-encoded later)
+    "input_prepared_cache_hits_total",  # images whose features came from the prepared-input cache (not re-encoded)
+    "input_prepared_cache_evictions_total",  # features dropped from that cache for newer ones
+    "input_prepared_cache_bytes",  # gauge: feature bytes that cache holds
 )
 
 

@@ -16,6 +16,7 @@ from helios.core import Core
 from helios.core.template import ChatTemplate, TemplateError, check_template_kwargs
 from helios.engine.logprobs import validate_logprob_token_ids
 from helios.engine.request import IMAGE_COUNTERS, EngineImage, EngineRequest, ReasoningBudget
+from helios.frontend.image_cache import DecodedImages
 from helios.frontend import images as imaging
 from helios.engine.sampling_params import SamplingRequestError, resolve_sampling
 from helios.frontend.bounds import InputBounds, longest_token_chars
@@ -161,6 +162,8 @@ class Frontend:
                                        cache_bytes=config.grammar_cache_mb << 20)  # fmt: skip
         self.vision = m.vision if m.capabilities.vision else None
         self.image_counters = dict.fromkeys(IMAGE_COUNTERS[:3], 0)  # the frontend's share of the image metrics
+        self.image_counters["input_decode_cache_hits_total"] = 0  # images not decoded again (image_cache.py)
+        self.decoded_images = DecodedImages(config.image_cache_mb << 20)
         framing = len(self.vision.prefix_token_ids) + len(self.vision.suffix_token_ids) if self.vision else 0
         # Context-derived limits at the served context (spec /v1/models), within the core's own.
         self.max_image_tokens_per_prompt = (min(self.vision.max_image_tokens_per_prompt,
@@ -440,15 +443,21 @@ class Frontend:
         """Decode now (the frontend pool); prepare later, only if prefill reaches the image (the engine)."""
         profile = self.vision
         assert profile is not None
-        try:
-            rgb = imaging.decode(part.data)
-        except Exception:
-            self.image_counters["input_rejected_images_total"] += 1
-            raise ImageRejected(f"an image ({header.width}x{header.height} {header.format}) could not be decoded",
-                               "messages") from None  # fmt: skip
-        self.image_counters["input_decoded_images_total"] += 1
-        self.image_counters["input_decoded_image_bytes_total"] += header.num_bytes
-        return EngineImage(start=start, num_tokens=cost.num_tokens, digest=imaging.content_digest(part.data, profile),
+        digest = imaging.content_digest(part.data, profile)
+        rgb = self.decoded_images.get(digest)
+        if rgb is not None:
+            self.image_counters["input_decode_cache_hits_total"] += 1
+        else:
+            try:
+                rgb = imaging.decode(part.data)
+            except Exception:
+                self.image_counters["input_rejected_images_total"] += 1
+                raise ImageRejected(f"an image ({header.width}x{header.height} {header.format}) could not be decoded",
+                                   "messages") from None  # fmt: skip
+            self.image_counters["input_decoded_images_total"] += 1
+            self.image_counters["input_decoded_image_bytes_total"] += header.num_bytes
+            self.decoded_images.put(digest, rgb)
+        return EngineImage(start=start, num_tokens=cost.num_tokens, digest=digest,
                            prepare=functools.partial(imaging.prepare_views, rgb, profile),
                            pixels=header.width * header.height, runs=runs)  # fmt: skip
 

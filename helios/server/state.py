@@ -176,6 +176,7 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
             max_concurrency=config.max_concurrency, max_pending=config.queue_size,
             prefill_chunk_size=config.prefill_chunk_size, num_pages=config.kv_pages,
             kv_memory_bytes=kv_bytes, enable_prefix_cache=config.prefix_cache, reclaim_window_pages=config.window_pool,
+            image_cache_bytes=config.image_cache_mb << 20,
             device=device, cuda_graphs=cuda and config.cuda_graphs, kv_memory_fraction=config.kv_memory_fraction,
             serial_decode_rows=config.serial_decode_rows, compiled_step=config.compiled_step,
             speculation=SpeculationConfig(config.speculation, config.max_draft_tokens, config.speculative_rows,
