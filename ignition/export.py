@@ -181,6 +181,7 @@ def _example_inputs(inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: 
         "state_slots": torch.tensor([2, 0]),  # of EXAMPLE_SLOTS
         "window_slot_mapping": torch.tensor([0, 1, 2, 2 * page_tokens, 2 * page_tokens + 1]),
         "window_block_tables": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        "attention_until": torch.tensor([0, 2, 2, 0, 1]),  # rows 1-2: an image's tokens see each other
         "logprob_token_ids": torch.tensor([[0, 1, 2], [3, 4, 5]]) % vocab,
         "target_ids": torch.tensor([2, 3, -1, 5, -1]) % vocab,
     }
@@ -232,7 +233,8 @@ def export_program(fam: ModuleType, config: object, kind: str, num_top: int, exp
                    path: Path) -> mf.ProgramSpec:  # fmt: skip
     width = vision_width(config)
     inputs, outputs = program_signature(kind, num_top, explicit, state=bool(kv.state), vision=width,
-                                        window=kv.window_pool is not None)  # fmt: skip
+                                        window=kv.window_pool is not None,
+                                        bidirectional=bool(width and getattr(config, "bidirectional_images", False)))  # fmt: skip
     # A family may return more than the signature's outputs, after them (MiMo's hidden states for its drafter).
     outputs += getattr(fam, "extra_step_outputs", lambda c: ())(config)
     module = fam.StepProgram(config, num_top, explicit, scored=kind == SCORED_PREFILL)

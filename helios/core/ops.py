@@ -29,7 +29,8 @@ OPS_VERSION = 1
 # helios.core.ops_gated_delta; sink_attention: helios.core.ops_sinks; kda, kpool_topk: helios.core.ops_glm5_next
 OP_NAMES = ("write_kv", "paged_attention", "routed_experts", "block_select", "block_sparse_attention", "indexer_topk",
             "sparse_paged_attention", "dsv4_pool", "dsv4_indexer_topk", "dsv4_attention", "causal_conv1d",
-            "mamba2_scan", "gated_delta_rule", "sink_attention", "kda", "kpool_topk")  # fmt: skip
+            "mamba2_scan", "gated_delta_rule", "sink_attention", "kda", "kpool_topk",
+            "paged_attention_until")  # fmt: skip
 
 
 @torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))
@@ -148,3 +149,6 @@ reference_write_kv = write_kv._init_fn
 def describe() -> dict[str, object]:
     """The op-set record a core manifest stores."""
     return {"namespace": OPS_NAMESPACE, "version": OPS_VERSION, "ops": list(OP_NAMES)}
+
+
+from helios.core import ops_bidirectional  # noqa: E402,F401  (defines flare::paged_attention_until; uses attend)

@@ -39,7 +39,8 @@ VISION = "vision"
 
 
 def program_signature(
-    kind: str, num_top: int, explicit_ids: bool, state: bool = False, vision: int = 0, window: bool = False
+    kind: str, num_top: int, explicit_ids: bool, state: bool = False, vision: int = 0, window: bool = False,
+    bidirectional: bool = False,
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Input and output specs of a program kind, for a core's logprob capabilities.
 
@@ -55,6 +56,10 @@ def program_signature(
     Cores with a window pool (KvLayout.window_pool) take `window_slot_mapping` [T] and
     `window_block_tables` [B, M] after state_slots: the slots and page tables of the window pool's
     caches, over the same logical pages as slot_mapping and block_tables.
+
+    Vision cores whose image tokens attend each other both ways (`bidirectional`) take
+    `attention_until` [T] int64 after image_rows: the last key each row may see (the end of its
+    image's span for an image token, its own position otherwise; flare::paged_attention_until).
     """
     inputs = [
         TensorSpec("token_ids", "int64", ("T",)),
@@ -77,6 +82,8 @@ def program_signature(
     if vision:
         inputs.append(TensorSpec("image_features", "float32", ("I", vision)))
         inputs.append(TensorSpec("image_rows", "int64", ("I",)))
+        if bidirectional:
+            inputs.append(TensorSpec("attention_until", "int64", ("T",)))
     outputs = [TensorSpec("logits", "float32", ("R", "V")), TensorSpec("logsumexp", "float32", ("R",))]
     if num_top:
         outputs += [TensorSpec("top_logprobs", "float32", ("R", num_top)), TensorSpec("top_ids", "int64", ("R", num_top))]
@@ -276,8 +283,14 @@ def run_prompt(
     block_table = torch.tensor([pages], dtype=torch.int32)
     ids = torch.tensor(token_ids, dtype=torch.int64)
     collected: dict[str, list[Tensor]] = {}
-    for start in range(0, total, chunk):
+    bidirectional = "attention_until" in program.input_names
+    runs = image_runs(image_positions or []) if bidirectional else []
+    start = 0
+    while start < total:
         end = min(total, start + chunk)
+        for s, e in runs:  # a bidirectional image is never split between chunks: its keys are all written first
+            if s < end < e:
+                end = e
         positions = torch.arange(start, end, dtype=torch.int64)
         slots = torch.tensor([pages[p // page_tokens] * page_tokens + p % page_tokens for p in range(start, end)])
         inputs = {
@@ -301,11 +314,37 @@ def run_prompt(
         if "image_features" in program.input_names:
             inputs["image_features"], inputs["image_rows"] = chunk_image_inputs(
                 program, image_features, image_positions or [], start, end)
+        if bidirectional:
+            inputs["attention_until"] = attention_until(range(start, end), runs)
         for name, value in program(weights, kv, **inputs).items():
             collected.setdefault(name, []).append(value)
+        start = end
     outputs = {name: torch.cat(parts) for name, parts in collected.items()}
     logprobs = outputs["logits"] - outputs["logsumexp"][:, None]
     return DenseRun(logprobs=logprobs, outputs=outputs)
+
+
+def image_runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs [s, e) of consecutive image positions (one image's tokens, as transformers'
+    block sequence ids group them)."""
+    runs: list[tuple[int, int]] = []
+    for p in sorted(positions):
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+def attention_until(positions: range | list[int], runs: list[tuple[int, int]]) -> Tensor:
+    """The attention_until input of these positions: an image run's last position for its tokens,
+    the position itself elsewhere."""
+    out = list(positions)
+    for index, p in enumerate(out):
+        for s, e in runs:
+            if s <= p < e:
+                out[index] = e - 1
+    return torch.tensor(out, dtype=torch.int64)
 
 
 def chunk_image_inputs(program: "_Callable", features: Tensor | None, positions: list[int], start: int,

@@ -170,7 +170,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
                             frozenset(m.tokenizer.eos_token_ids), -(-interval // page) * page,
-                            config.checkpoint_work_fraction),
+                            config.checkpoint_work_fraction, "attention_until" in self.executor.step.input_names),
             self.pool, self.stats, speculation, self.states, host, self.executor.page_bytes, self.costs,
             copier, config.host_cache.copy_queue_bytes if config.host_cache is not None else 0, self.window,
         )  # fmt: skip

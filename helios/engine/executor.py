@@ -54,6 +54,24 @@ def no_image_rows(program) -> dict[str, Tensor]:
 _STAGING_BYTES = 32 << 20  # host-store restores stage their payloads through a buffer this large
 
 
+def _attention_until(chunks: tuple[Chunk, ...] | list[Chunk], positions: list[int]) -> Tensor:
+    """The last key each step row may see: the end of its image's run for an image token (the
+    scheduler never splits an image between chunks), its own position otherwise."""
+    until = list(positions)
+    offset = 0
+    for chunk in chunks:
+        count = chunk.num_tokens + len(chunk.draft_ids)
+        for image in chunk.seq.request.images:
+            if image.end <= chunk.start or image.start >= chunk.start + count:
+                continue
+            for first, _, rows in image.spans():
+                for row in range(offset, offset + count):
+                    if first <= positions[row] < first + rows:
+                        until[row] = first + rows - 1
+        offset += count
+    return torch.tensor(until, dtype=torch.int64)
+
+
 class Executor:
     def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
                  upcast: bool = False, compiled: bool = True, num_slots: int = 1,
@@ -227,6 +245,8 @@ class Executor:
             inputs["window_slot_mapping"], inputs["window_block_tables"] = inputs["slot_mapping"], inputs["block_tables"]
         if "image_features" in self.step.input_names:
             inputs.update(no_image_rows(self.step))
+        if "attention_until" in self.step.input_names:
+            inputs["attention_until"] = inputs["positions"]
         return {name: value.to(self.device) for name, value in inputs.items()}
 
     def copy_page(self, src: int, dst: int) -> None:
@@ -422,6 +442,8 @@ class Executor:
             inputs["target_ids"] = torch.tensor(targets, dtype=torch.int64)
         if "image_features" in program.input_names:  # vision cores: the rows whose embeddings are image features
             inputs.update(self.images.step_inputs(chunks, starts[:-1]) if self.images else no_image_rows(program))
+        if "attention_until" in program.input_names:  # an image's tokens see the rest of it (ops_bidirectional)
+            inputs["attention_until"] = _attention_until(chunks, positions)
         if self.state:
             inputs["state_slots"] = torch.tensor([c.seq.state_slot for c in chunks], dtype=torch.int64)
         if "window_slot_mapping" in program.input_names:

@@ -179,6 +179,22 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
+_plain_until: _StepMemo[bool] = _StepMemo()
+
+
+def paged_attention_until_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale,
+                              window=0, softcap=0.0):  # fmt: skip
+    """flare::paged_attention_until: a step whose every query ends at its own position (decode steps,
+    chunks without image tokens) is plain paged attention (the fast kernels, checked once per step);
+    one with image tokens attends under the explicit mask of the reference."""
+    plain = _plain_until.get((positions, until), lambda: bool(torch.equal(positions, until)))
+    if plain:
+        return torch.ops.flare.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions,
+                                               scale, window, softcap)  # fmt: skip
+    return helios.core.ops_bidirectional.reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                   positions, until, scale, window, softcap)  # fmt: skip
+
+
 _padded_slots: _StepMemo[bool] = _StepMemo()
 
 
@@ -229,6 +245,7 @@ def register() -> None:
             _library.impl("paged_attention", paged_attention_cpu, "CPU")
             _library.impl("write_kv", write_kv_cpu, "CPU")
         _library.impl("routed_experts", kernels_moe.routed_experts_cpu, "CPU")
+        _library.impl("paged_attention_until", paged_attention_until_cpu, "CPU")
         from helios.engine import kernels_block_sparse  # imports this module (its step memo)
 
         _library.impl("block_select", kernels_block_sparse.block_select_cpu, "CPU")

@@ -71,6 +71,9 @@ class SchedulerConfig:
     # Hybrid cores: hinted snapshots (EngineRequest.checkpoint_hints) may add at most this fraction
     # of the request's predicted prefill time in predicted extra work; 0: none off the planned boundaries.
     checkpoint_work_fraction: float = 0.05
+    # Cores whose image tokens attend each other both ways (attention_until): a prefill chunk never
+    # ends inside an image, so all of its keys are written before any of its tokens attends.
+    whole_images: bool = False
 
 
 class Scheduler:
@@ -189,11 +192,15 @@ class Scheduler:
                                window_copies, state_in)  # fmt: skip
 
     def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk | None:
-        size = min(seq.num_pending, budget)
+        start = seq.num_computed
+        end = self._whole_images(seq, start, start + min(seq.num_pending, budget))
         if self.window is not None:  # cut to the window pages the pool has left (never below one token)
-            size = self.window.coverable(seq, seq.num_computed + size) - seq.num_computed
-            if size <= 0:
-                return None
+            cut = self.window.coverable(seq, end)
+            if cut < end:
+                end = self._whole_images(seq, start, cut)
+                if end > cut or end <= start:  # the pages left end inside an image it must finish: wait
+                    return None
+        size = end - start
         if self.states is not None and self.states.num_snapshots:
             boundary = self._next_boundary(seq)
             if boundary is not None and boundary < seq.num_computed + size:
@@ -201,6 +208,17 @@ class Scheduler:
             if seq.num_computed + size == boundary:
                 self._capture(seq, boundary)
         return self._chunk(seq, seq.num_computed, size, copies)
+
+    def _whole_images(self, seq: Sequence, start: int, end: int) -> int:
+        """A chunk's end moved off any image it would split (whole_images cores): back to the image's
+        start, or, when the chunk starts inside or at the image, on to its end (past the budget)."""
+        if not self.config.whole_images:
+            return end
+        for image in seq.request.images:
+            for first, _, rows in image.spans():
+                if first < end < first + rows:
+                    end = first if first > start else first + rows
+        return end
 
     # ------------------------------------------------------------------ recurrent state (hybrid cores)
     def _next_boundary(self, seq: Sequence) -> int | None:
@@ -492,8 +510,8 @@ class Scheduler:
         short = needed + reserve > self.pool.num_available
         if not short and self.window is not None:  # its first chunk's window pages, and its forks' copies
             start = len(pages) * size
-            first = min(len(tokens) - start, budget)
-            short = self.window.needed(seq, start, start + first) + seq.unforked > self.window.pool.num_available
+            first_end = self._whole_images(seq, start, start + min(len(tokens) - start, budget))
+            short = self.window.needed(seq, start, first_end) + seq.unforked > self.window.pool.num_available
             short = short or not self.window.reserve_forks(seq)
         if short:
             self.pool.release(pages)

@@ -138,6 +138,9 @@ class Gemma4Config:
     top_k_experts: int
     moe_intermediate_size: int
     vision: gemma4_vision.VisionConfig | None = None  # the vision tower of a multimodal checkpoint
+    # use_bidirectional_attention "vision": on sliding layers an image's tokens also see the later
+    # tokens of the same image (transformers: AND(window, OR(causal, same image))); with images only.
+    bidirectional_images: bool = False
 
     @property
     def kv_dim(self) -> int:
@@ -173,12 +176,16 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
         config = config_from_hf({**text, "model_type": "gemma4_text"})
         if hf.get("vision_config") is None:
             return config
-        return replace(config, vision=gemma4_vision.config_from_hf(hf, text))
+        return replace(config, vision=gemma4_vision.config_from_hf(hf, text),
+                       bidirectional_images=text.get("use_bidirectional_attention") == "vision")
     if hf.get("model_type") not in (None, *HF_MODEL_TYPES):
         raise ValueError(f"model_type {hf.get('model_type')!r} is not supported by the {FAMILY} family")
-    if hf.get("use_bidirectional_attention"):  # "vision": image tokens attend both ways on sliding layers
+    # "vision": image tokens attend both ways on sliding layers (a multimodal core's bidirectional_images;
+    # text-only, there are no image tokens and the mask is plainly causal, as in transformers).
+    if hf.get("use_bidirectional_attention") not in (None, False, "vision"):
         raise ValueError(f"bidirectional attention ({hf['use_bidirectional_attention']!r}) is not supported by the "
-                         f"{FAMILY} family")  # fmt: skip
+                         f"{FAMILY} family: only \"vision\" (image tokens; an incremental cache cannot attend forward "
+                         "over text)")  # fmt: skip
     if hf.get("attention_bias"):
         raise ValueError(f"attention_bias is not supported by the {FAMILY} family")
     act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
@@ -305,12 +312,15 @@ class StepProgram(DecoderProgram):
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
                 query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None,
-                extra_5=None, extra_6=None):  # fmt: skip
+                extra_5=None, extra_6=None, extra_7=None):  # fmt: skip
         """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
         those rows' input embeddings are the features (unscaled, as transformers merges them) and
         their per-layer-input ids the pad id; rows of -1 are unused. Sliding layers' caches are in
-        the window pool (window_pool), addressed by window_slot_mapping / window_block_tables."""
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4, extra_5, extra_6) if t is not None]
+        the window pool (window_pool), addressed by window_slot_mapping / window_block_tables. With
+        bidirectional_images, attention_until follows image_rows: sliding layers let an image's tokens
+        see the rest of it (flare::paged_attention_until)."""
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4, extra_5, extra_6, extra_7) if t is not None]
+        until = extra.pop(-1) if self.config.vision is not None and self.config.bidirectional_images else None
         image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
         pooled = (extra.pop(0), extra.pop(0)) if window_pool(self.config) is not None else (slot_mapping, block_tables)
         logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
@@ -356,9 +366,13 @@ class StepProgram(DecoderProgram):
                 torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slots)
             if hd < c.head_dim:
                 q = F.pad(q, (0, c.head_dim - hd))
-            attn = torch.ops.flare.paged_attention(
-                q.to(kvt), k_cache, v_cache, tables, seq_lens, query_start_loc, positions, 1.0, window, 0.0
-            )
+            if until is not None and window > 0:
+                attn = torch.ops.flare.paged_attention_until(q.to(kvt), k_cache, v_cache, tables, seq_lens,
+                                                             query_start_loc, positions, until, 1.0, window, 0.0)  # fmt: skip
+            else:
+                attn = torch.ops.flare.paged_attention(
+                    q.to(kvt), k_cache, v_cache, tables, seq_lens, query_start_loc, positions, 1.0, window, 0.0
+                )
             attn = F.linear(attn[..., :hd].reshape(-1, H * hd).to(wdt), weights[p + "wo"])
             x = x + norm4(attn, weights[p + "post_attn_norm"], eps)
             h = norm4(x, weights[p + "mlp_norm"], eps).to(wdt)
@@ -439,9 +453,19 @@ def reference_logits(config: Gemma4Config, hf_weights: dict[str, Tensor], token_
         a, b = t[..., : hd // 2], t[..., hd // 2 :]
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
+    runs = []  # bidirectional_images: each image's run of positions [s, e)
+    if c.bidirectional_images and image_positions:
+        from helios.core.program import image_runs
+
+        runs = image_runs(image_positions)
+
     def mask(window: int) -> Tensor:
         i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-        visible = (j <= i) & ((j > i - window) if window > 0 else torch.ones(T, T, dtype=torch.bool))
+        causal = j <= i
+        if window > 0:  # transformers' sliding mask with images: AND(window, OR(causal, same image))
+            for s, e in runs:
+                causal = causal | ((i >= s) & (i < e) & (j >= s) & (j < e))
+        visible = causal & ((j > i - window) if window > 0 else torch.ones(T, T, dtype=torch.bool))
         return torch.zeros(T, T, dtype=f64).masked_fill(~visible, float("-inf"))
 
     def gelu(t: Tensor) -> Tensor:

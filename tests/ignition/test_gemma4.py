@@ -72,9 +72,9 @@ def test_config_reads_the_gemma4_layout(tiny: tuple[Path, Path]) -> None:
 @pytest.mark.parametrize("change", [{"use_bidirectional_attention": "all"}, {"attention_bias": True},
                                     {"hidden_activation": "silu"}, {"num_kv_shared_layers": 3},
                                     {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
-                                    # multimodal checkpoints are read (test_gemma4_vision.py), but not with
-                                    # image tokens attending both ways
-                                    {"model_type": "gemma4", "text_config": {"use_bidirectional_attention": "vision"},
+                                    # multimodal checkpoints are read (test_gemma4_vision.py, image tokens
+                                    # attending both ways too), but not with text attending forwards
+                                    {"model_type": "gemma4", "text_config": {"use_bidirectional_attention": "all"},
                                      "vision_config": {}}])  # fmt: skip
 def test_unsupported_variants_are_refused(tiny: tuple[Path, Path], change: dict) -> None:
     config = json.loads((tiny[0] / "config.json").read_text()) | change

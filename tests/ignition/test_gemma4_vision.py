@@ -119,3 +119,55 @@ def test_features_and_first_logprobs_match_transformers(tiny: tuple[Path, Path],
             worst = max(worst, float((run.logprobs - expected).abs().max()))
     assert worst <= TOLERANCE, worst
     print(f"max |delta| vs transformers: {worst:.3g}")
+
+
+def test_bidirectional_image_attention_matches_transformers(tmp_path: Path) -> None:
+    """use_bidirectional_attention "vision": on sliding layers an image's tokens also see its later
+    tokens. run_prompt (11-token chunks, which it never lets end inside an image) and the engine
+    (prefill chunks of 11, moved off the image the same way, then decoding) match
+    Gemma4ForConditionalGeneration given mm_token_type_ids; the causal model does not."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    from helios.engine.engine import EngineConfig, LLMEngine
+    from helios.engine.offline import run_to_completion
+    from helios.engine.request import EngineImage, EngineRequest
+    from helios.engine.sampling_params import SamplingParams
+
+    checkpoint = write_testmodel("gemma4", tmp_path / "ckpt", seed=3, vision=True,
+                                 overrides={"use_bidirectional_attention": "vision"})  # fmt: skip
+    out = tmp_path / "core"
+    export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=out, prompt_logprobs=True,
+                                                                                     dtype="float32"))  # fmt: skip
+    core = Core.open(out)
+    m, profile, weights, tok = core.manifest, core.manifest.vision, core.load_weights(), core.tokenizer()
+    assert "attention_until" in core.load_program(STEP).input_names
+    reference = Gemma4ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                               attn_implementation="eager").eval()  # fmt: skip
+    data = encoded_images()[2]
+    pixels, positions = images.prepare(images.decode(data), profile)
+    features = core.load_program(VISION)(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
+    ref = _processor()(images=[Image.open(io.BytesIO(data))], return_tensors="pt")
+    text = tok.encode("Describe this picture:", add_special_tokens=False).ids
+    ids = ([m.tokenizer.bos_token_id] + text + list(profile.prefix_token_ids) + [profile.image_token_id] * len(features)
+           + list(profile.suffix_token_ids) + tok.encode(" in short.", add_special_tokens=False).ids)  # fmt: skip
+    image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
+    types = torch.tensor([[int(t == profile.image_token_id) for t in ids]])
+    with torch.no_grad():
+        both = reference(input_ids=torch.tensor([ids]), pixel_values=ref["pixel_values"],
+                         image_position_ids=ref["image_position_ids"], mm_token_type_ids=types).logits[0].float()
+        causal = reference(input_ids=torch.tensor([ids]), pixel_values=ref["pixel_values"],
+                           image_position_ids=ref["image_position_ids"]).logits[0].float()
+    expected = torch.log_softmax(both, dim=-1)
+    assert float((torch.log_softmax(causal, dim=-1) - expected).abs().max()) > 10 * TOLERANCE  # the mask matters
+    for kind in (STEP, SCORED_PREFILL):
+        run = run_prompt(core.load_program(kind), weights, m.kv, m.limits.page_tokens, ids, chunk=11,
+                         image_features=features, image_positions=image_positions)  # fmt: skip
+        assert float((run.logprobs - expected).abs().max()) <= TOLERANCE
+    image = EngineImage(start=image_positions[0], num_tokens=len(image_positions), digest=b"bidirectional",
+                        prepare=lambda: images.prepare_views(images.decode(data), profile))  # fmt: skip
+    greedy = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
+    request = EngineRequest("r", tuple(ids), (greedy,), 1, ignore_eos=True, num_top_logprobs=5, images=(image,))
+    engine = LLMEngine(core, EngineConfig(num_pages=32, prefill_chunk_size=11))
+    first = run_to_completion(engine, [request])["r"][0].logprobs[0]
+    assert abs(first.logprob - float(expected[-1].max())) <= TOLERANCE
+    assert [t for t, _ in first.alternatives] == expected[-1].topk(5).indices.tolist()
