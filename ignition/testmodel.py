@@ -83,6 +83,16 @@ CHATS = {
         "roles": {"eos_token": "<|end_of_msg|>", "pad_token": "<|end_of_msg|>"},
         "template": "kimi3.jinja",
     },
+    # The same with Kimi K2.5's image framing (<|media_begin|>image<|media_content|><|media_pad|>...<|media_end|>,
+    # "image" one token as in Kimi's vocabulary): vision test models; the template renders
+    # <|kimi_image_placeholder|> per image.
+    "kimi_k3-vision": {
+        "special_tokens": ("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "<|kimi_image_placeholder|>",
+                           "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "image",
+                           "<|kimi_k25_video_placeholder|>"),  # fmt: skip
+        "roles": {"eos_token": "<|end_of_msg|>", "pad_token": "<|end_of_msg|>"},
+        "template": "kimi3.jinja",
+    },
     # MiniMax M3's tokens and published template (../shared/templates/minimax-m3.jinja, llama.cpp's
     # MiniMax-M3.jinja): ]~!b[ begins, ]~b]ROLE opens a turn, [e~[ ends it; tool tags sit behind ]<]minimax[>[.
     "minimax_m3": {
@@ -128,6 +138,17 @@ CHATS = {
         "roles": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
         "template": "glm53.jinja",
     },
+    # The same with GLM's image and video framing tokens (the template renders
+    # <|begin_of_image|><|image|><|end_of_image|> per image): vision test models.
+    "glm53-vision": {
+        "special_tokens": ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                           "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
+                           "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>",
+                           "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>",
+                           "<|end_of_video|>", "<|video|>"),  # fmt: skip
+        "roles": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+        "template": "glm53.jinja",
+    },
     # NVIDIA Nemotron 3 Nano's ChatML turns, <think> reasoning and Qwen3-Coder-style function-tag tool
     # calls, with its published template (../shared/templates/nemotron-3-nano.jinja, CRLF as published);
     # the generation prompt opens <think>\n.
@@ -167,8 +188,8 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
     fam = FAMILIES[family_name]
     if vision and not hasattr(fam, "testmodel_vision"):
         raise UsageError(f"no vision test model for family {family_name!r}")
-    if vision and chat is None:
-        chat = f"{family_name}-vision"
+    if vision and chat is None:  # a family may name its own vision flavour (glm5_next: glm53-vision)
+        chat = getattr(fam, "TEST_VISION_CHAT", f"{family_name}-vision")
     chat = chat or fam.TEST_CHAT  # a family may default to a chat flavour (Qwen3's own tokens)
     if chat is not None and chat not in CHATS:
         raise UsageError(f"no chat flavour {chat!r} (supported: {', '.join(sorted(CHATS))})")

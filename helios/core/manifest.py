@@ -195,7 +195,8 @@ class VisionProfile(_Struct):
     vision features, views in that order; framing tokens are ordinary prompt tokens. Under
     smart_resize, patches come in k x k merge-block order (blocks row-major, patches row-major
     inside each) and each patch's pixels in (channel, frame, row, col) order, the still image
-    repeated over temporal_patch_size frames (transformers' Qwen2-VL-style processors' layout).
+    repeated over temporal_patch_size frames (transformers' Qwen2-VL-style processors' layout);
+    navit lays patches out the same way with one frame.
     """
 
     resize: str  # "aspect_ratio_patch_budget": one view, the largest aspect-preserving size of at most
@@ -203,7 +204,13 @@ class VisionProfile(_Struct):
     # "global_and_tiles": a square image_size global view after zero or more tile_size tiles cut
     # by Step 3.7's sliding-window plan (frontend/images.py tile_plan; Step 3.7); "smart_resize": one
     # view, sides rounded to multiples of patch_size * k with the area kept within min_pixels ..
-    # max_pixels (frontend/images.py smart_resize; MiniMax M3)
+    # max_pixels (frontend/images.py smart_resize; MiniMax M3); "fit_and_pad": one view, sides ceiled to
+    # multiples of patch_size * k within min_pixels .. max_pixels, the image scaled into it (never up
+    # unless under min_pixels) and zero-padded at the bottom and right, patches as smart_resize's
+    # (frontend/images.py fit_and_pad; GLM-5.3); "navit": one view scaled down (never up) to at most
+    # patch_budget patches and max_side_patches patches a side, then zero-padded at the bottom and right
+    # to multiples of patch_size * k, patches as smart_resize's, one frame (frontend/images.py
+    # navit_resize; Kimi K2.5)
     patch_size: int  # pixels per patch side
     pooling_kernel_size: int  # k: k x k patches merge into one token (per view)
     max_patches: int  # per view (one vision program call); the only view under aspect_ratio_patch_budget
@@ -234,10 +241,13 @@ class VisionProfile(_Struct):
     tile_prefix_token_ids: tuple[int, ...] = ()  # framing around each tile's image tokens
     tile_suffix_token_ids: tuple[int, ...] = ()
     tile_row_separator_token_ids: tuple[int, ...] = ()  # after the last tile of each row but the last
-    # smart_resize only; zeros under the other rules, so cores written before these fields read unchanged.
+    # smart_resize and fit_and_pad only; zeros under the other rules, so older cores read unchanged.
     min_pixels: int = 0  # the resized area's bounds (transformers' size shortest_edge / longest_edge)
     max_pixels: int = 0
     temporal_patch_size: int = 0  # frames per patch row (the still image repeated); 0: one frame, no repeat
+    # navit only; zeros under the other rules, so cores written before these fields read unchanged.
+    patch_budget: int = 0  # patches before padding (transformers' max_patches)
+    max_side_patches: int = 0  # a side's limit in patches before padding (transformers' size max_height)
 
     def settings_digest(self) -> bytes:
         """The processing settings as bytes, for the prefix identity of pages after an image."""
@@ -247,8 +257,10 @@ class VisionProfile(_Struct):
                          self.rescale_factor, self.image_mean, self.image_std)  # fmt: skip
         if self.tile_size:  # only tiling profiles: a Gemma 4 core's digests stay what they were
             fields += (self.image_size, self.tile_size, self.max_image_side)
-        if self.max_pixels:  # only smart_resize profiles: older cores' digests stay what they were
+        if self.max_pixels:  # only smart_resize / fit_and_pad profiles: older cores' digests stay what they were
             fields += (self.min_pixels, self.max_pixels, self.temporal_patch_size)
+        if self.patch_budget:  # only navit profiles: older cores' digests stay what they were
+            fields += (self.patch_budget, self.max_side_patches)
         return hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
 
 

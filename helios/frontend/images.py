@@ -128,6 +128,14 @@ def cost(width: int, height: int, profile: VisionProfile) -> ImageCost:
         th, tw = smart_resize(width, height, profile)
         patches = (th // profile.patch_size) * (tw // profile.patch_size)
         return ImageCost(th, tw, patches, patches // profile.pooling_kernel_size**2)
+    if profile.resize == "fit_and_pad":
+        th, tw, _, _ = fit_and_pad(width, height, profile)
+        patches = (th // profile.patch_size) * (tw // profile.patch_size)
+        return ImageCost(th, tw, patches, patches // profile.pooling_kernel_size**2)
+    if profile.resize == "navit":
+        _, (th, tw) = navit_resize(width, height, profile)
+        patches = (th // profile.patch_size) * (tw // profile.patch_size)
+        return ImageCost(th, tw, patches, patches // profile.pooling_kernel_size**2)
     if profile.resize != "aspect_ratio_patch_budget":
         raise ImageError(f"this core's image resize rule {profile.resize!r} is not known to this helios")
     ps, k, budget = profile.patch_size, profile.pooling_kernel_size, profile.max_patches
@@ -164,6 +172,50 @@ def smart_resize(width: int, height: int, profile: VisionProfile) -> tuple[int, 
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def fit_and_pad(width: int, height: int, profile: VisionProfile) -> tuple[int, int, int, int]:
+    """(canvas height, width, content height, width) by transformers' Glm5NextImageProcessor: the
+    canvas is each side ceiled to a multiple of factor = patch_size * k, scaled up (sides ceiled)
+    when under min_pixels, else cut to the largest height whose aspect-kept canvas fits max_pixels
+    (a binary search, as theirs); the image is resized into it by one scale, never up unless
+    it is under min_pixels, and zero-padded at the bottom and right."""
+    factor = profile.patch_size * profile.pooling_kernel_size
+
+    def align(value: int) -> int:
+        return math.ceil(value / factor) * factor
+
+    th, tw = align(height), align(width)
+    if th * tw < profile.min_pixels:
+        scale = math.sqrt(profile.min_pixels / (height * width))
+        th, tw = align(max(1, math.ceil(height * scale))), align(max(1, math.ceil(width * scale)))
+    if th * tw > profile.max_pixels:
+        low, high, th, tw = 1, height, factor, factor
+        while low <= high:
+            middle = (low + high) // 2
+            h, w = align(middle), align(max(1, math.floor(width * middle / height)))
+            if h * w <= profile.max_pixels:
+                th, tw, low = h, w, middle + 1
+            else:
+                high = middle - 1
+    scale = min(th / height, tw / width)
+    if height * width >= profile.min_pixels:
+        scale = min(1.0, scale)
+    return th, tw, max(1, min(th, math.floor(height * scale))), max(1, min(tw, math.floor(width * scale)))
+
+
+def navit_resize(width: int, height: int, profile: VisionProfile) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((height, width) resized, (height, width) padded) as transformers' Kimi K2.5 navit_resize: one
+    scale, never above 1, keeping the whole-patch count within patch_budget and each side within
+    max_side_patches patches (sides truncated, at least 1 pixel), then each side padded up to a
+    multiple of factor = patch_size * k."""
+    ps, side = profile.patch_size, profile.max_side_patches
+    patches = max(1, height // ps) * max(1, width // ps)
+    scale = min(1.0, math.sqrt(profile.patch_budget / patches), side * ps / height, side * ps / width)
+    new_h = min(max(1, int(height * scale)), side * ps)
+    new_w = min(max(1, int(width * scale)), side * ps)
+    factor = ps * profile.pooling_kernel_size
+    return (new_h, new_w), (-(-new_h // factor) * factor, -(-new_w // factor) * factor)
 
 
 def decode(data: bytes) -> np.ndarray:
@@ -205,8 +257,8 @@ def prepare(rgb: np.ndarray, profile: VisionProfile) -> tuple[torch.Tensor, torc
 def prepare_views(rgb: np.ndarray, profile: VisionProfile) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """RGB uint8 [H, W, 3] -> the vision program's inputs for each view of the image, in feature
     order: prepare()'s one view, under global_and_tiles the tiles (row-major) then the global view, or
-    under smart_resize one view in merge-block order (_prepare_merge_blocks)."""
-    if profile.resize == "smart_resize":
+    under smart_resize, fit_and_pad or navit one view in merge-block order (_prepare_merge_blocks)."""
+    if profile.resize in ("smart_resize", "fit_and_pad", "navit"):
         return [_prepare_merge_blocks(rgb, profile)]
     if profile.resize != "global_and_tiles":
         return [prepare(rgb, profile)]
@@ -258,13 +310,22 @@ def _patchify(pixels: np.ndarray, ps: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _prepare_merge_blocks(rgb: np.ndarray, profile: VisionProfile) -> tuple[torch.Tensor, torch.Tensor]:
-    """smart_resize's one view: resized, rescaled and normalized (fused, as transformers' torch image
+    """smart_resize's (or fit_and_pad's, navit's) one view: resized (fit_and_pad, navit: then zero-padded to its
+    canvas, before normalization), rescaled and normalized (fused, as transformers' torch image
     processors do), patches in k x k merge-block order, each patch's pixels in (channel, frame, row,
     col) order over temporal_patch_size copies of the image, with (x, y) positions."""
     height, width = rgb.shape[:2]
     c = cost(width, height, profile)
-    image = _resize(torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).contiguous(), c.height, c.width,
-                    profile)  # fmt: skip
+    image = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).contiguous()
+    if profile.resize in ("fit_and_pad", "navit"):
+        if profile.resize == "navit":
+            content_h, content_w = navit_resize(width, height, profile)[0]
+        else:
+            _, _, content_h, content_w = fit_and_pad(width, height, profile)
+        image = torch.nn.functional.pad(_resize(image, content_h, content_w, profile),
+                                        (0, c.width - content_w, 0, c.height - content_h))  # fmt: skip
+    else:
+        image = _resize(image, c.height, c.width, profile)
     mean = (torch.tensor(profile.image_mean) * (1.0 / profile.rescale_factor))[:, None, None]
     std = (torch.tensor(profile.image_std) * (1.0 / profile.rescale_factor))[:, None, None]
     pixels = (image.float() - mean) / std  # [3, H, W]

@@ -18,6 +18,13 @@ latent cache (KvLayout.extra "mtp_kv", on the step's pages) -> shared_head.norm 
 model's). Each is exported as "mtp_draft.k" (ignition.models.mtp); the step programs then also
 return the final-normed hidden states (output "hidden_states"). `reference_mtp` is the plain-torch
 reference (there is no transformers one).
+
+Multimodal Kimi K2.5 checkpoints (Kimi_K25ForConditionalGeneration: a vision_config beside the
+text_config and an image token id inside the vocabulary, see _multimodal) export a vision program
+(kimi_k25_vision.py); the step then takes image_features / image_rows and those rows' input
+embeddings are the features (transformers' masked_scatter; its language model takes plain 1-D
+positions for image tokens). A text-only config refuses vision tensors; text-only programs are
+unchanged (glm_moe_dsa and glm5_next build on this one).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.core.manifest import TensorSpec
-from ignition.models import moe, mtp
+from ignition.models import kimi_k25_vision, moe, mtp
 from ignition.models.common import decoder_shapes, optional_inputs, reference_swiglu, rms_norm
 from ignition.models.heads import generation_outputs, step_outputs
 
@@ -94,7 +101,7 @@ _MTP_WEIGHT_MAP = {
     "model.layers.{}.embed_tokens.weight": "layers.{}.embed",  # optional: else the main embedding
 }
 
-WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP | _MTP_WEIGHT_MAP)
+WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP | _MTP_WEIGHT_MAP) | kimi_k25_vision.WEIGHT_MAP
 TEXT_WEIGHT_MAP = _TEXT_WEIGHT_MAP  # DeepseekV3ForCausalLM's own layout (glm_moe_dsa builds on it)
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
@@ -192,6 +199,8 @@ class DeepseekV3Config:
     n_shared_experts: int  # the shared expert is n_shared_experts * moe_intermediate_size wide; 0: none
     router: moe.RouterSpec
     num_mtp_layers: int  # num_nextn_predict_layers: layers num_layers.. compiled as mtp_draft.N programs
+    # The vision tower of a multimodal (Kimi K2.5) checkpoint; keyword-only so subclasses' fields may follow.
+    vision: kimi_k25_vision.VisionConfig | None = field(default=None, kw_only=True)
 
     @property
     def qk_head_dim(self) -> int:
@@ -254,7 +263,7 @@ def _check_supported(hf: dict[str, Any]) -> None:
 def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
     """Read a Hugging Face config.json dict (DeepSeek-V3, or Kimi's with a nested text_config)."""
     tie = bool(text_config(hf).get("tie_word_embeddings", False))
-    hf = text_config(hf)
+    top, hf = hf, text_config(hf)
     _check_supported(hf)
     experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts"))
     q_lora = hf.get("q_lora_rank")
@@ -285,7 +294,29 @@ def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
         n_shared_experts=int(hf.get("n_shared_experts") or 0),
         router=router,
         num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
+        vision=kimi_k25_vision.config_from_hf(top, hf) if _multimodal(top) else None,
     )
+
+
+def _multimodal(top: dict[str, Any]) -> bool:
+    """A vision tower to compile: a vision_config beside the nested text_config and an image token id
+    (image_token_id, else Kimi_K25Config's default) inside the text vocabulary."""
+    if not isinstance(top.get("vision_config"), dict) or not isinstance(top.get("text_config"), dict):
+        return False
+    return 0 <= kimi_k25_vision.image_token_id(top) < int(top["text_config"]["vocab_size"])
+
+
+def canonical_tensors(config: DeepseekV3Config, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A multimodal checkpoint's vision tensors in transformers' names, whichever layout it ships
+    (Moonshot's vision_tower.encoder.blocks.N.* / mm_projector.proj.* or transformers'
+    model.vision_tower.*); a text-only config refuses them."""
+    if config.vision is None:
+        stray = sorted(n for n in tensors if n.startswith(kimi_k25_vision.VISION_PREFIXES))
+        if stray:
+            raise ValueError(f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
+                             f"multimodal (no vision_config, or an image token id outside the vocabulary)")  # fmt: skip
+        return tensors
+    return kimi_k25_vision.native_tensors(tensors, config.vision.num_heads)
 
 
 def kv_shape(config: DeepseekV3Config) -> tuple[int, int, int]:
@@ -319,8 +350,10 @@ def _is_mtp_weight(config: Any, name: str) -> bool:
 
 
 def decode_weight_bytes(config: DeepseekV3Config, weights: dict[str, Tensor]) -> int:
-    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer (no MTP layer)."""
-    main = {name: t for name, t in weights.items() if not _is_mtp_weight(config, name)}
+    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer (no MTP layer,
+    no vision tower)."""
+    # The vision tower runs per image, not per decode step.
+    main = {n: t for n, t in weights.items() if not _is_mtp_weight(config, n) and not n.startswith("vision.")}
     return moe.decode_weight_bytes(config, main, config.router.top_k)
 
 
@@ -422,12 +455,21 @@ class StepProgram(torch.nn.Module):
         return F.linear(F.silu(gate) * up, weights[f"layers.{layer}.w_down"]).float()
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
+                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
+        those rows' input embeddings are the features; rows of -1 are unused."""
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
+        image = (extra.pop(-2), extra.pop(-1)) if getattr(self.config, "vision", None) is not None else None
+        logprob_ids, target_ids = optional_inputs(*(extra + [None, None])[:2], self.explicit_ids, self.scored)
         c = self.config
         wdt = weights["embed"].dtype
         # As in the other families: residual stream, norms and rotary in fp32, matmuls in the core dtype.
         x = F.embedding(token_ids, weights["embed"]).float()
+        if image is not None:
+            features, rows = image
+            T = x.shape[0]
+            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
+            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
         cos, sin = self.rotary(positions)
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         x = self.decoder(weights, kv_cache, x, cos, sin, paged)
@@ -593,9 +635,12 @@ def _reference_head(c: DeepseekV3Config, w: dict[str, Tensor], x: Tensor, own: s
     return x @ (w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]).T
 
 
-def reference_forward(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> tuple[Tensor, Tensor]:
+def reference_forward(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int],
+                      image_features: Tensor | None = None, image_positions: list[int] | None = None
+                      ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Dense, unpaged forward over Hugging Face-named weights: (logits [T, V], final-normed hidden
-    states [T, hidden]), fp32.
+    states [T, hidden]), fp32. Images: row i of image_features replaces the input embedding at
+    image_positions[i].
 
     Non-absorbed MLA on purpose (kv_b_proj expands every head's k_nope and v from c_kv,
     explicit causal mask, complex-number rotary), so the export self-check compares two
@@ -604,14 +649,18 @@ def reference_forward(config: DeepseekV3Config, hf_weights: dict[str, Tensor], t
     c = config
     w, rotate, mask = _reference_setup(c, hf_weights, len(token_ids))
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
+    if image_positions:
+        assert image_features is not None
+        x[torch.tensor(image_positions)] = image_features.float()
     for i in range(c.num_layers):
         x = _reference_layer(c, w, i, x, rotate, mask)
     x = reference_norm(x, w["model.norm.weight"], c.rms_norm_eps)
     return _reference_head(c, w, x), x
 
 
-def reference_logits(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    return reference_forward(config, hf_weights, token_ids)[0]
+def reference_logits(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int],
+                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+    return reference_forward(config, hf_weights, token_ids, image_features, image_positions)[0]
 
 
 def reference_mtp(config: DeepseekV3Config, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int],
@@ -677,7 +726,17 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
 
 
 def hf_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes (per-expert layout) of a checkpoint with this config."""
+    """Hugging Face tensor names and shapes (per-expert layout) of a checkpoint with this config; a
+    multimodal config's as Kimi_K25ForConditionalGeneration names them (the text model under
+    model.language_model., then the vision tower and projector)."""
+    shapes = _text_shapes(c)
+    if getattr(c, "vision", None) is None:
+        return shapes
+    nested = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in shapes.items()}
+    return nested | kimi_k25_vision.hf_shapes(c.vision)
+
+
+def _text_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     h, heads = c.hidden_size, c.num_heads
     attention: dict[str, tuple[int, ...]] = {
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
@@ -715,3 +774,66 @@ def hf_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "shared_experts.gate_proj.weight": (s, h), p + "shared_experts.up_proj.weight": (s, h),
                            p + "shared_experts.down_proj.weight": (h, s)})  # fmt: skip
     return shapes
+
+
+# Test vision checkpoints: the "kimi_k3-vision" chat flavour (testmodel.CHATS) plus K2.5's framing tokens.
+TESTMODEL_VISION_TOKENS = (kimi_k25_vision.IMAGE_TOKEN, kimi_k25_vision.BEGIN_TOKEN, kimi_k25_vision.CONTENT_TOKEN,
+                           kimi_k25_vision.END_TOKEN, kimi_k25_vision.KIND_TOKEN, kimi_k25_vision.K3_PLACEHOLDER,
+                           "<|kimi_k25_video_placeholder|>")  # fmt: skip
+
+
+def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
+    """A tiny multimodal (Kimi_K25ForConditionalGeneration) config around testmodel_config's text model:
+    a 2-layer vision tower of width 32 (2 heads of 16) over 14-pixel patches with an 8 x 8 learned
+    position table (resampled up and down), 2 x 2 merging. `tokens`: TESTMODEL_VISION_TOKENS -> ids."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return {
+        "architectures": ["Kimi_K25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "kimi_k25_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 4,
+            "merge_kernel_size": [2, 2], "hidden_act": "gelu_pytorch_tanh",
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+        },
+        "projection_hidden_size": 32,
+        "projection_layer_norm_eps": 1e-5,
+        "image_token_id": tokens[kimi_k25_vision.IMAGE_TOKEN],
+        "video_token_id": tokens["<|kimi_k25_video_placeholder|>"],
+        "vision_start_token_id": tokens[kimi_k25_vision.BEGIN_TOKEN],
+        "vision_end_token_id": tokens[kimi_k25_vision.END_TOKEN],
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
+        "max_position_embeddings": text["max_position_embeddings"],  # also at the top, where testmodel reads it
+    }  # fmt: skip
+
+
+# Kimi_K25ImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): at most 64
+# patches before padding and 16 a side.
+TESTMODEL_PROCESSOR = {"image_processor_type": "Kimi_K25ImageProcessor", "size": {"max_height": 16, "max_width": 16},
+                       "max_patches": 64, "patch_size": 14, "merge_size": 2, "resample": 3,
+                       "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
+
+
+# ------------------------------------------------------------------------- vision hooks (ignition.export)
+
+
+def vision_program(config: DeepseekV3Config) -> torch.nn.Module:
+    assert config.vision is not None
+    return kimi_k25_vision.VisionProgram(config.vision)
+
+
+def vision_examples(config: DeepseekV3Config) -> tuple[Tensor, Tensor]:
+    assert config.vision is not None
+    return kimi_k25_vision.example_inputs(config.vision)
+
+
+def reference_features(config: DeepseekV3Config, hf_weights: dict[str, Tensor], pixels: Tensor,
+                       positions: Tensor) -> Tensor:  # fmt: skip
+    assert config.vision is not None
+    return kimi_k25_vision.reference_features(config.vision, hf_weights, pixels, positions)
+
+
+def vision_profile(config: DeepseekV3Config, processor: dict[str, Any], max_model_len: int, token_id=None):
+    assert config.vision is not None
+    return kimi_k25_vision.profile(config.vision, processor, max_model_len, token_id or (lambda text: None))

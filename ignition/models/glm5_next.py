@@ -26,13 +26,18 @@ What it computes, as transformers 5.24's models/glm5_next does:
 - `mlp_layer_types`: "dense" SwiGLU, or "sparse": GLM's sigmoid router (selection bias, group
   limit, renormalized, scaled) over routed experts plus the shared experts; every SwiGLU (dense,
   routed and shared) clamps gate <= swiglu_limit and |up| <= swiglu_limit.
-Left out at export: the vision tower (model.visual.*; images are refused, the core is text-only)
-and the multi-token-prediction layers (layer numbers >= num_hidden_layers, shared_head).
-The plain-torch reference forward is in glm5_next_reference.
+Multimodal checkpoints (a vision_config and an image token id inside the text vocabulary, see
+_multimodal) export the vision tower (model.visual.*) as the vision program (glm5_next_vision.py);
+the step then takes image_features / image_rows and those rows' input embeddings are the features
+(transformers' masked_scatter; the model is NoPE, so image tokens need no positions). Otherwise the
+tower is left out and images are refused. Always left out: the multi-token-prediction layers
+(layer numbers >= num_hidden_layers, shared_head). The plain-torch reference forward is in
+glm5_next_reference.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +49,7 @@ from torch import Tensor
 import helios.core.ops_glm5_next  # noqa: F401  (defines flare::kda, flare::kpool_topk)
 import helios.core.ops_sparse  # noqa: F401  (defines flare::sparse_paged_attention)
 from ignition.models import deepseek_v3 as mla
-from ignition.models import moe
+from ignition.models import glm5_next_vision, moe
 from ignition.models.common import hyper_connection, hyper_residual, optional_inputs, rms_norm
 from ignition.models.glm_moe_dsa import INDEXER_NORM_EPS, _indexer_types, glm_router
 from ignition.models.heads import step_outputs
@@ -122,7 +127,8 @@ _TEXT_WEIGHT_MAP = {
 }
 # Transformers' multimodal layout (model.language_model.*) or a flat text layout (model.*).
 WEIGHT_MAP = {**{_TEXT_PREFIX + k: v for k, v in _TEXT_WEIGHT_MAP.items()},
-              **{_FLAT_PREFIX + k: v for k, v in _TEXT_WEIGHT_MAP.items()}, "lm_head.weight": "lm_head"}  # fmt: skip
+              **{_FLAT_PREFIX + k: v for k, v in _TEXT_WEIGHT_MAP.items()}, "lm_head.weight": "lm_head",
+              **glm5_next_vision.WEIGHT_MAP}  # fmt: skip
 STACKED = moe.STACKED_EXPERTS
 # Each layer holds only its own groups (KDA or MLA, full indexer or not, dense or MoE).
 FUSED = {
@@ -138,8 +144,11 @@ _LAYER = re.compile(r"^(?:model\.language_model\.|model\.)layers\.(\d+)\.")
 
 
 def ignored_tensor(config: Glm5NextConfig, name: str) -> bool:
-    """The vision tower and the multi-token-prediction layers (past num_hidden_layers, shared_head)."""
-    if name.startswith(_VISION_PREFIXES) or ".shared_head." in name:
+    """The vision tower of a text-only config and the multi-token-prediction layers (past
+    num_hidden_layers, shared_head)."""
+    if name.startswith(_VISION_PREFIXES):  # a stored rotary buffer is recomputed, not read
+        return config.vision is None or ".rotary_pos_emb." in name
+    if ".shared_head." in name:
         return True
     match = _LAYER.match(name)
     return match is not None and int(match.group(1)) >= config.num_layers
@@ -188,6 +197,7 @@ class Glm5NextConfig:
     router: moe.RouterSpec
 
     qk_rope_head_dim: int = 0  # NoPE (refused otherwise)
+    vision: glm5_next_vision.VisionConfig | None = None  # the vision tower of a multimodal checkpoint
 
     @property
     def qk_head_dim(self) -> int:
@@ -340,7 +350,16 @@ def config_from_hf(hf: dict[str, Any]) -> Glm5NextConfig:
         n_shared_experts=int(text.get("n_shared_experts", 1) or 0),
         activation=moe.ExpertActivation("silu", limit=limit),
         router=router,
+        vision=glm5_next_vision.config_from_hf(hf, text) if _multimodal(hf, text) else None,
     )
+
+
+def _multimodal(hf: dict[str, Any], text: dict[str, Any]) -> bool:
+    """A vision tower to compile: a vision_config and an image token id (image_token_id, else
+    Glm5NextConfig's default) inside the text vocabulary."""
+    if not isinstance(hf.get("vision_config"), dict):
+        return False
+    return 0 <= glm5_next_vision.image_token_id(hf) < int(text.get("vocab_size", 154880))
 
 
 def kv_shape(config: Glm5NextConfig) -> tuple[int, int, int]:
@@ -363,7 +382,8 @@ def state_caches(config: Glm5NextConfig) -> tuple[tuple[str, tuple[int, ...], tu
 
 
 def decode_weight_bytes(config: Glm5NextConfig, weights: dict[str, Tensor]) -> int:
-    return moe.decode_weight_bytes(config, weights, config.router.top_k)
+    text = {k: v for k, v in weights.items() if not k.startswith("vision.")}  # the tower runs per image, not per step
+    return moe.decode_weight_bytes(config, text, config.router.top_k)
 
 
 # ---------------------------------------------------------------------------- step program
@@ -379,8 +399,13 @@ class StepProgram(mla.StepProgram):
     config: Glm5NextConfig
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, state_slots, extra_1=None, extra_2=None):  # fmt: skip
-        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
+                query_start_loc, logits_indices, state_slots, extra_1=None, extra_2=None, extra_3=None,
+                extra_4=None):  # fmt: skip
+        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
+        those rows' input embeddings are the features; rows of -1 are unused."""
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
+        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
+        logprob_ids, target_ids = optional_inputs(*(extra + [None, None])[:2], self.explicit_ids, self.scored)
         c = self.config
         wdt = weights["embed"].dtype
         n_index, n_linear = len(c.indexer_layers), len(c.linear_layers)
@@ -390,7 +415,13 @@ class StepProgram(mla.StepProgram):
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         steps = (state_slots, query_start_loc, positions)
         # The hc_mult residual streams, norms and mixing stay fp32; matmuls run in the core dtype.
-        streams = F.embedding(token_ids, weights["embed"]).float()[:, None, :].expand(-1, c.hc_mult, -1)
+        x = F.embedding(token_ids, weights["embed"]).float()
+        if image is not None:
+            features, rows = image
+            T = x.shape[0]
+            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
+            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
+        streams = x[:, None, :].expand(-1, c.hc_mult, -1)
         selected: Tensor | None = None  # [T, width] kept positions of the last full indexer layer
         for i, kind in enumerate(c.layer_types):
             p = f"layers.{i}."
@@ -486,11 +517,13 @@ class StepProgram(mla.StepProgram):
         return moe.shared_mlp(h, weights[f"layers.{i}.w_gate_up"], weights[f"layers.{i}.w_down"], c.activation)
 
 
-def reference_logits(config: Glm5NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    """The independent plain-torch forward (ignition.models.glm5_next_reference)."""
+def reference_logits(config: Glm5NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int],
+                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+    """The independent plain-torch forward (ignition.models.glm5_next_reference); row i of
+    image_features replaces the input embedding at image_positions[i]."""
     from ignition.models.glm5_next_reference import reference_logits as forward
 
-    return forward(config, hf_weights, token_ids)
+    return forward(config, hf_weights, token_ids, image_features, image_positions)
 
 
 # ----------------------------------------------------------------------- test checkpoints
@@ -560,7 +593,12 @@ TEST_VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size
 
 def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> Tensor | None:
     """Slow KDA decays (-5 sigmoid(A (f + dt_bias)) mostly -0.01 to -0.3: the state spans chunks), fan-in-scaled conv,
-    stacked experts and hyper-connection projections, hyper scales near one."""
+    stacked experts and hyper-connection projections, hyper scales near one; the vision tower's patch
+    embedding and downsample scaled by their whole fan-in, its biases small."""
+    if name.startswith("model.visual.") and len(shape) > 2:  # Conv3d / Conv2d kernels
+        return torch.randn(shape, generator=generator) / math.prod(shape[1:]) ** 0.5
+    if name.startswith("model.visual.") and name.endswith(".bias"):
+        return 0.1 * torch.randn(shape, generator=generator)
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(1.0, 4.0, generator=generator).log()
     if name.endswith("dt_bias"):
@@ -582,11 +620,14 @@ def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator
 
 def hf_shapes(c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
     """Glm5NextForConditionalGeneration tensor names and shapes (text under model.language_model.,
-    stacked experts as transformers 5 saves them) plus one vision tensor export ignores."""
+    stacked experts as transformers 5 saves them) plus, text-only, one vision tensor export ignores,
+    or a multimodal config's whole vision tower."""
     h, t = c.hidden_size, _TEXT_PREFIX
     hc_mixes = (2 + c.hc_mult) * c.hc_mult
+    visual = glm5_next_vision.hf_shapes(c.vision) if c.vision is not None else {
+        "model.visual.post_layernorm.weight": (TEST_VISION["hidden_size"],)}  # fmt: skip
     shapes: dict[str, tuple[int, ...]] = {t + "embed_tokens.weight": (c.vocab_size, h), t + "norm.weight": (h,),
-                                          "model.visual.post_layernorm.weight": (TEST_VISION["hidden_size"],)}  # fmt: skip
+                                          **visual}  # fmt: skip
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
     for i, kind in enumerate(c.layer_types):
@@ -628,3 +669,68 @@ def hf_shapes(c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
             layer |= {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
         shapes.update({f"{t}layers.{i}.{name}": shape for name, shape in layer.items()})
     return shapes
+
+
+# Test vision checkpoints: the "glm53" chat flavour plus GLM's image and video framing tokens.
+TEST_VISION_CHAT = "glm53-vision"
+TESTMODEL_VISION_TOKENS = (glm5_next_vision.IMAGE_TOKEN, glm5_next_vision.START_TOKEN, glm5_next_vision.END_TOKEN,
+                           "<|video|>", "<|begin_of_video|>", "<|end_of_video|>")  # fmt: skip
+
+
+def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
+    """A tiny multimodal Glm5NextConfig around testmodel_config's text model (nested as text_config):
+    a 2-block vision tower of width 32 (2 heads of 16) over 14-pixel patches of 2 frames, 2 x 2
+    merging into the text width, a merger SwiGLU of 48, clamps of 1. `tokens`:
+    TESTMODEL_VISION_TOKENS -> ids."""
+    inner = {k: v for k, v in text.items() if k not in ("architectures", "vision_config")}
+    return {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "text_config": inner | {"model_type": "glm5_next_text"},
+        "vision_config": {
+            "model_type": "glm5_next_vision", "depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+            "out_hidden_size": text["hidden_size"], "projection_intermediate_size": 48, "patch_size": 14,
+            "temporal_patch_size": 2, "spatial_merge_size": 2, "hidden_act": "silu", "attention_bias": True,
+            "rms_norm_eps": 1e-5, "swiglu_limit": 1.0, "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+        },
+        "image_token_id": tokens[glm5_next_vision.IMAGE_TOKEN],
+        "image_start_token_id": tokens[glm5_next_vision.START_TOKEN],
+        "image_end_token_id": tokens[glm5_next_vision.END_TOKEN],
+        "video_token_id": tokens["<|video|>"],
+        "video_start_token_id": tokens["<|begin_of_video|>"],
+        "video_end_token_id": tokens["<|end_of_video|>"],
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
+        "max_position_embeddings": text["max_position_embeddings"],  # also at the top, where testmodel reads it
+    }  # fmt: skip
+
+
+# Glm5NextImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): 4 .. 64
+# tokens of 28 x 28 pixels per image.
+TESTMODEL_PROCESSOR = {"image_processor_type": "Glm5NextImageProcessor", "min_image_tokens": 4, "max_image_tokens": 64,
+                       "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "resample": 3,
+                       "image_mean": list(glm5_next_vision.PROCESSOR_DEFAULTS["image_mean"]),
+                       "image_std": list(glm5_next_vision.PROCESSOR_DEFAULTS["image_std"])}  # fmt: skip
+
+
+# ------------------------------------------------------------------------- vision hooks (ignition.export)
+
+
+def vision_program(config: Glm5NextConfig) -> torch.nn.Module:
+    assert config.vision is not None
+    return glm5_next_vision.VisionProgram(config.vision)
+
+
+def vision_examples(config: Glm5NextConfig) -> tuple[Tensor, Tensor]:
+    assert config.vision is not None
+    return glm5_next_vision.example_inputs(config.vision)
+
+
+def reference_features(config: Glm5NextConfig, hf_weights: dict[str, Tensor], pixels: Tensor,
+                       positions: Tensor) -> Tensor:  # fmt: skip
+    assert config.vision is not None
+    return glm5_next_vision.reference_features(config.vision, hf_weights, pixels, positions)
+
+
+def vision_profile(config: Glm5NextConfig, processor: dict[str, Any], max_model_len: int, token_id=None):
+    assert config.vision is not None
+    return glm5_next_vision.profile(config.vision, processor, max_model_len, token_id or (lambda text: None))

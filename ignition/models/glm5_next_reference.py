@@ -104,11 +104,17 @@ def _dense(c: Glm5NextConfig, w: dict[str, Tensor], m: str, h: Tensor) -> Tensor
     return (gate * torch.sigmoid(gate) * up) @ w[m + "down_proj.weight"].T
 
 
-def reference_logits(config: Glm5NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    """Dense forward over Hugging Face-named weights: logits [T, V] (float64 arithmetic)."""
+def reference_logits(config: Glm5NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int],
+                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+    """Dense forward over Hugging Face-named weights: logits [T, V] (float64 arithmetic). Images:
+    row i of image_features replaces the input embedding at image_positions[i]."""
     c = config
     w = {_canonical(k): v.double() if v.is_floating_point() else v for k, v in hf_weights.items()}
-    streams = w["model.embed_tokens.weight"][torch.tensor(token_ids)][:, None, :].expand(-1, c.hc_mult, -1)
+    x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]  # a copy (advanced indexing)
+    if image_positions:
+        assert image_features is not None and len(image_features) == len(image_positions)
+        x[torch.tensor(image_positions)] = image_features.double()
+    streams = x[:, None, :].expand(-1, c.hc_mult, -1)
     kept: Tensor | None = None
     for i, kind in enumerate(c.layer_types):
         p = f"model.layers.{i}."

@@ -1,0 +1,380 @@
+"""GLM-5.3-Flash's vision tower and patch merger (Glm5NextModel.visual), one program.
+
+The `vision` program (helios.core.program.vision_signature) maps one image to its tokens in the
+language model's embedding space:
+    pixel_values [X, 3 * t * patch^2] fp32, normalized   (each patch's pixels in (channel, frame, row,
+                                                           col) order, the still image repeated over
+                                                           t = temporal_patch_size frames)
+    pixel_positions [X, 2] int64                           ((x, y) patch coordinates)
+    -> image_features [X / m^2, text hidden] fp32          (one row per m x m merge block)
+Patches come in merge-block order, as transformers' Glm5NextImageProcessor lays them out (the m x m
+blocks row-major, the patches of a block row-major inside it), so block b's patches are rows
+m^2 b .. m^2 b + m^2 - 1 and its token is row b. Inside, as transformers 5.24's Glm5NextVisionModel:
+the Conv3d patch embedding (a linear over each patch row, with bias), blocks of RMSNorm, attention
+(fused qkv, per-head RMSNorm of q and k, a 2-D rotary over the whole head: head_dim / 4 frequencies
+of y then of x, repeated for rotate-half), RMSNorm and a clamped SwiGLU MLP; a final RMSNorm; each
+merge block's m^2 rows through the Conv2d downsample to out_hidden_size; then the merger: a linear,
+LayerNorm, GELU, and a clamped SwiGLU. The language model is NoPE, so image tokens need no
+positions of their own. The image profile (GLM's fit_and_pad resize, normalization, limits) is data
+in the manifest (profile()).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from helios.core import manifest as mf
+from ignition.models.common import rotate_half
+
+_V = "model.visual."
+_B = _V + "blocks.{}."
+_M = _V + "merger."
+# transformers' layout (what Glm5NextForConditionalGeneration.state_dict() holds and GLM ships).
+WEIGHT_MAP = {
+    _V + "patch_embed.proj.weight": "vision.patch_embed",
+    _V + "patch_embed.proj.bias": "vision.patch_embed.bias",
+    _V + "post_layernorm.weight": "vision.post_norm",
+    _V + "downsample.weight": "vision.downsample",
+    _V + "downsample.bias": "vision.downsample.bias",
+    _M + "proj.weight": "vision.merger.proj",
+    _M + "post_projection_norm.weight": "vision.merger.norm",
+    _M + "post_projection_norm.bias": "vision.merger.norm.bias",
+    _M + "gate_proj.weight": "vision.merger.gate",
+    _M + "up_proj.weight": "vision.merger.up",
+    _M + "down_proj.weight": "vision.merger.down",
+    _B + "norm1.weight": "vision.layers.{}.norm1",
+    _B + "norm2.weight": "vision.layers.{}.norm2",
+    _B + "attn.q_norm.weight": "vision.layers.{}.q_norm",
+    _B + "attn.k_norm.weight": "vision.layers.{}.k_norm",
+    **{_B + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
+       for hf, ours in (("attn.qkv", "wqkv"), ("attn.proj", "wo"), ("mlp.gate_proj", "w_gate"),
+                        ("mlp.up_proj", "w_up"), ("mlp.down_proj", "w_down"))
+       for kind in ("weight", "bias")},
+}  # fmt: skip
+ACTIVATIONS = ("silu", "gelu")
+DEFAULT_IMAGE_TOKEN_ID = 154854  # Glm5NextConfig.image_token_id
+
+
+@dataclass(frozen=True, slots=True)
+class VisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    hidden_act: str  # one of ACTIVATIONS (the MLPs' and the merger's SwiGLU gate)
+    attention_bias: bool  # biases of qkv, proj and the block MLPs
+    swiglu_limit: float  # gate <= limit, |up| <= limit (block MLPs and the merger)
+    patch_size: int
+    temporal_patch_size: int  # frames per patch; a still image is repeated over them
+    merge_size: int  # m: m x m patches merge into one token
+    projection_intermediate_size: int  # the merger's SwiGLU width
+    text_hidden_size: int  # out_hidden_size: the downsample's and merger's width
+    image_token_id: int
+
+    @property
+    def pooling_kernel_size(self) -> int:
+        """Patches per token side (the profile's pooling_kernel_size): the spatial merge."""
+        return self.merge_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+
+def image_token_id(top: dict[str, Any]) -> int:
+    return int(top.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
+
+
+def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
+    """The vision_config of a Glm5NextConfig dict, as transformers reads it; unsupported variants raise ValueError."""
+    v = top["vision_config"]
+    act = v.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"vision hidden_act {act!r} is not supported by the glm5_next family ({ACTIVATIONS})")
+    rope = v.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"vision rope type {rope.get('rope_type')!r} is not supported (axial is)")
+    if int(v.get("in_channels", 3)) != 3:
+        raise ValueError("vision in_channels other than 3 is not supported")
+    hidden = int(v.get("hidden_size", 1024))
+    heads = int(v.get("num_heads", v.get("num_attention_heads", 16)))
+    if hidden % heads or (hidden // heads) % 4:
+        raise ValueError(f"vision hidden_size {hidden} over {heads} heads must give a head_dim divisible by 4 "
+                         "(the 2-D rotary covers the whole head)")  # fmt: skip
+    text_hidden = int(text.get("hidden_size", 4096))
+    out = int(v.get("out_hidden_size", 1536))
+    if out != text_hidden:
+        raise ValueError(f"vision out_hidden_size {out} differs from the text hidden_size {text_hidden}")
+    limit = float(v.get("swiglu_limit", 10.0) or 0.0)
+    if limit <= 0:
+        raise ValueError(f"vision swiglu_limit {limit} must be positive")
+    for name in ("patch_size", "temporal_patch_size"):
+        if isinstance(v.get(name), (list, tuple)):
+            raise ValueError(f"vision {name} {v[name]!r}: only a single integer is supported")
+    return VisionConfig(
+        hidden_size=hidden,
+        intermediate_size=int(v.get("intermediate_size", 4096)),
+        num_layers=int(v.get("depth", v.get("num_hidden_layers", 24))),
+        num_heads=heads,
+        rms_norm_eps=float(v.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+        hidden_act=act,
+        attention_bias=bool(v.get("attention_bias", True)),
+        swiglu_limit=limit,
+        patch_size=int(v.get("patch_size", 14)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        merge_size=int(v.get("spatial_merge_size", 2)),
+        projection_intermediate_size=int(v.get("projection_intermediate_size", 10240)),
+        text_hidden_size=text_hidden,
+        image_token_id=image_token_id(top),
+    )
+
+
+def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
+    h, f, o, p, m = v.hidden_size, v.intermediate_size, v.text_hidden_size, v.projection_intermediate_size, v.merge_size
+    shapes: dict[str, tuple[int, ...]] = {
+        _V + "patch_embed.proj.weight": (h, 3, v.temporal_patch_size, v.patch_size, v.patch_size),
+        _V + "patch_embed.proj.bias": (h,), _V + "post_layernorm.weight": (h,),
+        _V + "downsample.weight": (o, h, m, m), _V + "downsample.bias": (o,),
+        _M + "proj.weight": (o, o), _M + "post_projection_norm.weight": (o,), _M + "post_projection_norm.bias": (o,),
+        _M + "gate_proj.weight": (p, o), _M + "up_proj.weight": (p, o), _M + "down_proj.weight": (o, p),
+    }  # fmt: skip
+    for i in range(v.num_layers):
+        b = _B.format(i)
+        layer = {"norm1.weight": (h,), "norm2.weight": (h,), "attn.q_norm.weight": (v.head_dim,),
+                 "attn.k_norm.weight": (v.head_dim,), "attn.qkv.weight": (3 * h, h), "attn.proj.weight": (h, h),
+                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}  # fmt: skip
+        if v.attention_bias:
+            layer |= {"attn.qkv.bias": (3 * h,), "attn.proj.bias": (h,), "mlp.gate_proj.bias": (f,),
+                      "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (h,)}  # fmt: skip
+        shapes |= {b + name: shape for name, shape in layer.items()}
+    return shapes
+
+
+# Glm5NextImageProcessor's class defaults (its preprocessor_config.json may override them).
+PROCESSOR_DEFAULTS = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "patch_expand_factor": 1,
+                      "min_image_tokens": 16, "max_image_tokens": 8000,
+                      "image_mean": (0.48145466, 0.4578275, 0.40821073),
+                      "image_std": (0.26862954, 0.26130258, 0.27577711), "rescale_factor": 1 / 255,
+                      "resample": 3}  # fmt: skip
+IMAGE_TOKEN, START_TOKEN, END_TOKEN = "<|image|>", "<|begin_of_image|>", "<|end_of_image|>"
+
+
+def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, token_id) -> mf.VisionProfile:
+    """The image profile (fit_and_pad token bounds, normalization, limits) from the checkpoint's
+    processor config; `token_id(text) -> id | None` resolves the framing tokens in its tokenizer.
+    GLM's template renders <|begin_of_image|><|image|><|end_of_image|> itself, so the placeholder
+    <|image|> expands to the image tokens alone."""
+    ip = hf_processor.get("image_processor", hf_processor)
+    settings = {k: ip.get(k) if ip.get(k) is not None else d for k, d in PROCESSOR_DEFAULTS.items()}
+    ps, t, m = int(settings["patch_size"]), int(settings["temporal_patch_size"]), int(settings["merge_size"])
+    if (ps, t, m) != (v.patch_size, v.temporal_patch_size, v.merge_size):
+        raise ValueError(f"the processor's patch_size / temporal_patch_size / merge_size ({ps}, {t}, {m}) differ "
+                         f"from the vision tower's ({v.patch_size}, {v.temporal_patch_size}, {v.merge_size})")  # fmt: skip
+    if int(settings["patch_expand_factor"]) != 1:
+        raise ValueError(f"patch_expand_factor {settings['patch_expand_factor']} is not supported (1 is)")
+    if int(settings["resample"]) != 3:
+        raise ValueError(f"resample {settings['resample']} is not supported (bicubic, 3, is)")
+    if ip.get("do_rescale") is False or ip.get("do_convert_rgb") is False or ip.get("do_resize") is False:
+        raise ValueError("do_rescale, do_resize and do_convert_rgb must stay on")
+    low, high = int(settings["min_image_tokens"]), int(settings["max_image_tokens"])
+    if not 0 < low <= high or high < 2:
+        raise ValueError(f"min_image_tokens {low} / max_image_tokens {high} must bound at least two tokens")
+    normalize = ip.get("do_normalize", True)
+    ids = {text: token_id(text) for text in (IMAGE_TOKEN, START_TOKEN, END_TOKEN)}
+    missing = [text for text, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"the tokenizer lacks the image framing tokens {missing}")
+    if ids[IMAGE_TOKEN] != v.image_token_id:
+        raise ValueError(f"image_token_id {v.image_token_id} is not the tokenizer's {IMAGE_TOKEN} ({ids[IMAGE_TOKEN]})")
+    framing = 2  # the template's begin/end of image around each image's tokens
+    factor = ps * m
+    per_image = max(0, min(high, max_model_len - 1 - framing))
+    smallest = max(2, low)
+    return mf.VisionProfile(
+        resize="fit_and_pad",
+        patch_size=ps,
+        pooling_kernel_size=m,
+        max_patches=per_image * m * m,
+        resample="torch_bicubic",
+        rescale_factor=float(settings["rescale_factor"]),
+        image_mean=tuple(float(x) for x in settings["image_mean"]) if normalize else (0.0, 0.0, 0.0),
+        image_std=tuple(float(x) for x in settings["image_std"]) if normalize else (1.0, 1.0, 1.0),
+        placeholder_token_id=v.image_token_id,
+        image_token_id=v.image_token_id,
+        prefix_token_ids=(),
+        suffix_token_ids=(),
+        feature_dim=v.text_hidden_size,
+        max_images_per_prompt=max(0, (max_model_len - 1) // (smallest + framing)),
+        max_image_tokens_per_prompt=max(0, max_model_len - 1 - framing),
+        image_feature_window_tokens=per_image,
+        max_image_tokens_per_image=per_image,
+        max_image_pixels=50_000_000,
+        max_image_bytes=20 << 20,
+        min_pixels=low * factor**2,  # the token bounds as canvas areas (the frames cancel out of GLM's rule)
+        max_pixels=high * factor**2,
+        temporal_patch_size=t,
+    )
+
+
+# ---------------------------------------------------------------------------- the program
+
+
+def _act(name: str, x: Tensor) -> Tensor:
+    return F.silu(x) if name == "silu" else F.gelu(x)
+
+
+def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def _rotary_cos_sin(positions: Tensor, v: VisionConfig) -> tuple[Tensor, Tensor]:
+    """cos, sin [X, 1, head_dim]: head_dim / 4 frequencies of y, then of x, the set repeated for
+    rotate-half, as Glm5NextVisionRotaryEmbedding."""
+    half = v.head_dim // 2
+    inv = 1.0 / (v.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=positions.device) / half))
+    ang = torch.cat([positions[:, 1].float()[:, None] * inv, positions[:, 0].float()[:, None] * inv], dim=-1)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+
+class VisionProgram(torch.nn.Module):
+    """forward(weights, kv_cache, pixel_values, pixel_positions) -> (image_features,); kv_cache is unused (empty)."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, weights, kv_cache, pixel_values, pixel_positions):
+        v = self.config
+        h, H, hd, eps, limit = v.hidden_size, v.num_heads, v.head_dim, v.rms_norm_eps, v.swiglu_limit
+        patch = weights["vision.patch_embed"]  # [h, 3, t, p, p]: a linear over (channel, frame, row, col) rows
+        wdt = patch.dtype
+
+        def lin(name: str, x: Tensor) -> Tensor:
+            return F.linear(x.to(wdt), weights[name], weights.get(name + ".bias")).float()
+
+        def swiglu(prefix: str, x: Tensor) -> Tensor:
+            gate = lin(prefix + "gate", x).clamp(max=limit)
+            up = lin(prefix + "up", x).clamp(-limit, limit)
+            return lin(prefix + "down", _act(v.hidden_act, gate) * up)
+
+        x = F.linear(pixel_values.to(wdt), patch.reshape(h, -1), weights["vision.patch_embed.bias"]).float()
+        cos, sin = _rotary_cos_sin(pixel_positions, v)
+        for i in range(v.num_layers):
+            p = f"vision.layers.{i}."
+            q, k, val = lin(p + "wqkv", _rms(x, weights[p + "norm1"], eps)).reshape(-1, 3, H, hd).unbind(1)
+            q, k = _rms(q, weights[p + "q_norm"], eps), _rms(k, weights[p + "k_norm"], eps)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), val.transpose(0, 1))
+            x = x + lin(p + "wo", attn.transpose(0, 1).reshape(-1, h))
+            x = x + swiglu(p + "w_", _rms(x, weights[p + "norm2"], eps))
+        x = _rms(x, weights["vision.post_norm"], eps)
+        # Each merge block's m^2 consecutive rows side by side, gathered so every shape follows X; the
+        # Conv2d over the block is a linear over its (row, col, channel) values.
+        m, group = v.merge_size, v.merge_size**2
+        n = x.shape[0] // group
+        rows = torch.arange(n, device=x.device)[:, None] * group + torch.arange(group, device=x.device)[None, :]
+        down = weights["vision.downsample"]  # [out, h, m, m]
+        x = F.linear(x[rows].reshape(n, group * h).to(wdt), down.permute(0, 2, 3, 1).reshape(down.shape[0], -1),
+                     weights["vision.downsample.bias"]).float()  # fmt: skip
+        x = lin("vision.merger.proj", x)
+        o = v.text_hidden_size
+        x = F.gelu(F.layer_norm(x, (o,), weights["vision.merger.norm"].float(), weights["vision.merger.norm.bias"].float()))
+        return (swiglu("vision.merger.", x),)
+
+
+def block_order(rows: int, cols: int, m: int) -> Tensor:
+    """(x, y) positions [rows * cols, 2] of a rows x cols patch grid in merge-block order."""
+    gy, gx = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    shape = (rows // m, m, cols // m, m)
+    ys, xs = (g.reshape(shape).transpose(1, 2).reshape(-1) for g in (gy, gx))
+    return torch.stack([xs, ys], dim=-1)
+
+
+def example_inputs(v: VisionConfig) -> tuple[Tensor, Tensor]:
+    """A 4 x 6 patch grid (2 x 3 tokens at m = 2): rows differ from columns, so neither specializes;
+    each patch's frames repeat one still image, as the processor makes them."""
+    m = v.merge_size
+    rows, cols = 2 * m, 3 * m
+    generator = torch.Generator().manual_seed(0)
+    still = torch.randn(rows * cols, 3, 1, v.patch_size**2, generator=generator)
+    pixels = still.expand(-1, -1, v.temporal_patch_size, -1).reshape(rows * cols, v.patch_dim)
+    return pixels.contiguous(), block_order(rows, cols, m)
+
+
+# ---------------------------------------------------------------------- plain reference
+
+
+def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, positions: Tensor) -> Tensor:
+    """Float64 tower + merger over Hugging Face names, written apart from the program: the patches
+    reassembled into a clip for a real Conv3d, rotary angles pair by pair, an explicit attention
+    matrix, the grid downsampled by a real Conv2d. -> [X / m^2, text hidden] fp32, one row per
+    merge block, blocks row-major."""
+    f64 = torch.float64
+
+    def w(name: str) -> Tensor:
+        return hf[name].to(f64)
+
+    def b(name: str) -> Tensor | float:
+        return hf[name].to(f64) if name in hf else 0.0
+
+    ps, t, h, H, m, limit = v.patch_size, v.temporal_patch_size, v.hidden_size, v.num_heads, v.merge_size, v.swiglu_limit
+    hd = h // H
+    rows, cols = int(positions[:, 1].max()) + 1, int(positions[:, 0].max()) + 1
+    clip = torch.zeros(3, t, rows * ps, cols * ps, dtype=f64)
+    for (x, y), patch in zip(positions.tolist(), pixels.to(f64)):
+        clip[:, :, y * ps : (y + 1) * ps, x * ps : (x + 1) * ps] = patch.view(3, t, ps, ps)
+    grid = F.conv3d(clip[None], w(_V + "patch_embed.proj.weight"), w(_V + "patch_embed.proj.bias"), stride=(t, ps, ps))
+    x = grid[0, :, 0].flatten(1).T  # [rows * cols, h] row-major
+
+    def rms(u: Tensor, name: str) -> Tensor:
+        return u / torch.sqrt((u * u).mean(-1, keepdim=True) + v.rms_norm_eps) * w(name)
+
+    def act(u: Tensor) -> Tensor:
+        return u / (1 + torch.exp(-u)) if v.hidden_act == "silu" else 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
+
+    def swiglu(u: Tensor, prefix: str) -> Tensor:
+        gate = (u @ w(prefix + "gate_proj.weight").T + b(prefix + "gate_proj.bias")).clamp(max=limit)
+        up = (u @ w(prefix + "up_proj.weight").T + b(prefix + "up_proj.bias")).clamp(-limit, limit)
+        return (act(gate) * up) @ w(prefix + "down_proj.weight").T + b(prefix + "down_proj.bias")
+
+    # Channel pairs (j, j + hd/2) turn by angle[j]: hd/4 frequencies of the row y, then of the column x.
+    quarter = hd // 4
+    freqs = [v.rope_theta ** (-2 * j / (hd // 2)) for j in range(quarter)]
+    angle = torch.tensor([[r * f for f in freqs] + [c * f for f in freqs] for r in range(rows) for c in range(cols)],
+                         dtype=f64)  # fmt: skip
+
+    def rotate(u: Tensor) -> Tensor:  # [N, H, hd]
+        a, z = u[..., : hd // 2], u[..., hd // 2 :]
+        c, s = angle.cos()[:, None, :], angle.sin()[:, None, :]
+        return torch.cat([a * c - z * s, z * c + a * s], dim=-1)
+
+    for i in range(v.num_layers):
+        p = _B.format(i)
+        qkv = rms(x, p + "norm1.weight") @ w(p + "attn.qkv.weight").T + b(p + "attn.qkv.bias")
+        q, k, val = qkv.view(-1, 3, H, hd).unbind(1)
+        q, k = rotate(rms(q, p + "attn.q_norm.weight")), rotate(rms(k, p + "attn.k_norm.weight"))
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), val).reshape(-1, h)
+        x = x + attn @ w(p + "attn.proj.weight").T + b(p + "attn.proj.bias")
+        x = x + swiglu(rms(x, p + "norm2.weight"), p + "mlp.")
+    x = rms(x, _V + "post_layernorm.weight")
+    tokens = F.conv2d(x.T.reshape(1, h, rows, cols), w(_V + "downsample.weight"), w(_V + "downsample.bias"), stride=m)
+    x = tokens[0].flatten(1).T  # [blocks row-major, out]
+    x = x @ w(_M + "proj.weight").T
+    x = F.layer_norm(x, (x.shape[-1],), w(_M + "post_projection_norm.weight"), w(_M + "post_projection_norm.bias"))
+    x = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+    return swiglu(x, _M).float()

@@ -1,0 +1,301 @@
+"""GLM-5.3 vision cores: a tiny multimodal checkpoint (`ignition testmodel glm5_next --vision`: a
+2-block vision tower over 14-pixel patches of 2 frames with q/k RMSNorm and a 2-D rotary, clamped
+SwiGLU MLPs, 2 x 2 Conv2d downsampling and the SwiGLU merger, fit_and_pad bounds of 4 .. 64 tokens,
+around the tiny KDA + DSA hybrid text model) exported with its vision program, checked against
+transformers' Glm5NextImageProcessor + Glm5NextProcessor (helios' fit_and_pad profile: pixel values,
+grid and the placeholder's expansion), Glm5NextModel.get_image_features (the vision program) and
+Glm5NextForConditionalGeneration (logprobs with an image in the prompt), on a PNG that is only
+padded, a JPEG scaled down to max_image_tokens and a WebP scaled up to min_image_tokens and padded.
+
+transformers' Glm5NextImageProcessor is torchvision-backed and imports torchvision at module level.
+Where torchvision is not installed (the project does not depend on it), the module is imported
+against a stand-in for torchvision.transforms.v2.functional (test_minimax_m3_vision's: torch's own
+antialiased bicubic interpolate on the uint8 image, plain-torch normalize) plus a zero pad; the
+processor's class check of its absent video processor is skipped. The resize rule, the padding,
+the rescale/normalize fusion, the patch order, the temporal repeat and the placeholder expansion
+are transformers' own code either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from helios.core import Core
+from helios.core.program import SCORED_PREFILL, STEP, VISION, run_prompt
+from helios.frontend import images
+from ignition.export import ExportOptions, export_core
+from ignition.models import glm5_next, glm5_next_vision
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import write_testmodel
+from tests.ignition.test_minimax_m3_vision import _Mode, _normalize, _resize, encode
+
+TOLERANCE = 1e-3
+# (width, height, format, PIL save options) and the fit_and_pad branch each takes under 4 .. 64 tokens of 28 x 28.
+SHAPES = (
+    (150, 60, "PNG", {}),  # canvas 168 x 84 (3 x 6 tokens), the image kept at its size and zero-padded
+    (300, 200, "JPEG", {"quality": 90}),  # 308 x 224 is over 64 tokens: cut to 252 x 168 (6 x 9), scaled down
+    (20, 15, "WEBP", {"lossless": True}),  # one token is under 4: canvas 84 x 56, scaled up to 74 x 56 and padded
+)
+PROMPT = "Describe this picture: <|begin_of_image|><|image|><|end_of_image|> in short."
+
+
+def encoded_images() -> list[bytes]:
+    return [encode(*shape) for shape in SHAPES]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    checkpoint = write_testmodel("glm5_next", tmp_path_factory.mktemp("ckpt") / "tiny-glm53-vision", seed=3,
+                                 vision=True)  # fmt: skip
+    out = tmp_path_factory.mktemp("cores") / "glm53-vision"
+    export_core(open_source(str(checkpoint)), load_recipe("glm53"),
+                ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))  # fmt: skip
+    return checkpoint, out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: tuple[Path, Path]):
+    from transformers import Glm5NextForConditionalGeneration
+
+    model = Glm5NextForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32,
+                                                             attn_implementation="eager")  # fmt: skip
+    return model.eval()
+
+
+def _pad(image: torch.Tensor, padding, fill=0, padding_mode="constant") -> torch.Tensor:
+    """torchvision's pad with [left, top, right, bottom] and a constant fill."""
+    left, top, right, bottom = padding
+    return torch.nn.functional.pad(image, (left, right, top, bottom), value=fill)
+
+
+def _import_processing_modules() -> tuple[types.ModuleType, types.ModuleType, bool]:
+    """transformers' glm5_next image processing and processing modules, and whether torchvision is real."""
+    import transformers  # noqa: F401  (its availability checks run before any stand-in exists)
+
+    names = ("image_processing_glm5_next", "processing_glm5_next")
+    try:
+        import torchvision.transforms.v2.functional  # noqa: F401
+
+        modules = tuple(importlib.import_module(f"transformers.models.glm5_next.{n}") for n in names)
+        return (*modules, True)  # type: ignore[return-value]
+    except Exception:  # absent, or a build whose compiled ops do not load on this torch
+        pass
+    functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, pad=_pad, InterpolationMode=_Mode)
+    stand_ins = {"torchvision": types.ModuleType("torchvision"),
+                 "torchvision.transforms": types.ModuleType("torchvision.transforms"),
+                 "torchvision.transforms.v2": types.SimpleNamespace(functional=functional),
+                 "torchvision.transforms.v2.functional": functional}  # fmt: skip
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    sys.modules.update(stand_ins)  # type: ignore[arg-type]
+    try:
+        modules = tuple(importlib.import_module(f"transformers.models.glm5_next.{n}") for n in names)
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return (*modules, False)  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def reference_processor(checkpoint: Path) -> Iterator[Any]:
+    """transformers' Glm5NextProcessor (image processor + the checkpoint's tokenizer), on torchvision
+    where it imports, else on the torch primitives above."""
+    import transformers.image_processing_backends as backends
+    from transformers import PreTrainedTokenizerFast
+    from transformers.image_utils import PILImageResampling
+
+    image_processing, processing, real = _import_processing_modules()
+    patch = pytest.MonkeyPatch()
+    if not real:
+        functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, pad=_pad, InterpolationMode=_Mode)
+        patch.setattr(backends, "tvF", functional, raising=False)
+        patch.setattr(image_processing, "tvF", functional, raising=False)
+        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: _Mode.BICUBIC})
+        # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
+        patch.setattr(processing.Glm5NextProcessor, "check_argument_for_proper_class", lambda self, name, arg: None)
+    settings = {k: v for k, v in glm5_next.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    try:
+        yield processing.Glm5NextProcessor(image_processing.Glm5NextImageProcessor(**settings), tokenizer)
+    finally:
+        patch.undo()
+
+
+def pixel_inputs(processed) -> dict[str, Any]:
+    """The processor outputs Glm5NextForConditionalGeneration takes for images."""
+    return {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
+
+
+@pytest.fixture(scope="module")
+def processor(tiny: tuple[Path, Path]):
+    with reference_processor(tiny[0]) as made:
+        yield made
+
+
+def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
+    core = Core.open(tiny[1])
+    m = core.manifest
+    assert m.capabilities.vision and VISION in m.programs and m.vision is not None
+    v = m.vision
+    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == \
+        ("fit_and_pad", "torch_bicubic", 14, 2, 2)  # fmt: skip
+    assert (v.min_pixels, v.max_pixels) == (4 * 28 * 28, 64 * 28 * 28)
+    assert v.max_image_tokens_per_image == v.image_feature_window_tokens == 64 and v.max_patches == 256
+    assert v.max_image_tokens_per_prompt == m.limits.max_model_len - 3
+    tok = core.tokenizer()
+    # The template frames each image itself: the placeholder expands to image tokens only.
+    assert v.placeholder_token_id == v.image_token_id == tok.token_to_id("<|image|>")
+    assert v.prefix_token_ids == v.suffix_token_ids == ()
+    assert m.programs[VISION].inputs[0].shape == ("X", 3 * 2 * 14 * 14)
+    names = [t.name for t in m.programs[STEP].inputs]
+    assert "state_slots" in names and names[-2:] == ["image_features", "image_rows"]
+    assert m.golden.max_abs_diff <= TOLERANCE
+    assert m.decode_weight_bytes < sum(t.numel() * 4 for n, t in core.load_weights().items() if not n.startswith("vision."))
+
+
+def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], processor) -> None:
+    """Per image: the grid, every patch row (pixel values, 1e-5, the padding included) and its
+    position, the token count and the placeholder's expansion equal what Glm5NextProcessor makes of
+    the framed '<|image|>' and the image."""
+    from transformers.vision_utils import get_vision_position_ids
+
+    profile = Core.open(tiny[1]).manifest.vision
+    assert profile is not None
+    tok = Core.open(tiny[1]).tokenizer()
+    begin, end = tok.token_to_id("<|begin_of_image|>"), tok.token_to_id("<|end_of_image|>")
+    padded = []
+    for data, (width, height, fmt, _) in zip(encoded_images(), SHAPES):
+        header = images.read_header(data, profile, "image 1")
+        assert (header.format, header.width, header.height) == (fmt, width, height)
+        cost = images.cost(header.width, header.height, profile)
+        processed = processor(text="<|begin_of_image|><|image|><|end_of_image|>", images=[Image.open(io.BytesIO(data))],
+                              return_tensors="pt")  # fmt: skip
+        grid = processed["image_grid_thw"]
+        assert grid.tolist() == [[1, cost.height // 14, cost.width // 14]], (header, cost)
+        views = images.prepare_views(images.decode(data), profile)
+        assert len(views) == 1
+        pixels, positions = views[0]
+        assert pixels.shape == processed["pixel_values"].shape == (cost.num_patches, 3 * 2 * 14 * 14)
+        assert float((pixels - processed["pixel_values"]).abs().max()) <= 1e-5
+        yx = get_vision_position_ids(grid, 2)  # (y, x) in the tower's order
+        assert positions.tolist() == yx[:, [1, 0]].tolist()
+        ids, runs = images.token_layout(cost, profile)
+        assert [begin, *ids, end] == processed["input_ids"][0].tolist()
+        assert cost.num_tokens == cost.num_patches // 4 == sum(rows for _, rows in runs) == ids.count(profile.image_token_id)
+        padded.append(images.fit_and_pad(width, height, profile)[2:] != (cost.height, cost.width))
+    assert padded == [True, False, True]
+
+
+def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], reference, processor) -> None:
+    core = Core.open(tiny[1])
+    m = core.manifest
+    profile = m.vision
+    weights = core.load_weights()
+    vision = core.load_program(VISION)
+    programs = {kind: core.load_program(kind) for kind in (STEP, SCORED_PREFILL)}
+    worst_features = worst = worst_first = 0.0
+    for data in encoded_images():
+        pixels, positions = images.prepare_views(images.decode(data), profile)[0]
+        ours = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
+        processed = processor(text=PROMPT, images=[Image.open(io.BytesIO(data))], return_tensors="pt")
+        ids = processed["input_ids"][0].tolist()
+        with torch.no_grad():
+            theirs = reference.get_image_features(**pixel_inputs(processed)).pooler_output[0]
+            logits = reference(input_ids=torch.tensor([ids]), **pixel_inputs(processed)).logits[0].float()
+        worst_features = max(worst_features, float((ours - theirs).abs().max()))
+        expected = torch.log_softmax(logits, dim=-1)
+        image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
+        assert len(image_positions) == len(ours)
+        for program in programs.values():  # chunks of 11 cut through the image rows (and the KDA state)
+            run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=11,
+                             image_features=ours, image_positions=image_positions)  # fmt: skip
+            worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
+            worst = max(worst, float((run.logprobs - expected).abs().max()))
+    assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
+    print(f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
+          f"all prompt positions {worst:.3g}")
+
+
+def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Path, Path]) -> None:
+    """The exported program and the float64 reference agree on the export's example view (the
+    self-check's input)."""
+    from safetensors.torch import load_file
+
+    config = glm5_next.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
+    assert config.vision is not None
+    pixels, positions = glm5_next_vision.example_inputs(config.vision)
+    core = Core.open(tiny[1])
+    got = core.load_program(VISION)(core.load_weights(), [], pixel_values=pixels, pixel_positions=positions)
+    expected = glm5_next_vision.reference_features(config.vision, load_file(str(tiny[0] / "model.safetensors")),
+                                                   pixels, positions)  # fmt: skip
+    assert got["image_features"].shape == (6, 64)
+    assert float((got["image_features"] - expected).abs().max()) <= 1e-4
+
+
+def test_text_only_configs_stay_text_only(tiny: tuple[Path, Path]) -> None:
+    """Without an image token inside the vocabulary (the text test model, or a nested config whose
+    vision_config has no image_token_id) the tower is left out, its tensors ignored, as before."""
+    config = json.loads((tiny[0] / "config.json").read_text())
+    assert glm5_next.config_from_hf(config).vision is not None
+    text_only = glm5_next.config_from_hf(config | {"image_token_id": 10**6})
+    assert text_only.vision is None and glm5_next.ignored_tensor(text_only, "model.visual.blocks.0.norm1.weight")
+    assert glm5_next.config_from_hf(glm5_next.testmodel_config(300)).vision is None
+
+
+def test_fit_and_pad_matches_the_reference_over_many_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """helios' fit_and_pad (the cost of every image, from its header, and the content size it is
+    resized to before padding) equals transformers' smart_resize and Glm5NextImageProcessor.resize
+    on sizes that take each branch: inside the bounds, over max_image_tokens, under
+    min_image_tokens, a side under one patch and extreme aspect ratios."""
+    import transformers.image_processing_backends as backends
+
+    image_processing, _, _ = _import_processing_modules()
+    profile = _profile()
+    resized: list[tuple[int, int]] = []
+
+    def record(self, image, size, resample=None, **kwargs):  # the backend's resize: only the size matters here
+        resized.append((size.height, size.width))
+        return image.new_zeros(*image.shape[:-2], size.height, size.width)
+
+    monkeypatch.setattr(backends.TorchvisionBackend, "resize", record)
+    processor = image_processing.Glm5NextImageProcessor(min_image_tokens=4, max_image_tokens=64)
+    sizes = [(w, h) for w in (1, 13, 14, 27, 40, 150, 300, 333, 1000, 2048) for h in (1, 15, 28, 60, 200, 719, 4000)]
+    for width, height in sizes:
+        expected = image_processing.smart_resize(2, height, width, temporal_factor=2, factor=28, min_pixels=4,
+                                                 max_pixels=64)  # fmt: skip
+        th, tw, ch, cw = images.fit_and_pad(width, height, profile)
+        cost = images.cost(width, height, profile)
+        assert (th, tw) == (cost.height, cost.width) == expected, (width, height)
+        assert cost.num_tokens == th * tw // 28**2 == cost.num_patches // 4
+        resized.clear()
+        out = processor.resize(torch.zeros(1, 3, height, width, dtype=torch.uint8), resample=3, factor=28,
+                               temporal_factor=2, min_image_tokens=4, max_image_tokens=64)  # fmt: skip
+        assert tuple(out.shape[-2:]) == (th, tw), (width, height)
+        assert (resized or [(height, width)]) == [(ch, cw)], (width, height)
+
+
+def _profile():
+    from helios.core import manifest as mf
+
+    return mf.VisionProfile(
+        resize="fit_and_pad", patch_size=14, pooling_kernel_size=2, max_patches=256, resample="torch_bicubic",
+        rescale_factor=1 / 255, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), placeholder_token_id=6,
+        image_token_id=6, prefix_token_ids=(), suffix_token_ids=(), feature_dim=64, max_images_per_prompt=10,
+        max_image_tokens_per_prompt=100, image_feature_window_tokens=64, max_image_tokens_per_image=64,
+        max_image_pixels=10**8, max_image_bytes=1 << 20, min_pixels=4 * 784, max_pixels=64 * 784, temporal_patch_size=2,
+    )  # fmt: skip
