@@ -51,6 +51,16 @@ CHATS = {
         "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": "qwen3.jinja",
     },
+    # The qwen3 flavour with Muse Spark's image framing (<|image_start|> <|patch|>... <|image_end|>) and
+    # placeholders: vision test models; the template (muse_spark.jinja, not published) is qwen3.jinja
+    # rendering each image part as <|patch|>.
+    "muse_spark-vision": {
+        "special_tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                           "</tool_call>", "<tool_response>", "</tool_response>", "<|image_start|>", "<|image_end|>",
+                           "<|audio|>", "<|video|>", "<|patch|>"),  # fmt: skip
+        "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "template": "muse_spark.jinja",
+    },
     # Qwen3.5 / 3.8: ChatML with function-tag tool calls (the qwen3_coder syntax) and <think> reasoning.
     "qwen3.5": {
         "special_tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
@@ -209,7 +219,9 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
         framing = {t: tokenizer.token_to_id(t) for t in names}
         if None in framing.values():
             raise UsageError(f"chat flavour {chat!r} has no image framing tokens")
-        config = fam.testmodel_vision(config, framing) | {k: v for k, v in config.items() if k.endswith("_token_id")}
+        # The text config's token ids stay at the top level unless the vision config sets its own (muse_spark's
+        # image / video placeholders move to the flavour's tokens).
+        config = {k: v for k, v in config.items() if k.endswith("_token_id")} | fam.testmodel_vision(config, framing)
     generator = torch.Generator().manual_seed(seed)
     special = getattr(fam, "testmodel_init", lambda name, shape, generator: None)
     tensors = {name: _tensor(special, name, shape, generator)

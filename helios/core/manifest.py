@@ -210,13 +210,15 @@ class VisionProfile(_Struct):
     # (frontend/images.py fit_and_pad; GLM-5.3); "navit": one view scaled down (never up) to at most
     # patch_budget patches and max_side_patches patches a side, then zero-padded at the bottom and right
     # to multiples of patch_size * k, patches as smart_resize's, one frame (frontend/images.py
-    # navit_resize; Kimi K2.5)
+    # navit_resize; Kimi K2.5); "aspect_grid": one view, the grid of patch_size * k tokens nearest the
+    # image's aspect ratio within max_patches / k^2 tokens, patches as smart_resize's (frontend/images.py
+    # aspect_grid; Muse Spark)
     patch_size: int  # pixels per patch side
     pooling_kernel_size: int  # k: k x k patches merge into one token (per view)
     max_patches: int  # per view (one vision program call); the only view under aspect_ratio_patch_budget
     resample: str  # "bicubic" | "bilinear" (PIL filters) | "torch_bilinear" (antialiased bilinear on
     # uint8 tensors, rounded per resize, as torchvision's CPU resize computes it) | "torch_bicubic" (the same,
-    # antialiased bicubic)
+    # antialiased bicubic) | "lanczos" (PIL's filter)
     rescale_factor: float  # uint8 pixel -> [0, 1]
     image_mean: tuple[float, ...]  # per channel, after rescaling
     image_std: tuple[float, ...]

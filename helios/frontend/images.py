@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import math
 import platform
 import warnings
@@ -132,6 +133,10 @@ def cost(width: int, height: int, profile: VisionProfile) -> ImageCost:
         th, tw, _, _ = fit_and_pad(width, height, profile)
         patches = (th // profile.patch_size) * (tw // profile.patch_size)
         return ImageCost(th, tw, patches, patches // profile.pooling_kernel_size**2)
+    if profile.resize == "aspect_grid":
+        th, tw = aspect_grid(width, height, profile)
+        patches = (th // profile.patch_size) * (tw // profile.patch_size)
+        return ImageCost(th, tw, patches, patches // profile.pooling_kernel_size**2)
     if profile.resize == "navit":
         _, (th, tw) = navit_resize(width, height, profile)
         patches = (th // profile.patch_size) * (tw // profile.patch_size)
@@ -218,6 +223,28 @@ def navit_resize(width: int, height: int, profile: VisionProfile) -> tuple[tuple
     return (new_h, new_w), (-(-new_h // factor) * factor, -(-new_w // factor) * factor)
 
 
+def aspect_grid(width: int, height: int, profile: VisionProfile) -> tuple[int, int]:
+    """(height, width) by transformers' MuseGlimmerImageProcessor smart_resize: in tokens of factor =
+    patch_size * k pixels, the ideal grid (height / factor, width / factor) scaled down to the cap of
+    max_patches / k^2 tokens when over it, then among its floor / ceil grids within the cap (at least
+    one token a side) the one whose aspect ratio is nearest the image's (ties: the first in
+    transformers' candidate order), else the rounded ideal grid."""
+    factor = profile.patch_size * profile.pooling_kernel_size
+    cap = profile.max_patches // profile.pooling_kernel_size**2
+    ideal_h, ideal_w = height / factor, width / factor
+    ratio = ideal_w / ideal_h if ideal_h > 0 else 1.0
+    if ideal_h * ideal_w > cap:
+        ideal_h = (cap / ratio) ** 0.5
+        ideal_w = ideal_h * ratio
+    candidates = list(set(itertools.product([math.floor(ideal_h), math.ceil(ideal_h)],
+                                            [math.floor(ideal_w), math.ceil(ideal_w)])))  # fmt: skip
+    candidates = [(h, w) for h, w in candidates if h >= 1 and w >= 1 and h * w <= cap]
+    if not candidates:
+        candidates = [(max(1, round(ideal_h)), max(1, round(ideal_w)))]
+    grid_h, grid_w = min(candidates, key=lambda grid: abs(grid[0] / grid[1] - height / width))
+    return grid_h * factor, grid_w * factor
+
+
 def decode(data: bytes) -> np.ndarray:
     """Full decode (after read_header accepted it) to RGB uint8 [H, W, 3]; transparency over white."""
     with warnings.catch_warnings():
@@ -258,7 +285,7 @@ def prepare_views(rgb: np.ndarray, profile: VisionProfile) -> list[tuple[torch.T
     """RGB uint8 [H, W, 3] -> the vision program's inputs for each view of the image, in feature
     order: prepare()'s one view, under global_and_tiles the tiles (row-major) then the global view, or
     under smart_resize, fit_and_pad or navit one view in merge-block order (_prepare_merge_blocks)."""
-    if profile.resize in ("smart_resize", "fit_and_pad", "navit"):
+    if profile.resize in ("smart_resize", "fit_and_pad", "navit", "aspect_grid"):
         return [_prepare_merge_blocks(rgb, profile)]
     if profile.resize != "global_and_tiles":
         return [prepare(rgb, profile)]
@@ -291,7 +318,7 @@ def _resize(image: torch.Tensor, height: int, width: int, profile: VisionProfile
                                               antialias=True)  # fmt: skip
         return out[0]
     if profile.resample != "torch_bilinear":
-        resample = Image.BICUBIC if profile.resample == "bicubic" else Image.BILINEAR
+        resample = {"bicubic": Image.BICUBIC, "lanczos": Image.LANCZOS}.get(profile.resample, Image.BILINEAR)
         pil = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy()).resize((width, height), resample=resample)
         return torch.from_numpy(np.array(pil)).permute(2, 0, 1)
     native = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")

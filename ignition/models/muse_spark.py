@@ -20,8 +20,14 @@ As transformers 5.24's modeling_muse_spark computes the text model:
 - Logits: lm_head(x) * output_multiplier, then cap * tanh(logits / cap) (final_logit_softcapping).
 - The multimodal wrapper embeds image/video/audio placeholder ids as token 0 when no media is given;
   the program does the same, so any token id matches the wrapper's text-only forward.
-Text weights live under `model.language_model.` (and `lm_head.`); the vision and audio towers are not
-compiled here: a checkpoint that carries their tensors is refused by name at export.
+Text weights live under `model.language_model.` (and `lm_head.`). Multimodal checkpoints (a
+vision_config and an image token id inside the text vocabulary, see _multimodal) export the vision
+tower, adapter and projection as the vision program (muse_spark_vision.py); the step then takes
+image_features / image_rows and those rows' input embeddings are the features (transformers'
+masked_scatter after the embedding norm; image tokens keep plain 1-D positions and the causal mask).
+A text-only config (`text_only: true`, as the text test checkpoints carry, whose tiny tower config
+only lets transformers build the model) refuses vision tensors by name; the audio tower is not
+compiled (its tensors are refused by name at export).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import moe
+from ignition.models import moe, muse_spark_vision
 from ignition.models.common import DecoderProgram, rope, rotate_half
 from ignition.models.heads import step_outputs
 
@@ -90,7 +96,7 @@ WEIGHT_MAP = {
     _L + "mlp.experts.post_expert_norm.weight": "layers.{}.post_expert_norm",
     _L + "mlp.post_expert_proj.weight": "layers.{}.w_post_expert",
     **moe.expert_weight_map(mlp=_L + "mlp."),
-}
+} | muse_spark_vision.WEIGHT_MAP
 
 STACKED = moe.STACKED_EXPERTS
 
@@ -130,6 +136,7 @@ class MuseSparkConfig:
     router: moe.RouterSpec
     placeholder_ids: tuple[int, ...]  # embedded as token 0
     tie_word_embeddings: bool = False  # never: the wrapper keeps its own lm_head
+    vision: muse_spark_vision.VisionConfig | None = None  # the vision tower of a multimodal checkpoint
 
     @property
     def kv_dim(self) -> int:
@@ -230,7 +237,29 @@ def config_from_hf(hf: dict[str, Any]) -> MuseSparkConfig:
         moe_intermediate_size=int(t["moe_intermediate_size"]),
         router=router,
         placeholder_ids=tuple(int(hf.get(k) if hf.get(k) is not None else v) for k, v in PLACEHOLDER_DEFAULTS.items()),
+        vision=muse_spark_vision.config_from_hf(hf, t) if _multimodal(hf, t) else None,
     )
+
+
+def _multimodal(hf: dict[str, Any], t: dict[str, Any]) -> bool:
+    """A vision tower to compile: a vision_config, an image token id (else MuseSparkConfig's default)
+    inside the text vocabulary, and no `text_only: true` (the text test checkpoints' marker: their
+    tiny vision_config is only there so transformers builds a tower they leave out)."""
+    if not isinstance(hf.get("vision_config"), dict) or hf.get("text_only"):
+        return False
+    return 0 <= muse_spark_vision.image_token_id(hf) < int(t["vocab_size"])
+
+
+def canonical_tensors(config: MuseSparkConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A text-only config refuses vision tensors by name (the audio tower's are unmapped and refused
+    by export)."""
+    if config.vision is None:
+        stray = sorted(n for n in tensors if n.startswith(muse_spark_vision.VISION_PREFIXES))
+        if stray:
+            raise ValueError(f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
+                             "multimodal (text_only, no vision_config, or an image token id outside the "
+                             "vocabulary)")  # fmt: skip
+    return tensors
 
 
 def kv_shape(config: MuseSparkConfig) -> tuple[int, int, int]:
@@ -239,8 +268,10 @@ def kv_shape(config: MuseSparkConfig) -> tuple[int, int, int]:
 
 
 def decode_weight_bytes(config: MuseSparkConfig, weights: dict[str, Tensor]) -> int:
-    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer."""
-    return moe.decode_weight_bytes(config, weights, config.router.top_k)
+    """Weights one decode token reads: the shared ones plus its top-k experts per MoE layer (the vision
+    tower runs per image, not per step)."""
+    text = {k: v for k, v in weights.items() if not k.startswith("vision.")}
+    return moe.decode_weight_bytes(config, text, config.router.top_k)
 
 
 # ---------------------------------------------------------------------------- step program
@@ -296,14 +327,23 @@ class StepProgram(DecoderProgram):
         return F.linear(y.to(h.dtype), weights[p + "w_post_expert"]).float()
 
     def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
-        logprob_ids, target_ids = self.optional_inputs(extra_1, extra_2)
+                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
+        those rows' (normed) input embeddings are the features; rows of -1 are unused."""
+        extra = [e for e in (extra_1, extra_2, extra_3, extra_4) if e is not None]
+        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
+        logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
         c = self.config
         eps = c.rms_norm_eps
         # As in the other families: weights and matmul inputs in the core dtype; residual stream,
         # norms, gates and rotary in fp32.
         wdt = weights["embed"].dtype
         x = plain_norm(F.embedding(text_token_ids(token_ids, c.placeholder_ids), weights["embed"]), eps)
+        if image is not None:
+            features, rows = image
+            T = x.shape[0]
+            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
+            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
         cos, sin = rope(positions, c.head_dim, c.rope_theta, torch.float32)
         q_dim, kv_dim = c.num_heads * c.head_dim, c.kv_dim
         scale = c.head_dim**-0.5
@@ -338,8 +378,10 @@ class StepProgram(DecoderProgram):
 # ---------------------------------------------------------------------- plain reference
 
 
-def reference_logits(config: MuseSparkConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32.
+def reference_logits(config: MuseSparkConfig, hf_weights: dict[str, Tensor], token_ids: list[int],
+                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+    """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32. Images: row i of
+    image_features replaces the (normed) input embedding at image_positions[i].
 
     Independent of the program path on purpose: unfused weights, no custom ops, explicit
     attention matrices and masks, experts looped over their chosen tokens with sorting instead
@@ -380,6 +422,9 @@ def reference_logits(config: MuseSparkConfig, hf_weights: dict[str, Tensor], tok
         return t.view(total, count, c.head_dim).transpose(0, 1)
 
     x = norm(w(_P + "embed_tokens.weight")[torch.tensor(ids)], c.rms_norm_eps)
+    if image_positions:
+        assert image_features is not None
+        x[torch.tensor(image_positions)] = image_features.to(f64)
     group = c.num_heads // c.num_kv_heads
     for i, window in enumerate(c.layer_windows):
         p = _L.format(i)
@@ -499,11 +544,18 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "max_position_embeddings": 4096,  # testmodel's tokenizer_config reads it at the top level
         "torch_dtype": "float32",
+        "text_only": True,  # the towers are not in the checkpoint (testmodel_vision drops this)
     }
 
 
 def hf_shapes(c: MuseSparkConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of the text model (transformers 5's stacked expert layout)."""
+    """Hugging Face tensor names and shapes of the text model (transformers 5's stacked expert layout),
+    plus a multimodal config's vision tower, adapter and projection."""
+    shapes = _text_shapes(c)
+    return shapes | muse_spark_vision.hf_shapes(c.vision) if c.vision is not None else shapes
+
+
+def _text_shapes(c: MuseSparkConfig) -> dict[str, tuple[int, ...]]:
     h, q, kv, f = c.hidden_size, c.num_heads * c.head_dim, c.kv_dim, c.intermediate_size
     m, e, fe = c.moe_hidden_size, c.router.num_experts, c.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {_P + "embed_tokens.weight": (c.vocab_size, h), _P + "norm.weight": (h,),
@@ -529,3 +581,59 @@ def hf_shapes(c: MuseSparkConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.experts.post_expert_norm.weight": (m,), p + "mlp.post_expert_proj.weight": (h, m),
         })  # fmt: skip
     return shapes
+
+
+# Test vision checkpoints: the "muse_spark-vision" chat flavour (qwen3's tokens plus Muse Spark's
+# image and video placeholders and framing).
+TEST_VISION_CHAT = "muse_spark-vision"
+TESTMODEL_VISION_TOKENS = (muse_spark_vision.IMAGE_TOKEN, muse_spark_vision.START_TOKEN, muse_spark_vision.END_TOKEN,
+                           "<|video|>")  # fmt: skip
+
+
+def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
+    """testmodel_config's checkpoint made multimodal: a 2-layer vision tower of width 32 (2 heads of 16:
+    4 rotary frequencies per axis) over 14-pixel patches of 2 frames, a 4 x 4 position table (so
+    4 x 4-patch windows on its window layer, several per image), 2 x 2 merging, an adapter of width
+    48, the image and video placeholders at the chat flavour's <|patch|> and <|video|>. `tokens`:
+    TESTMODEL_VISION_TOKENS -> ids."""
+    config = {k: v for k, v in text.items() if k != "text_only"}
+    config["vision_config"] = {
+        "model_type": "muse_spark_vision", "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4,
+        "num_attention_heads": 2, "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+        "max_position_embeddings": 16, "patch_temporal": 2, "merge_size": 2, "hidden_act": "gelu",
+        "layer_norm_eps": 1e-5, "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+    }  # fmt: skip
+    config |= {"out_hidden_size": 128, "projector_hidden_size": 48,
+               "image_token_id": tokens[muse_spark_vision.IMAGE_TOKEN], "video_token_id": tokens["<|video|>"]}  # fmt: skip
+    return config
+
+
+# MuseGlimmerImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): at most
+# 64 tokens of 28 x 28 pixels per image, LANCZOS, mean / std 0.5.
+TESTMODEL_PROCESSOR = {"image_processor_type": "MuseGlimmerImageProcessor", "patch_size": 14, "temporal_patch_size": 2,
+                       "merge_size": 2, "max_image_tokens": 64, "resample": 1, "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
+
+
+# ------------------------------------------------------------------------- vision hooks (ignition.export)
+
+
+def vision_program(config: MuseSparkConfig) -> torch.nn.Module:
+    assert config.vision is not None
+    return muse_spark_vision.VisionProgram(config.vision)
+
+
+def vision_examples(config: MuseSparkConfig) -> tuple[Tensor, Tensor]:
+    assert config.vision is not None
+    return muse_spark_vision.example_inputs(config.vision)
+
+
+def reference_features(config: MuseSparkConfig, hf_weights: dict[str, Tensor], pixels: Tensor,
+                       positions: Tensor) -> Tensor:  # fmt: skip
+    assert config.vision is not None
+    return muse_spark_vision.reference_features(config.vision, hf_weights, pixels, positions)
+
+
+def vision_profile(config: MuseSparkConfig, processor: dict[str, Any], max_model_len: int, token_id=None):
+    assert config.vision is not None
+    return muse_spark_vision.profile(config.vision, processor, max_model_len, token_id or (lambda text: None))
