@@ -19,11 +19,8 @@ are transformers' own code either way.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import json
-import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +37,7 @@ from ignition.models import glm5_next, glm5_next_vision
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from tests.ignition.test_minimax_m3_vision import _Mode, _normalize, _resize, encode
+from tests.ignition.processor_standin import Mode, encode, functional, import_processing
 
 TOLERANCE = 1e-3
 # (width, height, format, PIL save options) and the fit_and_pad branch each takes under 4 .. 64 tokens of 28 x 28.
@@ -75,42 +72,6 @@ def reference(tiny: tuple[Path, Path]):
     return model.eval()
 
 
-def _pad(image: torch.Tensor, padding, fill=0, padding_mode="constant") -> torch.Tensor:
-    """torchvision's pad with [left, top, right, bottom] and a constant fill."""
-    left, top, right, bottom = padding
-    return torch.nn.functional.pad(image, (left, right, top, bottom), value=fill)
-
-
-def _import_processing_modules() -> tuple[types.ModuleType, types.ModuleType, bool]:
-    """transformers' glm5_next image processing and processing modules, and whether torchvision is real."""
-    import transformers  # noqa: F401  (its availability checks run before any stand-in exists)
-
-    names = ("image_processing_glm5_next", "processing_glm5_next")
-    try:
-        import torchvision.transforms.v2.functional  # noqa: F401
-
-        modules = tuple(importlib.import_module(f"transformers.models.glm5_next.{n}") for n in names)
-        return (*modules, True)  # type: ignore[return-value]
-    except Exception:  # absent, or a build whose compiled ops do not load on this torch
-        pass
-    functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, pad=_pad, InterpolationMode=_Mode)
-    stand_ins = {"torchvision": types.ModuleType("torchvision"),
-                 "torchvision.transforms": types.ModuleType("torchvision.transforms"),
-                 "torchvision.transforms.v2": types.SimpleNamespace(functional=functional),
-                 "torchvision.transforms.v2.functional": functional}  # fmt: skip
-    saved = {name: sys.modules.get(name) for name in stand_ins}
-    sys.modules.update(stand_ins)  # type: ignore[arg-type]
-    try:
-        modules = tuple(importlib.import_module(f"transformers.models.glm5_next.{n}") for n in names)
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    return (*modules, False)  # type: ignore[return-value]
-
-
 @contextlib.contextmanager
 def reference_processor(checkpoint: Path) -> Iterator[Any]:
     """transformers' Glm5NextProcessor (image processor + the checkpoint's tokenizer), on torchvision
@@ -119,13 +80,14 @@ def reference_processor(checkpoint: Path) -> Iterator[Any]:
     from transformers import PreTrainedTokenizerFast
     from transformers.image_utils import PILImageResampling
 
-    image_processing, processing, real = _import_processing_modules()
+    (image_processing, processing), real = import_processing(("glm5_next.image_processing_glm5_next",
+                                                              "glm5_next.processing_glm5_next"))
     patch = pytest.MonkeyPatch()
     if not real:
-        functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, pad=_pad, InterpolationMode=_Mode)
-        patch.setattr(backends, "tvF", functional, raising=False)
-        patch.setattr(image_processing, "tvF", functional, raising=False)
-        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: _Mode.BICUBIC})
+        stand_in = functional()
+        patch.setattr(backends, "tvF", stand_in, raising=False)
+        patch.setattr(image_processing, "tvF", stand_in, raising=False)
+        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: Mode.BICUBIC})
         # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
         patch.setattr(processing.Glm5NextProcessor, "check_argument_for_proper_class", lambda self, name, arg: None)
     settings = {k: v for k, v in glm5_next.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
@@ -264,7 +226,7 @@ def test_fit_and_pad_matches_the_reference_over_many_sizes(monkeypatch: pytest.M
     min_image_tokens, a side under one patch and extreme aspect ratios."""
     import transformers.image_processing_backends as backends
 
-    image_processing, _, _ = _import_processing_modules()
+    (image_processing,), _ = import_processing(("glm5_next.image_processing_glm5_next",))
     profile = _profile()
     resized: list[tuple[int, int]] = []
 

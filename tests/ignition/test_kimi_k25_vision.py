@@ -19,13 +19,9 @@ fusion, the patch order and the placeholder expansion are transformers' own code
 from __future__ import annotations
 
 import contextlib
-import enum
-import importlib
 import io
 import json
 import re
-import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +39,7 @@ from ignition.models import deepseek_v3, kimi_k25_vision
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.ignition.processor_standin import Mode, encode, functional, import_processing
 
 TOLERANCE = 1e-3
 # (width, height, format, PIL save options) and the navit branch each takes under 64 patches, 16 a side.
@@ -53,15 +50,6 @@ SHAPES = (
 )
 FRAMED = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"  # what K2.5's template renders
 PROMPT = f"Describe this picture: {FRAMED} in short."
-
-
-def encode(width: int, height: int, fmt: str, options: dict, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed + width)
-    grad = np.linspace(0, 255, width)[None, :, None] * np.ones((height, 1, 3))
-    pixels = np.clip(grad * 0.5 + rng.integers(0, 128, (height, width, 3)), 0, 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format=fmt, **options)
-    return buffer.getvalue()
 
 
 def encoded_images() -> list[bytes]:
@@ -87,68 +75,6 @@ def reference(tiny: tuple[Path, Path]):
     return model.eval()
 
 
-class _Mode(enum.Enum):
-    NEAREST = "nearest"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    LANCZOS = "lanczos"
-
-
-def _resize(image: torch.Tensor, size, interpolation=_Mode.BILINEAR, antialias: bool = True) -> torch.Tensor:
-    """torchvision.transforms.v2.functional.resize's CPU path for uint8 bicubic images (native uint8)."""
-    assert interpolation == _Mode.BICUBIC and image.dtype == torch.uint8
-    if tuple(image.shape[-2:]) == tuple(size):
-        return image
-    x = image.reshape(-1, *image.shape[-3:])
-    y = torch.nn.functional.interpolate(x, size=list(size), mode="bicubic", align_corners=False, antialias=antialias)
-    return y.reshape(*image.shape[:-2], *size)
-
-
-def _pad(image: torch.Tensor, padding, fill=0, padding_mode: str = "constant") -> torch.Tensor:
-    """torchvision's pad with [left, top, right, bottom] constant padding."""
-    assert padding_mode == "constant"
-    left, top, right, bottom = padding
-    return torch.nn.functional.pad(image, (left, right, top, bottom), value=fill)
-
-
-def _normalize(image: torch.Tensor, mean, std, inplace: bool = False) -> torch.Tensor:
-    mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
-    std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
-    return (image - mean) / std
-
-
-_FUNCTIONAL = types.SimpleNamespace(resize=_resize, pad=_pad, normalize=_normalize, InterpolationMode=_Mode)
-
-
-def _import_processing_modules() -> tuple[types.ModuleType, types.ModuleType, bool]:
-    """transformers' kimi_k25 image processing and processing modules, and whether torchvision is real."""
-    import transformers  # noqa: F401  (its availability checks run before any stand-in exists)
-
-    names = ("image_processing_kimi_k25", "processing_kimi_k25")
-    try:
-        import torchvision.transforms.v2.functional  # noqa: F401
-
-        modules = tuple(importlib.import_module(f"transformers.models.kimi_k25.{n}") for n in names)
-        return (*modules, True)  # type: ignore[return-value]
-    except Exception:  # absent, or a build whose compiled ops do not load on this torch
-        pass
-    stand_ins = {"torchvision": types.ModuleType("torchvision"),
-                 "torchvision.transforms": types.ModuleType("torchvision.transforms"),
-                 "torchvision.transforms.v2": types.SimpleNamespace(functional=_FUNCTIONAL),
-                 "torchvision.transforms.v2.functional": _FUNCTIONAL}  # fmt: skip
-    saved = {name: sys.modules.get(name) for name in stand_ins}
-    sys.modules.update(stand_ins)  # type: ignore[arg-type]
-    try:
-        modules = tuple(importlib.import_module(f"transformers.models.kimi_k25.{n}") for n in names)
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    return (*modules, False)  # type: ignore[return-value]
-
-
 @contextlib.contextmanager
 def reference_processor(checkpoint: Path) -> Iterator[Any]:
     """transformers' Kimi_K25Processor (image processor + the checkpoint's tokenizer), on torchvision
@@ -157,12 +83,14 @@ def reference_processor(checkpoint: Path) -> Iterator[Any]:
     from transformers import PreTrainedTokenizerFast
     from transformers.image_utils import PILImageResampling
 
-    image_processing, processing, real = _import_processing_modules()
+    (image_processing, processing), real = import_processing(("kimi_k25.image_processing_kimi_k25",
+                                                              "kimi_k25.processing_kimi_k25"))
     patch = pytest.MonkeyPatch()
     if not real:
-        patch.setattr(backends, "tvF", _FUNCTIONAL, raising=False)
-        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: _Mode.BICUBIC})
-        patch.setattr(image_processing, "tvF", _FUNCTIONAL, raising=False)
+        stand_in = functional()
+        patch.setattr(backends, "tvF", stand_in, raising=False)
+        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: Mode.BICUBIC})
+        patch.setattr(image_processing, "tvF", stand_in, raising=False)
         # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
         patch.setattr(processing.Kimi_K25Processor, "check_argument_for_proper_class", lambda self, name, arg: None)
     settings = {k: v for k, v in deepseek_v3.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
@@ -287,7 +215,7 @@ def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Pat
 def test_navit_costs_match_the_reference_over_many_sizes() -> None:
     """helios' navit_resize (every image's cost, from its header) equals transformers' on sizes that
     keep, scale by the patch budget, scale by the side limit, and sides under one patch."""
-    image_processing, _, _ = _import_processing_modules()
+    (image_processing,), _ = import_processing(("kimi_k25.image_processing_kimi_k25",))
     profile = _profile()
     sizes = [(w, h) for w in (1, 13, 14, 27, 40, 150, 300, 333, 1000, 2048) for h in (1, 15, 28, 60, 200, 719, 4000)]
     for width, height in sizes:

@@ -19,12 +19,8 @@ patch order, the temporal repeat and the framing are transformers' own code eith
 from __future__ import annotations
 
 import contextlib
-import enum
-import importlib
 import io
 import json
-import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +38,7 @@ from ignition.models import minimax_m3, minimax_m3_vision
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.ignition.processor_standin import Mode, encode, functional, import_processing
 
 TOLERANCE = 1e-3
 # (width, height, format, PIL save options) and the smart_resize branch each takes under 3136 .. 50176 pixels.
@@ -51,15 +48,6 @@ SHAPES = (
     (40, 30, "WEBP", {"lossless": True}),  # 28 x 28 is under min_pixels: scaled up to 84 x 56, 2 x 3 tokens
 )
 PROMPT = "Describe this picture: ]<]image[>[ in short."
-
-
-def encode(width: int, height: int, fmt: str, options: dict, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed + width)
-    grad = np.linspace(0, 255, width)[None, :, None] * np.ones((height, 1, 3))
-    pixels = np.clip(grad * 0.5 + rng.integers(0, 128, (height, width, 3)), 0, 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format=fmt, **options)
-    return buffer.getvalue()
 
 
 def encoded_images() -> list[bytes]:
@@ -85,59 +73,6 @@ def reference(tiny: tuple[Path, Path]):
     return model.eval()
 
 
-class _Mode(enum.Enum):
-    NEAREST = "nearest"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    LANCZOS = "lanczos"
-
-
-def _resize(image: torch.Tensor, size, interpolation=_Mode.BILINEAR, antialias: bool = True) -> torch.Tensor:
-    """torchvision.transforms.v2.functional.resize's CPU path for uint8 bicubic images (native uint8)."""
-    assert interpolation == _Mode.BICUBIC and image.dtype == torch.uint8
-    if tuple(image.shape[-2:]) == tuple(size):
-        return image
-    x = image.reshape(-1, *image.shape[-3:])
-    y = torch.nn.functional.interpolate(x, size=list(size), mode="bicubic", align_corners=False, antialias=antialias)
-    return y.reshape(*image.shape[:-2], *size)
-
-
-def _normalize(image: torch.Tensor, mean, std, inplace: bool = False) -> torch.Tensor:
-    mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
-    std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
-    return (image - mean) / std
-
-
-def _import_processing_modules() -> tuple[types.ModuleType, types.ModuleType, bool]:
-    """transformers' minimax_m3_vl image processing and processing modules, and whether torchvision is real."""
-    import transformers  # noqa: F401  (its availability checks run before any stand-in exists)
-
-    names = ("image_processing_minimax_m3_vl", "processing_minimax_m3_vl")
-    try:
-        import torchvision.transforms.v2.functional  # noqa: F401
-
-        modules = tuple(importlib.import_module(f"transformers.models.minimax_m3_vl.{n}") for n in names)
-        return (*modules, True)  # type: ignore[return-value]
-    except Exception:  # absent, or a build whose compiled ops do not load on this torch
-        pass
-    functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, InterpolationMode=_Mode)
-    stand_ins = {"torchvision": types.ModuleType("torchvision"),
-                 "torchvision.transforms": types.ModuleType("torchvision.transforms"),
-                 "torchvision.transforms.v2": types.SimpleNamespace(functional=functional),
-                 "torchvision.transforms.v2.functional": functional}  # fmt: skip
-    saved = {name: sys.modules.get(name) for name in stand_ins}
-    sys.modules.update(stand_ins)  # type: ignore[arg-type]
-    try:
-        modules = tuple(importlib.import_module(f"transformers.models.minimax_m3_vl.{n}") for n in names)
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    return (*modules, False)  # type: ignore[return-value]
-
-
 @contextlib.contextmanager
 def reference_processor(checkpoint: Path) -> Iterator[Any]:
     """transformers' MiniMaxM3VLProcessor (image processor + the checkpoint's tokenizer), on torchvision
@@ -146,12 +81,12 @@ def reference_processor(checkpoint: Path) -> Iterator[Any]:
     from transformers import PreTrainedTokenizerFast
     from transformers.image_utils import PILImageResampling
 
-    image_processing, processing, real = _import_processing_modules()
+    (image_processing, processing), real = import_processing(("minimax_m3_vl.image_processing_minimax_m3_vl",
+                                                              "minimax_m3_vl.processing_minimax_m3_vl"))
     patch = pytest.MonkeyPatch()
     if not real:
-        functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, InterpolationMode=_Mode)
-        patch.setattr(backends, "tvF", functional, raising=False)
-        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: _Mode.BICUBIC})
+        patch.setattr(backends, "tvF", functional(), raising=False)
+        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: Mode.BICUBIC})
         # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
         patch.setattr(processing.MiniMaxM3VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None)
     settings = {k: v for k, v in minimax_m3.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
@@ -309,7 +244,7 @@ def test_smart_resize_costs_match_the_reference_over_many_sizes() -> None:
     """helios' smart_resize (the cost of every image, from its header) equals transformers' on sizes
     that take each branch: inside the bounds, over max_pixels, under min_pixels, a side under half a
     token, extreme aspect ratios (a side floored to one token) and a ratio over 200 (refused)."""
-    image_processing, _, _ = _import_processing_modules()
+    (image_processing,), _ = import_processing(("minimax_m3_vl.image_processing_minimax_m3_vl",))
     profile = _profile()
     sizes = [(w, h) for w in (1, 13, 14, 27, 40, 150, 300, 333, 1000, 2048) for h in (1, 15, 28, 60, 200, 719, 4000)]
     for width, height in sizes:

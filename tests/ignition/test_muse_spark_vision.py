@@ -24,12 +24,8 @@ the framing are transformers' own code either way.
 from __future__ import annotations
 
 import contextlib
-import enum
-import importlib
 import io
 import json
-import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +43,7 @@ from ignition.models import muse_spark, muse_spark_vision
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.ignition.processor_standin import Mode, encode, functional, import_processing
 
 TOLERANCE = 1e-3
 # (width, height, format, PIL save options) and the aspect grid each takes under the 64-token cap.
@@ -56,15 +53,6 @@ SHAPES = (
     (40, 70, "WEBP", {"lossless": True}),  # 1.4 x 2.5 tokens: 2 x 3 (56 x 84), tied with 1 x 2 on aspect error
 )
 PROMPT = "Describe this picture: <|patch|> in short."
-
-
-def encode(width: int, height: int, fmt: str, options: dict, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed + width)
-    grad = np.linspace(0, 255, width)[None, :, None] * np.ones((height, 1, 3))
-    pixels = np.clip(grad * 0.5 + rng.integers(0, 128, (height, width, 3)), 0, 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format=fmt, **options)
-    return buffer.getvalue()
 
 
 def encoded_images() -> list[bytes]:
@@ -90,61 +78,6 @@ def reference(tiny: tuple[Path, Path]):
     return model.eval()
 
 
-class _Mode(enum.Enum):
-    NEAREST = "nearest"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    LANCZOS = "lanczos"
-
-
-def _resize(image: torch.Tensor, size, interpolation=_Mode.BILINEAR, antialias: bool = True) -> torch.Tensor:
-    """The LANCZOS resize of uint8 images [..., 3, H, W], by PIL per image."""
-    assert interpolation == _Mode.LANCZOS and image.dtype == torch.uint8
-    if tuple(image.shape[-2:]) == tuple(size):
-        return image
-    flat = image.reshape(-1, *image.shape[-3:])
-    out = [torch.from_numpy(np.array(Image.fromarray(x.permute(1, 2, 0).numpy()).resize((size[1], size[0]),
-                                                                                         Image.LANCZOS)))
-           for x in flat]  # fmt: skip
-    return torch.stack(out).permute(0, 3, 1, 2).reshape(*image.shape[:-2], *size)
-
-
-def _normalize(image: torch.Tensor, mean, std, inplace: bool = False) -> torch.Tensor:
-    mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
-    std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
-    return (image - mean) / std
-
-
-def _import_processing_modules() -> tuple[types.ModuleType, types.ModuleType, bool]:
-    """transformers' muse_glimmer image processing and muse_spark processing modules, and whether torchvision is real."""
-    import transformers  # noqa: F401  (its availability checks run before any stand-in exists)
-
-    names = ("muse_glimmer.image_processing_muse_glimmer", "muse_spark.processing_muse_spark")
-    try:
-        import torchvision.transforms.v2.functional  # noqa: F401
-
-        modules = tuple(importlib.import_module(f"transformers.models.{n}") for n in names)
-        return (*modules, True)  # type: ignore[return-value]
-    except Exception:  # absent, or a build whose compiled ops do not load on this torch
-        pass
-    functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, InterpolationMode=_Mode)
-    stand_ins = {"torchvision": types.ModuleType("torchvision"),
-                 "torchvision.transforms": types.ModuleType("torchvision.transforms"),
-                 "torchvision.transforms.v2": types.SimpleNamespace(functional=functional),
-                 "torchvision.transforms.v2.functional": functional}  # fmt: skip
-    saved = {name: sys.modules.get(name) for name in stand_ins}
-    sys.modules.update(stand_ins)  # type: ignore[arg-type]
-    try:
-        modules = tuple(importlib.import_module(f"transformers.models.{n}") for n in names)
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    return (*modules, False)  # type: ignore[return-value]
-
-
 @contextlib.contextmanager
 def reference_processor(checkpoint: Path) -> Iterator[Any]:
     """transformers' MuseSparkProcessor (MuseGlimmerImageProcessor + the checkpoint's tokenizer), on
@@ -153,12 +86,12 @@ def reference_processor(checkpoint: Path) -> Iterator[Any]:
     from transformers import PreTrainedTokenizerFast
     from transformers.image_utils import PILImageResampling
 
-    image_processing, processing, real = _import_processing_modules()
+    (image_processing, processing), real = import_processing(("muse_glimmer.image_processing_muse_glimmer",
+                                                              "muse_spark.processing_muse_spark"))
     patch = pytest.MonkeyPatch()
     if not real:
-        functional = types.SimpleNamespace(resize=_resize, normalize=_normalize, InterpolationMode=_Mode)
-        patch.setattr(backends, "tvF", functional, raising=False)
-        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.LANCZOS: _Mode.LANCZOS})
+        patch.setattr(backends, "tvF", functional(), raising=False)
+        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.LANCZOS: Mode.LANCZOS})
         patch.setattr(backends, "is_torchvision_greater_or_equal", lambda version: True)
         # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
         patch.setattr(processing.MuseSparkProcessor, "check_argument_for_proper_class", lambda self, name, arg: None)
@@ -301,7 +234,7 @@ def test_aspect_grid_costs_match_the_reference_over_many_sizes() -> None:
     """helios' aspect_grid (the cost of every image, from its header) equals transformers'
     MuseGlimmer smart_resize on sizes inside the cap, over it, tiny, and at extreme aspect ratios
     (where its fallback grid exceeds the cap)."""
-    image_processing, _, _ = _import_processing_modules()
+    (image_processing,), _ = import_processing(("muse_glimmer.image_processing_muse_glimmer",))
     profile = _profile()
     sizes = [(w, h) for w in (1, 13, 14, 27, 40, 150, 300, 333, 1000, 2048) for h in (1, 15, 28, 60, 200, 719, 4000)]
     for width, height in sizes:
