@@ -31,6 +31,7 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models.common import rotate_half
+from ignition.models.patch_grid import block_order
 
 _V = "model.visual."
 _B = _V + "blocks.{}."
@@ -294,14 +295,6 @@ class VisionProgram(torch.nn.Module):
         o = v.text_hidden_size
         x = F.gelu(F.layer_norm(x, (o,), weights["vision.merger.norm"].float(), weights["vision.merger.norm.bias"].float()))
         return (swiglu("vision.merger.", x),)
-
-
-def block_order(rows: int, cols: int, m: int) -> Tensor:
-    """(x, y) positions [rows * cols, 2] of a rows x cols patch grid in merge-block order."""
-    gy, gx = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
-    shape = (rows // m, m, cols // m, m)
-    ys, xs = (g.reshape(shape).transpose(1, 2).reshape(-1) for g in (gy, gx))
-    return torch.stack([xs, ys], dim=-1)
 
 
 def example_inputs(v: VisionConfig) -> tuple[Tensor, Tensor]:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models.common import rotate_half
+from ignition.models.patch_grid import block_order
 
 _V = "model.vision_tower."
 _VL = _V + "layers.{}."
@@ -351,14 +352,6 @@ class VisionProgram(torch.nn.Module):
         rows = torch.arange(n, device=x.device)[:, None] * group + torch.arange(group, device=x.device)[None, :]
         x = x[rows].reshape(n, group * h)
         return (lin("vision.proj2", F.gelu(lin("vision.proj1", x))),)
-
-
-def block_order(rows: int, cols: int, m: int) -> Tensor:
-    """(x, y) positions [rows * cols, 2] of a rows x cols patch grid in merge-block order."""
-    gy, gx = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
-    shape = (rows // m, m, cols // m, m)
-    ys, xs = (g.reshape(shape).transpose(1, 2).reshape(-1) for g in (gy, gx))
-    return torch.stack([xs, ys], dim=-1)
 
 
 def example_inputs(v: VisionConfig) -> tuple[Tensor, Tensor]:

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models.common import rotate_half
+from ignition.models.patch_grid import block_order
 
 _V = "model.vision_tower."
 _VL = _V + "layers.{}."
@@ -300,14 +301,6 @@ class VisionProgram(torch.nn.Module):
         x = F.gelu(F.linear(x.to(wdt), weights["vision.adapter2"]).float())
         x = F.linear(x.to(wdt), weights["vision.projection"]).float()
         return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + v.text_rms_norm_eps),)
-
-
-def block_order(rows: int, cols: int, m: int) -> Tensor:
-    """(x, y) positions [rows * cols, 2] of a rows x cols patch grid in merge-block order."""
-    gy, gx = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
-    shape = (rows // m, m, cols // m, m)
-    ys, xs = (g.reshape(shape).transpose(1, 2).reshape(-1) for g in (gy, gx))
-    return torch.stack([xs, ys], dim=-1)
 
 
 def example_inputs(v: VisionConfig) -> tuple[Tensor, Tensor]:
