@@ -157,7 +157,8 @@ class Executor:
                 self.step, self.weights, self.kv, manifest.decode_buckets, self.page_tokens,
                 -(-manifest.limits.max_model_len // self.page_tokens), num_pages, device,
                 graphs.CudaGraphBackend(device), explicit_width=max(1, manifest.capabilities.max_top_logprobs)
-                if "logprob_token_ids" in self.step.input_names else 0)  # fmt: skip
+                if "logprob_token_ids" in self.step.input_names else 0,
+                window_scratch_page=self.num_window_pages)  # fmt: skip
             log.info("CUDA graphs: decode steps of up to %d rows replay a graph per bucket %s (captured at startup)",
                      max(manifest.decode_buckets), sorted(manifest.decode_buckets))  # fmt: skip
 

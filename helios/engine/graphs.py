@@ -37,7 +37,7 @@ from torch import Tensor
 # Inputs a graph-captured step may take; a program with any other input (recurrent state slots,
 # image features) runs eagerly: its decode inputs are not all static-shaped or idempotent.
 GRAPH_INPUTS = frozenset({"token_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                          "logits_indices", "logprob_token_ids"})  # fmt: skip
+                          "logits_indices", "logprob_token_ids", "window_slot_mapping", "window_block_tables"})  # fmt: skip
 KEEP_ON_DEVICE = frozenset({"hidden_states"})  # outputs the executor keeps on the device: copied out of the graph's
 
 
@@ -107,11 +107,12 @@ class GraphRunner:
     program(weights, kv, **inputs) is the step; kv's paged caches must have `scratch_page` (the
     page past the scheduler's pool) for padded rows. max_blocks: the block tables' static width
     (pages of the longest sequence). explicit_width: the static width of logprob_token_ids
-    (0 when the program has no such input)."""
+    (0 when the program has no such input). window_scratch_page: a window-pool core's scratch page in
+    the window caches (window_slot_mapping / window_block_tables are padded like the main ones)."""
 
     def __init__(self, program, weights: dict[str, Tensor], kv: list[Tensor], buckets: tuple[int, ...],
                  page_tokens: int, max_blocks: int, scratch_page: int, device: str,
-                 backend: GraphBackend, explicit_width: int = 0) -> None:  # fmt: skip
+                 backend: GraphBackend, explicit_width: int = 0, window_scratch_page: int | None = None) -> None:  # fmt: skip
         if not buckets or any(b < 1 for b in buckets):
             raise ValueError(f"decode buckets must be positive batch sizes, got {buckets!r}")
         if "logprob_token_ids" in program.input_names and explicit_width < 1:
@@ -119,6 +120,7 @@ class GraphRunner:
         self.program, self.weights, self.kv = program, weights, kv
         self.buckets = tuple(sorted(set(buckets)))
         self.page_tokens, self.max_blocks, self.scratch_page = page_tokens, max_blocks, scratch_page
+        self.window_scratch_page = scratch_page if window_scratch_page is None else window_scratch_page
         self.device, self.backend, self.explicit_width = device, backend, explicit_width
         self.static: dict[int, dict[str, Tensor]] = {}
         self._kv_identity: tuple[int, ...] = self._identity()
@@ -149,6 +151,9 @@ class GraphRunner:
             }
             if self.explicit_width:
                 static["logprob_token_ids"] = torch.zeros(bucket, self.explicit_width, dtype=torch.int64, **on)
+            window = self.window_scratch_page
+            static["window_slot_mapping"] = torch.full((bucket,), window * self.page_tokens, dtype=torch.int64, **on)
+            static["window_block_tables"] = torch.full((bucket, self.max_blocks), window, dtype=torch.int32, **on)
             self.static[bucket] = {name: static[name] for name in self.program.input_names}
         return self.static[bucket]
 
@@ -174,7 +179,8 @@ class GraphRunner:
         rows = int(inputs["seq_lens"].shape[0])
         if int(inputs["token_ids"].shape[0]) != rows or int(inputs["logits_indices"].shape[0]) != rows:
             return None
-        if int(inputs["block_tables"].shape[1]) > self.max_blocks:
+        if any(int(inputs[name].shape[1]) > self.max_blocks for name in ("block_tables", "window_block_tables")
+               if name in inputs):  # fmt: skip
             return None
         explicit = inputs.get("logprob_token_ids")
         if explicit is not None and int(explicit.shape[1]) > self.explicit_width:
@@ -197,6 +203,14 @@ class GraphRunner:
         tables[:rows, :width].copy_(inputs["block_tables"])
         tables[:rows, width:].fill_(self.scratch_page)
         tables[rows:].fill_(self.scratch_page)
+        if "window_slot_mapping" in static:  # the window pool's, padded with its own scratch page
+            window = self.window_scratch_page
+            static["window_slot_mapping"][:rows].copy_(inputs["window_slot_mapping"])
+            static["window_slot_mapping"][rows:].fill_(window * self.page_tokens)
+            tables, width = static["window_block_tables"], int(inputs["window_block_tables"].shape[1])
+            tables[:rows, :width].copy_(inputs["window_block_tables"])
+            tables[:rows, width:].fill_(window)
+            tables[rows:].fill_(window)
         if "logprob_token_ids" in static:
             k = int(inputs["logprob_token_ids"].shape[1])
             static["logprob_token_ids"].zero_()

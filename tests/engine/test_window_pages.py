@@ -219,3 +219,50 @@ def test_a_short_window_pool_cuts_chunks_and_preempts_without_changing_output(co
     assert max(running) < 6 <= sum(r.n for r in requests)  # the window pool, not the main pool, held them back
     assert engine.stats.preemptions > 0  # a decoding sequence crossing into a new page, with none left
     assert {k: [c.token_ids for c in v] for k, v in squeezed.items()} == {k: [c.token_ids for c in v] for k, v in plain.items()}
+
+
+def test_decode_steps_replay_through_the_graph_runner_with_window_tables(core: Core) -> None:
+    """The CUDA-graph runner's padding on CPU (its EagerBackend double): a decode step of a window-pool
+    core through a bucket, its window slots and tables padded with the window caches' own scratch
+    page, gives the eager step's outputs; the padding row writes only the two scratch pages."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from helios.engine.executor import Executor
+    from helios.engine.graphs import EagerBackend, GraphRunner
+    from helios.engine.sequence import Chunk
+
+    pages, window_pages = 16, 10  # the last of each is the runner's scratch page
+    executor = Executor(core, pages, "cpu", 0, compiled=False, num_window_pages=window_pages)
+    page = executor.page_tokens
+    request = SimpleNamespace(logprob_token_ids=None, images=())
+    prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13] * (page + 2)]
+    seqs = [Sequence(request, 0, list(p), len(p), i, pages=[2 * i, 2 * i + 1], window_pages=[3 * i, 3 * i + 1])
+            for i, p in enumerate(prompts)]  # fmt: skip
+    executor.run(tuple(Chunk(s, 0, len(s.token_ids), True, False) for s in seqs))
+    for index, seq in enumerate(seqs):
+        seq.token_ids.append(20 + index)
+    decode = tuple(Chunk(s, len(s.token_ids) - 1, 1, True, False) for s in seqs)
+    before = [t.clone() for t in executor.kv]
+    eager = executor.run(decode)
+    for tensor, saved in zip(executor.kv, before):
+        tensor.copy_(saved)
+    m = core.manifest
+    assert GraphRunner.eligible(executor.step.input_names)
+    executor.graphs = GraphRunner(executor.step, executor.weights, executor.kv, (1, 2, 4), page,
+                                  -(-m.limits.max_model_len // page), pages - 1, "cpu", EagerBackend(),
+                                  explicit_width=max(1, m.capabilities.max_top_logprobs)
+                                  if "logprob_token_ids" in executor.step.input_names else 0,
+                                  window_scratch_page=window_pages - 1)  # fmt: skip
+    graphed = executor.run(decode)
+    assert executor.launches["graph"] == 1
+    torch.testing.assert_close(graphed.logits, eager.logits, rtol=0, atol=1e-5)
+    assert graphed.sampled == eager.sampled
+    windowed = set(m.kv.window_pool.caches)
+    used = {index: {2 * i for i in range(3)} | {2 * i + 1 for i in range(3)} for index in range(len(executor.kv))}
+    for index, (tensor, saved) in enumerate(zip(executor.kv, before)):
+        scratch = window_pages - 1 if index in windowed else pages - 1
+        touched = {p for p in range(tensor.shape[0]) if not torch.equal(tensor[p], saved[p])}
+        allowed = {3 * i + j for i in range(3) for j in (0, 1)} if index in windowed else used[index]
+        assert touched <= allowed | {scratch}, (index, touched)
