@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.core.manifest import TensorSpec
-from ignition.models import kimi_k25_vision, moe, mtp
+from ignition.models import kimi_k25_vision, moe, mtp, vision_hooks
+from ignition.models.kimi_k25_vision import TESTMODEL_PROCESSOR, TESTMODEL_VISION_TOKENS, testmodel_vision  # noqa: F401
 from ignition.models.common import decoder_shapes, optional_inputs, reference_swiglu, rms_norm
 from ignition.models.heads import generation_outputs, step_outputs
 
@@ -776,64 +777,7 @@ def _text_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# Test vision checkpoints: the "kimi_k3-vision" chat flavour (testmodel.CHATS) plus K2.5's framing tokens.
-TESTMODEL_VISION_TOKENS = (kimi_k25_vision.IMAGE_TOKEN, kimi_k25_vision.BEGIN_TOKEN, kimi_k25_vision.CONTENT_TOKEN,
-                           kimi_k25_vision.END_TOKEN, kimi_k25_vision.KIND_TOKEN, kimi_k25_vision.K3_PLACEHOLDER,
-                           "<|kimi_k25_video_placeholder|>")  # fmt: skip
-
-
-def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
-    """A tiny multimodal (Kimi_K25ForConditionalGeneration) config around testmodel_config's text model:
-    a 2-layer vision tower of width 32 (2 heads of 16) over 14-pixel patches with an 8 x 8 learned
-    position table (resampled up and down), 2 x 2 merging. `tokens`: TESTMODEL_VISION_TOKENS -> ids."""
-    text = {k: v for k, v in text.items() if k != "architectures"}
-    return {
-        "architectures": ["Kimi_K25ForConditionalGeneration"],
-        "model_type": "kimi_k25",
-        "text_config": text,
-        "vision_config": {
-            "model_type": "kimi_k25_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 4,
-            "merge_kernel_size": [2, 2], "hidden_act": "gelu_pytorch_tanh",
-            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
-        },
-        "projection_hidden_size": 32,
-        "projection_layer_norm_eps": 1e-5,
-        "image_token_id": tokens[kimi_k25_vision.IMAGE_TOKEN],
-        "video_token_id": tokens["<|kimi_k25_video_placeholder|>"],
-        "vision_start_token_id": tokens[kimi_k25_vision.BEGIN_TOKEN],
-        "vision_end_token_id": tokens[kimi_k25_vision.END_TOKEN],
-        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
-        "max_position_embeddings": text["max_position_embeddings"],  # also at the top, where testmodel reads it
-    }  # fmt: skip
-
-
-# Kimi_K25ImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): at most 64
-# patches before padding and 16 a side.
-TESTMODEL_PROCESSOR = {"image_processor_type": "Kimi_K25ImageProcessor", "size": {"max_height": 16, "max_width": 16},
-                       "max_patches": 64, "patch_size": 14, "merge_size": 2, "resample": 3,
-                       "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
-
-
 # ------------------------------------------------------------------------- vision hooks (ignition.export)
 
 
-def vision_program(config: DeepseekV3Config) -> torch.nn.Module:
-    assert config.vision is not None
-    return kimi_k25_vision.VisionProgram(config.vision)
-
-
-def vision_examples(config: DeepseekV3Config) -> tuple[Tensor, Tensor]:
-    assert config.vision is not None
-    return kimi_k25_vision.example_inputs(config.vision)
-
-
-def reference_features(config: DeepseekV3Config, hf_weights: dict[str, Tensor], pixels: Tensor,
-                       positions: Tensor) -> Tensor:  # fmt: skip
-    assert config.vision is not None
-    return kimi_k25_vision.reference_features(config.vision, hf_weights, pixels, positions)
-
-
-def vision_profile(config: DeepseekV3Config, processor: dict[str, Any], max_model_len: int, token_id=None):
-    assert config.vision is not None
-    return kimi_k25_vision.profile(config.vision, processor, max_model_len, token_id or (lambda text: None))
+vision_program, vision_examples, reference_features, vision_profile = vision_hooks.of(kimi_k25_vision)

@@ -49,7 +49,7 @@ from torch import Tensor
 import helios.core.ops_glm5_next  # noqa: F401  (defines flare::kda, flare::kpool_topk)
 import helios.core.ops_sparse  # noqa: F401  (defines flare::sparse_paged_attention)
 from ignition.models import deepseek_v3 as mla
-from ignition.models import glm5_next_vision, moe
+from ignition.models import glm5_next_vision, moe, vision_hooks
 from ignition.models.common import hyper_connection, hyper_residual, optional_inputs, rms_norm
 from ignition.models.glm_moe_dsa import INDEXER_NORM_EPS, _indexer_types, glm_router
 from ignition.models.heads import step_outputs
@@ -715,22 +715,4 @@ TESTMODEL_PROCESSOR = {"image_processor_type": "Glm5NextImageProcessor", "min_im
 # ------------------------------------------------------------------------- vision hooks (ignition.export)
 
 
-def vision_program(config: Glm5NextConfig) -> torch.nn.Module:
-    assert config.vision is not None
-    return glm5_next_vision.VisionProgram(config.vision)
-
-
-def vision_examples(config: Glm5NextConfig) -> tuple[Tensor, Tensor]:
-    assert config.vision is not None
-    return glm5_next_vision.example_inputs(config.vision)
-
-
-def reference_features(config: Glm5NextConfig, hf_weights: dict[str, Tensor], pixels: Tensor,
-                       positions: Tensor) -> Tensor:  # fmt: skip
-    assert config.vision is not None
-    return glm5_next_vision.reference_features(config.vision, hf_weights, pixels, positions)
-
-
-def vision_profile(config: Glm5NextConfig, processor: dict[str, Any], max_model_len: int, token_id=None):
-    assert config.vision is not None
-    return glm5_next_vision.profile(config.vision, processor, max_model_len, token_id or (lambda text: None))
+vision_program, vision_examples, reference_features, vision_profile = vision_hooks.of(glm5_next_vision)

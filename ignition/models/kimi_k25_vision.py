@@ -420,3 +420,44 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
                           for by in range(rows // m) for bx in range(cols // m)])  # fmt: skip
     u = act(tokens @ w(_PROJ + "in_proj.weight").T + w(_PROJ + "in_proj.bias"), "gelu")
     return (u @ w(_PROJ + "out_proj.weight").T + w(_PROJ + "out_proj.bias")).float()
+
+
+# ----------------------------------------------------------------------- test checkpoints (kimi_k3)
+
+# Test vision checkpoints: the "kimi_k3-vision" chat flavour (testmodel.CHATS) plus K2.5's framing tokens.
+TESTMODEL_VISION_TOKENS = (IMAGE_TOKEN, BEGIN_TOKEN, CONTENT_TOKEN,
+                           END_TOKEN, KIND_TOKEN, K3_PLACEHOLDER,
+                           "<|kimi_k25_video_placeholder|>")  # fmt: skip
+
+
+def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
+    """A tiny multimodal (Kimi_K25ForConditionalGeneration) config around testmodel_config's text model:
+    a 2-layer vision tower of width 32 (2 heads of 16) over 14-pixel patches with an 8 x 8 learned
+    position table (resampled up and down), 2 x 2 merging. `tokens`: TESTMODEL_VISION_TOKENS -> ids."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return {
+        "architectures": ["Kimi_K25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "kimi_k25_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 4,
+            "merge_kernel_size": [2, 2], "hidden_act": "gelu_pytorch_tanh",
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+        },
+        "projection_hidden_size": 32,
+        "projection_layer_norm_eps": 1e-5,
+        "image_token_id": tokens[IMAGE_TOKEN],
+        "video_token_id": tokens["<|kimi_k25_video_placeholder|>"],
+        "vision_start_token_id": tokens[BEGIN_TOKEN],
+        "vision_end_token_id": tokens[END_TOKEN],
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
+        "max_position_embeddings": text["max_position_embeddings"],  # also at the top, where testmodel reads it
+    }  # fmt: skip
+
+
+# Kimi_K25ImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): at most 64
+# patches before padding and 16 a side.
+TESTMODEL_PROCESSOR = {"image_processor_type": "Kimi_K25ImageProcessor", "size": {"max_height": 16, "max_width": 16},
+                       "max_patches": 64, "patch_size": 14, "merge_size": 2, "resample": 3,
+                       "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # fmt: skip

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import minimax_m3_vision, moe
+from ignition.models import minimax_m3_vision, moe, vision_hooks
 from ignition.models.common import optional_inputs, rotate_half
 from ignition.models.heads import step_outputs
 
@@ -614,22 +614,4 @@ TESTMODEL_PROCESSOR = {"image_processor_type": "MiniMaxM3VLImageProcessor",
 # ------------------------------------------------------------------------- vision hooks (ignition.export)
 
 
-def vision_program(config: MiniMaxM3Config) -> torch.nn.Module:
-    assert config.vision is not None
-    return minimax_m3_vision.VisionProgram(config.vision)
-
-
-def vision_examples(config: MiniMaxM3Config) -> tuple[Tensor, Tensor]:
-    assert config.vision is not None
-    return minimax_m3_vision.example_inputs(config.vision)
-
-
-def reference_features(config: MiniMaxM3Config, hf_weights: dict[str, Tensor], pixels: Tensor,
-                       positions: Tensor) -> Tensor:  # fmt: skip
-    assert config.vision is not None
-    return minimax_m3_vision.reference_features(config.vision, hf_weights, pixels, positions)
-
-
-def vision_profile(config: MiniMaxM3Config, processor: dict[str, Any], max_model_len: int, token_id=None):
-    assert config.vision is not None
-    return minimax_m3_vision.profile(config.vision, processor, max_model_len, token_id or (lambda text: None))
+vision_program, vision_examples, reference_features, vision_profile = vision_hooks.of(minimax_m3_vision)

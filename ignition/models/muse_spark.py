@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import moe, muse_spark_vision
+from ignition.models import moe, muse_spark_vision, vision_hooks
 from ignition.models.common import DecoderProgram, rope, rotate_half
 from ignition.models.heads import step_outputs
 
@@ -618,22 +618,4 @@ TESTMODEL_PROCESSOR = {"image_processor_type": "MuseGlimmerImageProcessor", "pat
 # ------------------------------------------------------------------------- vision hooks (ignition.export)
 
 
-def vision_program(config: MuseSparkConfig) -> torch.nn.Module:
-    assert config.vision is not None
-    return muse_spark_vision.VisionProgram(config.vision)
-
-
-def vision_examples(config: MuseSparkConfig) -> tuple[Tensor, Tensor]:
-    assert config.vision is not None
-    return muse_spark_vision.example_inputs(config.vision)
-
-
-def reference_features(config: MuseSparkConfig, hf_weights: dict[str, Tensor], pixels: Tensor,
-                       positions: Tensor) -> Tensor:  # fmt: skip
-    assert config.vision is not None
-    return muse_spark_vision.reference_features(config.vision, hf_weights, pixels, positions)
-
-
-def vision_profile(config: MuseSparkConfig, processor: dict[str, Any], max_model_len: int, token_id=None):
-    assert config.vision is not None
-    return muse_spark_vision.profile(config.vision, processor, max_model_len, token_id or (lambda text: None))
+vision_program, vision_examples, reference_features, vision_profile = vision_hooks.of(muse_spark_vision)
