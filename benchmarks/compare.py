@@ -67,13 +67,29 @@ def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path, se
     """serve_bench's scenarios against `helios serve core`; `settings`: extra [server] lines."""
     port = free_port()
     config = workdir / "helios-bench.toml"
-    config.write_text("[server]\nmax_concurrency = 64\nqueue_size = 512\nkv_pages = 8192\nprefill_chunk_size = 512\n"
-                      + settings)
+    config.write_text(
+        "[server]\nmax_concurrency = 64\nqueue_size = 512\nkv_pages = 8192\nprefill_chunk_size = 512\n" + settings
+    )
     # A fresh host prefix store: a store left by an earlier run would make the cold prompts warm.
     store = tempfile.mkdtemp(prefix="helios-bench-prefix-", dir=workdir)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), FLARE_PREFIX_CACHE_DIR=store)
-    process = subprocess.Popen([sys.executable, "-m", "helios", "serve", str(core), "--port", str(port), "--config",
-                                str(config), "--log-level", "warning"], env=env, cwd=ROOT)  # fmt: skip
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "helios",
+            "serve",
+            str(core),
+            "--port",
+            str(port),
+            "--config",
+            str(config),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        cwd=ROOT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process)
@@ -83,11 +99,29 @@ def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path, se
         shutil.rmtree(store, ignore_errors=True)
 
 
-def _llama(binary: Path, gguf: Path, threads: int, parallel: int, context: int,
-           extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:  # fmt: skip
+def _llama(
+    binary: Path, gguf: Path, threads: int, parallel: int, context: int, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
-               str(threads), "--parallel", str(parallel), "-c", str(parallel * context), "--no-webui", *extra]  # fmt: skip
+    command = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "--parallel",
+        str(parallel),
+        "-c",
+        str(parallel * context),
+        "--no-webui",
+        *extra,
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
@@ -125,14 +159,26 @@ def table(results: dict) -> str:
     helios, f32, q4 = results.get("helios", {}), results.get("llama_f32", {}), results.get("llama_q4_1", {})
     h16, b16 = results.get("helios_bf16", {}), results.get("llama_bf16", {})
     listed = helios or h16  # which scenarios ran
-    rows = [("scenario", "helios fp32", "llama F32", "ratio", "helios bf16", "llama BF16", "ratio", "llama Q4_1",
-             "fp32/Q4_1")]  # fmt: skip
+    rows = [
+        (
+            "scenario",
+            "helios fp32",
+            "llama F32",
+            "ratio",
+            "helios bf16",
+            "llama BF16",
+            "ratio",
+            "llama Q4_1",
+            "fp32/Q4_1",
+        )
+    ]
 
     def add(name: str, get) -> None:
         h, f, q = get(helios), get(f32), get(q4) if q4 else None
         hb, lb = (get(h16), get(b16)) if h16 and b16 else (None, None)
-        rows.append((name, f"{h}", f"{f}", ratio(h, f), f"{hb}", f"{lb}", ratio(hb, lb), f"{q}",
-                     ratio(h, q) if q else "n/a"))  # fmt: skip
+        rows.append(
+            (name, f"{h}", f"{f}", ratio(h, f), f"{hb}", f"{lb}", ratio(hb, lb), f"{q}", ratio(h, q) if q else "n/a")
+        )
 
     if "single" in listed:
         add("single stream tok/s", lambda r: r.get("single", {}).get("output_tok_s"))
@@ -159,9 +205,13 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, label in (("helios", "helios (fp32 core)"), ("llama_f32", "llama-server F32"),
-                        ("helios_bf16", "helios (bf16 core)"), ("llama_bf16", "llama-server BF16"),
-                        ("llama_q4_1", "llama-server Q4_1")):  # fmt: skip
+    for name, label in (
+        ("helios", "helios (fp32 core)"),
+        ("llama_f32", "llama-server F32"),
+        ("helios_bf16", "helios (bf16 core)"),
+        ("llama_bf16", "llama-server BF16"),
+        ("llama_q4_1", "llama-server Q4_1"),
+    ):
         sweep = results.get(name, {}).get("sweep")
         if not sweep:
             continue
@@ -169,7 +219,9 @@ def plot(results: dict, path: Path) -> None:
         throughput.plot(levels, [sweep[str(c)]["output_tok_s"] for c in levels], marker="o", label=label)
         ttft.plot(levels, [sweep[str(c)]["ttft_p50_ms"] for c in levels], marker="o", label=label)
     throughput.set(xlabel="concurrent streams", ylabel="output tokens/s", xscale="log", title="Throughput")
-    ttft.set(xlabel="concurrent streams", ylabel="TTFT p50 (ms)", xscale="log", yscale="log", title="Time to first token")
+    ttft.set(
+        xlabel="concurrent streams", ylabel="TTFT p50 (ms)", xscale="log", yscale="log", title="Time to first token"
+    )
     for axis in (throughput, ttft):
         axis.grid(True, alpha=0.3)
         axis.legend()
@@ -185,8 +237,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--skip-q4", action="store_true", help="skip llama-server on the Q4_1 GGUF")
     parser.add_argument("--skip-f32", action="store_true", help="skip the float32 pair (helios --core, llama F32)")
-    parser.add_argument("--bf16-core", type=Path, default=ROOT / "cores" / "smollm2-bf16",
-                        help="a bfloat16 core of the same weights (skipped when absent), against a BF16 GGUF")  # fmt: skip
+    parser.add_argument(
+        "--bf16-core",
+        type=Path,
+        default=ROOT / "cores" / "smollm2-bf16",
+        help="a bfloat16 core of the same weights (skipped when absent), against a BF16 GGUF",
+    )
     args = parser.parse_args()
     scenarios = ["single", "sweep", "prefix", "prefill"] if args.scenario == "all" else args.scenario.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -198,8 +254,15 @@ def main() -> None:
     f32 = CACHE / "SmolLM2-135M-Instruct.F32.gguf"
     if not f32.is_file():
         write_f32_gguf(q4, f32)
-    results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
-                           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}  # fmt: skip
+    results = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "threads": args.threads,
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+    }
+
     def save() -> None:  # after every server: a later failure keeps what was measured
         (args.out / "compare.json").write_text(json.dumps(results, indent=2) + "\n")
 

@@ -44,8 +44,10 @@ def runner_check(core: Core, device: str) -> dict:
     weights = core.load_weights(device)
     page, pages = m.limits.page_tokens, 12
     generator = torch.Generator().manual_seed(0)
-    filled = [t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype)).to(device)
-              for t in allocate_kv(m.kv, pages + 1, page)]  # fmt: skip
+    filled = [
+        t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype)).to(device)
+        for t in allocate_kv(m.kv, pages + 1, page)
+    ]
     for t in filled:
         t[pages].zero_()
     tables, lens, tokens = [[0, 1, 2], [5], [7, 3]], [2 * page + 3, 4, page + 1], [11, 12, 13]
@@ -54,9 +56,15 @@ def runner_check(core: Core, device: str) -> dict:
         block[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
     positions = [n - 1 for n in lens]
     slots = [t[p // page] * page + p % page for t, p in zip(tables, positions)]
-    inputs = {"token_ids": torch.tensor(tokens), "positions": torch.tensor(positions), "slot_mapping": torch.tensor(slots),
-              "block_tables": block, "seq_lens": torch.tensor(lens, dtype=torch.int32),
-              "query_start_loc": torch.arange(4, dtype=torch.int32), "logits_indices": torch.arange(3)}  # fmt: skip
+    inputs = {
+        "token_ids": torch.tensor(tokens),
+        "positions": torch.tensor(positions),
+        "slot_mapping": torch.tensor(slots),
+        "block_tables": block,
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+        "query_start_loc": torch.arange(4, dtype=torch.int32),
+        "logits_indices": torch.arange(3),
+    }
     explicit = "logprob_token_ids" in program.input_names
     if explicit:
         inputs["logprob_token_ids"] = torch.tensor([[1, 2], [3, 4], [5, 6]])
@@ -68,8 +76,18 @@ def runner_check(core: Core, device: str) -> dict:
     expected = program(weights, eager_kv, **inputs)
     graph_kv = [t.clone() for t in filled]
     backend = CudaGraphBackend(device) if devices.is_cuda(device) else EagerBackend()
-    runner = GraphRunner(program, weights, graph_kv, m.decode_buckets, page, -(-m.limits.max_model_len // page),
-                         pages, device, backend, explicit_width=max(1, m.capabilities.max_top_logprobs) if explicit else 0)  # fmt: skip
+    runner = GraphRunner(
+        program,
+        weights,
+        graph_kv,
+        m.decode_buckets,
+        page,
+        -(-m.limits.max_model_len // page),
+        pages,
+        device,
+        backend,
+        explicit_width=max(1, m.capabilities.max_top_logprobs) if explicit else 0,
+    )
     failure = runner.capture_all()
     report["capture"] = failure or f"captured {len(runner.buckets)} buckets"
     if failure is not None:
@@ -78,8 +96,10 @@ def runner_check(core: Core, device: str) -> dict:
     report["max_abs_logits_diff"] = float((got["logits"] - expected["logits"]).abs().max())
     untouched = torch.ones(pages * page, dtype=torch.bool, device=device)
     untouched[torch.tensor(slots, device=device)] = False
-    clean = all(torch.equal(g[:pages].flatten(0, 1)[untouched], f[:pages].flatten(0, 1)[untouched])
-                for g, f in zip(graph_kv, filled))  # fmt: skip
+    clean = all(
+        torch.equal(g[:pages].flatten(0, 1)[untouched], f[:pages].flatten(0, 1)[untouched])
+        for g, f in zip(graph_kv, filled)
+    )
     report["real_pages_untouched_by_padding"] = clean
     report["ok"] = clean and report["max_abs_logits_diff"] < 1e-4
     return report
@@ -106,8 +126,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     core = Core.open(args.core, verify_checksums=False)
-    report: dict = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": args.device,
-                    "gpu": torch.cuda.get_device_name(torch.device(args.device)) if devices.is_cuda(args.device) else None}  # fmt: skip
+    report: dict = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name(torch.device(args.device)) if devices.is_cuda(args.device) else None,
+    }
     report["runner"] = runner_check(core, args.device)
     tokenizer = core.tokenizer()
     prompts = [tuple(tokenizer.encode(p).ids) for p in PROMPTS]
@@ -116,10 +140,14 @@ def main() -> int:
     engine = LLMEngine(core, EngineConfig(num_pages=1024, max_concurrency=16, device=args.device, cuda_graphs=True))
     report["cuda_graphs"] = engine.executor.graphs is not None
     on_device = generate(engine, prompts, args.tokens, "dev")
-    diffs = [max((abs(a - b) for a, b in zip(ref[1], dev[1]) if a is not None and b is not None), default=0.0)
-             for ref, dev in zip(reference, on_device)]  # fmt: skip
-    report["logprobs"] = {"same_tokens": [ref[0] == dev[0] for ref, dev in zip(reference, on_device)],
-                          "max_abs_logprob_diff": diffs}  # fmt: skip
+    diffs = [
+        max((abs(a - b) for a, b in zip(ref[1], dev[1]) if a is not None and b is not None), default=0.0)
+        for ref, dev in zip(reference, on_device)
+    ]
+    report["logprobs"] = {
+        "same_tokens": [ref[0] == dev[0] for ref, dev in zip(reference, on_device)],
+        "max_abs_logprob_diff": diffs,
+    }
     report["logprobs"]["ok"] = all(report["logprobs"]["same_tokens"]) and max(diffs) < 1e-3
     alone = [generate(engine, [p], args.tokens, f"alone{i}")[0][0] for i, p in enumerate(prompts)]
     batch = prompts + [tuple(tokenizer.encode(f"Filler request {i}: tell me about rivers.").ids) for i in range(5)]

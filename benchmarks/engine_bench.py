@@ -57,12 +57,19 @@ def measure_flops(rows: int, size: int = 2048, repeats: int = 5) -> float:
     return 2 * rows * size * size * repeats / (time.perf_counter() - start)
 
 
-def decode_throughput(engine: LLMEngine, tokenizer, batch: int, tokens: int,
-                      constraint: GrammarConstraint | None = None, tag: str = "") -> float:  # fmt: skip
+def decode_throughput(
+    engine: LLMEngine, tokenizer, batch: int, tokens: int, constraint: GrammarConstraint | None = None, tag: str = ""
+) -> float:
     """Aggregate generated tokens/s of `batch` sequences, counting decode steps only."""
     requests = [
-        EngineRequest(f"b{batch}{tag}-{i}", tuple(tokenizer.encode(f"Request {i}: write about the sea.").ids),
-                      (GREEDY,), tokens + 1, ignore_eos=constraint is None, constraint=constraint)  # fmt: skip
+        EngineRequest(
+            f"b{batch}{tag}-{i}",
+            tuple(tokenizer.encode(f"Request {i}: write about the sea.").ids),
+            (GREEDY,),
+            tokens + 1,
+            ignore_eos=constraint is None,
+            constraint=constraint,
+        )
         for i in range(batch)
     ]
     for request in requests:
@@ -77,33 +84,45 @@ def decode_throughput(engine: LLMEngine, tokenizer, batch: int, tokens: int,
 
 
 # Never complete within the measured tokens: at least 1000 short strings.
-LONG_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "minItems": 1000,
-                                                          "items": {"type": "string", "maxLength": 12}}},
-               "required": ["notes"], "additionalProperties": False}  # fmt: skip
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "minItems": 1000, "items": {"type": "string", "maxLength": 12}}},
+    "required": ["notes"],
+    "additionalProperties": False,
+}
 
 
 def grammar_overhead(core: Core, tokens: int, threads: int, batch: int = 16, rounds: int = 2) -> dict:
     """Best-of-rounds decode tokens/s of `batch` constrained vs unconstrained requests."""
     m = core.manifest
-    engine = LLMEngine(core, EngineConfig(num_pages=4096, max_concurrency=256),
-                       mask_hook=GrammarMasks(m.tokenizer.vocab_size, threads))  # fmt: skip
+    engine = LLMEngine(
+        core, EngineConfig(num_pages=4096, max_concurrency=256), mask_hook=GrammarMasks(m.tokenizer.vocab_size, threads)
+    )
     tokenizer = core.tokenizer()
     service = GrammarService(tokenizer, m.tokenizer.vocab_size, tuple(m.tokenizer.eos_token_ids))
-    constraint = GrammarConstraint(service.compile("json_schema", json.dumps(LONG_SCHEMA), "bench"),
-                                   ConstraintPlan(None, None, frozenset(), False))  # fmt: skip
+    constraint = GrammarConstraint(
+        service.compile("json_schema", json.dumps(LONG_SCHEMA), "bench"), ConstraintPlan(None, None, frozenset(), False)
+    )
     free, masked = 0.0, 0.0
     for index in range(rounds):  # alternate, so drift on a shared machine hits both
         free = max(free, decode_throughput(engine, tokenizer, batch, tokens, tag=f"u{index}"))
         masked = max(masked, decode_throughput(engine, tokenizer, batch, tokens, constraint, tag=f"c{index}"))
-    return {"core": str(core.root), "batch": batch, "tokens": tokens, "grammar_threads": threads,
-            "unconstrained_tokens_per_s": round(free, 1), "constrained_tokens_per_s": round(masked, 1),
-            "slowdown": round(1 - masked / free, 3)}  # fmt: skip
+    return {
+        "core": str(core.root),
+        "batch": batch,
+        "tokens": tokens,
+        "grammar_threads": threads,
+        "unconstrained_tokens_per_s": round(free, 1),
+        "constrained_tokens_per_s": round(masked, 1),
+        "slowdown": round(1 - masked / free, 3),
+    }
 
 
 def device_throughput(core: Core, args: argparse.Namespace) -> dict:
     """Decode tokens/s on a GPU per batch, with the step launches by kind (graph replays, eager)."""
-    engine = LLMEngine(core, EngineConfig(num_pages=4096, max_concurrency=256, device=args.device,
-                                          cuda_graphs=not args.no_graphs))  # fmt: skip
+    engine = LLMEngine(
+        core, EngineConfig(num_pages=4096, max_concurrency=256, device=args.device, cuda_graphs=not args.no_graphs)
+    )
     tokenizer = core.tokenizer()
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -111,8 +130,13 @@ def device_throughput(core: Core, args: argparse.Namespace) -> dict:
         measured = decode_throughput(engine, tokenizer, batch, args.tokens)
         launches = {kind: count - before[kind] for kind, count in engine.executor.launches.items()}
         rows.append({"batch": batch, "tokens_per_s": round(measured, 1), "launches": launches})
-    return {"core": str(args.core), "device": args.device, "cuda_graphs": engine.executor.graphs is not None,
-            "gpu": torch.cuda.get_device_name(torch.device(args.device)), "rows": rows}  # fmt: skip
+    return {
+        "core": str(args.core),
+        "device": args.device,
+        "cuda_graphs": engine.executor.graphs is not None,
+        "gpu": torch.cuda.get_device_name(torch.device(args.device)),
+        "rows": rows,
+    }
 
 
 def main() -> None:
@@ -129,10 +153,14 @@ def main() -> None:
     core = Core.open(args.core, verify_checksums=False)
     if args.grammar:
         report = grammar_overhead(core, args.tokens, args.grammar_threads)
-        print(f"core {args.core}: {report['batch']} concurrent requests, {report['tokens']} tokens each, "
-              f"{report['grammar_threads']} grammar thread(s)")  # fmt: skip
-        print(f"unconstrained {report['unconstrained_tokens_per_s']} tok/s, json_schema-constrained "
-              f"{report['constrained_tokens_per_s']} tok/s: {100 * report['slowdown']:.1f}% slower (target <= 15%)")
+        print(
+            f"core {args.core}: {report['batch']} concurrent requests, {report['tokens']} tokens each, "
+            f"{report['grammar_threads']} grammar thread(s)"
+        )
+        print(
+            f"unconstrained {report['unconstrained_tokens_per_s']} tok/s, json_schema-constrained "
+            f"{report['constrained_tokens_per_s']} tok/s: {100 * report['slowdown']:.1f}% slower (target <= 15%)"
+        )
         if args.json:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
         return
@@ -151,17 +179,32 @@ def main() -> None:
         measured = decode_throughput(engine, tokenizer, batch, args.tokens)
         flops = measure_flops(batch)
         step = max(m.decode_weight_bytes / bandwidth, 2 * m.weights.num_parameters * batch / flops)
-        rows.append({"batch": batch, "tokens_per_s": round(measured, 1), "ceiling_tokens_per_s": round(batch / step, 1),
-                     "fraction_of_ceiling": round(measured * step / batch, 3),
-                     "matmul_gflops": round(flops / 1e9, 1)})  # fmt: skip
-    report = {"core": str(args.core), "threads": torch.get_num_threads(), "bandwidth_gb_s": round(bandwidth / 1e9, 1),
-              "decode_weight_mb": round(m.decode_weight_bytes / 1e6, 1), "rows": rows}  # fmt: skip
-    print(f"core {args.core}: {report['decode_weight_mb']} MB weights/token, bandwidth {report['bandwidth_gb_s']} GB/s, "
-          f"{report['threads']} threads")  # fmt: skip
+        rows.append(
+            {
+                "batch": batch,
+                "tokens_per_s": round(measured, 1),
+                "ceiling_tokens_per_s": round(batch / step, 1),
+                "fraction_of_ceiling": round(measured * step / batch, 3),
+                "matmul_gflops": round(flops / 1e9, 1),
+            }
+        )
+    report = {
+        "core": str(args.core),
+        "threads": torch.get_num_threads(),
+        "bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "decode_weight_mb": round(m.decode_weight_bytes / 1e6, 1),
+        "rows": rows,
+    }
+    print(
+        f"core {args.core}: {report['decode_weight_mb']} MB weights/token, bandwidth {report['bandwidth_gb_s']} GB/s, "
+        f"{report['threads']} threads"
+    )
     print(f"{'batch':>5}  {'tok/s':>8}  {'ceiling':>8}  {'fraction':>8}  {'GFLOP/s':>8}")
     for row in rows:
-        print(f"{row['batch']:>5}  {row['tokens_per_s']:>8}  {row['ceiling_tokens_per_s']:>8}  "
-              f"{row['fraction_of_ceiling']:>8}  {row['matmul_gflops']:>8}")  # fmt: skip
+        print(
+            f"{row['batch']:>5}  {row['tokens_per_s']:>8}  {row['ceiling_tokens_per_s']:>8}  "
+            f"{row['fraction_of_ceiling']:>8}  {row['matmul_gflops']:>8}"
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -23,8 +23,9 @@ ORDINARY = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], 
 
 
 def adversarial_body(messages: int) -> bytes:
-    return json.dumps({"model": "m", "max_tokens": 8,
-                       "messages": [{"role": "user", "content": f"m{i}"} for i in range(messages)]}).encode()  # fmt: skip
+    return json.dumps(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": f"m{i}"} for i in range(messages)]}
+    ).encode()
 
 
 async def ordinary_latencies(client: httpx.AsyncClient, url: str, count: int) -> list[float]:
@@ -46,8 +47,9 @@ async def run(url: str, bodies: int, messages: int, key: str | None) -> dict:
 
         async def hostile() -> tuple[int, float]:
             start = time.perf_counter()
-            response = await client.post(url + "/v1/chat/completions", content=body,
-                                         headers={"content-type": "application/json"})  # fmt: skip
+            response = await client.post(
+                url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
             return response.status_code, time.perf_counter() - start
 
         attacks = [asyncio.create_task(hostile()) for _ in range(bodies)]

@@ -45,8 +45,21 @@ def ensure_llama_server(jobs: int = 2) -> Path:
         # Only the sdist itself, with no isolated build environment: ":all:" would also build every
         # build dependency (cmake, ninja) from source just to read the package's metadata.
         _run([sys.executable, "-m", "pip", "install", "--quiet", "scikit-build-core"])
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-              "--no-build-isolation", SDIST, "-d", str(CACHE)])  # fmt: skip
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-python",
+                "--no-build-isolation",
+                SDIST,
+                "-d",
+                str(CACHE),
+            ]
+        )
         archives = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))
     source = CACHE / "src"
     if not source.is_dir():
@@ -55,8 +68,21 @@ def ensure_llama_server(jobs: int = 2) -> Path:
             archive.extractall(CACHE / "extract", members=members, filter="data")
         (CACHE / "extract").joinpath(archives[-1].name[: -len(".tar.gz")], "vendor", "llama.cpp").rename(source)
     build = _build_dir()
-    _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])  # fmt: skip
+    _run(
+        [
+            "cmake",
+            "-S",
+            str(source),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",
+        ]
+    )
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)])
     return binary
 
@@ -93,7 +119,9 @@ def write_gguf(source: Path, out: Path, precision: str) -> Path:
         data = data.reshape(shape)
         if precision == "bf16" and len(shape) == 2:
             # quantize() returns the raw bytes; the writer derives the element shape from them
-            writer.add_tensor(tensor.name, quantize(data, GGMLQuantizationType.BF16), raw_dtype=GGMLQuantizationType.BF16)
+            writer.add_tensor(
+                tensor.name, quantize(data, GGMLQuantizationType.BF16), raw_dtype=GGMLQuantizationType.BF16
+            )
         else:
             writer.add_tensor(tensor.name, data, raw_dtype=GGMLQuantizationType.F32)
     writer.write_header_to_file()

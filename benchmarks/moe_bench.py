@@ -41,14 +41,24 @@ def write_checkpoint(out: Path, experts: int, top_k: int, hidden: int, moe_width
     """ignition's tiny Qwen3-MoE test checkpoint, resized: its tokenizer and template, new weights."""
     write_testmodel("qwen3_moe", out, seed=0)
     config = json.loads((out / "config.json").read_text())
-    config |= {"num_experts": experts, "num_experts_per_tok": top_k, "hidden_size": hidden,
-               "moe_intermediate_size": moe_width, "num_attention_heads": 8, "num_key_value_heads": 4,
-               "head_dim": hidden // 8}  # fmt: skip
+    config |= {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "hidden_size": hidden,
+        "moe_intermediate_size": moe_width,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": hidden // 8,
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generator = torch.Generator().manual_seed(0)
     shapes = qwen3_moe.hf_shapes(qwen3_moe.config_from_hf(config))
-    tensors = {name: (1.0 + 0.1 * torch.randn(shape, generator=generator)) if len(shape) == 1
-               else torch.randn(shape, generator=generator) / shape[1] ** 0.5 for name, shape in shapes.items()}  # fmt: skip
+    tensors = {
+        name: (1.0 + 0.1 * torch.randn(shape, generator=generator))
+        if len(shape) == 1
+        else torch.randn(shape, generator=generator) / shape[1] ** 0.5
+        for name, shape in shapes.items()
+    }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -119,12 +129,19 @@ def main() -> None:
             core, program, weights = load(core_dir, args.reference_op)
             for rows in (1, 16):
                 ms = step_ms(core, program, weights, rows, args.steps)
-                results.append({"top_k": top_k, "rows": rows, "step_ms": round(ms, 2), "ms_per_token": round(ms / rows, 3)})
-                print(f"top-{top_k:<3} of {args.experts} experts, {rows:>2} rows: step {ms:8.2f} ms, "
-                      f"{ms / rows:7.3f} ms/token", flush=True)  # fmt: skip
+                results.append(
+                    {"top_k": top_k, "rows": rows, "step_ms": round(ms, 2), "ms_per_token": round(ms / rows, 3)}
+                )
+                print(
+                    f"top-{top_k:<3} of {args.experts} experts, {rows:>2} rows: step {ms:8.2f} ms, "
+                    f"{ms / rows:7.3f} ms/token",
+                    flush=True,
+                )
     by = {(r["top_k"], r["rows"]): r["ms_per_token"] for r in results}
     for rows in (1, 16):
-        print(f"{rows:>2} rows: top-2 costs {by[(2, rows)] / by[(args.experts, rows)]:.1%} of top-{args.experts} per token")
+        print(
+            f"{rows:>2} rows: top-2 costs {by[(2, rows)] / by[(args.experts, rows)]:.1%} of top-{args.experts} per token"
+        )
     if args.json:
         args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2) + "\n")
 

@@ -69,7 +69,9 @@ def main() -> None:
             parameter.copy_(parameter.to(dtype).float())  # the core's rounded weights, computed in fp32
     engine = LLMEngine(core, EngineConfig(num_pages=256))
     tokenizer = core.tokenizer()
-    print(f"{args.core}: {core.manifest.weights.dtype} weights, {core.manifest.kv.dtype} KV cache, {args.tokens} tokens")
+    print(
+        f"{args.core}: {core.manifest.weights.dtype} weights, {core.manifest.kv.dtype} KV cache, {args.tokens} tokens"
+    )
     for index, text in enumerate(PROMPTS):
         prompt = tuple(tokenizer.encode(text).ids)
         request = EngineRequest("r", prompt, (GREEDY,), args.tokens, ignore_eos=True, num_top_logprobs=5)
@@ -85,8 +87,10 @@ def main() -> None:
                 delta = max(delta, abs(value - logprobs[position, alternative].item()))
         first = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), None)
         verdict = "identical" if first is None else f"differs from token {first}"
-        print(f"prompt {index + 1}: greedy {verdict}; max |delta logprob| (chosen + top-5) {delta:.4f}; "
-              f"closest top-2 gap on the reference's path {gap:.4f}")
+        print(
+            f"prompt {index + 1}: greedy {verdict}; max |delta logprob| (chosen + top-5) {delta:.4f}; "
+            f"closest top-2 gap on the reference's path {gap:.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -32,10 +32,25 @@ from serve_bench import filler  # noqa: E402
 def serve(core: Path, store: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     config = workdir / "prefix-bench.toml"
-    config.write_text(f'[server]\nkv_pages = 2048\nprefill_chunk_size = 512\nhost_cache_dir = "{store}"\n'
-                      'speculation = "off"\n')  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-m", "helios", "serve", str(core), "--port", str(port), "--config",
-                                str(config), "--log-level", "warning"], cwd=ROOT)  # fmt: skip
+    config.write_text(
+        f'[server]\nkv_pages = 2048\nprefill_chunk_size = 512\nhost_cache_dir = "{store}"\nspeculation = "off"\n'
+    )
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "helios",
+            "serve",
+            str(core),
+            "--port",
+            str(port),
+            "--config",
+            str(config),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
     return process, url
@@ -43,8 +58,15 @@ def serve(core: Path, store: Path, workdir: Path) -> tuple[subprocess.Popen, str
 
 def ttft(url: str, messages: list[dict], max_tokens: int = 1) -> tuple[float, dict, str]:
     """(seconds to the first streamed content, usage, answer text)."""
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first, usage, text = None, {}, []
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
@@ -68,8 +90,10 @@ def metrics(url: str) -> dict:
 
 def restart(core: Path, workdir: Path) -> dict:
     store = workdir / "store-restart"
-    messages = [{"role": "system", "content": "You are a careful assistant."},
-                {"role": "user", "content": filler(3970, seed=7) + "\nSummarise the above in one word."}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": filler(3970, seed=7) + "\nSummarise the above in one word."},
+    ]
     process, url = serve(core, store, workdir)
     try:
         cold, usage, _ = ttft(url, messages)
@@ -82,9 +106,15 @@ def restart(core: Path, workdir: Path) -> dict:
     finally:
         stop(process)
     cached = (warm_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"prompt_tokens": usage.get("prompt_tokens"), "cold_ttft_s": round(cold, 3), "warm_ttft_s": round(warm, 3),
-            "warm_over_cold": round(warm / cold, 3), "warm_cached_tokens": cached,
-            "host_disk_records": host.get("host_disk_records"), "host_bytes_in": host.get("host_bytes_in")}  # fmt: skip
+    return {
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cold_ttft_s": round(cold, 3),
+        "warm_ttft_s": round(warm, 3),
+        "warm_over_cold": round(warm / cold, 3),
+        "warm_cached_tokens": cached,
+        "host_disk_records": host.get("host_disk_records"),
+        "host_bytes_in": host.get("host_bytes_in"),
+    }
 
 
 def conversation(core: Path, workdir: Path, turns: int = 10) -> dict:
@@ -101,8 +131,12 @@ def conversation(core: Path, workdir: Path, turns: int = 10) -> dict:
         prefilled = metrics(url)["prefill_tokens"] - before
     finally:
         stop(process)
-    return {"turns": turns, "final_length": final, "prefilled_tokens": prefilled,
-            "prefill_over_final": round(prefilled / final, 3)}  # fmt: skip
+    return {
+        "turns": turns,
+        "final_length": final,
+        "prefilled_tokens": prefilled,
+        "prefill_over_final": round(prefilled / final, 3),
+    }
 
 
 def main() -> None:
@@ -111,8 +145,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="prefix-bench-") as tmp:
-        results = {"restart": restart(args.core.resolve(), Path(tmp)),
-                   "conversation": conversation(args.core.resolve(), Path(tmp)), "cpus": os.cpu_count()}  # fmt: skip
+        results = {
+            "restart": restart(args.core.resolve(), Path(tmp)),
+            "conversation": conversation(args.core.resolve(), Path(tmp)),
+            "cpus": os.cpu_count(),
+        }
     print(json.dumps(results, indent=2))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

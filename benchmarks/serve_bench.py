@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-WORDS = ("river stone light market engine garden winter signal harbor paper mountain silver window story "
-         "number forest candle bridge machine orange letter ocean thunder planet music shadow circle").split()  # fmt: skip
+WORDS = (
+    "river stone light market engine garden winter signal harbor paper mountain silver window story "
+    "number forest candle bridge machine orange letter ocean thunder planet music shadow circle"
+).split()
 OUTPUT_TOKENS = 128
 CONCURRENCY = (1, 4, 16, 32, 64)
 BUSY = 32  # the "busy" scenario: this many concurrent short chats (where speculation must not cost)
@@ -54,8 +56,16 @@ class Sample:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> Sample:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0.2,
-            "ignore_eos": True, "stream_options": {"include_usage": True}, "seed": 1}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0.2,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "seed": 1,
+    }
     start = time.perf_counter()
     sample = Sample(ok=False)
     last = None
@@ -102,15 +112,19 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     gaps = [g for s in ok for g in s.gaps]
     tokens = sum(s.tokens for s in ok)
     return {
-        "requests": len(samples), "errors": len(samples) - len(ok), "wall_s": round(wall, 3),
-        "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1) if wall else 0.0,
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens,
+        "output_tok_s": round(tokens / wall, 1) if wall else 0.0,
         "requests_s": round(len(ok) / wall, 2) if wall else 0.0,
         "ttft_p50_ms": round(_percentile([s.ttft for s in ok], 0.5) * 1000, 1),
         "ttft_p99_ms": round(_percentile([s.ttft for s in ok], 0.99) * 1000, 1),
-        "itl_p50_ms": round(_percentile(gaps, 0.5) * 1000, 2), "itl_p99_ms": round(_percentile(gaps, 0.99) * 1000, 2),
+        "itl_p50_ms": round(_percentile(gaps, 0.5) * 1000, 2),
+        "itl_p99_ms": round(_percentile(gaps, 0.99) * 1000, 2),
         "prompt_tokens": round(statistics.mean(s.prompt_tokens for s in ok)) if ok else 0,
         "first_error": next((s.error for s in samples if not s.ok), ""),
-    }  # fmt: skip
+    }
 
 
 async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2) -> dict:
@@ -142,28 +156,38 @@ async def prefix_reuse(url: str, model: str, turns: int = 4) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         samples = []
         for turn in range(turns + 1):
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}: {filler(8, turn)}?"}]
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Question {turn}: {filler(8, turn)}?"},
+            ]
             samples.append(await one_request(client, url, model, messages, 8))
     cold, warm = samples[0], samples[1:]
     warm_ttft = statistics.median(s.ttft for s in warm if s.ok) if any(s.ok for s in warm) else 0.0
-    return {"prompt_tokens": cold.prompt_tokens, "cold_ttft_ms": round(cold.ttft * 1000, 1),
-            "warm_ttft_ms": round(warm_ttft * 1000, 1),
-            "warm_over_cold": round(warm_ttft / cold.ttft, 3) if cold.ttft else None,
-            "errors": sum(not s.ok for s in samples)}  # fmt: skip
+    return {
+        "prompt_tokens": cold.prompt_tokens,
+        "cold_ttft_ms": round(cold.ttft * 1000, 1),
+        "warm_ttft_ms": round(warm_ttft * 1000, 1),
+        "warm_over_cold": round(warm_ttft / cold.ttft, 3) if cold.ttft else None,
+        "errors": sum(not s.ok for s in samples),
+    }
 
 
 async def prefill(url: str, model: str) -> dict:
     messages = [{"role": "user", "content": "Summarize: " + filler(1960, 11)}]  # ~2,000 tokens
     async with httpx.AsyncClient(timeout=600) as client:
         await one_request(client, url, model, [{"role": "user", "content": "hi"}], 1)
-        samples = [await one_request(client, url, model, [{"role": "user", "content": f"{i} " + messages[0]["content"]}], 1)
-                   for i in range(3)]  # fmt: skip
+        samples = [
+            await one_request(client, url, model, [{"role": "user", "content": f"{i} " + messages[0]["content"]}], 1)
+            for i in range(3)
+        ]
     ok = [s for s in samples if s.ok]
     best = min(ok, key=lambda s: s.latency) if ok else None
-    return {"prompt_tokens": best.prompt_tokens if best else 0,
-            "latency_ms": round(best.latency * 1000, 1) if best else None,
-            "prefill_tok_s": round(best.prompt_tokens / best.latency, 1) if best and best.latency else 0.0,
-            "errors": len(samples) - len(ok)}  # fmt: skip
+    return {
+        "prompt_tokens": best.prompt_tokens if best else 0,
+        "latency_ms": round(best.latency * 1000, 1) if best else None,
+        "prefill_tok_s": round(best.prompt_tokens / best.latency, 1) if best and best.latency else 0.0,
+        "errors": len(samples) - len(ok),
+    }
 
 
 EDIT_OUTPUT_TOKENS = 384
@@ -178,15 +202,30 @@ def source_file(lines: int = 300, seed: int = 5) -> str:
         noun, verb = rng.choice(WORDS), rng.choice(("load", "count", "merge", "score", "split", "price"))
         index += 1
         if index % 3 == 0:
-            out += ["", f"class {noun.title()}{index}:", f'    """A {noun} record."""', "",
-                    f"    def __init__(self, size: int, label: str) -> None:", "        self.size = size",
-                    "        self.label = label", "", f"    def {verb}(self, factor: float) -> float:",
-                    f"        return math.sqrt(self.size * factor) + {rng.randint(1, 99)}", ""]  # fmt: skip
+            out += [
+                "",
+                f"class {noun.title()}{index}:",
+                f'    """A {noun} record."""',
+                "",
+                "    def __init__(self, size: int, label: str) -> None:",
+                "        self.size = size",
+                "        self.label = label",
+                "",
+                f"    def {verb}(self, factor: float) -> float:",
+                f"        return math.sqrt(self.size * factor) + {rng.randint(1, 99)}",
+                "",
+            ]
         else:
-            out += ["", f"def {verb}_{noun}_{index}(items: list[int], limit: int = {rng.randint(2, 50)}) -> int:",
-                    f'    """{verb.title()} the {noun} items up to the limit."""', "    total = 0",
-                    "    for item in items[:limit]:", f"        total += item * {rng.randint(2, 9)}",
-                    "    return total", ""]  # fmt: skip
+            out += [
+                "",
+                f"def {verb}_{noun}_{index}(items: list[int], limit: int = {rng.randint(2, 50)}) -> int:",
+                f'    """{verb.title()} the {noun} items up to the limit."""',
+                "    total = 0",
+                "    for item in items[:limit]:",
+                f"        total += item * {rng.randint(2, 9)}",
+                "    return total",
+                "",
+            ]
     return "\n".join(out[:lines]) + "\n"
 
 
@@ -201,14 +240,18 @@ async def _speculation_counters(client: httpx.AsyncClient, url: str) -> dict | N
 
 async def edit(url: str, model: str, requests: int = 2) -> dict:
     code = source_file()
-    ask = ("Here is a Python file:\n\n```python\n" + code + "```\n\nReturn the whole file unchanged except that "
-           "the docstring on the first line says \"Inventory helpers for the warehouse.\" Reply with the file only.")
+    ask = (
+        "Here is a Python file:\n\n```python\n" + code + "```\n\nReturn the whole file unchanged except that "
+        'the docstring on the first line says "Inventory helpers for the warehouse." Reply with the file only.'
+    )
     async with httpx.AsyncClient(timeout=1200) as client:
         await one_request(client, url, model, [{"role": "user", "content": "hi"}], 4)  # warm-up
         before = await _speculation_counters(client, url)
         start = time.perf_counter()
-        samples = [await one_request(client, url, model, [{"role": "user", "content": ask}], EDIT_OUTPUT_TOKENS)
-                   for _ in range(requests)]  # fmt: skip
+        samples = [
+            await one_request(client, url, model, [{"role": "user", "content": ask}], EDIT_OUTPUT_TOKENS)
+            for _ in range(requests)
+        ]
         report = summarize(samples, time.perf_counter() - start)
         report.update(_speculation_delta(before, await _speculation_counters(client, url)))
     report["source_lines"] = code.count("\n")
@@ -221,8 +264,10 @@ def _speculation_delta(before: dict | None, after: dict | None) -> dict:
         return {}
     delta = {k: after[k] - before[k] for k in ("verification_rounds", "verification_drafts", "accepted_drafts")}
     rounds, drafts = delta["verification_rounds"], delta["verification_drafts"]
-    return {"depth": round(drafts / rounds, 2) if rounds else 0.0,
-            "acceptance": round(delta["accepted_drafts"] / drafts, 3) if drafts else 0.0}  # fmt: skip
+    return {
+        "depth": round(drafts / rounds, 2) if rounds else 0.0,
+        "acceptance": round(delta["accepted_drafts"] / drafts, 3) if drafts else 0.0,
+    }
 
 
 async def run(url: str, model: str, scenarios: list[str], levels: tuple[int, ...] = CONCURRENCY) -> dict:
@@ -246,7 +291,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("url")
     parser.add_argument("--model", default="default")
-    parser.add_argument("--scenario", default="all", help="single, sweep, prefix, prefill, edit, busy or all (comma-separated)")
+    parser.add_argument(
+        "--scenario", default="all", help="single, sweep, prefix, prefill, edit, busy or all (comma-separated)"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     scenarios = ["single", "sweep", "prefix", "prefill", "edit"] if args.scenario == "all" else args.scenario.split(",")

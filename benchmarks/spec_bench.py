@@ -79,12 +79,16 @@ def table(r: dict) -> str:
     def tok(name: str, scenario: str) -> float | None:
         return ((r.get(name) or {}).get(scenario) or {}).get("output_tok_s")
 
-    lines = ["| scenario | helios off | helios on | on/off | llama | on/llama | llama lookup | on/lookup |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| scenario | helios off | helios on | on/off | llama | on/llama | llama lookup | on/lookup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for scenario in ("edit", "single", "busy"):
         off, on, llama, look = (tok(n, scenario) for n in ("helios_off", "helios_on", "llama", "llama_lookup"))
-        lines.append(f"| {scenario} tok/s | {off} | {on} | {ratio(on, off)} | {llama} | {ratio(on, llama)} | {look} | "
-                     f"{ratio(on, look)} |")
+        lines.append(
+            f"| {scenario} tok/s | {off} | {on} | {ratio(on, off)} | {llama} | {ratio(on, llama)} | {look} | "
+            f"{ratio(on, look)} |"
+        )
     for name in ("helios_on",):
         for scenario in ("edit", "single"):
             data = (r.get(name) or {}).get(scenario) or {}

@@ -68,14 +68,45 @@ def main() -> None:
     times: dict[str, list[float]] = {"helios": [], "llama-server": []}
     for _ in range(args.launches):
         port = free_port()
-        times["helios"].append(first_answer([sys.executable, "-m", "helios", "serve", str(args.core), "--port",
-                                             str(port), "--log-level", "warning"], f"http://127.0.0.1:{port}", env))  # fmt: skip
+        times["helios"].append(
+            first_answer(
+                [
+                    sys.executable,
+                    "-m",
+                    "helios",
+                    "serve",
+                    str(args.core),
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                ],
+                f"http://127.0.0.1:{port}",
+                env,
+            )
+        )
         port = free_port()
-        times["llama-server"].append(first_answer([str(binary), "-m", str(args.gguf), "--host", "127.0.0.1", "--port",
-                                                   str(port), "-t", str(args.threads), "--no-webui"],
-                                                  f"http://127.0.0.1:{port}"))  # fmt: skip
-    report = {name: {"launches_s": [round(t, 2) for t in values], "median_s": round(statistics.median(values), 2)}
-              for name, values in times.items()}  # fmt: skip
+        times["llama-server"].append(
+            first_answer(
+                [
+                    str(binary),
+                    "-m",
+                    str(args.gguf),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "-t",
+                    str(args.threads),
+                    "--no-webui",
+                ],
+                f"http://127.0.0.1:{port}",
+            )
+        )
+    report = {
+        name: {"launches_s": [round(t, 2) for t in values], "median_s": round(statistics.median(values), 2)}
+        for name, values in times.items()
+    }
     report["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(json.dumps(report, indent=2))
     if args.json:

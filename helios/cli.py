@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.markup import escape  # help text is rich markup: "[server]" would vanish as a tag
@@ -36,12 +36,28 @@ def check(core: Annotated[Path, typer.Argument(help="Core directory.")]) -> None
 @app.command()
 def serve(
     core: Annotated[Path, typer.Argument(help="Core directory (from `ignition export`).")],
-    config: Annotated[Optional[Path], typer.Option("--config", help=escape("TOML file with a [server] table (see docs/serving.md)."))] = None,
-    api_key_file: Annotated[Optional[Path], typer.Option("--api-key-file", help="File holding the serving key (overrides [server] api_key).")] = None,
-    host: Annotated[Optional[str], typer.Option("--host", help="Address to bind (default 127.0.0.1).")] = None,
-    port: Annotated[Optional[int], typer.Option("--port", help="Port to bind (default 8000).")] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="critical, error, warning, info or debug (debug: where startup time goes).")] = "info",
-    draft_core: Annotated[Optional[Path], typer.Option("--draft-core", help=escape("A small core with the same tokenizer that proposes speculative drafts (overrides [server] draft_core)."))] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help=escape("TOML file with a [server] table (see docs/serving.md)."))
+    ] = None,
+    api_key_file: Annotated[
+        Path | None,
+        typer.Option("--api-key-file", help="File holding the serving key (overrides [server] api_key)."),
+    ] = None,
+    host: Annotated[str | None, typer.Option("--host", help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port to bind (default 8000).")] = None,
+    log_level: Annotated[
+        str,
+        typer.Option("--log-level", help="critical, error, warning, info or debug (debug: where startup time goes)."),
+    ] = "info",
+    draft_core: Annotated[
+        Path | None,
+        typer.Option(
+            "--draft-core",
+            help=escape(
+                "A small core with the same tokenizer that proposes speculative drafts (overrides [server] draft_core)."
+            ),
+        ),
+    ] = None,
 ) -> None:
     """Serve a core: OpenAI Chat/Completions/Responses, Anthropic Messages, Ollama discovery, scoring, health, metrics."""
     import os
@@ -79,7 +95,11 @@ def serve(
         raise typer.Exit(2) from None
     weights = state.core.manifest.weights.dtype
     if state.client.engine.upcast_from:
-        weights += " weights upcast to float32 at load: this CPU has no fast native " + state.client.engine.upcast_from + " matmul"
+        weights += (
+            " weights upcast to float32 at load: this CPU has no fast native "
+            + state.client.engine.upcast_from
+            + " matmul"
+        )
     else:
         weights += " weights"
     executor = state.client.engine.executor
@@ -93,10 +113,14 @@ def serve(
 def generate(
     core: Annotated[Path, typer.Argument(help="Core directory.")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Prompt text.")] = ...,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt as a user turn with the chat template.")] = False,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap the prompt as a user turn with the chat template.")
+    ] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 128,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature (clamped to the core's range).")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.")] = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="Sampling temperature (clamped to the core's range).")
+    ] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed.")] = None,
 ) -> None:
     """Generate from a core and stream the text to stdout (a smoke test, no server)."""
     from helios.cli_generate import run_generate
@@ -107,11 +131,21 @@ def generate(
 @app.command()
 def clients(
     client: Annotated[str, typer.Argument(help="codex, claude or opencode.")],
-    core: Annotated[Optional[Path], typer.Argument(help="Core directory helios serves.")] = None,
-    core_option: Annotated[Optional[Path], typer.Option("--core", help="Core directory (instead of the argument).")] = None,
-    url: Annotated[Optional[str], typer.Option("--url", help="helios' address (default: from --config, else http://127.0.0.1:8000).")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="The TOML file helios serves with (aliases, key, port, default_max_tokens).")] = None,
-    api_key_file: Annotated[Optional[Path], typer.Option("--api-key-file", help="The serving key file helios serves with.")] = None,
+    core: Annotated[Path | None, typer.Argument(help="Core directory helios serves.")] = None,
+    core_option: Annotated[
+        Path | None, typer.Option("--core", help="Core directory (instead of the argument).")
+    ] = None,
+    url: Annotated[
+        str | None,
+        typer.Option("--url", help="helios' address (default: from --config, else http://127.0.0.1:8000)."),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="The TOML file helios serves with (aliases, key, port, default_max_tokens)."),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option("--api-key-file", help="The serving key file helios serves with.")
+    ] = None,
 ) -> None:
     """Print a ready configuration of a coding client for a core: one shell block to paste."""
     from helios.clients import CLIENTS, target
@@ -135,9 +169,18 @@ def clients(
 
 @app.command()
 def top(
-    url: Annotated[str, typer.Argument(metavar="URL", help="The server's address: http://host:port, host:port or its /v1 base URL.")] = "http://127.0.0.1:8000",
+    url: Annotated[
+        str,
+        typer.Argument(metavar="URL", help="The server's address: http://host:port, host:port or its /v1 base URL."),
+    ] = "http://127.0.0.1:8000",
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between samples.")] = 1.0,
-    once: Annotated[bool, typer.Option("--once", help="Sample twice one interval apart, print one plain snapshot and exit (1 if the server cannot be reached).")] = False,
+    once: Annotated[
+        bool,
+        typer.Option(
+            "--once",
+            help="Sample twice one interval apart, print one plain snapshot and exit (1 if the server cannot be reached).",
+        ),
+    ] = False,
 ) -> None:
     """A live terminal dashboard of a running server: load, tokens/s, first-response time, KV pages, speculation.
 

@@ -17,8 +17,9 @@ from helios.frontend.output import ChoiceOutput
 from helios.frontend.request import Frontend
 
 
-def run_generate(core_dir: Path, prompt: str, *, chat: bool, max_tokens: int, temperature: float | None,
-                 seed: int | None) -> int:  # fmt: skip
+def run_generate(
+    core_dir: Path, prompt: str, *, chat: bool, max_tokens: int, temperature: float | None, seed: int | None
+) -> int:
     try:
         core = Core.open(core_dir)
     except CoreError as exc:
@@ -29,13 +30,16 @@ def run_generate(core_dir: Path, prompt: str, *, chat: bool, max_tokens: int, te
     request = InferenceRequest(input=source, sampling={"temperature": temperature, "seed": seed}, max_tokens=max_tokens)
     try:
         prepared = frontend.prompt(source)
-        engine_request = frontend.engine_request(request, "generate", prepared, frontend.max_tokens(request, len(prepared.token_ids)))
+        engine_request = frontend.engine_request(
+            request, "generate", prepared, frontend.max_tokens(request, len(prepared.token_ids))
+        )
     except RequestError as exc:
         typer.secho(f"error: {exc.message}", fg=typer.colors.RED, err=True)
         return 2
     engine = LLMEngine(core, EngineConfig(num_pages=frontend.max_model_len // core.manifest.limits.page_tokens + 2))
-    output = ChoiceOutput(TokenBytes(frontend.tokenizer), request.stop, request.logprobs,
-                          frozenset(core.manifest.tokenizer.eos_token_ids))  # fmt: skip
+    output = ChoiceOutput(
+        TokenBytes(frontend.tokenizer), request.stop, request.logprobs, frozenset(core.manifest.tokenizer.eos_token_ids)
+    )
     engine.add(engine_request)
     started = time.perf_counter()
     while engine.has_work:
@@ -45,5 +49,7 @@ def run_generate(core_dir: Path, prompt: str, *, chat: bool, max_tokens: int, te
             sys.stdout.flush()
     elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
-    typer.echo(f"[{output.num_generated} tokens in {elapsed:.2f}s, {output.num_generated / elapsed:.1f} tok/s]", err=True)
+    typer.echo(
+        f"[{output.num_generated} tokens in {elapsed:.2f}s, {output.num_generated / elapsed:.1f} tok/s]", err=True
+    )
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from helios.config import ServerConfig
 from helios.core.manifest import Manifest
@@ -55,14 +55,22 @@ def target(manifest: Manifest, config: ServerConfig, url: str | None = None) -> 
     recipe = manifest.recipe
     efforts = tuple(e for e in recipe.effort_levels if e in CODEX_EFFORTS) if recipe.reasoning_syntax else ()
     context = manifest.limits.max_model_len
-    return Target(origin, model, context, output_limit(context, config.default_max_tokens), config.api_key,
-                  manifest.capabilities.vision, efforts, recipe.default_effort if recipe.default_effort in efforts else None,
-                  recipe.tool_syntax is not None)  # fmt: skip
+    return Target(
+        origin,
+        model,
+        context,
+        output_limit(context, config.default_max_tokens),
+        config.api_key,
+        manifest.capabilities.vision,
+        efforts,
+        recipe.default_effort if recipe.default_effort in efforts else None,
+        recipe.tool_syntax is not None,
+    )
 
 
 def _file(path: str, text: str) -> str:
     """A shell command writing text verbatim (quoted here-document) to path (expanded)."""
-    return f'cat > "{path}" <<\'FLARE_EOF\'\n{text.rstrip()}\nFLARE_EOF'
+    return f"cat > \"{path}\" <<'FLARE_EOF'\n{text.rstrip()}\nFLARE_EOF"
 
 
 def _toml(value: str) -> str:
@@ -72,56 +80,66 @@ def _toml(value: str) -> str:
 def codex_catalog(t: Target) -> dict[str, object]:
     """Codex's model catalog (`model_catalog_json`): the core's context and capabilities, and
     the freeform apply_patch tool (a custom tool whose Lark grammar helios validates)."""
-    return {"models": [{
-        "slug": t.model,
-        "display_name": t.model,
-        "description": f"Served by Flare helios ({t.context}-token context)",
-        "default_reasoning_level": t.default_effort,
-        "supported_reasoning_levels": [{"effort": e, "description": f"{e} reasoning effort"} for e in t.efforts],
-        "shell_type": "shell_command",
-        "visibility": "list",
-        "supported_in_api": True,
-        "priority": 0,
-        "availability_nux": None,
-        "upgrade": None,
-        "base_instructions": CODEX_INSTRUCTIONS,
-        "supports_reasoning_summaries": False,
-        "support_verbosity": False,
-        "default_verbosity": None,
-        "apply_patch_tool_type": "freeform",
-        "truncation_policy": {"mode": "tokens", "limit": max(256, min(10000, t.context // 8))},
-        "supports_parallel_tool_calls": t.tools,
-        "context_window": t.context,
-        "experimental_supported_tools": [],
-        "input_modalities": ["text", "image"] if t.vision else ["text"],
-    }]}  # fmt: skip
+    return {
+        "models": [
+            {
+                "slug": t.model,
+                "display_name": t.model,
+                "description": f"Served by Flare helios ({t.context}-token context)",
+                "default_reasoning_level": t.default_effort,
+                "supported_reasoning_levels": [
+                    {"effort": e, "description": f"{e} reasoning effort"} for e in t.efforts
+                ],
+                "shell_type": "shell_command",
+                "visibility": "list",
+                "supported_in_api": True,
+                "priority": 0,
+                "availability_nux": None,
+                "upgrade": None,
+                "base_instructions": CODEX_INSTRUCTIONS,
+                "supports_reasoning_summaries": False,
+                "support_verbosity": False,
+                "default_verbosity": None,
+                "apply_patch_tool_type": "freeform",
+                "truncation_policy": {"mode": "tokens", "limit": max(256, min(10000, t.context // 8))},
+                "supports_parallel_tool_calls": t.tools,
+                "context_window": t.context,
+                "experimental_supported_tools": [],
+                "input_modalities": ["text", "image"] if t.vision else ["text"],
+            }
+        ]
+    }
 
 
 def codex(t: Target) -> str:
-    profile = "\n".join([
-        f"# Flare helios serving {t.model}. Start Codex with: codex --profile flare",
-        'model_provider = "flare"',
-        f"model = {_toml(t.model)}",
-        'model_catalog_json = "flare-models.json"  # beside this file, in CODEX_HOME',
-        'web_search = "disabled"  # helios has no hosted tools',
-        "check_for_update_on_startup = false",
-        "",
-        "[analytics]",
-        "enabled = false",
-        "",
-        "[model_providers.flare]",
-        'name = "Flare"',
-        f"base_url = {_toml(t.url + '/v1')}",
-        'wire_api = "responses"',
-        *([f"experimental_bearer_token = {_toml(t.api_key)}"] if t.api_key else []),
-    ])  # fmt: skip
-    return "\n".join([
-        "# Codex 0.162.1: a `flare` profile and its model catalog in CODEX_HOME (default ~/.codex).",
-        'dir="${CODEX_HOME:-$HOME/.codex}" && mkdir -p "$dir"',
-        _file("$dir/flare.config.toml", profile),
-        _file("$dir/flare-models.json", json.dumps(codex_catalog(t), indent=2)),
-        "echo 'Codex: codex --profile flare'",
-    ])  # fmt: skip
+    profile = "\n".join(
+        [
+            f"# Flare helios serving {t.model}. Start Codex with: codex --profile flare",
+            'model_provider = "flare"',
+            f"model = {_toml(t.model)}",
+            'model_catalog_json = "flare-models.json"  # beside this file, in CODEX_HOME',
+            'web_search = "disabled"  # helios has no hosted tools',
+            "check_for_update_on_startup = false",
+            "",
+            "[analytics]",
+            "enabled = false",
+            "",
+            "[model_providers.flare]",
+            'name = "Flare"',
+            f"base_url = {_toml(t.url + '/v1')}",
+            'wire_api = "responses"',
+            *([f"experimental_bearer_token = {_toml(t.api_key)}"] if t.api_key else []),
+        ]
+    )
+    return "\n".join(
+        [
+            "# Codex 0.162.1: a `flare` profile and its model catalog in CODEX_HOME (default ~/.codex).",
+            'dir="${CODEX_HOME:-$HOME/.codex}" && mkdir -p "$dir"',
+            _file("$dir/flare.config.toml", profile),
+            _file("$dir/flare-models.json", json.dumps(codex_catalog(t), indent=2)),
+            "echo 'Codex: codex --profile flare'",
+        ]
+    )
 
 
 def claude_settings(t: Target) -> dict[str, object]:
@@ -146,14 +164,16 @@ def claude_settings(t: Target) -> dict[str, object]:
 
 
 def claude(t: Target) -> str:
-    return "\n".join([
-        "# Claude Code 2.1.296: settings in CLAUDE_CONFIG_DIR (default ~/.claude), used with --settings.",
-        "# --bare (minimal mode: 3 tools, a short system prompt) leaves a small context room to work;",
-        "# the normal mode's prompt alone is about 4k tokens before its tool definitions.",
-        'dir="${CLAUDE_CONFIG_DIR:-$HOME/.claude}" && mkdir -p "$dir"',
-        _file("$dir/flare.json", json.dumps(claude_settings(t), indent=2)),
-        "echo \"Claude Code: claude --bare --settings $dir/flare.json  (or without --bare)\"",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# Claude Code 2.1.296: settings in CLAUDE_CONFIG_DIR (default ~/.claude), used with --settings.",
+            "# --bare (minimal mode: 3 tools, a short system prompt) leaves a small context room to work;",
+            "# the normal mode's prompt alone is about 4k tokens before its tool definitions.",
+            'dir="${CLAUDE_CONFIG_DIR:-$HOME/.claude}" && mkdir -p "$dir"',
+            _file("$dir/flare.json", json.dumps(claude_settings(t), indent=2)),
+            'echo "Claude Code: claude --bare --settings $dir/flare.json  (or without --bare)"',
+        ]
+    )
 
 
 def opencode_config(t: Target) -> dict[str, object]:
@@ -162,14 +182,24 @@ def opencode_config(t: Target) -> dict[str, object]:
     options: dict[str, object] = {"baseURL": t.url + "/v1"}
     if t.api_key:
         options["apiKey"] = t.api_key
-    model = {"name": t.model, "limit": {"context": t.context, "output": t.output},
-             "tool_call": t.tools, "reasoning": bool(t.efforts)}  # fmt: skip
+    model = {
+        "name": t.model,
+        "limit": {"context": t.context, "output": t.output},
+        "tool_call": t.tools,
+        "reasoning": bool(t.efforts),
+    }
     if t.vision:
         model["attachment"] = True
     return {
         "$schema": "https://opencode.ai/config.json",
-        "provider": {"flare": {"npm": "@ai-sdk/openai-compatible", "name": "Flare", "options": options,
-                               "models": {t.model: model}}},  # fmt: skip
+        "provider": {
+            "flare": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "Flare",
+                "options": options,
+                "models": {t.model: model},
+            }
+        },
         "model": f"flare/{t.model}",
         "small_model": f"flare/{t.model}",
         "autoupdate": False,
@@ -178,12 +208,14 @@ def opencode_config(t: Target) -> dict[str, object]:
 
 
 def opencode(t: Target) -> str:
-    return "\n".join([
-        "# OpenCode 1.18.33: a `flare` provider in its own file, chosen with OPENCODE_CONFIG.",
-        'dir="${XDG_CONFIG_HOME:-$HOME/.config}/opencode" && mkdir -p "$dir"',
-        _file("$dir/flare.json", json.dumps(opencode_config(t), indent=2)),
-        "echo \"OpenCode: OPENCODE_CONFIG=$dir/flare.json opencode\"",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# OpenCode 1.18.33: a `flare` provider in its own file, chosen with OPENCODE_CONFIG.",
+            'dir="${XDG_CONFIG_HOME:-$HOME/.config}/opencode" && mkdir -p "$dir"',
+            _file("$dir/flare.json", json.dumps(opencode_config(t), indent=2)),
+            'echo "OpenCode: OPENCODE_CONFIG=$dir/flare.json opencode"',
+        ]
+    )
 
 
 CLIENTS: dict[str, Callable[[Target], str]] = {"codex": codex, "claude": claude, "opencode": opencode}

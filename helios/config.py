@@ -127,11 +127,29 @@ class ServerConfig:
         return bool(self.api_key)
 
 
-_POSITIVE = ("port", "max_body_bytes", "max_concurrency", "queue_size", "http_slots", "prefill_chunk_size",
-             "frontend_workers", "grammar_threads", "grammar_memory_mb", "grammar_cache_mb",
-             "grammar_workers", "max_draft_tokens", "host_cache_copy_queue_mb")  # fmt: skip
-_OPTIONAL_POSITIVE = ("default_max_tokens", "kv_pages", "kv_memory_mb", "thinking_token_budget", "speculative_rows",
-                      "host_cache_memory_mb")  # fmt: skip
+_POSITIVE = (
+    "port",
+    "max_body_bytes",
+    "max_concurrency",
+    "queue_size",
+    "http_slots",
+    "prefill_chunk_size",
+    "frontend_workers",
+    "grammar_threads",
+    "grammar_memory_mb",
+    "grammar_cache_mb",
+    "grammar_workers",
+    "max_draft_tokens",
+    "host_cache_copy_queue_mb",
+)
+_OPTIONAL_POSITIVE = (
+    "default_max_tokens",
+    "kv_pages",
+    "kv_memory_mb",
+    "thinking_token_budget",
+    "speculative_rows",
+    "host_cache_memory_mb",
+)
 
 
 def _check(config: ServerConfig) -> ServerConfig:
@@ -162,8 +180,15 @@ def _check(config: ServerConfig) -> ServerConfig:
     share = config.kv_memory_fraction
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
         raise ConfigError(f"[server] kv_memory_fraction must be a number above 0 and at most 1, got {share!r}")
-    for name in ("prefix_cache", "compiled_step", "history_drafts", "learned_drafts", "host_cache", "cuda_graphs",
-                 "window_pool"):
+    for name in (
+        "prefix_cache",
+        "compiled_step",
+        "history_drafts",
+        "learned_drafts",
+        "host_cache",
+        "cuda_graphs",
+        "window_pool",
+    ):
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"[server] {name} must be true or false")
     for name in ("drain_seconds", "header_timeout_seconds", "body_timeout_seconds"):
@@ -183,8 +208,14 @@ def _check(config: ServerConfig) -> ServerConfig:
     return config
 
 
-def load_config(path: Path | None = None, *, api_key_file: Path | None = None, host: str | None = None,
-                port: int | None = None, draft_core: Path | None = None) -> ServerConfig:  # fmt: skip
+def load_config(
+    path: Path | None = None,
+    *,
+    api_key_file: Path | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    draft_core: Path | None = None,
+) -> ServerConfig:
     """Build the server configuration: file, then flags (a key file overrides api_key)."""
     values: dict[str, Any] = {}
     if path is not None:
@@ -201,7 +232,9 @@ def load_config(path: Path | None = None, *, api_key_file: Path | None = None, h
         known = {f.name for f in fields(ServerConfig)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"config file {path}: unknown [server] keys {unknown} (known: {', '.join(sorted(known))})")
+            raise ConfigError(
+                f"config file {path}: unknown [server] keys {unknown} (known: {', '.join(sorted(known))})"
+            )
         if "aliases" in values:
             if not isinstance(values["aliases"], list):
                 raise ConfigError("[server] aliases must be a list of strings")

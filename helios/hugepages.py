@@ -62,8 +62,14 @@ def wanted() -> bool:
 
 def _host_key() -> str:
     try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")  # fmt: skip
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
     except OSError:
         cpu = ""
     return f"{platform.machine()}|{cpu}|{os.cpu_count()}|{platform.release()}"
@@ -84,10 +90,18 @@ def measured_speedup() -> float:
         log.debug("huge pages: not measured (%s)", exc)
         return 0.0
     speedup = small_read / huge_read
-    hostcache.put(_CACHE, key, {"speedup": round(speedup, 4), "first_touch_ms": [round(huge_fault * 1e3, 1),
-                                                                                 round(small_fault * 1e3, 1)]})  # fmt: skip
-    log.debug("huge pages: random reads %.2fx as fast, first touch %.0f ms against %.0f ms per %d MiB",
-              speedup, huge_fault * 1e3, small_fault * 1e3, _PROBE_MIB)
+    hostcache.put(
+        _CACHE,
+        key,
+        {"speedup": round(speedup, 4), "first_touch_ms": [round(huge_fault * 1e3, 1), round(small_fault * 1e3, 1)]},
+    )
+    log.debug(
+        "huge pages: random reads %.2fx as fast, first touch %.0f ms against %.0f ms per %d MiB",
+        speedup,
+        huge_fault * 1e3,
+        small_fault * 1e3,
+        _PROBE_MIB,
+    )
     return speedup
 
 

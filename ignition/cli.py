@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -42,22 +42,66 @@ def _buckets(text: str) -> tuple[int, ...]:
 
 @app.command()
 def export(
-    src: Annotated[Optional[str], typer.Argument(help="HF checkpoint dir, cached HF repo id (org/name), or .gguf file. Default: the recipe's source.")] = None,
-    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (recipes/NAME.toml) or path to a .toml.")] = ...,
+    src: Annotated[
+        str | None,
+        typer.Argument(
+            help="HF checkpoint dir, cached HF repo id (org/name), or .gguf file. Default: the recipe's source."
+        ),
+    ] = None,
+    recipe: Annotated[
+        str, typer.Option("--recipe", "-r", help="Recipe name (recipes/NAME.toml) or path to a .toml.")
+    ] = ...,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the core to.")] = ...,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
-    prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Also export the scored-prefill program (prompt logprobs, echo).")] = False,
-    max_top_logprobs: Annotated[int, typer.Option("--max-top-logprobs", help="Natural alternatives per position, 0..20 (0: no generation logprobs).")] = 20,
-    no_logprob_ids: Annotated[bool, typer.Option("--no-logprob-ids", help="Do not accept caller-chosen token ids to score.")] = False,
-    alias: Annotated[Optional[list[str]], typer.Option("--alias", help="Extra model name (repeatable); the first is the public id.")] = None,
-    model_id: Annotated[Optional[str], typer.Option("--model-id", help="Checkpoint identifier to record (default: from the source).")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Context limit in tokens (default: the checkpoint's).")] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype: float32, bfloat16, float16 (default: the checkpoint's own; bfloat16 for a quantized GGUF).")] = None,
-    kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", help="KV cache dtype (default: the weight dtype); bfloat16 halves attention's memory traffic.")] = None,
+    prompt_logprobs: Annotated[
+        bool, typer.Option("--prompt-logprobs", help="Also export the scored-prefill program (prompt logprobs, echo).")
+    ] = False,
+    max_top_logprobs: Annotated[
+        int,
+        typer.Option(
+            "--max-top-logprobs", help="Natural alternatives per position, 0..20 (0: no generation logprobs)."
+        ),
+    ] = 20,
+    no_logprob_ids: Annotated[
+        bool, typer.Option("--no-logprob-ids", help="Do not accept caller-chosen token ids to score.")
+    ] = False,
+    alias: Annotated[
+        list[str] | None, typer.Option("--alias", help="Extra model name (repeatable); the first is the public id.")
+    ] = None,
+    model_id: Annotated[
+        str | None, typer.Option("--model-id", help="Checkpoint identifier to record (default: from the source).")
+    ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option("--max-model-len", help="Context limit in tokens (default: the checkpoint's).")
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="Weight dtype: float32, bfloat16, float16 (default: the checkpoint's own; bfloat16 for a quantized GGUF).",
+        ),
+    ] = None,
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-dtype", help="KV cache dtype (default: the weight dtype); bfloat16 halves attention's memory traffic."
+        ),
+    ] = None,
     page_tokens: Annotated[int, typer.Option("--page-tokens", help="Tokens per KV page (power of two).")] = 16,
-    decode_buckets: Annotated[str, typer.Option("--decode-buckets", help="Decode batch sizes to capture as CUDA graphs.")] = "1,2,4,8,16,32,64,128,256",
-    no_ranges: Annotated[bool, typer.Option("--no-ranges", help="Drop the recipe's intervals: every sampling parameter fixed at its default.")] = False,
-    compile_step: Annotated[bool, typer.Option("--compile-step", help="Also build the step ahead of time for this CPU (AOTInductor; needs a C++ compiler, minutes). helios runs it on hosts with the same CPU features and torch, the portable step elsewhere.")] = False,
+    decode_buckets: Annotated[
+        str, typer.Option("--decode-buckets", help="Decode batch sizes to capture as CUDA graphs.")
+    ] = "1,2,4,8,16,32,64,128,256",
+    no_ranges: Annotated[
+        bool,
+        typer.Option("--no-ranges", help="Drop the recipe's intervals: every sampling parameter fixed at its default."),
+    ] = False,
+    compile_step: Annotated[
+        bool,
+        typer.Option(
+            "--compile-step",
+            help="Also build the step ahead of time for this CPU (AOTInductor; needs a C++ compiler, minutes). helios runs it on hosts with the same CPU features and torch, the portable step elsewhere.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
 ) -> None:
     """Export a checkpoint plus a recipe into a core bundle, self-checked against a reference forward."""
@@ -68,11 +112,21 @@ def export(
 
     try:
         options = ExportOptions(
-            out=out, force=force, prompt_logprobs=prompt_logprobs, max_top_logprobs=max_top_logprobs,
-            logprob_ids=not no_logprob_ids, aliases=tuple(alias or ()), max_model_len=max_model_len, dtype=dtype, kv_dtype=kv_dtype,
-            page_tokens=page_tokens, decode_buckets=_buckets(decode_buckets), ranges=not no_ranges, model_id=model_id,
+            out=out,
+            force=force,
+            prompt_logprobs=prompt_logprobs,
+            max_top_logprobs=max_top_logprobs,
+            logprob_ids=not no_logprob_ids,
+            aliases=tuple(alias or ()),
+            max_model_len=max_model_len,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            page_tokens=page_tokens,
+            decode_buckets=_buckets(decode_buckets),
+            ranges=not no_ranges,
+            model_id=model_id,
             compile_step=compile_step,
-        )  # fmt: skip
+        )
         check_options(options)
         loaded = load_recipe(recipe)
         from ignition.models import family
@@ -179,9 +233,20 @@ def testmodel(
     family_name: Annotated[str, typer.Argument(metavar="FAMILY", help="Architecture family, e.g. llama.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the checkpoint.")] = ...,
     seed: Annotated[int, typer.Option("--seed", help="Random seed for the weights.")] = 0,
-    chat: Annotated[Optional[str], typer.Option("--chat", help="Use another family's special tokens and chat template (e.g. qwen3).")] = None,
-    vision: Annotated[bool, typer.Option("--vision", help="A multimodal checkpoint with a tiny vision tower and processor config.")] = False,
-    mtp_layers: Annotated[Optional[int], typer.Option("--mtp-layers", help="num_nextn_predict_layers: multi-token-prediction layers in the family's checkpoint layout (kimi_k3, mimo_v2, qwen3_next).")] = None,
+    chat: Annotated[
+        str | None,
+        typer.Option("--chat", help="Use another family's special tokens and chat template (e.g. qwen3)."),
+    ] = None,
+    vision: Annotated[
+        bool, typer.Option("--vision", help="A multimodal checkpoint with a tiny vision tower and processor config.")
+    ] = False,
+    mtp_layers: Annotated[
+        int | None,
+        typer.Option(
+            "--mtp-layers",
+            help="num_nextn_predict_layers: multi-token-prediction layers in the family's checkpoint layout (kimi_k3, mimo_v2, qwen3_next).",
+        ),
+    ] = None,
 ) -> None:
     """Write a tiny random-weight HF checkpoint of FAMILY (for tests)."""
     from ignition.testmodel import write_testmodel

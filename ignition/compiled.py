@@ -43,8 +43,14 @@ class _Frozen(torch.nn.Module):
         return self.inner(weights, kv_cache, *inputs)
 
 
-def compile_program(program: Program, weights: dict[str, Tensor], kv_cache: list[Tensor], inputs: list[Tensor],
-                    dynamic: tuple[Any, ...], path: Path) -> None:  # fmt: skip
+def compile_program(
+    program: Program,
+    weights: dict[str, Tensor],
+    kv_cache: list[Tensor],
+    inputs: list[Tensor],
+    dynamic: tuple[Any, ...],
+    path: Path,
+) -> None:
     """Build `program` with AOTInductor for this host into the shared object `path`.
 
     The package AOTInductor writes is a zip that its loader extracts on every start (seconds
@@ -67,9 +73,10 @@ def compile_program(program: Program, weights: dict[str, Tensor], kv_cache: list
         with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
             package = Path(scratch) / "package.pt2"
             torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(package),
+                exported,
+                package_path=str(package),
                 inductor_configs={"freezing": True, "emulate_precision_casts": True},
-            )  # fmt: skip
+            )
             with zipfile.ZipFile(package) as archive:
                 objects = [n for n in archive.namelist() if n.endswith(".wrapper.so")]
                 if len(objects) != 1:

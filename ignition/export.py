@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -30,8 +30,17 @@ from helios.core import host, ops
 from helios.core import manifest as mf
 from helios.core.bundle import core_digest, sha256_file
 from helios.core.golden import golden_key
-from helios.core.program import (SCORED_PREFILL, STEP, VISION, CompiledProgram, Program, allocate_kv,
-                                 program_signature, run_prompt, vision_signature)
+from helios.core.program import (
+    SCORED_PREFILL,
+    STEP,
+    VISION,
+    CompiledProgram,
+    Program,
+    allocate_kv,
+    program_signature,
+    run_prompt,
+    vision_signature,
+)
 from ignition.compiled import compile_program
 from ignition.errors import SourceError, UsageError, VerifyError
 from ignition.models import family
@@ -49,7 +58,11 @@ GOLDEN_TEXTS = (
 )
 GOLDEN_TOKENS = 24  # per prompt
 GOLDEN_CHUNK = 7  # odd on purpose: chunks straddle page boundaries
-TOLERANCE = {"float32": 1e-3, "bfloat16": 1.0, "float16": 0.1}  # max |Δ logprob| vs fp32 on the stored weights; bf16: docs/export.md
+TOLERANCE = {
+    "float32": 1e-3,
+    "bfloat16": 1.0,
+    "float16": 0.1,
+}  # max |Δ logprob| vs fp32 on the stored weights; bf16: docs/export.md
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +109,9 @@ class ExportResult:
 
 def check_options(options: ExportOptions) -> None:
     if not 0 <= options.max_top_logprobs <= mf.MAX_TOP_LOGPROBS:
-        raise UsageError(f"--max-top-logprobs must be between 0 and {mf.MAX_TOP_LOGPROBS}, got {options.max_top_logprobs}")
+        raise UsageError(
+            f"--max-top-logprobs must be between 0 and {mf.MAX_TOP_LOGPROBS}, got {options.max_top_logprobs}"
+        )
     if options.dtype is not None and options.dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
     if options.kv_dtype is not None and options.kv_dtype not in DTYPES:
@@ -111,7 +126,9 @@ def check_options(options: ExportOptions) -> None:
         raise UsageError(f"{options.out} already exists; pass --force to replace it")
 
 
-def internal_weights(fam: ModuleType, checkpoint: Checkpoint, config: object, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def internal_weights(
+    fam: ModuleType, checkpoint: Checkpoint, config: object, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Rename (declarative map), drop the tied head, stack experts (a family's optional
     STACKED), fuse, and cast the checkpoint's tensors."""
     named: dict[str, torch.Tensor] = {}
@@ -166,8 +183,9 @@ def _cache_and_input_shapes(kv: mf.KvLayout, inputs: tuple[mf.TensorSpec, ...]) 
     return tuple(shapes)
 
 
-def _example_inputs(inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: int,
-                    extra: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
+def _example_inputs(
+    inputs: tuple[mf.TensorSpec, ...], vocab: int, page_tokens: int, extra: dict[str, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Two sequences (3 + 2 tokens) over 4 pages; sizes >= 2 so no dim specializes. `extra`:
     examples of inputs only a family's own programs take (5 rows where a dim is T)."""
     examples = (extra or {}) | {
@@ -195,17 +213,30 @@ def _example_caches(kv: mf.KvLayout, page_tokens: int) -> list[torch.Tensor]:
     return allocate_kv(kv, 4, page_tokens, num_slots=EXAMPLE_SLOTS)
 
 
-def compile_step(spec: mf.ProgramSpec, staging: Path, weights: dict[str, torch.Tensor], kv: mf.KvLayout,
-                 page_tokens: int, vocab_size: int, prompts: tuple[tuple[int, ...], ...],
-                 golden: dict[str, torch.Tensor], tolerance: float) -> mf.CompiledSpec:  # fmt: skip
+def compile_step(
+    spec: mf.ProgramSpec,
+    staging: Path,
+    weights: dict[str, torch.Tensor],
+    kv: mf.KvLayout,
+    page_tokens: int,
+    vocab_size: int,
+    prompts: tuple[tuple[int, ...], ...],
+    golden: dict[str, torch.Tensor],
+    tolerance: float,
+) -> mf.CompiledSpec:
     """Build the step with AOTInductor for this host and check it against the portable step's
     golden logprobs; the package lands next to the portable program."""
     program = Program.load(STEP, spec, staging / spec.file, check_guards=False)
     path = staging / "programs" / f"{STEP}.{host.fingerprint().machine}.aoti.so"
     try:
-        compile_program(program, weights, _example_caches(kv, page_tokens),
-                        _example_inputs(spec.inputs, vocab_size, page_tokens),
-                        _cache_and_input_shapes(kv, spec.inputs), path)  # fmt: skip
+        compile_program(
+            program,
+            weights,
+            _example_caches(kv, page_tokens),
+            _example_inputs(spec.inputs, vocab_size, page_tokens),
+            _cache_and_input_shapes(kv, spec.inputs),
+            path,
+        )
     except Exception as exc:  # Inductor raises assorted errors (no compiler, unsupported op, ...)
         raise UsageError(f"--compile-step failed: {type(exc).__name__}: {str(exc)[:500]}; export without it") from exc
     compiled = CompiledProgram.load(STEP, spec, path)
@@ -228,18 +259,38 @@ def vision_width(config: object) -> int:
     return int(vision.text_hidden_size) if vision is not None else 0
 
 
-def export_program(fam: ModuleType, config: object, kind: str, num_top: int, explicit: bool,
-                   weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
-                   path: Path) -> mf.ProgramSpec:  # fmt: skip
+def export_program(
+    fam: ModuleType,
+    config: object,
+    kind: str,
+    num_top: int,
+    explicit: bool,
+    weights: dict[str, torch.Tensor],
+    kv: mf.KvLayout,
+    page_tokens: int,
+    path: Path,
+) -> mf.ProgramSpec:
     width = vision_width(config)
-    inputs, outputs = program_signature(kind, num_top, explicit, state=bool(kv.state), vision=width,
-                                        window=kv.window_pool is not None,
-                                        bidirectional=bool(width and getattr(config, "bidirectional_images", False)))  # fmt: skip
+    inputs, outputs = program_signature(
+        kind,
+        num_top,
+        explicit,
+        state=bool(kv.state),
+        vision=width,
+        window=kv.window_pool is not None,
+        bidirectional=bool(width and getattr(config, "bidirectional_images", False)),
+    )
     # A family may return more than the signature's outputs, after them (MiMo's hidden states for its drafter).
     outputs += getattr(fam, "extra_step_outputs", lambda c: ())(config)
     module = fam.StepProgram(config, num_top, explicit, scored=kind == SCORED_PREFILL)
-    examples = {"image_features": torch.randn(2, width, generator=torch.Generator().manual_seed(0)),
-                "image_rows": torch.tensor([1, -1])} if width else {}  # fmt: skip
+    examples = (
+        {
+            "image_features": torch.randn(2, width, generator=torch.Generator().manual_seed(0)),
+            "image_rows": torch.tensor([1, -1]),
+        }
+        if width
+        else {}
+    )
     return export_module(module, inputs, outputs, examples, config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
 
 
@@ -262,10 +313,19 @@ def export_vision(fam: ModuleType, config: object, weights: dict[str, torch.Tens
     return mf.ProgramSpec(file=str(path.relative_to(path.parent.parent)), inputs=inputs, outputs=outputs)
 
 
-def self_check_vision(fam: ModuleType, config: object, checkpoint: Checkpoint, programs: dict[str, Program],
-                      vision: Program, weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
-                      prompts: tuple[tuple[int, ...], ...], tolerance: float,
-                      profile: mf.VisionProfile) -> float:  # fmt: skip
+def self_check_vision(
+    fam: ModuleType,
+    config: object,
+    checkpoint: Checkpoint,
+    programs: dict[str, Program],
+    vision: Program,
+    weights: dict[str, torch.Tensor],
+    kv: mf.KvLayout,
+    page_tokens: int,
+    prompts: tuple[tuple[int, ...], ...],
+    tolerance: float,
+    profile: mf.VisionProfile,
+) -> float:
     """The saved vision program against the family's reference tower on a seeded view (features),
     then every step program with those features spliced into a golden prompt (framed by the
     profile's prefix/suffix tokens), prefilled in chunks that cut through the image, against the
@@ -276,27 +336,49 @@ def self_check_vision(fam: ModuleType, config: object, checkpoint: Checkpoint, p
     expected = fam.reference_features(config, stored, pixels, positions)
     worst = float((got - expected).abs().max())
     if worst > tolerance:
-        raise VerifyError(f"self-check failed: the exported vision program differs from the reference vision tower by "
-                          f"{worst:.3g} in its features (tolerance {tolerance:g})")  # fmt: skip
+        raise VerifyError(
+            f"self-check failed: the exported vision program differs from the reference vision tower by "
+            f"{worst:.3g} in its features (tolerance {tolerance:g})"
+        )
     head = list(prompts[0][:5]) + list(profile.prefix_token_ids)
-    prompt = (head + [profile.image_token_id] * int(got.shape[0]) + list(profile.suffix_token_ids)
-              + list(prompts[0][5:]))  # fmt: skip
+    prompt = head + [profile.image_token_id] * int(got.shape[0]) + list(profile.suffix_token_ids) + list(prompts[0][5:])
     image_positions = list(range(len(head), len(head) + int(got.shape[0])))
-    reference = torch.log_softmax(fam.reference_logits(config, stored, prompt, expected, image_positions).float(), dim=-1)
+    reference = torch.log_softmax(
+        fam.reference_logits(config, stored, prompt, expected, image_positions).float(), dim=-1
+    )
     for kind, program in programs.items():
-        run = run_prompt(program, weights, kv, page_tokens, prompt, chunk=GOLDEN_CHUNK, explicit_ids=[0, 1],
-                         image_features=got, image_positions=image_positions)  # fmt: skip
+        run = run_prompt(
+            program,
+            weights,
+            kv,
+            page_tokens,
+            prompt,
+            chunk=GOLDEN_CHUNK,
+            explicit_ids=[0, 1],
+            image_features=got,
+            image_positions=image_positions,
+        )
         diff = float((run.logprobs - reference).abs().max())
         if diff > tolerance:
-            raise VerifyError(f"self-check failed: the exported {kind} program with image features differs from the "
-                              f"reference forward by {diff:.3g} in logprob (tolerance {tolerance:g})")  # fmt: skip
+            raise VerifyError(
+                f"self-check failed: the exported {kind} program with image features differs from the "
+                f"reference forward by {diff:.3g} in logprob (tolerance {tolerance:g})"
+            )
         worst = max(worst, diff)
     return worst
 
 
-def export_module(module: torch.nn.Module, inputs: tuple[mf.TensorSpec, ...], outputs: tuple[mf.TensorSpec, ...],
-                  examples: dict[str, torch.Tensor], vocab_size: int, weights: dict[str, torch.Tensor],
-                  kv: mf.KvLayout, page_tokens: int, path: Path) -> mf.ProgramSpec:  # fmt: skip
+def export_module(
+    module: torch.nn.Module,
+    inputs: tuple[mf.TensorSpec, ...],
+    outputs: tuple[mf.TensorSpec, ...],
+    examples: dict[str, torch.Tensor],
+    vocab_size: int,
+    weights: dict[str, torch.Tensor],
+    kv: mf.KvLayout,
+    page_tokens: int,
+    path: Path,
+) -> mf.ProgramSpec:
     """Trace module(weights, kv_cache, *inputs) with dynamic dims and save it without weights."""
     caches = _example_caches(kv, page_tokens)
     args = (weights, caches, *_example_inputs(inputs, vocab_size, page_tokens, examples))
@@ -313,9 +395,17 @@ def golden_prompts(tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(tokenizer.encode(text, add_special_tokens=False).ids[:GOLDEN_TOKENS]) for text in GOLDEN_TEXTS)
 
 
-def self_check(fam: ModuleType, config: object, checkpoint: Checkpoint, programs: dict[str, Program],
-               weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int,
-               prompts: tuple[tuple[int, ...], ...], tolerance: float) -> tuple[float, dict[str, torch.Tensor]]:  # fmt: skip
+def self_check(
+    fam: ModuleType,
+    config: object,
+    checkpoint: Checkpoint,
+    programs: dict[str, Program],
+    weights: dict[str, torch.Tensor],
+    kv: mf.KvLayout,
+    page_tokens: int,
+    prompts: tuple[tuple[int, ...], ...],
+    tolerance: float,
+) -> tuple[float, dict[str, torch.Tensor]]:
     """Saved programs vs the plain-torch reference; returns (max |Δ|, golden tensors)."""
     worst = 0.0
     golden: dict[str, torch.Tensor] = {}
@@ -345,9 +435,16 @@ def stored_tensors(checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> 
     return {name: t.to(dtype) if t.is_floating_point() else t for name, t in checkpoint.tensors.items()}
 
 
-def export_extra_programs(fam: ModuleType, config: object, num_top: int, weights: dict[str, torch.Tensor],
-                          kv: mf.KvLayout, page_tokens: int, staging: Path,
-                          progress: Progress | None = None) -> dict[str, tuple[mf.ProgramSpec, object]]:  # fmt: skip
+def export_extra_programs(
+    fam: ModuleType,
+    config: object,
+    num_top: int,
+    weights: dict[str, torch.Tensor],
+    kv: mf.KvLayout,
+    page_tokens: int,
+    staging: Path,
+    progress: Progress | None = None,
+) -> dict[str, tuple[mf.ProgramSpec, object]]:
     """A family's own program kinds (optional `extra_programs(config, num_top, weights)`, e.g. MiMo's
     "mtp_draft.N"): kind -> (spec, the family's description with its `check`)."""
     out: dict[str, tuple[mf.ProgramSpec, object]] = {}
@@ -355,15 +452,22 @@ def export_extra_programs(fam: ModuleType, config: object, num_top: int, weights
         if progress is not None:
             progress(f"exporting the {extra.kind} program")
         path = staging / "programs" / f"{extra.kind}.pt2"
-        spec = export_module(extra.module, extra.inputs, extra.outputs, extra.examples,
-                             config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
+        spec = export_module(
+            extra.module, extra.inputs, extra.outputs, extra.examples, config.vocab_size, weights, kv, page_tokens, path
+        )  # type: ignore[attr-defined]
         out[extra.kind] = (spec, extra)
     return out
 
 
-def check_extra_programs(extras: dict[str, tuple[mf.ProgramSpec, object]], checkpoint: Checkpoint,
-                         weights: dict[str, torch.Tensor], kv: mf.KvLayout, page_tokens: int, staging: Path,
-                         tolerance: float) -> float:  # fmt: skip
+def check_extra_programs(
+    extras: dict[str, tuple[mf.ProgramSpec, object]],
+    checkpoint: Checkpoint,
+    weights: dict[str, torch.Tensor],
+    kv: mf.KvLayout,
+    page_tokens: int,
+    staging: Path,
+    tolerance: float,
+) -> float:
     """Each saved extra program against its family's reference (its `check`); returns the max |Δ|."""
     worst = 0.0
     stored = stored_tensors(checkpoint, weights) if extras else {}
@@ -371,14 +475,17 @@ def check_extra_programs(extras: dict[str, tuple[mf.ProgramSpec, object]], check
         program = Program.load(kind, spec, staging / spec.file)  # check what was saved, not the module
         diff = extra.check(program, stored, weights, kv, page_tokens)  # type: ignore[attr-defined]
         if diff > tolerance:
-            raise VerifyError(f"self-check failed: the exported {kind} program differs from the reference by {diff:.3g} "
-                              f"in logprob (tolerance {tolerance:g})")  # fmt: skip
+            raise VerifyError(
+                f"self-check failed: the exported {kind} program differs from the reference by {diff:.3g} "
+                f"in logprob (tolerance {tolerance:g})"
+            )
         worst = max(worst, diff)
     return worst
 
 
-def _check_logprob_outputs(kind: str, outputs: dict[str, torch.Tensor], logprobs: torch.Tensor,
-                           prompt: tuple[int, ...], tolerance: float) -> None:  # fmt: skip
+def _check_logprob_outputs(
+    kind: str, outputs: dict[str, torch.Tensor], logprobs: torch.Tensor, prompt: tuple[int, ...], tolerance: float
+) -> None:
     """The program's derived outputs agree with its own full distribution."""
     checks: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     if "top_logprobs" in outputs:
@@ -405,7 +512,9 @@ def _limits(options: ExportOptions, config: object) -> mf.Limits:
     return mf.Limits(max_model_len=max_len, page_tokens=options.page_tokens)
 
 
-def _tokenizer_info(checkpoint: Checkpoint, tokenizer: Tokenizer, vocab_size: int, template: str | None) -> mf.TokenizerInfo:
+def _tokenizer_info(
+    checkpoint: Checkpoint, tokenizer: Tokenizer, vocab_size: int, template: str | None
+) -> mf.TokenizerInfo:
     facts = checkpoint.tokenizer_facts
     special = {t.content: i for i, t in sorted(tokenizer.get_added_tokens_decoder().items()) if t.special}
     if not facts.eos_token_ids:
@@ -422,8 +531,9 @@ def _tokenizer_info(checkpoint: Checkpoint, tokenizer: Tokenizer, vocab_size: in
     )
 
 
-def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
-                progress: Progress | None = None) -> ExportResult:
+def export_core(
+    checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions, progress: Progress | None = None
+) -> ExportResult:
     """`progress` (the CLI's display) hears each phase as it starts; it never changes the result."""
     started = time.perf_counter()
     phase = progress or (lambda name: None)
@@ -453,10 +563,15 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
             raise SourceError(f"{checkpoint.reference}: {exc}") from exc
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
     num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
-    kv = mf.KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     dtype=options.kv_dtype or options.dtype, shared_kv=getattr(fam, "SHARED_KV", False),
-                     extra=tuple(mf.ExtraCache(*e) for e in getattr(fam, "extra_caches", lambda c: ())(config)),
-                     state=tuple(mf.StateCache(*e) for e in getattr(fam, "state_caches", lambda c: ())(config)))  # fmt: skip
+    kv = mf.KvLayout(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=options.kv_dtype or options.dtype,
+        shared_kv=getattr(fam, "SHARED_KV", False),
+        extra=tuple(mf.ExtraCache(*e) for e in getattr(fam, "extra_caches", lambda c: ())(config)),
+        state=tuple(mf.StateCache(*e) for e in getattr(fam, "state_caches", lambda c: ())(config)),
+    )
     pooled = getattr(fam, "window_pool", lambda c: None)(config)  # optional: sliding layers' caches pooled apart
     if pooled is not None:
         kv = msgspec.structs.replace(kv, window_pool=mf.WindowPool(*pooled))
@@ -469,12 +584,22 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
         kinds = [STEP] + ([SCORED_PREFILL] if options.prompt_logprobs else [])
         for kind in kinds:
             phase(f"exporting the {kind} program")
-            spec = export_program(fam, config, kind, options.max_top_logprobs, options.logprob_ids, weights, kv,
-                                  options.page_tokens, staging / "programs" / f"{kind}.pt2")  # fmt: skip
+            spec = export_program(
+                fam,
+                config,
+                kind,
+                options.max_top_logprobs,
+                options.logprob_ids,
+                weights,
+                kv,
+                options.page_tokens,
+                staging / "programs" / f"{kind}.pt2",
+            )
             specs[kind] = spec
             programs[kind] = Program.load(kind, spec, staging / spec.file)  # check what was saved, not the module
-        extras = export_extra_programs(fam, config, options.max_top_logprobs, weights, kv, options.page_tokens, staging,
-                                       phase)
+        extras = export_extra_programs(
+            fam, config, options.max_top_logprobs, weights, kv, options.page_tokens, staging, phase
+        )
         vision_program = None
         if getattr(config, "vision", None) is not None:
             phase(f"exporting the {VISION} program")
@@ -489,28 +614,44 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
         prompts = golden_prompts(tokenizer)
         tolerance = TOLERANCE[options.dtype]
         phase("self-check against the reference forward")
-        worst, golden = self_check(fam, config, checkpoint, programs, weights, kv, options.page_tokens, prompts, tolerance)
+        worst, golden = self_check(
+            fam, config, checkpoint, programs, weights, kv, options.page_tokens, prompts, tolerance
+        )
         extra_worst = check_extra_programs(extras, checkpoint, weights, kv, options.page_tokens, staging, tolerance)
         profile = None
         if vision_program is not None:
             try:
-                profile = fam.vision_profile(config, checkpoint.processor_config or {}, limits.max_model_len,
-                                             tokenizer.token_to_id)  # fmt: skip
+                profile = fam.vision_profile(
+                    config, checkpoint.processor_config or {}, limits.max_model_len, tokenizer.token_to_id
+                )
             except ValueError as exc:
                 raise SourceError(f"{checkpoint.reference}: unsupported image processor config ({exc})") from exc
             phase("self-check of the vision path")
-            extra_worst = max(extra_worst, self_check_vision(fam, config, checkpoint, programs, vision_program, weights,
-                                                             kv, options.page_tokens, prompts, tolerance, profile))  # fmt: skip
+            extra_worst = max(
+                extra_worst,
+                self_check_vision(
+                    fam,
+                    config,
+                    checkpoint,
+                    programs,
+                    vision_program,
+                    weights,
+                    kv,
+                    options.page_tokens,
+                    prompts,
+                    tolerance,
+                    profile,
+                ),
+            )
         save_file(golden, str(staging / "golden.safetensors"))
         compiled = {}
         if options.compile_step:
             phase("compiling the step for this CPU (AOTInductor)")
-            compiled[STEP] = compile_step(specs[STEP], staging, weights, kv, options.page_tokens, config.vocab_size,
-                                          prompts, golden, tolerance)  # fmt: skip
+            compiled[STEP] = compile_step(
+                specs[STEP], staging, weights, kv, options.page_tokens, config.vocab_size, prompts, golden, tolerance
+            )
         phase("writing core.json")
-        files = {
-            str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
-        }
+        files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         recipe_info = recipe.info if options.ranges else without_ranges(recipe.info)
         manifest = mf.Manifest(
             format=mf.FormatTag(mf.FORMAT_NAME, mf.FORMAT_VERSION),
@@ -519,8 +660,12 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
                 aliases=options.aliases,
                 family=fam.FAMILY,
                 name=checkpoint.name,
-                source=mf.SourceIdentity(kind=checkpoint.kind, reference=checkpoint.reference, files=checkpoint.files,
-                                         format=checkpoint.source_format),
+                source=mf.SourceIdentity(
+                    kind=checkpoint.kind,
+                    reference=checkpoint.reference,
+                    files=checkpoint.files,
+                    format=checkpoint.source_format,
+                ),
             ),
             recipe=recipe_info,
             tokenizer=_tokenizer_info(checkpoint, tokenizer, config.vocab_size, template),
@@ -540,13 +685,16 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
             programs=specs,
             decode_buckets=tuple(sorted(set(options.decode_buckets))),
             golden=mf.GoldenInfo(
-                file="golden.safetensors", prompts=prompts, prefill_chunk=GOLDEN_CHUNK, tolerance=tolerance,
+                file="golden.safetensors",
+                prompts=prompts,
+                prefill_chunk=GOLDEN_CHUNK,
+                tolerance=tolerance,
                 max_abs_diff=_round_up(worst),
             ),
             provenance=mf.Provenance(
                 ignition_version=ignition.__version__,
                 torch_version=str(torch.__version__),
-                exported_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                exported_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             ),
             files=files,
             compiled=compiled,
@@ -558,8 +706,13 @@ def export_core(checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     size = sum(p.stat().st_size for p in options.out.rglob("*") if p.is_file())
-    return ExportResult(out=options.out, manifest=manifest, seconds=time.perf_counter() - started, bytes=size,
-                        max_abs_diff=max(worst, extra_worst))  # fmt: skip
+    return ExportResult(
+        out=options.out,
+        manifest=manifest,
+        seconds=time.perf_counter() - started,
+        bytes=size,
+        max_abs_diff=max(worst, extra_worst),
+    )
 
 
 def _round_up(value: float) -> float:

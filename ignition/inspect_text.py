@@ -7,8 +7,15 @@ from helios.core.manifest import RecipeInfo
 from helios.core.sampling import DISTRIBUTION_PARAMS
 from ignition.recipe import sampling_row
 
-_SHORT = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-          "repetition_penalty": "rep", "presence_penalty": "presence", "frequency_penalty": "frequency"}  # fmt: skip
+_SHORT = {
+    "temperature": "temp",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "rep",
+    "presence_penalty": "presence",
+    "frequency_penalty": "frequency",
+}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -22,8 +29,16 @@ def recipe_table(recipes: list[RecipeInfo]) -> str:
     rows = []
     for info in recipes:
         sampled = sampling_row(info)
-        rows.append([info.name, info.family, *(sampled[p] for p in DISTRIBUTION_PARAMS),
-                     info.reasoning_syntax or "-", info.tool_syntax or "-", "/".join(info.effort_levels) or "-"])  # fmt: skip
+        rows.append(
+            [
+                info.name,
+                info.family,
+                *(sampled[p] for p in DISTRIBUTION_PARAMS),
+                info.reasoning_syntax or "-",
+                info.tool_syntax or "-",
+                "/".join(info.effort_levels) or "-",
+            ]
+        )
     return _table(header, rows) + "\n\nA value without [min, max] is fixed at its default; top_k disabled = -1."
 
 

@@ -19,6 +19,7 @@ def export_phases(console: Console | None = None, quiet: bool = False) -> Iterat
     if quiet:
         yield lambda name: None
     elif not console.is_interactive:  # a pipe, a log, TERM=dumb: no cursor movement
+
         def line(name: str) -> None:
             console.file.write(f"{name} ...\n")
             console.file.flush()

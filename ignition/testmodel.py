@@ -18,8 +18,36 @@ from ignition.errors import UsageError
 from ignition.models import FAMILIES
 
 # A fixed handful of merges so common English words are multi-byte tokens.
-_MERGES = ["Ġ t", "h e", "Ġ a", "i n", "Ġt he", "r e", "o n", "e r", "Ġ s", "a t", "e n", "o r", "Ġ c", "Ġ w",
-           "i s", "Ġ o", "a n", "Ġ b", "Ġ f", "Ġ p", "e s", "Ġ i", "Ġ m", "l l", "a r", "Ġ h", "o u", "i t"]  # fmt: skip
+_MERGES = [
+    "Ġ t",
+    "h e",
+    "Ġ a",
+    "i n",
+    "Ġt he",
+    "r e",
+    "o n",
+    "e r",
+    "Ġ s",
+    "a t",
+    "e n",
+    "o r",
+    "Ġ c",
+    "Ġ w",
+    "i s",
+    "Ġ o",
+    "a n",
+    "Ġ b",
+    "Ġ f",
+    "Ġ p",
+    "e s",
+    "Ġ i",
+    "Ġ m",
+    "l l",
+    "a r",
+    "Ġ h",
+    "o u",
+    "i t",
+]
 
 
 def build_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
@@ -46,8 +74,17 @@ DATA = Path(__file__).resolve().parent / "models" / "data"
 # test checkpoint, so template, reasoning and tool paths run on a tiny model.
 CHATS = {
     "qwen3": {
-        "special_tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-                           "</tool_call>", "<tool_response>", "</tool_response>"),  # fmt: skip
+        "special_tokens": (
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+        ),
         "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": "qwen3.jinja",
     },
@@ -55,34 +92,97 @@ CHATS = {
     # placeholders: vision test models; the template (muse_spark.jinja, not published) is qwen3.jinja
     # rendering each image part as <|patch|>.
     "muse_spark-vision": {
-        "special_tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-                           "</tool_call>", "<tool_response>", "</tool_response>", "<|image_start|>", "<|image_end|>",
-                           "<|audio|>", "<|video|>", "<|patch|>"),  # fmt: skip
+        "special_tokens": (
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+            "<|image_start|>",
+            "<|image_end|>",
+            "<|audio|>",
+            "<|video|>",
+            "<|patch|>",
+        ),
         "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": "muse_spark.jinja",
     },
     # Qwen3.5 / 3.8: ChatML with function-tag tool calls (the qwen3_coder syntax) and <think> reasoning.
     "qwen3.5": {
-        "special_tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-                           "</tool_call>", "<tool_response>", "</tool_response>", "<|vision_start|>",
-                           "<|image_pad|>", "<|vision_end|>"),  # fmt: skip
+        "special_tokens": (
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+            "<|vision_start|>",
+            "<|image_pad|>",
+            "<|vision_end|>",
+        ),
         "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": "qwen3.5.jinja",
     },
     # Gemma 4's turn, channel and tool tokens with its published template (tools, thinking, responses).
     "gemma4": {
-        "special_tokens": ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
-                           "<channel|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
-                           "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>", "<|video|>"),  # fmt: skip
+        "special_tokens": (
+            "<pad>",
+            "<eos>",
+            "<bos>",
+            "<unk>",
+            "<mask>",
+            "<|turn>",
+            "<turn|>",
+            "<|think|>",
+            "<|channel>",
+            "<channel|>",
+            "<|tool>",
+            "<tool|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            "<|tool_response>",
+            "<tool_response|>",
+            '<|"|>',
+            "<|image|>",
+            "<|audio|>",
+            "<|video|>",
+        ),
         "roles": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
         "template": "gemma4.jinja",
     },
     # The same with Gemma 4's image framing tokens (<|image> <|image|>... <image|>): vision test models.
     "gemma4-vision": {
-        "special_tokens": ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
-                           "<channel|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
-                           "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>", "<|video|>", "<|image>",
-                           "<image|>"),  # fmt: skip
+        "special_tokens": (
+            "<pad>",
+            "<eos>",
+            "<bos>",
+            "<unk>",
+            "<mask>",
+            "<|turn>",
+            "<turn|>",
+            "<|think|>",
+            "<|channel>",
+            "<channel|>",
+            "<|tool>",
+            "<tool|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            "<|tool_response>",
+            "<tool_response|>",
+            '<|"|>',
+            "<|image|>",
+            "<|audio|>",
+            "<|video|>",
+            "<|image>",
+            "<image|>",
+        ),
         "roles": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
         "template": "gemma4.jinja",
     },
@@ -97,25 +197,53 @@ CHATS = {
     # "image" one token as in Kimi's vocabulary): vision test models; the template renders
     # <|kimi_image_placeholder|> per image.
     "kimi_k3-vision": {
-        "special_tokens": ("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "<|kimi_image_placeholder|>",
-                           "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "image",
-                           "<|kimi_k25_video_placeholder|>"),  # fmt: skip
+        "special_tokens": (
+            "<|end_of_msg|>",
+            "<|open|>",
+            "<|close|>",
+            "<|sep|>",
+            "<|kimi_image_placeholder|>",
+            "<|media_begin|>",
+            "<|media_content|>",
+            "<|media_end|>",
+            "<|media_pad|>",
+            "image",
+            "<|kimi_k25_video_placeholder|>",
+        ),
         "roles": {"eos_token": "<|end_of_msg|>", "pad_token": "<|end_of_msg|>"},
         "template": "kimi3.jinja",
     },
     # MiniMax M3's tokens and published template (../shared/templates/minimax-m3.jinja, llama.cpp's
     # MiniMax-M3.jinja): ]~!b[ begins, ]~b]ROLE opens a turn, [e~[ ends it; tool tags sit behind ]<]minimax[>[.
     "minimax_m3": {
-        "special_tokens": ("[e~[", "]~!b[", "]~b]", "]<]minimax[>[", "<mm:think>", "</mm:think>", "]<]image[>[",
-                           "]<]video[>["),  # fmt: skip
+        "special_tokens": (
+            "[e~[",
+            "]~!b[",
+            "]~b]",
+            "]<]minimax[>[",
+            "<mm:think>",
+            "</mm:think>",
+            "]<]image[>[",
+            "]<]video[>[",
+        ),
         "roles": {"eos_token": "[e~[", "pad_token": "[e~["},
         "template": "minimax_m3.jinja",
     },
     # The same with MiniMax M3's image framing tokens (]<]start of image[>[ ]<]image[>[... ]<]end of image[>[):
     # vision test models.
     "minimax_m3-vision": {
-        "special_tokens": ("[e~[", "]~!b[", "]~b]", "]<]minimax[>[", "<mm:think>", "</mm:think>", "]<]image[>[",
-                           "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["),  # fmt: skip
+        "special_tokens": (
+            "[e~[",
+            "]~!b[",
+            "]~b]",
+            "]<]minimax[>[",
+            "<mm:think>",
+            "</mm:think>",
+            "]<]image[>[",
+            "]<]video[>[",
+            "]<]start of image[>[",
+            "]<]end of image[>[",
+        ),
         "roles": {"eos_token": "[e~[", "pad_token": "[e~["},
         "template": "minimax_m3.jinja",
     },
@@ -123,39 +251,106 @@ CHATS = {
     # published template (../shared/templates/step-3.5-flash.jinja); it opens with {{bos_token}}
     # and renders image parts as <im_patch>.
     "step": {
-        "special_tokens": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<|im_start|>", "<|im_end|>", "<think>",
-                           "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                           "<im_patch>"),  # fmt: skip
-        "roles": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<|im_end|>", "pad_token": "<｜end▁of▁sentence｜>"},
+        "special_tokens": (
+            "<｜begin▁of▁sentence｜>",
+            "<｜end▁of▁sentence｜>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+            "<im_patch>",
+        ),
+        "roles": {
+            "bos_token": "<｜begin▁of▁sentence｜>",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<｜end▁of▁sentence｜>",
+        },
         "template": "step3.5-flash.jinja",
     },
     # The same with Step 3.7's image framing tokens (<im_start> <patch_start> ... <patch_newline>): vision test models.
     "step5-vision": {
-        "special_tokens": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<|im_start|>", "<|im_end|>", "<think>",
-                           "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                           "<im_patch>", "<im_start>", "<im_end>", "<patch_start>", "<patch_end>",
-                           "<patch_newline>"),  # fmt: skip
-        "roles": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<|im_end|>", "pad_token": "<｜end▁of▁sentence｜>"},
+        "special_tokens": (
+            "<｜begin▁of▁sentence｜>",
+            "<｜end▁of▁sentence｜>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+            "<im_patch>",
+            "<im_start>",
+            "<im_end>",
+            "<patch_start>",
+            "<patch_end>",
+            "<patch_newline>",
+        ),
+        "roles": {
+            "bos_token": "<｜begin▁of▁sentence｜>",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<｜end▁of▁sentence｜>",
+        },
         "template": "step3.5-flash.jinja",
     },
     # GLM-5.3-Flash's role and tool tokens and its published template (../shared/templates/glm-5.3-flash.jinja);
     # the model ends a turn with <|endoftext|> here (real checkpoints also stop at <|user|> / <|observation|>).
     "glm53": {
-        "special_tokens": ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-                           "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
-                           "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>",
-                           "</tool_response>"),  # fmt: skip
+        "special_tokens": (
+            "<|endoftext|>",
+            "[gMASK]",
+            "<sop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+            "<tool_response>",
+            "</tool_response>",
+        ),
         "roles": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
         "template": "glm53.jinja",
     },
     # The same with GLM's image and video framing tokens (the template renders
     # <|begin_of_image|><|image|><|end_of_image|> per image): vision test models.
     "glm53-vision": {
-        "special_tokens": ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-                           "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
-                           "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>",
-                           "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>",
-                           "<|end_of_video|>", "<|video|>"),  # fmt: skip
+        "special_tokens": (
+            "<|endoftext|>",
+            "[gMASK]",
+            "<sop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+            "<tool_response>",
+            "</tool_response>",
+            "<|begin_of_image|>",
+            "<|end_of_image|>",
+            "<|image|>",
+            "<|begin_of_video|>",
+            "<|end_of_video|>",
+            "<|video|>",
+        ),
         "roles": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
         "template": "glm53.jinja",
     },
@@ -163,33 +358,71 @@ CHATS = {
     # calls, with its published template (../shared/templates/nemotron-3-nano.jinja, CRLF as published);
     # the generation prompt opens <think>\n.
     "nemotron": {
-        "special_tokens": ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-                           "</tool_call>", "<tool_response>", "</tool_response>"),  # fmt: skip
+        "special_tokens": (
+            "<unk>",
+            "<s>",
+            "</s>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+        ),
         "roles": {"bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<unk>", "unk_token": "<unk>"},
         "template": "nemotron-3-nano.jinja",
     },
     # MiMo-V2's ChatML turns, <think> reasoning and compact function-tag calls (the mimo tool syntax),
     # with a small template written for the tests: no MiMo template is published in ../shared/templates/.
     "mimo": {
-        "special_tokens": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-                           "</tool_call>", "<tool_response>", "</tool_response>"),  # fmt: skip
+        "special_tokens": (
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+        ),
         "roles": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": "mimo_v2.jinja",
     },
     # DeepSeek V4 / V4.1 spellings (deepseek_recipe.SpecialToken defaults), each one token. No
     # template: these cores lower chats through the official native encoder (native:deepseek_v4*).
     "deepseek": {
-        "special_tokens": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜System｜>", "<｜User｜>",
-                           "<｜Assistant｜>", "<｜latest_reminder｜>", "<think>", "</think>", "｜DSML｜"),  # fmt: skip
-        "roles": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
-                  "pad_token": "<｜end▁of▁sentence｜>"},  # fmt: skip
+        "special_tokens": (
+            "<｜begin▁of▁sentence｜>",
+            "<｜end▁of▁sentence｜>",
+            "<｜System｜>",
+            "<｜User｜>",
+            "<｜Assistant｜>",
+            "<｜latest_reminder｜>",
+            "<think>",
+            "</think>",
+            "｜DSML｜",
+        ),
+        "roles": {
+            "bos_token": "<｜begin▁of▁sentence｜>",
+            "eos_token": "<｜end▁of▁sentence｜>",
+            "pad_token": "<｜end▁of▁sentence｜>",
+        },
         "template": None,
     },
 }
 
 
-def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None = None, vision: bool = False,
-                    overrides: dict | None = None) -> Path:  # fmt: skip
+def write_testmodel(
+    family_name: str,
+    out: Path,
+    seed: int = 0,
+    chat: str | None = None,
+    vision: bool = False,
+    overrides: dict | None = None,
+) -> Path:
     """vision: a multimodal checkpoint (the family's testmodel_vision config, its processor config and
     the family's vision chat flavour, e.g. gemma4-vision); overrides: config.json fields replacing the
     family's test config before the tensors are made to fit it (e.g. num_nextn_predict_layers)."""
@@ -212,8 +445,13 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
         template = fam.TEST_CHAT_TEMPLATE
     tokenizer = build_tokenizer(specials)
     config = fam.testmodel_config(tokenizer.get_vocab_size()) | (overrides or {})
-    config.update({name.replace("_token", "_token_id"): tokenizer.token_to_id(tok)
-                   for name, tok in roles.items() if name != "unk_token"})  # fmt: skip
+    config.update(
+        {
+            name.replace("_token", "_token_id"): tokenizer.token_to_id(tok)
+            for name, tok in roles.items()
+            if name != "unk_token"
+        }
+    )
     if vision:
         names = getattr(fam, "TESTMODEL_VISION_TOKENS", ("<|image|>", "<|image>", "<image|>"))
         framing = {t: tokenizer.token_to_id(t) for t in names}
@@ -224,8 +462,10 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
         config = {k: v for k, v in config.items() if k.endswith("_token_id")} | fam.testmodel_vision(config, framing)
     generator = torch.Generator().manual_seed(seed)
     special = getattr(fam, "testmodel_init", lambda name, shape, generator: None)
-    tensors = {name: _tensor(special, name, shape, generator)
-               for name, shape in fam.hf_shapes(fam.config_from_hf(config)).items()}  # fmt: skip
+    tensors = {
+        name: _tensor(special, name, shape, generator)
+        for name, shape in fam.hf_shapes(fam.config_from_hf(config)).items()
+    }
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -237,7 +477,9 @@ def write_testmodel(family_name: str, out: Path, seed: int = 0, chat: str | None
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     if vision:
-        (out / "preprocessor_config.json").write_text(json.dumps(fam.TESTMODEL_PROCESSOR, indent=2, sort_keys=True) + "\n")
+        (out / "preprocessor_config.json").write_text(
+            json.dumps(fam.TESTMODEL_PROCESSOR, indent=2, sort_keys=True) + "\n"
+        )
     return out
 
 

@@ -90,15 +90,26 @@ def smollm2_core(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -
     return shared(tmp_path_factory, "smollm2", build)
 
 
-def _tiny_core(tmp_path_factory: pytest.TempPathFactory, name: str, checkpoint_name: str, family: str, seed: int,
-               recipe: str, **testmodel: str) -> Path:  # fmt: skip
+def _tiny_core(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    checkpoint_name: str,
+    family: str,
+    seed: int,
+    recipe: str,
+    **testmodel: str,
+) -> Path:
     """A tiny `family` checkpoint (seed), `checkpoint_name`, exported with tests/data/`recipe`.toml
     as the core `name`."""
-    checkpoint = shared(tmp_path_factory, f"ckpt/{checkpoint_name}",
-                        lambda out: write_testmodel(family, out, seed=seed, **testmodel))  # type: ignore[arg-type]
+    checkpoint = shared(
+        tmp_path_factory, f"ckpt/{checkpoint_name}", lambda out: write_testmodel(family, out, seed=seed, **testmodel)
+    )  # type: ignore[arg-type]
     recipe_path = str(Path(__file__).parent / "data" / f"{recipe}.toml")
-    return shared(tmp_path_factory, name, lambda out: export_core(open_source(str(checkpoint)), load_recipe(recipe_path),
-                                                                  ExportOptions(out=out)))  # fmt: skip
+    return shared(
+        tmp_path_factory,
+        name,
+        lambda out: export_core(open_source(str(checkpoint)), load_recipe(recipe_path), ExportOptions(out=out)),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -112,4 +123,6 @@ def qwen3_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def deepseek_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama core with DeepSeek V4's special tokens, lowering chats through the official
     native V4.1 encoder, with DeepSeek reasoning and DSML tool calls (tests/data/tiny_deepseek41.toml)."""
-    return _tiny_core(tmp_path_factory, "tiny-deepseek41", "tiny-deepseek", "llama", 2, "tiny_deepseek41", chat="deepseek")
+    return _tiny_core(
+        tmp_path_factory, "tiny-deepseek41", "tiny-deepseek", "llama", 2, "tiny_deepseek41", chat="deepseek"
+    )

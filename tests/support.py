@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from helios.engine.request import EngineRequest
 
@@ -18,7 +18,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     """Run a console entry point (`ignition ...` / `helios ...`) in a fresh process."""
     program, *rest = args
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", program, *rest], capture_output=True, text=True, env=full_env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", program, *rest], capture_output=True, text=True, env=full_env, cwd=ROOT
+    )
 
 
 class ScriptedExecutor:

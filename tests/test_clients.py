@@ -44,9 +44,14 @@ def test_output_limit_leaves_room_for_the_prompt() -> None:
 def test_target_follows_the_serving_configuration(manifest) -> None:
     plain = target(manifest, ServerConfig())
     assert (plain.url, plain.model, plain.context, plain.api_key) == (
-        "http://127.0.0.1:8000", manifest.public_id, manifest.limits.max_model_len, None)
-    served = target(manifest, ServerConfig(host="0.0.0.0", port=9001, aliases=("", "local"), api_key="k",
-                                           default_max_tokens=64))  # fmt: skip
+        "http://127.0.0.1:8000",
+        manifest.public_id,
+        manifest.limits.max_model_len,
+        None,
+    )
+    served = target(
+        manifest, ServerConfig(host="0.0.0.0", port=9001, aliases=("", "local"), api_key="k", default_max_tokens=64)
+    )
     assert (served.url, served.model, served.api_key, served.output) == ("http://127.0.0.1:9001", "local", "k", 64)
     assert target(manifest, ServerConfig(), "http://host:8080/v1/").url == "http://host:8080"
 
@@ -57,8 +62,12 @@ def test_codex_profile_disables_hosted_search_and_catalogs_the_core(tiny_core: P
     _write(_print("codex", str(tiny_core), "--url", "http://127.0.0.1:9/", "--api-key-file", str(key)), tmp_path)
     profile = tomllib.loads((tmp_path / ".codex" / "flare.config.toml").read_text())
     assert profile["web_search"] == "disabled" and profile["model_provider"] == "flare"
-    assert profile["model_providers"]["flare"] == {"name": "Flare", "base_url": "http://127.0.0.1:9/v1",
-                                                   "wire_api": "responses", "experimental_bearer_token": "sk-1"}  # fmt: skip
+    assert profile["model_providers"]["flare"] == {
+        "name": "Flare",
+        "base_url": "http://127.0.0.1:9/v1",
+        "wire_api": "responses",
+        "experimental_bearer_token": "sk-1",
+    }
     assert profile["model_catalog_json"] == "flare-models.json" and profile["analytics"] == {"enabled": False}
     catalog = json.loads((tmp_path / ".codex" / "flare-models.json").read_text())
     (model,) = catalog["models"]
@@ -82,9 +91,14 @@ def test_opencode_provider_declares_context_and_output(tiny_core: Path, manifest
     _write(_print("opencode", str(tiny_core), "--url", "http://127.0.0.1:8123"), tmp_path)
     config = json.loads((tmp_path / ".config" / "opencode" / "flare.json").read_text())
     provider = config["provider"]["flare"]
-    assert provider["npm"] == "@ai-sdk/openai-compatible" and provider["options"] == {"baseURL": "http://127.0.0.1:8123/v1"}
+    assert provider["npm"] == "@ai-sdk/openai-compatible" and provider["options"] == {
+        "baseURL": "http://127.0.0.1:8123/v1"
+    }
     limit = provider["models"][manifest.public_id]["limit"]
-    assert limit == {"context": manifest.limits.max_model_len, "output": output_limit(manifest.limits.max_model_len, None)}
+    assert limit == {
+        "context": manifest.limits.max_model_len,
+        "output": output_limit(manifest.limits.max_model_len, None),
+    }
     assert config["model"] == f"flare/{manifest.public_id}" and config["autoupdate"] is False
 
 

@@ -16,7 +16,7 @@ def golden_key(index: int) -> str:
     return f"prompt_{index}"
 
 
-def recheck(core: "Core") -> float:
+def recheck(core: Core) -> float:
     """Re-run the golden prompts through the saved step program.
 
     Returns the max absolute logprob difference; raises CoreError naming the first value
@@ -31,8 +31,14 @@ def recheck(core: "Core") -> float:
     worst = 0.0
     for index, prompt in enumerate(golden.prompts):
         expected = recorded[golden_key(index)]
-        got = run_prompt(program, weights, core.manifest.kv, core.manifest.limits.page_tokens, list(prompt),
-                         chunk=golden.prefill_chunk).logprobs  # fmt: skip
+        got = run_prompt(
+            program,
+            weights,
+            core.manifest.kv,
+            core.manifest.limits.page_tokens,
+            list(prompt),
+            chunk=golden.prefill_chunk,
+        ).logprobs
         diff = (got - expected).abs()
         worst = max(worst, float(diff.max()))
         if float(diff.max()) > golden.tolerance:

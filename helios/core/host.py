@@ -18,9 +18,26 @@ from helios.core.manifest import HostFingerprint
 
 # /proc/cpuinfo flags that change Inductor's vector code or oneDNN's weight packing.
 ISA_FLAGS = (
-    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni",
-    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "asimd", "sve", "sve2",
-)  # fmt: skip
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512dq",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "amx_fp16",
+    "asimd",
+    "sve",
+    "sve2",
+)
 
 
 @cache
@@ -57,9 +74,13 @@ def mismatch(recorded: HostFingerprint) -> str | None:
     if recorded.isa != here.isa:
         missing = sorted(set(recorded.isa) - set(here.isa))
         extra = sorted(set(here.isa) - set(recorded.isa))
-        detail = "; ".join(part for part in (
-            f"this CPU lacks {', '.join(missing)}" if missing else "",
-            f"this CPU adds {', '.join(extra)}" if extra else "",
-        ) if part)  # fmt: skip
+        detail = "; ".join(
+            part
+            for part in (
+                f"this CPU lacks {', '.join(missing)}" if missing else "",
+                f"this CPU adds {', '.join(extra)}" if extra else "",
+            )
+            if part
+        )
         return f"its instruction set differs ({detail})"
     return None

@@ -255,8 +255,16 @@ class VisionProfile(_Struct):
         """The processing settings as bytes, for the prefix identity of pages after an image."""
         import hashlib
 
-        fields: tuple = (self.resize, self.patch_size, self.pooling_kernel_size, self.max_patches, self.resample,
-                         self.rescale_factor, self.image_mean, self.image_std)  # fmt: skip
+        fields: tuple = (
+            self.resize,
+            self.patch_size,
+            self.pooling_kernel_size,
+            self.max_patches,
+            self.resample,
+            self.rescale_factor,
+            self.image_mean,
+            self.image_std,
+        )
         if self.tile_size:  # only tiling profiles: a Gemma 4 core's digests stay what they were
             fields += (self.image_size, self.tile_size, self.max_image_side)
         if self.max_pixels:  # only smart_resize / fit_and_pad profiles: older cores' digests stay what they were

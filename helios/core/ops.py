@@ -27,10 +27,25 @@ OPS_VERSION = 1
 # indexer_topk, sparse_paged_attention: helios.core.ops_sparse; dsv4_*: helios.core.ops_deepseek_v4;
 # causal_conv1d: helios.core.ops_recurrent; mamba2_scan: helios.core.ops_mamba; gated_delta_rule:
 # helios.core.ops_gated_delta; sink_attention: helios.core.ops_sinks; kda, kpool_topk: helios.core.ops_glm5_next
-OP_NAMES = ("write_kv", "paged_attention", "routed_experts", "block_select", "block_sparse_attention", "indexer_topk",
-            "sparse_paged_attention", "dsv4_pool", "dsv4_indexer_topk", "dsv4_attention", "causal_conv1d",
-            "mamba2_scan", "gated_delta_rule", "sink_attention", "kda", "kpool_topk",
-            "paged_attention_until")  # fmt: skip
+OP_NAMES = (
+    "write_kv",
+    "paged_attention",
+    "routed_experts",
+    "block_select",
+    "block_sparse_attention",
+    "indexer_topk",
+    "sparse_paged_attention",
+    "dsv4_pool",
+    "dsv4_indexer_topk",
+    "dsv4_attention",
+    "causal_conv1d",
+    "mamba2_scan",
+    "gated_delta_rule",
+    "sink_attention",
+    "kda",
+    "kpool_topk",
+    "paged_attention_until",
+)
 
 
 @torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))
@@ -83,7 +98,7 @@ def paged_attention(
     """
     out = torch.zeros_like(q)
     page_tokens = k_cache.shape[1]
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, kv_len in enumerate(lens):
@@ -110,8 +125,15 @@ def visible_keys(key_positions: Tensor, query_positions: Tensor, window: int) ->
     return visible & (keys > queries - window) if window > 0 else visible
 
 
-def attend(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None, scale: float, softcap: float,
-           causal: bool = False) -> Tensor:  # fmt: skip
+def attend(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    visible: Tensor | None,
+    scale: float,
+    softcap: float,
+    causal: bool = False,
+) -> Tensor:
     """Attention over [..., H, Tq, D] queries and [..., KVH, Tk, D] keys/values (GQA when H > KVH).
 
     SDPA has no soft-capping, so capped scores are computed explicitly (in fp32: tanh of
@@ -134,8 +156,9 @@ def attend(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None, 
 
 
 @paged_attention.register_fake
-def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale,
-                          window=0, softcap=0.0):  # fmt: skip
+def _paged_attention_fake(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0
+):
     return torch.empty_like(q)
 
 

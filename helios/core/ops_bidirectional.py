@@ -19,18 +19,39 @@ from helios.core import ops
 
 
 @torch.library.custom_op("flare::paged_attention_until", mutates_args=())
-def paged_attention_until(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                          query_start_loc: Tensor, positions: Tensor, until: Tensor, scale: float, window: int = 0,
-                          softcap: float = 0.0) -> Tensor:  # fmt: skip
+def paged_attention_until(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    until: Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> Tensor:
     """As flare::paged_attention (same arguments and shapes), plus until [num_tokens] int64: key j is
     visible to query t iff positions[t] - window < j <= until[t] (window 0: j <= until[t])."""
-    return reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale, window,
-                     softcap)  # fmt: skip
+    return reference(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale, window, softcap
+    )
 
 
-def reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-              query_start_loc: Tensor, positions: Tensor, until: Tensor, scale: float, window: int = 0,
-              softcap: float = 0.0) -> Tensor:  # fmt: skip
+def reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    until: Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> Tensor:
     """The op's plain-torch body (callable without the dispatcher)."""
     out = torch.zeros_like(q)
     page_tokens = k_cache.shape[1]
@@ -55,6 +76,7 @@ def visible_until(key_positions: Tensor, query_positions: Tensor, until: Tensor,
 
 
 @paged_attention_until.register_fake
-def _paged_attention_until_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale,
-                                window=0, softcap=0.0):  # fmt: skip
+def _paged_attention_until_fake(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale, window=0, softcap=0.0
+):
     return torch.empty_like(q)

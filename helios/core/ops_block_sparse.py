@@ -23,8 +23,9 @@ from torch import Tensor
 from helios.core import ops  # the shared attention (ops imports this module: attributes are read at call time)
 
 
-def select_blocks(query: Tensor, keys: Tensor, query_positions: Tensor, block_size: int, topk_blocks: int,
-                  local_blocks: int) -> Tensor:  # fmt: skip
+def select_blocks(
+    query: Tensor, keys: Tensor, query_positions: Tensor, block_size: int, topk_blocks: int, local_blocks: int
+) -> Tensor:
     """The indexer's choice for queries of B sequences, as transformers' MiniMaxM3VLIndexer makes it.
 
     query [B, Tq, Hi, Di], keys [B, Tk, Di] (key j at position j), query_positions [B, Tq]
@@ -101,15 +102,17 @@ def block_select(
             continue
         pages = block_tables[i, : -(-kv_len // page_tokens)].long()
         keys = _history(idx_k_cache, pages, kv_len)[:, 0]  # [Tk, Di]
-        chosen = select_blocks(idx_q[start:end][None], keys[None], positions[start:end][None], block_size,
-                               topk_blocks, local_blocks)  # fmt: skip
+        chosen = select_blocks(
+            idx_q[start:end][None], keys[None], positions[start:end][None], block_size, topk_blocks, local_blocks
+        )
         out[start:end] = chosen[0]
     return out
 
 
 @block_select.register_fake
-def _block_select_fake(idx_q, idx_k_cache, block_tables, seq_lens, query_start_loc, positions, block_size,
-                       topk_blocks, local_blocks):  # fmt: skip
+def _block_select_fake(
+    idx_q, idx_k_cache, block_tables, seq_lens, query_start_loc, positions, block_size, topk_blocks, local_blocks
+):
     return idx_q.new_empty((*idx_q.shape[:2], topk_blocks), dtype=torch.int64)
 
 
@@ -154,6 +157,7 @@ def block_sparse_attention(
 
 
 @block_sparse_attention.register_fake
-def _block_sparse_attention_fake(q, k_cache, v_cache, block_ids, block_tables, seq_lens, query_start_loc, positions,
-                                 scale, block_size):  # fmt: skip
+def _block_sparse_attention_fake(
+    q, k_cache, v_cache, block_ids, block_tables, seq_lens, query_start_loc, positions, scale, block_size
+):
     return torch.empty_like(q)

@@ -35,8 +35,9 @@ def _rows(cache: Tensor, block_tables: Tensor, seq: int, pos: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("flare::dsv4_pool", mutates_args=())
-def dsv4_pool(state_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor, positions: Tensor, rate: int,
-              overlap: bool) -> Tensor:  # fmt: skip
+def dsv4_pool(
+    state_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor, positions: Tensor, rate: int, overlap: bool
+) -> Tensor:
     """Compress every group a query token completes.
 
     state_cache:     [P, S, 1, 2 * W] per position [kv W | gate W] (position bias added), already
@@ -75,8 +76,17 @@ def _dsv4_pool_fake(state_cache, block_tables, query_start_loc, positions, rate,
 
 
 @torch.library.custom_op("flare::dsv4_indexer_topk", mutates_args=())
-def dsv4_indexer_topk(q: Tensor, head_weights: Tensor, key_cache: Tensor, block_tables: Tensor,
-                      query_start_loc: Tensor, positions: Tensor, rate: int, top_k: int, scale: float) -> Tensor:  # fmt: skip
+def dsv4_indexer_topk(
+    q: Tensor,
+    head_weights: Tensor,
+    key_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    rate: int,
+    top_k: int,
+    scale: float,
+) -> Tensor:
     """The Lightning indexer: which compressed entries each query attends to.
 
     q:            [T, heads, d] indexer queries (rotated)
@@ -105,9 +115,19 @@ def _dsv4_indexer_topk_fake(q, head_weights, key_cache, block_tables, query_star
 
 
 @torch.library.custom_op("flare::dsv4_attention", mutates_args=())
-def dsv4_attention(q: Tensor, kv_cache: Tensor, entry_cache: Tensor | None, block_tables: Tensor,
-                   query_start_loc: Tensor, positions: Tensor, sinks: Tensor, scale: float, window: int, rate: int,
-                   selected: Tensor | None) -> Tensor:  # fmt: skip
+def dsv4_attention(
+    q: Tensor,
+    kv_cache: Tensor,
+    entry_cache: Tensor | None,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    sinks: Tensor,
+    scale: float,
+    window: int,
+    rate: int,
+    selected: Tensor | None,
+) -> Tensor:
     """Attention with a learned sink over rows that are keys and values alike (K = V).
 
     q:           [T, H, D]
@@ -133,6 +153,7 @@ def dsv4_attention(q: Tensor, kv_cache: Tensor, entry_cache: Tensor | None, bloc
 
 
 @dsv4_attention.register_fake
-def _dsv4_attention_fake(q, kv_cache, entry_cache, block_tables, query_start_loc, positions, sinks, scale, window,
-                         rate, selected):  # fmt: skip
+def _dsv4_attention_fake(
+    q, kv_cache, entry_cache, block_tables, query_start_loc, positions, sinks, scale, window, rate, selected
+):
     return torch.empty_like(q)

@@ -113,8 +113,17 @@ def expand_selection(chosen: Tensor, query_positions: Tensor, pool: int, tail: b
     return torch.cat([tokens, tails], dim=1)
 
 
-def select_pools(q: Tensor, head_weights: Tensor, rows: Tensor, ape: Tensor, query_positions: Tensor, scale: float,
-                 pool: int, topk_pools: int, tail: bool) -> Tensor:  # fmt: skip
+def select_pools(
+    q: Tensor,
+    head_weights: Tensor,
+    rows: Tensor,
+    ape: Tensor,
+    query_positions: Tensor,
+    scale: float,
+    pool: int,
+    topk_pools: int,
+    tail: bool,
+) -> Tensor:
     """One sequence's queries [R, H, D] against its indexer rows [S, 2D] -> [R, kpool_width] positions."""
     keys = pooled_keys(rows, ape, pool)  # [P, D]
     scores = ops_sparse.index_scores(q, head_weights, keys, scale)  # [R, P]
@@ -161,12 +170,14 @@ def kpool_topk(
         if end <= start or kv_len <= 0:
             continue
         rows = ops_sparse.history(cache, block_tables[i], kv_len)[:, 0]  # [S, 2D]
-        out[start:end] = select_pools(q[start:end], head_weights[start:end], rows, ape, positions[start:end], scale,
-                                      pool, topk_pools, tail)  # fmt: skip
+        out[start:end] = select_pools(
+            q[start:end], head_weights[start:end], rows, ape, positions[start:end], scale, pool, topk_pools, tail
+        )
     return out
 
 
 @kpool_topk.register_fake
-def _kpool_topk_fake(q, head_weights, cache, ape, block_tables, seq_lens, query_start_loc, positions, scale, pool,
-                     topk_pools, tail):  # fmt: skip
+def _kpool_topk_fake(
+    q, head_weights, cache, ape, block_tables, seq_lens, query_start_loc, positions, scale, pool, topk_pools, tail
+):
     return q.new_empty((q.shape[0], kpool_width(pool, topk_pools, tail)), dtype=torch.int64)

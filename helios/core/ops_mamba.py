@@ -22,9 +22,21 @@ def time_steps(dt: Tensor, dt_bias: Tensor, dt_min: float, dt_max: float) -> Ten
 
 
 @torch.library.custom_op("flare::mamba2_scan", mutates_args=("ssm_state",))
-def mamba2_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor, ssm_state: Tensor,
-                state_slots: Tensor, query_start_loc: Tensor, positions: Tensor, dt_min: float = 0.0,
-                dt_max: float = 0.0) -> Tensor:  # fmt: skip
+def mamba2_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    dt_bias: Tensor,
+    ssm_state: Tensor,
+    state_slots: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    dt_min: float = 0.0,
+    dt_max: float = 0.0,
+) -> Tensor:
     """Each sequence's Mamba-2 scan, carrying its state across steps.
 
     x:               [T, H, P] the scan inputs (conv output), sequences concatenated
@@ -60,6 +72,7 @@ def mamba2_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
 
 
 @mamba2_scan.register_fake
-def _mamba2_scan_fake(x, dt, A, B, C, D, dt_bias, ssm_state, state_slots, query_start_loc, positions, dt_min=0.0,
-                      dt_max=0.0):  # fmt: skip
+def _mamba2_scan_fake(
+    x, dt, A, B, C, D, dt_bias, ssm_state, state_slots, query_start_loc, positions, dt_min=0.0, dt_max=0.0
+):
     return x.new_empty(x.shape, dtype=torch.float32)

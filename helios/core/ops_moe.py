@@ -48,9 +48,16 @@ def gated_activation(gate: Tensor, up: Tensor, activation: str, limit: float, al
     raise ValueError(f"unknown expert activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
 
 
-def expert_forward(x: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: str = "silu", limit: float = 0.0,
-                   alpha: float = 1.0, post_norm_scale: Tensor | None = None,
-                   post_norm_eps: float = 1e-6) -> Tensor:  # fmt: skip
+def expert_forward(
+    x: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    activation: str = "silu",
+    limit: float = 0.0,
+    alpha: float = 1.0,
+    post_norm_scale: Tensor | None = None,
+    post_norm_eps: float = 1e-6,
+) -> Tensor:
     """One expert on its rows: x [n, H], w_gate_up [2F, H], w_down [H, F] -> [n, H] fp32.
 
     Matmul inputs are in the weights' dtype (as in the dense MLP); the activation and the
@@ -90,19 +97,39 @@ def routed_experts(
                      RMS-normalized (eps post_norm_eps) before its routing weight applies
     returns          [num_tokens, hidden] fp32
     """
-    return reference_routed_experts(h, expert_weights, expert_ids, w_gate_up, w_down, activation, limit, alpha,
-                                    post_norm_scale, post_norm_eps)  # fmt: skip
+    return reference_routed_experts(
+        h, expert_weights, expert_ids, w_gate_up, w_down, activation, limit, alpha, post_norm_scale, post_norm_eps
+    )
 
 
 @routed_experts.register_fake
-def _routed_experts_fake(h, expert_weights, expert_ids, w_gate_up, w_down, activation="silu", limit=0.0, alpha=1.0,
-                         post_norm_scale=None, post_norm_eps=1e-6):  # fmt: skip
+def _routed_experts_fake(
+    h,
+    expert_weights,
+    expert_ids,
+    w_gate_up,
+    w_down,
+    activation="silu",
+    limit=0.0,
+    alpha=1.0,
+    post_norm_scale=None,
+    post_norm_eps=1e-6,
+):
     return h.new_empty(h.shape, dtype=torch.float32)
 
 
-def reference_routed_experts(h: Tensor, expert_weights: Tensor, expert_ids: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                             activation: str = "silu", limit: float = 0.0, alpha: float = 1.0,
-                             post_norm_scale: Tensor | None = None, post_norm_eps: float = 1e-6) -> Tensor:  # fmt: skip
+def reference_routed_experts(
+    h: Tensor,
+    expert_weights: Tensor,
+    expert_ids: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    activation: str = "silu",
+    limit: float = 0.0,
+    alpha: float = 1.0,
+    post_norm_scale: Tensor | None = None,
+    post_norm_eps: float = 1e-6,
+) -> Tensor:
     """The reference kernel: sort the token->expert assignments by expert, run each chosen
     expert once on its contiguous group of rows, scale by the routing weights, add back per token."""
     num_tokens, top_k = expert_ids.shape
@@ -117,8 +144,9 @@ def reference_routed_experts(h: Tensor, expert_weights: Tensor, expert_ids: Tens
         if count == 0:
             continue
         group = rows[start : start + count]
-        y = expert_forward(h[group], w_gate_up[expert], w_down[expert], activation, limit, alpha,
-                           post_norm_scale, post_norm_eps)  # fmt: skip
+        y = expert_forward(
+            h[group], w_gate_up[expert], w_down[expert], activation, limit, alpha, post_norm_scale, post_norm_eps
+        )
         out.index_add_(0, group, y * weights[start : start + count, None])
         start += count
     return out

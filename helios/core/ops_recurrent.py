@@ -39,8 +39,16 @@ def state_spans(state_slots: Tensor, query_start_loc: Tensor, positions: Tensor)
 
 
 @torch.library.custom_op("flare::causal_conv1d", mutates_args=("conv_state",))
-def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor, conv_state: Tensor, state_slots: Tensor,
-                  query_start_loc: Tensor, positions: Tensor, silu: bool) -> Tensor:  # fmt: skip
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    conv_state: Tensor,
+    state_slots: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    silu: bool,
+) -> Tensor:
     """Depthwise causal convolution over each sequence's tokens, carrying its input window.
 
     x:          [T, C] this step's inputs, sequences concatenated
@@ -56,8 +64,9 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor, conv_state: Tensor, s
     return out.to(x.dtype)
 
 
-def convolve_spans(x: Tensor, weight: Tensor, bias: Tensor, conv_state: Tensor, spans: list[Span], silu: bool,
-                   out: Tensor) -> None:  # fmt: skip
+def convolve_spans(
+    x: Tensor, weight: Tensor, bias: Tensor, conv_state: Tensor, spans: list[Span], silu: bool, out: Tensor
+) -> None:
     """causal_conv1d's arithmetic for the given sequences, one at a time, into `out` (fp32)."""
     width = weight.shape[1]
     w = weight.float()[:, None, :]

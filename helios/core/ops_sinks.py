@@ -74,6 +74,5 @@ def sink_attention(
 
 
 @sink_attention.register_fake
-def _sink_attention_fake(q, kv_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
-                         sinks=None):  # fmt: skip
+def _sink_attention_fake(q, kv_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, sinks=None):
     return q.new_empty(q.shape[0], q.shape[1], kv_cache.shape[-1] - q.shape[-1])

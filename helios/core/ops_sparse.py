@@ -104,8 +104,9 @@ def sparse_paged_attention(
 
 
 @sparse_paged_attention.register_fake
-def _sparse_paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions,
-                                 topk_indices, scale):  # fmt: skip
+def _sparse_paged_attention_fake(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, topk_indices, scale
+):
     return torch.empty_like(q)
 
 

@@ -39,7 +39,12 @@ VISION = "vision"
 
 
 def program_signature(
-    kind: str, num_top: int, explicit_ids: bool, state: bool = False, vision: int = 0, window: bool = False,
+    kind: str,
+    num_top: int,
+    explicit_ids: bool,
+    state: bool = False,
+    vision: int = 0,
+    window: bool = False,
     bidirectional: bool = False,
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Input and output specs of a program kind, for a core's logprob capabilities.
@@ -86,7 +91,10 @@ def program_signature(
             inputs.append(TensorSpec("attention_until", "int64", ("T",)))
     outputs = [TensorSpec("logits", "float32", ("R", "V")), TensorSpec("logsumexp", "float32", ("R",))]
     if num_top:
-        outputs += [TensorSpec("top_logprobs", "float32", ("R", num_top)), TensorSpec("top_ids", "int64", ("R", num_top))]
+        outputs += [
+            TensorSpec("top_logprobs", "float32", ("R", num_top)),
+            TensorSpec("top_ids", "int64", ("R", num_top)),
+        ]
     if explicit_ids:
         outputs.append(TensorSpec("explicit_logprobs", "float32", ("R", "K")))
     if kind == SCORED_PREFILL:
@@ -142,7 +150,7 @@ class Program(_Callable):
         self.module = module
 
     @classmethod
-    def load(cls, kind: str, spec: ProgramSpec, path: Path, check_guards: bool = True) -> "Program":
+    def load(cls, kind: str, spec: ProgramSpec, path: Path, check_guards: bool = True) -> Program:
         """check_guards=False skips per-call input-shape checks (callers that build inputs themselves)."""
         module = _exported(path).module(check_guards=check_guards)
         if not check_guards:
@@ -158,7 +166,7 @@ class Program(_Callable):
         return self.module(weights, kv_cache, *inputs)
 
 
-_EXPORTED: "collections.OrderedDict[tuple, torch.export.ExportedProgram]" = collections.OrderedDict()
+_EXPORTED: collections.OrderedDict[tuple, torch.export.ExportedProgram] = collections.OrderedDict()
 _EXPORTED_LOCK = threading.Lock()
 _EXPORTED_KEEP = 16  # programs kept deserialized per process (a core has a few; tests open many)
 
@@ -196,8 +204,9 @@ class CompiledProgram(_Callable):
         self.runner = runner
 
     @classmethod
-    def load(cls, kind: str, spec: ProgramSpec, path: Path,
-             runner: Callable[[str], Any] | None = None) -> "CompiledProgram":  # fmt: skip
+    def load(
+        cls, kind: str, spec: ProgramSpec, path: Path, runner: Callable[[str], Any] | None = None
+    ) -> CompiledProgram:
         """runner: builds the object whose .run(tensors) runs the shared object (default: torch's
         AOTInductor runner, which holds the GIL while it runs)."""
         # The shared object is loaded in place (no package to extract); its constants are the
@@ -211,8 +220,14 @@ class CompiledProgram(_Callable):
         return self.runner.run([*kv_cache, *inputs])
 
 
-def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str = "cpu",
-                num_slots: int = 1, num_window_pages: int | None = None) -> list[Tensor]:  # fmt: skip
+def allocate_kv(
+    layout: KvLayout,
+    num_pages: int,
+    page_tokens: int,
+    device: str = "cpu",
+    num_slots: int = 1,
+    num_window_pages: int | None = None,
+) -> list[Tensor]:
     """A zeroed paged cache: [k0, v0, k1, v1, ...] (shared_kv: [kv0, kv1, ...]), then the
     layout's extra caches, each [num_pages, page_tokens, heads, head_dim] (KvLayout.cache_shapes;
     the window pool's tensors num_window_pages, default num_pages), then its state tensors
@@ -220,8 +235,10 @@ def allocate_kv(layout: KvLayout, num_pages: int, page_tokens: int, device: str 
     dtype = getattr(torch, layout.dtype)
     windowed = set(layout.window_pool.caches) if layout.window_pool is not None else set()
     window_pages = num_pages if num_window_pages is None else num_window_pages
-    shapes = [((window_pages if index in windowed else num_pages, page_tokens, heads, dim), dtype)
-              for index, (heads, dim) in enumerate(layout.cache_shapes())]  # fmt: skip
+    shapes = [
+        ((window_pages if index in windowed else num_pages, page_tokens, heads, dim), dtype)
+        for index, (heads, dim) in enumerate(layout.cache_shapes())
+    ]
     shapes += [((num_slots, *shape), getattr(torch, state_dtype)) for shape, state_dtype in layout.state_shapes()]
     if device != "cpu":
         return [torch.zeros(shape, dtype=dt, device=device) for shape, dt in shapes]
@@ -313,7 +330,8 @@ def run_prompt(
             inputs["target_ids"] = torch.cat([ids[start + 1 : end + 1], torch.full((max(0, end + 1 - total),), -1)])
         if "image_features" in program.input_names:
             inputs["image_features"], inputs["image_rows"] = chunk_image_inputs(
-                program, image_features, image_positions or [], start, end)
+                program, image_features, image_positions or [], start, end
+            )
         if bidirectional:
             inputs["attention_until"] = attention_until(range(start, end), runs)
         for name, value in program(weights, kv, **inputs).items():
@@ -347,8 +365,9 @@ def attention_until(positions: range | list[int], runs: list[tuple[int, int]]) -
     return torch.tensor(out, dtype=torch.int64)
 
 
-def chunk_image_inputs(program: "_Callable", features: Tensor | None, positions: list[int], start: int,
-                       end: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+def chunk_image_inputs(
+    program: _Callable, features: Tensor | None, positions: list[int], start: int, end: int
+) -> tuple[Tensor, Tensor]:
     """(image_features, image_rows) of one chunk [start, end) of a sequence: the feature rows at
     positions inside it, or one dummy row (-1) when there are none."""
     width = next(int(t.shape[1]) for t in program.spec.inputs if t.name == "image_features")

@@ -60,7 +60,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     defaults: SamplingDefaults
     ranges: dict[str, Interval] = {}
 
-    def fixed(self) -> "SamplingSpec":
+    def fixed(self) -> SamplingSpec:
         """The same defaults with every parameter fixed (an export with --no-ranges)."""
         return SamplingSpec(defaults=self.defaults, ranges={})
 

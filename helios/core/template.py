@@ -40,8 +40,9 @@ def _raise_exception(message: str) -> NoReturn:
     raise _Raised(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson HTML-escapes and ignores these options; templates expect json.dumps.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -82,8 +83,7 @@ def _compile(source: str, mutable: bool) -> jinja2.Template:
     env_class = SandboxedEnvironment if mutable else ImmutableSandboxedEnvironment
     env = env_class(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
-                       namespace=_Namespace)  # fmt: skip
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(), namespace=_Namespace)
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
@@ -121,8 +121,9 @@ def check_template_kwargs(kwargs: Mapping[str, Any]) -> None:
 class ChatTemplate:
     """One model's chat template, compiled once; `render` is safe to call concurrently."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str | None] | None = None, *,
-                 mutable: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, source: str, special_tokens: Mapping[str, str | None] | None = None, *, mutable: bool = False
+    ) -> None:
         self.source = source
         # bos_token, eos_token, ...: visible to the template as variables, overridable by template kwargs.
         self.special_tokens: dict[str, str | None] = dict(special_tokens or {})
@@ -130,9 +131,17 @@ class ChatTemplate:
         self._template = _compile(source, mutable)
         self._inline_system: bool | None = None
 
-    def render(self, messages: list[dict[str, Any]], /, *, tools: list[dict[str, Any]] | None = None,
-               add_generation_prompt: bool = True, continue_final_message: bool = False,
-               documents: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:  # fmt: skip
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        /,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        documents: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         """The prompt text for `messages`, as transformers' apply_chat_template(..., tokenize=False) renders it.
 
         continue_final_message: end the prompt right after the final (assistant) message's content so
@@ -146,8 +155,9 @@ class ChatTemplate:
         chat = [_alias_reasoning(m) for m in _plain(list(messages))]
         final = self._tag_final_message(chat) if continue_final_message else ""
         variables = {**self.special_tokens, **_plain(template_kwargs)}
-        variables.update(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                         add_generation_prompt=add_generation_prompt)  # fmt: skip
+        variables.update(
+            messages=chat, tools=_plain(tools), documents=_plain(documents), add_generation_prompt=add_generation_prompt
+        )
         text = self._render(variables)
         return self._cut_after_final(text, final) if continue_final_message else text
 
@@ -202,8 +212,10 @@ class ChatTemplate:
     def _cut_after_final(text: str, final: str) -> str:
         tag = _CONTINUE_TAG.strip()
         if final.strip() not in text or tag not in text:
-            raise TemplateError("continue_final_message: the chat template does not render the final message's "
-                                "content verbatim, so it cannot be continued")  # fmt: skip
+            raise TemplateError(
+                "continue_final_message: the chat template does not render the final message's "
+                "content verbatim, so it cannot be continued"
+            )
         at = text.rindex(tag)
         if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
             return text[:at]

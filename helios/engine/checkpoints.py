@@ -73,9 +73,17 @@ class StepCosts:
         return fixed + state_bytes * self.copy_ns_per_byte
 
 
-def select(hints: Iterable[tuple[int, str]], *, page_tokens: int, computed: int, last: int,
-           planned: Callable[[int], bool], exists: Callable[[int], bool], capture_ns: float | None,
-           allowance_ns: float | None) -> tuple[list[Checkpoint], list[str]]:  # fmt: skip
+def select(
+    hints: Iterable[tuple[int, str]],
+    *,
+    page_tokens: int,
+    computed: int,
+    last: int,
+    planned: Callable[[int], bool],
+    exists: Callable[[int], bool],
+    capture_ns: float | None,
+    allowance_ns: float | None,
+) -> tuple[list[Checkpoint], list[str]]:
     """(selected checkpoints, skip reasons) for one sequence's hints.
 
     Each hint is floored to its page boundary (snapshots are keyed by page-hash chains); those

@@ -56,7 +56,7 @@ class EngineClient:
         engine.on_copied(self._wake.set)  # finished host-store copies: release their pins when idle
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "EngineClient":
+    def start(self) -> EngineClient:
         self._thread.start()
         return self
 

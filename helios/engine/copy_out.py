@@ -38,8 +38,16 @@ class _Offer:
 class CopyOut:
     """The scheduler's copy-out bookkeeping (it owns one; every call is on the engine thread)."""
 
-    def __init__(self, pool: PagePool, states: StatePool | None, host: HostStore | None, copier: Copier | None,
-                 page_bytes: int, copy_queue_bytes: int, next_step_pages: Callable[[], int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pool: PagePool,
+        states: StatePool | None,
+        host: HostStore | None,
+        copier: Copier | None,
+        page_bytes: int,
+        copy_queue_bytes: int,
+        next_step_pages: Callable[[], int],
+    ) -> None:
         self.pool = pool
         self.states = states
         self.host = host
@@ -79,13 +87,17 @@ class CopyOut:
         if self.states is None:
             ends = [len(chain)]
         else:
-            ends = sorted((i + 1 for i, digest in enumerate(chain) if self.states.has(digest)),
-                          key=lambda end: (end != anchor, end))  # fmt: skip
+            ends = sorted(
+                (i + 1 for i, digest in enumerate(chain) if self.states.has(digest)),
+                key=lambda end: (end != anchor, end),
+            )
         size, offered, held, dropped, skipped = self.pool.page_tokens, 0, [], 0, 0
         planned: list[tuple[bool, int, bytes, int, int | None]] = []  # (state, chain index, key, bytes, page)
         planned_bytes = 0
         for end in ends:
-            candidates = [(False, i) for i in range(offered, end)] + ([(True, end - 1)] if self.states is not None else [])
+            candidates = [(False, i) for i in range(offered, end)] + (
+                [(True, end - 1)] if self.states is not None else []
+            )
             offered = max(offered, end)
             for state, index in candidates:
                 digest = chain[index]

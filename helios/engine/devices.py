@@ -8,7 +8,7 @@ pure sizing rule for a CUDA pool sized from free device memory (no kv_pages / kv
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 DEVICE_SETTING = re.compile(r"auto|cpu|cuda(:\d+)?")
 # Device memory the captured CUDA graphs of one decode bucket are expected to hold (their
@@ -21,9 +21,10 @@ class DeviceError(ValueError):
     """The requested device cannot be used here; the message says what to do."""
 
 
-def resolve(setting: str, cuda_available: Callable[[], bool] | None = None,
-            device_count: Callable[[], int] | None = None) -> str:  # fmt: skip
-    """"cpu", "cuda" or "cuda:N" for a `[server] device` setting; DeviceError where CUDA is asked
+def resolve(
+    setting: str, cuda_available: Callable[[], bool] | None = None, device_count: Callable[[], int] | None = None
+) -> str:
+    """ "cpu", "cuda" or "cuda:N" for a `[server] device` setting; DeviceError where CUDA is asked
     for and absent (or the index is past the host's devices). The probes default to torch.cuda's."""
     if not DEVICE_SETTING.fullmatch(setting):
         raise DeviceError(f'[server] device must be "auto", "cpu", "cuda" or "cuda:N", got {setting!r}')
@@ -35,14 +36,18 @@ def resolve(setting: str, cuda_available: Callable[[], bool] | None = None,
     if setting == "auto":
         return "cuda" if available else "cpu"
     if not available:
-        raise DeviceError(f'[server] device = "{setting}" but this host has no usable CUDA device (torch '
-                          f'{torch.__version__}, built with CUDA {torch.version.cuda}): install a CUDA build of torch '
-                          'on a host with an NVIDIA GPU and driver, or set device = "cpu" (or "auto")')  # fmt: skip
+        raise DeviceError(
+            f'[server] device = "{setting}" but this host has no usable CUDA device (torch '
+            f"{torch.__version__}, built with CUDA {torch.version.cuda}): install a CUDA build of torch "
+            'on a host with an NVIDIA GPU and driver, or set device = "cpu" (or "auto")'
+        )
     if ":" in setting:
         index, count = int(setting.split(":")[1]), (device_count or torch.cuda.device_count)()
         if index >= count:
-            raise DeviceError(f'[server] device = "{setting}" but this host has {count} CUDA device(s) '
-                              f'(cuda:0..cuda:{count - 1}): pick one of them')  # fmt: skip
+            raise DeviceError(
+                f'[server] device = "{setting}" but this host has {count} CUDA device(s) '
+                f"(cuda:0..cuda:{count - 1}): pick one of them"
+            )
     return setting
 
 
@@ -60,10 +65,12 @@ def kv_pages_for(free_bytes: int, fraction: float, page_bytes: int, graph_reserv
         raise ValueError("page_bytes must be positive, free and reserve bytes non-negative")
     usable = int(free_bytes * fraction) - graph_reserve_bytes
     if usable < page_bytes:
-        raise DeviceError(f"the KV pool does not fit on the device: {free_bytes >> 20} MiB free after the weights, "
-                          f"{fraction:g} of it less {graph_reserve_bytes >> 20} MiB for CUDA graphs leaves less than "
-                          f"one {page_bytes} byte page; free device memory, raise kv_memory_fraction, set "
-                          "cuda_graphs = false, or give kv_pages / kv_memory_mb")  # fmt: skip
+        raise DeviceError(
+            f"the KV pool does not fit on the device: {free_bytes >> 20} MiB free after the weights, "
+            f"{fraction:g} of it less {graph_reserve_bytes >> 20} MiB for CUDA graphs leaves less than "
+            f"one {page_bytes} byte page; free device memory, raise kv_memory_fraction, set "
+            "cuda_graphs = false, or give kv_pages / kv_memory_mb"
+        )
     return usable // page_bytes
 
 

@@ -34,13 +34,20 @@ def incompatibility(target: Manifest, draft: Manifest) -> str | None:
     """Why `draft` cannot propose drafts for `target`, or None."""
     name = draft.public_id
     if target.files.get(target.tokenizer.file) != draft.files.get(draft.tokenizer.file):
-        return (f"draft core {name!r} has a different tokenizer than {target.public_id!r} (tokenizer.json digests "
-                "differ): a draft core must share the served core's tokenizer")  # fmt: skip
-    if draft.tokenizer.vocab_size < target.tokenizer.vocab_size and draft.tokenizer.special_tokens != target.tokenizer.special_tokens:
+        return (
+            f"draft core {name!r} has a different tokenizer than {target.public_id!r} (tokenizer.json digests "
+            "differ): a draft core must share the served core's tokenizer"
+        )
+    if (
+        draft.tokenizer.vocab_size < target.tokenizer.vocab_size
+        and draft.tokenizer.special_tokens != target.tokenizer.special_tokens
+    ):
         return f"draft core {name!r} has other special tokens than {target.public_id!r}"
     if draft.limits.page_tokens != target.limits.page_tokens:
-        return (f"draft core {name!r} pages hold {draft.limits.page_tokens} tokens, the served core's "
-                f"{target.limits.page_tokens}: re-export it with --page-tokens {target.limits.page_tokens}")  # fmt: skip
+        return (
+            f"draft core {name!r} pages hold {draft.limits.page_tokens} tokens, the served core's "
+            f"{target.limits.page_tokens}: re-export it with --page-tokens {target.limits.page_tokens}"
+        )
     if draft.kv.state:
         return f"draft core {name!r} has recurrent layers (a rejected draft would have advanced their state)"
     return None
@@ -49,8 +56,17 @@ def incompatibility(target: Manifest, draft: Manifest) -> str | None:
 class DraftCoreDrafter:
     """Proposes each running sequence's next drafts from a draft core (see the module)."""
 
-    def __init__(self, core: Core, target: Manifest, num_pages: int, device: str, max_drafts: int,
-                 max_rows: int, chunk_rows: int, stats: EngineStats) -> None:  # fmt: skip
+    def __init__(
+        self,
+        core: Core,
+        target: Manifest,
+        num_pages: int,
+        device: str,
+        max_drafts: int,
+        max_rows: int,
+        chunk_rows: int,
+        stats: EngineStats,
+    ) -> None:
         why = incompatibility(target, core.manifest)
         if why is not None:
             raise ValueError(why)
@@ -63,8 +79,11 @@ class DraftCoreDrafter:
         self.chunk_rows = chunk_rows  # committed rows per sequence and step (a long prompt takes several)
         self.vocab = min(m.tokenizer.vocab_size, target.tokenizer.vocab_size)  # padded rows are never drafted
         self.max_len = m.limits.max_model_len
-        upcast = device == "cpu" and m.weights.dtype in ("bfloat16", "float16") and \
-            not precision.is_native(getattr(torch, m.weights.dtype))  # fmt: skip
+        upcast = (
+            device == "cpu"
+            and m.weights.dtype in ("bfloat16", "float16")
+            and not precision.is_native(getattr(torch, m.weights.dtype))
+        )
         self.executor = Executor(core, num_pages + self.scratch_per_seq * max_rows, device, 0, upcast)
         self.stats = stats
         self._frontier: dict[int, int] = {}  # id(seq) -> positions before it hold its committed draft KV
@@ -85,8 +104,9 @@ class DraftCoreDrafter:
         return len(self._proposals) + len(self._frontier)
 
     # ------------------------------------------------------------------ after a step
-    def observe(self, plan: SchedulerOutput, hidden: dict[int, Tensor], tables: dict[int, list[int]],
-                depths: dict[int, int]) -> None:  # fmt: skip
+    def observe(
+        self, plan: SchedulerOutput, hidden: dict[int, Tensor], tables: dict[int, list[int]], depths: dict[int, int]
+    ) -> None:
         """After update_from_output: the draft's committed rows of every sequence the step
         touched, then drafts for those in `depths` (id(seq) -> how many)."""
         del hidden  # a draft core computes its own
@@ -132,8 +152,11 @@ class DraftCoreDrafter:
         # [seq, its drafts, grammar state]
         chain = [[seq, [pick[0]], pick[1]] for (seq, _), pick in zip(wanted, picks) if pick is not None]
         for step in range(1, max((depths[id(entry[0])] for entry in chain), default=1)):
-            group = [e for e in chain if depths[id(e[0])] > step and len(e[0].token_ids) + step <= self.max_len
-                     and len(e[1]) == step]  # fmt: skip
+            group = [
+                e
+                for e in chain
+                if depths[id(e[0])] > step and len(e[0].token_ids) + step <= self.max_len and len(e[1]) == step
+            ]
             if not group:
                 break
             rows = DraftRows.empty()

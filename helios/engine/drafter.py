@@ -121,7 +121,7 @@ class LearnedDrafter(Protocol):
     the scheduler reads its proposals while planning the next and tells it when a sequence leaves."""
 
     name: str  # what /metrics reports as learned_drafter_name ("mtp", a draft core's id)
-    picker: "DraftPicker"  # its greedy picks, under a constrained sequence's grammar (the engine sets the mask hook)
+    picker: DraftPicker  # its greedy picks, under a constrained sequence's grammar (the engine sets the mask hook)
 
     def proposal(self, seq) -> tuple[int, ...]:
         """Drafts proposed for seq after the last step (empty when none)."""

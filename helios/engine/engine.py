@@ -50,6 +50,7 @@ log = logging.getLogger("helios.engine")
 # draft at once; a sequence finding none free decodes without drafts that step.
 ROLLBACK_SLOTS = 8
 
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_concurrency: int = 64  # live choices at once
@@ -107,8 +108,13 @@ class LLMEngine:
         self.vocab_size = m.tokenizer.vocab_size
         self.max_model_len = min(config.max_model_len or m.limits.max_model_len, m.limits.max_model_len)
         # A 16-bit core on a CPU without native 16-bit matmuls runs upcast to fp32 (measured).
-        self.upcast_from = m.weights.dtype if config.device == "cpu" and m.weights.dtype in ("bfloat16", "float16") \
-            and not precision.is_native(getattr(torch, m.weights.dtype)) else None  # fmt: skip
+        self.upcast_from = (
+            m.weights.dtype
+            if config.device == "cpu"
+            and m.weights.dtype in ("bfloat16", "float16")
+            and not precision.is_native(getattr(torch, m.weights.dtype))
+            else None
+        )
         kv_dtype = "float32" if self.upcast_from else m.kv.dtype
         element = torch.tensor([], dtype=getattr(torch, kv_dtype)).element_size()
         page, main_bytes = m.limits.page_tokens, m.kv.token_elements * m.limits.page_tokens * element
@@ -129,11 +135,17 @@ class LLMEngine:
         self.window = None
         if pooled is not None and num_window_pages is not None:
             self.window = WindowPages(PagePool(num_window_pages, page), pooled.window)
-            log.info("window pool: the sliding layers' caches hold %d pages (%d MiB), freed %d tokens behind each "
-                     "query; the other layers' pool %d pages", num_window_pages,
-                     num_window_pages * window_page_bytes >> 20, pooled.window, num_pages)  # fmt: skip
-        self.stats = EngineStats(total_pages=num_pages, page_tokens=m.limits.page_tokens,
-                                 decode_weight_bytes=m.decode_weight_bytes)  # fmt: skip
+            log.info(
+                "window pool: the sliding layers' caches hold %d pages (%d MiB), freed %d tokens behind each "
+                "query; the other layers' pool %d pages",
+                num_window_pages,
+                num_window_pages * window_page_bytes >> 20,
+                pooled.window,
+                num_pages,
+            )
+        self.stats = EngineStats(
+            total_pages=num_pages, page_tokens=m.limits.page_tokens, decode_weight_bytes=m.decode_weight_bytes
+        )
         self.states = None
         if m.kv.state:
             snapshots = config.max_concurrency if config.state_snapshots is None else config.state_snapshots
@@ -149,17 +161,31 @@ class LLMEngine:
         speculation = config.speculation
         learned = speculation.mode != "off" and speculation.learned
         drafters = mtp_kinds(m.programs) if learned and config.draft_core is None else ()
-        self.executor = Executor(core, num_pages, config.device, config.serial_decode_rows, self.upcast_from is not None,
-                                 config.compiled_step, self.states.num_slots if self.states else 1, drafters,
-                                 cuda_graphs=config.cuda_graphs and devices.is_cuda(config.device),
-                                 num_window_pages=num_window_pages)  # fmt: skip
+        self.executor = Executor(
+            core,
+            num_pages,
+            config.device,
+            config.serial_decode_rows,
+            self.upcast_from is not None,
+            config.compiled_step,
+            self.states.num_slots if self.states else 1,
+            drafters,
+            cuda_graphs=config.cuda_graphs and devices.is_cuda(config.device),
+            num_window_pages=num_window_pages,
+        )
         if self.executor.vision is not None and m.vision is not None:
             from helios.engine.images import ImageEncoder
 
             weights = self.executor.weights or core.load_weights(config.device)  # a compiled step keeps none
-            self.executor.images = ImageEncoder(self.executor.vision, weights, m.vision.feature_dim,
-                                                m.vision.image_feature_window_tokens * config.max_concurrency,
-                                                config.device, self.stats, config.image_cache_bytes)  # fmt: skip
+            self.executor.images = ImageEncoder(
+                self.executor.vision,
+                weights,
+                m.vision.feature_dim,
+                m.vision.image_feature_window_tokens * config.max_concurrency,
+                config.device,
+                self.stats,
+                config.image_cache_bytes,
+            )
         self.costs = StepCosts()  # what hinted checkpoints of hybrid cores are predicted to cost
         if self.states is not None:
             self._measure_state_copy()
@@ -168,20 +194,42 @@ class LLMEngine:
         host = self._host_store(core, config, kv_dtype)
         copier = Copier(host, self.executor.page_caches, self.executor.state) if host is not None else None
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_concurrency, config.prefill_chunk_size, self.max_model_len,
-                            frozenset(m.tokenizer.eos_token_ids), -(-interval // page) * page,
-                            config.checkpoint_work_fraction, "attention_until" in self.executor.step.input_names),
-            self.pool, self.stats, speculation, self.states, host, self.executor.page_bytes, self.costs,
-            copier, config.host_cache.copy_queue_bytes if config.host_cache is not None else 0, self.window,
-        )  # fmt: skip
+            SchedulerConfig(
+                config.max_concurrency,
+                config.prefill_chunk_size,
+                self.max_model_len,
+                frozenset(m.tokenizer.eos_token_ids),
+                -(-interval // page) * page,
+                config.checkpoint_work_fraction,
+                "attention_until" in self.executor.step.input_names,
+            ),
+            self.pool,
+            self.stats,
+            speculation,
+            self.states,
+            host,
+            self.executor.page_bytes,
+            self.costs,
+            copier,
+            config.host_cache.copy_queue_bytes if config.host_cache is not None else 0,
+            self.window,
+        )
         if self.executor.compiled_fallback:
             log.warning("%s", self.executor.compiled_fallback)
         self.learned: MtpDrafter | DraftCoreDrafter | None = None
         if drafters:
             self.learned = self._mtp_drafter(core, drafters, speculation)
         elif learned and config.draft_core is not None:
-            self.learned = DraftCoreDrafter(config.draft_core, m, num_pages, config.device, speculation.max_drafts,
-                                            config.max_concurrency, config.prefill_chunk_size, self.stats)  # fmt: skip
+            self.learned = DraftCoreDrafter(
+                config.draft_core,
+                m,
+                num_pages,
+                config.device,
+                speculation.max_drafts,
+                config.max_concurrency,
+                config.prefill_chunk_size,
+                self.stats,
+            )
         self.scheduler.drafter.learned = self.learned
         if self.learned is not None:  # learned drafts follow the grammar of a constrained sequence
             self.learned.picker = DraftPicker(mask_hook)
@@ -205,8 +253,15 @@ class LLMEngine:
             index += len(extra.layers)
         page = self.pool.page_tokens
         log.info("speculation: drafting with the core's %d MTP layer(s) (%s)", len(kinds), ", ".join(kinds))
-        return MtpDrafter(self.executor, kinds, tuple(indexes), page, speculation.max_drafts // page + 2,
-                          self.config.max_concurrency, self.stats)  # fmt: skip
+        return MtpDrafter(
+            self.executor,
+            kinds,
+            tuple(indexes),
+            page,
+            speculation.max_drafts // page + 2,
+            self.config.max_concurrency,
+            self.stats,
+        )
 
     def _host_store(self, core: Core, config: EngineConfig, kv_dtype: str) -> HostStore | None:
         host = config.host_cache
@@ -214,8 +269,10 @@ class LLMEngine:
             return None
         m = core.manifest
         if self.window is not None:
-            log.warning("host cache: off for this core: its sliding layers' pages are reclaimed behind the window "
-                        "(reclaim_window_pages), which the host store's records do not cover yet")  # fmt: skip
+            log.warning(
+                "host cache: off for this core: its sliding layers' pages are reclaimed behind the window "
+                "(reclaim_window_pages), which the host store's records do not cover yet"
+            )
             return None
         shapes = m.kv.cache_shapes() if not m.kv.state else (m.kv.cache_shapes(), m.kv.state_shapes())
         identity = identity_of(core.digest, kv_dtype, m.limits.page_tokens, shapes)
@@ -225,8 +282,11 @@ class LLMEngine:
         started = time.perf_counter_ns()
         self.executor.write_pages(tuple(zip(pages, self.executor.read_pages(pages))))
         store.copy_ns_per_byte = (time.perf_counter_ns() - started) / (len(pages) * self.executor.page_bytes)
-        log.info("host prefix store: %d MiB in memory, %s", host.memory_bytes >> 20,
-                 f"{host.disk_bytes >> 20} MiB on disk in {store.directory}" if store.disk_bytes else "no disk tier")
+        log.info(
+            "host prefix store: %d MiB in memory, %s",
+            host.memory_bytes >> 20,
+            f"{host.disk_bytes >> 20} MiB on disk in {store.directory}" if store.disk_bytes else "no disk tier",
+        )
         return store
 
     @property
@@ -271,8 +331,14 @@ class LLMEngine:
         reserve = devices.GRAPH_RESERVE_PER_BUCKET * len(core.manifest.decode_buckets) if config.cuda_graphs else 0
         free = devices.free_device_bytes(config.device)
         pages = devices.kv_pages_for(max(0, free - weights), config.kv_memory_fraction, page_bytes, reserve)
-        log.info("KV pool: %d pages from %d MiB free on %s (%d MiB of weights to load, %d MiB kept for CUDA graphs)",
-                 pages, free >> 20, config.device, weights >> 20, reserve >> 20)  # fmt: skip
+        log.info(
+            "KV pool: %d pages from %d MiB free on %s (%d MiB of weights to load, %d MiB kept for CUDA graphs)",
+            pages,
+            free >> 20,
+            config.device,
+            weights >> 20,
+            reserve >> 20,
+        )
         return pages
 
     def _measure(self, plan: SchedulerOutput, elapsed_ns: int) -> None:
@@ -281,7 +347,9 @@ class LLMEngine:
         host = self.scheduler.host
         if host is None:
             return
-        prompt = sum(min(c.start + c.num_tokens, c.seq.num_prompt) - c.start for c in plan.chunks if c.start < c.seq.num_prompt)
+        prompt = sum(
+            min(c.start + c.num_tokens, c.seq.num_prompt) - c.start for c in plan.chunks if c.start < c.seq.num_prompt
+        )
         if prompt:
             self._prefill_ns += elapsed_ns
             self._prefill_tokens += prompt
@@ -294,8 +362,13 @@ class LLMEngine:
         host = self.scheduler.host
         if host is not None and request.use_prefix_cache and self.config.enable_prefix_cache:
             size = self.pool.page_tokens
-            host.prefetch(request.prompt_ids, lambda index: request.page_identity(index, size), size,
-                          self.states is not None, key=request.request_id)
+            host.prefetch(
+                request.prompt_ids,
+                lambda index: request.page_identity(index, size),
+                size,
+                self.states is not None,
+                key=request.request_id,
+            )
 
     def close(self) -> None:
         """Finish the host store's copies and disk writes (shutdown)."""
@@ -320,8 +393,10 @@ class LLMEngine:
             return f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds the context limit of {self.max_model_len} tokens"
         needed = self.scheduler.min_pages(request)
         if needed > self.pool.num_pages:
-            return (f"the prompt ({len(request.prompt_ids)} tokens) and one output token per choice need {needed} KV "
-                    f"pages but the pool has {self.pool.num_pages} (raise [server] kv_pages or kv_memory_mb)")
+            return (
+                f"the prompt ({len(request.prompt_ids)} tokens) and one output token per choice need {needed} KV "
+                f"pages but the pool has {self.pool.num_pages} (raise [server] kv_pages or kv_memory_mb)"
+            )
         if request.prompt_logprobs is not None and self.executor.scored is None:
             return "prompt logprobs need a core exported with `ignition export --prompt-logprobs`"
         return None
@@ -338,8 +413,12 @@ class LLMEngine:
     @property
     def has_work(self) -> bool:
         copier = self.scheduler.copy_out.copier
-        return (self.scheduler.has_work or bool(self._aborted) or bool(self.scheduler.copy_out.copies_deferred)
-                or (copier is not None and copier.has_done))
+        return (
+            self.scheduler.has_work
+            or bool(self._aborted)
+            or bool(self.scheduler.copy_out.copies_deferred)
+            or (copier is not None and copier.has_done)
+        )
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineEvent]:
@@ -355,8 +434,9 @@ class LLMEngine:
                 result = self._execute(plan)
                 output = self._sample_step(plan, result)  # sampling waits for the device, so this times the whole step
                 if self.states is not None:  # hybrid cores' checkpoint costs (checkpoints.StepCosts)
-                    self.costs.observe_step(sum(c.num_tokens + len(c.draft_ids) for c in plan.chunks),
-                                            time.perf_counter_ns() - started)  # fmt: skip
+                    self.costs.observe_step(
+                        sum(c.num_tokens + len(c.draft_ids) for c in plan.chunks), time.perf_counter_ns() - started
+                    )
             except Exception as exc:  # a failed step fails its own requests; the engine keeps serving
                 log_failure(log, "step failed", exc)
                 events += self.scheduler.fail(plan, f"execution failed: {exc}")
@@ -401,16 +481,26 @@ class LLMEngine:
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
         started = time.perf_counter_ns()
-        result = self.executor.run(plan.chunks, plan.page_copies, plan.state_before, plan.state_after, plan.host_in,
-                                   plan.state_in, plan.window_copies)  # fmt: skip
+        result = self.executor.run(
+            plan.chunks,
+            plan.page_copies,
+            plan.state_before,
+            plan.state_after,
+            plan.host_in,
+            plan.state_in,
+            plan.window_copies,
+        )
         self._measure(plan, time.perf_counter_ns() - started)
         return result
 
     def _sample_step(self, plan: SchedulerOutput, result: StepResult) -> ModelOutput:
         """Sample every choice of every sampled chunk and verify drafts."""
         self._count_verify_step(plan)
-        prompt_entries = {key: self._prompt_entries(chunk, result.prompt_scores[key])
-                          for chunk in plan.chunks if (key := id(chunk)) in result.prompt_scores}  # fmt: skip
+        prompt_entries = {
+            key: self._prompt_entries(chunk, result.prompt_scores[key])
+            for chunk in plan.chunks
+            if (key := id(chunk)) in result.prompt_scores
+        }
         # One sampling row per choice, and for a chunk with drafts one per position: row i
         # samples the token after draft i - 1, as if drafts[:i] had been committed.
         rows: list[int] = []
@@ -462,7 +552,9 @@ class LLMEngine:
                     settled.add(key)
                     continue
                 wants = seq.request.num_top_logprobs is not None
-                tokens.setdefault(key, []).append(SampledToken(token, self._logprobs(seq, token, row, result) if wants else None))
+                tokens.setdefault(key, []).append(
+                    SampledToken(token, self._logprobs(seq, token, row, result) if wants else None)
+                )
                 offered = drafts.get(key, ())
                 if len(prefix) >= len(offered) or token != offered[len(prefix)]:
                     settled.add(key)  # a correction, or the bonus token after every draft was accepted
@@ -473,20 +565,25 @@ class LLMEngine:
         if decoding:
             self.stats.count_verify_step(len(decoding), max(1 + len(c.draft_ids) for c in decoding))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], prefixes: list[tuple[int, ...]],
-                allowed: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], prefixes: list[tuple[int, ...]], allowed: torch.Tensor | None
+    ) -> torch.Tensor:
         params = [s.request.params[s.choice_index] for s in seqs]
         penalized = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
         empty = torch.empty(0, dtype=torch.int64)
         prompt_ids = [torch.tensor(s.token_ids[: s.num_prompt]) if penalized else empty for s in seqs]
-        output_ids = [torch.tensor(s.output_ids + list(prefix), dtype=torch.int64) if penalized else empty
-                      for s, prefix in zip(seqs, prefixes)]  # fmt: skip
+        output_ids = [
+            torch.tensor(s.output_ids + list(prefix), dtype=torch.int64) if penalized else empty
+            for s, prefix in zip(seqs, prefixes)
+        ]
         if allowed is not None:
             allowed = allowed.to(logits.device, non_blocking=True)
         # A draw depends on the choice's seed and the output position it fills, so verification
         # rows draw exactly what plain decoding would have drawn at those positions.
-        generators = [position_generator(p.seed, s.num_output + len(prefix), logits.device) if p.top_k != 1 else None
-                      for p, s, prefix in zip(params, seqs, prefixes)]  # fmt: skip
+        generators = [
+            position_generator(p.seed, s.num_output + len(prefix), logits.device) if p.top_k != 1 else None
+            for p, s, prefix in zip(params, seqs, prefixes)
+        ]
         return self.sampler.sample(logits, params, generators, prompt_ids, output_ids, allowed)
 
     def _logprobs(self, seq: Sequence, token: int, row: int, result: StepResult) -> TokenLogprobs:
@@ -498,8 +595,9 @@ class LLMEngine:
             values = result.explicit_logprobs[row, : len(ids)].tolist()
             alternatives = explicit_alternatives(ids, values, token, chosen)
         elif result.top_logprobs is not None and seq.request.num_top_logprobs:
-            alternatives = natural_alternatives(result.logits[row], lse, result.top_logprobs[row],
-                                                result.top_ids[row], seq.request.num_top_logprobs)  # fmt: skip
+            alternatives = natural_alternatives(
+                result.logits[row], lse, result.top_logprobs[row], result.top_ids[row], seq.request.num_top_logprobs
+            )
         else:
             alternatives = ()
         return TokenLogprobs(token, chosen, alternatives)

@@ -73,10 +73,19 @@ def _attention_until(chunks: tuple[Chunk, ...] | list[Chunk], positions: list[in
 
 
 class Executor:
-    def __init__(self, core: Core, num_pages: int, device: str = "cpu", serial_decode_rows: int | None = 0,
-                 upcast: bool = False, compiled: bool = True, num_slots: int = 1,
-                 drafters: tuple[str, ...] = (), cuda_graphs: bool = False,
-                 num_window_pages: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        core: Core,
+        num_pages: int,
+        device: str = "cpu",
+        serial_decode_rows: int | None = 0,
+        upcast: bool = False,
+        compiled: bool = True,
+        num_slots: int = 1,
+        drafters: tuple[str, ...] = (),
+        cuda_graphs: bool = False,
+        num_window_pages: int | None = None,
+    ) -> None:
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure). compiled: run the
         core's ahead-of-time step where it was built for this host (else the portable one).
@@ -92,7 +101,9 @@ class Executor:
         manifest = core.manifest
         self.device = device
         self.page_tokens = manifest.limits.page_tokens
-        self.compiled_step, self.compiled_fallback = self._compiled_step(core, compiled and device == "cpu" and not upcast)
+        self.compiled_step, self.compiled_fallback = self._compiled_step(
+            core, compiled and device == "cpu" and not upcast
+        )
         has_scored = SCORED_PREFILL in manifest.programs
         # The compiled step carries its own packed weights: the core's are loaded only for a
         # program that still needs them.
@@ -124,15 +135,27 @@ class Executor:
                 self.linear_kernel = prepack.choose(programs, self.weights)
                 self.weights = prepack.prepack(programs, self.weights, self.linear_kernel)
             clock.lap("simplifying graphs and packing weights")
-        graphed = cuda_graphs and device != "cpu" and portable_step is not None and graphs.GraphRunner.eligible(
-            portable_step.input_names)  # fmt: skip
+        graphed = (
+            cuda_graphs
+            and device != "cpu"
+            and portable_step is not None
+            and graphs.GraphRunner.eligible(portable_step.input_names)
+        )
         # with graphs, one page past the scheduler's pool: padded rows' scratch page (graphs.py)
-        self.window_indexes = frozenset(kv_layout.window_pool.caches) if kv_layout.window_pool is not None else frozenset()
+        self.window_indexes = (
+            frozenset(kv_layout.window_pool.caches) if kv_layout.window_pool is not None else frozenset()
+        )
         self.num_window_pages = num_pages if num_window_pages is None else num_window_pages
         # Sequences carry window page tables (window_pages.py); else the main pool's pages serve both.
         self.pooled_windows = num_window_pages is not None and bool(self.window_indexes)
-        self.kv = allocate_kv(kv_layout, num_pages + int(graphed), self.page_tokens, device, num_slots,
-                              self.num_window_pages + int(graphed))  # fmt: skip
+        self.kv = allocate_kv(
+            kv_layout,
+            num_pages + int(graphed),
+            self.page_tokens,
+            device,
+            num_slots,
+            self.num_window_pages + int(graphed),
+        )
         self.num_slots = num_slots
         self._staging: Tensor | None = None  # host-store restores' payloads (write_pages)
         self.host_in_ns = self.host_in_bytes = 0  # time and bytes of host-store copy-ins (its cost estimate)
@@ -145,22 +168,36 @@ class Executor:
         elif serial_decode_rows is None:
             rows = tuple(r for r in threads.PROBE_ROWS if r <= self.probe_pages)  # the probe uses pages 0..rows-1
             serial_decode_rows = self._remembered(
-                "thread-policy", f"{core.digest}|{self.step_kind}|{upcast}|{self.threads}|{rows}",
+                "thread-policy",
+                f"{core.digest}|{self.step_kind}|{upcast}|{self.threads}|{rows}",
                 lambda: threads.measure(self._probe_decode, self.threads, rows).serial_rows,
-                "thread policy: decode steps of up to %d rows on one thread (measured before on this host)")  # fmt: skip
+                "thread policy: decode steps of up to %d rows on one thread (measured before on this host)",
+            )
             clock.lap("the thread policy")
         self.serial_decode_rows = serial_decode_rows
         self.launches = {"graph": 0, "eager": 0}  # program calls by kind (flare_graph_launches_total{kind})
         self.graphs: graphs.GraphRunner | None = None
         if graphed:
             self.graphs = graphs.GraphRunner(
-                self.step, self.weights, self.kv, manifest.decode_buckets, self.page_tokens,
-                -(-manifest.limits.max_model_len // self.page_tokens), num_pages, device,
-                graphs.CudaGraphBackend(device), explicit_width=max(1, manifest.capabilities.max_top_logprobs)
-                if "logprob_token_ids" in self.step.input_names else 0,
-                window_scratch_page=self.num_window_pages)  # fmt: skip
-            log.info("CUDA graphs: decode steps of up to %d rows replay a graph per bucket %s (captured at startup)",
-                     max(manifest.decode_buckets), sorted(manifest.decode_buckets))  # fmt: skip
+                self.step,
+                self.weights,
+                self.kv,
+                manifest.decode_buckets,
+                self.page_tokens,
+                -(-manifest.limits.max_model_len // self.page_tokens),
+                num_pages,
+                device,
+                graphs.CudaGraphBackend(device),
+                explicit_width=max(1, manifest.capabilities.max_top_logprobs)
+                if "logprob_token_ids" in self.step.input_names
+                else 0,
+                window_scratch_page=self.num_window_pages,
+            )
+            log.info(
+                "CUDA graphs: decode steps of up to %d rows replay a graph per bucket %s (captured at startup)",
+                max(manifest.decode_buckets),
+                sorted(manifest.decode_buckets),
+            )
 
     def capture_graphs(self) -> None:
         """Capture the decode buckets' CUDA graphs (graphs.GraphRunner.capture_all); where that fails,
@@ -192,9 +229,12 @@ class Executor:
         """The row budget adaptive speculation keeps within (threads.measure_row_budget), measured
         once per core, step kind, thread count and host and remembered under ~/.cache/flare."""
         rows = tuple(r for r in threads.SPECULATION_ROWS if r <= self.probe_pages)  # the probe uses pages 0..rows-1
-        return self._remembered("speculation-rows", f"{core.digest}|{self.step_kind}|{self.threads}|{rows}",
-                                lambda: threads.measure_row_budget(self._probe_decode, rows),
-                                "speculation: up to %d decode rows per step (measured before on this host)")  # fmt: skip
+        return self._remembered(
+            "speculation-rows",
+            f"{core.digest}|{self.step_kind}|{self.threads}|{rows}",
+            lambda: threads.measure_row_budget(self._probe_decode, rows),
+            "speculation: up to %d decode rows per step (measured before on this host)",
+        )
 
     @staticmethod
     def _compiled_step(core: Core, wanted: bool) -> tuple[CompiledProgram | None, str | None]:
@@ -207,8 +247,10 @@ class Executor:
         if reason is not None:
             return None, f"the core's compiled step does not run here: {reason}; serving the portable step"
         if _calls_native(core.root / spec.file) and not native.loaded():
-            return None, ("the core's compiled step calls helios' native kernels, which are not loaded here "
-                          f"({native.status()}); serving the portable step")  # fmt: skip
+            return None, (
+                "the core's compiled step calls helios' native kernels, which are not loaded here "
+                f"({native.status()}); serving the portable step"
+            )
         try:
             return core.load_compiled(STEP, native.CompiledRunner if native.loaded() else None), None
         except (RuntimeError, OSError) as exc:  # a package that does not load is never fatal
@@ -243,7 +285,10 @@ class Executor:
         if self.state:  # the probe's results are never read: slots may repeat
             inputs["state_slots"] = torch.arange(rows, dtype=torch.int64) % self.num_slots
         if self.window_indexes:
-            inputs["window_slot_mapping"], inputs["window_block_tables"] = inputs["slot_mapping"], inputs["block_tables"]
+            inputs["window_slot_mapping"], inputs["window_block_tables"] = (
+                inputs["slot_mapping"],
+                inputs["block_tables"],
+            )
         if "image_features" in self.step.input_names:
             inputs.update(no_image_rows(self.step))
         if "attention_until" in self.step.input_names:
@@ -276,8 +321,9 @@ class Executor:
     def read_pages(self, pages: list[int]) -> list[Tensor]:
         """Each page's bytes over every paged cache tensor, in cache order (uint8 copies)."""
         index = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        rows = torch.cat([t.index_select(0, index).reshape(len(pages), -1).view(torch.uint8) for t in self.page_caches],
-                         dim=1).cpu()  # fmt: skip
+        rows = torch.cat(
+            [t.index_select(0, index).reshape(len(pages), -1).view(torch.uint8) for t in self.page_caches], dim=1
+        ).cpu()
         return [row.clone() for row in rows]
 
     def write_pages(self, writes: tuple[tuple[int, Tensor], ...]) -> None:
@@ -295,7 +341,9 @@ class Executor:
             offset = 0
             for tensor in self.page_caches:
                 width = tensor[0].numel() * tensor.element_size()
-                values = rows[:, offset : offset + width].contiguous().view(tensor.dtype).view(len(part), *tensor.shape[1:])
+                values = (
+                    rows[:, offset : offset + width].contiguous().view(tensor.dtype).view(len(part), *tensor.shape[1:])
+                )
                 tensor.index_copy_(0, index, values)
                 offset += width
 
@@ -318,10 +366,16 @@ class Executor:
         for tensor in self.state:
             tensor[dst].copy_(tensor[src])
 
-    def run(self, chunks: tuple[Chunk, ...], page_copies: tuple[tuple[int, int], ...] = (),
-            state_before: tuple[tuple[int, int], ...] = (),
-            state_after: tuple[tuple[int, int], ...] = (), host_in: tuple = (),
-            state_in: tuple = (), window_copies: tuple[tuple[int, int], ...] = ()) -> StepResult:  # fmt: skip
+    def run(
+        self,
+        chunks: tuple[Chunk, ...],
+        page_copies: tuple[tuple[int, int], ...] = (),
+        state_before: tuple[tuple[int, int], ...] = (),
+        state_after: tuple[tuple[int, int], ...] = (),
+        host_in: tuple = (),
+        state_in: tuple = (),
+        window_copies: tuple[tuple[int, int], ...] = (),
+    ) -> StepResult:
         """Write pages restored from the host store (page, payload), copy the state slots (src, dst)
         of `state_before`, then write the state slots restored from the host store (slot, payload),
         run the chunks, then copy the pages and state slots (src, dst) of `page_copies` and
@@ -451,8 +505,11 @@ class Executor:
             inputs["window_slot_mapping"], inputs["window_block_tables"] = self._window_inputs(chunks, positions, width)
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
         outputs = None
-        if self.graphs is not None and program is self.step and all(c.num_tokens == 1 and not c.draft_ids
-                                                                    and c.wants_logits for c in chunks):  # fmt: skip
+        if (
+            self.graphs is not None
+            and program is self.step
+            and all(c.num_tokens == 1 and not c.draft_ids and c.wants_logits for c in chunks)
+        ):
             outputs = self.graphs.run(inputs)  # None: no bucket holds the step
         if outputs is None:
             outputs = program(self.weights, self.kv, **inputs)

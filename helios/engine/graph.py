@@ -70,8 +70,13 @@ def upcast(program: Program) -> int:
     graph = program.module.graph
     removed = 0
     for node in list(graph.nodes):
-        if (node.op == "call_function" and node.target is torch.ops.aten.to.dtype and len(node.args) == 2
-                and not node.kwargs and node.args[1] in (torch.bfloat16, torch.float16)):  # fmt: skip
+        if (
+            node.op == "call_function"
+            and node.target is torch.ops.aten.to.dtype
+            and len(node.args) == 2
+            and not node.kwargs
+            and node.args[1] in (torch.bfloat16, torch.float16)
+        ):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             removed += 1

@@ -29,15 +29,28 @@ counts both kinds (flare_graph_launches_total{kind}).
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 # Inputs a graph-captured step may take; a program with any other input (recurrent state slots,
 # image features) runs eagerly: its decode inputs are not all static-shaped or idempotent.
-GRAPH_INPUTS = frozenset({"token_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                          "logits_indices", "logprob_token_ids", "window_slot_mapping", "window_block_tables"})  # fmt: skip
+GRAPH_INPUTS = frozenset(
+    {
+        "token_ids",
+        "positions",
+        "slot_mapping",
+        "block_tables",
+        "seq_lens",
+        "query_start_loc",
+        "logits_indices",
+        "logprob_token_ids",
+        "window_slot_mapping",
+        "window_block_tables",
+    }
+)
 KEEP_ON_DEVICE = frozenset({"hidden_states"})  # outputs the executor keeps on the device: copied out of the graph's
 
 
@@ -110,9 +123,20 @@ class GraphRunner:
     (0 when the program has no such input). window_scratch_page: a window-pool core's scratch page in
     the window caches (window_slot_mapping / window_block_tables are padded like the main ones)."""
 
-    def __init__(self, program, weights: dict[str, Tensor], kv: list[Tensor], buckets: tuple[int, ...],
-                 page_tokens: int, max_blocks: int, scratch_page: int, device: str,
-                 backend: GraphBackend, explicit_width: int = 0, window_scratch_page: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        program,
+        weights: dict[str, Tensor],
+        kv: list[Tensor],
+        buckets: tuple[int, ...],
+        page_tokens: int,
+        max_blocks: int,
+        scratch_page: int,
+        device: str,
+        backend: GraphBackend,
+        explicit_width: int = 0,
+        window_scratch_page: int | None = None,
+    ) -> None:
         if not buckets or any(b < 1 for b in buckets):
             raise ValueError(f"decode buckets must be positive batch sizes, got {buckets!r}")
         if "logprob_token_ids" in program.input_names and explicit_width < 1:
@@ -179,8 +203,11 @@ class GraphRunner:
         rows = int(inputs["seq_lens"].shape[0])
         if int(inputs["token_ids"].shape[0]) != rows or int(inputs["logits_indices"].shape[0]) != rows:
             return None
-        if any(int(inputs[name].shape[1]) > self.max_blocks for name in ("block_tables", "window_block_tables")
-               if name in inputs):  # fmt: skip
+        if any(
+            int(inputs[name].shape[1]) > self.max_blocks
+            for name in ("block_tables", "window_block_tables")
+            if name in inputs
+        ):
             return None
         explicit = inputs.get("logprob_token_ids")
         if explicit is not None and int(explicit.shape[1]) > self.explicit_width:
@@ -226,8 +253,9 @@ class GraphRunner:
         rows = int(inputs["seq_lens"].shape[0])
         static = self.copy_in(bucket, inputs)
         if self._identity() != self._kv_identity:  # a cache tensor was replaced (widened): graphs are stale
-            self.backend = type(self.backend)() if isinstance(self.backend, EagerBackend) else \
-                CudaGraphBackend(self.device)  # fmt: skip
+            self.backend = (
+                type(self.backend)() if isinstance(self.backend, EagerBackend) else CudaGraphBackend(self.device)
+            )
             self._kv_identity = self._identity()
         if not self.backend.captured(bucket):
             self.backend.capture(bucket, self._step_on(static))

@@ -117,8 +117,12 @@ class _Source:
     def __init__(self, tensors: list[Tensor]) -> None:
         self.tensors = tensors
         self.widths = [t[0].numel() * t.element_size() for t in tensors]
-        self.views = [t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
-                      if t.device.type == "cpu" and t.is_contiguous() else None for t in tensors]  # fmt: skip
+        self.views = [
+            t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
+            if t.device.type == "cpu" and t.is_contiguous()
+            else None
+            for t in tensors
+        ]
 
     def gather(self, index: int) -> Tensor:
         return _gather(self, index)

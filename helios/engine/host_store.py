@@ -54,7 +54,9 @@ class Record:
     tokens: tuple[int, ...]
     payload: Tensor  # uint8, every cache tensor's page in the program's cache order (a state record: every
     # state tensor's slot in the program's order)
-    anchor: bool = False  # part of a conversation anchor's chain: DRAM evicts it after other records (not stored on disk)
+    anchor: bool = (
+        False  # part of a conversation anchor's chain: DRAM evicts it after other records (not stored on disk)
+    )
 
     @property
     def nbytes(self) -> int:
@@ -268,8 +270,9 @@ class HostStore:
         self._reader.start()
 
     # ------------------------------------------------------------------ prefetch (off the engine thread)
-    def prefetch(self, tokens: tuple[int, ...], identity, page_tokens: int, states: bool = False,
-                 key: str | None = None) -> None:  # fmt: skip
+    def prefetch(
+        self, tokens: tuple[int, ...], identity, page_tokens: int, states: bool = False, key: str | None = None
+    ) -> None:
         """Bring this prompt's chain of disk records (and with `states`, the state records at its
         page boundaries) into memory before admission looks them up (best effort: a full queue
         drops the hint; admission then reads what it still needs). `identity`: one slot for every
@@ -359,8 +362,9 @@ class HostStore:
         if size > self.disk_bytes:
             self.stats.drop("nvme", "oversize")
             return
-        header = _HEADER.pack(MAGIC, self.identity, record.digest, len(record.parent), record.parent,
-                              len(record.tokens), record.nbytes)  # fmt: skip
+        header = _HEADER.pack(
+            MAGIC, self.identity, record.digest, len(record.parent), record.parent, len(record.tokens), record.nbytes
+        )
         body = struct.pack(f"<{len(record.tokens)}i", *record.tokens)
         payload = record.payload.numpy().tobytes()
         check = hashlib.blake2b(header + body + payload, digest_size=_CHECK).digest()
@@ -394,10 +398,14 @@ class HostStore:
             magic, identity, stored, parent_length, parent, count, nbytes = _HEADER.unpack_from(data)
             parent = parent[:parent_length]
             body_end = _HEADER.size + 4 * count
-            if (magic != MAGIC or identity != self.identity or stored != digest
-                    or len(data) != body_end + nbytes + _CHECK):  # fmt: skip
+            if (
+                magic != MAGIC
+                or identity != self.identity
+                or stored != digest
+                or len(data) != body_end + nbytes + _CHECK
+            ):
                 raise ValueError("a record of another core, or truncated")
-            if hashlib.blake2b(data[: -_CHECK], digest_size=_CHECK).digest() != data[-_CHECK:]:
+            if hashlib.blake2b(data[:-_CHECK], digest_size=_CHECK).digest() != data[-_CHECK:]:
                 raise ValueError("checksum mismatch")
             tokens = struct.unpack_from(f"<{count}i", data, _HEADER.size)
             payload = torch.frombuffer(bytearray(data[body_end : body_end + nbytes]), dtype=torch.uint8)

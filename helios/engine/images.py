@@ -37,8 +37,16 @@ class ImageRows:
 
 
 class ImageEncoder:
-    def __init__(self, program, weights: dict[str, Tensor], width: int, window_tokens: int, device: str,
-                 stats: EngineStats, cache_bytes: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        program,
+        weights: dict[str, Tensor],
+        width: int,
+        window_tokens: int,
+        device: str,
+        stats: EngineStats,
+        cache_bytes: int = 0,
+    ) -> None:
         self.program = program
         self.weights = weights
         self.width = width  # feature columns (the language model's hidden size)
@@ -72,10 +80,14 @@ class ImageEncoder:
         for key in done:
             self._drop(key)
         if not rows:
-            return {"image_features": torch.zeros(1, self.width, device=self.device),
-                    "image_rows": torch.full((1,), -1, dtype=torch.int64, device=self.device)}  # fmt: skip
-        return {"image_features": torch.cat(features).to(self.device),
-                "image_rows": torch.tensor(rows, dtype=torch.int64, device=self.device)}  # fmt: skip
+            return {
+                "image_features": torch.zeros(1, self.width, device=self.device),
+                "image_rows": torch.full((1,), -1, dtype=torch.int64, device=self.device),
+            }
+        return {
+            "image_features": torch.cat(features).to(self.device),
+            "image_rows": torch.tensor(rows, dtype=torch.int64, device=self.device),
+        }
 
     def _features(self, request, index: int, image: EngineImage) -> Tensor:
         key = (id(request), index)
@@ -101,12 +113,18 @@ class ImageEncoder:
     def _encode(self, image: EngineImage) -> Tensor:
         views = image.prepare()
         self.stats.images["input_prepared_images_total"] += 1
-        encoded = torch.cat([self.program(self.weights, [], pixel_values=pixels.to(self.device),
-                                          pixel_positions=positions.to(self.device))["image_features"]
-                             for pixels, positions in views])  # fmt: skip
+        encoded = torch.cat(
+            [
+                self.program(
+                    self.weights, [], pixel_values=pixels.to(self.device), pixel_positions=positions.to(self.device)
+                )["image_features"]
+                for pixels, positions in views
+            ]
+        )
         if encoded.shape[0] != image.num_tokens:
-            raise RuntimeError(f"the vision program returned {encoded.shape[0]} rows for an image of "
-                               f"{image.num_tokens} tokens")  # fmt: skip
+            raise RuntimeError(
+                f"the vision program returned {encoded.shape[0]} rows for an image of {image.num_tokens} tokens"
+            )
         self.stats.images["input_vision_encodes_total"] += 1
         self.stats.images["input_vision_tokens_total"] += image.num_tokens
         return encoded

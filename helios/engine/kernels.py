@@ -18,8 +18,15 @@ import torch
 from torch import Tensor
 
 import helios.core.ops  # defines the ops before kernels are registered; shares their masking and capped attention
-from helios.engine import (kernels_gated_delta, kernels_glm5_next, kernels_mamba, kernels_moe, kernels_recurrent,
-                           kernels_sparse, native)
+from helios.engine import (
+    kernels_gated_delta,
+    kernels_glm5_next,
+    kernels_mamba,
+    kernels_moe,
+    kernels_recurrent,
+    kernels_sparse,
+    native,
+)
 
 T = TypeVar("T")
 
@@ -66,8 +73,11 @@ class _StepMemo(Generic[T]):
         self._value: T | None = None
 
     def get(self, tensors: tuple[Tensor, ...], build: Callable[[], T]) -> T:
-        if (self._value is not None and len(self._keys) == len(tensors)
-                and all(ref() is t for ref, t in zip(self._keys, tensors))):  # fmt: skip
+        if (
+            self._value is not None
+            and len(self._keys) == len(tensors)
+            and all(ref() is t for ref, t in zip(self._keys, tensors))
+        ):
             return self._value
         self._value = build()
         self._keys = tuple(weakref.ref(t) for t in tensors)
@@ -87,8 +97,15 @@ def _first_page(position: Tensor | int, window: int, page_tokens: int) -> Tensor
     return (oldest.clamp(min=0) if isinstance(oldest, Tensor) else max(oldest, 0)) // page_tokens
 
 
-def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, positions: Tensor, page_tokens: int,
-          window: int, in_place: bool = False) -> _Plan:  # fmt: skip
+def _plan(
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    page_tokens: int,
+    window: int,
+    in_place: bool = False,
+) -> _Plan:
     """in_place: decode rows are attended by the native kernel (a table, length and position
     per row), not through a padded gather (pages, mask). Prefill chunks, however short, stay
     on SDPA: a prompt's remainder after a cached prefix then rounds like the whole prompt did
@@ -123,34 +140,47 @@ def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, posit
         first_pos, last_pos = int(positions[start]), int(positions[end - 1])
         first = int(_first_page(first_pos, window, page_tokens))
         pages = block_tables[i, first : -(-kv_len // page_tokens)].long()
-        whole = end - start == kv_len and first_pos == 0 and last_pos == kv_len - 1 and (window <= 0 or kv_len <= window)
+        whole = (
+            end - start == kv_len and first_pos == 0 and last_pos == kv_len - 1 and (window <= 0 or kv_len <= window)
+        )
         key_pos = torch.arange(first * page_tokens, kv_len)
         visible = None if whole else helios.core.ops.visible_keys(key_pos, positions[start:end], window)
         prefills.append(_Prefill(start, end, pages, kv_len - first * page_tokens, visible))
     identity = len(decode) == len(lens) and decode == list(range(len(lens))) and starts[-1] == len(decode)
-    return _Plan(decode_rows, decode_tables, decode_lens, decode_positions, decode_pages, decode_mask, tuple(prefills),
-                 identity)  # fmt: skip
+    return _Plan(
+        decode_rows, decode_tables, decode_lens, decode_positions, decode_pages, decode_mask, tuple(prefills), identity
+    )
 
 
 def _in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
     """Whether the native kernel can attend this layer's decode rows."""
-    return (native.loaded() and k_cache.shape[-1] <= 512 and q.shape[-1] == k_cache.shape[-1]
-            and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous())  # fmt: skip
+    return (
+        native.loaded()
+        and k_cache.shape[-1] <= 512
+        and q.shape[-1] == k_cache.shape[-1]
+        and k_cache.shape == v_cache.shape
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
 
 
-def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0,
-                        softcap=0.0):  # fmt: skip
+def paged_attention_cpu(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0
+):
     page_tokens, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     in_place = _in_place(q, k_cache, v_cache)  # layers of one step may differ (head sizes, cache dtypes)
     memo = _plans.setdefault((window, in_place), _StepMemo())
-    plan = memo.get((block_tables, seq_lens, query_start_loc, positions),
-                    lambda: _plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window, in_place))  # fmt: skip
+    plan = memo.get(
+        (block_tables, seq_lens, query_start_loc, positions),
+        lambda: _plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window, in_place),
+    )
     decoded = None
     if plan.decode_tables is not None:
         query = q if plan.identity else q[plan.decode_rows]
-        decoded = torch.ops.flare_native.decode_attention(query, k_cache, v_cache, plan.decode_tables, plan.decode_lens,
-                                                          plan.decode_positions, scale, window, softcap)  # fmt: skip
+        decoded = torch.ops.flare_native.decode_attention(
+            query, k_cache, v_cache, plan.decode_tables, plan.decode_lens, plan.decode_positions, scale, window, softcap
+        )
         if plan.identity:
             return decoded
     elif plan.decode_pages is not None:
@@ -182,17 +212,20 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
 _plain_until: _StepMemo[bool] = _StepMemo()
 
 
-def paged_attention_until_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale,
-                              window=0, softcap=0.0):  # fmt: skip
+def paged_attention_until_cpu(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale, window=0, softcap=0.0
+):
     """flare::paged_attention_until: a step whose every query ends at its own position (decode steps,
     chunks without image tokens) is plain paged attention (the fast kernels, checked once per step);
     one with image tokens attends under the explicit mask of the reference."""
     plain = _plain_until.get((positions, until), lambda: bool(torch.equal(positions, until)))
     if plain:
-        return torch.ops.flare.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions,
-                                               scale, window, softcap)  # fmt: skip
-    return helios.core.ops_bidirectional.reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                   positions, until, scale, window, softcap)  # fmt: skip
+        return torch.ops.flare.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap
+        )
+    return helios.core.ops_bidirectional.reference(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale, window, softcap
+    )
 
 
 _padded_slots: _StepMemo[bool] = _StepMemo()

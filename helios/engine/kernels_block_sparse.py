@@ -40,8 +40,11 @@ def _plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, page_
         blocks = -(-max(lens[i] for i in decode) // page_tokens)
         pages = block_tables[seqs, :blocks].reshape(-1).long()
     decoded = set(decode)
-    prefills = tuple((i, starts[i], starts[i + 1], n) for i, n in enumerate(lens)
-                     if i not in decoded and starts[i + 1] > starts[i] and n > 0)  # fmt: skip
+    prefills = tuple(
+        (i, starts[i], starts[i + 1], n)
+        for i, n in enumerate(lens)
+        if i not in decoded and starts[i + 1] > starts[i] and n > 0
+    )
     identity = decode == list(range(len(lens))) and starts[-1] == len(decode)
     return _Plan(rows, seqs, pages, blocks, prefills, identity)
 
@@ -50,8 +53,9 @@ _plans: _StepMemo[_Plan] = _StepMemo()
 
 
 def _step_plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, page_tokens: int) -> _Plan:
-    return _plans.get((block_tables, seq_lens, query_start_loc),
-                      lambda: _plan(block_tables, seq_lens, query_start_loc, page_tokens))  # fmt: skip
+    return _plans.get(
+        (block_tables, seq_lens, query_start_loc), lambda: _plan(block_tables, seq_lens, query_start_loc, page_tokens)
+    )
 
 
 def _history(cache: Tensor, block_tables: Tensor, seq: int, kv_len: int) -> Tensor:
@@ -59,8 +63,9 @@ def _history(cache: Tensor, block_tables: Tensor, seq: int, kv_len: int) -> Tens
     return cache.index_select(0, pages).view(-1, cache.shape[-2], cache.shape[-1])[:kv_len]
 
 
-def block_select_cpu(idx_q, idx_k_cache, block_tables, seq_lens, query_start_loc, positions, block_size, topk_blocks,
-                     local_blocks):  # fmt: skip
+def block_select_cpu(
+    idx_q, idx_k_cache, block_tables, seq_lens, query_start_loc, positions, block_size, topk_blocks, local_blocks
+):
     page_tokens, dim = idx_k_cache.shape[1], idx_k_cache.shape[-1]
     plan = _step_plan(block_tables, seq_lens, query_start_loc, page_tokens)
     decoded = None
@@ -68,8 +73,9 @@ def block_select_cpu(idx_q, idx_k_cache, block_tables, seq_lens, query_start_loc
         count = len(plan.decode_rows)
         keys = idx_k_cache.index_select(0, plan.decode_pages).view(count, plan.blocks * page_tokens, dim)
         rows = slice(None) if plan.identity else plan.decode_rows
-        decoded = select_blocks(idx_q[rows][:, None], keys, positions[rows][:, None], block_size, topk_blocks,
-                                local_blocks)[:, 0]  # fmt: skip
+        decoded = select_blocks(
+            idx_q[rows][:, None], keys, positions[rows][:, None], block_size, topk_blocks, local_blocks
+        )[:, 0]
         if plan.identity:
             return decoded
     out = torch.full((*idx_q.shape[:2], topk_blocks), -1, dtype=torch.int64)
@@ -77,8 +83,9 @@ def block_select_cpu(idx_q, idx_k_cache, block_tables, seq_lens, query_start_loc
         out[plan.decode_rows] = decoded
     for seq, start, end, kv_len in plan.prefills:
         keys = _history(idx_k_cache, block_tables, seq, kv_len)[:, 0]
-        out[start:end] = select_blocks(idx_q[start:end][None], keys[None], positions[start:end][None], block_size,
-                                       topk_blocks, local_blocks)[0]  # fmt: skip
+        out[start:end] = select_blocks(
+            idx_q[start:end][None], keys[None], positions[start:end][None], block_size, topk_blocks, local_blocks
+        )[0]
     return out
 
 
@@ -89,7 +96,9 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_tables, positions, s
     page_tokens, kv_heads = k_cache.shape[1], k_cache.shape[2]
     ids = block_ids[rows]  # [Bd, KVH, K]
     key_pos = (ids[..., None] * block_size + torch.arange(block_size)).flatten(-2)  # [Bd, KVH, K * bs]
-    visible = (ids[..., None] >= 0).expand(*ids.shape, block_size).flatten(-2) & (key_pos <= positions[rows][:, None, None])
+    visible = (ids[..., None] >= 0).expand(*ids.shape, block_size).flatten(-2) & (
+        key_pos <= positions[rows][:, None, None]
+    )
     key_pos = key_pos.masked_fill(~visible, 0)
     tables = block_tables[plan.decode_seqs].long()  # [Bd, W]
     columns = (key_pos // page_tokens).clamp(max=tables.shape[1] - 1).view(count, -1)
@@ -102,27 +111,33 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_tables, positions, s
     return out.reshape(count, heads, dim)
 
 
-def block_sparse_attention_cpu(q, k_cache, v_cache, block_ids, block_tables, seq_lens, query_start_loc, positions,
-                               scale, block_size):  # fmt: skip
+def block_sparse_attention_cpu(
+    q, k_cache, v_cache, block_ids, block_tables, seq_lens, query_start_loc, positions, scale, block_size
+):
     heads, select_heads, kv_heads = q.shape[1], block_ids.shape[1], k_cache.shape[2]
     plan = _step_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     prefills = list(plan.prefills)
     out = torch.empty_like(q)
     if plan.decode_rows is not None:
         if select_heads == kv_heads:
-            decoded = _decode_attention(q, k_cache, v_cache, block_ids, block_tables, positions, scale, block_size, plan)
+            decoded = _decode_attention(
+                q, k_cache, v_cache, block_ids, block_tables, positions, scale, block_size, plan
+            )
             if plan.identity:
                 return decoded
             out[plan.decode_rows] = decoded
         else:  # selections not aligned with KV groups: the general masked path below
-            prefills += [(int(s), int(r), int(r) + 1, int(seq_lens[s])) for r, s in zip(plan.decode_rows, plan.decode_seqs)]
+            prefills += [
+                (int(s), int(r), int(r) + 1, int(seq_lens[s])) for r, s in zip(plan.decode_rows, plan.decode_seqs)
+            ]
     per = heads // select_heads
     for seq, start, end, kv_len in prefills:
         keys = _history(k_cache, block_tables, seq, kv_len).transpose(0, 1).to(q.dtype)  # [KVH, Tk, D]
         values = _history(v_cache, block_tables, seq, kv_len).transpose(0, 1).to(q.dtype)
         if kv_heads != select_heads:
-            keys, values = (t.repeat_interleave(heads // kv_heads, dim=0).unflatten(0, (select_heads, per))
-                            for t in (keys, values))  # fmt: skip
+            keys, values = (
+                t.repeat_interleave(heads // kv_heads, dim=0).unflatten(0, (select_heads, per)) for t in (keys, values)
+            )
         else:
             keys, values = (t[:, None].expand(-1, per, -1, -1) for t in (keys, values))
         visible = block_visible(block_ids[start:end], positions[start:end], kv_len, block_size).transpose(0, 1)

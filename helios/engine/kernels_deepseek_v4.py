@@ -56,8 +56,9 @@ def _entry_slots(block_tables: Tensor, seq: int, count: int, rate: int, page_tok
     return slots_of(block_tables, torch.full_like(pos, seq), pos, page_tokens)
 
 
-def pool_cpu(state_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor, positions: Tensor, rate: int,
-             overlap: bool) -> Tensor:  # fmt: skip
+def pool_cpu(
+    state_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor, positions: Tensor, rate: int, overlap: bool
+) -> Tensor:
     width = state_cache.shape[-1] // 2
     dim = width // 2 if overlap else width
     out = torch.zeros(positions.shape[0], dim, dtype=torch.float32)
@@ -79,8 +80,17 @@ def pool_cpu(state_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
     return out
 
 
-def indexer_topk_cpu(q: Tensor, head_weights: Tensor, key_cache: Tensor, block_tables: Tensor,
-                     query_start_loc: Tensor, positions: Tensor, rate: int, top_k: int, scale: float) -> Tensor:  # fmt: skip
+def indexer_topk_cpu(
+    q: Tensor,
+    head_weights: Tensor,
+    key_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    rate: int,
+    top_k: int,
+    scale: float,
+) -> Tensor:
     out = torch.full((positions.shape[0], top_k), -1, dtype=torch.int64)
     flat = key_cache.view(-1, key_cache.shape[-1])
     for span in _plan(query_start_loc, positions).spans:
@@ -98,9 +108,19 @@ def indexer_topk_cpu(q: Tensor, head_weights: Tensor, key_cache: Tensor, block_t
     return out
 
 
-def attention_cpu(q: Tensor, kv_cache: Tensor, entry_cache: Tensor | None, block_tables: Tensor,
-                  query_start_loc: Tensor, positions: Tensor, sinks: Tensor, scale: float, window: int, rate: int,
-                  selected: Tensor | None) -> Tensor:  # fmt: skip
+def attention_cpu(
+    q: Tensor,
+    kv_cache: Tensor,
+    entry_cache: Tensor | None,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    sinks: Tensor,
+    scale: float,
+    window: int,
+    rate: int,
+    selected: Tensor | None,
+) -> Tensor:
     out = torch.empty_like(q)
     page_tokens, dim = kv_cache.shape[1], kv_cache.shape[-1]
     flat = kv_cache.view(-1, dim)

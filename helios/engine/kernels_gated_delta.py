@@ -22,11 +22,14 @@ _IN_PLACE_BYTES = 1 << 18  # decode states of at least this many bytes per slot 
 
 
 def gated_delta_rule_cpu(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm):
-    return run_spans(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked, _decode)
+    return run_spans(
+        q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked, _decode
+    )
 
 
-def run_spans(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm,
-              chunked_form, decode_form) -> Tensor:  # fmt: skip
+def run_spans(
+    q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked_form, decode_form
+) -> Tensor:
     """A delta-rule op over a batch's sequences: chunks of more than one token through
     `chunked_form(q, k, v, g, beta, initial_state) -> (out, final_state)`, one-token sequences
     together through `decode_form(q, k, v, g, beta, state, [(row, slot, fresh)], out)` (shared by
@@ -49,8 +52,16 @@ def run_spans(q, k, v, g, beta, state, state_slots, query_start_loc, positions, 
     return out
 
 
-def _decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
-            decode: list[tuple[int, int, bool]], out: Tensor) -> None:  # fmt: skip
+def _decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    decode: list[tuple[int, int, bool]],
+    out: Tensor,
+) -> None:
     """One recurrent step for every one-token sequence.
 
     The old state is read once for both S^T k and S^T q (one matmul), and
@@ -86,8 +97,7 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Ten
     state.index_copy_(0, slot_ids, s.to(state.dtype))
 
 
-def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-            initial: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor | None) -> tuple[Tensor, Tensor]:
     """One sequence's rows in the chunked form: q, k [n, H, Dk] (prepared), v [n, H, Dv], g, beta
     [n, H], initial [H, Dk, Dv] or None (zero) -> (out [n, H, Dv], final state [H, Dk, Dv])."""
     n, heads, dk = k.shape

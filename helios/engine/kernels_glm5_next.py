@@ -24,11 +24,21 @@ _IN_PLACE_BYTES = 1 << 18  # decode states of at least this many bytes per slot 
 
 
 def kda_cpu(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm):
-    return run_spans(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked, _decode)
+    return run_spans(
+        q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked, _decode
+    )
 
 
-def _decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
-            decode: list[tuple[int, int, bool]], out: Tensor) -> None:  # fmt: skip
+def _decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    decode: list[tuple[int, int, bool]],
+    out: Tensor,
+) -> None:
     """One recurrent step for every one-token sequence: with D = diag(exp(g)), the decayed state's
     reads are S^T (D k) and S^T (D q), and o = (D S)'^T q = S^T (D q) + (k . q) delta. Large states
     (real models: megabytes per slot) update in place in their slots, one sequence after another,
@@ -58,8 +68,7 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Ten
     state.index_copy_(0, slots, s.to(state.dtype))
 
 
-def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-            initial: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor | None) -> tuple[Tensor, Tensor]:
     """One sequence's rows: q, k [n, H, Dk] (prepared), v [n, H, Dv], g [n, H, Dk], beta [n, H],
     initial [H, Dk, Dv] or None (zero) -> (out [n, H, Dv], final state [H, Dk, Dv])."""
     n, heads, dk = k.shape

@@ -15,8 +15,9 @@ from helios.core.ops_recurrent import state_spans
 CHUNK = 64  # rows per SSD chunk: the [H, CHUNK, CHUNK] decay matrix stays small
 
 
-def _decode(x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor,
-            states: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _decode(
+    x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor, states: Tensor
+) -> tuple[Tensor, Tensor]:
     """One step for R rows at once: x [R, H, P], steps [R, H], B/C [R, G, N], states [R, H, P, N]
     -> (y [R, H, P], new states)."""
     rows, heads, dim = x.shape
@@ -30,8 +31,9 @@ def _decode(x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor
     return y, states.view(rows, heads, dim, n)
 
 
-def _chunked(x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor,
-             state: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _chunked(
+    x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
     """One sequence's rows in chunks: x [L, H, P], steps [L, H], B/C [L, G, N], state [H, P, N]
     -> (y [L, H, P], the state after the last row)."""
     length, heads, dim = x.shape
@@ -58,8 +60,9 @@ def _chunked(x: Tensor, steps: Tensor, a: Tensor, B: Tensor, C: Tensor, d: Tenso
     return out, state.reshape(heads, dim, n)
 
 
-def mamba2_scan_cpu(x, dt, A, B, C, D, dt_bias, ssm_state, state_slots, query_start_loc, positions, dt_min=0.0,
-                    dt_max=0.0):  # fmt: skip
+def mamba2_scan_cpu(
+    x, dt, A, B, C, D, dt_bias, ssm_state, state_slots, query_start_loc, positions, dt_min=0.0, dt_max=0.0
+):
     x, B, C = x.float(), B.float(), C.float()
     a, d = A.float(), D.float()
     steps = time_steps(dt, dt_bias, dt_min, dt_max)

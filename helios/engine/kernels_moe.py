@@ -38,15 +38,29 @@ def _grouped_applies(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != w_gate_up.dtype or w_down.dtype != w_gate_up.dtype:
         return False
     size = w_gate_up.element_size()
-    return all(n * size % 16 == 0 for n in (w_gate_up.shape[1], w_gate_up.shape[2], w_down.shape[2])) and \
-        w_gate_up.is_contiguous() and w_down.is_contiguous()
+    return (
+        all(n * size % 16 == 0 for n in (w_gate_up.shape[1], w_gate_up.shape[2], w_down.shape[2]))
+        and w_gate_up.is_contiguous()
+        and w_down.is_contiguous()
+    )
 
 
-def routed_experts_cpu(h, expert_weights, expert_ids, w_gate_up, w_down, activation="silu", limit=0.0, alpha=1.0,
-                       post_norm_scale=None, post_norm_eps=1e-6):  # fmt: skip
+def routed_experts_cpu(
+    h,
+    expert_weights,
+    expert_ids,
+    w_gate_up,
+    w_down,
+    activation="silu",
+    limit=0.0,
+    alpha=1.0,
+    post_norm_scale=None,
+    post_norm_eps=1e-6,
+):
     if post_norm_scale is not None:  # rare (Muse Spark): the reference path carries the norm
-        return reference_routed_experts(h, expert_weights, expert_ids, w_gate_up, w_down, activation, limit, alpha,
-                                        post_norm_scale, post_norm_eps)  # fmt: skip
+        return reference_routed_experts(
+            h, expert_weights, expert_ids, w_gate_up, w_down, activation, limit, alpha, post_norm_scale, post_norm_eps
+        )
     num_tokens, top_k = expert_ids.shape
     x = h.to(w_gate_up.dtype)
     weights = expert_weights.float()
@@ -72,9 +86,9 @@ def routed_experts_cpu(h, expert_weights, expert_ids, w_gate_up, w_down, activat
         start = 0
         for e, count in enumerate(counts.tolist()):
             if count:
-                sorted_y[start : start + count] = _expert(sorted_x[start : start + count], w_gate_up[e], w_down[e],
-                                                          activation, limit, alpha)  # fmt: skip
+                sorted_y[start : start + count] = _expert(
+                    sorted_x[start : start + count], w_gate_up[e], w_down[e], activation, limit, alpha
+                )
                 start += count
     sorted_y.mul_(weights.reshape(-1)[order, None])
     return torch.zeros(num_tokens, h.shape[-1], dtype=torch.float32).index_add_(0, rows, sorted_y)
-

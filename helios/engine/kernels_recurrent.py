@@ -11,8 +11,16 @@ from torch import Tensor
 from helios.core.ops_recurrent import convolve_spans, state_spans
 
 
-def causal_conv1d_cpu(x: Tensor, weight: Tensor, bias: Tensor, conv_state: Tensor, state_slots: Tensor,
-                      query_start_loc: Tensor, positions: Tensor, silu: bool) -> Tensor:  # fmt: skip
+def causal_conv1d_cpu(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    conv_state: Tensor,
+    state_slots: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    silu: bool,
+) -> Tensor:
     out = torch.empty(x.shape, dtype=torch.float32)
     spans = state_spans(state_slots, query_start_loc, positions)
     decode = [s for s in spans if s.end - s.start == 1 and not s.fresh]

@@ -39,12 +39,15 @@ def _attend(query: Tensor, rows: Tensor, visible: Tensor, scale: float, sinks: T
     return out.reshape(b, heads, tq, -1)
 
 
-def _step_plan(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, positions: Tensor, page_tokens: int,
-               window: int) -> "kernels._Plan":  # fmt: skip
+def _step_plan(
+    block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, positions: Tensor, page_tokens: int, window: int
+) -> kernels._Plan:
     """flare::paged_attention's plan for this step and window (built once, whichever op asks first)."""
     memo = kernels._plans.setdefault((window, False), kernels._StepMemo())  # the gather layout (decode_pages)
-    return memo.get((block_tables, seq_lens, query_start_loc, positions),
-                    lambda: kernels._plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window))  # fmt: skip
+    return memo.get(
+        (block_tables, seq_lens, query_start_loc, positions),
+        lambda: kernels._plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window),
+    )
 
 
 def sink_attention_cpu(q, kv_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, sinks=None):

@@ -54,8 +54,9 @@ def indexer_topk_cpu(q, head_weights, k_cache, block_tables, seq_lens, query_sta
     return out
 
 
-def sparse_paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, topk_indices,
-                               scale):  # fmt: skip
+def sparse_paged_attention_cpu(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, topk_indices, scale
+):
     out = torch.zeros_like(q)
     page_tokens, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     same = k_cache.data_ptr() == v_cache.data_ptr() and k_cache.shape == v_cache.shape  # MLA: one latent tensor

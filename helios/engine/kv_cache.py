@@ -119,8 +119,9 @@ class PagePool:
                     self._free.append(page)
 
     # ------------------------------------------------------------------ prefix cache
-    def match_prefix(self, tokens: tuple[int, ...] | list[int], identity: bytes | Callable[[int], bytes],
-                     max_pages: int) -> tuple[list[int], bytes]:  # fmt: skip
+    def match_prefix(
+        self, tokens: tuple[int, ...] | list[int], identity: bytes | Callable[[int], bytes], max_pages: int
+    ) -> tuple[list[int], bytes]:
         """Cached pages covering the longest full-page prefix of `tokens` (at most max_pages).
         `identity`: one slot for every page, or page index -> its slot (EngineRequest.page_identity).
 

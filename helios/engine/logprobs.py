@@ -68,7 +68,9 @@ def natural_alternatives(logits_row: Tensor, lse: float, top_values: Tensor, top
     return tuple(zip(ids[order].tolist(), candidates[order].tolist()))
 
 
-def explicit_alternatives(ids: Sequence[int], values: Sequence[float], chosen: int, chosen_logprob: float) -> Alternatives:
+def explicit_alternatives(
+    ids: Sequence[int], values: Sequence[float], chosen: int, chosen_logprob: float
+) -> Alternatives:
     """Caller-chosen ids with their logprobs, in caller order without duplicates; the
     chosen token is appended when absent (so at most 128 + 1 entries)."""
     entries: dict[int, float] = {}

@@ -87,8 +87,16 @@ class MtpDrafter:
 
     name = "mtp"
 
-    def __init__(self, executor, kinds: tuple[str, ...], cache_indexes: tuple[int, ...], page_tokens: int,
-                 scratch_per_seq: int, max_rows: int, stats: EngineStats) -> None:  # fmt: skip
+    def __init__(
+        self,
+        executor,
+        kinds: tuple[str, ...],
+        cache_indexes: tuple[int, ...],
+        page_tokens: int,
+        scratch_per_seq: int,
+        max_rows: int,
+        stats: EngineStats,
+    ) -> None:
         """cache_indexes: the MTP caches in the executor's list (widened by scratch pages there);
         max_rows: the most sequences one chain call takes (scratch_per_seq pages each)."""
         self.executor = executor
@@ -115,8 +123,9 @@ class MtpDrafter:
         return len(self._proposals)
 
     # ------------------------------------------------------------------ after a step
-    def observe(self, plan: SchedulerOutput, hidden: dict[int, Tensor], tables: dict[int, list[int]],
-                depths: dict[int, int]) -> None:  # fmt: skip
+    def observe(
+        self, plan: SchedulerOutput, hidden: dict[int, Tensor], tables: dict[int, list[int]], depths: dict[int, int]
+    ) -> None:
         """After update_from_output: the committed MTP rows of every sequence the step computed
         (tables: page tables from before the update, for sequences it finished), then drafts
         for those in `depths` (id(seq) -> how many)."""
@@ -139,8 +148,13 @@ class MtpDrafter:
                 if first >= last:
                     continue
                 span = range(first, last)
-                rows.add(seq.token_ids[first + 1 : last + 1], span, tables[id(seq)],
-                         states[first - chunk.start : last - chunk.start], size)  # fmt: skip
+                rows.add(
+                    seq.token_ids[first + 1 : last + 1],
+                    span,
+                    tables[id(seq)],
+                    states[first - chunk.start : last - chunk.start],
+                    size,
+                )
                 if id(seq) in depths:
                     wanted.append((seq, rows.starts[-1] - 1))
         if not rows.token_ids:
@@ -150,8 +164,11 @@ class MtpDrafter:
             return
         picks = self.picker.pick(logits, [(seq, seq.constraint) for seq, _ in wanted])
         # [seq, its drafts, the MTP hidden state of its latest row, its scratch pages' first id, grammar state]
-        chain = [[seq, [pick[0]], out[row : row + 1], self.num_pages + i * self.scratch_per_seq, pick[1]]
-                 for i, ((seq, row), pick) in enumerate(zip(wanted[: self.max_rows], picks)) if pick is not None]  # fmt: skip
+        chain = [
+            [seq, [pick[0]], out[row : row + 1], self.num_pages + i * self.scratch_per_seq, pick[1]]
+            for i, ((seq, row), pick) in enumerate(zip(wanted[: self.max_rows], picks))
+            if pick is not None
+        ]
         if chain:
             self._chain(chain, depths)
         for seq, tokens, _, _, _ in chain:

@@ -121,8 +121,13 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
     256 MiB of them, so no kernel runs from cache) at one row and at 32 rows. Of the
     candidates within 2% of the fastest at 32 rows, the fastest at one row wins. Measured
     once per host, torch, thread count and weight set (a second or two), then remembered."""
-    names = list(dict.fromkeys(name for _, _, name, _, of_linear in _weight_uses(programs, list(weights))
-                               if of_linear and weights[name].dtype == torch.bfloat16 and weights[name].dim() == 2))  # fmt: skip
+    names = list(
+        dict.fromkeys(
+            name
+            for _, _, name, _, of_linear in _weight_uses(programs, list(weights))
+            if of_linear and weights[name].dtype == torch.bfloat16 and weights[name].dim() == 2
+        )
+    )
     if not names or not native_available() or any(weights[n].shape[1] % 2 for n in names):
         return ONEDNN
     candidates = [NATIVE, *([NATIVE_TILES] if tiles_available() else []), ONEDNN]
@@ -149,7 +154,9 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
     best_many = min(timings[(kernel, many)] for kernel in candidates)
     close = [kernel for kernel in candidates if timings[(kernel, many)] <= _SLOWER_AT_MANY_ROWS * best_many]
     choice = min(close, key=lambda kernel: timings[(kernel, few)])
-    log.info("linear kernel: %s (%s)", choice, ", ".join(f"{k} x {r} rows: {ms:.1f} ms" for (k, r), ms in timings.items()))
+    log.info(
+        "linear kernel: %s (%s)", choice, ", ".join(f"{k} x {r} rows: {ms:.1f} ms" for (k, r), ms in timings.items())
+    )
     hostcache.put("linear-kernel", key, choice)
     return choice
 
@@ -169,8 +176,11 @@ def prepack(programs: list[Program], weights: dict[str, Tensor], kernel: str = O
     """
     native_kernel = kernel in NATIVE_KERNELS
     dtypes = (torch.bfloat16,) if native_kernel else (torch.float32, torch.bfloat16)
-    packable = {name for name, w in weights.items() if w.dim() == 2 and w.dtype in dtypes
-                and (not native_kernel or w.shape[1] % 2 == 0)}  # fmt: skip
+    packable = {
+        name
+        for name, w in weights.items()
+        if w.dim() == 2 and w.dtype in dtypes and (not native_kernel or w.shape[1] % 2 == 0)
+    }
     linear_only = set(packable)
     rewrites: list[tuple[Program, fx.Node, str]] = []
     for program, _, name, user, of_linear in _weight_uses(programs, list(weights)):

@@ -47,7 +47,7 @@ class TokenConstraint(Protocol):
         """Commit one token; False when the constraint rejects it (`error` says why)."""
         ...
 
-    def fork(self) -> "TokenConstraint":
+    def fork(self) -> TokenConstraint:
         """An independent copy in the same state (one per choice; the request's copy stays pristine)."""
         ...
 

@@ -249,8 +249,9 @@ class Sampler:
             # Only sampling rows draw: a greedy choice never uses its generator, and a
             # sampling row's draws depend only on its own generator and step count.
             picked = torch.tensor(sampled, device=logits.device)
-            drawn = self._draw(logits.index_select(0, picked), [params[r] for r in sampled],
-                               [generators[r] for r in sampled])  # fmt: skip
+            drawn = self._draw(
+                logits.index_select(0, picked), [params[r] for r in sampled], [generators[r] for r in sampled]
+            )
             return greedy_ids.index_copy(0, picked, drawn)
         return self._draw(logits, params, generators)
 
@@ -278,8 +279,14 @@ class Sampler:
             if any(fits):
                 picked = torch.tensor([j for j, ok in enumerate(fits) if ok], device=logits.device)
                 chosen = [r for r, ok in zip(pending, fits) if ok]
-                out[rows[picked]] = _candidate_draw(values[picked], ids[picked], [params[r] for r in chosen],
-                                                    [generators[r] for r in chosen], full_lse[rows[picked]], vocab)  # fmt: skip
+                out[rows[picked]] = _candidate_draw(
+                    values[picked],
+                    ids[picked],
+                    [params[r] for r in chosen],
+                    [generators[r] for r in chosen],
+                    full_lse[rows[picked]],
+                    vocab,
+                )
             pending = [r for r, ok in zip(pending, fits) if not ok]
             if not pending:
                 break
@@ -302,8 +309,13 @@ def _fits(params: SamplingParams, k: int, vocab: int, candidate_mass: float) -> 
     return (0 < params.top_k <= k or params.top_p < 1.0) and (has_top_k or candidate_mass >= params.top_p)
 
 
-def _draw_among_candidates(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                           size: int, full_lse: Tensor | None) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+def _draw_among_candidates(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+    size: int,
+    full_lse: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None]:
     """The same pipeline (top-k -> top-p -> min-p -> draw) on each row's `size` most likely
     tokens, when every row's surviving set provably lies among them.
 
@@ -324,8 +336,14 @@ def _draw_among_candidates(logits: Tensor, params: Sequence[SamplingParams], gen
     return _candidate_draw(values, ids, params, generators, full_lse, vocab), full_lse
 
 
-def _candidate_draw(values: Tensor, ids: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                    full_lse: Tensor, vocab: int) -> Tensor:  # fmt: skip
+def _candidate_draw(
+    values: Tensor,
+    ids: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+    full_lse: Tensor,
+    vocab: int,
+) -> Tensor:
     """top-k -> top-p -> min-p -> draw over rows' k likeliest tokens (values descending, ids
     [B, k]), for rows whose surviving sets lie among them (_fits)."""
     k = values.shape[-1]

@@ -76,7 +76,9 @@ def _logit_bias(raw: object, vocab_size: int | None) -> tuple[tuple[int, float],
     if raw is None:
         return ()
     if not isinstance(raw, Mapping):
-        raise SamplingRequestError("logit_bias", f"logit_bias must be an object of token id -> bias, got {type(raw).__name__}")
+        raise SamplingRequestError(
+            "logit_bias", f"logit_bias must be an object of token id -> bias, got {type(raw).__name__}"
+        )
     if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
         raise SamplingRequestError("logit_bias", f"logit_bias has {len(raw)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
     pairs = []

@@ -77,11 +77,20 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool, stats: EngineStats | None = None,
-                 speculation: SpeculationConfig | None = None, states: StatePool | None = None,
-                 host: HostStore | None = None, host_page_bytes: int = 0,
-                 costs: StepCosts | None = None, copier: Copier | None = None,
-                 copy_queue_bytes: int = 256 << 20, window: WindowPages | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: PagePool,
+        stats: EngineStats | None = None,
+        speculation: SpeculationConfig | None = None,
+        states: StatePool | None = None,
+        host: HostStore | None = None,
+        host_page_bytes: int = 0,
+        costs: StepCosts | None = None,
+        copier: Copier | None = None,
+        copy_queue_bytes: int = 256 << 20,
+        window: WindowPages | None = None,
+    ) -> None:
         self.config = config
         self.costs = costs if costs is not None else StepCosts()  # measured by the engine (hinted checkpoints)
         self.pool = pool
@@ -94,7 +103,9 @@ class Scheduler:
         self._state_in: list[tuple[int, object]] = []  # this plan's state-slot restores from the host store
         # Finished prefixes pinned for the host store's copier, or deferred (copy_out.py).
         self.copy_out = CopyOut(pool, states, host, copier, host_page_bytes, copy_queue_bytes, self._next_step_pages)
-        self.stats = stats if stats is not None else EngineStats(total_pages=pool.num_pages, page_tokens=pool.page_tokens)
+        self.stats = (
+            stats if stats is not None else EngineStats(total_pages=pool.num_pages, page_tokens=pool.page_tokens)
+        )
         self.drafter = Drafter(speculation or SpeculationConfig(mode="off"), self.stats)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -117,8 +128,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add(self, request: EngineRequest) -> None:
-        seq = Sequence(request, 0, list(request.prompt_ids), len(request.prompt_ids), next(self._arrivals),
-                       unforked=request.n - 1)
+        seq = Sequence(
+            request, 0, list(request.prompt_ids), len(request.prompt_ids), next(self._arrivals), unforked=request.n - 1
+        )
         seq.reasoning_open = request.reasoning_budget is not None
         seq.constraint = request.constraint.fork() if request.constraint is not None else None
         self.waiting.append(seq)
@@ -188,8 +200,9 @@ class Scheduler:
         host_in, self._host_in = tuple(self._host_in), []
         state_in, self._state_in = tuple(self._state_in), []
         window_copies, self._window_copies = tuple(self._window_copies), []
-        return SchedulerOutput(tuple(chunks), tuple(copies), finished, before, after, captures, host_in,
-                               window_copies, state_in)  # fmt: skip
+        return SchedulerOutput(
+            tuple(chunks), tuple(copies), finished, before, after, captures, host_in, window_copies, state_in
+        )
 
     def _prefill_chunk(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> Chunk | None:
         start = seq.num_computed
@@ -248,12 +261,15 @@ class Scheduler:
         uncached = seq.num_prompt - seq.num_computed
         prefill = costs.prefill_ns(uncached, config.prefill_chunk_size)
         chosen, skips = select(
-            seq.request.checkpoint_hints, page_tokens=self.pool.page_tokens, computed=seq.num_computed,
-            last=self._last_boundary(seq), planned=lambda b: self._planned_boundary(seq, b),
+            seq.request.checkpoint_hints,
+            page_tokens=self.pool.page_tokens,
+            computed=seq.num_computed,
+            last=self._last_boundary(seq),
+            planned=lambda b: self._planned_boundary(seq, b),
             exists=lambda b: self.states is not None and self.states.has(self._digest_at(seq, b)),
             capture_ns=costs.capture_ns(self.stats.state_slot_bytes),
             allowance_ns=prefill * config.checkpoint_work_fraction if prefill is not None else None,
-        )  # fmt: skip
+        )
         seq.checkpoints = {c.boundary: c for c in chosen}
         for reason in skips:
             self.stats.count_checkpoint_skip(reason)
@@ -267,8 +283,9 @@ class Scheduler:
         size = self.pool.page_tokens
         digest = seq.chain[-1] if seq.chain else ROOT_HASH
         for index in range(len(seq.chain), boundary // size):
-            digest = page_hash(digest, seq.request.page_identity(index, size),
-                               tuple(seq.token_ids[index * size : (index + 1) * size]))
+            digest = page_hash(
+                digest, seq.request.page_identity(index, size), tuple(seq.token_ids[index * size : (index + 1) * size])
+            )
         return digest
 
     def _capture(self, seq: Sequence, boundary: int) -> None:
@@ -337,8 +354,15 @@ class Scheduler:
         self.pool.release(pages[keep:])
         return pages[:keep], chain[keep - 1] if keep else ROOT_HASH
 
-    def _chunk(self, seq: Sequence, start: int, size: int, copies: list[tuple[int, int]],
-               drafts: tuple[int, ...] = (), states: tuple = ()) -> Chunk:  # fmt: skip
+    def _chunk(
+        self,
+        seq: Sequence,
+        start: int,
+        size: int,
+        copies: list[tuple[int, int]],
+        drafts: tuple[int, ...] = (),
+        states: tuple = (),
+    ) -> Chunk:
         wants = start + size == len(seq.token_ids)
         if self.window is not None:
             covered = self.window.cover(seq, start + size + len(drafts))
@@ -346,8 +370,16 @@ class Scheduler:
         choices: tuple[Sequence, ...] = (seq,)
         if wants and seq.unforked and seq.request.max_tokens > 0:
             choices += tuple(self._fork(seq, start + size, copies))
-        return Chunk(seq, start, size, wants_logits=wants, scored=seq.scoring, choices=choices, draft_ids=drafts,
-                     draft_states=states)
+        return Chunk(
+            seq,
+            start,
+            size,
+            wants_logits=wants,
+            scored=seq.scoring,
+            choices=choices,
+            draft_ids=drafts,
+            draft_states=states,
+        )
 
     # ------------------------------------------------------------------ speculation
     def _draft_rows(self) -> int:
@@ -551,7 +583,9 @@ class Scheduler:
         reaches. Returns (pages restored, chain hash after them, that state record's payload)."""
         assert self.host is not None
         size, tokens = self.pool.page_tokens, seq.token_ids
-        found: list[tuple[bytes, bytes, bytes, tuple[int, ...], object]] = []  # (digest, parent, identity, tokens, payload)
+        found: list[
+            tuple[bytes, bytes, bytes, tuple[int, ...], object]
+        ] = []  # (digest, parent, identity, tokens, payload)
         start = parent
         for index in range(first, (len(tokens) - 1) // size):  # the last token is always computed
             chunk = tuple(tokens[index * size : (index + 1) * size])
@@ -570,7 +604,7 @@ class Scheduler:
                     state = record.payload
                 else:
                     found.pop()
-        for index, (digest, previous, identity, chunk, payload) in enumerate(found, start=first):
+        for index, (_digest, previous, identity, chunk, payload) in enumerate(found, start=first):
             page = seq.pages[index]
             self._host_in.append((page, payload))
             self.pool.publish(page, previous, identity, chunk)
@@ -600,7 +634,9 @@ class Scheduler:
     def _chain_of(self, seq: Sequence, num_pages: int, end: bytes) -> list[bytes]:
         chain, parent, size, tokens = [], ROOT_HASH, self.pool.page_tokens, seq.token_ids
         for index in range(num_pages):
-            parent = page_hash(parent, seq.request.page_identity(index, size), tuple(tokens[index * size : (index + 1) * size]))
+            parent = page_hash(
+                parent, seq.request.page_identity(index, size), tuple(tokens[index * size : (index + 1) * size])
+            )
             chain.append(parent)
         assert not chain or chain[-1] == end
         return chain
@@ -683,7 +719,7 @@ class Scheduler:
     def _commit(self, seq: Sequence, sampled: tuple[SampledToken, ...], offered: int) -> list[EngineEvent]:
         """Append a round's tokens: the accepted drafts, then the correction or bonus token; a
         stop among them ends the round there (what followed it was never generated)."""
-        request, stats = seq.request, self.stats
+        stats = self.stats
         if seq.num_output > 0:  # a decode round (the first token comes from prefill)
             stats.verification_rounds += 1
             stats.verification_drafts += offered
@@ -785,6 +821,7 @@ class Scheduler:
 
     def abort(self, doomed: set[tuple[str, int | None]]) -> list[EngineEvent]:
         """Cancel whole requests ((id, None)) or single choices ((id, index))."""
+
         def hit(seq: Sequence) -> bool:
             rid = seq.request.request_id
             return (rid, None) in doomed or (rid, seq.choice_index) in doomed
@@ -797,9 +834,21 @@ class Scheduler:
     def _finish_all(self, seq: Sequence, cause: FinishCause, error: str | None = None) -> list[EngineEvent]:
         """Finish seq and the children it has not forked yet (they share its fate)."""
         events = [self._event(seq, (), (), cause, error)]
-        events += [EngineEvent(seq.request.request_id, index, (), () if seq.request.num_top_logprobs is not None else None,
-                               cause, seq.num_prompt, seq.num_cached, 0, None, error)
-                   for index in range(seq.choice_index + 1, seq.choice_index + 1 + seq.unforked)]  # fmt: skip
+        events += [
+            EngineEvent(
+                seq.request.request_id,
+                index,
+                (),
+                () if seq.request.num_top_logprobs is not None else None,
+                cause,
+                seq.num_prompt,
+                seq.num_cached,
+                0,
+                None,
+                error,
+            )
+            for index in range(seq.choice_index + 1, seq.choice_index + 1 + seq.unforked)
+        ]
         self._count(cause, seq.num_choices)
         self._finish(seq, cause, count=False)
         return events
@@ -839,8 +888,14 @@ class Scheduler:
                 self.states.give_back(seq.rollback_slot)
                 seq.rollback_slot = None
 
-    def _event(self, seq: Sequence, tokens: tuple[int, ...], entries: tuple, cause: FinishCause | None,
-               error: str | None = None) -> EngineEvent:  # fmt: skip
+    def _event(
+        self,
+        seq: Sequence,
+        tokens: tuple[int, ...],
+        entries: tuple,
+        cause: FinishCause | None,
+        error: str | None = None,
+    ) -> EngineEvent:
         first = not seq.sent_first
         seq.sent_first = True
         request = seq.request

@@ -177,8 +177,9 @@ class StatePool:
 
     def check(self, live_held: int) -> None:
         """Slots add up (tests): `live_held` running sequences hold one live slot each."""
-        assert self.live_in_use == live_held + self._borrowed, \
+        assert self.live_in_use == live_held + self._borrowed, (
             f"{self.live_in_use} live state slots in use, {live_held} held and {self._borrowed} borrowed"
+        )
         held = len(self._free_snapshots) + len(self._by_hash) + len(self._pending)
         assert held == self.num_snapshots, "snapshot slots leaked"
         assert self._anchors <= self._by_hash.keys(), "an anchor outlived its snapshot"

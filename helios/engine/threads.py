@@ -49,15 +49,19 @@ def measure(decode_step: Callable[[int], None], threads: int, probe_rows: tuple[
         for rows in probe_rows:
             for count in (1, threads):
                 torch.set_num_threads(count)
-                timings[(rows, count)] = _median_ms(lambda: decode_step(rows))
+                timings[(rows, count)] = _median_ms(lambda: decode_step(rows))  # noqa: B023 - called at once
             if timings[(rows, 1)] < ONE_THREAD_MARGIN * timings[(rows, threads)]:
                 serial_rows = rows
             else:
                 break  # more rows only favour more threads
         torch.set_num_threads(threads)
     policy = ThreadPolicy(threads, serial_rows, timings)
-    log.info("thread policy: decode steps of up to %d rows on one thread, else %d threads (%s)", serial_rows, threads,
-             ", ".join(f"{r} rows x {t} threads: {ms:.1f} ms" for (r, t), ms in sorted(timings.items())))  # fmt: skip
+    log.info(
+        "thread policy: decode steps of up to %d rows on one thread, else %d threads (%s)",
+        serial_rows,
+        threads,
+        ", ".join(f"{r} rows x {t} threads: {ms:.1f} ms" for (r, t), ms in sorted(timings.items())),
+    )
     return policy
 
 
@@ -73,7 +77,7 @@ def measure_row_budget(decode_step: Callable[[int], None], probe_rows: tuple[int
     budget = probe_rows[0]
     timings = [f"{probe_rows[0]} rows: {base:.1f} ms"]
     for rows in probe_rows[1:]:
-        ms = _median_ms(lambda: decode_step(rows))
+        ms = _median_ms(lambda: decode_step(rows))  # noqa: B023 - called at once
         timings.append(f"{rows} rows: {ms:.1f} ms")
         if ms > SPECULATION_COST * base:
             break

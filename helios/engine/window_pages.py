@@ -32,6 +32,7 @@ def pool_pages(window: int, page_tokens: int, max_sequences: int, prefill_tokens
     (window - 1 positions, straddling one more page) and the pages drafts began beyond it, plus the
     pages of one step's tokens: a decode token and its drafts per sequence, and the prefill budget
     shared by all (each chunk straddling one more page)."""
+
     def pages(tokens: int) -> int:
         return -(-max(0, tokens) // page_tokens)
 
@@ -58,8 +59,7 @@ class WindowPages:
     def needed(self, seq: Sequence, start: int, end: int) -> int:
         """Pages seq lacks for positions [start, end) (its next step's, from num_computed)."""
         table, size = seq.window_pages, self.page_tokens
-        return sum(1 for index in range(start // size, -(-end // size))
-                   if index >= len(table) or table[index] == NONE)  # fmt: skip
+        return sum(1 for index in range(start // size, -(-end // size)) if index >= len(table) or table[index] == NONE)
 
     def coverable(self, seq: Sequence, end: int) -> int:
         """The furthest end <= `end` whose pages the pool can give seq now."""

@@ -31,22 +31,31 @@ class InputBounds:
     def check(self, source: Conversation | RawPrompt) -> None:
         if isinstance(source, RawPrompt):
             if source.token_ids is not None and len(source.token_ids) > self.max_model_len:
-                raise RequestError(f"the prompt has {len(source.token_ids)} tokens; the context holds "
-                                   f"{self.max_model_len}", "prompt")  # fmt: skip
+                raise RequestError(
+                    f"the prompt has {len(source.token_ids)} tokens; the context holds {self.max_model_len}", "prompt"
+                )
             self._characters(len(source.text or ""), "prompt")
             return
         messages = source.messages
         parts = sum(len(m.parts) for m in messages)
         if len(messages) > self.max_model_len or parts > self.max_model_len:
-            raise RequestError(f"the conversation has {len(messages)} messages and {parts} parts; each costs at least "
-                               f"a token and the context holds {self.max_model_len}", "messages")  # fmt: skip
+            raise RequestError(
+                f"the conversation has {len(messages)} messages and {parts} parts; each costs at least "
+                f"a token and the context holds {self.max_model_len}",
+                "messages",
+            )
         if len(source.tools) > self.max_model_len:
             raise RequestError(f"{len(source.tools)} tools cannot fit the {self.max_model_len}-token context", "tools")
         chars = sum(len(text) for text in conversation_texts(source))
-        chars += sum(len(t.name) + len(t.description or "") + len(msgspec.json.encode(t.parameters)) for t in source.tools)
+        chars += sum(
+            len(t.name) + len(t.description or "") + len(msgspec.json.encode(t.parameters)) for t in source.tools
+        )
         self._characters(chars, "messages")
 
     def _characters(self, chars: int, param: str) -> None:
         if chars > self.max_model_len * self.max_token_chars:
-            raise RequestError(f"the input has {chars} characters; no token covers more than {self.max_token_chars}, "
-                               f"so it cannot fit the {self.max_model_len}-token context", param)  # fmt: skip
+            raise RequestError(
+                f"the input has {chars} characters; no token covers more than {self.max_token_chars}, "
+                f"so it cannot fit the {self.max_model_len}-token context",
+                param,
+            )

@@ -41,8 +41,9 @@ class Rendering:
     tools: bool  # tools are presented (they belong to the anchor's block)
 
 
-def character_hints(rendering: Rendering, marks: Sequence[tuple[Message, int]],
-                    anchor_only: bool = False) -> list[tuple[int, str]]:  # fmt: skip
+def character_hints(
+    rendering: Rendering, marks: Sequence[tuple[Message, int]], anchor_only: bool = False
+) -> list[tuple[int, str]]:
     """(character offset, role) candidates: the anchor, the last MAX_MESSAGE_HINTS message ends, and
     each marked (message, part index) block's end (with anchor_only, the anchor alone); those that
     cannot be located are left out."""

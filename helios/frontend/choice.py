@@ -20,8 +20,13 @@ class PolicyError(ValueError):
 
 
 class ChoiceStream:
-    def __init__(self, output: ChoiceOutput, parser: ChoiceParser | None, tool_choice: ToolChoice | None,
-                 declared: frozenset[str]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        output: ChoiceOutput,
+        parser: ChoiceParser | None,
+        tool_choice: ToolChoice | None,
+        declared: frozenset[str],
+    ) -> None:
         self.output = output
         self.parser = parser
         self.tool_choice = tool_choice or ToolChoice()
@@ -79,7 +84,11 @@ class ChoiceStream:
         assert termination is not None
         if termination is Termination.ERROR:
             return FinishEvent(termination, error=delta.error)
-        if self.tool_choice.mode in ("required", "named") and self.declared_calls == 0 and termination is not Termination.ABORT:
+        if (
+            self.tool_choice.mode in ("required", "named")
+            and self.declared_calls == 0
+            and termination is not Termination.ABORT
+        ):
             self.failed = "no tool call"
             return FinishEvent(Termination.ERROR, error="tool_choice requires a tool call, and the model produced none")
         if self.calls and termination in (Termination.EOS, Termination.STOP_TOKEN):

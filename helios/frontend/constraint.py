@@ -110,16 +110,18 @@ class GrammarMasks:
         self._bits_of_byte = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]
 
     def __call__(self, seqs: Seq[Sequence]) -> torch.Tensor | None:
-        active = [(row, c) for row, s in enumerate(seqs)
-                  if isinstance(c := s.constraint, GrammarConstraint) and c.active]  # fmt: skip
+        active = [
+            (row, c) for row, s in enumerate(seqs) if isinstance(c := s.constraint, GrammarConstraint) and c.active
+        ]
         if not active:
             return None
         num = len(active)
         if self._bitmask.shape[0] < num:
             self._bitmask = torch.zeros(max(num, 2 * self._bitmask.shape[0]), self.words, dtype=torch.int32)
         bitmask = self._bitmask
-        self.executor.unsafe_compute_mask_ptr([(c.matcher, k) for k, (_, c) in enumerate(active)],
-                                              bitmask.data_ptr(), self.words * 4, bitmask.shape[0])  # fmt: skip
+        self.executor.unsafe_compute_mask_ptr(
+            [(c.matcher, k) for k, (_, c) in enumerate(active)], bitmask.data_ptr(), self.words * 4, bitmask.shape[0]
+        )
         packed = bitmask[:num].view(torch.uint8).flatten().int()  # [num * words * 4]
         bits = self._bits_of_byte.index_select(0, packed).view(num, -1)  # [num, words * 32]
         allowed = torch.ones(len(seqs), self.vocab_size, dtype=torch.bool)  # [B, V]

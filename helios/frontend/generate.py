@@ -51,8 +51,9 @@ class ChoiceUpdate:
     @property
     def offers_output(self) -> bool:
         """Whether a client sees answer or reasoning text (or a tool call) here (first-response metric)."""
-        return any(isinstance(e, ToolCallEvent) or (isinstance(e, (TextEvent, ReasoningEvent)) and e.text)
-                   for e in self.events)  # fmt: skip
+        return any(
+            isinstance(e, ToolCallEvent) or (isinstance(e, (TextEvent, ReasoningEvent)) and e.text) for e in self.events
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +167,9 @@ class Runner:
             return prompt.text
         return b"".join(self.tokens.bytes_of(t) for t in prompt.token_ids).decode("utf-8", "replace")
 
-    def submit(self, request: InferenceRequest, prompts: list[PreparedPrompt], request_id: str,
-               max_tokens: list[int]) -> Submission:  # fmt: skip
+    def submit(
+        self, request: InferenceRequest, prompts: list[PreparedPrompt], request_id: str, max_tokens: list[int]
+    ) -> Submission:
         """Validate every child first, then submit them all (one failure submits nothing).
 
         Each prompt's seeds start at its first global choice index, so batched prompts do
@@ -180,16 +182,26 @@ class Runner:
                 engine_requests.append(None)
                 continue
             scored = dataclasses.replace(request, n=1) if limit == 0 else request
-            engine_requests.append(self.frontend.engine_request(scored, f"{request_id}.{i}", prompt, limit,
-                                                                first_choice=i * request.n))  # fmt: skip
+            engine_requests.append(
+                self.frontend.engine_request(scored, f"{request_id}.{i}", prompt, limit, first_choice=i * request.n)
+            )
         generations: list[Generation] = []
         try:
             for index, (prompt, engine_request) in enumerate(zip(prompts, engine_requests)):
                 choices = [self._choice(request, prompt) for _ in range(request.n)]
                 events = self.client.submit(engine_request) if engine_request is not None else None
                 echo = self.echo_text(prompt) if request.echo else ""
-                generations.append(Generation(prompt, index * request.n, f"{request_id}.{index}", choices, events,
-                                              engine_request.n if engine_request is not None else 0, echo))  # fmt: skip
+                generations.append(
+                    Generation(
+                        prompt,
+                        index * request.n,
+                        f"{request_id}.{index}",
+                        choices,
+                        events,
+                        engine_request.n if engine_request is not None else 0,
+                        echo,
+                    )
+                )
         except BaseException:
             self.abort(generations)
             raise
@@ -204,8 +216,15 @@ class Runner:
         tools_on = bool(conversation.tools) and conversation.tool_choice.mode != "none"
         parser = None
         if recipe.reasoning_syntax or (recipe.tool_syntax and tools_on):
-            parser = build_parser(self.frontend.tokenizer, recipe.reasoning_syntax, recipe.tool_syntax,
-                                  prompt.token_ids, tools_on, conversation.tools, request.output is not None)  # fmt: skip
+            parser = build_parser(
+                self.frontend.tokenizer,
+                recipe.reasoning_syntax,
+                recipe.tool_syntax,
+                prompt.token_ids,
+                tools_on,
+                conversation.tools,
+                request.output is not None,
+            )
         declared = frozenset(t.name for t in conversation.tools)
         return ChoiceStream(output, parser, conversation.tool_choice, declared)
 

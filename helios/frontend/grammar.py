@@ -78,8 +78,9 @@ def _check_size(definition: object, field: str, max_bytes: int) -> None:
         raise GrammarError(f"{field}: the grammar is {size} bytes, over the {max_bytes}-byte limit", field)
 
 
-def _bounded_build(build: Callable[[], llguidance.LLMatcher], field: str, what: str,
-                   timeout_s: float) -> llguidance.LLMatcher:  # fmt: skip
+def _bounded_build(
+    build: Callable[[], llguidance.LLMatcher], field: str, what: str, timeout_s: float
+) -> llguidance.LLMatcher:
     """Run `build` on a worker thread for at most timeout_s; any failure names `field`."""
     result: list[llguidance.LLMatcher | BaseException] = []
 
@@ -121,8 +122,9 @@ class CompiledGrammar:
         return matcher.consume_tokens(list(text.encode("utf-8"))) and matcher.is_accepting() and not matcher.is_error()
 
 
-def compile_grammar(syntax: str, definition: str, field: str, max_bytes: int = MAX_GRAMMAR_BYTES,
-                    timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:  # fmt: skip
+def compile_grammar(
+    syntax: str, definition: str, field: str, max_bytes: int = MAX_GRAMMAR_BYTES, timeout_s: float = COMPILE_TIMEOUT_S
+) -> CompiledGrammar:
     """Validate and compile a Lark or regex grammar for exact matching; failures name `field`."""
     if syntax not in ("lark", "regex"):
         raise GrammarError(f"{field}: grammar syntax must be 'lark' or 'regex', got {syntax!r}", field)
@@ -132,8 +134,12 @@ def compile_grammar(syntax: str, definition: str, field: str, max_bytes: int = M
     except ProbeRefused as exc:
         raise GrammarError(f"{field}: invalid {syntax} grammar: {exc}", field) from None
     source = grammar_source(syntax, definition)
-    matcher = _bounded_build(lambda: llguidance.LLMatcher(_byte_tokenizer(), source, log_level=0, limits=parser_limits()),
-                             field, f"{syntax} grammar", timeout_s)  # fmt: skip
+    matcher = _bounded_build(
+        lambda: llguidance.LLMatcher(_byte_tokenizer(), source, log_level=0, limits=parser_limits()),
+        field,
+        f"{syntax} grammar",
+        timeout_s,
+    )
     return CompiledGrammar(syntax, definition, matcher)  # type: ignore[arg-type]
 
 
@@ -157,9 +163,16 @@ class GrammarService:
     Thread-safe: protocols compile on the frontend pool, the engine copies matchers.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...],
-                 max_bytes: int = MAX_GRAMMAR_BYTES, timeout_s: float = COMPILE_TIMEOUT_S,
-                 probe: ProbePool | None = None, cache_bytes: int = CACHE_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_ids: tuple[int, ...],
+        max_bytes: int = MAX_GRAMMAR_BYTES,
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        probe: ProbePool | None = None,
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
         self.vocab_size = vocab_size  # the logits width; llguidance masks are sized to it
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
@@ -179,8 +192,9 @@ class GrammarService:
                 plain = Tokenizer.from_str(self._source.to_str())  # a copy: padding and truncation must be off
                 plain.no_padding()
                 plain.no_truncation()
-                self._tokenizer = llguidance.LLTokenizer(plain.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=self._eos_ids)  # fmt: skip
+                self._tokenizer = llguidance.LLTokenizer(
+                    plain.to_str(), n_vocab=self.vocab_size, eos_token=self._eos_ids
+                )
             return self._tokenizer
 
     @property

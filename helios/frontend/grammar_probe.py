@@ -148,8 +148,21 @@ class TrialTokenizer:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap_bytes() -> int:
@@ -212,8 +225,9 @@ def _worker_main() -> None:
         try:
             tokenizer = tokenizer_for(target)
             before = _heap_bytes()
-            matcher = llguidance.LLMatcher(tokenizer, grammar.grammar_source(kind, definition), log_level=0,
-                                           limits=grammar.parser_limits())  # fmt: skip
+            matcher = llguidance.LLMatcher(
+                tokenizer, grammar.grammar_source(kind, definition), log_level=0, limits=grammar.parser_limits()
+            )
             if not matcher.is_error():
                 matcher.compute_bitmask()  # the lexer is built here: part of the cost
             if matcher.is_error():
@@ -231,8 +245,12 @@ class _Worker:
     """One worker process, started with the tokenizer; answers one question at a time."""
 
     def __init__(self, tokens: TrialTokenizer, address_space: int) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "helios.frontend.grammar_probe"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "helios.frontend.grammar_probe"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         self.ready = False
         _send(self.process.stdin, (tokens.tokenizer_json, tokens.vocab_size, list(tokens.eos_ids), address_space))
 
@@ -270,8 +288,13 @@ class _Worker:
 class ProbePool:
     """Worker processes that compile grammars first; a dead or late worker is replaced."""
 
-    def __init__(self, tokens: TrialTokenizer, workers: int = 1, memory_limit: int = 128 << 20,
-                 address_space: int = WORKER_ADDRESS_SPACE) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokens: TrialTokenizer,
+        workers: int = 1,
+        memory_limit: int = 128 << 20,
+        address_space: int = WORKER_ADDRESS_SPACE,
+    ) -> None:
         self.tokens = tokens
         self.memory_limit = memory_limit  # bytes one compiled grammar may hold
         self.address_space = address_space
@@ -311,8 +334,10 @@ class ProbePool:
         if status == "invalid":
             raise ProbeRefused(str(value))
         if value > self.memory_limit:
-            raise ProbeRefused(f"the compiled grammar needs about {value >> 20} MiB; at most "
-                               f"{self.memory_limit >> 20} MiB are allowed per grammar")  # fmt: skip
+            raise ProbeRefused(
+                f"the compiled grammar needs about {value >> 20} MiB; at most "
+                f"{self.memory_limit >> 20} MiB are allowed per grammar"
+            )
         return value
 
     def close(self) -> None:

@@ -86,8 +86,9 @@ def read_header(data: bytes, profile: VisionProfile, where: str) -> ImageHeader:
     if width < 1 or height < 1:
         raise ImageError(f"{where} has an empty extent {width}x{height}")
     if width * height > profile.max_image_pixels:
-        raise ImageError(f"{where} is {width}x{height} = {width * height} pixels, over max_image_pixels "
-                         f"{profile.max_image_pixels}")  # fmt: skip
+        raise ImageError(
+            f"{where} is {width}x{height} = {width * height} pixels, over max_image_pixels {profile.max_image_pixels}"
+        )
     return ImageHeader(image.format, width, height, len(data))
 
 
@@ -112,10 +113,12 @@ def tile_plan(width: int, height: int, profile: VisionProfile) -> TilePlan:
         window = profile.tile_size
     if window == 0:
         return TilePlan(width, height, width, height, 0, 0, 0, square_pad)
-    crop_w, crop_h = (window * (d // window + (d % window > 0.2 * window)) if d >= window else d
-                      for d in (width, height))  # fmt: skip
-    return TilePlan(width, height, crop_w, crop_h, window, max(1, crop_w // window), max(1, crop_h // window),
-                    square_pad)  # fmt: skip
+    crop_w, crop_h = (
+        window * (d // window + (d % window > 0.2 * window)) if d >= window else d for d in (width, height)
+    )
+    return TilePlan(
+        width, height, crop_w, crop_h, window, max(1, crop_w // window), max(1, crop_h // window), square_pad
+    )
 
 
 def cost(width: int, height: int, profile: VisionProfile) -> ImageCost:
@@ -236,8 +239,9 @@ def aspect_grid(width: int, height: int, profile: VisionProfile) -> tuple[int, i
     if ideal_h * ideal_w > cap:
         ideal_h = (cap / ratio) ** 0.5
         ideal_w = ideal_h * ratio
-    candidates = list(set(itertools.product([math.floor(ideal_h), math.ceil(ideal_h)],
-                                            [math.floor(ideal_w), math.ceil(ideal_w)])))  # fmt: skip
+    candidates = list(
+        set(itertools.product([math.floor(ideal_h), math.ceil(ideal_h)], [math.floor(ideal_w), math.ceil(ideal_w)]))
+    )
     candidates = [(h, w) for h, w in candidates if h >= 1 and w >= 1 and h * w <= cap]
     if not candidates:
         candidates = [(max(1, round(ideal_h)), max(1, round(ideal_w)))]
@@ -298,8 +302,11 @@ def prepare_views(rgb: np.ndarray, profile: VisionProfile) -> list[tuple[torch.T
     views = []
     if plan.window:
         crop, w, t = _resize(image, plan.crop_height, plan.crop_width, profile), plan.window, profile.tile_size
-        views += [_resize(crop[:, y : y + w, x : x + w], t, t, profile)
-                  for y in range(0, plan.crop_height, w) for x in range(0, plan.crop_width, w)]  # fmt: skip
+        views += [
+            _resize(crop[:, y : y + w, x : x + w], t, t, profile)
+            for y in range(0, plan.crop_height, w)
+            for x in range(0, plan.crop_width, w)
+        ]
     size = profile.image_size
     views.append(_resize(_resize(image, plan.height, plan.width, profile), size, size, profile))
     # Rescale and normalize fused into one mean/std (as transformers' torch image processors do).
@@ -314,8 +321,9 @@ def _resize(image: torch.Tensor, height: int, width: int, profile: VisionProfile
     if tuple(image.shape[1:]) == (height, width):
         return image
     if profile.resample == "torch_bicubic":  # torchvision resizes uint8 natively by bicubic on every CPU
-        out = torch.nn.functional.interpolate(image[None], size=[height, width], mode="bicubic", align_corners=False,
-                                              antialias=True)  # fmt: skip
+        out = torch.nn.functional.interpolate(
+            image[None], size=[height, width], mode="bicubic", align_corners=False, antialias=True
+        )
         return out[0]
     if profile.resample != "torch_bilinear":
         resample = {"bicubic": Image.BICUBIC, "lanczos": Image.LANCZOS}.get(profile.resample, Image.BILINEAR)
@@ -349,8 +357,9 @@ def _prepare_merge_blocks(rgb: np.ndarray, profile: VisionProfile) -> tuple[torc
             content_h, content_w = navit_resize(width, height, profile)[0]
         else:
             _, _, content_h, content_w = fit_and_pad(width, height, profile)
-        image = torch.nn.functional.pad(_resize(image, content_h, content_w, profile),
-                                        (0, c.width - content_w, 0, c.height - content_h))  # fmt: skip
+        image = torch.nn.functional.pad(
+            _resize(image, content_h, content_w, profile), (0, c.width - content_w, 0, c.height - content_h)
+        )
     else:
         image = _resize(image, c.height, c.width, profile)
     mean = (torch.tensor(profile.image_mean) * (1.0 / profile.rescale_factor))[:, None, None]

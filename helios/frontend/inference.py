@@ -40,7 +40,7 @@ class ToolCallPart:
 @dataclass(frozen=True, slots=True)
 class ToolResultPart:
     call_id: str
-    content: tuple[Union[TextPart, ImagePart], ...]
+    content: tuple[TextPart | ImagePart, ...]
     is_error: bool = False
 
 
@@ -125,7 +125,7 @@ class OutputConstraint:
 
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
-    input: Union[Conversation, RawPrompt]
+    input: Conversation | RawPrompt
     sampling: Mapping[str, object]  # raw request values by parameter name (None = omitted)
     max_tokens: int | None  # None: the server default bounded by the remaining context
     n: int = 1

@@ -38,8 +38,11 @@ class LiteralEncoder:
         self.tokenizer = tokenizer
         self.literal = Tokenizer.from_str(tokenizer.to_str())
         self.literal.encode_special_tokens = True  # special-token strings become ordinary text tokens
-        specials = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content},
-                          key=len, reverse=True)  # fmt: skip
+        specials = sorted(
+            {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content},
+            key=len,
+            reverse=True,
+        )
         self.specials = specials
         self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._placeholder_of = {s: chr(_PLACEHOLDER_BASE + i) for i, s in enumerate(specials)}
@@ -48,13 +51,16 @@ class LiteralEncoder:
 
     def encode_conversation(self, conversation: Conversation, render: Callable[[Conversation], str]) -> EncodedPrompt:
         """The rendered conversation's ids and text, client text's special-token strings kept literal."""
-        if self._special is None or not any(self._special.search(t) for t in conversation_texts(conversation, _GUARDED)):
+        if self._special is None or not any(
+            self._special.search(t) for t in conversation_texts(conversation, _GUARDED)
+        ):
             text = render(conversation)
             encoding = self.tokenizer.encode(text, add_special_tokens=False)
             return EncodedPrompt(encoding.ids, text, text, list(encoding.offsets))
         if any(self._placeholder.search(t) for t in conversation_texts(conversation, _GUARDED)):
-            raise RequestError("message text contains characters from U+F0000.. that helios reserves; remove them",
-                               "messages")  # fmt: skip
+            raise RequestError(
+                "message text contains characters from U+F0000.. that helios reserves; remove them", "messages"
+            )
         marked = render(_map_texts(conversation, self._mark))
         ids: list[int] = []
         spans: list[tuple[int, int]] = []
@@ -108,7 +114,10 @@ def _map_texts(conversation: Conversation, fn: Callable[[str], str]) -> Conversa
             return dataclasses.replace(part, content=tuple(part_of(p) for p in part.content))
         return part
 
-    messages = tuple(m if m.role not in _GUARDED else
-                     dataclasses.replace(m, parts=tuple(part_of(p) for p in m.parts), name=fn(m.name) if m.name else m.name)
-                     for m in conversation.messages)  # fmt: skip
+    messages = tuple(
+        m
+        if m.role not in _GUARDED
+        else dataclasses.replace(m, parts=tuple(part_of(p) for p in m.parts), name=fn(m.name) if m.name else m.name)
+        for m in conversation.messages
+    )
     return dataclasses.replace(conversation, messages=messages)

@@ -34,9 +34,16 @@ SCORES = {"low": 50, "high": 75, "xhigh": 75, "max": 100}  # V4.1's score for ea
 SCORE_LEVEL = "high"  # a numeric V4.1 effort renders with this level, then takes its own score
 EFFORT_LINE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)"
 # Tokens every rendered prompt may hold; a core whose tokenizer lacks one cannot serve this encoder.
-REQUIRED_TOKENS = (ds.SpecialToken.Bos, ds.SpecialToken.Eos, ds.SpecialToken.System, ds.SpecialToken.User,
-                   ds.SpecialToken.Assistant, ds.SpecialToken.ThinkingStart, ds.SpecialToken.ThinkingEnd,
-                   ds.SpecialToken.Dsml)  # fmt: skip
+REQUIRED_TOKENS = (
+    ds.SpecialToken.Bos,
+    ds.SpecialToken.Eos,
+    ds.SpecialToken.System,
+    ds.SpecialToken.User,
+    ds.SpecialToken.Assistant,
+    ds.SpecialToken.ThinkingStart,
+    ds.SpecialToken.ThinkingEnd,
+    ds.SpecialToken.Dsml,
+)
 _ALL_TOKENS = tuple(getattr(ds.SpecialToken, name) for name in dir(ds.SpecialToken) if name[:1].isupper())
 _TOOL_CHOICE = {"auto": "auto", "named": "auto", "none": "none", "required": "required"}  # named: one tool, auto
 
@@ -63,25 +70,36 @@ class NativeEncoder:
         self._ids = {t.default_str(): tokenizer.token_to_id(t.default_str()) for t in _ALL_TOKENS}
         missing = [t.default_str() for t in REQUIRED_TOKENS if self._ids[t.default_str()] is None]
         if missing:
-            raise CoreError(f"the {self.name} native encoder needs these special tokens as single tokens, and the "
-                            f"core's tokenizer lacks them: {', '.join(missing)}; re-export from a DeepSeek "
-                            "checkpoint, or use a recipe with a Jinja template")  # fmt: skip
+            raise CoreError(
+                f"the {self.name} native encoder needs these special tokens as single tokens, and the "
+                f"core's tokenizer lacks them: {', '.join(missing)}; re-export from a DeepSeek "
+                "checkpoint, or use a recipe with a Jinja template"
+            )
         self._system = ds.SpecialToken.System.default_str()
         self._inline_system: bool | None = None
 
     @classmethod
-    def for_source(cls, source: str, tokenizer: Tokenizer, levels: Sequence[str],
-                   default_effort: str | None) -> NativeEncoder | None:  # fmt: skip
+    def for_source(
+        cls, source: str, tokenizer: Tokenizer, levels: Sequence[str], default_effort: str | None
+    ) -> NativeEncoder | None:
         """The encoder a recipe's template source names; None for Jinja sources."""
         if not source.startswith("native:"):
             return None
         if source not in VERSIONS:
-            raise CoreError(f"unknown native template {source!r} (this helios has {', '.join(VERSIONS)}); "
-                            "upgrade helios or re-export the core")  # fmt: skip
+            raise CoreError(
+                f"unknown native template {source!r} (this helios has {', '.join(VERSIONS)}); "
+                "upgrade helios or re-export the core"
+            )
         return cls(source, tokenizer, levels, default_effort)
 
-    def encode(self, conversation: Conversation, messages: Sequence[Message], tools: Sequence[ToolSpec],
-               kwargs: Mapping[str, object], output: OutputConstraint | None) -> tuple[tuple[int, ...], str]:  # fmt: skip
+    def encode(
+        self,
+        conversation: Conversation,
+        messages: Sequence[Message],
+        tools: Sequence[ToolSpec],
+        kwargs: Mapping[str, object],
+        output: OutputConstraint | None,
+    ) -> tuple[tuple[int, ...], str]:
         """(token ids, prompt text) of arranged `messages` with the presented `tools`; `kwargs` are
         the request's template options after the frontend's effort resolution."""
         self._check_controls(conversation, kwargs)
@@ -132,22 +150,28 @@ class NativeEncoder:
             return Reasoning(thinking, SCORE_LEVEL, value)
         accepted = ", ".join(self._levels) + (", or an integer from 1 through 100" if self.numeric else "")
         numeric = " (it takes no numeric scores)" if not self.numeric else ""
-        raise RequestError(f"reasoning_effort for {self.name}{numeric} must be one of {accepted}; got {value!r}",
-                           "reasoning_effort")  # fmt: skip
+        raise RequestError(
+            f"reasoning_effort for {self.name}{numeric} must be one of {accepted}; got {value!r}", "reasoning_effort"
+        )
 
     def _check_controls(self, conversation: Conversation, kwargs: Mapping[str, object]) -> None:
         """Controls the native encoders do not offer (spec: both reject these)."""
         if conversation.continue_final_message:
-            raise RequestError(f"the {self.name} encoder does not support assistant continuation "
-                               "(continue_final_message or an assistant prefill)", "continue_final_message")  # fmt: skip
+            raise RequestError(
+                f"the {self.name} encoder does not support assistant continuation "
+                "(continue_final_message or an assistant prefill)",
+                "continue_final_message",
+            )
         if not conversation.add_generation_prompt:
-            raise RequestError(f"the {self.name} encoder always adds the generation prompt; "
-                               "add_generation_prompt=false is not supported", "add_generation_prompt")  # fmt: skip
+            raise RequestError(
+                f"the {self.name} encoder always adds the generation prompt; "
+                "add_generation_prompt=false is not supported",
+                "add_generation_prompt",
+            )
         if "drop_thinking" in kwargs:
             raise RequestError(f"the {self.name} encoder does not support drop_thinking", "drop_thinking")
 
-    def _with_score(self, prompt: str, ranges: list[tuple[int, int]],
-                    score: int) -> tuple[str, list[tuple[int, int]]]:  # fmt: skip
+    def _with_score(self, prompt: str, ranges: list[tuple[int, int]], score: int) -> tuple[str, list[tuple[int, int]]]:
         """Write `score` into the effort line, which V4.1 puts right after its first system token."""
         line = EFFORT_LINE.format(SCORES[SCORE_LEVEL])
         start = next((end for begin, end in ranges if prompt[begin:end] == self._system), -1)
@@ -165,8 +189,10 @@ class NativeEncoder:
             ids += self._plain(prompt[at:begin])
             token = self._ids.get(prompt[begin:end])
             if token is None:
-                raise RequestError(f"the prompt needs the special token {prompt[begin:end]!r}, which this core's "
-                                   "tokenizer lacks", "messages")  # fmt: skip
+                raise RequestError(
+                    f"the prompt needs the special token {prompt[begin:end]!r}, which this core's tokenizer lacks",
+                    "messages",
+                )
             ids.append(token)
             at = end
         return tuple(ids + self._plain(prompt[at:]))
@@ -178,7 +204,9 @@ class NativeEncoder:
         tokenizer = self._tokenizer
         if tokenizer.normalizer is not None:
             text = tokenizer.normalizer.normalize_str(text)
-        words = tokenizer.pre_tokenizer.pre_tokenize_str(text) if tokenizer.pre_tokenizer is not None else [(text, None)]
+        words = (
+            tokenizer.pre_tokenizer.pre_tokenize_str(text) if tokenizer.pre_tokenizer is not None else [(text, None)]
+        )
         return [token.id for word, _ in words for token in tokenizer.model.tokenize(word)]
 
 

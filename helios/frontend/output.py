@@ -177,7 +177,11 @@ class ChoiceOutput:
         self._text.append(tail)
         if tail:
             last = pieces[-1] if pieces else Piece(token_ids[-1] if token_ids else -1, "", None)
-            pieces = pieces[:-1] + (Piece(last.token_id, last.text + tail, last.entry),) if pieces else (Piece(last.token_id, tail, None),)
+            pieces = (
+                pieces[:-1] + (Piece(last.token_id, last.text + tail, last.entry),)
+                if pieces
+                else (Piece(last.token_id, tail, None),)
+            )
         finish = Termination.STOP_STRING if matched is not None else _TERMINATIONS[event.finish]
         return OutputDelta(text + tail, entries, token_ids + terminal_ids, finish, matched, event.error, pieces)
 

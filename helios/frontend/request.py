@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from helios.config import ServerConfig
 from helios.core import Core
@@ -83,7 +83,6 @@ def normalize_tool_results(messages: list[Message]) -> list[Message]:
     return out
 
 
-
 def nearest_effort(level: str, accepted: tuple[str, ...]) -> str:
     """A neutral effort level resolved against the template's vocabulary (closest rank)."""
     if level in accepted:
@@ -92,7 +91,11 @@ def nearest_effort(level: str, accepted: tuple[str, ...]) -> str:
         raise RequestError(f"unknown reasoning effort {level!r} (accepted: {', '.join(accepted)})", "effort")
     rank = EFFORT_ORDER.index(level)
     ranked = [a for a in accepted if a in EFFORT_ORDER]
-    return min(ranked, key=lambda a: (abs(EFFORT_ORDER.index(a) - rank), -EFFORT_ORDER.index(a))) if ranked else accepted[0]
+    return (
+        min(ranked, key=lambda a: (abs(EFFORT_ORDER.index(a) - rank), -EFFORT_ORDER.index(a)))
+        if ranked
+        else accepted[0]
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,26 +153,38 @@ class Frontend:
         self.checkpoint_hints = bool(m.kv.state)
         self.anchor_hints = not m.kv.state and config.host_cache
         source = core.chat_template()
-        specials = {"bos_token": self._token(m.tokenizer.bos_token_id), "eos_token": self._token(m.tokenizer.eos_token_ids[0]),
-                    "pad_token": self._token(m.tokenizer.pad_token_id)}  # fmt: skip
+        specials = {
+            "bos_token": self._token(m.tokenizer.bos_token_id),
+            "eos_token": self._token(m.tokenizer.eos_token_ids[0]),
+            "pad_token": self._token(m.tokenizer.pad_token_id),
+        }
         self.template = ChatTemplate(source, specials) if source else None
-        self.native = NativeEncoder.for_source(m.recipe.template_source, self.tokenizer, m.recipe.effort_levels,
-                                               m.recipe.default_effort)  # fmt: skip
+        self.native = NativeEncoder.for_source(
+            m.recipe.template_source, self.tokenizer, m.recipe.effort_levels, m.recipe.default_effort
+        )
         eos = tuple(m.tokenizer.eos_token_ids)
-        probe = ProbePool(TrialTokenizer(self.tokenizer.to_str(), self.vocab_size, eos), config.grammar_workers,
-                          config.grammar_memory_mb << 20)  # fmt: skip
-        self.grammars = GrammarService(self.tokenizer, self.vocab_size, eos, probe=probe,
-                                       cache_bytes=config.grammar_cache_mb << 20)  # fmt: skip
+        probe = ProbePool(
+            TrialTokenizer(self.tokenizer.to_str(), self.vocab_size, eos),
+            config.grammar_workers,
+            config.grammar_memory_mb << 20,
+        )
+        self.grammars = GrammarService(
+            self.tokenizer, self.vocab_size, eos, probe=probe, cache_bytes=config.grammar_cache_mb << 20
+        )
         self.vision = m.vision if m.capabilities.vision else None
         self.image_counters = dict.fromkeys(IMAGE_COUNTERS[:3], 0)  # the frontend's share of the image metrics
         self.image_counters["input_decode_cache_hits_total"] = 0  # images not decoded again (image_cache.py)
         self.decoded_images = DecodedImages(config.image_cache_mb << 20)
         framing = len(self.vision.prefix_token_ids) + len(self.vision.suffix_token_ids) if self.vision else 0
         # Context-derived limits at the served context (spec /v1/models), within the core's own.
-        self.max_image_tokens_per_prompt = (min(self.vision.max_image_tokens_per_prompt,
-                                                max(0, self.max_model_len - 1 - framing)) if self.vision else 0)
-        self.max_images_per_prompt = (min(self.vision.max_images_per_prompt,
-                                          max(0, (self.max_model_len - 1) // (1 + framing))) if self.vision else 0)
+        self.max_image_tokens_per_prompt = (
+            min(self.vision.max_image_tokens_per_prompt, max(0, self.max_model_len - 1 - framing)) if self.vision else 0
+        )
+        self.max_images_per_prompt = (
+            min(self.vision.max_images_per_prompt, max(0, (self.max_model_len - 1) // (1 + framing)))
+            if self.vision
+            else 0
+        )
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.tokenizer.id_to_token(token_id)
@@ -191,16 +206,26 @@ class Frontend:
         kwargs = self._reasoning_kwargs(conversation)
         try:
             check_template_kwargs(kwargs)
-            text = template.render(messages, tools=tools, add_generation_prompt=conversation.add_generation_prompt,
-                                   continue_final_message=conversation.continue_final_message, **kwargs)  # fmt: skip
+            text = template.render(
+                messages,
+                tools=tools,
+                add_generation_prompt=conversation.add_generation_prompt,
+                continue_final_message=conversation.continue_final_message,
+                **kwargs,
+            )
         except TemplateError as exc:
             raise RequestError(str(exc), "messages") from None
-        return Rendering(text, lowered, messages,
-                         lambda prefix: template.render(prefix, tools=tools, add_generation_prompt=False, **kwargs),
-                         tools is not None)  # fmt: skip
+        return Rendering(
+            text,
+            lowered,
+            messages,
+            lambda prefix: template.render(prefix, tools=tools, add_generation_prompt=False, **kwargs),
+            tools is not None,
+        )
 
-    def _lowered(self, conversation: Conversation, output: OutputConstraint | None,
-                 native: bool = False) -> tuple[list[Message], list[ToolSpec]]:  # fmt: skip
+    def _lowered(
+        self, conversation: Conversation, output: OutputConstraint | None, native: bool = False
+    ) -> tuple[list[Message], list[ToolSpec]]:
         """The arranged messages and the tools presented to the model. A native encoder writes its
         own required-call and response-format prompts, so it gets no added instructions."""
         choice = conversation.tool_choice
@@ -269,8 +294,9 @@ class Frontend:
                     arguments = json.loads(part.arguments) if part.arguments else {}
                 except json.JSONDecodeError:
                     raise RequestError(f"tool call {part.call_id!r} arguments are not valid JSON", "messages") from None
-                calls.append({"id": part.call_id, "type": "function",
-                              "function": {"name": part.name, "arguments": arguments}})  # fmt: skip
+                calls.append(
+                    {"id": part.call_id, "type": "function", "function": {"name": part.name, "arguments": arguments}}
+                )
             elif isinstance(part, ToolResultPart):
                 out["tool_call_id"] = part.call_id
                 if any(isinstance(p, ImagePart) for p in part.content) and not vision:
@@ -302,11 +328,17 @@ class Frontend:
 
     def prompt(self, source: Conversation | RawPrompt, output: OutputConstraint | None = None) -> PreparedPrompt:
         self.bounds.check(source)  # from counts alone, before any rendering or tokenization
-        if (isinstance(source, Conversation) and source.tools and source.tool_choice.mode in ("required", "named")
-                and not self.manifest.recipe.tool_syntax):  # fmt: skip
-            raise RequestError(f"tool_choice {source.tool_choice.mode!r} needs a tool call, but this model's recipe "
-                               f"({self.manifest.recipe.name}) declares no tool-call syntax: use tool_choice auto or none",
-                               "tool_choice")  # fmt: skip
+        if (
+            isinstance(source, Conversation)
+            and source.tools
+            and source.tool_choice.mode in ("required", "named")
+            and not self.manifest.recipe.tool_syntax
+        ):
+            raise RequestError(
+                f"tool_choice {source.tool_choice.mode!r} needs a tool call, but this model's recipe "
+                f"({self.manifest.recipe.name}) declares no tool-call syntax: use tool_choice auto or none",
+                "tool_choice",
+            )
         if isinstance(source, Conversation) and self.native is not None:
             messages, presented = self._lowered(source, output, native=True)
             ids, text = self.native.encode(source, messages, presented, self._reasoning_kwargs(source), output)
@@ -323,8 +355,9 @@ class Frontend:
             hints: tuple[tuple[int, str], ...] = ()
             if self.checkpoint_hints or self.anchor_hints:
                 conversation, rendering = rendered[-1]  # the one whose text was encoded (placeholders and all)
-                marks = [(conversation.messages[i], j) for i, j in source.cache_marks
-                         if 0 <= i < len(conversation.messages)]  # fmt: skip
+                marks = [
+                    (conversation.messages[i], j) for i, j in source.cache_marks if 0 <= i < len(conversation.messages)
+                ]
                 found = character_hints(rendering, marks, anchor_only=not self.checkpoint_hints)
                 hints = token_hints(found, encoded.spans)
             if not pictures:
@@ -332,15 +365,19 @@ class Frontend:
             ids, spans = self._expand_images(list(encoded.ids), [cost for _, _, cost in pictures])
             growth = [(old, grown) for old, _, grown, _ in spans]
             hints = tuple((self._shifted(pos, growth), role) for pos, role in hints)
-            engine_images = tuple(self._engine_image(part, header, cost, start, runs)
-                                  for (part, header, cost), (_, start, _, runs) in zip(pictures, spans))  # fmt: skip
+            engine_images = tuple(
+                self._engine_image(part, header, cost, start, runs)
+                for (part, header, cost), (_, start, _, runs) in zip(pictures, spans)
+            )
             return PreparedPrompt(tuple(ids), encoded.text, hints, engine_images)
         if source.token_ids is not None:
             if not source.token_ids:
                 raise RequestError("a token-id prompt must not be empty", "prompt")
             bad = [t for t in source.token_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+                raise RequestError(
+                    f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+                )
             return PreparedPrompt(tuple(source.token_ids), None)
         text = source.text or ""
         ids = tuple(self.tokenizer.encode(text, add_special_tokens=True).ids)
@@ -357,11 +394,14 @@ class Frontend:
         v = self.vision
         if v is None:
             return {}
-        return {"max_images_per_prompt": self.max_images_per_prompt,
-                "max_image_tokens_per_prompt": self.max_image_tokens_per_prompt,
-                "image_feature_window_tokens": v.image_feature_window_tokens,
-                "max_image_tokens_per_image": min(v.max_image_tokens_per_image, v.image_feature_window_tokens),
-                "max_image_pixels": v.max_image_pixels, "max_image_bytes": v.max_image_bytes}  # fmt: skip
+        return {
+            "max_images_per_prompt": self.max_images_per_prompt,
+            "max_image_tokens_per_prompt": self.max_image_tokens_per_prompt,
+            "image_feature_window_tokens": v.image_feature_window_tokens,
+            "max_image_tokens_per_image": min(v.max_image_tokens_per_image, v.image_feature_window_tokens),
+            "max_image_pixels": v.max_image_pixels,
+            "max_image_bytes": v.max_image_bytes,
+        }
 
     def _check_images(self, parts: list[ImagePart]) -> list[tuple[ImagePart, imaging.ImageHeader, imaging.ImageCost]]:
         """Cost every image from its header (no decode), then refuse: single images against their
@@ -371,8 +411,10 @@ class Frontend:
         assert profile is not None
         if len(parts) > self.max_images_per_prompt:
             self.image_counters["input_rejected_images_total"] += len(parts)
-            raise ImageRejected(f"the request has {len(parts)} images, over max_images_per_prompt "
-                               f"{self.max_images_per_prompt}", "messages")  # fmt: skip
+            raise ImageRejected(
+                f"the request has {len(parts)} images, over max_images_per_prompt {self.max_images_per_prompt}",
+                "messages",
+            )
         costed = []
         for number, part in enumerate(parts, 1):
             where = f"image {number}"
@@ -384,32 +426,41 @@ class Frontend:
                 raise ImageRejected(str(exc), "messages") from None
             if cost.num_tokens > profile.max_image_tokens_per_image:
                 self.image_counters["input_rejected_images_total"] += 1
-                raise ImageRejected(f"{where} ({header.width}x{header.height} pixels) costs {cost.num_tokens} image "
-                                   f"tokens, over max_image_tokens_per_image {profile.max_image_tokens_per_image}",
-                                   "messages")  # fmt: skip
+                raise ImageRejected(
+                    f"{where} ({header.width}x{header.height} pixels) costs {cost.num_tokens} image "
+                    f"tokens, over max_image_tokens_per_image {profile.max_image_tokens_per_image}",
+                    "messages",
+                )
             if cost.num_tokens < 2:
                 self.image_counters["input_rejected_images_total"] += 1
-                raise ImageRejected(f"{where} ({header.width}x{header.height} pixels) resizes to {cost.num_tokens} image "
-                                   "token; this core's vision program needs at least 2", "messages")  # fmt: skip
+                raise ImageRejected(
+                    f"{where} ({header.width}x{header.height} pixels) resizes to {cost.num_tokens} image "
+                    "token; this core's vision program needs at least 2",
+                    "messages",
+                )
             costed.append((part, header, cost))
         total = sum(c.num_tokens for _, _, c in costed)
         budget = self.max_image_tokens_per_prompt
         if total > budget:
             running, first = 0, 0
-            for first, (_, _, c) in enumerate(costed, 1):
+            for first, (_, _, c) in enumerate(costed, 1):  # noqa: B007 - read after the loop
                 running += c.num_tokens
                 if running > budget:
                     break
             _, header, c = costed[first - 1]
             patches = sum(c.num_patches for _, _, c in costed)
             self.image_counters["input_rejected_images_total"] += len(costed)
-            raise ImageRejected(f"the request's {len(costed)} images cost {total} image tokens ({patches} patches), over "
-                               f"max_image_tokens_per_prompt {budget}; image {first} ({header.width}x{header.height} "
-                               f"pixels, {c.num_tokens} tokens) is the first past it", "messages")  # fmt: skip
+            raise ImageRejected(
+                f"the request's {len(costed)} images cost {total} image tokens ({patches} patches), over "
+                f"max_image_tokens_per_prompt {budget}; image {first} ({header.width}x{header.height} "
+                f"pixels, {c.num_tokens} tokens) is the first past it",
+                "messages",
+            )
         return costed
 
-    def _expand_images(self, ids: list[int], costs: list[imaging.ImageCost]
-                       ) -> tuple[list[int], list[tuple[int, int, int, tuple[tuple[int, int], ...]]]]:  # fmt: skip
+    def _expand_images(
+        self, ids: list[int], costs: list[imaging.ImageCost]
+    ) -> tuple[list[int], list[tuple[int, int, int, tuple[tuple[int, int], ...]]]]:
         """Each template-rendered placeholder -> the profile's token layout (framing and one image
         token per feature row, imaging.token_layout). Returns the ids and, per image, (placeholder
         position before, first image-token position after, tokens added, EngineImage.runs)."""
@@ -417,8 +468,9 @@ class Frontend:
         assert profile is not None
         found = [i for i, t in enumerate(ids) if t == profile.placeholder_token_id]
         if len(found) != len(costs):
-            raise RequestError(f"the chat template rendered {len(found)} image placeholders for {len(costs)} images",
-                               "messages")  # fmt: skip
+            raise RequestError(
+                f"the chat template rendered {len(found)} image placeholders for {len(costs)} images", "messages"
+            )
         out: list[int] = []
         spans: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = []
         previous = 0
@@ -438,8 +490,14 @@ class Frontend:
         placeholder before it."""
         return position + sum(grown for placeholder, grown in growth if placeholder < position)
 
-    def _engine_image(self, part: ImagePart, header: imaging.ImageHeader, cost: imaging.ImageCost, start: int,
-                      runs: tuple[tuple[int, int], ...] = ()) -> EngineImage:  # fmt: skip
+    def _engine_image(
+        self,
+        part: ImagePart,
+        header: imaging.ImageHeader,
+        cost: imaging.ImageCost,
+        start: int,
+        runs: tuple[tuple[int, int], ...] = (),
+    ) -> EngineImage:
         """Decode now (the frontend pool); prepare later, only if prefill reaches the image (the engine)."""
         profile = self.vision
         assert profile is not None
@@ -452,14 +510,20 @@ class Frontend:
                 rgb = imaging.decode(part.data)
             except Exception:
                 self.image_counters["input_rejected_images_total"] += 1
-                raise ImageRejected(f"an image ({header.width}x{header.height} {header.format}) could not be decoded",
-                                   "messages") from None  # fmt: skip
+                raise ImageRejected(
+                    f"an image ({header.width}x{header.height} {header.format}) could not be decoded", "messages"
+                ) from None
             self.image_counters["input_decoded_images_total"] += 1
             self.image_counters["input_decoded_image_bytes_total"] += header.num_bytes
             self.decoded_images.put(digest, rgb)
-        return EngineImage(start=start, num_tokens=cost.num_tokens, digest=digest,
-                           prepare=functools.partial(imaging.prepare_views, rgb, profile),
-                           pixels=header.width * header.height, runs=runs)  # fmt: skip
+        return EngineImage(
+            start=start,
+            num_tokens=cost.num_tokens,
+            digest=digest,
+            prepare=functools.partial(imaging.prepare_views, rgb, profile),
+            pixels=header.width * header.height,
+            runs=runs,
+        )
 
     # ------------------------------------------------------------------ engine requests
     @property
@@ -475,9 +539,11 @@ class Frontend:
         leaves no room for one output token is refused."""
         remaining = self.max_model_len - prompt_len
         if remaining < 1:
-            raise RequestError(f"the prompt ({prompt_len} tokens) leaves no room for output in the context of "
-                               f"{self.max_model_len} tokens", "prompt" if isinstance(request.input, RawPrompt)
-                               else "messages")  # fmt: skip
+            raise RequestError(
+                f"the prompt ({prompt_len} tokens) leaves no room for output in the context of "
+                f"{self.max_model_len} tokens",
+                "prompt" if isinstance(request.input, RawPrompt) else "messages",
+            )
         asked = self.default_max_tokens if request.max_tokens is None else request.max_tokens
         return min(asked, remaining)
 
@@ -485,25 +551,37 @@ class Frontend:
         caps = self.manifest.capabilities
         lp = request.logprobs
         if lp.top is not None and lp.top > caps.max_top_logprobs:
-            raise RequestError(f"this model returns at most {caps.max_top_logprobs} alternatives per token "
-                               f"(asked for {lp.top})", "top_logprobs")  # fmt: skip
+            raise RequestError(
+                f"this model returns at most {caps.max_top_logprobs} alternatives per token (asked for {lp.top})",
+                "top_logprobs",
+            )
         if lp.token_ids:
             if not caps.explicit_logprob_ids:
-                raise RequestError("this core has no explicit-id logprob inputs; re-export it without "
-                                   "--no-logprob-ids to use logprob_token_ids", "logprob_token_ids")  # fmt: skip
+                raise RequestError(
+                    "this core has no explicit-id logprob inputs; re-export it without "
+                    "--no-logprob-ids to use logprob_token_ids",
+                    "logprob_token_ids",
+                )
             try:
                 validate_logprob_token_ids(list(lp.token_ids), self.vocab_size)
             except ValueError as exc:
                 raise RequestError(str(exc), "logprob_token_ids") from None
         if lp.prompt is not None:
             if not caps.prompt_logprobs:
-                raise RequestError("this core was exported without prompt logprobs; re-export it with "
-                                   "`ignition export --prompt-logprobs`", "prompt_logprobs")  # fmt: skip
+                raise RequestError(
+                    "this core was exported without prompt logprobs; re-export it with "
+                    "`ignition export --prompt-logprobs`",
+                    "prompt_logprobs",
+                )
             if lp.prompt > caps.max_top_logprobs:
-                raise RequestError(f"prompt_logprobs is at most {caps.max_top_logprobs} for this model", "prompt_logprobs")
+                raise RequestError(
+                    f"prompt_logprobs is at most {caps.max_top_logprobs} for this model", "prompt_logprobs"
+                )
         if request.thinking_token_budget is not None and self.manifest.recipe.reasoning_syntax is None:
-            raise RequestError("thinking_token_budget needs a model with reasoning syntax; this core declares none",
-                               "thinking_token_budget")  # fmt: skip
+            raise RequestError(
+                "thinking_token_budget needs a model with reasoning syntax; this core declares none",
+                "thinking_token_budget",
+            )
         stop = request.stop
         if len(stop.strings) > MAX_STOP_STRINGS or any(not s for s in stop.strings):
             raise RequestError(f"stop accepts at most {MAX_STOP_STRINGS} nonempty strings", "stop")
@@ -511,8 +589,10 @@ class Frontend:
             raise RequestError(f"stop strings total more than {MAX_STOP_BYTES} UTF-8 bytes", "stop")
         sequences = [(t,) for t in stop.token_ids] + list(stop.token_sequences)
         if len(sequences) > MAX_TOKEN_STOPS or any(not s or len(s) > MAX_TOKEN_STOP_LEN for s in sequences):
-            raise RequestError(f"token stops accept at most {MAX_TOKEN_STOPS} nonempty sequences of at most "
-                               f"{MAX_TOKEN_STOP_LEN} ids", "stop_token_ids")  # fmt: skip
+            raise RequestError(
+                f"token stops accept at most {MAX_TOKEN_STOPS} nonempty sequences of at most {MAX_TOKEN_STOP_LEN} ids",
+                "stop_token_ids",
+            )
         if any(not 0 <= t < self.vocab_size for s in sequences for t in s):
             raise RequestError("stop token ids must lie inside the vocabulary", "stop_token_ids")
         if stop.strings and sequences:
@@ -543,12 +623,15 @@ class Frontend:
         except GrammarError as exc:
             raise RequestError(exc.message, exc.field) from None
 
-    def engine_request(self, request: InferenceRequest, request_id: str, prompt: PreparedPrompt, max_tokens: int,
-                       first_choice: int = 0) -> EngineRequest:  # fmt: skip
+    def engine_request(
+        self, request: InferenceRequest, request_id: str, prompt: PreparedPrompt, max_tokens: int, first_choice: int = 0
+    ) -> EngineRequest:
         spec = self.manifest.recipe.sampling
         try:
-            params = tuple(resolve_sampling(spec, request.sampling, choice_index=first_choice + i, vocab_size=self.vocab_size)
-                           for i in range(request.n))  # fmt: skip
+            params = tuple(
+                resolve_sampling(spec, request.sampling, choice_index=first_choice + i, vocab_size=self.vocab_size)
+                for i in range(request.n)
+            )
         except SamplingRequestError as exc:
             raise RequestError(str(exc), exc.param) from None
         lp = request.logprobs
@@ -581,9 +664,14 @@ class Frontend:
         delimiters = token_delimiters(recipe.reasoning_syntax, self.tokenizer) if recipe.reasoning_syntax else None
         open_id, close_id = delimiters or (None, None)
         conversation = request.input
-        tools_on = (isinstance(conversation, Conversation) and bool(conversation.tools)
-                    and conversation.tool_choice.mode != "none")  # fmt: skip
-        openers = tool_opener_ids(recipe.tool_syntax, self.tokenizer) if tools_on and recipe.tool_syntax else frozenset()
+        tools_on = (
+            isinstance(conversation, Conversation)
+            and bool(conversation.tools)
+            and conversation.tool_choice.mode != "none"
+        )
+        openers = (
+            tool_opener_ids(recipe.tool_syntax, self.tokenizer) if tools_on and recipe.tool_syntax else frozenset()
+        )
         inside = delimiters is not None and starts_in_reasoning(prompt_ids, delimiters[0], delimiters[1])
         return GrammarConstraint(self._matcher(request.output), ConstraintPlan(open_id, close_id, openers, inside))
 
@@ -592,8 +680,11 @@ class Frontend:
         syntax = self.manifest.recipe.reasoning_syntax
         delimiters = reasoning_delimiters(syntax, self.tokenizer) if syntax else None
         if delimiters is None:
-            raise RequestError("thinking_token_budget needs reasoning syntax with single-token delimiters; "
-                               f"this model's ({syntax or 'none'}) has none", "thinking_token_budget")  # fmt: skip
+            raise RequestError(
+                "thinking_token_budget needs reasoning syntax with single-token delimiters; "
+                f"this model's ({syntax or 'none'}) has none",
+                "thinking_token_budget",
+            )
         open_id, close_id = delimiters
         if not starts_in_reasoning(prompt_ids, open_id, close_id):
             return None

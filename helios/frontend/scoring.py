@@ -40,8 +40,11 @@ SYSTEM_INSTRUCTION = (
     "You answer questions about the state the user describes. Each question lists labelled options; "
     "reply with the label of the single best option and nothing else."
 )
-DEFAULT_INSTRUCTIONS = {"binary": "Which option describes the state?", "choice": "Which option best fits the state?",
-                        "score": "Which level best fits the state?"}  # fmt: skip
+DEFAULT_INSTRUCTIONS = {
+    "binary": "Which option describes the state?",
+    "choice": "Which option best fits the state?",
+    "score": "Which level best fits the state?",
+}
 
 
 # ---------------------------------------------------------------------------- neutral questions
@@ -63,8 +66,9 @@ class QuestionSpec:
     options: tuple[Option, ...]  # 1..MAX_OPTIONS (binary: exactly 2)
 
 
-def binary_question(instructions: Content | None, if_true: Content | None = None,
-                    if_false: Content | None = None) -> QuestionSpec:
+def binary_question(
+    instructions: Content | None, if_true: Content | None = None, if_false: Content | None = None
+) -> QuestionSpec:
     """A yes/no question; the read's first probability is P(true)."""
     return QuestionSpec("binary", instructions, (Option("Yes", if_true), Option("No", if_false)))
 
@@ -139,8 +143,11 @@ def label_mass_confidence(read: LabelRead) -> float:
 # ---------------------------------------------------------------------------- prompts
 def require_explicit_ids(frontend: Frontend) -> None:
     if not frontend.manifest.capabilities.explicit_logprob_ids:
-        raise RequestError("this core has no explicit-id logprob inputs, which scoring reads; re-export it with "
-                           "`ignition export` without --no-logprob-ids", "model")  # fmt: skip
+        raise RequestError(
+            "this core has no explicit-id logprob inputs, which scoring reads; re-export it with "
+            "`ignition export` without --no-logprob-ids",
+            "model",
+        )
 
 
 def joined(*pieces: Content | ImagePart) -> Content:
@@ -169,8 +176,11 @@ def _question_text(question: QuestionSpec, labels: Sequence[str]) -> Content:
 
 
 def _parts(content: Content) -> tuple[TextPart | ImagePart, ...]:
-    return (TextPart(content),) if isinstance(content, str) else \
-        tuple(TextPart(item) if isinstance(item, str) else item for item in content)  # fmt: skip
+    return (
+        (TextPart(content),)
+        if isinstance(content, str)
+        else tuple(TextPart(item) if isinstance(item, str) else item for item in content)
+    )
 
 
 def _conversation(state: Content, question_text: Content, merged: bool) -> Conversation:
@@ -197,8 +207,9 @@ def _render(frontend: Frontend, state: Content, question_text: Content) -> Prepa
     except ImageRejected:
         raise
     except RequestError as exc:
-        raise RequestError(f"this model's chat template cannot render a scoring prompt: {exc.message}",
-                           "model") from None  # fmt: skip
+        raise RequestError(
+            f"this model's chat template cannot render a scoring prompt: {exc.message}", "model"
+        ) from None
 
 
 class _LabelCheck:
@@ -213,9 +224,9 @@ class _LabelCheck:
         text = prompt.text or ""
         specials = frontend.manifest.tokenizer.special_tokens
         start = max((text.rfind(s) for s in specials if s), default=-1)
-        self.tail = text[max(start, 0):]
+        self.tail = text[max(start, 0) :]
         self.tail_ids = self._encode(self.tail)
-        if tuple(self.tail_ids) != prompt.token_ids[len(prompt.token_ids) - len(self.tail_ids):]:
+        if tuple(self.tail_ids) != prompt.token_ids[len(prompt.token_ids) - len(self.tail_ids) :]:
             self.tail, self.tail_ids = text, list(prompt.token_ids)  # the split assumption failed: check it all
 
     def _encode(self, text: str) -> list[int]:
@@ -255,19 +266,26 @@ def compile_question(frontend: Frontend, state: Content, question: QuestionSpec,
         ids = [check.token(label) for label in labels]
         if None not in ids and len(set(ids)) == count:
             if len(prompt.token_ids) + 1 > frontend.max_model_len:
-                raise RequestError(f"{where}: the prompt ({len(prompt.token_ids)} tokens) leaves no room for the "
-                                   f"answer token in the context of {frontend.max_model_len}", where)  # fmt: skip
+                raise RequestError(
+                    f"{where}: the prompt ({len(prompt.token_ids)} tokens) leaves no room for the "
+                    f"answer token in the context of {frontend.max_model_len}",
+                    where,
+                )
             return CompiledQuestion(prompt, tuple(labels), tuple(ids))  # type: ignore[arg-type]
         picked = check.pick(count)
         if len(picked) < count:
-            raise RequestError(f"{where}: {count} options need {count} distinct single-token labels, and this "
-                               f"model's tokenizer offers {len(picked)} after its prompt", where)  # fmt: skip
+            raise RequestError(
+                f"{where}: {count} options need {count} distinct single-token labels, and this "
+                f"model's tokenizer offers {len(picked)} after its prompt",
+                where,
+            )
         labels = [label for label, _ in picked]
     raise RequestError(f"{where}: the labels could not be verified as single tokens after the rendered prompt", where)
 
 
-def compile_questions(frontend: Frontend, state: Content,
-                      questions: Sequence[tuple[str, QuestionSpec]]) -> list[CompiledQuestion]:  # fmt: skip
+def compile_questions(
+    frontend: Frontend, state: Content, questions: Sequence[tuple[str, QuestionSpec]]
+) -> list[CompiledQuestion]:
     """CPU work (rendering, tokenization) for every question; run it off the event loop."""
     require_explicit_ids(frontend)
     compiled = []
@@ -292,8 +310,9 @@ def _read_request(question: CompiledQuestion) -> InferenceRequest:
     )
 
 
-async def read_labels(frontend: Frontend, runner: Runner, questions: Sequence[CompiledQuestion],
-                      request_id: str | None = None) -> tuple[list[LabelRead], ScoringUsage]:  # fmt: skip
+async def read_labels(
+    frontend: Frontend, runner: Runner, questions: Sequence[CompiledQuestion], request_id: str | None = None
+) -> tuple[list[LabelRead], ScoringUsage]:
     """Read the questions one after another (later ones reuse the cached state prefix)."""
     request_id = request_id or new_request_id("score")
     reads: list[LabelRead] = []

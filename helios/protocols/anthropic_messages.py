@@ -75,13 +75,15 @@ def _check_version(version: str | None) -> None:
     except ValueError:
         day = None
     if day is None or day < MIN_API_VERSION:
-        raise RequestError(f"anthropic-version header must be {API_VERSION!r} or a later YYYY-MM-DD date "
-                           f"(got {version!r})", None)  # fmt: skip
+        raise RequestError(
+            f"anthropic-version header must be {API_VERSION!r} or a later YYYY-MM-DD date (got {version!r})", None
+        )
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(content, list) or not all(isinstance(b, dict) and isinstance(b.get("type"), str)
-                                                for b in content):  # fmt: skip
+    if not isinstance(content, list) or not all(
+        isinstance(b, dict) and isinstance(b.get("type"), str) for b in content
+    ):
         raise RequestError(f"{where} content must be a string or an array of typed blocks", "messages")
     return content
 
@@ -97,8 +99,9 @@ def _image(block: dict[str, Any], where: str) -> ImagePart:
     if not isinstance(source, dict) or source.get("type") != "base64":
         raise RequestError(f"{where}: images need a base64 source (URL and file sources are unsupported)", "messages")
     if source.get("media_type") not in IMAGE_TYPES:
-        raise RequestError(f"{where}: unsupported image type {source.get('media_type')!r} (PNG, JPEG or static WebP)",
-                           "messages")  # fmt: skip
+        raise RequestError(
+            f"{where}: unsupported image type {source.get('media_type')!r} (PNG, JPEG or static WebP)", "messages"
+        )
     try:
         return ImagePart(base64.b64decode(source.get("data", ""), validate=True), source["media_type"])
     except (binascii.Error, ValueError, TypeError):
@@ -125,8 +128,9 @@ def _thinking_part(block: dict[str, Any], where: str) -> ReasoningPart:
     if not isinstance(text, str) or not isinstance(signature, (str, type(None))):
         raise RequestError(f"{where}: thinking blocks need string thinking and signature", "messages")
     if signature and signature.startswith(SIGNATURE_PREFIX) and signature != thinking_signature(text):
-        raise RequestError(f"{where}: thinking block was modified (its flare-thinking-v1 marker does not match)",
-                           "messages")  # fmt: skip
+        raise RequestError(
+            f"{where}: thinking block was modified (its flare-thinking-v1 marker does not match)", "messages"
+        )
     return ReasoningPart(text)
 
 
@@ -256,20 +260,27 @@ def _thinking(body: dict[str, Any]) -> tuple[bool | None, int | None, str | None
         enabled = kind != "disabled"
         if enabled:
             budget = config.get("budget_tokens")
-            if (budget is None and kind == "enabled") or (budget is not None and (
-                    not isinstance(budget, int) or isinstance(budget, bool) or budget < 1)):  # fmt: skip
-                raise RequestError("thinking.budget_tokens must be a positive integer (required when enabled)",
-                                   "thinking.budget_tokens")  # fmt: skip
+            if (budget is None and kind == "enabled") or (
+                budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1)
+            ):
+                raise RequestError(
+                    "thinking.budget_tokens must be a positive integer (required when enabled)",
+                    "thinking.budget_tokens",
+                )
     top = f.optional_int(body, "thinking_token_budget", 1, MAX_APPLIED_BUDGET)
     if top is not None and budget is not None and top != budget:
-        raise RequestError(f"thinking_token_budget ({top}) and thinking.budget_tokens ({budget}) must match",
-                           "thinking_token_budget")  # fmt: skip
+        raise RequestError(
+            f"thinking_token_budget ({top}) and thinking.budget_tokens ({budget}) must match", "thinking_token_budget"
+        )
     budget = budget if budget is not None else top
     output_config = f.optional_object(body, "output_config") or {}
     effort = output_config.get("effort")
     if effort is not None and (not isinstance(effort, str) or effort not in EFFORTS):
-        raise RequestError(f"output_config.effort must be a named level ({', '.join(EFFORTS)}); numeric scores are "
-                           f"not accepted (got {effort!r})", "output_config.effort")  # fmt: skip
+        raise RequestError(
+            f"output_config.effort must be a named level ({', '.join(EFFORTS)}); numeric scores are "
+            f"not accepted (got {effort!r})",
+            "output_config.effort",
+        )
     if effort is None and budget is not None:
         effort = "low" if budget <= 5000 else "high" if budget <= 20000 else "max"
     return enabled, budget, effort
@@ -282,8 +293,10 @@ def _context_management(body: dict[str, Any]) -> None:
         raise RequestError("context_management.edits must be an array", "context_management")
     for edit in edits:
         if not isinstance(edit, dict) or edit.get("type") != "clear_thinking_20251015" or edit.get("keep") != "all":
-            raise RequestError("only clear_thinking_20251015 with keep: all is supported; active context edits are "
-                               "rejected", "context_management")  # fmt: skip
+            raise RequestError(
+                "only clear_thinking_20251015 with keep: all is supported; active context edits are rejected",
+                "context_management",
+            )
 
 
 Thinking = tuple[bool | None, int | None, str | None]  # (thinking switch, requested budget, neutral effort)
@@ -298,10 +311,17 @@ def _conversation(body: dict[str, Any]) -> tuple[Conversation, Thinking]:
     thinking = _thinking(body)
     _context_management(body)
     prefill = bool(messages) and messages[-1].role == "assistant"
-    conversation = Conversation(tuple(messages), tools, choice, thinking=thinking[0], effort=thinking[2],
-                                add_generation_prompt=not prefill, continue_final_message=prefill,
-                                template_kwargs=f.optional_object(body, "chat_template_kwargs") or {},
-                                cache_marks=tuple(marks))  # fmt: skip
+    conversation = Conversation(
+        tuple(messages),
+        tools,
+        choice,
+        thinking=thinking[0],
+        effort=thinking[2],
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        template_kwargs=f.optional_object(body, "chat_template_kwargs") or {},
+        cache_marks=tuple(marks),
+    )
     return conversation, thinking
 
 
@@ -332,12 +352,15 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
         output=messages_output_format(body, f.optional_object(body, "output_config") or {}),
         cache_salt=f.cache_salt(body),
     )
-    options = MessagesOptions(body["model"], stream, enabled, budget, effort,
-                              explicit_budget=body.get("thinking_token_budget") is not None)  # fmt: skip
+    options = MessagesOptions(
+        body["model"], stream, enabled, budget, effort, explicit_budget=body.get("thinking_token_budget") is not None
+    )
     return request, options
 
 
-def count_tokens_decode(body: dict[str, Any], headers_version: str | None) -> tuple[Conversation, OutputConstraint | None]:
+def count_tokens_decode(
+    body: dict[str, Any], headers_version: str | None
+) -> tuple[Conversation, OutputConstraint | None]:
     """The conversation a count_tokens body describes, and its output format (whose JSON
     instruction is part of the prompt); other generation fields are ignored."""
     _check_version(headers_version)
@@ -346,8 +369,11 @@ def count_tokens_decode(body: dict[str, Any], headers_version: str | None) -> tu
 
 # ---------------------------------------------------------------------------- encoding
 EMPTY_BLOCKS = {"text": {"type": "text", "text": ""}, "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
-STOP_REASONS = {Termination.LENGTH: "max_tokens", Termination.TOOL_CALLS: "tool_use",
-                Termination.STOP_STRING: "stop_sequence"}  # fmt: skip
+STOP_REASONS = {
+    Termination.LENGTH: "max_tokens",
+    Termination.TOOL_CALLS: "tool_use",
+    Termination.STOP_STRING: "stop_sequence",
+}
 
 
 def stop_reason(finish: FinishEvent) -> tuple[str, str | None]:
@@ -384,8 +410,16 @@ def message_json(message_id: str, model: str, acc: Accumulator, usage: Usage) ->
         elif block.call is not None:
             content.append(_tool_use(block.call, json.loads(block.call.arguments or "{}")))
     reason, sequence = stop_reason(acc.finish or FinishEvent(Termination.EOS))
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason, "stop_sequence": sequence, "usage": usage_json(usage)}  # fmt: skip
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage_json(usage),
+    }
 
 
 def sse(name: str, data: dict[str, Any]) -> bytes:
@@ -407,12 +441,24 @@ class MessagesStream:
         self._thinking = ""  # the open thinking block's text, for its signature
 
     def start(self) -> Events:
-        usage = {"input_tokens": self.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-                 "output_tokens": 0}  # fmt: skip
+        usage = {
+            "input_tokens": self.prompt_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": 0,
+        }
         if self.image_tokens:
             usage["multimodal_tokens"] = {"image": self.image_tokens}
-        message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": usage}  # fmt: skip
+        message = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
         return [("message_start", {"type": "message_start", "message": message}), ("ping", {"type": "ping"})]
 
     def push(self, events: list[SemanticEvent]) -> Events:
@@ -423,8 +469,11 @@ class MessagesStream:
                 if self._open != kind:
                     out += self._close()
                     out.append(self._opened(kind, dict(EMPTY_BLOCKS[kind])))
-                delta = {"type": "text_delta", "text": event.text} if kind == "text" else \
-                        {"type": "thinking_delta", "thinking": event.text}  # fmt: skip
+                delta = (
+                    {"type": "text_delta", "text": event.text}
+                    if kind == "text"
+                    else {"type": "thinking_delta", "thinking": event.text}
+                )
                 self._thinking += event.text if kind == "thinking" else ""
                 out.append(self._event("content_block_delta", delta=delta))
             elif isinstance(event, ToolCallEvent):
@@ -439,8 +488,11 @@ class MessagesStream:
 
     def finish(self, finish: FinishEvent, usage: Usage) -> Events:
         reason, sequence = stop_reason(finish)
-        delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                 "usage": usage_json(usage)}  # fmt: skip
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage_json(usage),
+        }
         return self._close() + [("message_delta", delta), ("message_stop", {"type": "message_stop"})]
 
     def error(self, status: int, message: str) -> Events:

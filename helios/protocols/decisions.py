@@ -28,8 +28,11 @@ from helios.frontend.scoring import (
 
 MAX_SAFETY_IDENTIFIER = 128
 _TOP = {"model", "input", "questions", "safety_identifier"}
-_QUESTION = {"predicate": {"type", "name", "instructions"}, "choice": {"type", "name", "instructions", "choices"},
-             "score": {"type", "name", "instructions", "levels"}}  # fmt: skip
+_QUESTION = {
+    "predicate": {"type", "name", "instructions"},
+    "choice": {"type", "name", "instructions", "choices"},
+    "score": {"type", "name", "instructions", "levels"},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +124,9 @@ def _description(item: dict[str, Any], param: str) -> str | None:
     return _string(item, "description", f"{param}.description", required=False) or None
 
 
-def _choice_spec(question: dict[str, Any], param: str,
-                 instructions: str) -> tuple[QuestionSpec, tuple[str | bool, ...]]:  # fmt: skip
+def _choice_spec(
+    question: dict[str, Any], param: str, instructions: str
+) -> tuple[QuestionSpec, tuple[str | bool, ...]]:
     choices = _array(question, "choices", f"{param}.choices", 2, MAX_OPTIONS)
     options, values, seen = [], [], set()
     for i, item in enumerate(choices):
@@ -196,13 +200,22 @@ def answer(question: DecisionQuestion, read: LabelRead) -> dict[str, Any]:
     if question.kind == "predicate":
         return {"type": "predicate", "name": question.name, "probability": p[0]}
     if question.kind == "choice":
-        return {"type": "choice", "name": question.name, "choice": question.values[first_argmax(p)],
-                "probabilities": [{"value": v, "probability": x} for v, x in zip(question.values, p)],
-                "confidence": label_mass_confidence(read)}  # fmt: skip
-    return {"type": "score", "name": question.name, "score": expected_score(p),
-            "probabilities": [{"value": i, "label": label, "probability": x}
-                              for i, (label, x) in enumerate(zip(question.labels, p))],
-            "confidence": label_mass_confidence(read)}  # fmt: skip
+        return {
+            "type": "choice",
+            "name": question.name,
+            "choice": question.values[first_argmax(p)],
+            "probabilities": [{"value": v, "probability": x} for v, x in zip(question.values, p)],
+            "confidence": label_mass_confidence(read),
+        }
+    return {
+        "type": "score",
+        "name": question.name,
+        "score": expected_score(p),
+        "probabilities": [
+            {"value": i, "label": label, "probability": x} for i, (label, x) in enumerate(zip(question.labels, p))
+        ],
+        "confidence": label_mass_confidence(read),
+    }
 
 
 def response(model: str, request: DecisionsRequest, reads: list[LabelRead], usage: ScoringUsage) -> dict[str, Any]:

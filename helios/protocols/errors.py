@@ -10,9 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
-          429: "rate_limit_error"}  # fmt: skip
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def openai_type(status: int) -> str:

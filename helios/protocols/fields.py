@@ -91,8 +91,17 @@ def token_sequences(body: Mapping[str, Any], name: str) -> tuple[tuple[int, ...]
     return tuple(int_list(v, name) for v in value)
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed", "logit_bias")  # fmt: skip
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logit_bias",
+)
 
 
 MAX_CACHE_SALT = 256

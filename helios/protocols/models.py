@@ -25,13 +25,27 @@ def identity(manifest: Manifest, configured_aliases: tuple[str, ...], created: i
     return ModelIdentity(aliases[0] if aliases else manifest.model.id, manifest.model.id, aliases, created)
 
 
-IMAGE_LIMITS = ("max_images_per_prompt", "max_image_tokens_per_prompt", "image_feature_window_tokens",
-                "max_image_tokens_per_image", "max_image_pixels", "max_image_bytes")
+IMAGE_LIMITS = (
+    "max_images_per_prompt",
+    "max_image_tokens_per_prompt",
+    "image_feature_window_tokens",
+    "max_image_tokens_per_image",
+    "max_image_pixels",
+    "max_image_bytes",
+)
 
 
-def flare_object(manifest: Manifest, *, max_concurrency: int, prefill_chunk_size: int, default_max_tokens: int,
-                 thinking_token_budget: int | None, image_limits: dict[str, int] | None = None,
-                 device: str = "cpu", cuda_graphs: bool = False) -> dict[str, Any]:  # fmt: skip
+def flare_object(
+    manifest: Manifest,
+    *,
+    max_concurrency: int,
+    prefill_chunk_size: int,
+    default_max_tokens: int,
+    thinking_token_budget: int | None,
+    image_limits: dict[str, int] | None = None,
+    device: str = "cpu",
+    cuda_graphs: bool = False,
+) -> dict[str, Any]:
     """default_max_tokens is the effective integer budget of a request that omits one (never null).
     image_limits: the six image fields at the served context (vision cores; zeros without).
     device: the device the engine runs on ("cpu", "cuda", "cuda:N"); cuda_graphs: whether decode steps
@@ -39,8 +53,10 @@ def flare_object(manifest: Manifest, *, max_concurrency: int, prefill_chunk_size
     spec = manifest.recipe.sampling
     defaults = {name: getattr(spec.defaults, name) for name in DISTRIBUTION_PARAMS}
     defaults["seed"] = spec.defaults.seed
-    ranges = {name: ({"min": spec.ranges[name].min, "max": spec.ranges[name].max} if name in spec.ranges else None)
-              for name in DISTRIBUTION_PARAMS}  # fmt: skip
+    ranges = {
+        name: ({"min": spec.ranges[name].min, "max": spec.ranges[name].max} if name in spec.ranges else None)
+        for name in DISTRIBUTION_PARAMS
+    }
     return {
         "vocab_size": manifest.tokenizer.vocab_size,
         "max_top_logprobs": manifest.capabilities.max_top_logprobs,

@@ -52,15 +52,29 @@ def capabilities(manifest: Manifest) -> tuple[str, ...]:
 
 def discovery(model: ModelIdentity, manifest: Manifest, max_model_len: int) -> Discovery:
     """max_model_len is the effective serving limit (prompt plus output), not the core's."""
-    details = {"parent_model": "", "format": FORMAT, "family": "", "families": [], "parameter_size": "",
-               "quantization_level": ""}  # fmt: skip
-    info = {"general.name": manifest.model.name or model.public_id, "flare.context_length": max_model_len,
-            "flare.vocab_size": manifest.tokenizer.vocab_size}  # fmt: skip
+    details = {
+        "parent_model": "",
+        "format": FORMAT,
+        "family": "",
+        "families": [],
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+    info = {
+        "general.name": manifest.model.name or model.public_id,
+        "flare.context_length": max_model_len,
+        "flare.vocab_size": manifest.tokenizer.vocab_size,
+    }
     caps = capabilities(manifest)
     weights = manifest.files.get(manifest.weights.file, "")
     keyed = {
-        "identity": {"public_id": model.public_id, "checkpoint_id": model.checkpoint_id, "aliases": model.aliases,
-                     "source": manifest.model.source.files, "weights": weights},  # fmt: skip
+        "identity": {
+            "public_id": model.public_id,
+            "checkpoint_id": model.checkpoint_id,
+            "aliases": model.aliases,
+            "source": manifest.model.source.files,
+            "weights": weights,
+        },
         "details": details,
         "capabilities": caps,
         "model_info": info,
@@ -71,21 +85,31 @@ def discovery(model: ModelIdentity, manifest: Manifest, max_model_len: int) -> D
 
 def tags(found: Discovery) -> dict[str, Any]:
     """GET /api/tags: one entry; size and modification time are unknown (0, Go zero time)."""
-    entry = {"name": found.name, "model": found.name, "modified_at": UNKNOWN_TIME, "size": 0,
-             "digest": found.digest, "details": found.details}  # fmt: skip
+    entry = {
+        "name": found.name,
+        "model": found.name,
+        "modified_at": UNKNOWN_TIME,
+        "size": 0,
+        "digest": found.digest,
+        "details": found.details,
+    }
     return {"models": [entry]}
 
 
 def show(found: Discovery) -> dict[str, Any]:
     """POST /api/show: verbose or not, the same metadata; no template or tensor inventory."""
-    return {"modified_at": UNKNOWN_TIME, "details": found.details, "model_info": found.model_info,
-            "capabilities": list(found.capabilities)}  # fmt: skip
+    return {
+        "modified_at": UNKNOWN_TIME,
+        "details": found.details,
+        "model_info": found.model_info,
+        "capabilities": list(found.capabilities),
+    }
 
 
 def decode_show(body: Any) -> str:
     """The requested name; 400 for a missing, empty or mistyped name or a mistyped verbose."""
     if not isinstance(body, dict):
-        raise DiscoveryError(400, "the request body must be a JSON object like {\"model\": \"NAME\"}")
+        raise DiscoveryError(400, 'the request body must be a JSON object like {"model": "NAME"}')
     name = body.get("model")
     if name is None:
         raise DiscoveryError(400, "model is required")

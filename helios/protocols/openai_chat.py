@@ -121,9 +121,15 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
         if not specs:
             raise RequestError("tool_choice required needs at least one declared tool", "tool_choice")
         return tuple(specs), ToolChoice("required", None, parallel)
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = (
+        (choice.get("function") or {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function"
+        else None
+    )
     if not isinstance(name, str):
-        raise RequestError('tool_choice must be "auto", "none", "required" or {type: function, function: {name}}', "tool_choice")
+        raise RequestError(
+            'tool_choice must be "auto", "none", "required" or {type: function, function: {name}}', "tool_choice"
+        )
     if name not in {s.name for s in specs}:
         raise RequestError(f"tool_choice names {name!r}, which is not a declared function tool", "tool_choice")
     return tuple(specs), ToolChoice("named", name, parallel)
@@ -133,7 +139,9 @@ def _reasoning_effort(value: Any) -> str | int | None:
     """A named level or an integer score; the prepared template or native encoder validates it."""
     if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return value
-    raise RequestError(f"reasoning_effort must be a named level or an integer score (got {value!r})", "reasoning_effort")
+    raise RequestError(
+        f"reasoning_effort must be a named level or an integer score (got {value!r})", "reasoning_effort"
+    )
 
 
 def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
@@ -188,16 +196,23 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
         max_tokens=max_tokens,
         n=f.optional_int(body, "n", 1, 128) or 1,
         stop=stop,
-        logprobs=LogprobOptions(top=(top or 0) if logprobs else None, token_ids=token_ids, prompt=prompt_logprobs,
-                                as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids")),  # fmt: skip
+        logprobs=LogprobOptions(
+            top=(top or 0) if logprobs else None,
+            token_ids=token_ids,
+            prompt=prompt_logprobs,
+            as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids"),
+        ),
         stream=stream,
         thinking_token_budget=f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1),
         output=output,
         cache_salt=f.cache_salt(body),
     )
-    options = ChatOptions(model=model, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
-                          return_token_ids=f.optional_bool(body, "return_token_ids"),
-                          return_token_timestamps=f.optional_bool(body, "return_token_timestamps"))  # fmt: skip
+    options = ChatOptions(
+        model=model,
+        include_usage=include_usage,
+        continuous_usage=continuous,
+        logprobs=logprobs,
+        return_token_ids=f.optional_bool(body, "return_token_ids"),
+        return_token_timestamps=f.optional_bool(body, "return_token_timestamps"),
+    )
     return request, options
-
-

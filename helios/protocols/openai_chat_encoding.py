@@ -51,8 +51,11 @@ class ChoiceState:
 
 
 def tool_call_json(call: ToolCallEvent, index: int | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": call.call_id, "type": "function",
-                            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+    body: dict[str, Any] = {
+        "id": call.call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
     return body if index is None else {"index": index, **body}
 
 
@@ -76,8 +79,15 @@ def _observations(options: ChatOptions, token_ids: list[int], timestamps: list[f
     return out
 
 
-def response(request_id: str, model: str, choices: dict[int, ChoiceState], usage: Usage, options: ChatOptions,
-             prompt_logprobs: list | None, prompt_token_ids: tuple[int, ...] | None) -> dict[str, Any]:  # fmt: skip
+def response(
+    request_id: str,
+    model: str,
+    choices: dict[int, ChoiceState],
+    usage: Usage,
+    options: ChatOptions,
+    prompt_logprobs: list | None,
+    prompt_token_ids: tuple[int, ...] | None,
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion",
@@ -102,9 +112,18 @@ def response(request_id: str, model: str, choices: dict[int, ChoiceState], usage
     return body
 
 
-def chunk(request_id: str, model: str, created: int, index: int, delta: dict[str, Any], *,
-          logprobs: list | None = None, finish: Termination | None = None, usage: dict | None = None,
-          observations: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    index: int,
+    delta: dict[str, Any],
+    *,
+    logprobs: list | None = None,
+    finish: Termination | None = None,
+    usage: dict | None = None,
+    observations: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(finish)}
     if logprobs is not None:
         choice["logprobs"] = {"content": logprobs, "refusal": None}
@@ -144,9 +163,16 @@ class ChatStream:
         observations = _observations(options, ids, [update.observed] * len(ids))
         for position, delta in enumerate(bodies):
             first, last = position == 0, position == len(bodies) - 1
-            out.append(self._chunk(update.index, delta, logprobs=entries if first else None,
-                                   finish=finish if last else None, usage=terminal if last else usage,
-                                   observations=observations if first else None))  # fmt: skip
+            out.append(
+                self._chunk(
+                    update.index,
+                    delta,
+                    logprobs=entries if first else None,
+                    finish=finish if last else None,
+                    usage=terminal if last else usage,
+                    observations=observations if first else None,
+                )
+            )
         return out
 
     def _bodies(self, update: ChoiceUpdate) -> list[dict[str, Any]]:
@@ -162,8 +188,9 @@ class ChatStream:
                 position = self._tool_calls.get(update.index, 0)
                 self._tool_calls[update.index] = position + 1
                 bodies.append({"tool_calls": [tool_call_json(event, position)]})
-        observed = (self.options.logprobs and update.delta.entries) or (self.options.observes_tokens
-                                                                        and update.delta.token_ids)  # fmt: skip
+        observed = (self.options.logprobs and update.delta.entries) or (
+            self.options.observes_tokens and update.delta.token_ids
+        )
         if not bodies and (observed or update.finish is not None):
             bodies.append({} if update.finish is not None else {"content": ""})
         return bodies
@@ -198,12 +225,25 @@ class ChatBuffer:
     def finish(self) -> list[bytes]:
         generation = self.run.generations[0]
         prompt_logprobs = prompt_logprobs_wire(generation.prompt_logprobs, self.token_text)
-        return [json_body(response(self.run.request_id, self.model, self._choices, self.run.usage(), self.options,
-                                   prompt_logprobs, generation.prompt.token_ids))]  # fmt: skip
+        return [
+            json_body(
+                response(
+                    self.run.request_id,
+                    self.model,
+                    self._choices,
+                    self.run.usage(),
+                    self.options,
+                    prompt_logprobs,
+                    generation.prompt.token_ids,
+                )
+            )
+        ]
 
     def error(self, status: int, message: str) -> list[bytes]:
         return [json_body(openai_error(status, message))]
 
 
-def encoder(run: Submission, model: str, options: ChatOptions, token_text: Callable[[int], str]) -> ChatStream | ChatBuffer:
+def encoder(
+    run: Submission, model: str, options: ChatOptions, token_text: Callable[[int], str]
+) -> ChatStream | ChatBuffer:
     return ChatStream(run, model, options) if run.request.stream else ChatBuffer(run, model, options, token_text)

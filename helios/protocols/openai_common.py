@@ -60,13 +60,23 @@ def prompt_logprobs_wire(entries: tuple | None, decode, as_token_ids: bool = Fal
         if entry is None:
             out.append(None)
             continue
-        out.append({str(token_id): {"logprob": value.logprob, "rank": value.rank, "decoded_token": decode(token_id)}
-                    for token_id, value in entry.items()})  # fmt: skip
+        out.append(
+            {
+                str(token_id): {"logprob": value.logprob, "rank": value.rank, "decoded_token": decode(token_id)}
+                for token_id, value in entry.items()
+            }
+        )
     return out
 
 
-def stream_chunk(kind: str, request_id: str, model: str, created: int, choices: list[dict[str, Any]],
-                 usage: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def stream_chunk(
+    kind: str,
+    request_id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One streamed chunk object ("chat.completion.chunk" or "text_completion"), usage when given."""
     body: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
     if usage is not None:
@@ -79,5 +89,9 @@ DONE = b"data: [DONE]\n\n"
 
 def stream_end(kind: str, run: Submission, model: str, include_usage: bool, *, reasoning: bool) -> list[bytes]:
     """The close of an OpenAI chunk stream: the usage chunk when asked for, then [DONE]."""
-    usage = [data_frame(stream_chunk(kind, run.request_id, model, run.created, [], usage_object(run.usage(), reasoning=reasoning)))]
+    usage = [
+        data_frame(
+            stream_chunk(kind, run.request_id, model, run.created, [], usage_object(run.usage(), reasoning=reasoning))
+        )
+    ]
     return (usage if include_usage else []) + [DONE]

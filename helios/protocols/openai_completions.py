@@ -39,8 +39,9 @@ def _prompts(value: Any) -> list[RawPrompt]:
             return prompts
     if isinstance(value, list) and not value:
         raise RequestError("prompt must not be an empty array", "prompt")
-    raise RequestError("prompt must be a string, an array of strings, a token-id array, or an array of token-id arrays",
-                       "prompt")  # fmt: skip
+    raise RequestError(
+        "prompt must be a string, an array of strings, a token-id array, or an array of token-id arrays", "prompt"
+    )
 
 
 def decode(body: dict[str, Any]) -> tuple[InferenceRequest, list[RawPrompt], CompletionOptions]:
@@ -82,12 +83,22 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, list[RawPrompt], Com
             token_sequences=f.token_sequences(body, "stop_token_sequences"),
             ignore_eos=f.optional_bool(body, "ignore_eos"),
         ),
-        logprobs=LogprobOptions(top=logprobs, token_ids=token_ids, prompt=prompt_logprobs,
-                                as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids")),  # fmt: skip
+        logprobs=LogprobOptions(
+            top=logprobs,
+            token_ids=token_ids,
+            prompt=prompt_logprobs,
+            as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids"),
+        ),
         echo=echo,
         stream=stream,
         cache_salt=f.cache_salt(body),
     )
-    options = CompletionOptions(model, include_usage, include_usage and bool(stream_options.get("continuous_usage_stats")),
-                                logprobs, echo, len(prompts))  # fmt: skip
+    options = CompletionOptions(
+        model,
+        include_usage,
+        include_usage and bool(stream_options.get("continuous_usage_stats")),
+        logprobs,
+        echo,
+        len(prompts),
+    )
     return request, prompts, options

@@ -51,18 +51,28 @@ class Arrays:
             self.text_offset.append(offset)
         self.chars += len(text)
 
-    def window(self, start: int, end: int | None = None) -> "Arrays":
+    def window(self, start: int, end: int | None = None) -> Arrays:
         """Entries [start, end): one stream frame's share."""
-        return Arrays(self.tokens[start:end], self.token_logprobs[start:end], self.top_logprobs[start:end],
-                      self.text_offset[start:end], self.chars)  # fmt: skip
+        return Arrays(
+            self.tokens[start:end],
+            self.token_logprobs[start:end],
+            self.top_logprobs[start:end],
+            self.text_offset[start:end],
+            self.chars,
+        )
 
     def as_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
-                "text_offset": self.text_offset}  # fmt: skip
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
 
 
-def add_prompt_entries(arrays: Arrays, prompt_ids: tuple[int, ...], entries: tuple | None, token_text: TokenText,
-                       limit: int) -> None:  # fmt: skip
+def add_prompt_entries(
+    arrays: Arrays, prompt_ids: tuple[int, ...], entries: tuple | None, token_text: TokenText, limit: int
+) -> None:
     """Echoed prompt positions: null first entry, then each prompt token's logprob and alternatives."""
     for position, token_id in enumerate(prompt_ids):
         text = token_text(token_id)
@@ -82,21 +92,34 @@ def add_prompt_entries(arrays: Arrays, prompt_ids: tuple[int, ...], entries: tup
         arrays.top_logprobs.append(top)
 
 
-def choice_json(index: int, text: str, arrays: Arrays | None, finish: Termination | None,
-                prompt_logprobs: list | None = None) -> dict[str, Any]:  # fmt: skip
-    body: dict[str, Any] = {"index": index, "text": text, "logprobs": arrays.as_json() if arrays else None,
-                            "finish_reason": finish_reason(finish)}  # fmt: skip
+def choice_json(
+    index: int, text: str, arrays: Arrays | None, finish: Termination | None, prompt_logprobs: list | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "index": index,
+        "text": text,
+        "logprobs": arrays.as_json() if arrays else None,
+        "finish_reason": finish_reason(finish),
+    }
     if prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs
     return body
 
 
 def response(request_id: str, model: str, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
-            "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage_object(usage, reasoning=False)}  # fmt: skip
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": sorted(choices, key=lambda c: c["index"]),
+        "usage": usage_object(usage, reasoning=False),
+    }
 
 
-def chunk(request_id: str, model: str, created: int, choice: dict[str, Any], usage: dict | None = None) -> dict[str, Any]:
+def chunk(
+    request_id: str, model: str, created: int, choice: dict[str, Any], usage: dict | None = None
+) -> dict[str, Any]:
     return stream_chunk("text_completion", request_id, model, created, [choice], usage)
 
 
@@ -125,8 +148,13 @@ class _Choices:
             generation = self.run.generation_of(index)
             choice.text = generation.echo
             if choice.arrays is not None:
-                add_prompt_entries(choice.arrays, generation.prompt.token_ids, generation.prompt_logprobs,
-                                   self.token_text, self.options.logprobs or 0)  # fmt: skip
+                add_prompt_entries(
+                    choice.arrays,
+                    generation.prompt.token_ids,
+                    generation.prompt_logprobs,
+                    self.token_text,
+                    self.options.logprobs or 0,
+                )
                 choice.arrays.chars = len(generation.echo)  # generated offsets start after the echoed text
         self.choices[index] = choice
         return choice, True
@@ -150,8 +178,9 @@ def _windows(chunk_ends: tuple[int, ...], count: int, fallback: int) -> list[tup
 class CompletionStream:
     """Completion chunks; streams may interleave choice indices."""
 
-    def __init__(self, run: Submission, model: str, options: CompletionOptions, token_text: TokenText,
-                 prompt_chunk: int) -> None:  # fmt: skip
+    def __init__(
+        self, run: Submission, model: str, options: CompletionOptions, token_text: TokenText, prompt_chunk: int
+    ) -> None:
         self.run, self.model, self.options = run, model, options
         self.prompt_chunk = max(prompt_chunk, 1)  # prompt positions per echoed logprob frame
         self._choices = _Choices(run, options, token_text)
@@ -168,7 +197,9 @@ class CompletionStream:
         text = choice.text if opened else ""  # a choice's first frame carries its echo
         start = len(choice.arrays.tokens) if choice.arrays is not None else 0  # this update's first entry
         if opened and choice.arrays is not None and start:  # echoed prompt entries: a frame per prompt chunk
-            for first, end in _windows(self.run.generation_of(update.index).prompt_chunk_ends, start, self.prompt_chunk):
+            for first, end in _windows(
+                self.run.generation_of(update.index).prompt_chunk_ends, start, self.prompt_chunk
+            ):
                 out.append(self._frame(update.index, text, choice.arrays.window(first, end), None))
                 text = ""
         self._choices.add(choice, update)
@@ -179,8 +210,9 @@ class CompletionStream:
 
     def _frame(self, index: int, text: str, arrays: Arrays | None, finish: Termination | None) -> bytes:
         usage = usage_object(self.run.usage(), reasoning=False) if self.options.continuous_usage else None
-        return data_frame(chunk(self.run.request_id, self.model, self.run.created,
-                                choice_json(index, text, arrays, finish), usage))  # fmt: skip
+        return data_frame(
+            chunk(self.run.request_id, self.model, self.run.created, choice_json(index, text, arrays, finish), usage)
+        )
 
     def finish(self) -> list[bytes]:
         return stream_end("text_completion", self.run, self.model, self.options.include_usage, reasoning=False)
@@ -192,8 +224,9 @@ class CompletionStream:
 class CompletionBuffer:
     """The buffered text_completion: choices in index order, with per-prompt prompt_logprobs."""
 
-    def __init__(self, run: Submission, model: str, options: CompletionOptions, token_text: TokenText,
-                 decoded_text: TokenText) -> None:  # fmt: skip
+    def __init__(
+        self, run: Submission, model: str, options: CompletionOptions, token_text: TokenText, decoded_text: TokenText
+    ) -> None:
         self.run, self.model, self.options = run, model, options
         self.decoded_text = decoded_text  # prompt_logprobs' decoded_token stays text under token-id strings
         self._choices = _Choices(run, options, token_text)
@@ -221,8 +254,14 @@ class CompletionBuffer:
         return [json_body(openai_error(status, message))]
 
 
-def encoder(run: Submission, model: str, options: CompletionOptions, token_text: TokenText, decoded_text: TokenText,
-            prompt_chunk: int) -> CompletionStream | CompletionBuffer:  # fmt: skip
+def encoder(
+    run: Submission,
+    model: str,
+    options: CompletionOptions,
+    token_text: TokenText,
+    decoded_text: TokenText,
+    prompt_chunk: int,
+) -> CompletionStream | CompletionBuffer:
     if run.request.stream:
         return CompletionStream(run, model, options, token_text, prompt_chunk)
     return CompletionBuffer(run, model, options, token_text, decoded_text)

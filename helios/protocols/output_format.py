@@ -76,8 +76,14 @@ def responses_text_format(value: Any) -> OutputConstraint | None:
 
 def messages_output_format(body: dict[str, Any], config: dict[str, Any]) -> OutputConstraint | None:
     """Messages output_config.format (or the earlier top-level output_format): json_schema or grammar."""
-    fields = [(name, value) for name, value in (("output_config.format", config.get("format")),
-                                                ("output_format", body.get("output_format"))) if value is not None]  # fmt: skip
+    fields = [
+        (name, value)
+        for name, value in (
+            ("output_config.format", config.get("format")),
+            ("output_format", body.get("output_format")),
+        )
+        if value is not None
+    ]
     if not fields:
         return None
     if len(fields) > 1 and fields[0][1] != fields[1][1]:

@@ -96,8 +96,10 @@ class _Errors:
             return True
         short = size < low
         bound = low if short else high
-        message = (f"{kind} should have at {'least' if short else 'most'} {bound} item{'s' if bound != 1 else ''} "
-                   f"after validation, not {size}")
+        message = (
+            f"{kind} should have at {'least' if short else 'most'} {bound} item{'s' if bound != 1 else ''} "
+            f"after validation, not {size}"
+        )
         ctx = {"field_type": kind, ("min_length" if short else "max_length"): bound, "actual_length": size}
         self.add("too_short" if short else "too_long", loc, message, value, ctx)
         return False
@@ -135,8 +137,9 @@ def _noul(key: str, question: dict[str, Any], errors: _Errors, refs: References)
     return SystemOneQuestion(key, "noul", spec)
 
 
-def _instructions(loc: list[Any], question: dict[str, Any], errors: _Errors,
-                  refs: References) -> tuple[bool, Content | None]:
+def _instructions(
+    loc: list[Any], question: dict[str, Any], errors: _Errors, refs: References
+) -> tuple[bool, Content | None]:
     """(valid, rendered text); instructions are optional for choice and score questions."""
     value = question.get("instructions")
     if value is None:
@@ -193,19 +196,32 @@ _DECODERS = {"noul": _noul, "choice": _choice, "score": _score}
 def _question(key: str, question: Any, errors: _Errors, refs: References) -> SystemOneQuestion | None:
     loc = ["questions", key]
     if not isinstance(question, dict):
-        errors.add("model_attributes_type", loc, "Input should be a valid dictionary or object to extract fields from",
-                   question)  # fmt: skip
+        errors.add(
+            "model_attributes_type",
+            loc,
+            "Input should be a valid dictionary or object to extract fields from",
+            question,
+        )
         return None
     tag = question.get("type")
     if tag is None:
-        errors.add("union_tag_not_found", loc, "Unable to extract tag using discriminator 'type'", question,
-                   {"discriminator": "'type'"})  # fmt: skip
+        errors.add(
+            "union_tag_not_found",
+            loc,
+            "Unable to extract tag using discriminator 'type'",
+            question,
+            {"discriminator": "'type'"},
+        )
         return None
     if tag not in TAGS:
         expected = ", ".join(f"'{t}'" for t in TAGS)
-        errors.add("union_tag_invalid", loc,
-                   f"Input tag {tag!r} found using 'type' does not match any of the expected tags: {expected}",
-                   question, {"discriminator": "'type'", "tag": str(tag), "expected_tags": expected})  # fmt: skip
+        errors.add(
+            "union_tag_invalid",
+            loc,
+            f"Input tag {tag!r} found using 'type' does not match any of the expected tags: {expected}",
+            question,
+            {"discriminator": "'type'", "tag": str(tag), "expected_tags": expected},
+        )
         return None
     return _DECODERS[tag](key, question, errors, refs)
 
@@ -254,7 +270,7 @@ class References:
         slots = re.compile(f'"\ue000{self._nonce}:(\\d+)\ue001"')
         last = 0
         for match in slots.finditer(text):
-            pieces.append(text[last:match.start()])
+            pieces.append(text[last : match.start()])
             replaced = found[int(match.group(1))]
             whole = len(replaced) == 1 and isinstance(replaced[0], ImagePart)
             inner = [json.dumps(p, ensure_ascii=False)[1:-1] if isinstance(p, str) else p for p in replaced]
@@ -272,7 +288,7 @@ class References:
         last = 0
         for match in self._pattern.finditer(value):
             self.used.add(match.group())
-            pieces += [value[last:match.start()], (self.assets[match.group()],)]
+            pieces += [value[last : match.start()], (self.assets[match.group()],)]
             last = match.end()
         if not pieces:
             return value
@@ -297,17 +313,29 @@ def decode_assets(body: dict[str, Any], parts: dict[str, bytes] | None = None) -
     for name, asset in raw.items():
         loc = ["assets", name]
         if not isinstance(asset, dict):
-            errors.add("model_attributes_type", loc, "Input should be a valid dictionary or object to extract fields "
-                       "from", asset)  # fmt: skip
+            errors.add(
+                "model_attributes_type",
+                loc,
+                "Input should be a valid dictionary or object to extract fields from",
+                asset,
+            )
             continue
         if asset.get("type", "image") != "image":
-            raise RequestError(f"asset {name!r} has type {asset.get('type')!r}: only image assets are supported "
-                               "(audio and video are not)", "assets")  # fmt: skip
+            raise RequestError(
+                f"asset {name!r} has type {asset.get('type')!r}: only image assets are supported "
+                "(audio and video are not)",
+                "assets",
+            )
         if "format" not in asset:
             errors.missing([*loc, "format"], asset)
         elif asset["format"] not in ASSET_FORMATS:
-            errors.add("literal_error", [*loc, "format"], "Input should be 'png' or 'jpeg'", asset["format"],
-                       {"expected": "'png' or 'jpeg'"})  # fmt: skip
+            errors.add(
+                "literal_error",
+                [*loc, "format"],
+                "Input should be 'png' or 'jpeg'",
+                asset["format"],
+                {"expected": "'png' or 'jpeg'"},
+            )
         for key in ("data_base64", "part"):
             if asset.get(key) is not None and not isinstance(asset[key], str):
                 errors.add("string_type", [*loc, key], "Input should be a valid string", asset[key])
@@ -322,11 +350,13 @@ def decode_assets(body: dict[str, Any], parts: dict[str, bytes] | None = None) -
         part = asset.get("part")
         if part is not None:
             if part not in parts:
-                raise RequestError(f"asset {name!r} names multipart part {part!r}, which the request does not have",
-                                   "assets")  # fmt: skip
+                raise RequestError(
+                    f"asset {name!r} names multipart part {part!r}, which the request does not have", "assets"
+                )
             if part in owners:
-                raise RequestError(f"multipart part {part!r} belongs to both asset {owners[part]!r} and {name!r}",
-                                   "assets")  # fmt: skip
+                raise RequestError(
+                    f"multipart part {part!r} belongs to both asset {owners[part]!r} and {name!r}", "assets"
+                )
             owners[part] = name
             data = parts[part]
         else:
@@ -335,8 +365,10 @@ def decode_assets(body: dict[str, Any], parts: dict[str, bytes] | None = None) -
             except (binascii.Error, ValueError):
                 raise RequestError(f"asset {name!r}: data_base64 is not valid base64", "assets") from None
         if not data.startswith(magic):
-            raise RequestError(f"asset {name!r} is not a {asset['format'].upper()} image (its format field says "
-                               f"{asset['format']!r})", "assets")  # fmt: skip
+            raise RequestError(
+                f"asset {name!r} is not a {asset['format'].upper()} image (its format field says {asset['format']!r})",
+                "assets",
+            )
         out[name] = ImagePart(data, media_type)
     orphan = next((p for p in parts if p not in owners), None)
     if orphan is not None:
@@ -371,9 +403,11 @@ def decode(body: dict[str, Any], assets: dict[str, ImagePart] | None = None) -> 
     state = refs.content(body["state"])
     unused = [name for name in refs.assets if name not in refs.used]
     if unused:
-        raise RequestError(f"asset{'s' if len(unused) > 1 else ''} {', '.join(map(repr, unused))} "
-                           f"{'are' if len(unused) > 1 else 'is'} never referenced in state, instructions or criteria",
-                           "assets")  # fmt: skip
+        raise RequestError(
+            f"asset{'s' if len(unused) > 1 else ''} {', '.join(map(repr, unused))} "
+            f"{'are' if len(unused) > 1 else 'is'} never referenced in state, instructions or criteria",
+            "assets",
+        )
     return SystemOneRequest(model, state, tuple(decoded))
 
 
@@ -388,14 +422,26 @@ def answer(question: SystemOneQuestion, read: LabelRead) -> dict[str, Any]:
     if question.tag == "noul":
         return {"type": "noul", "noul": p[0]}
     if question.tag == "choice":
-        return {"type": "choice", "choice": question.names[first_argmax(p)],
-                "probabilities": dict(zip(question.names, p)), "confidence": choice_confidence(p)}  # fmt: skip
+        return {
+            "type": "choice",
+            "choice": question.names[first_argmax(p)],
+            "probabilities": dict(zip(question.names, p)),
+            "confidence": choice_confidence(p),
+        }
     legend = {str(i): level for i, level in enumerate(question.legend)}  # original levels, unchanged
-    return {"type": "score", "score": expected_score(p), "legend": legend,
-            "probabilities": {str(i): x for i, x in enumerate(p)}, "confidence": score_confidence(p)}  # fmt: skip
+    return {
+        "type": "score",
+        "score": expected_score(p),
+        "legend": legend,
+        "probabilities": {str(i): x for i, x in enumerate(p)},
+        "confidence": score_confidence(p),
+    }
 
 
 def response(model: str, request: SystemOneRequest, reads: list[LabelRead], usage: ScoringUsage) -> dict[str, Any]:
     answers = {q.key: answer(q, read) for q, read in zip(request.questions, reads, strict=True)}
-    return {"model": model, "answers": answers,
-            "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}}  # fmt: skip
+    return {
+        "model": model,
+        "answers": answers,
+        "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+    }

@@ -58,9 +58,15 @@ def get_model(request: Request, name: str) -> Response:
     state = state_of(request)
     name = name.lstrip("/")
     if not state.model.matches(name):
-        return error_response(HttpError(404, f"model {name!r} does not exist (this server serves "
-                                             f"{state.model.public_id!r})", param="model", code="model_not_found",
-                                             type="invalid_request_error"))  # fmt: skip
+        return error_response(
+            HttpError(
+                404,
+                f"model {name!r} does not exist (this server serves {state.model.public_id!r})",
+                param="model",
+                code="model_not_found",
+                type="invalid_request_error",
+            )
+        )
     return json_response(state.card)
 
 
@@ -132,13 +138,30 @@ def _unrouted(request: Request, exc: Exception) -> Response:
 
 def create_app(state: ServerState) -> Litestar:
     app = Litestar(
-        route_handlers=[health, metrics, list_models, get_model, chat_completions, completions, responses, messages,
-                        count_tokens, api_tags, api_show, systemone_route, decisions_route],
+        route_handlers=[
+            health,
+            metrics,
+            list_models,
+            get_model,
+            chat_completions,
+            completions,
+            responses,
+            messages,
+            count_tokens,
+            api_tags,
+            api_show,
+            systemone_route,
+            decisions_route,
+        ],
         state=State({"helios": state}),
         request_max_body_size=None,  # bounded by read_body, encoded and decoded
         on_shutdown=[lambda: state.client.shutdown(), lambda: state.frontend.grammars.probe.close()],
-        exception_handlers={NotFoundException: _unrouted, MethodNotAllowedException: _unrouted,
-                            HTTPException: _unrouted, Exception: _unrouted},
+        exception_handlers={
+            NotFoundException: _unrouted,
+            MethodNotAllowedException: _unrouted,
+            HTTPException: _unrouted,
+            Exception: _unrouted,
+        },
         debug=False,
     )
     return app

@@ -23,8 +23,9 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip()
 
 
-def check_key(expected: str | None, authorization: str | None, x_api_key: str | None,
-              allow_x_api_key: bool) -> str | None:  # fmt: skip
+def check_key(
+    expected: str | None, authorization: str | None, x_api_key: str | None, allow_x_api_key: bool
+) -> str | None:
     """None when the request may proceed, else the 401 message. An empty key disables auth."""
     if not expected:
         return None

@@ -50,8 +50,13 @@ def parse_encodings(content_encoding: str | None) -> list[str]:
     return codings
 
 
-async def read_body(chunks: AsyncIterator[bytes], content_encoding: str | None, max_bytes: int,
-                    pool: concurrent.futures.Executor | None = None, timeout: float | None = None) -> bytes:  # fmt: skip
+async def read_body(
+    chunks: AsyncIterator[bytes],
+    content_encoding: str | None,
+    max_bytes: int,
+    pool: concurrent.futures.Executor | None = None,
+    timeout: float | None = None,
+) -> bytes:
     """Read and decode a request body; raises BodyError. Decoding runs in `pool` when given.
 
     `timeout` bounds the whole read (a client dripping bytes holds a connection and memory).

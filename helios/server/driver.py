@@ -58,8 +58,12 @@ async def respond(run: Drivable, encoder: Encoder) -> Response | Stream:
             # (aborting the engine request) rather than whenever the generator is collected.
             await frames.aclose()
 
-        return Stream(frames, media_type="text/event-stream", headers={**SSE_HEADERS, **run.headers},
-                      background=BackgroundTask(close))  # fmt: skip
+        return Stream(
+            frames,
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **run.headers},
+            background=BackgroundTask(close),
+        )
     body = b"".join([frame async for frame in drive.frames()])
     return Response(content=body, status_code=drive.status, media_type=JSON, headers=run.headers)
 

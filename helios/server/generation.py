@@ -68,8 +68,11 @@ class Run:
 def admit(state: ServerState, slots: int) -> Reservation:
     """One HTTP admission slot per choice, or 429 (400 when the group can never be admitted)."""
     if slots > state.slots.capacity:
-        raise HttpError(400, f"the request needs {slots} admission slots (one per choice) but the server has "
-                             f"{state.slots.capacity} ([server] http_slots): send fewer prompts or a smaller n")  # fmt: skip
+        raise HttpError(
+            400,
+            f"the request needs {slots} admission slots (one per choice) but the server has "
+            f"{state.slots.capacity} ([server] http_slots): send fewer prompts or a smaller n",
+        )
     reservation = state.slots.reserve(slots)
     if reservation is None:
         raise HttpError(429, "all HTTP admission slots are in use; retry later")
@@ -82,8 +85,11 @@ async def start(state: ServerState, request: InferenceRequest, sources: list, pr
     frontend.check_options(request)
     choices, limit = request.n * len(sources), state.config.max_concurrency
     if choices > limit:  # before any prompt is tokenized: this group can never run
-        raise HttpError(400, f"the request asks for {choices} choices (prompts times n) but this server generates at "
-                             f"most {limit} at once ([server] max_concurrency): send fewer prompts or a smaller n")  # fmt: skip
+        raise HttpError(
+            400,
+            f"the request asks for {choices} choices (prompts times n) but this server generates at "
+            f"most {limit} at once ([server] max_concurrency): send fewer prompts or a smaller n",
+        )
     if request.output is not None:
         await state.in_pool(frontend.compile_output, request.output)  # bounded; cached for engine_request
     prompts = [await state.in_pool(frontend.prompt, source, request.output) for source in sources]

@@ -45,8 +45,9 @@ def nesting_depth(raw: bytes) -> int:
 def parse_json(raw: bytes) -> Any:
     depth = nesting_depth(raw)
     if depth > MAX_JSON_DEPTH:
-        raise JsonBodyError(f"the request body nests arrays and objects {depth} levels deep; "
-                            f"the limit is {MAX_JSON_DEPTH}")  # fmt: skip
+        raise JsonBodyError(
+            f"the request body nests arrays and objects {depth} levels deep; the limit is {MAX_JSON_DEPTH}"
+        )
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:

@@ -88,11 +88,19 @@ class _HeaderDeadline(H11Protocol):
             self.transport.close()
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str, drain_seconds: float,
-                   header_timeout: float) -> uvicorn.Config:  # fmt: skip
+def uvicorn_config(
+    app, host: str, port: int, log_level: str, drain_seconds: float, header_timeout: float
+) -> uvicorn.Config:
     protocol = type("HeliosHttp", (_HeaderDeadline,), {"header_timeout": header_timeout})
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, http=protocol,
-                          timeout_graceful_shutdown=int(drain_seconds + BACKSTOP_SECONDS + 0.999))  # fmt: skip
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        http=protocol,
+        timeout_graceful_shutdown=int(drain_seconds + BACKSTOP_SECONDS + 0.999),
+    )
 
 
 def serve(app, state: ServerState, host: str, port: int, log_level: str) -> None:

@@ -74,7 +74,8 @@ def _part(raw: bytes) -> Part:
         raise MultipartError("every multipart part needs Content-Disposition: form-data with a name")
     encoding = headers.get("content-transfer-encoding", "binary").lower()
     if encoding not in ("binary", "8bit", "7bit"):
-        raise MultipartError(f"multipart part {match.group(1)!r} uses Content-Transfer-Encoding {encoding!r}; "
-                             "send the bytes as they are")  # fmt: skip
+        raise MultipartError(
+            f"multipart part {match.group(1)!r} uses Content-Transfer-Encoding {encoding!r}; send the bytes as they are"
+        )
     content_type = headers.get("content-type", "").split(";")[0].strip().lower()
     return Part(match.group(1), content_type, data)

@@ -24,8 +24,9 @@ async def completions(state: ServerState, body: dict[str, Any]) -> Response | St
     run = await start(state, request, sources, "cmpl")
     runner = state.runner
     token_text = _token_id_text if request.logprobs.as_token_ids else runner.token_text
-    encoder = openai_completions_encoding.encoder(run.submission, run.model, options, token_text, runner.token_text,
-                                                  state.config.prefill_chunk_size)  # fmt: skip
+    encoder = openai_completions_encoding.encoder(
+        run.submission, run.model, options, token_text, runner.token_text, state.config.prefill_chunk_size
+    )
     return await respond(run, encoder)
 
 

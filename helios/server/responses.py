@@ -22,8 +22,16 @@ JSON = "application/json"
 class HttpError(Exception):
     """An error response in the OpenAI shape (the default for every route but Messages)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, type: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, headers or {}
         self.param = param  # the offending field, for callers and logs; the wire says null (spec)
@@ -45,7 +53,9 @@ def translate(exc: Exception) -> HttpError:
         return exc
     if isinstance(exc, RequestError):
         # The wire's param is null (spec), so the message is where a client finds the field.
-        message = exc.message if not exc.param or exc.param in exc.message else f"{exc.message} (parameter: {exc.param})"
+        message = (
+            exc.message if not exc.param or exc.param in exc.message else f"{exc.message} (parameter: {exc.param})"
+        )
         return HttpError(400, message, param=exc.param, code=exc.code)
     if isinstance(exc, OutputValidationError):
         return HttpError(500, exc.message)

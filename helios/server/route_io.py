@@ -29,8 +29,9 @@ def state_of(request: Request) -> ServerState:
 def authorize(request: Request, anthropic: bool = False) -> None:
     """Bearer auth; Anthropic routes also take x-api-key (both present: both must match). 401 on failure."""
     x_api_key = request.headers.get("x-api-key") if anthropic else None
-    problem = check_key(state_of(request).config.api_key, request.headers.get("authorization"), x_api_key,
-                        allow_x_api_key=anthropic)  # fmt: skip
+    problem = check_key(
+        state_of(request).config.api_key, request.headers.get("authorization"), x_api_key, allow_x_api_key=anthropic
+    )
     if problem is not None:
         raise HttpError(401, problem)
 
@@ -44,8 +45,11 @@ async def json_object(request: Request) -> dict[str, Any]:
     for name in LIST_FIELDS:  # each item costs at least one token: a longer list can never fit
         value = body.get(name)
         if isinstance(value, list) and len(value) > limit:
-            raise HttpError(400, f"{name} has {len(value)} items; each costs at least a token and the context holds "
-                                 f"{limit} (parameter: {name})")  # fmt: skip
+            raise HttpError(
+                400,
+                f"{name} has {len(value)} items; each costs at least a token and the context holds "
+                f"{limit} (parameter: {name})",
+            )
     return body
 
 
@@ -71,8 +75,9 @@ async def read_bytes(request: Request, *, compressed: bool = True) -> bytes:
     if not compressed and (encoding or "identity").strip().lower() not in ("", "identity"):
         raise HttpError(415, f"Unsupported Content-Encoding {encoding.strip()!r}: this route accepts identity only")
     try:
-        raw = await read_body(request.stream(), encoding, state.config.max_body_bytes, state.pool,
-                              state.config.body_timeout_seconds)  # fmt: skip
+        raw = await read_body(
+            request.stream(), encoding, state.config.max_body_bytes, state.pool, state.config.body_timeout_seconds
+        )
     except BodyError as exc:
         raise HttpError(exc.status, exc.message) from None
     REQUEST_BYTES.set(len(raw))  # the request's frontend work is charged by its size (ServerState.in_pool)

@@ -80,8 +80,9 @@ async def _multipart_body(request: Request) -> tuple[dict, dict[str, bytes]]:
     return body, images
 
 
-async def _score(state: ServerState, text: str, questions: Sequence[tuple[str, QuestionSpec]],
-                 request_id: str) -> tuple[list[LabelRead], ScoringUsage]:  # fmt: skip
+async def _score(
+    state: ServerState, text: str, questions: Sequence[tuple[str, QuestionSpec]], request_id: str
+) -> tuple[list[LabelRead], ScoringUsage]:
     """Compile off the event loop, then hold one admission slot while the questions run in turn."""
     compiled = await state.in_pool(compile_questions, state.frontend, text, questions)
     reservation = _admit(state, 1)

@@ -60,8 +60,13 @@ def fetch(url: str, timeout: float = FETCH_TIMEOUT) -> dict[str, Any]:
 class Sampler:
     """The last two answers, the time between them, and the plots' history."""
 
-    def __init__(self, url: str, interval: float, fetcher: Callable[[str], dict[str, Any]] = fetch,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        interval: float,
+        fetcher: Callable[[str], dict[str, Any]] = fetch,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.source, self.fetcher, self.clock = metrics_url(url), fetcher, clock
         self.status = Status(url=self.source.removesuffix("/metrics?format=json"), interval=interval)
         self.prev: Snapshot | None = None

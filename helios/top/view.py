@@ -24,8 +24,14 @@ Snapshot = Mapping[str, Any]  # one GET /metrics?format=json object; an absent f
 BLOCKS = " ▁▂▃▄▅▆▇█"  # a zero sample is blank, any positive one at least the lowest block
 ASCII_BLOCKS = " .:-=+*#%@"  # for terminals that cannot print the blocks
 PLAIN_PLOT_WIDTH = 40
-HOST_FIELDS = ("host_hits", "host_reused_tokens", "host_memory_records", "host_disk_records", "host_bytes_in",
-               "host_bytes_out")  # fmt: skip
+HOST_FIELDS = (
+    "host_hits",
+    "host_reused_tokens",
+    "host_memory_records",
+    "host_disk_records",
+    "host_bytes_in",
+    "host_bytes_out",
+)
 
 
 class History:
@@ -143,12 +149,17 @@ def speculating(cur: Snapshot) -> bool:
 
 def has_host_cache(cur: Snapshot) -> bool:
     """The server runs a host prefix store (it reports parked records) or one has ever held or moved anything."""
-    return ("host_cache_parked_records" in cur or any(number(cur, key) for key in HOST_FIELDS)
-            or bool(cur.get("host_cache_held")) or bool(cur.get("host_cache_dropped")))  # fmt: skip
+    return (
+        "host_cache_parked_records" in cur
+        or any(number(cur, key) for key in HOST_FIELDS)
+        or bool(cur.get("host_cache_held"))
+        or bool(cur.get("host_cache_dropped"))
+    )
 
 
-def sections(prev: Snapshot | None, cur: Snapshot, elapsed: float, history: History,
-             status: Status | None = None) -> tuple[Section, ...]:  # fmt: skip
+def sections(
+    prev: Snapshot | None, cur: Snapshot, elapsed: float, history: History, status: Status | None = None
+) -> tuple[Section, ...]:
     """The dashboard's content; the speculation, host-cache and state-slot sections only where they apply."""
     out = [_requests(prev, cur, elapsed), _tokens(prev, cur, elapsed, history), _latency(cur), _kv(prev, cur)]
     if speculating(cur):
@@ -162,20 +173,30 @@ def sections(prev: Snapshot | None, cur: Snapshot, elapsed: float, history: Hist
 
 
 def _requests(prev: Snapshot | None, cur: Snapshot, elapsed: float) -> Section:
-    rows = [Row("active", _count(number(cur, "active"))), Row("pending", _count(number(cur, "pending"))),
-            Row("completed", _counted(prev, cur, "completed", elapsed))]  # fmt: skip
+    rows = [
+        Row("active", _count(number(cur, "active"))),
+        Row("pending", _count(number(cur, "pending"))),
+        Row("completed", _counted(prev, cur, "completed", elapsed)),
+    ]
     if "preemptions_total" in cur:
         rows.append(Row("preemptions", _counted(prev, cur, "preemptions_total", elapsed)))
     if "http_admission_capacity" in cur:
-        rows.append(Row("HTTP slots", f"{_count(number(cur, 'http_admission_in_use'))} of "
-                                      f"{_count(number(cur, 'http_admission_capacity'))} in use"))  # fmt: skip
+        rows.append(
+            Row(
+                "HTTP slots",
+                f"{_count(number(cur, 'http_admission_in_use'))} of "
+                f"{_count(number(cur, 'http_admission_capacity'))} in use",
+            )
+        )
     return Section("Requests", tuple(rows))
 
 
 def _tokens(prev: Snapshot | None, cur: Snapshot, elapsed: float, history: History) -> Section:
     rows = []
-    for label, key, samples in (("tokens/s in", "prefill_tokens", history.tokens_in),
-                                ("tokens/s out", "generated_tokens", history.tokens_out)):  # fmt: skip
+    for label, key, samples in (
+        ("tokens/s in", "prefill_tokens", history.tokens_in),
+        ("tokens/s out", "generated_tokens", history.tokens_out),
+    ):
         now = rate(prev, cur, key, elapsed)
         plotted = tuple(samples) if len(samples) > 1 else ()  # one sample is no trend
         peak = f" (peak {max(plotted):,.1f})" if plotted else ""
@@ -199,8 +220,10 @@ def _latency(cur: Snapshot) -> Section:
     samples = f"{int(first.get('samples') or 0):,} in the last {window:g} s"
     if first.get("truncated"):
         samples += " (truncated: more than capacity)"
-    return Section("First response", (Row("TTFT median", "-" if median is None else _duration(float(median))),
-                                      Row("TTFT samples", samples)))  # fmt: skip
+    return Section(
+        "First response",
+        (Row("TTFT median", "-" if median is None else _duration(float(median))), Row("TTFT samples", samples)),
+    )
 
 
 def _kv(prev: Snapshot | None, cur: Snapshot) -> Section:
@@ -210,11 +233,16 @@ def _kv(prev: Snapshot | None, cur: Snapshot) -> Section:
     prompt = None if reused is None or prefilled is None else reused + prefilled
     reuse = "-" if not prompt else f"{_percent(ratio(reused, prompt))} ({_count(reused)} of {_count(prompt)} tokens)"
     page_tokens = number(cur, "page_tokens")
-    return Section("KV pages", (
-        Row("free", _count(free)), Row("cached", _count(cached)),
-        Row("used", f"{_count(used)} ({_percent(ratio(used, total))})"),
-        Row("total", _count(total) + (f" ({int(page_tokens)} tokens each)" if page_tokens else "")),
-        Row("prefix reuse", reuse)))  # fmt: skip
+    return Section(
+        "KV pages",
+        (
+            Row("free", _count(free)),
+            Row("cached", _count(cached)),
+            Row("used", f"{_count(used)} ({_percent(ratio(used, total))})"),
+            Row("total", _count(total) + (f" ({int(page_tokens)} tokens each)" if page_tokens else "")),
+            Row("prefix reuse", reuse),
+        ),
+    )
 
 
 def _speculation(prev: Snapshot | None, cur: Snapshot) -> Section:
@@ -222,12 +250,18 @@ def _speculation(prev: Snapshot | None, cur: Snapshot) -> Section:
     accepted, offered = delta(prev, cur, "accepted_drafts"), delta(prev, cur, "draft_rounds")
     depth = ratio(drafts, rounds)
     acceptance = ratio(accepted, drafts)
-    return Section("Speculation", (
-        Row("DEPTH", "-" if depth is None else f"{depth:.2f} ({_count(drafts)} drafts / {_count(rounds)} rounds)"),
-        Row("acceptance",
-            "-" if acceptance is None else f"{_percent(acceptance)} ({_count(accepted)} of {_count(drafts)})"),
-        Row("drafted rounds", _percent(ratio(offered, rounds))),
-        Row("drafter", _drafter(cur))))  # fmt: skip
+    return Section(
+        "Speculation",
+        (
+            Row("DEPTH", "-" if depth is None else f"{depth:.2f} ({_count(drafts)} drafts / {_count(rounds)} rounds)"),
+            Row(
+                "acceptance",
+                "-" if acceptance is None else f"{_percent(acceptance)} ({_count(accepted)} of {_count(drafts)})",
+            ),
+            Row("drafted rounds", _percent(ratio(offered, rounds))),
+            Row("drafter", _drafter(cur)),
+        ),
+    )
 
 
 def _drafter(cur: Snapshot) -> str:
@@ -243,22 +277,29 @@ def _host_cache(prev: Snapshot | None, cur: Snapshot, elapsed: float) -> Section
         speed = rate(prev, cur, key, elapsed)
         return f"{_bytes(number(cur, key))} ({'-' if speed is None else _bytes(speed) + '/s'})"
 
-    rows = [Row("memory records", _count(number(cur, "host_memory_records"))),
-            Row("disk records", _count(number(cur, "host_disk_records")))]  # fmt: skip
+    rows = [
+        Row("memory records", _count(number(cur, "host_memory_records"))),
+        Row("disk records", _count(number(cur, "host_disk_records"))),
+    ]
     if "host_cache_parked_records" in cur:
         rows.append(Row("parked for disk", _count(number(cur, "host_cache_parked_records"))))
-    rows += [Row("hits", _counted(prev, cur, "host_hits", elapsed)),
-             Row("reused tokens", _counted(prev, cur, "host_reused_tokens", elapsed)),
-             Row("bytes in", moved("host_bytes_in")), Row("bytes out", moved("host_bytes_out")),
-             Row("held (total)", _labelled(cur.get("host_cache_held"))),
-             Row("dropped (total)", _labelled(cur.get("host_cache_dropped")))]  # fmt: skip
+    rows += [
+        Row("hits", _counted(prev, cur, "host_hits", elapsed)),
+        Row("reused tokens", _counted(prev, cur, "host_reused_tokens", elapsed)),
+        Row("bytes in", moved("host_bytes_in")),
+        Row("bytes out", moved("host_bytes_out")),
+        Row("held (total)", _labelled(cur.get("host_cache_held"))),
+        Row("dropped (total)", _labelled(cur.get("host_cache_dropped"))),
+    ]
     return Section("Host cache", tuple(rows))
 
 
 def _state_slots(cur: Snapshot) -> Section:
     slot_bytes = number(cur, "state_slot_bytes")
-    rows = [Row("slots used", f"{_count(number(cur, 'state_slots_used'))} of {_count(number(cur, 'state_slots'))}"),
-            Row("snapshots", _count(number(cur, "state_snapshots")))]  # fmt: skip
+    rows = [
+        Row("slots used", f"{_count(number(cur, 'state_slots_used'))} of {_count(number(cur, 'state_slots'))}"),
+        Row("snapshots", _count(number(cur, "state_snapshots"))),
+    ]
     if slot_bytes:
         rows.append(Row("slot size", _bytes(slot_bytes)))
     return Section("State slots", tuple(rows))
@@ -356,8 +397,9 @@ class Panels:
         return stacks
 
 
-def dashboard(prev: Snapshot | None, cur: Snapshot, elapsed: float, history: History,
-              status: Status | None = None) -> RenderableType:  # fmt: skip
+def dashboard(
+    prev: Snapshot | None, cur: Snapshot, elapsed: float, history: History, status: Status | None = None
+) -> RenderableType:
     """The live view: a header line, the token rates with their plots, then one panel per section."""
     parts = sections(prev, cur, elapsed, history, status)
     down = status is not None and status.last_error is not None
@@ -367,8 +409,14 @@ def dashboard(prev: Snapshot | None, cur: Snapshot, elapsed: float, history: His
     return Group(Text(_header(cur, status), style=style), _panel(tokens, expand=True), Panels(others))
 
 
-def plain(prev: Snapshot | None, cur: Snapshot, elapsed: float, history: History, status: Status | None = None,
-          blocks: str = BLOCKS) -> str:  # fmt: skip
+def plain(
+    prev: Snapshot | None,
+    cur: Snapshot,
+    elapsed: float,
+    history: History,
+    status: Status | None = None,
+    blocks: str = BLOCKS,
+) -> str:
     """The same content as text: a header line, then each section's title and indented rows."""
     parts = sections(prev, cur, elapsed, history, status)
     width = max(len(row.label) for section in parts for row in section.rows)

@@ -27,12 +27,44 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ignition.models import (deepseek_v3, deepseek_v4, gemma3, gemma4, glm5_next, glm_moe_dsa, llama, mimo_v2,
-                             minimax_m3, muse_spark, nemotron_h, qwen3, qwen3_moe, qwen3_next, step3p7)
+from ignition.models import (
+    deepseek_v3,
+    deepseek_v4,
+    gemma3,
+    gemma4,
+    glm5_next,
+    glm_moe_dsa,
+    llama,
+    mimo_v2,
+    minimax_m3,
+    muse_spark,
+    nemotron_h,
+    qwen3,
+    qwen3_moe,
+    qwen3_next,
+    step3p7,
+)
 
-FAMILIES: dict[str, ModuleType] = {m.FAMILY: m for m in (llama, qwen3, qwen3_moe, gemma3, gemma4, deepseek_v3,
-                                                          deepseek_v4, glm_moe_dsa, minimax_m3, muse_spark, step3p7,
-                                                          nemotron_h, qwen3_next, mimo_v2, glm5_next)}
+FAMILIES: dict[str, ModuleType] = {
+    m.FAMILY: m
+    for m in (
+        llama,
+        qwen3,
+        qwen3_moe,
+        gemma3,
+        gemma4,
+        deepseek_v3,
+        deepseek_v4,
+        glm_moe_dsa,
+        minimax_m3,
+        muse_spark,
+        step3p7,
+        nemotron_h,
+        qwen3_next,
+        mimo_v2,
+        glm5_next,
+    )
+}
 
 
 def family(name: str) -> ModuleType:

@@ -126,8 +126,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-         factor: float = 1.0) -> tuple[Tensor, Tensor]:  # fmt: skip
+def rope(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype, factor: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """cos, sin [T, 1, D] of rotary embeddings; `factor` > 1 is linear position scaling (inv_freq / factor)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -148,8 +149,9 @@ def unit_rms(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def hyper_connection(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float,
-                     norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def hyper_connection(
+    streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, sinkhorn_iters: int, hc_eps: float, norm_eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """Manifold-constrained hyper-connections (mHC) before a block, as transformers' DeepseekV4HyperConnection
     and Glm5NextTextHyperConnection compute them: streams [T, hc, hidden] fp32, the block's fn [(2 + hc) * hc,
     hc * hidden], base [(2 + hc) * hc], scale [3] -> (post [T, hc], comb [T, hc, hc] Sinkhorn-normalized,
@@ -200,8 +202,20 @@ class DecoderProgram(torch.nn.Module):
         gate, up = F.linear(h, weights[f"layers.{layer}.w_gate_up"]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, weights[f"layers.{layer}.w_down"])
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        extra_1=None,
+        extra_2=None,
+    ):
         logprob_ids, target_ids = self.optional_inputs(extra_1, extra_2)
         c = self.config
         # 16-bit cores: weights and matmul inputs in the core's dtype, but the residual stream,
@@ -245,8 +259,9 @@ def reference_swiglu(w: dict[str, Tensor], prefix: str, h: Tensor) -> Tensor:
     return (F.silu(gate) * up) @ w[prefix + "down_proj.weight"].T
 
 
-def reference_logits(config: DecoderConfig, hf_weights: dict[str, Tensor], token_ids: list[int],
-                     mlp: ReferenceMlp, qk_norm: bool = False) -> Tensor:  # fmt: skip
+def reference_logits(
+    config: DecoderConfig, hf_weights: dict[str, Tensor], token_ids: list[int], mlp: ReferenceMlp, qk_norm: bool = False
+) -> Tensor:
     """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32.
 
     Independent of the program path on purpose (no fused weights, no custom ops, explicit
@@ -278,8 +293,12 @@ def reference_logits(config: DecoderConfig, hf_weights: dict[str, Tensor], token
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         h = norm(x, w[p + "input_layernorm.weight"])
-        q = heads(h @ w[p + "self_attn.q_proj.weight"].T, c.num_heads, p + "self_attn.q_norm.weight" if qk_norm else None)
-        k = heads(h @ w[p + "self_attn.k_proj.weight"].T, c.num_kv_heads, p + "self_attn.k_norm.weight" if qk_norm else None)
+        q = heads(
+            h @ w[p + "self_attn.q_proj.weight"].T, c.num_heads, p + "self_attn.q_norm.weight" if qk_norm else None
+        )
+        k = heads(
+            h @ w[p + "self_attn.k_proj.weight"].T, c.num_kv_heads, p + "self_attn.k_norm.weight" if qk_norm else None
+        )
         v = heads(h @ w[p + "self_attn.v_proj.weight"].T, c.num_kv_heads, None)
         q, k = rotate(q), rotate(k)
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
@@ -297,10 +316,13 @@ def attention_shapes(c: Any) -> dict[str, tuple[int, ...]]:
     """Per-layer norm and attention projection shapes (names under "model.layers.{i}.")."""
     q, kv, h = c.num_heads * c.head_dim, c.kv_dim, c.hidden_size
     return {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
-    }  # fmt: skip
+    }
 
 
 def decoder_shapes(c: Any, per_layer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -315,8 +337,9 @@ def decoder_shapes(c: Any, per_layer: dict[str, tuple[int, ...]]) -> dict[str, t
     return shapes
 
 
-def optional_inputs(extra_1: Tensor | None, extra_2: Tensor | None, explicit_ids: bool,
-                    scored: bool) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+def optional_inputs(
+    extra_1: Tensor | None, extra_2: Tensor | None, explicit_ids: bool, scored: bool
+) -> tuple[Tensor | None, Tensor | None]:
     """(logprob_token_ids, target_ids): a step program's optional inputs, in program_signature's order."""
     extra = [t for t in (extra_1, extra_2) if t is not None]
     logprob_ids = extra.pop(0) if explicit_ids else None

@@ -80,7 +80,10 @@ _TEXT_WEIGHT_MAP = {
 
 # Where Kimi K2.5-style multimodal checkpoints keep the text model: Moonshot's own layout and
 # transformers' Kimi_K25ForConditionalGeneration (conversion_mapping "kimi_k25").
-_TEXT_PREFIXES = {"model.": ("language_model.model.", "model.language_model."), "lm_head.": ("language_model.lm_head.",)}
+_TEXT_PREFIXES = {
+    "model.": ("language_model.model.", "model.language_model."),
+    "lm_head.": ("language_model.lm_head.",),
+}
 
 
 def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
@@ -88,7 +91,7 @@ def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
     for source, target in table.items():
         for plain, alternatives in _TEXT_PREFIXES.items():
             if source.startswith(plain):
-                out.update({alt + source[len(plain):]: target for alt in alternatives})
+                out.update({alt + source[len(plain) :]: target for alt in alternatives})
     return out
 
 
@@ -119,7 +122,7 @@ def canonical_name(name: str) -> str:
     for plain, alternatives in _TEXT_PREFIXES.items():
         for alt in alternatives:
             if name.startswith(alt):
-                return plain + name[len(alt):]
+                return plain + name[len(alt) :]
     return name
 
 
@@ -241,13 +244,19 @@ def rope_from_hf(hf: dict[str, Any], family: str = FAMILY, interleave: bool | No
     factor = params.get("factor") or int(hf["max_position_embeddings"]) / original
     attention_factor = params.get("attention_factor")
     return RopeSpec(
-        theta=theta, dim=dim, interleave=interleave, yarn=True, factor=float(factor),
-        original_max_position_embeddings=original, beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1), mscale=float(params.get("mscale") or 0),
+        theta=theta,
+        dim=dim,
+        interleave=interleave,
+        yarn=True,
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0),
         mscale_all_dim=float(params.get("mscale_all_dim") or 0),
         attention_factor=None if attention_factor is None else float(attention_factor),
         truncate=bool(params.get("truncate", True)),
-    )  # fmt: skip
+    )
 
 
 def _check_supported(hf: dict[str, Any]) -> None:
@@ -269,12 +278,16 @@ def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
     experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts"))
     q_lora = hf.get("q_lora_rank")
     router = moe.RouterSpec(
-        num_experts=experts, top_k=int(hf["num_experts_per_tok"]), scoring="sigmoid",
+        num_experts=experts,
+        top_k=int(hf["num_experts_per_tok"]),
+        scoring="sigmoid",
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
-        has_correction_bias=True, norm_eps=1e-20,
-    )  # fmt: skip
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        has_correction_bias=True,
+        norm_eps=1e-20,
+    )
     return DeepseekV3Config(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
@@ -314,8 +327,10 @@ def canonical_tensors(config: DeepseekV3Config, tensors: dict[str, Tensor]) -> d
     if config.vision is None:
         stray = sorted(n for n in tensors if n.startswith(kimi_k25_vision.VISION_PREFIXES))
         if stray:
-            raise ValueError(f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
-                             f"multimodal (no vision_config, or an image token id outside the vocabulary)")  # fmt: skip
+            raise ValueError(
+                f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
+                f"multimodal (no vision_config, or an image token id outside the vocabulary)"
+            )
         return tensors
     return kimi_k25_vision.native_tensors(tensors, config.vision.num_heads)
 
@@ -336,8 +351,14 @@ def extra_caches(config: DeepseekV3Config) -> tuple[tuple[str, tuple[int, ...], 
     """The MTP layers' own latent caches, on the step's pages (numbered after the main layers)."""
     if not config.num_mtp_layers:
         return ()
-    return ((mtp.MTP_CACHE, tuple(range(config.num_layers, config.num_layers + config.num_mtp_layers)), 1,
-             config.latent_dim),)  # fmt: skip
+    return (
+        (
+            mtp.MTP_CACHE,
+            tuple(range(config.num_layers, config.num_layers + config.num_mtp_layers)),
+            1,
+            config.latent_dim,
+        ),
+    )
 
 
 def extra_step_outputs(config: DeepseekV3Config) -> tuple[TensorSpec, ...]:
@@ -407,8 +428,16 @@ class StepProgram(torch.nn.Module):
         q = F.linear(h, weights[p + "wq"]) if q_resid is None else F.linear(q_resid, weights[p + "wq_b"])
         return q.float().view(-1, c.num_heads, c.qk_head_dim)
 
-    def latent_inputs(self, weights: dict[str, Tensor], layer: int, h: Tensor, q_resid: Tensor | None, cos: Tensor,
-                      sin: Tensor, cache_dtype: torch.dtype) -> tuple[Tensor, Tensor]:  # fmt: skip
+    def latent_inputs(
+        self,
+        weights: dict[str, Tensor],
+        layer: int,
+        h: Tensor,
+        q_resid: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        cache_dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor]:
         """Absorbed MLA's (query [T, H, r + rope], latent [T, 1, r + rope]), both in the cache dtype."""
         p, c = f"layers.{layer}.", self.config
         r, wdt = c.kv_lora_rank, h.dtype
@@ -437,15 +466,24 @@ class StepProgram(torch.nn.Module):
         out = values.transpose(0, 1).reshape(-1, c.num_heads * c.v_head_dim)
         return F.linear(out, weights[f"layers.{layer}.wo"]).float()
 
-    def attention(self, weights: dict[str, Tensor], layer: int, h: Tensor, cos: Tensor, sin: Tensor,
-                  cache: Tensor, paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def attention(
+        self,
+        weights: dict[str, Tensor],
+        layer: int,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: Tensor,
+        paged: tuple[Tensor, ...],
+    ) -> Tensor:
         """Absorbed MLA: h [T, hidden] in the core dtype -> attention output [T, hidden] fp32."""
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
         query, latent = self.latent_inputs(weights, layer, h, self.q_resid(weights, layer, h), cos, sin, cache.dtype)
         # One tensor as keys and values: written once per token (twice through the pair-writing op).
         torch.ops.flare.write_kv(cache, cache, latent, latent, slot_mapping)
-        attn = torch.ops.flare.paged_attention(query, cache, cache, block_tables, seq_lens, query_start_loc,
-                                               positions, self.config.softmax_scale)  # fmt: skip
+        attn = torch.ops.flare.paged_attention(
+            query, cache, cache, block_tables, seq_lens, query_start_loc, positions, self.config.softmax_scale
+        )
         return self.latent_output(weights, layer, attn, h.dtype)
 
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
@@ -455,8 +493,22 @@ class StepProgram(torch.nn.Module):
         gate, up = F.linear(h, weights[f"layers.{layer}.w_gate_up"]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, weights[f"layers.{layer}.w_down"]).float()
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        extra_1=None,
+        extra_2=None,
+        extra_3=None,
+        extra_4=None,
+    ):
         """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
         those rows' input embeddings are the features; rows of -1 are unused."""
         extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
@@ -475,8 +527,9 @@ class StepProgram(torch.nn.Module):
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         x = self.decoder(weights, kv_cache, x, cos, sin, paged)
         hidden = rms_norm(x, weights["norm"], c.rms_norm_eps)
-        outputs = step_outputs(hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top,
-                               logprob_ids, target_ids)  # fmt: skip
+        outputs = step_outputs(
+            hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids
+        )
         # With MTP layers the drafter's input too (glm5_next's config, built on this one, has no such field).
         return (*outputs, hidden) if getattr(c, "num_mtp_layers", 0) else outputs
 
@@ -486,8 +539,15 @@ class StepProgram(torch.nn.Module):
         freqs = positions.float()[:, None] * rope_inv_freq(rope, positions.device)[None, :]
         return (freqs.cos() * rope.cos_sin_scale)[:, None, :], (freqs.sin() * rope.cos_sin_scale)[:, None, :]
 
-    def decoder(self, weights: dict[str, Tensor], kv_cache: list[Tensor], x: Tensor, cos: Tensor, sin: Tensor,
-                paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def decoder(
+        self,
+        weights: dict[str, Tensor],
+        kv_cache: list[Tensor],
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        paged: tuple[Tensor, ...],
+    ) -> Tensor:
         """The residual stream x [T, hidden] fp32 through every layer (pre-norm attention, then MLP)."""
         c, wdt = self.config, weights["embed"].dtype
         for i in range(c.num_layers):
@@ -508,14 +568,30 @@ class MtpProgram(StepProgram):
         super().__init__(config, num_top, explicit_ids=False, scored=False)
         self.layer = layer
 
-    def forward(self, weights, kv_cache, token_ids, positions, hidden_states, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        hidden_states,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+    ):
         c = self.config
         index = c.num_layers + self.layer  # its checkpoint layer number, and its cache's (extra_caches)
         p, wdt, eps = f"layers.{index}.", weights["embed"].dtype, c.rms_norm_eps
         embed = weights[p + "embed"] if p + "embed" in weights else weights["embed"]
-        joined = torch.cat([rms_norm(F.embedding(token_ids, embed).float(), weights[p + "enorm"], eps),
-                            rms_norm(hidden_states.float(), weights[p + "hnorm"], eps)], dim=-1)  # fmt: skip
+        joined = torch.cat(
+            [
+                rms_norm(F.embedding(token_ids, embed).float(), weights[p + "enorm"], eps),
+                rms_norm(hidden_states.float(), weights[p + "hnorm"], eps),
+            ],
+            dim=-1,
+        )
         x = F.linear(joined.to(wdt), weights[p + "eh_proj"]).float()
         cos, sin = self.rotary(positions)
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
@@ -535,19 +611,33 @@ def duplicates(config: DeepseekV3Config) -> dict[str, str]:
     """The MTP layers' own embedding and head -> the main ones they may copy (DeepSeek-V3's release
     stores both twice): export keeps an exact copy once, and MtpProgram then reads the main one."""
     head = "embed" if config.tie_word_embeddings else "lm_head"
-    return {name: original for k in range(getattr(config, "num_mtp_layers", 0))
-            for name, original in ((f"layers.{config.num_layers + k}.embed", "embed"),
-                                   (f"layers.{config.num_layers + k}.head", head))}  # fmt: skip
+    return {
+        name: original
+        for k in range(getattr(config, "num_mtp_layers", 0))
+        for name, original in (
+            (f"layers.{config.num_layers + k}.embed", "embed"),
+            (f"layers.{config.num_layers + k}.head", head),
+        )
+    }
 
 
 def extra_programs(config: DeepseekV3Config, num_top: int, weights: dict[str, Tensor]) -> tuple[mtp.ExtraProgram, ...]:
     """One mtp_draft.N program per MTP layer, checked at export against reference_mtp."""
     n = config.num_layers
-    mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"layers.{n + k}.eh_proj", lambda k: f"model.layers.{n + k}.")
+    mtp.require_layers(
+        weights, config.num_mtp_layers, lambda k: f"layers.{n + k}.eh_proj", lambda k: f"model.layers.{n + k}."
+    )
     modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
-    return mtp.draft_programs(modules, config.hidden_size, num_top, mtp.reference_check(
-        config.vocab_size, lambda w, ids: reference_forward(config, w, ids)[1],
-        lambda w, layer, next_ids, hidden: reference_mtp(config, w, layer, next_ids, hidden)[0]))
+    return mtp.draft_programs(
+        modules,
+        config.hidden_size,
+        num_top,
+        mtp.reference_check(
+            config.vocab_size,
+            lambda w, ids: reference_forward(config, w, ids)[1],
+            lambda w, layer, next_ids, hidden: reference_mtp(config, w, layer, next_ids, hidden)[0],
+        ),
+    )
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -587,8 +677,9 @@ def reference_q_resid(c: DeepseekV3Config, w: dict[str, Tensor], prefix: str, h:
     return reference_norm(h @ w[prefix + "q_a_proj.weight"].T, w[prefix + "q_a_layernorm.weight"], LATENT_NORM_EPS)
 
 
-def reference_mla(c: DeepseekV3Config, w: dict[str, Tensor], prefix: str, h: Tensor, rotate: Callable[[Tensor], Tensor],
-                  mask: Tensor) -> Tensor:  # fmt: skip
+def reference_mla(
+    c: DeepseekV3Config, w: dict[str, Tensor], prefix: str, h: Tensor, rotate: Callable[[Tensor], Tensor], mask: Tensor
+) -> Tensor:
     """Non-absorbed MLA of the block under `prefix` ("model.layers.N.self_attn."): h [T, hidden]
     -> o_proj output [T, hidden], with an additive mask [T, T] (0 or -inf)."""
     total, heads = h.shape[0], c.num_heads
@@ -607,8 +698,9 @@ def reference_mla(c: DeepseekV3Config, w: dict[str, Tensor], prefix: str, h: Ten
     return attn @ w[prefix + "o_proj.weight"].T
 
 
-def _reference_layer(c: DeepseekV3Config, w: dict[str, Tensor], layer: int, x: Tensor, rotate: Callable[[Tensor], Tensor],
-                     mask: Tensor) -> Tensor:  # fmt: skip
+def _reference_layer(
+    c: DeepseekV3Config, w: dict[str, Tensor], layer: int, x: Tensor, rotate: Callable[[Tensor], Tensor], mask: Tensor
+) -> Tensor:
     """Decoder layer `layer` (checkpoint numbering; MTP layers' too) over the residual stream x [T, hidden]."""
     p = f"model.layers.{layer}."
     h = reference_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
@@ -636,9 +728,13 @@ def _reference_head(c: DeepseekV3Config, w: dict[str, Tensor], x: Tensor, own: s
     return x @ (w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]).T
 
 
-def reference_forward(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int],
-                      image_features: Tensor | None = None, image_positions: list[int] | None = None
-                      ) -> tuple[Tensor, Tensor]:  # fmt: skip
+def reference_forward(
+    config: DeepseekV3Config,
+    hf_weights: dict[str, Tensor],
+    token_ids: list[int],
+    image_features: Tensor | None = None,
+    image_positions: list[int] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Dense, unpaged forward over Hugging Face-named weights: (logits [T, V], final-normed hidden
     states [T, hidden]), fp32. Images: row i of image_features replaces the input embedding at
     image_positions[i].
@@ -659,13 +755,19 @@ def reference_forward(config: DeepseekV3Config, hf_weights: dict[str, Tensor], t
     return _reference_head(c, w, x), x
 
 
-def reference_logits(config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int],
-                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+def reference_logits(
+    config: DeepseekV3Config,
+    hf_weights: dict[str, Tensor],
+    token_ids: list[int],
+    image_features: Tensor | None = None,
+    image_positions: list[int] | None = None,
+) -> Tensor:
     return reference_forward(config, hf_weights, token_ids, image_features, image_positions)[0]
 
 
-def reference_mtp(config: DeepseekV3Config, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int],
-                  hidden: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+def reference_mtp(
+    config: DeepseekV3Config, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int], hidden: Tensor
+) -> tuple[Tensor, Tensor]:
     """MTP layer `layer` over a whole sequence, fp32: row t joins next_ids[t] (the token after
     position t) with hidden[t] (the main model's final-normed hidden state at t), causally over
     rows <= t. Returns (logits [T, V]: the token after next_ids[t], MTP hidden states [T, hidden],
@@ -675,8 +777,13 @@ def reference_mtp(config: DeepseekV3Config, hf_weights: dict[str, Tensor], layer
     m = f"model.layers.{index}."
     w, rotate, mask = _reference_setup(c, hf_weights, len(next_ids))
     embed = w.get(m + "embed_tokens.weight", w["model.embed_tokens.weight"])
-    joined = torch.cat([reference_norm(embed[torch.tensor(next_ids)], w[m + "enorm.weight"], c.rms_norm_eps),
-                        reference_norm(hidden.float(), w[m + "hnorm.weight"], c.rms_norm_eps)], dim=-1)  # fmt: skip
+    joined = torch.cat(
+        [
+            reference_norm(embed[torch.tensor(next_ids)], w[m + "enorm.weight"], c.rms_norm_eps),
+            reference_norm(hidden.float(), w[m + "hnorm.weight"], c.rms_norm_eps),
+        ],
+        dim=-1,
+    )
     x = _reference_layer(c, w, index, joined @ w[m + "eh_proj.weight"].T, rotate, mask)
     x = reference_norm(x, w[m + "shared_head.norm.weight"], c.rms_norm_eps)
     return _reference_head(c, w, x, m + "shared_head.head.weight"), x
@@ -733,47 +840,78 @@ def hf_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     shapes = _text_shapes(c)
     if getattr(c, "vision", None) is None:
         return shapes
-    nested = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in shapes.items()}
+    nested = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in shapes.items()
+    }
     return nested | kimi_k25_vision.hf_shapes(c.vision)
 
 
 def _text_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     h, heads = c.hidden_size, c.num_heads
     attention: dict[str, tuple[int, ...]] = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
         "self_attn.kv_a_proj_with_mqa.weight": (c.latent_dim, h),
         "self_attn.kv_a_layernorm.weight": (c.kv_lora_rank,),
         "self_attn.kv_b_proj.weight": (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
         "self_attn.o_proj.weight": (h, heads * c.v_head_dim),
-    }  # fmt: skip
+    }
     if c.q_lora_rank is None:
         attention["self_attn.q_proj.weight"] = (heads * c.qk_head_dim, h)
     else:
-        attention.update({"self_attn.q_a_proj.weight": (c.q_lora_rank, h),
-                          "self_attn.q_a_layernorm.weight": (c.q_lora_rank,),
-                          "self_attn.q_b_proj.weight": (heads * c.qk_head_dim, c.q_lora_rank)})  # fmt: skip
+        attention.update(
+            {
+                "self_attn.q_a_proj.weight": (c.q_lora_rank, h),
+                "self_attn.q_a_layernorm.weight": (c.q_lora_rank,),
+                "self_attn.q_b_proj.weight": (heads * c.qk_head_dim, c.q_lora_rank),
+            }
+        )
     shapes = decoder_shapes(c, attention)
     num_mtp = getattr(c, "num_mtp_layers", 0)  # glm5_next's config, built on this one, has no such field
     for layer in range(c.num_layers, c.num_layers + num_mtp):
         p = f"model.layers.{layer}."
         shapes.update({p + name: shape for name, shape in attention.items()})
-        shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
-                       p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (c.vocab_size, h),
-                       p + "embed_tokens.weight": (c.vocab_size, h)})  # fmt: skip
+        shapes.update(
+            {
+                p + "enorm.weight": (h,),
+                p + "hnorm.weight": (h,),
+                p + "eh_proj.weight": (h, 2 * h),
+                p + "shared_head.norm.weight": (h,),
+                p + "shared_head.head.weight": (c.vocab_size, h),
+                p + "embed_tokens.weight": (c.vocab_size, h),
+            }
+        )
     f, s = c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
     for layer in range(c.num_layers + num_mtp):
         p = f"model.layers.{layer}.mlp."
         if not c.is_moe(layer):
-            shapes.update({p + "gate_proj.weight": (c.intermediate_size, h), p + "up_proj.weight": (c.intermediate_size, h),
-                           p + "down_proj.weight": (h, c.intermediate_size)})  # fmt: skip
+            shapes.update(
+                {
+                    p + "gate_proj.weight": (c.intermediate_size, h),
+                    p + "up_proj.weight": (c.intermediate_size, h),
+                    p + "down_proj.weight": (h, c.intermediate_size),
+                }
+            )
             continue
-        shapes.update({p + "gate.weight": (c.router.num_experts, h), p + "gate.e_score_correction_bias": (c.router.num_experts,)})
+        shapes.update(
+            {p + "gate.weight": (c.router.num_experts, h), p + "gate.e_score_correction_bias": (c.router.num_experts,)}
+        )
         for e in range(c.router.num_experts):
-            shapes.update({f"{p}experts.{e}.gate_proj.weight": (f, h), f"{p}experts.{e}.up_proj.weight": (f, h),
-                           f"{p}experts.{e}.down_proj.weight": (h, f)})  # fmt: skip
+            shapes.update(
+                {
+                    f"{p}experts.{e}.gate_proj.weight": (f, h),
+                    f"{p}experts.{e}.up_proj.weight": (f, h),
+                    f"{p}experts.{e}.down_proj.weight": (h, f),
+                }
+            )
         if s:
-            shapes.update({p + "shared_experts.gate_proj.weight": (s, h), p + "shared_experts.up_proj.weight": (s, h),
-                           p + "shared_experts.down_proj.weight": (h, s)})  # fmt: skip
+            shapes.update(
+                {
+                    p + "shared_experts.gate_proj.weight": (s, h),
+                    p + "shared_experts.up_proj.weight": (s, h),
+                    p + "shared_experts.down_proj.weight": (h, s),
+                }
+            )
     return shapes
 
 

@@ -110,8 +110,11 @@ ORIGINAL_WEIGHT_MAP = {
     "hc_head_scale": "hc_head.scale",
     _O + "attn_norm.weight": "layers.{}.attn_norm",
     _O + "ffn_norm.weight": "layers.{}.mlp_norm",
-    **{f"{_O}hc_{block}_{part}": f"layers.{{}}.{block}_hc.{part}" for block in ("attn", "ffn")
-       for part in ("fn", "base", "scale")},  # fmt: skip
+    **{
+        f"{_O}hc_{block}_{part}": f"layers.{{}}.{block}_hc.{part}"
+        for block in ("attn", "ffn")
+        for part in ("fn", "base", "scale")
+    },
     _O + "attn.attn_sink": "layers.{}.sinks",
     _O + "attn.wq_a.weight": "layers.{}.wq_a",
     _O + "attn.q_norm.weight": "layers.{}.q_a_norm",
@@ -120,9 +123,11 @@ ORIGINAL_WEIGHT_MAP = {
     _O + "attn.kv_norm.weight": "layers.{}.kv_norm",
     _O + "attn.wo_a.weight": "layers.{}.wo_a",
     _O + "attn.wo_b.weight": "layers.{}.wo_b",
-    **{f"{_O}attn.{where}.{name}": f"layers.{{}}.{part}.{target}"
-       for where, part in (("compressor", "comp"), ("indexer.compressor", "index"))
-       for name, target in (("ape", "bias"), ("wkv.weight", "wkv"), ("wgate.weight", "wgate"), ("norm.weight", "norm"))},  # fmt: skip
+    **{
+        f"{_O}attn.{where}.{name}": f"layers.{{}}.{part}.{target}"
+        for where, part in (("compressor", "comp"), ("indexer.compressor", "index"))
+        for name, target in (("ape", "bias"), ("wkv.weight", "wkv"), ("wgate.weight", "wgate"), ("norm.weight", "norm"))
+    },
     _O + "attn.indexer.wq_b.weight": "layers.{}.index.wq_b",
     _O + "attn.indexer.weights_proj.weight": "layers.{}.index.w_heads",
     _O + "ffn.gate.weight": "layers.{}.w_router",
@@ -144,6 +149,7 @@ def canonical_name(name: str) -> str:
     """A tensor's DeepseekV4ForCausalLM name, whichever naming the checkpoint uses."""
     mapped = rename(name, _ORIGINAL_TO_HF)
     return name if mapped is None else mapped[0]
+
 
 STACKED = moe.STACKED_EXPERTS
 # Each compressor's kv and gate projections run as one matmul (sliding layers have neither).
@@ -212,18 +218,26 @@ def _rope_from(params: dict[str, Any], theta: float, head_dim: int, max_position
     if kind == "default":
         return RopeSpec(theta=theta, dim=dim, interleave=True)
     if kind != "yarn":
-        raise ValueError(f"rope_parameters[{label!r}] rope_type {kind!r} is not supported by the {FAMILY} family "
-                         "(supported: default, yarn)")  # fmt: skip
+        raise ValueError(
+            f"rope_parameters[{label!r}] rope_type {kind!r} is not supported by the {FAMILY} family "
+            "(supported: default, yarn)"
+        )
     original = int(params["original_max_position_embeddings"])
     attention_factor = params.get("attention_factor")  # None: YaRN's own mscale
     return RopeSpec(
-        theta=theta, dim=dim, interleave=True, yarn=True, factor=float(params.get("factor") or max_positions / original),
-        original_max_position_embeddings=original, beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1), mscale=float(params.get("mscale") or 0),
+        theta=theta,
+        dim=dim,
+        interleave=True,
+        yarn=True,
+        factor=float(params.get("factor") or max_positions / original),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0),
         mscale_all_dim=float(params.get("mscale_all_dim") or 0),
         attention_factor=None if attention_factor is None else float(attention_factor),
         truncate=bool(params.get("truncate", True)),
-    )  # fmt: skip
+    )
 
 
 def _ropes(hf: dict[str, Any], head_dim: int) -> tuple[RopeSpec, RopeSpec]:
@@ -245,8 +259,10 @@ def _ropes(hf: dict[str, Any], head_dim: int) -> tuple[RopeSpec, RopeSpec]:
         compress["rope_type"] = flat.get("rope_type") or flat.get("type") or "default"
         if compress["rope_type"] == "yarn":
             compress.setdefault("attention_factor", 1.0)
-    return (_rope_from(main, theta, head_dim, max_positions, "main"),
-            _rope_from(compress, compress_theta, head_dim, max_positions, "compress"))  # fmt: skip
+    return (
+        _rope_from(main, theta, head_dim, max_positions, "main"),
+        _rope_from(compress, compress_theta, head_dim, max_positions, "compress"),
+    )
 
 
 def _layer_types(hf: dict[str, Any], n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -291,7 +307,10 @@ def _check_supported(hf: dict[str, Any]) -> None:
     refusals = {
         "hidden_act": (hf.get("hidden_act", "silu") != "silu", "only silu experts are implemented"),
         "scoring_func": (hf.get("scoring_func", "sqrtsoftplus") not in SCORINGS, f"supported: {', '.join(SCORINGS)}"),
-        "n_shared_experts": (int(hf.get("n_shared_experts", 1) or 0) != 1, "the reference builds exactly one shared expert"),
+        "n_shared_experts": (
+            int(hf.get("n_shared_experts", 1) or 0) != 1,
+            "the reference builds exactly one shared expert",
+        ),
         "norm_topk_prob": (not hf.get("norm_topk_prob", True), "the reference always renormalizes the top-k weights"),
         "num_key_value_heads": (int(hf.get("num_key_value_heads", 1) or 1) != 1, "V4 attention has one shared kv head"),
         "attention_bias": (bool(hf.get("attention_bias")), "the reference's projections have no bias"),
@@ -319,10 +338,14 @@ def config_from_hf(hf: dict[str, Any]) -> DeepseekV4Config:
         raise ValueError(f"index_head_dim {index_head_dim} is smaller than the {compress_rope.dim}-dim rotary")
     experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 256)
     router = moe.RouterSpec(
-        num_experts=experts, top_k=int(hf.get("num_experts_per_tok", 6)), scoring=str(hf.get("scoring_func", "sqrtsoftplus")),
-        norm_topk_prob=True, routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.5)),
-        has_correction_bias=True, norm_eps=1e-20,
-    )  # fmt: skip
+        num_experts=experts,
+        top_k=int(hf.get("num_experts_per_tok", 6)),
+        scoring=str(hf.get("scoring_func", "sqrtsoftplus")),
+        norm_topk_prob=True,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.5)),
+        has_correction_bias=True,
+        norm_eps=1e-20,
+    )
     return DeepseekV4Config(
         vocab_size=int(hf.get("vocab_size", 129280)),
         hidden_size=int(hf.get("hidden_size", 4096)),
@@ -365,19 +388,26 @@ def extra_caches(config: DeepseekV4Config) -> tuple[tuple[str, tuple[int, ...], 
     for i in range(config.num_layers):
         if not config.is_compressed(i):
             continue
-        out += [(f"layers.{i}.compressor_state", (i,), 1, config.state_dim(i)),
-                (f"layers.{i}.compressed_kv", (i,), 1, config.head_dim)]  # fmt: skip
+        out += [
+            (f"layers.{i}.compressor_state", (i,), 1, config.state_dim(i)),
+            (f"layers.{i}.compressed_kv", (i,), 1, config.head_dim),
+        ]
         if config.is_csa(i):
-            out += [(f"layers.{i}.indexer_state", (i,), 1, config.state_dim(i, indexer=True)),
-                    (f"layers.{i}.indexer_keys", (i,), 1, config.index_head_dim)]  # fmt: skip
+            out += [
+                (f"layers.{i}.indexer_state", (i,), 1, config.state_dim(i, indexer=True)),
+                (f"layers.{i}.indexer_keys", (i,), 1, config.index_head_dim),
+            ]
     return tuple(out)
 
 
 def decode_weight_bytes(config: DeepseekV4Config, weights: dict[str, Tensor]) -> int:
     """Weights one decode token reads: the shared ones plus its top-k experts per layer (and one row
     of each hash layer's token -> expert table)."""
-    tables = sum(t.numel() * t.element_size() * (t.shape[0] - 1) // t.shape[0]
-                 for name, t in weights.items() if name.endswith(".tid2eid"))  # fmt: skip
+    tables = sum(
+        t.numel() * t.element_size() * (t.shape[0] - 1) // t.shape[0]
+        for name, t in weights.items()
+        if name.endswith(".tid2eid")
+    )
     return moe.decode_weight_bytes(config, weights, config.router.top_k) - tables
 
 
@@ -424,11 +454,26 @@ class StepProgram(torch.nn.Module):
         """streams [T, hc, hidden] -> (post [T, hc], comb [T, hc, hc], the block's input [T, hidden]), fp32
         (ignition.models.common.hyper_connection, shared with glm5_next)."""
         c = self.config
-        return hyper_connection(streams, weights[prefix + "fn"], weights[prefix + "base"], weights[prefix + "scale"],
-                                c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)  # fmt: skip
+        return hyper_connection(
+            streams,
+            weights[prefix + "fn"],
+            weights[prefix + "base"],
+            weights[prefix + "scale"],
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            c.rms_norm_eps,
+        )
 
-    def compress(self, weights: dict[str, Tensor], layer: int, part: str, h: Tensor, state: Tensor, entries: Tensor,
-                 paged: _Paged) -> None:  # fmt: skip
+    def compress(
+        self,
+        weights: dict[str, Tensor],
+        layer: int,
+        part: str,
+        h: Tensor,
+        state: Tensor,
+        entries: Tensor,
+        paged: _Paged,
+    ) -> None:
         """Store this step's compressor state, then pool, norm and rotate every group it completes into
         `entries` at the completing position's slot (part: "comp" or "index")."""
         c, p = self.config, f"layers.{layer}.{part}."
@@ -437,16 +482,24 @@ class StepProgram(torch.nn.Module):
         gate = gate + weights[p + "bias"].float()[positions % rate]
         row = torch.cat([kv, gate], dim=-1)[:, None, :].to(state.dtype)
         torch.ops.flare.write_kv(state, state, row, row, paged.slot_mapping)
-        pooled = torch.ops.flare.dsv4_pool(state, paged.block_tables, paged.query_start_loc, positions, rate,
-                                           c.is_csa(layer))  # fmt: skip
+        pooled = torch.ops.flare.dsv4_pool(
+            state, paged.block_tables, paged.query_start_loc, positions, rate, c.is_csa(layer)
+        )
         cos, sin = rope_cos_sin(c.compress_rope, positions + 1 - rate)  # entry e sits at position e * rate
         entry = rotate(rms_norm(pooled, weights[p + "norm"].float(), c.rms_norm_eps)[:, None, :], cos, sin)
         entry = entry.to(entries.dtype)
         done = (positions + 1) % rate == 0
         torch.ops.flare.write_kv(entries, entries, entry, entry, torch.where(done, paged.slot_mapping, -1))
 
-    def attention(self, weights: dict[str, Tensor], layer: int, h: Tensor, ropes: dict[str, tuple[Tensor, Tensor]],
-                  caches: dict[str, Tensor], paged: _Paged) -> Tensor:  # fmt: skip
+    def attention(
+        self,
+        weights: dict[str, Tensor],
+        layer: int,
+        h: Tensor,
+        ropes: dict[str, tuple[Tensor, Tensor]],
+        caches: dict[str, Tensor],
+        paged: _Paged,
+    ) -> Tensor:
         """h [T, hidden] in the core dtype -> attention output [T, hidden] fp32."""
         c, p, wdt = self.config, f"layers.{layer}.", h.dtype
         cos, sin = ropes["compress" if c.is_compressed(layer) else "main"]
@@ -467,12 +520,30 @@ class StepProgram(torch.nn.Module):
             iq = F.linear(q_res.to(wdt), weights[p + "index.wq_b"]).float().view(-1, c.index_n_heads, c.index_head_dim)
             iq = rotate(iq, cos, sin)
             head_weights = F.linear(h, weights[p + "index.w_heads"]).float() * c.index_n_heads**-0.5
-            selected = torch.ops.flare.dsv4_indexer_topk(iq, head_weights, keys, paged.block_tables,
-                                                         paged.query_start_loc, paged.positions, c.layer_rates[layer],
-                                                         c.index_topk, c.index_head_dim**-0.5)  # fmt: skip
-        attn = torch.ops.flare.dsv4_attention(q.to(rows.dtype), rows, entries, paged.block_tables, paged.query_start_loc,
-                                              paged.positions, weights[p + "sinks"].float(), c.head_dim**-0.5,
-                                              c.sliding_window, c.layer_rates[layer], selected)  # fmt: skip
+            selected = torch.ops.flare.dsv4_indexer_topk(
+                iq,
+                head_weights,
+                keys,
+                paged.block_tables,
+                paged.query_start_loc,
+                paged.positions,
+                c.layer_rates[layer],
+                c.index_topk,
+                c.index_head_dim**-0.5,
+            )
+        attn = torch.ops.flare.dsv4_attention(
+            q.to(rows.dtype),
+            rows,
+            entries,
+            paged.block_tables,
+            paged.query_start_loc,
+            paged.positions,
+            weights[p + "sinks"].float(),
+            c.head_dim**-0.5,
+            c.sliding_window,
+            c.layer_rates[layer],
+            selected,
+        )
         attn = rotate(attn.float(), cos, -sin)  # the values' rotation, undone at the query's position
         groups = attn.reshape(-1, c.o_groups, c.num_heads * c.head_dim // c.o_groups).transpose(0, 1)
         w_a = weights[p + "wo_a"].view(c.o_groups, c.o_lora_rank, -1)
@@ -490,8 +561,20 @@ class StepProgram(torch.nn.Module):
         out = moe.routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"], c.activation)
         return out + moe.shared_mlp(h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"], c.activation)
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        extra_1=None,
+        extra_2=None,
+    ):
         logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
         c = self.config
         wdt = weights["embed"].dtype
@@ -515,6 +598,7 @@ class StepProgram(torch.nn.Module):
         pre = torch.sigmoid(mixes * weights["hc_head.scale"].float() + weights["hc_head.base"].float()) + c.hc_eps
         x = rms_norm((pre[:, :, None] * streams).sum(dim=1), weights["norm"].float(), c.rms_norm_eps).to(wdt)
         return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
+
 
 def reference_logits(config: DeepseekV4Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
     """The export self-check's independent forward (ignition.models.deepseek_v4_reference)."""
@@ -586,37 +670,66 @@ def hf_shapes(c: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
     for i in range(c.num_layers):
         a = f"model.layers.{i}.self_attn."
-        shapes.update({
-            a + "sinks": (c.num_heads,), a + "q_a_proj.weight": (c.q_lora_rank, h), a + "q_a_norm.weight": (c.q_lora_rank,),
-            a + "q_b_proj.weight": (c.num_heads * c.head_dim, c.q_lora_rank), a + "kv_proj.weight": (c.head_dim, h),
-            a + "kv_norm.weight": (c.head_dim,),
-            a + "o_a_proj.weight": (c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups),
-            a + "o_b_proj.weight": (h, c.o_groups * c.o_lora_rank),
-        })  # fmt: skip
+        shapes.update(
+            {
+                a + "sinks": (c.num_heads,),
+                a + "q_a_proj.weight": (c.q_lora_rank, h),
+                a + "q_a_norm.weight": (c.q_lora_rank,),
+                a + "q_b_proj.weight": (c.num_heads * c.head_dim, c.q_lora_rank),
+                a + "kv_proj.weight": (c.head_dim, h),
+                a + "kv_norm.weight": (c.head_dim,),
+                a + "o_a_proj.weight": (c.o_groups * c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups),
+                a + "o_b_proj.weight": (h, c.o_groups * c.o_lora_rank),
+            }
+        )
         if c.is_compressed(i):
             width = c.state_dim(i) // 2
-            shapes.update({a + "compressor.position_bias": (c.layer_rates[i], width),
-                           a + "compressor.kv_proj.weight": (width, h), a + "compressor.gate_proj.weight": (width, h),
-                           a + "compressor.kv_norm.weight": (c.head_dim,)})  # fmt: skip
+            shapes.update(
+                {
+                    a + "compressor.position_bias": (c.layer_rates[i], width),
+                    a + "compressor.kv_proj.weight": (width, h),
+                    a + "compressor.gate_proj.weight": (width, h),
+                    a + "compressor.kv_norm.weight": (c.head_dim,),
+                }
+            )
         if c.is_csa(i):
             x, width = a + "compressor.indexer.", c.state_dim(i, indexer=True) // 2
-            shapes.update({x + "position_bias": (c.layer_rates[i], width), x + "kv_proj.weight": (width, h),
-                           x + "gate_proj.weight": (width, h), x + "kv_norm.weight": (c.index_head_dim,),
-                           x + "q_b_proj.weight": (c.index_n_heads * c.index_head_dim, c.q_lora_rank),
-                           x + "scorer.weights_proj.weight": (c.index_n_heads, h)})  # fmt: skip
+            shapes.update(
+                {
+                    x + "position_bias": (c.layer_rates[i], width),
+                    x + "kv_proj.weight": (width, h),
+                    x + "gate_proj.weight": (width, h),
+                    x + "kv_norm.weight": (c.index_head_dim,),
+                    x + "q_b_proj.weight": (c.index_n_heads * c.index_head_dim, c.q_lora_rank),
+                    x + "scorer.weights_proj.weight": (c.index_n_heads, h),
+                }
+            )
         m = f"model.layers.{i}.mlp."
         shapes[m + "gate.weight"] = (e, h)
         shapes[m + ("gate.tid2eid" if c.hash_layers[i] else "gate.e_score_correction_bias")] = (
-            (c.vocab_size, c.router.top_k) if c.hash_layers[i] else (e,))
-        shapes.update({m + "experts.gate_up_proj": (e, 2 * f, h), m + "experts.down_proj": (e, h, f),
-                       m + "shared_experts.gate_proj.weight": (f, h), m + "shared_experts.up_proj.weight": (f, h),
-                       m + "shared_experts.down_proj.weight": (h, f)})  # fmt: skip
+            (c.vocab_size, c.router.top_k) if c.hash_layers[i] else (e,)
+        )
+        shapes.update(
+            {
+                m + "experts.gate_up_proj": (e, 2 * f, h),
+                m + "experts.down_proj": (e, h, f),
+                m + "shared_experts.gate_proj.weight": (f, h),
+                m + "shared_experts.up_proj.weight": (f, h),
+                m + "shared_experts.down_proj.weight": (h, f),
+            }
+        )
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
         for block in ("attn_hc.", "ffn_hc."):
             shapes.update({p + block + "fn": (mixes, hc * h), p + block + "base": (mixes,), p + block + "scale": (3,)})
-    shapes.update({"model.norm.weight": (h,), "model.hc_head.hc_fn": (hc, hc * h), "model.hc_head.hc_base": (hc,),
-                   "model.hc_head.hc_scale": (1,)})  # fmt: skip
+    shapes.update(
+        {
+            "model.norm.weight": (h,),
+            "model.hc_head.hc_fn": (hc, hc * h),
+            "model.hc_head.hc_base": (hc,),
+            "model.hc_head.hc_scale": (1,),
+        }
+    )
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
     return shapes

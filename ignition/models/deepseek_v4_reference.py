@@ -31,13 +31,16 @@ def _rotate(t: Tensor, spec: RopeSpec, positions: Tensor, inverse: bool = False)
     return torch.cat([head, torch.view_as_real(pairs * rot).flatten(-2)], dim=-1)
 
 
-def _compress(c: DeepseekV4Config, w: dict[str, Tensor], prefix: str, h: Tensor, rate: int, overlap: bool,
-              dim: int) -> Tensor:  # fmt: skip
+def _compress(
+    c: DeepseekV4Config, w: dict[str, Tensor], prefix: str, h: Tensor, rate: int, overlap: bool, dim: int
+) -> Tensor:
     """Every complete group of h [T, hidden] -> entries [T // rate, dim], normed and rotated at e * rate."""
     groups = h.shape[0] // rate
     width = w[prefix + "kv_proj.weight"].shape[0]
     kv = (h[: groups * rate] @ w[prefix + "kv_proj.weight"].T).view(groups, rate, width)
-    gate = (h[: groups * rate] @ w[prefix + "gate_proj.weight"].T).view(groups, rate, width) + w[prefix + "position_bias"]
+    gate = (h[: groups * rate] @ w[prefix + "gate_proj.weight"].T).view(groups, rate, width) + w[
+        prefix + "position_bias"
+    ]
     if overlap:  # entry e: group e-1 through the first dim channels, group e through the second
         previous_kv = torch.cat([torch.zeros_like(kv[:1, :, :dim]), kv[:-1, :, :dim]])
         previous_gate = torch.cat([torch.full_like(gate[:1, :, :dim], float("-inf")), gate[:-1, :, :dim]])
@@ -75,8 +78,9 @@ def _attention(c: DeepseekV4Config, w: dict[str, Tensor], i: int, h: Tensor) -> 
     return torch.einsum("tgi,gri->tgr", groups, w_a).reshape(total, -1) @ w[a + "o_b_proj.weight"].T
 
 
-def _indexer_picks(c: DeepseekV4Config, w: dict[str, Tensor], prefix: str, h: Tensor, q_res: Tensor, rate: int,
-                   ready: Tensor) -> Tensor:  # fmt: skip
+def _indexer_picks(
+    c: DeepseekV4Config, w: dict[str, Tensor], prefix: str, h: Tensor, q_res: Tensor, rate: int, ready: Tensor
+) -> Tensor:
     """[T, E] bool: the index_topk ready entries with the best indexer scores, per query."""
     total = h.shape[0]
     keys = _compress(c, w, prefix, h, rate, True, c.index_head_dim)  # [E, d]

@@ -268,8 +268,22 @@ class StepProgram(DecoderProgram):
         gate, up = F.linear(h, weights[f"layers.{layer}.w_gate_up"]).chunk(2, dim=-1)
         return F.linear(F.gelu(gate, approximate="tanh") * up, weights[f"layers.{layer}.w_down"])
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        extra_1=None,
+        extra_2=None,
+        extra_3=None,
+        extra_4=None,
+    ):
         c = self.config
         extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
         # Sliding layers' caches are in the window pool (window_pool), with its own slots and tables.
@@ -300,7 +314,15 @@ class StepProgram(DecoderProgram):
             slots, tables = pooled if window > 0 else (slot_mapping, block_tables)
             torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slots)
             attn = torch.ops.flare.paged_attention(
-                q.to(kvt), k_cache, v_cache, tables, seq_lens, query_start_loc, positions, scale, window,
+                q.to(kvt),
+                k_cache,
+                v_cache,
+                tables,
+                seq_lens,
+                query_start_loc,
+                positions,
+                scale,
+                window,
                 c.attn_softcap,
             )
             attn = F.linear(attn.reshape(-1, q_dim).to(wdt), weights[f"layers.{i}.wo"])
@@ -308,8 +330,9 @@ class StepProgram(DecoderProgram):
             h = gemma_norm(x, weights[f"layers.{i}.mlp_norm"], eps).to(wdt)
             x = x + gemma_norm(self.mlp(weights, i, h), weights[f"layers.{i}.post_mlp_norm"], eps)
         x = gemma_norm(x, weights["norm"], eps).to(wdt)
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids,
-                            c.final_softcap)  # fmt: skip
+        return step_outputs(
+            x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids, c.final_softcap
+        )
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -473,10 +496,18 @@ def hf_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of a checkpoint with this config."""
     h, f, q, kv, d = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.kv_dim, c.head_dim
     per_layer = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
-    }  # fmt: skip
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "pre_feedforward_layernorm.weight": (h,),
+        "post_feedforward_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+    }
     return decoder_shapes(c, per_layer)

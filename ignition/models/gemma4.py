@@ -41,12 +41,12 @@ from ignition.models.heads import step_outputs
 from ignition.models.moe import STACKED_EXPERTS, expert_weight_map
 
 
-
-def decode_weight_bytes(config: "Gemma4Config", weights: dict[str, Tensor]) -> int:
+def decode_weight_bytes(config: Gemma4Config, weights: dict[str, Tensor]) -> int:
     """As common's, without the vision tower (it runs once per image, not per decode step)."""
     from ignition.models.common import decode_weight_bytes as dense
 
     return dense(config, {k: v for k, v in weights.items() if not k.startswith("vision.")})
+
 
 FAMILY = "gemma4"
 HF_ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
@@ -91,11 +91,13 @@ WEIGHT_MAP = {
 }
 
 # Multimodal checkpoints (Gemma4ForConditionalGeneration) nest the text model under model.language_model.
-WEIGHT_MAP |= {"model.language_model." + k[len("model."):]: v for k, v in list(WEIGHT_MAP.items()) if k.startswith("model.")}
+WEIGHT_MAP |= {
+    "model.language_model." + k[len("model.") :]: v for k, v in list(WEIGHT_MAP.items()) if k.startswith("model.")
+}
 WEIGHT_MAP |= gemma4_vision.WEIGHT_MAP
 
 
-def ignored_tensor(config: "Gemma4Config", name: str) -> bool:
+def ignored_tensor(config: Gemma4Config, name: str) -> bool:
     """The audio tower is not compiled (no audio inputs); a vision tower without vision support neither."""
     return name.startswith(("model.audio_tower.", "model.embed_audio."))
 
@@ -103,7 +105,7 @@ def ignored_tensor(config: "Gemma4Config", name: str) -> bool:
 def text_names(hf_weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """A multimodal checkpoint's text tensors under the text-only names (model.language_model. -> model.)."""
     prefix = "model.language_model."
-    return {("model." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in hf_weights.items()}
+    return {("model." + k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in hf_weights.items()}
 
 
 # q, k and v are not fused: k_eq_v layers have no v_proj and KV-shared layers neither k nor v.
@@ -155,8 +157,10 @@ class Gemma4Config:
 def _rope(hf: dict[str, Any], kind: str, head_dim: int) -> tuple[float, int, float]:
     params = (hf.get("rope_parameters") or {}).get(kind)
     if params is None:  # transformers' defaults
-        params = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-                  FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}[kind]  # fmt: skip
+        params = {
+            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+        }[kind]
     rope_type = params.get("rope_type") or "default"
     theta = float(params.get("rope_theta") or 10_000.0)
     if rope_type == "default":
@@ -164,8 +168,10 @@ def _rope(hf: dict[str, Any], kind: str, head_dim: int) -> tuple[float, int, flo
     if rope_type == "proportional":
         pairs = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
         return theta, pairs, float(params.get("factor", 1.0))
-    raise ValueError(f"rope type {rope_type!r} on {kind} layers is not supported by the {FAMILY} family "
-                     "(default and proportional are)")  # fmt: skip
+    raise ValueError(
+        f"rope type {rope_type!r} on {kind} layers is not supported by the {FAMILY} family "
+        "(default and proportional are)"
+    )
 
 
 def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
@@ -176,16 +182,21 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
         config = config_from_hf({**text, "model_type": "gemma4_text"})
         if hf.get("vision_config") is None:
             return config
-        return replace(config, vision=gemma4_vision.config_from_hf(hf, text),
-                       bidirectional_images=text.get("use_bidirectional_attention") == "vision")
+        return replace(
+            config,
+            vision=gemma4_vision.config_from_hf(hf, text),
+            bidirectional_images=text.get("use_bidirectional_attention") == "vision",
+        )
     if hf.get("model_type") not in (None, *HF_MODEL_TYPES):
         raise ValueError(f"model_type {hf.get('model_type')!r} is not supported by the {FAMILY} family")
     # "vision": image tokens attend both ways on sliding layers (a multimodal core's bidirectional_images;
     # text-only, there are no image tokens and the mask is plainly causal, as in transformers).
     if hf.get("use_bidirectional_attention") not in (None, False, "vision"):
-        raise ValueError(f"bidirectional attention ({hf['use_bidirectional_attention']!r}) is not supported by the "
-                         f"{FAMILY} family: only \"vision\" (image tokens; an incremental cache cannot attend forward "
-                         "over text)")  # fmt: skip
+        raise ValueError(
+            f"bidirectional attention ({hf['use_bidirectional_attention']!r}) is not supported by the "
+            f'{FAMILY} family: only "vision" (image tokens; an incremental cache cannot attend forward '
+            "over text)"
+        )
     if hf.get("attention_bias"):
         raise ValueError(f"attention_bias is not supported by the {FAMILY} family")
     act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
@@ -211,7 +222,9 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
         per_layer = {i: override for i, t in enumerate(types) if t == FULL}
     per_layer = {int(k): v for k, v in per_layer.items()}
     if {k for v in per_layer.values() for k in v} - {"head_dim", "num_key_value_heads"}:
-        raise ValueError(f"per_layer_config overrides other than head_dim/num_key_value_heads are not supported by the {FAMILY} family")
+        raise ValueError(
+            f"per_layer_config overrides other than head_dim/num_key_value_heads are not supported by the {FAMILY} family"
+        )
     dims = tuple(int(per_layer.get(i, {}).get("head_dim", head_dim)) for i in range(n))
     kvs = tuple(int(per_layer.get(i, {}).get("num_key_value_heads", kv_heads)) for i in range(n))
     for t in (SLIDING, FULL):
@@ -310,9 +323,25 @@ GELU_TANH = moe.ExpertActivation("gelu_tanh")
 class StepProgram(DecoderProgram):
     """Gemma 4's step over the flare:: paged-KV ops."""
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None,
-                extra_5=None, extra_6=None, extra_7=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        extra_1=None,
+        extra_2=None,
+        extra_3=None,
+        extra_4=None,
+        extra_5=None,
+        extra_6=None,
+        extra_7=None,
+    ):
         """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
         those rows' input embeddings are the features (unscaled, as transformers merges them) and
         their per-layer-input ids the pad id; rows of -1 are unused. Sliding layers' caches are in
@@ -367,8 +396,9 @@ class StepProgram(DecoderProgram):
             if hd < c.head_dim:
                 q = F.pad(q, (0, c.head_dim - hd))
             if until is not None and window > 0:
-                attn = torch.ops.flare.paged_attention_until(q.to(kvt), k_cache, v_cache, tables, seq_lens,
-                                                             query_start_loc, positions, until, 1.0, window, 0.0)  # fmt: skip
+                attn = torch.ops.flare.paged_attention_until(
+                    q.to(kvt), k_cache, v_cache, tables, seq_lens, query_start_loc, positions, until, 1.0, window, 0.0
+                )
             else:
                 attn = torch.ops.flare.paged_attention(
                     q.to(kvt), k_cache, v_cache, tables, seq_lens, query_start_loc, positions, 1.0, window, 0.0
@@ -387,8 +417,9 @@ class StepProgram(DecoderProgram):
                 x = x + norm4(y, weights[p + "post_ple_norm"], eps)
             x = x * weights[p + "scalar"].float()
         x = norm4(x, weights["norm"], eps).to(wdt)
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids,
-                            c.final_softcap)  # fmt: skip
+        return step_outputs(
+            x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids, c.final_softcap
+        )
 
     def _to_cache(self, t: Tensor) -> Tensor:
         """[T, kvh, hd] -> [T, cache kv heads, cache head size]: repeat heads, zero-pad the size."""
@@ -416,8 +447,13 @@ class StepProgram(DecoderProgram):
 # ---------------------------------------------------------------------- plain reference
 
 
-def reference_logits(config: Gemma4Config, hf_weights: dict[str, Tensor], token_ids: list[int],
-                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+def reference_logits(
+    config: Gemma4Config,
+    hf_weights: dict[str, Tensor],
+    token_ids: list[int],
+    image_features: Tensor | None = None,
+    image_positions: list[int] | None = None,
+) -> Tensor:
     """Dense, unpaged forward over Hugging Face-named weights in float64: logits [T, V] fp32.
 
     Independent of the program: unfused and unpadded weights, explicit per-layer masks, KV
@@ -498,9 +534,13 @@ def reference_logits(config: Gemma4Config, hf_weights: dict[str, Tensor], token_
         attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, H * hd)
         x = x + norm(attn @ w(p + "self_attn.o_proj.weight").T, w(p + "post_attention_layernorm.weight"))
         h = norm(x, w(p + "pre_feedforward_layernorm.weight"))
-        mlp = (gelu(h @ w(p + "mlp.gate_proj.weight").T) * (h @ w(p + "mlp.up_proj.weight").T)) @ w(p + "mlp.down_proj.weight").T
+        mlp = (gelu(h @ w(p + "mlp.gate_proj.weight").T) * (h @ w(p + "mlp.up_proj.weight").T)) @ w(
+            p + "mlp.down_proj.weight"
+        ).T
         if c.num_experts:
-            mlp = norm(mlp, w(p + "post_feedforward_layernorm_1.weight")) + _reference_moe(c, w, set(hf_weights), p, x, norm, gelu)
+            mlp = norm(mlp, w(p + "post_feedforward_layernorm_1.weight")) + _reference_moe(
+                c, w, set(hf_weights), p, x, norm, gelu
+            )
         x = x + norm(mlp, w(p + "post_feedforward_layernorm.weight"))
         if ple is not None:
             g = gelu(x @ w(p + "per_layer_input_gate.weight").T) * ple[:, i, :]
@@ -555,9 +595,25 @@ CHAT_TEMPLATE = r"""{{ bos_token }}
 """
 
 TEST_CHAT: str | None = None
-TEST_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
-                       "<channel|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
-                       "<tool_response|>", '<|"|>')  # fmt: skip
+TEST_SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<|turn>",
+    "<turn|>",
+    "<|think|>",
+    "<|channel>",
+    "<channel|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
+)
 TEST_TOKEN_ROLES = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
 TEST_CHAT_TEMPLATE = CHAT_TEMPLATE
 
@@ -610,10 +666,19 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
         "model_type": "gemma4",
         "text_config": text,
         "vision_config": {
-            "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4,
-            "pooling_kernel_size": 3, "position_embedding_size": 64, "standardize": True,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}, "rms_norm_eps": 1e-6,
+            "model_type": "gemma4_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "patch_size": 4,
+            "pooling_kernel_size": 3,
+            "position_embedding_size": 64,
+            "standardize": True,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+            "rms_norm_eps": 1e-6,
             "hidden_activation": "gelu_pytorch_tanh",
         },
         "audio_config": None,
@@ -622,12 +687,21 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
         "eoi_token_id": tokens["<image|>"],
         "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
         "max_position_embeddings": text["max_position_embeddings"],
-    }  # fmt: skip
+    }
 
 
-TESTMODEL_PROCESSOR = {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 4, "max_soft_tokens": 70,
-                       "pooling_kernel_size": 3, "do_resize": True, "resample": 3, "do_rescale": True,
-                       "rescale_factor": 1 / 255, "do_normalize": False, "do_convert_rgb": True}  # fmt: skip
+TESTMODEL_PROCESSOR = {
+    "image_processor_type": "Gemma4ImageProcessor",
+    "patch_size": 4,
+    "max_soft_tokens": 70,
+    "pooling_kernel_size": 3,
+    "do_resize": True,
+    "resample": 3,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": False,
+    "do_convert_rgb": True,
+}
 
 
 def hf_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
@@ -636,7 +710,9 @@ def hf_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
     shapes = _text_shapes(c)
     if c.vision is None:
         return shapes
-    nested = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in shapes.items()}
+    nested = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in shapes.items()
+    }
     return nested | gemma4_vision.hf_shapes(c.vision)
 
 
@@ -652,30 +728,47 @@ def _text_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
             "model.per_layer_projection_norm.weight": (c.ple_dim,),
         }
     for i in range(c.num_layers):
-        p, hd, kv, f = f"model.layers.{i}.", c.layer_head_dims[i], c.layer_kv_heads[i] * c.layer_head_dims[i], c.layer_intermediate[i]
+        p, hd, kv, f = (
+            f"model.layers.{i}.",
+            c.layer_head_dims[i],
+            c.layer_kv_heads[i] * c.layer_head_dims[i],
+            c.layer_intermediate[i],
+        )
         layer = {
-            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-            "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,),
-            "self_attn.q_proj.weight": (H * hd, h), "self_attn.o_proj.weight": (h, H * hd),
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+            "pre_feedforward_layernorm.weight": (h,),
+            "post_feedforward_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (H * hd, h),
+            "self_attn.o_proj.weight": (h, H * hd),
             "self_attn.q_norm.weight": (hd,),
-            "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+            "mlp.gate_proj.weight": (f, h),
+            "mlp.up_proj.weight": (f, h),
+            "mlp.down_proj.weight": (h, f),
             "layer_scalar": (1,),
-        }  # fmt: skip
+        }
         if c.kv_sources[i] == i:
             layer |= {"self_attn.k_proj.weight": (kv, h), "self_attn.k_norm.weight": (hd,)}
             if not c.layer_k_eq_v[i]:
                 layer["self_attn.v_proj.weight"] = (kv, h)
         if c.ple_dim:
-            layer |= {"per_layer_input_gate.weight": (c.ple_dim, h), "per_layer_projection.weight": (h, c.ple_dim),
-                      "post_per_layer_input_norm.weight": (h,)}  # fmt: skip
+            layer |= {
+                "per_layer_input_gate.weight": (c.ple_dim, h),
+                "per_layer_projection.weight": (h, c.ple_dim),
+                "post_per_layer_input_norm.weight": (h,),
+            }
         if c.num_experts:
             E, fe = c.num_experts, c.moe_intermediate_size
             layer |= {
-                "router.proj.weight": (E, h), "router.scale": (h,), "router.per_expert_scale": (E,),
-                "experts.gate_up_proj": (E, 2 * fe, h), "experts.down_proj": (E, h, fe),
-                "post_feedforward_layernorm_1.weight": (h,), "post_feedforward_layernorm_2.weight": (h,),
+                "router.proj.weight": (E, h),
+                "router.scale": (h,),
+                "router.per_expert_scale": (E,),
+                "experts.gate_up_proj": (E, 2 * fe, h),
+                "experts.down_proj": (E, h, fe),
+                "post_feedforward_layernorm_1.weight": (h,),
+                "post_feedforward_layernorm_2.weight": (h,),
                 "pre_feedforward_layernorm_2.weight": (h,),
-            }  # fmt: skip
+            }
         shapes |= {p + name: shape for name, shape in layer.items()}
     return shapes
 
@@ -693,7 +786,9 @@ def vision_examples(config: Gemma4Config) -> tuple[Tensor, Tensor]:
     return gemma4_vision.example_inputs(config.vision)
 
 
-def reference_features(config: Gemma4Config, hf_weights: dict[str, Tensor], pixels: Tensor, positions: Tensor) -> Tensor:
+def reference_features(
+    config: Gemma4Config, hf_weights: dict[str, Tensor], pixels: Tensor, positions: Tensor
+) -> Tensor:
     assert config.vision is not None
     return gemma4_vision.reference_features(config.vision, hf_weights, pixels, positions)
 

@@ -31,8 +31,15 @@ from ignition.models.common import rotate_half
 _V = "model.vision_tower."
 _VL = _V + "encoder.layers.{}."
 # Clipped linears (use_clipped_linears) carry scalar input/output bounds beside each weight.
-_LINEARS = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
-            "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}  # fmt: skip
+_LINEARS = {
+    "self_attn.q_proj": "wq",
+    "self_attn.k_proj": "wk",
+    "self_attn.v_proj": "wv",
+    "self_attn.o_proj": "wo",
+    "mlp.gate_proj": "w_gate",
+    "mlp.up_proj": "w_up",
+    "mlp.down_proj": "w_down",
+}
 WEIGHT_MAP = {
     _V + "patch_embedder.input_proj.weight": "vision.patch_proj",
     _V + "patch_embedder.position_embedding_table": "vision.pos_table",
@@ -46,9 +53,12 @@ WEIGHT_MAP = {
     _VL + "self_attn.q_norm.weight": "vision.layers.{}.q_norm",
     _VL + "self_attn.k_norm.weight": "vision.layers.{}.k_norm",
     **{_VL + f"{hf}.linear.weight": f"vision.layers.{{}}.{ours}" for hf, ours in _LINEARS.items()},
-    **{_VL + f"{hf}.{bound}": f"vision.layers.{{}}.{ours}.{bound}" for hf, ours in _LINEARS.items()
-       for bound in ("input_min", "input_max", "output_min", "output_max")},
-}  # fmt: skip
+    **{
+        _VL + f"{hf}.{bound}": f"vision.layers.{{}}.{ours}.{bound}"
+        for hf, ours in _LINEARS.items()
+        for bound in ("input_min", "input_max", "output_min", "output_max")
+    },
+}
 
 SOFT_TOKEN_CHOICES = (70, 140, 280, 560, 1120)  # the reference processor's max_soft_tokens values
 
@@ -123,13 +133,16 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.linear.weight": (v.num_kv_heads * hd, h),
             p + "self_attn.v_proj.linear.weight": (v.num_kv_heads * hd, h),
             p + "self_attn.o_proj.linear.weight": (h, v.num_heads * hd),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
             p + "mlp.gate_proj.linear.weight": (v.intermediate_size, h),
             p + "mlp.up_proj.linear.weight": (v.intermediate_size, h),
             p + "mlp.down_proj.linear.weight": (h, v.intermediate_size),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,),
-        }  # fmt: skip
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "pre_feedforward_layernorm.weight": (h,),
+            p + "post_feedforward_layernorm.weight": (h,),
+        }
     return shapes
 
 
@@ -140,8 +153,10 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int) -
     soft = int(ip.get("max_soft_tokens", 280))
     if soft not in SOFT_TOKEN_CHOICES:
         raise ValueError(f"max_soft_tokens {soft} is not one of {SOFT_TOKEN_CHOICES}")
-    if int(ip.get("patch_size", v.patch_size)) != v.patch_size or \
-            int(ip.get("pooling_kernel_size", v.pooling_kernel_size)) != v.pooling_kernel_size:  # fmt: skip
+    if (
+        int(ip.get("patch_size", v.patch_size)) != v.patch_size
+        or int(ip.get("pooling_kernel_size", v.pooling_kernel_size)) != v.pooling_kernel_size
+    ):
         raise ValueError("the processor's patch_size / pooling_kernel_size differ from the vision config's")
     normalize = bool(ip.get("do_normalize", False))
     framing = 2  # boi + eoi around each image's soft tokens
@@ -202,7 +217,11 @@ def _rope2d(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = t.shape[-1] // 2
     parts = []
     for k in range(2):
-        x, c, s = t[..., k * half : (k + 1) * half], cos[..., k * half : (k + 1) * half], sin[..., k * half : (k + 1) * half]
+        x, c, s = (
+            t[..., k * half : (k + 1) * half],
+            cos[..., k * half : (k + 1) * half],
+            sin[..., k * half : (k + 1) * half],
+        )
         parts.append(x * c + rotate_half(x) * s)
     return torch.cat(parts, dim=-1)
 
@@ -226,8 +245,11 @@ class VisionProgram(torch.nn.Module):
             p = f"vision.layers.{i}."
             h = _norm(x, weights[p + "attn_norm"], eps)
             q = _rope2d(_norm(_linear(weights, p + "wq", h).reshape(-1, H, hd), weights[p + "q_norm"], eps), cos, sin)
-            k = _rope2d(_norm(_linear(weights, p + "wk", h).reshape(-1, v.num_kv_heads, hd), weights[p + "k_norm"], eps),
-                        cos, sin)  # fmt: skip
+            k = _rope2d(
+                _norm(_linear(weights, p + "wk", h).reshape(-1, v.num_kv_heads, hd), weights[p + "k_norm"], eps),
+                cos,
+                sin,
+            )
             val = _norm(_linear(weights, p + "wv", h).reshape(-1, v.num_kv_heads, hd), None, eps)
             group = H // v.num_kv_heads
             k, val = k.repeat_interleave(group, dim=1), val.repeat_interleave(group, dim=1)

@@ -76,11 +76,17 @@ _TEXT_WEIGHT_MAP = {
     "norm.weight": "norm",
     _L + "input_layernorm.weight": "layers.{}.attn_norm",
     _L + "post_attention_layernorm.weight": "layers.{}.mlp_norm",
-    **{f"{_L}{block}_hc.{part}": f"layers.{{}}.{block}_hc.{part}" for block in ("attn", "ffn")
-       for part in ("fn", "base", "scale")},  # fmt: skip
+    **{
+        f"{_L}{block}_hc.{part}": f"layers.{{}}.{block}_hc.{part}"
+        for block in ("attn", "ffn")
+        for part in ("fn", "base", "scale")
+    },
     # GLM's own hyper-connection names (transformers renames them at load)
-    **{f"{_L}hc_{block}_{part}": f"layers.{{}}.{block}_hc.{part}" for block in ("attn", "ffn")
-       for part in ("fn", "base", "scale")},  # fmt: skip
+    **{
+        f"{_L}hc_{block}_{part}": f"layers.{{}}.{block}_hc.{part}"
+        for block in ("attn", "ffn")
+        for part in ("fn", "base", "scale")
+    },
     # KDA
     _A + "q_proj.weight": "layers.{}.wq",
     _A + "k_proj.weight": "layers.{}.wk",
@@ -126,9 +132,12 @@ _TEXT_WEIGHT_MAP = {
     **{k.removeprefix("model."): v for k, v in moe.shared_expert_weight_map().items()},
 }
 # Transformers' multimodal layout (model.language_model.*) or a flat text layout (model.*).
-WEIGHT_MAP = {**{_TEXT_PREFIX + k: v for k, v in _TEXT_WEIGHT_MAP.items()},
-              **{_FLAT_PREFIX + k: v for k, v in _TEXT_WEIGHT_MAP.items()}, "lm_head.weight": "lm_head",
-              **glm5_next_vision.WEIGHT_MAP}  # fmt: skip
+WEIGHT_MAP = {
+    **{_TEXT_PREFIX + k: v for k, v in _TEXT_WEIGHT_MAP.items()},
+    **{_FLAT_PREFIX + k: v for k, v in _TEXT_WEIGHT_MAP.items()},
+    "lm_head.weight": "lm_head",
+    **glm5_next_vision.WEIGHT_MAP,
+}
 STACKED = moe.STACKED_EXPERTS
 # Each layer holds only its own groups (KDA or MLA, full indexer or not, dense or MoE).
 FUSED = {
@@ -240,7 +249,9 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
 def _tied(hf: dict[str, Any], text: dict[str, Any]) -> bool:
     top, inner = hf.get("tie_word_embeddings"), text.get("tie_word_embeddings")
     if text is not hf and top is not None and inner is not None and bool(top) != bool(inner):
-        _refuse("text_config.tie_word_embeddings", inner, f"it disagrees with the top-level tie_word_embeddings {top!r}")
+        _refuse(
+            "text_config.tie_word_embeddings", inner, f"it disagrees with the top-level tie_word_embeddings {top!r}"
+        )
     return bool(top if top is not None else inner)
 
 
@@ -250,7 +261,9 @@ def _check_supported(text: dict[str, Any]) -> None:
     if text.get("hidden_act", "silu") != "silu":
         _refuse("hidden_act", text["hidden_act"], "only silu (MLPs and the KDA conv) is implemented")
     if text.get("quantization_config"):
-        _refuse("quantization_config", text["quantization_config"].get("quant_method"), "quantized checkpoints are not read")
+        _refuse(
+            "quantization_config", text["quantization_config"].get("quant_method"), "quantized checkpoints are not read"
+        )
     if int(text.get("qk_rope_head_dim") or 0) != 0:
         _refuse("qk_rope_head_dim", text["qk_rope_head_dim"], "GLM-5.3-Flash's DSA layers are NoPE (0)")
     if text.get("q_lora_rank", 1536) is None:
@@ -274,17 +287,23 @@ def _schedules(text: dict[str, Any], layers: int) -> tuple[tuple[str, ...], tupl
         _refuse("indexer_types", list(indexers), f"it must name 'full' or 'shared' for each of the {layers} layers")
     for i, kind in enumerate(kinds):
         # transformers hands a layer's selection only to the very next layer (Glm5NextTextAttention.next_skip_topk)
-        if kind == INDEXED and indexers[i] == "shared" and (i == 0 or kinds[i - 1] != INDEXED or indexers[i - 1] != "full"):
+        if (
+            kind == INDEXED
+            and indexers[i] == "shared"
+            and (i == 0 or kinds[i - 1] != INDEXED or indexers[i - 1] != "full")
+        ):
             _refuse("indexer_types", list(indexers), f"shared layer {i} must follow a full indexed_attention layer")
     return kinds, mlps, indexers
 
 
 def _linear_fields(text: dict[str, Any]) -> dict[str, Any]:
     """KDA sizes, from the flat fields or (GLM's own configs) linear_attn_config, as transformers reads them."""
-    fields = {"linear_head_dim": int(text.get("linear_head_dim", 128)),
-              "linear_num_heads": int(text.get("linear_num_heads", 64)),
-              "conv_kernel_size": int(text.get("linear_conv_kernel_dim", 4)),
-              "linear_lower_bound": text.get("linear_lower_bound", -5.0)}  # fmt: skip
+    fields = {
+        "linear_head_dim": int(text.get("linear_head_dim", 128)),
+        "linear_num_heads": int(text.get("linear_num_heads", 64)),
+        "conv_kernel_size": int(text.get("linear_conv_kernel_dim", 4)),
+        "linear_lower_bound": text.get("linear_lower_bound", -5.0),
+    }
     nested = text.get("linear_attn_config")
     if isinstance(nested, dict):
         fields["linear_head_dim"] = int(nested.get("head_dim", fields["linear_head_dim"]))
@@ -398,9 +417,23 @@ class StepProgram(mla.StepProgram):
 
     config: Glm5NextConfig
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, state_slots, extra_1=None, extra_2=None, extra_3=None,
-                extra_4=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        state_slots,
+        extra_1=None,
+        extra_2=None,
+        extra_3=None,
+        extra_4=None,
+    ):
         """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
         those rows' input embeddings are the features; rows of -1 are unused."""
         extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
@@ -445,18 +478,33 @@ class StepProgram(mla.StepProgram):
 
     def hyper(self, weights: dict[str, Tensor], prefix: str, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         c = self.config
-        return hyper_connection(streams, weights[prefix + "fn"], weights[prefix + "base"], weights[prefix + "scale"],
-                                c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)  # fmt: skip
+        return hyper_connection(
+            streams,
+            weights[prefix + "fn"],
+            weights[prefix + "base"],
+            weights[prefix + "scale"],
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            c.rms_norm_eps,
+        )
 
-    def kda(self, weights: dict[str, Tensor], i: int, h: Tensor, conv_state: Tensor, recurrent_state: Tensor,
-            steps: tuple[Tensor, Tensor, Tensor]) -> Tensor:  # fmt: skip
+    def kda(
+        self,
+        weights: dict[str, Tensor],
+        i: int,
+        h: Tensor,
+        conv_state: Tensor,
+        recurrent_state: Tensor,
+        steps: tuple[Tensor, Tensor, Tensor],
+    ) -> Tensor:
         """A Kimi Delta Attention layer over its two state slots: h [T, hidden] -> [T, hidden] fp32."""
         c, p = self.config, f"layers.{i}."
         heads, dim = c.linear_num_heads, c.linear_head_dim
         mixed = F.linear(h, weights[p + "w_qkv"])
         conv_weight = weights[p + "conv"].reshape(c.conv_dim, c.conv_kernel_size)
-        mixed = torch.ops.flare.causal_conv1d(mixed, conv_weight, conv_weight.new_zeros(c.conv_dim), conv_state,
-                                              *steps, True)  # fmt: skip
+        mixed = torch.ops.flare.causal_conv1d(
+            mixed, conv_weight, conv_weight.new_zeros(c.conv_dim), conv_state, *steps, True
+        )
         q, k, v = mixed.float().view(-1, 3, heads, dim).unbind(1)
         gate = F.linear(F.linear(h, weights[p + "f_a"]), weights[p + "f_b"]).float() + weights[p + "dt_bias"].float()
         rate = weights[p + "a_log"].float().exp()[:, None]  # [heads, 1]
@@ -468,25 +516,40 @@ class StepProgram(mla.StepProgram):
         beta = torch.sigmoid(F.linear(h, weights[p + "w_beta"]).float())
         out = torch.ops.flare.kda(q, k, v, g, beta, recurrent_state, *steps, dim**-0.5, True)
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * weights[p + "o_norm"].float()
-        out = out * torch.sigmoid(F.linear(F.linear(h, weights[p + "g_a"]), weights[p + "g_b"]).float().view(-1, heads, dim))
+        out = out * torch.sigmoid(
+            F.linear(F.linear(h, weights[p + "g_a"]), weights[p + "g_b"]).float().view(-1, heads, dim)
+        )
         return F.linear(out.reshape(-1, c.qkv_dim).to(h.dtype), weights[p + "wo"]).float()
 
-    def indexer(self, weights: dict[str, Tensor], i: int, h: Tensor, q_resid: Tensor, cache: Tensor,
-                paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def indexer(
+        self, weights: dict[str, Tensor], i: int, h: Tensor, q_resid: Tensor, cache: Tensor, paged: tuple[Tensor, ...]
+    ) -> Tensor:
         """Write this step's indexer rows and select each query's positions: [T, width] int64."""
         c, p = self.config, f"layers.{i}."
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
         heads, dim = c.index_n_heads, c.index_head_dim
         q = F.linear(q_resid, weights[p + "idx_wq_b"]).float().view(-1, heads, dim)
         k, gate = F.linear(h, weights[p + "idx_wk_gate"]).float().split([dim, dim], dim=-1)
-        k = F.layer_norm(k, (dim,), weights[p + "idx_k_norm"].float(), weights[p + "idx_k_norm_bias"].float(),
-                         INDEXER_NORM_EPS)  # fmt: skip
+        k = F.layer_norm(
+            k, (dim,), weights[p + "idx_k_norm"].float(), weights[p + "idx_k_norm_bias"].float(), INDEXER_NORM_EPS
+        )
         row = torch.cat([k, gate], dim=-1)[:, None, :].to(cache.dtype)
         torch.ops.flare.write_kv(cache, cache, row, row, slot_mapping)
         head_weights = F.linear(h.float(), weights[p + "idx_weights_proj"].float()) * heads**-0.5
-        return torch.ops.flare.kpool_topk(q, head_weights, cache, weights[p + "idx_ape"].float(), block_tables, seq_lens,
-                                          query_start_loc, positions, dim**-0.5, c.index_kpool,
-                                          c.index_topk // c.index_kpool, c.index_tail)  # fmt: skip
+        return torch.ops.flare.kpool_topk(
+            q,
+            head_weights,
+            cache,
+            weights[p + "idx_ape"].float(),
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            positions,
+            dim**-0.5,
+            c.index_kpool,
+            c.index_topk // c.index_kpool,
+            c.index_tail,
+        )
 
     def q_resid(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
         """The normed q LoRA down-projection [T, q_lora_rank] in h's dtype (q_a_layernorm: rms_norm_eps)."""
@@ -494,8 +557,16 @@ class StepProgram(mla.StepProgram):
         q_a = rms_norm(F.linear(h, weights[p + "wq_a"]).float(), weights[p + "q_a_norm"], self.config.rms_norm_eps)
         return q_a.to(h.dtype)
 
-    def sparse_mla(self, weights: dict[str, Tensor], i: int, h: Tensor, q_resid: Tensor, cache: Tensor,
-                   selected: Tensor, paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def sparse_mla(
+        self,
+        weights: dict[str, Tensor],
+        i: int,
+        h: Tensor,
+        q_resid: Tensor,
+        cache: Tensor,
+        selected: Tensor,
+        paged: tuple[Tensor, ...],
+    ) -> Tensor:
         """NoPE absorbed MLA over the selected latent rows: h [T, hidden] -> [T, hidden] fp32."""
         c, p = self.config, f"layers.{i}."
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
@@ -506,8 +577,9 @@ class StepProgram(mla.StepProgram):
         # q_nope . (W_UK c_kv) == (q_nope W_UK) . c_kv: the keys never leave the latent space.
         w_uk = self._w_kv_b(weights, i)[:, : c.qk_nope_head_dim]
         query = torch.bmm(q_nope.transpose(0, 1).to(h.dtype), w_uk).float().transpose(0, 1).to(cache.dtype)
-        attn = torch.ops.flare.sparse_paged_attention(query, cache, cache, block_tables, seq_lens, query_start_loc,
-                                                      positions, selected, c.softmax_scale)  # fmt: skip
+        attn = torch.ops.flare.sparse_paged_attention(
+            query, cache, cache, block_tables, seq_lens, query_start_loc, positions, selected, c.softmax_scale
+        )
         return self.latent_output(weights, i, attn, h.dtype)
 
     def mlp(self, weights: dict[str, Tensor], i: int, h: Tensor) -> Tensor:
@@ -517,8 +589,13 @@ class StepProgram(mla.StepProgram):
         return moe.shared_mlp(h, weights[f"layers.{i}.w_gate_up"], weights[f"layers.{i}.w_down"], c.activation)
 
 
-def reference_logits(config: Glm5NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int],
-                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+def reference_logits(
+    config: Glm5NextConfig,
+    hf_weights: dict[str, Tensor],
+    token_ids: list[int],
+    image_features: Tensor | None = None,
+    image_positions: list[int] | None = None,
+) -> Tensor:
     """The independent plain-torch forward (ignition.models.glm5_next_reference); row i of
     image_features replaces the input embedding at image_positions[i]."""
     from ignition.models.glm5_next_reference import reference_logits as forward
@@ -586,9 +663,18 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
 
 
 # A one-block vision tower (transformers builds it with the model; export leaves its tensors out).
-TEST_VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
-               "projection_intermediate_size": 64, "patch_size": 2, "spatial_merge_size": 1, "temporal_patch_size": 1,
-               "image_size": 8}  # fmt: skip
+TEST_VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "out_hidden_size": 64,
+    "projection_intermediate_size": 64,
+    "patch_size": 2,
+    "spatial_merge_size": 1,
+    "temporal_patch_size": 1,
+    "image_size": 8,
+}
 
 
 def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> Tensor | None:
@@ -624,10 +710,16 @@ def hf_shapes(c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
     or a multimodal config's whole vision tower."""
     h, t = c.hidden_size, _TEXT_PREFIX
     hc_mixes = (2 + c.hc_mult) * c.hc_mult
-    visual = glm5_next_vision.hf_shapes(c.vision) if c.vision is not None else {
-        "model.visual.post_layernorm.weight": (TEST_VISION["hidden_size"],)}  # fmt: skip
-    shapes: dict[str, tuple[int, ...]] = {t + "embed_tokens.weight": (c.vocab_size, h), t + "norm.weight": (h,),
-                                          **visual}  # fmt: skip
+    visual = (
+        glm5_next_vision.hf_shapes(c.vision)
+        if c.vision is not None
+        else {"model.visual.post_layernorm.weight": (TEST_VISION["hidden_size"],)}
+    )
+    shapes: dict[str, tuple[int, ...]] = {
+        t + "embed_tokens.weight": (c.vocab_size, h),
+        t + "norm.weight": (h,),
+        **visual,
+    }
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
     for i, kind in enumerate(c.layer_types):
@@ -637,33 +729,57 @@ def hf_shapes(c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
         a = "self_attn."
         if kind == LINEAR:
             qkv, d = c.qkv_dim, c.linear_head_dim
-            layer |= {a + "q_proj.weight": (qkv, h), a + "k_proj.weight": (qkv, h), a + "v_proj.weight": (qkv, h),
-                      a + "conv1d.weight": (c.conv_dim, 1, c.conv_kernel_size),
-                      a + "forget_gate.f_a_proj.weight": (d, h), a + "forget_gate.f_b_proj.weight": (qkv, d),
-                      a + "forget_gate.dt_bias": (qkv,), a + "forget_gate.A_log": (c.linear_num_heads,),
-                      a + "b_proj.weight": (c.linear_num_heads, h), a + "g_a_proj.weight": (d, h),
-                      a + "g_b_proj.weight": (qkv, d), a + "o_norm.weight": (d,), a + "o_proj.weight": (h, qkv)}  # fmt: skip
+            layer |= {
+                a + "q_proj.weight": (qkv, h),
+                a + "k_proj.weight": (qkv, h),
+                a + "v_proj.weight": (qkv, h),
+                a + "conv1d.weight": (c.conv_dim, 1, c.conv_kernel_size),
+                a + "forget_gate.f_a_proj.weight": (d, h),
+                a + "forget_gate.f_b_proj.weight": (qkv, d),
+                a + "forget_gate.dt_bias": (qkv,),
+                a + "forget_gate.A_log": (c.linear_num_heads,),
+                a + "b_proj.weight": (c.linear_num_heads, h),
+                a + "g_a_proj.weight": (d, h),
+                a + "g_b_proj.weight": (qkv, d),
+                a + "o_norm.weight": (d,),
+                a + "o_proj.weight": (h, qkv),
+            }
         else:
             heads = c.num_heads
-            layer |= {a + "q_a_proj.weight": (c.q_lora_rank, h), a + "q_a_layernorm.weight": (c.q_lora_rank,),
-                      a + "q_b_proj.weight": (heads * c.qk_head_dim, c.q_lora_rank),
-                      a + "kv_a_proj_with_mqa.weight": (c.kv_lora_rank, h), a + "kv_a_layernorm.weight": (c.kv_lora_rank,),
-                      a + "kv_b_proj.weight": (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-                      a + "o_proj.weight": (h, heads * c.v_head_dim)}  # fmt: skip
+            layer |= {
+                a + "q_a_proj.weight": (c.q_lora_rank, h),
+                a + "q_a_layernorm.weight": (c.q_lora_rank,),
+                a + "q_b_proj.weight": (heads * c.qk_head_dim, c.q_lora_rank),
+                a + "kv_a_proj_with_mqa.weight": (c.kv_lora_rank, h),
+                a + "kv_a_layernorm.weight": (c.kv_lora_rank,),
+                a + "kv_b_proj.weight": (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+                a + "o_proj.weight": (h, heads * c.v_head_dim),
+            }
             if c.indexer_types[i] == "full":
                 x, dim = a + "indexer.", c.index_head_dim
-                layer |= {x + "wq_b.weight": (c.index_n_heads * dim, c.q_lora_rank), x + "wk.weight": (dim, h),
-                          x + "k_norm.weight": (dim,), x + "k_norm.bias": (dim,),
-                          x + "weights_proj.weight": (c.index_n_heads, h),
-                          x + "index_kpool_compress_ape": (c.index_kpool, dim),
-                          x + "index_kpool_compress_gate": (dim, h)}  # fmt: skip
+                layer |= {
+                    x + "wq_b.weight": (c.index_n_heads * dim, c.q_lora_rank),
+                    x + "wk.weight": (dim, h),
+                    x + "k_norm.weight": (dim,),
+                    x + "k_norm.bias": (dim,),
+                    x + "weights_proj.weight": (c.index_n_heads, h),
+                    x + "index_kpool_compress_ape": (c.index_kpool, dim),
+                    x + "index_kpool_compress_gate": (dim, h),
+                }
         if c.is_moe(i):
             e, f, s = c.router.num_experts, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
-            layer |= {"mlp.gate.weight": (e, h), "mlp.gate.e_score_correction_bias": (e,),
-                      "mlp.experts.gate_up_proj": (e, 2 * f, h), "mlp.experts.down_proj": (e, h, f)}  # fmt: skip
+            layer |= {
+                "mlp.gate.weight": (e, h),
+                "mlp.gate.e_score_correction_bias": (e,),
+                "mlp.experts.gate_up_proj": (e, 2 * f, h),
+                "mlp.experts.down_proj": (e, h, f),
+            }
             if s:
-                layer |= {"mlp.shared_experts.gate_proj.weight": (s, h), "mlp.shared_experts.up_proj.weight": (s, h),
-                          "mlp.shared_experts.down_proj.weight": (h, s)}  # fmt: skip
+                layer |= {
+                    "mlp.shared_experts.gate_proj.weight": (s, h),
+                    "mlp.shared_experts.up_proj.weight": (s, h),
+                    "mlp.shared_experts.down_proj.weight": (h, s),
+                }
         else:
             f = c.intermediate_size
             layer |= {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
@@ -673,8 +789,14 @@ def hf_shapes(c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
 
 # Test vision checkpoints: the "glm53" chat flavour plus GLM's image and video framing tokens.
 TEST_VISION_CHAT = "glm53-vision"
-TESTMODEL_VISION_TOKENS = (glm5_next_vision.IMAGE_TOKEN, glm5_next_vision.START_TOKEN, glm5_next_vision.END_TOKEN,
-                           "<|video|>", "<|begin_of_video|>", "<|end_of_video|>")  # fmt: skip
+TESTMODEL_VISION_TOKENS = (
+    glm5_next_vision.IMAGE_TOKEN,
+    glm5_next_vision.START_TOKEN,
+    glm5_next_vision.END_TOKEN,
+    "<|video|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+)
 
 
 def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
@@ -688,10 +810,21 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
         "model_type": "glm5_next",
         "text_config": inner | {"model_type": "glm5_next_text"},
         "vision_config": {
-            "model_type": "glm5_next_vision", "depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
-            "out_hidden_size": text["hidden_size"], "projection_intermediate_size": 48, "patch_size": 14,
-            "temporal_patch_size": 2, "spatial_merge_size": 2, "hidden_act": "silu", "attention_bias": True,
-            "rms_norm_eps": 1e-5, "swiglu_limit": 1.0, "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+            "model_type": "glm5_next_vision",
+            "depth": 2,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "intermediate_size": 64,
+            "out_hidden_size": text["hidden_size"],
+            "projection_intermediate_size": 48,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "hidden_act": "silu",
+            "attention_bias": True,
+            "rms_norm_eps": 1e-5,
+            "swiglu_limit": 1.0,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
         },
         "image_token_id": tokens[glm5_next_vision.IMAGE_TOKEN],
         "image_start_token_id": tokens[glm5_next_vision.START_TOKEN],
@@ -701,15 +834,22 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
         "video_end_token_id": tokens["<|end_of_video|>"],
         "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
         "max_position_embeddings": text["max_position_embeddings"],  # also at the top, where testmodel reads it
-    }  # fmt: skip
+    }
 
 
 # Glm5NextImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): 4 .. 64
 # tokens of 28 x 28 pixels per image.
-TESTMODEL_PROCESSOR = {"image_processor_type": "Glm5NextImageProcessor", "min_image_tokens": 4, "max_image_tokens": 64,
-                       "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "resample": 3,
-                       "image_mean": list(glm5_next_vision.PROCESSOR_DEFAULTS["image_mean"]),
-                       "image_std": list(glm5_next_vision.PROCESSOR_DEFAULTS["image_std"])}  # fmt: skip
+TESTMODEL_PROCESSOR = {
+    "image_processor_type": "Glm5NextImageProcessor",
+    "min_image_tokens": 4,
+    "max_image_tokens": 64,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "resample": 3,
+    "image_mean": list(glm5_next_vision.PROCESSOR_DEFAULTS["image_mean"]),
+    "image_std": list(glm5_next_vision.PROCESSOR_DEFAULTS["image_std"]),
+}
 
 
 # ------------------------------------------------------------------------- vision hooks (ignition.export)

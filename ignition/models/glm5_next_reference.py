@@ -38,6 +38,7 @@ def _kda(c: Glm5NextConfig, w: dict[str, Tensor], a: str, h: Tensor) -> Tensor:
     q, k, v = (conv * torch.sigmoid(conv)).view(total, 3, heads, dim).unbind(1)
     q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dim**-0.5
     k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+
     def gate_part(name: str) -> Tensor:  # transformers' forget_gate.* or GLM's names directly under self_attn
         return w[a + "forget_gate." + name] if a + "forget_gate." + name in w else w[a + name]
 
@@ -104,8 +105,13 @@ def _dense(c: Glm5NextConfig, w: dict[str, Tensor], m: str, h: Tensor) -> Tensor
     return (gate * torch.sigmoid(gate) * up) @ w[m + "down_proj.weight"].T
 
 
-def reference_logits(config: Glm5NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int],
-                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+def reference_logits(
+    config: Glm5NextConfig,
+    hf_weights: dict[str, Tensor],
+    token_ids: list[int],
+    image_features: Tensor | None = None,
+    image_positions: list[int] | None = None,
+) -> Tensor:
     """Dense forward over Hugging Face-named weights: logits [T, V] (float64 arithmetic). Images:
     row i of image_features replaces the input embedding at image_positions[i]."""
     c = config

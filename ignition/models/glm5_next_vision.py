@@ -53,11 +53,18 @@ WEIGHT_MAP = {
     _B + "norm2.weight": "vision.layers.{}.norm2",
     _B + "attn.q_norm.weight": "vision.layers.{}.q_norm",
     _B + "attn.k_norm.weight": "vision.layers.{}.k_norm",
-    **{_B + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-       for hf, ours in (("attn.qkv", "wqkv"), ("attn.proj", "wo"), ("mlp.gate_proj", "w_gate"),
-                        ("mlp.up_proj", "w_up"), ("mlp.down_proj", "w_down"))
-       for kind in ("weight", "bias")},
-}  # fmt: skip
+    **{
+        _B + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
+        for hf, ours in (
+            ("attn.qkv", "wqkv"),
+            ("attn.proj", "wo"),
+            ("mlp.gate_proj", "w_gate"),
+            ("mlp.up_proj", "w_up"),
+            ("mlp.down_proj", "w_down"),
+        )
+        for kind in ("weight", "bias")
+    },
+}
 ACTIVATIONS = ("silu", "gelu")
 DEFAULT_IMAGE_TOKEN_ID = 154854  # Glm5NextConfig.image_token_id
 
@@ -112,8 +119,10 @@ def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     hidden = int(v.get("hidden_size", 1024))
     heads = int(v.get("num_heads", v.get("num_attention_heads", 16)))
     if hidden % heads or (hidden // heads) % 4:
-        raise ValueError(f"vision hidden_size {hidden} over {heads} heads must give a head_dim divisible by 4 "
-                         "(the 2-D rotary covers the whole head)")  # fmt: skip
+        raise ValueError(
+            f"vision hidden_size {hidden} over {heads} heads must give a head_dim divisible by 4 "
+            "(the 2-D rotary covers the whole head)"
+        )
     text_hidden = int(text.get("hidden_size", 4096))
     out = int(v.get("out_hidden_size", 1536))
     if out != text_hidden:
@@ -147,29 +156,55 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     h, f, o, p, m = v.hidden_size, v.intermediate_size, v.text_hidden_size, v.projection_intermediate_size, v.merge_size
     shapes: dict[str, tuple[int, ...]] = {
         _V + "patch_embed.proj.weight": (h, 3, v.temporal_patch_size, v.patch_size, v.patch_size),
-        _V + "patch_embed.proj.bias": (h,), _V + "post_layernorm.weight": (h,),
-        _V + "downsample.weight": (o, h, m, m), _V + "downsample.bias": (o,),
-        _M + "proj.weight": (o, o), _M + "post_projection_norm.weight": (o,), _M + "post_projection_norm.bias": (o,),
-        _M + "gate_proj.weight": (p, o), _M + "up_proj.weight": (p, o), _M + "down_proj.weight": (o, p),
-    }  # fmt: skip
+        _V + "patch_embed.proj.bias": (h,),
+        _V + "post_layernorm.weight": (h,),
+        _V + "downsample.weight": (o, h, m, m),
+        _V + "downsample.bias": (o,),
+        _M + "proj.weight": (o, o),
+        _M + "post_projection_norm.weight": (o,),
+        _M + "post_projection_norm.bias": (o,),
+        _M + "gate_proj.weight": (p, o),
+        _M + "up_proj.weight": (p, o),
+        _M + "down_proj.weight": (o, p),
+    }
     for i in range(v.num_layers):
         b = _B.format(i)
-        layer = {"norm1.weight": (h,), "norm2.weight": (h,), "attn.q_norm.weight": (v.head_dim,),
-                 "attn.k_norm.weight": (v.head_dim,), "attn.qkv.weight": (3 * h, h), "attn.proj.weight": (h, h),
-                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}  # fmt: skip
+        layer = {
+            "norm1.weight": (h,),
+            "norm2.weight": (h,),
+            "attn.q_norm.weight": (v.head_dim,),
+            "attn.k_norm.weight": (v.head_dim,),
+            "attn.qkv.weight": (3 * h, h),
+            "attn.proj.weight": (h, h),
+            "mlp.gate_proj.weight": (f, h),
+            "mlp.up_proj.weight": (f, h),
+            "mlp.down_proj.weight": (h, f),
+        }
         if v.attention_bias:
-            layer |= {"attn.qkv.bias": (3 * h,), "attn.proj.bias": (h,), "mlp.gate_proj.bias": (f,),
-                      "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (h,)}  # fmt: skip
+            layer |= {
+                "attn.qkv.bias": (3 * h,),
+                "attn.proj.bias": (h,),
+                "mlp.gate_proj.bias": (f,),
+                "mlp.up_proj.bias": (f,),
+                "mlp.down_proj.bias": (h,),
+            }
         shapes |= {b + name: shape for name, shape in layer.items()}
     return shapes
 
 
 # Glm5NextImageProcessor's class defaults (its preprocessor_config.json may override them).
-PROCESSOR_DEFAULTS = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "patch_expand_factor": 1,
-                      "min_image_tokens": 16, "max_image_tokens": 8000,
-                      "image_mean": (0.48145466, 0.4578275, 0.40821073),
-                      "image_std": (0.26862954, 0.26130258, 0.27577711), "rescale_factor": 1 / 255,
-                      "resample": 3}  # fmt: skip
+PROCESSOR_DEFAULTS = {
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "patch_expand_factor": 1,
+    "min_image_tokens": 16,
+    "max_image_tokens": 8000,
+    "image_mean": (0.48145466, 0.4578275, 0.40821073),
+    "image_std": (0.26862954, 0.26130258, 0.27577711),
+    "rescale_factor": 1 / 255,
+    "resample": 3,
+}
 IMAGE_TOKEN, START_TOKEN, END_TOKEN = "<|image|>", "<|begin_of_image|>", "<|end_of_image|>"
 
 
@@ -182,8 +217,10 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, t
     settings = {k: ip.get(k) if ip.get(k) is not None else d for k, d in PROCESSOR_DEFAULTS.items()}
     ps, t, m = int(settings["patch_size"]), int(settings["temporal_patch_size"]), int(settings["merge_size"])
     if (ps, t, m) != (v.patch_size, v.temporal_patch_size, v.merge_size):
-        raise ValueError(f"the processor's patch_size / temporal_patch_size / merge_size ({ps}, {t}, {m}) differ "
-                         f"from the vision tower's ({v.patch_size}, {v.temporal_patch_size}, {v.merge_size})")  # fmt: skip
+        raise ValueError(
+            f"the processor's patch_size / temporal_patch_size / merge_size ({ps}, {t}, {m}) differ "
+            f"from the vision tower's ({v.patch_size}, {v.temporal_patch_size}, {v.merge_size})"
+        )
     if int(settings["patch_expand_factor"]) != 1:
         raise ValueError(f"patch_expand_factor {settings['patch_expand_factor']} is not supported (1 is)")
     if int(settings["resample"]) != 3:
@@ -285,15 +322,20 @@ class VisionProgram(torch.nn.Module):
         x = _rms(x, weights["vision.post_norm"], eps)
         # Each merge block's m^2 consecutive rows side by side, gathered so every shape follows X; the
         # Conv2d over the block is a linear over its (row, col, channel) values.
-        m, group = v.merge_size, v.merge_size**2
+        group = v.merge_size**2
         n = x.shape[0] // group
         rows = torch.arange(n, device=x.device)[:, None] * group + torch.arange(group, device=x.device)[None, :]
         down = weights["vision.downsample"]  # [out, h, m, m]
-        x = F.linear(x[rows].reshape(n, group * h).to(wdt), down.permute(0, 2, 3, 1).reshape(down.shape[0], -1),
-                     weights["vision.downsample.bias"]).float()  # fmt: skip
+        x = F.linear(
+            x[rows].reshape(n, group * h).to(wdt),
+            down.permute(0, 2, 3, 1).reshape(down.shape[0], -1),
+            weights["vision.downsample.bias"],
+        ).float()
         x = lin("vision.merger.proj", x)
         o = v.text_hidden_size
-        x = F.gelu(F.layer_norm(x, (o,), weights["vision.merger.norm"].float(), weights["vision.merger.norm.bias"].float()))
+        x = F.gelu(
+            F.layer_norm(x, (o,), weights["vision.merger.norm"].float(), weights["vision.merger.norm.bias"].float())
+        )
         return (swiglu("vision.merger.", x),)
 
 
@@ -324,7 +366,14 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     def b(name: str) -> Tensor | float:
         return hf[name].to(f64) if name in hf else 0.0
 
-    ps, t, h, H, m, limit = v.patch_size, v.temporal_patch_size, v.hidden_size, v.num_heads, v.merge_size, v.swiglu_limit
+    ps, t, h, H, m, limit = (
+        v.patch_size,
+        v.temporal_patch_size,
+        v.hidden_size,
+        v.num_heads,
+        v.merge_size,
+        v.swiglu_limit,
+    )
     hd = h // H
     rows, cols = int(positions[:, 1].max()) + 1, int(positions[:, 0].max()) + 1
     clip = torch.zeros(3, t, rows * ps, cols * ps, dtype=f64)
@@ -347,8 +396,9 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     # Channel pairs (j, j + hd/2) turn by angle[j]: hd/4 frequencies of the row y, then of the column x.
     quarter = hd // 4
     freqs = [v.rope_theta ** (-2 * j / (hd // 2)) for j in range(quarter)]
-    angle = torch.tensor([[r * f for f in freqs] + [c * f for f in freqs] for r in range(rows) for c in range(cols)],
-                         dtype=f64)  # fmt: skip
+    angle = torch.tensor(
+        [[r * f for f in freqs] + [c * f for f in freqs] for r in range(rows) for c in range(cols)], dtype=f64
+    )
 
     def rotate(u: Tensor) -> Tensor:  # [N, H, hd]
         a, z = u[..., : hd // 2], u[..., hd // 2 :]

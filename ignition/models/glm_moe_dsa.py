@@ -183,8 +183,15 @@ class StepProgram(mla.StepProgram):
 
     config: GlmMoeDsaConfig
 
-    def decoder(self, weights: dict[str, Tensor], kv_cache: list[Tensor], x: Tensor, cos: Tensor, sin: Tensor,
-                paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def decoder(
+        self,
+        weights: dict[str, Tensor],
+        kv_cache: list[Tensor],
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        paged: tuple[Tensor, ...],
+    ) -> Tensor:
         c, wdt = self.config, weights["embed"].dtype
         index_caches = dict(zip(c.indexer_layers, kv_cache[c.num_layers :], strict=True))
         selected: Tensor | None = None  # [T, index_topk] key positions of the last full indexer layer
@@ -199,37 +206,54 @@ class StepProgram(mla.StepProgram):
                 selected = self.indexer(weights, i, h, q_resid, cos, sin, index_caches[i], paged)
             assert selected is not None  # layer 0 is a full indexer layer (config_from_hf)
             slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
-            attn = torch.ops.flare.sparse_paged_attention(query, cache, cache, block_tables, seq_lens, query_start_loc,
-                                                          positions, selected, c.softmax_scale)  # fmt: skip
+            attn = torch.ops.flare.sparse_paged_attention(
+                query, cache, cache, block_tables, seq_lens, query_start_loc, positions, selected, c.softmax_scale
+            )
             x = x + self.latent_output(weights, i, attn, wdt)
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
         return x
 
-    def indexer(self, weights: dict[str, Tensor], layer: int, h: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor,
-                cache: Tensor, paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def indexer(
+        self,
+        weights: dict[str, Tensor],
+        layer: int,
+        h: Tensor,
+        q_resid: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: Tensor,
+        paged: tuple[Tensor, ...],
+    ) -> Tensor:
         """Write this step's indexer keys and select each query's top-k keys: [T, index_topk] int64."""
         p, c = f"layers.{layer}.", self.config
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
         heads, dim, rope = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
         q = F.linear(q_resid, weights[p + "idx_wq_b"]).float().view(-1, heads, dim)
-        k = F.layer_norm(F.linear(h, weights[p + "idx_wk"]).float(), (dim,), weights[p + "idx_k_norm"].float(),
-                         weights[p + "idx_k_norm_bias"].float(), INDEXER_NORM_EPS)[:, None, :]  # fmt: skip
+        k = F.layer_norm(
+            F.linear(h, weights[p + "idx_wk"]).float(),
+            (dim,),
+            weights[p + "idx_k_norm"].float(),
+            weights[p + "idx_k_norm_bias"].float(),
+            INDEXER_NORM_EPS,
+        )[:, None, :]
         # Interleaved rotary over the first `rope` dims, as in the main attention (same layout for q and k).
         q = torch.cat([mla.apply_rope(q[..., :rope], cos, sin, True), q[..., rope:]], dim=-1)
         k = torch.cat([mla.apply_rope(k[..., :rope], cos, sin, True), k[..., rope:]], dim=-1).to(cache.dtype)
         torch.ops.flare.write_kv(cache, cache, k, k, slot_mapping)
         # transformers keeps weights_proj in fp32 (_keep_in_fp32_modules) and folds in 1/sqrt(heads).
         head_weights = F.linear(h.float(), weights[p + "idx_weights_proj"].float()) * heads**-0.5
-        return torch.ops.flare.indexer_topk(q, head_weights, cache, block_tables, seq_lens, query_start_loc,
-                                            positions, dim**-0.5, c.index_topk)  # fmt: skip
+        return torch.ops.flare.indexer_topk(
+            q, head_weights, cache, block_tables, seq_lens, query_start_loc, positions, dim**-0.5, c.index_topk
+        )
 
 
 # ---------------------------------------------------------------------- plain reference
 
 
-def reference_selection(c: GlmMoeDsaConfig, w: dict[str, Tensor], prefix: str, h: Tensor, q_resid: Tensor,
-                        rotate: Any) -> Tensor:  # fmt: skip
+def reference_selection(
+    c: GlmMoeDsaConfig, w: dict[str, Tensor], prefix: str, h: Tensor, q_resid: Tensor, rotate: Any
+) -> Tensor:
     """The indexer under `prefix` ("model.layers.N.self_attn.indexer.") over a whole sequence:
     [T, T] bool, key j kept for query i. Dense scores, then a stable sort per query (ties to the
     earlier key), independent of the ops' top-k path."""
@@ -336,18 +360,28 @@ def hf_shapes(c: GlmMoeDsaConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(c.num_layers):
         if layer in c.indexer_layers:
             p = f"model.layers.{layer}.self_attn.indexer."
-            shapes.update({p + "wq_b.weight": (c.index_n_heads * c.index_head_dim, c.q_lora_rank),
-                           p + "wk.weight": (c.index_head_dim, c.hidden_size),
-                           p + "k_norm.weight": (c.index_head_dim,), p + "k_norm.bias": (c.index_head_dim,),
-                           p + "weights_proj.weight": (c.index_n_heads, c.hidden_size)})  # fmt: skip
+            shapes.update(
+                {
+                    p + "wq_b.weight": (c.index_n_heads * c.index_head_dim, c.q_lora_rank),
+                    p + "wk.weight": (c.index_head_dim, c.hidden_size),
+                    p + "k_norm.weight": (c.index_head_dim,),
+                    p + "k_norm.bias": (c.index_head_dim,),
+                    p + "weights_proj.weight": (c.index_n_heads, c.hidden_size),
+                }
+            )
     return shapes
 
 
 def glm_router(hf: dict, default_experts: int) -> moe.RouterSpec:
     """GLM's MoE router (GLM-5 and GLM-5.3): sigmoid scores with a correction bias, group-limited."""
     return moe.RouterSpec(
-        num_experts=int(hf.get("n_routed_experts", default_experts)), top_k=int(hf.get("num_experts_per_tok", 8)),
-        scoring="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)), n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1), has_correction_bias=True, norm_eps=1e-20,
-    )  # fmt: skip
+        num_experts=int(hf.get("n_routed_experts", default_experts)),
+        top_k=int(hf.get("num_experts_per_tok", 8)),
+        scoring="sigmoid",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        has_correction_bias=True,
+        norm_eps=1e-20,
+    )

@@ -33,7 +33,9 @@ def generation_outputs(
     return outputs
 
 
-def prompt_outputs(hidden: Tensor, lm_head: Tensor, target_ids: Tensor, num_top: int, softcap: float = 0.0) -> list[Tensor]:
+def prompt_outputs(
+    hidden: Tensor, lm_head: Tensor, target_ids: Tensor, num_top: int, softcap: float = 0.0
+) -> list[Tensor]:
     """Score every position's next prompt token: hidden [T, hidden], target_ids [T].
 
     Returns [prompt_logprobs [T], prompt_ranks [T] (1 + count strictly greater),
@@ -49,8 +51,16 @@ def prompt_outputs(hidden: Tensor, lm_head: Tensor, target_ids: Tensor, num_top:
     return outputs
 
 
-def step_outputs(hidden: Tensor, weights: dict[str, Tensor], tied: bool, logits_indices: Tensor, num_top: int,
-                 logprob_token_ids: Tensor | None, target_ids: Tensor | None, softcap: float = 0.0) -> tuple[Tensor, ...]:  # fmt: skip
+def step_outputs(
+    hidden: Tensor,
+    weights: dict[str, Tensor],
+    tied: bool,
+    logits_indices: Tensor,
+    num_top: int,
+    logprob_token_ids: Tensor | None,
+    target_ids: Tensor | None,
+    softcap: float = 0.0,
+) -> tuple[Tensor, ...]:
     """Every output of a step program, in program_signature's order, from the final-normed
     hidden states [T, hidden]: the rows' distributions, then (scored prefill) the prompt's."""
     lm_head = weights["embed"] if tied else weights["lm_head"]

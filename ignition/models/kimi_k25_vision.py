@@ -44,14 +44,26 @@ WEIGHT_MAP = {
     _V + "patch_embed.pos_emb.position_embeddings": "vision.pos_embed",
     _V + "final_layernorm.weight": "vision.final_norm",
     _V + "final_layernorm.bias": "vision.final_norm.bias",
-    **{_PROJ + f"{hf}.{kind}": f"vision.{ours}" + ("" if kind == "weight" else ".bias")
-       for hf, ours in (("pre_norm", "proj_norm"), ("in_proj", "proj1"), ("out_proj", "proj2"))
-       for kind in ("weight", "bias")},
-    **{_VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-       for hf, ours in (("attn.q_proj", "wq"), ("attn.k_proj", "wk"), ("attn.v_proj", "wv"), ("attn.proj", "wo"),
-                        ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2"), ("norm1", "norm1"), ("norm2", "norm2"))
-       for kind in ("weight", "bias")},
-}  # fmt: skip
+    **{
+        _PROJ + f"{hf}.{kind}": f"vision.{ours}" + ("" if kind == "weight" else ".bias")
+        for hf, ours in (("pre_norm", "proj_norm"), ("in_proj", "proj1"), ("out_proj", "proj2"))
+        for kind in ("weight", "bias")
+    },
+    **{
+        _VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
+        for hf, ours in (
+            ("attn.q_proj", "wq"),
+            ("attn.k_proj", "wk"),
+            ("attn.v_proj", "wv"),
+            ("attn.proj", "wo"),
+            ("mlp.fc1", "fc1"),
+            ("mlp.fc2", "fc2"),
+            ("norm1", "norm1"),
+            ("norm2", "norm2"),
+        )
+        for kind in ("weight", "bias")
+    },
+}
 # Moonshot's own layout (what its hub checkpoints ship) -> transformers' names, as transformers'
 # conversion_mapping "kimi_k25" renames them; the fused wqkv is split and permuted apart (native_tensors).
 _HUB_RENAMES = (
@@ -127,8 +139,10 @@ def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     if len(merge) != 2 or merge[0] != merge[1]:
         raise ValueError(f"merge_kernel_size {merge} is not square")
     if int(top.get("projection_hidden_size") or hidden) != hidden:
-        raise ValueError(f"projection_hidden_size {top.get('projection_hidden_size')} differs from the vision "
-                         f"hidden_size {hidden} (the projector's LayerNorm runs over each patch row)")  # fmt: skip
+        raise ValueError(
+            f"projection_hidden_size {top.get('projection_hidden_size')} differs from the vision "
+            f"hidden_size {hidden} (the projector's LayerNorm runs over each patch row)"
+        )
     return VisionConfig(
         hidden_size=hidden,
         intermediate_size=int(v.get("intermediate_size", 4304)),
@@ -172,28 +186,44 @@ def native_tensors(tensors: dict[str, Tensor], num_heads: int) -> dict[str, Tens
 def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     h, f, t, s, g = v.hidden_size, v.intermediate_size, v.text_hidden_size, v.pos_emb_side, v.merge_size**2
     shapes: dict[str, tuple[int, ...]] = {
-        _V + "patch_embed.proj.weight": (h, 3, v.patch_size, v.patch_size), _V + "patch_embed.proj.bias": (h,),
+        _V + "patch_embed.proj.weight": (h, 3, v.patch_size, v.patch_size),
+        _V + "patch_embed.proj.bias": (h,),
         _V + "patch_embed.pos_emb.position_embeddings": (s, s, h),
-        _V + "final_layernorm.weight": (h,), _V + "final_layernorm.bias": (h,),
-        _PROJ + "pre_norm.weight": (h,), _PROJ + "pre_norm.bias": (h,),
-        _PROJ + "in_proj.weight": (g * h, g * h), _PROJ + "in_proj.bias": (g * h,),
-        _PROJ + "out_proj.weight": (t, g * h), _PROJ + "out_proj.bias": (t,),
-    }  # fmt: skip
+        _V + "final_layernorm.weight": (h,),
+        _V + "final_layernorm.bias": (h,),
+        _PROJ + "pre_norm.weight": (h,),
+        _PROJ + "pre_norm.bias": (h,),
+        _PROJ + "in_proj.weight": (g * h, g * h),
+        _PROJ + "in_proj.bias": (g * h,),
+        _PROJ + "out_proj.weight": (t, g * h),
+        _PROJ + "out_proj.bias": (t,),
+    }
     for i in range(v.num_layers):
         q = _VL.format(i)
         for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.proj"):
             shapes |= {q + name + ".weight": (h, h), q + name + ".bias": (h,)}
-        shapes |= {q + "mlp.fc1.weight": (f, h), q + "mlp.fc1.bias": (f,), q + "mlp.fc2.weight": (h, f),
-                   q + "mlp.fc2.bias": (h,)}  # fmt: skip
+        shapes |= {
+            q + "mlp.fc1.weight": (f, h),
+            q + "mlp.fc1.bias": (f,),
+            q + "mlp.fc2.weight": (h, f),
+            q + "mlp.fc2.bias": (h,),
+        }
         for name in ("norm1", "norm2"):
             shapes |= {q + name + ".weight": (h,), q + name + ".bias": (h,)}
     return shapes
 
 
 # Kimi_K25ImageProcessor's class defaults (its preprocessor_config.json may override them).
-PROCESSOR_DEFAULTS = {"max_patches": 16384, "max_side": 512, "patch_size": 14, "merge_size": 2,
-                      "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5), "rescale_factor": 1 / 255,
-                      "resample": 3}  # fmt: skip
+PROCESSOR_DEFAULTS = {
+    "max_patches": 16384,
+    "max_side": 512,
+    "patch_size": 14,
+    "merge_size": 2,
+    "image_mean": (0.5, 0.5, 0.5),
+    "image_std": (0.5, 0.5, 0.5),
+    "rescale_factor": 1 / 255,
+    "resample": 3,
+}
 # Kimi_K25Processor's placeholder and the framing Kimi K2.5's template renders around it
 # (<|media_begin|>image<|media_content|><|media_pad|><|media_end|>, the pad expanded to one per token).
 # Kimi K3's template renders <|kimi_image_placeholder|> per image where no image_prompts are given.
@@ -218,8 +248,10 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, t
         settings["max_side"] = size["max_height"]
     ps, m = int(settings["patch_size"]), int(settings["merge_size"])
     if (ps, m) != (v.patch_size, v.merge_size):
-        raise ValueError(f"the processor's patch_size / merge_size ({ps}, {m}) differ from the vision tower's "
-                         f"({v.patch_size}, {v.merge_size})")  # fmt: skip
+        raise ValueError(
+            f"the processor's patch_size / merge_size ({ps}, {m}) differ from the vision tower's "
+            f"({v.patch_size}, {v.merge_size})"
+        )
     if int(settings["resample"]) != 3:
         raise ValueError(f"resample {settings['resample']} is not supported (bicubic, 3, is)")
     if ip.get("do_rescale") is False or ip.get("do_convert_rgb") is False or ip.get("do_resize") is False:
@@ -397,8 +429,10 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     # Channel pairs (j, j + hd/2) turn by angle[j]: even j the x position, odd j the y, frequency j // 2.
     half = hd // 2
     freqs = [v.rope_theta ** (-2 * (j // 2) / half) for j in range(half)]
-    angle = torch.tensor([[(c if j % 2 == 0 else r) * freqs[j] for j in range(half)]
-                          for r in range(rows) for c in range(cols)], dtype=f64)  # fmt: skip
+    angle = torch.tensor(
+        [[(c if j % 2 == 0 else r) * freqs[j] for j in range(half)] for r in range(rows) for c in range(cols)],
+        dtype=f64,
+    )
     turn = torch.polar(torch.ones_like(angle), angle)[:, None, :]
 
     def rotate(u: Tensor) -> Tensor:  # [N, H, hd]
@@ -416,8 +450,13 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
         y = act(ln(x, p + "norm2") @ w(p + "mlp.fc1.weight").T + w(p + "mlp.fc1.bias"), v.hidden_act)
         x = x + y @ w(p + "mlp.fc2.weight").T + w(p + "mlp.fc2.bias")
     x = ln(ln(x, _V + "final_layernorm"), _PROJ + "pre_norm", v.projection_eps).view(rows, cols, h)
-    tokens = torch.stack([torch.cat([x[by * m + dy, bx * m + dx] for dy in range(m) for dx in range(m)])
-                          for by in range(rows // m) for bx in range(cols // m)])  # fmt: skip
+    tokens = torch.stack(
+        [
+            torch.cat([x[by * m + dy, bx * m + dx] for dy in range(m) for dx in range(m)])
+            for by in range(rows // m)
+            for bx in range(cols // m)
+        ]
+    )
     u = act(tokens @ w(_PROJ + "in_proj.weight").T + w(_PROJ + "in_proj.bias"), "gelu")
     return (u @ w(_PROJ + "out_proj.weight").T + w(_PROJ + "out_proj.bias")).float()
 
@@ -425,9 +464,15 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
 # ----------------------------------------------------------------------- test checkpoints (kimi_k3)
 
 # Test vision checkpoints: the "kimi_k3-vision" chat flavour (testmodel.CHATS) plus K2.5's framing tokens.
-TESTMODEL_VISION_TOKENS = (IMAGE_TOKEN, BEGIN_TOKEN, CONTENT_TOKEN,
-                           END_TOKEN, KIND_TOKEN, K3_PLACEHOLDER,
-                           "<|kimi_k25_video_placeholder|>")  # fmt: skip
+TESTMODEL_VISION_TOKENS = (
+    IMAGE_TOKEN,
+    BEGIN_TOKEN,
+    CONTENT_TOKEN,
+    END_TOKEN,
+    KIND_TOKEN,
+    K3_PLACEHOLDER,
+    "<|kimi_k25_video_placeholder|>",
+)
 
 
 def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
@@ -440,9 +485,17 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
         "model_type": "kimi_k25",
         "text_config": text,
         "vision_config": {
-            "model_type": "kimi_k25_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 4,
-            "merge_kernel_size": [2, 2], "hidden_act": "gelu_pytorch_tanh",
+            "model_type": "kimi_k25_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "patch_size": 14,
+            "pos_emb_height": 8,
+            "pos_emb_width": 8,
+            "pos_emb_time": 4,
+            "merge_kernel_size": [2, 2],
+            "hidden_act": "gelu_pytorch_tanh",
             "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
         },
         "projection_hidden_size": 32,
@@ -453,11 +506,18 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
         "vision_end_token_id": tokens[END_TOKEN],
         "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
         "max_position_embeddings": text["max_position_embeddings"],  # also at the top, where testmodel reads it
-    }  # fmt: skip
+    }
 
 
 # Kimi_K25ImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): at most 64
 # patches before padding and 16 a side.
-TESTMODEL_PROCESSOR = {"image_processor_type": "Kimi_K25ImageProcessor", "size": {"max_height": 16, "max_width": 16},
-                       "max_patches": 64, "patch_size": 14, "merge_size": 2, "resample": 3,
-                       "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
+TESTMODEL_PROCESSOR = {
+    "image_processor_type": "Kimi_K25ImageProcessor",
+    "size": {"max_height": 16, "max_width": 16},
+    "max_patches": 64,
+    "patch_size": 14,
+    "merge_size": 2,
+    "resample": 3,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}

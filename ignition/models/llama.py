@@ -12,9 +12,15 @@ from torch import Tensor
 
 from ignition.models import common
 from ignition.models.common import (
-    ATTENTION_WEIGHT_MAP, DecoderProgram, DenseConfig, attention_shapes, decode_weight_bytes, decoder_fields,
-    decoder_shapes, kv_shape, reference_swiglu,
-)  # fmt: skip  (kv_shape, decode_weight_bytes: the family interface, shared)
+    ATTENTION_WEIGHT_MAP,
+    DecoderProgram,
+    DenseConfig,
+    attention_shapes,
+    decoder_fields,
+    decoder_shapes,
+    reference_swiglu,
+)
+from ignition.models.common import decode_weight_bytes, kv_shape  # noqa: F401 - the family interface, shared
 
 FAMILY = "llama"
 HF_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -134,11 +140,30 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
 # (TEST_CHAT None: no other family's chat flavour by default).
 TEST_CHAT: str | None = None
 TEST_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>", "<filename>",
-    "<gh_stars>", "<issue_start>", "<issue_comment>", "<issue_closed>", "<jupyter_start>", "<jupyter_text>",
-    "<jupyter_code>", "<jupyter_output>", "<jupyter_script>", "<empty_output>",
-)  # fmt: skip
-TEST_TOKEN_ROLES = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>"}
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<repo_name>",
+    "<reponame>",
+    "<file_sep>",
+    "<filename>",
+    "<gh_stars>",
+    "<issue_start>",
+    "<issue_comment>",
+    "<issue_closed>",
+    "<jupyter_start>",
+    "<jupyter_text>",
+    "<jupyter_code>",
+    "<jupyter_output>",
+    "<jupyter_script>",
+    "<empty_output>",
+)
+TEST_TOKEN_ROLES = {
+    "bos_token": "<|im_start|>",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|im_end|>",
+    "unk_token": "<|endoftext|>",
+}
 TEST_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"

@@ -76,8 +76,13 @@ _ATTENTION = {
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
 }
-_MTP = {"enorm.weight": "enorm", "hnorm.weight": "hnorm", "eh_proj.weight": "eh_proj",
-        "final_layernorm.weight": "final_norm", "pre_mlp_layernorm.weight": "mlp_norm"}  # fmt: skip
+_MTP = {
+    "enorm.weight": "enorm",
+    "hnorm.weight": "hnorm",
+    "eh_proj.weight": "eh_proj",
+    "final_layernorm.weight": "final_norm",
+    "pre_mlp_layernorm.weight": "mlp_norm",
+}
 
 # Hugging Face checkpoint name -> internal name; MTP layer N's tensors become "mtp.N.*".
 WEIGHT_MAP = {
@@ -90,8 +95,10 @@ WEIGHT_MAP = {
 }
 STACKED = moe.STACKED_EXPERTS
 # The MTP layers (mtp.N.*) stay unfused (FUSED names layers.N.*); dense and MoE layers each lack the other's group.
-FUSED = {"layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
-         "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up")}  # fmt: skip
+FUSED = {
+    "layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
+    "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"),
+}
 
 _MTP_NAME = re.compile(r"^model\.mtp\.layers\.(\d+)\.")
 
@@ -150,12 +157,23 @@ class MiMoV2Config:
 
 
 # Hub config fields transformers does not read: the value transformers' own computation implies.
-_HUB_SAME_AS = {"swa_num_attention_heads": "num_attention_heads", "swa_head_dim": "head_dim",
-                "swa_v_head_dim": "v_head_dim", "layernorm_epsilon": "rms_norm_eps"}  # fmt: skip
-_TRANSFORMERS_DEFAULTS = {"num_attention_heads": 64, "head_dim": 192, "v_head_dim": 128, "rms_norm_eps": 1e-5,
-                          "num_key_value_heads": 4}  # fmt: skip
-_ROPE_DEFAULTS = {FULL: {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
-                  SLIDING: {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334}}  # fmt: skip
+_HUB_SAME_AS = {
+    "swa_num_attention_heads": "num_attention_heads",
+    "swa_head_dim": "head_dim",
+    "swa_v_head_dim": "v_head_dim",
+    "layernorm_epsilon": "rms_norm_eps",
+}
+_TRANSFORMERS_DEFAULTS = {
+    "num_attention_heads": 64,
+    "head_dim": 192,
+    "v_head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "num_key_value_heads": 4,
+}
+_ROPE_DEFAULTS = {
+    FULL: {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334},
+}
 
 
 def _refuse(field: str, value: Any, why: str) -> ValueError:
@@ -167,10 +185,12 @@ def _get(hf: dict[str, Any], name: str) -> Any:
 
 
 def _check_supported(hf: dict[str, Any]) -> None:
-    for field, why in (("quantization_config", "quantized checkpoints are dequantized by the source reader only"),
-                       ("attention_bias", "q/k/v biases are not implemented"),
-                       ("n_shared_experts", "transformers' MiMo-V2 has no shared experts"),
-                       ("add_full_attention_sink_bias", "transformers puts sinks on sliding layers only")):  # fmt: skip
+    for field, why in (
+        ("quantization_config", "quantized checkpoints are dequantized by the source reader only"),
+        ("attention_bias", "q/k/v biases are not implemented"),
+        ("n_shared_experts", "transformers' MiMo-V2 has no shared experts"),
+        ("add_full_attention_sink_bias", "transformers puts sinks on sliding layers only"),
+    ):
         if hf.get(field):
             raise _refuse(field, hf[field], why)
     if hf.get("add_swa_attention_sink_bias") is False:
@@ -183,8 +203,11 @@ def _check_supported(hf: dict[str, Any]) -> None:
             raise _refuse(field, hf[field], f"transformers ignores it and uses {same} = {_get(hf, same)!r}")
     kv = int(_get(hf, "num_key_value_heads"))
     if "swa_num_key_value_heads" in hf and int(hf["swa_num_key_value_heads"]) != 2 * kv:
-        raise _refuse("swa_num_key_value_heads", hf["swa_num_key_value_heads"],
-                      f"transformers gives sliding layers twice num_key_value_heads ({2 * kv})")  # fmt: skip
+        raise _refuse(
+            "swa_num_key_value_heads",
+            hf["swa_num_key_value_heads"],
+            f"transformers gives sliding layers twice num_key_value_heads ({2 * kv})",
+        )
 
 
 def _layer_types(hf: dict[str, Any], n: int) -> list[str]:
@@ -223,14 +246,22 @@ def _rope(hf: dict[str, Any], kind: str, head_dim: int) -> RopeSpec:
     theta = float(params.get("rope_theta") or 10000.0)
     factor = float(params.get("partial_rotary_factor", 0.334))
     if given is None:  # the hub's flat spellings, which transformers ignores in favour of its defaults
-        for field, value in ((("rope_theta" if kind == FULL else "swa_rope_theta"), theta), ("partial_rotary_factor", factor)):
+        for field, value in (
+            (("rope_theta" if kind == FULL else "swa_rope_theta"), theta),
+            ("partial_rotary_factor", factor),
+        ):
             if field in hf and float(hf[field]) != value:
-                raise _refuse(field, hf[field], f"transformers ignores it and uses {value!r} on {kind} layers "
-                                                "(give rope_parameters per layer type)")  # fmt: skip
+                raise _refuse(
+                    field,
+                    hf[field],
+                    f"transformers ignores it and uses {value!r} on {kind} layers "
+                    "(give rope_parameters per layer type)",
+                )
     spec = RopeSpec(theta, int(head_dim * factor))
     if not 0 < 2 * spec.pairs <= head_dim:
-        raise _refuse(f"rope_parameters.{kind}.partial_rotary_factor", factor,
-                      f"it rotates {2 * spec.pairs} of {head_dim} dims")  # fmt: skip
+        raise _refuse(
+            f"rope_parameters.{kind}.partial_rotary_factor", factor, f"it rotates {2 * spec.pairs} of {head_dim} dims"
+        )
     return spec
 
 
@@ -244,7 +275,11 @@ def config_from_hf(hf: dict[str, Any]) -> MiMoV2Config:
         raise _refuse("num_key_value_heads", kv, f"sliding layers' {2 * kv} kv heads must divide {heads} query heads")
     head_dim, v_head_dim = int(_get(hf, "head_dim")), int(_get(hf, "v_head_dim"))
     types = _layer_types(hf, n)
-    window = int(hf["sliding_window_size"]) + 1 if hf.get("sliding_window_size") is not None else hf.get("sliding_window", 129)
+    window = (
+        int(hf["sliding_window_size"]) + 1
+        if hf.get("sliding_window_size") is not None
+        else hf.get("sliding_window", 129)
+    )
     if window is None or int(window) < 1:
         raise _refuse("sliding_window", window, "sliding layers need a window of at least one key")
     mtp = int(hf.get("num_nextn_predict_layers") or 0)
@@ -252,11 +287,16 @@ def config_from_hf(hf: dict[str, Any]) -> MiMoV2Config:
     experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 256)
     scaling = hf.get("routed_scaling_factor")
     router = moe.RouterSpec(
-        num_experts=experts, top_k=int(hf.get("num_experts_per_tok", 8)), scoring="sigmoid",
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)), routed_scaling_factor=1.0 if scaling is None else float(scaling),
-        n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1), has_correction_bias=True,
+        num_experts=experts,
+        top_k=int(hf.get("num_experts_per_tok", 8)),
+        scoring="sigmoid",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=1.0 if scaling is None else float(scaling),
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        has_correction_bias=True,
         norm_eps=1e-20,
-    )  # fmt: skip
+    )
     return MiMoV2Config(
         vocab_size=int(hf.get("vocab_size", 152576)),
         hidden_size=int(hf.get("hidden_size", 4096)),
@@ -321,7 +361,9 @@ def decode_weight_bytes(config: MiMoV2Config, weights: dict[str, Tensor]) -> int
 
 def _cos_sin(positions: Tensor, spec: RopeSpec) -> tuple[Tensor, Tensor]:
     """cos, sin [T, 1, 2 * pairs] fp32, as transformers' default rotary builds them."""
-    inv = 1.0 / (spec.theta ** (torch.arange(0, spec.dim, 2, dtype=torch.int64, device=positions.device).float() / spec.dim))
+    inv = 1.0 / (
+        spec.theta ** (torch.arange(0, spec.dim, 2, dtype=torch.int64, device=positions.device).float() / spec.dim)
+    )
     freqs = positions.float()[:, None] * inv[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos()[:, None, :], emb.sin()[:, None, :]
@@ -334,8 +376,16 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
-def _attention(c: MiMoV2Config, weights: dict[str, Tensor], p: str, h: Tensor, window: int,
-               rope: tuple[Tensor, Tensor], cache: Tensor, paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+def _attention(
+    c: MiMoV2Config,
+    weights: dict[str, Tensor],
+    p: str,
+    h: Tensor,
+    window: int,
+    rope: tuple[Tensor, Tensor],
+    cache: Tensor,
+    paged: tuple[Tensor, ...],
+) -> Tensor:
     """h [T, hidden] in the core dtype -> the attention block's output [T, hidden] fp32; writes
     this step's packed rows into `cache` [P, S, cache_heads, head_dim + v_head_dim]."""
     slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
@@ -357,8 +407,9 @@ def _attention(c: MiMoV2Config, weights: dict[str, Tensor], p: str, h: Tensor, w
     torch.ops.flare.write_kv(cache, cache, rows, rows, slot_mapping)  # one tensor as keys and values
     own = cache if kvh == cache.shape[2] else cache[:, :, :kvh]
     sinks = weights[p + "sinks"].float() if window > 0 else None
-    attn = torch.ops.flare.sink_attention(q.to(kvt), own, block_tables, seq_lens, query_start_loc, positions,
-                                          dk**-0.5, window, sinks)  # fmt: skip
+    attn = torch.ops.flare.sink_attention(
+        q.to(kvt), own, block_tables, seq_lens, query_start_loc, positions, dk**-0.5, window, sinks
+    )
     return F.linear(attn.reshape(-1, heads * dv).to(h.dtype), weights[p + "wo"]).float()
 
 
@@ -389,8 +440,22 @@ class StepProgram(torch.nn.Module):
         self.explicit_ids = explicit_ids
         self.scored = scored
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        extra_1=None,
+        extra_2=None,
+        extra_3=None,
+        extra_4=None,
+    ):
         extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
         # Sliding layers' caches are in the window pool (window_pool), with its own slots and tables.
         pooled = (extra.pop(0), extra.pop(0)) if window_pool(self.config) is not None else (slot_mapping, block_tables)
@@ -406,12 +471,18 @@ class StepProgram(torch.nn.Module):
         for i, window in enumerate(c.layer_windows):
             p = f"layers.{i}."
             h = rms_norm(x, weights[p + "attn_norm"], c.rms_norm_eps).to(wdt)
-            x = x + _attention(c, weights, p, h, window, ropes[window > 0], kv_cache[i], windowed if window > 0 else paged)
+            x = x + _attention(
+                c, weights, p, h, window, ropes[window > 0], kv_cache[i], windowed if window > 0 else paged
+            )
             h = rms_norm(x, weights[p + "mlp_norm"], c.rms_norm_eps).to(wdt)
-            x = x + (moe.sparse_moe(c.router, weights, i, h) if c.layer_sparse[i] else _dense_mlp(weights, p, h)).float()
+            x = (
+                x
+                + (moe.sparse_moe(c.router, weights, i, h) if c.layer_sparse[i] else _dense_mlp(weights, p, h)).float()
+            )
         hidden = rms_norm(x, weights["norm"], c.rms_norm_eps)
-        outputs = step_outputs(hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top,
-                               logprob_ids, target_ids)  # fmt: skip
+        outputs = step_outputs(
+            hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids
+        )
         return (*outputs, hidden) if c.num_mtp_layers else outputs
 
 
@@ -435,13 +506,26 @@ class MtpProgram(torch.nn.Module):
         self.layer = layer
         self.num_top = num_top
 
-    def forward(self, weights, kv_cache, token_ids, positions, hidden_states, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        hidden_states,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+    ):
         c, p = self.config, f"mtp.{self.layer}."
         wdt, eps = weights["embed"].dtype, c.rms_norm_eps
         embedded = F.embedding(token_ids, weights["embed"]).float()
-        joined = torch.cat([rms_norm(embedded, weights[p + "enorm"], eps),
-                            rms_norm(hidden_states.float(), weights[p + "hnorm"], eps)], dim=-1)  # fmt: skip
+        joined = torch.cat(
+            [rms_norm(embedded, weights[p + "enorm"], eps), rms_norm(hidden_states.float(), weights[p + "hnorm"], eps)],
+            dim=-1,
+        )
         x = F.linear(joined.to(wdt), weights[p + "eh_proj"]).float()
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         cache = kv_cache[c.num_layers + self.layer]  # after the main layers' (extra_caches)
@@ -458,9 +542,16 @@ def extra_programs(config: MiMoV2Config, num_top: int, weights: dict[str, Tensor
     """One mtp_draft.N program per MTP layer, checked at export against reference_mtp."""
     mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"mtp.{k}.eh_proj", lambda k: f"model.mtp.layers.{k}.")
     modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
-    return mtp.draft_programs(modules, config.hidden_size, num_top, mtp.reference_check(
-        config.vocab_size, lambda w, ids: reference_forward(config, w, ids)[1],
-        lambda w, layer, next_ids, hidden: reference_mtp(config, w, layer, next_ids, hidden)[0]))
+    return mtp.draft_programs(
+        modules,
+        config.hidden_size,
+        num_top,
+        mtp.reference_check(
+            config.vocab_size,
+            lambda w, ids: reference_forward(config, w, ids)[1],
+            lambda w, layer, next_ids, hidden: reference_mtp(config, w, layer, next_ids, hidden)[0],
+        ),
+    )
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -530,7 +621,9 @@ def _ref_head(c: MiMoV2Config, w: _Float64View, x: Tensor) -> Tensor:
     return (x @ w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"].T).float()
 
 
-def reference_forward(config: MiMoV2Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> tuple[Tensor, Tensor]:
+def reference_forward(
+    config: MiMoV2Config, hf_weights: dict[str, Tensor], token_ids: list[int]
+) -> tuple[Tensor, Tensor]:
     """Dense, unpaged forward over Hugging Face-named weights in float64: (logits [T, V] fp32,
     final-normed hidden states [T, hidden] fp32). Independent of the programs: unfused weights,
     explicit masks and sink columns, complex-number rotary, routing by sorting (moe.reference_moe)."""
@@ -553,8 +646,9 @@ def reference_logits(config: MiMoV2Config, hf_weights: dict[str, Tensor], token_
     return reference_forward(config, hf_weights, token_ids)[0]
 
 
-def reference_mtp(config: MiMoV2Config, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int],
-                  hidden: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+def reference_mtp(
+    config: MiMoV2Config, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int], hidden: Tensor
+) -> tuple[Tensor, Tensor]:
     """One MTP layer over a whole sequence, float64: row t joins next_ids[t] (the token after
     position t) with hidden[t] (the main model's final-normed hidden state at t) and attends over
     rows <= t within the sliding window. Returns (logits [T, V] fp32: the token after next_ids[t],
@@ -562,8 +656,13 @@ def reference_mtp(config: MiMoV2Config, hf_weights: dict[str, Tensor], layer: in
     c, w, eps = config, _Float64View(hf_weights), config.rms_norm_eps
     m = f"model.mtp.layers.{layer}."
     embedded = w["model.embed_tokens.weight"][torch.tensor(next_ids)]
-    joined = torch.cat([_ref_norm(embedded, w[m + "enorm.weight"], eps),
-                        _ref_norm(hidden.to(torch.float64), w[m + "hnorm.weight"], eps)], dim=-1)  # fmt: skip
+    joined = torch.cat(
+        [
+            _ref_norm(embedded, w[m + "enorm.weight"], eps),
+            _ref_norm(hidden.to(torch.float64), w[m + "hnorm.weight"], eps),
+        ],
+        dim=-1,
+    )
     x = joined @ w[m + "eh_proj.weight"].T
     x = x + _ref_attention(c, w, m + "self_attn.", _ref_norm(x, w[m + "input_layernorm.weight"], eps), c.sliding_window)
     x = x + _ref_swiglu(w, m + "mlp.", _ref_norm(x, w[m + "post_attention_layernorm.weight"], eps))
@@ -605,8 +704,10 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
         "sliding_window_size": 7,
         "add_swa_attention_sink_bias": True,
         "add_full_attention_sink_bias": False,
-        "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.334},
-                            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}},
+        "rope_parameters": {
+            FULL: {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.334},
+            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+        },
         "attention_value_scale": 0.707,
         "n_routed_experts": 8,
         "num_experts_per_tok": 2,
@@ -623,7 +724,7 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
-    }  # fmt: skip
+    }
 
 
 def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> Tensor | None:
@@ -640,9 +741,11 @@ def _attention_shapes(c: MiMoV2Config, sliding: bool) -> dict[str, tuple[int, ..
     h, kvh = c.hidden_size, c.kv_heads(sliding)
     shapes: dict[str, tuple[int, ...]] = {
         "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (c.num_heads * c.head_dim, h), "self_attn.k_proj.weight": (kvh * c.head_dim, h),
-        "self_attn.v_proj.weight": (kvh * c.v_head_dim, h), "self_attn.o_proj.weight": (h, c.num_heads * c.v_head_dim),
-    }  # fmt: skip
+        "self_attn.q_proj.weight": (c.num_heads * c.head_dim, h),
+        "self_attn.k_proj.weight": (kvh * c.head_dim, h),
+        "self_attn.v_proj.weight": (kvh * c.v_head_dim, h),
+        "self_attn.o_proj.weight": (h, c.num_heads * c.v_head_dim),
+    }
     if sliding:
         shapes["self_attn.attention_sink_bias"] = (c.num_heads,)
     return shapes
@@ -665,14 +768,25 @@ def hf_shapes(c: MiMoV2Config) -> dict[str, tuple[int, ...]]:
         if c.layer_sparse[i]:
             layer |= {"mlp.gate.weight": (e, h), "mlp.gate.e_score_correction_bias": (e,)}
             for x in range(e):
-                layer |= {f"mlp.experts.{x}.gate_proj.weight": (f, h), f"mlp.experts.{x}.up_proj.weight": (f, h),
-                          f"mlp.experts.{x}.down_proj.weight": (h, f)}  # fmt: skip
+                layer |= {
+                    f"mlp.experts.{x}.gate_proj.weight": (f, h),
+                    f"mlp.experts.{x}.up_proj.weight": (f, h),
+                    f"mlp.experts.{x}.down_proj.weight": (h, f),
+                }
         else:
             layer |= _dense_shapes(c)
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
     for k in range(c.num_mtp_layers):
-        layer = _attention_shapes(c, True) | _dense_shapes(c) | {
-            "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "pre_mlp_layernorm.weight": (h,),
-            "final_layernorm.weight": (h,)}  # fmt: skip
+        layer = (
+            _attention_shapes(c, True)
+            | _dense_shapes(c)
+            | {
+                "enorm.weight": (h,),
+                "hnorm.weight": (h,),
+                "eh_proj.weight": (h, 2 * h),
+                "pre_mlp_layernorm.weight": (h,),
+                "final_layernorm.weight": (h,),
+            }
+        )
         shapes |= {f"model.mtp.layers.{k}.{name}": shape for name, shape in layer.items()}
     return shapes

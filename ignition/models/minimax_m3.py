@@ -76,7 +76,10 @@ _TEXT_WEIGHT_MAP = {
 
 # Where multimodal checkpoints keep the text model: transformers' MiniMaxM3SparseForConditionalGeneration
 # and MiniMax's own layout. Vision-tower and projector tensors are refused by name.
-_TEXT_PREFIXES = {"model.": ("model.language_model.", "language_model.model."), "lm_head.": ("language_model.lm_head.",)}
+_TEXT_PREFIXES = {
+    "model.": ("model.language_model.", "language_model.model."),
+    "lm_head.": ("language_model.lm_head.",),
+}
 
 
 def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
@@ -84,7 +87,7 @@ def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
     for source, target in table.items():
         for plain, alternatives in _TEXT_PREFIXES.items():
             if source.startswith(plain):
-                out.update({alt + source[len(plain):]: target for alt in alternatives})
+                out.update({alt + source[len(plain) :]: target for alt in alternatives})
     return out
 
 
@@ -211,9 +214,14 @@ def config_from_hf(hf: dict[str, Any]) -> MiniMaxM3Config:
     if any(moe_layers) and shared <= 0:
         raise _refuse("shared_intermediate_size", shared, "every MoE block has a shared expert")
     experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 128)
-    router = moe.RouterSpec(num_experts=experts, top_k=int(hf.get("num_experts_per_tok", 4)), scoring="sigmoid",
-                            norm_topk_prob=True, routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.0)),
-                            has_correction_bias=True)  # fmt: skip
+    router = moe.RouterSpec(
+        num_experts=experts,
+        top_k=int(hf.get("num_experts_per_tok", 4)),
+        scoring="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.0)),
+        has_correction_bias=True,
+    )
     return MiniMaxM3Config(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
@@ -239,7 +247,7 @@ def config_from_hf(hf: dict[str, Any]) -> MiniMaxM3Config:
         index_topk_blocks=topk,
         index_local_blocks=local,
         vision=minimax_m3_vision.config_from_hf(top, hf) if _multimodal(top) else None,
-    )  # fmt: skip
+    )
 
 
 def _multimodal(top: dict[str, Any]) -> bool:
@@ -257,8 +265,10 @@ def canonical_tensors(config: MiniMaxM3Config, tensors: dict[str, Tensor]) -> di
     if config.vision is None:
         stray = sorted(n for n in tensors if n.startswith(minimax_m3_vision.VISION_PREFIXES))
         if stray:
-            raise ValueError(f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
-                             f"multimodal (no vision_config, or an image token id outside the vocabulary)")  # fmt: skip
+            raise ValueError(
+                f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
+                f"multimodal (no vision_config, or an image token id outside the vocabulary)"
+            )
         return tensors
     return minimax_m3_vision.native_tensors(tensors)
 
@@ -306,15 +316,25 @@ class StepProgram(torch.nn.Module):
         self.scored = scored
         self.index_cache = {layer: 2 * config.num_layers + n for n, layer in enumerate(config.sparse_layer_ids)}
 
-    def attention(self, weights: dict[str, Tensor], layer: int, h: Tensor, rope: tuple[Tensor, ...],
-                  kv_cache: list[Tensor], paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def attention(
+        self,
+        weights: dict[str, Tensor],
+        layer: int,
+        h: Tensor,
+        rope: tuple[Tensor, ...],
+        kv_cache: list[Tensor],
+        paged: tuple[Tensor, ...],
+    ) -> Tensor:
         """h [T, hidden] in the core dtype -> attention output [T, hidden] fp32."""
         p, c = f"layers.{layer}.", self.config
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
         cos, sin, idx_cos, idx_sin = rope
         q = F.linear(h, weights[p + "wq"]).view(-1, c.num_heads, c.head_dim)
         k = F.linear(h, weights[p + "wk"]).view(-1, c.num_kv_heads, c.head_dim)
-        q, k = gemma_norm(q, weights[p + "q_norm"], c.rms_norm_eps), gemma_norm(k, weights[p + "k_norm"], c.rms_norm_eps)
+        q, k = (
+            gemma_norm(q, weights[p + "q_norm"], c.rms_norm_eps),
+            gemma_norm(k, weights[p + "k_norm"], c.rms_norm_eps),
+        )
         v = F.linear(h, weights[p + "wv"]).view(-1, c.num_kv_heads, c.head_dim)
         q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
         k_cache, v_cache = kv_cache[2 * layer], kv_cache[2 * layer + 1]
@@ -328,14 +348,33 @@ class StepProgram(torch.nn.Module):
             idx_k = partial_rope(gemma_norm(idx_k, weights[p + "idx_k_norm"], c.rms_norm_eps), idx_cos, idx_sin)
             idx_cache = kv_cache[self.index_cache[layer]]
             torch.ops.flare.write_kv(idx_cache, idx_cache, idx_k.to(kvt), idx_k.to(kvt), slot_mapping)
-            blocks = torch.ops.flare.block_select(idx_q.to(kvt), idx_cache, block_tables, seq_lens, query_start_loc,
-                                                  positions, c.index_block_size, c.index_topk_blocks,
-                                                  c.index_local_blocks)  # fmt: skip
-            attn = torch.ops.flare.block_sparse_attention(q.to(kvt), k_cache, v_cache, blocks, block_tables, seq_lens,
-                                                          query_start_loc, positions, scale, c.index_block_size)  # fmt: skip
+            blocks = torch.ops.flare.block_select(
+                idx_q.to(kvt),
+                idx_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                positions,
+                c.index_block_size,
+                c.index_topk_blocks,
+                c.index_local_blocks,
+            )
+            attn = torch.ops.flare.block_sparse_attention(
+                q.to(kvt),
+                k_cache,
+                v_cache,
+                blocks,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                positions,
+                scale,
+                c.index_block_size,
+            )
         else:
-            attn = torch.ops.flare.paged_attention(q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                   positions, scale)  # fmt: skip
+            attn = torch.ops.flare.paged_attention(
+                q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale
+            )
         return F.linear(attn.reshape(-1, c.num_heads * c.head_dim).to(h.dtype), weights[p + "wo"]).float()
 
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
@@ -344,8 +383,22 @@ class StepProgram(torch.nn.Module):
             return moe.sparse_moe(c.router, weights, layer, h, activation=c.activation, shared=True)
         return moe.shared_mlp(h, weights[p + "w_gate_up"], weights[p + "w_down"], c.activation)
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        extra_1=None,
+        extra_2=None,
+        extra_3=None,
+        extra_4=None,
+    ):
         """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
         those rows' input embeddings are the features; rows of -1 are unused."""
         extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
@@ -360,7 +413,9 @@ class StepProgram(torch.nn.Module):
             T = x.shape[0]
             rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
             x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, device=positions.device).float() / c.rotary_dim))
+        inv_freq = 1.0 / (
+            c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, device=positions.device).float() / c.rotary_dim)
+        )
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, rotary_dim]
         cos, sin = emb.cos(), emb.sin()
@@ -385,7 +440,7 @@ def canonical_name(name: str) -> str:
     for plain, alternatives in _TEXT_PREFIXES.items():
         for alt in alternatives:
             if name.startswith(alt):
-                name = plain + name[len(alt):]
+                name = plain + name[len(alt) :]
                 break
     name = name.replace(".self_attn.index_", ".self_attn.indexer.")
     if ".block_sparse_moe." in name:
@@ -412,8 +467,13 @@ def _reference_select(scores: Tensor, positions: Tensor, c: MiniMaxM3Config) -> 
     return chosen
 
 
-def reference_logits(config: MiniMaxM3Config, hf_weights: dict[str, Tensor], token_ids: list[int],
-                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+def reference_logits(
+    config: MiniMaxM3Config,
+    hf_weights: dict[str, Tensor],
+    token_ids: list[int],
+    image_features: Tensor | None = None,
+    image_positions: list[int] | None = None,
+) -> Tensor:
     """Dense, unpaged forward over Hugging Face-named weights (any of the layouts WEIGHT_MAP reads):
     logits [T, V] fp32. Independent of the program path: explicit attention matrices, the
     indexer's choice made query by query (sorting, not top-k), rotary from float64 angles.
@@ -468,7 +528,7 @@ def reference_logits(config: MiniMaxM3Config, hf_weights: dict[str, Tensor], tok
             ik = (h @ w[a + "indexer.k_proj.weight"].T).view(total, 1, c.index_head_dim)
             iq = rotate(norm(iq, w[a + "indexer.q_norm.weight"]).transpose(0, 1), width)
             ik = rotate(norm(ik, w[a + "indexer.k_norm.weight"]).transpose(0, 1), width)
-            scores = (iq.double() @ ik.double().transpose(1, 2))  # [Hi, T, T]
+            scores = iq.double() @ ik.double().transpose(1, 2)  # [Hi, T, T]
             chosen = _reference_select(scores, positions, c)  # [Hi, T, blocks]
             per_key = chosen[..., positions // c.index_block_size]  # [Hi, T, T]
             visible = visible & per_key.repeat_interleave(c.num_heads // c.index_heads, dim=0)
@@ -478,9 +538,16 @@ def reference_logits(config: MiniMaxM3Config, hf_weights: dict[str, Tensor], tok
         x = x + attn @ w[a + "o_proj.weight"].T
         h = norm(x, w[p + "post_attention_layernorm.weight"])
         if c.moe_layers[i]:
-            routed = moe.reference_moe(c.router, w, p + "mlp.", h, activation=c.activation,
-                                       names=("w1", "w3", "w2") if p + "mlp.experts.0.w1.weight" in w
-                                       else ("gate_proj", "up_proj", "down_proj"))  # fmt: skip
+            routed = moe.reference_moe(
+                c.router,
+                w,
+                p + "mlp.",
+                h,
+                activation=c.activation,
+                names=("w1", "w3", "w2")
+                if p + "mlp.experts.0.w1.weight" in w
+                else ("gate_proj", "up_proj", "down_proj"),
+            )
             x = x + routed + glu_mlp(p + "mlp.shared_experts.", h)
         else:
             x = x + glu_mlp(p + "mlp.", h)
@@ -541,7 +608,9 @@ def hf_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
     shapes = _text_shapes(c)
     if c.vision is None:
         return shapes
-    nested = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in shapes.items()}
+    nested = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in shapes.items()
+    }
     return nested | minimax_m3_vision.hf_shapes(c.vision)
 
 
@@ -553,30 +622,53 @@ def _text_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
     e, f, s = c.router.num_experts, c.intermediate_size, c.shared_intermediate_size
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,),
-        })  # fmt: skip
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (c.head_dim,),
+                p + "self_attn.k_norm.weight": (c.head_dim,),
+            }
+        )
         if c.sparse_layers[layer]:
             i = p + "self_attn.indexer."
-            shapes.update({i + "q_proj.weight": (c.index_heads * c.index_head_dim, h), i + "k_proj.weight": (c.index_head_dim, h),
-                           i + "q_norm.weight": (c.index_head_dim,), i + "k_norm.weight": (c.index_head_dim,)})  # fmt: skip
+            shapes.update(
+                {
+                    i + "q_proj.weight": (c.index_heads * c.index_head_dim, h),
+                    i + "k_proj.weight": (c.index_head_dim, h),
+                    i + "q_norm.weight": (c.index_head_dim,),
+                    i + "k_norm.weight": (c.index_head_dim,),
+                }
+            )
         m = p + "mlp."
         if not c.moe_layers[layer]:
             d = c.dense_intermediate_size
             shapes.update({m + "gate_up_proj.weight": (2 * d, h), m + "down_proj.weight": (h, d)})
             continue
-        shapes.update({m + "gate.weight": (e, h), m + "gate.e_score_correction_bias": (e,),
-                       m + "experts.gate_up_proj": (e, 2 * f, h), m + "experts.down_proj": (e, h, f),
-                       m + "shared_experts.gate_up_proj.weight": (2 * s, h), m + "shared_experts.down_proj.weight": (h, s)})  # fmt: skip
+        shapes.update(
+            {
+                m + "gate.weight": (e, h),
+                m + "gate.e_score_correction_bias": (e,),
+                m + "experts.gate_up_proj": (e, 2 * f, h),
+                m + "experts.down_proj": (e, h, f),
+                m + "shared_experts.gate_up_proj.weight": (2 * s, h),
+                m + "shared_experts.down_proj.weight": (h, s),
+            }
+        )
     return shapes
 
 
 # Test vision checkpoints: the "minimax_m3" chat flavour plus the processor's framing tokens.
-TESTMODEL_VISION_TOKENS = (minimax_m3_vision.IMAGE_TOKEN, minimax_m3_vision.START_TOKEN, minimax_m3_vision.END_TOKEN,
-                           "]<]video[>[")  # fmt: skip
+TESTMODEL_VISION_TOKENS = (
+    minimax_m3_vision.IMAGE_TOKEN,
+    minimax_m3_vision.START_TOKEN,
+    minimax_m3_vision.END_TOKEN,
+    "]<]video[>[",
+)
 
 
 def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
@@ -590,25 +682,38 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
         "model_type": "minimax_m3_vl",
         "text_config": text,
         "vision_config": {
-            "model_type": "minimax_m3_vl_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
-            "hidden_act": "gelu", "layer_norm_eps": 1e-5, "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+            "model_type": "minimax_m3_vl_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "hidden_act": "gelu",
+            "layer_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
         },
         "projector_hidden_size": 48,
         "image_token_id": tokens[minimax_m3_vision.IMAGE_TOKEN],
         "video_token_id": tokens["]<]video[>["],
         "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
         "max_position_embeddings": text["max_position_embeddings"],  # also at the top, where testmodel reads it
-    }  # fmt: skip
+    }
 
 
 # MiniMaxM3VLImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): 4 .. 64
 # tokens of 28 x 28 pixels per image.
-TESTMODEL_PROCESSOR = {"image_processor_type": "MiniMaxM3VLImageProcessor",
-                       "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}, "patch_size": 14,
-                       "temporal_patch_size": 2, "merge_size": 2, "resample": 3,
-                       "image_mean": list(minimax_m3_vision.PROCESSOR_DEFAULTS["image_mean"]),
-                       "image_std": list(minimax_m3_vision.PROCESSOR_DEFAULTS["image_std"])}  # fmt: skip
+TESTMODEL_PROCESSOR = {
+    "image_processor_type": "MiniMaxM3VLImageProcessor",
+    "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28},
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "resample": 3,
+    "image_mean": list(minimax_m3_vision.PROCESSOR_DEFAULTS["image_mean"]),
+    "image_std": list(minimax_m3_vision.PROCESSOR_DEFAULTS["image_std"]),
+}
 
 
 # ------------------------------------------------------------------------- vision hooks (ignition.export)

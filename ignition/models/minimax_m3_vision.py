@@ -41,16 +41,31 @@ WEIGHT_MAP = {
     _V + "embeddings.proj.weight": "vision.patch_embed",
     _V + "pre_layrnorm.weight": "vision.pre_norm",
     _V + "pre_layrnorm.bias": "vision.pre_norm.bias",
-    **{_PROJ + f"{hf}.{kind}": f"vision.{ours}" + ("" if kind == "weight" else ".bias")
-       for hf, ours in (("linear_1", "proj1"), ("linear_2", "proj2"), ("merge_linear_1", "merge1"),
-                        ("merge_linear_2", "merge2"))
-       for kind in ("weight", "bias")},
-    **{_VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-       for hf, ours in (("self_attn.q_proj", "wq"), ("self_attn.k_proj", "wk"), ("self_attn.v_proj", "wv"),
-                        ("self_attn.out_proj", "wo"), ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2"),
-                        ("layer_norm1", "norm1"), ("layer_norm2", "norm2"))
-       for kind in ("weight", "bias")},
-}  # fmt: skip
+    **{
+        _PROJ + f"{hf}.{kind}": f"vision.{ours}" + ("" if kind == "weight" else ".bias")
+        for hf, ours in (
+            ("linear_1", "proj1"),
+            ("linear_2", "proj2"),
+            ("merge_linear_1", "merge1"),
+            ("merge_linear_2", "merge2"),
+        )
+        for kind in ("weight", "bias")
+    },
+    **{
+        _VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
+        for hf, ours in (
+            ("self_attn.q_proj", "wq"),
+            ("self_attn.k_proj", "wk"),
+            ("self_attn.v_proj", "wv"),
+            ("self_attn.out_proj", "wo"),
+            ("mlp.fc1", "fc1"),
+            ("mlp.fc2", "fc2"),
+            ("layer_norm1", "norm1"),
+            ("layer_norm2", "norm2"),
+        )
+        for kind in ("weight", "bias")
+    },
+}
 # MiniMax's own layout (what its hub checkpoints ship) -> transformers' names, as transformers'
 # conversion_mapping "minimax_m3_vl" renames them.
 _HUB_RENAMES = (
@@ -156,28 +171,44 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     h, f, p, t = v.hidden_size, v.intermediate_size, v.projector_hidden_size, v.text_hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         _V + "embeddings.proj.weight": (h, 3, v.temporal_patch_size, v.patch_size, v.patch_size),
-        _V + "pre_layrnorm.weight": (h,), _V + "pre_layrnorm.bias": (h,),
-        _PROJ + "linear_1.weight": (p, h), _PROJ + "linear_1.bias": (p,),
-        _PROJ + "linear_2.weight": (t, p), _PROJ + "linear_2.bias": (t,),
-        _PROJ + "merge_linear_1.weight": (p, t * v.merge_size**2), _PROJ + "merge_linear_1.bias": (p,),
-        _PROJ + "merge_linear_2.weight": (t, p), _PROJ + "merge_linear_2.bias": (t,),
-    }  # fmt: skip
+        _V + "pre_layrnorm.weight": (h,),
+        _V + "pre_layrnorm.bias": (h,),
+        _PROJ + "linear_1.weight": (p, h),
+        _PROJ + "linear_1.bias": (p,),
+        _PROJ + "linear_2.weight": (t, p),
+        _PROJ + "linear_2.bias": (t,),
+        _PROJ + "merge_linear_1.weight": (p, t * v.merge_size**2),
+        _PROJ + "merge_linear_1.bias": (p,),
+        _PROJ + "merge_linear_2.weight": (t, p),
+        _PROJ + "merge_linear_2.bias": (t,),
+    }
     for i in range(v.num_layers):
         q = _VL.format(i)
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"):
             shapes |= {q + name + ".weight": (h, h), q + name + ".bias": (h,)}
-        shapes |= {q + "mlp.fc1.weight": (f, h), q + "mlp.fc1.bias": (f,), q + "mlp.fc2.weight": (h, f),
-                   q + "mlp.fc2.bias": (h,)}  # fmt: skip
+        shapes |= {
+            q + "mlp.fc1.weight": (f, h),
+            q + "mlp.fc1.bias": (f,),
+            q + "mlp.fc2.weight": (h, f),
+            q + "mlp.fc2.bias": (h,),
+        }
         for name in ("layer_norm1", "layer_norm2"):
             shapes |= {q + name + ".weight": (h,), q + name + ".bias": (h,)}
     return shapes
 
 
 # MiniMaxM3VLImageProcessor's class defaults (its preprocessor_config.json may override them).
-PROCESSOR_DEFAULTS = {"min_pixels": 4 * 28 * 28, "max_pixels": 451584, "patch_size": 14, "temporal_patch_size": 2,
-                      "merge_size": 2, "image_mean": (0.48145466, 0.4578275, 0.40821073),
-                      "image_std": (0.26862954, 0.26130258, 0.27577711), "rescale_factor": 1 / 255,
-                      "resample": 3}  # fmt: skip
+PROCESSOR_DEFAULTS = {
+    "min_pixels": 4 * 28 * 28,
+    "max_pixels": 451584,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": (0.48145466, 0.4578275, 0.40821073),
+    "image_std": (0.26862954, 0.26130258, 0.27577711),
+    "rescale_factor": 1 / 255,
+    "resample": 3,
+}
 IMAGE_TOKEN, START_TOKEN, END_TOKEN = "]<]image[>[", "]<]start of image[>[", "]<]end of image[>["
 
 
@@ -203,8 +234,10 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, t
     settings = {k: ip.get(k) if ip.get(k) is not None else d for k, d in PROCESSOR_DEFAULTS.items()}
     ps, t, m = int(settings["patch_size"]), int(settings["temporal_patch_size"]), int(settings["merge_size"])
     if (ps, t, m) != (v.patch_size, v.temporal_patch_size, v.merge_size):
-        raise ValueError(f"the processor's patch_size / temporal_patch_size / merge_size ({ps}, {t}, {m}) differ "
-                         f"from the vision tower's ({v.patch_size}, {v.temporal_patch_size}, {v.merge_size})")  # fmt: skip
+        raise ValueError(
+            f"the processor's patch_size / temporal_patch_size / merge_size ({ps}, {t}, {m}) differ "
+            f"from the vision tower's ({v.patch_size}, {v.temporal_patch_size}, {v.merge_size})"
+        )
     if int(settings["resample"]) != 3:
         raise ValueError(f"resample {settings['resample']} is not supported (bicubic, 3, is)")
     if ip.get("do_rescale") is False or ip.get("do_convert_rgb") is False or ip.get("do_resize") is False:
@@ -357,8 +390,14 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     # Channel pairs (j, j + 3d/2) turn by angle[j]; angles: d/2 frequencies of the frame (0), then y, then x.
     d = v.axis_dim
     freqs = [v.rope_theta ** (-j / d) for j in range(0, d, 2)]
-    angle = torch.tensor([[0.0 * f for f in freqs] + [r * f for f in freqs] + [c * f for f in freqs]
-                          for r in range(rows) for c in range(cols)], dtype=f64)  # fmt: skip
+    angle = torch.tensor(
+        [
+            [0.0 * f for f in freqs] + [r * f for f in freqs] + [c * f for f in freqs]
+            for r in range(rows)
+            for c in range(cols)
+        ],
+        dtype=f64,
+    )
     half = 3 * d // 2
 
     def rotate(u: Tensor) -> Tensor:  # [N, H, hd]
@@ -370,8 +409,9 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     for i in range(v.num_layers):
         p = _VL.format(i)
         y = ln(x, p + "layer_norm1")
-        q, k, val = (y @ w(p + f"self_attn.{n}.weight").T + w(p + f"self_attn.{n}.bias")
-                     for n in ("q_proj", "k_proj", "v_proj"))  # fmt: skip
+        q, k, val = (
+            y @ w(p + f"self_attn.{n}.weight").T + w(p + f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")
+        )
         q, k, val = rotate(q.view(-1, H, hd)), rotate(k.view(-1, H, hd)), val.view(-1, H, hd)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
         attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), val).reshape(-1, h)
@@ -384,6 +424,9 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
         return u @ w(_PROJ + second + ".weight").T + w(_PROJ + second + ".bias")
 
     x = mlp(x, "linear_1", "linear_2").view(rows, cols, -1)
-    tokens = [torch.cat([x[by * m + dy, bx * m + dx] for dy in range(m) for dx in range(m)])
-              for by in range(rows // m) for bx in range(cols // m)]  # fmt: skip
+    tokens = [
+        torch.cat([x[by * m + dy, bx * m + dx] for dy in range(m) for dx in range(m)])
+        for by in range(rows // m)
+        for bx in range(cols // m)
+    ]
     return mlp(torch.stack(tokens), "merge_linear_1", "merge_linear_2").float()

@@ -51,7 +51,9 @@ class RouterSpec:
         if self.n_group > 1 and not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group {self.topk_group} must be between 1 and n_group {self.n_group}")
         if self.n_group > 1 and self.num_experts // self.n_group < 2:
-            raise ValueError("group-limited routing needs at least two experts per group (groups score by their top two)")
+            raise ValueError(
+                "group-limited routing needs at least two experts per group (groups score by their top two)"
+            )
         if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
             raise ValueError(f"topk_group {self.topk_group} groups hold fewer than top_k {self.top_k} experts")
 
@@ -123,16 +125,33 @@ def route(spec: RouterSpec, router_logits: Tensor, correction_bias: Tensor | Non
     return weights_at(spec, probs, ids), ids
 
 
-def routed_mlp(h: Tensor, weights: Tensor, ids: Tensor, w_gate_up: Tensor, w_down: Tensor,
-               activation: ExpertActivation = SWIGLU, post_norm_scale: Tensor | None = None,
-               post_norm_eps: float = 1e-6) -> Tensor:  # fmt: skip
+def routed_mlp(
+    h: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    activation: ExpertActivation = SWIGLU,
+    post_norm_scale: Tensor | None = None,
+    post_norm_eps: float = 1e-6,
+) -> Tensor:
     """The routed experts of h [T, H] -> [T, H] fp32 (only each token's chosen experts run).
 
     w_gate_up [E, 2F, H] (gate rows first), w_down [E, H, F]; weights/ids from `route`.
     post_norm_scale [H]: Muse Spark's per-expert output norm (pass 1 + its weight).
     """
-    return torch.ops.flare.routed_experts(h, weights, ids, w_gate_up, w_down, activation.name, activation.limit,
-                                          activation.alpha, post_norm_scale, post_norm_eps)  # fmt: skip
+    return torch.ops.flare.routed_experts(
+        h,
+        weights,
+        ids,
+        w_gate_up,
+        w_down,
+        activation.name,
+        activation.limit,
+        activation.alpha,
+        post_norm_scale,
+        post_norm_eps,
+    )
 
 
 def shared_mlp(h: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: ExpertActivation = SWIGLU) -> Tensor:
@@ -140,9 +159,15 @@ def shared_mlp(h: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: ExpertA
     return expert_forward(h, w_gate_up, w_down, activation.name, activation.limit, activation.alpha)
 
 
-def sparse_moe(spec: RouterSpec, weights: dict[str, Tensor], layer: int, h: Tensor,
-               activation: ExpertActivation = SWIGLU, shared: bool = False,
-               shared_activation: ExpertActivation | None = None) -> Tensor:  # fmt: skip
+def sparse_moe(
+    spec: RouterSpec,
+    weights: dict[str, Tensor],
+    layer: int,
+    h: Tensor,
+    activation: ExpertActivation = SWIGLU,
+    shared: bool = False,
+    shared_activation: ExpertActivation | None = None,
+) -> Tensor:
     """One MoE layer over the standard internal names (expert_weight_map, STACKED_EXPERTS,
     shared_expert_weight_map + SHARED_EXPERT_FUSED): h [T, H] in the core dtype -> routed (+ shared) output [T, H] fp32.
 
@@ -155,8 +180,9 @@ def sparse_moe(spec: RouterSpec, weights: dict[str, Tensor], layer: int, h: Tens
     top, ids = route(spec, logits, bias)
     out = routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"], activation)
     if shared:
-        out = out + shared_mlp(h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"],
-                               shared_activation or activation)  # fmt: skip
+        out = out + shared_mlp(
+            h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"], shared_activation or activation
+        )
     return out
 
 
@@ -172,8 +198,13 @@ STACKED_EXPERTS = {
 SHARED_EXPERT_FUSED = {"layers.{}.w_shared_gate_up": ("layers.{}.shared.w_gate", "layers.{}.shared.w_up")}
 
 
-def expert_weight_map(mlp: str = "model.layers.{}.mlp.", gate: str = "gate_proj", up: str = "up_proj",
-                      down: str = "down_proj", router: str = "gate") -> dict[str, str]:  # fmt: skip
+def expert_weight_map(
+    mlp: str = "model.layers.{}.mlp.",
+    gate: str = "gate_proj",
+    up: str = "up_proj",
+    down: str = "down_proj",
+    router: str = "gate",
+) -> dict[str, str]:
     """Hugging Face -> internal names of a MoE block under `mlp`, in both checkpoint layouts:
     per-expert tensors (`experts.{E}.gate_proj.weight`, stacked later by STACKED_EXPERTS) and
     transformers 5's stacked `experts.gate_up_proj` [E, 2F, H] / `experts.down_proj` [E, H, F]."""
@@ -292,8 +323,9 @@ def _reference_act(gate: Tensor, up: Tensor, act: ExpertActivation) -> Tensor:
     return silu * up
 
 
-def _reference_expert(w: dict[str, Tensor], experts: str, e: int, names: tuple[str, str, str],
-                      x: Tensor, act: ExpertActivation) -> Tensor:  # fmt: skip
+def _reference_expert(
+    w: dict[str, Tensor], experts: str, e: int, names: tuple[str, str, str], x: Tensor, act: ExpertActivation
+) -> Tensor:
     if experts + "gate_up_proj" in w:  # transformers 5's stacked layout
         gate, up = (x @ w[experts + "gate_up_proj"][e].T).chunk(2, dim=-1)
         down = w[experts + "down_proj"][e]
@@ -303,11 +335,18 @@ def _reference_expert(w: dict[str, Tensor], experts: str, e: int, names: tuple[s
     return _reference_act(gate, up, act) @ down.T
 
 
-def reference_moe(spec: RouterSpec, w: dict[str, Tensor], prefix: str, h: Tensor,
-                  activation: ExpertActivation = SWIGLU, shared: bool = False,
-                  shared_activation: ExpertActivation | None = None,
-                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), router: str = "gate",
-                  ids: Tensor | None = None) -> Tensor:  # fmt: skip
+def reference_moe(
+    spec: RouterSpec,
+    w: dict[str, Tensor],
+    prefix: str,
+    h: Tensor,
+    activation: ExpertActivation = SWIGLU,
+    shared: bool = False,
+    shared_activation: ExpertActivation | None = None,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    router: str = "gate",
+    ids: Tensor | None = None,
+) -> Tensor:
     """A MoE block under `prefix` (e.g. "model.layers.3.mlp.") over fp32 Hugging Face-named
     weights, h [T, H] -> [T, H]; independent of the program path (sorting instead of topk,
     one loop over experts with only their chosen tokens, per-expert or stacked weights).

@@ -54,46 +54,73 @@ def extra_step_outputs(hidden_size: int, num_mtp_layers: int) -> tuple[TensorSpe
 def signature(hidden_size: int, num_top: int) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Inputs and outputs of an mtp_draft.N program (dims as program_signature's)."""
     hidden = hidden_states_spec(hidden_size)
-    inputs = (TensorSpec("token_ids", "int64", ("T",)), TensorSpec("positions", "int64", ("T",)), hidden,
-              TensorSpec("slot_mapping", "int64", ("T",)), TensorSpec("block_tables", "int32", ("B", "M")),
-              TensorSpec("seq_lens", "int32", ("B",)), TensorSpec("query_start_loc", "int32", ("B+1",)),
-              TensorSpec("logits_indices", "int64", ("R",)))  # fmt: skip
+    inputs = (
+        TensorSpec("token_ids", "int64", ("T",)),
+        TensorSpec("positions", "int64", ("T",)),
+        hidden,
+        TensorSpec("slot_mapping", "int64", ("T",)),
+        TensorSpec("block_tables", "int32", ("B", "M")),
+        TensorSpec("seq_lens", "int32", ("B",)),
+        TensorSpec("query_start_loc", "int32", ("B+1",)),
+        TensorSpec("logits_indices", "int64", ("R",)),
+    )
     outputs = [TensorSpec("logits", "float32", ("R", "V")), TensorSpec("logsumexp", "float32", ("R",))]
     if num_top:
-        outputs += [TensorSpec("top_logprobs", "float32", ("R", num_top)), TensorSpec("top_ids", "int64", ("R", num_top))]
+        outputs += [
+            TensorSpec("top_logprobs", "float32", ("R", num_top)),
+            TensorSpec("top_ids", "int64", ("R", num_top)),
+        ]
     return inputs, (*outputs, hidden)
 
 
-def require_layers(weights: dict[str, Tensor], num_mtp_layers: int, internal: Callable[[int], str],
-                   checkpoint_prefix: Callable[[int], str]) -> None:  # fmt: skip
+def require_layers(
+    weights: dict[str, Tensor],
+    num_mtp_layers: int,
+    internal: Callable[[int], str],
+    checkpoint_prefix: Callable[[int], str],
+) -> None:
     """A SourceError when the config promises MTP layers whose tensors the checkpoint lacks
     (e.g. a transformers save_pretrained copy, which drops them)."""
     missing = [k for k in range(num_mtp_layers) if internal(k) not in weights]
     if missing:
-        raise SourceError(f"num_nextn_predict_layers = {num_mtp_layers}, but the checkpoint has no "
-                          f"{checkpoint_prefix(missing[0])}* tensors; set num_nextn_predict_layers to "
-                          f"{missing[0]} in config.json to export without them")  # fmt: skip
+        raise SourceError(
+            f"num_nextn_predict_layers = {num_mtp_layers}, but the checkpoint has no "
+            f"{checkpoint_prefix(missing[0])}* tensors; set num_nextn_predict_layers to "
+            f"{missing[0]} in config.json to export without them"
+        )
 
 
 # (layer, saved program, fp32 HF-named weights, core weights, layout, page tokens) -> max |Δ logprob|
 Checker = Callable[[int, Any, dict[str, Tensor], dict[str, Tensor], KvLayout, int], float]
 
 
-def draft_programs(modules: list[torch.nn.Module], hidden_size: int, num_top: int, check: Checker) -> tuple[ExtraProgram, ...]:
+def draft_programs(
+    modules: list[torch.nn.Module], hidden_size: int, num_top: int, check: Checker
+) -> tuple[ExtraProgram, ...]:
     """One mtp_draft.N program per module (MTP layer N), each checked at export by `check`."""
     inputs, outputs = signature(hidden_size, num_top)
     examples = {"hidden_states": torch.zeros(5, hidden_size)}
 
     def checker(layer: int) -> Callable[..., float]:
-        return lambda program, hf_weights, weights, kv, page_tokens: check(layer, program, hf_weights, weights, kv,
-                                                                           page_tokens)  # fmt: skip
+        return lambda program, hf_weights, weights, kv, page_tokens: check(
+            layer, program, hf_weights, weights, kv, page_tokens
+        )
 
-    return tuple(ExtraProgram(f"{MTP_KIND}.{k}", module, inputs, outputs, examples, checker(k))
-                 for k, module in enumerate(modules))  # fmt: skip
+    return tuple(
+        ExtraProgram(f"{MTP_KIND}.{k}", module, inputs, outputs, examples, checker(k))
+        for k, module in enumerate(modules)
+    )
 
 
-def run_mtp_prompt(program: Any, weights: dict[str, Tensor], kv: KvLayout, page_tokens: int, next_ids: list[int],
-                   hidden: Tensor, chunk: int | None = None) -> dict[str, Tensor]:  # fmt: skip
+def run_mtp_prompt(
+    program: Any,
+    weights: dict[str, Tensor],
+    kv: KvLayout,
+    page_tokens: int,
+    next_ids: list[int],
+    hidden: Tensor,
+    chunk: int | None = None,
+) -> dict[str, Tensor]:
     """One sequence through an mtp_draft program in chunks over a fresh paged cache (pages used
     in reverse order, as helios.core.program.run_prompt); outputs concatenated over chunks."""
     total = len(next_ids)
@@ -105,11 +132,16 @@ def run_mtp_prompt(program: Any, weights: dict[str, Tensor], kv: KvLayout, page_
     for start in range(0, total, chunk):
         end = min(total, start + chunk)
         slots = torch.tensor([pages[t // page_tokens] * page_tokens + t % page_tokens for t in range(start, end)])
-        inputs = {"token_ids": ids[start:end], "positions": torch.arange(start, end), "hidden_states": hidden[start:end],
-                  "slot_mapping": slots, "block_tables": torch.tensor([pages], dtype=torch.int32),
-                  "seq_lens": torch.tensor([end], dtype=torch.int32),
-                  "query_start_loc": torch.tensor([0, end - start], dtype=torch.int32),
-                  "logits_indices": torch.arange(end - start)}  # fmt: skip
+        inputs = {
+            "token_ids": ids[start:end],
+            "positions": torch.arange(start, end),
+            "hidden_states": hidden[start:end],
+            "slot_mapping": slots,
+            "block_tables": torch.tensor([pages], dtype=torch.int32),
+            "seq_lens": torch.tensor([end], dtype=torch.int32),
+            "query_start_loc": torch.tensor([0, end - start], dtype=torch.int32),
+            "logits_indices": torch.arange(end - start),
+        }
         for name, value in program(weights, caches, **inputs).items():
             collected.setdefault(name, []).append(value)
     return {name: torch.cat(parts) for name, parts in collected.items()}
@@ -118,9 +150,15 @@ def run_mtp_prompt(program: Any, weights: dict[str, Tensor], kv: KvLayout, page_
 CHECK_TEXT_IDS = 40  # tokens of the export-time MTP check (several chunks and pages at 16-token pages)
 
 
-def check_against_reference(program: Any, weights: dict[str, Tensor], kv: KvLayout, page_tokens: int,
-                            vocab_size: int, main_hidden: Callable[[list[int]], Tensor],
-                            mtp_logits: Callable[[list[int], Tensor], Tensor]) -> float:  # fmt: skip
+def check_against_reference(
+    program: Any,
+    weights: dict[str, Tensor],
+    kv: KvLayout,
+    page_tokens: int,
+    vocab_size: int,
+    main_hidden: Callable[[list[int]], Tensor],
+    mtp_logits: Callable[[list[int], Tensor], Tensor],
+) -> float:
     """Max |Δ logprob| of an mtp_draft program against the family's reference on a fixed token
     sequence: main_hidden(ids) -> the reference's final-normed hidden states [T, hidden];
     mtp_logits(next_ids, hidden) -> the reference MTP layer's logits [T, V]; the program is fed
@@ -133,16 +171,31 @@ def check_against_reference(program: Any, weights: dict[str, Tensor], kv: KvLayo
     return float((logprobs - torch.log_softmax(expected, dim=-1)).abs().max())
 
 
-def reference_check(vocab_size: int, main_hidden: Callable[[dict[str, Tensor], list[int]], Tensor],
-                    mtp_logits: Callable[[dict[str, Tensor], int, list[int], Tensor], Tensor]) -> Callable[..., float]:  # fmt: skip
+def reference_check(
+    vocab_size: int,
+    main_hidden: Callable[[dict[str, Tensor], list[int]], Tensor],
+    mtp_logits: Callable[[dict[str, Tensor], int, list[int], Tensor], Tensor],
+) -> Callable[..., float]:
     """draft_programs' `check` for a family with plain-torch references: main_hidden(hf_weights,
     ids) -> final-normed hidden states; mtp_logits(hf_weights, layer, next_ids, hidden) -> the
     reference MTP layer's logits (check_against_reference)."""
 
-    def check(layer: int, program: Any, hf_weights: dict[str, Tensor], weights: dict[str, Tensor], kv: KvLayout,
-              page_tokens: int) -> float:  # fmt: skip
-        return check_against_reference(program, weights, kv, page_tokens, vocab_size,
-                                       lambda ids: main_hidden(hf_weights, ids),
-                                       lambda next_ids, hidden: mtp_logits(hf_weights, layer, next_ids, hidden))  # fmt: skip
+    def check(
+        layer: int,
+        program: Any,
+        hf_weights: dict[str, Tensor],
+        weights: dict[str, Tensor],
+        kv: KvLayout,
+        page_tokens: int,
+    ) -> float:
+        return check_against_reference(
+            program,
+            weights,
+            kv,
+            page_tokens,
+            vocab_size,
+            lambda ids: main_hidden(hf_weights, ids),
+            lambda next_ids, hidden: mtp_logits(hf_weights, layer, next_ids, hidden),
+        )
 
     return check

@@ -61,13 +61,28 @@ TOPK_NORM_EPS = 1e-15  # MuseSparkTopkRouter.norm_topk_prob_eps
 
 # MuseSparkTextConfig's defaults, for keys a config.json leaves out.
 TEXT_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 202_048, "hidden_size": 8192, "intermediate_size": 16384, "num_hidden_layers": 62,
-    "num_attention_heads": 128, "num_key_value_heads": 16, "head_dim": 64, "max_position_embeddings": 1048576,
-    "rms_norm_eps": 1e-5, "sliding_window": 2048, "final_logit_softcapping": 20.0, "qk_scale_factor": 5.4730064863875,
-    "output_multiplier": 0.1767766952966369, "post_norm_eps": 1e-8, "hidden_act": "silu",
-    "moe_intermediate_size": 4096, "num_local_experts": 256, "num_experts_per_tok": 8, "routed_scaling_factor": 1.0,
-    "moe_hidden_size": 4096, "residual_gate_temperature": 0.3,
-}  # fmt: skip
+    "vocab_size": 202_048,
+    "hidden_size": 8192,
+    "intermediate_size": 16384,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 16,
+    "head_dim": 64,
+    "max_position_embeddings": 1048576,
+    "rms_norm_eps": 1e-5,
+    "sliding_window": 2048,
+    "final_logit_softcapping": 20.0,
+    "qk_scale_factor": 5.4730064863875,
+    "output_multiplier": 0.1767766952966369,
+    "post_norm_eps": 1e-8,
+    "hidden_act": "silu",
+    "moe_intermediate_size": 4096,
+    "num_local_experts": 256,
+    "num_experts_per_tok": 8,
+    "routed_scaling_factor": 1.0,
+    "moe_hidden_size": 4096,
+    "residual_gate_temperature": 0.3,
+}
 DEFAULT_ROPE_THETA = 500_000.0
 # MuseSparkConfig's placeholder ids (embedded as token 0 by the wrapper when no media is given).
 PLACEHOLDER_DEFAULTS = {"image_token_id": 200092, "video_token_id": 200091, "audio_token_id": 200038}
@@ -145,8 +160,10 @@ class MuseSparkConfig:
 
 def _text(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("model_type") not in (None, *HF_MODEL_TYPES) or not isinstance(hf.get("text_config"), dict):
-        raise ValueError(f"the {FAMILY} family reads MuseSparkForConditionalGeneration configs (model_type "
-                         f"muse_spark, the text model under text_config), not {hf.get('model_type')!r}")  # fmt: skip
+        raise ValueError(
+            f"the {FAMILY} family reads MuseSparkForConditionalGeneration configs (model_type "
+            f"muse_spark, the text model under text_config), not {hf.get('model_type')!r}"
+        )
     return {**TEXT_DEFAULTS, **{k: v for k, v in hf["text_config"].items() if v is not None}}
 
 
@@ -158,8 +175,9 @@ def _rope_theta(t: dict[str, Any]) -> float:
     return float(params.get("rope_theta") or t.get("rope_theta") or DEFAULT_ROPE_THETA)
 
 
-def _per_layer(t: dict[str, Any], num_layers: int,
-               theta: float) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[bool, ...]]:  # fmt: skip
+def _per_layer(
+    t: dict[str, Any], num_layers: int, theta: float
+) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[bool, ...]]:
     """(windows, rotary on, sparse) per layer, with MuseSparkTextConfig's defaults: every 4th layer
     counted back from the last is full attention and NoPE, the rest sliding with rotary; all MoE."""
     last = num_layers - 1
@@ -176,26 +194,34 @@ def _per_layer(t: dict[str, Any], num_layers: int,
         raise ValueError(f"layer_rope_theta must have {num_layers} entries, got {len(thetas)}")
     # transformers rotates every non-zero layer with the global rope_theta, whatever the value says.
     if any(float(v) not in (0.0, theta) for v in thetas):
-        raise ValueError(f"layer_rope_theta values other than 0 (NoPE) and rope_theta {theta:g} are not supported by "
-                         f"the {FAMILY} family (transformers 5.24 ignores them): {thetas!r}")  # fmt: skip
+        raise ValueError(
+            f"layer_rope_theta values other than 0 (NoPE) and rope_theta {theta:g} are not supported by "
+            f"the {FAMILY} family (transformers 5.24 ignores them): {thetas!r}"
+        )
     mlps = t.get("mlp_layer_types") or [SPARSE] * num_layers
     if len(mlps) != num_layers or set(mlps) - {DENSE, SPARSE}:
         raise ValueError(f"mlp_layer_types must name {num_layers} layers as {DENSE} or {SPARSE}, got {mlps!r}")
-    return (tuple(window if k == SLIDING else 0 for k in types), tuple(float(v) != 0.0 for v in thetas),
-            tuple(m == SPARSE for m in mlps))  # fmt: skip
+    return (
+        tuple(window if k == SLIDING else 0 for k in types),
+        tuple(float(v) != 0.0 for v in thetas),
+        tuple(m == SPARSE for m in mlps),
+    )
 
 
 def _check_supported(hf: dict[str, Any], t: dict[str, Any]) -> None:
     if hf.get("quantization_config") or t.get("quantization_config"):
-        raise ValueError(f"quantization_config (quantized checkpoints, e.g. NVFP4) is not supported by the {FAMILY} "
-                         "family yet")  # fmt: skip
+        raise ValueError(
+            f"quantization_config (quantized checkpoints, e.g. NVFP4) is not supported by the {FAMILY} family yet"
+        )
     if t.get("attention_bias"):
         raise ValueError(f"attention_bias is not supported by the {FAMILY} family")
     if t["hidden_act"] != "silu":
         raise ValueError(f"hidden_act {t['hidden_act']!r} is not supported by the {FAMILY} family (silu is)")
     if hf.get("tie_word_embeddings") or t.get("tie_word_embeddings"):
-        raise ValueError(f"tie_word_embeddings is not supported by the {FAMILY} family (the model keeps its own "
-                         "lm_head; transformers' MuseSparkForConditionalGeneration ties nothing)")  # fmt: skip
+        raise ValueError(
+            f"tie_word_embeddings is not supported by the {FAMILY} family (the model keeps its own "
+            "lm_head; transformers' MuseSparkForConditionalGeneration ties nothing)"
+        )
     if float(t["final_logit_softcapping"]) <= 0:
         raise ValueError(f"final_logit_softcapping must be positive for the {FAMILY} family (the model divides by it)")
 
@@ -210,10 +236,15 @@ def config_from_hf(hf: dict[str, Any]) -> MuseSparkConfig:
     windows, rotary, sparse = _per_layer(t, num_layers, theta)
     multiplier = float(t["output_multiplier"])
     router = moe.RouterSpec(
-        num_experts=int(t["num_local_experts"]), top_k=int(t["num_experts_per_tok"]), scoring="sigmoid",
-        norm_topk_prob=True, routed_scaling_factor=float(t["routed_scaling_factor"]), has_correction_bias=True,
-        norm_eps=TOPK_NORM_EPS, logit_scale=multiplier,
-    )  # fmt: skip
+        num_experts=int(t["num_local_experts"]),
+        top_k=int(t["num_experts_per_tok"]),
+        scoring="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=float(t["routed_scaling_factor"]),
+        has_correction_bias=True,
+        norm_eps=TOPK_NORM_EPS,
+        logit_scale=multiplier,
+    )
     return MuseSparkConfig(
         vocab_size=int(t["vocab_size"]),
         hidden_size=int(t["hidden_size"]),
@@ -256,9 +287,11 @@ def canonical_tensors(config: MuseSparkConfig, tensors: dict[str, Tensor]) -> di
     if config.vision is None:
         stray = sorted(n for n in tensors if n.startswith(muse_spark_vision.VISION_PREFIXES))
         if stray:
-            raise ValueError(f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
-                             "multimodal (text_only, no vision_config, or an image token id outside the "
-                             "vocabulary)")  # fmt: skip
+            raise ValueError(
+                f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
+                "multimodal (text_only, no vision_config, or an image token id outside the "
+                "vocabulary)"
+            )
     return tensors
 
 
@@ -322,12 +355,34 @@ class StepProgram(DecoderProgram):
         logits = F.linear(h.float(), weights[p + "w_router"].float())
         top, ids = moe.route(c.router, logits, weights[p + "router_bias"])
         z = centered_norm(F.linear(h, weights[p + "w_pre_expert"]), weights[p + "pre_expert_norm"], c.rms_norm_eps)
-        y = moe.routed_mlp(z.to(h.dtype), top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"],
-                           moe.SWIGLU, 1.0 + weights[p + "post_expert_norm"].float(), c.post_norm_eps)  # fmt: skip
+        y = moe.routed_mlp(
+            z.to(h.dtype),
+            top,
+            ids,
+            weights[p + "w_experts_gate_up"],
+            weights[p + "w_experts_down"],
+            moe.SWIGLU,
+            1.0 + weights[p + "post_expert_norm"].float(),
+            c.post_norm_eps,
+        )
         return F.linear(y.to(h.dtype), weights[p + "w_post_expert"]).float()
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        extra_1=None,
+        extra_2=None,
+        extra_3=None,
+        extra_4=None,
+    ):
         """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
         those rows' (normed) input embeddings are the features; rows of -1 are unused."""
         extra = [e for e in (extra_1, extra_2, extra_3, extra_4) if e is not None]
@@ -378,8 +433,13 @@ class StepProgram(DecoderProgram):
 # ---------------------------------------------------------------------- plain reference
 
 
-def reference_logits(config: MuseSparkConfig, hf_weights: dict[str, Tensor], token_ids: list[int],
-                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+def reference_logits(
+    config: MuseSparkConfig,
+    hf_weights: dict[str, Tensor],
+    token_ids: list[int],
+    image_features: Tensor | None = None,
+    image_positions: list[int] | None = None,
+) -> Tensor:
     """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32. Images: row i of
     image_features replaces the (normed) input embedding at image_positions[i].
 
@@ -525,11 +585,24 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
         "attention_bias": False,
         "tie_word_embeddings": False,
     }
-    vision = {"model_type": "muse_spark_vision", "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4,
-              "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
-              "max_position_embeddings": 16}  # fmt: skip
-    audio = {"model_type": "muse_spark_audio", "hidden_sizes": [8, 8, 8, 8], "depths": [1, 1, 1, 1],
-             "num_hidden_layers": 4, "out_hidden_size": hidden}  # fmt: skip
+    vision = {
+        "model_type": "muse_spark_vision",
+        "patch_size": 14,
+        "pos_emb_height": 4,
+        "pos_emb_width": 4,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "max_position_embeddings": 16,
+    }
+    audio = {
+        "model_type": "muse_spark_audio",
+        "hidden_sizes": [8, 8, 8, 8],
+        "depths": [1, 1, 1, 1],
+        "num_hidden_layers": 4,
+        "out_hidden_size": hidden,
+    }
     return {
         "architectures": ["MuseSparkForConditionalGeneration"],
         "model_type": "muse_spark",
@@ -558,36 +631,60 @@ def hf_shapes(c: MuseSparkConfig) -> dict[str, tuple[int, ...]]:
 def _text_shapes(c: MuseSparkConfig) -> dict[str, tuple[int, ...]]:
     h, q, kv, f = c.hidden_size, c.num_heads * c.head_dim, c.kv_dim, c.intermediate_size
     m, e, fe = c.moe_hidden_size, c.router.num_experts, c.moe_intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {_P + "embed_tokens.weight": (c.vocab_size, h), _P + "norm.weight": (h,),
-                                          "lm_head.weight": (c.vocab_size, h)}  # fmt: skip
+    shapes: dict[str, tuple[int, ...]] = {
+        _P + "embed_tokens.weight": (c.vocab_size, h),
+        _P + "norm.weight": (h,),
+        "lm_head.weight": (c.vocab_size, h),
+    }
     for layer, sparse in enumerate(c.layer_sparse):
         p = _L.format(layer)
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "pre_feedforward_layernorm.weight": (h,),
-            p + "post_feedforward_layernorm.weight": (h,), p + "post_attention_residual_gate.gate": (h,),
-            p + "post_feedforward_residual_gate.gate": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.gate_proj.weight": (q, h),
-            p + "self_attn.o_proj.weight": (h, q),
-        })  # fmt: skip
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "pre_feedforward_layernorm.weight": (h,),
+                p + "post_feedforward_layernorm.weight": (h,),
+                p + "post_attention_residual_gate.gate": (h,),
+                p + "post_feedforward_residual_gate.gate": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.gate_proj.weight": (q, h),
+                p + "self_attn.o_proj.weight": (h, q),
+            }
+        )
         if not sparse:
-            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                           p + "mlp.down_proj.weight": (h, f)})  # fmt: skip
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (f, h),
+                    p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f),
+                }
+            )
             continue
-        shapes.update({
-            p + "mlp.gate.weight": (e, h), p + "mlp.gate.e_score_correction_bias": (e,),
-            p + "mlp.pre_expert_proj.weight": (m, h), p + "mlp.pre_expert_norm.weight": (m,),
-            p + "mlp.experts.gate_up_proj": (e, 2 * fe, m), p + "mlp.experts.down_proj": (e, m, fe),
-            p + "mlp.experts.post_expert_norm.weight": (m,), p + "mlp.post_expert_proj.weight": (h, m),
-        })  # fmt: skip
+        shapes.update(
+            {
+                p + "mlp.gate.weight": (e, h),
+                p + "mlp.gate.e_score_correction_bias": (e,),
+                p + "mlp.pre_expert_proj.weight": (m, h),
+                p + "mlp.pre_expert_norm.weight": (m,),
+                p + "mlp.experts.gate_up_proj": (e, 2 * fe, m),
+                p + "mlp.experts.down_proj": (e, m, fe),
+                p + "mlp.experts.post_expert_norm.weight": (m,),
+                p + "mlp.post_expert_proj.weight": (h, m),
+            }
+        )
     return shapes
 
 
 # Test vision checkpoints: the "muse_spark-vision" chat flavour (qwen3's tokens plus Muse Spark's
 # image and video placeholders and framing).
 TEST_VISION_CHAT = "muse_spark-vision"
-TESTMODEL_VISION_TOKENS = (muse_spark_vision.IMAGE_TOKEN, muse_spark_vision.START_TOKEN, muse_spark_vision.END_TOKEN,
-                           "<|video|>")  # fmt: skip
+TESTMODEL_VISION_TOKENS = (
+    muse_spark_vision.IMAGE_TOKEN,
+    muse_spark_vision.START_TOKEN,
+    muse_spark_vision.END_TOKEN,
+    "<|video|>",
+)
 
 
 def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
@@ -598,21 +695,42 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
     TESTMODEL_VISION_TOKENS -> ids."""
     config = {k: v for k, v in text.items() if k != "text_only"}
     config["vision_config"] = {
-        "model_type": "muse_spark_vision", "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4,
-        "num_attention_heads": 2, "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
-        "max_position_embeddings": 16, "patch_temporal": 2, "merge_size": 2, "hidden_act": "gelu",
-        "layer_norm_eps": 1e-5, "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
-    }  # fmt: skip
-    config |= {"out_hidden_size": 128, "projector_hidden_size": 48,
-               "image_token_id": tokens[muse_spark_vision.IMAGE_TOKEN], "video_token_id": tokens["<|video|>"]}  # fmt: skip
+        "model_type": "muse_spark_vision",
+        "patch_size": 14,
+        "pos_emb_height": 4,
+        "pos_emb_width": 4,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "max_position_embeddings": 16,
+        "patch_temporal": 2,
+        "merge_size": 2,
+        "hidden_act": "gelu",
+        "layer_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+    }
+    config |= {
+        "out_hidden_size": 128,
+        "projector_hidden_size": 48,
+        "image_token_id": tokens[muse_spark_vision.IMAGE_TOKEN],
+        "video_token_id": tokens["<|video|>"],
+    }
     return config
 
 
 # MuseGlimmerImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): at most
 # 64 tokens of 28 x 28 pixels per image, LANCZOS, mean / std 0.5.
-TESTMODEL_PROCESSOR = {"image_processor_type": "MuseGlimmerImageProcessor", "patch_size": 14, "temporal_patch_size": 2,
-                       "merge_size": 2, "max_image_tokens": 64, "resample": 1, "image_mean": [0.5, 0.5, 0.5],
-                       "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
+TESTMODEL_PROCESSOR = {
+    "image_processor_type": "MuseGlimmerImageProcessor",
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "max_image_tokens": 64,
+    "resample": 1,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 # ------------------------------------------------------------------------- vision hooks (ignition.export)

@@ -56,11 +56,21 @@ WEIGHT_MAP = {
     _A + "fc1.weight": "vision.adapter1",
     _A + "fc2.weight": "vision.adapter2",
     "model.vision_projection.weight": "vision.projection",
-    **{_VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-       for hf, ours in (("attn.q_proj", "wq"), ("attn.k_proj", "wk"), ("attn.v_proj", "wv"), ("attn.proj", "wo"),
-                        ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2"), ("norm1", "norm1"), ("norm2", "norm2"))
-       for kind in ("weight", "bias")},
-}  # fmt: skip
+    **{
+        _VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
+        for hf, ours in (
+            ("attn.q_proj", "wq"),
+            ("attn.k_proj", "wk"),
+            ("attn.v_proj", "wv"),
+            ("attn.proj", "wo"),
+            ("mlp.fc1", "fc1"),
+            ("mlp.fc2", "fc2"),
+            ("norm1", "norm1"),
+            ("norm2", "norm2"),
+        )
+        for kind in ("weight", "bias")
+    },
+}
 VISION_PREFIXES = (_V, _A, "model.vision_projection.")
 WINDOW, FULL = "window_attention", "full_attention"
 LAYER_NORM_EPS = 1e-5  # MuseSparkVisionEncoderLayer's norm1 / norm2 (fixed; ln_pre / ln_post read layer_norm_eps)
@@ -109,8 +119,9 @@ def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     unsupported variants raise ValueError."""
     v = top.get("vision_config") or {}
     if v.get("hidden_act", "gelu") != "gelu":
-        raise ValueError(f"vision hidden_act {v.get('hidden_act')!r} is not supported by the muse_spark family "
-                         "(gelu is)")  # fmt: skip
+        raise ValueError(
+            f"vision hidden_act {v.get('hidden_act')!r} is not supported by the muse_spark family (gelu is)"
+        )
     if top.get("projector_hidden_act", "gelu") != "gelu":
         raise ValueError(f"projector_hidden_act {top.get('projector_hidden_act')!r} is not supported (gelu is)")
     rope = v.get("rope_parameters") or {}
@@ -118,8 +129,10 @@ def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
         raise ValueError(f"vision rope type {rope.get('rope_type')!r} is not supported (axial is)")
     side, width = int(v.get("pos_emb_height", 32)), int(v.get("pos_emb_width", 32))
     if side != width:
-        raise ValueError(f"vision pos_emb_height {side} != pos_emb_width {width} is not supported (transformers "
-                         "assumes a square table)")  # fmt: skip
+        raise ValueError(
+            f"vision pos_emb_height {side} != pos_emb_width {width} is not supported (transformers "
+            "assumes a square table)"
+        )
     hidden, heads = int(v.get("hidden_size", 1536)), int(v.get("num_attention_heads", 16))
     if hidden % heads or (hidden // heads) % 4:
         raise ValueError(f"vision hidden_size {hidden} over {heads} heads must give a head_dim divisible by 4")
@@ -155,24 +168,42 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {
         _V + "patch_embedder.patch_embedding.weight": (h, v.patch_dim),
         _V + "patch_embedder.position_embedding_table.weight": (v.pos_side**2, h),
-        _V + "ln_pre.weight": (h,), _V + "ln_pre.bias": (h,), _V + "ln_post.weight": (h,), _V + "ln_post.bias": (h,),
-        _A + "fc1.weight": (p, h * v.merge_size**2), _A + "fc2.weight": (p, p),
+        _V + "ln_pre.weight": (h,),
+        _V + "ln_pre.bias": (h,),
+        _V + "ln_post.weight": (h,),
+        _V + "ln_post.bias": (h,),
+        _A + "fc1.weight": (p, h * v.merge_size**2),
+        _A + "fc2.weight": (p, p),
         "model.vision_projection.weight": (v.text_hidden_size, p),
-    }  # fmt: skip
+    }
     for i in range(v.num_layers):
         q = _VL.format(i)
         for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.proj"):
             shapes |= {q + name + ".weight": (h, h), q + name + ".bias": (h,)}
-        shapes |= {q + "mlp.fc1.weight": (f, h), q + "mlp.fc1.bias": (f,), q + "mlp.fc2.weight": (h, f),
-                   q + "mlp.fc2.bias": (h,), q + "norm1.weight": (h,), q + "norm1.bias": (h,), q + "norm2.weight": (h,),
-                   q + "norm2.bias": (h,)}  # fmt: skip
+        shapes |= {
+            q + "mlp.fc1.weight": (f, h),
+            q + "mlp.fc1.bias": (f,),
+            q + "mlp.fc2.weight": (h, f),
+            q + "mlp.fc2.bias": (h,),
+            q + "norm1.weight": (h,),
+            q + "norm1.bias": (h,),
+            q + "norm2.weight": (h,),
+            q + "norm2.bias": (h,),
+        }
     return shapes
 
 
 # MuseGlimmerImageProcessor's class defaults (its preprocessor_config.json may override them).
-PROCESSOR_DEFAULTS = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "max_image_tokens": 4096,
-                      "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5), "rescale_factor": 1 / 255,
-                      "resample": 1}  # fmt: skip
+PROCESSOR_DEFAULTS = {
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "max_image_tokens": 4096,
+    "image_mean": (0.5, 0.5, 0.5),
+    "image_std": (0.5, 0.5, 0.5),
+    "rescale_factor": 1 / 255,
+    "resample": 1,
+}
 LANCZOS = 1  # PILImageResampling.LANCZOS
 
 
@@ -183,8 +214,10 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, t
     settings = {k: ip.get(k) if ip.get(k) is not None else d for k, d in PROCESSOR_DEFAULTS.items()}
     ps, t, m = int(settings["patch_size"]), int(settings["temporal_patch_size"]), int(settings["merge_size"])
     if (ps, t, m) != (v.patch_size, v.temporal_patch_size, v.merge_size):
-        raise ValueError(f"the processor's patch_size / temporal_patch_size / merge_size ({ps}, {t}, {m}) differ "
-                         f"from the vision tower's ({v.patch_size}, {v.temporal_patch_size}, {v.merge_size})")  # fmt: skip
+        raise ValueError(
+            f"the processor's patch_size / temporal_patch_size / merge_size ({ps}, {t}, {m}) differ "
+            f"from the vision tower's ({v.patch_size}, {v.temporal_patch_size}, {v.merge_size})"
+        )
     if int(settings["resample"]) != LANCZOS:
         raise ValueError(f"resample {settings['resample']} is not supported (LANCZOS, 1, is)")
     if ip.get("do_rescale") is False or ip.get("do_convert_rgb") is False or ip.get("do_resize") is False:
@@ -285,8 +318,9 @@ class VisionProgram(torch.nn.Module):
             q, k, val = (lin(p + name, y).reshape(-1, H, hd) for name in ("wq", "wk", "wv"))
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             mask = same_window if v.layer_windows[i] else None
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), val.transpose(0, 1),
-                                                  attn_mask=mask)  # fmt: skip
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), val.transpose(0, 1), attn_mask=mask
+            )
             x = x + lin(p + "wo", attn.transpose(0, 1).reshape(-1, h))
             y = F.layer_norm(x, (h,), weights[p + "norm2"].float(), weights[p + "norm2.bias"].float(), LAYER_NORM_EPS)
             x = x + lin(p + "fc2", F.gelu(lin(p + "fc1", y)))
@@ -349,8 +383,10 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
 
     f = hd // 4
     freqs = [v.rope_theta ** (-2 * j / (hd // 2)) for j in range(f)]
-    angle = torch.tensor([[(c + 1) * fr for fr in freqs] + [(r + 1) * fr for fr in freqs]
-                          for r in range(rows) for c in range(cols)], dtype=f64)  # fmt: skip
+    angle = torch.tensor(
+        [[(c + 1) * fr for fr in freqs] + [(r + 1) * fr for fr in freqs] for r in range(rows) for c in range(cols)],
+        dtype=f64,
+    )
 
     def rotate(u: Tensor) -> Tensor:  # [N, H, hd]: channel pairs (j, j + hd/2) turn by angle[j]
         a, b = u[..., : hd // 2], u[..., hd // 2 :]
@@ -360,8 +396,9 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     windows: list[list[int]] = []
     for wy in range(0, rows, side):
         for wx in range(0, cols, side):
-            windows.append([r * cols + c for r in range(wy, min(rows, wy + side))
-                            for c in range(wx, min(cols, wx + side))])  # fmt: skip
+            windows.append(
+                [r * cols + c for r in range(wy, min(rows, wy + side)) for c in range(wx, min(cols, wx + side))]
+            )
     everything = [list(range(rows * cols))]
     x = ln(x, _V + "ln_pre", v.layer_norm_eps)
     for i in range(v.num_layers):
@@ -378,8 +415,11 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
         y = gelu(ln(x, p + "norm2", LAYER_NORM_EPS) @ w(p + "mlp.fc1.weight").T + w(p + "mlp.fc1.bias"))
         x = x + y @ w(p + "mlp.fc2.weight").T + w(p + "mlp.fc2.bias")
     x = ln(x, _V + "ln_post", v.layer_norm_eps).view(rows, cols, h)
-    tokens = [torch.stack([x[by * m + dy, bx * m + dx] for dy in range(m) for dx in range(m)], dim=-1).reshape(-1)
-              for by in range(rows // m) for bx in range(cols // m)]  # fmt: skip
+    tokens = [
+        torch.stack([x[by * m + dy, bx * m + dx] for dy in range(m) for dx in range(m)], dim=-1).reshape(-1)
+        for by in range(rows // m)
+        for bx in range(cols // m)
+    ]
     u = gelu(gelu(torch.stack(tokens) @ w(_A + "fc1.weight").T) @ w(_A + "fc2.weight").T)
     u = u @ w("model.vision_projection.weight").T
     return (u / torch.sqrt(u.pow(2).mean(-1, keepdim=True) + v.text_rms_norm_eps)).float()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from functools import lru_cache
+from functools import cache
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compile(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(pattern).replace(r"\{\}", r"(\d+)") + "$")
 

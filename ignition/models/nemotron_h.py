@@ -94,8 +94,10 @@ WEIGHT_MAP = {
     "lm_head.weight": "lm_head",
 }
 
-STACKED = {"layers.{}.w_experts_up": ("layers.{}.experts.{}.w_up",),
-           "layers.{}.w_experts_down": ("layers.{}.experts.{}.w_down",)}  # fmt: skip
+STACKED = {
+    "layers.{}.w_experts_up": ("layers.{}.experts.{}.w_up",),
+    "layers.{}.w_experts_down": ("layers.{}.experts.{}.w_down",),
+}
 
 FUSED = {"layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv")}
 
@@ -164,8 +166,10 @@ def _layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
     types = [_LEGACY.get(t, t) for t in types]
     unknown = sorted(set(types) - {MAMBA, ATTENTION, MLP, MOE})
     if unknown:
-        raise ValueError(f"layers_block_type {unknown} are not supported by the {FAMILY} family "
-                         f"({MAMBA}, {ATTENTION}, {MLP}, {MOE} are)")  # fmt: skip
+        raise ValueError(
+            f"layers_block_type {unknown} are not supported by the {FAMILY} family "
+            f"({MAMBA}, {ATTENTION}, {MLP}, {MOE} are)"
+        )
     if MAMBA not in types:
         raise ValueError(f"layers_block_type without a {MAMBA} (Mamba-2) layer is not supported by the {FAMILY} family")
     return tuple(types)
@@ -211,12 +215,15 @@ def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
     if MOE in types:
         router = moe.RouterSpec(
             num_experts=int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 8),
-            top_k=int(hf.get("num_experts_per_tok", 2)), scoring="sigmoid",
+            top_k=int(hf.get("num_experts_per_tok", 2)),
+            scoring="sigmoid",
             norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            n_group=int(hf.get("n_group", 1)), topk_group=int(hf.get("topk_group", 1)),
-            has_correction_bias=True, norm_eps=1e-20,
-        )  # fmt: skip
+            n_group=int(hf.get("n_group", 1)),
+            topk_group=int(hf.get("topk_group", 1)),
+            has_correction_bias=True,
+            norm_eps=1e-20,
+        )
         if router.n_group == 1 and router.num_experts < 2:
             raise ValueError("n_routed_experts must be at least 2 (transformers ranks the expert group by its top two)")
     return NemotronHConfig(
@@ -300,8 +307,15 @@ class StepProgram(torch.nn.Module):
         self.explicit_ids = explicit_ids
         self.scored = scored
 
-    def mamba(self, weights: dict[str, Tensor], i: int, h: Tensor, conv_state: Tensor, ssm_state: Tensor,
-              recurrent: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def mamba(
+        self,
+        weights: dict[str, Tensor],
+        i: int,
+        h: Tensor,
+        conv_state: Tensor,
+        ssm_state: Tensor,
+        recurrent: tuple[Tensor, ...],
+    ) -> Tensor:
         """h [T, hidden] in the core dtype -> the Mamba-2 mixer's output [T, hidden] fp32."""
         c, p = self.config, f"layers.{i}."
         state_slots, query_start_loc, positions = recurrent
@@ -310,19 +324,32 @@ class StepProgram(torch.nn.Module):
         z, xbc, dt = proj.split([c.mamba_inner, c.conv_dim, c.mamba_heads], dim=-1)
         conv_w = weights[p + "conv_w"].reshape(c.conv_dim, c.conv_kernel)
         conv_b = weights[p + "conv_b"] if c.use_conv_bias else torch.zeros(c.conv_dim, dtype=conv_w.dtype)
-        xbc = torch.ops.flare.causal_conv1d(xbc, conv_w, conv_b, conv_state, state_slots, query_start_loc, positions,
-                                            True)  # fmt: skip
+        xbc = torch.ops.flare.causal_conv1d(
+            xbc, conv_w, conv_b, conv_state, state_slots, query_start_loc, positions, True
+        )
         x, b, cc = xbc.float().split([c.mamba_inner, groups * n, groups * n], dim=-1)
         a = -torch.exp(weights[p + "A_log"].float())
-        y = torch.ops.flare.mamba2_scan(x.reshape(total, c.mamba_heads, c.mamba_head_dim), dt, a,
-                                        b.reshape(total, groups, n), cc.reshape(total, groups, n), weights[p + "D"],
-                                        weights[p + "dt_bias"], ssm_state, state_slots, query_start_loc, positions,
-                                        c.dt_min, 0.0)  # fmt: skip
+        y = torch.ops.flare.mamba2_scan(
+            x.reshape(total, c.mamba_heads, c.mamba_head_dim),
+            dt,
+            a,
+            b.reshape(total, groups, n),
+            cc.reshape(total, groups, n),
+            weights[p + "D"],
+            weights[p + "dt_bias"],
+            ssm_state,
+            state_slots,
+            query_start_loc,
+            positions,
+            c.dt_min,
+            0.0,
+        )
         y = gated_norm(y.reshape(total, c.mamba_inner), z, weights[p + "gated_norm"], groups, c.rms_norm_eps)
         return F.linear(y.to(h.dtype), weights[p + "out_proj"]).float()
 
-    def attention(self, weights: dict[str, Tensor], i: int, h: Tensor, kv_cache: list[Tensor],
-                  paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def attention(
+        self, weights: dict[str, Tensor], i: int, h: Tensor, kv_cache: list[Tensor], paged: tuple[Tensor, ...]
+    ) -> Tensor:
         """h [T, hidden] -> causal GQA without position encoding [T, hidden] fp32."""
         c, p = self.config, f"layers.{i}."
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
@@ -332,9 +359,16 @@ class StepProgram(torch.nn.Module):
         kvt = k_cache.dtype
         k, v = k.reshape(-1, c.num_kv_heads, c.head_dim).to(kvt), v.reshape(-1, c.num_kv_heads, c.head_dim).to(kvt)
         torch.ops.flare.write_kv(k_cache, v_cache, k, v, slot_mapping)
-        attn = torch.ops.flare.paged_attention(q.reshape(-1, c.num_heads, c.head_dim).to(kvt), k_cache, v_cache,
-                                               block_tables, seq_lens, query_start_loc, positions,
-                                               1.0 / math.sqrt(c.head_dim))  # fmt: skip
+        attn = torch.ops.flare.paged_attention(
+            q.reshape(-1, c.num_heads, c.head_dim).to(kvt),
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            positions,
+            1.0 / math.sqrt(c.head_dim),
+        )
         return F.linear(attn.reshape(-1, q_dim).to(h.dtype), weights[p + "wo"]).float()
 
     def moe(self, weights: dict[str, Tensor], i: int, h: Tensor) -> Tensor:
@@ -349,8 +383,21 @@ class StepProgram(torch.nn.Module):
             routed = F.linear(routed.to(h.dtype), weights[p + "w_latent_out"]).float()
         return routed + moe.shared_mlp(h, weights[p + "w_shared_up"], weights[p + "w_shared_down"], RELU2)
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, state_slots, extra_1=None, extra_2=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        state_slots,
+        extra_1=None,
+        extra_2=None,
+    ):
         logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
         c = self.config
         # Weights and matmul inputs in the core's dtype; residual stream, norms, router, conv
@@ -419,8 +466,11 @@ def reference_logits(config: NemotronHConfig, hf_weights: dict[str, Tensor], tok
         elif kind == MLP:
             x = x + relu2(h @ W(p + "up_proj.weight").T) @ W(p + "down_proj.weight").T
         else:
-            x = x + _reference_moe(c, W, set(w), p, h) + relu2(h @ W(p + "shared_experts.up_proj.weight").T) @ W(
-                p + "shared_experts.down_proj.weight").T  # fmt: skip
+            x = (
+                x
+                + _reference_moe(c, W, set(w), p, h)
+                + relu2(h @ W(p + "shared_experts.up_proj.weight").T) @ W(p + "shared_experts.down_proj.weight").T
+            )
     x = norm(x, W("norm_f.weight"))
     return (x @ W("lm_head.weight").T).float()
 
@@ -544,16 +594,25 @@ def hf_shapes(c: NemotronHConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"backbone.layers.{i}.norm.weight"] = (h,)
         if kind == MAMBA:
             heads, inner = c.mamba_heads, c.mamba_inner
-            shapes |= {m + "dt_bias": (heads,), m + "A_log": (heads,), m + "D": (heads,),
-                       m + "conv1d.weight": (c.conv_dim, 1, c.conv_kernel),
-                       m + "in_proj.weight": (inner + c.conv_dim + heads, h), m + "norm.weight": (inner,),
-                       m + "out_proj.weight": (h, inner)}  # fmt: skip
+            shapes |= {
+                m + "dt_bias": (heads,),
+                m + "A_log": (heads,),
+                m + "D": (heads,),
+                m + "conv1d.weight": (c.conv_dim, 1, c.conv_kernel),
+                m + "in_proj.weight": (inner + c.conv_dim + heads, h),
+                m + "norm.weight": (inner,),
+                m + "out_proj.weight": (h, inner),
+            }
             if c.use_conv_bias:
                 shapes[m + "conv1d.bias"] = (c.conv_dim,)
         elif kind == ATTENTION:
             q = c.num_heads * c.head_dim
-            shapes |= {m + "q_proj.weight": (q, h), m + "k_proj.weight": (c.kv_dim, h),
-                       m + "v_proj.weight": (c.kv_dim, h), m + "o_proj.weight": (h, q)}  # fmt: skip
+            shapes |= {
+                m + "q_proj.weight": (q, h),
+                m + "k_proj.weight": (c.kv_dim, h),
+                m + "v_proj.weight": (c.kv_dim, h),
+                m + "o_proj.weight": (h, q),
+            }
         elif kind == MLP:
             shapes |= {m + "up_proj.weight": (c.intermediate_size, h), m + "down_proj.weight": (h, c.intermediate_size)}
         else:
@@ -565,8 +624,12 @@ def hf_shapes(c: NemotronHConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {m + "shared_experts.up_proj.weight": (s, h), m + "shared_experts.down_proj.weight": (h, s)}
             if c.latent_size:
                 shapes |= {m + "fc1_latent_proj.weight": (lat, h), m + "fc2_latent_proj.weight": (h, lat)}
-    shapes |= {"backbone.norm_f.weight": (h,), "lm_head.weight": (c.vocab_size, h), "mtp.layers.0.norm.weight": (h,),
-               "mtp.layers.0.mixer.q_proj.weight": (c.num_heads * c.head_dim, h)}  # fmt: skip
+    shapes |= {
+        "backbone.norm_f.weight": (h,),
+        "lm_head.weight": (c.vocab_size, h),
+        "mtp.layers.0.norm.weight": (h,),
+        "mtp.layers.0.mixer.q_proj.weight": (c.num_heads * c.head_dim, h),
+    }
     return shapes
 
 

@@ -13,9 +13,16 @@ from torch import Tensor
 
 from ignition.models import common
 from ignition.models.common import (
-    ATTENTION_WEIGHT_MAP, DecoderProgram, DenseConfig, attention_shapes, decode_weight_bytes, decoder_fields,
-    decoder_shapes, kv_shape, reference_swiglu, rms_norm,
-)  # fmt: skip  (kv_shape, decode_weight_bytes: the family interface, shared)
+    ATTENTION_WEIGHT_MAP,
+    DecoderProgram,
+    DenseConfig,
+    attention_shapes,
+    decoder_fields,
+    decoder_shapes,
+    reference_swiglu,
+    rms_norm,
+)
+from ignition.models.common import decode_weight_bytes, kv_shape  # noqa: F401 - the family interface, shared
 
 FAMILY = "qwen3"
 HF_ARCHITECTURES = ("Qwen3ForCausalLM",)

@@ -15,8 +15,11 @@ from torch import Tensor
 
 from ignition.models import common, moe
 from ignition.models.common import (
-    ATTENTION_WEIGHT_MAP, attention_shapes, decoder_shapes, kv_shape,
-)  # fmt: skip  (kv_shape: the family interface, shared)
+    ATTENTION_WEIGHT_MAP,
+    attention_shapes,
+    decoder_shapes,
+)
+from ignition.models.common import kv_shape  # noqa: F401 - the family interface, shared
 from ignition.models.qwen3 import QK_NORM_WEIGHT_MAP, attention_fields, qk_norm_shapes
 from ignition.models.qwen3 import StepProgram as Qwen3StepProgram
 
@@ -61,8 +64,12 @@ class Qwen3MoeConfig:
 
     @property
     def router(self) -> moe.RouterSpec:
-        return moe.RouterSpec(num_experts=self.num_experts, top_k=self.num_experts_per_tok, scoring="softmax",
-                              norm_topk_prob=self.norm_topk_prob)  # fmt: skip
+        return moe.RouterSpec(
+            num_experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            scoring="softmax",
+            norm_topk_prob=self.norm_topk_prob,
+        )
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3MoeConfig:
@@ -148,6 +155,11 @@ def hf_shapes(c: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
     h, f = c.hidden_size, c.moe_intermediate_size
     moe: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (c.num_experts, h)}
     for e in range(c.num_experts):
-        moe.update({f"mlp.experts.{e}.gate_proj.weight": (f, h), f"mlp.experts.{e}.up_proj.weight": (f, h),
-                    f"mlp.experts.{e}.down_proj.weight": (h, f)})  # fmt: skip
+        moe.update(
+            {
+                f"mlp.experts.{e}.gate_proj.weight": (f, h),
+                f"mlp.experts.{e}.up_proj.weight": (f, h),
+                f"mlp.experts.{e}.down_proj.weight": (h, f),
+            }
+        )
     return decoder_shapes(c, {**attention_shapes(c), **qk_norm_shapes(c), **moe})

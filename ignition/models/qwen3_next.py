@@ -48,8 +48,13 @@ from ignition.models.common import optional_inputs, rope, rotate_half
 from ignition.models.heads import generation_outputs, step_outputs
 
 FAMILY = "qwen3_next"
-HF_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-                    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")  # fmt: skip
+HF_ARCHITECTURES = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 HF_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
@@ -60,9 +65,12 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 # Which reference each model type follows: (projection layout grouped per key head, every layer MoE).
 _VARIANTS = {
-    "qwen3_next": ("qwen3_next", True), "qwen3_5": ("qwen3_5", False), "qwen3_5_text": ("qwen3_5", False),
-    "qwen3_5_moe": ("qwen3_5_moe", False), "qwen3_5_moe_text": ("qwen3_5_moe", False),
-}  # fmt: skip
+    "qwen3_next": ("qwen3_next", True),
+    "qwen3_5": ("qwen3_5", False),
+    "qwen3_5_text": ("qwen3_5", False),
+    "qwen3_5_moe": ("qwen3_5_moe", False),
+    "qwen3_5_moe_text": ("qwen3_5_moe", False),
+}
 
 _L = "model.layers.{}."
 _TEXT_WEIGHT_MAP = {
@@ -111,13 +119,22 @@ _MTP_WEIGHT_MAP = {
     "mtp.pre_fc_norm_embedding.weight": "mtp.pre_fc_norm_embedding",
     "mtp.pre_fc_norm_hidden.weight": "mtp.pre_fc_norm_hidden",
     "mtp.norm.weight": "mtp.norm",
-    **{_MTP_LAYER + k.removeprefix(_L): "mtp." + v.removeprefix("layers.")
-       for k, v in _TEXT_WEIGHT_MAP.items() if k.startswith(_L) and "linear_attn" not in k},
-}  # fmt: skip
+    **{
+        _MTP_LAYER + k.removeprefix(_L): "mtp." + v.removeprefix("layers.")
+        for k, v in _TEXT_WEIGHT_MAP.items()
+        if k.startswith(_L) and "linear_attn" not in k
+    },
+}
 
-WEIGHT_MAP = {**_TEXT_WEIGHT_MAP, **{_MULTIMODAL_PREFIX + k.removeprefix(_TEXT_PREFIX): v
-                                     for k, v in _TEXT_WEIGHT_MAP.items() if k.startswith(_TEXT_PREFIX)},
-              **_MTP_WEIGHT_MAP}  # fmt: skip
+WEIGHT_MAP = {
+    **_TEXT_WEIGHT_MAP,
+    **{
+        _MULTIMODAL_PREFIX + k.removeprefix(_TEXT_PREFIX): v
+        for k, v in _TEXT_WEIGHT_MAP.items()
+        if k.startswith(_TEXT_PREFIX)
+    },
+    **_MTP_WEIGHT_MAP,
+}
 
 
 def _mtp_names(table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
@@ -136,8 +153,9 @@ FUSED = {
     "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"),
     **moe.SHARED_EXPERT_FUSED,
 }
-FUSED |= _mtp_names({k: v for k, v in FUSED.items() if k in ("layers.{}.wqkv", "layers.{}.w_gate_up")}
-                    | moe.SHARED_EXPERT_FUSED)  # fmt: skip
+FUSED |= _mtp_names(
+    {k: v for k, v in FUSED.items() if k in ("layers.{}.wqkv", "layers.{}.w_gate_up")} | moe.SHARED_EXPERT_FUSED
+)
 
 _VISION_PREFIXES = ("model.visual.", "visual.")
 _MTP_PREFIXES = ("mtp.", "model.mtp.")
@@ -222,8 +240,12 @@ class Qwen3NextConfig:
 
     @property
     def router(self) -> moe.RouterSpec:
-        return moe.RouterSpec(num_experts=self.num_experts, top_k=self.num_experts_per_tok, scoring="softmax",
-                              norm_topk_prob=self.norm_topk_prob)  # fmt: skip
+        return moe.RouterSpec(
+            num_experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            scoring="softmax",
+            norm_topk_prob=self.norm_topk_prob,
+        )
 
 
 def _refuse(field: str, value: Any, why: str) -> None:
@@ -283,7 +305,9 @@ def _check_supported(hf: dict[str, Any]) -> None:
     if hf.get("use_sliding_window"):
         _refuse("use_sliding_window", hf["use_sliding_window"], "the references' attention is global")
     if hf.get("quantization_config"):
-        _refuse("quantization_config", hf["quantization_config"].get("quant_method"), "quantized checkpoints are not read")
+        _refuse(
+            "quantization_config", hf["quantization_config"].get("quant_method"), "quantized checkpoints are not read"
+        )
 
 
 def _tied(hf: dict[str, Any]) -> bool:
@@ -292,7 +316,9 @@ def _tied(hf: dict[str, Any]) -> bool:
         return bool(hf.get("tie_word_embeddings", False))
     top, inner = hf.get("tie_word_embeddings"), text.get("tie_word_embeddings")
     if top is not None and inner is not None and bool(top) != bool(inner):
-        _refuse("text_config.tie_word_embeddings", inner, f"it disagrees with the top-level tie_word_embeddings {top!r}")
+        _refuse(
+            "text_config.tie_word_embeddings", inner, f"it disagrees with the top-level tie_word_embeddings {top!r}"
+        )
     return bool(top if top is not None else inner)
 
 
@@ -314,12 +340,19 @@ def _mlp_fields(hf: dict[str, Any], variant: str, num_layers: int) -> dict[str, 
         top_k = int(hf["num_experts_per_tok"])
         if not 1 <= top_k <= experts:
             _refuse("num_experts_per_tok", top_k, f"it must be between 1 and num_experts {experts}")
-        fields |= {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": norm_topk,
-                   "moe_intermediate_size": int(hf["moe_intermediate_size"]),
-                   "shared_expert_intermediate_size": int(hf["shared_expert_intermediate_size"])}  # fmt: skip
+        fields |= {
+            "num_experts": experts,
+            "num_experts_per_tok": top_k,
+            "norm_topk_prob": norm_topk,
+            "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+            "shared_expert_intermediate_size": int(hf["shared_expert_intermediate_size"]),
+        }
         if fields["shared_expert_intermediate_size"] <= 0:
-            _refuse("shared_expert_intermediate_size", fields["shared_expert_intermediate_size"],
-                    "the references' MoE blocks always have a shared expert")  # fmt: skip
+            _refuse(
+                "shared_expert_intermediate_size",
+                fields["shared_expert_intermediate_size"],
+                "the references' MoE blocks always have a shared expert",
+            )
     return fields
 
 
@@ -441,8 +474,21 @@ class StepProgram(torch.nn.Module):
         self.explicit_ids = explicit_ids
         self.scored = scored
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, state_slots, extra_1=None, extra_2=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        state_slots,
+        extra_1=None,
+        extra_2=None,
+    ):
         logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
         c = self.config
         eps = c.rms_norm_eps
@@ -461,28 +507,40 @@ class StepProgram(torch.nn.Module):
                 j = linear[i]
                 mixed = self.gated_delta_net(weights, i, h, states[j], states[len(linear) + j], steps)
             else:
-                mixed = attention(c, weights, p, h, kv_cache[2 * i], kv_cache[2 * i + 1], cos, sin, positions,
-                                  slot_mapping, block_tables, seq_lens, query_start_loc)  # fmt: skip
+                mixed = attention(
+                    c,
+                    weights,
+                    p,
+                    h,
+                    kv_cache[2 * i],
+                    kv_cache[2 * i + 1],
+                    cos,
+                    sin,
+                    positions,
+                    slot_mapping,
+                    block_tables,
+                    seq_lens,
+                    query_start_loc,
+                )
             x = x + mixed
             h = centered_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
             x = x + (routed_mlp(c, weights, p, h) if c.moe_layers[i] else dense_mlp(weights, p, h))
         hidden = centered_norm(x, weights["norm"], eps)
-        outputs = step_outputs(hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top,
-                               logprob_ids, target_ids)  # fmt: skip
+        outputs = step_outputs(
+            hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids
+        )
         return (*outputs, hidden) if c.num_mtp_layers else outputs
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-        kvt = k_cache.dtype
-        torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
-        attn = torch.ops.flare.paged_attention(q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                               positions, c.head_dim**-0.5)  # fmt: skip
-        attn = attn.float() * torch.sigmoid(gate)
-        return F.linear(attn.reshape(-1, q_dim).to(h.dtype), weights[f"layers.{i}.wo"]).float()
 
     def gated_delta_net(self, weights, i, h, conv_state, recurrent_state, steps) -> Tensor:
         """A gated DeltaNet layer over its two state slots: h [T, hidden] -> [T, hidden] fp32."""
         c = self.config
         p = f"layers.{i}."
-        kh, vh, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        kh, vh, dk, dv = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        )
         qkvz = F.linear(h, weights[p + "wqkvz"]).float()
         ba = F.linear(h, weights[p + "wba"]).float()
         if c.grouped_projections:  # per key head: [q, k, v of its value heads, z of its value heads]; [b, a]
@@ -494,20 +552,43 @@ class StepProgram(torch.nn.Module):
             mixed, z = qkvz.split([c.conv_dim, c.value_dim], dim=-1)
             b, a = ba.split([vh, vh], dim=-1)
         conv_weight = weights[p + "conv"].reshape(c.conv_dim, c.conv_kernel_size)
-        mixed = torch.ops.flare.causal_conv1d(mixed, conv_weight, conv_weight.new_zeros(c.conv_dim), conv_state,
-                                              *steps, True)  # fmt: skip
+        mixed = torch.ops.flare.causal_conv1d(
+            mixed, conv_weight, conv_weight.new_zeros(c.conv_dim), conv_state, *steps, True
+        )
         q, k, v = mixed.float().split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         beta = torch.sigmoid(b.reshape(-1, vh))
         g = -weights[p + "a_log"].float().exp() * F.softplus(a.reshape(-1, vh) + weights[p + "dt_bias"].float())
-        out = torch.ops.flare.gated_delta_rule(q.reshape(-1, kh, dk), k.reshape(-1, kh, dk), v.reshape(-1, vh, dv), g,
-                                               beta, recurrent_state, *steps, dk**-0.5, True)  # fmt: skip
+        out = torch.ops.flare.gated_delta_rule(
+            q.reshape(-1, kh, dk),
+            k.reshape(-1, kh, dk),
+            v.reshape(-1, vh, dv),
+            g,
+            beta,
+            recurrent_state,
+            *steps,
+            dk**-0.5,
+            True,
+        )
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * weights[p + "gated_norm"].float()
         out = out * F.silu(z.reshape(-1, vh, dv))
         return F.linear(out.reshape(-1, c.value_dim).to(h.dtype), weights[p + "w_out"]).float()
 
 
-def attention(c: Qwen3NextConfig, weights, p: str, h, k_cache, v_cache, cos, sin, positions, slot_mapping,
-              block_tables, seq_lens, query_start_loc) -> Tensor:  # fmt: skip
+def attention(
+    c: Qwen3NextConfig,
+    weights,
+    p: str,
+    h,
+    k_cache,
+    v_cache,
+    cos,
+    sin,
+    positions,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+) -> Tensor:
     """Gated full attention of the layer whose weights are under `p`: h [T, hidden] -> [T, hidden] fp32."""
     eps = c.rms_norm_eps
     q_dim = c.num_heads * c.head_dim
@@ -518,8 +599,9 @@ def attention(c: Qwen3NextConfig, weights, p: str, h, k_cache, v_cache, cos, sin
     v = v.reshape(-1, c.num_kv_heads, c.head_dim)
     kvt = k_cache.dtype
     torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
-    attn = torch.ops.flare.paged_attention(q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                           positions, c.head_dim**-0.5)  # fmt: skip
+    attn = torch.ops.flare.paged_attention(
+        q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, c.head_dim**-0.5
+    )
     attn = attn.float() * torch.sigmoid(gate)
     return F.linear(attn.reshape(-1, q_dim).to(h.dtype), weights[p + "wo"]).float()
 
@@ -550,20 +632,37 @@ class MtpProgram(torch.nn.Module):
         self.layer = layer
         self.num_top = num_top
 
-    def forward(self, weights, kv_cache, token_ids, positions, hidden_states, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        hidden_states,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+    ):
         c, eps, p = self.config, self.config.rms_norm_eps, f"mtp.{self.layer}."
         wdt = weights["embed"].dtype
         embedded = F.embedding(token_ids, weights["embed"])
-        joined = torch.cat([centered_norm(embedded, weights["mtp.pre_fc_norm_embedding"], eps),
-                            centered_norm(hidden_states, weights["mtp.pre_fc_norm_hidden"], eps)], dim=-1)  # fmt: skip
+        joined = torch.cat(
+            [
+                centered_norm(embedded, weights["mtp.pre_fc_norm_embedding"], eps),
+                centered_norm(hidden_states, weights["mtp.pre_fc_norm_hidden"], eps),
+            ],
+            dim=-1,
+        )
         x = F.linear(joined.to(wdt), weights["mtp.fc"]).float()
         cos, sin = rope(positions, c.rotary_dim, c.rope_theta, torch.float32)
         keys = kv_cache[2 * c.num_layers + self.layer]  # the extra caches: every MTP layer's keys, then values
         values = kv_cache[2 * c.num_layers + c.num_mtp_layers + self.layer]
         h = centered_norm(x, weights[p + "attn_norm"], eps).to(wdt)
-        x = x + attention(c, weights, p, h, keys, values, cos, sin, positions, slot_mapping, block_tables, seq_lens,
-                          query_start_loc)  # fmt: skip
+        x = x + attention(
+            c, weights, p, h, keys, values, cos, sin, positions, slot_mapping, block_tables, seq_lens, query_start_loc
+        )
         h = centered_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
         x = x + (routed_mlp(c, weights, p, h) if c.mtp_moe else dense_mlp(weights, p, h))
         out = centered_norm(x, weights["mtp.norm"], eps)
@@ -577,9 +676,16 @@ def extra_programs(config: Qwen3NextConfig, num_top: int, weights: dict[str, Ten
 
     mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"mtp.{k}.wqkv", lambda k: f"mtp.layers.{k}.")
     modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
-    return mtp.draft_programs(modules, config.hidden_size, num_top, mtp.reference_check(
-        config.vocab_size, lambda w, ids: ref.reference_forward(config, w, ids)[1],
-        lambda w, layer, next_ids, hidden: ref.reference_mtp(config, w, layer, next_ids, hidden)[0]))  # fmt: skip
+    return mtp.draft_programs(
+        modules,
+        config.hidden_size,
+        num_top,
+        mtp.reference_check(
+            config.vocab_size,
+            lambda w, ids: ref.reference_forward(config, w, ids)[1],
+            lambda w, layer, next_ids, hidden: ref.reference_mtp(config, w, layer, next_ids, hidden)[0],
+        ),
+    )
 
 
 def reference_logits(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
@@ -642,7 +748,11 @@ def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator
     if name.endswith("linear_attn.conv1d.weight"):  # [C, 1, K]
         return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
     if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name in (
-            "model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
+        "model.norm.weight",
+        "mtp.norm.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+    ):
         return 0.1 * torch.randn(shape, generator=generator)
     if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, out, in]
         return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
@@ -664,20 +774,33 @@ def hf_shapes(c: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
         else:
             vh = c.linear_num_value_heads
             if c.grouped_projections:
-                layer |= {"linear_attn.in_proj_qkvz.weight": (c.conv_dim + c.value_dim, h),
-                          "linear_attn.in_proj_ba.weight": (2 * vh, h)}  # fmt: skip
+                layer |= {
+                    "linear_attn.in_proj_qkvz.weight": (c.conv_dim + c.value_dim, h),
+                    "linear_attn.in_proj_ba.weight": (2 * vh, h),
+                }
             else:
-                layer |= {"linear_attn.in_proj_qkv.weight": (c.conv_dim, h),
-                          "linear_attn.in_proj_z.weight": (c.value_dim, h), "linear_attn.in_proj_b.weight": (vh, h),
-                          "linear_attn.in_proj_a.weight": (vh, h)}  # fmt: skip
-            layer |= {"linear_attn.conv1d.weight": (c.conv_dim, 1, c.conv_kernel_size), "linear_attn.dt_bias": (vh,),
-                      "linear_attn.A_log": (vh,), "linear_attn.norm.weight": (c.linear_value_head_dim,),
-                      "linear_attn.out_proj.weight": (h, c.value_dim)}  # fmt: skip
+                layer |= {
+                    "linear_attn.in_proj_qkv.weight": (c.conv_dim, h),
+                    "linear_attn.in_proj_z.weight": (c.value_dim, h),
+                    "linear_attn.in_proj_b.weight": (vh, h),
+                    "linear_attn.in_proj_a.weight": (vh, h),
+                }
+            layer |= {
+                "linear_attn.conv1d.weight": (c.conv_dim, 1, c.conv_kernel_size),
+                "linear_attn.dt_bias": (vh,),
+                "linear_attn.A_log": (vh,),
+                "linear_attn.norm.weight": (c.linear_value_head_dim,),
+                "linear_attn.out_proj.weight": (h, c.value_dim),
+            }
         layer |= _mlp_shapes(c, c.moe_layers[i])
         shapes.update({p + name: shape for name, shape in layer.items()})
     if c.num_mtp_layers:
-        shapes |= {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
-                   "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}  # fmt: skip
+        shapes |= {
+            "mtp.fc.weight": (h, 2 * h),
+            "mtp.pre_fc_norm_embedding.weight": (h,),
+            "mtp.pre_fc_norm_hidden.weight": (h,),
+            "mtp.norm.weight": (h,),
+        }
     for k in range(c.num_mtp_layers):
         layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)} | _attention_shapes(c)
         shapes.update({f"mtp.layers.{k}.{name}": shape for name, shape in (layer | _mlp_shapes(c, c.mtp_moe)).items()})
@@ -686,9 +809,14 @@ def hf_shapes(c: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
 
 def _attention_shapes(c: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
     h, q = c.hidden_size, c.num_heads * c.head_dim
-    return {"self_attn.q_proj.weight": (2 * q, h), "self_attn.k_proj.weight": (c.kv_dim, h),
-            "self_attn.v_proj.weight": (c.kv_dim, h), "self_attn.o_proj.weight": (h, q),
-            "self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}  # fmt: skip
+    return {
+        "self_attn.q_proj.weight": (2 * q, h),
+        "self_attn.k_proj.weight": (c.kv_dim, h),
+        "self_attn.v_proj.weight": (c.kv_dim, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_norm.weight": (c.head_dim,),
+        "self_attn.k_norm.weight": (c.head_dim,),
+    }
 
 
 def _mlp_shapes(c: Qwen3NextConfig, routed: bool) -> dict[str, tuple[int, ...]]:
@@ -700,9 +828,16 @@ def _mlp_shapes(c: Qwen3NextConfig, routed: bool) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (e, h)}
     if c.grouped_projections:  # Qwen3-Next's published checkpoints: one tensor per expert
         for x in range(e):
-            shapes |= {f"mlp.experts.{x}.gate_proj.weight": (f, h), f"mlp.experts.{x}.up_proj.weight": (f, h),
-                       f"mlp.experts.{x}.down_proj.weight": (h, f)}  # fmt: skip
+            shapes |= {
+                f"mlp.experts.{x}.gate_proj.weight": (f, h),
+                f"mlp.experts.{x}.up_proj.weight": (f, h),
+                f"mlp.experts.{x}.down_proj.weight": (h, f),
+            }
     else:
         shapes |= {"mlp.experts.gate_up_proj": (e, 2 * f, h), "mlp.experts.down_proj": (e, h, f)}
-    return shapes | {"mlp.shared_expert.gate_proj.weight": (s, h), "mlp.shared_expert.up_proj.weight": (s, h),
-                     "mlp.shared_expert.down_proj.weight": (h, s), "mlp.shared_expert_gate.weight": (1, h)}  # fmt: skip
+    return shapes | {
+        "mlp.shared_expert.gate_proj.weight": (s, h),
+        "mlp.shared_expert.up_proj.weight": (s, h),
+        "mlp.shared_expert.down_proj.weight": (h, s),
+        "mlp.shared_expert_gate.weight": (1, h),
+    }

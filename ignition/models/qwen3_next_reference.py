@@ -119,7 +119,9 @@ def _head(c: Qwen3NextConfig, w: dict[str, Tensor], x: Tensor) -> Tensor:
     return (x @ w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"].T).float()
 
 
-def reference_forward(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> tuple[Tensor, Tensor]:
+def reference_forward(
+    config: Qwen3NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]
+) -> tuple[Tensor, Tensor]:
     """Dense, unpaged forward over Hugging Face-named weights (either layout): (logits [T, V] fp32,
     final-normed hidden states [T, hidden] fp32: what the MTP layers take)."""
     c, w, norm = config, _weights(config, hf_weights), _norm(config)
@@ -137,8 +139,9 @@ def reference_logits(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], tok
     return reference_forward(config, hf_weights, token_ids)[0]
 
 
-def reference_mtp(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int],
-                  hidden: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+def reference_mtp(
+    config: Qwen3NextConfig, hf_weights: dict[str, Tensor], layer: int, next_ids: list[int], hidden: Tensor
+) -> tuple[Tensor, Tensor]:
     """MTP layer `layer` over a whole sequence (vLLM's Qwen3NextMultiTokenPredictor): row t joins
     next_ids[t] (the token after position t) with hidden[t] (the main model's final-normed state at
     t) and attends causally over rows <= t. Returns (logits [T, V]: the token after next_ids[t],

@@ -101,7 +101,11 @@ def canonical_name(name: str) -> str:
 
 WEIGHT_MAP = {
     **_HUB_WEIGHT_MAP,
-    **{"model.language_model." + k.removeprefix("model."): v for k, v in _HUB_WEIGHT_MAP.items() if k.startswith("model.")},
+    **{
+        "model.language_model." + k.removeprefix("model."): v
+        for k, v in _HUB_WEIGHT_MAP.items()
+        if k.startswith("model.")
+    },
     "model.language_model.layers.{}.mlp.gate.weight": "layers.{}.w_router",
     "model.language_model.layers.{}.mlp.gate.e_score_correction_bias": "layers.{}.router_bias",
     "model.language_model.layers.{}.mlp.experts.gate_up_proj": "layers.{}.w_experts_gate_up",
@@ -177,8 +181,14 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 # Hub-config fields transformers does not read; it always computes what these values say.
-_FIXED_BY_TRANSFORMERS = {"use_head_wise_attn_gate": True, "use_qk_norm": True, "zero_centered": True,
-                          "norm_expert_weight": True, "use_moe_router_bias": True, "moe_router_activation": "sigmoid"}  # fmt: skip
+_FIXED_BY_TRANSFORMERS = {
+    "use_head_wise_attn_gate": True,
+    "use_qk_norm": True,
+    "zero_centered": True,
+    "norm_expert_weight": True,
+    "use_moe_router_bias": True,
+    "moe_router_activation": "sigmoid",
+}
 
 
 def _check_supported(top: dict[str, Any], hf: dict[str, Any]) -> None:
@@ -201,8 +211,10 @@ def _check_supported(top: dict[str, Any], hf: dict[str, Any]) -> None:
     if hf.get("use_rope_layers") and not all(hf["use_rope_layers"]):
         refuse("use_rope_layers with layers without rotary")
     if "text_config" in top and hf.get("tie_word_embeddings") and not top.get("tie_word_embeddings"):
-        refuse("text_config.tie_word_embeddings without the top-level tie_word_embeddings "
-               "(transformers ties Step3p7ForConditionalGeneration's head only on the top-level flag)")  # fmt: skip
+        refuse(
+            "text_config.tie_word_embeddings without the top-level tie_word_embeddings "
+            "(transformers ties Step3p7ForConditionalGeneration's head only on the top-level flag)"
+        )
 
 
 def _per_layer(hf: dict[str, Any], name: str, n: int, padded: int, default: Any) -> list[Any]:
@@ -251,11 +263,15 @@ def _rope_specs(hf: dict[str, Any], types: list[str], n: int, padded: int, head_
         scaling = hf.get("rope_scaling")
         if scaling:
             if "rope_type" not in scaling:
-                raise ValueError(f"rope_scaling without rope_type ({scaling!r}) is not supported (transformers ignores it)")
+                raise ValueError(
+                    f"rope_scaling without rope_type ({scaling!r}) is not supported (transformers ignores it)"
+                )
             only = hf.get("yarn_only_types")
             if SLIDING in present and list(only or []) != [FULL]:
-                raise ValueError(f"rope_scaling on layer types {only!r} is not supported (transformers scales "
-                                 f"full_attention layers only)")  # fmt: skip
+                raise ValueError(
+                    f"rope_scaling on layer types {only!r} is not supported (transformers scales "
+                    f"full_attention layers only)"
+                )
             if FULL in params:
                 params[FULL] = params[FULL] | dict(scaling)
     specs = {}
@@ -264,18 +280,28 @@ def _rope_specs(hf: dict[str, Any], types: list[str], n: int, padded: int, head_
         kind = p.get("rope_type") or "default"
         dim = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
         if dim % 2 or not 0 < dim <= head_dim:
-            raise ValueError(f"partial_rotary_factor {p.get('partial_rotary_factor')} gives {dim} rotary dims of "
-                             f"{head_dim}; an even count is needed")  # fmt: skip
+            raise ValueError(
+                f"partial_rotary_factor {p.get('partial_rotary_factor')} gives {dim} rotary dims of "
+                f"{head_dim}; an even count is needed"
+            )
         theta = float(p.get("rope_theta") or 10000.0)
         if kind == "default":
             specs[t] = RopeSpec(theta, dim)
         elif kind == "llama3":
             original = int(p.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 128000))
-            specs[t] = RopeSpec(theta, dim, True, float(p["factor"]), float(p["low_freq_factor"]),
-                                float(p["high_freq_factor"]), original)  # fmt: skip
+            specs[t] = RopeSpec(
+                theta,
+                dim,
+                True,
+                float(p["factor"]),
+                float(p["low_freq_factor"]),
+                float(p["high_freq_factor"]),
+                original,
+            )
         else:
-            raise ValueError(f"rope type {kind!r} on {t} layers is not supported by the {FAMILY} family "
-                             "(default and llama3 are)")  # fmt: skip
+            raise ValueError(
+                f"rope type {kind!r} on {t} layers is not supported by the {FAMILY} family (default and llama3 are)"
+            )
     return specs
 
 
@@ -285,8 +311,9 @@ def _layer_heads(hf: dict[str, Any], types: list[str], n: int) -> tuple[int, ...
     if per_layer is not None:  # transformers' saved form
         per_layer = {int(k): v for k, v in per_layer.items()}
         if {k for v in per_layer.values() for k in v} - {"num_attention_heads"}:
-            raise ValueError(f"per_layer_config overrides other than num_attention_heads are not supported by the "
-                             f"{FAMILY} family")  # fmt: skip
+            raise ValueError(
+                f"per_layer_config overrides other than num_attention_heads are not supported by the {FAMILY} family"
+            )
         return tuple(int(per_layer.get(i, {}).get("num_attention_heads", heads)) for i in range(n))
     sliding = hf.get("num_sliding_attention_heads")
     other = hf.get("attention_other_setting") or {}
@@ -305,8 +332,10 @@ def config_from_hf(hf: dict[str, Any]) -> Step3p7Config:
     padded = n + mtp
     types = _per_layer(hf, "layer_types", n, padded, FULL)
     if set(types) - {FULL, SLIDING}:
-        raise ValueError(f"layer types {sorted(set(types) - {FULL, SLIDING})} are not supported by the {FAMILY} "
-                         f"family ({FULL} and {SLIDING} are)")  # fmt: skip
+        raise ValueError(
+            f"layer types {sorted(set(types) - {FULL, SLIDING})} are not supported by the {FAMILY} "
+            f"family ({FULL} and {SLIDING} are)"
+        )
     window = hf.get("sliding_window")
     if SLIDING in types and not window:
         raise ValueError("sliding_attention layers need a sliding_window")
@@ -315,8 +344,10 @@ def config_from_hf(hf: dict[str, Any]) -> Step3p7Config:
     other = hf.get("attention_other_setting") or {}
     for key, value in (("num_attention_groups", kv_heads), ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
         if key in other and int(other[key]) != value:
-            raise ValueError(f"attention_other_setting.{key} {other[key]} differs from the full layers' {value}; "
-                             "transformers keeps one kv-head count and head size for every layer")  # fmt: skip
+            raise ValueError(
+                f"attention_other_setting.{key} {other[key]} differs from the full layers' {value}; "
+                "transformers keeps one kv-head count and head size for every layer"
+            )
     heads = _layer_heads(hf, types, n)
     if any(h % kv_heads for h in heads):
         raise ValueError(f"query heads {sorted(set(heads))} must be multiples of the {kv_heads} kv heads")
@@ -330,10 +361,13 @@ def config_from_hf(hf: dict[str, Any]) -> Step3p7Config:
         limits.append(tuple(values))
     experts = int(hf.get("moe_num_experts") or hf.get("n_routed_experts") or 288)
     router = moe.RouterSpec(
-        num_experts=experts, top_k=int(hf.get("moe_top_k") or hf.get("num_experts_per_tok") or 8), scoring="sigmoid",
-        norm_topk_prob=True, routed_scaling_factor=float(hf.get("moe_router_scaling_factor", 1.0)),
+        num_experts=experts,
+        top_k=int(hf.get("moe_top_k") or hf.get("num_experts_per_tok") or 8),
+        scoring="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=float(hf.get("moe_router_scaling_factor", 1.0)),
         has_correction_bias=True,
-    )  # fmt: skip
+    )
     share = int(hf.get("share_expert_dims") or hf.get("share_expert_dim") or 1280)
     if share <= 0:
         raise ValueError(f"share_expert_dim must be positive, got {share}")
@@ -450,8 +484,15 @@ def _activation(limit: float) -> moe.ExpertActivation:
 class StepProgram(DecoderProgram):
     """Step 3.7's step over the flare:: paged-KV ops (see the module docstring)."""
 
-    def attention(self, weights: dict[str, Tensor], i: int, h: Tensor, rope: tuple[Tensor, Tensor],
-                  kv_cache: list[Tensor], paged: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
+    def attention(
+        self,
+        weights: dict[str, Tensor],
+        i: int,
+        h: Tensor,
+        rope: tuple[Tensor, Tensor],
+        kv_cache: list[Tensor],
+        paged: tuple[Tensor, ...],
+    ) -> Tensor:
         """h [T, hidden] in the core dtype -> the gated attention block's output [T, hidden] fp32."""
         c, p = self.config, f"layers.{i}."
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
@@ -464,8 +505,18 @@ class StepProgram(DecoderProgram):
         k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
         kvt = k_cache.dtype
         torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
-        attn = torch.ops.flare.paged_attention(q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                               positions, c.attention_scale, c.layer_windows[i], 0.0)  # fmt: skip
+        attn = torch.ops.flare.paged_attention(
+            q.to(kvt),
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            positions,
+            c.attention_scale,
+            c.layer_windows[i],
+            0.0,
+        )
         attn = attn.float() * torch.sigmoid(gate)[:, :, None]  # one gate per head
         return F.linear(attn.reshape(-1, heads * hd).to(h.dtype), weights[p + "wo"]).float()
 
@@ -474,12 +525,28 @@ class StepProgram(DecoderProgram):
         shared = _activation(c.shared_limits[layer])
         if not c.layer_sparse[layer]:  # the dense MLP clamps with the shared expert's limit, as transformers does
             return moe.shared_mlp(h, weights[p + "w_gate_up"], weights[p + "w_down"], shared)
-        return moe.sparse_moe(c.router, weights, layer, h, _activation(c.routed_limits[layer]), shared=True,
-                              shared_activation=shared)  # fmt: skip
+        return moe.sparse_moe(
+            c.router, weights, layer, h, _activation(c.routed_limits[layer]), shared=True, shared_activation=shared
+        )
 
-    def forward(self, weights, kv_cache, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                query_start_loc, logits_indices, extra_1=None, extra_2=None, extra_3=None, extra_4=None,
-                extra_5=None, extra_6=None):  # fmt: skip
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+        extra_1=None,
+        extra_2=None,
+        extra_3=None,
+        extra_4=None,
+        extra_5=None,
+        extra_6=None,
+    ):
         """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
         those rows' input embeddings are the features (transformers' masked_scatter); rows of -1 are
         unused. Sliding layers' caches are in the window pool: window_slot_mapping / window_block_tables."""
@@ -498,7 +565,10 @@ class StepProgram(DecoderProgram):
             T = x.shape[0]
             rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
             x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
-        ropes = {window > 0: _cos_sin(positions, c.rope_sliding if window else c.rope_full) for window in set(c.layer_windows)}
+        ropes = {
+            window > 0: _cos_sin(positions, c.rope_sliding if window else c.rope_full)
+            for window in set(c.layer_windows)
+        }
         paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         windowed = (*pooled, seq_lens, query_start_loc, positions)  # sliding layers: the window pool's slots, tables
         for i, window in enumerate(c.layer_windows):
@@ -530,8 +600,13 @@ def _reference_inv_freq(spec: RopeSpec) -> list[float]:
     return out
 
 
-def reference_logits(config: Step3p7Config, hf_weights: dict[str, Tensor], token_ids: list[int],
-                     image_features: Tensor | None = None, image_positions: list[int] | None = None) -> Tensor:  # fmt: skip
+def reference_logits(
+    config: Step3p7Config,
+    hf_weights: dict[str, Tensor],
+    token_ids: list[int],
+    image_features: Tensor | None = None,
+    image_positions: list[int] | None = None,
+) -> Tensor:
     """Dense, unpaged forward over checkpoint-named weights in float64: logits [T, V] fp32.
 
     Independent of the program: unfused weights, explicit per-layer masks, rotary as complex
@@ -588,9 +663,13 @@ def reference_logits(config: Step3p7Config, hf_weights: dict[str, Tensor], token
             mlp = act(h @ W(p + "mlp.gate_proj.weight").T, h @ W(p + "mlp.up_proj.weight").T, shared_limit)
             x = x + mlp @ W(p + "mlp.down_proj.weight").T
             continue
-        x = x + _reference_moe(c, W, set(w), p, h, lambda g, u: act(g, u, c.routed_limits[i]))
+        x = x + _reference_moe(c, W, set(w), p, h, lambda g, u: act(g, u, c.routed_limits[i]))  # noqa: B023 - called at once
         s = p + "share_expert."
-        x = x + act(h @ W(s + "gate_proj.weight").T, h @ W(s + "up_proj.weight").T, shared_limit) @ W(s + "down_proj.weight").T
+        x = (
+            x
+            + act(h @ W(s + "gate_proj.weight").T, h @ W(s + "up_proj.weight").T, shared_limit)
+            @ W(s + "down_proj.weight").T
+        )
     x = norm(x, W("model.norm.weight"))
     head = w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"].to(f64)
     return (x @ head.T).float()
@@ -646,8 +725,13 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
         "sliding_window": 8,
         "rope_theta": [5_000_000.0, 10_000.0, 10_000.0, 5_000_000.0, 5_000_000.0],
         "partial_rotary_factors": [0.5, 1.0, 1.0, 0.5, 0.5],
-        "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 1024,
-                         "low_freq_factor": 1.0, "high_freq_factor": 32.0},  # fmt: skip
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 2.0,
+            "original_max_position_embeddings": 1024,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 32.0,
+        },
         "yarn_only_types": [FULL],
         "moe_num_experts": 8,
         "moe_top_k": 2,
@@ -676,21 +760,30 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
 def _layer_shapes(c: Step3p7Config, i: int) -> dict[str, tuple[int, ...]]:
     h, hd, heads, kv = c.hidden_size, c.head_dim, c.layer_heads[min(i, c.num_layers - 1)], c.kv_dim
     shapes: dict[str, tuple[int, ...]] = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (heads * hd, h), "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, heads * hd),
-        "self_attn.g_proj.weight": (heads, h), "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
-    }  # fmt: skip
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (heads * hd, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, heads * hd),
+        "self_attn.g_proj.weight": (heads, h),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+    }
     if i < c.num_layers and not c.layer_sparse[i]:
         f = c.intermediate_size
         return shapes | {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
     e, f, s = c.router.num_experts, c.moe_intermediate_size, c.share_expert_dim
     return shapes | {
-        "moe.gate.weight": (e, h), "moe.router_bias": (e,),
-        "moe.gate_proj.weight": (e, f, h), "moe.up_proj.weight": (e, f, h), "moe.down_proj.weight": (e, h, f),
-        "share_expert.gate_proj.weight": (s, h), "share_expert.up_proj.weight": (s, h),
+        "moe.gate.weight": (e, h),
+        "moe.router_bias": (e,),
+        "moe.gate_proj.weight": (e, f, h),
+        "moe.up_proj.weight": (e, f, h),
+        "moe.down_proj.weight": (e, h, f),
+        "share_expert.gate_proj.weight": (s, h),
+        "share_expert.up_proj.weight": (s, h),
         "share_expert.down_proj.weight": (h, s),
-    }  # fmt: skip
+    }
 
 
 def hf_shapes(c: Step3p7Config) -> dict[str, tuple[int, ...]]:
@@ -720,15 +813,28 @@ def testmodel_vision(config: dict[str, Any], tokens: dict[str, int]) -> dict[str
     over 14-pixel patches with a 12 x 12 position grid (a 168-pixel global view, 9 tokens; 112-pixel
     tiles, 4 tokens each, whose positions are interpolated), projector with a bias, and the
     tokenizer's <im_patch> as image_token_id. `tokens`: TESTMODEL_VISION_TOKENS -> ids."""
-    vision = {"width": 32, "layers": 2, "heads": 4, "image_size": 168, "patch_size": 14, "mlp_ratio": 2.0,
-              "layer_norm_eps": 1e-5, "hidden_act": "quick_gelu", "ls_init_value": 0.5,
-              "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}}  # fmt: skip
+    vision = {
+        "width": 32,
+        "layers": 2,
+        "heads": 4,
+        "image_size": 168,
+        "patch_size": 14,
+        "mlp_ratio": 2.0,
+        "layer_norm_eps": 1e-5,
+        "hidden_act": "quick_gelu",
+        "ls_init_value": 0.5,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+    }
     return config | {"vision_config": vision, "image_token_id": tokens["<im_patch>"], "projector_bias": True}
 
 
 # Step3p7ImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json).
-TESTMODEL_PROCESSOR = {"image_processor_type": "Step3p7ImageProcessor", "size": {"height": 168, "width": 168},
-                       "patch_size": 112, "max_image_size": 448}  # fmt: skip
+TESTMODEL_PROCESSOR = {
+    "image_processor_type": "Step3p7ImageProcessor",
+    "size": {"height": 168, "width": 168},
+    "patch_size": 112,
+    "max_image_size": 448,
+}
 
 
 # ------------------------------------------------------------------------- vision hooks (ignition.export)
@@ -744,7 +850,9 @@ def vision_examples(config: Step3p7Config) -> tuple[Tensor, Tensor]:
     return step3p7_vision.example_inputs(config.vision)
 
 
-def reference_features(config: Step3p7Config, hf_weights: dict[str, Tensor], pixels: Tensor, positions: Tensor) -> Tensor:
+def reference_features(
+    config: Step3p7Config, hf_weights: dict[str, Tensor], pixels: Tensor, positions: Tensor
+) -> Tensor:
     assert config.vision is not None
     return step3p7_vision.reference_features(config.vision, hf_weights, pixels, positions)
 

@@ -45,14 +45,23 @@ WEIGHT_MAP = {
     _V + "downsampler2.bias": "vision.down2.bias",
     _PROJ + "weight": "vision.projection",
     _PROJ + "bias": "vision.projection.bias",
-    **{_VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-       for hf, ours in (("self_attn.q_proj", "wq"), ("self_attn.k_proj", "wk"), ("self_attn.v_proj", "wv"),
-                        ("self_attn.out_proj", "wo"), ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2"),
-                        ("layernorm_before", "norm1"), ("layernorm_after", "norm2"))
-       for kind in ("weight", "bias")},
+    **{
+        _VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
+        for hf, ours in (
+            ("self_attn.q_proj", "wq"),
+            ("self_attn.k_proj", "wk"),
+            ("self_attn.v_proj", "wv"),
+            ("self_attn.out_proj", "wo"),
+            ("mlp.fc1", "fc1"),
+            ("mlp.fc2", "fc2"),
+            ("layernorm_before", "norm1"),
+            ("layernorm_after", "norm2"),
+        )
+        for kind in ("weight", "bias")
+    },
     _VL + "lambda_1": "vision.layers.{}.scale1",
     _VL + "lambda_2": "vision.layers.{}.scale2",
-}  # fmt: skip
+}
 # StepFun's own layout (what its hub checkpoints ship) -> transformers' names (native_tensors);
 # the fused in_proj is split into q/k/v and q/k de-interleaved, as transformers' loader does.
 HUB_PREFIXES = ("vision_model.", "vit_large_projector.")
@@ -170,29 +179,44 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {
         _V + "embeddings.patch_embedding.weight": (h, 3, ps, ps),
         _V + "embeddings.position_embedding.weight": (v.position_side**2, h),
-        _V + "pre_layernorm.weight": (h,), _V + "pre_layernorm.bias": (h,),
-        _V + "downsampler1.weight": (2 * h, h, 3, 3), _V + "downsampler1.bias": (2 * h,),
-        _V + "downsampler2.weight": (4 * h, 2 * h, 3, 3), _V + "downsampler2.bias": (4 * h,),
+        _V + "pre_layernorm.weight": (h,),
+        _V + "pre_layernorm.bias": (h,),
+        _V + "downsampler1.weight": (2 * h, h, 3, 3),
+        _V + "downsampler1.bias": (2 * h,),
+        _V + "downsampler2.weight": (4 * h, 2 * h, 3, 3),
+        _V + "downsampler2.bias": (4 * h,),
         _PROJ + "weight": (v.text_hidden_size, 4 * h),
-    }  # fmt: skip
+    }
     if v.projector_bias:
         shapes[_PROJ + "bias"] = (v.text_hidden_size,)
     for i in range(v.num_layers):
         p = _VL.format(i)
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"):
             shapes |= {p + name + ".weight": (h, h), p + name + ".bias": (h,)}
-        shapes |= {p + "mlp.fc1.weight": (f, h), p + "mlp.fc1.bias": (f,), p + "mlp.fc2.weight": (h, f),
-                   p + "mlp.fc2.bias": (h,), p + "lambda_1": (h,), p + "lambda_2": (h,)}  # fmt: skip
+        shapes |= {
+            p + "mlp.fc1.weight": (f, h),
+            p + "mlp.fc1.bias": (f,),
+            p + "mlp.fc2.weight": (h, f),
+            p + "mlp.fc2.bias": (h,),
+            p + "lambda_1": (h,),
+            p + "lambda_2": (h,),
+        }
         for name in ("layernorm_before", "layernorm_after"):
             shapes |= {p + name + ".weight": (h,), p + name + ".bias": (h,)}
     return shapes
 
 
 # Step3p7ImageProcessor's class defaults (its preprocessor_config.json may override the first six).
-PROCESSOR_DEFAULTS = {"size": {"height": 728, "width": 728}, "patch_size": 504, "max_image_size": 3024,
-                      "image_mean": (0.48145466, 0.4578275, 0.40821073),
-                      "image_std": (0.26862954, 0.26130258, 0.27577711), "rescale_factor": 1 / 255,
-                      "vision_patch_size": 14, "downsampler_stride": DOWNSAMPLE}  # fmt: skip
+PROCESSOR_DEFAULTS = {
+    "size": {"height": 728, "width": 728},
+    "patch_size": 504,
+    "max_image_size": 3024,
+    "image_mean": (0.48145466, 0.4578275, 0.40821073),
+    "image_std": (0.26862954, 0.26130258, 0.27577711),
+    "rescale_factor": 1 / 255,
+    "vision_patch_size": 14,
+    "downsampler_stride": DOWNSAMPLE,
+}
 FRAMING = ("<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>")
 
 
@@ -209,8 +233,10 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, t
         raise ValueError("the processor's vision_patch_size / downsampler_stride differ from the vision tower's")
     for name, side in (("size", image_size), ("patch_size", tile)):
         if side % (ps * DOWNSAMPLE) or side < 2 * ps * DOWNSAMPLE:
-            raise ValueError(f"processor {name} {side} must be a multiple of {ps * DOWNSAMPLE} (patch x downsampling) "
-                             f"of at least two tokens per side")  # fmt: skip
+            raise ValueError(
+                f"processor {name} {side} must be a multiple of {ps * DOWNSAMPLE} (patch x downsampling) "
+                f"of at least two tokens per side"
+            )
     if tile > image_size:
         raise ValueError(f"tiles ({tile}) larger than the global view ({image_size}) are not supported")
     if int(ip.get("resample", 2)) != 2:
@@ -397,8 +423,9 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     for i in range(v.num_layers):
         p = _VL.format(i)
         y = ln(x, p + "layernorm_before")
-        q, k, val = (y @ w(p + f"self_attn.{n}.weight").T + w(p + f"self_attn.{n}.bias")
-                     for n in ("q_proj", "k_proj", "v_proj"))  # fmt: skip
+        q, k, val = (
+            y @ w(p + f"self_attn.{n}.weight").T + w(p + f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")
+        )
         q, k, val = rotate(q.view(-1, H, hd)), rotate(k.view(-1, H, hd)), val.view(-1, H, hd)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
         attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), val).reshape(-1, h)

@@ -33,7 +33,9 @@ class Checkpoint:
     files: dict[str, str]  # source file name -> sha256
     dtype: str = "float32"  # the precision the checkpoint was published in: the export default
     source_format: str = ""  # how the weights were stored, e.g. "gguf Q4_1", "safetensors nvfp4 (modelopt)"
-    processor_config: dict[str, Any] | None = None  # preprocessor_config.json / processor_config.json (vision checkpoints)
+    processor_config: dict[str, Any] | None = (
+        None  # preprocessor_config.json / processor_config.json (vision checkpoints)
+    )
 
 
 def sha256_file(path: Path) -> str:

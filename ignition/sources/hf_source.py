@@ -43,8 +43,9 @@ def _chat_template(directory: Path, tokenizer_config: dict[str, Any]) -> str | N
     return template if isinstance(template, str) else None
 
 
-def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = None,
-                checkpoint_id: str | None = None) -> Checkpoint:  # fmt: skip
+def read_hf_dir(
+    directory: Path, kind: str = "hf-dir", reference: str | None = None, checkpoint_id: str | None = None
+) -> Checkpoint:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise SourceError(f"{directory}: no config.json, so this is not a Hugging Face checkpoint directory")
@@ -74,8 +75,12 @@ def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = N
         tokenizer = Tokenizer.from_str(tokenizer_json)
     except Exception as exc:
         raise SourceError(f"{tokenizer_path}: not a valid tokenizer ({exc})") from exc
-    tok_config = _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
-    gen_config = _read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
+    tok_config = (
+        _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
+    )
+    gen_config = (
+        _read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
+    )
 
     def token_id(key: str, config_key: str) -> int | None:
         content = _token_content(tok_config.get(key))
@@ -97,8 +102,14 @@ def read_hf_dir(directory: Path, kind: str = "hf-dir", reference: str | None = N
         add_bos_token=bool(tok_config.get("add_bos_token", False)) and bos is not None,
     )
     files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file()}
-    processor = next((_read_json(directory / n) for n in ("processor_config.json", "preprocessor_config.json")
-                      if (directory / n).is_file()), None)  # fmt: skip
+    processor = next(
+        (
+            _read_json(directory / n)
+            for n in ("processor_config.json", "preprocessor_config.json")
+            if (directory / n).is_file()
+        ),
+        None,
+    )
     name = str(config.get("_name_or_path") or directory.name)
     return Checkpoint(
         kind=kind,

@@ -68,8 +68,9 @@ def dequantize_fp8_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, i
         block = (rows // scale_rows, cols // scale_cols)
     block_rows, block_cols = block
     if (-(-rows // block_rows), -(-cols // block_cols)) != (scale_rows, scale_cols):
-        raise ValueError(f"weight {tuple(values.shape)} does not fit {block_rows}x{block_cols} blocks of scales "
-                         f"{tuple(scale.shape)}")  # fmt: skip
+        raise ValueError(
+            f"weight {tuple(values.shape)} does not fit {block_rows}x{block_cols} blocks of scales {tuple(scale.shape)}"
+        )
     grid = scale.repeat_interleave(block_rows, dim=-2)[..., :rows, :].repeat_interleave(block_cols, dim=-1)
     return values * grid[..., :cols]
 
@@ -132,7 +133,9 @@ def dequantize(tensors: dict[str, Tensor], config: dict[str, Any]) -> dict[str, 
     if source_format(config) is None:
         return {name: t.float() if t.is_floating_point() else t for name, t in tensors.items()}
     block = config["quantization_config"].get("weight_block_size")
-    fp8_blocks = partial(dequantize_fp8_blocks, block=tuple(block) if isinstance(block, list) and len(block) == 2 else None)
+    fp8_blocks = partial(
+        dequantize_fp8_blocks, block=tuple(block) if isinstance(block, list) and len(block) == 2 else None
+    )
     out: dict[str, Tensor] = {}
     consumed: set[str] = set()
     for name in tensors:

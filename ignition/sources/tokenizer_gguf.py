@@ -20,12 +20,8 @@ _PRE_TOKENIZERS = {
     "gpt2": _GPT2,
     "default": _GPT2,
     # llama.cpp's SMOLLM/STARCODER: every digit alone, then the GPT-2 regex
-    "smollm": lambda: pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), _GPT2()]
-    ),
-    "starcoder": lambda: pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), _GPT2()]
-    ),
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _GPT2()]),
+    "starcoder": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _GPT2()]),
 }
 
 
@@ -87,8 +83,15 @@ def _gemma_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     vocab = {token: index for index, token in enumerate(tokens)}
     unk = meta.get("tokenizer.ggml.unknown_token_id")
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_merges_by_position(tokens, vocab), fuse_unk=True,
-                                     unk_token=tokens[unk] if unk is not None else "<unk>", byte_fallback=True))  # fmt: skip
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_by_position(tokens, vocab),
+            fuse_unk=True,
+            unk_token=tokens[unk] if unk is not None else "<unk>",
+            byte_fallback=True,
+        )
+    )
     tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
     tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
     tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -96,8 +99,13 @@ def _gemma_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         [AddedToken(tokens[i], special=True, normalized=False) for i in range(len(tokens)) if types[i] == _CONTROL]
     )
     # llama.cpp matches user-defined tokens (runs of newlines, ...) whole in the text.
-    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                          for i in range(len(tokens)) if types[i] == _USER_DEFINED and tokens[i] in vocab])  # fmt: skip
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i in range(len(tokens))
+            if types[i] == _USER_DEFINED and tokens[i] in vocab
+        ]
+    )
     return tokenizer
 
 
@@ -106,8 +114,11 @@ def _merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[
     rank = {token: -index for index, token in enumerate(tokens)}  # a repeated token keeps its last position
     merges: list[tuple[str, str, int]] = []
     for merged, score in rank.items():
-        local = [(merged[:i], merged[i:], score) for i in range(1, len(merged))
-                 if merged[:i] in vocab and merged[i:] in vocab]  # fmt: skip
+        local = [
+            (merged[:i], merged[i:], score)
+            for i in range(1, len(merged))
+            if merged[:i] in vocab and merged[i:] in vocab
+        ]
         merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in merges]

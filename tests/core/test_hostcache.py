@@ -42,8 +42,9 @@ def test_an_unwritable_cache_is_not_an_error(tmp_path: Path, monkeypatch: pytest
     assert hostcache.get("facts", "a") is None
 
 
-def test_unchanged_files_are_not_hashed_again(tiny_core: Path, tmp_path: Path, cache: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_unchanged_files_are_not_hashed_again(
+    tiny_core: Path, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     core_dir = tmp_path / "core"
     shutil.copytree(tiny_core, core_dir)
     hashed: list[str] = []

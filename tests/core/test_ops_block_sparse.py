@@ -19,11 +19,20 @@ def _hf_indexer(heads: int, dim: int, block: int, topk: int, local: int, seed: i
     from transformers import MiniMaxM3VLTextConfig
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer, MiniMaxM3VLRotaryEmbedding
 
-    config = MiniMaxM3VLTextConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=16, index_n_heads=heads, index_head_dim=dim, index_block_size=block,
-                                   index_topk_blocks=topk, index_local_blocks=local, layer_types=["minimax_m3_sparse"],
-                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                    "partial_rotary_factor": 0.5})  # fmt: skip
+    config = MiniMaxM3VLTextConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        index_n_heads=heads,
+        index_head_dim=dim,
+        index_block_size=block,
+        index_topk_blocks=topk,
+        index_local_blocks=local,
+        layer_types=["minimax_m3_sparse"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
     indexer = MiniMaxM3VLIndexer(config, 0)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -76,9 +85,17 @@ def test_block_select_matches_transformers_indexer(heads: int, block: int, topk:
     for start in range(0, total, 7):  # chunked prefill through the paged cache
         end = min(total, start + 7)
         cache.view(-1, 1, 8).index_copy_(0, _slots(table, start, end), k[start:end, None])
-        got[start:end] = block_select(q[start:end], cache, table, torch.tensor([end], dtype=torch.int32),
-                                      torch.tensor([0, end - start], dtype=torch.int32), torch.arange(start, end),
-                                      block, topk, local)  # fmt: skip
+        got[start:end] = block_select(
+            q[start:end],
+            cache,
+            table,
+            torch.tensor([end], dtype=torch.int32),
+            torch.tensor([0, end - start], dtype=torch.int32),
+            torch.arange(start, end),
+            block,
+            topk,
+            local,
+        )
     assert _sets(got) == _sets(expected)
     valid = (got >= 0).sum(-1)
     assert torch.equal(valid, torch.clamp(torch.arange(total) // block + 1, max=topk)[:, None].expand(-1, heads))
@@ -96,11 +113,13 @@ def _hf_block_attention(q, k, v, chosen, block, scale):
 
     total, heads = q.shape[0], q.shape[1]
     holder = SimpleNamespace(block_size=block, config=SimpleNamespace(num_attention_heads=heads))
-    mask = MiniMaxM3VLIndexer.build_block_mask(holder, chosen.transpose(0, 1)[None], None, total, q.dtype, q.device,
-                                               torch.arange(total)[None])  # fmt: skip
+    mask = MiniMaxM3VLIndexer.build_block_mask(
+        holder, chosen.transpose(0, 1)[None], None, total, q.dtype, q.device, torch.arange(total)[None]
+    )
     module = SimpleNamespace(num_key_value_groups=heads // k.shape[1], training=False)
-    out, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                     v.transpose(0, 1)[None], mask, scale)  # fmt: skip
+    out, _ = eager_attention_forward(
+        module, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale
+    )
     return out[0]  # [S, H, D]
 
 
@@ -109,7 +128,11 @@ def test_block_sparse_attention_matches_the_dense_mask(select_heads: int) -> Non
     _, indexer, rotary = _hf_indexer(select_heads, 8, 6, 3, 1, seed=3)
     total, gen = 37, torch.Generator().manual_seed(4)
     chosen, _, _ = _indexer_inputs(indexer, rotary, torch.randn(1, total, 32, generator=gen))
-    q, k, v = torch.randn(total, 4, 16, generator=gen), torch.randn(total, 2, 16, generator=gen), torch.randn(total, 2, 16, generator=gen)
+    q, k, v = (
+        torch.randn(total, 4, 16, generator=gen),
+        torch.randn(total, 2, 16, generator=gen),
+        torch.randn(total, 2, 16, generator=gen),
+    )
     expected = _hf_block_attention(q, k, v, chosen, 6, 0.25)
     k_cache, table = _paged(total, 16, heads=2)
     v_cache = torch.zeros_like(k_cache)
@@ -117,12 +140,31 @@ def test_block_sparse_attention_matches_the_dense_mask(select_heads: int) -> Non
     k_cache.view(-1, 2, 16).index_copy_(0, slots, k)
     v_cache.view(-1, 2, 16).index_copy_(0, slots, v)
     ids = torch.nn.functional.pad(chosen, (0, 3 - chosen.shape[-1]), value=-1)
-    got = block_sparse_attention(q, k_cache, v_cache, ids, table, torch.tensor([total], dtype=torch.int32),
-                                 torch.tensor([0, total], dtype=torch.int32), torch.arange(total), 0.25, 6)  # fmt: skip
+    got = block_sparse_attention(
+        q,
+        k_cache,
+        v_cache,
+        ids,
+        table,
+        torch.tensor([total], dtype=torch.int32),
+        torch.tensor([0, total], dtype=torch.int32),
+        torch.arange(total),
+        0.25,
+        6,
+    )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    dense = block_sparse_attention(q, k_cache, v_cache, torch.arange(7).expand(total, select_heads, 7).contiguous(),
-                                   table, torch.tensor([total], dtype=torch.int32), torch.tensor([0, total], dtype=torch.int32),
-                                   torch.arange(total), 0.25, 6)  # fmt: skip
+    dense = block_sparse_attention(
+        q,
+        k_cache,
+        v_cache,
+        torch.arange(7).expand(total, select_heads, 7).contiguous(),
+        table,
+        torch.tensor([total], dtype=torch.int32),
+        torch.tensor([0, total], dtype=torch.int32),
+        torch.arange(total),
+        0.25,
+        6,
+    )
     assert float((dense - got).abs().max()) > 1e-2  # the dropped blocks mattered
 
 
@@ -154,11 +196,16 @@ def test_cpu_kernels_match_the_reference(select_heads: int, kv_heads: int) -> No
         got = block_select_cpu(idx_q, idx_cache, *args, block, topk, local)
         assert _sets(got) == _sets(expected)
         out = block_sparse_attention(q, k_cache, v_cache, expected, *args, 0.25, block)
-        torch.testing.assert_close(block_sparse_attention_cpu(q, k_cache, v_cache, expected, *args, 0.25, block), out,
-                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            block_sparse_attention_cpu(q, k_cache, v_cache, expected, *args, 0.25, block), out, rtol=1e-5, atol=1e-5
+        )
     # decode rows alone, in order (the kernels' no-scatter path)
     decode = (tables[:2], lens[:2], starts[:3], positions[:2])
     ids = block_select(idx_q[:2], idx_cache, *decode, 4, 2, 1)
     assert _sets(block_select_cpu(idx_q[:2], idx_cache, *decode, 4, 2, 1)) == _sets(ids)
-    torch.testing.assert_close(block_sparse_attention_cpu(q[:2], k_cache, v_cache, ids, *decode, 0.25, 4),
-                               block_sparse_attention(q[:2], k_cache, v_cache, ids, *decode, 0.25, 4), rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        block_sparse_attention_cpu(q[:2], k_cache, v_cache, ids, *decode, 0.25, 4),
+        block_sparse_attention(q[:2], k_cache, v_cache, ids, *decode, 0.25, 4),
+        rtol=1e-5,
+        atol=1e-5,
+    )

@@ -27,8 +27,16 @@ def run(kernel, pieces, conv_state, slots):
     for rows, first in pieces:
         starts.append(starts[-1] + rows.shape[0])
         positions += range(first, first + rows.shape[0])
-    return kernel(x, WEIGHT, BIAS, conv_state, torch.tensor(slots), torch.tensor(starts, dtype=torch.int32),
-                  torch.tensor(positions), True)
+    return kernel(
+        x,
+        WEIGHT,
+        BIAS,
+        conv_state,
+        torch.tensor(slots),
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(positions),
+        True,
+    )
 
 
 torch.manual_seed(0)
@@ -58,4 +66,4 @@ def test_chunks_and_decode_rows_equal_the_whole_sequence_convolution():
         for i, x in enumerate(expected):
             torch.testing.assert_close(torch.cat(got[i]), x, atol=1e-5, rtol=1e-5)
         # the window left behind is the last K-1 inputs
-        torch.testing.assert_close(state[3], SEQS[0][-(K - 1):].T)
+        torch.testing.assert_close(state[3], SEQS[0][-(K - 1) :].T)

@@ -15,8 +15,16 @@ from ignition.models.llama import TEST_CHAT_TEMPLATE, TEST_TOKEN_ROLES
 TEMPLATES = Path(__file__).resolve().parents[3] / "shared" / "templates"
 TEMPLATE_FILES = sorted(TEMPLATES.glob("*.jinja"))
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 SYSTEM_USER = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Wie heißt du? ☃"}]
 MULTI_TURN = [
     {"role": "system", "content": "Answer briefly."},
@@ -26,8 +34,17 @@ MULTI_TURN = [
 ]
 KIMI_TOOL_TURN = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
-     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},  # fmt: skip
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "functions.get_weather:0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "Sunny, 21C"},
 ]
 
@@ -46,13 +63,21 @@ def load(name: str) -> str:
     [
         [{"role": "user", "content": "Hello"}],
         [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello"}],
-        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey!"}, {"role": "user", "content": "ça va?"}],
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hey!"},
+            {"role": "user", "content": "ça va?"},
+        ],
     ],
 )
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_smollm2_matches_transformers(messages: list[dict], add_generation_prompt: bool) -> None:
-    ours = ChatTemplate(TEST_CHAT_TEMPLATE, TEST_TOKEN_ROLES).render(messages, add_generation_prompt=add_generation_prompt)
-    assert ours == reference(TEST_CHAT_TEMPLATE, messages, TEST_TOKEN_ROLES, add_generation_prompt=add_generation_prompt)
+    ours = ChatTemplate(TEST_CHAT_TEMPLATE, TEST_TOKEN_ROLES).render(
+        messages, add_generation_prompt=add_generation_prompt
+    )
+    assert ours == reference(
+        TEST_CHAT_TEMPLATE, messages, TEST_TOKEN_ROLES, add_generation_prompt=add_generation_prompt
+    )
     assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
@@ -109,7 +134,9 @@ def test_continue_final_message_errors() -> None:
         template.render([{"role": "user", "content": "Q"}], add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(TemplateError, match="cannot both"):
         template.render(assistant_last, add_generation_prompt=True, continue_final_message=True)
-    dropping = ChatTemplate("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}")
+    dropping = ChatTemplate(
+        "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
+    )
     with pytest.raises(TemplateError, match="verbatim"):
         dropping.render(assistant_last, add_generation_prompt=False, continue_final_message=True)
 
@@ -118,7 +145,9 @@ INITIAL_SYSTEM_ONLY = (
     "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
     "{{ raise_exception('System message must be first') }}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 )
-DROPS_SYSTEM = "{% for m in messages %}{% if m.role != 'system' %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+DROPS_SYSTEM = (
+    "{% for m in messages %}{% if m.role != 'system' %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+)
 
 
 @pytest.mark.parametrize(
@@ -165,7 +194,10 @@ def test_template_kwargs_and_globals() -> None:
     user = [{"role": "user", "content": "Hi"}]
     assert qwen3.render(user, enable_thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert qwen3.render(user).endswith("<|im_start|>assistant\n")
-    assert ChatTemplate("{{ bos_token }}{{ strftime_now('%Y') }}", SPECIAL).render([]) == f"<s>{datetime.date.today().year}"
+    assert (
+        ChatTemplate("{{ bos_token }}{{ strftime_now('%Y') }}", SPECIAL).render([])
+        == f"<s>{datetime.date.today().year}"
+    )
     assert ChatTemplate("{{ bos_token }}", SPECIAL).render([], bos_token="<B>") == "<B>"
 
 

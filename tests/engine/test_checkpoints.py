@@ -30,19 +30,35 @@ from tests.engine.test_scheduler import PAGE, PARAMS, _request, _step
 
 VERSION = "2023-06-01"
 CACHED = {"type": "ephemeral"}
-TOOLS = [{"name": "get_weather", "description": "Weather for a city",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]  # fmt: skip
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 DOCUMENT = ("Here is a long document about foxes and dogs. " * 4).strip()
 
 
 def _body(system: str, last: str) -> dict:
     """system + tools, then three user turns; the 2nd user turn's first block carries cache_control."""
-    return {"model": "x", "max_tokens": 8, "system": system, "tools": TOOLS, "messages": [
-        {"role": "user", "content": "Hello there, who are you?"},
-        {"role": "assistant", "content": "I am a helpful model."},
-        {"role": "user", "content": [{"type": "text", "text": DOCUMENT, "cache_control": CACHED},
-                                     {"type": "text", "text": last}]},
-    ]}  # fmt: skip
+    return {
+        "model": "x",
+        "max_tokens": 8,
+        "system": system,
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "Hello there, who are you?"},
+            {"role": "assistant", "content": "I am a helpful model."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": DOCUMENT, "cache_control": CACHED},
+                    {"type": "text", "text": last},
+                ],
+            },
+        ],
+    }
 
 
 # ---------------------------------------------------------------------------- scheduler (no model)
@@ -55,9 +71,13 @@ def _costs(fixed: int = 900, per_token: int = 100, copy: float = 1.0) -> StepCos
 
 
 def _hybrid(costs: StepCosts, fraction: float = 1.0, interval: int = 0, chunk: int = 64) -> Scheduler:
-    return Scheduler(SchedulerConfig(4, chunk, 1024, snapshot_interval=interval, checkpoint_work_fraction=fraction),
-                     PagePool(32, PAGE), EngineStats(total_pages=32, page_tokens=PAGE, state_slot_bytes=100),
-                     states=StatePool(4, 8), costs=costs)  # fmt: skip
+    return Scheduler(
+        SchedulerConfig(4, chunk, 1024, snapshot_interval=interval, checkpoint_work_fraction=fraction),
+        PagePool(32, PAGE),
+        EngineStats(total_pages=32, page_tokens=PAGE, state_slot_bytes=100),
+        states=StatePool(4, 8),
+        costs=costs,
+    )
 
 
 def _chunk_ends(s: Scheduler) -> list[int]:
@@ -209,7 +229,7 @@ CHATML_TOOLS = (  # a ChatML template that renders a system-only prefix (qwen3.5
     "{%- elif messages and messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
     "{%- endif %}{%- for m in messages %}{% if m.role != 'system' or not loop.first %}<|im_start|>{{ m.role }}\n"
     "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize("template", ["qwen3.5", "chatml"])
@@ -221,7 +241,10 @@ def test_candidate_positions_are_exact_token_boundaries(frontend: Frontend, temp
     prompt = frontend.prompt(conversation)
     rendering = frontend._rendering(conversation, None)
     prefixes = {rendering.render(rendering.dicts[:k]) for k in range(2, len(rendering.dicts) + 1)}
-    roles = {role: [pos for pos, r in prompt.checkpoint_hints if r == role] for role in ("anchor", "message", "cache_control")}
+    roles = {
+        role: [pos for pos, r in prompt.checkpoint_hints if r == role]
+        for role in ("anchor", "message", "cache_control")
+    }
     assert len(roles["anchor"]) == 1 and len(roles["message"]) == 3 and len(roles["cache_control"]) == 1
     for position in roles["message"]:  # the prompt's text up to the position is the messages' own rendering
         assert _text(frontend, prompt.token_ids[:position]) in prefixes
@@ -237,8 +260,20 @@ def test_candidate_positions_are_exact_token_boundaries(frontend: Frontend, temp
 
 def replace_template(frontend: Frontend, source: str) -> Frontend:
     clone = object.__new__(Frontend)
-    for name in ("manifest", "config", "tokenizer", "literal", "vocab_size", "max_model_len", "bounds",
-                 "checkpoint_hints", "anchor_hints", "native", "grammars", "vision"):  # fmt: skip
+    for name in (
+        "manifest",
+        "config",
+        "tokenizer",
+        "literal",
+        "vocab_size",
+        "max_model_len",
+        "bounds",
+        "checkpoint_hints",
+        "anchor_hints",
+        "native",
+        "grammars",
+        "vision",
+    ):
         setattr(clone, name, getattr(frontend, name))
     clone.template = ChatTemplate(source, frontend.template.special_tokens)
     return clone

@@ -33,7 +33,7 @@ def test_stream_and_abort_by_leaving(client: EngineClient) -> None:
         tokens = [t async for event in client.submit(_request("full")) for t in event.token_ids]
         assert len(tokens) == 8
         stream = client.submit(_request("left", max_tokens=500))
-        async for event in stream:
+        async for _event in stream:
             break  # the consumer goes away after the first token
         await stream.aclose()
         for _ in range(200):

@@ -49,14 +49,17 @@ def cores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _requests(core: Core, max_tokens: int = 24) -> list[EngineRequest]:
     tok = core.tokenizer()
     prompts = [tuple(tok.encode(t).ids) for t in (CODE, "the cat sat on the mat and the cat sat on", "1, 2, 3, 4,")]
-    out = [EngineRequest(f"r{i}", p, (GREEDY,), max_tokens, ignore_eos=True, num_top_logprobs=2)
-           for i, p in enumerate(prompts)]  # fmt: skip
+    out = [
+        EngineRequest(f"r{i}", p, (GREEDY,), max_tokens, ignore_eos=True, num_top_logprobs=2)
+        for i, p in enumerate(prompts)
+    ]
     return out + [EngineRequest("n2", prompts[1], (GREEDY, SAMPLED), max_tokens, ignore_eos=True, num_top_logprobs=2)]
 
 
 def _run(target: Core, requests, speculation: SpeculationConfig, draft: Core | None = None, **config):
-    engine = LLMEngine(target, EngineConfig(num_pages=config.pop("num_pages", 64), speculation=speculation,
-                                            draft_core=draft, **config))  # fmt: skip
+    engine = LLMEngine(
+        target, EngineConfig(num_pages=config.pop("num_pages", 64), speculation=speculation, draft_core=draft, **config)
+    )
     out = run_to_completion(engine, requests)
     _check_nothing_held(engine)
     return out, engine
@@ -79,8 +82,17 @@ def test_another_seed_drafts_losslessly(cores: tuple[Path, Path]) -> None:
     requests = _requests(target)
     off, _ = _run(target, requests, OFF)
     stop = tuple(off["r0"][0].token_ids[8:10])
-    requests.append(EngineRequest("stop", requests[0].prompt_ids, (GREEDY,), 24, ignore_eos=True, num_top_logprobs=2,
-                                  stop_token_sequences=(stop,)))  # fmt: skip
+    requests.append(
+        EngineRequest(
+            "stop",
+            requests[0].prompt_ids,
+            (GREEDY,),
+            24,
+            ignore_eos=True,
+            num_top_logprobs=2,
+            stop_token_sequences=(stop,),
+        )
+    )
     off, _ = _run(target, requests, OFF)
     assert off["stop"][0].finish is FinishCause.STOP_TOKEN
     for speculation in (DRAFTS, SpeculationConfig(mode="adaptive", max_drafts=4, row_budget=64)):
@@ -99,7 +111,9 @@ def test_preemption_and_cancellation_free_draft_state(cores: tuple[Path, Path]) 
     off, _ = _run(target, again, OFF, num_pages=12, prefill_chunk_size=16)
     spec, engine = _run(target, again, DRAFTS, Core.open(cores[0]), num_pages=12, prefill_chunk_size=16)
     assert engine.stats.preemptions > 0 and engine.stats.learned_accepted == engine.stats.learned_offered > 0
-    assert {k: [c.token_ids for c in v] for k, v in spec.items()} == {k: [c.token_ids for c in v] for k, v in off.items()}
+    assert {k: [c.token_ids for c in v] for k, v in spec.items()} == {
+        k: [c.token_ids for c in v] for k, v in off.items()
+    }
     engine = LLMEngine(target, EngineConfig(num_pages=64, speculation=DRAFTS, draft_core=draft))
     for request in requests:
         engine.add(request)
@@ -120,8 +134,12 @@ def test_metrics_name_the_draft_core(cores: tuple[Path, Path]) -> None:
     target, draft = Core.open(cores[0]), Core.open(cores[1])
     engine = LLMEngine(target, EngineConfig(num_pages=32, speculation=DRAFTS, draft_core=draft))
     run_to_completion(engine, _requests(target, max_tokens=6)[:1])
-    state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
-                            started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
+    state = SimpleNamespace(
+        client=SimpleNamespace(engine=engine),
+        slots=SimpleNamespace(in_use=0, capacity=1),
+        started=0.0,
+        frontend=SimpleNamespace(image_counters={}),
+    )
     snapshot = json_snapshot(ServerState.snapshot(state), FirstResponseWindow().summary(now=0.0))  # type: ignore[arg-type]
     assert snapshot["learned_drafter"] is True and snapshot["learned_drafter_name"] == draft.manifest.public_id
     assert snapshot["draft_steps"] > 0
@@ -144,6 +162,7 @@ def test_a_draft_core_of_another_tokenizer_is_refused(cores: tuple[Path, Path], 
     (tmp_path / "bad.toml").write_text("[server]\ndraft_core = 3\n")
     with pytest.raises(ConfigError, match="draft_core must be a nonempty path"):
         load_config(tmp_path / "bad.toml")
-    paged = msgspec.structs.replace(draft.manifest, limits=msgspec.structs.replace(draft.manifest.limits, page_tokens=32))
+    paged = msgspec.structs.replace(
+        draft.manifest, limits=msgspec.structs.replace(draft.manifest.limits, page_tokens=32)
+    )
     assert "--page-tokens 16" in (incompatibility(target.manifest, paged) or "")
-

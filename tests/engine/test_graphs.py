@@ -20,8 +20,16 @@ PAGE = 4
 class _Recorder:
     """A fake step: records the inputs it saw, returns per-row outputs derived from them."""
 
-    input_names = ("token_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                   "logits_indices", "logprob_token_ids")  # fmt: skip
+    input_names = (
+        "token_ids",
+        "positions",
+        "slot_mapping",
+        "block_tables",
+        "seq_lens",
+        "query_start_loc",
+        "logits_indices",
+        "logprob_token_ids",
+    )
 
     def __init__(self) -> None:
         self.calls: list[dict[str, torch.Tensor]] = []
@@ -30,8 +38,11 @@ class _Recorder:
         self.calls.append({k: v.clone() for k, v in inputs.items()})
         rows = inputs["token_ids"].shape[0]
         logits = (inputs["token_ids"] * 10 + inputs["positions"]).float()[:, None].repeat(1, 3)
-        return {"logits": logits, "logsumexp": torch.zeros(rows),
-                "explicit_logprobs": inputs["logprob_token_ids"].float()}  # fmt: skip
+        return {
+            "logits": logits,
+            "logsumexp": torch.zeros(rows),
+            "explicit_logprobs": inputs["logprob_token_ids"].float(),
+        }
 
 
 def _decode_inputs(tables: list[list[int]], lens: list[int], tokens: list[int], k: int = 1) -> dict[str, torch.Tensor]:
@@ -54,8 +65,18 @@ def _decode_inputs(tables: list[list[int]], lens: list[int], tokens: list[int], 
 
 
 def _runner(program, buckets=(1, 2, 4, 8), max_blocks=4, scratch=9, explicit=3, kv=None) -> GraphRunner:
-    return GraphRunner(program, {}, kv if kv is not None else [torch.zeros(10, PAGE, 1, 1)], buckets, PAGE, max_blocks,
-                       scratch, "cpu", EagerBackend(), explicit_width=explicit)  # fmt: skip
+    return GraphRunner(
+        program,
+        {},
+        kv if kv is not None else [torch.zeros(10, PAGE, 1, 1)],
+        buckets,
+        PAGE,
+        max_blocks,
+        scratch,
+        "cpu",
+        EagerBackend(),
+        explicit_width=explicit,
+    )
 
 
 def test_bucket_is_the_smallest_that_holds_the_rows_and_none_above_the_largest() -> None:
@@ -162,11 +183,14 @@ def _step_inputs(program, page: int, tables: list[list[int]], lens: list[int], t
         block[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
     positions = [n - 1 for n in lens]
     inputs = {
-        "token_ids": torch.tensor(tokens), "positions": torch.tensor(positions),
+        "token_ids": torch.tensor(tokens),
+        "positions": torch.tensor(positions),
         "slot_mapping": torch.tensor([t[p // page] * page + p % page for t, p in zip(tables, positions)]),
-        "block_tables": block, "seq_lens": torch.tensor(lens, dtype=torch.int32),
-        "query_start_loc": torch.arange(rows + 1, dtype=torch.int32), "logits_indices": torch.arange(rows),
-    }  # fmt: skip
+        "block_tables": block,
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+        "query_start_loc": torch.arange(rows + 1, dtype=torch.int32),
+        "logits_indices": torch.arange(rows),
+    }
     if "logprob_token_ids" in program.input_names:
         inputs["logprob_token_ids"] = torch.tensor([[1 + 2 * r, 2 + 2 * r] for r in range(rows)])
     return inputs
@@ -182,8 +206,9 @@ def test_tiny_core_padded_bucket_step_matches_the_unpadded_step(tiny) -> None:
     m = core.manifest
     page, pages = m.limits.page_tokens, 12
     generator = torch.Generator().manual_seed(0)
-    filled = [t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
-              for t in allocate_kv(m.kv, pages + 1, page)]  # fmt: skip
+    filled = [
+        t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype)) for t in allocate_kv(m.kv, pages + 1, page)
+    ]
     scratch = pages
     for t in filled:
         t[scratch].zero_()
@@ -192,11 +217,24 @@ def test_tiny_core_padded_bucket_step_matches_the_unpadded_step(tiny) -> None:
     assert GraphRunner.eligible(program.input_names)
     eager_kv = [t.clone() for t in filled]
     unpadded = program(weights, eager_kv, **inputs)
-    four = program(weights, [t.clone() for t in filled], **_step_inputs(program, page, tables + [[9, 10]],
-                                                                        lens + [page + 5], tokens + [14]))  # fmt: skip
+    four = program(
+        weights,
+        [t.clone() for t in filled],
+        **_step_inputs(program, page, tables + [[9, 10]], lens + [page + 5], tokens + [14]),
+    )
     graph_kv = [t.clone() for t in filled]
-    runner = GraphRunner(program, weights, graph_kv, m.decode_buckets, page, -(-m.limits.max_model_len // page),
-                         scratch, "cpu", EagerBackend(), explicit_width=4 if "logprob_token_ids" in inputs else 0)  # fmt: skip
+    runner = GraphRunner(
+        program,
+        weights,
+        graph_kv,
+        m.decode_buckets,
+        page,
+        -(-m.limits.max_model_len // page),
+        scratch,
+        "cpu",
+        EagerBackend(),
+        explicit_width=4 if "logprob_token_ids" in inputs else 0,
+    )
     assert runner.bucket_for(3) == 4
     got = runner.run(inputs)
     assert set(got) == set(unpadded)
@@ -274,10 +312,20 @@ def test_executor_routes_decode_only_steps_through_the_runner(tiny_core: Path) -
     for tensor, saved in zip(executor.kv, before):
         tensor.copy_(saved)
     m = core.manifest
-    executor.graphs = GraphRunner(executor.step, executor.weights, executor.kv, (1, 2, 4), page,
-                                  -(-m.limits.max_model_len // page), pages - 1, "cpu", EagerBackend(),
-                                  explicit_width=max(1, m.capabilities.max_top_logprobs)
-                                  if "logprob_token_ids" in executor.step.input_names else 0)  # fmt: skip
+    executor.graphs = GraphRunner(
+        executor.step,
+        executor.weights,
+        executor.kv,
+        (1, 2, 4),
+        page,
+        -(-m.limits.max_model_len // page),
+        pages - 1,
+        "cpu",
+        EagerBackend(),
+        explicit_width=max(1, m.capabilities.max_top_logprobs)
+        if "logprob_token_ids" in executor.step.input_names
+        else 0,
+    )
     graphed = executor.run(decode)
     assert executor.launches == {"graph": 1, "eager": 2}
     torch.testing.assert_close(graphed.logits, eager.logits, rtol=0, atol=1e-5)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,8 +93,11 @@ def test_a_corrupt_disk_record_is_dropped_counted_and_recomputed(tiny: Core, tmp
     engine.host.flush()
     engine.close()
     size = tiny.manifest.limits.page_tokens
-    third = page_hash(page_hash(page_hash(ROOT_HASH, b"", conversation[:size]), b"", conversation[size : 2 * size]),
-                      b"", conversation[2 * size : 3 * size])  # fmt: skip
+    third = page_hash(
+        page_hash(page_hash(ROOT_HASH, b"", conversation[:size]), b"", conversation[size : 2 * size]),
+        b"",
+        conversation[2 * size : 3 * size],
+    )
     path = engine.host.directory / f"{third.hex()}.rec"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -164,8 +166,12 @@ def _stress_requests(core: Core) -> list[EngineRequest]:
     """Twelve requests over three shared prefixes of 5 pages, with tails of 1-4 pages."""
     size = core.manifest.limits.page_tokens
     heads = [_prompt(core, 5 * size, seed=100 + k) for k in range(3)]
-    return [EngineRequest(f"r{i}", heads[i % 3] + _prompt(core, size * (1 + i % 4) + 3, seed=200 + i), (GREEDY,),
-                          20, ignore_eos=True) for i in range(12)]  # fmt: skip
+    return [
+        EngineRequest(
+            f"r{i}", heads[i % 3] + _prompt(core, size * (1 + i % 4) + 3, seed=200 + i), (GREEDY,), 20, ignore_eos=True
+        )
+        for i in range(12)
+    ]
 
 
 def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,8 +184,9 @@ def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, m
     fresh = LLMEngine(tiny, EngineConfig(num_pages=400, prefill_chunk_size=64, compiled_step=False))
     expected = run_to_completion(fresh, requests)
     host = HostCacheConfig(memory_bytes=256 * MIB, directory=None, disk_bytes=0)
-    engine = LLMEngine(tiny, EngineConfig(num_pages=24, prefill_chunk_size=64, max_concurrency=4, host_cache=host,
-                                          compiled_step=False))  # fmt: skip
+    engine = LLMEngine(
+        tiny, EngineConfig(num_pages=24, prefill_chunk_size=64, max_concurrency=4, host_cache=host, compiled_step=False)
+    )
     for request in requests:
         engine.add(request)
     outputs: dict[str, list] = {}
@@ -193,7 +200,10 @@ def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, m
     assert pinned_across_steps > 0 and stats.copy_deferrals > 0 and stats.copy_waits == 0
     for request in requests:
         tokens = tuple(t for event in outputs[request.request_id] for t in event.token_ids)
-        assert outputs[request.request_id][-1].finish is FinishCause.LENGTH and outputs[request.request_id][-1].error is None
+        assert (
+            outputs[request.request_id][-1].finish is FinishCause.LENGTH
+            and outputs[request.request_id][-1].error is None
+        )
         assert tokens == tuple(expected[request.request_id][0].token_ids)
     engine.drain_copies()
     pool = engine.pool
@@ -220,8 +230,13 @@ def test_a_copier_that_is_behind_drops_the_chains_end_counted(tiny: Core, monkey
     size = tiny.manifest.limits.page_tokens
     first = _prompt(tiny, 10 * size + 5, seed=3)
     second = _prompt(tiny, 10 * size + 5, seed=4)
-    run_to_completion(engine, [EngineRequest("a", first, (GREEDY,), 2, ignore_eos=True),
-                               EngineRequest("b", second, (GREEDY,), 2, ignore_eos=True)])  # fmt: skip
+    run_to_completion(
+        engine,
+        [
+            EngineRequest("a", first, (GREEDY,), 2, ignore_eos=True),
+            EngineRequest("b", second, (GREEDY,), 2, ignore_eos=True),
+        ],
+    )
     engine.drain_copies()
     store = engine.host
     # both finished in one step: the first's head took the 4 pages the bound allows, the rest waited for nothing
@@ -260,8 +275,17 @@ def test_dram_evicts_other_records_before_an_anchors_chain(tmp_path: Path) -> No
     # anchors past half of the tier go oldest first: the other records keep the other half
     for index in range(24, 34):
         tokens = tuple(range(index * 16, index * 16 + 16))
-        store.put([Record(page_hash(ROOT_HASH, b"", tokens), ROOT_HASH, tokens, torch.zeros(1000, dtype=torch.uint8),
-                          anchor=True)])  # fmt: skip
+        store.put(
+            [
+                Record(
+                    page_hash(ROOT_HASH, b"", tokens),
+                    ROOT_HASH,
+                    tokens,
+                    torch.zeros(1000, dtype=torch.uint8),
+                    anchor=True,
+                )
+            ]
+        )
     assert store.memory_records == 10 and store.anchor_records == 5 and not store.contains(anchors[0])
     store.close()
 
@@ -269,8 +293,14 @@ def test_dram_evicts_other_records_before_an_anchors_chain(tmp_path: Path) -> No
 def test_an_anchors_pages_survive_dram_pressure_that_evicts_the_rest(tiny: Core) -> None:
     size = tiny.manifest.limits.page_tokens
     system = _prompt(tiny, 20 * size, seed=7)  # the leading system + tools block: 20 pages
-    first = EngineRequest("first", system + _prompt(tiny, 30 * size, seed=8), (GREEDY,), 4, ignore_eos=True,
-                          checkpoint_hints=((len(system), "anchor"),))  # fmt: skip
+    first = EngineRequest(
+        "first",
+        system + _prompt(tiny, 30 * size, seed=8),
+        (GREEDY,),
+        4,
+        ignore_eos=True,
+        checkpoint_hints=((len(system), "anchor"),),
+    )
     probe = LLMEngine(tiny, EngineConfig(num_pages=64, compiled_step=False))
     memory = 60 * probe.executor.page_bytes  # the DRAM tier holds 60 pages
     engine = _engine(tiny, None, memory=memory, pages=200)
@@ -285,8 +315,14 @@ def test_an_anchors_pages_survive_dram_pressure_that_evicts_the_rest(tiny: Core)
     engine.drain_copies()
     store = engine.host
     assert store.anchor_records == 20 and store.stats.dropped[("dram", "end_of_chain")] > 100
-    later = EngineRequest("later", system + _prompt(tiny, 10 * size, seed=9), (GREEDY,), 4, ignore_eos=True,
-                          checkpoint_hints=((len(system), "anchor"),))  # fmt: skip
+    later = EngineRequest(
+        "later",
+        system + _prompt(tiny, 10 * size, seed=9),
+        (GREEDY,),
+        4,
+        ignore_eos=True,
+        checkpoint_hints=((len(system), "anchor"),),
+    )
     hits = store.stats.hits
     assert engine.pool.page_of(page_hash(ROOT_HASH, b"", system[:size])) is None  # not from the pool
     warm = run_to_completion(engine, [later])["later"][0]
@@ -296,8 +332,9 @@ def test_an_anchors_pages_survive_dram_pressure_that_evicts_the_rest(tiny: Core)
     engine.close()
 
 
-def test_after_a_restart_the_engine_thread_never_reads_disk(tiny: Core, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_after_a_restart_the_engine_thread_never_reads_disk(
+    tiny: Core, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Admission waits for the prefetch thread's reads (other requests keep stepping meanwhile)
     and then restores from memory: the engine thread does no disk reads or checksums."""
     import asyncio
@@ -323,6 +360,7 @@ def test_after_a_restart_the_engine_thread_never_reads_disk(tiny: Core, tmp_path
     monkeypatch.setattr(HostStore, "_read", slow_read)
     client = EngineClient(engine).start()
     try:
+
         async def scenario():
             async def collect(request: EngineRequest):
                 tokens = []

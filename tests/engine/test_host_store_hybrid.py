@@ -93,8 +93,9 @@ def test_another_cores_records_are_never_restored(hybrids, tmp_path: Path) -> No
     theirs = _engine(other, tmp_path)
     assert theirs.host.disk_records == len(moved) > 0
     got = run_to_completion(theirs, [_request(other, "theirs")])["theirs"][0]
-    alone = run_to_completion(LLMEngine(other, EngineConfig(num_pages=64, enable_prefix_cache=False)),
-                              [_request(other, "theirs")])["theirs"][0]  # fmt: skip
+    alone = run_to_completion(
+        LLMEngine(other, EngineConfig(num_pages=64, enable_prefix_cache=False)), [_request(other, "theirs")]
+    )["theirs"][0]
     assert got.num_cached_tokens == 0 and theirs.host.stats.hits == 0 and got.token_ids == alone.token_ids
     assert theirs.host.stats.dropped.get(("nvme", "io_error"), 0) >= 1
     theirs.close()

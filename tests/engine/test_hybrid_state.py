@@ -5,7 +5,6 @@ equals the request run alone, and a shared prefix resumes from a state snapshot 
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -22,8 +21,11 @@ from ignition.testmodel import write_testmodel
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 17)
-HYBRIDS = [(family, recipe) for family, recipe in (("nemotron_h", "nemotron_h"), ("qwen3_next", "qwen38"),
-                                                   ("glm5_next", "glm53")) if family in FAMILIES]  # fmt: skip
+HYBRIDS = [
+    (family, recipe)
+    for family, recipe in (("nemotron_h", "nemotron_h"), ("qwen3_next", "qwen38"), ("glm5_next", "glm53"))
+    if family in FAMILIES
+]
 
 
 @pytest.fixture(scope="module", params=HYBRIDS, ids=[f for f, _ in HYBRIDS])
@@ -52,10 +54,21 @@ def _idle(engine: LLMEngine) -> None:
 
 
 def test_preemption_forks_and_aborts_leave_no_state_slot_and_answers_equal_solo_runs(hybrid: Core) -> None:
-    requests = [EngineRequest(f"g{i}", _prompt(hybrid, f"request number {i} says hello to the world"), (GREEDY,), 40,
-                              ignore_eos=True) for i in range(4)]  # fmt: skip
-    requests.append(EngineRequest("n4", _prompt(hybrid, "four choices from one prompt"),
-                                  tuple(replace(SAMPLED, seed=s) for s in range(4)), 40, ignore_eos=True))  # fmt: skip
+    requests = [
+        EngineRequest(
+            f"g{i}", _prompt(hybrid, f"request number {i} says hello to the world"), (GREEDY,), 40, ignore_eos=True
+        )
+        for i in range(4)
+    ]
+    requests.append(
+        EngineRequest(
+            "n4",
+            _prompt(hybrid, "four choices from one prompt"),
+            tuple(replace(SAMPLED, seed=s) for s in range(4)),
+            40,
+            ignore_eos=True,
+        )
+    )
     doomed = EngineRequest("doomed", _prompt(hybrid, "this one is aborted half way"), (GREEDY,), 40, ignore_eos=True)
     engine = _engine(hybrid, num_pages=12, max_concurrency=12)
     outputs = {r.request_id: [ChoiceOutput() for _ in range(r.n)] for r in [*requests, doomed]}
@@ -98,8 +111,9 @@ def test_a_shared_prefix_resumes_from_its_snapshot_with_the_uncached_output(hybr
 
 
 def test_the_next_turn_resumes_after_the_previous_answer_from_its_endpoint(hybrid: Core) -> None:
-    first = EngineRequest("t1", _prompt(hybrid, "Tell me a story about a fox and a dog."), (GREEDY,), 40,
-                          ignore_eos=True)  # fmt: skip
+    first = EngineRequest(
+        "t1", _prompt(hybrid, "Tell me a story about a fox and a dog."), (GREEDY,), 40, ignore_eos=True
+    )
     engine = _engine(hybrid)
     answer = run_to_completion(engine, [first])["t1"][0].token_ids
     history = first.prompt_ids + tuple(answer)
@@ -130,7 +144,6 @@ def test_an_anchor_capture_fills_a_guard_and_the_gauge_follows(hybrid: Core) -> 
     _idle(engine)
 
 
-
 def test_speculation_rewinds_the_state_after_rejections_and_changes_no_output(hybrid: Core) -> None:
     """Drafts on a hybrid core: a rejected draft's state is rolled back (the borrowed copy becomes
     the live slot), so tokens and logprobs equal plain decoding. The drafts are the plain run's own
@@ -139,13 +152,19 @@ def test_speculation_rewinds_the_state_after_rejections_and_changes_no_output(hy
     from helios.engine.drafter import SpeculationConfig
 
     text = "one two three four one two three four "
-    requests = [EngineRequest(f"s{i}", _prompt(hybrid, text * (i + 1)), (GREEDY,), 40, ignore_eos=True,
-                              num_top_logprobs=2) for i in range(3)]  # fmt: skip
-    requests.append(EngineRequest("n2", _prompt(hybrid, text), tuple(replace(SAMPLED, seed=s) for s in range(2)), 32,
-                                  ignore_eos=True))  # fmt: skip
+    requests = [
+        EngineRequest(f"s{i}", _prompt(hybrid, text * (i + 1)), (GREEDY,), 40, ignore_eos=True, num_top_logprobs=2)
+        for i in range(3)
+    ]
+    requests.append(
+        EngineRequest(
+            "n2", _prompt(hybrid, text), tuple(replace(SAMPLED, seed=s) for s in range(2)), 32, ignore_eos=True
+        )
+    )
     plain = run_to_completion(_engine(hybrid, enable_prefix_cache=False), requests)
-    truth = {(r.request_id, i): r.prompt_ids + tuple(plain[r.request_id][i].token_ids) for r in requests
-             for i in range(r.n)}  # fmt: skip
+    truth = {
+        (r.request_id, i): r.prompt_ids + tuple(plain[r.request_id][i].token_ids) for r in requests for i in range(r.n)
+    }
 
     def oracle(seq, k: int) -> tuple[int, ...]:
         n = len(seq.token_ids)

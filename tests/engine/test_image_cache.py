@@ -23,7 +23,8 @@ def _image(digest: bytes, rows: int, start: int = 0) -> EngineImage:
 def _step(encoder: ImageEncoder, image: EngineImage) -> torch.Tensor:
     seq = SimpleNamespace(request=SimpleNamespace(images=(image,)))
     return encoder.step_inputs([SimpleNamespace(seq=seq, start=image.start, num_tokens=image.num_tokens)], [0])[
-        "image_features"]
+        "image_features"
+    ]
 
 
 def test_prepared_cache_serves_a_digest_seen_before_within_its_bytes() -> None:
@@ -49,7 +50,9 @@ def test_prepared_cache_serves_a_digest_seen_before_within_its_bytes() -> None:
     off = ImageEncoder(program, {}, 4, 64, "cpu", EngineStats(), cache_bytes=0)
     _step(off, _image(b"a", 6))
     _step(off, _image(b"a", 6))
-    assert off.stats.images["input_vision_encodes_total"] == 2 and off.stats.images["input_prepared_cache_hits_total"] == 0
+    assert (
+        off.stats.images["input_vision_encodes_total"] == 2 and off.stats.images["input_prepared_cache_hits_total"] == 0
+    )
 
 
 def test_decoded_images_are_kept_by_digest_within_their_bytes_from_many_threads() -> None:

@@ -19,8 +19,10 @@ START = 11
 
 def _views() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Three views whose 'pixels' are their feature values, so rows can be traced."""
-    return [(torch.arange(n, dtype=torch.float32)[:, None] + 100 * v, torch.zeros(n, 2, dtype=torch.int64))
-            for v, n in enumerate((4, 4, 9))]  # fmt: skip
+    return [
+        (torch.arange(n, dtype=torch.float32)[:, None] + 100 * v, torch.zeros(n, 2, dtype=torch.int64))
+        for v, n in enumerate((4, 4, 9))
+    ]
 
 
 def _image() -> EngineImage:
@@ -33,7 +35,9 @@ def test_runs_cover_only_feature_rows() -> None:
     covered = [p for p in range(40) if image.covers(p)]
     assert covered == [*range(11, 15), *range(17, 21), *range(23, 32)]
     plain = EngineImage(start=3, num_tokens=5, digest=b"d", prepare=_views)
-    assert plain.end == 8 and plain.spans() == [(3, 0, 5)] and [p for p in range(10) if plain.covers(p)] == [3, 4, 5, 6, 7]
+    assert (
+        plain.end == 8 and plain.spans() == [(3, 0, 5)] and [p for p in range(10) if plain.covers(p)] == [3, 4, 5, 6, 7]
+    )
 
 
 def test_chunks_through_tiles_receive_their_rows_in_order() -> None:

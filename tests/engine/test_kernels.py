@@ -3,7 +3,6 @@ the native kernel and by the Python gather path."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -24,8 +23,15 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     return request.param
 
 
-def _case(seed: int, lens: list[int], queries: list[int], heads: int = 6, kv_heads: int = 2, dim: int = 16,
-          page_tokens: int = 4):  # fmt: skip
+def _case(
+    seed: int,
+    lens: list[int],
+    queries: list[int],
+    heads: int = 6,
+    kv_heads: int = 2,
+    dim: int = 16,
+    page_tokens: int = 4,
+):
     """A step: sequences with `lens` history tokens, the last `queries[i]` of them queried."""
     gen = torch.Generator().manual_seed(seed)
     pages = sum(-(-n // page_tokens) for n in lens) + 3
@@ -74,7 +80,9 @@ def _dense(q, k_cache, v_cache, tables, lens, starts, positions, scale: float, w
             if softcap:
                 scores = softcap * torch.tanh(scores / softcap)
             j = torch.arange(kv_len)
-            scores[:, (j > p) | ((j <= p - window) if window else torch.zeros_like(j, dtype=torch.bool))] = float("-inf")
+            scores[:, (j > p) | ((j <= p - window) if window else torch.zeros_like(j, dtype=torch.bool))] = float(
+                "-inf"
+            )
             out[row] = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
     return out
 
@@ -107,15 +115,17 @@ def test_layers_with_different_windows_share_a_step() -> None:
     """Sliding and global layers alternate within one step: each call gets its own window's layout."""
     args = _case(7, [9, 3, 20, 7], [1, 3, 1, 7])
     for window in (4, 0, 4, 0):
-        torch.testing.assert_close(kernels.paged_attention_cpu(*args, 0.25, window), _dense(*args, 0.25, window, 0.0),
-                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            kernels.paged_attention_cpu(*args, 0.25, window), _dense(*args, 0.25, window, 0.0), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_programs_exported_before_the_options_still_call_the_op() -> None:
     """Eight arguments (format v1 programs) mean global, uncapped attention."""
     args = _case(3, [9, 3, 20], [1, 3, 4])
-    torch.testing.assert_close(torch.ops.flare.paged_attention(*args, 0.25), _dense(*args, 0.25, 0, 0.0),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        torch.ops.flare.paged_attention(*args, 0.25), _dense(*args, 0.25, 0, 0.0), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_sink_attention_in_the_same_step_keeps_its_own_layout(decode_path: str) -> None:
@@ -128,5 +138,6 @@ def test_sink_attention_in_the_same_step_keeps_its_own_layout(decode_path: str) 
     packed = torch.cat([k_cache, v_cache], dim=-1)  # key then value per kv head
     kernels.paged_attention_cpu(q, k_cache, v_cache, tables, lens, starts, positions, 0.25, 4)
     got = sink_attention_cpu(q, packed, tables, lens, starts, positions, 0.25, 4, None)
-    torch.testing.assert_close(got, sink_attention(q, packed, tables, lens, starts, positions, 0.25, 4, None),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        got, sink_attention(q, packed, tables, lens, starts, positions, 0.25, 4, None), rtol=1e-5, atol=1e-5
+    )

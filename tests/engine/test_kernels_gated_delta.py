@@ -63,7 +63,7 @@ def _transformers(q, k, v, g, beta, pool, slots, starts, positions, recurrent: b
 @pytest.mark.parametrize("kernel", ["reference", "cpu", "cpu in place"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_matches_transformers(kernel: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """"cpu in place": decode rows update their slots in place, as for real models' large states."""
+    """ "cpu in place": decode rows update their slots in place, as for real models' large states."""
     if kernel == "cpu in place":
         monkeypatch.setattr(kernels_gated_delta, "_IN_PLACE_BYTES", 0)
     q, k, v, g, beta, pool, slots, starts, positions = _batch(sorted(CASES).index(name), CASES[name])
@@ -85,15 +85,35 @@ def test_chunks_carry_the_state_of_one_long_prompt() -> None:
     n = 150
     q, k, v, g, beta, pool, _, _, _ = _batch(11, [(n, 0)])
     whole = kernels_gated_delta.gated_delta_rule_cpu(
-        q, k, v, g, beta, pool.clone(), torch.tensor([3]), torch.tensor([0, n], dtype=torch.int32),
-        torch.arange(n), DK**-0.5, True,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        pool.clone(),
+        torch.tensor([3]),
+        torch.tensor([0, n], dtype=torch.int32),
+        torch.arange(n),
+        DK**-0.5,
+        True,
+    )
     state = torch.full_like(pool, float("nan"))  # a fresh sequence never reads its slot
     parts = []
     bounds = list(range(0, 128, 16)) + list(range(128, n + 1))
     for start, end in zip(bounds, bounds[1:]):
-        parts.append(kernels_gated_delta.gated_delta_rule_cpu(
-            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], state, torch.tensor([3]),
-            torch.tensor([0, end - start], dtype=torch.int32), torch.arange(start, end), DK**-0.5, True,
-        ))  # fmt: skip
+        parts.append(
+            kernels_gated_delta.gated_delta_rule_cpu(
+                q[start:end],
+                k[start:end],
+                v[start:end],
+                g[start:end],
+                beta[start:end],
+                state,
+                torch.tensor([3]),
+                torch.tensor([0, end - start], dtype=torch.int32),
+                torch.arange(start, end),
+                DK**-0.5,
+                True,
+            )
+        )
     assert float((torch.cat(parts) - whole).abs().max()) <= 1e-5

@@ -20,14 +20,20 @@ def _params(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """(A [H] negative, D [H], dt_bias [H]) as a trained layer might have them."""
     a = -torch.exp(torch.rand(HEADS, generator=gen) * 2.0)
     d = 1.0 + 0.1 * torch.randn(HEADS, generator=gen)
-    dt = torch.exp(torch.rand(HEADS, generator=gen) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3))) - 6.9)
+    dt = torch.exp(
+        torch.rand(HEADS, generator=gen) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3))) - 6.9
+    )
     return a, d, dt + torch.log(-torch.expm1(-dt))  # dt_bias: softplus^-1 of dt in [1e-3, 0.1]
 
 
 def _rows(gen: torch.Generator, total: int) -> tuple[torch.Tensor, ...]:
     """(x [T, H, P], dt [T, H], B [T, G, N], C [T, G, N])."""
-    return (torch.randn(total, HEADS, DIM, generator=gen), torch.randn(total, HEADS, generator=gen),
-            torch.randn(total, GROUPS, STATE, generator=gen), torch.randn(total, GROUPS, STATE, generator=gen))  # fmt: skip
+    return (
+        torch.randn(total, HEADS, DIM, generator=gen),
+        torch.randn(total, HEADS, generator=gen),
+        torch.randn(total, GROUPS, STATE, generator=gen),
+        torch.randn(total, GROUPS, STATE, generator=gen),
+    )
 
 
 def _hf():
@@ -47,11 +53,35 @@ def test_reference_matches_transformers_chunked_scan() -> None:
         pool = torch.randn(3, HEADS, DIM, STATE, generator=gen)
         pool[1] = initial
         positions = torch.arange(21) + (0 if fresh else 40)
-        y = ops_mamba.mamba2_scan(x, dt, a, b, c, d, dt_bias, pool, torch.tensor([1]), torch.tensor([0, 21], dtype=torch.int32),
-                                  positions, DT_MIN, 0.0)  # fmt: skip
-        expected, final = _hf().mamba2_chunk_scan(x[None], dt[None], a, b[None], c[None], chunk_size=8, D=d, dt_bias=dt_bias,
-                                                  initial_states=None if fresh else initial[None], dt_softplus=True,
-                                                  dt_limit=(DT_MIN, float("inf")), return_final_states=True)  # fmt: skip
+        y = ops_mamba.mamba2_scan(
+            x,
+            dt,
+            a,
+            b,
+            c,
+            d,
+            dt_bias,
+            pool,
+            torch.tensor([1]),
+            torch.tensor([0, 21], dtype=torch.int32),
+            positions,
+            DT_MIN,
+            0.0,
+        )
+        expected, final = _hf().mamba2_chunk_scan(
+            x[None],
+            dt[None],
+            a,
+            b[None],
+            c[None],
+            chunk_size=8,
+            D=d,
+            dt_bias=dt_bias,
+            initial_states=None if fresh else initial[None],
+            dt_softplus=True,
+            dt_limit=(DT_MIN, float("inf")),
+            return_final_states=True,
+        )
         assert float((y - expected[0]).abs().max()) <= 1e-5
         assert float((pool[1] - final[0]).abs().max()) <= 1e-5
 
@@ -67,11 +97,32 @@ def test_reference_matches_transformers_state_update() -> None:
     slots = torch.tensor([3, 0])
     for step in range(3):
         x, dt, b, c = _rows(gen, 2)
-        y = ops_mamba.mamba2_scan(x, dt, a, b, c, d, dt_bias, pool, slots, torch.tensor([0, 1, 2], dtype=torch.int32),
-                                  torch.tensor([7 + step, 30 + step]), 0.0, 0.0)  # fmt: skip
+        y = ops_mamba.mamba2_scan(
+            x,
+            dt,
+            a,
+            b,
+            c,
+            d,
+            dt_bias,
+            pool,
+            slots,
+            torch.tensor([0, 1, 2], dtype=torch.int32),
+            torch.tensor([7 + step, 30 + step]),
+            0.0,
+            0.0,
+        )
         expected = _hf().mamba2_selective_state_update(
-            theirs, x, dt[:, :, None].expand(-1, -1, DIM), a[:, None, None].expand(-1, DIM, STATE), b, c,
-            d[:, None].expand(-1, DIM), dt_bias=dt_bias[:, None].expand(-1, DIM), dt_softplus=True)  # fmt: skip
+            theirs,
+            x,
+            dt[:, :, None].expand(-1, -1, DIM),
+            a[:, None, None].expand(-1, DIM, STATE),
+            b,
+            c,
+            d[:, None].expand(-1, DIM),
+            dt_bias=dt_bias[:, None].expand(-1, DIM),
+            dt_softplus=True,
+        )
         assert float((y - expected).abs().max()) <= 1e-5
         assert float((pool[slots] - theirs).abs().max()) <= 1e-5
 
@@ -111,16 +162,44 @@ def test_chunks_carry_the_state() -> None:
     a, d, dt_bias = _params(gen)
     x, dt, b, c = _rows(gen, 90)
     pool = torch.zeros(2, HEADS, DIM, STATE)
-    whole = kernels_mamba.mamba2_scan_cpu(x, dt, a, b, c, d, dt_bias, pool, torch.tensor([1]),
-                                          torch.tensor([0, 90], dtype=torch.int32), torch.arange(90), DT_MIN, 0.0)  # fmt: skip
+    whole = kernels_mamba.mamba2_scan_cpu(
+        x,
+        dt,
+        a,
+        b,
+        c,
+        d,
+        dt_bias,
+        pool,
+        torch.tensor([1]),
+        torch.tensor([0, 90], dtype=torch.int32),
+        torch.arange(90),
+        DT_MIN,
+        0.0,
+    )
     final = pool[1].clone()
     for scan in (kernels_mamba.mamba2_scan_cpu, ops_mamba.mamba2_scan):
         pieces, start = [], 0
         pool = torch.randn(2, HEADS, DIM, STATE, generator=gen)  # slot contents ignored at position 0
         for size in [16, 5, 1, 1, 16, 51]:
             rows = slice(start, start + size)
-            pieces.append(scan(x[rows], dt[rows], a, b[rows], c[rows], d, dt_bias, pool, torch.tensor([1]),
-                               torch.tensor([0, size], dtype=torch.int32), torch.arange(start, start + size), DT_MIN, 0.0))  # fmt: skip
+            pieces.append(
+                scan(
+                    x[rows],
+                    dt[rows],
+                    a,
+                    b[rows],
+                    c[rows],
+                    d,
+                    dt_bias,
+                    pool,
+                    torch.tensor([1]),
+                    torch.tensor([0, size], dtype=torch.int32),
+                    torch.arange(start, start + size),
+                    DT_MIN,
+                    0.0,
+                )
+            )
             start += size
         assert float((torch.cat(pieces) - whole).abs().max()) <= 1e-4
         assert float((pool[1] - final).abs().max()) <= 1e-4

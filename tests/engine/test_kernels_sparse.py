@@ -65,8 +65,10 @@ def _dense_topk(q, weights, k_cache, tables, seq_lens, starts, positions, scale:
         keys = torch.stack([k_cache[p, o, 0] for p, o in _slots(tables, seq, kv_len)])  # [S, D]
         for row in range(int(starts[seq]), int(starts[seq + 1])):
             visible = range(int(positions[row]) + 1)
-            score = {j: float(sum(weights[row, h] * torch.relu(scale * (q[row, h] @ keys[j])) for h in range(HEADS)))
-                     for j in visible}  # fmt: skip
+            score = {
+                j: float(sum(weights[row, h] * torch.relu(scale * (q[row, h] @ keys[j])) for h in range(HEADS)))
+                for j in visible
+            }
             kept = sorted(sorted(visible, key=lambda j: (-score[j], j))[:topk])
             out[row, : len(kept)] = torch.tensor(kept)
     return out
@@ -84,7 +86,9 @@ def test_indexer_topk_matches_a_dense_selection(name: str) -> None:
 
 def test_selection_rule() -> None:
     """Ties at the k-th score go to the earlier key; fewer visible keys than k keep them all."""
-    scores = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    scores = torch.tensor(
+        [[1.0, 3.0, 2.0, 2.0, 2.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]]
+    )
     visible = torch.tensor([[True] * 6, [True] * 6, [True, True, False, False, False, False]])
     got = ops_sparse.select_topk(scores, visible, 3)
     assert got.tolist() == [[1, 2, 3], [0, 1, 2], [0, 1, -1]]
@@ -132,5 +136,6 @@ def test_sparse_attention_with_separate_values() -> None:
     q, latent, _, *rest = _attention_case(4, [9, 3, 20], [1, 3, 5])
     values = torch.randn_like(latent)
     expected = _dense_attention(q, latent, values, *rest, 0.3)
-    torch.testing.assert_close(kernels_sparse.sparse_paged_attention_cpu(q, latent, values, *rest, 0.3), expected,
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        kernels_sparse.sparse_paged_attention_cpu(q, latent, values, *rest, 0.3), expected, rtol=1e-5, atol=1e-5
+    )

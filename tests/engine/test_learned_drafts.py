@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -41,16 +40,19 @@ CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n
 
 
 # name -> (family, recipe, test config changes)
-CORES = {"mimo_v2": ("mimo_v2", "mimo_v2", {}),
-         "deepseek_v3": ("kimi_k3", "kimi3", {"num_nextn_predict_layers": 1}),
-         "qwen3_next": ("qwen3_next", "qwen38", {"mtp_num_hidden_layers": 1})}  # fmt: skip
+CORES = {
+    "mimo_v2": ("mimo_v2", "mimo_v2", {}),
+    "deepseek_v3": ("kimi_k3", "kimi3", {"num_nextn_predict_layers": 1}),
+    "qwen3_next": ("qwen3_next", "qwen38", {"mtp_num_hidden_layers": 1}),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(CORES))
 def core(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Core:
     family, recipe, overrides = CORES[request.param]
-    checkpoint = write_testmodel(family, tmp_path_factory.mktemp("ckpt") / f"tiny-{request.param}", seed=3,
-                                 overrides=overrides)  # fmt: skip
+    checkpoint = write_testmodel(
+        family, tmp_path_factory.mktemp("ckpt") / f"tiny-{request.param}", seed=3, overrides=overrides
+    )
     out = tmp_path_factory.mktemp("cores") / f"tiny-{request.param}"
     export_core(open_source(str(checkpoint)), load_recipe(recipe), ExportOptions(out=out, prompt_logprobs=True))
     core = Core.open(out)
@@ -60,8 +62,10 @@ def core(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def _prompts(core: Core) -> list[tuple[int, ...]]:
     tok = core.tokenizer()
-    return [tuple(tok.encode(text).ids) for text in (CODE, "the cat sat on the mat and the cat sat on the hat, " * 2,
-                                                     "One, two, three, four, five")]  # fmt: skip
+    return [
+        tuple(tok.encode(text).ids)
+        for text in (CODE, "the cat sat on the mat and the cat sat on the hat, " * 2, "One, two, three, four, five")
+    ]
 
 
 def _run(core: Core, requests: list[EngineRequest], speculation: SpeculationConfig, **config):
@@ -90,13 +94,17 @@ def _same(a, b, tolerance: float = 1e-4) -> None:
             for p, q in zip(x.logprobs, y.logprobs, strict=True):
                 assert abs(p.logprob - q.logprob) <= tolerance
                 assert [t for t, _ in p.alternatives] == [t for t, _ in q.alternatives]
-                assert max((abs(u - v) for (_, u), (_, v) in zip(p.alternatives, q.alternatives)), default=0) <= tolerance
+                assert (
+                    max((abs(u - v) for (_, u), (_, v) in zip(p.alternatives, q.alternatives)), default=0) <= tolerance
+                )
 
 
 def _requests(core: Core, max_tokens: int = 24) -> list[EngineRequest]:
     prompts = _prompts(core)
-    plain = [EngineRequest(f"r{i}", p, (GREEDY,), max_tokens, ignore_eos=True, num_top_logprobs=2)
-             for i, p in enumerate(prompts)]  # fmt: skip
+    plain = [
+        EngineRequest(f"r{i}", p, (GREEDY,), max_tokens, ignore_eos=True, num_top_logprobs=2)
+        for i, p in enumerate(prompts)
+    ]
     two = EngineRequest("n2", prompts[1], (GREEDY, SAMPLED), max_tokens, ignore_eos=True, num_top_logprobs=2)
     return plain + [two]
 
@@ -105,11 +113,17 @@ def test_output_is_the_same_with_speculation_off_history_and_mtp(core: Core) -> 
     requests = _requests(core)
     off, _ = _run(core, requests, OFF)
     stop = tuple(off["r0"][0].token_ids[10:12])  # a token stop sequence verification reaches inside a round
-    requests.append(EngineRequest("stop", _prompts(core)[0], (GREEDY,), 24, ignore_eos=True, num_top_logprobs=2,
-                                  stop_token_sequences=(stop,)))  # fmt: skip
+    requests.append(
+        EngineRequest(
+            "stop", _prompts(core)[0], (GREEDY,), 24, ignore_eos=True, num_top_logprobs=2, stop_token_sequences=(stop,)
+        )
+    )
     # prompt logprobs: the scored-prefill program's hidden states feed the MTP layer too
-    requests.append(EngineRequest("scored", _prompts(core)[2], (GREEDY,), 16, ignore_eos=True, num_top_logprobs=2,
-                                  prompt_logprobs=1))  # fmt: skip
+    requests.append(
+        EngineRequest(
+            "scored", _prompts(core)[2], (GREEDY,), 16, ignore_eos=True, num_top_logprobs=2, prompt_logprobs=1
+        )
+    )
     off, plain = _run(core, requests, OFF)
     assert off["stop"][0].finish is FinishCause.STOP_TOKEN and len(off["stop"][0].token_ids) < 24
     assert plain.learned is None and plain.stats.draft_steps == 0
@@ -123,7 +137,9 @@ def test_output_is_the_same_with_speculation_off_history_and_mtp(core: Core) -> 
         _same(off, spec)
         stats = engine.stats
         assert engine.learned is not None and stats.draft_steps > 0
-        assert 0 < stats.learned_offered <= stats.verification_drafts and stats.learned_accepted <= stats.learned_offered
+        assert (
+            0 < stats.learned_offered <= stats.verification_drafts and stats.learned_accepted <= stats.learned_offered
+        )
         assert stats.accepted_drafts <= stats.verification_drafts
 
 
@@ -193,7 +209,9 @@ def test_preemption_and_cancellation_leave_nothing_behind(core: Core) -> None:
     spec = run_to_completion(engine, again)
     _check_nothing_held(engine)
     assert engine.stats.preemptions > 0 and engine.stats.draft_steps > 0
-    assert {k: [c.token_ids for c in v] for k, v in spec.items()} == {k: [c.token_ids for c in v] for k, v in off.items()}
+    assert {k: [c.token_ids for c in v] for k, v in spec.items()} == {
+        k: [c.token_ids for c in v] for k, v in off.items()
+    }
     finals = [list(r.prompt_ids) + c.token_ids for r in again for c in spec[r.request_id]]
     assert _check_against_reference(core, records[::4], finals) > 0  # recomputed after preemption, reused pages
     engine = LLMEngine(core, EngineConfig(num_pages=96, speculation=MTP))
@@ -222,8 +240,12 @@ def test_metrics_name_the_learned_drafter(core: Core) -> None:
     for speculation, name in ((MTP, "mtp"), (HISTORY, None), (OFF, None)):
         engine = LLMEngine(core, EngineConfig(num_pages=32, speculation=speculation))
         run_to_completion(engine, _requests(core, max_tokens=6)[:1])
-        state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
-                                started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
+        state = SimpleNamespace(
+            client=SimpleNamespace(engine=engine),
+            slots=SimpleNamespace(in_use=0, capacity=1),
+            started=0.0,
+            frontend=SimpleNamespace(image_counters={}),
+        )
         values = ServerState.snapshot(state)  # type: ignore[arg-type]
         snapshot = json_snapshot(values, window)
         assert snapshot["learned_drafter"] is (name is not None) and snapshot["learned_drafter_name"] == name
@@ -262,9 +284,15 @@ def test_history_wins_only_with_a_long_match_filling_the_depth() -> None:
     assert drafter.num_tracked == 0
 
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}}},
-          "required": ["name", "tags"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
 
 
 def test_learned_drafts_follow_the_grammar_of_a_constrained_answer(core: Core) -> None:
@@ -276,13 +304,15 @@ def test_learned_drafts_follow_the_grammar_of_a_constrained_answer(core: Core) -
     service = GrammarService(core.tokenizer(), m.tokenizer.vocab_size, tuple(m.tokenizer.eos_token_ids))
     matcher = service.compile("json_schema", json.dumps(SCHEMA), "response_format")
     plan = ConstraintPlan(None, None, frozenset(), False)
-    requests = [EngineRequest(f"j{i}", prompt, (GREEDY,), 20, num_top_logprobs=1,
-                              constraint=GrammarConstraint(matcher, plan))
-                for i, prompt in enumerate(_prompts(core))]  # fmt: skip
+    requests = [
+        EngineRequest(f"j{i}", prompt, (GREEDY,), 20, num_top_logprobs=1, constraint=GrammarConstraint(matcher, plan))
+        for i, prompt in enumerate(_prompts(core))
+    ]
 
     def run(speculation: SpeculationConfig, record: bool = False):
-        engine = LLMEngine(core, EngineConfig(num_pages=96, speculation=speculation),
-                           mask_hook=GrammarMasks(m.tokenizer.vocab_size))  # fmt: skip
+        engine = LLMEngine(
+            core, EngineConfig(num_pages=96, speculation=speculation), mask_hook=GrammarMasks(m.tokenizer.vocab_size)
+        )
         proposals: list[tuple[GrammarConstraint, tuple[int, ...], int]] = []  # (state, drafts, depth asked)
         if record:
             learned, observe = engine.learned, engine.learned.observe
@@ -291,7 +321,7 @@ def test_learned_drafts_follow_the_grammar_of_a_constrained_answer(core: Core) -
                 observe(plan, hidden, tables, depths)
                 for seq in engine.scheduler.running:
                     if id(seq) in depths and seq.constraint is not None:
-                        proposals.append((seq.constraint.fork(), learned.proposal(seq), depths[id(seq)]))  # fmt: skip
+                        proposals.append((seq.constraint.fork(), learned.proposal(seq), depths[id(seq)]))
 
             learned.observe = recorded
         out = run_to_completion(engine, requests)

@@ -40,8 +40,9 @@ def _idle(engine: LLMEngine) -> None:
 def test_a_small_pool_preempts_and_every_request_gets_its_whole_answer(tiny: Core) -> None:
     """Six 120-token answers need ~50 pages together; the pool has 14. Nobody is shortened,
     and every answer (greedy and seeded n=2) equals the request run alone."""
-    requests = [EngineRequest(f"g{i}", _prompt(tiny, f"request {i} says"), (GREEDY,), 120, ignore_eos=True)
-                for i in range(5)]  # fmt: skip
+    requests = [
+        EngineRequest(f"g{i}", _prompt(tiny, f"request {i} says"), (GREEDY,), 120, ignore_eos=True) for i in range(5)
+    ]
     params = (SAMPLED, replace(SAMPLED, seed=78))
     requests.append(EngineRequest("s", _prompt(tiny, "sampled twice"), params, 120, ignore_eos=True))
     engine = _engine(tiny, num_pages=14, max_concurrency=16)

@@ -30,7 +30,9 @@ EXPLICIT = (0, 2, 198, 504, 2)  # duplicates are the frontend's job; the engine 
 def reference(smollm2_gguf: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -40,8 +42,15 @@ def test_logprobs_equal_transformers(smollm2_core: Path, reference, text: str) -
     prompt = tuple(core.tokenizer().encode(text).ids)
     engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=8))
     natural = EngineRequest("nat", prompt, (GREEDY,), 6, ignore_eos=True, num_top_logprobs=5, prompt_logprobs=5)
-    explicit = EngineRequest("exp", prompt, (GREEDY,), 6, ignore_eos=True, num_top_logprobs=0,
-                             logprob_token_ids=tuple(dict.fromkeys(EXPLICIT)))  # fmt: skip
+    explicit = EngineRequest(
+        "exp",
+        prompt,
+        (GREEDY,),
+        6,
+        ignore_eos=True,
+        num_top_logprobs=0,
+        logprob_token_ids=tuple(dict.fromkeys(EXPLICIT)),
+    )
     out = run_to_completion(engine, [natural, explicit])
     generated = out["nat"][0].token_ids
     assert out["exp"][0].token_ids == generated

@@ -12,7 +12,9 @@ import torch
 import helios.core.ops as ops
 from helios.engine import native
 
-pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler: the native kernels cannot be built")
+pytestmark = pytest.mark.skipif(
+    native._compiler() is None, reason="no C++ compiler: the native kernels cannot be built"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,8 +22,16 @@ def loaded() -> None:
     assert native.load(), native.status()
 
 
-def _decode_case(seed: int, dtype: torch.dtype, cache_dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
-                 lens: list[int], page_tokens: int = 16):  # fmt: skip
+def _decode_case(
+    seed: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    lens: list[int],
+    page_tokens: int = 16,
+):
     gen = torch.Generator().manual_seed(seed)
     blocks = max(-(-n // page_tokens) for n in lens)
     pages = len(lens) * blocks + 2
@@ -50,10 +60,16 @@ DECODE = {  # dtype, cache dtype, heads, kv heads, head size, window, softcap
 def test_decode_attention_matches_the_reference_op(name: str) -> None:
     dtype, cache_dtype, heads, kv_heads, dim, window, softcap = DECODE[name]
     lens = [1, 17, 40, 100, 5, 64, 65]  # one token, page edges, several key chunks
-    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(len(name), dtype, cache_dtype, heads, kv_heads, dim, lens)
+    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(
+        len(name), dtype, cache_dtype, heads, kv_heads, dim, lens
+    )
     starts = torch.arange(len(lens) + 1, dtype=torch.int32)
-    expected = ops.reference_paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap)
-    got = torch.ops.flare_native.decode_attention(q, k_cache, v_cache, tables, seq_lens, positions, 0.125, window, softcap)
+    expected = ops.reference_paged_attention(
+        q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap
+    )
+    got = torch.ops.flare_native.decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, positions, 0.125, window, softcap
+    )
     assert got.dtype == q.dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
     torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
@@ -61,12 +77,22 @@ def test_decode_attention_matches_the_reference_op(name: str) -> None:
 
 def test_decode_rows_do_not_depend_on_their_neighbours() -> None:
     """A row's output is bit-identical alone and in a batch (batching invariance)."""
-    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(3, torch.bfloat16, torch.bfloat16, 9, 3, 64,
-                                                                    [30, 7, 99])  # fmt: skip
+    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(
+        3, torch.bfloat16, torch.bfloat16, 9, 3, 64, [30, 7, 99]
+    )
     together = torch.ops.flare_native.decode_attention(q, k_cache, v_cache, tables, seq_lens, positions, 0.125, 0, 0.0)
     for row in range(3):
-        alone = torch.ops.flare_native.decode_attention(q[row : row + 1], k_cache, v_cache, tables[row : row + 1],
-                                                        seq_lens[row : row + 1], positions[row : row + 1], 0.125, 0, 0.0)  # fmt: skip
+        alone = torch.ops.flare_native.decode_attention(
+            q[row : row + 1],
+            k_cache,
+            v_cache,
+            tables[row : row + 1],
+            seq_lens[row : row + 1],
+            positions[row : row + 1],
+            0.125,
+            0,
+            0.0,
+        )
         assert torch.equal(alone[0], together[row])
 
 
@@ -93,8 +119,9 @@ def test_write_kv_matches_the_reference_op(cache_dtype: torch.dtype) -> None:
 
 def _load_in_a_fresh_process(env: dict[str, str]) -> str:
     code = "from helios.engine import native; native.load(); print(native.status())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip() + done.stderr
 
@@ -109,12 +136,25 @@ def test_a_failed_build_falls_back_to_the_python_kernels(tmp_path) -> None:
     assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built is left to load next time
 
 
-needs_bf16 = pytest.mark.skipif(not (native.load() and torch.ops.flare_native.has_bf16_linear()),
-                                reason="this CPU/compiler has no AVX512-BF16: the native linear is not built")  # fmt: skip
-needs_amx = pytest.mark.skipif(not (native.load() and torch.ops.flare_native.has_amx_linear()),
-                               reason="this CPU/compiler has no AMX-BF16: linear_tiles runs the AVX512-BF16 path")  # fmt: skip
-SHAPES = [(1, 960, 576, False), (5, 100, 64, True), (33, 300, 128, False), (0, 32, 16, False), (7, 17, 6, True),
-          (13, 64, 1536, True), (16, 48, 1536, False), (64, 1000, 576, False), (0, 32, 32, False)]  # fmt: skip
+needs_bf16 = pytest.mark.skipif(
+    not (native.load() and torch.ops.flare_native.has_bf16_linear()),
+    reason="this CPU/compiler has no AVX512-BF16: the native linear is not built",
+)
+needs_amx = pytest.mark.skipif(
+    not (native.load() and torch.ops.flare_native.has_amx_linear()),
+    reason="this CPU/compiler has no AMX-BF16: linear_tiles runs the AVX512-BF16 path",
+)
+SHAPES = [
+    (1, 960, 576, False),
+    (5, 100, 64, True),
+    (33, 300, 128, False),
+    (0, 32, 16, False),
+    (7, 17, 6, True),
+    (13, 64, 1536, True),
+    (16, 48, 1536, False),
+    (64, 1000, 576, False),
+    (0, 32, 32, False),
+]
 
 
 @needs_bf16
@@ -182,8 +222,10 @@ STEPS = {  # history lengths, queries per sequence (0: a sequence with none this
 
 
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (8, 0.0), (0, 20.0), (3, 5.0)])
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
 @pytest.mark.parametrize("name", sorted(STEPS))
 def test_the_ops_cpu_slot_computes_what_the_python_kernel_does(name, dtype, cache_dtype, window, softcap) -> None:
     """Once loaded, the library serves flare::paged_attention itself: decode rows in place,
@@ -221,8 +263,9 @@ def test_the_ops_write_kv_slot_is_the_native_copy() -> None:
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-bf16_chunks = pytest.mark.skipif(not native.load() or not torch.ops.flare_native.has_bf16_linear(),
-                                 reason="the chunk kernel needs AVX512-BF16")  # fmt: skip
+bf16_chunks = pytest.mark.skipif(
+    not native.load() or not torch.ops.flare_native.has_bf16_linear(), reason="the chunk kernel needs AVX512-BF16"
+)
 
 
 def _chunk_case(seed: int, dim: int, kv_len: int):
@@ -237,9 +280,18 @@ def _chunk_case(seed: int, dim: int, kv_len: int):
 
 def _attend(q, k_cache, v_cache, tables, first: int, kv_len: int, window: int = 0):
     rows = q.shape[0]
-    return torch.ops.flare.paged_attention(q, k_cache, v_cache, tables, torch.tensor([kv_len], dtype=torch.int32),
-                                           torch.tensor([0, rows], dtype=torch.int32), torch.arange(first, first + rows),
-                                           0.125, window, 0.0)  # fmt: skip
+    return torch.ops.flare.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor([kv_len], dtype=torch.int32),
+        torch.tensor([0, rows], dtype=torch.int32),
+        torch.arange(first, first + rows),
+        0.125,
+        window,
+        0.0,
+    )
 
 
 @bf16_chunks
@@ -248,9 +300,18 @@ def test_bf16_chunks_match_the_reference(dim: int, window: int) -> None:
     q, k_cache, v_cache, tables = _chunk_case(dim + window, dim, 200)
     for first, rows in ((0, 200), (150, 50), (199, 1 + 0), (60, 7)):
         got = _attend(q[first : first + rows], k_cache, v_cache, tables, first, first + rows, window)
-        args = (q[first : first + rows].float(), k_cache.float(), v_cache.float(), tables,
-                torch.tensor([first + rows], dtype=torch.int32), torch.tensor([0, rows], dtype=torch.int32),
-                torch.arange(first, first + rows), 0.125, window, 0.0)  # fmt: skip
+        args = (
+            q[first : first + rows].float(),
+            k_cache.float(),
+            v_cache.float(),
+            tables,
+            torch.tensor([first + rows], dtype=torch.int32),
+            torch.tensor([0, rows], dtype=torch.int32),
+            torch.arange(first, first + rows),
+            0.125,
+            window,
+            0.0,
+        )
         torch.testing.assert_close(got.float(), ops.reference_paged_attention(*args), rtol=2e-2, atol=2e-2)
 
 

@@ -15,10 +15,12 @@ from helios.engine.offline import run_to_completion
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from tests.engine.test_runtime import _engine, _requests, _tokens
+from tests.engine.test_runtime import _engine, _requests
 
-pytestmark = pytest.mark.skipif(not (native.load() and torch.ops.flare_native.has_bf16_linear()),
-                                reason="this CPU/compiler has no AVX512-BF16: the native linear is not built")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    not (native.load() and torch.ops.flare_native.has_bf16_linear()),
+    reason="this CPU/compiler has no AVX512-BF16: the native linear is not built",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +37,11 @@ def native_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
     out = tmp_path_factory.mktemp("cores") / "tiny-bf16-native"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(prepack, "choose", lambda programs, weights: prepack.NATIVE)
-        export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"),
-                    ExportOptions(out=out, dtype="bfloat16", compile_step=True))  # fmt: skip
+        export_core(
+            open_source(str(tiny_checkpoint)),
+            load_recipe("smollm2"),
+            ExportOptions(out=out, dtype="bfloat16", compile_step=True),
+        )
     return out
 
 
@@ -51,7 +56,9 @@ def test_the_compiled_step_calls_the_native_linear(native_core: Path) -> None:
     assert all(len(choices[0].token_ids) == 6 for choices in out.values())
 
 
-def test_without_the_native_kernels_the_portable_step_serves(native_core: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_native_kernels_the_portable_step_serves(
+    native_core: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(native, "loaded", lambda: False)
     engine = _engine(Core.open(native_core))
     assert engine.executor.step_kind == "portable"
@@ -75,8 +82,11 @@ def test_portable_programs_agree_on_every_kernel(native_core: Path) -> None:
         targets = {n.target for n in program.module.graph.nodes if n.op == "call_function"}
         assert (torch.ops.flare_native.linear.default in targets) == (kernel == prepack.NATIVE)
         assert (torch.ops.flare_native.linear_tiles.default in targets) == (kernel == prepack.NATIVE_TILES)
-        runs.append(run_prompt(program, weights, core.manifest.kv, core.manifest.limits.page_tokens,
-                               list(range(3, 40)), chunk=7).logprobs)  # fmt: skip
+        runs.append(
+            run_prompt(
+                program, weights, core.manifest.kv, core.manifest.limits.page_tokens, list(range(3, 40)), chunk=7
+            ).logprobs
+        )
     for other in runs[1:]:
         assert float((runs[0] - other).abs().max()) < 0.1
 
@@ -87,14 +97,24 @@ def _timed(monkeypatch: pytest.MonkeyPatch, timings: dict[tuple[str, int], float
     monkeypatch.setattr(prepack, "_measure", lambda kernel, rows, sample, packed: timings[(kernel, rows)])
 
 
-def test_the_choice_is_measured_once_and_remembered(native_core: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    tmp_path: Path) -> None:  # fmt: skip
+def test_the_choice_is_measured_once_and_remembered(
+    native_core: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
     core = Core.open(native_core)
     program = core.load_program(STEP, check_guards=False)
     weights = core.load_weights("cpu")
-    _timed(monkeypatch, {(prepack.NATIVE, 1): 1.0, (prepack.NATIVE, 32): 10.0, (prepack.ONEDNN, 1): 2.0,
-                         (prepack.ONEDNN, 32): 10.0, (prepack.NATIVE_TILES, 1): 1.5, (prepack.NATIVE_TILES, 32): 10.1})  # fmt: skip
+    _timed(
+        monkeypatch,
+        {
+            (prepack.NATIVE, 1): 1.0,
+            (prepack.NATIVE, 32): 10.0,
+            (prepack.ONEDNN, 1): 2.0,
+            (prepack.ONEDNN, 32): 10.0,
+            (prepack.NATIVE_TILES, 1): 1.5,
+            (prepack.NATIVE_TILES, 32): 10.1,
+        },
+    )
     assert prepack.choose([program], weights) == prepack.NATIVE
     monkeypatch.setattr(prepack, "_measure", lambda *args: pytest.fail("measured again"))
     assert prepack.choose([program], weights) == prepack.NATIVE  # remembered
@@ -104,19 +124,37 @@ def test_the_choice_is_measured_once_and_remembered(native_core: Path, monkeypat
 def test_slower_at_many_rows_means_onednn(native_core: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
     core = Core.open(native_core)
-    _timed(monkeypatch, {(prepack.NATIVE, 1): 1.0, (prepack.NATIVE, 32): 12.0,  # faster at one row, 20% slower at 32
-                         (prepack.ONEDNN, 1): 2.0, (prepack.ONEDNN, 32): 10.0,
-                         (prepack.NATIVE_TILES, 1): 1.0, (prepack.NATIVE_TILES, 32): 11.0})  # fmt: skip
+    _timed(
+        monkeypatch,
+        {
+            (prepack.NATIVE, 1): 1.0,
+            (prepack.NATIVE, 32): 12.0,  # faster at one row, 20% slower at 32
+            (prepack.ONEDNN, 1): 2.0,
+            (prepack.ONEDNN, 32): 10.0,
+            (prepack.NATIVE_TILES, 1): 1.0,
+            (prepack.NATIVE_TILES, 32): 11.0,
+        },
+    )
     assert prepack.choose([core.load_program(STEP, check_guards=False)], core.load_weights("cpu")) == prepack.ONEDNN
 
 
 @pytest.mark.skipif(not prepack.tiles_available(), reason="this CPU has no AMX-BF16")
-def test_tiles_win_where_they_are_as_fast_at_one_row_and_fastest_at_many(native_core: Path, tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_tiles_win_where_they_are_as_fast_at_one_row_and_fastest_at_many(
+    native_core: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
     core = Core.open(native_core)
-    _timed(monkeypatch, {(prepack.NATIVE, 1): 12.8, (prepack.NATIVE, 32): 53.0, (prepack.ONEDNN, 1): 17.5,
-                         (prepack.ONEDNN, 32): 19.7, (prepack.NATIVE_TILES, 1): 12.5, (prepack.NATIVE_TILES, 32): 15.2})  # fmt: skip
+    _timed(
+        monkeypatch,
+        {
+            (prepack.NATIVE, 1): 12.8,
+            (prepack.NATIVE, 32): 53.0,
+            (prepack.ONEDNN, 1): 17.5,
+            (prepack.ONEDNN, 32): 19.7,
+            (prepack.NATIVE_TILES, 1): 12.5,
+            (prepack.NATIVE_TILES, 32): 15.2,
+        },
+    )
     program = core.load_program(STEP, check_guards=False)
     kernel = prepack.choose([program], core.load_weights("cpu"))
     assert kernel == prepack.NATIVE_TILES

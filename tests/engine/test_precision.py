@@ -24,7 +24,9 @@ GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 @pytest.fixture(scope="module")
 def bf16_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cores") / "tiny-bf16"
-    result = export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), ExportOptions(out=out, dtype="bfloat16"))
+    result = export_core(
+        open_source(str(tiny_checkpoint)), load_recipe("smollm2"), ExportOptions(out=out, dtype="bfloat16")
+    )
     assert result.manifest.weights.dtype == "bfloat16" and result.manifest.kv.dtype == "bfloat16"
     return out
 
@@ -50,8 +52,11 @@ def test_a_host_without_native_bf16_upcasts_at_load(bf16_core: Path, monkeypatch
 
 
 def test_kv_dtype_is_recorded_separately(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    result = export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"),
-                         ExportOptions(out=tmp_path / "c", dtype="bfloat16", kv_dtype="float32"))  # fmt: skip
+    result = export_core(
+        open_source(str(tiny_checkpoint)),
+        load_recipe("smollm2"),
+        ExportOptions(out=tmp_path / "c", dtype="bfloat16", kv_dtype="float32"),
+    )
     assert (result.manifest.weights.dtype, result.manifest.kv.dtype) == ("bfloat16", "float32")
 
 
@@ -64,8 +69,9 @@ def bf16_compiled_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.mark.parametrize("kind", ["portable", "compiled"])
-def test_batching_invariance_in_bf16(kind: str, bf16_core: Path, bf16_compiled_core: Path,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_batching_invariance_in_bf16(
+    kind: str, bf16_core: Path, bf16_compiled_core: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tests.engine.test_runtime import INVARIANCE_SETTINGS, PREAMBLE, _check_batching_invariance
 
     monkeypatch.setattr(precision, "is_native", lambda dtype: True)  # bf16 arithmetic even on a host without it

@@ -57,8 +57,9 @@ def smollm2(smollm2_core: Path) -> Core:
 INVARIANCE_SETTINGS = ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16})
 
 
-def _check_batching_invariance(core: Core, max_tokens: int, prefix: str = "",
-                               settings: tuple[dict, ...] = INVARIANCE_SETTINGS) -> None:  # fmt: skip
+def _check_batching_invariance(
+    core: Core, max_tokens: int, prefix: str = "", settings: tuple[dict, ...] = INVARIANCE_SETTINGS
+) -> None:
     requests = _requests(core, max_tokens, prefix=prefix)
     alone = {}
     solo = _engine(core, enable_prefix_cache=False)  # one request at a time, nothing reused
@@ -135,8 +136,10 @@ def test_out_of_pages_finishes_with_length_and_others_continue(tiny: Core) -> No
 def test_abort_half_of_32_leaks_nothing(tiny: Core) -> None:
     tok = tiny.tokenizer()
     engine = _engine(tiny, num_pages=512, max_concurrency=64)
-    requests = [EngineRequest(f"a{i}", tuple(tok.encode(f"request number {i}").ids), (GREEDY,), 20, ignore_eos=True)
-                for i in range(32)]  # fmt: skip
+    requests = [
+        EngineRequest(f"a{i}", tuple(tok.encode(f"request number {i}").ids), (GREEDY,), 20, ignore_eos=True)
+        for i in range(32)
+    ]
     outputs = {r.request_id: [] for r in requests}
     finishes = {}
     for request in requests:

@@ -24,9 +24,15 @@ from helios.engine.sampler import (
 from helios.engine.sampling_params import SamplingParams
 
 NEUTRAL = SamplingParams(
-    temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
-    presence_penalty=0.0, frequency_penalty=0.0, seed=0,
-)  # fmt: skip
+    temperature=1.0,
+    top_p=1.0,
+    top_k=-1,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    seed=0,
+)
 NUM_DRAWS = 200
 
 
@@ -38,7 +44,9 @@ def _no_ids(batch: int) -> list[torch.Tensor]:
     return [torch.empty(0, dtype=torch.int64)] * batch
 
 
-def _counts(row: list[float], params: SamplingParams, num: int = NUM_DRAWS, allowed: list[bool] | None = None) -> Counter:
+def _counts(
+    row: list[float], params: SamplingParams, num: int = NUM_DRAWS, allowed: list[bool] | None = None
+) -> Counter:
     """Token counts over `num` rows of the same logits, each with its own fixed seed."""
     logits = torch.tensor([row]).expand(num, -1)
     mask = None if allowed is None else torch.tensor([allowed]).expand(num, -1)

@@ -9,8 +9,16 @@ from helios.engine.sampling_params import SamplingParams
 
 
 def _params(**kw) -> SamplingParams:
-    base = dict(temperature=0.7, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                frequency_penalty=0.0, seed=0)  # fmt: skip
+    base = dict(
+        temperature=0.7,
+        top_p=1.0,
+        top_k=-1,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        seed=0,
+    )
     return SamplingParams(**{**base, **kw})
 
 
@@ -27,8 +35,9 @@ def test_candidate_draws_match_the_full_distribution() -> None:
         expected = _full_path_probs(logits, params)
         rows = logits[None].repeat(4000, 1)
         generators = [torch.Generator().manual_seed(i) for i in range(4000)]
-        drawn, _ = s._draw_among_candidates(s.apply_temperature(rows, [params] * 4000), [params] * 4000, generators,
-                                            s.TOP_P_CANDIDATES, None)  # fmt: skip
+        drawn, _ = s._draw_among_candidates(
+            s.apply_temperature(rows, [params] * 4000), [params] * 4000, generators, s.TOP_P_CANDIDATES, None
+        )
         assert drawn is not None
         observed = torch.bincount(drawn, minlength=5000).float() / 4000
         assert set(observed.nonzero().flatten().tolist()) <= set(expected.nonzero().flatten().tolist())
@@ -40,7 +49,9 @@ def test_rows_sampling_the_whole_vocabulary_use_the_full_path() -> None:
     both = [_params(), _params(top_p=0.5)]
     assert s._draw_among_candidates(logits, both, [torch.Generator()] * 2, s.TOP_P_CANDIDATES, None)[0] is None
     flat = torch.zeros(1, 5000)  # a top-p nucleus wider than the candidates
-    assert s._draw_among_candidates(flat, [_params(top_p=0.9)], [torch.Generator()], s.TOP_P_CANDIDATES, None)[0] is None
+    assert (
+        s._draw_among_candidates(flat, [_params(top_p=0.9)], [torch.Generator()], s.TOP_P_CANDIDATES, None)[0] is None
+    )
 
 
 def test_small_candidate_sets_fall_back_to_larger_ones() -> None:
@@ -68,5 +79,7 @@ def test_a_row_draws_the_same_whatever_shares_its_batch() -> None:
     params = [_params(top_p=0.9, seed=3), _params(top_p=0.9, seed=4)]
     for seed in range(20):
         alone = s.Sampler._draw(sharp.clone(), params[:1], [s.position_generator(seed, 0)])
-        mixed = s.Sampler._draw(torch.cat([sharp, flat]), params, [s.position_generator(seed, 0), s.position_generator(9, 0)])
+        mixed = s.Sampler._draw(
+            torch.cat([sharp, flat]), params, [s.position_generator(seed, 0), s.position_generator(9, 0)]
+        )
         assert int(alone[0]) == int(mixed[0])

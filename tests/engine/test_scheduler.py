@@ -44,7 +44,9 @@ def _collect(out: dict[tuple[str, int], list], events: list) -> None:
         entry[1] = e.finish
 
 
-def _run(s: Scheduler, limit: int = 10_000, out: dict | None = None) -> dict[tuple[str, int], tuple[list[int], FinishCause]]:
+def _run(
+    s: Scheduler, limit: int = 10_000, out: dict | None = None
+) -> dict[tuple[str, int], tuple[list[int], FinishCause]]:
     """Step until idle; every choice's tokens and finish (added to `out`'s earlier events)."""
     out = {} if out is None else out
     for _ in range(limit):
@@ -68,7 +70,10 @@ def test_prefill_is_chunked_and_mixed_with_decode() -> None:
     s.add(_request("b", 20))
     plan, _ = _step(s)
     # a decodes one token; b gets the rest of the 8-token prefill budget
-    assert [(c.seq.request.request_id, c.num_tokens, c.wants_logits) for c in plan.chunks] == [("a", 1, True), ("b", 8, False)]
+    assert [(c.seq.request.request_id, c.num_tokens, c.wants_logits) for c in plan.chunks] == [
+        ("a", 1, True),
+        ("b", 8, False),
+    ]
     plan, _ = _step(s)
     assert [(c.seq.request.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("a", 4, 1), ("b", 8, 8)]
 

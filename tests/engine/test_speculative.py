@@ -40,8 +40,12 @@ def _prompts(core: Core) -> list[tuple[int, ...]]:
 
 
 def _run(core: Core, requests: list[EngineRequest], speculation: SpeculationConfig | None, **config):
-    engine = LLMEngine(core, EngineConfig(num_pages=config.pop("num_pages", 256),
-                                          speculation=speculation or SpeculationConfig(mode="off"), **config))  # fmt: skip
+    engine = LLMEngine(
+        core,
+        EngineConfig(
+            num_pages=config.pop("num_pages", 256), speculation=speculation or SpeculationConfig(mode="off"), **config
+        ),
+    )
     out = run_to_completion(engine, requests)
     engine.scheduler.check_invariants()
     assert engine.pool.num_free + engine.pool.num_cached == engine.pool.num_pages  # nothing held after the end
@@ -49,8 +53,10 @@ def _run(core: Core, requests: list[EngineRequest], speculation: SpeculationConf
 
 
 def _requests(core: Core, params: SamplingParams, max_tokens: int = 40, **fields) -> list[EngineRequest]:
-    return [EngineRequest(f"r{i}", prompt, (params,), max_tokens, ignore_eos=True, num_top_logprobs=3, **fields)
-            for i, prompt in enumerate(_prompts(core))]  # fmt: skip
+    return [
+        EngineRequest(f"r{i}", prompt, (params,), max_tokens, ignore_eos=True, num_top_logprobs=3, **fields)
+        for i, prompt in enumerate(_prompts(core))
+    ]
 
 
 def _same(a, b, tolerance: float = 1e-4) -> None:
@@ -62,7 +68,9 @@ def _same(a, b, tolerance: float = 1e-4) -> None:
             for p, q in zip(x.logprobs, y.logprobs, strict=True):
                 assert abs(p.logprob - q.logprob) <= tolerance
                 assert [t for t, _ in p.alternatives] == [t for t, _ in q.alternatives]
-                assert max((abs(u - v) for (_, u), (_, v) in zip(p.alternatives, q.alternatives)), default=0) <= tolerance
+                assert (
+                    max((abs(u - v) for (_, u), (_, v) in zip(p.alternatives, q.alternatives)), default=0) <= tolerance
+                )
 
 
 @pytest.mark.parametrize("mode", ["fixed", "adaptive"])
@@ -83,7 +91,9 @@ def test_seeded_sampling_draws_the_same_tokens(core: Core) -> None:
     _same(plain, spec)
     assert engine.stats.accepted_drafts > 0
     hot, _ = _run(core, _requests(core, SAMPLED), None)
-    assert {k: v[0].token_ids for k, v in hot.items()} == {k: v[0].token_ids for k, v in _run(core, _requests(core, SAMPLED), FIXED)[0].items()}
+    assert {k: v[0].token_ids for k, v in hot.items()} == {
+        k: v[0].token_ids for k, v in _run(core, _requests(core, SAMPLED), FIXED)[0].items()
+    }
 
 
 def test_stops_max_tokens_and_choices(core: Core) -> None:
@@ -92,12 +102,20 @@ def test_stops_max_tokens_and_choices(core: Core) -> None:
     generated = plain_probe["p"][0].token_ids
     stop = tuple(generated[12:14])  # a token stop sequence that verification will accept inside a draft
     requests = [
-        EngineRequest("stop", prompts[0], (GREEDY,), 30, ignore_eos=True, num_top_logprobs=0, stop_token_sequences=(stop,)),
+        EngineRequest(
+            "stop", prompts[0], (GREEDY,), 30, ignore_eos=True, num_top_logprobs=0, stop_token_sequences=(stop,)
+        ),
         EngineRequest("eos", prompts[0], (GREEDY,), 30, num_top_logprobs=0, stop_token_ids=(generated[9],)),
         EngineRequest("short", prompts[1], (GREEDY,), 3, ignore_eos=True, num_top_logprobs=0),
-        EngineRequest("n", prompts[2], (GREEDY, replace(SAMPLED, seed=5), replace(SAMPLED, seed=6)), 20, ignore_eos=True,
-                      num_top_logprobs=0),
-    ]  # fmt: skip
+        EngineRequest(
+            "n",
+            prompts[2],
+            (GREEDY, replace(SAMPLED, seed=5), replace(SAMPLED, seed=6)),
+            20,
+            ignore_eos=True,
+            num_top_logprobs=0,
+        ),
+    ]
     plain, _ = _run(core, requests, None)
     spec, _ = _run(core, requests, FIXED)
     _same(plain, spec)
@@ -223,7 +241,9 @@ def test_the_gate_backs_speculation_off_where_drafts_lose(core: Core, monkeypatc
     gate.observe(5, True, committed=6, seconds=1.0)  # drafted steps: 1.2 tokens per sequence per second
     gate.observe(5, False, committed=5, seconds=0.5)  # plain: 2
     seen: list[tuple[int, bool, int]] = []
-    monkeypatch.setattr(gate, "observe", lambda decoding, drafted, committed, seconds: seen.append((decoding, drafted, committed)))
+    monkeypatch.setattr(
+        gate, "observe", lambda decoding, drafted, committed, seconds: seen.append((decoding, drafted, committed))
+    )
     requests = _requests(core, GREEDY, max_tokens=6)
     out = run_to_completion(engine, requests)
     assert engine.stats.verification_drafts == 0

@@ -15,8 +15,11 @@ from tests.engine.test_scheduler import PAGE, PARAMS, _collect, _request, _step
 
 
 def _hybrid(pages: int = 32, chunk: int = 16, concurrency: int = 4, snapshots: int = 4, interval: int = 8) -> Scheduler:
-    return Scheduler(SchedulerConfig(concurrency, chunk, 1024, snapshot_interval=interval), PagePool(pages, PAGE),
-                     states=StatePool(concurrency, snapshots))  # fmt: skip
+    return Scheduler(
+        SchedulerConfig(concurrency, chunk, 1024, snapshot_interval=interval),
+        PagePool(pages, PAGE),
+        states=StatePool(concurrency, snapshots),
+    )
 
 
 def _drain(s: Scheduler, fail_every: int = 0) -> dict:
@@ -130,8 +133,12 @@ def test_a_decoding_sequence_follows_its_endpoint_and_registers_it_at_finish() -
     endpoint_copies = []
     while s.has_work:
         plan = s.schedule()
-        endpoint_copies += [(c.start + c.num_tokens, dst) for c in plan.chunks for src, dst in plan.state_after
-                            if src == c.seq.state_slot and c.seq.endpoint_slot == dst]  # fmt: skip
+        endpoint_copies += [
+            (c.start + c.num_tokens, dst)
+            for c in plan.chunks
+            for src, dst in plan.state_after
+            if src == c.seq.state_slot and c.seq.endpoint_slot == dst
+        ]
         tokens = {id(q): (SampledToken(7, None),) for c in plan.chunks if c.wants_logits for q in c.choices}
         s.update_from_output(plan, ModelOutput(tokens))
         s.check_invariants()

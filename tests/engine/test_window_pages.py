@@ -7,8 +7,6 @@ prefix is reused only as far as the window pages its first query needs survive."
 
 from __future__ import annotations
 
-from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +14,7 @@ from helios.core import Core
 from helios.engine.drafter import SpeculationConfig
 from helios.engine.engine import EngineConfig, LLMEngine
 from helios.engine.kv_cache import ROOT_HASH, PagePool, page_hash
-from helios.engine.offline import ChoiceOutput, collect, run_to_completion
+from helios.engine.offline import ChoiceOutput, collect
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
 from helios.engine.sequence import Sequence
@@ -48,8 +46,10 @@ def _prompts(core: Core) -> list[tuple[int, ...]]:
 
 def _requests(core: Core, max_tokens: int = 24) -> list[EngineRequest]:
     prompts = _prompts(core)
-    requests = [EngineRequest(f"g{i}", p, (GREEDY,), max_tokens, ignore_eos=True, num_top_logprobs=2)
-                for i, p in enumerate(prompts)]  # fmt: skip
+    requests = [
+        EngineRequest(f"g{i}", p, (GREEDY,), max_tokens, ignore_eos=True, num_top_logprobs=2)
+        for i, p in enumerate(prompts)
+    ]
     requests.append(EngineRequest("n2", prompts[2], (GREEDY, SAMPLED), max_tokens, ignore_eos=True, num_top_logprobs=2))
     return requests
 
@@ -134,7 +134,9 @@ def test_prefix_reuse_with_window_pages_and_preemption(core: Core) -> None:
     small = _engine(core, num_pages=8)
     squeezed = _run(small, requests)
     assert small.stats.preemptions > 0
-    assert {k: [c.token_ids for c in v] for k, v in squeezed.items()} == {k: [c.token_ids for c in v] for k, v in plain.items()}
+    assert {k: [c.token_ids for c in v] for k, v in squeezed.items()} == {
+        k: [c.token_ids for c in v] for k, v in plain.items()
+    }
 
 
 def test_speculation_with_window_pages(core: Core) -> None:
@@ -142,8 +144,9 @@ def test_speculation_with_window_pages(core: Core) -> None:
     pages past the committed tokens; rejected ones are overwritten, never read."""
     requests = _requests(core)
     plain = _run(_engine(core), requests)
-    truth = {(r.request_id, i): r.prompt_ids + tuple(plain[r.request_id][i].token_ids) for r in requests
-             for i in range(r.n)}  # fmt: skip
+    truth = {
+        (r.request_id, i): r.prompt_ids + tuple(plain[r.request_id][i].token_ids) for r in requests for i in range(r.n)
+    }
 
     def oracle(seq, k: int) -> tuple[int, ...]:
         n = len(seq.token_ids)
@@ -218,7 +221,9 @@ def test_a_short_window_pool_cuts_chunks_and_preempts_without_changing_output(co
     squeezed = _run(engine, requests)
     assert max(running) < 6 <= sum(r.n for r in requests)  # the window pool, not the main pool, held them back
     assert engine.stats.preemptions > 0  # a decoding sequence crossing into a new page, with none left
-    assert {k: [c.token_ids for c in v] for k, v in squeezed.items()} == {k: [c.token_ids for c in v] for k, v in plain.items()}
+    assert {k: [c.token_ids for c in v] for k, v in squeezed.items()} == {
+        k: [c.token_ids for c in v] for k, v in plain.items()
+    }
 
 
 def test_decode_steps_replay_through_the_graph_runner_with_window_tables(core: Core) -> None:
@@ -238,8 +243,10 @@ def test_decode_steps_replay_through_the_graph_runner_with_window_tables(core: C
     page = executor.page_tokens
     request = SimpleNamespace(logprob_token_ids=None, images=())
     prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13] * (page + 2)]
-    seqs = [Sequence(request, 0, list(p), len(p), i, pages=[2 * i, 2 * i + 1], window_pages=[3 * i, 3 * i + 1])
-            for i, p in enumerate(prompts)]  # fmt: skip
+    seqs = [
+        Sequence(request, 0, list(p), len(p), i, pages=[2 * i, 2 * i + 1], window_pages=[3 * i, 3 * i + 1])
+        for i, p in enumerate(prompts)
+    ]
     executor.run(tuple(Chunk(s, 0, len(s.token_ids), True, False) for s in seqs))
     for index, seq in enumerate(seqs):
         seq.token_ids.append(20 + index)
@@ -250,11 +257,21 @@ def test_decode_steps_replay_through_the_graph_runner_with_window_tables(core: C
         tensor.copy_(saved)
     m = core.manifest
     assert GraphRunner.eligible(executor.step.input_names)
-    executor.graphs = GraphRunner(executor.step, executor.weights, executor.kv, (1, 2, 4), page,
-                                  -(-m.limits.max_model_len // page), pages - 1, "cpu", EagerBackend(),
-                                  explicit_width=max(1, m.capabilities.max_top_logprobs)
-                                  if "logprob_token_ids" in executor.step.input_names else 0,
-                                  window_scratch_page=window_pages - 1)  # fmt: skip
+    executor.graphs = GraphRunner(
+        executor.step,
+        executor.weights,
+        executor.kv,
+        (1, 2, 4),
+        page,
+        -(-m.limits.max_model_len // page),
+        pages - 1,
+        "cpu",
+        EagerBackend(),
+        explicit_width=max(1, m.capabilities.max_top_logprobs)
+        if "logprob_token_ids" in executor.step.input_names
+        else 0,
+        window_scratch_page=window_pages - 1,
+    )
     graphed = executor.run(decode)
     assert executor.launches["graph"] == 1
     torch.testing.assert_close(graphed.logits, eager.logits, rtol=0, atol=1e-5)

@@ -36,24 +36,48 @@ Segment = str | Tok
 Block = tuple  # ("text" | "reasoning", text) or ("call", name, arguments)
 
 TOOLS = (
-    ToolSpec("get_weather", "Weather", {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}}}),
-    ToolSpec("set_flags", None, {"type": "object", "properties": {
-        "on": {"type": "boolean"}, "ratio": {"type": "number"}, "note": {"type": ["string", "null"]},
-        "tags": {"type": "array", "items": {"type": "integer"}}, "opts": {"$ref": "#/$defs/Opts"}},
-        "$defs": {"Opts": {"type": "object", "properties": {"k": {"type": "string"}}}}}),
-)  # fmt: skip
+    ToolSpec(
+        "get_weather",
+        "Weather",
+        {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+    ),
+    ToolSpec(
+        "set_flags",
+        None,
+        {
+            "type": "object",
+            "properties": {
+                "on": {"type": "boolean"},
+                "ratio": {"type": "number"},
+                "note": {"type": ["string", "null"]},
+                "tags": {"type": "array", "items": {"type": "integer"}},
+                "opts": {"$ref": "#/$defs/Opts"},
+            },
+            "$defs": {"Opts": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        },
+    ),
+)
 
 
-def factory(tokenizer: Tokenizer, reasoning: str | None, tools: str | None,
-            prompt: Sequence[Segment] = ()) -> Callable[[], OutputParser]:  # fmt: skip
+def factory(
+    tokenizer: Tokenizer, reasoning: str | None, tools: str | None, prompt: Sequence[Segment] = ()
+) -> Callable[[], OutputParser]:
     """A fresh parser per replay; `prompt` is the generation prompt's tail."""
-    prompt_ids = tuple(i for part in prompt for i in (
-        [tokenizer.token_to_id(part.spelling)] if isinstance(part, Tok) else tokenizer.encode(part, add_special_tokens=False).ids))  # fmt: skip
+    prompt_ids = tuple(
+        i
+        for part in prompt
+        for i in (
+            [tokenizer.token_to_id(part.spelling)]
+            if isinstance(part, Tok)
+            else tokenizer.encode(part, add_special_tokens=False).ids
+        )
+    )
     return lambda: build_parser(tokenizer, reasoning, tools, prompt_ids, tools is not None, TOOLS)
 
 
-def _tokens(tokenizer: Tokenizer, segments: Sequence[Segment], rng: random.Random | None) -> list[tuple[int, str, bool]]:
+def _tokens(
+    tokenizer: Tokenizer, segments: Sequence[Segment], rng: random.Random | None
+) -> list[tuple[int, str, bool]]:
     """(token id, text it shows, is a delimiter) per token; ordinary text gets a non-delimiter id."""
     ordinary = tokenizer.token_to_id("a")
     added = tokenizer.get_added_tokens_decoder()
@@ -104,12 +128,20 @@ def replay(make: Callable[[], OutputParser], pieces: list[Piece], truncated: boo
     accumulator = Accumulator()
     for event in events:
         accumulator.push(event)
-    return [(b.kind, b.text) if b.call is None else ("call", b.call.name, json.loads(b.call.arguments))
-            for b in accumulator.blocks if b.text or b.call]  # fmt: skip
+    return [
+        (b.kind, b.text) if b.call is None else ("call", b.call.name, json.loads(b.call.arguments))
+        for b in accumulator.blocks
+        if b.text or b.call
+    ]
 
 
-def check(make: Callable[[], OutputParser], tokenizer: Tokenizer, segments: Sequence[Segment],
-          expected: list[Block], truncated: bool = False) -> None:  # fmt: skip
+def check(
+    make: Callable[[], OutputParser],
+    tokenizer: Tokenizer,
+    segments: Sequence[Segment],
+    expected: list[Block],
+    truncated: bool = False,
+) -> None:
     """The buffered result is `expected`, and every random grouping streams to the same blocks."""
     buffered = replay(make, _pieces(_tokens(tokenizer, segments, None), None), truncated)
     assert buffered == expected, f"buffered {buffered} != expected {expected}"
@@ -120,8 +152,13 @@ def check(make: Callable[[], OutputParser], tokenizer: Tokenizer, segments: Sequ
         assert streamed == buffered, f"streamed {streamed} != buffered {buffered} for pieces {[p.text for p in pieces]}"
 
 
-def check_error(make: Callable[[], OutputParser], tokenizer: Tokenizer, segments: Sequence[Segment],
-                match: str, truncated: bool = False) -> None:  # fmt: skip
+def check_error(
+    make: Callable[[], OutputParser],
+    tokenizer: Tokenizer,
+    segments: Sequence[Segment],
+    match: str,
+    truncated: bool = False,
+) -> None:
     """Every grouping fails with a tool-call error."""
     rng = random.Random(repr(segments))
     for grouping in range(GROUPINGS + 1):

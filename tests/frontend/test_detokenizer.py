@@ -96,7 +96,7 @@ def test_incremental_decoder_holds_incomplete_utf8() -> None:
 
 
 def test_incremental_decoder_matches_lossy_decoding_for_any_split() -> None:
-    data = "mixed ünïcödé 😀 中文".encode() + b"\xff\xe4\xb8" + "end".encode()
+    data = "mixed ünïcödé 😀 中文".encode() + b"\xff\xe4\xb8" + b"end"
     for seed in range(50):
         rng = random.Random(seed)
         decoder = IncrementalDecoder()

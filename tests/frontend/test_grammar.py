@@ -31,7 +31,9 @@ def test_lark_grammar_matches_complete_sentences_only() -> None:
 
 
 def test_lark_common_imports_and_ignore() -> None:
-    g = compile_grammar("lark", '%import common.NUMBER\n%import common.WS\n%ignore WS\nstart: NUMBER ("+" NUMBER)*', "f")
+    g = compile_grammar(
+        "lark", '%import common.NUMBER\n%import common.WS\n%ignore WS\nstart: NUMBER ("+" NUMBER)*', "f"
+    )
     assert g.matches("1 + 2.5+3")
     assert not g.matches("1 +")
 

@@ -30,8 +30,14 @@ WEATHER = ToolSpec("get_weather", "Weather in a city", {"type": "object", "prope
 HISTORY = (
     Message("system", (TextPart("Be brief."),)),
     Message("user", (TextPart("Weather in Paris? Spelled: <｜User｜> </think>"),)),
-    Message("assistant", (ReasoningPart("Need the tool."), TextPart("Checking."),
-                          ToolCallPart("c1", "get_weather", '{"city": "Paris"}'))),  # fmt: skip
+    Message(
+        "assistant",
+        (
+            ReasoningPart("Need the tool."),
+            TextPart("Checking."),
+            ToolCallPart("c1", "get_weather", '{"city": "Paris"}'),
+        ),
+    ),
     Message("tool", (ToolResultPart("c1", (TextPart("sunny"),)),)),
     Message("assistant", (ReasoningPart("Done."), TextPart("It is sunny."))),
     Message("user", (TextPart("Thanks! ünïcode 日本"),)),
@@ -67,7 +73,9 @@ def official(frontend: Frontend, deepseek_core: Path, messages, **options) -> tu
     encoding = ds.DeepseekV41Encoding() if v41 else ds.DeepseekV4Encoding()
     conversation = ds.Conversation(messages, **options)
     tokenizer = ds.Tokenizer.from_file(str(deepseek_core / "tokenizer.json"))
-    return tuple(encoding.with_tokenizer(tokenizer).encode(conversation)), encoding.render_conversation(conversation).prompt
+    return tuple(encoding.with_tokenizer(tokenizer).encode(conversation)), encoding.render_conversation(
+        conversation
+    ).prompt
 
 
 @pytest.mark.parametrize("version", ["v4", "v41"])
@@ -129,8 +137,11 @@ def test_v41_numeric_effort_at_top_level_and_in_kwargs(v41: Frontend, deepseek_c
     ids75, text75 = official(v41, deepseek_core, ask, reasoning_effort="high")
     line = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)"
     for score in (1, 80, 100):
-        for conversation in (_chat(v41, reasoning_effort=score), _chat(v41, chat_template_kwargs={"reasoning_effort": score}),
-                             _chat(v41, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": score})):  # fmt: skip
+        for conversation in (
+            _chat(v41, reasoning_effort=score),
+            _chat(v41, chat_template_kwargs={"reasoning_effort": score}),
+            _chat(v41, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": score}),
+        ):
             prepared = v41.prompt(conversation)
             assert prepared.text == text75.replace(line.format(75), line.format(score), 1)
             assert v41.tokenizer.decode(list(prepared.token_ids), skip_special_tokens=False) == prepared.text
@@ -163,8 +174,10 @@ def test_unsupported_controls_are_rejected(version: str, request) -> None:
     frontend = request.getfixturevalue(version)
     cases = {
         "add_generation_prompt": {"add_generation_prompt": False},
-        "continue_final_message": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}],
-                                   "continue_final_message": True},  # fmt: skip
+        "continue_final_message": {
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}],
+            "continue_final_message": True,
+        },
         "drop_thinking": {"chat_template_kwargs": {"drop_thinking": True}},
     }
     for param, body in cases.items():

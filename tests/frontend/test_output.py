@@ -30,26 +30,45 @@ def entry_of(token_id: int) -> TokenLogprobs:
     return TokenLogprobs(token_id, -token_id / 100, ((token_id, -token_id / 100), ((token_id + 1) % 287, -5.0)))
 
 
-def events(tokens: list[int], cuts: Sequence[int] = (), finish: FinishCause | None = FinishCause.LENGTH,
-           stop_match_len: int = 0, error: str | None = None) -> list[EngineEvent]:  # fmt: skip
+def events(
+    tokens: list[int],
+    cuts: Sequence[int] = (),
+    finish: FinishCause | None = FinishCause.LENGTH,
+    stop_match_len: int = 0,
+    error: str | None = None,
+) -> list[EngineEvent]:
     bounds = [0, *sorted(cuts), len(tokens)]
     chunks = [tokens[a:b] for a, b in zip(bounds, bounds[1:])]
     return [
-        EngineEvent("r", 0, tuple(chunk), tuple(entry_of(t) for t in chunk), finish if last else None,
-                    stop_match_len=stop_match_len if last else 0, error=error if last else None)  # fmt: skip
+        EngineEvent(
+            "r",
+            0,
+            tuple(chunk),
+            tuple(entry_of(t) for t in chunk),
+            finish if last else None,
+            stop_match_len=stop_match_len if last else 0,
+            error=error if last else None,
+        )
         for last, chunk in ((i == len(chunks) - 1, c) for i, c in enumerate(chunks))
     ]
 
 
-def run(evts: list[EngineEvent], stop: StopOptions = StopOptions(), logprobs: LogprobOptions = LOGPROBS,
-        skip_special_tokens: bool = True) -> tuple[ChoiceOutput, list[OutputDelta]]:  # fmt: skip
+def run(
+    evts: list[EngineEvent],
+    stop: StopOptions = StopOptions(),
+    logprobs: LogprobOptions = LOGPROBS,
+    skip_special_tokens: bool = True,
+) -> tuple[ChoiceOutput, list[OutputDelta]]:
     output = ChoiceOutput(TOKENS, stop, logprobs, frozenset({EOS}), skip_special_tokens)
     return output, [output.push(event) for event in evts]
 
 
 def joined(deltas: list[OutputDelta]) -> tuple[str, tuple[TokenEntry, ...], tuple[int, ...]]:
-    return ("".join(d.text for d in deltas), tuple(e for d in deltas for e in d.entries),
-            tuple(t for d in deltas for t in d.token_ids))  # fmt: skip
+    return (
+        "".join(d.text for d in deltas),
+        tuple(e for d in deltas for e in d.entries),
+        tuple(t for d in deltas for t in d.token_ids),
+    )
 
 
 def test_streaming_equals_buffered_for_any_event_split() -> None:
@@ -60,7 +79,7 @@ def test_streaming_equals_buffered_for_any_event_split() -> None:
         (StopOptions(strings=("wörld", "d 😀x", "the end of", "end")), FinishCause.LENGTH, 0),
         (StopOptions(strings=("not there", "xyz😀")), FinishCause.EOS, 0),
         (StopOptions(token_sequences=(tuple(ids(" the end")), (ids(" again")[-1], IM_END))), FinishCause.STOP_TOKEN, 2),
-    ]  # fmt: skip
+    ]
     for stop, finish, match_len in cases:
         buffered, buffered_deltas = run(events(tokens, [], finish, match_len), stop)
         expected = joined(buffered_deltas)

@@ -11,8 +11,9 @@ from parser_cases import TOOLS, Tok, check, check_error, factory
 
 TOKENIZER = build_tokenizer(CHATS["deepseek"]["special_tokens"])
 SPECIAL = ds.SpecialToken
-ASSISTANT, THINK, CLOSE, DSML = (Tok(t.default_str()) for t in (SPECIAL.Assistant, SPECIAL.ThinkingStart,
-                                                                  SPECIAL.ThinkingEnd, SPECIAL.Dsml))  # fmt: skip
+ASSISTANT, THINK, CLOSE, DSML = (
+    Tok(t.default_str()) for t in (SPECIAL.Assistant, SPECIAL.ThinkingStart, SPECIAL.ThinkingEnd, SPECIAL.Dsml)
+)
 THINKING = factory(TOKENIZER, "deepseek", "deepseek_dsml_v4", prompt=[ASSISTANT, THINK])
 NO_THINKING = factory(TOKENIZER, "deepseek", "deepseek_dsml_v4", prompt=[ASSISTANT, CLOSE])
 
@@ -35,8 +36,12 @@ WEATHER = invoke("get_weather", param("city", "Paris"), param("days", "3", strin
 
 
 def test_reasoning_then_answer() -> None:
-    check(THINKING, TOKENIZER, ["\nLet me think.", CLOSE, "The answer is 4."],
-          [("reasoning", "Let me think."), ("text", "The answer is 4.")])  # fmt: skip
+    check(
+        THINKING,
+        TOKENIZER,
+        ["\nLet me think.", CLOSE, "The answer is 4."],
+        [("reasoning", "Let me think."), ("text", "The answer is 4.")],
+    )
 
 
 def test_delimiter_spelled_in_pieces_is_matched_as_text() -> None:
@@ -48,25 +53,51 @@ def test_answer_only_without_thinking() -> None:
 
 
 def test_one_call_after_reasoning_and_text() -> None:
-    check(THINKING, TOKENIZER, ["Need weather.", CLOSE, "Checking.\n\n", *block(WEATHER)],
-          [("reasoning", "Need weather."), ("text", "Checking."), ("call", "get_weather", {"city": "Paris", "days": 3})])  # fmt: skip
+    check(
+        THINKING,
+        TOKENIZER,
+        ["Need weather.", CLOSE, "Checking.\n\n", *block(WEATHER)],
+        [("reasoning", "Need weather."), ("text", "Checking."), ("call", "get_weather", {"city": "Paris", "days": 3})],
+    )
 
 
 def test_two_calls_and_the_v41_spelling() -> None:
     second = invoke("get_weather", param("city", "Rome"))
-    expected = [("reasoning", "Two cities."), ("call", "get_weather", {"city": "Paris", "days": 3}),
-                ("call", "get_weather", {"city": "Rome"})]  # fmt: skip
+    expected = [
+        ("reasoning", "Two cities."),
+        ("call", "get_weather", {"city": "Paris", "days": 3}),
+        ("call", "get_weather", {"city": "Rome"}),
+    ]
     check(THINKING, TOKENIZER, ["Two cities.", CLOSE, *block(WEATHER, second)], expected)
-    spaced = [invoke("get_weather", param("city", "Paris"), param("days", "3", string=False), spaced=True),
-              invoke("get_weather", param("city", "Rome"), spaced=True)]  # fmt: skip
+    spaced = [
+        invoke("get_weather", param("city", "Paris"), param("days", "3", string=False), spaced=True),
+        invoke("get_weather", param("city", "Rome"), spaced=True),
+    ]
     check(THINKING, TOKENIZER, ["Two cities.", CLOSE, *block(*spaced, name=" calls")], expected)
 
 
 def test_json_parameters_keep_their_types() -> None:
-    flags = invoke("set_flags", param("on", "true", False), param("ratio", "0.5", False), param("note", "null", False),
-                   param("tags", "[1, 2]", False), param("opts", '{"k": "v}"}', False), param("raw", "false"))  # fmt: skip
-    check(NO_THINKING, TOKENIZER, block(flags), [("call", "set_flags", {
-        "on": True, "ratio": 0.5, "note": None, "tags": [1, 2], "opts": {"k": "v}"}, "raw": "false"})])  # fmt: skip
+    flags = invoke(
+        "set_flags",
+        param("on", "true", False),
+        param("ratio", "0.5", False),
+        param("note", "null", False),
+        param("tags", "[1, 2]", False),
+        param("opts", '{"k": "v}"}', False),
+        param("raw", "false"),
+    )
+    check(
+        NO_THINKING,
+        TOKENIZER,
+        block(flags),
+        [
+            (
+                "call",
+                "set_flags",
+                {"on": True, "ratio": 0.5, "note": None, "tags": [1, 2], "opts": {"k": "v}"}, "raw": "false"},
+            )
+        ],
+    )
 
 
 def test_empty_arguments() -> None:
@@ -74,8 +105,12 @@ def test_empty_arguments() -> None:
 
 
 def test_text_after_the_calls_block_is_discarded() -> None:
-    check(THINKING, TOKENIZER, ["Go.", CLOSE, *block(WEATHER), "\nDone! <think>x</think>"],
-          [("reasoning", "Go."), ("call", "get_weather", {"city": "Paris", "days": 3})])  # fmt: skip
+    check(
+        THINKING,
+        TOKENIZER,
+        ["Go.", CLOSE, *block(WEATHER), "\nDone! <think>x</think>"],
+        [("reasoning", "Go."), ("call", "get_weather", {"city": "Paris", "days": 3})],
+    )
 
 
 def test_invalid_json_parameter_fails() -> None:
@@ -83,8 +118,9 @@ def test_invalid_json_parameter_fails() -> None:
 
 
 def test_duplicate_argument_names_fail() -> None:
-    check_error(NO_THINKING, TOKENIZER, block(invoke("get_weather", param("city", "A"), param("city", "B"))),
-                "repeats argument")  # fmt: skip
+    check_error(
+        NO_THINKING, TOKENIZER, block(invoke("get_weather", param("city", "A"), param("city", "B"))), "repeats argument"
+    )
 
 
 def test_empty_names_fail() -> None:
@@ -94,8 +130,13 @@ def test_empty_names_fail() -> None:
 
 def test_truncated_call_is_omitted() -> None:
     partial = ["<", DSML, "tool_calls>\n<", DSML, 'invoke name="get_weather">\n', *param("city", "Paris")]
-    check(THINKING, TOKENIZER, ["Plan.", CLOSE, "Ok.", *partial], [("reasoning", "Plan."), ("text", "Ok.")],
-          truncated=True)  # fmt: skip
+    check(
+        THINKING,
+        TOKENIZER,
+        ["Plan.", CLOSE, "Ok.", *partial],
+        [("reasoning", "Plan."), ("text", "Ok.")],
+        truncated=True,
+    )
 
 
 def test_incomplete_call_at_natural_stop_fails() -> None:
@@ -104,9 +145,15 @@ def test_incomplete_call_at_natural_stop_fails() -> None:
 
 
 def test_required_choice_starts_inside_the_calls_block() -> None:
-    required = factory(TOKENIZER, "deepseek", "deepseek_dsml_v4", prompt=[ASSISTANT, THINK, "\n\n<", DSML, "tool_calls>\n"])
-    check(required, TOKENIZER, [*WEATHER, "</", DSML, "tool_calls>"],
-          [("call", "get_weather", {"city": "Paris", "days": 3})])  # fmt: skip
+    required = factory(
+        TOKENIZER, "deepseek", "deepseek_dsml_v4", prompt=[ASSISTANT, THINK, "\n\n<", DSML, "tool_calls>\n"]
+    )
+    check(
+        required,
+        TOKENIZER,
+        [*WEATHER, "</", DSML, "tool_calls>"],
+        [("call", "get_weather", {"city": "Paris", "days": 3})],
+    )
 
 
 def test_structured_answer_is_verbatim_once_it_begins() -> None:
@@ -116,6 +163,10 @@ def test_structured_answer_is_verbatim_once_it_begins() -> None:
         return build_parser(TOKENIZER, "deepseek", "deepseek_dsml_v4", prompt_ids, True, TOOLS, structured=True)
 
     answer = ['{"a": "<', DSML, 'tool_calls> </think> x", "b": 1}']
-    check(structured, TOKENIZER, ["Plan.", CLOSE, *answer],
-          [("reasoning", "Plan."), ("text", '{"a": "<tool_calls> </think> x", "b": 1}')])  # fmt: skip
+    check(
+        structured,
+        TOKENIZER,
+        ["Plan.", CLOSE, *answer],
+        [("reasoning", "Plan."), ("text", '{"a": "<tool_calls> </think> x", "b": 1}')],
+    )
     check(structured, TOKENIZER, ["Plan.", CLOSE, "42"], [("reasoning", "Plan."), ("text", "42")])

@@ -18,37 +18,65 @@ def arg(key: str, value: str, sep: str = "") -> list:
 
 
 def test_compact_glm47_call_after_reasoning() -> None:
-    check(GLM, TOKENIZER, ["Need weather.", END, OPEN, "get_weather", *arg("city", "Paris"), *arg("days", "3"), CLOSE],
-          [("reasoning", "Need weather."), ("call", "get_weather", {"city": "Paris", "days": 3})])  # fmt: skip
+    check(
+        GLM,
+        TOKENIZER,
+        ["Need weather.", END, OPEN, "get_weather", *arg("city", "Paris"), *arg("days", "3"), CLOSE],
+        [("reasoning", "Need weather."), ("call", "get_weather", {"city": "Paris", "days": 3})],
+    )
 
 
 def test_glm46_newline_separated_calls() -> None:
     one = [OPEN, "get_weather\n", *arg("city", "Rome", "\n"), CLOSE]
-    check(GLM, TOKENIZER, [END, "\nChecking.\n", *one, "\n", OPEN, "get_time\n", CLOSE, "\n"],
-          [("text", "\nChecking."), ("call", "get_weather", {"city": "Rome"}), ("call", "get_time", {})])  # fmt: skip
+    check(
+        GLM,
+        TOKENIZER,
+        [END, "\nChecking.\n", *one, "\n", OPEN, "get_time\n", CLOSE, "\n"],
+        [("text", "\nChecking."), ("call", "get_weather", {"city": "Rome"}), ("call", "get_time", {})],
+    )
 
 
 def test_tool_call_mention_stays_text() -> None:
-    check(GLM, TOKENIZER, [END, "The ", OPEN, " tag, or ", OPEN, "get_weather is a name."],
-          [("text", "The  tag, or get_weather is a name.")])  # fmt: skip
-    check(GLM, TOKENIZER, ["Maybe ", OPEN, "get_weather", *arg("city", "Oslo"), CLOSE, END, "Answer"],
-          [("reasoning", "Maybe get_weathercityOslo"), ("text", "Answer")])  # fmt: skip
+    check(
+        GLM,
+        TOKENIZER,
+        [END, "The ", OPEN, " tag, or ", OPEN, "get_weather is a name."],
+        [("text", "The  tag, or get_weather is a name.")],
+    )
+    check(
+        GLM,
+        TOKENIZER,
+        ["Maybe ", OPEN, "get_weather", *arg("city", "Oslo"), CLOSE, END, "Answer"],
+        [("reasoning", "Maybe get_weathercityOslo"), ("text", "Answer")],
+    )
 
 
 def test_values_raw_for_strings_and_json_otherwise() -> None:
     args = [*arg("note", "42"), *arg("on", "false"), *arg("opts", '{"k": "a b"}'), *arg("tags", "[3]")]
-    check(GLM, TOKENIZER, [END, OPEN, "set_flags", *args, CLOSE],
-          [("call", "set_flags", {"note": "42", "on": False, "opts": {"k": "a b"}, "tags": [3]})])  # fmt: skip
+    check(
+        GLM,
+        TOKENIZER,
+        [END, OPEN, "set_flags", *args, CLOSE],
+        [("call", "set_flags", {"note": "42", "on": False, "opts": {"k": "a b"}, "tags": [3]})],
+    )
 
 
 def test_spelled_out_tags_inside_a_value_stay_text() -> None:
-    check(GLM, TOKENIZER, [END, OPEN, "get_weather", *arg("city", "a <arg_value>b</arg_value> c"), CLOSE],
-          [("call", "get_weather", {"city": "a <arg_value>b</arg_value> c"})])  # fmt: skip
+    check(
+        GLM,
+        TOKENIZER,
+        [END, OPEN, "get_weather", *arg("city", "a <arg_value>b</arg_value> c"), CLOSE],
+        [("call", "get_weather", {"city": "a <arg_value>b</arg_value> c"})],
+    )
 
 
 def test_missing_value_close_is_closed_by_the_next_key() -> None:
-    check(GLM, TOKENIZER, [END, OPEN, "get_weather", KEY, "city", KEY_END, VALUE, "Paris", *arg("days", "2"), CLOSE],
-          [("call", "get_weather", {"city": "Paris", "days": 2})])  # fmt: skip
+    check(
+        GLM,
+        TOKENIZER,
+        [END, OPEN, "get_weather", KEY, "city", KEY_END, VALUE, "Paris", *arg("days", "2"), CLOSE],
+        [("call", "get_weather", {"city": "Paris", "days": 2})],
+    )
 
 
 def test_undecided_or_unfinished_call_at_the_end() -> None:

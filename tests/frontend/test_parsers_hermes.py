@@ -13,8 +13,16 @@ CALL = [OPEN, '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', CLO
 
 
 def test_call_ends_reasoning_and_spelled_tags_stay_text() -> None:
-    check(HERMES, TOKENIZER, ["Look up <tool_call> in the docs.\n", *CALL, "\nDone."],
-          [("reasoning", "Look up <tool_call> in the docs."), ("call", "get_weather", {"city": "Paris"}), ("text", "Done.")])  # fmt: skip
+    check(
+        HERMES,
+        TOKENIZER,
+        ["Look up <tool_call> in the docs.\n", *CALL, "\nDone."],
+        [
+            ("reasoning", "Look up <tool_call> in the docs."),
+            ("call", "get_weather", {"city": "Paris"}),
+            ("text", "Done."),
+        ],
+    )
 
 
 def test_invalid_json_fails_and_truncated_call_is_omitted() -> None:

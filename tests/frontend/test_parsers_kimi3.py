@@ -17,21 +17,64 @@ def argument(key: str, kind: str, value: str) -> list:
 
 
 def test_reasoning_and_response_wrappers() -> None:
-    check(KIMI, TOKENIZER, ["Think.", *RESPONSE, "Hello!", C, "response", S, C, "message", S],
-          [("reasoning", "Think."), ("text", "Hello!")])  # fmt: skip
+    check(
+        KIMI,
+        TOKENIZER,
+        ["Think.", *RESPONSE, "Hello!", C, "response", S, C, "message", S],
+        [("reasoning", "Think."), ("text", "Hello!")],
+    )
 
 
 def test_calls_with_typed_arguments_and_json_blocks() -> None:
-    calls = [O, "tools", S, O, 'call tool="get_weather" index="1"', S, *argument("city", "string", "Paris"),
-             *argument("days", "number", "3"), C, "call", S, O, 'call tool="set_flags" index="2"', S,
-             O, 'json type="object"', S, '{"on": true}', C, "json", S, C, "call", S, C, "tools", S]  # fmt: skip
-    check(KIMI, TOKENIZER, ["Plan.", *RESPONSE, "Checking.", C, "response", S, *calls],
-          [("reasoning", "Plan."), ("text", "Checking."), ("call", "get_weather", {"city": "Paris", "days": 3}),
-           ("call", "set_flags", {"on": True})])  # fmt: skip
+    calls = [
+        O,
+        "tools",
+        S,
+        O,
+        'call tool="get_weather" index="1"',
+        S,
+        *argument("city", "string", "Paris"),
+        *argument("days", "number", "3"),
+        C,
+        "call",
+        S,
+        O,
+        'call tool="set_flags" index="2"',
+        S,
+        O,
+        'json type="object"',
+        S,
+        '{"on": true}',
+        C,
+        "json",
+        S,
+        C,
+        "call",
+        S,
+        C,
+        "tools",
+        S,
+    ]
+    check(
+        KIMI,
+        TOKENIZER,
+        ["Plan.", *RESPONSE, "Checking.", C, "response", S, *calls],
+        [
+            ("reasoning", "Plan."),
+            ("text", "Checking."),
+            ("call", "get_weather", {"city": "Paris", "days": 3}),
+            ("call", "set_flags", {"on": True}),
+        ],
+    )
 
 
 def test_truncated_call_is_omitted() -> None:
     partial = [O, "tools", S, O, 'call tool="get_weather" index="1"', S, *argument("city", "string", "Paris")]
-    check(KIMI, TOKENIZER, ["Plan.", *RESPONSE, "Ok.", C, "response", S, *partial], [("reasoning", "Plan."), ("text", "Ok.")],
-          truncated=True)  # fmt: skip
+    check(
+        KIMI,
+        TOKENIZER,
+        ["Plan.", *RESPONSE, "Ok.", C, "response", S, *partial],
+        [("reasoning", "Plan."), ("text", "Ok.")],
+        truncated=True,
+    )
     check_error(KIMI, TOKENIZER, ["Plan.", *RESPONSE, *partial], "unfinished")

@@ -26,8 +26,16 @@ def block(*invokes: list) -> list:
 
 def test_reasoning_then_calls_in_one_block() -> None:
     calls = block(invoke("get_weather", element("city", "Paris"), element("days", "3")), invoke("get_time"))
-    check(MINIMAX, TOKENIZER, [THINK, "Two lookups.", END, "\n", *calls],
-          [("reasoning", "Two lookups."), ("call", "get_weather", {"city": "Paris", "days": 3}), ("call", "get_time", {})])  # fmt: skip
+    check(
+        MINIMAX,
+        TOKENIZER,
+        [THINK, "Two lookups.", END, "\n", *calls],
+        [
+            ("reasoning", "Two lookups."),
+            ("call", "get_weather", {"city": "Paris", "days": 3}),
+            ("call", "get_time", {}),
+        ],
+    )
 
 
 def test_bare_think_close_starts_the_answer() -> None:
@@ -37,15 +45,27 @@ def test_bare_think_close_starts_the_answer() -> None:
 def test_nested_values_follow_the_schema() -> None:
     tags = [NS, "<tags>", *element("item", "1"), *element("item", "2"), NS, "</tags>"]
     opts = [NS, "<opts>", *element("k", "v"), NS, "</opts>"]
-    check(MINIMAX, TOKENIZER, [END, *block(invoke("set_flags", tags, opts, element("on", "true"), element("note", "7")))],
-          [("call", "set_flags", {"tags": [1, 2], "opts": {"k": "v"}, "on": True, "note": "7"})])  # fmt: skip
-    check(MINIMAX, TOKENIZER, [END, *block(invoke("lookup", [NS, "<q>", *element("item", "a"), NS, "</q>"], element("n", "5")))],
-          [("call", "lookup", {"q": ["a"], "n": "5"})])  # fmt: skip
+    check(
+        MINIMAX,
+        TOKENIZER,
+        [END, *block(invoke("set_flags", tags, opts, element("on", "true"), element("note", "7")))],
+        [("call", "set_flags", {"tags": [1, 2], "opts": {"k": "v"}, "on": True, "note": "7"})],
+    )
+    check(
+        MINIMAX,
+        TOKENIZER,
+        [END, *block(invoke("lookup", [NS, "<q>", *element("item", "a"), NS, "</q>"], element("n", "5")))],
+        [("call", "lookup", {"q": ["a"], "n": "5"})],
+    )
 
 
 def test_unprefixed_or_spelled_out_tags_stay_text() -> None:
-    check(MINIMAX, TOKENIZER, [THINK, "The </mm:think> tag", END, "Use <tool_call> or ]<]minimax[>[<tool_call> here."],
-          [("reasoning", "The </mm:think> tag"), ("text", "Use <tool_call> or ]<]minimax[>[<tool_call> here.")])  # fmt: skip
+    check(
+        MINIMAX,
+        TOKENIZER,
+        [THINK, "The </mm:think> tag", END, "Use <tool_call> or ]<]minimax[>[<tool_call> here."],
+        [("reasoning", "The </mm:think> tag"), ("text", "Use <tool_call> or ]<]minimax[>[<tool_call> here.")],
+    )
 
 
 def test_truncated_block_is_omitted_and_unfinished_block_fails() -> None:

@@ -16,49 +16,84 @@ THINKING = factory(TOKENIZER, "qwen3", "qwen3_coder", prompt=[Tok("<think>"), "\
 ANSWER = factory(TOKENIZER, "qwen3", "qwen3_coder", prompt=[Tok("<think>"), "\n\n", Tok("</think>"), "\n\n"])
 MIMO = factory(TOKENIZER, "think", "mimo")
 OPEN, CLOSE, END = Tok("<tool_call>"), Tok("</tool_call>"), Tok("</think>")
-WEATHER = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+WEATHER = (
+    "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+)
 PARIS = ("call", "get_weather", {"city": "Paris", "days": 3})
 
 
 def test_call_after_reasoning() -> None:
-    check(THINKING, TOKENIZER, ["I should check.", END, "\n\n", OPEN, WEATHER, CLOSE],
-          [("reasoning", "I should check."), PARIS])  # fmt: skip
+    check(
+        THINKING,
+        TOKENIZER,
+        ["I should check.", END, "\n\n", OPEN, WEATHER, CLOSE],
+        [("reasoning", "I should check."), PARIS],
+    )
 
 
 def test_tool_call_tag_ends_reasoning_implicitly() -> None:
-    check(THINKING, TOKENIZER, ["Let me look it up.\n", OPEN, WEATHER, CLOSE, "\nDone."],
-          [("reasoning", "Let me look it up."), PARIS, ("text", "Done.")])  # fmt: skip
+    check(
+        THINKING,
+        TOKENIZER,
+        ["Let me look it up.\n", OPEN, WEATHER, CLOSE, "\nDone."],
+        [("reasoning", "Let me look it up."), PARIS, ("text", "Done.")],
+    )
 
 
 def test_complete_call_written_inline_in_prose_ends_reasoning() -> None:
     inline = "<function=get_weather><parameter=city>Paris</parameter></function>"
-    check(THINKING, TOKENIZER, ["I'll call ", OPEN, inline, CLOSE, " and then answer."],
-          [("reasoning", "I'll call"), ("call", "get_weather", {"city": "Paris"}), ("text", "and then answer.")])  # fmt: skip
+    check(
+        THINKING,
+        TOKENIZER,
+        ["I'll call ", OPEN, inline, CLOSE, " and then answer."],
+        [("reasoning", "I'll call"), ("call", "get_weather", {"city": "Paris"}), ("text", "and then answer.")],
+    )
 
 
 def test_tag_mentioned_in_prose_stays_reasoning_or_text() -> None:
-    check(THINKING, TOKENIZER, ["Wrap calls in a ", OPEN, " tag.", END, "Use ", OPEN, " tags."],
-          [("reasoning", "Wrap calls in a  tag."), ("text", "Use  tags.")])  # fmt: skip
-    check(ANSWER, TOKENIZER, ["Write <function=name> then <parameter=key>.", OPEN, "<function=x> done"],
-          [("text", "Write <function=name> then <parameter=key>.<function=x> done")])  # fmt: skip
+    check(
+        THINKING,
+        TOKENIZER,
+        ["Wrap calls in a ", OPEN, " tag.", END, "Use ", OPEN, " tags."],
+        [("reasoning", "Wrap calls in a  tag."), ("text", "Use  tags.")],
+    )
+    check(
+        ANSWER,
+        TOKENIZER,
+        ["Write <function=name> then <parameter=key>.", OPEN, "<function=x> done"],
+        [("text", "Write <function=name> then <parameter=key>.<function=x> done")],
+    )
 
 
 def test_outer_tags_may_be_omitted_in_answer_but_not_in_reasoning() -> None:
     bare = "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>"
-    check(ANSWER, TOKENIZER, ["Sure.\n", bare, "\n", CLOSE, "\n"], [("text", "Sure."), ("call", "get_weather", {"city": "Paris"})])
+    check(
+        ANSWER,
+        TOKENIZER,
+        ["Sure.\n", bare, "\n", CLOSE, "\n"],
+        [("text", "Sure."), ("call", "get_weather", {"city": "Paris"})],
+    )
     check(THINKING, TOKENIZER, [bare, END, "ok"], [("reasoning", bare), ("text", "ok")])
 
 
 def test_spelled_out_delimiters_stay_text() -> None:
     # "</think>" and "<tool_call>" written as ordinary characters are not the delimiter tokens.
-    check(THINKING, TOKENIZER, ["The </think> tag. <tool_call>", WEATHER, END, "Hi"],
-          [("reasoning", "The </think> tag. <tool_call>" + WEATHER), ("text", "Hi")])  # fmt: skip
+    check(
+        THINKING,
+        TOKENIZER,
+        ["The </think> tag. <tool_call>", WEATHER, END, "Hi"],
+        [("reasoning", "The </think> tag. <tool_call>" + WEATHER), ("text", "Hi")],
+    )
 
 
 def test_several_calls_in_one_block_and_in_separate_blocks() -> None:
     two = "\n<function=get_time>\n</function>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n"
-    check(ANSWER, TOKENIZER, [OPEN, two, CLOSE, "\n", OPEN, WEATHER, CLOSE],
-          [("call", "get_time", {}), ("call", "get_weather", {"city": "Rome"}), PARIS])  # fmt: skip
+    check(
+        ANSWER,
+        TOKENIZER,
+        [OPEN, two, CLOSE, "\n", OPEN, WEATHER, CLOSE],
+        [("call", "get_time", {}), ("call", "get_weather", {"city": "Rome"}), PARIS],
+    )
 
 
 def test_missing_parameter_close_is_closed_by_the_next_boundary() -> None:
@@ -69,15 +104,21 @@ def test_missing_parameter_close_is_closed_by_the_next_boundary() -> None:
 def test_one_wrapping_newline_trimmed_but_mimo_keeps_values_verbatim() -> None:
     body = "\n<function=get_weather>\n<parameter=city>\n\n  Paris\n\n</parameter>\n</function>\n"
     check(ANSWER, TOKENIZER, [OPEN, body, CLOSE], [("call", "get_weather", {"city": "\n  Paris\n"})])
-    compact = "\n<function=get_weather>\n<parameter=city>  Paris\n</parameter>\n<parameter=days>4</parameter>\n</function>\n"
+    compact = (
+        "\n<function=get_weather>\n<parameter=city>  Paris\n</parameter>\n<parameter=days>4</parameter>\n</function>\n"
+    )
     check(MIMO, TOKENIZER, [OPEN, compact, CLOSE], [("call", "get_weather", {"city": "  Paris\n", "days": 4})])
 
 
 def test_schema_guides_conversion_without_rejecting() -> None:
     params = {"on": "true", "ratio": "0.5", "note": "42", "tags": "[1, 2]", "opts": '{"k": "v"}'}
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    check(ANSWER, TOKENIZER, [OPEN, f"\n<function=set_flags>\n{body}</function>\n", CLOSE],
-          [("call", "set_flags", {"on": True, "ratio": 0.5, "note": "42", "tags": [1, 2], "opts": {"k": "v"}})])  # fmt: skip
+    check(
+        ANSWER,
+        TOKENIZER,
+        [OPEN, f"\n<function=set_flags>\n{body}</function>\n", CLOSE],
+        [("call", "set_flags", {"on": True, "ratio": 0.5, "note": "42", "tags": [1, 2], "opts": {"k": "v"}})],
+    )
     loose = "\n<function=get_weather>\n<parameter=days>\nsoon\n</parameter>\n</function>\n"
     check(ANSWER, TOKENIZER, [OPEN, loose, CLOSE], [("call", "get_weather", {"days": "soon"})])
     unknown = "\n<function=lookup>\n<parameter=n>\n5\n</parameter>\n</function>\n"
@@ -97,7 +138,9 @@ def test_truncated_call_is_omitted_and_unfinished_call_is_an_error() -> None:
 
 
 def test_malformed_calls_fail() -> None:
-    repeated = "\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n<parameter=city>\nB\n</parameter>\n</function>"
+    repeated = (
+        "\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n<parameter=city>\nB\n</parameter>\n</function>"
+    )
     check_error(ANSWER, TOKENIZER, [OPEN, repeated, CLOSE], "repeats")
 
 
@@ -114,5 +157,9 @@ def test_visible_tool_tokens_show_their_spelling_when_they_are_text() -> None:
     tokenizer = build_tokenizer(("<|im_end|>", "<think>", "</think>"))
     tokenizer.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
     answer = factory(tokenizer, "qwen3", "qwen3_coder", prompt=[Tok("<think>"), "\n\n", Tok("</think>"), "\n\n"])
-    check(answer, tokenizer, ["Use ", OPEN, " tags.", OPEN, WEATHER, CLOSE, "\n"],
-          [("text", "Use <tool_call> tags."), PARIS])  # fmt: skip
+    check(
+        answer,
+        tokenizer,
+        ["Use ", OPEN, " tags.", OPEN, WEATHER, CLOSE, "\n"],
+        [("text", "Use <tool_call> tags."), PARIS],
+    )

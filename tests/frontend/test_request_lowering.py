@@ -50,7 +50,11 @@ def test_noninitial_system_becomes_wrapped_user_text_when_the_template_cannot_in
     strict.template = ChatTemplate(NO_INLINE, {})
     messages = (_msg("system", "lead"), _msg("user", "U"), _msg("system", "late"), _msg("system", ""))
     arranged = strict._arrange(messages)
-    assert [(m.role, m.text()) for m in arranged] == [("system", "lead"), ("user", "U"), ("user", "<system>late</system>")]
+    assert [(m.role, m.text()) for m in arranged] == [
+        ("system", "lead"),
+        ("user", "U"),
+        ("user", "<system>late</system>"),
+    ]
     text = strict.render(Conversation(messages))
     assert text == "<system>lead</system><user>U</user><user><system>late</system></user><assistant>"
     # The SmolLM2 template renders inline system messages, so they stay as they are.
@@ -71,7 +75,9 @@ def test_context_and_option_limits(frontend: Frontend) -> None:
     with pytest.raises(RequestError, match="at most 20"):
         frontend.check_options(InferenceRequest(RawPrompt(text="x"), {}, 1, logprobs=LogprobOptions(top=21)))
     with pytest.raises(RequestError, match="combine"):
-        frontend.check_options(InferenceRequest(RawPrompt(text="x"), {}, 1, stop=StopOptions(strings=("a",), token_ids=(3,))))
+        frontend.check_options(
+            InferenceRequest(RawPrompt(text="x"), {}, 1, stop=StopOptions(strings=("a",), token_ids=(3,)))
+        )
     with pytest.raises(RequestError, match="4096"):
         frontend.check_options(InferenceRequest(RawPrompt(text="x"), {}, 1, stop=StopOptions(strings=("é" * 2100,))))
 

@@ -22,17 +22,29 @@ from helios.frontend.constraint import ConstraintPlan, GrammarConstraint, Gramma
 from helios.frontend.events import ReasoningEvent, TextEvent
 from helios.frontend.grammar import GrammarError, GrammarService
 from helios.frontend.inference import (
-    Conversation, InferenceRequest, Message, OutputConstraint, RequestError, StopOptions, TextPart,
-)  # fmt: skip
+    Conversation,
+    InferenceRequest,
+    Message,
+    OutputConstraint,
+    RequestError,
+    StopOptions,
+    TextPart,
+)
 from helios.frontend.output import Piece
 from helios.frontend.parsers import build_parser
 from helios.frontend.parsers.tools import ToolCallError
 from helios.frontend.request import Frontend
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
-SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
-                                           "ages": {"type": "array", "items": {"type": "integer"}, "maxItems": 2}},
-          "required": ["kind", "ages"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog"]},
+        "ages": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+    },
+    "required": ["kind", "ages"],
+    "additionalProperties": False,
+}
 LARK = 'start: "a" B\nB: /[bc]+/'
 
 
@@ -67,12 +79,15 @@ def _plan(frontend: Frontend, inside: bool = False, tools: bool = True) -> Const
     return ConstraintPlan(tok.token_to_id("<think>"), tok.token_to_id("</think>"), openers, inside)
 
 
-@pytest.mark.parametrize(("kind", "definition", "good", "bad"), [
-    ("json_schema", json.dumps(SCHEMA), '{"kind": "dog", "ages": [3, 12]}', '{"kind": "cow", "ages": []}'),
-    ("json_object", "", '{"a": [1, {"b": null}]}', "[1, 2]"),
-    ("lark", LARK, "abcb", "ab a"),
-    ("regex", r"(red|blue)-\d{1,2}", "blue-42", "blue-420"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "definition", "good", "bad"),
+    [
+        ("json_schema", json.dumps(SCHEMA), '{"kind": "dog", "ages": [3, 12]}', '{"kind": "cow", "ages": []}'),
+        ("json_object", "", '{"a": [1, {"b": null}]}', "[1, 2]"),
+        ("lark", LARK, "abcb", "ab a"),
+        ("regex", r"(red|blue)-\d{1,2}", "blue-42", "blue-420"),
+    ],
+)
 def test_each_format_accepts_its_language_and_masks_the_rest(frontend, service, kind, definition, good, bad) -> None:
     pristine = service.compile(kind, definition, "response_format")
     assert service.compile(kind, definition, "response_format") is pristine  # cached
@@ -127,11 +142,15 @@ def test_answer_only_phases(frontend, service) -> None:
 
 
 def test_compile_errors_name_the_field(frontend, service) -> None:
-    cases = [("json_schema", json.dumps({"type": "nonsense"}), "Invalid type"),
-             ("json_schema", json.dumps({"type": "array", "uniqueItems": True}), "uniqueItems"),
-             ("json_schema", json.dumps({"type": "integer", "minimum": 5, "maximum": 3}), "nsatisfiable"),
-             ("lark", "start: missing", "unknown name"), ("regex", "((", "unclosed"),
-             ("regex", "a" * 70000, "limit"), ("yaml", "x", "unknown output format")]  # fmt: skip
+    cases = [
+        ("json_schema", json.dumps({"type": "nonsense"}), "Invalid type"),
+        ("json_schema", json.dumps({"type": "array", "uniqueItems": True}), "uniqueItems"),
+        ("json_schema", json.dumps({"type": "integer", "minimum": 5, "maximum": 3}), "nsatisfiable"),
+        ("lark", "start: missing", "unknown name"),
+        ("regex", "((", "unclosed"),
+        ("regex", "a" * 70000, "limit"),
+        ("yaml", "x", "unknown output format"),
+    ]
     for kind, definition, needle in cases:
         with pytest.raises(GrammarError) as info:
             service.compile(kind, definition, "text.format.schema")
@@ -154,10 +173,20 @@ def test_options_an_output_constraint_excludes(frontend) -> None:
         (InferenceRequest(conversation, {}, 8, stop=StopOptions(strings=("x",)), output=output), "stop"),
         (InferenceRequest(conversation, {}, 8, stop=StopOptions(token_ids=(3,)), output=output), "stop"),
         (InferenceRequest(conversation, {}, 8, stop=StopOptions(ignore_eos=True), output=output), "ignore_eos"),
-        (InferenceRequest(Conversation(conversation.messages + (Message("assistant", (TextPart("{"),)),),
-                                       add_generation_prompt=False, continue_final_message=True),
-                          {}, 8, output=output), "response_format"),
-    ]  # fmt: skip
+        (
+            InferenceRequest(
+                Conversation(
+                    conversation.messages + (Message("assistant", (TextPart("{"),)),),
+                    add_generation_prompt=False,
+                    continue_final_message=True,
+                ),
+                {},
+                8,
+                output=output,
+            ),
+            "response_format",
+        ),
+    ]
     for request, param in rejected:
         with pytest.raises(RequestError) as info:
             frontend.check_options(request)
@@ -180,8 +209,14 @@ def test_engine_forced_close_advances_the_constraint_then_masks_the_answer(core,
     eos = core.manifest.tokenizer.eos_token_ids[0]
     constraint = GrammarConstraint(service.compile("regex", "[ab]{3}", "f"), _plan(frontend, inside=True, tools=False))
     prompt = tuple(_ids(frontend, "hello there")) + (think,)
-    request = EngineRequest("r", prompt, (GREEDY, replace(GREEDY, seed=5)), 12, constraint=constraint,
-                            reasoning_budget=ReasoningBudget(2, think, close))  # fmt: skip
+    request = EngineRequest(
+        "r",
+        prompt,
+        (GREEDY, replace(GREEDY, seed=5)),
+        12,
+        constraint=constraint,
+        reasoning_budget=ReasoningBudget(2, think, close),
+    )
     engine = LLMEngine(core, EngineConfig(num_pages=64), mask_hook=GrammarMasks(frontend.vocab_size))
     for choice in run_to_completion(engine, [request])["r"]:
         assert choice.finish is FinishCause.EOS, choice.error
@@ -209,8 +244,13 @@ def test_structured_answer_is_verbatim_once_it_begins(frontend) -> None:
     tok = frontend.tokenizer
     think, close, call = (tok.token_to_id(s) for s in ("<think>", "</think>", "<tool_call>"))
     # Special tokens release no text; this tokenizer's delimiters and tool opener are all special.
-    answer = [Piece(10, '{"a": "', None), Piece(think, "", None), Piece(call, "", None), Piece(11, "</think>", None),
-              Piece(12, '"}', None)]  # fmt: skip
+    answer = [
+        Piece(10, '{"a": "', None),
+        Piece(think, "", None),
+        Piece(call, "", None),
+        Piece(11, "</think>", None),
+        Piece(12, '"}', None),
+    ]
     for structured in (True, False):
         parser = build_parser(tok, "qwen3", "hermes", (1, 2), True, (), structured=structured)
         pieces = [Piece(think, "", None), Piece(9, "plan", None), Piece(close, "", None)] + answer

@@ -62,8 +62,10 @@ def check_batching_invariance(core_dir: Path, texts: list[str], max_tokens: int 
     second round from cached prefix pages too."""
     core = Core.open(core_dir)
     tok = core.tokenizer()
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), max_tokens, ignore_eos=True)
-                for i, t in enumerate(texts)]  # fmt: skip
+    requests = [
+        EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), max_tokens, ignore_eos=True)
+        for i, t in enumerate(texts)
+    ]
     solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
     alone = {r.request_id: run_to_completion(solo, [r])[r.request_id][0].token_ids for r in requests}
     engine = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
@@ -81,10 +83,12 @@ def check_prefix_reuse(core_dir: Path, text: str, max_tokens: int = 8) -> None:
     core = Core.open(core_dir)
     tok = core.tokenizer()
     prefix = tuple(tok.encode(text).ids)
-    first = EngineRequest("first", prefix + tuple(tok.encode(" Then the end.").ids), (GREEDY,), max_tokens,
-                          ignore_eos=True)  # fmt: skip
-    second = EngineRequest("second", prefix + tuple(tok.encode(" And so on.").ids), (GREEDY,), max_tokens,
-                           ignore_eos=True)  # fmt: skip
+    first = EngineRequest(
+        "first", prefix + tuple(tok.encode(" Then the end.").ids), (GREEDY,), max_tokens, ignore_eos=True
+    )
+    second = EngineRequest(
+        "second", prefix + tuple(tok.encode(" And so on.").ids), (GREEDY,), max_tokens, ignore_eos=True
+    )
     assert len(prefix) > 2 * core.manifest.limits.page_tokens, "the shared prefix must cover whole pages"
     uncached = run_to_completion(LLMEngine(core, EngineConfig(num_pages=64, enable_prefix_cache=False)), [second])
     engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
@@ -99,34 +103,55 @@ def tool_round_trip(app, route: str, ask: str, schema: dict, **extra) -> tuple[d
     of a scripted in-process server (tests/server/scripted.py), after app.say(...) scripted the
     model's output: ({"reasoning", "text", "calls": [(name, arguments)]}, finish reason or status)."""
     if route == "chat":
-        body = {"model": "x", "messages": [{"role": "user", "content": ask}], "max_tokens": 256,
-                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}], **extra}  # fmt: skip
+        body = {
+            "model": "x",
+            "messages": [{"role": "user", "content": ask}],
+            "max_tokens": 256,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}],
+            **extra,
+        }
         response = app.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         message = choice["message"]
         calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
-        return {"reasoning": message["reasoning_content"], "text": message["content"], "calls": calls}, choice["finish_reason"]
+        return {"reasoning": message["reasoning_content"], "text": message["content"], "calls": calls}, choice[
+            "finish_reason"
+        ]
     if route == "messages":
-        body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ask}],
-                "tools": [{"name": "get_weather", "input_schema": schema}], **extra}  # fmt: skip
+        body = {
+            "model": "x",
+            "max_tokens": 256,
+            "messages": [{"role": "user", "content": ask}],
+            "tools": [{"name": "get_weather", "input_schema": schema}],
+            **extra,
+        }
         response = app.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
         assert response.status_code == 200, response.text
         result = response.json()
         blocks = result["content"]
-        return {"reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
-                "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
-                "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]}, result["stop_reason"]  # fmt: skip
+        return {
+            "reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
+            "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
+            "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"],
+        }, result["stop_reason"]
     assert route == "responses", route
-    body = {"model": "x", "input": ask, "max_output_tokens": 256,
-            "tools": [{"type": "function", "name": "get_weather", "parameters": schema}], **extra}  # fmt: skip
+    body = {
+        "model": "x",
+        "input": ask,
+        "max_output_tokens": 256,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": schema}],
+        **extra,
+    }
     response = app.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
     result = response.json()
     output = result["output"]
-    return {"reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
-            "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
-            "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"]}, result["status"]  # fmt: skip
+    return {
+        "reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
+        "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
+        "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"],
+    }, result["status"]
 
 
 def prompt_logprob_error(core_dir: Path, model, prompts: list[list[int]], chunk: int) -> float:

@@ -46,11 +46,18 @@ def resize(image: torch.Tensor, size, interpolation=Mode.BILINEAR, antialias: bo
         return image
     flat = image.reshape(-1, *image.shape[-3:])
     if interpolation == Mode.BICUBIC:
-        out = torch.nn.functional.interpolate(flat, size=list(size), mode="bicubic", align_corners=False,
-                                              antialias=antialias)  # fmt: skip
+        out = torch.nn.functional.interpolate(
+            flat, size=list(size), mode="bicubic", align_corners=False, antialias=antialias
+        )
         return out.reshape(*image.shape[:-2], *size)
-    out = torch.stack([torch.from_numpy(np.array(Image.fromarray(x.permute(1, 2, 0).numpy()).resize(
-        (size[1], size[0]), Image.LANCZOS))) for x in flat])  # fmt: skip
+    out = torch.stack(
+        [
+            torch.from_numpy(
+                np.array(Image.fromarray(x.permute(1, 2, 0).numpy()).resize((size[1], size[0]), Image.LANCZOS))
+            )
+            for x in flat
+        ]
+    )
     return out.permute(0, 3, 1, 2).reshape(*image.shape[:-2], *size)
 
 
@@ -84,10 +91,12 @@ def import_processing(names: tuple[str, ...]) -> tuple[tuple[types.ModuleType, .
     except Exception:  # absent, or a build whose compiled ops do not load on this torch
         pass
     stand_in = functional()
-    stand_ins = {"torchvision": types.ModuleType("torchvision"),
-                 "torchvision.transforms": types.ModuleType("torchvision.transforms"),
-                 "torchvision.transforms.v2": types.SimpleNamespace(functional=stand_in),
-                 "torchvision.transforms.v2.functional": stand_in}  # fmt: skip
+    stand_ins = {
+        "torchvision": types.ModuleType("torchvision"),
+        "torchvision.transforms": types.ModuleType("torchvision.transforms"),
+        "torchvision.transforms.v2": types.SimpleNamespace(functional=stand_in),
+        "torchvision.transforms.v2.functional": stand_in,
+    }
     saved = {name: sys.modules.get(name) for name in stand_ins}
     sys.modules.update(stand_ins)  # type: ignore[arg-type]
     try:

@@ -38,10 +38,18 @@ VARIANTS: dict[str, dict[str, object]] = {
         "q_lora_rank": None,
         "rope_interleave": False,
         "max_position_embeddings": 512,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
-                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0},
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
     },
-}  # fmt: skip
+}
 TEXTS = (
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -57,7 +65,11 @@ def write_variant(out: Path, changes: dict[str, object], seed: int) -> Path:
     config = json.loads((out / "config.json").read_text()) | changes
     generator = torch.Generator().manual_seed(seed)
     shapes = deepseek_v3.hf_shapes(deepseek_v3.config_from_hf(config))
-    save_file({n: _init(n, s, generator) for n, s in shapes.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {n: _init(n, s, generator) for n, s in shapes.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -113,10 +125,20 @@ def test_engine_batching_invariance_and_latent_pool(exported: tuple[Path, Path])
     core = Core.open(exported[1])
     tok = core.tokenizer()
     preamble = "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
-    texts = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, there lived", "1, 2, 3, 4,",
-             "Water boils at", "My favourite colour is", "The quick brown fox jumps over the lazy dog.", "Hi"]  # fmt: skip
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-                for i, t in enumerate(texts)]  # fmt: skip
+    texts = [
+        "The capital of France is",
+        "def add(a, b):\n    return",
+        "Once upon a time, there lived",
+        "1, 2, 3, 4,",
+        "Water boils at",
+        "My favourite colour is",
+        "The quick brown fox jumps over the lazy dog.",
+        "Hi",
+    ]
+    requests = [
+        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+        for i, t in enumerate(texts)
+    ]
 
     def engine(**overrides: object) -> LLMEngine:
         return LLMEngine(core, EngineConfig(**{"num_pages": 128, **overrides}))
@@ -177,8 +199,9 @@ def test_kimi_k25_text_layout_reads_the_same_model(tmp_path: Path) -> None:
     assert family_of_hf_config(nested) == "kimi_k3"
     config = deepseek_v3.config_from_hf(nested)
     assert config == deepseek_v3.config_from_hf(hf)
-    moonshot = {("language_model." + n if n.startswith(("model.", "lm_head.")) else n): t
-                for n, t in checkpoint.tensors.items()}  # fmt: skip
+    moonshot = {
+        ("language_model." + n if n.startswith(("model.", "lm_head.")) else n): t for n, t in checkpoint.tensors.items()
+    }
     ids = list(range(3, 30))
     same = deepseek_v3.reference_logits(config, moonshot, ids)
     assert torch.equal(same, deepseek_v3.reference_logits(config, checkpoint.tensors, ids))
@@ -187,8 +210,9 @@ def test_kimi_k25_text_layout_reads_the_same_model(tmp_path: Path) -> None:
     assert renamed.keys() == plain.keys() and all(torch.equal(renamed[n], plain[n]) for n in plain)
 
 
-@pytest.mark.parametrize("change", [{"scoring_func": "softmax"}, {"hidden_act": "gelu"},
-                                    {"rope_scaling": {"type": "linear", "factor": 2.0}}])  # fmt: skip
+@pytest.mark.parametrize(
+    "change", [{"scoring_func": "softmax"}, {"hidden_act": "gelu"}, {"rope_scaling": {"type": "linear", "factor": 2.0}}]
+)
 def test_unsupported_variants_are_refused(change: dict[str, object]) -> None:
     config = deepseek_v3.testmodel_config(300) | change
     with pytest.raises(ValueError):
@@ -199,9 +223,11 @@ def test_unsupported_variants_are_refused(change: dict[str, object]) -> None:
 
 O, C, S = "<|open|>", "<|close|>", "<|sep|>"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
-KIMI_OUTPUT = (f"The user wants weather.{C}think{S}{O}response{S}Checking.{C}response{S}{O}tools{S}"
-               f'{O}call tool="get_weather" index="1"{S}{O}argument key="city" type="string"{S}Paris{C}argument{S}'
-               f'{O}argument key="days" type="number"{S}3{C}argument{S}{C}call{S}{C}tools{S}{C}message{S}<|end_of_msg|>')  # fmt: skip
+KIMI_OUTPUT = (
+    f"The user wants weather.{C}think{S}{O}response{S}Checking.{C}response{S}{O}tools{S}"
+    f'{O}call tool="get_weather" index="1"{S}{O}argument key="city" type="string"{S}Paris{C}argument{S}'
+    f'{O}argument key="days" type="number"{S}3{C}argument{S}{C}call{S}{C}tools{S}{C}message{S}<|end_of_msg|>'
+)
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +247,12 @@ def test_chat_completion_with_reasoning_and_tool_call(chat_core: Path) -> None:
     with scripted_app(chat_core) as app:
         app.say(KIMI_OUTPUT)
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
-        body = {"model": "x", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
-                "max_tokens": 256}  # fmt: skip
+        body = {
+            "model": "x",
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": tools,
+            "max_tokens": 256,
+        }
         response = app.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         prompt = app.last_prompt()

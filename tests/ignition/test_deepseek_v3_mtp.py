@@ -33,8 +33,11 @@ TEXTS = (
 
 
 def _export(checkpoint: Path, out: Path) -> Path:
-    export_core(open_source(str(checkpoint)), load_recipe("kimi3"),
-                ExportOptions(out=out, prompt_logprobs=True, page_tokens=PAGE))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("kimi3"),
+        ExportOptions(out=out, prompt_logprobs=True, page_tokens=PAGE),
+    )
     return out
 
 
@@ -42,15 +45,20 @@ def _export(checkpoint: Path, out: Path) -> Path:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The MTP checkpoint and its core, and the same checkpoint with num_nextn_predict_layers = 0
     (its MTP tensors still there, left out by export) and that core."""
-    ckpt = write_testmodel("kimi_k3", tmp_path_factory.mktemp("ckpt") / "tiny-kimi-mtp", seed=5,
-                           overrides={"num_nextn_predict_layers": 1})  # fmt: skip
+    ckpt = write_testmodel(
+        "kimi_k3", tmp_path_factory.mktemp("ckpt") / "tiny-kimi-mtp", seed=5, overrides={"num_nextn_predict_layers": 1}
+    )
     plain = tmp_path_factory.mktemp("ckpt") / "tiny-kimi-mtp-off"
     shutil.copytree(ckpt, plain)
     config = json.loads((plain / "config.json").read_text()) | {"num_nextn_predict_layers": 0}
     (plain / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     cores = tmp_path_factory.mktemp("cores")
-    return {"ckpt": ckpt, "core": _export(ckpt, cores / "mtp"), "plain_ckpt": plain,
-            "plain_core": _export(plain, cores / "plain")}  # fmt: skip
+    return {
+        "ckpt": ckpt,
+        "core": _export(ckpt, cores / "mtp"),
+        "plain_ckpt": plain,
+        "plain_core": _export(plain, cores / "plain"),
+    }
 
 
 def _prompts(core: Core) -> list[list[int]]:
@@ -108,8 +116,10 @@ def _transformers_mtp_block(checkpoint: Path, tensors: dict[str, torch.Tensor]):
     config._attn_implementation = "eager"
     block = DeepseekV3Model(config).eval()
     own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
-    state = {"embed_tokens.weight": tensors[MTP_LAYER + "embed_tokens.weight"],
-             "norm.weight": tensors[MTP_LAYER + "shared_head.norm.weight"]}  # fmt: skip
+    state = {
+        "embed_tokens.weight": tensors[MTP_LAYER + "embed_tokens.weight"],
+        "norm.weight": tensors[MTP_LAYER + "shared_head.norm.weight"],
+    }
     for name, tensor in tensors.items():
         inner = name[len(MTP_LAYER) :]
         if name.startswith(MTP_LAYER) and not inner.startswith(own) and ".experts." not in inner:
@@ -117,7 +127,8 @@ def _transformers_mtp_block(checkpoint: Path, tensors: dict[str, torch.Tensor]):
     experts = range(config.n_routed_experts)
     expert = MTP_LAYER + "mlp.experts.{}.{}.weight"
     state["layers.0.mlp.experts.gate_up_proj"] = torch.stack(
-        [torch.cat([tensors[expert.format(e, "gate_proj")], tensors[expert.format(e, "up_proj")]]) for e in experts])
+        [torch.cat([tensors[expert.format(e, "gate_proj")], tensors[expert.format(e, "up_proj")]]) for e in experts]
+    )
     state["layers.0.mlp.experts.down_proj"] = torch.stack([tensors[expert.format(e, "down_proj")] for e in experts])
     missing, unexpected = block.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary_emb" in n for n in missing), (missing, unexpected)
@@ -141,7 +152,9 @@ def test_mtp_program_matches_references(tiny: dict[str, Path]) -> None:
     # transformers' modules: eh_proj(cat(enorm(e), hnorm(h))) into its one-layer model, shared_head.head after its norm
     norm = lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps))  # noqa: E731
     embedded = t[MTP_LAYER + "embed_tokens.weight"][torch.tensor(next_ids)]
-    joined = torch.cat([norm(embedded, t[MTP_LAYER + "enorm.weight"]), norm(rows, t[MTP_LAYER + "hnorm.weight"])], dim=-1)
+    joined = torch.cat(
+        [norm(embedded, t[MTP_LAYER + "enorm.weight"]), norm(rows, t[MTP_LAYER + "hnorm.weight"])], dim=-1
+    )
     with torch.no_grad():
         out = _transformers_mtp_block(tiny["ckpt"], t)(inputs_embeds=(joined @ t[MTP_LAYER + "eh_proj.weight"].T)[None])
     hf_mtp_hidden = out.last_hidden_state[0]
@@ -166,7 +179,10 @@ def _eager_mtp_diff(checkpoint, config, tensors: dict[str, torch.Tensor], kv) ->
     ids = list(range(3, 3 + PAGE + 6))
     hidden = deepseek_v3.reference_forward(config, tensors, ids[:-1])[1]
     logits, _ = deepseek_v3.reference_mtp(config, tensors, 0, ids[1:], hidden)
-    module, names = deepseek_v3.MtpProgram(config, 0, 2), [spec.name for spec in mtp.signature(config.hidden_size, 2)[1]]
+    module, names = (
+        deepseek_v3.MtpProgram(config, 0, 2),
+        [spec.name for spec in mtp.signature(config.hidden_size, 2)[1]],
+    )
 
     def program(*args, **inputs) -> dict[str, torch.Tensor]:  # the outputs named, as a saved program's
         return dict(zip(names, module(*args, **inputs), strict=True))
@@ -198,8 +214,9 @@ def test_mtp_layer_without_its_own_head_and_embedding_uses_the_main_ones(tiny: d
 def test_dense_mtp_layer_where_the_config_says_so(tiny: dict[str, Path], tmp_path: Path) -> None:
     """first_k_dense_replace past the MTP layer's number makes its MLP dense (as every layer below
     it): fused like the main dense layers, and the program follows reference_mtp."""
-    path = write_testmodel("kimi_k3", tmp_path / "dense", seed=7,
-                           overrides={"num_nextn_predict_layers": 1, "first_k_dense_replace": 4})  # fmt: skip
+    path = write_testmodel(
+        "kimi_k3", tmp_path / "dense", seed=7, overrides={"num_nextn_predict_layers": 1, "first_k_dense_replace": 4}
+    )
     checkpoint = open_source(str(path))
     config = deepseek_v3.config_from_hf(checkpoint.hf_config)
     assert not config.is_moe(3) and MTP_LAYER + "mlp.gate_proj.weight" in checkpoint.tensors
@@ -218,10 +235,21 @@ def test_testmodel_cli_writes_the_mtp_layer(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "m" / "config.json").read_text())["num_nextn_predict_layers"] == 1
     with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    mtp_own = {MTP_LAYER + n for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                                       "shared_head.head.weight", "embed_tokens.weight")}  # fmt: skip
+    mtp_own = {
+        MTP_LAYER + n
+        for n in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "shared_head.norm.weight",
+            "shared_head.head.weight",
+            "embed_tokens.weight",
+        )
+    }
     assert mtp_own <= names and MTP_LAYER + "self_attn.kv_b_proj.weight" in names
-    assert MTP_LAYER + "mlp.experts.7.down_proj.weight" in names and not any(n.startswith("model.layers.4.") for n in names)
+    assert MTP_LAYER + "mlp.experts.7.down_proj.weight" in names and not any(
+        n.startswith("model.layers.4.") for n in names
+    )
 
 
 def test_an_mtp_copy_of_the_main_embedding_and_head_is_stored_once(tiny: dict[str, Path], tmp_path: Path) -> None:
@@ -242,6 +270,8 @@ def test_an_mtp_copy_of_the_main_embedding_and_head_is_stored_once(tiny: dict[st
     config = deepseek_v3.config_from_hf(json.loads((path / "config.json").read_text()))
     ids = [(5 * t + 2) % config.vocab_size for t in range(20)]
     hidden = torch.randn(len(ids), config.hidden_size)
-    got = run_mtp_prompt(copied.load_program("mtp_draft.0"), copied.load_weights(), copied.manifest.kv, PAGE, ids, hidden)
+    got = run_mtp_prompt(
+        copied.load_program("mtp_draft.0"), copied.load_weights(), copied.manifest.kv, PAGE, ids, hidden
+    )
     expected = deepseek_v3.reference_mtp(config, tensors, 0, ids, hidden)[0]
     assert float((got["logits"] - got["logsumexp"][:, None] - torch.log_softmax(expected, -1)).abs().max()) <= 1e-4

@@ -55,17 +55,26 @@ def reference(tiny: tuple[Path, Path]):
 
 def test_core_records_the_family_and_its_caches(tiny: tuple[Path, Path]) -> None:
     m = Core.open(tiny[1]).manifest
-    assert (m.model.family, m.recipe.name, m.recipe.template_source) == ("deepseek_v4", "deepseek4", "native:deepseek_v4")
+    assert (m.model.family, m.recipe.name, m.recipe.template_source) == (
+        "deepseek_v4",
+        "deepseek4",
+        "native:deepseek_v4",
+    )
     assert (m.recipe.reasoning_syntax, m.recipe.tool_syntax) == ("deepseek", "deepseek_dsml_v4")
     assert m.kv.shared_kv and (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) == (4, 1, 32)
     # HCA layer 0 and CSA layers 1, 3: compressor state and entries; CSA also the indexer's.
     assert [(e.name, e.head_dim) for e in m.kv.extra] == [
-        ("layers.0.compressor_state", 64), ("layers.0.compressed_kv", 32),
-        ("layers.1.compressor_state", 128), ("layers.1.compressed_kv", 32),
-        ("layers.1.indexer_state", 64), ("layers.1.indexer_keys", 16),
-        ("layers.3.compressor_state", 128), ("layers.3.compressed_kv", 32),
-        ("layers.3.indexer_state", 64), ("layers.3.indexer_keys", 16),
-    ]  # fmt: skip
+        ("layers.0.compressor_state", 64),
+        ("layers.0.compressed_kv", 32),
+        ("layers.1.compressor_state", 128),
+        ("layers.1.compressed_kv", 32),
+        ("layers.1.indexer_state", 64),
+        ("layers.1.indexer_keys", 16),
+        ("layers.3.compressor_state", 128),
+        ("layers.3.compressed_kv", 32),
+        ("layers.3.indexer_state", 64),
+        ("layers.3.indexer_keys", 16),
+    ]
     assert {"dsv4_pool", "dsv4_indexer_topk", "dsv4_attention"} <= set(m.ops.ops)
     assert m.golden.max_abs_diff <= 1e-3
 
@@ -75,7 +84,12 @@ def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None
     in chunks of 16 and 5, and token by token; prompt logprobs from the scored prefill."""
     kernels.register()  # helios' kernels (test_kernels_match_the_reference_ops checks them against the ops')
     core = Core.open(tiny[1])
-    step, scored, weights, m = core.load_program(), core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
+    step, scored, weights, m = (
+        core.load_program(),
+        core.load_program(SCORED_PREFILL),
+        core.load_weights(),
+        core.manifest,
+    )
     ids = core.tokenizer().encode(LONG).ids
     assert len(ids) > 3 * 12 and len(ids) > 2 * m.limits.page_tokens and len(ids) // 4 > 3
     expected = hf_logprobs(reference, ids)
@@ -102,14 +116,24 @@ def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], referen
 
 
 PREAMBLE = "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
-PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, there lived", "1, 2, 3, 4,",
-           "Water boils at", "My favourite colour is", "The quick brown fox jumps over the lazy dog.", "Hi"]  # fmt: skip
+PROMPTS = [
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Once upon a time, there lived",
+    "1, 2, 3, 4,",
+    "Water boils at",
+    "My favourite colour is",
+    "The quick brown fox jumps over the lazy dog.",
+    "Hi",
+]
 
 
 def _requests(core: Core, suffix: str = "", n: int = 1) -> list[EngineRequest]:
     tok = core.tokenizer()
-    return [EngineRequest(f"r{i}{suffix}", tuple(tok.encode(PREAMBLE + t).ids), (GREEDY,) * n, 12, ignore_eos=True)
-            for i, t in enumerate(PROMPTS)]  # fmt: skip
+    return [
+        EngineRequest(f"r{i}{suffix}", tuple(tok.encode(PREAMBLE + t).ids), (GREEDY,) * n, 12, ignore_eos=True)
+        for i, t in enumerate(PROMPTS)
+    ]
 
 
 def _tokens(outputs: dict) -> dict[str, list[int]]:
@@ -147,7 +171,9 @@ def test_engine_forks_and_preemption_keep_the_extra_caches(tiny: tuple[Path, Pat
     pool too small for every request preempts and recomputes: outputs equal the unbatched ones."""
     core = Core.open(tiny[1])
     forked = run_to_completion(LLMEngine(core, EngineConfig(num_pages=128)), _requests(core, n=2))
-    assert {rid: [c.token_ids for c in choices] for rid, choices in forked.items()} == {r: [t, t] for r, t in alone.items()}
+    assert {rid: [c.token_ids for c in choices] for rid, choices in forked.items()} == {
+        r: [t, t] for r, t in alone.items()
+    }
     small = LLMEngine(core, EngineConfig(num_pages=12, prefill_chunk_size=16))
     assert _tokens(run_to_completion(small, _requests(core))) == alone
     assert small.stats.preemptions > 0
@@ -171,17 +197,24 @@ def test_kernels_match_the_reference_ops(rate: int, overlap: bool) -> None:
     assert torch.equal(kernels_deepseek_v4.pool_cpu(state, tables, starts, positions, rate, overlap), pooled)
     done = (positions + 1) % rate == 0
     assert bool(pooled[done].abs().sum(-1).gt(0).all()) and not pooled[~done].any()
-    keys, q, head_weights = (torch.randn(12, 4, 1, 16, generator=gen), torch.randn(10, 4, 16, generator=gen),
-                             torch.randn(10, 4, generator=gen))  # fmt: skip
+    keys, q, head_weights = (
+        torch.randn(12, 4, 1, 16, generator=gen),
+        torch.randn(10, 4, 16, generator=gen),
+        torch.randn(10, 4, generator=gen),
+    )
     picks = ops.dsv4_indexer_topk(q, head_weights, keys, tables, starts, positions, rate, 3, 0.25)
-    assert torch.equal(kernels_deepseek_v4.indexer_topk_cpu(q, head_weights, keys, tables, starts, positions, rate, 3, 0.25), picks)
+    assert torch.equal(
+        kernels_deepseek_v4.indexer_topk_cpu(q, head_weights, keys, tables, starts, positions, rate, 3, 0.25), picks
+    )
     ready = (positions + 1) // rate
     assert all(((row >= 0).sum() == min(3, n)) and (row < n).all() for row, n in zip(picks, ready.tolist()))
     rows, entries = torch.randn(12, 4, 1, 16, generator=gen), torch.randn(12, 4, 1, 16, generator=gen)
     query, sinks = torch.randn(10, 4, 16, generator=gen), torch.randn(4, generator=gen)
     for cache, selected in ((None, None), (entries, None), (entries, picks)):
         expected = ops.dsv4_attention(query, rows, cache, tables, starts, positions, sinks, 0.3, 6, rate, selected)
-        got = kernels_deepseek_v4.attention_cpu(query, rows, cache, tables, starts, positions, sinks, 0.3, 6, rate, selected)
+        got = kernels_deepseek_v4.attention_cpu(
+            query, rows, cache, tables, starts, positions, sinks, 0.3, 6, rate, selected
+        )
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -199,8 +232,9 @@ def test_pages_count_every_cache(tiny: tuple[Path, Path]) -> None:
 
 
 def test_old_manifest_without_extra_caches_loads() -> None:
-    kv = msgspec.json.decode(b'{"num_layers": 2, "num_kv_heads": 1, "head_dim": 16, "dtype": "float32", '
-                             b'"shared_kv": true}', type=KvLayout)  # fmt: skip
+    kv = msgspec.json.decode(
+        b'{"num_layers": 2, "num_kv_heads": 1, "head_dim": 16, "dtype": "float32", "shared_kv": true}', type=KvLayout
+    )
     assert kv.extra == () and kv.num_caches == 2 and kv.token_elements == 32
 
 
@@ -213,19 +247,42 @@ def test_old_manifest_without_extra_caches_loads() -> None:
 VARIANTS: dict[str, dict[str, object]] = {
     "default": {},
     "legacy_yarn": {
-        "layer_types": None, "compress_rates": None, "mlp_layer_types": None, "partial_rotary_factor": None,
-        "compress_ratios": [4, 0, 128, 128, 0], "compress_rate_hca": 8, "num_hash_layers": 1, "qk_rope_head_dim": 16,
-        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                         "beta_fast": 32.0, "beta_slow": 1.0},
+        "layer_types": None,
+        "compress_rates": None,
+        "mlp_layer_types": None,
+        "partial_rotary_factor": None,
+        "compress_ratios": [4, 0, 128, 128, 0],
+        "compress_rate_hca": 8,
+        "num_hash_layers": 1,
+        "qk_rope_head_dim": 16,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
     },
     "sigmoid_tied_nested": {
-        "scoring_func": "sigmoid", "tie_word_embeddings": True, "hc_mult": 2, "o_groups": 4, "index_topk": 1,
-        "sliding_window": 5, "layer_types": [CSA, SLIDING, HCA, CSA],
-        "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25},
-                            "compress": {"rope_type": "yarn", "rope_theta": 80000.0, "partial_rotary_factor": 0.5,
-                                         "factor": 8.0, "original_max_position_embeddings": 32}},
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": True,
+        "hc_mult": 2,
+        "o_groups": 4,
+        "index_topk": 1,
+        "sliding_window": 5,
+        "layer_types": [CSA, SLIDING, HCA, CSA],
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25},
+            "compress": {
+                "rope_type": "yarn",
+                "rope_theta": 80000.0,
+                "partial_rotary_factor": 0.5,
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
     },
-}  # fmt: skip
+}
 
 
 def write_variant(out: Path, changes: dict[str, object], seed: int) -> Path:
@@ -274,8 +331,12 @@ def test_variant_reference_and_program_match_transformers(name: str, tmp_path: P
     ours = torch.log_softmax(deepseek_v4.reference_logits(config, source.tensors, ids), dim=-1)
     assert float((ours - expected).abs().max()) <= 1e-4
     weights = internal_weights(deepseek_v4, source, config, torch.float32)
-    layout = KvLayout(*deepseek_v4.kv_shape(config), "float32", shared_kv=True,
-                      extra=tuple(ExtraCache(*e) for e in deepseek_v4.extra_caches(config)))  # fmt: skip
+    layout = KvLayout(
+        *deepseek_v4.kv_shape(config),
+        "float32",
+        shared_kv=True,
+        extra=tuple(ExtraCache(*e) for e in deepseek_v4.extra_caches(config)),
+    )
     for chunk in (16, 3):
         got = run_prompt(_Eager(config), weights, layout, 16, ids, chunk=chunk).logprobs  # type: ignore[arg-type]
         assert float((got - expected).abs().max()) <= 1e-3, chunk
@@ -292,7 +353,10 @@ def _original_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         if name.endswith("experts.gate_up_proj"):
             for e in range(t.shape[0]):
                 gate, up = t[e].chunk(2)
-                out[f"layers.{layer}.ffn.experts.{e}.w1.weight"], out[f"layers.{layer}.ffn.experts.{e}.w3.weight"] = gate, up
+                out[f"layers.{layer}.ffn.experts.{e}.w1.weight"], out[f"layers.{layer}.ffn.experts.{e}.w3.weight"] = (
+                    gate,
+                    up,
+                )
         elif name.endswith("experts.down_proj"):
             out.update({f"layers.{layer}.ffn.experts.{e}.w2.weight": t[e] for e in range(t.shape[0])})
         else:
@@ -355,10 +419,12 @@ ASK, RESULT, ANSWER, THINK = "Weather in Paris?", "Sunny, 21 C", "It is sunny.",
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 ARGUMENTS = {"city": "Paris", "days": 3}
 DSML = "｜DSML｜"
-CALL = (f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
-        f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
-        f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n'
-        f'</{DSML}invoke>\n</{DSML}tool_calls>')  # fmt: skip
+CALL = (
+    f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
+    f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
+    f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n'
+    f"</{DSML}invoke>\n</{DSML}tool_calls>"
+)
 OUTPUT = f"{THINK}</think>Checking.\n\n{CALL}"
 FINAL = f"Done.</think>{ANSWER}"
 VERSION = {"anthropic-version": "2023-06-01"}
@@ -387,12 +453,18 @@ def test_chat_completions_round_trip(app) -> None:
     assert prompt.endswith(f"<｜User｜>{ASK}<｜Assistant｜><think>") and '"name": "get_weather"' in prompt
     choice = reply["choices"][0]
     message = choice["message"]
-    assert (message["reasoning_content"], message["content"], choice["finish_reason"]) == (THINK, "Checking.", "tool_calls")
+    assert (message["reasoning_content"], message["content"], choice["finish_reason"]) == (
+        THINK,
+        "Checking.",
+        "tool_calls",
+    )
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS
-    history = [{"role": "user", "content": ASK},
-               {"role": "assistant", "content": message["content"], "reasoning_content": THINK, "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": call["id"], "content": RESULT}]  # fmt: skip
+    history = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": message["content"], "reasoning_content": THINK, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": RESULT},
+    ]
     reply, prompt = _turn(app, "/v1/chat/completions", {**body, "messages": history}, FINAL)
     assert RESULT in prompt and f"<{DSML}invoke" in prompt
     message = reply["choices"][0]["message"]
@@ -400,31 +472,58 @@ def test_chat_completions_round_trip(app) -> None:
 
 
 def test_anthropic_messages_round_trip(app) -> None:
-    body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}],
-            "tools": [{"name": "get_weather", "input_schema": CITY}], "thinking": {"type": "enabled", "budget_tokens": 1024}}  # fmt: skip
+    body = {
+        "model": "x",
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": ASK}],
+        "tools": [{"name": "get_weather", "input_schema": CITY}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
     reply, prompt = _turn(app, "/v1/messages", body, OUTPUT, headers=VERSION)
-    assert [b["type"] for b in reply["content"]] == ["thinking", "text", "tool_use"] and reply["stop_reason"] == "tool_use"
+    assert [b["type"] for b in reply["content"]] == ["thinking", "text", "tool_use"] and reply[
+        "stop_reason"
+    ] == "tool_use"
     thought, text, use = reply["content"]
-    assert (thought["thinking"], text["text"], use["name"], use["input"]) == (THINK, "Checking.", "get_weather", ARGUMENTS)
-    history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": reply["content"]},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": RESULT}]}]  # fmt: skip
+    assert (thought["thinking"], text["text"], use["name"], use["input"]) == (
+        THINK,
+        "Checking.",
+        "get_weather",
+        ARGUMENTS,
+    )
+    history = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": reply["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": RESULT}]},
+    ]
     reply, prompt = _turn(app, "/v1/messages", {**body, "messages": history}, FINAL, headers=VERSION)
     assert RESULT in prompt and "Paris" in prompt
-    assert [(b["type"], b.get("thinking", b.get("text"))) for b in reply["content"]] == [("thinking", "Done."), ("text", ANSWER)]
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in reply["content"]] == [
+        ("thinking", "Done."),
+        ("text", ANSWER),
+    ]
     assert reply["stop_reason"] == "end_turn"
 
 
 def test_responses_round_trip(app) -> None:
-    body = {"model": "x", "input": ASK, "max_output_tokens": 256,
-            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]}  # fmt: skip
+    body = {
+        "model": "x",
+        "input": ASK,
+        "max_output_tokens": 256,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
+    }
     reply, _ = _turn(app, "/v1/responses", body, OUTPUT)
     items = reply["output"]
     assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
     reasoning, text, call = items
     assert reasoning["content"][0]["text"] == THINK and text["content"][0]["text"] == "Checking."
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == ARGUMENTS
-    history = [{"role": "user", "content": ASK}, reasoning, text, call,
-               {"type": "function_call_output", "call_id": call["call_id"], "output": RESULT}]  # fmt: skip
+    history = [
+        {"role": "user", "content": ASK},
+        reasoning,
+        text,
+        call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": RESULT},
+    ]
     reply, prompt = _turn(app, "/v1/responses", {**body, "input": history}, FINAL)
     assert RESULT in prompt and "Paris" in prompt
     final = reply["output"]

@@ -22,17 +22,33 @@ def test_export_writes_a_complete_core(tiny_core: Path) -> None:
     m = core.manifest
     # tiny_core is exported with --compile-step: the step is also built for this host.
     compiled = {f"programs/step.{platform.machine()}.aoti.so", f"programs/step.{platform.machine()}.aoti.json"}
-    expected = {"core.json", "weights.safetensors", "tokenizer.json", "chat_template.jinja", "golden.safetensors",
-                "programs/step.pt2", "programs/scored_prefill.pt2", *compiled}  # fmt: skip
+    expected = {
+        "core.json",
+        "weights.safetensors",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "golden.safetensors",
+        "programs/step.pt2",
+        "programs/scored_prefill.pt2",
+        *compiled,
+    }
     on_disk = {str(p.relative_to(tiny_core)) for p in tiny_core.rglob("*") if p.is_file()}
     assert on_disk == expected
     assert set(m.files) == expected - {"core.json"}
     assert (m.format.name, m.format.version) == ("flare-core", 1)
-    assert m.capabilities == mf.Capabilities(max_top_logprobs=20, explicit_logprob_ids=True, prompt_logprobs=True, vision=False)
+    assert m.capabilities == mf.Capabilities(
+        max_top_logprobs=20, explicit_logprob_ids=True, prompt_logprobs=True, vision=False
+    )
     assert m.tokenizer.eos_token_ids == (2,) and m.tokenizer.special_tokens["<|im_start|>"] == 1
     assert m.recipe.sampling.defaults.temperature == 0.2 and m.recipe.sampling.ranges["temperature"].min == 0.01
     assert m.golden.max_abs_diff <= m.golden.tolerance
-    assert [t.name for t in m.programs["step"].outputs] == ["logits", "logsumexp", "top_logprobs", "top_ids", "explicit_logprobs"]
+    assert [t.name for t in m.programs["step"].outputs] == [
+        "logits",
+        "logsumexp",
+        "top_logprobs",
+        "top_ids",
+        "explicit_logprobs",
+    ]
     assert m.provenance.torch_version.startswith("2.13")
     assert set(m.compiled) == {"step"} and m.compiled["step"].file in compiled
     # The portable programs hold graphs only (the weights are stored once for them).
@@ -61,8 +77,24 @@ def test_same_source_exports_byte_identical_files(tiny_checkpoint: Path, tmp_pat
 
 def test_json_summary_and_verify_and_inspect(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "core"
-    done = run_cli("ignition", "export", str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(out), "--json",
-                   "--alias", "tiny", "--alias", "tiny-2", "--max-top-logprobs", "5", "--no-logprob-ids", "--no-ranges")  # fmt: skip
+    done = run_cli(
+        "ignition",
+        "export",
+        str(tiny_checkpoint),
+        "--recipe",
+        "smollm2",
+        "--out",
+        str(out),
+        "--json",
+        "--alias",
+        "tiny",
+        "--alias",
+        "tiny-2",
+        "--max-top-logprobs",
+        "5",
+        "--no-logprob-ids",
+        "--no-ranges",
+    )
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["ok"] and summary["digest"] == Core.open(out).digest and summary["bytes"] > 0
@@ -79,8 +111,17 @@ def test_json_summary_and_verify_and_inspect(tiny_checkpoint: Path, tmp_path: Pa
 
 
 def test_zero_top_logprobs_exports_no_alternatives(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    done = run_cli("ignition", "export", str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(tmp_path / "c"),
-                   "--max-top-logprobs", "0")  # fmt: skip
+    done = run_cli(
+        "ignition",
+        "export",
+        str(tiny_checkpoint),
+        "--recipe",
+        "smollm2",
+        "--out",
+        str(tmp_path / "c"),
+        "--max-top-logprobs",
+        "0",
+    )
     assert done.returncode == 0, done.stderr
     outputs = [t.name for t in Core.open(tmp_path / "c").manifest.programs["step"].outputs]
     assert "top_logprobs" not in outputs and "explicit_logprobs" in outputs
@@ -108,7 +149,9 @@ def test_unknown_recipe(tiny_checkpoint: Path, tmp_path: Path) -> None:
 def test_unsupported_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None:
     # A recipe whose family ignition cannot compile (every shipped recipe's family may be compiled).
     recipe = tmp_path / "future.toml"
-    recipe.write_text('name = "future"\nfamily = "future_hybrid"\n[sampling]\ntemperature = 1.0\ntop_p = 1.0\ntop_k = -1\n')
+    recipe.write_text(
+        'name = "future"\nfamily = "future_hybrid"\n[sampling]\ntemperature = 1.0\ntop_p = 1.0\ntop_k = -1\n'
+    )
     done = _export(str(tiny_checkpoint), "--recipe", str(recipe), "--out", str(tmp_path / "o"))
     assert done.returncode == ExitCode.SOURCE and "family 'future_hybrid' is not supported" in done.stderr
     # A checkpoint whose architecture no family handles.
@@ -140,7 +183,9 @@ def test_corrupted_gguf(tmp_path: Path, smollm2_gguf: Path) -> None:
 
 
 def test_max_top_logprobs_out_of_range(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    done = _export(str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(tmp_path / "o"), "--max-top-logprobs", "21")
+    done = _export(
+        str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(tmp_path / "o"), "--max-top-logprobs", "21"
+    )
     assert done.returncode == ExitCode.USAGE and "--max-top-logprobs must be between 0 and 20" in done.stderr
 
 

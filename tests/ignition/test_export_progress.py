@@ -16,8 +16,14 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from support import run_cli
 
-PHASES = ["converting weights to float32", "exporting the step program", "exporting the scored_prefill program",
-          "writing weights and tokenizer", "self-check against the reference forward", "writing core.json"]  # fmt: skip
+PHASES = [
+    "converting weights to float32",
+    "exporting the step program",
+    "exporting the scored_prefill program",
+    "writing weights and tokenizer",
+    "self-check against the reference forward",
+    "writing core.json",
+]
 
 
 def test_export_core_reports_each_phase_and_exports_the_same_files(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -33,8 +39,16 @@ def test_export_core_reports_each_phase_and_exports_the_same_files(tiny_checkpoi
 
 
 def test_cli_prints_one_line_per_phase_without_a_terminal(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    done = run_cli("ignition", "export", str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(tmp_path / "core"),
-                   "--prompt-logprobs")  # fmt: skip
+    done = run_cli(
+        "ignition",
+        "export",
+        str(tiny_checkpoint),
+        "--recipe",
+        "smollm2",
+        "--out",
+        str(tmp_path / "core"),
+        "--prompt-logprobs",
+    )
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.endswith(" ...")]
     assert lines == [f"reading {tiny_checkpoint} ..."] + [f"{phase} ..." for phase in PHASES]
@@ -42,8 +56,9 @@ def test_cli_prints_one_line_per_phase_without_a_terminal(tiny_checkpoint: Path,
 
 
 def test_cli_with_json_prints_no_phases(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    done = run_cli("ignition", "export", str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(tmp_path / "c"),
-                   "--json")  # fmt: skip
+    done = run_cli(
+        "ignition", "export", str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(tmp_path / "c"), "--json"
+    )
     assert done.returncode == 0 and " ..." not in done.stderr
 
 

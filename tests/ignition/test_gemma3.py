@@ -43,7 +43,6 @@ def reference(tiny: tuple[Path, Path]):
     return model.eval()
 
 
-
 def _prompts(core: Core) -> list[list[int]]:
     from helios.core.template import ChatTemplate
 
@@ -96,7 +95,6 @@ def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     check_batching_invariance(tiny[1], TEXTS)
 
 
-
 def test_softcapped_variant_matches_transformers(tmp_path: Path) -> None:
     """Final logit soft-capping (released Gemma 3 configs leave it off). A configured attention cap
     is ignored, as transformers' Gemma3Attention ignores it."""
@@ -136,7 +134,9 @@ def test_gemma3_270m_gguf_reads_like_transformers() -> None:
 
     path = resolve_default_source(load_recipe("gemma3").source.path)  # type: ignore[union-attr]
     checkpoint = open_source(str(path))
-    assert checkpoint.files == {"gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"}
+    assert checkpoint.files == {
+        "gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    }
     config = gemma3.config_from_hf(checkpoint.hf_config)
     assert config.layer_windows == (512,) * 5 + (0,) + (512,) * 5 + (0,) + (512,) * 5 + (0,)
     assert checkpoint.tokenizer_facts.eos_token_ids == (1, 106)  # <eos>, <end_of_turn>

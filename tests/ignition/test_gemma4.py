@@ -48,7 +48,6 @@ def reference(tiny: tuple[Path, Path]):
     return _hf_model(tiny[0])
 
 
-
 def _prompts(core: Core) -> list[list[int]]:
     from helios.core.template import ChatTemplate
 
@@ -69,13 +68,19 @@ def test_config_reads_the_gemma4_layout(tiny: tuple[Path, Path]) -> None:
     assert (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) == (2, 2, 32)
 
 
-@pytest.mark.parametrize("change", [{"use_bidirectional_attention": "all"}, {"attention_bias": True},
-                                    {"hidden_activation": "silu"}, {"num_kv_shared_layers": 3},
-                                    {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
-                                    # multimodal checkpoints are read (test_gemma4_vision.py, image tokens
-                                    # attending both ways too), but not with text attending forwards
-                                    {"model_type": "gemma4", "text_config": {"use_bidirectional_attention": "all"},
-                                     "vision_config": {}}])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"use_bidirectional_attention": "all"},
+        {"attention_bias": True},
+        {"hidden_activation": "silu"},
+        {"num_kv_shared_layers": 3},
+        {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
+        # multimodal checkpoints are read (test_gemma4_vision.py, image tokens
+        # attending both ways too), but not with text attending forwards
+        {"model_type": "gemma4", "text_config": {"use_bidirectional_attention": "all"}, "vision_config": {}},
+    ],
+)
 def test_unsupported_variants_are_refused(tiny: tuple[Path, Path], change: dict) -> None:
     config = json.loads((tiny[0] / "config.json").read_text()) | change
     with pytest.raises(ValueError):
@@ -114,9 +119,15 @@ def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     check_batching_invariance(tiny[1], TEXTS)
 
 
-MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
-       "attention_k_eq_v": False, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0}  # fmt: skip
-
+MOE = {
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+    "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 0,
+}
 
 
 def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
@@ -128,8 +139,12 @@ def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
     (checkpoint / "config.json").write_text(json.dumps(config))
     parsed = gemma4.config_from_hf(config)
     generator = torch.Generator().manual_seed(5)
-    tensors = {n: (1.0 + 0.1 * torch.randn(s, generator=generator)) if len(s) == 1
-               else torch.randn(s, generator=generator) / s[-1] ** 0.5 for n, s in gemma4.hf_shapes(parsed).items()}  # fmt: skip
+    tensors = {
+        n: (1.0 + 0.1 * torch.randn(s, generator=generator))
+        if len(s) == 1
+        else torch.randn(s, generator=generator) / s[-1] ** 0.5
+        for n, s in gemma4.hf_shapes(parsed).items()
+    }
     save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
     model = _hf_model(checkpoint)
     ids = list(range(7, 47))

@@ -30,8 +30,11 @@ def encoded_images() -> list[bytes]:
     """PNG 37x53, JPEG 64x40, WebP 90x90 (lossless), seeded noise over gradients."""
     rng = np.random.default_rng(0)
     out = []
-    for (w, h), fmt, extra in (((37, 53), "PNG", {}), ((64, 40), "JPEG", {"quality": 90}),
-                               ((90, 90), "WEBP", {"lossless": True})):  # fmt: skip
+    for (w, h), fmt, extra in (
+        ((37, 53), "PNG", {}),
+        ((64, 40), "JPEG", {"quality": 90}),
+        ((90, 90), "WEBP", {"lossless": True}),
+    ):
         grad = np.linspace(0, 255, w)[None, :, None] * np.ones((h, 1, 3))
         pixels = np.clip(grad * 0.5 + rng.integers(0, 128, (h, w, 3)), 0, 255).astype(np.uint8)
         buffer = io.BytesIO()
@@ -44,8 +47,11 @@ def encoded_images() -> list[bytes]:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     checkpoint = write_testmodel("gemma4", tmp_path_factory.mktemp("ckpt") / "tiny-gemma4-vision", seed=3, vision=True)
     out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
-    export_core(open_source(str(checkpoint)), load_recipe("gemma4"),
-                ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("gemma4"),
+        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
+    )
     return checkpoint, out
 
 
@@ -53,7 +59,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def reference(tiny: tuple[Path, Path]):
     from transformers import Gemma4ForConditionalGeneration
 
-    model = Gemma4ForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32, attn_implementation="eager")
+    model = Gemma4ForConditionalGeneration.from_pretrained(
+        str(tiny[0]), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -105,16 +113,37 @@ def test_features_and_first_logprobs_match_transformers(tiny: tuple[Path, Path],
         worst = max(worst, float((ours - theirs).abs().max()))
         # A prompt around the image: the step with these features vs the full multimodal model.
         text = tok.encode("Describe this picture:", add_special_tokens=False).ids
-        ids = ([m.tokenizer.bos_token_id] + text + list(profile.prefix_token_ids) + [profile.image_token_id] * len(ours)
-               + list(profile.suffix_token_ids) + tok.encode(" in short.", add_special_tokens=False).ids)  # fmt: skip
+        ids = (
+            [m.tokenizer.bos_token_id]
+            + text
+            + list(profile.prefix_token_ids)
+            + [profile.image_token_id] * len(ours)
+            + list(profile.suffix_token_ids)
+            + tok.encode(" in short.", add_special_tokens=False).ids
+        )
         image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
         with torch.no_grad():
-            logits = reference(input_ids=torch.tensor([ids]), pixel_values=ref["pixel_values"],
-                               image_position_ids=ref["image_position_ids"]).logits[0].float()  # fmt: skip
+            logits = (
+                reference(
+                    input_ids=torch.tensor([ids]),
+                    pixel_values=ref["pixel_values"],
+                    image_position_ids=ref["image_position_ids"],
+                )
+                .logits[0]
+                .float()
+            )
         expected = torch.log_softmax(logits, dim=-1)
         for kind in (STEP, SCORED_PREFILL):
-            run = run_prompt(core.load_program(kind), weights, m.kv, m.limits.page_tokens, ids, chunk=11,
-                             image_features=ours, image_positions=image_positions)  # fmt: skip
+            run = run_prompt(
+                core.load_program(kind),
+                weights,
+                m.kv,
+                m.limits.page_tokens,
+                ids,
+                chunk=11,
+                image_features=ours,
+                image_positions=image_positions,
+            )
             worst = max(worst, float((run.logprobs[-1] - expected[-1]).abs().max()))
             worst = max(worst, float((run.logprobs - expected).abs().max()))
     assert worst <= TOLERANCE, worst
@@ -133,38 +162,76 @@ def test_bidirectional_image_attention_matches_transformers(tmp_path: Path) -> N
     from helios.engine.request import EngineImage, EngineRequest
     from helios.engine.sampling_params import SamplingParams
 
-    checkpoint = write_testmodel("gemma4", tmp_path / "ckpt", seed=3, vision=True,
-                                 overrides={"use_bidirectional_attention": "vision"})  # fmt: skip
+    checkpoint = write_testmodel(
+        "gemma4", tmp_path / "ckpt", seed=3, vision=True, overrides={"use_bidirectional_attention": "vision"}
+    )
     out = tmp_path / "core"
-    export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=out, prompt_logprobs=True,
-                                                                                     dtype="float32"))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("gemma4"),
+        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
+    )
     core = Core.open(out)
     m, profile, weights, tok = core.manifest, core.manifest.vision, core.load_weights(), core.tokenizer()
     assert "attention_until" in core.load_program(STEP).input_names
-    reference = Gemma4ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32,
-                                                               attn_implementation="eager").eval()  # fmt: skip
+    reference = Gemma4ForConditionalGeneration.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     data = encoded_images()[2]
     pixels, positions = images.prepare(images.decode(data), profile)
     features = core.load_program(VISION)(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
     ref = _processor()(images=[Image.open(io.BytesIO(data))], return_tensors="pt")
     text = tok.encode("Describe this picture:", add_special_tokens=False).ids
-    ids = ([m.tokenizer.bos_token_id] + text + list(profile.prefix_token_ids) + [profile.image_token_id] * len(features)
-           + list(profile.suffix_token_ids) + tok.encode(" in short.", add_special_tokens=False).ids)  # fmt: skip
+    ids = (
+        [m.tokenizer.bos_token_id]
+        + text
+        + list(profile.prefix_token_ids)
+        + [profile.image_token_id] * len(features)
+        + list(profile.suffix_token_ids)
+        + tok.encode(" in short.", add_special_tokens=False).ids
+    )
     image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
     types = torch.tensor([[int(t == profile.image_token_id) for t in ids]])
     with torch.no_grad():
-        both = reference(input_ids=torch.tensor([ids]), pixel_values=ref["pixel_values"],
-                         image_position_ids=ref["image_position_ids"], mm_token_type_ids=types).logits[0].float()
-        causal = reference(input_ids=torch.tensor([ids]), pixel_values=ref["pixel_values"],
-                           image_position_ids=ref["image_position_ids"]).logits[0].float()
+        both = (
+            reference(
+                input_ids=torch.tensor([ids]),
+                pixel_values=ref["pixel_values"],
+                image_position_ids=ref["image_position_ids"],
+                mm_token_type_ids=types,
+            )
+            .logits[0]
+            .float()
+        )
+        causal = (
+            reference(
+                input_ids=torch.tensor([ids]),
+                pixel_values=ref["pixel_values"],
+                image_position_ids=ref["image_position_ids"],
+            )
+            .logits[0]
+            .float()
+        )
     expected = torch.log_softmax(both, dim=-1)
     assert float((torch.log_softmax(causal, dim=-1) - expected).abs().max()) > 10 * TOLERANCE  # the mask matters
     for kind in (STEP, SCORED_PREFILL):
-        run = run_prompt(core.load_program(kind), weights, m.kv, m.limits.page_tokens, ids, chunk=11,
-                         image_features=features, image_positions=image_positions)  # fmt: skip
+        run = run_prompt(
+            core.load_program(kind),
+            weights,
+            m.kv,
+            m.limits.page_tokens,
+            ids,
+            chunk=11,
+            image_features=features,
+            image_positions=image_positions,
+        )
         assert float((run.logprobs - expected).abs().max()) <= TOLERANCE
-    image = EngineImage(start=image_positions[0], num_tokens=len(image_positions), digest=b"bidirectional",
-                        prepare=lambda: images.prepare_views(images.decode(data), profile))  # fmt: skip
+    image = EngineImage(
+        start=image_positions[0],
+        num_tokens=len(image_positions),
+        digest=b"bidirectional",
+        prepare=lambda: images.prepare_views(images.decode(data), profile),
+    )
     greedy = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
     request = EngineRequest("r", tuple(ids), (greedy,), 1, ignore_eos=True, num_top_logprobs=5, images=(image,))
     engine = LLMEngine(core, EngineConfig(num_pages=32, prefill_chunk_size=11))

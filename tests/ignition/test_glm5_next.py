@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helios.core import Core, ops_glm5_next, ops_sparse
+from helios.core import Core, ops_glm5_next, ops_sparse  # noqa: F401 - registers the glm5_next ops
 from helios.core.program import SCORED_PREFILL, run_prompt
 from helios.core.template import ChatTemplate
 from helios.engine import kernels_glm5_next
@@ -54,8 +54,16 @@ def test_kda_matches_transformers_and_is_chunk_independent() -> None:
 
     total, dim = 37, 8
     q, k, v, g, beta = _kda_inputs(total, dim=dim)
-    expected, final = chunk_kimi_delta_attention(q[None], k[None], v[None], g[None], beta[None], initial_state=None,
-                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)  # fmt: skip
+    expected, final = chunk_kimi_delta_attention(
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        initial_state=None,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     positions = torch.arange(total)
     for op in (torch.ops.flare.kda, kernels_glm5_next.kda_cpu):
         for chunk in (total, 16, 5, 1):
@@ -64,8 +72,21 @@ def test_kda_matches_transformers_and_is_chunk_independent() -> None:
             for start in range(0, total, chunk):
                 end = min(total, start + chunk)
                 qsl = torch.tensor([0, end - start], dtype=torch.int32)
-                out.append(op(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], state,
-                              torch.tensor([1]), qsl, positions[start:end], dim**-0.5, True))  # fmt: skip
+                out.append(
+                    op(
+                        q[start:end],
+                        k[start:end],
+                        v[start:end],
+                        g[start:end],
+                        beta[start:end],
+                        state,
+                        torch.tensor([1]),
+                        qsl,
+                        positions[start:end],
+                        dim**-0.5,
+                        True,
+                    )
+                )
             assert float((torch.cat(out) - expected[0]).abs().max()) < 1e-5, (op, chunk)
             assert float((state[1] - final[0]).abs().max()) < 1e-5, (op, chunk)
 
@@ -98,8 +119,20 @@ def test_kpool_topk_selects_pools_and_tail() -> None:
     table = torch.tensor([[2, 0, 3, 1]])
     for t in range(total):
         cache[table[0, t // 8], t % 8, 0] = rows[t]
-    got = torch.ops.flare.kpool_topk(q, w, cache, ape, table, torch.tensor([total]), torch.tensor([0, total]),
-                                     torch.arange(total), dim**-0.5, pool, 2, True)  # fmt: skip
+    got = torch.ops.flare.kpool_topk(
+        q,
+        w,
+        cache,
+        ape,
+        table,
+        torch.tensor([total]),
+        torch.tensor([0, total]),
+        torch.arange(total),
+        dim**-0.5,
+        pool,
+        2,
+        True,
+    )
     assert got.shape == (total, 2 * pool + pool - 1)
     for t in range(total):
         kept = set(got[t][got[t] >= 0].tolist())
@@ -124,8 +157,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory):
 
     checkpoint = write_testmodel("glm5_next", tmp_path_factory.mktemp("ckpt") / "tiny-glm5-next", seed=3)
     core = tmp_path_factory.mktemp("cores") / "tiny-glm5-next"
-    result = export_core(open_source(str(checkpoint)), load_recipe("glm53"),
-                         ExportOptions(out=core, prompt_logprobs=True, page_tokens=PAGE_TOKENS))  # fmt: skip
+    result = export_core(
+        open_source(str(checkpoint)),
+        load_recipe("glm53"),
+        ExportOptions(out=core, prompt_logprobs=True, page_tokens=PAGE_TOKENS),
+    )
     assert result.max_abs_diff <= 1e-3  # the self-check against the float64 reference
     print(f"export self-check max |Δ logprob|: {result.max_abs_diff:.3g}")
     model = Glm5NextForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32)
@@ -197,7 +233,12 @@ def test_logprobs_match_transformers(exported, tie_watch: dict[str, int]) -> Non
     prompt logprobs; against transformers' full forward."""
     _, core_dir, model = exported
     core = Core.open(core_dir)
-    step, scored, weights, m = core.load_program(), core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
+    step, scored, weights, m = (
+        core.load_program(),
+        core.load_program(SCORED_PREFILL),
+        core.load_weights(),
+        core.manifest,
+    )
     prompts = _prompts(core)
     assert len(prompts[2]) > 4 * PAGE_TOKENS and len(prompts[0]) > PAGE_TOKENS + 4 > 8 + 3  # drops positions
     worst = 0.0
@@ -236,8 +277,10 @@ def test_engine_generation_matches_transformers(exported) -> None:
     _, core_dir, model = exported
     core = Core.open(core_dir)
     engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
-    requests = [EngineRequest(f"g{i}", tuple(ids), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=3)
-                for i, ids in enumerate(_prompts(core))]  # fmt: skip
+    requests = [
+        EngineRequest(f"g{i}", tuple(ids), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=3)
+        for i, ids in enumerate(_prompts(core))
+    ]
     outputs = run_to_completion(engine, requests)
     worst = 0.0
     for request in requests:
@@ -245,8 +288,11 @@ def test_engine_generation_matches_transformers(exported) -> None:
         expected = hf_logprobs(model, list(request.prompt_ids) + out.token_ids)
         for position, entry in enumerate(out.logprobs):
             row = expected[len(request.prompt_ids) - 1 + position]
-            worst = max(worst, abs(entry.logprob - float(row[entry.token_id])),
-                        *(abs(v - float(row[t])) for t, v in entry.alternatives))  # fmt: skip
+            worst = max(
+                worst,
+                abs(entry.logprob - float(row[entry.token_id])),
+                *(abs(v - float(row[t])) for t, v in entry.alternatives),
+            )
     print(f"max |Δ logprob| vs transformers (engine): {worst:.3g}")
     assert worst <= 1e-3
 
@@ -256,8 +302,9 @@ def test_batching_invariance(exported) -> None:
     with the prefix cache on and off and 16-token prefill chunks, and again from cached prefixes."""
     core = Core.open(exported[1])
     tok = core.tokenizer()
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), 12, ignore_eos=True)
-                for i, t in enumerate(EIGHT)]  # fmt: skip
+    requests = [
+        EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), 12, ignore_eos=True) for i, t in enumerate(EIGHT)
+    ]
 
     def tokens(outputs: dict) -> dict[str, list[int]]:
         return {rid: choices[0].token_ids for rid, choices in outputs.items()}
@@ -298,11 +345,19 @@ def _variant(out: Path, changes: dict, seed: int = 4) -> Path:
     return out
 
 
-@pytest.mark.parametrize("changes", [
-    {"linear_lower_bound": None},  # the softplus forget gate
-    {"n_group": 2, "topk_group": 1, "tie_word_embeddings": True},
-    {"layer_types": None, "indexer_types": None, "mlp_layer_types": None, "index_topk_freq": 2},  # derived schedules
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"linear_lower_bound": None},  # the softplus forget gate
+        {"n_group": 2, "topk_group": 1, "tie_word_embeddings": True},
+        {
+            "layer_types": None,
+            "indexer_types": None,
+            "mlp_layer_types": None,
+            "index_topk_freq": 2,
+        },  # derived schedules
+    ],
+)
 def test_reference_matches_transformers_on_variants(tmp_path: Path, changes: dict) -> None:
     """The export self-check's reference (float64) against transformers on config variants."""
     from transformers import Glm5NextForConditionalGeneration
@@ -313,7 +368,10 @@ def test_reference_matches_transformers_on_variants(tmp_path: Path, changes: dic
     model = Glm5NextForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     hf_config = model.config.text_config
     assert (list(config.layer_types), list(config.indexer_types), list(config.mlp_layer_types)) == (
-        hf_config.layer_types, hf_config.indexer_types, hf_config.mlp_layer_types)
+        hf_config.layer_types,
+        hf_config.indexer_types,
+        hf_config.mlp_layer_types,
+    )
     ids = list(range(5, 45))
     ours = torch.log_softmax(glm5_next.reference_logits(config, source.tensors, ids), dim=-1)
     assert float((ours - hf_logprobs(model, ids)).abs().max()) <= 1e-4
@@ -325,9 +383,12 @@ def test_glm_names_and_nested_config_read_the_same_model(tmp_path: Path) -> None
     MTP layer are left out."""
     checkpoint = open_source(str(write_testmodel("glm5_next", tmp_path / "ckpt", seed=2)))
     config = glm5_next.config_from_hf(checkpoint.hf_config)
-    nested = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
-              "text_config": {**checkpoint.hf_config, "model_type": "glm5_next_text"},
-              "vision_config": {"depth": 1}}  # fmt: skip
+    nested = {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "text_config": {**checkpoint.hf_config, "model_type": "glm5_next_text"},
+        "vision_config": {"depth": 1},
+    }
     assert family_of_hf_config(nested) == "glm5_next" and glm5_next.config_from_hf(nested) == config
     renamed: dict[str, torch.Tensor] = {}
     for name, tensor in checkpoint.tensors.items():
@@ -355,27 +416,34 @@ def test_glm_names_and_nested_config_read_the_same_model(tmp_path: Path) -> None
     assert ours.keys() == plain.keys() and all(torch.equal(ours[n], plain[n]) for n in plain)
     assert not any("visual" in n for n in plain) and plain["layers.0.conv"].shape == (192, 1, 4)
     ids = list(range(3, 30))
-    assert torch.equal(glm5_next.reference_logits(config, renamed, ids),
-                       glm5_next.reference_logits(config, checkpoint.tensors, ids))  # fmt: skip
+    assert torch.equal(
+        glm5_next.reference_logits(config, renamed, ids), glm5_next.reference_logits(config, checkpoint.tensors, ids)
+    )
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"qk_rope_head_dim": 8}, "qk_rope_head_dim"),
-    ({"q_lora_rank": None}, "q_lora_rank"),
-    ({"num_key_value_heads": 2}, "num_key_value_heads"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
-    ({"layer_types": ["linear_attention", "sliding_attention", "indexed_attention", "linear_attention"]}, "layer_types"),
-    ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types"),
-    ({"indexer_types": ["full", "full", "full"]}, "indexer_types"),
-    ({"indexer_types": ["full", "shared", "full", "full"]}, "indexer_types"),  # a shared layer after a KDA layer
-    ({"index_topk": 6}, "index_topk"),
-    ({"index_kpool": 0}, "index_kpool"),
-    ({"swiglu_limit": 0.0}, "swiglu_limit"),
-    ({"index_kpool_always_select_tail": False}, "index_kpool_always_select_tail"),
-    ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"qk_rope_head_dim": 8}, "qk_rope_head_dim"),
+        ({"q_lora_rank": None}, "q_lora_rank"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        (
+            {"layer_types": ["linear_attention", "sliding_attention", "indexed_attention", "linear_attention"]},
+            "layer_types",
+        ),
+        ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types"),
+        ({"indexer_types": ["full", "full", "full"]}, "indexer_types"),
+        ({"indexer_types": ["full", "shared", "full", "full"]}, "indexer_types"),  # a shared layer after a KDA layer
+        ({"index_topk": 6}, "index_topk"),
+        ({"index_kpool": 0}, "index_kpool"),
+        ({"swiglu_limit": 0.0}, "swiglu_limit"),
+        ({"index_kpool_always_select_tail": False}, "index_kpool_always_select_tail"),
+        ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+    ],
+)
 def test_unsupported_variants_are_refused(change: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         glm5_next.config_from_hf(BASE | change)
@@ -392,17 +460,37 @@ def test_schedules_follow_transformers() -> None:
     Glm5NextTextConfig.__post_init__ derives them."""
     from transformers import Glm5NextTextConfig
 
-    base = {k: v for k, v in BASE.items() if k not in ("layer_types", "indexer_types", "mlp_layer_types",
-                                                       "architectures", "vision_config", "model_type")}  # fmt: skip
-    for extra in ({"num_hidden_layers": 8}, {"num_hidden_layers": 8, "index_topk_pattern": "FFFFFFFF"},
-                  {"linear_attn_config": {"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 3,
-                                          "gate_lower_bound": None, "safe_gate": False}}):  # fmt: skip
+    base = {
+        k: v
+        for k, v in BASE.items()
+        if k not in ("layer_types", "indexer_types", "mlp_layer_types", "architectures", "vision_config", "model_type")
+    }
+    for extra in (
+        {"num_hidden_layers": 8},
+        {"num_hidden_layers": 8, "index_topk_pattern": "FFFFFFFF"},
+        {
+            "linear_attn_config": {
+                "head_dim": 8,
+                "num_heads": 2,
+                "short_conv_kernel_size": 3,
+                "gate_lower_bound": None,
+                "safe_gate": False,
+            }
+        },
+    ):
         hf = Glm5NextTextConfig(**(base | extra))
         ours = glm5_next.config_from_hf(base | extra)
         assert (list(ours.layer_types), list(ours.mlp_layer_types), list(ours.indexer_types)) == (
-            hf.layer_types, hf.mlp_layer_types, hf.indexer_types), extra
+            hf.layer_types,
+            hf.mlp_layer_types,
+            hf.indexer_types,
+        ), extra
         assert (ours.linear_head_dim, ours.linear_num_heads, ours.conv_kernel_size, ours.linear_lower_bound) == (
-            hf.linear_head_dim, hf.linear_num_heads, hf.linear_conv_kernel_dim, hf.linear_lower_bound), extra
+            hf.linear_head_dim,
+            hf.linear_num_heads,
+            hf.linear_conv_kernel_dim,
+            hf.linear_lower_bound,
+        ), extra
 
 
 # ---------------------------------------------------------------------------- chat round trips
@@ -428,6 +516,10 @@ def app(exported):
 def test_images_are_refused(app) -> None:
     """Text only: the vision tower is not compiled, so image parts are a client error."""
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-    body = {"model": "x", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "text", "text": ASK}, image]}]}
+    body = {
+        "model": "x",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": ASK}, image]}],
+    }
     response = app.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and "does not accept images" in response.json()["error"]["message"]

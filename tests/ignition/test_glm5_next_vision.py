@@ -55,11 +55,15 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel("glm5_next", tmp_path_factory.mktemp("ckpt") / "tiny-glm53-vision", seed=3,
-                                 vision=True)  # fmt: skip
+    checkpoint = write_testmodel(
+        "glm5_next", tmp_path_factory.mktemp("ckpt") / "tiny-glm53-vision", seed=3, vision=True
+    )
     out = tmp_path_factory.mktemp("cores") / "glm53-vision"
-    export_core(open_source(str(checkpoint)), load_recipe("glm53"),
-                ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("glm53"),
+        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
+    )
     return checkpoint, out
 
 
@@ -67,8 +71,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def reference(tiny: tuple[Path, Path]):
     from transformers import Glm5NextForConditionalGeneration
 
-    model = Glm5NextForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32,
-                                                             attn_implementation="eager")  # fmt: skip
+    model = Glm5NextForConditionalGeneration.from_pretrained(
+        str(tiny[0]), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -80,8 +85,9 @@ def reference_processor(checkpoint: Path) -> Iterator[Any]:
     from transformers import PreTrainedTokenizerFast
     from transformers.image_utils import PILImageResampling
 
-    (image_processing, processing), real = import_processing(("glm5_next.image_processing_glm5_next",
-                                                              "glm5_next.processing_glm5_next"))
+    (image_processing, processing), real = import_processing(
+        ("glm5_next.image_processing_glm5_next", "glm5_next.processing_glm5_next")
+    )
     patch = pytest.MonkeyPatch()
     if not real:
         stand_in = functional()
@@ -114,8 +120,13 @@ def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
     m = core.manifest
     assert m.capabilities.vision and VISION in m.programs and m.vision is not None
     v = m.vision
-    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == \
-        ("fit_and_pad", "torch_bicubic", 14, 2, 2)  # fmt: skip
+    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == (
+        "fit_and_pad",
+        "torch_bicubic",
+        14,
+        2,
+        2,
+    )
     assert (v.min_pixels, v.max_pixels) == (4 * 28 * 28, 64 * 28 * 28)
     assert v.max_image_tokens_per_image == v.image_feature_window_tokens == 64 and v.max_patches == 256
     assert v.max_image_tokens_per_prompt == m.limits.max_model_len - 3
@@ -127,7 +138,9 @@ def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
     names = [t.name for t in m.programs[STEP].inputs]
     assert "state_slots" in names and names[-2:] == ["image_features", "image_rows"]
     assert m.golden.max_abs_diff <= TOLERANCE
-    assert m.decode_weight_bytes < sum(t.numel() * 4 for n, t in core.load_weights().items() if not n.startswith("vision."))
+    assert m.decode_weight_bytes < sum(
+        t.numel() * 4 for n, t in core.load_weights().items() if not n.startswith("vision.")
+    )
 
 
 def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], processor) -> None:
@@ -145,8 +158,11 @@ def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], pr
         header = images.read_header(data, profile, "image 1")
         assert (header.format, header.width, header.height) == (fmt, width, height)
         cost = images.cost(header.width, header.height, profile)
-        processed = processor(text="<|begin_of_image|><|image|><|end_of_image|>", images=[Image.open(io.BytesIO(data))],
-                              return_tensors="pt")  # fmt: skip
+        processed = processor(
+            text="<|begin_of_image|><|image|><|end_of_image|>",
+            images=[Image.open(io.BytesIO(data))],
+            return_tensors="pt",
+        )
         grid = processed["image_grid_thw"]
         assert grid.tolist() == [[1, cost.height // 14, cost.width // 14]], (header, cost)
         views = images.prepare_views(images.decode(data), profile)
@@ -158,7 +174,12 @@ def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], pr
         assert positions.tolist() == yx[:, [1, 0]].tolist()
         ids, runs = images.token_layout(cost, profile)
         assert [begin, *ids, end] == processed["input_ids"][0].tolist()
-        assert cost.num_tokens == cost.num_patches // 4 == sum(rows for _, rows in runs) == ids.count(profile.image_token_id)
+        assert (
+            cost.num_tokens
+            == cost.num_patches // 4
+            == sum(rows for _, rows in runs)
+            == ids.count(profile.image_token_id)
+        )
         padded.append(images.fit_and_pad(width, height, profile)[2:] != (cost.height, cost.width))
     assert padded == [True, False, True]
 
@@ -184,13 +205,23 @@ def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], refer
         image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
         assert len(image_positions) == len(ours)
         for program in programs.values():  # chunks of 11 cut through the image rows (and the KDA state)
-            run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=11,
-                             image_features=ours, image_positions=image_positions)  # fmt: skip
+            run = run_prompt(
+                program,
+                weights,
+                m.kv,
+                m.limits.page_tokens,
+                ids,
+                chunk=11,
+                image_features=ours,
+                image_positions=image_positions,
+            )
             worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
             worst = max(worst, float((run.logprobs - expected).abs().max()))
     assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
-    print(f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
-          f"all prompt positions {worst:.3g}")
+    print(
+        f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
+        f"all prompt positions {worst:.3g}"
+    )
 
 
 def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Path, Path]) -> None:
@@ -203,8 +234,9 @@ def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Pat
     pixels, positions = glm5_next_vision.example_inputs(config.vision)
     core = Core.open(tiny[1])
     got = core.load_program(VISION)(core.load_weights(), [], pixel_values=pixels, pixel_positions=positions)
-    expected = glm5_next_vision.reference_features(config.vision, load_file(str(tiny[0] / "model.safetensors")),
-                                                   pixels, positions)  # fmt: skip
+    expected = glm5_next_vision.reference_features(
+        config.vision, load_file(str(tiny[0] / "model.safetensors")), pixels, positions
+    )
     assert got["image_features"].shape == (6, 64)
     assert float((got["image_features"] - expected).abs().max()) <= 1e-4
 
@@ -238,15 +270,22 @@ def test_fit_and_pad_matches_the_reference_over_many_sizes(monkeypatch: pytest.M
     processor = image_processing.Glm5NextImageProcessor(min_image_tokens=4, max_image_tokens=64)
     sizes = [(w, h) for w in (1, 13, 14, 27, 40, 150, 300, 333, 1000, 2048) for h in (1, 15, 28, 60, 200, 719, 4000)]
     for width, height in sizes:
-        expected = image_processing.smart_resize(2, height, width, temporal_factor=2, factor=28, min_pixels=4,
-                                                 max_pixels=64)  # fmt: skip
+        expected = image_processing.smart_resize(
+            2, height, width, temporal_factor=2, factor=28, min_pixels=4, max_pixels=64
+        )
         th, tw, ch, cw = images.fit_and_pad(width, height, profile)
         cost = images.cost(width, height, profile)
         assert (th, tw) == (cost.height, cost.width) == expected, (width, height)
         assert cost.num_tokens == th * tw // 28**2 == cost.num_patches // 4
         resized.clear()
-        out = processor.resize(torch.zeros(1, 3, height, width, dtype=torch.uint8), resample=3, factor=28,
-                               temporal_factor=2, min_image_tokens=4, max_image_tokens=64)  # fmt: skip
+        out = processor.resize(
+            torch.zeros(1, 3, height, width, dtype=torch.uint8),
+            resample=3,
+            factor=28,
+            temporal_factor=2,
+            min_image_tokens=4,
+            max_image_tokens=64,
+        )
         assert tuple(out.shape[-2:]) == (th, tw), (width, height)
         assert (resized or [(height, width)]) == [(ch, cw)], (width, height)
 
@@ -255,9 +294,26 @@ def _profile():
     from helios.core import manifest as mf
 
     return mf.VisionProfile(
-        resize="fit_and_pad", patch_size=14, pooling_kernel_size=2, max_patches=256, resample="torch_bicubic",
-        rescale_factor=1 / 255, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), placeholder_token_id=6,
-        image_token_id=6, prefix_token_ids=(), suffix_token_ids=(), feature_dim=64, max_images_per_prompt=10,
-        max_image_tokens_per_prompt=100, image_feature_window_tokens=64, max_image_tokens_per_image=64,
-        max_image_pixels=10**8, max_image_bytes=1 << 20, min_pixels=4 * 784, max_pixels=64 * 784, temporal_patch_size=2,
-    )  # fmt: skip
+        resize="fit_and_pad",
+        patch_size=14,
+        pooling_kernel_size=2,
+        max_patches=256,
+        resample="torch_bicubic",
+        rescale_factor=1 / 255,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+        placeholder_token_id=6,
+        image_token_id=6,
+        prefix_token_ids=(),
+        suffix_token_ids=(),
+        feature_dim=64,
+        max_images_per_prompt=10,
+        max_image_tokens_per_prompt=100,
+        image_feature_window_tokens=64,
+        max_image_tokens_per_image=64,
+        max_image_pixels=10**8,
+        max_image_bytes=1 << 20,
+        min_pixels=4 * 784,
+        max_pixels=64 * 784,
+        temporal_patch_size=2,
+    )

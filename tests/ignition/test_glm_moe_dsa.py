@@ -39,13 +39,27 @@ TOPK = 8  # testmodel_config's index_topk
 VARIANTS: dict[str, dict[str, object]] = {
     "default": {},
     "yarn_tied_groups": {
-        "max_position_embeddings": 512, "tie_word_embeddings": True, "n_group": 2, "topk_group": 1,
-        "mlp_layer_types": ["dense", "dense", "sparse"], "indexer_types": None, "index_topk_freq": 2,
-        "index_skip_topk_offset": 2, "index_topk": 6,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
-                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0},
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "n_group": 2,
+        "topk_group": 1,
+        "mlp_layer_types": ["dense", "dense", "sparse"],
+        "indexer_types": None,
+        "index_topk_freq": 2,
+        "index_skip_topk_offset": 2,
+        "index_topk": 6,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
     },
-}  # fmt: skip
+}
 PROMPTS = (
     "The capital of France is Paris, and the capital of Italy is Rome; the capital of Spain is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -61,7 +75,11 @@ def write_variant(out: Path, changes: dict[str, object], seed: int) -> Path:
     config = {k: v for k, v in (json.loads((out / "config.json").read_text()) | changes).items() if v is not None}
     generator = torch.Generator().manual_seed(seed)
     shapes = glm_moe_dsa.hf_shapes(glm_moe_dsa.config_from_hf(config))
-    save_file({n: _init(n, s, generator) for n, s in shapes.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {n: _init(n, s, generator) for n, s in shapes.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -135,7 +153,9 @@ def test_logprobs_match_transformers(exported: tuple[str, Path, Path], tie_watch
     config = glm_moe_dsa.config_from_hf(json.loads((checkpoint / "config.json").read_text()))
     assert m.model.family == "glm_moe_dsa" and m.recipe.name == "tiny_glm5"
     assert m.kv.shared_kv and (m.kv.num_kv_heads, m.kv.head_dim) == (1, 32 + 8)  # kv_lora_rank + qk_rope_head_dim
-    assert [(e.name, e.layers, e.num_heads, e.head_dim) for e in m.kv.extra] == [("indexer_k", tuple(config.indexer_layers), 1, 16)]
+    assert [(e.name, e.layers, e.num_heads, e.head_dim) for e in m.kv.extra] == [
+        ("indexer_k", tuple(config.indexer_layers), 1, 16)
+    ]
     step, weights = core.load_program(), core.load_weights()
     scored = core.load_program(SCORED_PREFILL) if m.capabilities.prompt_logprobs else None
     tokenizer = core.tokenizer()
@@ -189,10 +209,20 @@ def test_engine_batching_invariance_and_pool(default_core: tuple[Path, Path]) ->
     core = Core.open(default_core[1])
     tok = core.tokenizer()
     preamble = "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
-    texts = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, there lived", "1, 2, 3, 4,",
-             "Water boils at", "My favourite colour is", "The quick brown fox jumps over the lazy dog.", "Hi"]  # fmt: skip
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-                for i, t in enumerate(texts)]  # fmt: skip
+    texts = [
+        "The capital of France is",
+        "def add(a, b):\n    return",
+        "Once upon a time, there lived",
+        "1, 2, 3, 4,",
+        "Water boils at",
+        "My favourite colour is",
+        "The quick brown fox jumps over the lazy dog.",
+        "Hi",
+    ]
+    requests = [
+        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+        for i, t in enumerate(texts)
+    ]
 
     def engine(**overrides: object) -> LLMEngine:
         return LLMEngine(core, EngineConfig(**{"num_pages": 128, **overrides}))
@@ -202,7 +232,9 @@ def test_engine_batching_invariance_and_pool(default_core: tuple[Path, Path]) ->
 
     solo = engine(enable_prefix_cache=False)
     kv = core.manifest.kv
-    assert [tuple(t.shape) for t in solo.executor.kv] == [(128, PAGE_TOKENS, 1, 40)] * 3 + [(128, PAGE_TOKENS, 1, 16)] * 2
+    assert [tuple(t.shape) for t in solo.executor.kv] == [(128, PAGE_TOKENS, 1, 40)] * 3 + [
+        (128, PAGE_TOKENS, 1, 16)
+    ] * 2
     alone: dict[str, list[int]] = {}
     for request in requests:
         alone.update(tokens(run_to_completion(solo, [request])))
@@ -221,24 +253,32 @@ def test_engine_batching_invariance_and_pool(default_core: tuple[Path, Path]) ->
 
 def test_manifest_without_extra_caches_loads() -> None:
     """Cores written before KvLayout.extra existed decode with no extra tensors."""
-    kv = msgspec.json.decode(b'{"num_layers": 2, "num_kv_heads": 1, "head_dim": 16, "dtype": "float32", "shared_kv": true}',
-                             type=KvLayout)  # fmt: skip
+    kv = msgspec.json.decode(
+        b'{"num_layers": 2, "num_kv_heads": 1, "head_dim": 16, "dtype": "float32", "shared_kv": true}', type=KvLayout
+    )
     assert kv.extra == () and kv.num_caches == 2 and kv.cache_shapes() == ((1, 16), (1, 16))
 
 
 BASE = glm_moe_dsa.testmodel_config(300)
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"]}, "glm5_next"),
-    ({"q_lora_rank": None}, "q_lora_rank"), ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"), ({"num_key_value_heads": 2}, "num_key_value_heads"),
-    ({"indexer_types": ["shared", "full", "full"]}, "indexer_types"), ({"indexer_types": ["full", "full"]}, "indexer_types"),
-    ({"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types"),
-    ({"layer_types": ["linear_attention"] * 3}, "layer_types"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"), ({"index_head_dim": 4}, "index_head_dim"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"]}, "glm5_next"),
+        ({"q_lora_rank": None}, "q_lora_rank"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"indexer_types": ["shared", "full", "full"]}, "indexer_types"),
+        ({"indexer_types": ["full", "full"]}, "indexer_types"),
+        ({"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types"),
+        ({"layer_types": ["linear_attention"] * 3}, "layer_types"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"index_head_dim": 4}, "index_head_dim"),
+    ],
+)
 def test_unsupported_variants_are_refused(change: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         glm_moe_dsa.config_from_hf(BASE | change)
@@ -258,10 +298,15 @@ def test_indexer_schedule_follows_transformers() -> None:
 VERSION = {"anthropic-version": "2023-06-01"}
 ASK = "Weather in Paris?"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
-GLM_OUTPUT = ("The user wants weather.</think>Checking.<tool_call>get_weather<arg_key>city</arg_key>"
-              "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")  # fmt: skip
-EXPECTED = {"reasoning": "The user wants weather.", "text": "Checking.",
-            "calls": [("get_weather", {"city": "Paris", "days": 3})]}  # fmt: skip
+GLM_OUTPUT = (
+    "The user wants weather.</think>Checking.<tool_call>get_weather<arg_key>city</arg_key>"
+    "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+)
+EXPECTED = {
+    "reasoning": "The user wants weather.",
+    "text": "Checking.",
+    "calls": [("get_weather", {"city": "Paris", "days": 3})],
+}
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +326,12 @@ def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
     """GLM-5.3-Flash's published template renders the request (default effort max); the scripted
     model's GLM output comes back through the recipe's glm reasoning and glm47 tool parsers."""
     app.say(GLM_OUTPUT)
-    body = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256,
-            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]}  # fmt: skip
+    body = {
+        "model": "x",
+        "messages": [{"role": "user", "content": ASK}],
+        "max_tokens": 256,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}],
+    }
     response = app.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     _check_prompt(app.last_prompt())
@@ -302,27 +351,40 @@ def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
 
 def test_messages_with_reasoning_and_tool_call(app) -> None:
     app.say(GLM_OUTPUT)
-    body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}],
-            "tools": [{"name": "get_weather", "input_schema": CITY}]}  # fmt: skip
+    body = {
+        "model": "x",
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": ASK}],
+        "tools": [{"name": "get_weather", "input_schema": CITY}],
+    }
     response = app.post("/v1/messages", json=body, headers=VERSION)
     assert response.status_code == 200, response.text
     _check_prompt(app.last_prompt())
     blocks = response.json()["content"]
-    got = {"reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
-           "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
-           "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]}  # fmt: skip
+    got = {
+        "reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
+        "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
+        "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"],
+    }
     assert got == EXPECTED and response.json()["stop_reason"] == "tool_use"
 
 
 def test_responses_with_reasoning_and_tool_call(app) -> None:
     app.say(GLM_OUTPUT)
-    body = {"model": "x", "input": ASK, "max_output_tokens": 256, "reasoning": {"effort": "low"},
-            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]}  # fmt: skip
+    body = {
+        "model": "x",
+        "input": ASK,
+        "max_output_tokens": 256,
+        "reasoning": {"effort": "low"},
+        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
+    }
     response = app.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
     _check_prompt(app.last_prompt(), effort="Low")
     output = response.json()["output"]
-    got = {"reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
-           "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
-           "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"]}  # fmt: skip
+    got = {
+        "reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
+        "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
+        "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"],
+    }
     assert got == EXPECTED and response.json()["status"] == "completed"

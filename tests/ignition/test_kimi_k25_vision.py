@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -58,11 +57,15 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel("kimi_k3", tmp_path_factory.mktemp("ckpt") / "tiny-kimi-k25-vision", seed=3,
-                                 vision=True)  # fmt: skip
+    checkpoint = write_testmodel(
+        "kimi_k3", tmp_path_factory.mktemp("ckpt") / "tiny-kimi-k25-vision", seed=3, vision=True
+    )
     out = tmp_path_factory.mktemp("cores") / "kimi-k25-vision"
-    export_core(open_source(str(checkpoint)), load_recipe("kimi3"),
-                ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("kimi3"),
+        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
+    )
     return checkpoint, out
 
 
@@ -70,8 +73,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def reference(tiny: tuple[Path, Path]):
     from transformers import Kimi_K25ForConditionalGeneration
 
-    model = Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32,
-                                                             attn_implementation="eager")  # fmt: skip
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(
+        str(tiny[0]), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -83,8 +87,9 @@ def reference_processor(checkpoint: Path) -> Iterator[Any]:
     from transformers import PreTrainedTokenizerFast
     from transformers.image_utils import PILImageResampling
 
-    (image_processing, processing), real = import_processing(("kimi_k25.image_processing_kimi_k25",
-                                                              "kimi_k25.processing_kimi_k25"))
+    (image_processing, processing), real = import_processing(
+        ("kimi_k25.image_processing_kimi_k25", "kimi_k25.processing_kimi_k25")
+    )
     patch = pytest.MonkeyPatch()
     if not real:
         stand_in = functional()
@@ -117,8 +122,13 @@ def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
     m = core.manifest
     assert m.capabilities.vision and VISION in m.programs and m.vision is not None
     v = m.vision
-    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == \
-        ("navit", "torch_bicubic", 14, 2, 0)  # fmt: skip
+    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == (
+        "navit",
+        "torch_bicubic",
+        14,
+        2,
+        0,
+    )
     assert (v.patch_budget, v.max_side_patches, v.min_pixels, v.max_pixels) == (64, 16, 0, 0)
     assert v.max_image_tokens_per_image == v.image_feature_window_tokens == 64 // 4 + 16 // 2 + 1
     assert v.max_patches == 4 * v.max_image_tokens_per_image
@@ -185,13 +195,23 @@ def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], refer
         image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
         assert len(image_positions) == len(ours)
         for program in programs.values():  # chunks of 11 cut through the image rows
-            run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=11,
-                             image_features=ours, image_positions=image_positions)  # fmt: skip
+            run = run_prompt(
+                program,
+                weights,
+                m.kv,
+                m.limits.page_tokens,
+                ids,
+                chunk=11,
+                image_features=ours,
+                image_positions=image_positions,
+            )
             worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
             worst = max(worst, float((run.logprobs - expected).abs().max()))
     assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
-    print(f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
-          f"all prompt positions {worst:.3g}")
+    print(
+        f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
+        f"all prompt positions {worst:.3g}"
+    )
 
 
 def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Path, Path]) -> None:
@@ -204,8 +224,10 @@ def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Pat
     hf = load_file(str(tiny[0] / "model.safetensors"))
     core = Core.open(tiny[1])
     program, weights = core.load_program(VISION), core.load_weights()
-    for pixels, positions in (kimi_k25_vision.example_inputs(config.vision),
-                              (torch.randn(10 * 12, 3 * 14 * 14), kimi_k25_vision.block_order(10, 12, 2))):  # fmt: skip
+    for pixels, positions in (
+        kimi_k25_vision.example_inputs(config.vision),
+        (torch.randn(10 * 12, 3 * 14 * 14), kimi_k25_vision.block_order(10, 12, 2)),
+    ):
         got = program(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
         expected = kimi_k25_vision.reference_features(config.vision, hf, pixels, positions)
         assert got.shape == (len(pixels) // 4, 64)
@@ -219,8 +241,9 @@ def test_navit_costs_match_the_reference_over_many_sizes() -> None:
     profile = _profile()
     sizes = [(w, h) for w in (1, 13, 14, 27, 40, 150, 300, 333, 1000, 2048) for h in (1, 15, 28, 60, 200, 719, 4000)]
     for width, height in sizes:
-        expected = image_processing.navit_resize(height, width, patch_size=14, merge_kernel_size=2, max_patches=64,
-                                                  max_size_per_side=16)  # fmt: skip
+        expected = image_processing.navit_resize(
+            height, width, patch_size=14, merge_kernel_size=2, max_patches=64, max_size_per_side=16
+        )
         assert images.navit_resize(width, height, profile) == expected, (width, height)
         cost = images.cost(width, height, profile)
         assert (cost.height, cost.width) == expected[1]
@@ -231,12 +254,28 @@ def _profile():
     from helios.core import manifest as mf
 
     return mf.VisionProfile(
-        resize="navit", patch_size=14, pooling_kernel_size=2, max_patches=100, resample="torch_bicubic",
-        rescale_factor=1 / 255, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), placeholder_token_id=4,
-        image_token_id=8, prefix_token_ids=(5, 9, 6), suffix_token_ids=(7,), feature_dim=64, max_images_per_prompt=10,
-        max_image_tokens_per_prompt=100, image_feature_window_tokens=25, max_image_tokens_per_image=25,
-        max_image_pixels=10**8, max_image_bytes=1 << 20, patch_budget=64, max_side_patches=16,
-    )  # fmt: skip
+        resize="navit",
+        patch_size=14,
+        pooling_kernel_size=2,
+        max_patches=100,
+        resample="torch_bicubic",
+        rescale_factor=1 / 255,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+        placeholder_token_id=4,
+        image_token_id=8,
+        prefix_token_ids=(5, 9, 6),
+        suffix_token_ids=(7,),
+        feature_dim=64,
+        max_images_per_prompt=10,
+        max_image_tokens_per_prompt=100,
+        image_feature_window_tokens=25,
+        max_image_tokens_per_image=25,
+        max_image_pixels=10**8,
+        max_image_bytes=1 << 20,
+        patch_budget=64,
+        max_side_patches=16,
+    )
 
 
 def test_older_profiles_read_unchanged() -> None:
@@ -253,24 +292,34 @@ def test_older_profiles_read_unchanged() -> None:
     older |= {"resize": "aspect_ratio_patch_budget", "resample": "bicubic"}
     profile = msgspec.json.decode(msgspec.json.encode(older), type=mf.VisionProfile)
     assert (profile.patch_budget, profile.max_side_patches) == (0, 0)
-    fields = (profile.resize, profile.patch_size, profile.pooling_kernel_size, profile.max_patches, profile.resample,
-              profile.rescale_factor, profile.image_mean, profile.image_std)  # fmt: skip
+    fields = (
+        profile.resize,
+        profile.patch_size,
+        profile.pooling_kernel_size,
+        profile.max_patches,
+        profile.resample,
+        profile.rescale_factor,
+        profile.image_mean,
+        profile.image_std,
+    )
     assert profile.settings_digest() == hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
     assert _profile().settings_digest() != msgspec.structs.replace(_profile(), patch_budget=32).settings_digest()
 
 
-_TO_HUB = ((r"^model\.vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.blocks.\1.norm0."),
-           (r"^model\.vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.blocks.\1.norm1."),
-           (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc1\.", r"vision_tower.encoder.blocks.\1.mlp.fc0."),
-           (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc2\.", r"vision_tower.encoder.blocks.\1.mlp.fc1."),
-           (r"^model\.vision_tower\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.encoder.blocks.\1.wo."),
-           (r"^model\.vision_tower\.final_layernorm\.", "vision_tower.encoder.final_layernorm."),
-           (r"^model\.vision_tower\.patch_embed\.pos_emb\.position_embeddings$", "vision_tower.patch_embed.pos_emb.weight"),
-           (r"^model\.vision_tower\.patch_embed\.", "vision_tower.patch_embed."),
-           (r"^model\.mm_projector\.in_proj\.", "mm_projector.proj.0."),
-           (r"^model\.mm_projector\.out_proj\.", "mm_projector.proj.2."),
-           (r"^model\.mm_projector\.", "mm_projector."),
-           (r"^model\.language_model\.", "language_model.model."))  # fmt: skip
+_TO_HUB = (
+    (r"^model\.vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.blocks.\1.norm0."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.blocks.\1.norm1."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc1\.", r"vision_tower.encoder.blocks.\1.mlp.fc0."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc2\.", r"vision_tower.encoder.blocks.\1.mlp.fc1."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.encoder.blocks.\1.wo."),
+    (r"^model\.vision_tower\.final_layernorm\.", "vision_tower.encoder.final_layernorm."),
+    (r"^model\.vision_tower\.patch_embed\.pos_emb\.position_embeddings$", "vision_tower.patch_embed.pos_emb.weight"),
+    (r"^model\.vision_tower\.patch_embed\.", "vision_tower.patch_embed."),
+    (r"^model\.mm_projector\.in_proj\.", "mm_projector.proj.0."),
+    (r"^model\.mm_projector\.out_proj\.", "mm_projector.proj.2."),
+    (r"^model\.mm_projector\.", "mm_projector."),
+    (r"^model\.language_model\.", "language_model.model."),
+)
 _QKV = re.compile(r"^model\.vision_tower\.layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$")
 
 

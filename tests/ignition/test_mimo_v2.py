@@ -34,8 +34,10 @@ from tests.ignition.family_checks import GREEDY, TEXTS, check_generation_matches
 
 PAGE = 16
 WINDOW = 8
-CHAT = [{"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "What is the capital of France? Answer in one word, please."}]  # fmt: skip
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France? Answer in one word, please."},
+]
 LONG = TEXTS[0] + " " + TEXTS[3]
 
 
@@ -48,7 +50,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _hf_model(checkpoint: Path):
     from transformers import MiMoV2FlashForCausalLM
 
-    return MiMoV2FlashForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager").eval()
+    return MiMoV2FlashForCausalLM.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +79,11 @@ def test_config_and_core_record_the_mimo_layout(tiny: tuple[Path, Path]) -> None
     assert (c.kv_heads(False), c.kv_heads(True), c.value_scale) == (1, 2, 0.707)
     m = Core.open(tiny[1]).manifest
     assert (m.model.family, m.recipe.name, m.limits.page_tokens) == ("mimo_v2", "mimo_v2", PAGE)
-    assert (m.recipe.reasoning_syntax, m.recipe.tool_syntax, m.recipe.template_source) == ("think", "mimo", "checkpoint")
+    assert (m.recipe.reasoning_syntax, m.recipe.tool_syntax, m.recipe.template_source) == (
+        "think",
+        "mimo",
+        "checkpoint",
+    )
     # one packed key|value tensor per layer: 2 kv heads x (24 + 16), then the MTP layer's
     assert m.kv.shared_kv and (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) == (5, 2, 40)
     assert [(e.name, e.layers) for e in m.kv.extra] == [("mtp_kv", (5,))] and m.kv.num_caches == 6
@@ -95,10 +103,19 @@ def test_transformers_spellings_read_the_same_config(tiny: tuple[Path, Path], tm
     ours = json.loads((tiny[0] / "config.json").read_text())
     assert native["sliding_window"] == WINDOW
     assert mimo_v2.config_from_hf(native) == mimo_v2.config_from_hf(ours)
-    hub = {k: v for k, v in ours.items() if k not in ("layer_types", "mlp_layer_types", "rope_parameters",
-                                                          "hybrid_layer_pattern", "moe_layer_freq")}  # fmt: skip
-    hub |= {"num_hidden_layers": 7, "rope_theta": 5_000_000.0, "swa_rope_theta": 10_000.0,
-            "partial_rotary_factor": 0.334, "routed_scaling_factor": None, "attention_value_scale": None}  # fmt: skip
+    hub = {
+        k: v
+        for k, v in ours.items()
+        if k not in ("layer_types", "mlp_layer_types", "rope_parameters", "hybrid_layer_pattern", "moe_layer_freq")
+    }
+    hub |= {
+        "num_hidden_layers": 7,
+        "rope_theta": 5_000_000.0,
+        "swa_rope_theta": 10_000.0,
+        "partial_rotary_factor": 0.334,
+        "routed_scaling_factor": None,
+        "attention_value_scale": None,
+    }
     c = mimo_v2.config_from_hf(hub)
     assert c.layer_windows == (0, WINDOW, WINDOW, WINDOW, WINDOW, 0, WINDOW)  # full at 0 and every 6th
     assert c.layer_sparse == (False,) + (True,) * 6
@@ -116,25 +133,50 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "softmax_router": ({"scoring_func": "softmax"}, "scoring_func"),
     "greedy_topk": ({"topk_method": "greedy"}, "topk_method"),
     "gelu": ({"hidden_act": "gelu"}, "hidden_act"),
-    "yarn": ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0},
-                                  "sliding_attention": _ROPE_SLIDING}}, "rope_type"),
+    "yarn": (
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0},
+                "sliding_attention": _ROPE_SLIDING,
+            }
+        },
+        "rope_type",
+    ),
     "flat_rope": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "rope_parameters"),
-    "odd_rotary": ({"head_dim": 23, "rope_parameters": {"sliding_attention": _ROPE_SLIDING, "full_attention":
-                   {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 1.0}}}, "partial_rotary_factor"),
+    "odd_rotary": (
+        {
+            "head_dim": 23,
+            "rope_parameters": {
+                "sliding_attention": _ROPE_SLIDING,
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 1.0},
+            },
+        },
+        "partial_rotary_factor",
+    ),
     "swa_kv_heads": ({"swa_num_key_value_heads": 4}, "swa_num_key_value_heads"),
     "swa_head_dim": ({"swa_head_dim": 32}, "swa_head_dim"),
     "swa_v_head_dim": ({"swa_v_head_dim": 24}, "swa_v_head_dim"),
     "kv_heads": ({"num_key_value_heads": 3}, "num_key_value_heads"),
     "pattern_disagrees": ({"hybrid_layer_pattern": [0, 1, 1, 1, 1]}, "hybrid_layer_pattern"),
     "moe_freq_disagrees": ({"moe_layer_freq": [0, 1, 1, 1, 1]}, "moe_layer_freq"),
-    "layer_types": ({"layer_types": ["full_attention", "chunked_attention", "sliding_attention", "full_attention",
-                                     "sliding_attention"]}, "layer_types"),
+    "layer_types": (
+        {
+            "layer_types": [
+                "full_attention",
+                "chunked_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ]
+        },
+        "layer_types",
+    ),
     "hub_rope_theta": ({"rope_parameters": None, "rope_theta": 1e6}, "rope_theta"),
     "hub_partial_rotary": ({"rope_parameters": None, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     "eps_disagrees": ({"layernorm_epsilon": 1e-6}, "layernorm_epsilon"),
     "no_window": ({"sliding_window": 0, "sliding_window_size": None}, "sliding_window"),
     "quantized": ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -197,8 +239,10 @@ def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     tok = core.tokenizer()
     preamble = "You are a helpful assistant. Answer briefly and precisely. "
     texts = [*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is"]
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-                for i, t in enumerate(texts)]  # fmt: skip
+    requests = [
+        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+        for i, t in enumerate(texts)
+    ]
 
     def tokens(outputs: dict) -> dict[str, list[int]]:
         return {rid: choices[0].token_ids for rid, choices in outputs.items()}
@@ -230,7 +274,9 @@ def test_transformers_layout_reads_the_same_weights(tiny: tuple[Path, Path], ref
     assert renamed.keys() == main and all(torch.equal(renamed[n], plain[n]) for n in main)
     assert plain["layers.1.w_experts_gate_up"].shape == (8, 64, 64) and "layers.0.w_gate_up" in plain
     ids = list(range(3, 40))
-    assert torch.equal(mimo_v2.reference_logits(config, native, ids), mimo_v2.reference_logits(config, checkpoint.tensors, ids))
+    assert torch.equal(
+        mimo_v2.reference_logits(config, native, ids), mimo_v2.reference_logits(config, checkpoint.tensors, ids)
+    )
     no_mtp = replace(config, num_mtp_layers=0)
     assert not any(n.startswith("mtp.") for n in internal_weights(mimo_v2, checkpoint, no_mtp, torch.float32))
     with pytest.raises(SourceError, match="num_nextn_predict_layers"):  # save_pretrained drops model.mtp.*
@@ -247,8 +293,15 @@ def test_tied_variant_with_transformers_defaults_matches(tmp_path: Path) -> None
     and exported core against transformers."""
     checkpoint = write_testmodel("mimo_v2", tmp_path / "ckpt", seed=5)
     config = json.loads((checkpoint / "config.json").read_text())
-    dropped = ("layer_types", "hybrid_layer_pattern", "mlp_layer_types", "moe_layer_freq", "rope_parameters",
-               "attention_value_scale", "num_nextn_predict_layers")  # fmt: skip
+    dropped = (
+        "layer_types",
+        "hybrid_layer_pattern",
+        "mlp_layer_types",
+        "moe_layer_freq",
+        "rope_parameters",
+        "attention_value_scale",
+        "num_nextn_predict_layers",
+    )
     config = {k: v for k, v in config.items() if k not in dropped}
     config |= {"tie_word_embeddings": True, "num_hidden_layers": 6, "head_dim": 16, "v_head_dim": 16}
     (checkpoint / "config.json").write_text(json.dumps(config))
@@ -296,8 +349,9 @@ def test_sink_attention_kernel_matches_reference() -> None:
                 assert got.shape == (15, 6, 5) and float((got - want).abs().max()) <= 1e-5
     # without sinks and with equal widths it is flare::paged_attention over the split halves
     packed = torch.randn(12, 4, 2, 16, generator=generator)
-    plain = torch.ops.flare.paged_attention(q, packed[..., :8].contiguous(), packed[..., 8:].contiguous(), tables,
-                                            seq_lens, starts, positions, 0.3, 3)  # fmt: skip
+    plain = torch.ops.flare.paged_attention(
+        q, packed[..., :8].contiguous(), packed[..., 8:].contiguous(), tables, seq_lens, starts, positions, 0.3, 3
+    )
     assert float((sink_attention(q, packed, tables, seq_lens, starts, positions, 0.3, 3) - plain).abs().max()) <= 1e-5
 
 
@@ -307,8 +361,14 @@ def test_sinks_take_weight_from_the_visible_keys() -> None:
     from helios.core.ops_sinks import sink_attention
 
     cache = torch.randn(2, 4, 1, 6)
-    args = (torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
-            torch.tensor([0, 5], dtype=torch.int32), torch.arange(5), 0.5, 0)  # fmt: skip
+    args = (
+        torch.tensor([[0, 1]], dtype=torch.int32),
+        torch.tensor([5], dtype=torch.int32),
+        torch.tensor([0, 5], dtype=torch.int32),
+        torch.arange(5),
+        0.5,
+        0,
+    )
     q = torch.randn(5, 2, 3)
     plain = sink_attention(q, cache, *args)
     sunk = sink_attention(q, cache, *args, torch.tensor([80.0, -80.0]))
@@ -326,17 +386,25 @@ def _transformers_mtp_block(checkpoint: Path, tensors: dict[str, torch.Tensor]):
 
     hf = json.loads((checkpoint / "config.json").read_text())
     drop = ("num_hidden_layers", "layer_types", "hybrid_layer_pattern", "mlp_layer_types", "moe_layer_freq")
-    config = MiMoV2FlashConfig(**{k: v for k, v in hf.items() if k not in drop}, num_hidden_layers=1,
-                               layer_types=["sliding_attention"], mlp_layer_types=["dense"])  # fmt: skip
+    config = MiMoV2FlashConfig(
+        **{k: v for k, v in hf.items() if k not in drop},
+        num_hidden_layers=1,
+        layer_types=["sliding_attention"],
+        mlp_layer_types=["dense"],
+    )
     config._attn_implementation = "eager"
     block = MiMoV2FlashModel(config).eval()
     prefix = "model.mtp.layers.0."
-    state = {"embed_tokens.weight": tensors["model.embed_tokens.weight"],
-             "norm.weight": tensors[prefix + "final_layernorm.weight"]}  # fmt: skip
+    state = {
+        "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+        "norm.weight": tensors[prefix + "final_layernorm.weight"],
+    }
     for name, tensor in tensors.items():
-        inner = name[len(prefix):]
+        inner = name[len(prefix) :]
         if name.startswith(prefix) and not inner.startswith(("enorm", "hnorm", "eh_proj", "final_layernorm")):
-            inner = inner.replace("attention_sink_bias", "sinks").replace("pre_mlp_layernorm", "post_attention_layernorm")
+            inner = inner.replace("attention_sink_bias", "sinks").replace(
+                "pre_mlp_layernorm", "post_attention_layernorm"
+            )
             state["layers.0." + inner] = tensor
     missing, unexpected = block.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary_emb" in n for n in missing), (missing, unexpected)
@@ -392,9 +460,15 @@ ASK = "Weather in Paris?"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 THINK = {"enable_thinking": True}
 # What MiMo writes after the prompt's "<|im_start|>assistant\n<think>": compact calls, values verbatim.
-OUTPUT = ("The user wants weather.</think>Checking.<tool_call>\n<function=get_weather>\n<parameter=city>Paris"
-          "</parameter>\n<parameter=days>3</parameter>\n</function>\n</tool_call><|im_end|>")  # fmt: skip
-EXPECTED = {"reasoning": "The user wants weather.", "text": "Checking.", "calls": [("get_weather", {"city": "Paris", "days": 3})]}
+OUTPUT = (
+    "The user wants weather.</think>Checking.<tool_call>\n<function=get_weather>\n<parameter=city>Paris"
+    "</parameter>\n<parameter=days>3</parameter>\n</function>\n</tool_call><|im_end|>"
+)
+EXPECTED = {
+    "reasoning": "The user wants weather.",
+    "text": "Checking.",
+    "calls": [("get_weather", {"city": "Paris", "days": 3})],
+}
 
 
 @pytest.fixture(scope="module")
@@ -423,25 +497,40 @@ def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
 def test_chat_history_renders_calls_and_results(app) -> None:
     """A call and its result in the history render in MiMo's spelling; thinking stays off by default."""
     app.say("It is sunny.<|im_end|>")
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}
-    messages = [{"role": "user", "content": ASK}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
-    body = {"model": "x", "messages": messages, "max_tokens": 64,
-            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]}  # fmt: skip
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+    }
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    body = {
+        "model": "x",
+        "messages": messages,
+        "max_tokens": 64,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}],
+    }
     response = app.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "It is sunny."
     prompt = app.last_prompt() or ""
-    assert ("<|im_start|>assistant\n<think></think><tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
-            "<parameter=days>3</parameter>\n</function>\n</tool_call><|im_end|>") in prompt
-    assert prompt.endswith("<|im_start|>tool\n<tool_response>\nsunny\n</tool_response><|im_end|>"
-                           "<|im_start|>assistant\n<think></think>")  # fmt: skip
+    assert (
+        "<|im_start|>assistant\n<think></think><tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+        "<parameter=days>3</parameter>\n</function>\n</tool_call><|im_end|>"
+    ) in prompt
+    assert prompt.endswith(
+        "<|im_start|>tool\n<tool_response>\nsunny\n</tool_response><|im_end|><|im_start|>assistant\n<think></think>"
+    )
 
 
 def test_messages_with_reasoning_and_tool_call(app) -> None:
     app.say(OUTPUT)
-    got, finish = family_checks.tool_round_trip(app, "messages", ASK, CITY,
-                                                thinking={"type": "enabled", "budget_tokens": 1024})
+    got, finish = family_checks.tool_round_trip(
+        app, "messages", ASK, CITY, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
     _check_prompt(app)
     assert got == EXPECTED and finish == "tool_use"
 

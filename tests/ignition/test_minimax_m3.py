@@ -34,10 +34,19 @@ from tests.ignition.family_checks import TEXTS, check_batching_invariance, check
 # width (transformers truncates cos/sin to it) and tied embeddings.
 VARIANTS: dict[str, tuple[dict[str, object], int]] = {
     "default": ({}, 16),
-    "wide": ({"index_n_heads": 1, "index_block_size": 8, "index_topk_blocks": 2, "index_local_blocks": 2,
-              "index_head_dim": 4, "layer_types": ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
-              "tie_word_embeddings": True}, 4),
-}  # fmt: skip
+    "wide": (
+        {
+            "index_n_heads": 1,
+            "index_block_size": 8,
+            "index_topk_blocks": 2,
+            "index_local_blocks": 2,
+            "index_head_dim": 4,
+            "layer_types": ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+            "tie_word_embeddings": True,
+        },
+        4,
+    ),
+}
 LONG = " ".join(TEXTS)  # ~150 tokens: dozens of blocks, far more than topk + local
 
 
@@ -48,7 +57,11 @@ def write_variant(out: Path, changes: dict[str, object], seed: int) -> Path:
     config = json.loads((out / "config.json").read_text()) | changes
     generator = torch.Generator().manual_seed(seed)
     shapes = minimax_m3.hf_shapes(minimax_m3.config_from_hf(config))
-    save_file({n: _init(n, s, generator) for n, s in shapes.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {n: _init(n, s, generator) for n, s in shapes.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -59,16 +72,20 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     changes, page = VARIANTS[request.param]
     checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"tiny-minimax-{request.param}", changes, seed=3)
     core = tmp_path_factory.mktemp("cores") / f"tiny-minimax-{request.param}"
-    export_core(open_source(str(checkpoint)), load_recipe("minimax_m3"),
-                ExportOptions(out=core, prompt_logprobs=True, page_tokens=page))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("minimax_m3"),
+        ExportOptions(out=core, prompt_logprobs=True, page_tokens=page),
+    )
     return checkpoint, core, page
 
 
 def _hf_model(checkpoint: Path, **overrides: object):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager",
-                                                 **overrides)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="eager", **overrides
+    )
     assert type(model).__name__ == "MiniMaxM3VLForCausalLM"
     return model.eval()
 
@@ -116,7 +133,16 @@ def test_engine_generation_matches_transformers(exported: tuple[Path, Path, int]
 
 
 def test_engine_batching_invariance(exported: tuple[Path, Path, int]) -> None:
-    texts = [TEXTS[0], TEXTS[1], TEXTS[2], TEXTS[3], LONG, "Water boils at", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "My name"]
+    texts = [
+        TEXTS[0],
+        TEXTS[1],
+        TEXTS[2],
+        TEXTS[3],
+        LONG,
+        "Water boils at",
+        "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",
+        "My name",
+    ]
     check_batching_invariance(exported[1], texts)
 
 
@@ -155,7 +181,10 @@ def _minimax_layout(tensors: dict[str, torch.Tensor], config: minimax_m3.MiniMax
         if name.endswith("experts.gate_up_proj"):
             for e in range(t.shape[0]):
                 gate, up = t[e].chunk(2, dim=0)
-                out[name.replace("gate_up_proj", f"{e}.w1.weight")], out[name.replace("gate_up_proj", f"{e}.w3.weight")] = gate, up
+                (
+                    out[name.replace("gate_up_proj", f"{e}.w1.weight")],
+                    out[name.replace("gate_up_proj", f"{e}.w3.weight")],
+                ) = gate, up
         elif name.endswith("experts.down_proj"):
             for e in range(t.shape[0]):
                 out[name.replace("down_proj", f"{e}.w2.weight")] = t[e]
@@ -173,8 +202,12 @@ def test_minimax_multimodal_layout_reads_the_same_model(tmp_path: Path) -> None:
     text layout; vision tensors are refused by name."""
     checkpoint = open_source(str(write_testmodel("minimax_m3", tmp_path / "ckpt", seed=2)))
     hf = checkpoint.hf_config
-    nested = {"architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
-              "text_config": hf, "vision_config": {"hidden_size": 32}}  # fmt: skip
+    nested = {
+        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+        "model_type": "minimax_m3_vl",
+        "text_config": hf,
+        "vision_config": {"hidden_size": 32},
+    }
     assert family_of_hf_config(nested) == "minimax_m3" and family_of_hf_config(hf) == "minimax_m3"
     config = minimax_m3.config_from_hf(nested)
     assert config == minimax_m3.config_from_hf(hf)
@@ -182,15 +215,18 @@ def test_minimax_multimodal_layout_reads_the_same_model(tmp_path: Path) -> None:
     assert "language_model.model.layers.1.block_sparse_moe.experts.7.w3.weight" in original
     assert "language_model.model.layers.0.self_attn.index_q_proj.weight" in original
     ids = list(range(3, 40))
-    assert torch.equal(minimax_m3.reference_logits(config, original, ids),
-                       minimax_m3.reference_logits(config, checkpoint.tensors, ids))  # fmt: skip
+    assert torch.equal(
+        minimax_m3.reference_logits(config, original, ids), minimax_m3.reference_logits(config, checkpoint.tensors, ids)
+    )
     from dataclasses import replace
 
     plain = internal_weights(minimax_m3, checkpoint, config, torch.float32)
     renamed = internal_weights(minimax_m3, replace(checkpoint, tensors=original), config, torch.float32)
     assert renamed.keys() == plain.keys() and all(torch.equal(renamed[n], plain[n]) for n in plain)
-    transformers_mm = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t
-                       for n, t in checkpoint.tensors.items()}  # fmt: skip
+    transformers_mm = {
+        ("model.language_model." + n[len("model.") :] if n.startswith("model.") else n): t
+        for n, t in checkpoint.tensors.items()
+    }
     again = internal_weights(minimax_m3, replace(checkpoint, tensors=transformers_mm), config, torch.float32)
     assert again.keys() == plain.keys()
     vision = dict(original, **{"vision_tower.vision_model.embeddings.patch_embedding.weight": torch.zeros(2, 2)})
@@ -203,24 +239,37 @@ def test_minimax_multimodal_layout_reads_the_same_model(tmp_path: Path) -> None:
 
 def test_legacy_sparse_attention_config_reads_the_same_layers() -> None:
     config = minimax_m3.testmodel_config(300)
-    legacy = {k: v for k, v in config.items() if not k.startswith("index_") and k not in ("layer_types", "mlp_layer_types")}
-    legacy |= {"moe_layer_freq": [0, 1, 1], "sparse_attention_config": {
-        "sparse_attention_freq": [1, 0, 1], "sparse_num_index_heads": 2, "sparse_index_dim": 16, "sparse_block_size": 4,
-        "sparse_topk_blocks": 3, "sparse_local_block": 1}}  # fmt: skip
+    legacy = {
+        k: v for k, v in config.items() if not k.startswith("index_") and k not in ("layer_types", "mlp_layer_types")
+    }
+    legacy |= {
+        "moe_layer_freq": [0, 1, 1],
+        "sparse_attention_config": {
+            "sparse_attention_freq": [1, 0, 1],
+            "sparse_num_index_heads": 2,
+            "sparse_index_dim": 16,
+            "sparse_block_size": 4,
+            "sparse_topk_blocks": 3,
+            "sparse_local_block": 1,
+        },
+    }
     assert minimax_m3.config_from_hf(legacy) == minimax_m3.config_from_hf(config)
 
 
-@pytest.mark.parametrize("change", [
-    {"layer_types": ["sliding_attention", "full_attention", "minimax_m3_sparse"]},
-    {"mlp_layer_types": ["dense", "sparse"]},
-    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
-    {"rotary_dim": 16},
-    {"index_n_heads": 3},
-    {"index_local_blocks": 4},
-    {"swiglu_limit": 0.0},
-    {"shared_intermediate_size": 0},
-    {"quantization_config": {"quant_method": "fp8"}},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"layer_types": ["sliding_attention", "full_attention", "minimax_m3_sparse"]},
+        {"mlp_layer_types": ["dense", "sparse"]},
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+        {"rotary_dim": 16},
+        {"index_n_heads": 3},
+        {"index_local_blocks": 4},
+        {"swiglu_limit": 0.0},
+        {"shared_intermediate_size": 0},
+        {"quantization_config": {"quant_method": "fp8"}},
+    ],
+)
 def test_unsupported_variants_are_refused(change: dict[str, object]) -> None:
     field = next(iter(change)) if "rope_parameters" not in change else "rope_type"
     with pytest.raises(ValueError, match=field):
@@ -231,9 +280,11 @@ def test_unsupported_variants_are_refused(change: dict[str, object]) -> None:
 
 NS = "]<]minimax[>["
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
-MINIMAX_OUTPUT = (f"<mm:think>The user wants weather.</mm:think>Checking.{NS}<tool_call>\n"
-                  f'{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>3{NS}</days>{NS}</invoke>\n'
-                  f"{NS}</tool_call>[e~[")  # fmt: skip
+MINIMAX_OUTPUT = (
+    f"<mm:think>The user wants weather.</mm:think>Checking.{NS}<tool_call>\n"
+    f'{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>3{NS}</days>{NS}</invoke>\n'
+    f"{NS}</tool_call>[e~["
+)
 CALL = ("get_weather", {"city": "Paris", "days": 3})
 
 
@@ -256,8 +307,12 @@ def test_chat_completions_with_reasoning_and_tool_call(chat_core: Path) -> None:
     with scripted_app(chat_core) as app:
         app.say(MINIMAX_OUTPUT)
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
-        body = {"model": "x", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
-                "max_tokens": 256}  # fmt: skip
+        body = {
+            "model": "x",
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": tools,
+            "max_tokens": 256,
+        }
         response = app.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         _check_prompt(app.last_prompt())
@@ -286,8 +341,12 @@ def test_anthropic_messages_with_reasoning_and_tool_call(chat_core: Path) -> Non
 
     with scripted_app(chat_core) as app:
         app.say(MINIMAX_OUTPUT)
-        body = {"model": "claude-x", "max_tokens": 256, "messages": [{"role": "user", "content": "Weather in Paris?"}],
-                "tools": [{"name": "get_weather", "description": "Weather in a city", "input_schema": CITY}]}  # fmt: skip
+        body = {
+            "model": "claude-x",
+            "max_tokens": 256,
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [{"name": "get_weather", "description": "Weather in a city", "input_schema": CITY}],
+        }
         response = app.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
         assert response.status_code == 200, response.text
         _check_prompt(app.last_prompt())
@@ -302,8 +361,15 @@ def test_responses_with_reasoning_and_tool_call(chat_core: Path) -> None:
 
     with scripted_app(chat_core) as app:
         app.say(MINIMAX_OUTPUT)
-        body = {"model": "codex-x", "input": "Weather in Paris?", "max_output_tokens": 256, "store": False,
-                "tools": [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": CITY}]}  # fmt: skip
+        body = {
+            "model": "codex-x",
+            "input": "Weather in Paris?",
+            "max_output_tokens": 256,
+            "store": False,
+            "tools": [
+                {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": CITY}
+            ],
+        }
         response = app.post("/v1/responses", json=body)
         assert response.status_code == 200, response.text
         _check_prompt(app.last_prompt())

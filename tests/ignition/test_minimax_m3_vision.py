@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -56,11 +55,15 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel("minimax_m3", tmp_path_factory.mktemp("ckpt") / "tiny-minimax-m3-vision", seed=3,
-                                 vision=True)  # fmt: skip
+    checkpoint = write_testmodel(
+        "minimax_m3", tmp_path_factory.mktemp("ckpt") / "tiny-minimax-m3-vision", seed=3, vision=True
+    )
     out = tmp_path_factory.mktemp("cores") / "minimax-m3-vision"
-    export_core(open_source(str(checkpoint)), load_recipe("minimax_m3"),
-                ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("minimax_m3"),
+        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
+    )
     return checkpoint, out
 
 
@@ -68,8 +71,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def reference(tiny: tuple[Path, Path]):
     from transformers import MiniMaxM3SparseForConditionalGeneration
 
-    model = MiniMaxM3SparseForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32,
-                                                                    attn_implementation="eager")  # fmt: skip
+    model = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
+        str(tiny[0]), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -81,8 +85,9 @@ def reference_processor(checkpoint: Path) -> Iterator[Any]:
     from transformers import PreTrainedTokenizerFast
     from transformers.image_utils import PILImageResampling
 
-    (image_processing, processing), real = import_processing(("minimax_m3_vl.image_processing_minimax_m3_vl",
-                                                              "minimax_m3_vl.processing_minimax_m3_vl"))
+    (image_processing, processing), real = import_processing(
+        ("minimax_m3_vl.image_processing_minimax_m3_vl", "minimax_m3_vl.processing_minimax_m3_vl")
+    )
     patch = pytest.MonkeyPatch()
     if not real:
         patch.setattr(backends, "tvF", functional(), raising=False)
@@ -113,8 +118,13 @@ def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
     m = core.manifest
     assert m.capabilities.vision and VISION in m.programs and m.vision is not None
     v = m.vision
-    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == \
-        ("smart_resize", "torch_bicubic", 14, 2, 2)  # fmt: skip
+    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == (
+        "smart_resize",
+        "torch_bicubic",
+        14,
+        2,
+        2,
+    )
     assert (v.min_pixels, v.max_pixels) == (4 * 28 * 28, 64 * 28 * 28)
     assert v.max_image_tokens_per_image == v.image_feature_window_tokens == 64 and v.max_patches == 256
     assert v.max_image_tokens_per_prompt == m.limits.max_model_len - 3
@@ -126,7 +136,9 @@ def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
     assert m.programs[VISION].inputs[0].shape == ("X", 3 * 2 * 14 * 14)
     assert [t.name for t in m.programs[STEP].inputs][-2:] == ["image_features", "image_rows"]
     assert m.golden.max_abs_diff <= TOLERANCE
-    assert m.decode_weight_bytes < sum(t.numel() * 4 for n, t in core.load_weights().items() if not n.startswith("vision."))
+    assert m.decode_weight_bytes < sum(
+        t.numel() * 4 for n, t in core.load_weights().items() if not n.startswith("vision.")
+    )
 
 
 def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], processor) -> None:
@@ -152,7 +164,12 @@ def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], pr
         assert thw[:, 0].eq(0).all() and positions.tolist() == thw[:, [2, 1]].tolist()
         ids, runs = images.token_layout(cost, profile)
         assert ids == processed["input_ids"][0].tolist()
-        assert cost.num_tokens == cost.num_patches // 4 == sum(rows for _, rows in runs) == ids.count(profile.image_token_id)
+        assert (
+            cost.num_tokens
+            == cost.num_patches // 4
+            == sum(rows for _, rows in runs)
+            == ids.count(profile.image_token_id)
+        )
 
 
 def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], reference, processor) -> None:
@@ -176,13 +193,23 @@ def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], refer
         image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
         assert len(image_positions) == len(ours)
         for program in programs.values():  # chunks of 11 cut through the image rows
-            run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=11,
-                             image_features=ours, image_positions=image_positions)  # fmt: skip
+            run = run_prompt(
+                program,
+                weights,
+                m.kv,
+                m.limits.page_tokens,
+                ids,
+                chunk=11,
+                image_features=ours,
+                image_positions=image_positions,
+            )
             worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
             worst = max(worst, float((run.logprobs - expected).abs().max()))
     assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
-    print(f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
-          f"all prompt positions {worst:.3g}")
+    print(
+        f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
+        f"all prompt positions {worst:.3g}"
+    )
 
 
 def test_minimax_hub_vision_layout_reads_the_same_weights(tiny: tuple[Path, Path], tmp_path: Path) -> None:
@@ -194,12 +221,14 @@ def test_minimax_hub_vision_layout_reads_the_same_weights(tiny: tuple[Path, Path
 
     from ignition.errors import SourceError
 
-    renames = (("model.vision_tower.embeddings.proj.", "vision_tower.vision_model.embeddings.patch_embedding."),
-               ("model.vision_tower.layers.", "vision_tower.vision_model.encoder.layers."),
-               ("model.vision_tower.pre_layrnorm.", "vision_tower.vision_model.pre_layrnorm."),
-               ("model.multi_modal_projector.merge_linear_", "patch_merge_mlp.linear_"),
-               ("model.multi_modal_projector.", "multi_modal_projector."),
-               ("model.language_model.", "language_model.model."))  # fmt: skip
+    renames = (
+        ("model.vision_tower.embeddings.proj.", "vision_tower.vision_model.embeddings.patch_embedding."),
+        ("model.vision_tower.layers.", "vision_tower.vision_model.encoder.layers."),
+        ("model.vision_tower.pre_layrnorm.", "vision_tower.vision_model.pre_layrnorm."),
+        ("model.multi_modal_projector.merge_linear_", "patch_merge_mlp.linear_"),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("model.language_model.", "language_model.model."),
+    )
     source = tmp_path / "hub"
     shutil.copytree(tiny[0], source)
     tensors = {}
@@ -209,7 +238,10 @@ def test_minimax_hub_vision_layout_reads_the_same_weights(tiny: tuple[Path, Path
                 name = theirs + name[len(ours) :]
                 break
         tensors[name] = t
-    assert "patch_merge_mlp.linear_1.weight" in tensors and "vision_tower.vision_model.encoder.layers.1.mlp.fc2.bias" in tensors
+    assert (
+        "patch_merge_mlp.linear_1.weight" in tensors
+        and "vision_tower.vision_model.encoder.layers.1.mlp.fc2.bias" in tensors
+    )
     save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
     out = tmp_path / "core"
     export_core(open_source(str(source)), load_recipe("minimax_m3"), ExportOptions(out=out, dtype="float32"))
@@ -234,8 +266,9 @@ def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Pat
     got = core.load_program(VISION)(core.load_weights(), [], pixel_values=pixels, pixel_positions=positions)
     from safetensors.torch import load_file
 
-    expected = minimax_m3_vision.reference_features(config.vision, load_file(str(tiny[0] / "model.safetensors")),
-                                                    pixels, positions)  # fmt: skip
+    expected = minimax_m3_vision.reference_features(
+        config.vision, load_file(str(tiny[0] / "model.safetensors")), pixels, positions
+    )
     assert got["image_features"].shape == (6, 64)
     assert float((got["image_features"] - expected).abs().max()) <= 1e-4
 
@@ -249,8 +282,9 @@ def test_smart_resize_costs_match_the_reference_over_many_sizes() -> None:
     sizes = [(w, h) for w in (1, 13, 14, 27, 40, 150, 300, 333, 1000, 2048) for h in (1, 15, 28, 60, 200, 719, 4000)]
     for width, height in sizes:
         try:
-            expected = image_processing.smart_resize(height, width, factor=28, min_pixels=profile.min_pixels,
-                                                     max_pixels=profile.max_pixels)  # fmt: skip
+            expected = image_processing.smart_resize(
+                height, width, factor=28, min_pixels=profile.min_pixels, max_pixels=profile.max_pixels
+            )
         except ValueError:
             with pytest.raises(images.ImageError, match="aspect ratio is over 200"):
                 images.cost(width, height, profile)
@@ -264,12 +298,29 @@ def _profile():
     from helios.core import manifest as mf
 
     return mf.VisionProfile(
-        resize="smart_resize", patch_size=14, pooling_kernel_size=2, max_patches=256, resample="torch_bicubic",
-        rescale_factor=1 / 255, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), placeholder_token_id=6,
-        image_token_id=6, prefix_token_ids=(8,), suffix_token_ids=(9,), feature_dim=64, max_images_per_prompt=10,
-        max_image_tokens_per_prompt=100, image_feature_window_tokens=64, max_image_tokens_per_image=64,
-        max_image_pixels=10**8, max_image_bytes=1 << 20, min_pixels=4 * 784, max_pixels=64 * 784, temporal_patch_size=2,
-    )  # fmt: skip
+        resize="smart_resize",
+        patch_size=14,
+        pooling_kernel_size=2,
+        max_patches=256,
+        resample="torch_bicubic",
+        rescale_factor=1 / 255,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+        placeholder_token_id=6,
+        image_token_id=6,
+        prefix_token_ids=(8,),
+        suffix_token_ids=(9,),
+        feature_dim=64,
+        max_images_per_prompt=10,
+        max_image_tokens_per_prompt=100,
+        image_feature_window_tokens=64,
+        max_image_tokens_per_image=64,
+        max_image_pixels=10**8,
+        max_image_bytes=1 << 20,
+        min_pixels=4 * 784,
+        max_pixels=64 * 784,
+        temporal_patch_size=2,
+    )
 
 
 def test_older_profiles_read_unchanged() -> None:
@@ -287,7 +338,15 @@ def test_older_profiles_read_unchanged() -> None:
     older |= {"resize": "aspect_ratio_patch_budget", "resample": "bicubic"}
     profile = msgspec.json.decode(msgspec.json.encode(older), type=mf.VisionProfile)
     assert (profile.min_pixels, profile.max_pixels, profile.temporal_patch_size) == (0, 0, 0)
-    fields = (profile.resize, profile.patch_size, profile.pooling_kernel_size, profile.max_patches, profile.resample,
-              profile.rescale_factor, profile.image_mean, profile.image_std)  # fmt: skip
+    fields = (
+        profile.resize,
+        profile.patch_size,
+        profile.pooling_kernel_size,
+        profile.max_patches,
+        profile.resample,
+        profile.rescale_factor,
+        profile.image_mean,
+        profile.image_std,
+    )
     assert profile.settings_digest() == hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
     assert _profile().settings_digest() != msgspec.structs.replace(_profile(), max_pixels=32 * 784).settings_digest()

@@ -46,20 +46,50 @@ def _qwen3(e: int, k: int, norm: bool):
 def _deepseek_v3(e: int, k: int, norm: bool):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    config = _config(num_local_experts=e, num_experts_per_tok=k, norm_topk_prob=norm, n_group=4, topk_group=2,
-                     routed_scaling_factor=2.5)  # fmt: skip
-    spec = moe.RouterSpec(e, k, "sigmoid", norm, routed_scaling_factor=2.5, n_group=4, topk_group=2,
-                          has_correction_bias=True, norm_eps=1e-20)  # fmt: skip
+    config = _config(
+        num_local_experts=e,
+        num_experts_per_tok=k,
+        norm_topk_prob=norm,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+    )
+    spec = moe.RouterSpec(
+        e,
+        k,
+        "sigmoid",
+        norm,
+        routed_scaling_factor=2.5,
+        n_group=4,
+        topk_group=2,
+        has_correction_bias=True,
+        norm_eps=1e-20,
+    )
     return DeepseekV3TopkRouter(config), spec
 
 
 def _glm_moe_dsa(e: int, k: int, norm: bool):
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
 
-    config = _config(num_local_experts=e, num_experts_per_tok=k, norm_topk_prob=norm, n_group=8, topk_group=3,
-                     routed_scaling_factor=1.8)  # fmt: skip
-    spec = moe.RouterSpec(e, k, "sigmoid", norm, routed_scaling_factor=1.8, n_group=8, topk_group=3,
-                          has_correction_bias=True, norm_eps=1e-20)  # fmt: skip
+    config = _config(
+        num_local_experts=e,
+        num_experts_per_tok=k,
+        norm_topk_prob=norm,
+        n_group=8,
+        topk_group=3,
+        routed_scaling_factor=1.8,
+    )
+    spec = moe.RouterSpec(
+        e,
+        k,
+        "sigmoid",
+        norm,
+        routed_scaling_factor=1.8,
+        n_group=8,
+        topk_group=3,
+        has_correction_bias=True,
+        norm_eps=1e-20,
+    )
     return GlmMoeDsaTopkRouter(config), spec
 
 
@@ -82,8 +112,9 @@ def _muse_spark(e: int, k: int, norm: bool):
     from transformers.models.muse_spark.modeling_muse_spark import MuseSparkTopkRouter
 
     config = _config(num_local_experts=e, num_experts_per_tok=k, output_multiplier=0.177, routed_scaling_factor=1.5)
-    spec = moe.RouterSpec(e, k, "sigmoid", True, routed_scaling_factor=1.5, has_correction_bias=True, norm_eps=1e-15,
-                          logit_scale=0.177)  # fmt: skip
+    spec = moe.RouterSpec(
+        e, k, "sigmoid", True, routed_scaling_factor=1.5, has_correction_bias=True, norm_eps=1e-15, logit_scale=0.177
+    )
     return MuseSparkTopkRouter(config), spec
 
 
@@ -91,13 +122,21 @@ def _deepseek_v4(e: int, k: int, norm: bool):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
 
     config = _config(num_local_experts=e, num_experts_per_tok=k, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5)
-    spec = moe.RouterSpec(e, k, "sqrtsoftplus", True, routed_scaling_factor=1.5, has_correction_bias=True,
-                          norm_eps=1e-20)  # fmt: skip
+    spec = moe.RouterSpec(
+        e, k, "sqrtsoftplus", True, routed_scaling_factor=1.5, has_correction_bias=True, norm_eps=1e-20
+    )
     return DeepseekV4TopKRouter(config), spec
 
 
-ROUTERS = {"qwen3_moe": _qwen3, "deepseek_v3": _deepseek_v3, "glm_moe_dsa": _glm_moe_dsa, "minimax_m3": _minimax_m3,
-           "step3p7": _step3p7, "muse_spark": _muse_spark, "deepseek_v4": _deepseek_v4}  # fmt: skip
+ROUTERS = {
+    "qwen3_moe": _qwen3,
+    "deepseek_v3": _deepseek_v3,
+    "glm_moe_dsa": _glm_moe_dsa,
+    "minimax_m3": _minimax_m3,
+    "step3p7": _step3p7,
+    "muse_spark": _muse_spark,
+    "deepseek_v4": _deepseek_v4,
+}
 
 
 def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +171,13 @@ def test_fixed_ids_are_weighted_like_deepseek_v4_hash_routing() -> None:
     """Hash layers pick experts by token id; weights_at still weights them by the learned scores."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter
 
-    config = _config(num_local_experts=16, num_experts_per_tok=3, scoring_func="sqrtsoftplus",
-                     routed_scaling_factor=1.5, vocab_size=50)  # fmt: skip
+    config = _config(
+        num_local_experts=16,
+        num_experts_per_tok=3,
+        scoring_func="sqrtsoftplus",
+        routed_scaling_factor=1.5,
+        vocab_size=50,
+    )
     router = DeepseekV4HashRouter(config)
     gen = torch.Generator().manual_seed(20)
     with torch.no_grad():
@@ -203,8 +247,16 @@ def test_reference_kernel_matches_a_per_token_loop(act: str) -> None:
 def _hf_experts(name: str, w_gate_up: torch.Tensor, w_down: torch.Tensor):
     """transformers' expert module of a family with our stacked weights, and its op arguments."""
     e, f = w_gate_up.shape[0], w_down.shape[2]
-    config = _config(num_local_experts=e, num_experts=e, intermediate_size=f, moe_intermediate_size=f,
-                     swiglu_limit=0.5, swiglu_alpha=1.702, moe_hidden_size=HIDDEN, post_norm_eps=1e-6)  # fmt: skip
+    config = _config(
+        num_local_experts=e,
+        num_experts=e,
+        intermediate_size=f,
+        moe_intermediate_size=f,
+        swiglu_limit=0.5,
+        swiglu_alpha=1.702,
+        moe_hidden_size=HIDDEN,
+        post_norm_eps=1e-6,
+    )
     if name == "qwen3_moe":
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as cls
 
@@ -239,8 +291,15 @@ def test_op_matches_transformers_experts(name: str) -> None:
     module, act = _hf_experts(name, w_gate_up, w_down)
     with torch.no_grad():
         expected = module(h, ids, weights)
-    got = moe.routed_mlp(h, weights, ids, w_gate_up, w_down, moe.ExpertActivation(
-        act.get("activation", "silu"), act.get("limit", 0.0), act.get("alpha", 1.0)), act.get("post_norm_scale"))
+    got = moe.routed_mlp(
+        h,
+        weights,
+        ids,
+        w_gate_up,
+        w_down,
+        moe.ExpertActivation(act.get("activation", "silu"), act.get("limit", 0.0), act.get("alpha", 1.0)),
+        act.get("post_norm_scale"),
+    )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -314,12 +373,19 @@ def test_routed_mlp_exports_with_a_dynamic_token_count() -> None:
 def _hf_moe(seed: int, e: int, f: int, shared: bool) -> dict[str, torch.Tensor]:
     """A DeepSeek-style MoE block's weights under transformers' per-expert names."""
     gen = torch.Generator().manual_seed(seed)
-    w = {"gate.weight": torch.randn(e, HIDDEN, generator=gen), "gate.e_score_correction_bias": torch.rand(e, generator=gen)}
+    w = {
+        "gate.weight": torch.randn(e, HIDDEN, generator=gen),
+        "gate.e_score_correction_bias": torch.rand(e, generator=gen),
+    }
     for i in range(e):
         for name, shape in (("gate_proj", (f, HIDDEN)), ("up_proj", (f, HIDDEN)), ("down_proj", (HIDDEN, f))):
             w[f"experts.{i}.{name}.weight"] = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
     if shared:
-        for name, shape in (("gate_proj", (2 * f, HIDDEN)), ("up_proj", (2 * f, HIDDEN)), ("down_proj", (HIDDEN, 2 * f))):
+        for name, shape in (
+            ("gate_proj", (2 * f, HIDDEN)),
+            ("up_proj", (2 * f, HIDDEN)),
+            ("down_proj", (HIDDEN, 2 * f)),
+        ):
             w[f"shared_experts.{name}.weight"] = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
     return w
 
@@ -343,15 +409,37 @@ def test_program_path_matches_transformers_deepseek_v3_moe_block() -> None:
 
     e, f = 16, 8
     hf = _hf_moe(16, e, f, shared=True)
-    config = _config(num_local_experts=e, num_experts_per_tok=4, norm_topk_prob=True, n_group=4, topk_group=2,
-                     routed_scaling_factor=2.5, moe_intermediate_size=f, n_shared_experts=2, intermediate_size=64)  # fmt: skip
+    config = _config(
+        num_local_experts=e,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=f,
+        n_shared_experts=2,
+        intermediate_size=64,
+    )
     block = DeepseekV3MoE(config)
     stacked = _internal(hf)
-    block.load_state_dict({k: v for k, v in hf.items() if not k.startswith("experts.")}
-                          | {"experts.gate_up_proj": stacked["layers.0.w_experts_gate_up"],
-                             "experts.down_proj": stacked["layers.0.w_experts_down"]})  # fmt: skip
-    spec = moe.RouterSpec(e, 4, "sigmoid", True, routed_scaling_factor=2.5, n_group=4, topk_group=2,
-                          has_correction_bias=True, norm_eps=1e-20)  # fmt: skip
+    block.load_state_dict(
+        {k: v for k, v in hf.items() if not k.startswith("experts.")}
+        | {
+            "experts.gate_up_proj": stacked["layers.0.w_experts_gate_up"],
+            "experts.down_proj": stacked["layers.0.w_experts_down"],
+        }
+    )
+    spec = moe.RouterSpec(
+        e,
+        4,
+        "sigmoid",
+        True,
+        routed_scaling_factor=2.5,
+        n_group=4,
+        topk_group=2,
+        has_correction_bias=True,
+        norm_eps=1e-20,
+    )
     h = torch.randn(19, HIDDEN, generator=torch.Generator().manual_seed(17))
     with torch.no_grad():
         expected = block(h[None])[0]
@@ -364,13 +452,18 @@ def test_stacking_reads_every_expert_layout() -> None:
     (Step 3.7's checkpoints) all end as the same [E, 2F, H] / [E, H, F] stacks."""
     hf = _hf_moe(18, 4, 8, shared=False)
     per_expert = _internal(hf)
-    gate_up = torch.stack([torch.cat([hf[f"experts.{i}.gate_proj.weight"], hf[f"experts.{i}.up_proj.weight"]])
-                           for i in range(4)])  # fmt: skip
+    gate_up = torch.stack(
+        [torch.cat([hf[f"experts.{i}.gate_proj.weight"], hf[f"experts.{i}.up_proj.weight"]]) for i in range(4)]
+    )
     down = torch.stack([hf[f"experts.{i}.down_proj.weight"] for i in range(4)])
     torch.testing.assert_close(per_expert["layers.0.w_experts_gate_up"], gate_up, rtol=0, atol=0)
     torch.testing.assert_close(per_expert["layers.0.w_experts_down"], down, rtol=0, atol=0)
     stacked_hf = {"gate.weight": hf["gate.weight"], "experts.gate_up_proj": gate_up, "experts.down_proj": down}
-    assert _internal(stacked_hf).keys() == {"layers.0.w_router", "layers.0.w_experts_gate_up", "layers.0.w_experts_down"}
+    assert _internal(stacked_hf).keys() == {
+        "layers.0.w_router",
+        "layers.0.w_experts_gate_up",
+        "layers.0.w_experts_down",
+    }
     split = {"layers.1.moe_gate": gate_up[:, :8], "layers.1.moe_up": gate_up[:, 8:]}
     moe.stack_experts({"layers.{}.w_experts_gate_up": ("layers.{}.moe_gate", "layers.{}.moe_up")}, split, "test")
     torch.testing.assert_close(split.pop("layers.1.w_experts_gate_up"), gate_up, rtol=0, atol=0)
@@ -391,8 +484,11 @@ def test_stacking_refuses_missing_experts() -> None:
 
 def test_decode_weight_bytes_count_only_the_routed_experts() -> None:
     config = SimpleNamespace(tie_word_embeddings=True)
-    weights = {"embed": torch.zeros(10, 4), "layers.0.w_experts_gate_up": torch.zeros(8, 6, 4),
-               "layers.0.w_experts_down": torch.zeros(8, 4, 3)}  # fmt: skip
+    weights = {
+        "embed": torch.zeros(10, 4),
+        "layers.0.w_experts_gate_up": torch.zeros(8, 6, 4),
+        "layers.0.w_experts_down": torch.zeros(8, 4, 3),
+    }
     assert moe.decode_weight_bytes(config, weights, 2) == 4 * (40 + 2 * 24 + 2 * 12)
 
 
@@ -411,15 +507,20 @@ def test_core_from_a_stacked_checkpoint_matches_transformers(tmp_path: Path) -> 
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}.mlp.experts."
         count = config["num_experts"]
-        gate_up = [torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")])
-                   for e in range(count)]  # fmt: skip
+        gate_up = [
+            torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")])
+            for e in range(count)
+        ]
         tensors[p + "gate_up_proj"] = torch.stack(gate_up)
         tensors[p + "down_proj"] = torch.stack([tensors.pop(f"{p}{e}.down_proj.weight") for e in range(count)])
     save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
 
     core_dir = tmp_path / "core"
-    export_core(open_source(str(checkpoint)), load_recipe(str(Path(__file__).resolve().parents[1] / "data" / "tiny_qwen3_moe.toml")),
-                ExportOptions(out=core_dir))
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe(str(Path(__file__).resolve().parents[1] / "data" / "tiny_qwen3_moe.toml")),
+        ExportOptions(out=core_dir),
+    )
     core = Core.open(core_dir)
     weights, m = core.load_weights(), core.manifest
     e, f, h = config["num_experts"], config["moe_intermediate_size"], config["hidden_size"]

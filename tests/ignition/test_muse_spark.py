@@ -41,8 +41,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def reference(tiny: tuple[Path, Path]):
     from transformers import MuseSparkForConditionalGeneration
 
-    model = MuseSparkForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32,
-                                                              attn_implementation="eager")  # fmt: skip
+    model = MuseSparkForConditionalGeneration.from_pretrained(
+        str(tiny[0]), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -50,8 +51,11 @@ def _prompts(core: Core) -> list[list[int]]:
     """A rendered chat, a short text and a long one (past the window and the first page)."""
     tok = core.tokenizer()
     chat = ChatTemplate(core.chat_template(), SPECIALS).render(CHAT, add_generation_prompt=True)
-    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(TEXTS[1]).ids,
-            tok.encode(TEXTS[0] + " " + TEXTS[3]).ids]  # fmt: skip
+    return [
+        tok.encode(chat, add_special_tokens=False).ids,
+        tok.encode(TEXTS[1]).ids,
+        tok.encode(TEXTS[0] + " " + TEXTS[3]).ids,
+    ]
 
 
 def test_config_reads_the_muse_spark_layout(tiny: tuple[Path, Path]) -> None:
@@ -88,19 +92,22 @@ def test_release_defaults() -> None:
     assert config.placeholder_ids == (200092, 200091, 200038)
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"quantization_config": {"quant_method": "modelopt"}}, "quantization_config"),
-    ({"text_config": {"attention_bias": True}}, "attention_bias"),
-    ({"text_config": {"hidden_act": "gelu"}}, "hidden_act"),
-    ({"text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}}, "rope_type"),
-    ({"text_config": {"layer_rope_theta": [10000.0, 20000.0, 10000.0, 0]}}, "layer_rope_theta"),
-    ({"text_config": {"tie_word_embeddings": True}}, "tie_word_embeddings"),
-    ({"text_config": {"final_logit_softcapping": 0.0}}, "final_logit_softcapping"),
-    ({"text_config": {"mlp_layer_types": ["moe"] * 4}}, "mlp_layer_types"),
-    ({"text_config": {"layer_types": ["chunked_attention"] * 4}}, "layer_types"),
-    ({"text_config": {"sliding_window": 0}}, "sliding_window"),
-    ({"text_config": None, "model_type": "muse_spark_text"}, "text_config"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"quantization_config": {"quant_method": "modelopt"}}, "quantization_config"),
+        ({"text_config": {"attention_bias": True}}, "attention_bias"),
+        ({"text_config": {"hidden_act": "gelu"}}, "hidden_act"),
+        ({"text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}}, "rope_type"),
+        ({"text_config": {"layer_rope_theta": [10000.0, 20000.0, 10000.0, 0]}}, "layer_rope_theta"),
+        ({"text_config": {"tie_word_embeddings": True}}, "tie_word_embeddings"),
+        ({"text_config": {"final_logit_softcapping": 0.0}}, "final_logit_softcapping"),
+        ({"text_config": {"mlp_layer_types": ["moe"] * 4}}, "mlp_layer_types"),
+        ({"text_config": {"layer_types": ["chunked_attention"] * 4}}, "layer_types"),
+        ({"text_config": {"sliding_window": 0}}, "sliding_window"),
+        ({"text_config": None, "model_type": "muse_spark_text"}, "text_config"),
+    ],
+)
 def test_unsupported_variants_are_refused(tiny: tuple[Path, Path], change: dict, field: str) -> None:
     config = json.loads((tiny[0] / "config.json").read_text())
     change = dict(change)
@@ -191,8 +198,10 @@ def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     tok = core.tokenizer()
     preamble = "You are a helpful assistant. Answer briefly and precisely. "
     texts = [*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is"]
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-                for i, t in enumerate(texts)]  # fmt: skip
+    requests = [
+        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+        for i, t in enumerate(texts)
+    ]
 
     def tokens(outputs: dict) -> dict[str, list[int]]:
         return {rid: choices[0].token_ids for rid, choices in outputs.items()}
@@ -229,23 +238,29 @@ def app(tiny: tuple[Path, Path]):
 
 
 def _chat(app, **body) -> dict:
-    response = app.post("/v1/chat/completions", json={"model": "x", "max_tokens": 256,
-                                                      "messages": [{"role": "user", "content": "Weather in Paris?"}],
-                                                      **body})  # fmt: skip
+    response = app.post(
+        "/v1/chat/completions",
+        json={"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": "Weather in Paris?"}], **body},
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def _messages(app, **body) -> dict:
-    response = app.post("/v1/messages", headers=VERSION, json={"model": "x", "max_tokens": 256,
-                        "messages": [{"role": "user", "content": "Weather in Paris?"}], **body})  # fmt: skip
+    response = app.post(
+        "/v1/messages",
+        headers=VERSION,
+        json={"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": "Weather in Paris?"}], **body},
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def _responses(app, **body) -> dict:
-    response = app.post("/v1/responses", json={"model": "x", "max_output_tokens": 256, "input": "Weather in Paris?",
-                                               "store": False, **body})  # fmt: skip
+    response = app.post(
+        "/v1/responses",
+        json={"model": "x", "max_output_tokens": 256, "input": "Weather in Paris?", "store": False, **body},
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -263,7 +278,9 @@ def test_reasoning_through_chat_messages_and_responses(app) -> None:
     app.say(OUTPUT)
     message = _messages(app)
     assert [(b["type"], b.get("thinking", b.get("text"))) for b in message["content"]] == [
-        ("thinking", "The user wants weather."), ("text", "It is sunny in Paris.")]  # fmt: skip
+        ("thinking", "The user wants weather."),
+        ("text", "It is sunny in Paris."),
+    ]
     assert message["stop_reason"] == "end_turn"
 
     app.say(OUTPUT)
@@ -304,14 +321,38 @@ def test_required_tool_choice_is_refused(app) -> None:
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in ("required", named):
-        response = app.post("/v1/chat/completions", json={"model": "x", "max_tokens": 64, "tools": [tool],
-                            "tool_choice": choice, "messages": [{"role": "user", "content": "Weather?"}]})  # fmt: skip
+        response = app.post(
+            "/v1/chat/completions",
+            json={
+                "model": "x",
+                "max_tokens": 64,
+                "tools": [tool],
+                "tool_choice": choice,
+                "messages": [{"role": "user", "content": "Weather?"}],
+            },
+        )
         assert response.status_code == 400 and "declares no tool-call syntax" in response.json()["error"]["message"]
-    response = app.post("/v1/messages", headers=VERSION, json={"model": "x", "max_tokens": 64,
-                        "tools": [{"name": "get_weather", "input_schema": CITY}], "tool_choice": {"type": "any"},
-                        "messages": [{"role": "user", "content": "Weather?"}]})  # fmt: skip
+    response = app.post(
+        "/v1/messages",
+        headers=VERSION,
+        json={
+            "model": "x",
+            "max_tokens": 64,
+            "tools": [{"name": "get_weather", "input_schema": CITY}],
+            "tool_choice": {"type": "any"},
+            "messages": [{"role": "user", "content": "Weather?"}],
+        },
+    )
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
-    response = app.post("/v1/responses", json={"model": "x", "max_output_tokens": 64, "input": "Weather?",
-                        "store": False, "tool_choice": "required",
-                        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]})  # fmt: skip
+    response = app.post(
+        "/v1/responses",
+        json={
+            "model": "x",
+            "max_output_tokens": 64,
+            "input": "Weather?",
+            "store": False,
+            "tool_choice": "required",
+            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
+        },
+    )
     assert response.status_code == 400 and "declares no tool-call syntax" in response.json()["error"]["message"]

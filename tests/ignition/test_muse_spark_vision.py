@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -61,11 +60,15 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel("muse_spark", tmp_path_factory.mktemp("ckpt") / "tiny-muse-spark-vision", seed=3,
-                                 vision=True)  # fmt: skip
+    checkpoint = write_testmodel(
+        "muse_spark", tmp_path_factory.mktemp("ckpt") / "tiny-muse-spark-vision", seed=3, vision=True
+    )
     out = tmp_path_factory.mktemp("cores") / "muse-spark-vision"
-    export_core(open_source(str(checkpoint)), load_recipe("muse_spark"),
-                ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("muse_spark"),
+        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
+    )
     return checkpoint, out
 
 
@@ -73,8 +76,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def reference(tiny: tuple[Path, Path]):
     from transformers import MuseSparkForConditionalGeneration
 
-    model = MuseSparkForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32,
-                                                              attn_implementation="eager")  # fmt: skip
+    model = MuseSparkForConditionalGeneration.from_pretrained(
+        str(tiny[0]), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -86,8 +90,9 @@ def reference_processor(checkpoint: Path) -> Iterator[Any]:
     from transformers import PreTrainedTokenizerFast
     from transformers.image_utils import PILImageResampling
 
-    (image_processing, processing), real = import_processing(("muse_glimmer.image_processing_muse_glimmer",
-                                                              "muse_spark.processing_muse_spark"))
+    (image_processing, processing), real = import_processing(
+        ("muse_glimmer.image_processing_muse_glimmer", "muse_spark.processing_muse_spark")
+    )
     patch = pytest.MonkeyPatch()
     if not real:
         patch.setattr(backends, "tvF", functional(), raising=False)
@@ -98,8 +103,9 @@ def reference_processor(checkpoint: Path) -> Iterator[Any]:
     settings = {k: v for k, v in muse_spark.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
     try:
-        yield processing.MuseSparkProcessor(image_processor=image_processing.MuseGlimmerImageProcessor(**settings),
-                                            tokenizer=tokenizer)  # fmt: skip
+        yield processing.MuseSparkProcessor(
+            image_processor=image_processing.MuseGlimmerImageProcessor(**settings), tokenizer=tokenizer
+        )
     finally:
         patch.undo()
 
@@ -129,8 +135,13 @@ def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
     m = core.manifest
     assert m.capabilities.vision and VISION in m.programs and m.vision is not None
     v = m.vision
-    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == \
-        ("aspect_grid", "lanczos", 14, 2, 2)  # fmt: skip
+    assert (v.resize, v.resample, v.patch_size, v.pooling_kernel_size, v.temporal_patch_size) == (
+        "aspect_grid",
+        "lanczos",
+        14,
+        2,
+        2,
+    )
     assert (v.min_pixels, v.max_pixels, v.patch_budget) == (0, 0, 0)
     assert v.max_image_tokens_per_image == v.image_feature_window_tokens == 64 and v.max_patches == 256
     assert v.max_image_tokens_per_prompt == m.limits.max_model_len - 3
@@ -143,7 +154,9 @@ def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
     assert m.programs[VISION].inputs[0].shape == ("X", 3 * 2 * 14 * 14)
     assert [t.name for t in m.programs[STEP].inputs][-2:] == ["image_features", "image_rows"]
     assert m.golden.max_abs_diff <= TOLERANCE
-    assert m.decode_weight_bytes < sum(t.numel() * 4 for n, t in core.load_weights().items() if not n.startswith("vision."))
+    assert m.decode_weight_bytes < sum(
+        t.numel() * 4 for n, t in core.load_weights().items() if not n.startswith("vision.")
+    )
 
 
 def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], processor) -> None:
@@ -191,13 +204,23 @@ def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], refer
         image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
         assert len(image_positions) == len(ours)
         for program in programs.values():  # chunks of 7 cut through the image rows
-            run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=7,
-                             image_features=ours, image_positions=image_positions)  # fmt: skip
+            run = run_prompt(
+                program,
+                weights,
+                m.kv,
+                m.limits.page_tokens,
+                ids,
+                chunk=7,
+                image_features=ours,
+                image_positions=image_positions,
+            )
             worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
             worst = max(worst, float((run.logprobs - expected).abs().max()))
     assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
-    print(f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
-          f"all prompt positions {worst:.3g}")
+    print(
+        f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
+        f"all prompt positions {worst:.3g}"
+    )
 
 
 def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Path, Path]) -> None:
@@ -209,8 +232,9 @@ def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Pat
     pixels, positions = muse_spark_vision.example_inputs(config.vision)
     core = Core.open(tiny[1])
     got = core.load_program(VISION)(core.load_weights(), [], pixel_values=pixels, pixel_positions=positions)
-    expected = muse_spark_vision.reference_features(config.vision, load_file(str(tiny[0] / "model.safetensors")),
-                                                    pixels, positions)  # fmt: skip
+    expected = muse_spark_vision.reference_features(
+        config.vision, load_file(str(tiny[0] / "model.safetensors")), pixels, positions
+    )
     assert got["image_features"].shape == (6, 64)
     assert float((got["image_features"] - expected).abs().max()) <= 1e-4
 
@@ -250,12 +274,27 @@ def _profile():
     from helios.core import manifest as mf
 
     return mf.VisionProfile(
-        resize="aspect_grid", patch_size=14, pooling_kernel_size=2, max_patches=256, resample="lanczos",
-        rescale_factor=1 / 255, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), placeholder_token_id=6,
-        image_token_id=6, prefix_token_ids=(8,), suffix_token_ids=(9,), feature_dim=64, max_images_per_prompt=10,
-        max_image_tokens_per_prompt=100, image_feature_window_tokens=64, max_image_tokens_per_image=64,
-        max_image_pixels=10**8, max_image_bytes=1 << 20, temporal_patch_size=2,
-    )  # fmt: skip
+        resize="aspect_grid",
+        patch_size=14,
+        pooling_kernel_size=2,
+        max_patches=256,
+        resample="lanczos",
+        rescale_factor=1 / 255,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+        placeholder_token_id=6,
+        image_token_id=6,
+        prefix_token_ids=(8,),
+        suffix_token_ids=(9,),
+        feature_dim=64,
+        max_images_per_prompt=10,
+        max_image_tokens_per_prompt=100,
+        image_feature_window_tokens=64,
+        max_image_tokens_per_image=64,
+        max_image_pixels=10**8,
+        max_image_bytes=1 << 20,
+        temporal_patch_size=2,
+    )
 
 
 def test_the_aspect_grid_rule_adds_no_profile_fields() -> None:
@@ -268,12 +307,25 @@ def test_the_aspect_grid_rule_adds_no_profile_fields() -> None:
     from helios.core import manifest as mf
 
     profile = _profile()
-    fields = (profile.resize, profile.patch_size, profile.pooling_kernel_size, profile.max_patches, profile.resample,
-              profile.rescale_factor, profile.image_mean, profile.image_std)  # fmt: skip
+    fields = (
+        profile.resize,
+        profile.patch_size,
+        profile.pooling_kernel_size,
+        profile.max_patches,
+        profile.resample,
+        profile.rescale_factor,
+        profile.image_mean,
+        profile.image_std,
+    )
     assert profile.settings_digest() == hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
-    older = msgspec.structs.replace(profile, resize="aspect_ratio_patch_budget", resample="bicubic", temporal_patch_size=0)
-    raw = {k: v for k, v in msgspec.json.decode(msgspec.json.encode(older)).items()
-           if k not in ("min_pixels", "max_pixels", "temporal_patch_size", "patch_budget", "max_side_patches")}  # fmt: skip
+    older = msgspec.structs.replace(
+        profile, resize="aspect_ratio_patch_budget", resample="bicubic", temporal_patch_size=0
+    )
+    raw = {
+        k: v
+        for k, v in msgspec.json.decode(msgspec.json.encode(older)).items()
+        if k not in ("min_pixels", "max_pixels", "temporal_patch_size", "patch_budget", "max_side_patches")
+    }
     assert msgspec.json.decode(msgspec.json.encode(raw), type=mf.VisionProfile) == older
     assert profile.settings_digest() != msgspec.structs.replace(profile, max_patches=128).settings_digest()
     assert profile.settings_digest() != msgspec.structs.replace(profile, resample="bicubic").settings_digest()

@@ -30,12 +30,20 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import _tensor, write_testmodel
 from tests.ignition import family_checks
-from tests.ignition.family_checks import (GREEDY, TEXTS, check_generation_matches, check_prefix_reuse, export_tiny,
-                                          hf_logprobs)  # fmt: skip
+from tests.ignition.family_checks import (
+    GREEDY,
+    TEXTS,
+    check_generation_matches,
+    check_prefix_reuse,
+    export_tiny,
+    hf_logprobs,
+)
 
 PAGE = 16
-CHAT = [{"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "What is the capital of France? Answer in one word, please."}]  # fmt: skip
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France? Answer in one word, please."},
+]
 LONG = TEXTS[0] + " " + TEXTS[3]
 
 
@@ -48,7 +56,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _hf_model(checkpoint: Path):
     from transformers import NemotronHForCausalLM
 
-    return NemotronHForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager").eval()
+    return NemotronHForCausalLM.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +72,8 @@ def _prompts(core: Core) -> list[list[int]]:
 
     tok = core.tokenizer()
     chat = ChatTemplate(core.chat_template(), {"bos_token": "<s>", "eos_token": "<|im_end|>"}).render(
-        CHAT, add_generation_prompt=True)  # fmt: skip
+        CHAT, add_generation_prompt=True
+    )
     return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(LONG).ids, tok.encode(TEXTS[2]).ids]
 
 
@@ -72,13 +83,23 @@ def test_config_reads_the_hybrid_layout(tiny: tuple[Path, Path]) -> None:
     c = nemotron_h.config_from_hf(hf)
     assert c.layer_types == ("linear_attention", "moe", "full_attention", "linear_attention", "mlp")
     assert (c.mamba_layers, c.n_groups, c.conv_dim, c.latent_size, c.dt_min) == ((0, 3), 2, 128, 32, 0.001)
-    assert c.router is not None and (c.router.n_group, c.router.topk_group, c.router.routed_scaling_factor) == (2, 1, 2.5)
+    assert c.router is not None and (c.router.n_group, c.router.topk_group, c.router.routed_scaling_factor) == (
+        2,
+        1,
+        2.5,
+    )
     m = Core.open(tiny[1]).manifest
     assert (m.model.family, m.recipe.name, m.limits.page_tokens) == ("nemotron_h", "nemotron_h", PAGE)
     assert (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) == (5, 2, 16)
     assert [(e.name, e.layers, e.shape, e.dtype) for e in m.kv.state] == [
-        ("conv", (0, 3), (128, 3), "float32"), ("ssm", (0, 3), (8, 8, 16), "float32")]  # fmt: skip
-    assert (m.recipe.reasoning_syntax, m.recipe.tool_syntax, m.recipe.template_source) == ("think", "qwen3_coder", "checkpoint")
+        ("conv", (0, 3), (128, 3), "float32"),
+        ("ssm", (0, 3), (8, 8, 16), "float32"),
+    ]
+    assert (m.recipe.reasoning_syntax, m.recipe.tool_syntax, m.recipe.template_source) == (
+        "think",
+        "qwen3_coder",
+        "checkpoint",
+    )
     assert "mamba2_scan" in m.ops.ops and "causal_conv1d" in m.ops.ops
 
 
@@ -107,8 +128,9 @@ def test_other_layouts_read_the_same_weights(tiny: tuple[Path, Path], reference)
     renamed = internal_weights(nemotron_h, replace(checkpoint, tensors=native), config, torch.float32)
     assert renamed.keys() == plain.keys() and all(torch.equal(renamed[n], plain[n]) for n in plain)
     ids = list(range(3, 40))
-    assert torch.equal(nemotron_h.reference_logits(config, native, ids),
-                       nemotron_h.reference_logits(config, checkpoint.tensors, ids))  # fmt: skip
+    assert torch.equal(
+        nemotron_h.reference_logits(config, native, ids), nemotron_h.reference_logits(config, checkpoint.tensors, ids)
+    )
 
 
 def test_reference_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
@@ -160,8 +182,10 @@ def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     tok = core.tokenizer()
     preamble = "You are a helpful assistant. Answer briefly and precisely. "
     texts = [*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is"]
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-                for i, t in enumerate(texts)]  # fmt: skip
+    requests = [
+        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+        for i, t in enumerate(texts)
+    ]
 
     def tokens(outputs: dict) -> dict[str, list[int]]:
         return {rid: choices[0].token_ids for rid, choices in outputs.items()}
@@ -190,9 +214,15 @@ def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
     checkpoint = write_testmodel("nemotron_h", tmp_path / "ckpt", seed=5)
     config = json.loads((checkpoint / "config.json").read_text())
     config = {k: v for k, v in config.items() if k not in ("hybrid_override_pattern", "mamba_n_groups")}
-    config |= {"layers_block_type": ["full_attention", "linear_attention", "moe", "linear_attention"],
-               "num_hidden_layers": 4, "n_groups": 4, "use_conv_bias": False, "moe_latent_size": None, "n_group": 1,
-               "norm_topk_prob": False}  # fmt: skip
+    config |= {
+        "layers_block_type": ["full_attention", "linear_attention", "moe", "linear_attention"],
+        "num_hidden_layers": 4,
+        "n_groups": 4,
+        "use_conv_bias": False,
+        "moe_latent_size": None,
+        "n_group": 1,
+        "norm_topk_prob": False,
+    }
     (checkpoint / "config.json").write_text(json.dumps(config))
     parsed = nemotron_h.config_from_hf(config)
     generator = torch.Generator().manual_seed(5)
@@ -217,8 +247,12 @@ def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
 
 
 # (tokens, experts, top_k, width, dtype): the op's unsorted decode path, grouped matmuls, the loop fallback
-EXPERT_CASES = {"decode": (1, 8, 2, 16, torch.float32), "batch": (24, 8, 2, 16, torch.float32),
-                "unaligned": (24, 8, 2, 6, torch.float32), "bf16 batch": (24, 8, 2, 16, torch.bfloat16)}  # fmt: skip
+EXPERT_CASES = {
+    "decode": (1, 8, 2, 16, torch.float32),
+    "batch": (24, 8, 2, 16, torch.float32),
+    "unaligned": (24, 8, 2, 6, torch.float32),
+    "bf16 batch": (24, 8, 2, 16, torch.bfloat16),
+}
 
 
 @pytest.mark.parametrize("case", sorted(EXPERT_CASES))
@@ -234,7 +268,10 @@ def test_relu2_experts_match_transformers(case: str) -> None:
     tokens, e, k, f, dtype = EXPERT_CASES[case]
     gen = torch.Generator().manual_seed(4)
     hidden = 32
-    w_up, w_down = torch.randn(e, f, hidden, generator=gen) / hidden**0.5, torch.randn(e, hidden, f, generator=gen) / f**0.5
+    w_up, w_down = (
+        torch.randn(e, f, hidden, generator=gen) / hidden**0.5,
+        torch.randn(e, hidden, f, generator=gen) / f**0.5,
+    )
     weights, ids = torch.randn(tokens, e, generator=gen).softmax(-1).topk(k, dim=-1)
     h = torch.randn(tokens, hidden, generator=gen)
     module = NemotronHExperts(NemotronHConfig(hidden_size=hidden, n_routed_experts=e, moe_intermediate_size=f))
@@ -250,16 +287,25 @@ def test_relu2_experts_match_transformers(case: str) -> None:
 BASE = nemotron_h.testmodel_config(300)
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"), ({"use_bias": True}, "use_bias"),
-    ({"mlp_bias": True}, "mlp_bias"), ({"attention_bias": True}, "attention_bias"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"), ({"sliding_window": 64}, "sliding_window"),
-    ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act"), ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
-    ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern"),
-    ({"layers_block_type": ["linear_attention", "sliding_attention"]}, "layers_block_type"),
-    ({"hybrid_override_pattern": "*-E"}, "without a linear_attention"), ({"mamba_n_groups": 3}, "n_groups"),
-    ({"num_key_value_heads": 3}, "num_key_value_heads"), ({"n_group": 3}, "n_group"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"use_bias": True}, "use_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"sliding_window": 64}, "sliding_window"),
+        ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
+        ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
+        ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern"),
+        ({"layers_block_type": ["linear_attention", "sliding_attention"]}, "layers_block_type"),
+        ({"hybrid_override_pattern": "*-E"}, "without a linear_attention"),
+        ({"mamba_n_groups": 3}, "n_groups"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"n_group": 3}, "n_group"),
+    ],
+)
 def test_unsupported_variants_are_refused(change: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         nemotron_h.config_from_hf(BASE | change)
@@ -270,9 +316,15 @@ def test_unsupported_variants_are_refused(change: dict[str, object], field: str)
 ASK = "Weather in Paris?"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 # What Nemotron writes after the prompt's "<|im_start|>assistant\n<think>\n".
-OUTPUT = ("The user wants weather.\n</think>\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-          "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>")  # fmt: skip
-EXPECTED = {"reasoning": "The user wants weather.", "text": "Checking.", "calls": [("get_weather", {"city": "Paris", "days": 3})]}
+OUTPUT = (
+    "The user wants weather.\n</think>\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>"
+)
+EXPECTED = {
+    "reasoning": "The user wants weather.",
+    "text": "Checking.",
+    "calls": [("get_weather", {"city": "Paris", "days": 3})],
+}
 
 
 def _stripped(got: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,9 @@ def hf_model(smollm2_gguf: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
     return tokenizer, model.eval()
 
 
@@ -42,7 +44,8 @@ def test_logprobs_match_transformers(smollm2_core: Path, hf_model, chat) -> None
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     with torch.no_grad():
         reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    got = run_prompt(core.load_program(), core.load_weights(), core.manifest.kv, core.manifest.limits.page_tokens,
-                     ids, chunk=16).logprobs  # fmt: skip
+    got = run_prompt(
+        core.load_program(), core.load_weights(), core.manifest.kv, core.manifest.limits.page_tokens, ids, chunk=16
+    ).logprobs
     assert got.shape == reference.shape
     assert float((got - reference).abs().max()) <= 1e-3

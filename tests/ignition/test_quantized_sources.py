@@ -31,9 +31,9 @@ def _fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     quantized = torch.empty(rows, cols, dtype=FP8)
     for i in range(grid_rows):
         for j in range(grid_cols):
-            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            tile = weight[i * block : (i + 1) * block, j * block : (j + 1) * block]
             scale[i, j] = tile.abs().max().clamp(min=1e-12) / torch.finfo(FP8).max
-            quantized[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(FP8)
+            quantized[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / scale[i, j]).to(FP8)
     return quantized, scale
 
 
@@ -95,30 +95,48 @@ def _quantized_copy(source: Path, out: Path, scheme: str) -> dict[str, torch.Ten
             tensor_scale = torch.tensor(0.5)
             meant[name] = torch.tensor(E2M1_VALUES)[codes] * group.float().repeat_interleave(16, -1) * tensor_scale
             if scheme == "nvfp4-modelopt":
-                stored.update({name: packed, f"{base}.weight_scale": group, f"{base}.weight_scale_2": tensor_scale,
-                               f"{base}.input_scale": torch.tensor(1.0)})  # fmt: skip
+                stored.update(
+                    {
+                        name: packed,
+                        f"{base}.weight_scale": group,
+                        f"{base}.weight_scale_2": tensor_scale,
+                        f"{base}.input_scale": torch.tensor(1.0),
+                    }
+                )
             else:
-                stored.update({f"{base}.weight_packed": packed, f"{base}.weight_scale": group,
-                               f"{base}.weight_global_scale": 1.0 / tensor_scale})  # fmt: skip
+                stored.update(
+                    {
+                        f"{base}.weight_packed": packed,
+                        f"{base}.weight_scale": group,
+                        f"{base}.weight_global_scale": 1.0 / tensor_scale,
+                    }
+                )
     save_file(stored, str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {
         "fp8": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32], "activation_scheme": "dynamic"},
         "nvfp4-modelopt": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
-        "nvfp4-ct": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-                     "config_groups": {"group_0": {"format": "nvfp4-pack-quantized", "targets": ["Linear"]}}},
-    }[scheme]  # fmt: skip
+        "nvfp4-ct": {
+            "quant_method": "compressed-tensors",
+            "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": {"format": "nvfp4-pack-quantized", "targets": ["Linear"]}},
+        },
+    }[scheme]
     (out / "config.json").write_text(json.dumps(config))
     return meant
 
 
 @pytest.mark.parametrize(
     ("scheme", "recorded"),
-    [("fp8", "safetensors fp8-e4m3 blocks 32x32"), ("nvfp4-modelopt", "safetensors nvfp4 (modelopt)"),
-     ("nvfp4-ct", "safetensors compressed-tensors nvfp4-pack-quantized")],  # fmt: skip
+    [
+        ("fp8", "safetensors fp8-e4m3 blocks 32x32"),
+        ("nvfp4-modelopt", "safetensors nvfp4 (modelopt)"),
+        ("nvfp4-ct", "safetensors compressed-tensors nvfp4-pack-quantized"),
+    ],
 )
-def test_quantized_checkpoint_exports_its_dequantized_weights(tiny_checkpoint: Path, tmp_path: Path, scheme: str,
-                                                              recorded: str) -> None:  # fmt: skip
+def test_quantized_checkpoint_exports_its_dequantized_weights(
+    tiny_checkpoint: Path, tmp_path: Path, scheme: str, recorded: str
+) -> None:
     meant = _quantized_copy(tiny_checkpoint, tmp_path / "quantized", scheme)
     checkpoint = open_source(str(tmp_path / "quantized"))
     assert checkpoint.source_format == recorded and checkpoint.dtype == "float32"  # the tiny config declares it

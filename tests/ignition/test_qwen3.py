@@ -19,7 +19,10 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import DATA, write_testmodel
 
-RECIPES = {"qwen3": "tiny_qwen3", "qwen3_moe": "tiny_qwen3_moe"}  # tests/data/NAME.toml (the qwen38 recipes are qwen3_next's)
+RECIPES = {
+    "qwen3": "tiny_qwen3",
+    "qwen3_moe": "tiny_qwen3_moe",
+}  # tests/data/NAME.toml (the qwen38 recipes are qwen3_next's)
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "data"
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -38,7 +41,9 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     family = request.param
     checkpoint = write_testmodel(family, tmp_path_factory.mktemp("ckpt") / f"tiny-{family}", seed=3)
     core = tmp_path_factory.mktemp("cores") / f"tiny-{family}"
-    export_core(open_source(str(checkpoint)), load_recipe(str(RECIPE_DIR / f"{RECIPES[family]}.toml")), ExportOptions(out=core))
+    export_core(
+        open_source(str(checkpoint)), load_recipe(str(RECIPE_DIR / f"{RECIPES[family]}.toml")), ExportOptions(out=core)
+    )
     return family, checkpoint, core
 
 
@@ -113,5 +118,9 @@ def test_moe_layouts_with_dense_layers_are_refused(layout: dict[str, object], tm
     config = json.loads((checkpoint / "config.json").read_text()) | layout
     (checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(SourceError, match="only every-layer-sparse MoE is supported"):
-        export_core(open_source(str(checkpoint)), load_recipe(str(RECIPE_DIR / "tiny_qwen3_moe.toml")), ExportOptions(out=tmp_path / "core"))
+        export_core(
+            open_source(str(checkpoint)),
+            load_recipe(str(RECIPE_DIR / "tiny_qwen3_moe.toml")),
+            ExportOptions(out=tmp_path / "core"),
+        )
     assert not (tmp_path / "core").exists()

@@ -38,20 +38,39 @@ from tests.ignition.family_checks import (
 )
 
 PAGE_TOKENS = 16
-_MOE_FIELDS = ("mlp_only_layers", "decoder_sparse_step", "num_experts", "num_experts_per_tok", "norm_topk_prob",
-               "moe_intermediate_size", "shared_expert_intermediate_size")  # fmt: skip
+_MOE_FIELDS = (
+    "mlp_only_layers",
+    "decoder_sparse_step",
+    "num_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 # name -> (config changes, fields dropped, recipe, transformers class). qwen3_next is the family's
 # own test checkpoint (fused per-key-head projections, per-expert tensors, a dense layer among MoE
 # ones); qwen3_5: separate projections, every 2nd layer full attention from full_attention_interval,
 # dense MLPs, tied embeddings; qwen3_5_moe: separate projections, stacked experts, every layer MoE.
 VARIANTS: dict[str, tuple[dict, tuple[str, ...], str, str]] = {
     "qwen3_next": ({}, (), "qwen38", "Qwen3NextForCausalLM"),
-    "qwen3_5": ({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "full_attention_interval": 2,
-                 "tie_word_embeddings": True}, ("layer_types", *_MOE_FIELDS), "qwen38_dense", "Qwen3_5ForCausalLM"),
-    "qwen3_5_moe": ({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"},
-                    ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "intermediate_size"), "qwen38",
-                    "Qwen3_5MoeForCausalLM"),
-}  # fmt: skip
+    "qwen3_5": (
+        {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "full_attention_interval": 2,
+            "tie_word_embeddings": True,
+        },
+        ("layer_types", *_MOE_FIELDS),
+        "qwen38_dense",
+        "Qwen3_5ForCausalLM",
+    ),
+    "qwen3_5_moe": (
+        {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"},
+        ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "intermediate_size"),
+        "qwen38",
+        "Qwen3_5MoeForCausalLM",
+    ),
+}
 LONG = TEXTS[0] + " " + TEXTS[3] + " " + TEXTS[2]  # many 16-token chunks and pages
 EIGHT = [*TEXTS, "Water boils at one hundred degrees.", "1, 2, 3, 4, 5, 6, 7,", "Hello", "My favourite colour is"]
 
@@ -80,8 +99,11 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     name = request.param
     checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"tiny-{name}", name, seed=3)
     core = tmp_path_factory.mktemp("cores") / f"tiny-{name}"
-    result = export_core(open_source(str(checkpoint)), load_recipe(VARIANTS[name][2]),
-                         ExportOptions(out=core, prompt_logprobs=True, page_tokens=PAGE_TOKENS))  # fmt: skip
+    result = export_core(
+        open_source(str(checkpoint)),
+        load_recipe(VARIANTS[name][2]),
+        ExportOptions(out=core, prompt_logprobs=True, page_tokens=PAGE_TOKENS),
+    )
     assert result.max_abs_diff <= 1e-3  # the self-check against the float64 reference
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
     assert type(model).__name__ == VARIANTS[name][3]
@@ -114,7 +136,12 @@ def test_logprobs_match_transformers(exported) -> None:
     prefill's prompt logprobs."""
     _, _, core_dir, model = exported
     core = Core.open(core_dir)
-    step, scored, weights, m = core.load_program(), core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
+    step, scored, weights, m = (
+        core.load_program(),
+        core.load_program(SCORED_PREFILL),
+        core.load_weights(),
+        core.manifest,
+    )
     prompts = _prompts(core)
     assert len(prompts[2]) > 4 * PAGE_TOKENS
     worst = 0.0
@@ -140,8 +167,10 @@ def test_engine_generation_matches_transformers(exported) -> None:
     _, _, core_dir, model = exported
     core = Core.open(core_dir)
     engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
-    requests = [EngineRequest(f"g{i}", tuple(ids), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=3)
-                for i, ids in enumerate(_prompts(core))]  # fmt: skip
+    requests = [
+        EngineRequest(f"g{i}", tuple(ids), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=3)
+        for i, ids in enumerate(_prompts(core))
+    ]
     outputs = run_to_completion(engine, requests)
     worst = 0.0
     for request in requests:
@@ -149,8 +178,11 @@ def test_engine_generation_matches_transformers(exported) -> None:
         expected = hf_logprobs(model, list(request.prompt_ids) + out.token_ids)
         for position, entry in enumerate(out.logprobs):
             row = expected[len(request.prompt_ids) - 1 + position]
-            worst = max(worst, abs(entry.logprob - float(row[entry.token_id])),
-                        *(abs(v - float(row[t])) for t, v in entry.alternatives))  # fmt: skip
+            worst = max(
+                worst,
+                abs(entry.logprob - float(row[entry.token_id])),
+                *(abs(v - float(row[t])) for t, v in entry.alternatives),
+            )
     print(f"max |Δ logprob| vs transformers (engine): {worst:.3g}")
     assert worst <= 1e-3
 
@@ -173,18 +205,25 @@ def test_multimodal_checkpoint_layout_reads_the_same_model(tmp_path: Path) -> No
     weights under model.language_model., a vision tower and an MTP head export leaves out."""
     checkpoint = open_source(str(write_variant(tmp_path / "ckpt", "qwen3_5_moe", seed=2)))
     flat = checkpoint.hf_config
-    nested = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-              "tie_word_embeddings": False, "text_config": {**flat, "model_type": "qwen3_5_moe_text"},
-              "vision_config": {"depth": 1}}  # fmt: skip
+    nested = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": {**flat, "model_type": "qwen3_5_moe_text"},
+        "vision_config": {"depth": 1},
+    }
     assert family_of_hf_config(nested) == "qwen3_next"
     config = qwen3_next.config_from_hf(nested)
     assert config == qwen3_next.config_from_hf(flat)
-    renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t
-               for n, t in checkpoint.tensors.items()}  # fmt: skip
+    renamed = {
+        ("model.language_model." + n[len("model.") :] if n.startswith("model.") else n): t
+        for n, t in checkpoint.tensors.items()
+    }
     renamed |= {"model.visual.blocks.0.attn.qkv.weight": torch.zeros(3, 3), "mtp.fc.weight": torch.zeros(4, 8)}
     ids = list(range(3, 30))
-    assert torch.equal(qwen3_next.reference_logits(config, renamed, ids),
-                       qwen3_next.reference_logits(config, checkpoint.tensors, ids))  # fmt: skip
+    assert torch.equal(
+        qwen3_next.reference_logits(config, renamed, ids), qwen3_next.reference_logits(config, checkpoint.tensors, ids)
+    )
     ours = internal_weights(qwen3_next, replace(checkpoint, tensors=renamed), config, torch.float32)
     plain = internal_weights(qwen3_next, checkpoint, config, torch.float32)
     assert ours.keys() == plain.keys() and all(torch.equal(ours[n], plain[n]) for n in plain)
@@ -192,18 +231,24 @@ def test_multimodal_checkpoint_layout_reads_the_same_model(tmp_path: Path) -> No
     assert plain["layers.0.w_experts_gate_up"].shape == (4, 64, 64)
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0}}, "rope_type"),
-    ({"partial_rotary_factor": 0.3}, "partial_rotary_factor"),
-    ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
-    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]}, "layer_types"),
-    ({"attn_output_gate": False}, "attn_output_gate"),
-    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
-    ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0}}, "rope_type"),
+        ({"partial_rotary_factor": 0.3}, "partial_rotary_factor"),
+        ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+        (
+            {"layer_types": ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]},
+            "layer_types",
+        ),
+        ({"attn_output_gate": False}, "attn_output_gate"),
+        ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ],
+)
 def test_unsupported_variants_are_refused(change: dict, field: str) -> None:
     config = qwen3_next.testmodel_config(300) | change
     with pytest.raises(ValueError, match=field):
@@ -212,7 +257,9 @@ def test_unsupported_variants_are_refused(change: dict, field: str) -> None:
 
 def test_dense_layers_follow_the_sparse_step() -> None:
     """Qwen3-Next's decoder_sparse_step / mlp_only_layers, as Qwen3NextDecoderLayer reads them."""
-    config = qwen3_next.config_from_hf(qwen3_next.testmodel_config(300) | {"decoder_sparse_step": 2, "mlp_only_layers": []})
+    config = qwen3_next.config_from_hf(
+        qwen3_next.testmodel_config(300) | {"decoder_sparse_step": 2, "mlp_only_layers": []}
+    )
     assert config.moe_layers == (False, True, False, True)
     assert qwen3_next.config_from_hf(qwen3_next.testmodel_config(300)).moe_layers == (True, False, True, True)
 
@@ -222,8 +269,10 @@ def test_dense_layers_follow_the_sparse_step() -> None:
 ASK, RESULT, ANSWER, THINK = "Weather in Paris?", "Sunny, 21 C", "It is sunny.", "The user wants weather."
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 ARGUMENTS = {"city": "Paris", "days": 3}
-OUTPUT = (f"{THINK}\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-          "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
+OUTPUT = (
+    f"{THINK}\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
 FINAL = f"Done.\n</think>\n\n{ANSWER}"
 VERSION = {"anthropic-version": "2023-06-01"}
 
@@ -259,10 +308,16 @@ def test_chat_completions_round_trip(app) -> None:
     assert choice["finish_reason"] == "tool_calls"
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS
-    history = [{"role": "user", "content": ASK},
-               {"role": "assistant", "content": message["content"], "reasoning_content": message["reasoning_content"],
-                "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": call["id"], "content": RESULT}]  # fmt: skip
+    history = [
+        {"role": "user", "content": ASK},
+        {
+            "role": "assistant",
+            "content": message["content"],
+            "reasoning_content": message["reasoning_content"],
+            "tool_calls": [call],
+        },
+        {"role": "tool", "tool_call_id": call["id"], "content": RESULT},
+    ]
     reply, prompt = _turn(app, "/v1/chat/completions", {**body, "messages": history}, FINAL)
     assert f"<tool_response>\n{RESULT}\n</tool_response>" in prompt and "<function=get_weather>" in prompt
     message = reply["choices"][0]["message"]
@@ -270,33 +325,54 @@ def test_chat_completions_round_trip(app) -> None:
 
 
 def test_anthropic_messages_round_trip(app) -> None:
-    body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}],
-            "tools": [{"name": "get_weather", "input_schema": CITY}], "thinking": {"type": "enabled", "budget_tokens": 1024}}  # fmt: skip
+    body = {
+        "model": "x",
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": ASK}],
+        "tools": [{"name": "get_weather", "input_schema": CITY}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
     reply, prompt = _turn(app, "/v1/messages", body, OUTPUT, headers=VERSION)
-    assert [b["type"] for b in reply["content"]] == ["thinking", "text", "tool_use"] and reply["stop_reason"] == "tool_use"
+    assert [b["type"] for b in reply["content"]] == ["thinking", "text", "tool_use"] and reply[
+        "stop_reason"
+    ] == "tool_use"
     thought, text, use = reply["content"]
     assert (thought["thinking"].strip(), text["text"].strip()) == (THINK, "Checking.")
     assert (use["name"], use["input"]) == ("get_weather", ARGUMENTS)
-    history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": reply["content"]},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": RESULT}]}]  # fmt: skip
+    history = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": reply["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": RESULT}]},
+    ]
     reply, prompt = _turn(app, "/v1/messages", {**body, "messages": history}, FINAL, headers=VERSION)
     assert RESULT in prompt and "Paris" in prompt
-    assert [(b["type"], b.get("thinking", b.get("text")).strip()) for b in reply["content"]] == [("thinking", "Done."),
-                                                                                                ("text", ANSWER)]  # fmt: skip
+    assert [(b["type"], b.get("thinking", b.get("text")).strip()) for b in reply["content"]] == [
+        ("thinking", "Done."),
+        ("text", ANSWER),
+    ]
     assert reply["stop_reason"] == "end_turn"
 
 
 def test_responses_round_trip(app) -> None:
-    body = {"model": "x", "input": ASK, "max_output_tokens": 256,
-            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}]}  # fmt: skip
+    body = {
+        "model": "x",
+        "input": ASK,
+        "max_output_tokens": 256,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
+    }
     reply, _ = _turn(app, "/v1/responses", body, OUTPUT)
     items = reply["output"]
     assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
     reasoning, text, call = items
     assert reasoning["content"][0]["text"].strip() == THINK and text["content"][0]["text"].strip() == "Checking."
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == ARGUMENTS
-    history = [{"role": "user", "content": ASK}, reasoning, text, call,
-               {"type": "function_call_output", "call_id": call["call_id"], "output": RESULT}]  # fmt: skip
+    history = [
+        {"role": "user", "content": ASK},
+        reasoning,
+        text,
+        call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": RESULT},
+    ]
     reply, prompt = _turn(app, "/v1/responses", {**body, "input": history}, FINAL)
     assert RESULT in prompt and "Paris" in prompt
     final = reply["output"]
@@ -326,13 +402,22 @@ def test_mtp_layer_exports_as_a_drafter_program_matching_the_reference(name: str
     hidden = run_prompt(core.load_program(), weights, kv, 16, ids).outputs["hidden_states"]
     expected = qwen3_next_reference.reference_forward(config, hf, ids)[1]
     assert float((hidden - expected).abs().max()) <= 1e-4
-    error = mtp.check_against_reference(core.load_program("mtp_draft.0"), weights, kv, 16, config.vocab_size,
-                                        lambda i: qwen3_next_reference.reference_forward(config, hf, i)[1],
-                                        lambda n, h: qwen3_next_reference.reference_mtp(config, hf, 0, n, h)[0])  # fmt: skip
+    error = mtp.check_against_reference(
+        core.load_program("mtp_draft.0"),
+        weights,
+        kv,
+        16,
+        config.vocab_size,
+        lambda i: qwen3_next_reference.reference_forward(config, hf, i)[1],
+        lambda n, h: qwen3_next_reference.reference_mtp(config, hf, 0, n, h)[0],
+    )
     assert error <= 1e-4
     # without the config field the mtp.* tensors are left out, as transformers leaves them
-    plain = {k: v for k, v in json.loads((checkpoint / "config.json").read_text()).items() if k != "mtp_num_hidden_layers"}
+    plain = {
+        k: v for k, v in json.loads((checkpoint / "config.json").read_text()).items() if k != "mtp_num_hidden_layers"
+    }
     (checkpoint / "config.json").write_text(json.dumps(plain))
-    export_core(open_source(str(checkpoint)), load_recipe(VARIANTS[name][2]),
-                ExportOptions(out=out, page_tokens=16, force=True))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)), load_recipe(VARIANTS[name][2]), ExportOptions(out=out, page_tokens=16, force=True)
+    )
     assert "mtp_draft.0" not in Core.open(out).manifest.programs and not Core.open(out).manifest.kv.extra

@@ -35,7 +35,9 @@ def test_repo_id_from_local_hf_cache(tiny_checkpoint: Path, tmp_path: Path) -> N
     model = Core.open(out).manifest.model
     assert model.id == "flare-tests/tiny-llama" and model.source.kind == "hf-cache"
     assert set(model.source.files) >= {"config.json", "model.safetensors", "tokenizer.json"}
-    missing = run_cli("ignition", "export", "flare-tests/absent", "--recipe", "smollm2", "--out", str(tmp_path / "x"), env=env)
+    missing = run_cli(
+        "ignition", "export", "flare-tests/absent", "--recipe", "smollm2", "--out", str(tmp_path / "x"), env=env
+    )
     assert missing.returncode == ExitCode.SOURCE and "local Hugging Face cache" in missing.stderr
 
 

@@ -29,8 +29,10 @@ from tests.ignition.family_checks import GREEDY, TEXTS, check_generation_matches
 
 PAGE = 16
 WINDOW = 8
-CHAT = [{"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "What is the capital of France? Answer in one word, please."}]  # fmt: skip
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France? Answer in one word, please."},
+]
 LONG = TEXTS[0] + " " + TEXTS[3]
 
 
@@ -43,8 +45,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _hf_model(checkpoint: Path):
     from transformers import Step3p7ForConditionalGeneration
 
-    model = Step3p7ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32,
-                                                            attn_implementation="eager")  # fmt: skip
+    model = Step3p7ForConditionalGeneration.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -74,7 +77,11 @@ def test_config_reads_the_step_layout(tiny: tuple[Path, Path]) -> None:
     m = Core.open(tiny[1]).manifest
     assert (m.model.family, m.recipe.name, m.limits.page_tokens) == ("step5", "step5", PAGE)
     assert (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) == (4, 2, 16)
-    assert (m.recipe.reasoning_syntax, m.recipe.tool_syntax, m.recipe.template_source) == ("think", "qwen3_coder", "checkpoint")
+    assert (m.recipe.reasoning_syntax, m.recipe.tool_syntax, m.recipe.template_source) == (
+        "think",
+        "qwen3_coder",
+        "checkpoint",
+    )
 
 
 def test_transformers_spellings_read_the_same_config(tiny: tuple[Path, Path], tmp_path: Path) -> None:
@@ -105,7 +112,9 @@ def test_other_layouts_read_the_same_weights(tiny: tuple[Path, Path], reference)
     assert renamed.keys() == plain.keys() and all(torch.equal(renamed[n], plain[n]) for n in plain)
     assert not any(n.startswith("layers.4.") for n in plain)
     ids = list(range(3, 40))
-    assert torch.equal(step3p7.reference_logits(config, native, ids), step3p7.reference_logits(config, checkpoint.tensors, ids))
+    assert torch.equal(
+        step3p7.reference_logits(config, native, ids), step3p7.reference_logits(config, checkpoint.tensors, ids)
+    )
 
 
 def _text(**changes: Any) -> Any:
@@ -125,8 +134,9 @@ REFUSED = {
     "unnormalized_router": _text(norm_expert_weight=False),
     "yarn": _text(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}),
     "scaled_sliding_rope": _text(yarn_only_types=["full_attention", "sliding_attention"]),
-    "sparse_layer_type": _text(layer_types=["full_attention", "minimax_m3_sparse", "sliding_attention",
-                                            "full_attention", "full_attention"]),  # fmt: skip
+    "sparse_layer_type": _text(
+        layer_types=["full_attention", "minimax_m3_sparse", "sliding_attention", "full_attention", "full_attention"]
+    ),
     "other_kv_heads": _text(attention_other_setting={"num_attention_heads": 6, "num_attention_groups": 1}),
     "per_layer_head_dim": _text(per_layer_config={"1": {"head_dim": 32}}),
     "odd_rotary": _text(partial_rotary_factors=[0.3125] * 5),
@@ -192,8 +202,10 @@ def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     tok = core.tokenizer()
     preamble = "You are a helpful assistant. Answer briefly and precisely. "
     texts = [*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is"]
-    requests = [EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-                for i, t in enumerate(texts)]  # fmt: skip
+    requests = [
+        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+        for i, t in enumerate(texts)
+    ]
 
     def tokens(outputs: dict) -> dict[str, list[int]]:
         return {rid: choices[0].token_ids for rid, choices in outputs.items()}
@@ -221,8 +233,16 @@ def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
 
     checkpoint = write_testmodel("step5", tmp_path / "ckpt", seed=5)
     config = json.loads((checkpoint / "config.json").read_text())
-    dropped = ("moe_layers_enum", "layer_types", "attention_other_setting", "partial_rotary_factors",
-               "rope_scaling", "yarn_only_types", "swiglu_limits", "swiglu_limits_shared")  # fmt: skip
+    dropped = (
+        "moe_layers_enum",
+        "layer_types",
+        "attention_other_setting",
+        "partial_rotary_factors",
+        "rope_scaling",
+        "yarn_only_types",
+        "swiglu_limits",
+        "swiglu_limits_shared",
+    )
     text = {k: v for k, v in config["text_config"].items() if k not in dropped}
     config |= {"tie_word_embeddings": True, "text_config": text | {"rope_theta": 50_000.0, "query_pre_attn_scalar": 24}}
     (checkpoint / "config.json").write_text(json.dumps(config))
@@ -249,9 +269,15 @@ def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
 ASK = "Weather in Paris?"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 # What Step models write after the prompt's "<|im_start|>assistant\n<think>\n".
-OUTPUT = ("The user wants weather.\n</think>\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-          "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>")  # fmt: skip
-EXPECTED = {"reasoning": "The user wants weather.", "text": "Checking.", "calls": [("get_weather", {"city": "Paris", "days": 3})]}
+OUTPUT = (
+    "The user wants weather.\n</think>\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>"
+)
+EXPECTED = {
+    "reasoning": "The user wants weather.",
+    "text": "Checking.",
+    "calls": [("get_weather", {"city": "Paris", "days": 3})],
+}
 
 
 def _stripped(got: dict[str, Any]) -> dict[str, Any]:
@@ -299,6 +325,10 @@ def test_responses_with_reasoning_and_tool_call(app) -> None:
 def test_images_are_refused(app) -> None:
     """Text only: the vision tower is not compiled, so image parts are a client error."""
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-    body = {"model": "x", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "text", "text": ASK}, image]}]}
+    body = {
+        "model": "x",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": ASK}, image]}],
+    }
     response = app.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and "does not accept images" in response.json()["error"]["message"]

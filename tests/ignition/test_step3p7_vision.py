@@ -70,8 +70,11 @@ def encoded_images() -> list[bytes]:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     checkpoint = write_testmodel("step5", tmp_path_factory.mktemp("ckpt") / "tiny-step5-vision", seed=3, vision=True)
     out = tmp_path_factory.mktemp("cores") / "step5-vision"
-    export_core(open_source(str(checkpoint)), load_recipe("step5"),
-                ExportOptions(out=out, prompt_logprobs=True, dtype="float32"))  # fmt: skip
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("step5"),
+        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
+    )
     return checkpoint, out
 
 
@@ -79,8 +82,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def reference(tiny: tuple[Path, Path]):
     from transformers import Step3p7ForConditionalGeneration
 
-    model = Step3p7ForConditionalGeneration.from_pretrained(str(tiny[0]), dtype=torch.float32,
-                                                            attn_implementation="eager")  # fmt: skip
+    model = Step3p7ForConditionalGeneration.from_pretrained(
+        str(tiny[0]), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -98,8 +102,9 @@ def _resize(image: torch.Tensor, size, interpolation=_Mode.BILINEAR, antialias: 
         return image
     native = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
     x = image.reshape(-1, *image.shape[-3:])
-    y = torch.nn.functional.interpolate(x if native else x.float(), size=list(size), mode="bilinear",
-                                        align_corners=False, antialias=antialias)  # fmt: skip
+    y = torch.nn.functional.interpolate(
+        x if native else x.float(), size=list(size), mode="bilinear", align_corners=False, antialias=antialias
+    )
     y = y if native else y.round().to(image.dtype)
     return y.reshape(*image.shape[:-2], *size)
 
@@ -171,7 +176,10 @@ def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
     assert v.max_image_tokens_per_image == v.image_feature_window_tokens == 4 * 4 * 4 + 9  # 4 x 4 tiles of 448
     tok = Core.open(tiny[1]).tokenizer()
     assert v.placeholder_token_id == v.image_token_id == tok.token_to_id("<im_patch>")
-    assert (v.prefix_token_ids, v.suffix_token_ids) == ((tok.token_to_id("<im_start>"),), (tok.token_to_id("<im_end>"),))
+    assert (v.prefix_token_ids, v.suffix_token_ids) == (
+        (tok.token_to_id("<im_start>"),),
+        (tok.token_to_id("<im_end>"),),
+    )
     assert v.tile_row_separator_token_ids == (tok.token_to_id("<patch_newline>"),)
     assert [t.name for t in m.programs[STEP].inputs][-2:] == ["image_features", "image_rows"]
     assert m.golden.max_abs_diff <= TOLERANCE
@@ -204,7 +212,7 @@ def test_features_and_first_logprobs_match_transformers(tiny: tuple[Path, Path],
     profile = m.vision
     weights = core.load_weights()
     vision = core.load_program(VISION)
-    tok = core.tokenizer()
+    core.tokenizer()
     programs = {kind: core.load_program(kind) for kind in (STEP, SCORED_PREFILL)}
     worst_features = worst = 0.0
     for data in encoded_images():
@@ -222,22 +230,38 @@ def test_features_and_first_logprobs_match_transformers(tiny: tuple[Path, Path],
         image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
         assert len(image_positions) == len(ours)
         for program in programs.values():
-            run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=11,
-                             image_features=ours, image_positions=image_positions)  # fmt: skip
+            run = run_prompt(
+                program,
+                weights,
+                m.kv,
+                m.limits.page_tokens,
+                ids,
+                chunk=11,
+                image_features=ours,
+                image_positions=image_positions,
+            )
             worst = max(worst, float((run.logprobs[-1] - expected[-1]).abs().max()))
             worst = max(worst, float((run.logprobs - expected).abs().max()))
     assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
     print(f"max |delta| vs transformers: features {worst_features:.3g}, logprobs {worst:.3g}")
 
 
-_LAYER_TO_HUB = (("self_attn.out_proj.", "attn.out_proj."), ("layernorm_before.", "ln_1."),
-                 ("layernorm_after.", "ln_2."), ("mlp.fc1.", "mlp.c_fc."), ("mlp.fc2.", "mlp.c_proj."),
-                 ("lambda_1", "ls_1.gamma"), ("lambda_2", "ls_2.gamma"))  # fmt: skip
-_TO_HUB = (("model.vision_model.embeddings.patch_embedding.weight", "vision_model.conv1.weight"),
-           ("model.vision_model.embeddings.position_embedding.weight", "vision_model.positional_embedding"),
-           ("model.vision_model.pre_layernorm.", "vision_model.ln_pre."),
-           ("model.vision_model.downsampler", "vision_model.vit_downsampler"),
-           ("model.multi_modal_projector.", "vit_large_projector."))  # fmt: skip
+_LAYER_TO_HUB = (
+    ("self_attn.out_proj.", "attn.out_proj."),
+    ("layernorm_before.", "ln_1."),
+    ("layernorm_after.", "ln_2."),
+    ("mlp.fc1.", "mlp.c_fc."),
+    ("mlp.fc2.", "mlp.c_proj."),
+    ("lambda_1", "ls_1.gamma"),
+    ("lambda_2", "ls_2.gamma"),
+)
+_TO_HUB = (
+    ("model.vision_model.embeddings.patch_embedding.weight", "vision_model.conv1.weight"),
+    ("model.vision_model.embeddings.position_embedding.weight", "vision_model.positional_embedding"),
+    ("model.vision_model.pre_layernorm.", "vision_model.ln_pre."),
+    ("model.vision_model.downsampler", "vision_model.vit_downsampler"),
+    ("model.multi_modal_projector.", "vit_large_projector."),
+)
 
 
 def hub_layout(tensors: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:

@@ -96,9 +96,13 @@ def check_event(spec: dict[str, Any], name: str, data: dict[str, Any]) -> None:
 
 
 def sdk_client(handler: Any) -> anthropic.Anthropic:
-    return anthropic.Anthropic(api_key="k", base_url="http://flare.test", max_retries=0,
-                               http_client=httpx2.Client(transport=httpx2.MockTransport(handler)),
-                               _strict_response_validation=True)  # fmt: skip
+    return anthropic.Anthropic(
+        api_key="k",
+        base_url="http://flare.test",
+        max_retries=0,
+        http_client=httpx2.Client(transport=httpx2.MockTransport(handler)),
+        _strict_response_validation=True,
+    )
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -117,8 +121,10 @@ def claude_code_body() -> dict[str, Any]:
         "metadata": {"user_id": "u"},
         "service_tier": "auto",
         "stop_sequences": ["\n\nHuman:"],
-        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": cached},
-                   {"type": "text", "text": "Be brief.", "cache_control": cached}],
+        "system": [
+            {"type": "text", "text": "You are Claude Code.", "cache_control": cached},
+            {"type": "text", "text": "Be brief.", "cache_control": cached},
+        ],
         "tools": [
             {"name": "Bash", "description": "Run a command", "input_schema": {"type": "object"}},
             {"type": "custom", "name": "Read", "input_schema": {"type": "object"}, "cache_control": cached},
@@ -128,24 +134,36 @@ def claude_code_body() -> dict[str, Any]:
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "list files", "cache_control": cached}]},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": mine, "signature": thinking_signature(mine)},
-                {"type": "thinking", "thinking": "their thoughts", "signature": "EqQBCkYIBxgCKkB..."},
-                {"type": "text", "text": "Listing.", "cache_control": cached},
-                {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}},
-                {"type": "tool_use", "id": "toolu_2", "name": "Read", "input": {"path": "ä"}},
-            ]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt", "cache_control": cached},
-                {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True, "content": [
-                    {"type": "text", "text": "denied"},
-                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}]},
-                {"type": "text", "text": "<system-reminder>todo</system-reminder>", "cache_control": cached},
-            ]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": mine, "signature": thinking_signature(mine)},
+                    {"type": "thinking", "thinking": "their thoughts", "signature": "EqQBCkYIBxgCKkB..."},
+                    {"type": "text", "text": "Listing.", "cache_control": cached},
+                    {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}},
+                    {"type": "tool_use", "id": "toolu_2", "name": "Read", "input": {"path": "ä"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt", "cache_control": cached},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "is_error": True,
+                        "content": [
+                            {"type": "text", "text": "denied"},
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+                        ],
+                    },
+                    {"type": "text", "text": "<system-reminder>todo</system-reminder>", "cache_control": cached},
+                ],
+            },
             {"role": "system", "content": "Inline note."},
             {"role": "user", "content": "go on"},
         ],
-    }  # fmt: skip
+    }
 
 
 def test_claude_code_request_decodes_to_the_neutral_conversation() -> None:
@@ -156,17 +174,26 @@ def test_claude_code_request_decodes_to_the_neutral_conversation() -> None:
     assert conversation.messages == (
         Message("system", (TextPart("You are Claude Code."), TextPart("Be brief."))),
         Message("user", (TextPart("list files"),)),
-        Message("assistant", (ReasoningPart("I should list the files."), ReasoningPart("their thoughts"),
-                              TextPart("Listing."), ToolCallPart("toolu_1", "Bash", '{"command": "ls"}'),
-                              ToolCallPart("toolu_2", "Read", '{"path": "ä"}'))),
+        Message(
+            "assistant",
+            (
+                ReasoningPart("I should list the files."),
+                ReasoningPart("their thoughts"),
+                TextPart("Listing."),
+                ToolCallPart("toolu_1", "Bash", '{"command": "ls"}'),
+                ToolCallPart("toolu_2", "Read", '{"path": "ä"}'),
+            ),
+        ),
         Message("tool", (ToolResultPart("toolu_1", (TextPart("a.txt"),)),)),
         Message("tool", (ToolResultPart("toolu_2", (TextPart("denied"), image), is_error=True),)),
         Message("user", (TextPart("<system-reminder>todo</system-reminder>"),)),
         Message("system", (TextPart("Inline note."),)),
         Message("user", (TextPart("go on"),)),
-    )  # fmt: skip
-    assert conversation.tools == (ToolSpec("Bash", "Run a command", {"type": "object"}),
-                                  ToolSpec("Read", None, {"type": "object"}))  # fmt: skip
+    )
+    assert conversation.tools == (
+        ToolSpec("Bash", "Run a command", {"type": "object"}),
+        ToolSpec("Read", None, {"type": "object"}),
+    )
     assert conversation.tool_choice == ToolChoice("auto", None, parallel=False)
     assert conversation.thinking is True and conversation.effort == "high"
     assert conversation.add_generation_prompt and not conversation.continue_final_message
@@ -188,8 +215,11 @@ def test_cache_boundaries_keep_the_first_four_user_blocks() -> None:
 
 
 def test_empty_system_produces_nothing_and_prefill_continues() -> None:
-    messages = [{"role": "system", "content": ""}, {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "The answer is"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "The answer is"},
+    ]
     for system in ("", []):
         request, _ = decode(body(system=system, messages=messages), headers_version=VERSION)
         conversation = request.input
@@ -198,33 +228,51 @@ def test_empty_system_produces_nothing_and_prefill_continues() -> None:
         assert conversation.continue_final_message and not conversation.add_generation_prompt
 
 
-@pytest.mark.parametrize(("choice", "expected"), [
-    ({"type": "auto"}, ToolChoice("auto")),
-    ({"type": "any"}, ToolChoice("required")),
-    ({"type": "tool", "name": "lookup", "disable_parallel_tool_use": True}, ToolChoice("named", "lookup", False)),
-    ({"type": "none"}, ToolChoice("none")),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        ({"type": "auto"}, ToolChoice("auto")),
+        ({"type": "any"}, ToolChoice("required")),
+        ({"type": "tool", "name": "lookup", "disable_parallel_tool_use": True}, ToolChoice("named", "lookup", False)),
+        ({"type": "none"}, ToolChoice("none")),
+    ],
+)
 def test_tool_choice_modes(choice: dict[str, Any], expected: ToolChoice) -> None:
     tools = [{"name": "lookup", "input_schema": {"type": "object"}}]
     request, _ = decode(body(tools=tools, tool_choice=choice), headers_version=VERSION)
     assert isinstance(request.input, Conversation) and request.input.tool_choice == expected
 
 
-@pytest.mark.parametrize(("fields", "budget", "applied", "effort", "thinking"), [
-    ({"thinking": {"type": "enabled", "budget_tokens": 5000}}, 5000, 5000, "low", True),
-    ({"thinking": {"type": "enabled", "budget_tokens": 5001}}, 5001, 5001, "high", True),
-    ({"thinking": {"type": "enabled", "budget_tokens": 20000}}, 20000, 20000, "high", True),
-    ({"thinking": {"type": "adaptive", "budget_tokens": 20001}}, 20001, 20001, "max", True),
-    ({"thinking": {"type": "adaptive"}}, None, None, None, True),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2**40}}, 2**40, None, "max", True),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "output_config": {"effort": "medium"}},
-     1024, 1024, "medium", True),
-    ({"thinking": {"type": "enabled", "budget_tokens": 9000}, "thinking_token_budget": 9000}, 9000, 9000, "high", True),
-    ({"thinking_token_budget": 100}, 100, 100, "low", None),
-    ({"thinking": {"type": "disabled"}}, None, None, None, False),
-])  # fmt: skip
-def test_thinking_budget_and_effort(fields: dict[str, Any], budget: int | None, applied: int | None,
-                                    effort: str | None, thinking: bool | None) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("fields", "budget", "applied", "effort", "thinking"),
+    [
+        ({"thinking": {"type": "enabled", "budget_tokens": 5000}}, 5000, 5000, "low", True),
+        ({"thinking": {"type": "enabled", "budget_tokens": 5001}}, 5001, 5001, "high", True),
+        ({"thinking": {"type": "enabled", "budget_tokens": 20000}}, 20000, 20000, "high", True),
+        ({"thinking": {"type": "adaptive", "budget_tokens": 20001}}, 20001, 20001, "max", True),
+        ({"thinking": {"type": "adaptive"}}, None, None, None, True),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2**40}}, 2**40, None, "max", True),
+        (
+            {"thinking": {"type": "enabled", "budget_tokens": 1024}, "output_config": {"effort": "medium"}},
+            1024,
+            1024,
+            "medium",
+            True,
+        ),
+        (
+            {"thinking": {"type": "enabled", "budget_tokens": 9000}, "thinking_token_budget": 9000},
+            9000,
+            9000,
+            "high",
+            True,
+        ),
+        ({"thinking_token_budget": 100}, 100, 100, "low", None),
+        ({"thinking": {"type": "disabled"}}, None, None, None, False),
+    ],
+)
+def test_thinking_budget_and_effort(
+    fields: dict[str, Any], budget: int | None, applied: int | None, effort: str | None, thinking: bool | None
+) -> None:
     request, options = decode(body(**fields), headers_version=VERSION)
     assert (options.budget, request.thinking_token_budget, options.effort) == (budget, applied, effort)
     assert isinstance(request.input, Conversation)
@@ -275,23 +323,37 @@ REJECTIONS = [
     (_user({"type": "search_result", "source": "s", "title": "t", "content": []}), "messages", "search_result"),
     (_user({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document"}]}), "messages", "document"),
     (_assistant({"type": "redacted_thinking", "data": "opaque"}), "messages", "redacted_thinking"),
-    (_assistant({"type": "thinking", "thinking": "edited", "signature": thinking_signature("original")}),
-     "messages", "thinking block was modified"),
-    (_assistant({"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}), "messages", "server_tool_use"),
+    (
+        _assistant({"type": "thinking", "thinking": "edited", "signature": thinking_signature("original")}),
+        "messages",
+        "thinking block was modified",
+    ),
+    (
+        _assistant({"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}),
+        "messages",
+        "server_tool_use",
+    ),
     ({"system": [{"type": "image"}]}, "system", "text"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools", "web_search_20250305"),
     ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools", "bash_20250124"),
     ({"tools": [{"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}]}, "tools", "text_editor"),
     ({"tools": [{"type": "computer_20250124", "name": "computer"}]}, "tools", "computer"),
     ({"tools": [{"name": "t"}]}, "tools", "input_schema"),
-    ({"tools": [{"name": "t", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "u"}}, "tool_choice", "'u'"),
+    (
+        {"tools": [{"name": "t", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "u"}},
+        "tool_choice",
+        "'u'",
+    ),
     ({"tool_choice": {"type": "required"}}, "tool_choice", "tool_choice"),
     ({"tool_choice": {"type": "any"}}, "tool_choice", "at least one declared tool"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", "budget_tokens"),
     ({"thinking": {"type": "on"}}, "thinking", "thinking.type"),
     ({"thinking": {"type": "adaptive", "budget_tokens": "4k"}}, "thinking.budget_tokens", "positive integer"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2000}, "thinking_token_budget": 3000},
-     "thinking_token_budget", "must match"),
+    (
+        {"thinking": {"type": "enabled", "budget_tokens": 2000}, "thinking_token_budget": 3000},
+        "thinking_token_budget",
+        "must match",
+    ),
     ({"output_config": {"effort": 80}}, "output_config.effort", "numeric"),
     ({"output_config": {"effort": "extreme"}}, "output_config.effort", "named level"),
     ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management", "active"),
@@ -302,7 +364,7 @@ REJECTIONS = [
     ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "return_tokens_as_token_ids"),
     ({"logprob_token_ids": [1]}, "logprob_token_ids", "logprob_token_ids"),
     ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("fields", "param", "words"), REJECTIONS)
@@ -314,21 +376,28 @@ def test_rejections_name_their_field(fields: dict[str, Any], param: str, words: 
 
 
 # ---------------------------------------------------------------------------- encoding
-@pytest.mark.parametrize(("finish", "expected"), [
-    (FinishEvent(Termination.LENGTH), ("max_tokens", None)),
-    (FinishEvent(Termination.TOOL_CALLS), ("tool_use", None)),
-    (FinishEvent(Termination.STOP_STRING, matched_stop="END"), ("stop_sequence", "END")),
-    (FinishEvent(Termination.EOS), ("end_turn", None)),
-    (FinishEvent(Termination.STOP_TOKEN), ("end_turn", None)),
-    (FinishEvent(Termination.ABORT), ("end_turn", None)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("finish", "expected"),
+    [
+        (FinishEvent(Termination.LENGTH), ("max_tokens", None)),
+        (FinishEvent(Termination.TOOL_CALLS), ("tool_use", None)),
+        (FinishEvent(Termination.STOP_STRING, matched_stop="END"), ("stop_sequence", "END")),
+        (FinishEvent(Termination.EOS), ("end_turn", None)),
+        (FinishEvent(Termination.STOP_TOKEN), ("end_turn", None)),
+        (FinishEvent(Termination.ABORT), ("end_turn", None)),
+    ],
+)
 def test_stop_reason_table(finish: FinishEvent, expected: tuple[str, str | None]) -> None:
     assert stop_reason(finish) == expected
 
 
 def test_usage_splits_cache_reads_from_input() -> None:
     assert usage_json(Usage(prompt_tokens=120, completion_tokens=7, cached_tokens=100)) == {
-        "input_tokens": 20, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 100, "output_tokens": 7}
+        "input_tokens": 20,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 100,
+        "output_tokens": 7,
+    }
 
 
 def test_sse_frame() -> None:
@@ -338,14 +407,30 @@ def test_sse_frame() -> None:
 CALL = ToolCallEvent("call_00000000002a", "lookup", '{"q": "flare", "n": 2}')
 USAGE = Usage(prompt_tokens=30, completion_tokens=12, cached_tokens=16)
 CASES = {
-    "reasoning_text": ([[ReasoningEvent("Let me "), ReasoningEvent("think.")], [TextEvent("Hel"), TextEvent("")],
-                        [TextEvent("lo"), FinishEvent(Termination.EOS)]],
-                       ["thinking", "thinking_delta", "thinking_delta", "signature_delta", "stop",
-                        "text", "text_delta", "text_delta", "stop"]),
-    "text_tool": ([[TextEvent("Looking up.")], [CALL, FinishEvent(Termination.TOOL_CALLS)]],
-                  ["text", "text_delta", "stop", "tool_use", "input_json_delta", "stop"]),
+    "reasoning_text": (
+        [
+            [ReasoningEvent("Let me "), ReasoningEvent("think.")],
+            [TextEvent("Hel"), TextEvent("")],
+            [TextEvent("lo"), FinishEvent(Termination.EOS)],
+        ],
+        [
+            "thinking",
+            "thinking_delta",
+            "thinking_delta",
+            "signature_delta",
+            "stop",
+            "text",
+            "text_delta",
+            "text_delta",
+            "stop",
+        ],
+    ),
+    "text_tool": (
+        [[TextEvent("Looking up.")], [CALL, FinishEvent(Termination.TOOL_CALLS)]],
+        ["text", "text_delta", "stop", "tool_use", "input_json_delta", "stop"],
+    ),
     "empty": ([[FinishEvent(Termination.LENGTH)]], []),
-}  # fmt: skip
+}
 
 
 def _shape(events: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -392,7 +477,9 @@ def test_stream_events_are_valid_and_match_the_buffered_message(spec: dict[str, 
     assert buffered["stop_reason"] == events[-2][1]["delta"]["stop_reason"]
 
     payload = b"".join(sse(name, data) for name, data in events)
-    client = sdk_client(lambda request: httpx2.Response(200, content=payload, headers={"content-type": "text/event-stream"}))
+    client = sdk_client(
+        lambda request: httpx2.Response(200, content=payload, headers={"content-type": "text/event-stream"})
+    )
     with client.messages.stream(model="m", max_tokens=64, messages=[{"role": "user", "content": "hi"}]) as stream:
         final = stream.get_final_message()
     assert final.model_dump(mode="json", exclude_none=True)["content"] == buffered["content"]
@@ -412,7 +499,10 @@ def test_buffered_message_parses_with_the_sdk_and_replays_its_thinking(spec: dic
     ]
     assert (buffered["stop_reason"], buffered["usage"]["input_tokens"]) == ("tool_use", 14)
     client = sdk_client(lambda request: httpx2.Response(200, json=buffered))
-    assert client.messages.create(model="m", max_tokens=64, messages=[{"role": "user", "content": "hi"}]).id == "msg_flare2"
+    assert (
+        client.messages.create(model="m", max_tokens=64, messages=[{"role": "user", "content": "hi"}]).id
+        == "msg_flare2"
+    )
 
     history = _assistant(*buffered["content"])["messages"]
     history.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": CALL.call_id, "content": "ok"}]})
@@ -432,7 +522,9 @@ def test_stream_error_event(spec: dict[str, Any]) -> None:
     assert stream.error(429, "busy")[0][1] == anthropic_error(429, "busy")
     check_event(spec, *events[-1])
     payload = b"".join(sse(name, data) for name, data in events)
-    client = sdk_client(lambda request: httpx2.Response(200, content=payload, headers={"content-type": "text/event-stream"}))
+    client = sdk_client(
+        lambda request: httpx2.Response(200, content=payload, headers={"content-type": "text/event-stream"})
+    )
     with pytest.raises(anthropic.APIStatusError, match="required tool call missing"):
         with client.messages.stream(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}]) as s:
             s.get_final_message()

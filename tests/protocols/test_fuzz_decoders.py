@@ -20,22 +20,107 @@ from helios.server.json_body import JsonBodyError, parse_json
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=12)
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                           max_leaves=25)  # fmt: skip
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=25,
+)
 
 # Field names each protocol reads, so the fuzzer reaches past "unknown field" checks.
-CHAT_KEYS = ["model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop", "tools",
-             "tool_choice", "response_format", "logprobs", "top_logprobs", "temperature", "top_p", "top_k", "seed",
-             "logit_bias", "reasoning_effort", "chat_template_kwargs", "parallel_tool_calls", "ignore_eos",
-             "stop_token_ids", "prompt_logprobs", "logprob_token_ids", "return_token_ids"]  # fmt: skip
-MESSAGE_KEYS = ["role", "content", "name", "tool_calls", "tool_call_id", "type", "text", "image_url", "function",
-                "arguments", "id", "input", "tool_use_id", "is_error", "source", "thinking", "signature"]  # fmt: skip
-COMPLETION_KEYS = ["model", "prompt", "max_tokens", "n", "echo", "logprobs", "stream", "stop", "suffix", "seed",
-                   "best_of", "stream_options", "prompt_logprobs"]  # fmt: skip
-RESPONSES_KEYS = ["model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning",
-                  "stream", "store", "previous_response_id", "include", "top_logprobs", "parallel_tool_calls"]  # fmt: skip
-MESSAGES_KEYS = ["model", "messages", "system", "max_tokens", "stream", "stop_sequences", "tools", "tool_choice",
-                 "thinking", "metadata", "temperature", "top_k", "output_config", "stop_token_ids"]  # fmt: skip
+CHAT_KEYS = [
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "logit_bias",
+    "reasoning_effort",
+    "chat_template_kwargs",
+    "parallel_tool_calls",
+    "ignore_eos",
+    "stop_token_ids",
+    "prompt_logprobs",
+    "logprob_token_ids",
+    "return_token_ids",
+]
+MESSAGE_KEYS = [
+    "role",
+    "content",
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "type",
+    "text",
+    "image_url",
+    "function",
+    "arguments",
+    "id",
+    "input",
+    "tool_use_id",
+    "is_error",
+    "source",
+    "thinking",
+    "signature",
+]
+COMPLETION_KEYS = [
+    "model",
+    "prompt",
+    "max_tokens",
+    "n",
+    "echo",
+    "logprobs",
+    "stream",
+    "stop",
+    "suffix",
+    "seed",
+    "best_of",
+    "stream_options",
+    "prompt_logprobs",
+]
+RESPONSES_KEYS = [
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "tools",
+    "tool_choice",
+    "text",
+    "reasoning",
+    "stream",
+    "store",
+    "previous_response_id",
+    "include",
+    "top_logprobs",
+    "parallel_tool_calls",
+]
+MESSAGES_KEYS = [
+    "model",
+    "messages",
+    "system",
+    "max_tokens",
+    "stream",
+    "stop_sequences",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "metadata",
+    "temperature",
+    "top_k",
+    "output_config",
+    "stop_token_ids",
+]
 
 
 def objects(keys: list[str]) -> st.SearchStrategy[dict]:

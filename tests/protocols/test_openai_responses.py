@@ -20,12 +20,25 @@ from helios.frontend.events import Accumulator, FinishEvent, ReasoningEvent, Sem
 from helios.frontend.generate import Usage
 from helios.frontend.grammar import CompiledGrammar
 from helios.frontend.inference import (
-    Conversation, ReasoningPart, RequestError, Termination, TextPart, ToolCallPart, ToolChoice, ToolResultPart,
-)  # fmt: skip
+    Conversation,
+    ReasoningPart,
+    RequestError,
+    Termination,
+    TextPart,
+    ToolCallPart,
+    ToolChoice,
+    ToolResultPart,
+)
 from helios.frontend.output import Alternative, TokenEntry
 from helios.protocols.openai_responses import (
-    OutputValidationError, ResponsesStream, call_item, custom_call, decode, response_json, sse,
-)  # fmt: skip
+    OutputValidationError,
+    ResponsesStream,
+    call_item,
+    custom_call,
+    decode,
+    response_json,
+    sse,
+)
 
 SPEC_PATH = Path(__file__).resolve().parents[3] / "shared" / "spec" / "external" / "openai-openapi.nullable-fixed.json"
 APPLY_PATCH = r"""start: begin_patch hunk+ end_patch
@@ -45,44 +58,88 @@ eof_line: "*** End of File" LF
 %import common.LF
 """
 PATCH = "*** Begin Patch\n*** Update File: app.py\n@@ def main():\n-    return 1\n+    return 2\n*** End Patch"
-SHELL = {"type": "function", "name": "shell", "description": "Run a command.", "strict": False,
-         "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
-                        "required": ["command"]}}  # fmt: skip
-APPLY = {"type": "custom", "name": "apply_patch", "description": "Edit files.",
-         "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}}  # fmt: skip
+SHELL = {
+    "type": "function",
+    "name": "shell",
+    "description": "Run a command.",
+    "strict": False,
+    "parameters": {
+        "type": "object",
+        "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+        "required": ["command"],
+    },
+}
+APPLY = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH},
+}
 NOTES = {"type": "custom", "name": "note"}  # free-form text
-MCP = {"type": "namespace", "name": "mcp", "description": "Docs server.",
-       "tools": [{"type": "function", "name": "lookup", "parameters": {"type": "object"}},
-                 {"type": "custom", "name": "ticket", "format": {"type": "grammar", "syntax": "regex",
-                                                                 "definition": r"[A-Z]+-\d+"}}]}  # fmt: skip
+MCP = {
+    "type": "namespace",
+    "name": "mcp",
+    "description": "Docs server.",
+    "tools": [
+        {"type": "function", "name": "lookup", "parameters": {"type": "object"}},
+        {
+            "type": "custom",
+            "name": "ticket",
+            "format": {"type": "grammar", "syntax": "regex", "definition": r"[A-Z]+-\d+"},
+        },
+    ],
+}
 TOOLS = [SHELL, APPLY, NOTES, MCP]
 
 
 def codex_body(**extra: Any) -> dict[str, Any]:
     """A Codex-shaped request: several replayed turns of reasoning, function, custom and namespaced calls."""
     body: dict[str, Any] = {
-        "model": "local", "instructions": "You are a coding agent.", "store": False, "stream": True,
+        "model": "local",
+        "instructions": "You are a coding agent.",
+        "store": False,
+        "stream": True,
         "input": [
             {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: on."}]},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix app.py"}]},
-            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None,
-             "content": [{"type": "reasoning_text", "text": "Look first."}]},
-            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "shell",
-             "arguments": '{"command":["cat","app.py"]}'},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "encrypted_content": None,
+                "content": [{"type": "reasoning_text", "text": "Look first."}],
+            },
+            {
+                "type": "function_call",
+                "id": "fc_1",
+                "call_id": "call_1",
+                "name": "shell",
+                "arguments": '{"command":["cat","app.py"]}',
+            },
             {"type": "function_call_output", "call_id": "call_1", "output": "def main():\n    return 1\n"},
             {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Patch it."}]},
             {"type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch", "input": PATCH},
-            {"type": "custom_tool_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "Done"}]},
+            {
+                "type": "custom_tool_call_output",
+                "call_id": "call_2",
+                "output": [{"type": "input_text", "text": "Done"}],
+            },
             {"type": "function_call", "call_id": "call_3", "namespace": "mcp", "name": "lookup", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "call_3", "output": "no docs"},
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Fixed."}]},
             {"role": "user", "content": "Thanks; now run the tests."},
         ],
-        "tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False,
-        "reasoning": {"effort": "high", "summary": "auto"}, "text": {"verbosity": "low"},
-        "include": ["reasoning.encrypted_content", "message.output_text.logprobs"], "top_logprobs": 2,
-        "prompt_cache_key": "session-1", "max_output_tokens": 512, "temperature": 0.7,
-    }  # fmt: skip
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "high", "summary": "auto"},
+        "text": {"verbosity": "low"},
+        "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
+        "top_logprobs": 2,
+        "prompt_cache_key": "session-1",
+        "max_output_tokens": 512,
+        "temperature": 0.7,
+    }
     return {**body, **extra}
 
 
@@ -109,15 +166,28 @@ def test_decode_codex_shaped_request() -> None:
     conversation = request.input
     assert isinstance(conversation, Conversation)
     roles = [m.role for m in conversation.messages]
-    assert roles == ["developer", "developer", "user", "assistant", "tool", "assistant", "tool", "assistant", "tool",
-                     "assistant", "user"]  # fmt: skip
+    assert roles == [
+        "developer",
+        "developer",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+    ]
     assert conversation.messages[0].text() == "You are a coding agent."  # instructions lead, as developer text
     first_turn = conversation.messages[3].parts
     assert first_turn == (ReasoningPart("Look first."), ToolCallPart("call_1", "shell", '{"command":["cat","app.py"]}'))
     assert conversation.messages[4].parts == (ToolResultPart("call_1", (TextPart("def main():\n    return 1\n"),)),)
     reasoning, call = conversation.messages[5].parts
     assert reasoning == ReasoningPart("Patch it.")  # summary text is readable reasoning
-    assert isinstance(call, ToolCallPart) and call.name == "apply_patch" and json.loads(call.arguments) == {"input": PATCH}
+    assert (
+        isinstance(call, ToolCallPart) and call.name == "apply_patch" and json.loads(call.arguments) == {"input": PATCH}
+    )
     assert conversation.messages[7].parts[0] == ToolCallPart("call_3", "mcp__lookup", "{}")
     assert conversation.messages[9].parts == (TextPart("Fixed."),)
     assert conversation.messages[10].parts == (TextPart("Thanks; now run the tests."),)
@@ -127,7 +197,11 @@ def test_decode_codex_shaped_request() -> None:
     assert tools["shell"].kind == "function" and tools["shell"].parameters == SHELL["parameters"]
     patch_tool = tools["apply_patch"]
     assert patch_tool.kind == "custom" and isinstance(patch_tool.grammar, CompiledGrammar)
-    assert patch_tool.parameters == {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+    assert patch_tool.parameters == {
+        "type": "object",
+        "properties": {"input": {"type": "string"}},
+        "required": ["input"],
+    }
     assert patch_tool.description is not None and "Edit files." in patch_tool.description
     assert "Lark grammar" in patch_tool.description and "begin_patch hunk+ end_patch" in patch_tool.description
     assert tools["note"].grammar is None and "`input`" in (tools["note"].description or "")
@@ -149,8 +223,15 @@ def test_decode_minimal_forms() -> None:
     assert request.input.messages[0].role == "user" and request.input.messages[0].text() == "hi"  # type: ignore[union-attr]
     assert request.logprobs.top is None and not options.logprobs and not request.stream
     assert request.input.tool_choice == ToolChoice()  # type: ignore[union-attr]
-    request, _ = decode({"model": "m", "input": [{"role": "assistant", "content": "prefill"}, {"role": "user",
-                                                  "content": [{"type": "input_text", "text": "x"}]}]})  # fmt: skip
+    request, _ = decode(
+        {
+            "model": "m",
+            "input": [
+                {"role": "assistant", "content": "prefill"},
+                {"role": "user", "content": [{"type": "input_text", "text": "x"}]},
+            ],
+        }
+    )
     assert [m.role for m in request.input.messages] == ["assistant", "user"]  # type: ignore[union-attr]
 
 
@@ -183,30 +264,51 @@ REJECTIONS: list[tuple[dict[str, Any], str, str]] = [
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "item_reference"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]", "not supported"),
-    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA"}]}, "input[0]",
-     "opaque encrypted reasoning is not supported"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]}, "input[0]",
-     "data URL"),
+    (
+        {"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA"}]},
+        "input[0]",
+        "opaque encrypted reasoning is not supported",
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+        "input[0]",
+        "data URL",
+    ),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0]", "input_file"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0]", "role"),
     ({"input": []}, "input", "nonempty"),
     ({"tools": [{**SHELL, "strict": True}]}, "tools[0]", "strict"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]", "hosted"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0]", "hosted"),
-    ({"tools": [{"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"}]},
-     "tools[0]", "hosted"),
+    (
+        {"tools": [{"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"}]},
+        "tools[0]",
+        "hosted",
+    ),
     ({"tools": [{"type": "code_interpreter", "container": "auto"}]}, "tools[0]", "hosted"),
     ({"tools": [{"type": "image_generation"}]}, "tools[0]", "hosted"),
     ({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0]", "hosted"),
     ({"tools": [{"type": "local_shell"}]}, "tools[0]", "hosted"),
-    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]}, "tools[0].tools[0]",
-     "hosted"),
-    ({"tools": [SHELL, {**APPLY, "format": {"type": "grammar", "syntax": "lark", "definition": "start: nope"}}]},
-     "tools[1].format", "unknown name"),
-    ({"tools": [{**APPLY, "format": {"type": "grammar", "syntax": "peg", "definition": "x"}}]}, "tools[0].format",
-     "syntax"),
-    ({"tools": [{**APPLY, "format": {"type": "grammar", "syntax": "regex", "definition": "a" * 70000}}]},
-     "tools[0].format", "limit"),
+    (
+        {"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+        "tools[0].tools[0]",
+        "hosted",
+    ),
+    (
+        {"tools": [SHELL, {**APPLY, "format": {"type": "grammar", "syntax": "lark", "definition": "start: nope"}}]},
+        "tools[1].format",
+        "unknown name",
+    ),
+    (
+        {"tools": [{**APPLY, "format": {"type": "grammar", "syntax": "peg", "definition": "x"}}]},
+        "tools[0].format",
+        "syntax",
+    ),
+    (
+        {"tools": [{**APPLY, "format": {"type": "grammar", "syntax": "regex", "definition": "a" * 70000}}]},
+        "tools[0].format",
+        "limit",
+    ),
     ({"tools": [{**SHELL, "name": "mcp__lookup"}, MCP]}, "tools[1].tools[0]", "ambiguous"),
     ({"tools": [SHELL, SHELL]}, "tools[1]", "ambiguous"),
     ({"tool_choice": {"type": "function", "name": "apply_patch"}}, "tool_choice", "not declared as a function"),
@@ -248,8 +350,12 @@ def test_required_tool_choice_needs_tools() -> None:
 def test_custom_call_is_restored_and_grammar_checked() -> None:
     _, options = decode(codex_body())
     good = ToolCallEvent("call_9", "apply_patch", json.dumps({"input": PATCH}))
-    assert custom_call(good, options) == {"type": "custom_tool_call", "call_id": "call_9", "name": "apply_patch",
-                                          "input": PATCH}  # fmt: skip
+    assert custom_call(good, options) == {
+        "type": "custom_tool_call",
+        "call_id": "call_9",
+        "name": "apply_patch",
+        "input": PATCH,
+    }
     with pytest.raises(OutputValidationError, match="does not match its lark grammar"):
         custom_call(ToolCallEvent("c", "apply_patch", json.dumps({"input": "rm -rf /"})), options)
     with pytest.raises(OutputValidationError, match="does not match"):
@@ -263,8 +369,15 @@ def test_custom_call_is_restored_and_grammar_checked() -> None:
 def test_namespaced_calls_regain_their_namespace() -> None:
     _, options = decode(codex_body())
     item = call_item(ToolCallEvent("c1", "mcp__lookup", '{"q": "x"}'), options, "fc_1")
-    assert item == {"id": "fc_1", "type": "function_call", "call_id": "c1", "name": "lookup", "namespace": "mcp",
-                    "arguments": '{"q": "x"}', "status": "completed"}  # fmt: skip
+    assert item == {
+        "id": "fc_1",
+        "type": "function_call",
+        "call_id": "c1",
+        "name": "lookup",
+        "namespace": "mcp",
+        "arguments": '{"q": "x"}',
+        "status": "completed",
+    }
     ticket = call_item(ToolCallEvent("c2", "mcp__ticket", '{"input": "ABC-12"}'), options, "ctc_2")
     assert ticket["type"] == "custom_tool_call" and ticket["name"] == "ticket" and ticket["namespace"] == "mcp"
     with pytest.raises(OutputValidationError):
@@ -281,12 +394,15 @@ def entry(text: str, logprob: float = -0.5) -> TokenEntry:
 
 def agent_events() -> list[SemanticEvent]:
     return [
-        ReasoningEvent("I should "), ReasoningEvent("patch."), TextEvent("Here", (entry("Here"),)),
+        ReasoningEvent("I should "),
+        ReasoningEvent("patch."),
+        TextEvent("Here", (entry("Here"),)),
         TextEvent(" it is.", (entry(" it"), entry(" is."))),
         ToolCallEvent("call_a", "shell", '{"command":["pytest"]}'),
         ToolCallEvent("call_b", "apply_patch", json.dumps({"input": PATCH})),
-        ToolCallEvent("call_c", "mcp__lookup", "{}"), TextEvent("Done."),
-    ]  # fmt: skip
+        ToolCallEvent("call_c", "mcp__lookup", "{}"),
+        TextEvent("Done."),
+    ]
 
 
 def accumulate(events: list[SemanticEvent]) -> Accumulator:
@@ -305,8 +421,14 @@ def test_completed_response(spec: dict[str, Any]) -> None:
     acc = accumulate(agent_events() + [FinishEvent(Termination.TOOL_CALLS)])
     body = response_json("resp_x1", 1700000000, acc, USAGE, options, "completed", model=MODEL)
     parsed = check_response(spec, body)
-    assert [i["type"] for i in body["output"]] == ["reasoning", "message", "function_call", "custom_tool_call",
-                                                   "function_call", "message"]  # fmt: skip
+    assert [i["type"] for i in body["output"]] == [
+        "reasoning",
+        "message",
+        "function_call",
+        "custom_tool_call",
+        "function_call",
+        "message",
+    ]
     assert [i["id"] for i in body["output"]] == ["rs_x1_0", "msg_x1_1", "fc_x1_2", "ctc_x1_3", "fc_x1_4", "msg_x1_5"]
     assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "I should patch."}]
     assert body["output"][0]["summary"] == []
@@ -314,9 +436,13 @@ def test_completed_response(spec: dict[str, Any]) -> None:
     assert text["text"] == "Here it is." and [e["token"] for e in text["logprobs"]] == ["Here", " it", " is."]
     assert text["logprobs"][0]["top_logprobs"][1] == {"token": "?", "logprob": -3.0, "bytes": [63]}
     assert body["output"][3]["input"] == PATCH and body["output"][4]["namespace"] == "mcp"
-    assert body["usage"] == {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 64, "cache_write_tokens": 0},
-                             "output_tokens": 40, "output_tokens_details": {"reasoning_tokens": 5},
-                             "total_tokens": 140}  # fmt: skip
+    assert body["usage"] == {
+        "input_tokens": 100,
+        "input_tokens_details": {"cached_tokens": 64, "cache_write_tokens": 0},
+        "output_tokens": 40,
+        "output_tokens_details": {"reasoning_tokens": 5},
+        "total_tokens": 140,
+    }
     assert body["status"] == "completed" and body["error"] is None and body["store"] is False
     assert body["model"] == MODEL != options.model  # the loaded model answers, whatever the request named
     assert body["tools"] == options.tools_echo and body["parallel_tool_calls"] is False
@@ -359,8 +485,9 @@ def check_stream(spec: dict[str, Any], events: list[dict[str, Any]]) -> None:
         assert json.loads(frame.split(b"data: ", 1)[1]) == event
 
 
-def run_stream(events: list[SemanticEvent], batches: list[int], finish: FinishEvent,
-               options: Any) -> list[dict[str, Any]]:  # fmt: skip
+def run_stream(
+    events: list[SemanticEvent], batches: list[int], finish: FinishEvent, options: Any
+) -> list[dict[str, Any]]:
     stream = ResponsesStream("resp_s", 1700000000, options, model=MODEL)
     out = stream.start()
     start = 0
@@ -377,8 +504,12 @@ def test_stream_event_sequence(spec: dict[str, Any]) -> None:
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
-    assert kinds[2:6] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
-                          "response.reasoning_text.delta"]  # fmt: skip
+    assert kinds[2:6] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+    ]
     assert "response.function_call_arguments.done" in kinds and "response.custom_tool_call_input.done" in kinds
     assert not any(k == "response.output_text.delta" and e.get("delta") == "[DONE]" for k, e in zip(kinds, events))
     final = events[-1]["response"]
@@ -396,8 +527,9 @@ def test_streaming_equals_buffered_over_random_batches() -> None:
     _, options = decode(codex_body())
     events = agent_events()
     finish = FinishEvent(Termination.EOS)
-    expected = response_json("resp_s", 1700000000, accumulate(events + [finish]), USAGE, options, "completed",
-                             model=MODEL)
+    expected = response_json(
+        "resp_s", 1700000000, accumulate(events + [finish]), USAGE, options, "completed", model=MODEL
+    )
     rng = random.Random(7)
     for _ in range(30):
         batches = [rng.randint(0, 3) for _ in range(rng.randint(0, 6))]

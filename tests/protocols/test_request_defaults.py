@@ -21,8 +21,22 @@ def test_2023_06_01_and_later_dated_versions_are_accepted(version: str) -> None:
     count_tokens_decode(BODY, version)
 
 
-@pytest.mark.parametrize("version", [None, "", "2023-05-31", "2022-12-31", "2023-02-30", "2026-1-01", "2026-10-21x",
-                                     " 2026-10-21", "20261021", "latest", "2026-13-01"])  # fmt: skip
+@pytest.mark.parametrize(
+    "version",
+    [
+        None,
+        "",
+        "2023-05-31",
+        "2022-12-31",
+        "2023-02-30",
+        "2026-1-01",
+        "2026-10-21x",
+        " 2026-10-21",
+        "20261021",
+        "latest",
+        "2026-13-01",
+    ],
+)
 def test_missing_malformed_unreal_or_earlier_versions_are_refused(version: str | None) -> None:
     with pytest.raises(RequestError, match="anthropic-version") as error:
         decode(BODY, headers_version=version)

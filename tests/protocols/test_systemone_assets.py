@@ -20,16 +20,28 @@ def test_references_replace_whole_values_then_left_to_right_matches() -> None:
     assert refs.content("img10 beside img") == (B, " beside ", A)
     assert refs.content("no reference") == "no reference"
     assert refs.content({"img": "img", "n": 'see "img10"', "k": [1]}) == (
-        '{"img": ', A, ', "n": "see \\"', B, '\\"", "k": [1]}')  # fmt: skip
+        '{"img": ',
+        A,
+        ', "n": "see \\"',
+        B,
+        '\\"", "k": [1]}',
+    )
     assert refs.used == {"img", "img10"}
     assert systemone.References({}).content({"a": "img"}) == '{"a": "img"}'
 
 
 def test_unreferenced_assets_and_orphan_parts_are_refused() -> None:
     body = {"model": "m", "state": "img", "questions": {"q": {"type": "noul", "instructions": "?"}}}
-    assets = systemone.decode_assets({**body, "assets": {"img": {"format": "png", "part": "p"},
-                                                         "other": {"format": "png", "data_base64": "iVBORw0KGgo="}}},
-                                     {"p": A.data})  # fmt: skip
+    assets = systemone.decode_assets(
+        {
+            **body,
+            "assets": {
+                "img": {"format": "png", "part": "p"},
+                "other": {"format": "png", "data_base64": "iVBORw0KGgo="},
+            },
+        },
+        {"p": A.data},
+    )
     assert assets["img"].data == A.data
     with pytest.raises(systemone.RequestError, match="asset 'other' is never referenced"):
         systemone.decode(body, assets)
@@ -40,11 +52,15 @@ def test_unreferenced_assets_and_orphan_parts_are_refused() -> None:
 
 
 def test_multipart_parts_in_order() -> None:
-    body = (b"preamble\r\n--XyZ\r\nContent-Disposition: form-data; name=\"request\"\r\nContent-Type: application/json\r\n"
-            b"\r\n{\"a\": 1}\r\n--XyZ\r\nContent-Disposition: form-data; name=\"img\"; filename=\"i.png\"\r\n"
-            b"Content-Type: image/png\r\n\r\n\x89PNG\r\n--Xy\r\n--XyZ--\r\n")  # fmt: skip
+    body = (
+        b'preamble\r\n--XyZ\r\nContent-Disposition: form-data; name="request"\r\nContent-Type: application/json\r\n'
+        b'\r\n{"a": 1}\r\n--XyZ\r\nContent-Disposition: form-data; name="img"; filename="i.png"\r\n'
+        b"Content-Type: image/png\r\n\r\n\x89PNG\r\n--Xy\r\n--XyZ--\r\n"
+    )
     parts = multipart.parse(body, 'multipart/form-data; boundary="XyZ"')
     assert [(p.name, p.content_type, p.data) for p in parts] == [
-        ("request", "application/json", b'{"a": 1}'), ("img", "image/png", b"\x89PNG\r\n--Xy")]
+        ("request", "application/json", b'{"a": 1}'),
+        ("img", "image/png", b"\x89PNG\r\n--Xy"),
+    ]
     with pytest.raises(multipart.MultipartError):
         multipart.parse(body[:-9], "multipart/form-data; boundary=XyZ")

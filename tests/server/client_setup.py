@@ -38,8 +38,12 @@ CLIENTS = {
 }
 CACHE = Path(os.environ.get("FLARE_CLIENTS_CACHE") or Path.home() / ".cache" / "flare-clients")
 # What the printed configurations cannot say: OpenCode's fetches and update checks are environment-only.
-QUIET = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
-         "OPENCODE_DISABLE_SHARE": "1"}  # fmt: skip
+QUIET = {
+    "OPENCODE_DISABLE_AUTOUPDATE": "1",
+    "OPENCODE_DISABLE_MODELS_FETCH": "1",
+    "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+    "OPENCODE_DISABLE_SHARE": "1",
+}
 
 
 def _runs(executable: Path) -> bool:
@@ -55,7 +59,9 @@ def _runs(executable: Path) -> bool:
 def _registry_reachable(npm: str) -> bool:
     """One quick ping (no retries: npm's own would spend minutes on an unreachable registry)."""
     try:
-        ping = subprocess.run([npm, "ping", "--fetch-retries=0", "--fetch-timeout=20000"], capture_output=True, timeout=60)
+        ping = subprocess.run(
+            [npm, "ping", "--fetch-retries=0", "--fetch-timeout=20000"], capture_output=True, timeout=60
+        )
     except subprocess.TimeoutExpired:
         return False
     return ping.returncode == 0
@@ -78,9 +84,12 @@ def installed(client: Client) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{client.command}-", dir=CACHE))
     try:
-        result = subprocess.run([npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund",
-                                 f"{client.package}@{client.version}"], capture_output=True, text=True,
-                                timeout=INSTALL_TIMEOUT_S)  # fmt: skip
+        result = subprocess.run(
+            [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund", f"{client.package}@{client.version}"],
+            capture_output=True,
+            text=True,
+            timeout=INSTALL_TIMEOUT_S,
+        )
         assert result.returncode == 0, f"npm install {client.package}@{client.version} failed:\n{result.stderr[-4000:]}"
         shutil.rmtree(home, ignore_errors=True)  # a broken earlier install
         staging.rename(home)
@@ -94,8 +103,13 @@ def configure(name: str, core: Path, url: str, api_key: str, home: Path) -> dict
     """Run the block `helios clients NAME` prints, in a fresh HOME; the environment to run the client in."""
     key_file = home.parent / "key"
     key_file.write_text(api_key + "\n")
-    printed = subprocess.run([sys.executable, "-m", "helios", "clients", name, str(core), "--url", url,
-                              "--api-key-file", str(key_file)], capture_output=True, text=True, cwd=ROOT, check=True)  # fmt: skip
+    printed = subprocess.run(
+        [sys.executable, "-m", "helios", "clients", name, str(core), "--url", url, "--api-key-file", str(key_file)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     # A bare environment: nothing of the caller's (API keys, client settings) reaches the client.
     env = {"HOME": str(home), "PATH": os.environ["PATH"], "LANG": "C.UTF-8", **QUIET}
     subprocess.run(["bash", "-e"], input=printed.stdout, text=True, env=env, check=True, capture_output=True)

@@ -23,8 +23,11 @@ from serving import _free_port
 def live_server(core: Path, config: ServerConfig) -> Iterator[tuple[str, ServerState]]:
     state = build_state(core, config)
     port = _free_port()
-    server = uvicorn.Server(uvicorn_config(create_app(state), "127.0.0.1", port, "warning", config.drain_seconds,
-                                           config.header_timeout_seconds))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn_config(
+            create_app(state), "127.0.0.1", port, "warning", config.drain_seconds, config.header_timeout_seconds
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)  # not the main thread: no signal handlers
     thread.start()
     url = f"http://127.0.0.1:{port}"

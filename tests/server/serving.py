@@ -61,9 +61,25 @@ def start_server(core: Path, tmp: Path, **settings) -> Server:
     config = tmp / f"helios-{port}.toml"
     config.write_text("\n".join(lines) + "\n")
     log = open(tmp / f"helios-{port}.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "helios", "serve", str(core), "--config", str(config),
-                                "--port", str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                               env=dict(os.environ), cwd=ROOT)  # fmt: skip
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "helios",
+            "serve",
+            str(core),
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ),
+        cwd=ROOT,
+    )
     server = Server(f"http://127.0.0.1:{port}", key, process)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -9,8 +9,11 @@ from helios.protocols.anthropic_messages import thinking_signature
 from scripted import scripted_app
 
 KEY = "sk-ant-local"
-WEATHER = {"name": "get_weather", "description": "Weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -23,8 +26,13 @@ def app(qwen3_core):
 @pytest.fixture(scope="module")
 def sdk(app) -> anthropic.Anthropic:
     # spec/api.md pins anthropic-version 2023-06-01; this SDK release defaults to a newer value.
-    return anthropic.Anthropic(base_url=app.url, api_key=KEY, default_headers={"anthropic-version": "2023-06-01"},
-                               _strict_response_validation=True, max_retries=0)  # fmt: skip
+    return anthropic.Anthropic(
+        base_url=app.url,
+        api_key=KEY,
+        default_headers={"anthropic-version": "2023-06-01"},
+        _strict_response_validation=True,
+        max_retries=0,
+    )
 
 
 def claude_code_request(**extra) -> dict:
@@ -36,23 +44,45 @@ def claude_code_request(**extra) -> dict:
         system=[{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
         tools=[WEATHER],
         messages=[
-            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?", "cache_control": {"type": "ephemeral"}}]},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "Need the tool.", "signature": thinking_signature("Need the tool.")},
-                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny",
-                                          "cache_control": {"type": "ephemeral"}}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Weather in Paris?", "cache_control": {"type": "ephemeral"}}],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {
+                        "type": "thinking",
+                        "thinking": "Need the tool.",
+                        "signature": thinking_signature("Need the tool."),
+                    },
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": "sunny",
+                        "cache_control": {"type": "ephemeral"},
+                    }
+                ],
+            },
             {"role": "system", "content": "Answer in one sentence."},
         ],
         **extra,
-    )  # fmt: skip
+    )
 
 
 def test_create_with_thinking_and_text(app, sdk: anthropic.Anthropic) -> None:
     app.say("<think>It is sunny.</think>It is sunny in Paris.")
     message = sdk.messages.create(**claude_code_request(thinking={"type": "enabled", "budget_tokens": 2048}))
     assert [b.type for b in message.content] == ["thinking", "text"]
-    assert message.content[0].thinking == "It is sunny." and message.content[0].signature.startswith("flare-thinking-v1:")
+    assert message.content[0].thinking == "It is sunny." and message.content[0].signature.startswith(
+        "flare-thinking-v1:"
+    )
     assert message.content[1].text == "It is sunny in Paris." and message.stop_reason == "end_turn"
     counted = sdk.messages.count_tokens(**{k: v for k, v in claude_code_request().items() if k != "max_tokens"})
     usage = message.usage
@@ -67,8 +97,9 @@ def test_create_with_thinking_and_text(app, sdk: anthropic.Anthropic) -> None:
 
 def test_tool_use(app, sdk: anthropic.Anthropic) -> None:
     app.say(CALL)
-    message = sdk.messages.create(model="m", max_tokens=400, tools=[WEATHER],
-                                  messages=[{"role": "user", "content": "Weather in Paris?"}])  # fmt: skip
+    message = sdk.messages.create(
+        model="m", max_tokens=400, tools=[WEATHER], messages=[{"role": "user", "content": "Weather in Paris?"}]
+    )
     assert message.stop_reason == "tool_use"
     block = message.content[-1]
     assert block.type == "tool_use" and block.name == "get_weather" and block.input == {"city": "Paris"}
@@ -76,8 +107,9 @@ def test_tool_use(app, sdk: anthropic.Anthropic) -> None:
 
 def test_stream_events(app, sdk: anthropic.Anthropic) -> None:
     app.say("<think>Plan.</think>Done." + CALL)
-    with sdk.messages.stream(model="m", max_tokens=400, tools=[WEATHER],
-                             messages=[{"role": "user", "content": "Go"}]) as stream:  # fmt: skip
+    with sdk.messages.stream(
+        model="m", max_tokens=400, tools=[WEATHER], messages=[{"role": "user", "content": "Go"}]
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
@@ -87,8 +119,9 @@ def test_stream_events(app, sdk: anthropic.Anthropic) -> None:
 
 def test_stop_reasons(app, sdk: anthropic.Anthropic) -> None:
     app.say("one two three four")
-    stopped = sdk.messages.create(model="m", max_tokens=100, stop_sequences=["three"],
-                                  messages=[{"role": "user", "content": "count"}])  # fmt: skip
+    stopped = sdk.messages.create(
+        model="m", max_tokens=100, stop_sequences=["three"], messages=[{"role": "user", "content": "count"}]
+    )
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "three"
     assert stopped.content[0].text == "one two "
     app.say("one two three four")
@@ -102,7 +135,10 @@ def test_errors_use_the_messages_format(app) -> None:
     missing = app.post("/v1/messages", json=base, headers={"x-api-key": KEY})
     assert missing.status_code == 400 and missing.json()["type"] == "error"
     assert missing.json()["error"]["type"] == "invalid_request_error"
-    assert app.post("/v1/messages", json=base, headers={"anthropic-version": "2023-06-01"}).json()["error"]["type"] == "authentication_error"
+    assert (
+        app.post("/v1/messages", json=base, headers={"anthropic-version": "2023-06-01"}).json()["error"]["type"]
+        == "authentication_error"
+    )
     both = {**headers, "authorization": "Bearer wrong"}
     assert app.post("/v1/messages", json=base, headers=both).status_code == 401
     assert app.post("/v1/messages", json=base, headers={**headers, "authorization": f"Bearer {KEY}"}).status_code == 200

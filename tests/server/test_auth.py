@@ -18,24 +18,27 @@ def test_bearer_scheme_is_case_insensitive(authorization: str) -> None:
     assert check_key("sk-1", authorization, None, allow_x_api_key=False) is None
 
 
-@pytest.mark.parametrize("authorization,x_api_key,allow,ok", [
-    (None, None, False, False),
-    ("", None, False, False),
-    ("Bearer sk-2", None, False, False),
-    ("Basic sk-1", None, False, False),
-    ("Bearer", None, False, False),
-    ("sk-1", None, False, False),
-    (None, "sk-1", False, False),  # OpenAI routes ignore x-api-key
-    ("Bearer sk-1", "wrong", False, True),
-    (None, "sk-1", True, True),
-    (None, "sk-2", True, False),
-    ("Bearer sk-1", "sk-1", True, True),
-    ("Bearer sk-1", "sk-2", True, False),  # both supplied: both must match
-    ("Bearer sk-2", "sk-1", True, False),
-    ("Basic abc", "sk-1", True, False),
-    ("Bearer sk-1x", None, True, False),
-    ("Bearer sk-", None, True, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "authorization,x_api_key,allow,ok",
+    [
+        (None, None, False, False),
+        ("", None, False, False),
+        ("Bearer sk-2", None, False, False),
+        ("Basic sk-1", None, False, False),
+        ("Bearer", None, False, False),
+        ("sk-1", None, False, False),
+        (None, "sk-1", False, False),  # OpenAI routes ignore x-api-key
+        ("Bearer sk-1", "wrong", False, True),
+        (None, "sk-1", True, True),
+        (None, "sk-2", True, False),
+        ("Bearer sk-1", "sk-1", True, True),
+        ("Bearer sk-1", "sk-2", True, False),  # both supplied: both must match
+        ("Bearer sk-2", "sk-1", True, False),
+        ("Basic abc", "sk-1", True, False),
+        ("Bearer sk-1x", None, True, False),
+        ("Bearer sk-", None, True, False),
+    ],
+)
 def test_check_key(authorization: str | None, x_api_key: str | None, allow: bool, ok: bool) -> None:
     message = check_key("sk-1", authorization, x_api_key, allow_x_api_key=allow)
     assert (message is None) == ok

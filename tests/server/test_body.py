@@ -62,13 +62,19 @@ def test_each_coding_round_trips(encoding: str) -> None:
     assert _read(ENCODERS[encoding](PAYLOAD), encoding) == PAYLOAD
 
 
-@pytest.mark.parametrize("encoding,encode", [
-    ("deflate", _raw_deflate),  # raw deflate without the zlib wrapper, as some clients send it
-    ("gzip", lambda d: gzip.compress(d[:1000]) + gzip.compress(d[1000:])),  # concatenated members
-    ("zstd", lambda d: zstandard.ZstdCompressor().compress(d[:1000]) + zstandard.ZstdCompressor().compress(d[1000:])),
-    ("gzip, br", lambda d: brotli.compress(gzip.compress(d))),  # stacked codings decode in reverse
-    ("identity, zstd", zstandard.ZstdCompressor().compress),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "encoding,encode",
+    [
+        ("deflate", _raw_deflate),  # raw deflate without the zlib wrapper, as some clients send it
+        ("gzip", lambda d: gzip.compress(d[:1000]) + gzip.compress(d[1000:])),  # concatenated members
+        (
+            "zstd",
+            lambda d: zstandard.ZstdCompressor().compress(d[:1000]) + zstandard.ZstdCompressor().compress(d[1000:]),
+        ),
+        ("gzip, br", lambda d: brotli.compress(gzip.compress(d))),  # stacked codings decode in reverse
+        ("identity, zstd", zstandard.ZstdCompressor().compress),
+    ],
+)
 def test_coding_variants(encoding: str, encode: Callable[[bytes], bytes]) -> None:
     assert _read(encode(PAYLOAD), encoding) == PAYLOAD
 
@@ -185,19 +191,22 @@ def test_too_many_stacked_codings_is_415() -> None:
     assert _status(b"x", "gzip, gzip, gzip, gzip")[0] == 415
 
 
-@pytest.mark.parametrize("encoding,body", [
-    ("gzip", b"not gzip at all"),
-    ("gzip", gzip.compress(PAYLOAD)[:-20]),  # truncated
-    ("gzip", gzip.compress(PAYLOAD) + b"trailing junk"),
-    ("deflate", b"\x78\x9c garbage"),
-    ("deflate", zlib.compress(PAYLOAD)[:-10]),
-    ("deflate", zlib.compress(PAYLOAD) + b"x"),
-    ("br", b"\xff\xff not brotli"),
-    ("br", brotli.compress(PAYLOAD)[:-5]),
-    ("zstd", b"not zstd"),
-    ("zstd", zstandard.ZstdCompressor().compress(PAYLOAD)[:-10]),
-    ("zstd", zstandard.ZstdCompressor().compress(PAYLOAD) + b"junk"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "encoding,body",
+    [
+        ("gzip", b"not gzip at all"),
+        ("gzip", gzip.compress(PAYLOAD)[:-20]),  # truncated
+        ("gzip", gzip.compress(PAYLOAD) + b"trailing junk"),
+        ("deflate", b"\x78\x9c garbage"),
+        ("deflate", zlib.compress(PAYLOAD)[:-10]),
+        ("deflate", zlib.compress(PAYLOAD) + b"x"),
+        ("br", b"\xff\xff not brotli"),
+        ("br", brotli.compress(PAYLOAD)[:-5]),
+        ("zstd", b"not zstd"),
+        ("zstd", zstandard.ZstdCompressor().compress(PAYLOAD)[:-10]),
+        ("zstd", zstandard.ZstdCompressor().compress(PAYLOAD) + b"junk"),
+    ],
+)
 def test_corrupt_bodies_are_400(encoding: str, body: bytes) -> None:
     status, message = _status(body, encoding)
     assert status == 400 and encoding in message

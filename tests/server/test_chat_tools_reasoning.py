@@ -8,8 +8,14 @@ import pytest
 
 from scripted import scripted_app
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -39,7 +45,9 @@ def test_reasoning_then_tool_call_buffered(client) -> None:
 def test_reasoning_text_and_tool_call_streamed(client) -> None:
     client.say("<think>Plan.</think>Checking." + CALL)
     response = _chat(client, tools=[WEATHER], stream=True)
-    chunks = [json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+    chunks = [
+        json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:") and "[DONE]" not in line
+    ]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Plan."
     assert "".join(d.get("content", "") for d in deltas) == "Checking."
@@ -73,7 +81,9 @@ def test_tool_choice_policies(client) -> None:
 
 def test_named_tool_choice_hides_answer_text(client) -> None:
     client.say("Sure, calling it." + CALL)
-    body = _chat(client, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}).json()
+    body = _chat(
+        client, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    ).json()
     message = body["choices"][0]["message"]
     assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
 
@@ -86,15 +96,21 @@ def test_truncated_tool_call_reports_length(client) -> None:
 
 def test_history_with_tool_results_renders(client) -> None:
     messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c2", "content": "noon"},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-    ]  # fmt: skip
+    ]
     client.say("It is sunny.")
-    body = client.post("/v1/chat/completions", json={"model": "x", "messages": messages, "tools": [WEATHER, TIME],
-                                                     "max_tokens": 64}).json()  # fmt: skip
+    body = client.post(
+        "/v1/chat/completions", json={"model": "x", "messages": messages, "tools": [WEATHER, TIME], "max_tokens": 64}
+    ).json()
     assert body["choices"][0]["message"]["content"] == "It is sunny."
     prompt = client.state.frontend.render  # results are normalized to call order before rendering
     from helios.protocols.openai_chat import decode
@@ -109,9 +125,18 @@ def test_thinking_budget_forces_the_close_token(client) -> None:
     messages = ASK + [{"role": "assistant", "content": "<think>\n"}]
     client.say("one two three four five six seven</think>Final answer.")
     cuts = client.state.client.engine.stats.reasoning_budget_cuts
-    body = client.post("/v1/chat/completions", json={
-        "model": "x", "messages": messages, "max_tokens": 64, "continue_final_message": True,
-        "add_generation_prompt": False, "thinking_token_budget": 3, "logprobs": True}).json()  # fmt: skip
+    body = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "x",
+            "messages": messages,
+            "max_tokens": 64,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "thinking_token_budget": 3,
+            "logprobs": True,
+        },
+    ).json()
     choice = body["choices"][0]
     tokenizer = client.state.frontend.tokenizer
     reasoning_ids = tokenizer.encode(choice["message"]["reasoning_content"], add_special_tokens=False).ids

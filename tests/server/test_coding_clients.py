@@ -46,8 +46,10 @@ from ignition.testmodel import write_testmodel
 from scripted import Exchange, ScriptedServer, scripted_app
 from serving import API_KEY
 
-pytestmark = pytest.mark.skipif(os.environ.get("FLARE_RUN_CLIENT_TESTS") != "1",
-                                reason="coding-client sessions run only with FLARE_RUN_CLIENT_TESTS=1")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    os.environ.get("FLARE_RUN_CLIENT_TESTS") != "1",
+    reason="coding-client sessions run only with FLARE_RUN_CLIENT_TESTS=1",
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CONTEXT = 131072  # Claude Code's normal mode alone sends ~52k tokens on the byte-level test tokenizer
@@ -68,15 +70,17 @@ pathlib.Path(".tests-ran").write_text(f"add_numbers(2, 3) = {result}\\n")
 assert result == 5, f"add_numbers(2, 3) returned {result}"
 print("test_calc: " + "passed".upper())
 """
-TEST_ONLY = '.upper()'  # in test_calc.py only
+TEST_ONLY = ".upper()"  # in test_calc.py only
 TEST_COMMAND = f"{sys.executable} test_calc.py"
 PASSED = "test_calc: PASSED"
 FINAL = "Fixed add_numbers in calc.py (it subtracted); test_calc.py passes."
 PREAMBLE = {"edit": "The subtraction is the bug; fixing it.\n\n"}  # answer text before a turn's calls
-THOUGHTS = {"read": "The user wants a fix. First look at calc.py and its test.",
-            "edit": "add_numbers subtracts where it should add.",
-            "test": "Now run the test to check the fix.",
-            "final": "The test passed, so the fix works."}  # fmt: skip
+THOUGHTS = {
+    "read": "The user wants a fix. First look at calc.py and its test.",
+    "edit": "add_numbers subtracts where it should add.",
+    "test": "Now run the test to check the fix.",
+    "final": "The test passed, so the fix works.",
+}
 
 Call = tuple[str, dict[str, Any]]  # (tool name, arguments)
 
@@ -89,8 +93,10 @@ class Flavour:
     syntax: str  # the recipe's tool syntax, as the scripted model writes it
 
 
-FLAVOURS = {"qwen3_coder": Flavour("tiny_qwen3_coder", "qwen3.5", "qwen3_coder"),
-            "hermes": Flavour("tiny_qwen3", None, "hermes")}  # fmt: skip
+FLAVOURS = {
+    "qwen3_coder": Flavour("tiny_qwen3_coder", "qwen3.5", "qwen3_coder"),
+    "hermes": Flavour("tiny_qwen3", None, "hermes"),
+}
 
 
 def _long_core(flavour: Flavour, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -124,9 +130,14 @@ def render_calls(syntax: str, calls: list[Call]) -> str:
     """Tool calls as the core's model writes them."""
     if syntax == "hermes":
         return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
-    blocks = ["<tool_call>\n<function=" + name + ">\n"
-              + "".join(f"<parameter={k}>\n{_value(v)}\n</parameter>\n" for k, v in arguments.items())
-              + "</function>\n</tool_call>" for name, arguments in calls]  # fmt: skip
+    blocks = [
+        "<tool_call>\n<function="
+        + name
+        + ">\n"
+        + "".join(f"<parameter={k}>\n{_value(v)}\n</parameter>\n" for k, v in arguments.items())
+        + "</function>\n</tool_call>"
+        for name, arguments in calls
+    ]
     return "\n".join(blocks)
 
 
@@ -153,20 +164,33 @@ class Agent:
 CLAUDE = Agent(
     tools=("Read", "Edit", "Bash"),
     read=lambda repo: [("Read", {"file_path": str(repo / name)}) for name in ("calc.py", "test_calc.py")],
-    edit=lambda repo: ("Edit", {"file_path": str(repo / "calc.py"), "old_string": f"    {BUG}\n    return total",
-                                "new_string": f"    {FIX}\n    return total", "replace_all": False}),
+    edit=lambda repo: (
+        "Edit",
+        {
+            "file_path": str(repo / "calc.py"),
+            "old_string": f"    {BUG}\n    return total",
+            "new_string": f"    {FIX}\n    return total",
+            "replace_all": False,
+        },
+    ),
     test=lambda repo: ("Bash", {"command": TEST_COMMAND, "description": "Run the test", "timeout": 120000}),
-    failed_stream=b"event: error\n", buffered_retry=True,  # Claude Code's non-streaming fallback
+    failed_stream=b"event: error\n",
+    buffered_retry=True,  # Claude Code's non-streaming fallback
 )
-PATCH = (f"*** Begin Patch\n*** Update File: calc.py\n@@ def add_numbers(left, right):\n-    {BUG}\n+    {FIX}\n"
-         "*** End Patch\n")
+PATCH = (
+    f"*** Begin Patch\n*** Update File: calc.py\n@@ def add_numbers(left, right):\n-    {BUG}\n+    {FIX}\n"
+    "*** End Patch\n"
+)
 CODEX = Agent(
     tools=("exec_command", "apply_patch"),
-    read=lambda repo: [("exec_command", {"cmd": "cat calc.py", "login": False}),
-                       ("exec_command", {"cmd": "cat test_calc.py", "yield_time_ms": 2000})],
+    read=lambda repo: [
+        ("exec_command", {"cmd": "cat calc.py", "login": False}),
+        ("exec_command", {"cmd": "cat test_calc.py", "yield_time_ms": 2000}),
+    ],
     edit=lambda repo: ("apply_patch", {"input": PATCH}),
     test=lambda repo: ("exec_command", {"cmd": TEST_COMMAND}),
-    failed_stream=b"event: response.failed\n", buffered_retry=False,  # Codex reconnects
+    failed_stream=b"event: response.failed\n",
+    buffered_retry=False,  # Codex reconnects
 )
 
 
@@ -196,11 +220,18 @@ class Policy:
             output = ("</think>\n\n" if opened else "") + "Fixing calc.py"
         elif step == "test" and "broken" not in (s for s, _ in self.turns):
             step = "broken"
-            output = ("" if opened else "<think>\n") + f"{THOUGHTS['test']}\n</think>\n\n" + \
-                unfinished_call(self.syntax, self.agent.test(self.repo))  # fmt: skip
+            output = (
+                ("" if opened else "<think>\n")
+                + f"{THOUGHTS['test']}\n</think>\n\n"
+                + unfinished_call(self.syntax, self.agent.test(self.repo))
+            )
         else:
-            calls = {"read": lambda: self.agent.read(self.repo), "edit": lambda: [self.agent.edit(self.repo)],
-                     "test": lambda: [self.agent.test(self.repo)], "final": lambda: []}[step]()  # fmt: skip
+            calls = {
+                "read": lambda: self.agent.read(self.repo),
+                "edit": lambda: [self.agent.edit(self.repo)],
+                "test": lambda: [self.agent.test(self.repo)],
+                "final": lambda: [],
+            }[step]()
             answer = PREAMBLE.get(step, "") + render_calls(self.syntax, calls) if calls else FINAL
             output = ("" if opened else "<think>\n") + f"{THOUGHTS[step]}\n</think>\n\n{answer}"
         self.turns.append((step, output))
@@ -232,12 +263,24 @@ def _tail(data: bytearray, size: int) -> str:
 
 def report(app: ScriptedServer, policy: Policy, stdout: str, stderr: str) -> str:
     """What a failure prints: the client's output, the scripted turns, the requests helios received."""
-    requests = [f"--- {e.method} {e.path} ({len(e.body)} bytes) -> {e.status}: ...{_tail(e.body, 1500)}\n"
-                f"    response ({len(e.response)} bytes): ...{_tail(e.response, 1500)}"
-                for e in app.exchanges[-8:]]  # fmt: skip
+    requests = [
+        f"--- {e.method} {e.path} ({len(e.body)} bytes) -> {e.status}: ...{_tail(e.body, 1500)}\n"
+        f"    response ({len(e.response)} bytes): ...{_tail(e.response, 1500)}"
+        for e in app.exchanges[-8:]
+    ]
     turns = [f"--- {step}: {output!r}" for step, output in policy.turns]
-    return "\n".join(["client stdout:", stdout[-6000:], "client stderr:", stderr[-4000:], "scripted turns:", *turns,
-                      "last requests:", *requests])  # fmt: skip
+    return "\n".join(
+        [
+            "client stdout:",
+            stdout[-6000:],
+            "client stderr:",
+            stderr[-4000:],
+            "scripted turns:",
+            *turns,
+            "last requests:",
+            *requests,
+        ]
+    )
 
 
 def run_session(argv: list[str], env: dict[str, str], app: ScriptedServer, policy: Policy) -> str:
@@ -246,16 +289,28 @@ def run_session(argv: list[str], env: dict[str, str], app: ScriptedServer, polic
     first = len(app.exchanges)
     app.follow(policy)
     try:
-        result = subprocess.run(argv, env=env, cwd=policy.repo, stdin=subprocess.DEVNULL, capture_output=True,
-                                text=True, timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+        result = subprocess.run(
+            argv,
+            env=env,
+            cwd=policy.repo,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{argv[0]} ran past {CLIENT_TIMEOUT_S} s\n"
-                             + report(app, policy, _text(exc.stdout), _text(exc.stderr))) from None  # fmt: skip
+        raise AssertionError(
+            f"{argv[0]} ran past {CLIENT_TIMEOUT_S} s\n" + report(app, policy, _text(exc.stdout), _text(exc.stderr))
+        ) from None
     finally:
         log = policy.repo.parent / "exchanges.txt"
-        log.write_text("\n\n".join(f"=== {e.method} {e.path} -> {e.status}\n{_tail(e.body, len(e.body))}\n"
-                                     f"--- response\n{_tail(e.response, len(e.response))}"
-                                     for e in app.exchanges[first:]))  # fmt: skip
+        log.write_text(
+            "\n\n".join(
+                f"=== {e.method} {e.path} -> {e.status}\n{_tail(e.body, len(e.body))}\n"
+                f"--- response\n{_tail(e.response, len(e.response))}"
+                for e in app.exchanges[first:]
+            )
+        )
     (log.parent / "client.stdout").write_text(result.stdout)
     (log.parent / "client.stderr").write_text(result.stderr)
     diagnosis = report(app, policy, result.stdout, result.stderr) + f"\n(all exchanges: {log})"
@@ -305,10 +360,24 @@ def test_claude_code_session(claude: Path, served: Served, repo: Path, mode: str
     env = configure("claude", core, app.url, API_KEY, repo.parent / "home")
     settings = repo.parent / "home" / ".claude" / "flare.json"
     policy = Policy(CLAUDE, flavour.syntax, repo)
-    argv = [str(claude), *(["--bare"] if mode == "bare" else []), "--settings", str(settings), "-p", TASK,
-            "--output-format", "stream-json", "--verbose", "--max-turns", "8",
-            # Tools run without prompts, and without the auto mode's classifier (see the docstring).
-            "--permission-mode", "dontAsk", "--allowedTools", "Read,Edit,Bash"]  # fmt: skip
+    argv = [
+        str(claude),
+        *(["--bare"] if mode == "bare" else []),
+        "--settings",
+        str(settings),
+        "-p",
+        TASK,
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        "--max-turns",
+        "8",
+        # Tools run without prompts, and without the auto mode's classifier (see the docstring).
+        "--permission-mode",
+        "dontAsk",
+        "--allowedTools",
+        "Read,Edit,Bash",
+    ]
     events = json_lines(run_session(argv, env, app, policy))
     final = events[-1]
     assert final["type"] == "result" and final["is_error"] is False and final["result"].strip() == FINAL, final
@@ -320,6 +389,9 @@ def test_codex_session(codex: Path, served: Served, repo: Path) -> None:
     policy = Policy(CODEX, flavour.syntax, repo)
     argv = [str(codex), "exec", "--profile", "flare", "--json", "--sandbox", "workspace-write", TASK]
     events = json_lines(run_session(argv, env, app, policy))
-    answers = [e["item"]["text"] for e in events
-               if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]  # fmt: skip
+    answers = [
+        e["item"]["text"]
+        for e in events
+        if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"
+    ]
     assert answers and answers[-1].strip() == FINAL, events

@@ -11,9 +11,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import Server
 
 
-async def _stream(client: httpx.AsyncClient, server: Server, index: int, max_tokens: int, cut_after: int | None) -> dict:
-    body = {"model": "x", "messages": [{"role": "user", "content": f"stream {index}"}], "max_tokens": max_tokens,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+async def _stream(
+    client: httpx.AsyncClient, server: Server, index: int, max_tokens: int, cut_after: int | None
+) -> dict:
+    body = {
+        "model": "x",
+        "messages": [{"role": "user", "content": f"stream {index}"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks = []
     async with client.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.auth()) as response:
         assert response.status_code == 200
@@ -61,15 +69,39 @@ def test_64_streams_complete_and_32_cancelled_free_their_pages(server: Server) -
 def test_metrics_text_parses_and_json_has_the_spec_fields(server: Server) -> None:
     text = httpx.get(server.url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("flare_generated_tokens", "flare_prefill_tokens", "flare_requests_completed", "flare_active_requests",
-                 "flare_free_kv_pages", "flare_total_kv_pages", "flare_kv_page_tokens", "flare_decode_weight_bytes"):  # fmt: skip
+    for name in (
+        "flare_generated_tokens",
+        "flare_prefill_tokens",
+        "flare_requests_completed",
+        "flare_active_requests",
+        "flare_free_kv_pages",
+        "flare_total_kv_pages",
+        "flare_kv_page_tokens",
+        "flare_decode_weight_bytes",
+    ):
         assert name in families, name
     histograms = [f.name for f in families.values() if f.type == "histogram"]
-    assert sorted(histograms) == ["flare_host_cache_estimated_prefill_ns", "flare_host_cache_estimated_transfer_ns",
-                                  "flare_host_cache_missing_tokens"]  # fmt: skip
+    assert sorted(histograms) == [
+        "flare_host_cache_estimated_prefill_ns",
+        "flare_host_cache_estimated_transfer_ns",
+        "flare_host_cache_missing_tokens",
+    ]
     snapshot = server.metrics()
-    for field in ("prefill_tokens", "generated_tokens", "decode_weight_bytes", "active", "pending", "completed", "failed",
-                  "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens", "learned_drafter"):  # fmt: skip
+    for field in (
+        "prefill_tokens",
+        "generated_tokens",
+        "decode_weight_bytes",
+        "active",
+        "pending",
+        "completed",
+        "failed",
+        "reused_tokens",
+        "cached_pages",
+        "free_pages",
+        "total_pages",
+        "page_tokens",
+        "learned_drafter",
+    ):
         assert field in snapshot
     assert snapshot["total_pages"] == 2048 and snapshot["learned_drafter"] is False
     assert set(snapshot["first_response"]) >= {"median_seconds", "samples", "window_seconds", "capacity", "truncated"}

@@ -35,19 +35,19 @@ def test_file_flags_and_key_file(tmp_path: Path) -> None:
         ("[serve]\nport = 1\n", "unknown tables"),
         ("[server\n", "not valid TOML"),
         ("[server]\nserial_decode_rows = -1\n", "serial_decode_rows must be a non-negative integer"),
-        ("[server]\nhost_cache = \"yes\"\n", "host_cache must be true or false"),
+        ('[server]\nhost_cache = "yes"\n', "host_cache must be true or false"),
         ("[server]\nhost_cache_memory_mb = 0\n", "host_cache_memory_mb must be a positive integer"),
         ("[server]\nhost_cache_disk_mb = -5\n", "host_cache_disk_mb must be a non-negative integer"),
-        ("[server]\nhost_cache_dir = \"\"\n", "host_cache_dir must be a nonempty path string"),
+        ('[server]\nhost_cache_dir = ""\n', "host_cache_dir must be a nonempty path string"),
         ("[server]\nhost_cache_copy_queue_mb = 0\n", "host_cache_copy_queue_mb must be a positive integer"),
         ("[server]\nstate_snapshots = -1\n", "state_snapshots must be a non-negative integer"),
         ("[server]\nsnapshot_interval = 1.5\n", "snapshot_interval must be a non-negative integer"),
         ("[server]\ncheckpoint_work_fraction = -0.1\n", "checkpoint_work_fraction must be a number from 0 to 100"),
         ("[server]\ncheckpoint_work_fraction = true\n", "checkpoint_work_fraction must be a number from 0 to 100"),
-        ("[server]\ndevice = \"gpu\"\n", 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
-        ("[server]\ndevice = \"cuda:x\"\n", 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
+        ('[server]\ndevice = "gpu"\n', 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
+        ('[server]\ndevice = "cuda:x"\n', 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
         ("[server]\ncuda_graphs = 1\n", "cuda_graphs must be true or false"),
-        ("[server]\nwindow_pool = \"no\"\n", "window_pool must be true or false"),
+        ('[server]\nwindow_pool = "no"\n', "window_pool must be true or false"),
         ("[server]\nimage_cache_mb = -1\n", "image_cache_mb must be a non-negative integer"),
         ("[server]\nimage_cache_mb = 1.5\n", "image_cache_mb must be a non-negative integer"),
         ("[server]\nkv_memory_fraction = 0\n", "kv_memory_fraction must be a number above 0 and at most 1"),
@@ -69,7 +69,12 @@ def test_device_setting() -> None:
     from helios.server.state import resolve_device
 
     config = load_config(None)
-    assert (config.device, config.cuda_graphs, config.kv_memory_mb, config.kv_memory_fraction) == ("auto", True, None, 0.9)
+    assert (config.device, config.cuda_graphs, config.kv_memory_mb, config.kv_memory_fraction) == (
+        "auto",
+        True,
+        None,
+        0.9,
+    )
     assert resolve_device(config) == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device(ServerConfig(device="cpu")) == "cpu"
     if not torch.cuda.is_available():

@@ -15,13 +15,18 @@ VERSION = {"anthropic-version": "2023-06-01"}
 ASK = "Weather in Paris?"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 DSML = "｜DSML｜"
-CALL = (f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
-        f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
-        f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n'
-        f'</{DSML}invoke>\n</{DSML}tool_calls>')  # fmt: skip
+CALL = (
+    f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
+    f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
+    f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n'
+    f"</{DSML}invoke>\n</{DSML}tool_calls>"
+)
 OUTPUT = "The user wants weather.</think>Checking.\n\n" + CALL + "ignored after the block"
-EXPECTED = {"reasoning": "The user wants weather.", "text": "Checking.",
-            "calls": [("get_weather", {"city": "Paris", "days": 3})]}  # fmt: skip
+EXPECTED = {
+    "reasoning": "The user wants weather.",
+    "text": "Checking.",
+    "calls": [("get_weather", {"city": "Paris", "days": 3})],
+}
 EFFORT_LINE = "Reasoning Effort: {} (range 1-100"
 
 
@@ -33,17 +38,30 @@ def app(deepseek_core):
 
 # ---------------------------------------------------------------------------- Chat Completions
 def _chat(app, stream: bool, **body) -> dict[str, Any]:
-    full = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256, "stream": stream,
-            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}], **body}  # fmt: skip
+    full = {
+        "model": "x",
+        "messages": [{"role": "user", "content": ASK}],
+        "max_tokens": 256,
+        "stream": stream,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}],
+        **body,
+    }
     response = app.post("/v1/chat/completions", json=full)
     assert response.status_code == 200, response.text
     if not stream:
         body = response.json()
         message, choice = body["choices"][0]["message"], body["choices"][0]
-        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
+        calls = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []
+        ]
         reasoning_tokens = body["usage"]["completion_tokens_details"]["reasoning_tokens"]
-        return {"reasoning": message.get("reasoning_content"), "text": message["content"], "calls": calls,
-                "finish": choice["finish_reason"], "reasoning_tokens": reasoning_tokens}  # fmt: skip
+        return {
+            "reasoning": message.get("reasoning_content"),
+            "text": message["content"],
+            "calls": calls,
+            "finish": choice["finish_reason"],
+            "reasoning_tokens": reasoning_tokens,
+        }
     chunks = [json.loads(e) for e in sse_events(response) if e != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     calls: dict[int, list] = {}
@@ -51,9 +69,12 @@ def _chat(app, stream: bool, **body) -> dict[str, Any]:
         entry = calls.setdefault(call["index"], [call["function"].get("name"), ""])
         entry[1] += call["function"].get("arguments") or ""
     finish = next(c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
-    return {"reasoning": "".join(d.get("reasoning_content") or "" for d in deltas),
-            "text": "".join(d.get("content") or "" for d in deltas),
-            "calls": [(name, json.loads(arguments)) for name, arguments in calls.values()], "finish": finish}  # fmt: skip
+    return {
+        "reasoning": "".join(d.get("reasoning_content") or "" for d in deltas),
+        "text": "".join(d.get("content") or "" for d in deltas),
+        "calls": [(name, json.loads(arguments)) for name, arguments in calls.values()],
+        "finish": finish,
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -62,7 +83,9 @@ def test_chat_reasoning_and_dsml_call(app, stream: bool) -> None:
     result = _chat(app, stream)
     assert {k: result[k] for k in EXPECTED} == EXPECTED and result["finish"] == "tool_calls"
     if not stream:
-        assert result["reasoning_tokens"] == len(app.state.frontend.tokenizer.encode("The user wants weather.</think>").ids)
+        assert result["reasoning_tokens"] == len(
+            app.state.frontend.tokenizer.encode("The user wants weather.</think>").ids
+        )
     prompt = app.last_prompt() or ""
     assert prompt.endswith("<｜User｜>Weather in Paris?<｜Assistant｜><think>") and EFFORT_LINE.format(75) in prompt
     assert '"name": "get_weather"' in prompt  # the encoder's own tool schema section
@@ -77,25 +100,38 @@ def test_chat_required_choice_starts_inside_the_calls_block(app) -> None:
 
 
 def test_chat_numeric_effort(app) -> None:
-    for body, score in (({"reasoning_effort": 80}, 80), ({"chat_template_kwargs": {"reasoning_effort": 7}}, 7),
-                        ({"reasoning_effort": "max"}, 100), ({"reasoning_effort": None}, 75)):  # fmt: skip
+    for body, score in (
+        ({"reasoning_effort": 80}, 80),
+        ({"chat_template_kwargs": {"reasoning_effort": 7}}, 7),
+        ({"reasoning_effort": "max"}, 100),
+        ({"reasoning_effort": None}, 75),
+    ):
         app.say("Hmm.</think>Fine.")
         result = _chat(app, False, **body)
         assert (result["reasoning"], result["text"], result["finish"]) == ("Hmm.", "Fine.", "stop")
         assert EFFORT_LINE.format(score) in (app.last_prompt() or "")
     for value in (0, 101, "80", 80.0, True):
-        response = app.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": ASK}],
-                                                          "reasoning_effort": value})  # fmt: skip
+        response = app.post(
+            "/v1/chat/completions",
+            json={"model": "x", "messages": [{"role": "user", "content": ASK}], "reasoning_effort": value},
+        )
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] is None and "reasoning_effort" in error["message"], error
 
 
 def test_chat_rejects_controls_the_native_encoder_lacks(app) -> None:
     base = {"model": "x", "messages": [{"role": "user", "content": ASK}]}
-    for extra, param in (({"add_generation_prompt": False}, "add_generation_prompt"),
-                         ({"chat_template_kwargs": {"drop_thinking": True}}, "drop_thinking"),
-                         ({"messages": [{"role": "user", "content": ASK}, {"role": "assistant", "content": "It"}],
-                           "continue_final_message": True}, "continue_final_message")):  # fmt: skip
+    for extra, param in (
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"chat_template_kwargs": {"drop_thinking": True}}, "drop_thinking"),
+        (
+            {
+                "messages": [{"role": "user", "content": ASK}, {"role": "assistant", "content": "It"}],
+                "continue_final_message": True,
+            },
+            "continue_final_message",
+        ),
+    ):
         response = app.post("/v1/chat/completions", json={**base, **extra})
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] is None and param in error["message"], error
@@ -103,8 +139,14 @@ def test_chat_rejects_controls_the_native_encoder_lacks(app) -> None:
 
 # ---------------------------------------------------------------------------- Messages
 def _messages(app, stream: bool, **body) -> dict[str, Any]:
-    full = {"model": "x", "max_tokens": 256, "stream": stream, "messages": [{"role": "user", "content": ASK}],
-            "tools": [{"name": "get_weather", "input_schema": CITY}], **body}  # fmt: skip
+    full = {
+        "model": "x",
+        "max_tokens": 256,
+        "stream": stream,
+        "messages": [{"role": "user", "content": ASK}],
+        "tools": [{"name": "get_weather", "input_schema": CITY}],
+        **body,
+    }
     response = app.post("/v1/messages", json=full, headers=VERSION)
     assert response.status_code == 200, response.text
     if not stream:
@@ -120,16 +162,21 @@ def _messages(app, stream: bool, **body) -> dict[str, Any]:
             elif event["type"] == "content_block_delta":
                 delta = event["delta"]
                 block = blocks[event["index"]]
-                key = {"thinking_delta": "thinking", "text_delta": "text", "input_json_delta": "partial"}.get(delta["type"])
+                key = {"thinking_delta": "thinking", "text_delta": "text", "input_json_delta": "partial"}.get(
+                    delta["type"]
+                )
                 if key is not None:
                     block[key] += delta[{"partial": "partial_json"}.get(key, key)]
         for block in blocks:
             if block["type"] == "tool_use":
                 block["input"] = json.loads(block["partial"])
         stop = next(e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta")
-    return {"reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
-            "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
-            "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"], "stop": stop}  # fmt: skip
+    return {
+        "reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
+        "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
+        "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"],
+        "stop": stop,
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -151,8 +198,14 @@ def test_messages_thinking_controls_reach_the_encoder(app) -> None:
 
 # ---------------------------------------------------------------------------- Responses
 def _responses(app, stream: bool, **body) -> dict[str, Any]:
-    full = {"model": "x", "input": ASK, "stream": stream, "max_output_tokens": 256,
-            "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}], **body}  # fmt: skip
+    full = {
+        "model": "x",
+        "input": ASK,
+        "stream": stream,
+        "max_output_tokens": 256,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
+        **body,
+    }
     response = app.post("/v1/responses", json=full)
     assert response.status_code == 200, response.text
     if stream:
@@ -164,10 +217,12 @@ def _responses(app, stream: bool, **body) -> dict[str, Any]:
     else:
         body = response.json()
         output, status = body["output"], body["status"]
-    return {"reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
-            "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
-            "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"],
-            "status": status}  # fmt: skip
+    return {
+        "reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
+        "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
+        "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"],
+        "status": status,
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -229,8 +229,9 @@ def test_cancelling_the_handler_aborts_the_engine_request(tiny_core: Path) -> No
     state.client.abort = lambda *args: (aborted.append(args), abort(*args))  # type: ignore[method-assign]
 
     async def main():
-        request = InferenceRequest(input=CONVERSATION, sampling={}, max_tokens=1000, stream=True,
-                                   stop=StopOptions(ignore_eos=True))  # fmt: skip
+        request = InferenceRequest(
+            input=CONVERSATION, sampling={}, max_tokens=1000, stream=True, stop=StopOptions(ignore_eos=True)
+        )
         run = await start(state, request, [request.input], "chatcmpl")
         _, options = openai_chat.decode({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
         frames = Drive(run, openai_chat_encoding.ChatStream(run.submission, run.model, options)).frames()

@@ -36,8 +36,9 @@ def _chat(text: str, max_tokens: int, **extra) -> dict:
 def test_n_above_max_concurrency_is_refused_at_once_and_the_next_request_runs(small_pool) -> None:
     url, _ = small_pool
     start = time.monotonic()
-    response = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "hi", "n": 100, "max_tokens": 4},
-                          timeout=10)  # fmt: skip
+    response = httpx.post(
+        url + "/v1/completions", json={"model": "x", "prompt": "hi", "n": 100, "max_tokens": 4}, timeout=10
+    )
     assert time.monotonic() - start < 1.0
     assert response.status_code == 400
     assert "max_concurrency" in response.json()["error"]["message"]
@@ -48,12 +49,14 @@ def test_n_above_max_concurrency_is_refused_at_once_and_the_next_request_runs(sm
 def test_batches_that_can_never_run_together_are_refused_before_tokenizing(small_pool) -> None:
     url, _ = small_pool
     start = time.monotonic()
-    batch = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": ["hi"] * 10_000, "max_tokens": 2},
-                       timeout=30)  # fmt: skip
+    batch = httpx.post(
+        url + "/v1/completions", json={"model": "x", "prompt": ["hi"] * 10_000, "max_tokens": 2}, timeout=30
+    )
     assert batch.status_code == 400 and "max_concurrency" in batch.json()["error"]["message"]
     assert time.monotonic() - start < 1.0
-    wide = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": ["a", "b"], "n": 40, "max_tokens": 2},
-                      timeout=30)  # fmt: skip
+    wide = httpx.post(
+        url + "/v1/completions", json={"model": "x", "prompt": ["a", "b"], "n": 40, "max_tokens": 2}, timeout=30
+    )
     assert wide.status_code == 400 and "80 choices" in wide.json()["error"]["message"]
 
 
@@ -95,8 +98,9 @@ def test_a_buffered_request_cancelled_by_its_client_frees_its_slot(small_pool) -
 
 def test_a_dead_engine_fails_open_streams_at_once_and_health_turns_503(tiny_core: Path) -> None:
     with live_server(tiny_core, ServerConfig(kv_pages=64)) as (url, state):
-        with httpx.stream("POST", url + "/v1/chat/completions", json=_chat("stream", 3000, stream=True),
-                          timeout=30) as response:  # fmt: skip
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json=_chat("stream", 3000, stream=True), timeout=30
+        ) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))  # generation is under way
 

@@ -12,27 +12,47 @@ from helios.server.errors import anthropic_error, openai_error
 SPEC = Path(__file__).resolve().parents[3] / "shared" / "spec" / "external"
 
 
-@pytest.mark.parametrize("status,type_", [
-    (400, "invalid_request_error"), (401, "authentication_error"), (404, "not_found_error"),
-    (413, "request_too_large"), (415, "invalid_request_error"), (429, "rate_limit_error"),
-    (500, "server_error"), (503, "server_error"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "status,type_",
+    [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (404, "not_found_error"),
+        (413, "request_too_large"),
+        (415, "invalid_request_error"),
+        (429, "rate_limit_error"),
+        (500, "server_error"),
+        (503, "server_error"),
+    ],
+)
 def test_openai_error_shape(status: int, type_: str) -> None:
     assert openai_error(status, "boom") == {"error": {"type": type_, "message": "boom", "param": None, "code": None}}
 
 
 def test_openai_model_not_found_and_overrides() -> None:
     body = openai_error(404, "The model 'x' does not exist", code="model_not_found")
-    assert body["error"] == {"type": "not_found_error", "message": "The model 'x' does not exist", "param": None,
-                             "code": "model_not_found"}  # fmt: skip
+    assert body["error"] == {
+        "type": "not_found_error",
+        "message": "The model 'x' does not exist",
+        "param": None,
+        "code": "model_not_found",
+    }
     assert openai_error(400, "m", type="custom")["error"]["type"] == "custom"
 
 
-@pytest.mark.parametrize("status,type_", [
-    (400, "invalid_request_error"), (401, "authentication_error"), (404, "not_found_error"),
-    (413, "request_too_large"), (415, "invalid_request_error"), (429, "rate_limit_error"),
-    (500, "api_error"), (503, "api_error"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "status,type_",
+    [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (404, "not_found_error"),
+        (413, "request_too_large"),
+        (415, "invalid_request_error"),
+        (429, "rate_limit_error"),
+        (500, "api_error"),
+        (503, "api_error"),
+    ],
+)
 def test_anthropic_error_shape(status: int, type_: str) -> None:
     assert anthropic_error(status, "boom") == {"type": "error", "error": {"type": type_, "message": "boom"}}
     assert anthropic_error(status, "m", type="overloaded_error")["error"]["type"] == "overloaded_error"

@@ -34,7 +34,10 @@ def test_buffered_execution_failure_is_500(failing_client) -> None:
     error = response.json()["error"]
     assert error["type"] == "server_error" and "device fault" in error["message"]
     assert "x-request-id" in response.headers
-    assert state.client.engine.stats.failed == 1 and state.client.engine.pool.num_free + state.client.engine.pool.num_cached == 64
+    assert (
+        state.client.engine.stats.failed == 1
+        and state.client.engine.pool.num_free + state.client.engine.pool.num_cached == 64
+    )
     assert client.get("/health").json() == {"status": "ok"}  # the runtime keeps serving
 
 

@@ -64,21 +64,51 @@ def test_generated_bodies_never_get_a_server_error(server: Server, spec: str, pa
     assert len(seen) == EXAMPLES and any(code == 200 for code in seen) or all(400 <= c < 500 for c in seen)
 
 
-_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.text(max_size=10),
-                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                       max_leaves=15)  # fmt: skip
-_blocks = st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "x"])},
-                                optional={"text": _values, "id": _values, "name": _values, "input": _values,
-                                          "tool_use_id": _values, "content": _values, "is_error": _values,
-                                          "thinking": _values, "signature": _values, "source": _values})  # fmt: skip
-_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", 3]),
-                                            "content": st.text(max_size=20) | st.lists(_blocks, max_size=3)}),
-                     max_size=3)  # fmt: skip
-_anthropic = st.fixed_dictionaries({"model": st.just("x"), "messages": _messages},
-                                   optional={"max_tokens": st.integers(-2, 8), "system": _values | st.lists(_blocks, max_size=2),
-                                             "stream": st.booleans(), "stop_sequences": _values, "tools": _values,
-                                             "tool_choice": _values, "thinking": _values, "temperature": _values,
-                                             "top_k": _values, "output_config": _values, "metadata": _values})  # fmt: skip
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**6) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=15,
+)
+_blocks = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "x"])},
+    optional={
+        "text": _values,
+        "id": _values,
+        "name": _values,
+        "input": _values,
+        "tool_use_id": _values,
+        "content": _values,
+        "is_error": _values,
+        "thinking": _values,
+        "signature": _values,
+        "source": _values,
+    },
+)
+_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system", 3]),
+            "content": st.text(max_size=20) | st.lists(_blocks, max_size=3),
+        }
+    ),
+    max_size=3,
+)
+_anthropic = st.fixed_dictionaries(
+    {"model": st.just("x"), "messages": _messages},
+    optional={
+        "max_tokens": st.integers(-2, 8),
+        "system": _values | st.lists(_blocks, max_size=2),
+        "stream": st.booleans(),
+        "stop_sequences": _values,
+        "tools": _values,
+        "tool_choice": _values,
+        "thinking": _values,
+        "temperature": _values,
+        "top_k": _values,
+        "output_config": _values,
+        "metadata": _values,
+    },
+)
 
 
 @pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])

@@ -30,17 +30,22 @@ def tiny(tiny_core: Path) -> Core:
     return Core.open(tiny_core)
 
 
-
 def _export(engine: LLMEngine) -> tuple[dict[tuple[str, tuple], float], dict]:
     """(Prometheus sample (name, sorted labels) -> value, the JSON object) of this engine's counters."""
-    state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
-                            started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
+    state = SimpleNamespace(
+        client=SimpleNamespace(engine=engine),
+        slots=SimpleNamespace(in_use=0, capacity=1),
+        started=0.0,
+        frontend=SimpleNamespace(image_counters={}),
+    )
     values = ServerState.snapshot(state)  # type: ignore[arg-type]
     histograms = ServerState.histograms(state)  # type: ignore[arg-type]
     first = FirstResponseWindow().summary(now=0.0)
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(prometheus_text(values, first, histograms))
-               for s in family.samples}  # fmt: skip
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(prometheus_text(values, first, histograms))
+        for s in family.samples
+    }
     return samples, json_snapshot(values, first, histograms)
 
 
@@ -66,10 +71,13 @@ def test_host_cache_metrics_follow_a_scripted_run(tiny: Core, tmp_path: Path) ->
     size = tiny.manifest.limits.page_tokens
     probe = LLMEngine(tiny, EngineConfig(num_pages=8, compiled_step=False))
     page_bytes = probe.executor.page_bytes
-    host = HostCacheConfig(memory_bytes=256 * MIB, directory=tmp_path, disk_bytes=512 * MIB,
-                           copy_queue_bytes=16 * page_bytes)  # fmt: skip
-    engine = LLMEngine(tiny, EngineConfig(num_pages=PAGES, prefill_chunk_size=64, max_concurrency=2,
-                                          host_cache=host, compiled_step=False))  # fmt: skip
+    host = HostCacheConfig(
+        memory_bytes=256 * MIB, directory=tmp_path, disk_bytes=512 * MIB, copy_queue_bytes=16 * page_bytes
+    )
+    engine = LLMEngine(
+        tiny,
+        EngineConfig(num_pages=PAGES, prefill_chunk_size=64, max_concurrency=2, host_cache=host, compiled_step=False),
+    )
     m = lambda name, key, **labels: _both(*_export(engine), name, key, **labels)  # noqa: E731
 
     # At start: the pool is the local checkpoint pool (an attention core: pages only).
@@ -107,11 +115,14 @@ def test_host_cache_metrics_follow_a_scripted_run(tiny: Core, tmp_path: Path) ->
     # evicts x's pages before a retry finds headroom, so x's chain is dropped at its retry.
     deferrals = ("flare_host_cache_copyout_headroom_deferrals_total", "host_cache_copyout_headroom_deferrals_total")
     assert m(*deferrals) == 0
-    run_to_completion(engine, [
-        EngineRequest("x", _prompt(tiny, 10 * size + 3, seed=2), (GREEDY,), 2, ignore_eos=True),
-        EngineRequest("y", _prompt(tiny, 10 * size + 3, seed=3), (GREEDY,), 30, ignore_eos=True),
-        EngineRequest("z", _prompt(tiny, 25 * size + 3, seed=4), (GREEDY,), 2, ignore_eos=True),
-    ])  # fmt: skip
+    run_to_completion(
+        engine,
+        [
+            EngineRequest("x", _prompt(tiny, 10 * size + 3, seed=2), (GREEDY,), 2, ignore_eos=True),
+            EngineRequest("y", _prompt(tiny, 10 * size + 3, seed=3), (GREEDY,), 30, ignore_eos=True),
+            EngineRequest("z", _prompt(tiny, 25 * size + 3, seed=4), (GREEDY,), 2, ignore_eos=True),
+        ],
+    )
     engine.drain_copies()
     assert m(*deferrals) >= 1
     assert m("flare_host_cache_copyout_waits_total", "host_cache_copyout_waits_total") == 0
@@ -138,8 +149,14 @@ def test_oversize_and_io_error_drops_reach_both_expositions(tiny: Core, tmp_path
     """A memory tier smaller than one record drops it (dram, oversize); a corrupt disk record is
     dropped when read (nvme, io_error)."""
     size = tiny.manifest.limits.page_tokens
-    engine = LLMEngine(tiny, EngineConfig(num_pages=PAGES, compiled_step=False, host_cache=HostCacheConfig(
-        memory_bytes=1024, directory=tmp_path, disk_bytes=512 * MIB)))  # fmt: skip
+    engine = LLMEngine(
+        tiny,
+        EngineConfig(
+            num_pages=PAGES,
+            compiled_step=False,
+            host_cache=HostCacheConfig(memory_bytes=1024, directory=tmp_path, disk_bytes=512 * MIB),
+        ),
+    )
     conversation = _prompt(tiny, 2 * size + 3, seed=5)
     run_to_completion(engine, [EngineRequest("a", conversation, (GREEDY,), 2, ignore_eos=True)])
     engine.drain_copies()
@@ -152,8 +169,14 @@ def test_oversize_and_io_error_drops_reach_both_expositions(tiny: Core, tmp_path
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-    restarted = LLMEngine(tiny, EngineConfig(num_pages=PAGES, compiled_step=False, host_cache=HostCacheConfig(
-        memory_bytes=256 * MIB, directory=tmp_path, disk_bytes=512 * MIB)))  # fmt: skip
+    restarted = LLMEngine(
+        tiny,
+        EngineConfig(
+            num_pages=PAGES,
+            compiled_step=False,
+            host_cache=HostCacheConfig(memory_bytes=256 * MIB, directory=tmp_path, disk_bytes=512 * MIB),
+        ),
+    )
     run_to_completion(restarted, [EngineRequest("b", conversation, (GREEDY,), 2, ignore_eos=True)])
     m = lambda name, key, **labels: _both(*_export(restarted), name, key, **labels)  # noqa: E731
     assert m("flare_host_cache_dropped_total", "host_cache_dropped", tier="nvme", reason="io_error") == 1

@@ -39,8 +39,10 @@ def test_nesting_depth_ignores_brackets_inside_strings() -> None:
     assert nesting_depth(_nested_schema(100).encode()) == 201
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                                   "/v1/decisions", "/v1/systemone"])  # fmt: skip
+@pytest.mark.parametrize(
+    "route",
+    ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/decisions", "/v1/systemone"],
+)
 def test_a_100000_deep_body_is_400_naming_the_limit(client: TestClient, route: str) -> None:
     response = client.post(route, content=b"[" * 100_000, headers={"anthropic-version": "2023-06-01"})
     assert response.status_code == 400
@@ -53,7 +55,9 @@ def test_deep_tool_parameters_and_template_kwargs_are_400_not_500(client: TestCl
     tools = f', "tools": [{{"type": "function", "function": {{"name": "f", "parameters": {_nested_schema(600)}}}}}]}}'
     deep = client.post("/v1/chat/completions", content=chat + tools)
     assert deep.status_code == 400 and "levels deep" in deep.json()["error"]["message"]
-    deep = client.post("/v1/chat/completions", content=chat + f', "chat_template_kwargs": {{"k": {_nested_schema(600)}}}}}')
+    deep = client.post(
+        "/v1/chat/completions", content=chat + f', "chat_template_kwargs": {{"k": {_nested_schema(600)}}}}}'
+    )
     assert deep.status_code == 400 and "levels deep" in deep.json()["error"]["message"]
     show = client.post("/api/show", content=b"[" * 100_000)
     assert show.status_code == 400 and "levels deep" in show.json()["error"]
@@ -81,8 +85,10 @@ def test_slow_headers_close_the_connection_and_slow_bodies_get_408(tiny_core: Pa
             slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")  # headers never finish
             assert slow.recv(1024) == b""
         with socket.create_connection((host, int(port)), timeout=10) as dripping:
-            dripping.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                             b"content-length: 100\r\n\r\n{\"model\"")  # fmt: skip
+            dripping.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b'content-length: 100\r\n\r\n{"model"'
+            )
             reply = b""
             while b"}}" not in reply and (piece := dripping.recv(4096)):
                 reply += piece
@@ -92,8 +98,15 @@ def test_slow_headers_close_the_connection_and_slow_bodies_get_408(tiny_core: Pa
 
 def test_logit_bias_is_applied_not_ignored(client: TestClient) -> None:
     def tokens(**extra) -> list[str]:
-        body = {"model": "x", "prompt": "hello", "max_tokens": 4, "top_k": 1, "logprobs": 0,
-                "return_tokens_as_token_ids": True, **extra}  # fmt: skip
+        body = {
+            "model": "x",
+            "prompt": "hello",
+            "max_tokens": 4,
+            "top_k": 1,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            **extra,
+        }
         return client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
 
     plain = tokens()
@@ -113,12 +126,21 @@ def test_hostile_grammars_get_400_on_every_route_and_the_server_lives(client: Te
     chat = client.post("/v1/chat/completions", json={**CHAT, "response_format": lark})
     assert chat.status_code == 400 and "rules" in chat.json()["error"]["message"]
     tool = {"type": "custom", "name": "patch", "format": {"type": "grammar", "syntax": "lark", "definition": CHAIN}}
-    responses = client.post("/v1/responses", json={"model": "x", "input": "hi", "max_output_tokens": 2, "tools": [tool]})
+    responses = client.post(
+        "/v1/responses", json={"model": "x", "input": "hi", "max_output_tokens": 2, "tools": [tool]}
+    )
     assert responses.status_code == 400 and "rules" in responses.json()["error"]["message"]
     schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": "(k1{1000}){1000}"}}}
-    messages = client.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
-                           json={"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
-                                 "output_config": {"format": {"type": "json_schema", "schema": schema}}})  # fmt: skip
+    messages = client.post(
+        "/v1/messages",
+        headers={"anthropic-version": "2023-06-01"},
+        json={
+            "model": "x",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}],
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        },
+    )
     assert messages.status_code == 400 and messages.json()["type"] == "error"
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
 

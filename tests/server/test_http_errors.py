@@ -47,8 +47,10 @@ def test_authentication(server: Server) -> None:
         ({"logprob_token_ids": [10**9], "logprobs": True}, "logprob_token_ids"),
         ({"thinking_token_budget": 10}, "thinking_token_budget"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-         "response_format.json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format.json_schema.schema",
+        ),
         ({"n": 0}, "n"),
     ],
 )
@@ -75,10 +77,20 @@ def test_invalid_completion_requests(server: Server, body: dict, param: str) -> 
 
 def test_malformed_bodies(server: Server) -> None:
     headers = {**server.auth(), "content-type": "application/json"}
-    _error(httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers=headers), 400, "invalid_request_error")
-    _error(httpx.post(server.url + "/v1/chat/completions", content=b"[1, 2]", headers=headers), 400, "invalid_request_error")
+    _error(
+        httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers=headers),
+        400,
+        "invalid_request_error",
+    )
+    _error(
+        httpx.post(server.url + "/v1/chat/completions", content=b"[1, 2]", headers=headers),
+        400,
+        "invalid_request_error",
+    )
     encoded = {**headers, "content-encoding": "compress"}
-    error = _error(httpx.post(server.url + "/v1/chat/completions", content=b"x", headers=encoded), 415, "invalid_request_error")
+    error = _error(
+        httpx.post(server.url + "/v1/chat/completions", content=b"x", headers=encoded), 415, "invalid_request_error"
+    )
     assert "compress" in error["message"]
 
 
@@ -86,7 +98,10 @@ def test_compressed_bodies_are_accepted(server: Server) -> None:
     raw = json.dumps(CHAT).encode()
     for encoding, data in (("gzip", gzip.compress(raw)), ("deflate", zlib.compress(raw))):
         headers = {**server.auth(), "content-type": "application/json", "content-encoding": encoding}
-        assert httpx.post(server.url + "/v1/chat/completions", content=data, headers=headers, timeout=60).status_code == 200
+        assert (
+            httpx.post(server.url + "/v1/chat/completions", content=data, headers=headers, timeout=60).status_code
+            == 200
+        )
 
 
 def _gzip_bomb(size: int) -> bytes:
@@ -116,7 +131,9 @@ def _hold_stream(server: Server, started: threading.Event, release: threading.Ev
     """A long stream in a thread: `started` once its first chunk arrived; closed after `release`."""
 
     def run() -> None:
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.auth(), timeout=120) as r:
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json=body, headers=server.auth(), timeout=120
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     started.set()

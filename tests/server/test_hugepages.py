@@ -24,18 +24,22 @@ def linux_with_thp(monkeypatch: pytest.MonkeyPatch, tmp_path):
     return setup
 
 
-@pytest.mark.parametrize(("env", "mode", "glibc", "speedup", "expected"), [
-    ({}, "always [madvise] never", "glibc 2.36", 1.3, True),
-    ({}, "always [madvise] never", "glibc 2.36", 1.08, False),  # reads barely faster: 4 KiB pages fault cheaper
-    ({"HELIOS_HUGE_PAGES": "1"}, "always [madvise] never", "glibc 2.36", 1.0, True),  # forced, not measured
-    ({"HELIOS_HUGE_PAGES": "0"}, "always [madvise] never", "glibc 2.36", 2.0, False),
-    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "always [madvise] never", "glibc 2.36", 2.0, False),
-    ({}, "[always] madvise never", "glibc 2.36", 2.0, False),  # the kernel already backs malloc with THP
-    ({}, "always madvise [never]", "glibc 2.36", 2.0, False),
-    ({}, "always [madvise] never", "glibc 2.31", 2.0, False),  # the tunable is newer
-])  # fmt: skip
-def test_wanted(monkeypatch: pytest.MonkeyPatch, linux_with_thp, env: dict, mode: str, glibc: str, speedup: float,
-                expected: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("env", "mode", "glibc", "speedup", "expected"),
+    [
+        ({}, "always [madvise] never", "glibc 2.36", 1.3, True),
+        ({}, "always [madvise] never", "glibc 2.36", 1.08, False),  # reads barely faster: 4 KiB pages fault cheaper
+        ({"HELIOS_HUGE_PAGES": "1"}, "always [madvise] never", "glibc 2.36", 1.0, True),  # forced, not measured
+        ({"HELIOS_HUGE_PAGES": "0"}, "always [madvise] never", "glibc 2.36", 2.0, False),
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "always [madvise] never", "glibc 2.36", 2.0, False),
+        ({}, "[always] madvise never", "glibc 2.36", 2.0, False),  # the kernel already backs malloc with THP
+        ({}, "always madvise [never]", "glibc 2.36", 2.0, False),
+        ({}, "always [madvise] never", "glibc 2.31", 2.0, False),  # the tunable is newer
+    ],
+)
+def test_wanted(
+    monkeypatch: pytest.MonkeyPatch, linux_with_thp, env: dict, mode: str, glibc: str, speedup: float, expected: bool
+) -> None:
     linux_with_thp(mode, glibc, speedup)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -51,16 +51,20 @@ def b64(index: int) -> str:
 def vision(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     checkpoint = write_testmodel("gemma4", tmp_path_factory.mktemp("ckpt") / "tiny-gemma4-vision", seed=3, vision=True)
     out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
-    export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=out, dtype="float32",
-                                                                                         prompt_logprobs=True))
+    export_core(
+        open_source(str(checkpoint)),
+        load_recipe("gemma4"),
+        ExportOptions(out=out, dtype="float32", prompt_logprobs=True),
+    )
     return checkpoint, out
 
 
 @pytest.fixture(scope="module")
 def served(vision: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
     # Its own disk tier: records another test (or run) left for this core never count as reuse here.
-    config = ServerConfig(kv_pages=256, speculation="off", prefill_chunk_size=40,
-                          host_cache_dir=str(tmp_path_factory.mktemp("prefix")))  # fmt: skip
+    config = ServerConfig(
+        kv_pages=256, speculation="off", prefill_chunk_size=40, host_cache_dir=str(tmp_path_factory.mktemp("prefix"))
+    )
     with live_server(vision[1], config) as pair:
         yield pair
 
@@ -72,13 +76,21 @@ def oai(served) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def claude(served) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=served[0], api_key="k", default_headers={"anthropic-version": "2023-06-01"},
-                               _strict_response_validation=True, max_retries=0)  # fmt: skip
+    return anthropic.Anthropic(
+        base_url=served[0],
+        api_key="k",
+        default_headers={"anthropic-version": "2023-06-01"},
+        _strict_response_validation=True,
+        max_retries=0,
+    )
 
 
 def _user(text: str, *indices: int) -> dict:
-    return {"role": "user", "content": [{"type": "text", "text": text}]
-            + [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in indices]}  # fmt: skip
+    return {
+        "role": "user",
+        "content": [{"type": "text", "text": text}]
+        + [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in indices],
+    }
 
 
 def _post(served, body: dict) -> httpx.Response:
@@ -105,13 +117,23 @@ def test_first_generated_logprobs_match_transformers(vision, served, oai: openai
     assert completion.usage.prompt_tokens == len(prompt.token_ids)
     assert completion.usage.prompt_tokens_details.model_extra["multimodal_tokens"]["image"] == prompt.image_tokens
 
-    model = Gemma4ForConditionalGeneration.from_pretrained(str(vision[0]), dtype=torch.float32,
-                                                           attn_implementation="eager").eval()  # fmt: skip
+    model = Gemma4ForConditionalGeneration.from_pretrained(
+        str(vision[0]), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     settings = {k: v for k, v in gemma4.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
-    processed = Gemma4ImageProcessorPil(**settings)(images=[Image.open(io.BytesIO(d)) for d in IMAGES], return_tensors="pt")
+    processed = Gemma4ImageProcessorPil(**settings)(
+        images=[Image.open(io.BytesIO(d)) for d in IMAGES], return_tensors="pt"
+    )
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt.token_ids]), pixel_values=processed["pixel_values"],
-                       image_position_ids=processed["image_position_ids"]).logits[0, -1].float()  # fmt: skip
+        logits = (
+            model(
+                input_ids=torch.tensor([prompt.token_ids]),
+                pixel_values=processed["pixel_values"],
+                image_position_ids=processed["image_position_ids"],
+            )
+            .logits[0, -1]
+            .float()
+        )
     theirs = torch.log_softmax(logits, -1).topk(20).values.tolist()
     worst = max(abs(a - b) for a, b in zip(ours, theirs))
     assert worst <= 1e-3, worst
@@ -120,9 +142,23 @@ def test_first_generated_logprobs_match_transformers(vision, served, oai: openai
 def test_prompt_logprobs_are_null_at_image_positions(served) -> None:
     parts = (TextPart("Look:"), ImagePart(IMAGES[1], MEDIA[1]), TextPart("What is it?"))
     prompt = served[1].frontend.prompt(Conversation((Message("user", parts),)))
-    body = _post(served, {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": data_url(1)}},
-        {"type": "text", "text": "What is it?"}]}], "prompt_logprobs": 0, "max_tokens": 1}).json()  # fmt: skip
+    body = _post(
+        served,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Look:"},
+                        {"type": "image_url", "image_url": {"url": data_url(1)}},
+                        {"type": "text", "text": "What is it?"},
+                    ],
+                }
+            ],
+            "prompt_logprobs": 0,
+            "max_tokens": 1,
+        },
+    ).json()
     entries = body["prompt_logprobs"]
     assert len(entries) == len(prompt.token_ids)
     nulls = {i for i, e in enumerate(entries) if e is None}
@@ -136,16 +172,29 @@ def test_openai_images_in_user_turns_and_tool_results(oai: openai.OpenAI) -> Non
     tools = [{"type": "function", "function": {"name": "snap", "parameters": {"type": "object", "properties": {}}}}]
     messages = [
         _user("What is in the picture?", 0),
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "snap", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1",
-         "content": [{"type": "text", "text": "photo:"}, {"type": "image_url", "image_url": {"url": data_url(1)}}]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "snap", "arguments": "{}"}}],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": [{"type": "text", "text": "photo:"}, {"type": "image_url", "image_url": {"url": data_url(1)}}],
+        },
+    ]
     buffered = oai.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=3, seed=1)
     image_tokens = buffered.usage.prompt_tokens_details.model_extra["multimodal_tokens"]["image"]
     assert image_tokens > 0 and buffered.usage.prompt_tokens > image_tokens
-    stream = oai.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=3, seed=1, stream=True,
-                                         stream_options={"include_usage": True})  # fmt: skip
+    stream = oai.chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=tools,
+        max_tokens=3,
+        seed=1,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[-1].usage.prompt_tokens == buffered.usage.prompt_tokens
     assert chunks[-1].usage.prompt_tokens_details.model_extra["multimodal_tokens"]["image"] == image_tokens
@@ -157,9 +206,17 @@ def test_anthropic_images_in_user_turns_and_tool_results(claude: anthropic.Anthr
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Look:"}, image(2)]},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "snap", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                      "content": [{"type": "text", "text": "shot"}, image(0)]}]},
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "shot"}, image(0)],
+                }
+            ],
+        },
+    ]
     message = claude.messages.create(model="m", max_tokens=3, messages=messages, tools=tools)
     counted = claude.messages.count_tokens(model="m", messages=messages, tools=tools)
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == counted.input_tokens
@@ -176,7 +233,11 @@ def test_messages_usage_reports_image_tokens_within_the_schemas(served) -> None:
     multimodal_tokens.image and still validate against the hosted Anthropic schemas."""
     spec = anthropic_spec()
     image = {"type": "image", "source": {"type": "base64", "media_type": MEDIA[1], "data": b64(1)}}
-    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]}
+    body = {
+        "model": "m",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}],
+    }
     headers = {"anthropic-version": "2023-06-01"}
     expected = images.cost(64, 40, served[1].frontend.vision).num_tokens
     buffered = httpx.post(served[0] + "/v1/messages", json=body, headers=headers, timeout=120).json()
@@ -188,14 +249,29 @@ def test_messages_usage_reports_image_tokens_within_the_schemas(served) -> None:
     schema_validator(spec, "MessageDeltaEvent").validate(events["message_delta"])
     assert events["message_start"]["message"]["usage"]["multimodal_tokens"] == {"image": expected}
     assert events["message_delta"]["usage"]["multimodal_tokens"] == {"image": expected}
-    text_only = httpx.post(served[0] + "/v1/messages", json={**body, "messages": [{"role": "user", "content": "Hi"}]},
-                           headers=headers, timeout=120).json()  # fmt: skip
+    text_only = httpx.post(
+        served[0] + "/v1/messages",
+        json={**body, "messages": [{"role": "user", "content": "Hi"}]},
+        headers=headers,
+        timeout=120,
+    ).json()
     assert "multimodal_tokens" not in text_only["usage"]
 
 
 def test_responses_input_image(served) -> None:
-    body = {"model": "m", "max_output_tokens": 2, "input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "Describe"}, {"type": "input_image", "image_url": data_url(1)}]}]}  # fmt: skip
+    body = {
+        "model": "m",
+        "max_output_tokens": 2,
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "Describe"},
+                    {"type": "input_image", "image_url": data_url(1)},
+                ],
+            }
+        ],
+    }
     response = httpx.post(served[0] + "/v1/responses", json=body, timeout=120)
     assert response.status_code == 200, response.text
     spec = json.loads(SCHEMA_PATH.read_text())
@@ -225,7 +301,10 @@ def test_appending_an_image_reuses_the_prefix_and_a_changed_image_does_not(serve
     before = dict(served[1].snapshot())
     appended = first + [{"role": "assistant", "content": "ok"}, _user("And another:", 1)]
     usage = _post(served, {"messages": appended}).json()["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] > usage["prompt_tokens_details"]["multimodal_tokens"]["image"] // 2
+    assert (
+        usage["prompt_tokens_details"]["cached_tokens"]
+        > usage["prompt_tokens_details"]["multimodal_tokens"]["image"] // 2
+    )
     after = served[1].snapshot()
     assert after["input_reused_images_total"] == before["input_reused_images_total"] + 1  # image 1: no prep, no vision
     # image 2 is prepared once: encoded, or served by the prepared-input cache if an earlier test encoded it
@@ -245,6 +324,7 @@ def test_appending_an_image_reuses_the_prefix_and_a_changed_image_does_not(serve
 
 def _png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height, with one tiny IDAT (a decompression-bomb shape)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
@@ -255,10 +335,13 @@ def _png_header_only(width: int, height: int) -> bytes:
 def test_png_bomb_is_refused_from_its_header_in_bounded_memory(served) -> None:
     bomb = "data:image/png;base64," + base64.b64encode(_png_header_only(30000, 30000)).decode()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB; the server runs in this process
-    response = _post(served, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": bomb}}]}]})
+    response = _post(
+        served, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": bomb}}]}]}
+    )
     assert response.status_code == 400
-    assert response.json()["error"]["message"] == ("image 1 is 30000x30000 = 900000000 pixels, over max_image_pixels "
-                                                   "50000000 (parameter: messages)")  # fmt: skip
+    assert response.json()["error"]["message"] == (
+        "image 1 is 30000x30000 = 900000000 pixels, over max_image_pixels 50000000 (parameter: messages)"
+    )
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200_000  # a decode would need 2.7 GB
 
 
@@ -277,7 +360,8 @@ def test_budget_rejection_costs_every_image_and_names_the_first_past_it(served) 
     assert response.json()["error"]["message"] == (
         f"the request's {count} images cost {count * per_image} image tokens ({patches} patches), over "
         f"max_image_tokens_per_prompt {budget}; image {first} (90x90 pixels, {per_image} tokens) is the first past it "
-        "(parameter: messages)")
+        "(parameter: messages)"
+    )
 
 
 def test_animated_remote_and_oversized_images_are_refused(served) -> None:
@@ -288,43 +372,85 @@ def test_animated_remote_and_oversized_images_are_refused(served) -> None:
     cases = [
         (animated, "image 1 is animated; only static images are accepted"),
         ("https://example.com/a.png", "images must be base64 data URLs (remote image downloads are unsupported)"),
-        ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "image 1 is not a readable PNG, JPEG or WebP image"),
-    ]  # fmt: skip
+        (
+            "data:image/png;base64," + base64.b64encode(b"not a png").decode(),
+            "image 1 is not a readable PNG, JPEG or WebP image",
+        ),
+    ]
     for url, message in cases:
-        response = _post(served, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+        response = _post(
+            served, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        )
         assert response.status_code == 400, response.text
         assert response.json()["error"]["message"] == message + " (parameter: messages)", response.text
     card = httpx.get(served[0] + "/v1/models").json()["data"][0]["flare"]
     assert card["input_modalities"] == ["text", "image"] and card["max_image_pixels"] == 50_000_000
     assert card["max_image_tokens_per_image"] == 70 and card["image_feature_window_tokens"] == 70
-    show = httpx.post(served[0] + "/api/show", json={"model": card and httpx.get(served[0] + "/v1/models").json()["data"][0]["id"]})
+    show = httpx.post(
+        served[0] + "/api/show", json={"model": card and httpx.get(served[0] + "/v1/models").json()["data"][0]["id"]}
+    )
     assert "vision" in show.json()["capabilities"]
 
 
 def test_text_only_core_refuses_images_everywhere(tiny_core: Path) -> None:
     with live_server(tiny_core, ServerConfig(kv_pages=64)) as (url, _):
         png = data_url(0)
-        chat = httpx.post(url + "/v1/chat/completions", json={"model": "m", "max_tokens": 1, "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png}}]}]}, timeout=60)  # fmt: skip
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            json={
+                "model": "m",
+                "max_tokens": 1,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png}}]}],
+            },
+            timeout=60,
+        )
         assert chat.status_code == 400
-        assert chat.json()["error"]["message"] == ("this model does not accept images (its core has no vision program) "
-                                                   "(parameter: messages)")  # fmt: skip
-        messages = httpx.post(url + "/v1/messages", headers={"anthropic-version": "2023-06-01"}, json={
-            "model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(0)}}]}]},
-            timeout=60)  # fmt: skip
+        assert chat.json()["error"]["message"] == (
+            "this model does not accept images (its core has no vision program) (parameter: messages)"
+        )
+        messages = httpx.post(
+            url + "/v1/messages",
+            headers={"anthropic-version": "2023-06-01"},
+            json={
+                "model": "m",
+                "max_tokens": 1,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(0)}}
+                        ],
+                    }
+                ],
+            },
+            timeout=60,
+        )
         assert messages.status_code == 400 and "does not accept images" in messages.json()["error"]["message"]
-        responses = httpx.post(url + "/v1/responses", json={"model": "m", "max_output_tokens": 1, "input": [
-            {"role": "user", "content": [{"type": "input_image", "image_url": png}]}]}, timeout=60)  # fmt: skip
+        responses = httpx.post(
+            url + "/v1/responses",
+            json={
+                "model": "m",
+                "max_output_tokens": 1,
+                "input": [{"role": "user", "content": [{"type": "input_image", "image_url": png}]}],
+            },
+            timeout=60,
+        )
         assert responses.status_code == 400 and "does not accept images" in responses.json()["error"]["message"]
         body = {**SYSTEMONE, "assets": {"receipt": {"data_base64": b64(0), "format": "png"}}}
-        for send in (lambda: httpx.post(url + "/v1/systemone", json=body, headers=DANGER, timeout=60),
-                     lambda: httpx.post(url + "/v1/systemone", headers=DANGER, timeout=60, files=[
-                         ("request", (None, json.dumps(body).encode(), "application/json"))])):  # fmt: skip
+        for send in (
+            lambda: httpx.post(url + "/v1/systemone", json=body, headers=DANGER, timeout=60),
+            lambda: httpx.post(
+                url + "/v1/systemone",
+                headers=DANGER,
+                timeout=60,
+                files=[("request", (None, json.dumps(body).encode(), "application/json"))],
+            ),
+        ):
             refused = send()
             assert refused.status_code == 400
-            assert refused.json()["error"]["message"] == ("this model is text-only (its core has no vision program): "
-                                                          "image assets need a vision core")  # fmt: skip
+            assert refused.json()["error"]["message"] == (
+                "this model is text-only (its core has no vision program): image assets need a vision core"
+            )
         card = httpx.get(url + "/v1/models").json()["data"][0]["flare"]
         assert card["input_modalities"] == ["text"] and card["max_images_per_prompt"] == 0
 
@@ -332,15 +458,21 @@ def test_text_only_core_refuses_images_everywhere(tiny_core: Path) -> None:
 # ---------------------------------------------------------------------------- System One assets
 
 DANGER = {"TypeSafe-Danger-Zone-Images": "true"}
-SYSTEMONE = {"model": "m", "state": {"photo": "receipt", "note": "Seen on receipt's back"}, "questions": {
-    "paid": {"type": "noul", "instructions": "Does receipt show a payment?"},
-    "kind": {"type": "choice", "criteria": {"receipt": "Looks like logo", "other": None}},
-    "quality": {"type": "score", "criteria": ["blurry", "logo"]}}}  # fmt: skip
+SYSTEMONE = {
+    "model": "m",
+    "state": {"photo": "receipt", "note": "Seen on receipt's back"},
+    "questions": {
+        "paid": {"type": "noul", "instructions": "Does receipt show a payment?"},
+        "kind": {"type": "choice", "criteria": {"receipt": "Looks like logo", "other": None}},
+        "quality": {"type": "score", "criteria": ["blurry", "logo"]},
+    },
+}
 
 
 def _systemone(served, body: dict, headers: dict | None = None, **kwargs) -> httpx.Response:
-    return httpx.post(served[0] + "/v1/systemone", json=body, headers=DANGER if headers is None else headers,
-                      timeout=120, **kwargs)  # fmt: skip
+    return httpx.post(
+        served[0] + "/v1/systemone", json=body, headers=DANGER if headers is None else headers, timeout=120, **kwargs
+    )
 
 
 def _multipart(served, body: dict, parts: list[tuple[str, bytes, str]], headers: dict | None = None) -> httpx.Response:
@@ -364,8 +496,10 @@ def test_systemone_assets_base64_and_multipart_read_the_same_images(served) -> N
     assert seen(served[1].snapshot()) > seen(before)  # decoded, or served by the decoded-image cache
     text = _systemone(served, {**SYSTEMONE, "assets": {}}, headers={})  # the same words, no images
     assert text.status_code == 200, text.text
-    per_image = [images.cost(37, 53, served[1].frontend.vision).num_tokens,
-                 images.cost(64, 40, served[1].frontend.vision).num_tokens]  # fmt: skip
+    per_image = [
+        images.cost(37, 53, served[1].frontend.vision).num_tokens,
+        images.cost(64, 40, served[1].frontend.vision).num_tokens,
+    ]
     # state: 3 references to receipt; paid +1 receipt; kind +1 logo; quality +1 logo; each replacing one word
     assert inline.json()["usage"]["input_tokens"] > text.json()["usage"]["input_tokens"] + 6 * min(per_image)
     by_part = {**assets, "receipt": {"format": "png", "part": "r", "data_base64": b64(2)}}  # the part wins
@@ -383,27 +517,51 @@ def test_systemone_asset_refusals(served) -> None:
     bomb = base64.b64encode(_png_header_only(30000, 30000)).decode()
     cases = [
         (_systemone(served, body, headers={}), 400, "TypeSafe-Danger-Zone-Images: true"),
-        (_systemone(served, {**body, "assets": {**assets, "spare": {"data_base64": b64(1), "format": "jpeg"}}}),
-         400, "asset 'spare' is never referenced in state, instructions or criteria"),
-        (_systemone(served, {**body, "assets": {"receipt": {"data_base64": b64(1), "format": "png"}}}),
-         400, "asset 'receipt' is not a PNG image (its format field says 'png')"),
+        (
+            _systemone(served, {**body, "assets": {**assets, "spare": {"data_base64": b64(1), "format": "jpeg"}}}),
+            400,
+            "asset 'spare' is never referenced in state, instructions or criteria",
+        ),
+        (
+            _systemone(served, {**body, "assets": {"receipt": {"data_base64": b64(1), "format": "png"}}}),
+            400,
+            "asset 'receipt' is not a PNG image (its format field says 'png')",
+        ),
         (_systemone(served, {**body, "assets": {"receipt": {"data_base64": b64(2), "format": "webp"}}}), 422, None),
-        (_systemone(served, {**body, "assets": {"receipt": {"data_base64": bomb, "format": "png"}}}),
-         400, "image 1 is 30000x30000 = 900000000 pixels, over max_image_pixels 50000000 (parameter: assets)"),
-        (_systemone(served, {**body, "assets": {"receipt": {"data_base64": b64(0), "format": "png", "type": "audio"}}}),
-         400, "only image assets are supported"),
-        (_multipart(served, body, [("extra", IMAGES[1], "image/jpeg")]), 400, "multipart part 'extra' belongs to no asset"),
-        (_multipart(served, {**body, "assets": {"receipt": {"format": "png", "part": "nope"}}}, []),
-         400, "asset 'receipt' names multipart part 'nope', which the request does not have"),
+        (
+            _systemone(served, {**body, "assets": {"receipt": {"data_base64": bomb, "format": "png"}}}),
+            400,
+            "image 1 is 30000x30000 = 900000000 pixels, over max_image_pixels 50000000 (parameter: assets)",
+        ),
+        (
+            _systemone(
+                served, {**body, "assets": {"receipt": {"data_base64": b64(0), "format": "png", "type": "audio"}}}
+            ),
+            400,
+            "only image assets are supported",
+        ),
+        (
+            _multipart(served, body, [("extra", IMAGES[1], "image/jpeg")]),
+            400,
+            "multipart part 'extra' belongs to no asset",
+        ),
+        (
+            _multipart(served, {**body, "assets": {"receipt": {"format": "png", "part": "nope"}}}, []),
+            400,
+            "asset 'receipt' names multipart part 'nope', which the request does not have",
+        ),
         (_multipart(served, body, [], headers={"Content-Encoding": "gzip"}), 415, "must not be compressed"),
-    ]  # fmt: skip
+    ]
     for response, status, message in cases:
         assert response.status_code == status, response.text
         if status == 422:
             assert response.json()["detail"][0]["loc"] == ["body", "assets", "receipt", "format"]
         else:
             assert message in response.json()["error"]["message"], response.text
-    files = [("receipt", ("r.png", IMAGES[0], "image/png")), ("request", (None, json.dumps(body).encode(), "application/json"))]
+    files = [
+        ("receipt", ("r.png", IMAGES[0], "image/png")),
+        ("request", (None, json.dumps(body).encode(), "application/json")),
+    ]
     json_second = httpx.post(served[0] + "/v1/systemone", files=files, headers=DANGER, timeout=120)
     assert json_second.status_code == 400
     assert json_second.json()["error"]["message"] == "the first multipart part must be the application/json request"

@@ -39,8 +39,9 @@ def data_url(data: bytes, media: str) -> str:
 
 @pytest.fixture(scope="module")
 def vision(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel("glm5_next", tmp_path_factory.mktemp("ckpt") / "tiny-glm53-vision", seed=3,
-                                 vision=True)  # fmt: skip
+    checkpoint = write_testmodel(
+        "glm5_next", tmp_path_factory.mktemp("ckpt") / "tiny-glm53-vision", seed=3, vision=True
+    )
     out = tmp_path_factory.mktemp("cores") / "glm53-vision"
     export_core(open_source(str(checkpoint)), load_recipe("glm53"), ExportOptions(out=out, dtype="float32"))
     return checkpoint, out
@@ -48,15 +49,20 @@ def vision(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def served(vision: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
-    config = ServerConfig(kv_pages=128, speculation="off", prefill_chunk_size=24,
-                          host_cache_dir=str(tmp_path_factory.mktemp("prefix")))  # fmt: skip
+    config = ServerConfig(
+        kv_pages=128, speculation="off", prefill_chunk_size=24, host_cache_dir=str(tmp_path_factory.mktemp("prefix"))
+    )
     with live_server(vision[1], config) as pair:
         yield pair
 
 
 def _messages(url: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": QUESTION},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
 
 
 def test_chat_completion_with_an_image_matches_transformers(vision, served) -> None:
@@ -65,27 +71,40 @@ def test_chat_completion_with_an_image_matches_transformers(vision, served) -> N
     cost = images.cost(300, 200, state.frontend.vision)
     assert (cost.height, cost.width) == (168, 252) and prompt.image_tokens == cost.num_tokens == 54
     oai = openai.OpenAI(base_url=served[0] + "/v1", api_key="k", _strict_response_validation=True, max_retries=0)
-    completion = oai.chat.completions.create(model="m", messages=_messages(data_url(IMAGE, MEDIA)), max_tokens=2,
-                                             logprobs=True, top_logprobs=20, seed=1)  # fmt: skip
+    completion = oai.chat.completions.create(
+        model="m", messages=_messages(data_url(IMAGE, MEDIA)), max_tokens=2, logprobs=True, top_logprobs=20, seed=1
+    )
     assert completion.choices[0].finish_reason in ("stop", "length")
     usage = completion.usage
     assert usage.prompt_tokens == len(prompt.token_ids)
     assert usage.prompt_tokens_details.model_extra["multimodal_tokens"]["image"] == cost.num_tokens
     ours = [t.logprob for t in completion.choices[0].logprobs.content[0].top_logprobs]
 
-    stream = oai.chat.completions.create(model="m", messages=_messages(data_url(IMAGE, MEDIA)), max_tokens=2, seed=1,
-                                         stream=True, stream_options={"include_usage": True})  # fmt: skip
+    stream = oai.chat.completions.create(
+        model="m",
+        messages=_messages(data_url(IMAGE, MEDIA)),
+        max_tokens=2,
+        seed=1,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == completion.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == completion.choices[0].message.content
+    )
     assert chunks[-1].usage.prompt_tokens_details.model_extra["multimodal_tokens"]["image"] == cost.num_tokens
 
     from transformers import Glm5NextForConditionalGeneration
 
-    model = Glm5NextForConditionalGeneration.from_pretrained(str(vision[0]), dtype=torch.float32,
-                                                             attn_implementation="eager").eval()  # fmt: skip
+    model = Glm5NextForConditionalGeneration.from_pretrained(
+        str(vision[0]), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with reference_processor(vision[0]) as processor:
-        processed = processor(text="<|begin_of_image|><|image|><|end_of_image|>", images=[Image.open(io.BytesIO(IMAGE))],
-                              return_tensors="pt")  # fmt: skip
+        processed = processor(
+            text="<|begin_of_image|><|image|><|end_of_image|>",
+            images=[Image.open(io.BytesIO(IMAGE))],
+            return_tensors="pt",
+        )
     expansion = processed["input_ids"][0].tolist()
     start = prompt.images[0].start - 1  # the template's <|begin_of_image|> before the first feature row
     assert list(prompt.token_ids[start : start + len(expansion)]) == expansion

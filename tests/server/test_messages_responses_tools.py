@@ -167,8 +167,10 @@ class Messages:
 
     @staticmethod
     def tools(*names: str) -> list[dict[str, Any]]:
-        specs = {"get_weather": {"name": "get_weather", "description": "Weather in a city", "input_schema": CITY},
-                 "get_time": {"name": "get_time", "description": "The time", "input_schema": NOTHING}}  # fmt: skip
+        specs = {
+            "get_weather": {"name": "get_weather", "description": "Weather in a city", "input_schema": CITY},
+            "get_time": {"name": "get_time", "description": "The time", "input_schema": NOTHING},
+        }
         return [specs[n] for n in names]
 
     @staticmethod
@@ -190,8 +192,9 @@ class Messages:
             error = response.json()
             self.schemas.anthropic_body("ErrorResponse", error)
             assert error["type"] == "error"
-            return Result(response.status_code, error=error["error"]["message"], error_type=error["error"]["type"],
-                          body=error)  # fmt: skip
+            return Result(
+                response.status_code, error=error["error"]["message"], error_type=error["error"]["type"], body=error
+            )
         message = response.json()
         self.schemas.check_message(message)
         assert response.headers["x-request-id"] == message["id"]
@@ -211,8 +214,9 @@ class Messages:
             if name == "error":
                 assert events[-1] == (name, data)  # terminal: no message_delta / message_stop after it
                 assert all(n not in ("message_delta", "message_stop") for n, _ in events)
-                return Result(200, error=data["error"]["message"], error_type=data["error"]["type"], body=data,
-                              events=events)  # fmt: skip
+                return Result(
+                    200, error=data["error"]["message"], error_type=data["error"]["type"], body=data, events=events
+                )
             if name == "content_block_start":
                 assert data["index"] == len(message["content"])
                 message["content"].append(dict(data["content_block"]))
@@ -256,8 +260,15 @@ class Messages:
         usage = message["usage"]
         assert usage["cache_creation_input_tokens"] == 0
         prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
-        return Result(200, blocks, message["stop_reason"], prompt_tokens=prompt, output_tokens=usage["output_tokens"],
-                      body=message, events=events or [])  # fmt: skip
+        return Result(
+            200,
+            blocks,
+            message["stop_reason"],
+            prompt_tokens=prompt,
+            output_tokens=usage["output_tokens"],
+            body=message,
+            events=events or [],
+        )
 
 
 class Responses:
@@ -270,10 +281,15 @@ class Responses:
 
     @staticmethod
     def tools(*names: str) -> list[dict[str, Any]]:
-        specs = {"get_weather": {"type": "function", "name": "get_weather", "description": "Weather in a city",
-                                 "parameters": CITY},
-                 "get_time": {"type": "function", "name": "get_time", "description": "The time",
-                              "parameters": NOTHING}}  # fmt: skip
+        specs = {
+            "get_weather": {
+                "type": "function",
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": CITY,
+            },
+            "get_time": {"type": "function", "name": "get_time", "description": "The time", "parameters": NOTHING},
+        }
         return [specs[n] for n in names]
 
     @staticmethod
@@ -292,8 +308,9 @@ class Responses:
         if response.status_code != 200:
             error = response.json()
             self.schemas.openai_body("ErrorResponse", error)
-            return Result(response.status_code, error=error["error"]["message"], error_type=error["error"]["type"],
-                          body=error)  # fmt: skip
+            return Result(
+                response.status_code, error=error["error"]["message"], error_type=error["error"]["type"], body=error
+            )
         out = response.json()
         self.schemas.check_response(out)
         assert response.headers["x-request-id"] == out["id"]
@@ -319,18 +336,28 @@ class Responses:
         assert added == [i["id"] for i in done]
         if kinds[-1] == "response.failed":  # the items delivered before the failure
             assert final["output"] == done
-            return Result(200, error=final["error"]["message"], error_type=final["error"]["code"], stop="failed",
-                          body=final, events=named)  # fmt: skip
+            return Result(
+                200,
+                error=final["error"]["message"],
+                error_type=final["error"]["code"],
+                stop="failed",
+                body=final,
+                events=named,
+            )
         assert final["output"] == done  # the stream's items are the final object's
         for item in done:  # each item's deltas rebuild its content
             if item["type"] in ("message", "reasoning"):
                 kind = "output_text" if item["type"] == "message" else "reasoning_text"
-                deltas = "".join(e["delta"] for e in events if e["type"] == f"response.{kind}.delta"
-                                 and e["item_id"] == item["id"])  # fmt: skip
+                deltas = "".join(
+                    e["delta"] for e in events if e["type"] == f"response.{kind}.delta" and e["item_id"] == item["id"]
+                )
                 assert deltas == item["content"][0]["text"]
             else:
-                args = [e for e in events if e["type"] == "response.function_call_arguments.done"
-                        and e["item_id"] == item["id"]]  # fmt: skip
+                args = [
+                    e
+                    for e in events
+                    if e["type"] == "response.function_call_arguments.done" and e["item_id"] == item["id"]
+                ]
                 assert [a["arguments"] for a in args] == [item["arguments"]]
         return self._result(final, named)
 
@@ -348,10 +375,16 @@ class Responses:
                 blocks.append(("call", item["name"], json.loads(item["arguments"])))
         usage = body["usage"]
         assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
-        return Result(200, blocks, body["status"], prompt_tokens=usage["input_tokens"],
-                      output_tokens=usage["output_tokens"],
-                      reasoning_tokens=usage["output_tokens_details"]["reasoning_tokens"], body=body,
-                      events=events or [])  # fmt: skip
+        return Result(
+            200,
+            blocks,
+            body["status"],
+            prompt_tokens=usage["input_tokens"],
+            output_tokens=usage["output_tokens"],
+            reasoning_tokens=usage["output_tokens_details"]["reasoning_tokens"],
+            body=body,
+            events=events or [],
+        )
 
 
 API = {"messages": Messages, "responses": Responses}
@@ -514,11 +547,17 @@ def test_parallel_off_fails_on_the_second_call(api) -> None:
     failed(api, result, "parallel_tool_calls")
     events = result.streamed.events  # the stream may already have delivered the first call, never the second
     if api.name == "messages":
-        names = [d["content_block"]["name"] for n, d in events if n == "content_block_start"
-                 and d["content_block"]["type"] == "tool_use"]  # fmt: skip
+        names = [
+            d["content_block"]["name"]
+            for n, d in events
+            if n == "content_block_start" and d["content_block"]["type"] == "tool_use"
+        ]
     else:
-        names = [d["item"]["name"] for _, d in events if d["type"] == "response.output_item.added"
-                 and d["item"]["type"] == "function_call"]  # fmt: skip
+        names = [
+            d["item"]["name"]
+            for _, d in events
+            if d["type"] == "response.output_item.added" and d["item"]["type"] == "function_call"
+        ]
     assert "get_time" not in names
 
 
@@ -531,9 +570,11 @@ def test_parallel_off_with_one_call(api) -> None:
 
 # ---------------------------------------------------------------------------- reasoning budgets
 THINK_OPEN = "{{- '<think>\\n\\n</think>\\n\\n' }}\n    {%- endif %}"
-EFFORT_LINE = ("{%- if reasoning_effort is defined %}"
-               "{{- '<|im_start|>system\\nReasoning effort: ' + reasoning_effort + '<|im_end|>\\n' }}"
-               "{%- endif %}\n")  # fmt: skip
+EFFORT_LINE = (
+    "{%- if reasoning_effort is defined %}"
+    "{{- '<|im_start|>system\\nReasoning effort: ' + reasoning_effort + '<|im_end|>\\n' }}"
+    "{%- endif %}\n"
+)
 REASONING = "one two three four five six seven"
 
 
@@ -544,8 +585,10 @@ def thinking_template(app: ScriptedServer) -> Iterator[None]:
     thinking is disabled, and it states the reasoning effort it is given."""
     frontend = app.state.frontend
     original = frontend.template
-    source = original.source.replace(THINK_OPEN, THINK_OPEN.replace(
-        "    {%- endif %}", "    {%- else %}\n        {{- '<think>\\n' }}\n    {%- endif %}"))  # fmt: skip
+    source = original.source.replace(
+        THINK_OPEN,
+        THINK_OPEN.replace("    {%- endif %}", "    {%- else %}\n        {{- '<think>\\n' }}\n    {%- endif %}"),
+    )
     assert source != original.source
     frontend.template = ChatTemplate(EFFORT_LINE + source, original.special_tokens)
     try:
@@ -568,8 +611,12 @@ def budget_fields(api, kind: str, budget: int) -> dict[str, Any]:
     return {"thinking_token_budget": budget}
 
 
-BUDGET_CASES = [("messages", "budget_tokens"), ("messages", "thinking_token_budget"), ("messages", "both"),
-                ("responses", "thinking_token_budget")]  # fmt: skip
+BUDGET_CASES = [
+    ("messages", "budget_tokens"),
+    ("messages", "thinking_token_budget"),
+    ("messages", "both"),
+    ("responses", "thinking_token_budget"),
+]
 
 
 # The forced close takes the place of the scripted model's fourth token ("w"): 3 reasoning
@@ -604,8 +651,9 @@ def test_budget_close_has_no_logprob_entry(app: ScriptedServer, schemas: Schemas
     api = Responses(app, schemas)
     with thinking_template(app):
         app.say(*CUT)
-        result = api.buffered({"thinking_token_budget": 3, "include": ["message.output_text.logprobs"],
-                               "top_logprobs": 1})  # fmt: skip
+        result = api.buffered(
+            {"thinking_token_budget": 3, "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+        )
     entries = result.body["output"][-1]["content"][0]["logprobs"]
     assert [e["token"] for e in entries] == ["F", "in", "a", "l", " a", "n", "s", "w", "er", "."]
     assert "".join(e["token"] for e in entries) == result.text == "Final answer."
@@ -650,8 +698,11 @@ def test_budget_rejections(protocol: str, app: ScriptedServer, schemas: Schemas)
     api = API[protocol](app, schemas)
     bad = [{"thinking_token_budget": 0}, {"thinking_token_budget": 1 << 31}, {"thinking_token_budget": "8"}]
     if api.name == "messages":
-        bad += [{"thinking": {"type": "enabled", "budget_tokens": 2048}, "thinking_token_budget": 1024},
-                {"thinking": {"type": "enabled"}}, {"thinking": {"type": "enabled", "budget_tokens": 0}}]
+        bad += [
+            {"thinking": {"type": "enabled", "budget_tokens": 2048}, "thinking_token_budget": 1024},
+            {"thinking": {"type": "enabled"}},
+            {"thinking": {"type": "enabled", "budget_tokens": 0}},
+        ]
     for fields in bad:
         response = api.post(fields)
         assert response.status_code == 400, fields
@@ -691,16 +742,20 @@ EFFORT_CASES = [
     ("messages", {"thinking": {"type": "enabled", "budget_tokens": 20001}}, "high"),  # max, nearest in vocabulary
     ("messages", {"thinking_token_budget": 100}, "low"),
     ("messages", {"thinking": {"type": "enabled", "budget_tokens": 20000}, "output_config": {"effort": "low"}}, "low"),
-    ("messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}, "output_config": {"effort": "medium"}},
-     "medium"),
+    (
+        "messages",
+        {"thinking": {"type": "enabled", "budget_tokens": 1024}, "output_config": {"effort": "medium"}},
+        "medium",
+    ),
     ("messages", {"thinking": {"type": "enabled", "budget_tokens": 1 << 40}}, "high"),
     ("messages", {}, None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("protocol", "fields", "level"), EFFORT_CASES)
-def test_effort_reaches_the_template(protocol: str, fields: dict[str, Any], level: str | None, app: ScriptedServer,
-                                     schemas: Schemas) -> None:  # fmt: skip
+def test_effort_reaches_the_template(
+    protocol: str, fields: dict[str, Any], level: str | None, app: ScriptedServer, schemas: Schemas
+) -> None:
     api = API[protocol](app, schemas)
     with thinking_template(app):
         result = both(api, "Thought.</think>Answer.", **fields)
@@ -728,11 +783,12 @@ def test_numeric_effort_is_rejected(protocol: str, app: ScriptedServer, schemas:
             assert param in body["error"]["message"]
 
 
-
 def _chat_effort(app: ScriptedServer, **fields: Any) -> str | None:
     app.say("Thought.</think>Answer.")
-    body = app.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": ASK}],
-                                                  "max_tokens": 64, **fields}).json()  # fmt: skip
+    body = app.post(
+        "/v1/chat/completions",
+        json={"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 64, **fields},
+    ).json()
     assert body["choices"][0]["message"]["content"] == "Answer."
     return rendered_effort(app)
 

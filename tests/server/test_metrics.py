@@ -8,11 +8,26 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helios.server.metrics import FIELDS, FirstResponseWindow, choose_format, json_snapshot, prometheus_text
 
-VALUES = {"prefill_tokens": 120, "generated_tokens": 42, "completed": 3, "failed": 1, "reused_tokens": 64,
-          "active": 2, "pending": 5, "free_pages": 900, "total_pages": 1024, "cached_pages": 7, "page_tokens": 16,
-          "decode_weight_bytes": 270_000_000, "verify_steps": 9, "learned_drafter": True,
-          "http_admission_in_use": 4, "http_admission_capacity": 512, "uptime_seconds": 12.5,
-          "input_decoded_images_total": 6}  # fmt: skip
+VALUES = {
+    "prefill_tokens": 120,
+    "generated_tokens": 42,
+    "completed": 3,
+    "failed": 1,
+    "reused_tokens": 64,
+    "active": 2,
+    "pending": 5,
+    "free_pages": 900,
+    "total_pages": 1024,
+    "cached_pages": 7,
+    "page_tokens": 16,
+    "decode_weight_bytes": 270_000_000,
+    "verify_steps": 9,
+    "learned_drafter": True,
+    "http_admission_in_use": 4,
+    "http_admission_capacity": 512,
+    "uptime_seconds": 12.5,
+    "input_decoded_images_total": 6,
+}
 EMPTY_WINDOW = FirstResponseWindow().summary(now=0.0)
 
 
@@ -31,17 +46,26 @@ def test_prometheus_text_parses_with_spec_names_and_values() -> None:
     assert text.endswith("\n")
     samples = _samples(text)
     expected = {
-        "flare_prefill_tokens_total": ("counter", 120), "flare_generated_tokens_total": ("counter", 42),
-        "flare_requests_completed_total": ("counter", 3), "flare_requests_failed_total": ("counter", 1),
-        "flare_cache_reused_tokens_total": ("counter", 64), "flare_speculative_rounds_total": ("counter", 9),
-        "flare_active_requests": ("gauge", 2), "flare_pending_requests": ("gauge", 5),
-        "flare_free_kv_pages": ("gauge", 900), "flare_total_kv_pages": ("gauge", 1024),
-        "flare_cached_kv_pages": ("gauge", 7), "flare_kv_page_tokens": ("gauge", 16),
-        "flare_decode_weight_bytes": ("gauge", 270_000_000), "flare_http_admission_in_use": ("gauge", 4),
-        "flare_http_admission_capacity": ("gauge", 512), "flare_uptime_seconds": ("gauge", 12.5),
-        "flare_input_decoded_images_total": ("counter", 6), "flare_host_cache_hits_total": ("counter", 0),
+        "flare_prefill_tokens_total": ("counter", 120),
+        "flare_generated_tokens_total": ("counter", 42),
+        "flare_requests_completed_total": ("counter", 3),
+        "flare_requests_failed_total": ("counter", 1),
+        "flare_cache_reused_tokens_total": ("counter", 64),
+        "flare_speculative_rounds_total": ("counter", 9),
+        "flare_active_requests": ("gauge", 2),
+        "flare_pending_requests": ("gauge", 5),
+        "flare_free_kv_pages": ("gauge", 900),
+        "flare_total_kv_pages": ("gauge", 1024),
+        "flare_cached_kv_pages": ("gauge", 7),
+        "flare_kv_page_tokens": ("gauge", 16),
+        "flare_decode_weight_bytes": ("gauge", 270_000_000),
+        "flare_http_admission_in_use": ("gauge", 4),
+        "flare_http_admission_capacity": ("gauge", 512),
+        "flare_uptime_seconds": ("gauge", 12.5),
+        "flare_input_decoded_images_total": ("counter", 6),
+        "flare_host_cache_hits_total": ("counter", 0),
         "flare_history_drafts_enabled": ("gauge", 0),
-    }  # fmt: skip
+    }
     for name, value in expected.items():
         assert samples[name] == value, name
     for field, name, _, _ in FIELDS:
@@ -63,8 +87,11 @@ def test_prometheus_text_has_help_and_type_for_every_family() -> None:
 def test_host_cache_histograms_are_the_only_histograms() -> None:
     families = list(text_string_to_metric_families(prometheus_text({}, EMPTY_WINDOW)))
     histograms = {f.name: f for f in families if f.type == "histogram"}
-    assert set(histograms) == {"flare_host_cache_missing_tokens", "flare_host_cache_estimated_transfer_ns",
-                               "flare_host_cache_estimated_prefill_ns"}  # fmt: skip
+    assert set(histograms) == {
+        "flare_host_cache_missing_tokens",
+        "flare_host_cache_estimated_transfer_ns",
+        "flare_host_cache_estimated_prefill_ns",
+    }
     for family in histograms.values():
         values = {(s.name.removeprefix(family.name), s.labels.get("le")): s.value for s in family.samples}
         assert values == {("_bucket", "+Inf"): 0, ("_sum", None): 0, ("_count", None): 0}
@@ -88,8 +115,13 @@ def test_json_snapshot_has_every_field_as_integers() -> None:
     assert snapshot["generated_tokens"] == 42 and snapshot["prefill_tokens"] == 0
     assert snapshot["learned_drafter"] is False
     assert snapshot["uptime_seconds"] == 1.5
-    assert snapshot["first_response"] == {"median_seconds": None, "samples": 0, "window_seconds": 60,
-                                          "capacity": 4096, "truncated": False}  # fmt: skip
+    assert snapshot["first_response"] == {
+        "median_seconds": None,
+        "samples": 0,
+        "window_seconds": 60,
+        "capacity": 4096,
+        "truncated": False,
+    }
 
 
 def test_json_snapshot_passes_extras_and_learned_drafter() -> None:
@@ -107,8 +139,13 @@ def test_first_response_window_keeps_the_last_minute() -> None:
     assert window.summary(now=50.0)["median_seconds"] == 2.0  # median of 9, 1, 2
     summary = window.summary(now=65.0)  # the sample at t=0 has left the window
     assert summary["samples"] == 2 and summary["median_seconds"] == 1.5
-    assert window.summary(now=200.0) == {"median_seconds": None, "samples": 0, "window_seconds": 60,
-                                         "capacity": 100, "truncated": False}  # fmt: skip
+    assert window.summary(now=200.0) == {
+        "median_seconds": None,
+        "samples": 0,
+        "window_seconds": 60,
+        "capacity": 100,
+        "truncated": False,
+    }
 
 
 def test_first_response_window_reports_truncation_while_drops_are_recent() -> None:
@@ -120,38 +157,49 @@ def test_first_response_window_reports_truncation_while_drops_are_recent() -> No
     assert window.summary(now=61.5)["truncated"] is False  # dropped samples (t<=1) would have expired
 
 
-@pytest.mark.parametrize("accept,expected", [
-    (None, "prometheus"),
-    ("", "prometheus"),
-    ("application/json", "json"),
-    ("text/plain", "prometheus"),
-    ("*/*", "prometheus"),  # one range matches both: a tie at the same position keeps text
-    ("application/json, text/plain", "json"),  # equal q: the earlier range wins
-    ("text/plain, application/json", "prometheus"),
-    ("text/plain;q=0.5, application/json", "json"),
-    ("application/json;q=0.5, text/plain", "prometheus"),
-    ("application/json;q=0.9, text/plain;q=0.9", "json"),
-    ("text/*;q=0.3, application/json;q=0.4", "json"),
-    ("application/*, text/plain;q=0.8", "json"),
-    ("*/*;q=0.1, application/json;q=0.2", "json"),
-    ("text/plain;q=0.2, */*;q=0.9", "json"),  # json 0.9 via */*, text/plain 0.2
-    ("text/plain;q=0.1, text/*;q=0.9, application/json;q=0.5", "json"),  # the most specific range sets q
-    ("application/json;q=0", "prometheus"),
-    ("image/png", "prometheus"),
-    ("application/openmetrics-text; version=1.0.0", "prometheus"),
-    ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/openmetrics-text;"
-     "version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,"
-     "*/*;q=0.2", "prometheus"),  # Prometheus 3 scraper
-    ("application/openmetrics-text; version=0.0.1,text/plain;version=0.0.4;q=0.5,*/*;q=0.1", "prometheus"),
-    ("APPLICATION/JSON; Q=1", "json"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "accept,expected",
+    [
+        (None, "prometheus"),
+        ("", "prometheus"),
+        ("application/json", "json"),
+        ("text/plain", "prometheus"),
+        ("*/*", "prometheus"),  # one range matches both: a tie at the same position keeps text
+        ("application/json, text/plain", "json"),  # equal q: the earlier range wins
+        ("text/plain, application/json", "prometheus"),
+        ("text/plain;q=0.5, application/json", "json"),
+        ("application/json;q=0.5, text/plain", "prometheus"),
+        ("application/json;q=0.9, text/plain;q=0.9", "json"),
+        ("text/*;q=0.3, application/json;q=0.4", "json"),
+        ("application/*, text/plain;q=0.8", "json"),
+        ("*/*;q=0.1, application/json;q=0.2", "json"),
+        ("text/plain;q=0.2, */*;q=0.9", "json"),  # json 0.9 via */*, text/plain 0.2
+        ("text/plain;q=0.1, text/*;q=0.9, application/json;q=0.5", "json"),  # the most specific range sets q
+        ("application/json;q=0", "prometheus"),
+        ("image/png", "prometheus"),
+        ("application/openmetrics-text; version=1.0.0", "prometheus"),
+        (
+            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/openmetrics-text;"
+            "version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,"
+            "*/*;q=0.2",
+            "prometheus",
+        ),  # Prometheus 3 scraper
+        ("application/openmetrics-text; version=0.0.1,text/plain;version=0.0.4;q=0.5,*/*;q=0.1", "prometheus"),
+        ("APPLICATION/JSON; Q=1", "json"),
+    ],
+)
 def test_accept_negotiation(accept: str | None, expected: str) -> None:
     assert choose_format(None, accept) == expected
 
 
-@pytest.mark.parametrize("query,accept,expected", [
-    ("json", "text/plain", "json"), ("prometheus", "application/json", "prometheus"), ("json", None, "json"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "query,accept,expected",
+    [
+        ("json", "text/plain", "json"),
+        ("prometheus", "application/json", "prometheus"),
+        ("json", None, "json"),
+    ],
+)
 def test_format_query_overrides_accept(query: str, accept: str | None, expected: str) -> None:
     assert choose_format(query, accept) == expected
 
@@ -170,11 +218,20 @@ def test_host_cache_histograms_and_labelled_counters_parse_when_filled() -> None
         stats.missing_tokens.observe(tokens)
     stats.transfer_ns.observe(2e6)
     values = {"host_cache_held": {"dram": 7, "nvme": 5}, "host_cache_dropped": {"nvme/io_error": 1}}
-    text = prometheus_text(values, EMPTY_WINDOW, {"flare_host_cache_missing_tokens": stats.missing_tokens,
-                                                 "flare_host_cache_estimated_transfer_ns": stats.transfer_ns})
+    text = prometheus_text(
+        values,
+        EMPTY_WINDOW,
+        {
+            "flare_host_cache_missing_tokens": stats.missing_tokens,
+            "flare_host_cache_estimated_transfer_ns": stats.transfer_ns,
+        },
+    )
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    missing = {s.labels.get("le"): s.value for s in families["flare_host_cache_missing_tokens"].samples
-               if s.name.endswith("_bucket")}  # fmt: skip
+    missing = {
+        s.labels.get("le"): s.value
+        for s in families["flare_host_cache_missing_tokens"].samples
+        if s.name.endswith("_bucket")
+    }
     assert missing["4"] == 1 and missing["64"] == 2 and missing["+Inf"] == 3
     held = {s.labels["tier"]: s.value for s in families["flare_host_cache_held"].samples}
     assert held == {"dram": 7, "nvme": 5}
@@ -191,13 +248,26 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     from helios.engine.request import EngineStats
     from helios.server.state import ServerState
 
-    stats = EngineStats(checkpoint_captures={"anchor": 2, "message": 5}, checkpoint_skips={"unknown_cost": 1,
-                        "work_budget": 3}, checkpoint_extra_work_ns=123_456, checkpoint_anchor_reservations=3)  # fmt: skip
-    engine = SimpleNamespace(stats=stats, host=None, scheduler=SimpleNamespace(
-        drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(checkpoint_slots=(0, 0, 0))),
-        executor=SimpleNamespace(launches={"graph": 7, "eager": 2}))  # fmt: skip
-    state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
-                            started=0.0, frontend=SimpleNamespace(image_counters={"input_decoded_images_total": 2}))  # fmt: skip
+    stats = EngineStats(
+        checkpoint_captures={"anchor": 2, "message": 5},
+        checkpoint_skips={"unknown_cost": 1, "work_budget": 3},
+        checkpoint_extra_work_ns=123_456,
+        checkpoint_anchor_reservations=3,
+    )
+    engine = SimpleNamespace(
+        stats=stats,
+        host=None,
+        scheduler=SimpleNamespace(
+            drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(checkpoint_slots=(0, 0, 0))
+        ),
+        executor=SimpleNamespace(launches={"graph": 7, "eager": 2}),
+    )
+    state = SimpleNamespace(
+        client=SimpleNamespace(engine=engine),
+        slots=SimpleNamespace(in_use=0, capacity=1),
+        started=0.0,
+        frontend=SimpleNamespace(image_counters={"input_decoded_images_total": 2}),
+    )
     values = ServerState.snapshot(state)  # type: ignore[arg-type]
     assert values["input_decoded_images_total"] == 2 and values["input_vision_encodes_total"] == 0
     families = {f.name: f for f in text_string_to_metric_families(prometheus_text(values, EMPTY_WINDOW))}
@@ -214,7 +284,10 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     assert reservations.type == "gauge" and reservations.samples[0].value == 3
     assert snapshot["checkpoint_anchor_reservations"] == 3
     launches = families["flare_graph_launches"]  # docs/serving.md: step launches by kind
-    assert launches.type == "counter" and {s.labels["kind"]: s.value for s in launches.samples} == {"graph": 7, "eager": 2}
+    assert launches.type == "counter" and {s.labels["kind"]: s.value for s in launches.samples} == {
+        "graph": 7,
+        "eager": 2,
+    }
     assert snapshot["graph_launches"] == {"graph": 7, "eager": 2}
 
 
@@ -230,12 +303,19 @@ def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
     host = HostStore(identity_of("c", "float32", 16, ()), 1 << 20, None, 0)
     host.stats.copy_waits, host.stats.copy_wait_ns = 2, 5_000
     host.stats.drop("dram", "end_of_chain", 7)
-    scheduler = SimpleNamespace(drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(
-        pinned_records=3, copier_ns=9_000, checkpoint_slots=(5, 40, 8)))  # fmt: skip
-    engine = SimpleNamespace(stats=EngineStats(), host=host, scheduler=scheduler,
-                             executor=SimpleNamespace(launches={"graph": 0, "eager": 0}))
-    state = SimpleNamespace(client=SimpleNamespace(engine=engine), slots=SimpleNamespace(in_use=0, capacity=1),
-                            started=0.0, frontend=SimpleNamespace(image_counters={}))  # fmt: skip
+    scheduler = SimpleNamespace(
+        drafter=HistoryDrafter(SpeculationConfig(mode="off")),
+        copy_out=SimpleNamespace(pinned_records=3, copier_ns=9_000, checkpoint_slots=(5, 40, 8)),
+    )
+    engine = SimpleNamespace(
+        stats=EngineStats(), host=host, scheduler=scheduler, executor=SimpleNamespace(launches={"graph": 0, "eager": 0})
+    )
+    state = SimpleNamespace(
+        client=SimpleNamespace(engine=engine),
+        slots=SimpleNamespace(in_use=0, capacity=1),
+        started=0.0,
+        frontend=SimpleNamespace(image_counters={}),
+    )
     values = ServerState.snapshot(state)  # type: ignore[arg-type]
     families = {f.name: f for f in text_string_to_metric_families(prometheus_text(values, EMPTY_WINDOW))}
     assert families["flare_host_cache_copyout_waits"].type == "counter"

@@ -40,8 +40,9 @@ def schemas() -> dict:
 
 
 def _validate(schemas: dict, name: str, body: dict) -> None:
-    jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}",
-                                     "components": schemas["components"]}).validate(body)  # fmt: skip
+    jsonschema.Draft202012Validator(
+        {"$ref": f"#/components/schemas/{name}", "components": schemas["components"]}
+    ).validate(body)
 
 
 def test_list_reports_the_loaded_model(server: Server, client: ollama.Client, schemas: dict) -> None:
@@ -53,7 +54,12 @@ def test_list_reports_the_loaded_model(server: Server, client: ollama.Client, sc
     assert re.fullmatch(r"[0-9a-f]{64}", entry.digest)
     details = entry.details
     assert (details.format, details.family, details.families, details.parameter_size, details.quantization_level) == (
-        "flare", "", [], "", "")  # fmt: skip
+        "flare",
+        "",
+        [],
+        "",
+        "",
+    )
     raw = server.get("/api/tags").json()
     _validate(schemas, "ListResponse", raw)
     assert raw["models"][0]["name"] == "tiny-alias" and raw["models"][0]["modified_at"] == "0001-01-01T00:00:00Z"
@@ -64,9 +70,11 @@ def test_show_by_public_checkpoint_or_alias(server: Server, client: ollama.Clien
     shown = client.show(name)
     assert shown.capabilities == ["completion"]  # a text core without tool or reasoning parsers
     card = server.get("/v1/models").json()["data"][0]
-    assert shown.modelinfo == {"general.name": shown.modelinfo["general.name"],
-                               "flare.context_length": card["max_model_len"],
-                               "flare.vocab_size": card["flare"]["vocab_size"]}  # fmt: skip
+    assert shown.modelinfo == {
+        "general.name": shown.modelinfo["general.name"],
+        "flare.context_length": card["max_model_len"],
+        "flare.vocab_size": card["flare"]["vocab_size"],
+    }
     assert shown.modelinfo["general.name"] and shown.details.format == "flare"
     assert shown.template is None and shown.modelfile is None  # templates are not exposed
     raw = server.post("/api/show", {"model": name})
@@ -77,7 +85,13 @@ def test_show_by_public_checkpoint_or_alias(server: Server, client: ollama.Clien
 def test_show_rejects_bad_names(server: Server, client: ollama.Client) -> None:
     empty = server.post("/api/show", {"model": ""})  # the client refuses to send an empty name itself
     assert empty.status_code == 400 and "empty" in empty.json()["error"]
-    for body in ({}, {"model": None}, {"model": 7}, {"model": ["tiny-alias"]}, {"model": "tiny-alias", "verbose": "yes"}):
+    for body in (
+        {},
+        {"model": None},
+        {"model": 7},
+        {"model": ["tiny-alias"]},
+        {"model": "tiny-alias", "verbose": "yes"},
+    ):
         response = server.post("/api/show", body)
         assert response.status_code == 400, body
         assert isinstance(response.json()["error"], str) and response.json()["error"]
@@ -88,8 +102,9 @@ def test_show_rejects_bad_names(server: Server, client: ollama.Client) -> None:
 
 def test_show_takes_uncompressed_json_only(server: Server) -> None:
     body = gzip.compress(json.dumps({"model": "tiny-alias"}).encode())
-    response = httpx.post(server.url + "/api/show", content=body, timeout=30,
-                          headers={**server.auth(), "content-encoding": "gzip"})  # fmt: skip
+    response = httpx.post(
+        server.url + "/api/show", content=body, timeout=30, headers={**server.auth(), "content-encoding": "gzip"}
+    )
     assert response.status_code == 415 and "identity" in response.json()["error"]
     malformed = httpx.post(server.url + "/api/show", content=b'{"model": ', headers=server.auth(), timeout=30)
     assert malformed.status_code == 400 and "JSON" in malformed.json()["error"]

@@ -66,21 +66,27 @@ def test_an_over_long_limit_is_bounded_by_the_remaining_context(server: Server, 
     # Claude Code and OpenCode send max_tokens 32000 whatever the model's context.
     text, context = near_full
     messages = [{"role": "user", "content": text}]
-    chat = server.post("/v1/chat/completions", {"model": "x", "messages": messages, "max_tokens": 32000,
-                                                "ignore_eos": True})  # fmt: skip
+    chat = server.post(
+        "/v1/chat/completions", {"model": "x", "messages": messages, "max_tokens": 32000, "ignore_eos": True}
+    )
     assert chat.status_code == 200, chat.text
     usage = chat.json()["usage"]
     room = context - usage["prompt_tokens"]
     assert usage["completion_tokens"] == room and chat.json()["choices"][0]["finish_reason"] == "length"
-    responses = server.post("/v1/responses", {"model": "x", "input": messages, "max_output_tokens": 32000,
-                                              "ignore_eos": True}).json()  # fmt: skip
-    assert responses["usage"]["output_tokens"] == room and responses["incomplete_details"] == {"reason": "max_output_tokens"}
-    completion = server.post("/v1/completions", {"model": "x", "prompt": [5] * (context - 3), "max_tokens": 32000,
-                                                 "ignore_eos": True}).json()  # fmt: skip
+    responses = server.post(
+        "/v1/responses", {"model": "x", "input": messages, "max_output_tokens": 32000, "ignore_eos": True}
+    ).json()
+    assert responses["usage"]["output_tokens"] == room and responses["incomplete_details"] == {
+        "reason": "max_output_tokens"
+    }
+    completion = server.post(
+        "/v1/completions", {"model": "x", "prompt": [5] * (context - 3), "max_tokens": 32000, "ignore_eos": True}
+    ).json()
     assert completion["usage"]["completion_tokens"] == 3 and completion["choices"][0]["finish_reason"] == "length"
     headers = {"anthropic-version": "2023-06-01"}
-    message = server.post("/v1/messages", {"model": "x", "messages": messages, "max_tokens": 32000, "seed": 1},
-                          headers=headers)  # fmt: skip
+    message = server.post(
+        "/v1/messages", {"model": "x", "messages": messages, "max_tokens": 32000, "seed": 1}, headers=headers
+    )
     assert message.status_code == 200, message.text
     body = message.json()
     usage = body["usage"]  # input_tokens counts only what the prefix cache did not supply
@@ -91,11 +97,18 @@ def test_an_over_long_limit_is_bounded_by_the_remaining_context(server: Server, 
 def test_a_prompt_that_leaves_no_room_is_still_refused(server: Server, near_full: tuple[str, int]) -> None:
     text, context = near_full
     full = server.post("/v1/completions", {"model": "x", "prompt": [5] * context, "max_tokens": 1})
-    assert full.status_code == 400 and full.json()["error"]["param"] is None and "prompt" in full.json()["error"]["message"]
+    assert (
+        full.status_code == 400
+        and full.json()["error"]["param"] is None
+        and "prompt" in full.json()["error"]["message"]
+    )
     over = server.post("/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": text * 2}]})
     assert over.status_code == 400 and over.json()["error"]["type"] == "invalid_request_error"
-    messages = server.post("/v1/messages", {"model": "x", "max_tokens": 10, "messages": [{"role": "user", "content": text * 2}]},
-                           headers={"anthropic-version": "2023-06-01"})  # fmt: skip
+    messages = server.post(
+        "/v1/messages",
+        {"model": "x", "max_tokens": 10, "messages": [{"role": "user", "content": text * 2}]},
+        headers={"anthropic-version": "2023-06-01"},
+    )
     assert messages.status_code == 400 and messages.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -104,7 +117,10 @@ def test_the_anthropic_sdk_works_with_its_default_version_header(server: Server)
     message = client.messages.create(model="x", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
     assert message.usage.output_tokens <= 3
     assert client.messages.count_tokens(model="x", messages=[{"role": "user", "content": "Hi"}]).input_tokens > 0
-    old = server.post("/v1/messages", {"model": "x", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]},
-                      headers={"anthropic-version": "2023-01-01"})  # fmt: skip
+    old = server.post(
+        "/v1/messages",
+        {"model": "x", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]},
+        headers={"anthropic-version": "2023-01-01"},
+    )
     assert old.status_code == 400
     assert old.json()["type"] == "error" and old.json()["error"]["type"] == "invalid_request_error"

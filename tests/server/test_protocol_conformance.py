@@ -53,8 +53,9 @@ def _ids(server: ScriptedServer, text: str) -> list[int]:
 @pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2, 3], [4, 5]]])
 def test_token_id_prompt_echo_scores_without_generating(server: Server, prompt: list) -> None:
     """Token-id prompts echo their decoded text, with prompt entries, at max_tokens 0."""
-    response = server.post("/v1/completions", {"model": "x", "prompt": prompt, "echo": True, "logprobs": 1,
-                                               "max_tokens": 0})  # fmt: skip
+    response = server.post(
+        "/v1/completions", {"model": "x", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     prompts = prompt if isinstance(prompt[0], list) else [prompt]
@@ -72,8 +73,10 @@ def test_batched_seeds_advance_by_global_choice_index(server: Server) -> None:
     common = {"model": "x", "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
     batched = server.post("/v1/completions", {**common, "prompt": ["Hello", "Hello"], "n": 2, "seed": 5}).json()
     texts = [c["text"] for c in batched["choices"]]
-    alone = [server.post("/v1/completions", {**common, "prompt": "Hello", "seed": 5 + k}).json()["choices"][0]["text"]
-             for k in range(4)]  # fmt: skip
+    alone = [
+        server.post("/v1/completions", {**common, "prompt": "Hello", "seed": 5 + k}).json()["choices"][0]["text"]
+        for k in range(4)
+    ]
     assert texts == alone
     assert texts[2:] != texts[:2]  # the second prompt does not repeat the first one's samples
 
@@ -99,8 +102,14 @@ def test_streamed_echo_sends_a_frame_per_prompt_chunk(plain: ScriptedServer) -> 
 
 # ---------------------------------------------------------------------------- usage while streaming
 def test_continuous_usage_on_every_chat_chunk(server: Server) -> None:
-    body = {"model": "x", "messages": ASK, "max_tokens": 5, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body = {
+        "model": "x",
+        "messages": ASK,
+        "max_tokens": 5,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     chunks = _chunks(server.post("/v1/chat/completions", body))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     counts = [c["usage"]["completion_tokens"] for c in chunks]  # every chunk, the role chunk included
@@ -109,8 +118,16 @@ def test_continuous_usage_on_every_chat_chunk(server: Server) -> None:
 
 
 def test_continuous_usage_on_every_completion_chunk(server: Server) -> None:
-    body = {"model": "x", "prompt": ["Hello there", "The sea"], "n": 2, "max_tokens": 4, "echo": True, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body = {
+        "model": "x",
+        "prompt": ["Hello there", "The sea"],
+        "n": 2,
+        "max_tokens": 4,
+        "echo": True,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     chunks = _chunks(server.post("/v1/completions", body))
     assert all("usage" in c for c in chunks)
     counts = [c["usage"]["completion_tokens"] for c in chunks]
@@ -124,22 +141,39 @@ def test_continuous_usage_on_every_completion_chunk(server: Server) -> None:
 # ---------------------------------------------------------------------------- token observations
 def test_token_timestamps_buffered(server: Server) -> None:
     before = time.time()
-    body = server.post("/v1/chat/completions", {"model": "x", "messages": ASK, "max_tokens": 4, "ignore_eos": True,
-                                                "return_token_ids": True, "return_token_timestamps": True}).json()  # fmt: skip
+    body = server.post(
+        "/v1/chat/completions",
+        {
+            "model": "x",
+            "messages": ASK,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "return_token_timestamps": True,
+        },
+    ).json()
     after = time.time()
     choice = body["choices"][0]
     stamps = choice["token_timestamps"]
     assert len(stamps) == len(choice["token_ids"]) == 4
     assert stamps == sorted(stamps) and before <= stamps[0] and stamps[-1] <= after
-    alone = server.post("/v1/chat/completions", {"model": "x", "messages": ASK, "max_tokens": 2,
-                                                 "return_token_timestamps": True}).json()  # fmt: skip
+    alone = server.post(
+        "/v1/chat/completions", {"model": "x", "messages": ASK, "max_tokens": 2, "return_token_timestamps": True}
+    ).json()
     assert "token_timestamps" in alone["choices"][0] and "token_ids" not in alone["choices"][0]
 
 
 def test_token_ids_stream_puts_usage_on_the_terminal_chunk(server: Server, openai_schema: dict) -> None:
     validator = schema_validator(openai_schema, "CreateChatCompletionStreamResponse")
-    body = {"model": "x", "messages": ASK, "max_tokens": 4, "stream": True, "ignore_eos": True,
-            "return_token_ids": True, "return_token_timestamps": True}  # fmt: skip
+    body = {
+        "model": "x",
+        "messages": ASK,
+        "max_tokens": 4,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "return_token_timestamps": True,
+    }
     chunks = _chunks(server.post("/v1/chat/completions", body))
     for chunk in chunks:
         validator.validate(chunk)
@@ -155,11 +189,14 @@ def test_token_ids_stream_puts_usage_on_the_terminal_chunk(server: Server, opena
 
 
 # ---------------------------------------------------------------------------- errors
-@pytest.mark.parametrize(("path", "body"), [
-    ("/v1/chat/completions", {"model": "x", "messages": ASK, "logprobs": True, "top_logprobs": 30}),
-    ("/v1/completions", {"model": "x", "prompt": "hi", "best_of": 3}),
-    ("/v1/responses", {"model": "x", "input": "hi", "store": True}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": "x", "messages": ASK, "logprobs": True, "top_logprobs": 30}),
+        ("/v1/completions", {"model": "x", "prompt": "hi", "best_of": 3}),
+        ("/v1/responses", {"model": "x", "input": "hi", "store": True}),
+    ],
+)
 def test_openai_errors_have_a_null_param(server: Server, openai_schema: dict, path: str, body: dict) -> None:
     response = server.post(path, body)
     assert response.status_code == 400
@@ -173,15 +210,22 @@ def test_openai_errors_have_a_null_param(server: Server, openai_schema: dict, pa
 def test_responses_identify_the_loaded_model(server: Server) -> None:
     buffered = server.post("/v1/responses", {"model": "some-client-name", "input": "hi", "max_output_tokens": 3})
     assert buffered.status_code == 200 and buffered.json()["model"] == "tiny-alias"
-    events = [json.loads(e) for e in sse_events(server.post("/v1/responses", {
-        "model": "some-client-name", "input": "hi", "max_output_tokens": 3, "stream": True}))]  # fmt: skip
+    events = [
+        json.loads(e)
+        for e in sse_events(
+            server.post(
+                "/v1/responses", {"model": "some-client-name", "input": "hi", "max_output_tokens": 3, "stream": True}
+            )
+        )
+    ]
     assert {e["response"]["model"] for e in events if "response" in e} == {"tiny-alias"}
 
 
 # ---------------------------------------------------------------------------- messages extensions
 def _message(server: ScriptedServer, **fields) -> dict:
-    response = server.post("/v1/messages", headers=VERSION, json={"model": "claude-x", "max_tokens": 12,
-                                                                  "messages": ASK, **fields})  # fmt: skip
+    response = server.post(
+        "/v1/messages", headers=VERSION, json={"model": "claude-x", "max_tokens": 12, "messages": ASK, **fields}
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -200,8 +244,11 @@ def test_messages_ignore_eos_and_token_stops(plain: ScriptedServer) -> None:
     plain.say("Hello there friend")
     sequence = _message(plain, stop_token_sequences=[ids[1:3]])
     assert sequence["stop_reason"] == "end_turn" and sequence["usage"]["output_tokens"] == 3
-    mixed = plain.post("/v1/messages", headers=VERSION, json={"model": "m", "max_tokens": 4, "messages": ASK,
-                                                              "stop_sequences": ["x"], "stop_token_ids": [ids[0]]})  # fmt: skip
+    mixed = plain.post(
+        "/v1/messages",
+        headers=VERSION,
+        json={"model": "m", "max_tokens": 4, "messages": ASK, "stop_sequences": ["x"], "stop_token_ids": [ids[0]]},
+    )
     assert mixed.status_code == 400 and mixed.json()["type"] == "error"
 
 
@@ -212,8 +259,11 @@ def test_messages_chat_template_kwargs_reach_the_template(qwen: ScriptedServer) 
     qwen.say("Hi.")
     _message(qwen, chat_template_kwargs={"enable_thinking": False})
     assert qwen.last_prompt() != default and qwen.last_prompt().endswith("<think>\n\n</think>\n\n")
-    counted = qwen.post("/v1/messages/count_tokens", headers=VERSION, json={
-        "model": "m", "messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}).json()  # fmt: skip
+    counted = qwen.post(
+        "/v1/messages/count_tokens",
+        headers=VERSION,
+        json={"model": "m", "messages": ASK, "chat_template_kwargs": {"enable_thinking": False}},
+    ).json()
     assert counted["input_tokens"] == len(_ids(qwen, qwen.last_prompt()))
 
 
@@ -242,14 +292,24 @@ def test_messages_tool_result_errors_reach_the_prompt(qwen: ScriptedServer) -> N
 def test_image_in_tool_result_is_refused_on_text_only_cores(qwen: ScriptedServer) -> None:
     png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
-    response = qwen.post("/v1/messages", headers=VERSION, json={
-        "model": "m", "max_tokens": 4, "messages": _tool_result(content=[{"type": "text", "text": "chart:"}, image])})  # fmt: skip
+    response = qwen.post(
+        "/v1/messages",
+        headers=VERSION,
+        json={
+            "model": "m",
+            "max_tokens": 4,
+            "messages": _tool_result(content=[{"type": "text", "text": "chart:"}, image]),
+        },
+    )
     assert response.status_code == 400 and "image" in response.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------- work off the event loop
-GRAMMAR_TOOL = {"type": "custom", "name": "ticket", "format": {"type": "grammar", "syntax": "regex",
-                                                               "definition": "[A-Z]+-[0-9]+"}}  # fmt: skip
+GRAMMAR_TOOL = {
+    "type": "custom",
+    "name": "ticket",
+    "format": {"type": "grammar", "syntax": "regex", "definition": "[A-Z]+-[0-9]+"},
+}
 
 
 def test_decoding_and_tool_grammars_run_on_the_frontend_pool(plain: ScriptedServer, monkeypatch) -> None:
@@ -261,6 +321,7 @@ def test_decoding_and_tool_grammars_run_on_the_frontend_pool(plain: ScriptedServ
         def wrapped(*args, **kwargs):
             threads[name] = threading.current_thread().name
             return decode(*args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(openai_chat, "decode", recording("chat", openai_chat.decode))
@@ -284,8 +345,9 @@ def test_decoding_and_tool_grammars_run_on_the_frontend_pool(plain: ScriptedServ
     plain.post("/v1/messages", headers=VERSION, json={"model": "x", "messages": ASK, "max_tokens": 1})
     for _ in range(2):
         plain.say("a")
-        response = plain.post("/v1/responses", json={"model": "x", "input": "hi", "max_output_tokens": 1,
-                                                     "tools": [GRAMMAR_TOOL]})  # fmt: skip
+        response = plain.post(
+            "/v1/responses", json={"model": "x", "input": "hi", "max_output_tokens": 1, "tools": [GRAMMAR_TOOL]}
+        )
         assert response.status_code == 200, response.text
     assert set(threads) == {"chat", "completions", "messages", "grammar"}
     assert all(name.startswith("helios-frontend") for name in threads.values()), threads
@@ -299,6 +361,7 @@ def test_responses_decode_compiles_with_the_given_compiler() -> None:
     def compiler(syntax, definition, field):
         seen.append((syntax, definition, field))
         from helios.frontend.grammar import compile_grammar
+
         return compile_grammar(syntax, definition, field)
 
     _, options = responses_decode({"model": "m", "input": "hi", "tools": [GRAMMAR_TOOL]}, grammars=compiler)

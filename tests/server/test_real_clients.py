@@ -43,9 +43,12 @@ def smol(smollm2_core: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def run_client(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                            timeout=CLIENT_TIMEOUT_S)  # fmt: skip
-    assert result.returncode == 0, f"{argv[0]} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    result = subprocess.run(
+        argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
+    )
+    assert result.returncode == 0, (
+        f"{argv[0]} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return result
 
 
@@ -66,21 +69,29 @@ def test_codex_exec(codex: Path, smol: Server, smollm2_core: Path, workspace: tu
     home, repo = workspace
     env = configure("codex", smollm2_core, smol.url, API_KEY, home)
     before = _completed(smol)
-    result = run_client([str(codex), "exec", "--profile", "flare", "--skip-git-repo-check", "--json", PROMPT], env, repo)
-    answers = [e["item"]["text"] for e in json_lines(result.stdout)
-               if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]  # fmt: skip
+    result = run_client(
+        [str(codex), "exec", "--profile", "flare", "--skip-git-repo-check", "--json", PROMPT], env, repo
+    )
+    answers = [
+        e["item"]["text"]
+        for e in json_lines(result.stdout)
+        if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"
+    ]
     assert answers and answers[-1].strip(), result.stdout
     assert _completed(smol) > before
 
 
 @pytest.mark.parametrize("mode", [["--bare"], []], ids=["bare", "normal"])
-def test_claude_print(claude: Path, smol: Server, smollm2_core: Path, workspace: tuple[Path, Path],
-                      mode: list[str]) -> None:  # fmt: skip
+def test_claude_print(
+    claude: Path, smol: Server, smollm2_core: Path, workspace: tuple[Path, Path], mode: list[str]
+) -> None:
     home, repo = workspace
     env = configure("claude", smollm2_core, smol.url, API_KEY, home)
     before = _completed(smol)
     settings = home / ".claude" / "flare.json"
-    result = run_client([str(claude), *mode, "--settings", str(settings), "-p", PROMPT, "--output-format", "json"], env, repo)
+    result = run_client(
+        [str(claude), *mode, "--settings", str(settings), "-p", PROMPT, "--output-format", "json"], env, repo
+    )
     final = json_lines(result.stdout)[-1]
     assert final["type"] == "result" and final["is_error"] is False and final["result"].strip(), final
     assert _completed(smol) > before

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,12 +30,16 @@ VERSION = {"anthropic-version": "2023-06-01"}
 THINK = "The user wants weather."
 
 O, C, S = "<|open|>", "<|close|>", "<|sep|>"
-KIMI3 = (f"{THINK}{C}think{S}{O}response{S}Checking.{C}response{S}{O}tools{S}"
-         f'{O}call tool="get_weather" index="1"{S}{O}argument key="city" type="string"{S}Paris{C}argument{S}'
-         f'{O}argument key="days" type="number"{S}3{C}argument{S}{C}call{S}{C}tools{S}{C}message{S}<|end_of_msg|>')  # fmt: skip
+KIMI3 = (
+    f"{THINK}{C}think{S}{O}response{S}Checking.{C}response{S}{O}tools{S}"
+    f'{O}call tool="get_weather" index="1"{S}{O}argument key="city" type="string"{S}Paris{C}argument{S}'
+    f'{O}argument key="days" type="number"{S}3{C}argument{S}{C}call{S}{C}tools{S}{C}message{S}<|end_of_msg|>'
+)
 GEMMA4 = f'<|channel>thought\n{THINK}<channel|>Checking.<|tool_call>call:get_weather{{city:<|"|>Paris<|"|>,days:3}}<tool_call|>'
-QWEN_CODER = (f"{THINK}\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-              "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
+QWEN_CODER = (
+    f"{THINK}\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
 
 
 @dataclass(frozen=True)
@@ -49,16 +52,20 @@ class Case:
 
 
 DSML = "｜DSML｜"
-DEEPSEEK = (f'{THINK}</think>Checking.\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
-            f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
-            f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>')  # fmt: skip
+DEEPSEEK = (
+    f'{THINK}</think>Checking.\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
+    f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
+    f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>'
+)
 
 KIMI3_FINAL = f"Done.{C}think{S}{O}response{S}{ANSWER}{C}response{S}{C}message{S}<|end_of_msg|>"
 QWEN_FINAL = f"Done.\n</think>\n\n{ANSWER}"
 CASES = {
     "smollm2": Case("llama", None, None, ANSWER),
     "gemma3": Case("gemma3", None, None, ANSWER),
-    "gemma4": Case("gemma4", "gemma4", GEMMA4, f"<|channel>thought\nDone.<channel|>{ANSWER}", {"enable_thinking": True}),
+    "gemma4": Case(
+        "gemma4", "gemma4", GEMMA4, f"<|channel>thought\nDone.<channel|>{ANSWER}", {"enable_thinking": True}
+    ),
     "kimi3": Case("kimi_k3", None, KIMI3, KIMI3_FINAL),
     "kimi31": Case("kimi_k3", None, KIMI3, KIMI3_FINAL),
     "deepseek4": Case("deepseek_v4", None, DEEPSEEK, f"Done.</think>{ANSWER}"),
@@ -103,8 +110,13 @@ def _second_turn(app: ScriptedServer, case: Case, path: str, body: dict[str, Any
 def test_chat_completions(served) -> None:
     case, app = served
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}] if case.output else []
-    body = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256,
-            **({"tools": tools} if tools else {}), "chat_template_kwargs": case.template_kwargs}  # fmt: skip
+    body = {
+        "model": "x",
+        "messages": [{"role": "user", "content": ASK}],
+        "max_tokens": 256,
+        **({"tools": tools} if tools else {}),
+        "chat_template_kwargs": case.template_kwargs,
+    }
     choice = _first_turn(app, case, "/v1/chat/completions", body)["choices"][0]
     message = choice["message"]
     if case.output is None:
@@ -114,10 +126,16 @@ def test_chat_completions(served) -> None:
     assert choice["finish_reason"] == "tool_calls"
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS
-    history = [{"role": "user", "content": ASK},
-               {"role": "assistant", "content": message["content"], "reasoning_content": message["reasoning_content"],
-                "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": call["id"], "content": RESULT}]  # fmt: skip
+    history = [
+        {"role": "user", "content": ASK},
+        {
+            "role": "assistant",
+            "content": message["content"],
+            "reasoning_content": message["reasoning_content"],
+            "tool_calls": [call],
+        },
+        {"role": "tool", "tool_call_id": call["id"], "content": RESULT},
+    ]
     final = _second_turn(app, case, "/v1/chat/completions", {**body, "messages": history})["choices"][0]
     assert final["message"]["reasoning_content"].strip() == "Done." and final["message"]["content"].strip() == ANSWER
     assert final["finish_reason"] == "stop"
@@ -127,8 +145,13 @@ def test_anthropic_messages(served) -> None:
     case, app = served
     tools = [{"name": "get_weather", "input_schema": CITY}] if case.output else []
     thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}} if case.output else {}
-    body = {"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}],
-            **({"tools": tools} if tools else {}), **thinking}  # fmt: skip
+    body = {
+        "model": "x",
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": ASK}],
+        **({"tools": tools} if tools else {}),
+        **thinking,
+    }
     message = _first_turn(app, case, "/v1/messages", body, headers=VERSION)
     kinds = [block["type"] for block in message["content"]]
     if case.output is None:
@@ -138,9 +161,11 @@ def test_anthropic_messages(served) -> None:
     thought, text, use = message["content"]
     assert thought["thinking"].strip() == THINK and text["text"].strip() == "Checking."
     assert use["name"] == "get_weather" and use["input"] == ARGUMENTS
-    history = [{"role": "user", "content": ASK},
-               {"role": "assistant", "content": message["content"]},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": RESULT}]}]  # fmt: skip
+    history = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": message["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": RESULT}]},
+    ]
     final = _second_turn(app, case, "/v1/messages", {**body, "messages": history}, headers=VERSION)
     assert [b["type"] for b in final["content"]] == ["thinking", "text"] and final["stop_reason"] == "end_turn"
     assert final["content"][0]["thinking"].strip() == "Done." and final["content"][1]["text"].strip() == ANSWER
@@ -149,8 +174,13 @@ def test_anthropic_messages(served) -> None:
 def test_responses(served) -> None:
     case, app = served
     tools = [{"type": "function", "name": "get_weather", "parameters": CITY}] if case.output else []
-    body = {"model": "x", "input": ASK, "max_output_tokens": 256, **({"tools": tools} if tools else {}),
-            "chat_template_kwargs": case.template_kwargs}  # fmt: skip
+    body = {
+        "model": "x",
+        "input": ASK,
+        "max_output_tokens": 256,
+        **({"tools": tools} if tools else {}),
+        "chat_template_kwargs": case.template_kwargs,
+    }
     response = _first_turn(app, case, "/v1/responses", body)
     items = response["output"]
     if case.output is None:
@@ -160,8 +190,13 @@ def test_responses(served) -> None:
     reasoning, text, call = items
     assert reasoning["content"][0]["text"].strip() == THINK and text["content"][0]["text"].strip() == "Checking."
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == ARGUMENTS
-    history = [{"role": "user", "content": ASK}, reasoning, text, call,
-               {"type": "function_call_output", "call_id": call["call_id"], "output": RESULT}]  # fmt: skip
+    history = [
+        {"role": "user", "content": ASK},
+        reasoning,
+        text,
+        call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": RESULT},
+    ]
     final = _second_turn(app, case, "/v1/responses", {**body, "input": history})["output"]
     assert [i["type"] for i in final] == ["reasoning", "message"] and final[0]["content"][0]["text"].strip() == "Done."
     assert final[1]["content"][0]["text"].strip() == ANSWER

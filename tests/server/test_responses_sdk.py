@@ -9,11 +9,22 @@ import pytest
 
 from scripted import scripted_app
 
-SHELL = {"type": "function", "name": "shell", "description": "Run a command",
-         "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}  # fmt: skip
-PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch",
-         "format": {"type": "grammar", "syntax": "lark",
-                    "definition": 'start: "*** Begin Patch\\n" LINE* "*** End Patch"\nLINE: /[^*\\n][^\\n]*\\n/'}}  # fmt: skip
+SHELL = {
+    "type": "function",
+    "name": "shell",
+    "description": "Run a command",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+}
+PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Apply a patch",
+    "format": {
+        "type": "grammar",
+        "syntax": "lark",
+        "definition": 'start: "*** Begin Patch\\n" LINE* "*** End Patch"\nLINE: /[^*\\n][^\\n]*\\n/',
+    },
+}
 
 
 def call(name: str, arguments: dict) -> str:
@@ -40,17 +51,27 @@ def codex_input() -> list:
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Use ls."}]},
         {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"command": "ls"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "a.py\nb.py"},
-        {"type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch",
-         "input": "*** Begin Patch\nedit\n*** End Patch"},
+        {
+            "type": "custom_tool_call",
+            "call_id": "call_2",
+            "name": "apply_patch",
+            "input": "*** Begin Patch\nedit\n*** End Patch",
+        },
         {"type": "custom_tool_call_output", "call_id": "call_2", "output": "ok"},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Now run the tests."}]},
-    ]  # fmt: skip
+    ]
 
 
 def test_create_reasoning_and_function_call(app, sdk: openai.OpenAI) -> None:
     app.say("<think>Run pytest.</think>" + call("shell", {"command": "pytest"}))
-    response = sdk.responses.create(model="codex-local", instructions="You are Codex.", input=codex_input(),
-                                    tools=[SHELL, PATCH], store=False, max_output_tokens=300)  # fmt: skip
+    response = sdk.responses.create(
+        model="codex-local",
+        instructions="You are Codex.",
+        input=codex_input(),
+        tools=[SHELL, PATCH],
+        store=False,
+        max_output_tokens=300,
+    )
     assert response.status == "completed"
     kinds = [item.type for item in response.output]
     assert kinds == ["reasoning", "function_call"]
@@ -85,8 +106,14 @@ def test_stream_lifecycle(app, sdk: openai.OpenAI) -> None:
 
 def test_incomplete_and_logprobs(app, sdk: openai.OpenAI) -> None:
     app.say("one two three four five six")
-    response = sdk.responses.create(model="m", input="count", store=False, max_output_tokens=4,
-                                    include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
+    response = sdk.responses.create(
+        model="m",
+        input="count",
+        store=False,
+        max_output_tokens=4,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     part = response.output[-1].content[0]
     assert part.logprobs and len(part.logprobs) == 4 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)

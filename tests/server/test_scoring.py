@@ -20,16 +20,32 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from serving import API_KEY, Server, start_server, stop_server
 
-SYSTEMONE_EXAMPLE = {"model": "local", "state": {"message": "Charged twice"}, "questions": {
-    "refund": {"type": "noul", "instructions": "Is a refund requested?"},
-    "team": {"type": "choice", "criteria": {"billing": None, "support": "Other help"}},
-    "urgency": {"type": "score", "criteria": ["Routine", "Urgent"]}}}  # fmt: skip
-DECISIONS_EXAMPLE = {"model": "local", "input": "Charged twice", "questions": [
-    {"type": "predicate", "name": "refund", "instructions": "Refund requested?"},
-    {"type": "choice", "instructions": "Which team?", "choices": [
-        {"value": "billing", "description": "Payments"}, {"value": False}]},
-    {"type": "score", "instructions": "Urgency?", "levels": [
-        {"label": "Routine"}, {"label": "Urgent", "description": "Act today"}]}]}  # fmt: skip
+SYSTEMONE_EXAMPLE = {
+    "model": "local",
+    "state": {"message": "Charged twice"},
+    "questions": {
+        "refund": {"type": "noul", "instructions": "Is a refund requested?"},
+        "team": {"type": "choice", "criteria": {"billing": None, "support": "Other help"}},
+        "urgency": {"type": "score", "criteria": ["Routine", "Urgent"]},
+    },
+}
+DECISIONS_EXAMPLE = {
+    "model": "local",
+    "input": "Charged twice",
+    "questions": [
+        {"type": "predicate", "name": "refund", "instructions": "Refund requested?"},
+        {
+            "type": "choice",
+            "instructions": "Which team?",
+            "choices": [{"value": "billing", "description": "Payments"}, {"value": False}],
+        },
+        {
+            "type": "score",
+            "instructions": "Urgency?",
+            "levels": [{"label": "Routine"}, {"label": "Urgent", "description": "Act today"}],
+        },
+    ],
+}
 TOLERANCE = 1e-4
 
 
@@ -47,9 +63,18 @@ def frontend(smollm2_core: Path) -> Frontend:
 
 def _reference(server: Server, question: CompiledQuestion) -> tuple[list[float], float]:
     """(normalized label probabilities, raw label mass) from a plain completion of the text."""
-    response = server.post("/v1/completions", {
-        "model": "x", "prompt": question.prompt.text, "max_tokens": 1, "logprobs": 0, "ignore_eos": True,
-        "logprob_token_ids": list(question.label_ids), "return_tokens_as_token_ids": True})  # fmt: skip
+    response = server.post(
+        "/v1/completions",
+        {
+            "model": "x",
+            "prompt": question.prompt.text,
+            "max_tokens": 1,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "logprob_token_ids": list(question.label_ids),
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["usage"]["prompt_tokens"] == len(question.prompt.token_ids)  # same text, same tokens
@@ -102,41 +127,66 @@ def test_decisions_example_matches_completions(smol: Server, frontend: Frontend)
     _check_prompts(frontend, compiled, "State:\nCharged twice")
     references = [_reference(smol, q) for q in compiled]
     predicate, choice, score = body["answers"]
-    assert predicate == {"type": "predicate", "name": "refund", "probability": pytest.approx(references[0][0][0], abs=TOLERANCE)}
+    assert predicate == {
+        "type": "predicate",
+        "name": "refund",
+        "probability": pytest.approx(references[0][0][0], abs=TOLERANCE),
+    }
     for answer, (p, mass) in zip((choice, score), references[1:]):
         assert answer["name"] is None
         assert [e["probability"] for e in answer["probabilities"]] == pytest.approx(p, abs=TOLERANCE)
-        assert answer["confidence"] == pytest.approx(max(p) * mass, abs=TOLERANCE)  # winner's full-vocabulary probability
+        assert answer["confidence"] == pytest.approx(
+            max(p) * mass, abs=TOLERANCE
+        )  # winner's full-vocabulary probability
     assert [e["value"] for e in choice["probabilities"]] == ["billing", False]
     assert choice["choice"] == ["billing", False][references[1][0].index(max(references[1][0]))]
     assert [(e["value"], e["label"]) for e in score["probabilities"]] == [(0, "Routine"), (1, "Urgent")]
     usage = body["usage"]
     assert usage["input_tokens"] == sum(len(q.prompt.token_ids) for q in compiled) and usage["output_tokens"] == 3
-    assert usage["total_tokens"] == usage["input_tokens"] + 3 and usage["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert usage["total_tokens"] == usage["input_tokens"] + 3 and usage["output_tokens_details"] == {
+        "reasoning_tokens": 0
+    }
     assert usage["input_tokens_details"]["cache_write_tokens"] == 0
     assert usage["input_tokens_details"]["cached_tokens"] > 0  # later questions reuse the shared prefix
 
 
 def test_many_options_get_distinct_single_token_labels(smol: Server) -> None:
     criteria = {f"team-{i}": None for i in range(128)}
-    body = smol.post("/v1/systemone", {"model": "m", "state": "x", "questions": {"q": {"type": "choice", "criteria": criteria}}})
+    body = smol.post(
+        "/v1/systemone", {"model": "m", "state": "x", "questions": {"q": {"type": "choice", "criteria": criteria}}}
+    )
     assert body.status_code == 200, body.text
     answer = body.json()["answers"]["q"]
-    assert list(answer["probabilities"]) == list(criteria) and sum(answer["probabilities"].values()) == pytest.approx(1.0)
+    assert list(answer["probabilities"]) == list(criteria) and sum(answer["probabilities"].values()) == pytest.approx(
+        1.0
+    )
 
 
 def test_systemone_schema_failures_are_422_detail_lists(smol: Server) -> None:
     cases = [
         ({"state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}}, ["body", "model"], "missing"),
         ({"model": "m", "state": "s", "questions": {}}, ["body", "questions"], "too_short"),
-        ({"model": "m", "state": "s", "questions": {"q": {"type": "box"}}}, ["body", "questions", "q"], "union_tag_invalid"),
-        ({"model": "m", "state": "s", "questions": {"q": {"type": "score", "criteria": ["x"] * 11}}},
-         ["body", "questions", "q", "score", "criteria"], "too_long"),
-        ({"model": "m", "state": "s", "questions": {"q": {"type": "choice"}}},
-         ["body", "questions", "q", "choice", "criteria"], "missing"),
-        ({"model": "m", "state": 5, "questions": {"q": {"type": "noul", "instructions": "?"}}},
-         ["body", "state", "str"], "string_type"),
-    ]  # fmt: skip
+        (
+            {"model": "m", "state": "s", "questions": {"q": {"type": "box"}}},
+            ["body", "questions", "q"],
+            "union_tag_invalid",
+        ),
+        (
+            {"model": "m", "state": "s", "questions": {"q": {"type": "score", "criteria": ["x"] * 11}}},
+            ["body", "questions", "q", "score", "criteria"],
+            "too_long",
+        ),
+        (
+            {"model": "m", "state": "s", "questions": {"q": {"type": "choice"}}},
+            ["body", "questions", "q", "choice", "criteria"],
+            "missing",
+        ),
+        (
+            {"model": "m", "state": 5, "questions": {"q": {"type": "noul", "instructions": "?"}}},
+            ["body", "state", "str"],
+            "string_type",
+        ),
+    ]
     for body, loc, kind in cases:
         response = smol.post("/v1/systemone", body)
         assert response.status_code == 422, body
@@ -157,13 +207,25 @@ def test_decisions_failures_are_openai_400s(smol: Server) -> None:
     cases = [
         ({"model": "m", "input": "x", "questions": [question], "stream": True}, "stream"),
         ({"model": "m", "input": "x", "questions": [{**question, "name": None}]}, "questions.0.name"),
-        ({"model": "m", "input": "x", "questions": [{"type": "choice", "instructions": "?",
-                                                    "choices": [{"value": "a"}, {"value": "a"}]}]}, "questions.0.choices.1.value"),
-        ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
-          "questions": [question]}, "input.0.content.0"),
+        (
+            {
+                "model": "m",
+                "input": "x",
+                "questions": [{"type": "choice", "instructions": "?", "choices": [{"value": "a"}, {"value": "a"}]}],
+            },
+            "questions.0.choices.1.value",
+        ),
+        (
+            {
+                "model": "m",
+                "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+                "questions": [question],
+            },
+            "input.0.content.0",
+        ),
         ({"model": "m", "input": "x", "questions": [{"type": "refusal", "instructions": "?"}]}, "questions.0.type"),
         ({"model": "m", "input": "x", "questions": [question] * 65}, "questions"),
-    ]  # fmt: skip
+    ]
     for body, param in cases:
         response = smol.post("/v1/decisions", body)
         assert response.status_code == 400, body

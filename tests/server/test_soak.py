@@ -27,9 +27,17 @@ def soak_server(tiny_core: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def _plan(rng: random.Random, index: int) -> dict:
     chat = rng.random() < 0.5
-    body: dict = {"model": "x", "n": rng.choice([1, 1, 2, 3]), "max_tokens": rng.randint(1, 150), "ignore_eos": True,
-                  "seed": rng.randint(0, 1000), "stream": rng.random() < 0.5}  # fmt: skip
-    text = f"soak request {index}: " + " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randint(1, 30)))
+    body: dict = {
+        "model": "x",
+        "n": rng.choice([1, 1, 2, 3]),
+        "max_tokens": rng.randint(1, 150),
+        "ignore_eos": True,
+        "seed": rng.randint(0, 1000),
+        "stream": rng.random() < 0.5,
+    }
+    text = f"soak request {index}: " + " ".join(
+        rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randint(1, 30))
+    )
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -39,8 +47,13 @@ def _plan(rng: random.Random, index: int) -> dict:
     if rng.random() < 0.3:
         body.update({"logprobs": True, "top_logprobs": rng.randint(0, 5)} if chat else {"logprobs": rng.randint(0, 5)})
     action = rng.choices(["finish", "cancel", "disconnect"], weights=[6, 2, 2])[0]
-    return {"route": "/v1/chat/completions" if chat else "/v1/completions", "body": body, "action": action,
-            "cut_after": rng.randint(1, 5), "give_up": rng.uniform(0.05, 0.5)}  # fmt: skip
+    return {
+        "route": "/v1/chat/completions" if chat else "/v1/completions",
+        "body": body,
+        "action": action,
+        "cut_after": rng.randint(1, 5),
+        "give_up": rng.uniform(0.05, 0.5),
+    }
 
 
 async def _run(client: httpx.AsyncClient, server: Server, plan: dict) -> None:

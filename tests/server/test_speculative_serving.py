@@ -13,28 +13,54 @@ import pytest
 from helios.config import ServerConfig
 from live import live_server, metrics
 
-PASSAGE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
-           "How vexingly quick daft zebras jump. Sphinx of black quartz, judge my vow.")  # fmt: skip
+PASSAGE = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras jump. Sphinx of black quartz, judge my vow."
+)
 CODE = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n"
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-          "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 
 
 def _bodies() -> list[dict]:
-    repeat = [f"Repeat this text exactly, nothing else:\n\n{PASSAGE}", f"Copy this code exactly:\n\n{CODE}",
-              f"Say this twice: {PASSAGE[:60]}", "Count from one to twenty in words, separated by commas."]  # fmt: skip
-    chats = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
-             "Explain recursion in one sentence.", "What is 12 times 12?", "Give me a short greeting."]  # fmt: skip
+    repeat = [
+        f"Repeat this text exactly, nothing else:\n\n{PASSAGE}",
+        f"Copy this code exactly:\n\n{CODE}",
+        f"Say this twice: {PASSAGE[:60]}",
+        "Count from one to twenty in words, separated by commas.",
+    ]
+    chats = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Name three primary colors.",
+        "Explain recursion in one sentence.",
+        "What is 12 times 12?",
+        "Give me a short greeting.",
+    ]
     bodies = [{"messages": [{"role": "user", "content": text}]} for text in repeat + chats]
-    bodies += [{"messages": [{"role": "user", "content": f"Repeat exactly: {PASSAGE}"}], "stop": [stop]}
-               for stop in ("zebras", "box", ". ")]  # fmt: skip
-    bodies += [{"messages": [{"role": "user", "content": f"Weather for a trip to {city}, as JSON."}],
-                "response_format": {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}}}
-               for city in ("Paris", "Oslo", "Lima")]  # fmt: skip
-    bodies += [{"messages": [{"role": "user", "content": text}], "n": 2, "temperature": 0.8}
-               for text in (f"Repeat: {PASSAGE}", "Tell me a fact about cats.")]  # fmt: skip
+    bodies += [
+        {"messages": [{"role": "user", "content": f"Repeat exactly: {PASSAGE}"}], "stop": [stop]}
+        for stop in ("zebras", "box", ". ")
+    ]
+    bodies += [
+        {
+            "messages": [{"role": "user", "content": f"Weather for a trip to {city}, as JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}},
+        }
+        for city in ("Paris", "Oslo", "Lima")
+    ]
+    bodies += [
+        {"messages": [{"role": "user", "content": text}], "n": 2, "temperature": 0.8}
+        for text in (f"Repeat: {PASSAGE}", "Tell me a fact about cats.")
+    ]
     bodies.append({"messages": [{"role": "user", "content": f"Repeat: {CODE}"}], "presence_penalty": 0.5})
-    bodies.append({"messages": [{"role": "user", "content": f"Repeat: {PASSAGE}"}], "logprobs": True, "top_logprobs": 2})
+    bodies.append(
+        {"messages": [{"role": "user", "content": f"Repeat: {PASSAGE}"}], "logprobs": True, "top_logprobs": 2}
+    )
     assert len(bodies) == 20
     return [{"model": "x", "max_tokens": 40, "seed": 11, **body} for body in bodies]
 
@@ -48,9 +74,19 @@ def _answers(core: Path, **settings) -> tuple[list[dict], dict]:
             response = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
             assert response.status_code == 200, response.text
             data = response.json()
-            answers.append({"choices": [(c["message"]["content"], c["finish_reason"],
-                                         [(t["token"], t["logprob"]) for t in (c.get("logprobs") or {}).get("content") or []])
-                                        for c in data["choices"]], "usage": data["usage"]})  # fmt: skip
+            answers.append(
+                {
+                    "choices": [
+                        (
+                            c["message"]["content"],
+                            c["finish_reason"],
+                            [(t["token"], t["logprob"]) for t in (c.get("logprobs") or {}).get("content") or []],
+                        )
+                        for c in data["choices"]
+                    ],
+                    "usage": data["usage"],
+                }
+            )
         return answers, metrics(url)
 
 

@@ -22,16 +22,26 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "color": {"enum": ["red", "green", "blue"]},
-        "sizes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1, "maxItems": 3},
-        "pet": {"type": "object", "properties": {
-            "kind": {"enum": ["cat", "dog"]},
-            "age": {"type": "integer", "minimum": 0, "maximum": 20},
-            "tags": {"type": "array", "items": {"enum": ["calm", "loud", "small"]}, "maxItems": 2},
-        }, "required": ["kind", "age", "tags"], "additionalProperties": False},
+        "sizes": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 99},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "pet": {
+            "type": "object",
+            "properties": {
+                "kind": {"enum": ["cat", "dog"]},
+                "age": {"type": "integer", "minimum": 0, "maximum": 20},
+                "tags": {"type": "array", "items": {"enum": ["calm", "loud", "small"]}, "maxItems": 2},
+            },
+            "required": ["kind", "age", "tags"],
+            "additionalProperties": False,
+        },
     },
     "required": ["color", "sizes", "pet"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 LARK = 'start: "Answer: " WORD " (" NUMBER ")"\nWORD: /[a-z]{1,12}/\nNUMBER: /[0-9]{1,3}/'
 REGEX = "(red|green|blue)-[0-9]{1,3}"
 NUM_REQUESTS = 50  # per format, for each of buffered and streamed Chat
@@ -45,33 +55,60 @@ def _valid_schema(text: str) -> bool:
 
 # name -> (Chat response_format, Responses text.format, question, max_tokens, validator)
 FORMATS: dict[str, tuple[dict, dict, str, int, Any]] = {
-    "json_schema": ({"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}},
-                    {"type": "json_schema", "name": "pet", "schema": SCHEMA, "strict": True},
-                    "Describe a pet.", 160, _valid_schema),
-    "json_object": ({"type": "json_object"}, {"type": "json_object"},
-                    "Reply with a small JSON object giving a cat's name and age.", 256,
-                    lambda text: isinstance(json.loads(text), dict)),
-    "lark": ({"type": "grammar", "syntax": "lark", "definition": LARK},
-             {"type": "grammar", "syntax": "lark", "definition": LARK}, "Name an animal and its age.", 48,
-             lambda text: re.fullmatch(r"Answer: [a-z]{1,12} \([0-9]{1,3}\)", text) is not None),
-    "regex": ({"type": "grammar", "syntax": "regex", "definition": REGEX},
-              {"type": "grammar", "syntax": "regex", "definition": REGEX}, "Pick a color and a number.", 48,
-              lambda text: re.fullmatch(REGEX, text) is not None),
-}  # fmt: skip
+    "json_schema": (
+        {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}},
+        {"type": "json_schema", "name": "pet", "schema": SCHEMA, "strict": True},
+        "Describe a pet.",
+        160,
+        _valid_schema,
+    ),
+    "json_object": (
+        {"type": "json_object"},
+        {"type": "json_object"},
+        "Reply with a small JSON object giving a cat's name and age.",
+        256,
+        lambda text: isinstance(json.loads(text), dict),
+    ),
+    "lark": (
+        {"type": "grammar", "syntax": "lark", "definition": LARK},
+        {"type": "grammar", "syntax": "lark", "definition": LARK},
+        "Name an animal and its age.",
+        48,
+        lambda text: re.fullmatch(r"Answer: [a-z]{1,12} \([0-9]{1,3}\)", text) is not None,
+    ),
+    "regex": (
+        {"type": "grammar", "syntax": "regex", "definition": REGEX},
+        {"type": "grammar", "syntax": "regex", "definition": REGEX},
+        "Pick a color and a number.",
+        48,
+        lambda text: re.fullmatch(REGEX, text) is not None,
+    ),
+}
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2_core: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    instance = start_server(smollm2_core, tmp_path_factory.mktemp("structured"), api_key=API_KEY, max_concurrency=128,
-                            queue_size=1024, kv_memory_mb=2048)  # fmt: skip
+    instance = start_server(
+        smollm2_core,
+        tmp_path_factory.mktemp("structured"),
+        api_key=API_KEY,
+        max_concurrency=128,
+        queue_size=1024,
+        kv_memory_mb=2048,
+    )
     yield instance
     stop_server(instance)
 
 
 async def _chat(client: openai.AsyncOpenAI, name: str, seed: int, stream: bool) -> tuple[str, str | None]:
     response_format, _, question, max_tokens, _ = FORMATS[name]
-    args: dict[str, Any] = dict(model="smol", messages=[{"role": "user", "content": question}],
-                                response_format=response_format, seed=seed, max_tokens=max_tokens)  # fmt: skip
+    args: dict[str, Any] = dict(
+        model="smol",
+        messages=[{"role": "user", "content": question}],
+        response_format=response_format,
+        seed=seed,
+        max_tokens=max_tokens,
+    )
     if not stream:
         body = await client.chat.completions.create(**args)
         return body.choices[0].message.content or "", body.choices[0].finish_reason
@@ -85,8 +122,13 @@ async def _chat(client: openai.AsyncOpenAI, name: str, seed: int, stream: bool) 
 
 async def _responses(client: openai.AsyncOpenAI, name: str, seed: int, stream: bool) -> tuple[str, str | None]:
     _, text_format, question, max_tokens, _ = FORMATS[name]
-    args: dict[str, Any] = dict(model="smol", input=question, text={"format": text_format},
-                                max_output_tokens=max_tokens, extra_body={"seed": seed})  # fmt: skip
+    args: dict[str, Any] = dict(
+        model="smol",
+        input=question,
+        text={"format": text_format},
+        max_output_tokens=max_tokens,
+        extra_body={"seed": seed},
+    )
     if not stream:
         body = await client.responses.create(**args)
         return body.output_text, body.status
@@ -101,8 +143,9 @@ async def _responses(client: openai.AsyncOpenAI, name: str, seed: int, stream: b
 
 
 async def _run_all(server: Server) -> list[tuple[str, str, int, str, str | None]]:
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, _strict_response_validation=True,
-                                max_retries=0, timeout=600)  # fmt: skip
+    client = openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key=API_KEY, _strict_response_validation=True, max_retries=0, timeout=600
+    )
     jobs = []
     for name in FORMATS:
         for stream in (False, True):
@@ -133,11 +176,17 @@ def test_every_format_parses_and_validates_buffered_and_streamed(smol: Server) -
 
 
 # ---------------------------------------------------------------------------- scripted Qwen3-style model
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-SMALL = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"],
-         "additionalProperties": False}  # fmt: skip
+SMALL = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}},
+    "required": ["kind"],
+    "additionalProperties": False,
+}
 SMALL_FORMAT = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SMALL}}
 ASK = [{"role": "user", "content": "A pet?"}]
 
@@ -155,15 +204,21 @@ def _post_chat(app, **body):
 def test_reasoning_before_a_constrained_answer_is_untouched(scripted) -> None:
     # The spelled-out close stays reasoning: only the delimiter token ends it, and only then does the grammar start.
     reasoning = 'Spelled </think> stays reasoning, and {"kind": "cow"} is not checked.'
-    scripted.say("<think>", "Spelled </", "think> stays reasoning, and {\"kind\": \"cow\"} is not checked.</think>",
-                 '{"kind": "dog"}')  # fmt: skip
+    scripted.say(
+        "<think>",
+        "Spelled </",
+        'think> stays reasoning, and {"kind": "cow"} is not checked.</think>',
+        '{"kind": "dog"}',
+    )
     body = _post_chat(scripted, response_format=SMALL_FORMAT).json()
     message = body["choices"][0]["message"]
     assert message["reasoning_content"] == reasoning
     assert json.loads(message["content"]) == {"kind": "dog"} and body["choices"][0]["finish_reason"] == "stop"
     scripted.say("<think>Plan.</think>", '{"kind": "cat"}')
     response = _post_chat(scripted, response_format=SMALL_FORMAT, stream=True)
-    chunks = [json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+    chunks = [
+        json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:") and "[DONE]" not in line
+    ]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Plan."
     assert json.loads("".join(d.get("content", "") for d in deltas)) == {"kind": "cat"}
@@ -181,8 +236,15 @@ def test_a_tool_call_under_an_output_constraint_is_returned_as_a_call(scripted) 
 
 def test_responses_and_messages_structured_output(scripted) -> None:
     scripted.say('{"kind": "cat"}')
-    body = scripted.post("/v1/responses", json={"model": "x", "input": "A pet?", "max_output_tokens": 64, "text": {
-        "format": {"type": "json_schema", "name": "pet", "schema": SMALL}}}).json()  # fmt: skip
+    body = scripted.post(
+        "/v1/responses",
+        json={
+            "model": "x",
+            "input": "A pet?",
+            "max_output_tokens": 64,
+            "text": {"format": {"type": "json_schema", "name": "pet", "schema": SMALL}},
+        },
+    ).json()
     assert body["status"] == "completed" and json.loads(body["output"][-1]["content"][0]["text"]) == {"kind": "cat"}
     assert body["text"]["format"]["type"] == "json_schema"
     scripted.say('{"kind": "dog"}')
@@ -197,29 +259,68 @@ def test_responses_and_messages_structured_output(scripted) -> None:
     assert counted == body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"] > plain["input_tokens"]
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "stop_token_ids": [3]}, "stop"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "continue_final_message": True,
-                              "messages": ASK + [{"role": "assistant", "content": "{"}]}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}}},
-     "response_format.json_schema.schema"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SMALL}}},
-     "response_format.json_schema"),
-    ("/v1/chat/completions", {"response_format": {"type": "grammar", "syntax": "lark", "definition": "start: nope"}},
-     "response_format.definition"),
-    ("/v1/chat/completions", {"response_format": {"type": "grammar", "syntax": "regex", "definition": "a" * 70000}},
-     "response_format.definition"),
-    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "x",
-                                                         "schema": {"type": "nonsense"}}}}, "text.format.schema"),
-    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_object"}}, "stop": ["x"]}, "stop"),
-    ("/v1/messages", {"max_tokens": 8, "messages": ASK + [{"role": "assistant", "content": "{"}],
-                      "output_config": {"format": {"type": "json_schema", "schema": SMALL}}}, "output_config.format"),
-    ("/v1/messages", {"max_tokens": 8, "messages": ASK, "output_format": {"type": "json_schema", "schema": "x"}},
-     "output_format.schema"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "stop_token_ids": [3]}, "stop"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {"type": "json_object"},
+                "continue_final_message": True,
+                "messages": ASK + [{"role": "assistant", "content": "{"}],
+            },
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": 7}}}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SMALL}}},
+            "response_format.json_schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "grammar", "syntax": "lark", "definition": "start: nope"}},
+            "response_format.definition",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "grammar", "syntax": "regex", "definition": "a" * 70000}},
+            "response_format.definition",
+        ),
+        (
+            "/v1/responses",
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+            "text.format.schema",
+        ),
+        ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_object"}}, "stop": ["x"]}, "stop"),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 8,
+                "messages": ASK + [{"role": "assistant", "content": "{"}],
+                "output_config": {"format": {"type": "json_schema", "schema": SMALL}},
+            },
+            "output_config.format",
+        ),
+        (
+            "/v1/messages",
+            {"max_tokens": 8, "messages": ASK, "output_format": {"type": "json_schema", "schema": "x"}},
+            "output_format.schema",
+        ),
+    ],
+)
 def test_rejections(scripted, path: str, body: dict, param: str) -> None:
     full = {"model": "x", **({"messages": ASK} if path == "/v1/chat/completions" else {}), **body}
     response = scripted.post(path, json=full, headers={"anthropic-version": "2023-06-01"})

@@ -34,20 +34,37 @@ ANSI = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|[()][0-9A-Za-z]|[=>78])")
 
 # busy_prev.json -> busy_cur.json over 2 s: the value each label must show.
 BUSY = {
-    "active": "3", "pending": "2", "completed": "44 (2.0/s)", "preemptions": "1 (0.5/s)",
+    "active": "3",
+    "pending": "2",
+    "completed": "44 (2.0/s)",
+    "preemptions": "1 (0.5/s)",
     "HTTP slots": "5 of 512 in use",
-    "tokens/s in": "300.0 (peak 300.0)", "tokens/s out": "250.0 (peak 250.0)",
+    "tokens/s in": "300.0 (peak 300.0)",
+    "tokens/s out": "250.0 (peak 250.0)",
     "WEIGHTS": "27.00 GB/s (100.0 steps/s x 257.5 MiB)",  # 270 MB x 200 verify steps / 2 s
-    "TTFT median": "125 ms", "TTFT samples": "37 in the last 60 s",
-    "free": "5,000", "cached": "2,000", "used": "1,192 (14.6%)", "total": "8,192 (16 tokens each)",
+    "TTFT median": "125 ms",
+    "TTFT samples": "37 in the last 60 s",
+    "free": "5,000",
+    "cached": "2,000",
+    "used": "1,192 (14.6%)",
+    "total": "8,192 (16 tokens each)",
     "prefix reuse": "40.0% (400 of 1,000 tokens)",  # 400 reused / (600 prefilled + 400 reused)
-    "DEPTH": "2.50 (250 drafts / 100 rounds)", "acceptance": "60.0% (150 of 250)", "drafted rounds": "80.0%",
+    "DEPTH": "2.50 (250 drafts / 100 rounds)",
+    "acceptance": "60.0% (150 of 250)",
+    "drafted rounds": "80.0%",
     "drafter": "prompt and output history",
-    "memory records": "120", "disk records": "300", "parked for disk": "2", "hits": "14 (2.0/s)",
-    "reused tokens": "5,512 (256.0/s)", "bytes in": "3.0 MiB (1.0 MiB/s)", "bytes out": "14.0 MiB (2.0 MiB/s)",
-    "held (total)": "dram 120, nvme 300", "dropped (total)": "dram/oversize 1, nvme/io_error 2",
-    "failed": "3 (1.0/s)", "connection": "ok",
-}  # fmt: skip
+    "memory records": "120",
+    "disk records": "300",
+    "parked for disk": "2",
+    "hits": "14 (2.0/s)",
+    "reused tokens": "5,512 (256.0/s)",
+    "bytes in": "3.0 MiB (1.0 MiB/s)",
+    "bytes out": "14.0 MiB (2.0 MiB/s)",
+    "held (total)": "dram 120, nvme 300",
+    "dropped (total)": "dram/oversize 1, nvme/io_error 2",
+    "failed": "3 (1.0/s)",
+    "connection": "ok",
+}
 TITLES = ("Requests", "Tokens", "First response", "KV pages", "Speculation", "Host cache", "Errors")
 # Every row a llama core shows under load (a hybrid core adds the state-slot rows instead of speculation).
 LIVE_LABELS = tuple(BUSY)
@@ -185,9 +202,15 @@ def loaded_server(tiny_core: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     def client() -> None:
         with httpx.Client(timeout=120) as http:
             while not stop.is_set():
-                http.post(server.url + "/v1/completions",
-                          json={"model": "tiny", "prompt": "one two three one two three one two three",
-                                "max_tokens": 48, "temperature": 0})  # fmt: skip
+                http.post(
+                    server.url + "/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": "one two three one two three one two three",
+                        "max_tokens": 48,
+                        "temperature": 0,
+                    },
+                )
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
     for thread in threads:
@@ -222,8 +245,12 @@ def test_once_prints_every_field_of_a_loaded_server(loaded_server: Server) -> No
 
 
 def test_without_a_terminal_it_prints_a_plain_block_per_interval(loaded_server: Server) -> None:
-    process = subprocess.Popen([sys.executable, "-m", "helios", "top", loaded_server.url, "--interval", "0.2"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "helios", "top", loaded_server.url, "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
     output = b""
     try:
         deadline = time.monotonic() + 60
@@ -281,9 +308,14 @@ def test_terminal_dashboard_pauses_and_quits_and_restores_the_terminal(loaded_se
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
     before = termios.tcgetattr(slave)
-    process = subprocess.Popen([sys.executable, "-m", "helios", "top", loaded_server.url, "--interval", "0.3"],
-                               stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
-                               env=_terminal_env())  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "helios", "top", loaded_server.url, "--interval", "0.3"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=ROOT,
+        env=_terminal_env(),
+    )
     seen: list[str] = []
     try:
         _read_until(master, process, "tokens/s out", seen)

@@ -62,10 +62,26 @@ def _compiler() -> str | None:
 def _command(compiler: str, output: Path) -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}",
-            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(SOURCE), "-o", str(output),
-            f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]  # fmt: skip
+    return [
+        compiler,
+        "-O3",
+        "-march=native",
+        "-fopenmp",
+        "-shared",
+        "-fPIC",
+        "-std=c++17",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        str(SOURCE),
+        "-o",
+        str(output),
+        f"-L{root / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{root / 'lib'}",
+    ]
 
 
 def build() -> Path:
@@ -101,7 +117,7 @@ def load() -> bool:
             return False
         try:
             torch.ops.load_library(str(build()))
-            torch.ops.flare_native.decode_attention  # the library registered its ops
+            torch.ops.flare_native.decode_attention  # the library registered its ops  # noqa: B018
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
             _state.update(loaded=False, reason=str(exc))
             log.warning("native CPU kernels unavailable, using the Python kernels: %s", exc)

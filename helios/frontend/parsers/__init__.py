@@ -90,9 +90,15 @@ def _one_reasoning_event(events: list[SemanticEvent], counted: bool) -> list[Sem
     return [merged if i == positions[0] else e for i, e in enumerate(events) if i == positions[0] or i not in positions]
 
 
-def build_parser(tokenizer: Tokenizer, reasoning_syntax: str | None, tool_syntax: str | None,
-                 prompt_ids: tuple[int, ...], tools_enabled: bool, tools: Iterable[ToolSpec] = (),
-                 structured: bool = False) -> ChoiceParser:  # fmt: skip
+def build_parser(
+    tokenizer: Tokenizer,
+    reasoning_syntax: str | None,
+    tool_syntax: str | None,
+    prompt_ids: tuple[int, ...],
+    tools_enabled: bool,
+    tools: Iterable[ToolSpec] = (),
+    structured: bool = False,
+) -> ChoiceParser:
     """The parser of one choice; `tools` (the declared tools) guide argument conversion;
     `structured`: an output constraint shapes the answer (its text is then verbatim)."""
     if deepseek.REASONING_SYNTAX == reasoning_syntax or deepseek.TOOL_SYNTAX == tool_syntax:
@@ -110,11 +116,19 @@ def build_parser(tokenizer: Tokenizer, reasoning_syntax: str | None, tool_syntax
     return OutputParser(reasoning, parser, marks, structured)
 
 
-def _deepseek_parser(tokenizer: Tokenizer, reasoning_syntax: str | None, tool_syntax: str | None,
-                     prompt_ids: tuple[int, ...], tools_enabled: bool, structured: bool) -> ChoiceParser:  # fmt: skip
+def _deepseek_parser(
+    tokenizer: Tokenizer,
+    reasoning_syntax: str | None,
+    tool_syntax: str | None,
+    prompt_ids: tuple[int, ...],
+    tools_enabled: bool,
+    structured: bool,
+) -> ChoiceParser:
     """DeepSeek's official state machine reads its reasoning and DSML calls together."""
-    for kind, syntax, ours in (("reasoning", reasoning_syntax, deepseek.REASONING_SYNTAX),
-                               ("tool", tool_syntax, deepseek.TOOL_SYNTAX)):  # fmt: skip
+    for kind, syntax, ours in (
+        ("reasoning", reasoning_syntax, deepseek.REASONING_SYNTAX),
+        ("tool", tool_syntax, deepseek.TOOL_SYNTAX),
+    ):
         if syntax not in (None, ours):
             raise UnsupportedSyntax(f"no parser combines {kind} syntax {syntax!r} with DeepSeek's")
     reasoning = reasoning_syntax is not None

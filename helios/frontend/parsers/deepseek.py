@@ -98,8 +98,14 @@ class _Call:
 class DeepseekParser:
     """One choice's parser: `feed` one settled piece at a time, then `finish` once."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: tuple[int, ...], reasoning: bool, tools_on: bool,
-                 structured: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: tuple[int, ...],
+        reasoning: bool,
+        tools_on: bool,
+        structured: bool = False,
+    ) -> None:
         thinking, in_calls = output_start(tokenizer, prompt_ids)
         thinking = thinking and reasoning
         added = tokenizer.get_added_tokens_decoder()
@@ -108,8 +114,12 @@ class DeepseekParser:
         self._hidden = {i: s for s, i in spellings.items() if i is not None and i in added and added[i].special}
         self._close_id = spellings[_UNTHINK]
         stage = ds.ThinkingInitialStage.ReasoningStart if thinking else None
-        options = ds.ParsingOptions(parse_tool_calls=tools_on, starts_in_tool_calls=in_calls and tools_on,
-                                    thinking_initial_stage=stage, stop_sequences=[])  # fmt: skip
+        options = ds.ParsingOptions(
+            parse_tool_calls=tools_on,
+            starts_in_tool_calls=in_calls and tools_on,
+            thinking_initial_stage=stage,
+            stop_sequences=[],
+        )
         # The V4.1 state machine reads both calls-block spellings; no conversation details reach it.
         request = ds.ConversationRequest(ds.Conversation([]), ds.ModelVersion.DeepseekV41Flash)
         chunks = ds.ChatCompletionRequest.chunk_generator(request, "flare", "flare")
@@ -225,7 +235,9 @@ class DeepseekParser:
 
 def _deltas(chunks: list[Any]) -> list[dict[str, Any]]:
     """The Chat deltas of the official parser's chunks, in order."""
-    return [choice.get("delta") or {} for chunk in chunks for choice in json.loads(chunk.to_json()).get("choices") or ()]
+    return [
+        choice.get("delta") or {} for chunk in chunks for choice in json.loads(chunk.to_json()).get("choices") or ()
+    ]
 
 
 def _append(events: list[SemanticEvent], event: TextEvent | ReasoningEvent) -> None:

@@ -81,7 +81,11 @@ class _Reader:
                 self.at = skip_space(self.text, self.at)
             else:
                 end = self.at
-                while end < len(self.text) and self.text[end] not in ":,{}[]" and not self.text.startswith(self.quote, end):
+                while (
+                    end < len(self.text)
+                    and self.text[end] not in ":,{}[]"
+                    and not self.text.startswith(self.quote, end)
+                ):
                     end += 1
                 key, self.at = self.decode(self.text[self.at : end]).strip(), end
             if not self.text.startswith(":", self.at):

@@ -38,13 +38,19 @@ SYNTAXES = {
     "minimax_m3": Delimiters(("<mm:think>",), ("</mm:think>",)),  # a bare </mm:think> (no thinking) shows nothing
     "gemma4": Delimiters(("<|channel>", "thought"), ("<channel|>",), skip_newline=True),
     "kimi3": Delimiters(
-        ("<|open|>", "think", "<|sep|>"), ("<|close|>", "think", "<|sep|>"),
-        strip=(("<|open|>", "response", "<|sep|>"), ("<|close|>", "response", "<|sep|>"),
-               ("<|close|>", "message", "<|sep|>")),
-    ),  # fmt: skip
+        ("<|open|>", "think", "<|sep|>"),
+        ("<|close|>", "think", "<|sep|>"),
+        strip=(
+            ("<|open|>", "response", "<|sep|>"),
+            ("<|close|>", "response", "<|sep|>"),
+            ("<|close|>", "message", "<|sep|>"),
+        ),
+    ),
 }
 # Syntaxes whose delimiters are both single tokens (what thinking_token_budget can cut with).
-DELIMITERS = {name: (SYNTAXES[name].open[0], SYNTAXES[name].close[0]) for name in ("qwen3", "think", "glm", "minimax_m3")}
+DELIMITERS = {
+    name: (SYNTAXES[name].open[0], SYNTAXES[name].close[0]) for name in ("qwen3", "think", "glm", "minimax_m3")
+}
 
 
 def reasoning_delimiters(syntax: str, tokenizer: Tokenizer) -> tuple[int, int] | None:

@@ -16,9 +16,13 @@ from helios.frontend.inference import ToolSpec
 Schema = Mapping[str, Any]
 
 _PYTHON_TYPES: dict[str, tuple[type, ...]] = {
-    "integer": (int,), "number": (int, float), "boolean": (bool,), "object": (dict,), "array": (list,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
     "null": (type(None),),
-}  # fmt: skip
+}
 
 
 class ToolSchemas:

@@ -15,8 +15,15 @@ from helios.frontend.parsers.envelope import MAX_ARGUMENT_BYTES, ToolCallError, 
 from helios.frontend.parsers.markup import Marks
 from helios.frontend.parsers.schema import ToolSchemas
 
-__all__ = ["MAX_ARGUMENT_BYTES", "SYNTAXES", "ToolCallError", "ToolParser", "new_call_id", "tool_opener_ids",
-           "tool_parser"]
+__all__ = [
+    "MAX_ARGUMENT_BYTES",
+    "SYNTAXES",
+    "ToolCallError",
+    "ToolParser",
+    "new_call_id",
+    "tool_opener_ids",
+    "tool_parser",
+]
 
 # Syntax name -> (delimiter spellings matched by token when the vocabulary has them, parser class).
 SYNTAXES: dict[str, tuple[tuple[str, ...], Callable[[Marks, ToolSchemas], ToolParser]]] = {
@@ -31,8 +38,14 @@ SYNTAXES: dict[str, tuple[tuple[str, ...], Callable[[Marks, ToolSchemas], ToolPa
 
 
 # The token that opens a call, where a syntax has one that cannot mean anything else.
-OPENERS = {"hermes": "<tool_call>", "qwen3_coder": "<tool_call>", "mimo": "<tool_call>", "glm47": "<tool_call>",
-           "minimax_m3": "<tool_call>", "gemma4": "<|tool_call>"}  # fmt: skip
+OPENERS = {
+    "hermes": "<tool_call>",
+    "qwen3_coder": "<tool_call>",
+    "mimo": "<tool_call>",
+    "glm47": "<tool_call>",
+    "minimax_m3": "<tool_call>",
+    "gemma4": "<|tool_call>",
+}
 
 
 def tool_opener_ids(syntax: str, tokenizer: Tokenizer) -> frozenset[int]:
@@ -45,8 +58,9 @@ def tool_spellings(syntax: str) -> tuple[str, ...]:
     return SYNTAXES[syntax][0] if syntax in SYNTAXES else ()
 
 
-def tool_parser(syntax: str, tokenizer: Tokenizer, tools: Iterable[ToolSpec] = (),
-                marks: Marks | None = None) -> ToolParser | None:  # fmt: skip
+def tool_parser(
+    syntax: str, tokenizer: Tokenizer, tools: Iterable[ToolSpec] = (), marks: Marks | None = None
+) -> ToolParser | None:
     """The parser for one request's tool calls; `tools` guide argument conversion."""
     entry = SYNTAXES.get(syntax)
     if entry is None:

@@ -21,6 +21,18 @@ from helios.protocols.openai_responses.encode import (
 )
 
 __all__ = [
-    "OutputValidationError", "ResponsesBuffer", "ResponsesEncoder", "ResponsesOptions", "ResponsesStream", "call_item",
-    "custom_call", "decode", "encoder", "output_items", "response_json", "sse", "status_of", "usage_json",
-]  # fmt: skip
+    "OutputValidationError",
+    "ResponsesBuffer",
+    "ResponsesEncoder",
+    "ResponsesOptions",
+    "ResponsesStream",
+    "call_item",
+    "custom_call",
+    "decode",
+    "encoder",
+    "output_items",
+    "response_json",
+    "sse",
+    "status_of",
+    "usage_json",
+]

@@ -13,9 +13,21 @@ from typing import Any
 
 from helios.frontend.grammar import CompiledGrammar, GrammarError, compile_grammar
 from helios.frontend.inference import (
-    Conversation, ImagePart, InferenceRequest, LogprobOptions, Message, Part, ReasoningPart, RequestError,
-    StopOptions, TextPart, ToolCallPart, ToolChoice, ToolResultPart, ToolSpec,
-)  # fmt: skip
+    Conversation,
+    ImagePart,
+    InferenceRequest,
+    LogprobOptions,
+    Message,
+    Part,
+    ReasoningPart,
+    RequestError,
+    StopOptions,
+    TextPart,
+    ToolCallPart,
+    ToolChoice,
+    ToolResultPart,
+    ToolSpec,
+)
 from helios.frontend.request import EFFORT_ORDER
 from helios.protocols import fields as f
 from helios.protocols.output_format import responses_text_format
@@ -51,8 +63,9 @@ class ResponsesOptions:
 
 # ---------------------------------------------------------------------------- input items
 def _image(url: Any, param: str) -> ImagePart:
-    return f.data_url_image(url, param, "input_image needs a base64 data URL in image_url (file_id and remote URLs "
-                                        "are unsupported)")
+    return f.data_url_image(
+        url, param, "input_image needs a base64 data URL in image_url (file_id and remote URLs are unsupported)"
+    )
 
 
 def _parts(content: Any, param: str) -> tuple[TextPart | ImagePart, ...]:
@@ -130,8 +143,11 @@ def _messages(value: Any) -> list[Message]:
             if text is not None:
                 turn.append(ReasoningPart(text))
         elif kind == "function_call":
-            turn.append(ToolCallPart(_string(item, "call_id", param), _presented(item, param),
-                                     _string(item, "arguments", param)))  # fmt: skip
+            turn.append(
+                ToolCallPart(
+                    _string(item, "call_id", param), _presented(item, param), _string(item, "arguments", param)
+                )
+            )
         elif kind == "custom_tool_call":
             arguments = json.dumps({"input": _string(item, "input", param)}, ensure_ascii=False)
             turn.append(ToolCallPart(_string(item, "call_id", param), _presented(item, param), arguments))
@@ -140,8 +156,11 @@ def _messages(value: Any) -> list[Message]:
             result = ToolResultPart(_string(item, "call_id", param), _parts(item.get("output"), param))
             messages.append(Message("tool", (result,)))
         else:
-            raise RequestError(f"input item type {kind!r} is not supported (stateless Responses accept messages, "
-                               "reasoning, and function or custom tool calls and outputs)", param)  # fmt: skip
+            raise RequestError(
+                f"input item type {kind!r} is not supported (stateless Responses accept messages, "
+                "reasoning, and function or custom tool calls and outputs)",
+                param,
+            )
     flush()
     return messages
 
@@ -158,8 +177,11 @@ def _custom_description(base: str | None, grammar: CompiledGrammar | None) -> st
 def _tool(tool: Any, param: str, namespace: tuple[str, str] | None, grammars: GrammarCompiler) -> ToolSpec:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind not in ("function", "custom"):
-        raise RequestError(f"tool type {kind!r} is not supported (hosted tools are unavailable; use function, custom "
-                           "or namespace tools)", param)  # fmt: skip
+        raise RequestError(
+            f"tool type {kind!r} is not supported (hosted tools are unavailable; use function, custom "
+            "or namespace tools)",
+            param,
+        )
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise RequestError(f"{kind} tools need a nonempty name", param)
@@ -176,16 +198,18 @@ def _tool(tool: Any, param: str, namespace: tuple[str, str] | None, grammars: Gr
         return ToolSpec(presented, description, parameters or {"type": "object", "properties": {}})
     fmt = tool.get("format") or {"type": "text"}
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
-        raise RequestError("custom tool format must be {type: text} or {type: grammar, syntax, definition}",
-                           f"{param}.format")  # fmt: skip
+        raise RequestError(
+            "custom tool format must be {type: text} or {type: grammar, syntax, definition}", f"{param}.format"
+        )
     grammar = None
     if fmt["type"] == "grammar":
         try:
             grammar = grammars(str(fmt.get("syntax")), fmt.get("definition"), f"{param}.format")
         except GrammarError as exc:
             raise RequestError(exc.message, exc.field) from None
-    return ToolSpec(presented, _custom_description(description, grammar), CUSTOM_PARAMETERS, kind="custom",
-                    grammar=grammar)  # fmt: skip
+    return ToolSpec(
+        presented, _custom_description(description, grammar), CUSTOM_PARAMETERS, kind="custom", grammar=grammar
+    )
 
 
 def _tools(body: dict[str, Any], grammars: GrammarCompiler) -> tuple[list[ToolSpec], dict[str, tuple[str, str]]]:
@@ -211,8 +235,11 @@ def _tools(body: dict[str, Any], grammars: GrammarCompiler) -> tuple[list[ToolSp
     seen: set[str] = set()
     for spec, param in specs:
         if spec.name in seen:
-            raise RequestError(f"tool name {spec.name!r} is ambiguous (namespaced tools are presented as "
-                               "namespace__name, and names must be unique)", param)  # fmt: skip
+            raise RequestError(
+                f"tool name {spec.name!r} is ambiguous (namespaced tools are presented as "
+                "namespace__name, and names must be unique)",
+                param,
+            )
         seen.add(spec.name)
     return [spec for spec, _ in specs], namespaces
 
@@ -234,11 +261,14 @@ def _tool_choice(value: Any, specs: list[ToolSpec], parallel: bool) -> ToolChoic
         return ToolChoice(mode=mode, parallel=parallel)
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in ("function", "custom") or not isinstance(value.get("name"), str):
-        raise RequestError('tool_choice must be "auto", "none", "required", {type: function, name} or '
-                           "{type: custom, name}", "tool_choice")  # fmt: skip
+        raise RequestError(
+            'tool_choice must be "auto", "none", "required", {type: function, name} or {type: custom, name}',
+            "tool_choice",
+        )
     if {spec.name: spec.kind for spec in specs}.get(value["name"]) != kind:
-        raise RequestError(f"tool_choice selects {kind} tool {value['name']!r}, which is not declared as a {kind} "
-                           "tool", "tool_choice")  # fmt: skip
+        raise RequestError(
+            f"tool_choice selects {kind} tool {value['name']!r}, which is not declared as a {kind} tool", "tool_choice"
+        )
     return ToolChoice(mode="named", name=value["name"], parallel=parallel)
 
 
@@ -256,8 +286,9 @@ def _reject_state(body: dict[str, Any]) -> None:
 def _effort(body: dict[str, Any]) -> str | None:
     effort = (f.optional_object(body, "reasoning") or {}).get("effort")
     if effort is not None and effort not in EFFORT_ORDER:
-        raise RequestError(f"reasoning.effort must be a named level ({', '.join(EFFORT_ORDER)}), got {effort!r}",
-                           "reasoning.effort")  # fmt: skip
+        raise RequestError(
+            f"reasoning.effort must be a named level ({', '.join(EFFORT_ORDER)}), got {effort!r}", "reasoning.effort"
+        )
     return effort
 
 
@@ -272,8 +303,11 @@ def _logprobs(body: dict[str, Any]) -> tuple[bool, int, LogprobOptions]:
     token_ids = f.int_list(body["logprob_token_ids"], "logprob_token_ids") if body.get("logprob_token_ids") else ()
     if token_ids and not logprobs:
         raise RequestError(f'logprob_token_ids requires include: ["{LOGPROBS_INCLUDE}"]', "logprob_token_ids")
-    options = LogprobOptions(top=top if logprobs else None, token_ids=token_ids,
-                             as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids"))  # fmt: skip
+    options = LogprobOptions(
+        top=top if logprobs else None,
+        token_ids=token_ids,
+        as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids"),
+    )
     return logprobs, top, options
 
 
@@ -282,7 +316,9 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def decode(body: dict[str, Any], grammars: GrammarCompiler = compile_grammar) -> tuple[InferenceRequest, ResponsesOptions]:
+def decode(
+    body: dict[str, Any], grammars: GrammarCompiler = compile_grammar
+) -> tuple[InferenceRequest, ResponsesOptions]:
     """The neutral request and options; `grammars` compiles custom-tool grammars (the server
     passes its cached, bounded compiler; this runs on the frontend pool)."""
     _reject_state(body)
@@ -300,9 +336,13 @@ def decode(body: dict[str, Any], grammars: GrammarCompiler = compile_grammar) ->
     logprobs, top, logprob_options = _logprobs(body)
     effort = _effort(body)
     stream = f.optional_bool(body, "stream")
-    conversation = Conversation(messages=tuple(messages), tools=tuple(specs),
-                                tool_choice=_tool_choice(body.get("tool_choice"), specs, parallel), effort=effort,
-                                template_kwargs=f.optional_object(body, "chat_template_kwargs") or {})  # fmt: skip
+    conversation = Conversation(
+        messages=tuple(messages),
+        tools=tuple(specs),
+        tool_choice=_tool_choice(body.get("tool_choice"), specs, parallel),
+        effort=effort,
+        template_kwargs=f.optional_object(body, "chat_template_kwargs") or {},
+    )
     stop = StopOptions(
         strings=f.stop_strings(body),
         token_ids=f.int_list(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else (),
@@ -311,16 +351,33 @@ def decode(body: dict[str, Any], grammars: GrammarCompiler = compile_grammar) ->
     )
     max_tokens = f.optional_int(body, "max_output_tokens", 1)
     budget = f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1)
-    request = InferenceRequest(input=conversation, sampling=f.sampling(body), max_tokens=max_tokens, stop=stop,
-                               logprobs=logprob_options, stream=stream, thinking_token_budget=budget,
-                               output=output, cache_salt=f.cache_salt(body))  # fmt: skip
+    request = InferenceRequest(
+        input=conversation,
+        sampling=f.sampling(body),
+        max_tokens=max_tokens,
+        stop=stop,
+        logprobs=logprob_options,
+        stream=stream,
+        thinking_token_budget=budget,
+        output=output,
+        cache_salt=f.cache_salt(body),
+    )
     options = ResponsesOptions(
-        model=model, stream=stream, logprobs=logprobs, top_logprobs=top,
-        tools_echo=[_echo(t) for t in body.get("tools") or []], tool_choice_echo=body.get("tool_choice") or "auto",
-        instructions=instructions, custom_tools={s.name: s.grammar for s in specs if s.kind == "custom"},
-        namespaces=namespaces, parallel_tool_calls=parallel, temperature=_number(body, "temperature"),
-        top_p=_number(body, "top_p"), max_output_tokens=max_tokens, reasoning_effort=effort,
+        model=model,
+        stream=stream,
+        logprobs=logprobs,
+        top_logprobs=top,
+        tools_echo=[_echo(t) for t in body.get("tools") or []],
+        tool_choice_echo=body.get("tool_choice") or "auto",
+        instructions=instructions,
+        custom_tools={s.name: s.grammar for s in specs if s.kind == "custom"},
+        namespaces=namespaces,
+        parallel_tool_calls=parallel,
+        temperature=_number(body, "temperature"),
+        top_p=_number(body, "top_p"),
+        max_output_tokens=max_tokens,
+        reasoning_effort=effort,
         metadata=body.get("metadata") if isinstance(body.get("metadata"), dict) else None,
         text_format=fmt if output is not None and output.kind.startswith("json") else {"type": "text"},
-    )  # fmt: skip
+    )
     return request, options

@@ -42,8 +42,9 @@ def custom_call(event: ToolCallEvent, options: ResponsesOptions) -> dict[str, An
         raise OutputValidationError(f"custom tool {restored['name']!r} was called without a string input")
     grammar = options.custom_tools.get(event.name)
     if grammar is not None and not grammar.matches(value):
-        raise OutputValidationError(f"custom tool {restored['name']!r} input does not match its {grammar.syntax} "
-                                    "grammar")  # fmt: skip
+        raise OutputValidationError(
+            f"custom tool {restored['name']!r} input does not match its {grammar.syntax} grammar"
+        )
     return {"type": "custom_tool_call", "call_id": event.call_id, **restored, "input": value}
 
 
@@ -51,8 +52,14 @@ def call_item(event: ToolCallEvent, options: ResponsesOptions, item_id: str) -> 
     """A function_call or custom_tool_call item; undeclared names pass through as functions."""
     if event.name in options.custom_tools:
         return {"id": item_id, **custom_call(event, options)}
-    return {"id": item_id, "type": "function_call", "call_id": event.call_id, **_restored(event.name, options),
-            "arguments": event.arguments, "status": "completed"}  # fmt: skip
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": event.call_id,
+        **_restored(event.name, options),
+        "arguments": event.arguments,
+        "status": "completed",
+    }
 
 
 def _call_prefix(item: dict[str, Any]) -> str:
@@ -71,8 +78,9 @@ def _reasoning(item_id: str, content: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": item_id, "type": "reasoning", "summary": [], "content": content}
 
 
-def output_items(response_id: str, acc: Accumulator, options: ResponsesOptions, *, lenient: bool = False,
-                 incomplete: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+def output_items(
+    response_id: str, acc: Accumulator, options: ResponsesOptions, *, lenient: bool = False, incomplete: bool = False
+) -> list[dict[str, Any]]:
     """The accumulated blocks as output items; `lenient` drops calls that fail validation."""
     items: list[dict[str, Any]] = []
     for block in acc.blocks:
@@ -105,38 +113,71 @@ def status_of(finish: FinishEvent | None) -> str:
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    body = {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-            "total_tokens": usage.total_tokens}  # fmt: skip
+    body = {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.total_tokens,
+    }
     if usage.image_tokens:  # image requests: Chat's multimodal_tokens, beside the other input details
         body["input_tokens_details"]["multimodal_tokens"] = {"image": usage.image_tokens}
     return body
 
 
-def _response(response_id: str, created_at: int, options: ResponsesOptions, status: str, output: list[dict[str, Any]],
-              usage: Usage | None, error: str | None, model: str) -> dict[str, Any]:  # fmt: skip
+def _response(
+    response_id: str,
+    created_at: int,
+    options: ResponsesOptions,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: Usage | None,
+    error: str | None,
+    model: str,
+) -> dict[str, Any]:
     """The response object; `model` is the loaded model's public id, whatever the request named."""
     body: dict[str, Any] = {
-        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
         "completed_at": now() if status == "completed" else None,
         "error": {"code": "server_error", "message": error or "generation failed"} if status == "failed" else None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": options.instructions, "model": model, "output": output,
-        "parallel_tool_calls": options.parallel_tool_calls, "metadata": options.metadata,
-        "tool_choice": options.tool_choice_echo, "tools": options.tools_echo, "temperature": options.temperature,
-        "top_p": options.top_p, "top_logprobs": options.top_logprobs, "max_output_tokens": options.max_output_tokens,
-        "previous_response_id": None, "background": False, "store": False, "truncation": "disabled",
-        "reasoning": {"effort": options.reasoning_effort, "summary": None}, "text": {"format": options.text_format},
-    }  # fmt: skip
+        "instructions": options.instructions,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": options.parallel_tool_calls,
+        "metadata": options.metadata,
+        "tool_choice": options.tool_choice_echo,
+        "tools": options.tools_echo,
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_logprobs": options.top_logprobs,
+        "max_output_tokens": options.max_output_tokens,
+        "previous_response_id": None,
+        "background": False,
+        "store": False,
+        "truncation": "disabled",
+        "reasoning": {"effort": options.reasoning_effort, "summary": None},
+        "text": {"format": options.text_format},
+    }
     if usage is not None:
         body["usage"] = usage_json(usage)
     return body
 
 
-def response_json(response_id: str, created_at: int, acc: Accumulator, usage: Usage, options: ResponsesOptions,
-                  status: str, error: str | None = None, *, model: str) -> dict[str, Any]:  # fmt: skip
+def response_json(
+    response_id: str,
+    created_at: int,
+    acc: Accumulator,
+    usage: Usage,
+    options: ResponsesOptions,
+    status: str,
+    error: str | None = None,
+    *,
+    model: str,
+) -> dict[str, Any]:
     """The buffered response object (also the payload of a stream's terminal event)."""
     output = output_items(response_id, acc, options, lenient=status == "failed", incomplete=status == "incomplete")
     return _response(response_id, created_at, options, status, output, usage, error, model)
@@ -203,9 +244,10 @@ class ResponsesStream:
         self._open = {"kind": kind, "id": item_id, "text": "", "logprobs": []}
         item = _message(item_id, [], "in_progress") if kind == "text" else _reasoning(item_id, [])
         part = _text_part("", []) if kind == "text" else {"type": "reasoning_text", "text": ""}
-        return [self._event("response.output_item.added", output_index=index, item=item),
-                self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
-                            part=part)]  # fmt: skip
+        return [
+            self._event("response.output_item.added", output_index=index, item=item),
+            self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0, part=part),
+        ]
 
     def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         state, self._open = self._open, None
@@ -221,8 +263,11 @@ class ResponsesStream:
             item = _reasoning(state["id"], [part])
             done = self._event("response.reasoning_text.done", **where, text=state["text"])
         self.items.append(item)
-        return [done, self._event("response.content_part.done", **where, part=part),
-                self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+        return [
+            done,
+            self._event("response.content_part.done", **where, part=part),
+            self._event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
 
     def _call(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         index = len(self.items)
@@ -230,30 +275,37 @@ class ResponsesStream:
         self.items.append(item)
         where = {"item_id": item["id"], "output_index": index}
         if item["type"] == "custom_tool_call":
-            return [self._event("response.output_item.added", output_index=index, item={**item, "input": ""}),
-                    self._event("response.custom_tool_call_input.delta", **where, delta=item["input"]),
-                    self._event("response.custom_tool_call_input.done", **where, input=item["input"]),
-                    self._event("response.output_item.done", output_index=index, item=item)]  # fmt: skip
+            return [
+                self._event("response.output_item.added", output_index=index, item={**item, "input": ""}),
+                self._event("response.custom_tool_call_input.delta", **where, delta=item["input"]),
+                self._event("response.custom_tool_call_input.done", **where, input=item["input"]),
+                self._event("response.output_item.done", output_index=index, item=item),
+            ]
         opened = {**item, "arguments": "", "status": "in_progress"}
-        return [self._event("response.output_item.added", output_index=index, item=opened),
-                self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
-                self._event("response.function_call_arguments.done", **where, name=item["name"],
-                            arguments=item["arguments"]),
-                self._event("response.output_item.done", output_index=index, item=item)]  # fmt: skip
+        return [
+            self._event("response.output_item.added", output_index=index, item=opened),
+            self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+            self._event(
+                "response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"]
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def finish(self, finish: FinishEvent, acc: Accumulator, usage: Usage) -> list[dict[str, Any]]:
         """Close the open item; end with response.completed / .incomplete / .failed (full object)."""
         status = status_of(finish)
         out = self._close("incomplete" if status == "incomplete" else "completed")
-        body = response_json(self.response_id, self.created_at, acc, usage, self.options, status, finish.error,
-                             model=self.model)
+        body = response_json(
+            self.response_id, self.created_at, acc, usage, self.options, status, finish.error, model=self.model
+        )
         return out + [self._event(f"response.{status}", response=body)]
 
     def error(self, message: str, usage: Usage | None = None) -> list[dict[str, Any]]:
         """A terminal response.failed carrying the items emitted so far."""
         out = self._close("incomplete")
-        body = _response(self.response_id, self.created_at, self.options, "failed", list(self.items), usage, message,
-                         self.model)
+        body = _response(
+            self.response_id, self.created_at, self.options, "failed", list(self.items), usage, message, self.model
+        )
         return out + [self._event("response.failed", response=body)]
 
 
@@ -297,8 +349,19 @@ class ResponsesBuffer(BufferedEvents):
 
     def finish(self) -> list[bytes]:
         status = status_of(self._blocks.finish)
-        return [json_body(response_json(self.run.request_id, self.run.created, self._blocks, self.run.usage(),
-                                        self.options, status, model=self.model))]  # fmt: skip
+        return [
+            json_body(
+                response_json(
+                    self.run.request_id,
+                    self.run.created,
+                    self._blocks,
+                    self.run.usage(),
+                    self.options,
+                    status,
+                    model=self.model,
+                )
+            )
+        ]
 
     def error(self, status: int, message: str) -> list[bytes]:
         return [json_body(openai_error(status, message))]
