@@ -27,9 +27,9 @@ import torch
 
 from helios.core import Core
 from helios.core.program import STEP, allocate_kv
-from helios.engine import devices, kernels
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, LLMEngine, build_engine, devices
 from helios.engine.graphs import CudaGraphBackend, EagerBackend, GraphRunner
+from helios.engine.kernels import registry
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
 
@@ -38,7 +38,7 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 def runner_check(core: Core, device: str) -> dict:
-    kernels.register()
+    registry.register()
     m = core.manifest
     program = core.load_program(STEP, check_guards=False)
     weights = core.load_weights(device)
@@ -136,8 +136,8 @@ def main() -> int:
     tokenizer = core.tokenizer()
     prompts = [tuple(tokenizer.encode(p).ids) for p in PROMPTS]
     config = EngineConfig(num_pages=1024, max_concurrency=16, compiled_step=False)
-    reference = generate(LLMEngine(core, config), prompts, args.tokens, "cpu")
-    engine = LLMEngine(core, EngineConfig(num_pages=1024, max_concurrency=16, device=args.device, cuda_graphs=True))
+    reference = generate(build_engine(core, config), prompts, args.tokens, "cpu")
+    engine = build_engine(core, EngineConfig(num_pages=1024, max_concurrency=16, device=args.device, cuda_graphs=True))
     report["cuda_graphs"] = engine.executor.graphs is not None
     on_device = generate(engine, prompts, args.tokens, "dev")
     diffs = [

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from helios.core import Core
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, LLMEngine, build_engine
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint, GrammarMasks
@@ -95,7 +95,7 @@ LONG_SCHEMA = {
 def grammar_overhead(core: Core, tokens: int, threads: int, batch: int = 16, rounds: int = 2) -> dict:
     """Best-of-rounds decode tokens/s of `batch` constrained vs unconstrained requests."""
     m = core.manifest
-    engine = LLMEngine(
+    engine = build_engine(
         core, EngineConfig(num_pages=4096, max_concurrency=256), mask_hook=GrammarMasks(m.tokenizer.vocab_size, threads)
     )
     tokenizer = core.tokenizer()
@@ -120,7 +120,7 @@ def grammar_overhead(core: Core, tokens: int, threads: int, batch: int = 16, rou
 
 def device_throughput(core: Core, args: argparse.Namespace) -> dict:
     """Decode tokens/s on a GPU per batch, with the step launches by kind (graph replays, eager)."""
-    engine = LLMEngine(
+    engine = build_engine(
         core, EngineConfig(num_pages=4096, max_concurrency=256, device=args.device, cuda_graphs=not args.no_graphs)
     )
     tokenizer = core.tokenizer()
@@ -171,7 +171,7 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
         return
-    engine = LLMEngine(core, EngineConfig(num_pages=4096, max_concurrency=256))
+    engine = build_engine(core, EngineConfig(num_pages=4096, max_concurrency=256))
     tokenizer = core.tokenizer()
     bandwidth = measure_bandwidth()
     rows = []

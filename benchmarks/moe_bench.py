@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 
 from helios.core import Core
 from helios.core.program import Program, allocate_kv
-from helios.engine import graph, kernels, prepack
+from helios.engine import graph, prepack
+from helios.engine.kernels import registry
 from ignition.export import ExportOptions, export_core
 from ignition.models import qwen3_moe
 from ignition.recipe import load_recipe
@@ -69,7 +70,7 @@ def load(core_dir: Path, reference_op: bool) -> tuple[Core, Program, dict[str, t
     program = core.load_program(check_guards=False)
     weights = core.load_weights()
     if not reference_op:
-        kernels.register()
+        registry.register()
         graph.simplify(program)
     if prepack.available():
         weights = prepack.prepack([program], weights)

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helios.core import Core  # noqa: E402
-from helios.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from helios.engine import EngineConfig, build_engine  # noqa: E402
 from helios.engine.offline import run_to_completion  # noqa: E402
 from helios.engine.request import EngineRequest  # noqa: E402
 from helios.engine.sampling_params import SamplingParams  # noqa: E402
@@ -67,7 +67,7 @@ def main() -> None:
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(parameter.to(dtype).float())  # the core's rounded weights, computed in fp32
-    engine = LLMEngine(core, EngineConfig(num_pages=256))
+    engine = build_engine(core, EngineConfig(num_pages=256))
     tokenizer = core.tokenizer()
     print(
         f"{args.core}: {core.manifest.weights.dtype} weights, {core.manifest.kv.dtype} KV cache, {args.tokens} tokens"

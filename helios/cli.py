@@ -82,7 +82,6 @@ def serve(
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
     from helios.config import ConfigError, load_config
     from helios.core import CoreError
-    from helios.engine import native
     from helios.server.app import create_app
     from helios.server.lifecycle import serve as serve_until_signal
     from helios.server.state import build_state
@@ -94,17 +93,13 @@ def serve(
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     weights = state.core.manifest.weights.dtype
-    if state.client.engine.upcast_from:
-        weights += (
-            " weights upcast to float32 at load: this CPU has no fast native "
-            + state.client.engine.upcast_from
-            + " matmul"
-        )
+    running = state.client.metrics()
+    if running.upcast_from:
+        weights += f" weights upcast to float32 at load: this CPU has no fast native {running.upcast_from} matmul"
     else:
         weights += " weights"
-    executor = state.client.engine.executor
-    weights += f", {executor.step_kind} step, {native.status()} attention kernels"
-    weights += f", on {executor.device}, CUDA graphs {'on' if executor.graphs is not None else 'off'}"
+    weights += f", {running.step_kind} step, {running.attention_kernels} attention kernels"
+    weights += f", on {running.device}, CUDA graphs {'on' if running.cuda_graphs else 'off'}"
     typer.echo(f"serving {state.model.public_id} ({weights}) on http://{settings.host}:{settings.port}/v1", err=True)
     serve_until_signal(create_app(state), state, settings.host, settings.port, log_level)
 

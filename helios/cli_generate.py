@@ -10,9 +10,17 @@ import typer
 
 from helios.config import ServerConfig
 from helios.core import Core, CoreError
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
 from helios.frontend.detokenizer import TokenBytes
-from helios.frontend.inference import Conversation, InferenceRequest, Message, RawPrompt, RequestError, TextPart
+from helios.frontend.inference import (
+    Conversation,
+    InferenceRequest,
+    Message,
+    RawPrompt,
+    RequestError,
+    SamplingOptions,
+    TextPart,
+)
 from helios.frontend.output import ChoiceOutput
 from helios.frontend.request import Frontend
 
@@ -27,16 +35,15 @@ def run_generate(
         return 2
     frontend = Frontend(core, ServerConfig())
     source = Conversation((Message("user", (TextPart(prompt),)),)) if chat else RawPrompt(text=prompt)
-    request = InferenceRequest(input=source, sampling={"temperature": temperature, "seed": seed}, max_tokens=max_tokens)
+    sampling = SamplingOptions(temperature=temperature, seed=seed)
+    request = InferenceRequest(input=source, sampling=sampling, max_tokens=max(max_tokens, 1))
     try:
-        prepared = frontend.prompt(source)
-        engine_request = frontend.engine_request(
-            request, "generate", prepared, frontend.max_tokens(request, len(prepared.token_ids))
-        )
+        engine_request = frontend.prepare(request, "generate").inputs[0].engine
     except RequestError as exc:
         typer.secho(f"error: {exc.message}", fg=typer.colors.RED, err=True)
         return 2
-    engine = LLMEngine(core, EngineConfig(num_pages=frontend.max_model_len // core.manifest.limits.page_tokens + 2))
+    assert engine_request is not None  # a positive output limit always runs
+    engine = build_engine(core, EngineConfig(num_pages=frontend.max_model_len // core.manifest.limits.page_tokens + 2))
     output = ChoiceOutput(
         TokenBytes(frontend.tokenizer), request.stop, request.logprobs, frozenset(core.manifest.tokenizer.eos_token_ids)
     )

@@ -8,8 +8,8 @@ core manifest and the serving configuration, so the client's limits match what h
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from helios.config import ServerConfig
 from helios.core.manifest import Manifest

@@ -51,7 +51,7 @@ class ServerConfig:
     frontend_workers: int = 4  # threads for decompression and tokenization
     prefix_cache: bool = True
     # Cores whose sliding-window layers keep their caches in a window pool: free those pages behind
-    # the window (helios.engine.window_pages); false serves both tables from the one pool.
+    # the window (helios.engine.memory.window_pages); false serves both tables from the one pool.
     window_pool: bool = True
     # Vision cores: memory for decoded images (frontend) and, separately, for prepared image
     # features (engine), each kept by image digest so a repeated image is neither decoded nor
@@ -80,13 +80,13 @@ class ServerConfig:
     grammar_memory_mb: int = 128
     grammar_cache_mb: int = 512
     grammar_workers: int = 1
-    # Speculative decoding from the history drafter (helios.engine.drafter): "adaptive" offers
+    # Speculative decoding from the history drafter (helios.engine.speculation.drafter): "adaptive" offers
     # each sequence as many drafts as its recent acceptance earns, up to max_draft_tokens, and
     # none once a step's decode rows reach speculative_rows (compute-bound: drafts would only
     # cost; measured at startup unless set); "fixed" always offers max_draft_tokens; "off" decodes one
     # token at a time.
     # history_drafts: also draft from recent outputs of other requests (same cache identity).
-    # Learned drafts (helios.engine.mtp, helios.engine.draft_core): draft_core names a small core
+    # Learned drafts (helios.engine.speculation.mtp, helios.engine.speculation.draft_core): draft_core names a small core
     # with the same tokenizer that proposes drafts (--draft-core overrides it); without one, a core
     # carrying MTP programs drafts with them. learned_drafts = false keeps only history drafts.
     speculation: str = "adaptive"
@@ -109,7 +109,7 @@ class ServerConfig:
     # boundaries ends a prefill chunk early and copies the state; the predicted extra work a request
     # may spend on them is this fraction of its predicted prefill time (0: none).
     checkpoint_work_fraction: float = 0.05
-    # The host prefix store (helios.engine.host_store): finished prefixes' KV pages kept beyond
+    # The host prefix store (helios.engine.memory.host_store): finished prefixes' KV pages kept beyond
     # the page pool in memory (host_cache_memory_mb; None: an eighth of the memory available at
     # startup, at most 4 GiB) and on disk (host_cache_disk_mb in host_cache_dir, one directory
     # per core; None: $FLARE_PREFIX_CACHE_DIR, else ~/.cache/flare/prefix), so a restarted

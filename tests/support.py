@@ -6,8 +6,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 from helios.engine.request import EngineRequest
 

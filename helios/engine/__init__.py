@@ -1,0 +1,65 @@
+"""The engine's face: the only names the rest of helios imports from the engine (ARCHITECTURE.md,
+"The engine's face"). Submodules below import each other directly, never from this package."""
+
+from helios.engine.build import build_engine
+from helios.engine.client import EngineClient, EngineUnavailable, QueueFull, RequestRejected
+from helios.engine.devices import DeviceError, is_cuda
+from helios.engine.devices import resolve as resolve_device
+from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
+from helios.engine.logprobs import RankedLogprob, TokenLogprobs
+from helios.engine.memory.host_store import default_directory as default_host_cache_directory
+from helios.engine.memory.host_store import default_memory_bytes as default_host_cache_memory_bytes
+from helios.engine.metrics import EMPTY_HISTOGRAM, EngineMetrics, HistogramSnapshot, HostStoreMetrics
+from helios.engine.request import (
+    IMAGE_COUNTERS,
+    EngineEvent,
+    EngineImage,
+    EngineRequest,
+    FinishCause,
+    MaskRow,
+    ReasoningBudget,
+    TokenConstraint,
+)
+from helios.engine.sampling_params import SamplingParams
+from helios.engine.speculation.draft_core import incompatibility as draft_core_incompatibility
+from helios.engine.speculation.drafter import MaskHook, SpeculationConfig
+
+__all__ = [
+    # the client and its errors
+    "EngineClient",
+    "EngineUnavailable",
+    "QueueFull",
+    "RequestRejected",
+    # the engine, built from its config
+    "EngineConfig",
+    "HostCacheConfig",
+    "SpeculationConfig",
+    "LLMEngine",
+    "build_engine",
+    "DeviceError",
+    "resolve_device",
+    "is_cuda",
+    "draft_core_incompatibility",
+    "default_host_cache_directory",
+    "default_host_cache_memory_bytes",
+    # requests in
+    "EngineRequest",
+    "EngineImage",
+    "ReasoningBudget",
+    "IMAGE_COUNTERS",
+    "SamplingParams",
+    # structured output: the constraint the frontend builds, and the rows its mask hook reads
+    "TokenConstraint",
+    "MaskRow",
+    "MaskHook",
+    # events out
+    "EngineEvent",
+    "FinishCause",
+    "TokenLogprobs",
+    "RankedLogprob",
+    # metrics
+    "EngineMetrics",
+    "HostStoreMetrics",
+    "HistogramSnapshot",
+    "EMPTY_HISTOGRAM",
+]

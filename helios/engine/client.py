@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from helios.core.logs import log_failure
 from helios.engine.engine import LLMEngine
+from helios.engine.metrics import EngineMetrics
 from helios.engine.request import EngineEvent, EngineRequest, FinishCause
 
 log = logging.getLogger("helios.engine")
@@ -86,6 +87,10 @@ class EngineClient:
     @property
     def healthy(self) -> bool:
         return self._thread.is_alive() and self.failure is None
+
+    def metrics(self) -> EngineMetrics:
+        """The engine's counters and gauges now (any thread; read racily from the engine thread's)."""
+        return self.engine.metrics()
 
     @property
     def num_open(self) -> int:

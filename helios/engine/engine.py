@@ -1,40 +1,39 @@
 """LLMEngine: one step = abort -> schedule -> run and sample -> scheduler.update_from_output.
 
 The engine runs the programs and the sampler; every change to a sequence or its pages is
-the scheduler's (scheduler.py).
+the scheduler's (scheduler.py). build.py makes its parts; `metrics()` copies what they count.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from helios.core import Core
 from helios.core.logs import log_failure
-from helios.engine import devices, precision
-from helios.engine.checkpoints import StepCosts
-from helios.engine.draft_core import DraftCoreDrafter
-from helios.engine.drafter import DraftPicker, DraftRow, MaskHook, SpeculationConfig
+from helios.engine import native
 from helios.engine.executor import Executor, StepResult
-from helios.engine.kv_cache import PagePool
 from helios.engine.logprobs import (
     TokenLogprobs,
     explicit_alternatives,
     natural_alternatives,
     prompt_entry,
 )
+from helios.engine.memory.checkpoints import StepCosts
+from helios.engine.memory.host_store import Histogram, HostStore
+from helios.engine.memory.kv_cache import PagePool
+from helios.engine.memory.state_slots import StatePool
+from helios.engine.memory.window_pages import WindowPages
+from helios.engine.metrics import EngineMetrics, HistogramSnapshot, HostStoreMetrics
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats
-from helios.engine.mtp import MTP_CACHE, MtpDrafter, mtp_kinds
 from helios.engine.sampler import Sampler, position_generator
-from helios.engine.scheduler import Scheduler, SchedulerConfig, constraint_error
-from helios.engine.host_copy import Copier
-from helios.engine.host_store import HostStore, identity_of
-from helios.engine.state_slots import StatePool
-from helios.engine.window_pages import WindowPages, min_pool_pages, pool_pages
+from helios.engine.scheduler import Scheduler, constraint_error
 from helios.engine.sequence import (
     Chunk,
     ModelOutput,
@@ -42,13 +41,12 @@ from helios.engine.sequence import (
     SchedulerOutput,
     Sequence,
 )
+from helios.engine.speculation.draft_core import DraftCoreDrafter
+from helios.engine.speculation.drafter import DraftRow, MaskHook, SpeculationConfig
+from helios.engine.speculation.mtp import MtpDrafter
 
 log = logging.getLogger("helios.engine")
-
-# Hybrid cores with speculation: spare live state slots, each lent to one drafting sequence for a
-# step (its state before verification). Speculation pays at low concurrency, where few sequences
-# draft at once; a sequence finding none free decodes without drafts that step.
-ROLLBACK_SLOTS = 8
+K = TypeVar("K", int, str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,193 +99,43 @@ class HostCacheConfig:
 
 
 class LLMEngine:
-    def __init__(self, core: Core, config: EngineConfig, mask_hook: MaskHook | None = None) -> None:
-        m = core.manifest
+    """The parts one core runs with (built by `build_engine`), and the step over them."""
+
+    def __init__(
+        self,
+        core: Core,
+        config: EngineConfig,
+        *,
+        max_model_len: int,
+        upcast_from: str | None,
+        stats: EngineStats,
+        pool: PagePool,
+        window: WindowPages | None,
+        states: StatePool | None,
+        costs: StepCosts,
+        executor: Executor,
+        scheduler: Scheduler,
+        learned: MtpDrafter | DraftCoreDrafter | None,
+        sampler: Sampler,
+        mask_hook: MaskHook | None,
+    ) -> None:
         self.core = core
         self.config = config
-        self.vocab_size = m.tokenizer.vocab_size
-        self.max_model_len = min(config.max_model_len or m.limits.max_model_len, m.limits.max_model_len)
-        # A 16-bit core on a CPU without native 16-bit matmuls runs upcast to fp32 (measured).
-        self.upcast_from = (
-            m.weights.dtype
-            if config.device == "cpu"
-            and m.weights.dtype in ("bfloat16", "float16")
-            and not precision.is_native(getattr(torch, m.weights.dtype))
-            else None
-        )
-        kv_dtype = "float32" if self.upcast_from else m.kv.dtype
-        element = torch.tensor([], dtype=getattr(torch, kv_dtype)).element_size()
-        page, main_bytes = m.limits.page_tokens, m.kv.token_elements * m.limits.page_tokens * element
-        window_page_bytes = m.kv.window_token_elements * page * element  # 0 without window caches
-        # One pool for every cache tensor: what the budget holds (the window caches, if any, as large).
-        num_pages = config.num_pages or self._pool_pages(core, config, main_bytes + window_page_bytes)
-        pooled = m.kv.window_pool if config.reclaim_window_pages else None
-        num_window_pages = None
-        if pooled is not None:
-            # As many window pages as that one pool (equal token capacity), at most what running
-            # sequences can hold at once, at least what one needs; the bytes saved go to the main pool.
-            drafts = config.speculation.max_drafts if config.speculation.mode != "off" else 0
-            most = pool_pages(pooled.window, page, config.max_concurrency, config.prefill_chunk_size, drafts)
-            num_window_pages = max(min_pool_pages(pooled.window, page, config.prefill_chunk_size), min(most, num_pages))
-            if main_bytes:  # (a core whose every layer slides keeps page ids only in the main pool)
-                num_pages = max(1, num_pages + (num_pages - num_window_pages) * window_page_bytes // main_bytes)
-        self.pool = PagePool(num_pages, m.limits.page_tokens)
-        self.window = None
-        if pooled is not None and num_window_pages is not None:
-            self.window = WindowPages(PagePool(num_window_pages, page), pooled.window)
-            log.info(
-                "window pool: the sliding layers' caches hold %d pages (%d MiB), freed %d tokens behind each "
-                "query; the other layers' pool %d pages",
-                num_window_pages,
-                num_window_pages * window_page_bytes >> 20,
-                pooled.window,
-                num_pages,
-            )
-        self.stats = EngineStats(
-            total_pages=num_pages, page_tokens=m.limits.page_tokens, decode_weight_bytes=m.decode_weight_bytes
-        )
-        self.states = None
-        if m.kv.state:
-            snapshots = config.max_concurrency if config.state_snapshots is None else config.state_snapshots
-            # Speculation lends spare live slots for rollback copies (scheduler: drafting hybrids).
-            spare = min(config.max_concurrency, ROLLBACK_SLOTS) if config.speculation.mode != "off" else 0
-            self.states = StatePool(config.max_concurrency, snapshots, config.anchor_guards, spare)
-            self.stats.state_slots = self.states.num_slots
-            self.stats.state_slot_bytes = m.kv.slot_bytes
-        page = m.limits.page_tokens
-        interval = config.snapshot_interval
-        if interval is None:
-            interval = max(page, config.prefill_chunk_size // page * page)
-        speculation = config.speculation
-        learned = speculation.mode != "off" and speculation.learned
-        drafters = mtp_kinds(m.programs) if learned and config.draft_core is None else ()
-        self.executor = Executor(
-            core,
-            num_pages,
-            config.device,
-            config.serial_decode_rows,
-            self.upcast_from is not None,
-            config.compiled_step,
-            self.states.num_slots if self.states else 1,
-            drafters,
-            cuda_graphs=config.cuda_graphs and devices.is_cuda(config.device),
-            num_window_pages=num_window_pages,
-        )
-        if self.executor.vision is not None and m.vision is not None:
-            from helios.engine.images import ImageEncoder
-
-            weights = self.executor.weights or core.load_weights(config.device)  # a compiled step keeps none
-            self.executor.images = ImageEncoder(
-                self.executor.vision,
-                weights,
-                m.vision.feature_dim,
-                m.vision.image_feature_window_tokens * config.max_concurrency,
-                config.device,
-                self.stats,
-                config.image_cache_bytes,
-            )
-        self.costs = StepCosts()  # what hinted checkpoints of hybrid cores are predicted to cost
-        if self.states is not None:
-            self._measure_state_copy()
-        if speculation.mode == "adaptive" and speculation.row_budget is None:  # only adaptive mode keeps a budget
-            speculation = replace(speculation, row_budget=self.executor.speculation_rows(core))
-        host = self._host_store(core, config, kv_dtype)
-        copier = Copier(host, self.executor.page_caches, self.executor.state) if host is not None else None
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_concurrency,
-                config.prefill_chunk_size,
-                self.max_model_len,
-                frozenset(m.tokenizer.eos_token_ids),
-                -(-interval // page) * page,
-                config.checkpoint_work_fraction,
-                "attention_until" in self.executor.step.input_names,
-            ),
-            self.pool,
-            self.stats,
-            speculation,
-            self.states,
-            host,
-            self.executor.page_bytes,
-            self.costs,
-            copier,
-            config.host_cache.copy_queue_bytes if config.host_cache is not None else 0,
-            self.window,
-        )
-        if self.executor.compiled_fallback:
-            log.warning("%s", self.executor.compiled_fallback)
-        self.learned: MtpDrafter | DraftCoreDrafter | None = None
-        if drafters:
-            self.learned = self._mtp_drafter(core, drafters, speculation)
-        elif learned and config.draft_core is not None:
-            self.learned = DraftCoreDrafter(
-                config.draft_core,
-                m,
-                num_pages,
-                config.device,
-                speculation.max_drafts,
-                config.max_concurrency,
-                config.prefill_chunk_size,
-                self.stats,
-            )
-        self.scheduler.drafter.learned = self.learned
-        if self.learned is not None:  # learned drafts follow the grammar of a constrained sequence
-            self.learned.picker = DraftPicker(mask_hook)
-        self.sampler = Sampler()
+        self.vocab_size = core.manifest.tokenizer.vocab_size
+        self.max_model_len = max_model_len  # prompt plus output, at most the core's limit
+        self.upcast_from = upcast_from  # the 16-bit weight dtype run upcast to fp32 on this CPU, or None
+        self.stats = stats
+        self.pool = pool  # the main KV pool (the scheduler's to change)
+        self.window = window  # the sliding layers' own pool, or None
+        self.states = states  # hybrid cores' recurrent-state slots, or None
+        self.costs = costs  # what hinted checkpoints of hybrid cores are predicted to cost
+        self.executor = executor
+        self.scheduler = scheduler
+        self.learned = learned  # the learned drafter (MTP programs or a draft core), or None
+        self.sampler = sampler
         self.mask_hook = mask_hook
         self._aborted: set[tuple[str, int | None]] = set()
         self._prefill_ns = self._prefill_tokens = 0
-        self._refresh_gauges()
-        if self.executor.graphs is not None:  # after the drafters widened the caches the graphs read
-            self.executor.capture_graphs()
-
-    def _mtp_drafter(self, core: Core, kinds: tuple[str, ...], speculation: SpeculationConfig) -> MtpDrafter:
-        """The core's MTP programs as the learned drafter, its caches widened by scratch pages
-        (enough for every live sequence's speculative rows past its own pages)."""
-        kv = core.manifest.kv
-        first = kv.num_caches - sum(len(e.layers) for e in kv.extra)
-        indexes, index = [], first
-        for extra in kv.extra:
-            if extra.name == MTP_CACHE:
-                indexes += range(index, index + len(extra.layers))
-            index += len(extra.layers)
-        page = self.pool.page_tokens
-        log.info("speculation: drafting with the core's %d MTP layer(s) (%s)", len(kinds), ", ".join(kinds))
-        return MtpDrafter(
-            self.executor,
-            kinds,
-            tuple(indexes),
-            page,
-            speculation.max_drafts // page + 2,
-            self.config.max_concurrency,
-            self.stats,
-        )
-
-    def _host_store(self, core: Core, config: EngineConfig, kv_dtype: str) -> HostStore | None:
-        host = config.host_cache
-        if host is None:
-            return None
-        m = core.manifest
-        if self.window is not None:
-            log.warning(
-                "host cache: off for this core: its sliding layers' pages are reclaimed behind the window "
-                "(reclaim_window_pages), which the host store's records do not cover yet"
-            )
-            return None
-        shapes = m.kv.cache_shapes() if not m.kv.state else (m.kv.cache_shapes(), m.kv.state_shapes())
-        identity = identity_of(core.digest, kv_dtype, m.limits.page_tokens, shapes)
-        store = HostStore(identity, host.memory_bytes, host.directory, host.disk_bytes)
-        # The copy-in rate for the store's lookup estimates: a few pages read and written back in place.
-        pages = list(range(min(8, self.pool.num_pages)))
-        started = time.perf_counter_ns()
-        self.executor.write_pages(tuple(zip(pages, self.executor.read_pages(pages))))
-        store.copy_ns_per_byte = (time.perf_counter_ns() - started) / (len(pages) * self.executor.page_bytes)
-        log.info(
-            "host prefix store: %d MiB in memory, %s",
-            host.memory_bytes >> 20,
-            f"{host.disk_bytes >> 20} MiB on disk in {store.directory}" if store.disk_bytes else "no disk tier",
-        )
-        return store
 
     @property
     def host(self) -> HostStore | None:
@@ -311,35 +159,89 @@ class LLMEngine:
                     break
             self._refresh_gauges()
 
-    def _measure_state_copy(self) -> None:
-        """The state-copy rate hinted checkpoints are charged at: a few slot copies onto themselves."""
-        copies = 4
-        started = time.perf_counter_ns()
-        for _ in range(copies):
-            self.executor.copy_state(0, 0)
-        if self.config.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        self.costs.observe_copy(copies * self.stats.state_slot_bytes, time.perf_counter_ns() - started)
-
-    @staticmethod
-    def _pool_pages(core: Core, config: EngineConfig, page_bytes: int) -> int:
-        """KV pages of a pool given by bytes; on CUDA without a size, from the device's free memory
-        less the weights still to load and the graphs' reserve (devices.kv_pages_for)."""
-        if config.kv_memory_bytes is not None or not devices.is_cuda(config.device):
-            return max(1, (1 << 30 if config.kv_memory_bytes is None else config.kv_memory_bytes) // page_bytes)
-        weights = (core.root / core.manifest.weights.file).stat().st_size
-        reserve = devices.GRAPH_RESERVE_PER_BUCKET * len(core.manifest.decode_buckets) if config.cuda_graphs else 0
-        free = devices.free_device_bytes(config.device)
-        pages = devices.kv_pages_for(max(0, free - weights), config.kv_memory_fraction, page_bytes, reserve)
-        log.info(
-            "KV pool: %d pages from %d MiB free on %s (%d MiB of weights to load, %d MiB kept for CUDA graphs)",
-            pages,
-            free >> 20,
-            config.device,
-            weights >> 20,
-            reserve >> 20,
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> EngineMetrics:
+        """One frozen copy of every value /metrics and the startup line report (read racily from the
+        engine thread's counters: any thread may call it)."""
+        stats, drafter, copy_out = self.stats, self.scheduler.drafter, self.scheduler.copy_out
+        in_use, total, intake = copy_out.checkpoint_slots
+        return EngineMetrics(
+            device=self.executor.device,
+            step_kind=self.executor.step_kind,
+            cuda_graphs=self.executor.graphs is not None,
+            upcast_from=self.upcast_from,
+            attention_kernels=native.status(),
+            max_model_len=self.max_model_len,
+            prefill_tokens=stats.prefill_tokens,
+            generated_tokens=stats.generated_tokens,
+            completed=stats.completed,
+            failed=stats.failed,
+            reused_tokens=stats.reused_tokens,
+            reasoning_budget_cuts=stats.reasoning_budget_cuts,
+            preemptions=stats.preemptions,
+            active=stats.active,
+            pending=stats.pending,
+            total_pages=stats.total_pages,
+            free_pages=stats.free_pages,
+            cached_pages=stats.cached_pages,
+            page_tokens=stats.page_tokens,
+            decode_weight_bytes=stats.decode_weight_bytes,
+            verify_steps=stats.verify_steps,
+            verification_rounds=stats.verification_rounds,
+            verification_drafts=stats.verification_drafts,
+            accepted_drafts=stats.accepted_drafts,
+            draft_rounds=stats.draft_rounds,
+            draft_steps=stats.draft_steps,
+            learned_offered=stats.learned_offered,
+            learned_accepted=stats.learned_accepted,
+            rounds_by_depth=_counts(stats.rounds_by_depth),
+            steps_by_batch=_counts(stats.steps_by_batch),
+            steps_by_width=_counts(stats.steps_by_width),
+            learned_drafter=drafter.learned_name,
+            history_drafts_enabled=drafter.enabled and drafter.config.history and drafter.config.shared_history,
+            graph_launches=_counts(self.executor.launches),
+            state_slots=stats.state_slots,
+            state_slot_bytes=stats.state_slot_bytes,
+            state_slots_used=stats.state_slots_used,
+            state_snapshots=stats.state_snapshots,
+            state_rewinds=stats.state_rewinds,
+            checkpoint_anchor_reservations=stats.checkpoint_anchor_reservations,
+            checkpoint_captures=_counts(stats.checkpoint_captures),
+            checkpoint_skips=_counts(stats.checkpoint_skips),
+            checkpoint_extra_work_ns=stats.checkpoint_extra_work_ns,
+            checkpoint_slots_in_use=in_use,
+            checkpoint_slots_total=total,
+            checkpoint_intake_slots=intake,
+            images=_counts(stats.images),
+            host=self._host_metrics(),
         )
-        return pages
+
+    def _host_metrics(self) -> HostStoreMetrics | None:
+        host, copy_out = self.scheduler.host, self.scheduler.copy_out
+        if host is None:
+            return None
+        stats = host.stats
+        return HostStoreMetrics(
+            hits=stats.hits,
+            reused_tokens=stats.reused_tokens,
+            memory_records=host.memory_records,
+            disk_records=host.disk_records,
+            parked_records=host.parked_records,
+            anchor_records=host.anchor_records,
+            bytes_out=stats.bytes_out,
+            bytes_in=stats.bytes_in,
+            skipped=stats.skipped,
+            held=_counts(stats.held),
+            dropped=_counts({f"{tier}/{reason}": n for (tier, reason), n in dict(stats.dropped).items()}),
+            copyout_pinned_records=copy_out.pinned_records,
+            copyout_deferrals=stats.copy_deferrals,
+            copyout_waits=stats.copy_waits,
+            copyout_wait_ns=stats.copy_wait_ns,
+            copyout_worker_ns=copy_out.copier_ns,
+            missing_tokens=_histogram(stats.missing_tokens),
+            estimated_transfer_ns=_histogram(stats.transfer_ns),
+            estimated_prefill_ns=_histogram(stats.prefill_ns),
+        )
 
     def _measure(self, plan: SchedulerOutput, elapsed_ns: int) -> None:
         """The prefill and copy-in rates the host store's lookup estimates use (running means over
@@ -481,15 +383,7 @@ class LLMEngine:
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
         started = time.perf_counter_ns()
-        result = self.executor.run(
-            plan.chunks,
-            plan.page_copies,
-            plan.state_before,
-            plan.state_after,
-            plan.host_in,
-            plan.state_in,
-            plan.window_copies,
-        )
+        result = self.executor.run(plan.chunks, plan.memory)
         self._measure(plan, time.perf_counter_ns() - started)
         return result
 
@@ -645,3 +539,12 @@ def _budget_close(seq: Sequence) -> int | None:
     if seq.num_output + 1 >= seq.request.max_tokens:
         return None  # no capacity left to continue after the close
     return budget.close_id
+
+
+def _counts(table: Mapping[K, int]) -> tuple[tuple[K, int], ...]:
+    """A counter table's (key, count) pairs, sorted (a copy: the engine thread keeps counting)."""
+    return tuple(sorted(dict(table).items()))
+
+
+def _histogram(histogram: Histogram) -> HistogramSnapshot:
+    return HistogramSnapshot(tuple(histogram.cumulative()), histogram.sum)

@@ -15,7 +15,9 @@ from torch import Tensor
 from helios.core import Core, host, hostcache
 from helios.core.logs import Stopwatch
 from helios.core.program import SCORED_PREFILL, STEP, VISION, CompiledProgram, Program, allocate_kv
-from helios.engine import graph, graphs, kernels, native, prepack, threads
+from helios.engine import graph, graphs, native, prepack, threads
+from helios.engine.kernels import registry as kernels
+from helios.engine.memory.plan import NO_MEMORY_WORK, MemoryPlan
 from helios.engine.sequence import Chunk
 
 log = logging.getLogger("helios.engine")
@@ -366,32 +368,22 @@ class Executor:
         for tensor in self.state:
             tensor[dst].copy_(tensor[src])
 
-    def run(
-        self,
-        chunks: tuple[Chunk, ...],
-        page_copies: tuple[tuple[int, int], ...] = (),
-        state_before: tuple[tuple[int, int], ...] = (),
-        state_after: tuple[tuple[int, int], ...] = (),
-        host_in: tuple = (),
-        state_in: tuple = (),
-        window_copies: tuple[tuple[int, int], ...] = (),
-    ) -> StepResult:
-        """Write pages restored from the host store (page, payload), copy the state slots (src, dst)
-        of `state_before`, then write the state slots restored from the host store (slot, payload),
-        run the chunks, then copy the pages and state slots (src, dst) of `page_copies` and
-        `state_after` that the step has just written."""
-        if host_in:
+    def run(self, chunks: tuple[Chunk, ...], memory: MemoryPlan = NO_MEMORY_WORK) -> StepResult:
+        """Carry out the memory plan's work before the step (host restores into pages, state copies,
+        host restores into state slots), run the chunks, then its copies after the step (forked
+        children's pages and window pages, state slots), which read what the step has just written."""
+        if memory.host_in:
             started = time.perf_counter_ns()
-            self.write_pages(host_in)
+            self.write_pages(memory.host_in)  # type: ignore[arg-type]
             self.host_in_ns += time.perf_counter_ns() - started
-            self.host_in_bytes += len(host_in) * self.page_bytes
-        for src, dst in state_before:
+            self.host_in_bytes += len(memory.host_in) * self.page_bytes
+        for src, dst in memory.state_before:
             self.copy_state(src, dst)
-        if state_in:
+        if memory.state_in:
             started = time.perf_counter_ns()
-            self.write_states(state_in)
+            self.write_states(memory.state_in)  # type: ignore[arg-type]
             self.host_in_ns += time.perf_counter_ns() - started
-            self.host_in_bytes += len(state_in) * self.state_bytes
+            self.host_in_bytes += len(memory.state_in) * self.state_bytes
         if self.serial_decode_rows:
             rows = sum(1 + len(c.draft_ids) for c in chunks)
             serial = rows <= self.serial_decode_rows and all(c.num_tokens == 1 for c in chunks)
@@ -406,11 +398,11 @@ class Executor:
         if scored:
             assert self.scored is not None, "prompt logprobs need a core exported with --prompt-logprobs"
             parts.append((scored, self._call(self.scored, scored, scored=True)))
-        for src, dst in page_copies:
+        for src, dst in memory.page_copies:
             self.copy_page(src, dst)
-        for src, dst in window_copies:
+        for src, dst in memory.window_copies:
             self.copy_window_page(src, dst)
-        for src, dst in state_after:
+        for src, dst in memory.state_after:
             self.copy_state(src, dst)
         sampled: list[Chunk] = []
         rows: dict[str, list[Tensor]] = {}
@@ -497,7 +489,9 @@ class Executor:
             inputs["target_ids"] = torch.tensor(targets, dtype=torch.int64)
         if "image_features" in program.input_names:  # vision cores: the rows whose embeddings are image features
             inputs.update(self.images.step_inputs(chunks, starts[:-1]) if self.images else no_image_rows(program))
-        if "attention_until" in program.input_names:  # an image's tokens see the rest of it (ops_bidirectional)
+        if (
+            "attention_until" in program.input_names
+        ):  # an image's tokens see the rest of it (helios/core/ops/bidirectional.py)
             inputs["attention_until"] = _attention_until(chunks, positions)
         if self.state:
             inputs["state_slots"] = torch.tensor([c.seq.state_slot for c in chunks], dtype=torch.int64)

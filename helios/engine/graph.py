@@ -16,21 +16,22 @@ import torch
 from torch import fx
 
 from helios.core.program import Program
-from helios.engine import kernels, kernels_block_sparse, kernels_mamba, kernels_recurrent, native
+from helios.engine import native
+from helios.engine.kernels import attention, block_sparse, gated_delta, glm5_next, mamba, moe, recurrent
 
 _ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 _DIRECT = {
-    torch.ops.flare.paged_attention.default: kernels.paged_attention_cpu,
-    torch.ops.flare.write_kv.default: kernels.write_kv_cpu,
-    torch.ops.flare.routed_experts.default: kernels.kernels_moe.routed_experts_cpu,
-    torch.ops.flare.block_select.default: kernels_block_sparse.block_select_cpu,
-    torch.ops.flare.block_sparse_attention.default: kernels_block_sparse.block_sparse_attention_cpu,
-    torch.ops.flare.causal_conv1d.default: kernels_recurrent.causal_conv1d_cpu,
-    torch.ops.flare.mamba2_scan.default: kernels_mamba.mamba2_scan_cpu,
-    torch.ops.flare.gated_delta_rule.default: kernels.kernels_gated_delta.gated_delta_rule_cpu,
-    torch.ops.flare.kda.default: kernels.kernels_glm5_next.kda_cpu,
+    torch.ops.flare.paged_attention.default: attention.paged_attention_cpu,
+    torch.ops.flare.write_kv.default: attention.write_kv_cpu,
+    torch.ops.flare.routed_experts.default: moe.routed_experts_cpu,
+    torch.ops.flare.block_select.default: block_sparse.block_select_cpu,
+    torch.ops.flare.block_sparse_attention.default: block_sparse.block_sparse_attention_cpu,
+    torch.ops.flare.causal_conv1d.default: recurrent.causal_conv1d_cpu,
+    torch.ops.flare.mamba2_scan.default: mamba.mamba2_scan_cpu,
+    torch.ops.flare.gated_delta_rule.default: gated_delta.gated_delta_rule_cpu,
+    torch.ops.flare.kda.default: glm5_next.kda_cpu,
 }
-# Served by the native library's own CPU kernels where it loads (kernels.register): the op call
+# Served by the native library's own CPU kernels where it loads (kernels.registry): the op call
 # costs less than the Python kernel's step bookkeeping.
 _NATIVE = {torch.ops.flare.paged_attention.default, torch.ops.flare.write_kv.default}
 

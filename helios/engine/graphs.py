@@ -29,8 +29,8 @@ counts both kinds (flare_graph_launches_total{kind}).
 from __future__ import annotations
 
 import bisect
-from typing import Protocol
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from helios.core.manifest import MAX_LOGPROB_TOKEN_IDS
-
 NON_FINITE_LOGPROB = -9999.0  # JSON has no -inf; the spec reports non-finite prompt logprobs so
 
 Alternatives = tuple[tuple[int, float], ...]  # (token_id, logprob), in reporting order
@@ -83,26 +81,6 @@ def explicit_alternatives(
 def dedupe_token_ids(ids: Iterable[int]) -> list[int]:
     """Ids without duplicates, in first-occurrence order."""
     return list(dict.fromkeys(ids))
-
-
-def validate_logprob_token_ids(ids: object, vocab_size: int) -> list[int]:
-    """A request's logprob_token_ids, checked and deduplicated; None and [] mean none.
-
-    Raises ValueError with a message fit for an HTTP 400.
-    """
-    if ids is None:
-        return []
-    if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"logprob_token_ids must be an array of token ids, got {type(ids).__name__}")
-    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
-        raise ValueError(f"logprob_token_ids accepts at most {MAX_LOGPROB_TOKEN_IDS} ids, got {len(ids)}")
-    for token_id in ids:
-        # bool is an int subclass, but `true` is not a token id.
-        if not isinstance(token_id, int) or isinstance(token_id, bool):
-            raise ValueError(f"logprob_token_ids must contain integers, got {token_id!r}")
-        if not 0 <= token_id < vocab_size:
-            raise ValueError(f"logprob_token_ids entry {token_id} is outside the vocabulary [0, {vocab_size})")
-    return dedupe_token_ids(ids)
 
 
 def _reportable(logprob: float) -> float:

@@ -52,6 +52,16 @@ class TokenConstraint(Protocol):
         ...
 
 
+class MaskRow(Protocol):
+    """One sampling row as the mask hook sees it: a running choice, or a row after drafts (its
+    choice's constraint advanced through the drafts before it). The hook reads only this."""
+
+    @property
+    def constraint(self) -> TokenConstraint | None:
+        """The row's constraint state; None for an unconstrained choice."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class EngineImage:
     """One image of a prompt: the token span its vision features fill, and how to make them.

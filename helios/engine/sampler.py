@@ -15,7 +15,6 @@ from torch import Tensor
 
 from helios.engine.sampling_params import SamplingParams
 
-
 TOP_P_CANDIDATES = 1024  # partial sort size for top-p; more only when these hold too little mass
 CANDIDATE_SIZES = (128, TOP_P_CANDIDATES)  # the draw tries the smaller set first (a cheaper partial sort)
 _EXP_FLOOR = -87.0  # exp() below this is subnormal in fp32 and very slow; such terms cannot move a sum >= 1

@@ -1,6 +1,7 @@
 """One choice of a request as the engine tracks it, and the units a step is planned in.
 
-Only the scheduler changes a Sequence (see scheduler.py for the invariants it keeps).
+Only the scheduler changes a Sequence's progress (see scheduler.py for the invariants it keeps);
+its memory fields are written only by the memory manager (memory/manager.py), at its request.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from helios.engine.logprobs import TokenLogprobs
+from helios.engine.memory.plan import NO_MEMORY_WORK, MemoryPlan
 from helios.engine.request import (
     EngineEvent,
     EngineRequest,
@@ -25,11 +27,8 @@ class Sequence:
     token_ids: list[int]  # prompt then generated tokens
     num_prompt: int
     arrival: int  # admission order of its request; larger is newer (preempted first)
-    pages: list[int] = field(default_factory=list)  # page table: page of positions [i*P, (i+1)*P)
     num_computed: int = 0  # leading tokens whose KV is in `pages`
     num_cached: int = 0  # prompt tokens reused from the prefix cache at first admission
-    chain: list[bytes] = field(default_factory=list)  # chain hash of each published full page
-    reserved: int = 0  # pages reserved in the pool for this sequence (its growth, its unforked children)
     unforked: int = 0  # choices 1..n-1 not yet created (choice 0 only, until its first sample)
     admitted: bool = False  # has run at least once (its num_cached is final)
     finish: FinishCause | None = None
@@ -41,13 +40,17 @@ class Sequence:
     reasoning_tokens: int = 0
     constraint: TokenConstraint | None = None  # this choice's own fork of the request's constraint
     draft_depth: float = 2.0  # adaptive speculation: drafts to offer next round; a new sequence starts shallow
+    # Its memory: written only by the memory manager (memory/manager.py); the executor reads the tables.
+    pages: list[int] = field(default_factory=list)  # page table: page of positions [i*P, (i+1)*P)
+    chain: list[bytes] = field(default_factory=list)  # chain hash of each published full page
+    reserved: int = 0  # pages reserved in the pool for this sequence (its growth, its unforked children)
+    window_pages: list[int] = field(default_factory=list)  # window-pool cores: window_pages.py (-1: none held)
+    window_reserved: int = 0  # window-pool pages reserved for its unforked children's copies
     state_slot: int | None = None  # hybrid cores: its live recurrent-state slot while running (state_slots.py)
+    rollback_slot: int | None = None  # hybrid cores: a borrowed slot holding its state before this step's drafts
     endpoint_slot: int | None = None  # hybrid cores: a claimed snapshot slot following its last full page
     endpoint_digest: bytes | None = None  # the chain hash the endpoint slot's state is at
     checkpoints: dict = field(default_factory=dict)  # hybrid cores: boundary -> Checkpoint chosen at admission
-    window_pages: list[int] = field(default_factory=list)  # window-pool cores: window_pages.py (-1: none held)
-    window_reserved: int = 0  # window-pool pages reserved for its unforked children's copies
-    rollback_slot: int | None = None  # hybrid cores: a borrowed slot holding its state before this step's drafts
 
     @property
     def num_output(self) -> int:
@@ -97,18 +100,8 @@ class Chunk:
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     chunks: tuple[Chunk, ...]  # invariant: at most one chunk per sequence; every page they touch is allocated
-    page_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) after the step: forked children's partial pages
     finished: tuple[EngineEvent, ...] = ()  # sequences planning found could never fit (length cause)
-    # Hybrid cores' recurrent-state slot copies (src, dst): snapshot restores before the step,
-    # forks and snapshot captures after it; captures are (sequence, boundary chain hash, snapshot slot,
-    # whether it is a conversation anchor).
-    state_before: tuple[tuple[int, int], ...] = ()
-    state_after: tuple[tuple[int, int], ...] = ()
-    captures: tuple[tuple[Sequence, bytes, int, bool], ...] = ()
-    host_in: tuple[tuple[int, object], ...] = ()  # (page, payload) restored from the host store before the step
-    window_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) after the step in the window pool (window_pages.py)
-    state_in: tuple[tuple[int, object], ...] = ()  # (state slot, payload) restored from the host store before the
-    # step, after state_before's copies (a slot written here may have been a snapshot those copies read)
+    memory: MemoryPlan = NO_MEMORY_WORK  # the step's copies and restores around the chunks (memory/plan.py)
 
     @property
     def sequences(self) -> list[Sequence]:

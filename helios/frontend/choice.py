@@ -7,7 +7,7 @@ another tool, or a second call when parallel calls are off, fails before it is e
 
 from __future__ import annotations
 
-from helios.engine.request import EngineEvent
+from helios.engine import EngineEvent
 from helios.frontend.events import FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
 from helios.frontend.inference import Termination, ToolChoice
 from helios.frontend.output import ChoiceOutput, OutputDelta

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from helios.engine.scheduler import Sequence
+from helios.engine import MaskRow
 
 
 class Phase(enum.Enum):
@@ -37,7 +37,7 @@ class ConstraintPlan:
 
 
 class GrammarConstraint:
-    """A TokenConstraint (helios.engine.request) over an llguidance matcher."""
+    """A TokenConstraint (helios.engine) over an llguidance matcher."""
 
     def __init__(self, matcher: llguidance.LLMatcher, plan: ConstraintPlan) -> None:
         self.matcher = matcher  # this choice's own copy (the request's template is never advanced)
@@ -109,9 +109,9 @@ class GrammarMasks:
         assert sys.byteorder == "little", "the packed mask is unpacked byte by byte, low bit first"
         self._bits_of_byte = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]
 
-    def __call__(self, seqs: Seq[Sequence]) -> torch.Tensor | None:
+    def __call__(self, rows: Seq[MaskRow]) -> torch.Tensor | None:
         active = [
-            (row, c) for row, s in enumerate(seqs) if isinstance(c := s.constraint, GrammarConstraint) and c.active
+            (index, c) for index, r in enumerate(rows) if isinstance(c := r.constraint, GrammarConstraint) and c.active
         ]
         if not active:
             return None
@@ -124,7 +124,7 @@ class GrammarMasks:
         )
         packed = bitmask[:num].view(torch.uint8).flatten().int()  # [num * words * 4]
         bits = self._bits_of_byte.index_select(0, packed).view(num, -1)  # [num, words * 32]
-        allowed = torch.ones(len(seqs), self.vocab_size, dtype=torch.bool)  # [B, V]
+        allowed = torch.ones(len(rows), self.vocab_size, dtype=torch.bool)  # [B, V]
         allowed[torch.tensor([row for row, _ in active])] = bits[:, : self.vocab_size]
         for row, constraint in active:
             if constraint.matcher.is_error():

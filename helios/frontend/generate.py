@@ -8,22 +8,22 @@ request's generations, and the server's driver hands the updates to a protocol e
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from helios.engine.client import EngineClient
-from helios.engine.request import EngineEvent
+from helios.engine import EngineClient, EngineEvent
 from helios.frontend.choice import ChoiceStream
 from helios.frontend.detokenizer import TokenBytes
 from helios.frontend.events import FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
 from helios.frontend.inference import Conversation, InferenceRequest, Termination
 from helios.frontend.output import ChoiceOutput, OutputDelta
 from helios.frontend.parsers import build_parser
-from helios.frontend.request import Frontend, PreparedPrompt
+from helios.frontend.prepare import Prepared
+from helios.frontend.prompt import PreparedPrompt
+from helios.frontend.request import Frontend
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,45 +167,30 @@ class Runner:
             return prompt.text
         return b"".join(self.tokens.bytes_of(t) for t in prompt.token_ids).decode("utf-8", "replace")
 
-    def submit(
-        self, request: InferenceRequest, prompts: list[PreparedPrompt], request_id: str, max_tokens: list[int]
-    ) -> Submission:
-        """Validate every child first, then submit them all (one failure submits nothing).
-
-        Each prompt's seeds start at its first global choice index, so batched prompts do
-        not repeat each other's samples. A zero-token prompt is submitted only to score it,
-        once: its n choices share that score and generate nothing.
-        """
-        engine_requests = []
-        for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
-            if limit == 0 and request.logprobs.prompt is None:
-                engine_requests.append(None)
-                continue
-            scored = dataclasses.replace(request, n=1) if limit == 0 else request
-            engine_requests.append(
-                self.frontend.engine_request(scored, f"{request_id}.{i}", prompt, limit, first_choice=i * request.n)
-            )
+    def submit(self, prepared: Prepared) -> Submission:
+        """Submit every prepared prompt (a failure aborts those already submitted)."""
+        request = prepared.request
         generations: list[Generation] = []
         try:
-            for index, (prompt, engine_request) in enumerate(zip(prompts, engine_requests)):
-                choices = [self._choice(request, prompt) for _ in range(request.n)]
-                events = self.client.submit(engine_request) if engine_request is not None else None
-                echo = self.echo_text(prompt) if request.echo else ""
+            for index, child in enumerate(prepared.inputs):
+                choices = [self._choice(request, child.prompt) for _ in range(request.n)]
+                events = self.client.submit(child.engine) if child.engine is not None else None
+                echo = self.echo_text(child.prompt) if request.echo else ""
                 generations.append(
                     Generation(
-                        prompt,
+                        child.prompt,
                         index * request.n,
-                        f"{request_id}.{index}",
+                        f"{prepared.request_id}.{index}",
                         choices,
                         events,
-                        engine_request.n if engine_request is not None else 0,
+                        child.engine.n if child.engine is not None else 0,
                         echo,
                     )
                 )
         except BaseException:
             self.abort(generations)
             raise
-        return Submission(request, request_id, generations)
+        return Submission(request, prepared.request_id, generations)
 
     def _choice(self, request: InferenceRequest, prompt: PreparedPrompt) -> ChoiceStream:
         output = ChoiceOutput(self.tokens, request.stop, request.logprobs, self.eos_ids)

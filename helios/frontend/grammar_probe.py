@@ -2,9 +2,9 @@
 
 llguidance is native code: some grammars within the size limit crash it (a few thousand
 chained Lark rules overflow its stack), others take gigabytes or run past any deadline. A
-new grammar is first compiled in a worker process with an address-space limit; a crash,
-an allocation failure or a missed deadline kills only that worker (it is replaced), and the
-request gets a 400. Only grammars that compiled there are compiled in the server, and the
+new grammar is first compiled in a worker process (helios.frontend.grammar_worker) with an
+address-space limit; a crash, an allocation failure or a missed deadline kills only that
+worker (it is replaced), and the request gets a 400. Only grammars that compiled there are compiled in the server, and the
 worker's measured memory for them is what the server's grammar cache charges.
 Cheap structural pre-checks (rule count, alternation width, nesting, repetition) run
 before any of it.
@@ -12,11 +12,9 @@ before any of it.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import re
-import resource
 import select
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import msgspec
 
@@ -147,98 +146,19 @@ class TrialTokenizer:
     eos_ids: tuple[int, ...]
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def _heap_bytes() -> int:
-    """Bytes allocated and in use (glibc's mallinfo2: heap plus mmapped blocks), else the RSS.
-    Allocated bytes, unlike the RSS, also count memory reused from earlier, freed compiles."""
-    try:
-        info = ctypes.CDLL(None).mallinfo2
-        info.restype = _MallInfo2
-        stats = info()
-        return int(stats.uordblks + stats.hblkhd)
-    except (AttributeError, OSError):
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * resource.getpagesize()
-
-
-def _send(stream, message: object) -> None:
+def send(stream: BinaryIO, message: object) -> None:
+    """Write one length-prefixed msgpack frame (both ends of a worker's pipes)."""
     frame = msgspec.msgpack.encode(message)
     stream.write(len(frame).to_bytes(4, "little") + frame)
     stream.flush()
 
 
-def _recv(stream) -> object:
+def recv(stream: BinaryIO) -> object:
+    """Read one frame written by `send`; EOFError when the other end is gone."""
     header = stream.read(4)
     if len(header) < 4:
         raise EOFError
     return msgspec.msgpack.decode(stream.read(int.from_bytes(header, "little")))
-
-
-def _worker_main() -> None:
-    """`python -m helios.frontend.grammar_probe`: compile what arrives on stdin, answer on stdout
-    ("ok", bytes held) or ("invalid", message). It may die trying; that is what it is for."""
-    import llguidance  # noqa: PLC0415 - only the worker process needs these
-    from tokenizers import Tokenizer  # noqa: PLC0415
-
-    from helios.frontend import grammar  # noqa: PLC0415
-
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    tokenizer_json, vocab_size, eos_ids, address_space = _recv(stdin)  # type: ignore[misc]
-    resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-    built: dict[str, llguidance.LLTokenizer] = {}
-
-    def tokenizer_for(target: str) -> llguidance.LLTokenizer:
-        if target not in built:
-            if target == "bytes":
-                built[target] = grammar._byte_tokenizer()
-            else:
-                plain = Tokenizer.from_str(tokenizer_json)
-                plain.no_padding()
-                plain.no_truncation()
-                built[target] = llguidance.LLTokenizer(plain.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
-        return built[target]
-
-    tokenizer_for("tokens")
-    _send(stdout, ("ready", 0))
-    while True:
-        try:
-            target, kind, definition = _recv(stdin)  # type: ignore[misc]
-        except EOFError:
-            return
-        try:
-            tokenizer = tokenizer_for(target)
-            before = _heap_bytes()
-            matcher = llguidance.LLMatcher(
-                tokenizer, grammar.grammar_source(kind, definition), log_level=0, limits=grammar.parser_limits()
-            )
-            if not matcher.is_error():
-                matcher.compute_bitmask()  # the lexer is built here: part of the cost
-            if matcher.is_error():
-                _send(stdout, ("invalid", matcher.get_error()))
-            else:
-                _send(stdout, ("ok", max(0, _heap_bytes() - before)))
-            del matcher
-        except MemoryError:
-            _send(stdout, ("memory", 0))
-        except Exception as exc:  # noqa: BLE001 - a compile error is the answer
-            _send(stdout, ("invalid", str(exc)))
 
 
 class _Worker:
@@ -246,13 +166,13 @@ class _Worker:
 
     def __init__(self, tokens: TrialTokenizer, address_space: int) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "helios.frontend.grammar_probe"],
+            [sys.executable, "-m", "helios.frontend.grammar_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
         self.ready = False
-        _send(self.process.stdin, (tokens.tokenizer_json, tokens.vocab_size, list(tokens.eos_ids), address_space))
+        send(self.process.stdin, (tokens.tokenizer_json, tokens.vocab_size, list(tokens.eos_ids), address_space))
 
     def ask(self, message: tuple, deadline: float) -> tuple[str, int] | None:
         """The worker's answer, or None when it died or missed the deadline (it is then killed)."""
@@ -261,11 +181,11 @@ class _Worker:
                 if not self._wait(time.monotonic() + STARTUP_SECONDS):
                     self.kill()
                     return None
-                _recv(self.process.stdout)
+                recv(self.process.stdout)
                 self.ready = True
-            _send(self.process.stdin, message)
+            send(self.process.stdin, message)
             if self._wait(deadline):
-                status, value = _recv(self.process.stdout)  # type: ignore[misc]
+                status, value = recv(self.process.stdout)  # type: ignore[misc]
                 return str(status), value
         except (EOFError, OSError, ValueError, msgspec.DecodeError):
             pass
@@ -348,7 +268,3 @@ class ProbePool:
 
 
 ProbeFn = Callable[[str, str, str, float], int]
-
-
-if __name__ == "__main__":
-    _worker_main()

@@ -124,10 +124,32 @@ class OutputConstraint:
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """The request's sampling fields, their types checked by the protocol decoder (fields.sampling).
+
+    None (or () for logit_bias) means omitted: the core's prepared default. Ranges are the
+    frontend's to check and clamp into the core's declared ones (frontend/sampling.py).
+    """
+
+    temperature: float | None = None  # finite
+    top_p: float | None = None  # finite
+    top_k: int | None = None  # an integer; -1 and 0 mean disabled, below -1 is refused by the frontend
+    min_p: float | None = None  # finite
+    repetition_penalty: float | None = None  # finite
+    presence_penalty: float | None = None  # finite
+    frequency_penalty: float | None = None  # finite
+    seed: int | None = None  # any integer; advanced by the choice index, then taken modulo 2**63
+    # (token id, bias) pairs in request order; biases finite numbers as sent (int or float), ids
+    # integers: the vocabulary, [-100, 100] and the entry count are the frontend's to check.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceRequest:
+    # The (first) input; a raw completions batch also lists every prompt in `batch`.
     input: Conversation | RawPrompt
-    sampling: Mapping[str, object]  # raw request values by parameter name (None = omitted)
-    max_tokens: int | None  # None: the server default bounded by the remaining context
+    sampling: SamplingOptions
+    max_tokens: int | None  # None: the server default bounded by the remaining context; 0: no output
     n: int = 1
     stop: StopOptions = StopOptions()
     logprobs: LogprobOptions = LogprobOptions()
@@ -136,6 +158,15 @@ class InferenceRequest:
     thinking_token_budget: int | None = None  # conversational requests only
     output: OutputConstraint | None = None  # structured output (conversational requests only)
     cache_salt: str | None = None  # prefix-cache partition: only requests with the same salt share cached prefixes
+    # Messages' thinking.budget_tokens without an explicit thinking_token_budget: a hard cap only
+    # where the model's reasoning syntax allows one, otherwise just the effort hint it also set.
+    budget_is_hint: bool = False
+    batch: tuple[RawPrompt, ...] = ()  # raw completions with several prompts: all of them, in order
+
+    @property
+    def inputs(self) -> tuple[Conversation | RawPrompt, ...]:
+        """Every input the request generates for, in prompt order (choice i * n + j is input i's j-th)."""
+        return self.batch or (self.input,)
 
 
 class Termination(enum.Enum):

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from helios.engine.logprobs import TokenLogprobs
-from helios.engine.request import EngineEvent, FinishCause
+from helios.engine import EngineEvent, FinishCause, TokenLogprobs
 from helios.frontend.detokenizer import IncrementalDecoder, TokenBytes
 from helios.frontend.inference import LogprobOptions, StopOptions, Termination
 

@@ -23,10 +23,13 @@ from helios.frontend.inference import (
     Message,
     RawPrompt,
     RequestError,
+    SamplingOptions,
     StopOptions,
     TextPart,
 )
-from helios.frontend.request import Frontend, ImageRejected, PreparedPrompt
+from helios.frontend.prompt import PreparedPrompt
+from helios.frontend.prompt_images import ImageRejected
+from helios.frontend.request import Frontend
 
 MAX_QUESTIONS = 64
 MAX_OPTIONS = 128
@@ -303,7 +306,7 @@ def _read_request(question: CompiledQuestion) -> InferenceRequest:
     keeps its entry), and sampling settings do not touch the raw distribution."""
     return InferenceRequest(
         input=RawPrompt(token_ids=question.prompt.token_ids),
-        sampling={},
+        sampling=SamplingOptions(),
         max_tokens=1,
         stop=StopOptions(ignore_eos=True),
         logprobs=LogprobOptions(top=0, token_ids=question.label_ids),
@@ -318,10 +321,8 @@ async def read_labels(
     reads: list[LabelRead] = []
     usage = ScoringUsage()
     for index, question in enumerate(questions):
-        request = _read_request(question)
-        frontend.check_options(request)
-        child_id = f"{request_id}-q{index}"
-        generations = runner.submit(request, [question.prompt], child_id, [1]).generations
+        prepared = frontend.prepare(_read_request(question), f"{request_id}-q{index}", [question.prompt])
+        generations = runner.submit(prepared).generations
         values: dict[int, float] = {}
         failure: str | None = None
         async for update in runner.merged(generations):

@@ -336,6 +336,7 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
     if stops is not None and (not isinstance(stops, list) or any(not isinstance(s, str) for s in stops)):
         raise RequestError("stop_sequences must be an array of strings", "stop_sequences")
     stream = f.optional_bool(body, "stream")
+    explicit = body.get("thinking_token_budget") is not None
     request = InferenceRequest(
         input=conversation,
         sampling=f.sampling(body),
@@ -351,10 +352,9 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
         thinking_token_budget=budget if budget is not None and budget <= MAX_APPLIED_BUDGET else None,
         output=messages_output_format(body, f.optional_object(body, "output_config") or {}),
         cache_salt=f.cache_salt(body),
+        budget_is_hint=not explicit,  # thinking.budget_tokens alone caps only where the model can
     )
-    options = MessagesOptions(
-        body["model"], stream, enabled, budget, effort, explicit_budget=body.get("thinking_token_budget") is not None
-    )
+    options = MessagesOptions(body["model"], stream, enabled, budget, effort, explicit_budget=explicit)
     return request, options
 
 

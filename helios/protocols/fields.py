@@ -8,7 +8,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from helios.frontend.inference import ImagePart, RequestError
+from helios.core.sampling import DISTRIBUTION_PARAMS
+from helios.frontend.inference import ImagePart, RequestError, SamplingOptions
 
 _MISSING = object()
 
@@ -91,19 +92,6 @@ def token_sequences(body: Mapping[str, Any], name: str) -> tuple[tuple[int, ...]
     return tuple(int_list(v, name) for v in value)
 
 
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logit_bias",
-)
-
-
 MAX_CACHE_SALT = 256
 
 
@@ -117,9 +105,56 @@ def cache_salt(body: Mapping[str, Any]) -> str | None:
     return value
 
 
-def sampling(body: Mapping[str, Any]) -> dict[str, object]:
-    """The raw sampling values; types are checked by the shared resolver (one place)."""
-    return {name: body.get(name) for name in SAMPLING_FIELDS}
+def sampling(body: Mapping[str, Any]) -> SamplingOptions:
+    """The sampling fields, their types checked (a number, an integer for top_k and seed, an object
+    for logit_bias), even for a parameter the core fixes, so a malformed request fails the same way
+    on every core. Ranges are the frontend's (frontend/sampling.py)."""
+    values: dict[str, Any] = {
+        name: _sampling_integer(name, body.get(name)) if name == "top_k" else _sampling_number(name, body.get(name))
+        for name in DISTRIBUTION_PARAMS
+    }
+    seed = _sampling_integer("seed", body.get("seed"))
+    return SamplingOptions(**values, seed=seed, logit_bias=_logit_bias(body.get("logit_bias")))
+
+
+def _sampling_number(name: str, raw: Any) -> float | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, (int, float)) or isinstance(raw, bool):  # `true` is no number in JSON
+        raise RequestError(f"{name} must be a number, got {type(raw).__name__}", name)
+    try:
+        value = float(raw)
+    except OverflowError:
+        value = math.inf  # an integer too large for a float: reported as non-finite
+    if not math.isfinite(value):
+        raise RequestError(f"{name} must be finite, got {raw}", name)
+    return value
+
+
+def _sampling_integer(name: str, raw: Any) -> int | None:
+    # top_k 5.0 is refused, not truncated: the spec says top_k must be an integer.
+    if raw is None:
+        return None
+    if not isinstance(raw, int) or isinstance(raw, bool):
+        raise RequestError(f"{name} must be an integer, got {type(raw).__name__}", name)
+    return raw
+
+
+def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} as (id, bias) pairs; a bias stays as sent (int or float) for messages."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise RequestError(f"logit_bias must be an object of token id -> bias, got {type(raw).__name__}", "logit_bias")
+    pairs = []
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        _sampling_number("logit_bias", value)
+        pairs.append((token, value))
+    return tuple(pairs)
 
 
 def reject(body: Mapping[str, Any], names: tuple[str, ...], why: str = "is not supported") -> None:

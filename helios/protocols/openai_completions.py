@@ -44,7 +44,7 @@ def _prompts(value: Any) -> list[RawPrompt]:
     )
 
 
-def decode(body: dict[str, Any]) -> tuple[InferenceRequest, list[RawPrompt], CompletionOptions]:
+def decode(body: dict[str, Any]) -> tuple[InferenceRequest, CompletionOptions]:
     for name in UNSUPPORTED:
         if body.get(name) not in (None, "", []):
             raise RequestError(f"{name} is not supported on /v1/completions", name)
@@ -92,6 +92,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, list[RawPrompt], Com
         echo=echo,
         stream=stream,
         cache_salt=f.cache_salt(body),
+        batch=tuple(prompts) if len(prompts) > 1 else (),
     )
     options = CompletionOptions(
         model,
@@ -101,4 +102,4 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, list[RawPrompt], Com
         echo,
         len(prompts),
     )
-    return request, prompts, options
+    return request, options

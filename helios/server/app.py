@@ -10,7 +10,7 @@ from litestar.response import Stream
 from helios.server import anthropic_routes, openai_routes, responses_routes
 from helios.server.discovery_routes import api_show, api_tags
 from helios.server.errors import anthropic_error, openai_error
-from helios.server.metrics import choose_format, json_snapshot, prometheus_text
+from helios.server.metrics import CONTENT_TYPE, choose_format, json_snapshot, prometheus_text
 from helios.server.responses import HttpError, error_response, json_response, translate
 from helios.server.route_io import ClientDisconnected, authorize, gone, json_object, state_of, unless_disconnected
 from helios.server.scoring_routes import decisions_route, systemone_route
@@ -33,11 +33,12 @@ def metrics(request: Request) -> Response:
         chosen = choose_format(request.query_params.get("format"), request.headers.get("accept"))
     except ValueError as exc:
         return error_response(HttpError(400, str(exc), param="format"))
-    values, first = state.snapshot(), state.first_response.summary()
+    scrape = state.scrape()
     if chosen == "json":
-        return json_response(json_snapshot(values, first, state.histograms()))
-    text = prometheus_text(values, first, state.histograms())
-    return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return json_response(json_snapshot(scrape.values, scrape.first_response, scrape.histograms))
+    text = prometheus_text(scrape.values, scrape.first_response, scrape.histograms)
+    # The whole header given: for a text/* media type Litestar would append a second charset.
+    return Response(content=text, media_type="text/plain", headers={"content-type": CONTENT_TYPE})
 
 
 @get("/v1/models", sync_to_thread=False)

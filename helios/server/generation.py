@@ -1,7 +1,8 @@
 """What every generation route does before encoding: prepare, admit, submit.
 
-Routes decode their protocol (on the frontend pool), call `start`, and hand the `Run` and
-their protocol's encoder to the driver (helios/server/driver.py).
+Routes decode their protocol (on the frontend pool), call `start`, which prepares the request
+in one more frontend-pool call (Frontend.prepare), and hand the `Run` and their protocol's
+encoder to the driver (helios/server/driver.py).
 """
 
 from __future__ import annotations
@@ -79,24 +80,19 @@ def admit(state: ServerState, slots: int) -> Reservation:
     return reservation
 
 
-async def start(state: ServerState, request: InferenceRequest, sources: list, prefix: str) -> Run:
-    """Validate, tokenize, take one admission slot per choice (429 when none), submit."""
-    frontend = state.frontend
-    frontend.check_options(request)
-    choices, limit = request.n * len(sources), state.config.max_concurrency
+async def start(state: ServerState, request: InferenceRequest, prefix: str) -> Run:
+    """Prepare (one frontend-pool hop), take one admission slot per choice (429 when none), submit."""
+    choices, limit = request.n * len(request.inputs), state.config.max_concurrency
     if choices > limit:  # before any prompt is tokenized: this group can never run
         raise HttpError(
             400,
             f"the request asks for {choices} choices (prompts times n) but this server generates at "
             f"most {limit} at once ([server] max_concurrency): send fewer prompts or a smaller n",
         )
-    if request.output is not None:
-        await state.in_pool(frontend.compile_output, request.output)  # bounded; cached for engine_request
-    prompts = [await state.in_pool(frontend.prompt, source, request.output) for source in sources]
-    limits = [frontend.max_tokens(request, len(p.token_ids)) if request.max_tokens != 0 else 0 for p in prompts]
-    reservation = admit(state, request.n * len(prompts))
+    prepared = await state.in_pool(state.frontend.prepare, request, new_request_id(prefix))
+    reservation = admit(state, prepared.num_choices)
     try:
-        submission = state.runner.submit(request, prompts, new_request_id(prefix), limits)
+        submission = state.runner.submit(prepared)
     except BaseException:
         reservation.release()
         raise

@@ -1,9 +1,11 @@
 """GET /metrics: the counter snapshot as JSON or Prometheus text 0.0.4, and the choice between them.
 
-Input is a flat mapping of engine and server counters keyed by the JSON field names of
-api.md's metrics table. Keys beyond the table (admission, uptime, image-preparation caches)
-pass through to JSON unchanged and to Prometheus as flare_<key>: a counter when the key
-ends in _total, else a gauge.
+One read of the engine's metrics snapshot (helios.engine.EngineMetrics) plus the server's own
+counters becomes a flat mapping keyed by the JSON field names of api.md's metrics table
+(`values_of`); both expositions render that one mapping. Keys beyond the table (admission, uptime,
+image-preparation caches) pass through to JSON unchanged and to Prometheus as flare_<key>: a
+counter when the key ends in _total, else a gauge. The text is prometheus_client's, from a
+collector over the mapping on a private registry.
 """
 
 from __future__ import annotations
@@ -14,10 +16,19 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from helios.engine import EMPTY_HISTOGRAM, EngineMetrics, HistogramSnapshot
+
 Number = int | float | bool
+# api.md: "Prometheus text exposition format 0.0.4" (prometheus_client's CONTENT_TYPE_LATEST is 1.0.0 since 0.22).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (JSON field, Prometheus name or None, Prometheus type, help); order is exposition order.
 FIELDS: tuple[tuple[str, str | None, str, str], ...] = (
@@ -222,8 +233,116 @@ HISTOGRAMS: tuple[tuple[str, str], ...] = (
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
+@dataclass(frozen=True, slots=True)
+class ServerCounters:
+    """What the server counts itself, beside the engine's snapshot."""
+
+    http_admission_in_use: int  # admission slots held
+    http_admission_capacity: int  # admission slots in total
+    uptime_seconds: int  # whole seconds since the server started
+    image_counters: Mapping[str, int]  # the frontend's share of the IMAGE_COUNTERS (decoding, rejections)
+
+
+def values_of(engine: EngineMetrics, server: ServerCounters) -> dict[str, Any]:
+    """The flat mapping both expositions render: JSON field name -> number, or for labelled
+    counters {"label value[/label value]": count}; learned_drafter_name is JSON only."""
+    e = engine
+    values: dict[str, Any] = {
+        "prefill_tokens": e.prefill_tokens,
+        "generated_tokens": e.generated_tokens,
+        "decode_weight_bytes": e.decode_weight_bytes,
+        "verification_rounds": e.verification_rounds,
+        "active": e.active,
+        "pending": e.pending,
+        "completed": e.completed,
+        "failed": e.failed,
+        "reused_tokens": e.reused_tokens,
+        "cached_pages": e.cached_pages,
+        "free_pages": e.free_pages,
+        "total_pages": e.total_pages,
+        "page_tokens": e.page_tokens,
+        "reasoning_budget_cuts": e.reasoning_budget_cuts,
+        "verify_steps": e.verify_steps,
+        "verification_drafts": e.verification_drafts,
+        "accepted_drafts": e.accepted_drafts,
+        "draft_rounds": e.draft_rounds,
+        "draft_steps": e.draft_steps,
+        "state_slots": e.state_slots,
+        "state_slot_bytes": e.state_slot_bytes,
+        "state_slots_used": e.state_slots_used,
+        "state_snapshots": e.state_snapshots,
+        "checkpoint_anchor_reservations": e.checkpoint_anchor_reservations,
+    }
+    values.update(e.images)  # image preparation and feature counters (engine), plus the frontend's
+    for name, count in server.image_counters.items():
+        values[name] = values.get(name, 0) + count
+    values.update(
+        checkpoint_captures=dict(e.checkpoint_captures),
+        checkpoint_skips=dict(e.checkpoint_skips),
+        checkpoint_extra_work_nanoseconds_total=e.checkpoint_extra_work_ns,
+        host_cache_slots_in_use=e.checkpoint_slots_in_use,
+        host_cache_slots_total=e.checkpoint_slots_total,
+        host_cache_intake_slots=e.checkpoint_intake_slots,
+    )
+    if (host := e.host) is not None:
+        values.update(
+            host_hits=host.hits,
+            host_reused_tokens=host.reused_tokens,
+            host_memory_records=host.memory_records,
+            host_disk_records=host.disk_records,
+            host_bytes_out=host.bytes_out,
+            host_bytes_in=host.bytes_in,
+            host_cache_parked_records=host.parked_records,
+            host_cache_store_skipped_total=host.skipped,
+            host_cache_held=dict(host.held),
+            host_cache_anchor_records=host.anchor_records,
+            host_cache_copyout_pinned_records=host.copyout_pinned_records,
+            host_cache_copyout_headroom_deferrals_total=host.copyout_deferrals,
+            host_cache_copyout_waits_total=host.copyout_waits,
+            host_cache_copyout_wait_nanoseconds_total=host.copyout_wait_ns,
+            host_cache_copyout_worker_nanoseconds_total=host.copyout_worker_ns,
+            host_cache_dropped=dict(host.dropped),
+        )
+    values.update(
+        preemptions_total=e.preemptions,
+        state_rewinds_total=e.state_rewinds,
+        used_pages=e.total_pages - e.free_pages - e.cached_pages,
+        # api.md: learned_drafter is a boolean; which drafter it is goes beside it (JSON only):
+        # "mtp" for the core's MTP programs, a draft core's model id, or null.
+        learned_drafter=e.learned_drafter is not None,
+        learned_drafter_name=e.learned_drafter,
+        learned_draft_tokens_total=e.learned_offered,
+        learned_accepted_draft_tokens_total=e.learned_accepted,
+        history_drafts_enabled=int(e.history_drafts_enabled),
+        http_admission_in_use=server.http_admission_in_use,
+        http_admission_capacity=server.http_admission_capacity,
+        uptime_seconds=server.uptime_seconds,
+        graph_launches=dict(e.graph_launches),  # by kind: graph (CUDA replay), eager
+    )
+    # Speculative counters by depth (drafts a request round offered), batch (decode rows in a
+    # verification step) and width (1 + the most drafts any row group of the step carried).
+    for label, table in (("depth", e.rounds_by_depth), ("batch", e.steps_by_batch), ("width", e.steps_by_width)):
+        for key, count in table:
+            values[f"speculative_{'rounds' if label == 'depth' else 'steps'}_{label}_{key}_total"] = count
+    return values
+
+
+def histograms_of(engine: EngineMetrics) -> dict[str, HistogramSnapshot]:
+    """Prometheus histogram name -> its state (none without a host prefix store)."""
+    host = engine.host
+    if host is None:
+        return {}
+    return {
+        "flare_host_cache_missing_tokens": host.missing_tokens,
+        "flare_host_cache_estimated_transfer_ns": host.estimated_transfer_ns,
+        "flare_host_cache_estimated_prefill_ns": host.estimated_prefill_ns,
+    }
+
+
 def json_snapshot(
-    values: Mapping[str, Number], first_response: Mapping[str, Any], histograms: Mapping[str, Any] | None = None
+    values: Mapping[str, Any],
+    first_response: Mapping[str, Any],
+    histograms: Mapping[str, HistogramSnapshot] | None = None,
 ) -> dict[str, Any]:
     """Every table field (absent = 0, integers except learned_drafter), extras, first_response, and
     each histogram under its Prometheus name without flare_: {"buckets": {le: cumulative count},
@@ -235,12 +354,11 @@ def json_snapshot(
     for key in _LABELLED_NAMES:
         out.setdefault(key, {})
     for name, _ in HISTOGRAMS:
-        histogram = (histograms or {}).get(name)
-        buckets = histogram.cumulative() if histogram is not None else [("+Inf", 0)]
+        histogram = (histograms or {}).get(name, EMPTY_HISTOGRAM)
         out[name.removeprefix("flare_")] = {
-            "buckets": dict(buckets),
-            "count": buckets[-1][1],
-            "sum": histogram.sum if histogram is not None else 0,
+            "buckets": dict(histogram.buckets),
+            "count": histogram.count,
+            "sum": histogram.sum,
         }
     out["first_response"] = {
         "median_seconds": first_response.get("median_seconds"),
@@ -253,66 +371,76 @@ def json_snapshot(
 
 
 def prometheus_text(
-    values: Mapping[str, Number], first_response: Mapping[str, Any], histograms: Mapping[str, Any] | None = None
+    values: Mapping[str, Any],
+    first_response: Mapping[str, Any],
+    histograms: Mapping[str, HistogramSnapshot] | None = None,
 ) -> str:
-    """Text exposition format 0.0.4, ending with a newline."""
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, value: Number | None) -> None:
-        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"])
-
-    for field, name, kind, help_text in FIELDS:
-        if name is not None:
-            metric(name, kind, help_text, int(values.get(field, 0)))
-    for key, kind, help_text in EXTRAS:
-        metric(f"flare_{key}", kind, help_text, values.get(key, 0))
-    for key, name, kind, help_text, labels, known in LABELLED:
-        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-        counts = dict.fromkeys(known, 0) | dict(values.get(key) or {})  # type: ignore[call-overload]
-        for label_values, count in sorted(counts.items()):
-            pairs = ",".join(f'{label}="{value}"' for label, value in zip(labels, label_values.split("/"), strict=True))
-            lines.append(f"{name}{{{pairs}}} {_number(count)}")
-    for key, value in values.items():
-        if key in _TABLE or key in _EXTRA_NAMES or key in _LABELLED_NAMES or key in JSON_ONLY:
-            continue
-        if not _NAME.fullmatch(key):
-            raise ValueError(f"metric key {key!r} is not a valid Prometheus name")
-        kind = "counter" if key.endswith("_total") else "gauge"
-        metric(f"flare_{key}", kind, key.replace("_", " "), value)
-    metric(
-        "flare_first_response_median_seconds",
-        "gauge",
-        "Median seconds from HTTP admission to first offered text over the window",
-        first_response.get("median_seconds"),
-    )
-    metric(
-        "flare_first_response_samples",
-        "gauge",
-        "First-response samples in the window",
-        first_response.get("samples", 0),
-    )
-    for name, help_text in HISTOGRAMS:  # empty without a host prefix store
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        histogram = (histograms or {}).get(name)
-        buckets = histogram.cumulative() if histogram is not None else [("+Inf", 0)]
-        lines += [f'{name}_bucket{{le="{le}"}} {count}' for le, count in buckets]
-        lines += [
-            f"{name}_sum {_number(histogram.sum if histogram is not None else 0)}",
-            f"{name}_count {buckets[-1][1]}",
-        ]
-    return "\n".join(lines) + "\n"
+    """Text exposition format 0.0.4 (prometheus_client's), ending with a newline."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MetricsCollector(values, first_response, histograms or {}))
+    return generate_latest(registry).decode()
 
 
-def _number(value: Number | None) -> str:
-    if value is None:
-        return "NaN"
-    if isinstance(value, bool) or isinstance(value, int):
-        return str(int(value))
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
+class MetricsCollector(Collector):
+    """The families of one /metrics read, in exposition order: the table, the extras, the labelled
+    counters (every label value api.md names, zero until counted), pass-through keys, the
+    first-response window, and the host-store histograms (empty without a host prefix store)."""
+
+    def __init__(
+        self,
+        values: Mapping[str, Any],
+        first_response: Mapping[str, Any],
+        histograms: Mapping[str, HistogramSnapshot],
+    ) -> None:
+        self.values, self.first_response, self.histograms = values, first_response, histograms
+
+    def describe(self) -> list[Metric]:
+        return []  # names are fixed by the tables; the private registry has nothing to clash with
+
+    def collect(self) -> Iterator[Metric]:
+        values = self.values
+        for field, name, kind, help_text in FIELDS:
+            if name is not None:
+                yield _family(name, kind, help_text, int(values.get(field, 0)))
+        for key, kind, help_text in EXTRAS:
+            yield _family(f"flare_{key}", kind, help_text, values.get(key, 0))
+        for key, name, kind, help_text, labels, known in LABELLED:
+            family = _FAMILIES[kind](name, help_text, labels=labels)
+            counts = dict.fromkeys(known, 0) | dict(values.get(key) or {})
+            for label_values, count in sorted(counts.items()):
+                family.add_metric(label_values.split("/"), count)
+            yield family
+        for key, value in values.items():
+            if key in _TABLE or key in _EXTRA_NAMES or key in _LABELLED_NAMES or key in JSON_ONLY:
+                continue
+            if not _NAME.fullmatch(key):
+                raise ValueError(f"metric key {key!r} is not a valid Prometheus name")
+            yield _family(
+                f"flare_{key}", "counter" if key.endswith("_total") else "gauge", key.replace("_", " "), value
+            )
+        yield _family(
+            "flare_first_response_median_seconds",
+            "gauge",
+            "Median seconds from HTTP admission to first offered text over the window",
+            self.first_response.get("median_seconds"),
+        )
+        yield _family(
+            "flare_first_response_samples",
+            "gauge",
+            "First-response samples in the window",
+            self.first_response.get("samples", 0),
+        )
+        for name, help_text in HISTOGRAMS:
+            histogram = self.histograms.get(name, EMPTY_HISTOGRAM)
+            yield HistogramMetricFamily(name, help_text, buckets=list(histogram.buckets), sum_value=histogram.sum)
+
+
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+
+
+def _family(name: str, kind: str, help_text: str, value: Number | None) -> Metric:
+    """One unlabelled counter or gauge; None (no value yet) is NaN."""
+    return _FAMILIES[kind](name, help_text, value=math.nan if value is None else float(value))
 
 
 class FirstResponseWindow:

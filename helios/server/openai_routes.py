@@ -15,13 +15,13 @@ from helios.server.state import ServerState
 
 async def chat(state: ServerState, body: dict[str, Any]) -> Response | Stream:
     request, options = await state.in_pool(openai_chat.decode, body)
-    run = await start(state, request, [request.input], "chatcmpl")
+    run = await start(state, request, "chatcmpl")
     return await respond(run, openai_chat_encoding.encoder(run.submission, run.model, options, state.runner.token_text))
 
 
 async def completions(state: ServerState, body: dict[str, Any]) -> Response | Stream:
-    request, sources, options = await state.in_pool(openai_completions.decode, body)
-    run = await start(state, request, sources, "cmpl")
+    request, options = await state.in_pool(openai_completions.decode, body)
+    run = await start(state, request, "cmpl")
     runner = state.runner
     token_text = _token_id_text if request.logprobs.as_token_ids else runner.token_text
     encoder = openai_completions_encoding.encoder(

@@ -9,8 +9,7 @@ import msgspec
 from litestar import Response
 
 from helios.core.logs import log_failure
-
-from helios.engine.client import EngineUnavailable, QueueFull, RequestRejected
+from helios.engine import EngineUnavailable, QueueFull, RequestRejected
 from helios.frontend.inference import RequestError
 from helios.protocols.encoding import OutputValidationError
 from helios.protocols.errors import openai_error

@@ -17,5 +17,5 @@ from helios.server.state import ServerState
 async def responses(state: ServerState, body: dict[str, Any]) -> Response | Stream:
     # Decoding compiles custom-tool grammars: on the bounded pool, through the shared cache.
     request, options = await state.in_pool(partial(rs.decode, body, grammars=state.frontend.grammars.tool_grammar))
-    run = await start(state, request, [request.input], "resp")
+    run = await start(state, request, "resp")
     return await respond(run, rs.encoder(run.submission, run.model, options))

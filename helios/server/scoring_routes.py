@@ -14,8 +14,8 @@ from helios.frontend.generate import new_request_id
 from helios.frontend.scoring import LabelRead, QuestionSpec, ScoringUsage, compile_questions, read_labels
 from helios.protocols import decisions, systemone
 from helios.server import multipart
-from helios.server.json_body import JsonBodyError, parse_json
 from helios.server.generation import admit as _admit
+from helios.server.json_body import JsonBodyError, parse_json
 from helios.server.responses import HttpError, error_response, json_response, translate
 from helios.server.route_io import (
     ClientDisconnected,

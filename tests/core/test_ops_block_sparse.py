@@ -1,4 +1,4 @@
-"""The block-sparse ops (helios.core.ops_block_sparse): flare::block_select against transformers'
+"""The block-sparse ops (helios.core.ops.block_sparse): flare::block_select against transformers'
 MiniMaxM3VLIndexer over a paged cache filled in chunks, flare::block_sparse_attention against the
 dense-mask attention transformers computes (build_block_mask + eager attention), and helios' CPU
 kernels against the reference kernels on mixed decode/prefill batches."""
@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import helios.core.ops  # noqa: F401  (defines the flare:: ops)
-from helios.core.ops_block_sparse import block_select, block_sparse_attention
-from helios.engine.kernels_block_sparse import block_select_cpu, block_sparse_attention_cpu
+from helios.core.ops.block_sparse import block_select, block_sparse_attention
+from helios.engine.kernels.block_sparse import block_select_cpu, block_sparse_attention_cpu
 
 PAGE = 4  # page tokens: blocks of 6 straddle pages
 

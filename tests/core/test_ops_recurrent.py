@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import helios.core.ops  # noqa: F401
-from helios.core.ops_recurrent import state_spans
-from helios.engine.kernels_recurrent import causal_conv1d_cpu
+from helios.core.ops.recurrent import state_spans
+from helios.engine.kernels.recurrent import causal_conv1d_cpu
 
 C, K = 6, 4
 

@@ -13,13 +13,13 @@ import pytest
 from helios.config import ServerConfig
 from helios.core import Core
 from helios.core.template import ChatTemplate
-from helios.engine.checkpoints import StepCosts
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.kv_cache import PagePool
+from helios.engine import EngineConfig, LLMEngine, build_engine
+from helios.engine.memory.checkpoints import StepCosts
+from helios.engine.memory.kv_cache import PagePool
+from helios.engine.memory.state_slots import StatePool
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, EngineStats
 from helios.engine.scheduler import Scheduler, SchedulerConfig
-from helios.engine.state_slots import StatePool
 from helios.frontend.request import Frontend
 from helios.protocols.anthropic_messages import decode
 from ignition.export import ExportOptions, export_core
@@ -209,14 +209,13 @@ def frontend(hybrid: Path) -> Frontend:
 
 def _engine_request(frontend: Frontend, body: dict, request_id: str) -> EngineRequest:
     request, _ = decode(body, headers_version=VERSION)
-    prompt = frontend.prompt(request.input)
-    engine_request = frontend.engine_request(request, request_id, prompt, 8)
-    return replace(engine_request, params=(PARAMS,), ignore_eos=True)  # greedy
+    engine_request = frontend.prepare(replace(request, max_tokens=8), request_id).inputs[0].engine
+    return replace(engine_request, request_id=request_id, params=(PARAMS,), ignore_eos=True)  # type: ignore[arg-type]
 
 
 def _engine(core: Path, **overrides) -> LLMEngine:
     config = {"num_pages": 256, "prefill_chunk_size": 2048, "snapshot_interval": 0, **overrides}
-    return LLMEngine(Core.open(core), EngineConfig(**config))
+    return build_engine(Core.open(core), EngineConfig(**config))
 
 
 def _text(frontend: Frontend, ids) -> str:
@@ -239,7 +238,7 @@ def test_candidate_positions_are_exact_token_boundaries(frontend: Frontend, temp
     request, _ = decode(_body("You are a careful assistant.", "Summarize it please."), headers_version=VERSION)
     conversation = request.input
     prompt = frontend.prompt(conversation)
-    rendering = frontend._rendering(conversation, None)
+    rendering = frontend.rendering(conversation)
     prefixes = {rendering.render(rendering.dicts[:k]) for k in range(2, len(rendering.dicts) + 1)}
     roles = {
         role: [pos for pos, r in prompt.checkpoint_hints if r == role]

@@ -8,17 +8,24 @@ from pathlib import Path
 import pytest
 
 from helios.core import Core
-from helios.engine.client import EngineClient, QueueFull, RequestRejected
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.request import EngineRequest, FinishCause
-from helios.engine.sampling_params import SamplingParams
+from helios.engine import (
+    EngineClient,
+    EngineConfig,
+    EngineMetrics,
+    EngineRequest,
+    FinishCause,
+    QueueFull,
+    RequestRejected,
+    SamplingParams,
+    build_engine,
+)
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 
 
 @pytest.fixture()
 def client(tiny_core: Path):
-    engine = LLMEngine(Core.open(tiny_core), EngineConfig(num_pages=128, max_pending=4, max_concurrency=2))
+    engine = build_engine(Core.open(tiny_core), EngineConfig(num_pages=128, max_pending=4, max_concurrency=2))
     client = EngineClient(engine).start()
     yield client
     client.shutdown()
@@ -37,10 +44,11 @@ def test_stream_and_abort_by_leaving(client: EngineClient) -> None:
             break  # the consumer goes away after the first token
         await stream.aclose()
         for _ in range(200):
-            if client.engine.stats.active == 0:
+            if client.metrics().active == 0:
                 break
             await asyncio.sleep(0.01)
-        assert client.engine.stats.active == 0 and client.engine.pool.num_free + client.engine.pool.num_cached == 128
+        metrics = client.metrics()
+        assert metrics.active == 0 and metrics.free_pages + metrics.cached_pages == metrics.total_pages == 128
 
     asyncio.run(scenario())
 
@@ -68,3 +76,21 @@ def test_abort_by_id_finishes_with_abort(client: EngineClient) -> None:
         assert causes[-1] is FinishCause.ABORT
 
     asyncio.run(scenario())
+
+
+def test_metrics_is_a_frozen_snapshot_of_what_ran(client: EngineClient) -> None:
+    """One call copies the engine's counters; later work changes the next snapshot, not this one."""
+    before = client.metrics()
+    assert isinstance(before, EngineMetrics) and before.device == "cpu" and before.host is None
+    assert before.total_pages == 128 and before.free_pages == 128 and before.generated_tokens == 0
+    assert dict(before.graph_launches) == {"graph": 0, "eager": 0} and before.learned_drafter is None
+    with pytest.raises(AttributeError):
+        before.generated_tokens = 1  # type: ignore[misc]
+
+    async def scenario():
+        return [t async for event in client.submit(_request("counted", 6)) for t in event.token_ids]
+
+    assert len(asyncio.run(scenario())) == 6
+    after = client.metrics()
+    assert after.generated_tokens == 6 and after.prefill_tokens == 4 and after.completed == 1
+    assert dict(after.graph_launches)["eager"] > 0 and before.generated_tokens == 0

@@ -1,4 +1,4 @@
-"""A separate draft core proposing drafts (helios.engine.draft_core) for tiny Llama cores of one
+"""A separate draft core proposing drafts (helios.engine.speculation.draft_core) for tiny Llama cores of one
 tokenizer: the target drafting for itself has every greedy draft accepted (its draft KV, chained
 rows and scratch pages are exact), another seed's core drafts losslessly (n = 2, a token stop,
 preemption under a small pool, cancellation) and leaves nothing behind, /metrics names it, and
@@ -15,12 +15,12 @@ import pytest
 
 from helios.config import ConfigError, ServerConfig, load_config
 from helios.core import Core
-from helios.engine.draft_core import incompatibility
-from helios.engine.drafter import SpeculationConfig
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
+from helios.engine.speculation.draft_core import incompatibility
+from helios.engine.speculation.drafter import SpeculationConfig
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
@@ -57,7 +57,7 @@ def _requests(core: Core, max_tokens: int = 24) -> list[EngineRequest]:
 
 
 def _run(target: Core, requests, speculation: SpeculationConfig, draft: Core | None = None, **config):
-    engine = LLMEngine(
+    engine = build_engine(
         target, EngineConfig(num_pages=config.pop("num_pages", 64), speculation=speculation, draft_core=draft, **config)
     )
     out = run_to_completion(engine, requests)
@@ -114,7 +114,7 @@ def test_preemption_and_cancellation_free_draft_state(cores: tuple[Path, Path]) 
     assert {k: [c.token_ids for c in v] for k, v in spec.items()} == {
         k: [c.token_ids for c in v] for k, v in off.items()
     }
-    engine = LLMEngine(target, EngineConfig(num_pages=64, speculation=DRAFTS, draft_core=draft))
+    engine = build_engine(target, EngineConfig(num_pages=64, speculation=DRAFTS, draft_core=draft))
     for request in requests:
         engine.add(request)
     for _ in range(5):
@@ -132,10 +132,10 @@ def test_metrics_name_the_draft_core(cores: tuple[Path, Path]) -> None:
     from helios.server.state import ServerState
 
     target, draft = Core.open(cores[0]), Core.open(cores[1])
-    engine = LLMEngine(target, EngineConfig(num_pages=32, speculation=DRAFTS, draft_core=draft))
+    engine = build_engine(target, EngineConfig(num_pages=32, speculation=DRAFTS, draft_core=draft))
     run_to_completion(engine, _requests(target, max_tokens=6)[:1])
     state = SimpleNamespace(
-        client=SimpleNamespace(engine=engine),
+        client=SimpleNamespace(metrics=engine.metrics),
         slots=SimpleNamespace(in_use=0, capacity=1),
         started=0.0,
         frontend=SimpleNamespace(image_counters={}),
@@ -155,7 +155,7 @@ def test_a_draft_core_of_another_tokenizer_is_refused(cores: tuple[Path, Path], 
     assert "different tokenizer" in (incompatibility(other, draft.manifest) or "")
     stranger = replace(target, manifest=other)
     with pytest.raises(ValueError, match="different tokenizer"):
-        LLMEngine(stranger, EngineConfig(num_pages=16, speculation=DRAFTS, draft_core=draft))
+        build_engine(stranger, EngineConfig(num_pages=16, speculation=DRAFTS, draft_core=draft))
     with pytest.raises(ConfigError, match=r"draft_core / --draft-core .*different tokenizer"):
         _draft_core(ServerConfig(draft_core=str(cores[1])), other)
     assert load_config(None, draft_core=cores[1]).draft_core == str(cores[1])  # --draft-core

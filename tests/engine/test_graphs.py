@@ -11,8 +11,9 @@ import torch
 
 from helios.core import Core
 from helios.core.program import STEP, allocate_kv
-from helios.engine import devices, kernels
+from helios.engine import devices
 from helios.engine.graphs import EagerBackend, GraphRunner
+from helios.engine.kernels import registry
 
 PAGE = 4
 
@@ -170,7 +171,7 @@ def test_a_replaced_cache_tensor_recaptures() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_core: Path):
-    kernels.register()
+    registry.register()
     core = Core.open(tiny_core)
     program = core.load_program(STEP, check_guards=False)
     return core, program, core.load_weights("cpu")

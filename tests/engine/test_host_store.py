@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from helios.core import Core
-from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
-from helios.engine.host_store import HostStore, Record, identity_of
-from helios.engine.kv_cache import ROOT_HASH, page_hash
+from helios.engine import EngineConfig, HostCacheConfig, LLMEngine, build_engine
+from helios.engine.memory.host_store import HostStore, Record, identity_of
+from helios.engine.memory.kv_cache import ROOT_HASH, page_hash
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
@@ -35,7 +35,9 @@ def _prompt(core: Core, length: int, seed: int) -> tuple[int, ...]:
 
 def _engine(core: Core, directory: Path | None, memory: int = 256 * MIB, pages: int = 300) -> LLMEngine:
     host = HostCacheConfig(memory_bytes=memory, directory=directory, disk_bytes=512 * MIB)
-    return LLMEngine(core, EngineConfig(num_pages=pages, prefill_chunk_size=512, host_cache=host, compiled_step=False))
+    return build_engine(
+        core, EngineConfig(num_pages=pages, prefill_chunk_size=512, host_cache=host, compiled_step=False)
+    )
 
 
 def _ask(engine: LLMEngine, prompt: tuple[int, ...], name: str):
@@ -151,7 +153,7 @@ def test_dram_and_disk_stay_within_their_bounds(tmp_path: Path) -> None:
 def _slow_copier(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Make the copier thread slow, so pins are held across several steps (not synchronization:
     nothing waits for it except the code under test)."""
-    from helios.engine import host_copy
+    from helios.engine.memory import host_copy
 
     gather = host_copy._gather
 
@@ -181,10 +183,10 @@ def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, m
     the pool is whole again at idle."""
     _slow_copier(monkeypatch, 0.003)
     requests = _stress_requests(tiny)
-    fresh = LLMEngine(tiny, EngineConfig(num_pages=400, prefill_chunk_size=64, compiled_step=False))
+    fresh = build_engine(tiny, EngineConfig(num_pages=400, prefill_chunk_size=64, compiled_step=False))
     expected = run_to_completion(fresh, requests)
     host = HostCacheConfig(memory_bytes=256 * MIB, directory=None, disk_bytes=0)
-    engine = LLMEngine(
+    engine = build_engine(
         tiny, EngineConfig(num_pages=24, prefill_chunk_size=64, max_concurrency=4, host_cache=host, compiled_step=False)
     )
     for request in requests:
@@ -223,10 +225,12 @@ def test_concurrent_traffic_through_a_tiny_pool_with_a_slow_copier(tiny: Core, m
 def test_a_copier_that_is_behind_drops_the_chains_end_counted(tiny: Core, monkeypatch: pytest.MonkeyPatch) -> None:
     _slow_copier(monkeypatch, 0.01)
     page_bytes = None
-    probe = LLMEngine(tiny, EngineConfig(num_pages=64, compiled_step=False))
+    probe = build_engine(tiny, EngineConfig(num_pages=64, compiled_step=False))
     page_bytes = probe.executor.page_bytes
     host = HostCacheConfig(memory_bytes=256 * MIB, directory=None, disk_bytes=0, copy_queue_bytes=4 * page_bytes)
-    engine = LLMEngine(tiny, EngineConfig(num_pages=64, prefill_chunk_size=512, host_cache=host, compiled_step=False))
+    engine = build_engine(
+        tiny, EngineConfig(num_pages=64, prefill_chunk_size=512, host_cache=host, compiled_step=False)
+    )
     size = tiny.manifest.limits.page_tokens
     first = _prompt(tiny, 10 * size + 5, seed=3)
     second = _prompt(tiny, 10 * size + 5, seed=4)
@@ -301,7 +305,7 @@ def test_an_anchors_pages_survive_dram_pressure_that_evicts_the_rest(tiny: Core)
         ignore_eos=True,
         checkpoint_hints=((len(system), "anchor"),),
     )
-    probe = LLMEngine(tiny, EngineConfig(num_pages=64, compiled_step=False))
+    probe = build_engine(tiny, EngineConfig(num_pages=64, compiled_step=False))
     memory = 60 * probe.executor.page_bytes  # the DRAM tier holds 60 pages
     engine = _engine(tiny, None, memory=memory, pages=200)
     run_to_completion(engine, [first])
@@ -327,7 +331,7 @@ def test_an_anchors_pages_survive_dram_pressure_that_evicts_the_rest(tiny: Core)
     assert engine.pool.page_of(page_hash(ROOT_HASH, b"", system[:size])) is None  # not from the pool
     warm = run_to_completion(engine, [later])["later"][0]
     assert store.stats.hits == hits + 1 and warm.num_cached_tokens == len(system)
-    alone = run_to_completion(LLMEngine(tiny, EngineConfig(num_pages=200, compiled_step=False)), [later])["later"][0]
+    alone = run_to_completion(build_engine(tiny, EngineConfig(num_pages=200, compiled_step=False)), [later])["later"][0]
     assert warm.token_ids == alone.token_ids
     engine.close()
 

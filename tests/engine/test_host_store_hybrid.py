@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helios.core import Core
-from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
+from helios.engine import EngineConfig, HostCacheConfig, LLMEngine, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
@@ -37,7 +37,9 @@ def hybrids(tmp_path_factory: pytest.TempPathFactory) -> tuple[Core, Core]:
 
 def _engine(core: Core, directory: Path | None, **overrides) -> LLMEngine:
     host = HostCacheConfig(memory_bytes=64 * MIB, directory=directory, disk_bytes=256 * MIB)
-    return LLMEngine(core, EngineConfig(**{"num_pages": 64, "prefill_chunk_size": 16, "host_cache": host, **overrides}))
+    return build_engine(
+        core, EngineConfig(**{"num_pages": 64, "prefill_chunk_size": 16, "host_cache": host, **overrides})
+    )
 
 
 def _request(core: Core, name: str) -> EngineRequest:
@@ -50,7 +52,7 @@ def test_a_restarted_hybrid_server_restores_pages_and_state_from_disk(hybrids, t
     size = core.manifest.limits.page_tokens
     request = _request(core, "cold")
     assert len(request.prompt_ids) > 4 * size
-    uncached = run_to_completion(LLMEngine(core, EngineConfig(num_pages=64, enable_prefix_cache=False)), [request])
+    uncached = run_to_completion(build_engine(core, EngineConfig(num_pages=64, enable_prefix_cache=False)), [request])
     engine = _engine(core, tmp_path)
     cold = run_to_completion(engine, [request])["cold"][0]
     assert cold.token_ids == uncached["cold"][0].token_ids
@@ -94,7 +96,7 @@ def test_another_cores_records_are_never_restored(hybrids, tmp_path: Path) -> No
     assert theirs.host.disk_records == len(moved) > 0
     got = run_to_completion(theirs, [_request(other, "theirs")])["theirs"][0]
     alone = run_to_completion(
-        LLMEngine(other, EngineConfig(num_pages=64, enable_prefix_cache=False)), [_request(other, "theirs")]
+        build_engine(other, EngineConfig(num_pages=64, enable_prefix_cache=False)), [_request(other, "theirs")]
     )["theirs"][0]
     assert got.num_cached_tokens == 0 and theirs.host.stats.hits == 0 and got.token_ids == alone.token_ids
     assert theirs.host.stats.dropped.get(("nvme", "io_error"), 0) >= 1

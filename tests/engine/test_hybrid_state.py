@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from helios.core import Core
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.offline import collect, run_to_completion, ChoiceOutput
+from helios.engine import EngineConfig, LLMEngine, build_engine
+from helios.engine.offline import ChoiceOutput, collect, run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
 from ignition.export import ExportOptions, export_core
@@ -44,7 +44,7 @@ def _prompt(core: Core, text: str) -> tuple[int, ...]:
 
 
 def _engine(core: Core, **overrides) -> LLMEngine:
-    return LLMEngine(core, EngineConfig(**{"num_pages": 64, "prefill_chunk_size": 16, **overrides}))
+    return build_engine(core, EngineConfig(**{"num_pages": 64, "prefill_chunk_size": 16, **overrides}))
 
 
 def _idle(engine: LLMEngine) -> None:
@@ -149,7 +149,7 @@ def test_speculation_rewinds_the_state_after_rejections_and_changes_no_output(hy
     the live slot), so tokens and logprobs equal plain decoding. The drafts are the plain run's own
     continuation with every third round's middle draft wrong, so every family sees accepted and
     rejected drafts; forks, preemption and a single spare slot (others then decode plainly) included."""
-    from helios.engine.drafter import SpeculationConfig
+    from helios.engine.speculation.drafter import SpeculationConfig
 
     text = "one two three four one two three four "
     requests = [

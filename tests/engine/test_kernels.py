@@ -3,12 +3,15 @@ the native kernel and by the Python gather path."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-import helios.core.ops as ops
-from helios.engine import kernels, native
+from helios.core.ops.base import reference_paged_attention
+from helios.core.ops.sinks import sink_attention
+from helios.engine import native
+from helios.engine.kernels import attention
+from helios.engine.kernels.attention import paged_attention_cpu
+from helios.engine.kernels.sinks import sink_attention_cpu
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])
@@ -19,7 +22,7 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
             pytest.skip("no C++ compiler: the native kernels cannot be built here")
         assert native.load(), native.status()
     else:
-        monkeypatch.setattr(native, "loaded", lambda: False)
+        monkeypatch.setattr(attention, "_native", False)  # as where the native library did not load
     return request.param
 
 
@@ -61,8 +64,8 @@ CASES = {
 def test_cpu_kernel_matches_the_reference(name: str) -> None:
     lens, queries = CASES[name]
     args = _case(hash(name) % 1000, lens, queries)
-    expected = ops.reference_paged_attention(*args, 0.25)
-    got = kernels.paged_attention_cpu(*args, 0.25)
+    expected = reference_paged_attention(*args, 0.25)
+    got = paged_attention_cpu(*args, 0.25)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -106,9 +109,9 @@ def test_windowed_and_capped_kernels_match_a_dense_reference(name: str) -> None:
     lens, queries, window, softcap = WINDOWED[name]
     args = _case(sorted(WINDOWED).index(name), lens, queries)
     dense = _dense(*args, 0.25, window, softcap)
-    reference = ops.reference_paged_attention(*args, 0.25, window, softcap)
+    reference = reference_paged_attention(*args, 0.25, window, softcap)
     torch.testing.assert_close(reference, dense, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kernels.paged_attention_cpu(*args, 0.25, window, softcap), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(paged_attention_cpu(*args, 0.25, window, softcap), dense, rtol=1e-5, atol=1e-5)
 
 
 def test_layers_with_different_windows_share_a_step() -> None:
@@ -116,7 +119,7 @@ def test_layers_with_different_windows_share_a_step() -> None:
     args = _case(7, [9, 3, 20, 7], [1, 3, 1, 7])
     for window in (4, 0, 4, 0):
         torch.testing.assert_close(
-            kernels.paged_attention_cpu(*args, 0.25, window), _dense(*args, 0.25, window, 0.0), rtol=1e-5, atol=1e-5
+            paged_attention_cpu(*args, 0.25, window), _dense(*args, 0.25, window, 0.0), rtol=1e-5, atol=1e-5
         )
 
 
@@ -131,12 +134,9 @@ def test_programs_exported_before_the_options_still_call_the_op() -> None:
 def test_sink_attention_in_the_same_step_keeps_its_own_layout(decode_path: str) -> None:
     """A step whose layers mix flare::paged_attention and flare::sink_attention with one window
     (MiMo-style): the paged layer's in-place plan must not stand in for the sink layer's gather."""
-    from helios.core.ops_sinks import sink_attention
-    from helios.engine.kernels_sinks import sink_attention_cpu
-
     q, k_cache, v_cache, tables, lens, starts, positions = _case(11, [9, 3, 20, 7], [1, 3, 1, 7])
     packed = torch.cat([k_cache, v_cache], dim=-1)  # key then value per kv head
-    kernels.paged_attention_cpu(q, k_cache, v_cache, tables, lens, starts, positions, 0.25, 4)
+    paged_attention_cpu(q, k_cache, v_cache, tables, lens, starts, positions, 0.25, 4)
     got = sink_attention_cpu(q, packed, tables, lens, starts, positions, 0.25, 4, None)
     torch.testing.assert_close(
         got, sink_attention(q, packed, tables, lens, starts, positions, 0.25, 4, None), rtol=1e-5, atol=1e-5

@@ -1,4 +1,4 @@
-"""flare::gated_delta_rule (helios.core.ops_gated_delta): the reference kernel and helios' CPU
+"""flare::gated_delta_rule (helios.core.ops.gated_delta): the reference kernel and helios' CPU
 kernel against transformers' torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule,
 on mixed batches: fresh prompts longer than a chunk, chunks that start mid-sequence from a
 non-zero state, decode rows from a state and fresh one-token prompts."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios.core import ops_gated_delta
-from helios.engine import kernels_gated_delta
+from helios.core.ops import gated_delta as ops_gated_delta
+from helios.engine.kernels import gated_delta as kernels_gated_delta
 
 HK, HV, DK, DV = 2, 4, 8, 6
 SLOTS = 7

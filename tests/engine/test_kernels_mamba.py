@@ -1,4 +1,4 @@
-"""flare::mamba2_scan (helios.core.ops_mamba): the reference kernel against transformers' own
+"""flare::mamba2_scan (helios.core.ops.mamba): the reference kernel against transformers' own
 Mamba-2 torch pieces (Nemotron-H's chunked scan with initial and final states, and its
 single-token state update), and helios' CPU kernel against the reference on mixed batches:
 decode rows, chunks that start mid-sequence from non-zero state, fresh prompts, spans longer
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios.core import ops_mamba
-from helios.engine import kernels_mamba
+from helios.core.ops import mamba as ops_mamba
+from helios.engine.kernels import mamba as kernels_mamba
 
 HEADS, DIM, GROUPS, STATE = 6, 4, 2, 5  # heads of DIM channels, GROUPS groups of B/C of size STATE
 DT_MIN = 1e-3

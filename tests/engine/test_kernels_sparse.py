@@ -1,4 +1,4 @@
-"""The DeepSeek Sparse Attention ops (helios.core.ops_sparse): the reference kernels and helios'
+"""The DeepSeek Sparse Attention ops (helios.core.ops.sparse): the reference kernels and helios'
 CPU kernels against direct dense computations (per-query loops over token-by-token history,
 an explicit selection mask), including exact ties at the k-th score and rows with fewer
 visible keys than k."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios.core import ops_sparse
-from helios.engine import kernels_sparse
+from helios.core.ops import sparse as ops_sparse
+from helios.engine.kernels import sparse as kernels_sparse
 
 PAGE_TOKENS = 4
 TOPK = 5

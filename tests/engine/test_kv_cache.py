@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helios.engine.kv_cache import ROOT_HASH, PagePool, OutOfPages
+from helios.engine.memory.kv_cache import ROOT_HASH, OutOfPages, PagePool
 
 
 def _publish_all(pool: PagePool, pages: list[int], tokens: tuple[int, ...], identity: bytes = b"") -> None:

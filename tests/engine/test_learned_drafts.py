@@ -1,4 +1,4 @@
-"""Learned drafts from a core's MTP programs (helios.engine.mtp) on three tiny cores with one MTP
+"""Learned drafts from a core's MTP programs (helios.engine.speculation.mtp) on three tiny cores with one MTP
 layer each: MiMo-V2 (sliding attention with an 8-key window), DeepSeek-V3's (kimi_k3: MLA over a
 latent cache, routed MoE) and Qwen3-Next (a hybrid: gated DeltaNet state rewound after rejected
 drafts; gated attention and routed MoE in the MTP layer), 16-token pages. Output and logprobs are those of plain decoding with
@@ -17,11 +17,11 @@ import torch
 
 from helios.core import Core
 from helios.core.program import run_prompt
-from helios.engine.drafter import SpeculationConfig
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, LLMEngine, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
+from helios.engine.speculation.drafter import SpeculationConfig
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint, GrammarMasks
 from helios.frontend.grammar import GrammarService
 from ignition.export import ExportOptions, export_core
@@ -69,7 +69,7 @@ def _prompts(core: Core) -> list[tuple[int, ...]]:
 
 
 def _run(core: Core, requests: list[EngineRequest], speculation: SpeculationConfig, **config):
-    engine = LLMEngine(core, EngineConfig(num_pages=config.pop("num_pages", 96), speculation=speculation, **config))
+    engine = build_engine(core, EngineConfig(num_pages=config.pop("num_pages", 96), speculation=speculation, **config))
     out = run_to_completion(engine, requests)
     _check_nothing_held(engine)
     return out, engine
@@ -189,7 +189,7 @@ def test_mtp_proposals_follow_the_reference_mtp_over_committed_tokens(core: Core
     """Fixed depth 3, so most rounds reject a draft: the KV the MTP layer keeps after each must be
     that of the committed tokens (speculative rows overwritten), for a single choice and n = 2."""
     requests = _requests(core, max_tokens=20)
-    engine = LLMEngine(core, EngineConfig(num_pages=96, speculation=MTP))
+    engine = build_engine(core, EngineConfig(num_pages=96, speculation=MTP))
     records = _recording(engine)
     out = run_to_completion(engine, requests)
     _check_nothing_held(engine)
@@ -204,7 +204,7 @@ def test_preemption_and_cancellation_leave_nothing_behind(core: Core) -> None:
     requests = _requests(core, max_tokens=28)
     again = requests[1:] + [replace(requests[1], request_id="r1b")]  # the short prompts: they all get admitted
     off, _ = _run(core, again, OFF, num_pages=8, prefill_chunk_size=16)
-    engine = LLMEngine(core, EngineConfig(num_pages=8, prefill_chunk_size=16, speculation=MTP))
+    engine = build_engine(core, EngineConfig(num_pages=8, prefill_chunk_size=16, speculation=MTP))
     records = _recording(engine)
     spec = run_to_completion(engine, again)
     _check_nothing_held(engine)
@@ -214,7 +214,7 @@ def test_preemption_and_cancellation_leave_nothing_behind(core: Core) -> None:
     }
     finals = [list(r.prompt_ids) + c.token_ids for r in again for c in spec[r.request_id]]
     assert _check_against_reference(core, records[::4], finals) > 0  # recomputed after preemption, reused pages
-    engine = LLMEngine(core, EngineConfig(num_pages=96, speculation=MTP))
+    engine = build_engine(core, EngineConfig(num_pages=96, speculation=MTP))
     for request in requests:
         engine.add(request)
     for _ in range(6):
@@ -238,10 +238,10 @@ def test_metrics_name_the_learned_drafter(core: Core) -> None:
 
     window = FirstResponseWindow().summary(now=0.0)
     for speculation, name in ((MTP, "mtp"), (HISTORY, None), (OFF, None)):
-        engine = LLMEngine(core, EngineConfig(num_pages=32, speculation=speculation))
+        engine = build_engine(core, EngineConfig(num_pages=32, speculation=speculation))
         run_to_completion(engine, _requests(core, max_tokens=6)[:1])
         state = SimpleNamespace(
-            client=SimpleNamespace(engine=engine),
+            client=SimpleNamespace(metrics=engine.metrics),
             slots=SimpleNamespace(in_use=0, capacity=1),
             started=0.0,
             frontend=SimpleNamespace(image_counters={}),
@@ -259,9 +259,9 @@ def test_metrics_name_the_learned_drafter(core: Core) -> None:
 def test_history_wins_only_with_a_long_match_filling_the_depth() -> None:
     """Drafter.propose: history's proposal from a 4-token match covering the depth, else the
     learned one (counted as learned when verified), else the shorter history."""
-    from helios.engine.drafter import Drafter
     from helios.engine.request import EngineStats
     from helios.engine.sequence import Sequence
+    from helios.engine.speculation.drafter import Drafter
 
     stats = EngineStats()
     drafter = Drafter(SpeculationConfig(mode="fixed", max_drafts=3, shared_history=False), stats)
@@ -310,7 +310,7 @@ def test_learned_drafts_follow_the_grammar_of_a_constrained_answer(core: Core) -
     ]
 
     def run(speculation: SpeculationConfig, record: bool = False):
-        engine = LLMEngine(
+        engine = build_engine(
             core, EngineConfig(num_pages=96, speculation=speculation), mask_hook=GrammarMasks(m.tokenizer.vocab_size)
         )
         proposals: list[tuple[GrammarConstraint, tuple[int, ...], int]] = []  # (state, drafts, depth asked)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helios.core import Core
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, LLMEngine, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ def tiny(tiny_core: Path) -> Core:
 
 
 def _engine(core: Core, **overrides) -> LLMEngine:
-    return LLMEngine(core, EngineConfig(**{"num_pages": 256, **overrides}))
+    return build_engine(core, EngineConfig(**{"num_pages": 256, **overrides}))
 
 
 def _prompt(core: Core, text: str) -> tuple[int, ...]:

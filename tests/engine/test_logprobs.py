@@ -13,7 +13,6 @@ from helios.engine.logprobs import (
     explicit_alternatives,
     natural_alternatives,
     prompt_entry,
-    validate_logprob_token_ids,
 )
 
 
@@ -91,31 +90,6 @@ def test_explicit_alternatives_hold_at_most_129_entries() -> None:
 
 def test_dedupe_keeps_first_occurrence_order() -> None:
     assert dedupe_token_ids([4, 1, 4, 2, 1]) == [4, 1, 2]
-
-
-def test_validate_logprob_token_ids_accepts_and_dedupes() -> None:
-    assert validate_logprob_token_ids(None, 10) == []
-    assert validate_logprob_token_ids([], 10) == []
-    assert validate_logprob_token_ids([9, 0, 9], 10) == [9, 0]
-    assert validate_logprob_token_ids([1] * 128, 10) == [1]  # the limit counts before dedup
-
-
-@pytest.mark.parametrize(
-    ("ids", "message"),
-    [
-        ([1] * 129, "at most 128"),
-        ([1, True], "integers"),
-        ([1, 2.0], "integers"),
-        (["3"], "integers"),
-        ([-1], "outside the vocabulary"),
-        ([10], "outside the vocabulary"),
-        ("1,2", "array"),
-        (7, "array"),
-    ],
-)
-def test_validate_logprob_token_ids_rejects(ids: object, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        validate_logprob_token_ids(ids, 10)
 
 
 def test_prompt_entry_puts_the_actual_token_first_with_shared_ranks() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helios.core import Core
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ def reference(smollm2_gguf: Path):
 def test_logprobs_equal_transformers(smollm2_core: Path, reference, text: str) -> None:
     core = Core.open(smollm2_core, verify_checksums=False)
     prompt = tuple(core.tokenizer().encode(text).ids)
-    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=8))
+    engine = build_engine(core, EngineConfig(num_pages=64, prefill_chunk_size=8))
     natural = EngineRequest("nat", prompt, (GREEDY,), 6, ignore_eos=True, num_top_logprobs=5, prompt_logprobs=5)
     explicit = EngineRequest(
         "exp",

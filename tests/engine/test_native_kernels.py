@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-import helios.core.ops as ops
+from helios.core.ops.base import reference_paged_attention, reference_write_kv
 from helios.engine import native
+from helios.engine.kernels.attention import paged_attention_cpu
 
 pytestmark = pytest.mark.skipif(
     native._compiler() is None, reason="no C++ compiler: the native kernels cannot be built"
@@ -64,7 +65,7 @@ def test_decode_attention_matches_the_reference_op(name: str) -> None:
         len(name), dtype, cache_dtype, heads, kv_heads, dim, lens
     )
     starts = torch.arange(len(lens) + 1, dtype=torch.int32)
-    expected = ops.reference_paged_attention(
+    expected = reference_paged_attention(
         q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap
     )
     got = torch.ops.flare_native.decode_attention(
@@ -110,7 +111,7 @@ def test_write_kv_matches_the_reference_op(cache_dtype: torch.dtype) -> None:
     caches = [torch.zeros(6, 4, 2, 8, dtype=cache_dtype) for _ in range(4)]
     k, v = torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen)
     slots = torch.tensor([3, -1, 17, 0, -1])  # negative slots are padding
-    ops.reference_write_kv(caches[0], caches[1], k, v, slots)
+    reference_write_kv(caches[0], caches[1], k, v, slots)
     torch.ops.flare_native.write_kv(caches[2], caches[3], k, v, slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(RuntimeError, match="outside the cache"):
@@ -231,8 +232,6 @@ def test_the_ops_cpu_slot_computes_what_the_python_kernel_does(name, dtype, cach
     """Once loaded, the library serves flare::paged_attention itself: decode rows in place,
     bfloat16 chunks on its chunk kernel, other chunks through the same SDPA calls as helios' Python
     kernel (bit for bit), soft-capped chunks handed to that kernel."""
-    from helios.engine import kernels
-
     lens, queries = STEPS[name]
     gen = torch.Generator().manual_seed(len(name))
     page_tokens, heads, kv_heads, dim = 4, 6, 2, 64
@@ -245,11 +244,11 @@ def test_the_ops_cpu_slot_computes_what_the_python_kernel_does(name, dtype, cach
     positions = torch.cat([torch.arange(n - t, n) for n, t in zip(lens, queries)]).long()
     args = (q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap)
     got = torch.ops.flare.paged_attention(*args)
-    expected = kernels.paged_attention_cpu(*args)
+    expected = paged_attention_cpu(*args)
     chunked = any(n > 1 for n in queries) and softcap == 0.0
     if not (chunked and torch.ops.flare_native.has_bf16_linear() and dtype == cache_dtype == torch.bfloat16):
         assert torch.equal(got, expected)  # else chunks run the bfloat16 chunk kernel (next tests)
-    reference = ops.reference_paged_attention(*args)
+    reference = reference_paged_attention(*args)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), reference.float(), rtol=tolerance, atol=tolerance)
 
@@ -259,7 +258,7 @@ def test_the_ops_write_kv_slot_is_the_native_copy() -> None:
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     slots = torch.tensor([3, -1, 17])
     torch.ops.flare.write_kv(caches[0], caches[1], k, v, slots)
-    ops.reference_write_kv(caches[2], caches[3], k, v, slots)
+    reference_write_kv(caches[2], caches[3], k, v, slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
@@ -312,7 +311,7 @@ def test_bf16_chunks_match_the_reference(dim: int, window: int) -> None:
             window,
             0.0,
         )
-        torch.testing.assert_close(got.float(), ops.reference_paged_attention(*args), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.float(), reference_paged_attention(*args), rtol=2e-2, atol=2e-2)
 
 
 @bf16_chunks

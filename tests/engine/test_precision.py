@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from helios.core import Core
-from helios.engine import precision
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, LLMEngine, build_engine, precision
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
@@ -32,7 +31,7 @@ def bf16_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _answer(core: Path) -> tuple[list[int], list[float], LLMEngine]:
-    engine = LLMEngine(Core.open(core), EngineConfig(num_pages=64))
+    engine = build_engine(Core.open(core), EngineConfig(num_pages=64))
     request = EngineRequest("r", (5, 6, 7, 8, 9), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=0)
     out = run_to_completion(engine, [request])["r"][0]
     return out.token_ids, [e.logprob for e in out.logprobs], engine

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helios.core import Core
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, LLMEngine, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ def _requests(core: Core, max_tokens: int, params: SamplingParams = GREEDY, pref
 
 
 def _engine(core: Core, **overrides) -> LLMEngine:
-    return LLMEngine(core, EngineConfig(**{"num_pages": 256, **overrides}))
+    return build_engine(core, EngineConfig(**{"num_pages": 256, **overrides}))
 
 
 def _tokens(outputs) -> dict[str, list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from helios.engine.kv_cache import PagePool
+from helios.engine.memory.kv_cache import PagePool
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
 from helios.engine.scheduler import Scheduler, SchedulerConfig
@@ -99,8 +99,8 @@ def test_n_children_are_forked_from_reserved_pages_when_prefill_ends() -> None:
     assert [c.choice_index for c in chunk.choices] == [0, 1, 2] and s.pool.num_reserved == 0
     full, partial = parent.pages
     assert all(c.pages[0] == full for c in children) and s.pool.ref_count[full] == 3
-    assert [src for src, _ in plan.page_copies] == [partial, partial]
-    assert {dst for _, dst in plan.page_copies} == {c.pages[1] for c in children}
+    assert [src for src, _ in plan.memory.page_copies] == [partial, partial]
+    assert {dst for _, dst in plan.memory.page_copies} == {c.pages[1] for c in children}
     assert all(c.token_ids[-1] == 7 and c.num_pending == 1 for c in chunk.choices)
     s.abort({("a", None)})
     _idle(s)
@@ -111,7 +111,7 @@ def test_page_aligned_prompt_reserves_one_growth_page_per_choice() -> None:
     s.add(_request("a", 8, n=2))  # exactly two pages: each choice's first token starts a third
     plan, _ = _step(s)
     parent, child = plan.chunks[0].choices
-    assert plan.page_copies == () and child.pages == parent.pages and (parent.reserved, child.reserved) == (1, 1)
+    assert plan.memory.page_copies == () and child.pages == parent.pages and (parent.reserved, child.reserved) == (1, 1)
     plan, _ = _step(s)
     assert len(parent.pages) == 3 and len(child.pages) == 3 and parent.pages[2] != child.pages[2]
     assert s.pool.num_reserved == 0

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from helios.core import Core
-from helios.engine.drafter import DraftPicker, NgramIndex, PayoffGate, SharedHistory, SpeculationConfig
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
 from helios.engine.executor import StepResult
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import SamplingParams
 from helios.engine.sequence import Chunk, SchedulerOutput, Sequence
+from helios.engine.speculation.drafter import DraftPicker, NgramIndex, PayoffGate, SharedHistory, SpeculationConfig
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.7, 0.95, -1, 0.0, 1.0, 0.0, 0.0, 77)
@@ -40,7 +40,7 @@ def _prompts(core: Core) -> list[tuple[int, ...]]:
 
 
 def _run(core: Core, requests: list[EngineRequest], speculation: SpeculationConfig | None, **config):
-    engine = LLMEngine(
+    engine = build_engine(
         core,
         EngineConfig(
             num_pages=config.pop("num_pages", 256), speculation=speculation or SpeculationConfig(mode="off"), **config
@@ -161,7 +161,7 @@ def test_verified_draft_follows_the_target_distribution(core: Core) -> None:
     """Chi-square: the token verification commits at a drafted position, over many seeds, is
     distributed as the target's softmax there (here a fixed random row of logits), and the
     draft is accepted about as often as the target gives it."""
-    engine = LLMEngine(core, EngineConfig(num_pages=8))
+    engine = build_engine(core, EngineConfig(num_pages=8))
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, engine.vocab_size, generator=generator) * 3  # row 0: the verified position
     target = torch.softmax(logits[0], dim=-1)
@@ -191,7 +191,7 @@ class _FixedLogits:
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
 
-    def run(self, chunks, page_copies=(), *state_copies) -> StepResult:
+    def run(self, chunks, memory=None) -> StepResult:
         return StepResult(tuple(chunks), self.logits, self.logits.logsumexp(dim=-1), None, None, None, {})
 
 
@@ -236,7 +236,7 @@ def test_the_gate_backs_speculation_off_where_drafts_lose(core: Core, monkeypatc
     plain ones: steps carry no drafts, outputs are unchanged, and every decode-only step (not a
     prefill) is reported to the gate with its row count and what it committed."""
     adaptive = SpeculationConfig(mode="adaptive", max_drafts=4, row_budget=64)
-    engine = LLMEngine(core, EngineConfig(num_pages=256, speculation=adaptive))
+    engine = build_engine(core, EngineConfig(num_pages=256, speculation=adaptive))
     gate = engine.scheduler.drafter.gate
     gate.observe(5, True, committed=6, seconds=1.0)  # drafted steps: 1.2 tokens per sequence per second
     gate.observe(5, False, committed=5, seconds=0.5)  # plain: 2

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import random
 
-from helios.engine.kv_cache import PagePool
+from helios.engine.memory.kv_cache import PagePool
+from helios.engine.memory.state_slots import StatePool
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.scheduler import Scheduler, SchedulerConfig
 from helios.engine.sequence import ModelOutput, SampledToken
-from helios.engine.state_slots import StatePool
 from tests.engine.test_scheduler import PAGE, PARAMS, _collect, _request, _step
 
 
@@ -41,8 +41,8 @@ def test_prefill_chunks_end_at_snapshot_boundaries_and_capture_there() -> None:
         plan, _ = _step(s)
         chunk = plan.chunks[0]
         ends.append(chunk.start + chunk.num_tokens)
-        captured += [(slot_src, slot_dst) for slot_src, slot_dst in plan.state_after]
-        assert [c[0] for c in plan.captures] == [chunk.seq] * len(plan.captures)
+        captured += [(slot_src, slot_dst) for slot_src, slot_dst in plan.memory.state_after]
+        assert [c[0] for c in plan.memory.captures] == [chunk.seq] * len(plan.memory.captures)
         if chunk.wants_logits:
             break
     assert ends == [8, 16, 20, 22]
@@ -60,8 +60,8 @@ def test_a_shared_prefix_resumes_from_the_longest_snapshot() -> None:
     plan, _ = _step(s)
     seq = plan.chunks[0].seq
     assert plan.chunks[0].start == 16 and seq.num_cached == 16  # pages 0..3 match; the snapshot at 16 holds
-    assert len(plan.state_before) == 1 and plan.state_before[0][1] == seq.state_slot
-    assert plan.state_before[0][0] >= s.states.num_live
+    assert len(plan.memory.state_before) == 1 and plan.memory.state_before[0][1] == seq.state_slot
+    assert plan.memory.state_before[0][0] >= s.states.num_live
 
 
 def test_pages_without_a_snapshot_are_recomputed() -> None:
@@ -70,17 +70,17 @@ def test_pages_without_a_snapshot_are_recomputed() -> None:
     _drain(s)
     s.add(_request("b", 30, max_tokens=1))
     plan, _ = _step(s)
-    assert plan.chunks[0].start == 0 and plan.chunks[0].seq.num_cached == 0 and not plan.state_before
+    assert plan.chunks[0].start == 0 and plan.chunks[0].seq.num_cached == 0 and not plan.memory.state_before
 
 
 def test_forks_copy_the_parents_state_after_the_step() -> None:
     s = _hybrid()
     s.add(_request("n4", 6, n=4, max_tokens=3))
     plan, _ = _step(s)
-    assert plan.chunks[0].num_tokens == 4 and plan.captures  # up to the prompt's last page boundary
+    assert plan.chunks[0].num_tokens == 4 and plan.memory.captures  # up to the prompt's last page boundary
     plan, _ = _step(s)
     parent = plan.chunks[0].seq
-    forks = [(src, dst) for src, dst in plan.state_after if dst < s.states.num_live]
+    forks = [(src, dst) for src, dst in plan.memory.state_after if dst < s.states.num_live]
     assert len(forks) == 3 and {src for src, _ in forks} == {parent.state_slot}
     assert len({dst for _, dst in forks} | {parent.state_slot}) == 4
     out = _drain(s)
@@ -91,7 +91,7 @@ def test_a_failed_step_returns_its_claimed_snapshots() -> None:
     s = _hybrid(chunk=8, interval=8)
     s.add(_request("a", 20))
     plan, events = _step(s, fail=True)
-    assert plan.captures and events[0].finish is FinishCause.ERROR
+    assert plan.memory.captures and events[0].finish is FinishCause.ERROR
     assert s.states.snapshots_held == 0 and s.states.live_in_use == 0
     s.states.check(0)
 
@@ -118,7 +118,7 @@ def test_slots_never_leak_under_preemption_aborts_forks_and_failures() -> None:
                 tokens = {id(q): (SampledToken(7, None),) for c in plan.chunks if c.wants_logits for q in c.choices}
                 events += s.update_from_output(plan, ModelOutput(tokens))
             # Every chunk of a sequence not starting at 0 resumes a slot it holds; restores target live slots.
-            assert all(dst < s.states.num_live and src >= s.states.num_live for src, dst in plan.state_before)
+            assert all(dst < s.states.num_live and src >= s.states.num_live for src, dst in plan.memory.state_before)
             s.check_invariants()
             _collect(out, events)
         assert not s.has_work and s.states.live_in_use == 0
@@ -136,7 +136,7 @@ def test_a_decoding_sequence_follows_its_endpoint_and_registers_it_at_finish() -
         endpoint_copies += [
             (c.start + c.num_tokens, dst)
             for c in plan.chunks
-            for src, dst in plan.state_after
+            for src, dst in plan.memory.state_after
             if src == c.seq.state_slot and c.seq.endpoint_slot == dst
         ]
         tokens = {id(q): (SampledToken(7, None),) for c in plan.chunks if c.wants_logits for q in c.choices}
@@ -148,7 +148,7 @@ def test_a_decoding_sequence_follows_its_endpoint_and_registers_it_at_finish() -
     turn = EngineRequest("b", tuple(range(1, 7)) + (7,) * 7 + (50, 51, 52), (PARAMS,), max_tokens=1)
     s.add(turn)
     plan, _ = _step(s)
-    assert plan.chunks[0].start == 12 and plan.state_before
+    assert plan.chunks[0].start == 12 and plan.memory.state_before
     _drain(s)
 
 

@@ -1,4 +1,4 @@
-"""The window pool (helios.engine.window_pages): tiny Gemma 3, Gemma 4 and Step 3.7 cores' sliding
+"""The window pool (helios.engine.memory.window_pages): tiny Gemma 3, Gemma 4 and Step 3.7 cores' sliding
 layers (window 8, 16-token pages; Gemma 4's KV-shared layers reading them there) keep their keys and
 values in a second pool whose pages are freed behind the window. Outputs equal those of the same core with both tables on the main pool (and each request
 run alone), through long prompts, batching, chunked prefill, prefix reuse, forks, preemption and
@@ -7,18 +7,17 @@ prefix is reused only as far as the window pages its first query needs survive."
 
 from __future__ import annotations
 
-
 import pytest
 
 from helios.core import Core
-from helios.engine.drafter import SpeculationConfig
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.kv_cache import ROOT_HASH, PagePool, page_hash
+from helios.engine import EngineConfig, LLMEngine, build_engine
+from helios.engine.memory.kv_cache import ROOT_HASH, PagePool, page_hash
+from helios.engine.memory.window_pages import NONE, WindowPages, pool_pages
 from helios.engine.offline import ChoiceOutput, collect
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
 from helios.engine.sequence import Sequence
-from helios.engine.window_pages import NONE, WindowPages, pool_pages
+from helios.engine.speculation.drafter import SpeculationConfig
 from tests.ignition.family_checks import TEXTS, export_tiny
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
@@ -55,7 +54,7 @@ def _requests(core: Core, max_tokens: int = 24) -> list[EngineRequest]:
 
 
 def _engine(core: Core, **overrides) -> LLMEngine:
-    return LLMEngine(core, EngineConfig(**{"num_pages": 96, "prefill_chunk_size": 16, **overrides}))
+    return build_engine(core, EngineConfig(**{"num_pages": 96, "prefill_chunk_size": 16, **overrides}))
 
 
 def _run(engine: LLMEngine, requests: list[EngineRequest], peak: list[int] | None = None) -> dict:

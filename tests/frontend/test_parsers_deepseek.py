@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import deepseek_recipe as ds
+from parser_cases import TOOLS, Tok, check, check_error, factory
 
 from helios.frontend.parsers import build_parser
 from ignition.testmodel import CHATS, build_tokenizer
-
-from parser_cases import TOOLS, Tok, check, check_error, factory
 
 TOKENIZER = build_tokenizer(CHATS["deepseek"]["special_tokens"])
 SPECIAL = ds.SpecialToken

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ignition.testmodel import build_tokenizer
-
 from parser_cases import Tok, check, check_error, factory
+
+from ignition.testmodel import build_tokenizer
 
 TOKENIZER = build_tokenizer(("<turn|>", "<|turn>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>'))
 THINKING = factory(TOKENIZER, "gemma4", "gemma4", prompt=[Tok("<|turn>"), "model\n"])

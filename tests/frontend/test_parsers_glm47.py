@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ignition.testmodel import build_tokenizer
-
 from parser_cases import Tok, check, check_error, factory
+
+from ignition.testmodel import build_tokenizer
 
 TAGS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 TOKENIZER = build_tokenizer(("<|user|>", "<|assistant|>", "<think>", "</think>", *TAGS))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ignition.testmodel import build_tokenizer
-
 from parser_cases import Tok, check, check_error, factory
+
+from ignition.testmodel import build_tokenizer
 
 TOKENIZER = build_tokenizer(("<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"))
 HERMES = factory(TOKENIZER, "qwen3", "hermes", prompt=[Tok("<think>"), "\n"])

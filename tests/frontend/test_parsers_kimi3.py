@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ignition.testmodel import build_tokenizer
-
 from parser_cases import Tok, check, check_error, factory
+
+from ignition.testmodel import build_tokenizer
 
 TOKENIZER = build_tokenizer(("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"))
 O, C, S = Tok("<|open|>"), Tok("<|close|>"), Tok("<|sep|>")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ignition.testmodel import build_tokenizer
-
 from parser_cases import Tok, check, check_error, factory
+
+from ignition.testmodel import build_tokenizer
 
 NS_TEXT = "]<]minimax[>["
 TOKENIZER = build_tokenizer(("]~!b[", "]~b]", "[e~[", NS_TEXT, "<mm:think>", "</mm:think>"))

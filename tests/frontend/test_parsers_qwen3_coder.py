@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from parser_cases import Tok, check, check_error, factory, replay
 from tokenizers import AddedToken
 
 from helios.frontend.output import Piece
 from helios.frontend.parsers.tools import ToolCallError
 from ignition.testmodel import build_tokenizer
-
-from parser_cases import Tok, check, check_error, factory, replay
 
 TOKENIZER = build_tokenizer(("<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"))
 THINKING = factory(TOKENIZER, "qwen3", "qwen3_coder", prompt=[Tok("<think>"), "\n"])

@@ -1,4 +1,5 @@
-"""Conversation lowering: system/developer merging, the inline-system fallback, limits, options."""
+"""Conversation lowering (frontend/prompt.py): system/developer merging, the inline-system
+fallback; and the facade's limits and option checks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from helios.config import ServerConfig
 from helios.core import Core
 from helios.core.template import ChatTemplate
+from helios.frontend import prompt
 from helios.frontend.inference import (
     Conversation,
     InferenceRequest,
@@ -16,6 +18,7 @@ from helios.frontend.inference import (
     Message,
     RawPrompt,
     RequestError,
+    SamplingOptions,
     StopOptions,
     TextPart,
 )
@@ -39,7 +42,7 @@ def frontend(tiny_core: Path) -> Frontend:
 
 def test_developer_and_system_merge_into_one_leading_message(frontend: Frontend) -> None:
     messages = (_msg("system", "S1"), _msg("user", "U"), _msg("developer", "D1"), _msg("assistant", "A"))
-    arranged = frontend._arrange(messages)
+    arranged = prompt.arrange(frontend, messages)
     assert [m.role for m in arranged] == ["system", "user", "assistant"]
     assert arranged[0].text() == "system:\nS1\n\ndeveloper:\nD1"
 
@@ -49,7 +52,7 @@ def test_noninitial_system_becomes_wrapped_user_text_when_the_template_cannot_in
     strict.__dict__.update(frontend.__dict__)
     strict.template = ChatTemplate(NO_INLINE, {})
     messages = (_msg("system", "lead"), _msg("user", "U"), _msg("system", "late"), _msg("system", ""))
-    arranged = strict._arrange(messages)
+    arranged = prompt.arrange(strict, messages)
     assert [(m.role, m.text()) for m in arranged] == [
         ("system", "lead"),
         ("user", "U"),
@@ -58,28 +61,34 @@ def test_noninitial_system_becomes_wrapped_user_text_when_the_template_cannot_in
     text = strict.render(Conversation(messages))
     assert text == "<system>lead</system><user>U</user><user><system>late</system></user><assistant>"
     # The SmolLM2 template renders inline system messages, so they stay as they are.
-    assert [m.role for m in frontend._arrange(messages)] == ["system", "user", "system"]
+    assert [m.role for m in prompt.arrange(frontend, messages)] == ["system", "user", "system"]
 
 
 def test_text_parts_join_with_blank_lines(frontend: Frontend) -> None:
     message = Message("user", (TextPart("a"), TextPart("b")))
-    assert frontend._template_message(message)["content"] == "a\n\nb"
+    assert prompt.template_message(frontend, message)["content"] == "a\n\nb"
 
 
 def test_context_and_option_limits(frontend: Frontend) -> None:
-    prompt = frontend.prompt(RawPrompt(text="hello"))
-    request = InferenceRequest(RawPrompt(text="hello"), {}, max_tokens=10**6)  # bounded, not refused
-    assert frontend.max_tokens(request, len(prompt.token_ids)) == frontend.max_model_len - len(prompt.token_ids)
-    unbounded = InferenceRequest(RawPrompt(text="hello"), {}, max_tokens=None)
-    assert frontend.max_tokens(unbounded, len(prompt.token_ids)) == frontend.max_model_len - len(prompt.token_ids)
+    hello = frontend.prompt(RawPrompt(text="hello"))
+    request = InferenceRequest(RawPrompt(text="hello"), SamplingOptions(), max_tokens=10**6)  # bounded, not refused
+    assert frontend.max_tokens(request, len(hello.token_ids)) == frontend.max_model_len - len(hello.token_ids)
+    unbounded = InferenceRequest(RawPrompt(text="hello"), SamplingOptions(), max_tokens=None)
+    assert frontend.max_tokens(unbounded, len(hello.token_ids)) == frontend.max_model_len - len(hello.token_ids)
     with pytest.raises(RequestError, match="at most 20"):
-        frontend.check_options(InferenceRequest(RawPrompt(text="x"), {}, 1, logprobs=LogprobOptions(top=21)))
+        frontend.check_options(
+            InferenceRequest(RawPrompt(text="x"), SamplingOptions(), 1, logprobs=LogprobOptions(top=21))
+        )
     with pytest.raises(RequestError, match="combine"):
         frontend.check_options(
-            InferenceRequest(RawPrompt(text="x"), {}, 1, stop=StopOptions(strings=("a",), token_ids=(3,)))
+            InferenceRequest(
+                RawPrompt(text="x"), SamplingOptions(), 1, stop=StopOptions(strings=("a",), token_ids=(3,))
+            )
         )
     with pytest.raises(RequestError, match="4096"):
-        frontend.check_options(InferenceRequest(RawPrompt(text="x"), {}, 1, stop=StopOptions(strings=("é" * 2100,))))
+        frontend.check_options(
+            InferenceRequest(RawPrompt(text="x"), SamplingOptions(), 1, stop=StopOptions(strings=("é" * 2100,)))
+        )
 
 
 def test_empty_raw_prompt_uses_bos(frontend: Frontend) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from helios.config import ServerConfig
 from helios.core import Core
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause, ReasoningBudget
 from helios.engine.sampling_params import SamplingParams
@@ -217,7 +217,7 @@ def test_engine_forced_close_advances_the_constraint_then_masks_the_answer(core,
         constraint=constraint,
         reasoning_budget=ReasoningBudget(2, think, close),
     )
-    engine = LLMEngine(core, EngineConfig(num_pages=64), mask_hook=GrammarMasks(frontend.vocab_size))
+    engine = build_engine(core, EngineConfig(num_pages=64), mask_hook=GrammarMasks(frontend.vocab_size))
     for choice in run_to_completion(engine, [request])["r"]:
         assert choice.finish is FinishCause.EOS, choice.error
         tokens = choice.token_ids
@@ -233,7 +233,7 @@ def test_engine_fails_only_the_blocked_choice(core) -> None:
         allowed[[i for i, s in enumerate(seqs) if s.request.request_id == "blocked"]] = False
         return allowed
 
-    engine = LLMEngine(core, EngineConfig(num_pages=64), mask_hook=block_first)
+    engine = build_engine(core, EngineConfig(num_pages=64), mask_hook=block_first)
     requests = [EngineRequest(rid, (5, 6, 7), (GREEDY,), 4, ignore_eos=True) for rid in ("blocked", "free")]
     outputs = run_to_completion(engine, requests)
     assert outputs["blocked"][0].finish is FinishCause.ERROR and "output constraint" in outputs["blocked"][0].error

@@ -15,6 +15,7 @@ import httpx2  # the transport package this anthropic SDK is built on (not httpx
 import jsonschema
 import pytest
 from pydantic import TypeAdapter
+from support import ANTHROPIC_SPEC, anthropic_spec
 
 from helios.frontend.events import Accumulator, FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
 from helios.frontend.generate import Usage
@@ -42,7 +43,6 @@ from helios.protocols.anthropic_messages import (
     usage_json,
 )
 from helios.server.errors import anthropic_error
-from support import ANTHROPIC_SPEC, anthropic_spec
 
 VERSION = "2023-06-01"
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\nfake").decode()
@@ -200,7 +200,7 @@ def test_claude_code_request_decodes_to_the_neutral_conversation() -> None:
     assert request.max_tokens == 32000 and request.n == 1 and request.stream
     assert request.thinking_token_budget == 16000
     assert request.stop.strings == ("\n\nHuman:",)
-    assert request.sampling["temperature"] == 1 and request.sampling["top_k"] is None
+    assert request.sampling.temperature == 1 and request.sampling.top_k is None
     assert options.model == "claude-sonnet-4-5" and options.stream
     assert (options.thinking_enabled, options.budget, options.effort) == (True, 16000, "high")
     # user text, first tool result, the reminder after the tool messages; system/assistant markers ignored
@@ -279,6 +279,9 @@ def test_thinking_budget_and_effort(
     assert request.input.thinking is thinking and options.thinking_enabled is thinking
     assert request.input.effort == effort
     assert options.explicit_budget is ("thinking_token_budget" in fields)  # else budget_tokens may be only a hint
+    assert request.budget_is_hint is (
+        "thinking_token_budget" not in fields
+    )  # the frontend drops it where it cannot cap
 
 
 def test_count_tokens_needs_no_max_tokens() -> None:

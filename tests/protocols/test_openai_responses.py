@@ -209,7 +209,7 @@ def test_decode_codex_shaped_request() -> None:
     assert conversation.tool_choice == ToolChoice(mode="auto", parallel=False)
     assert conversation.effort == "high"
     assert request.logprobs.top == 2 and request.max_tokens == 512 and request.stream
-    assert request.sampling["temperature"] == 0.7 and request.sampling["top_k"] is None
+    assert request.sampling.temperature == 0.7 and request.sampling.top_k is None
 
     assert options.logprobs and options.top_logprobs == 2 and options.stream and options.model == "local"
     assert set(options.custom_tools) == {"apply_patch", "note", "mcp__ticket"} and options.custom_tools["note"] is None

@@ -46,7 +46,7 @@ def test_missing_malformed_unreal_or_earlier_versions_are_refused(version: str |
 
 
 def test_completions_leave_an_omitted_max_tokens_to_the_server_default() -> None:
-    request, _, _ = openai_completions.decode({"model": "x", "prompt": "hi"})
+    request, _ = openai_completions.decode({"model": "x", "prompt": "hi"})
     assert request.max_tokens is None
-    explicit, _, _ = openai_completions.decode({"model": "x", "prompt": "hi", "max_tokens": 0})
+    explicit, _ = openai_completions.decode({"model": "x", "prompt": "hi", "max_tokens": 0})
     assert explicit.max_tokens == 0

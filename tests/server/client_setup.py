@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from serving import ROOT
 
 INSTALL_TIMEOUT_S = 900

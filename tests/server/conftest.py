@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from serving import API_KEY, SCHEMA_PATH, Server, start_server, stop_server
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from serving import _free_port
 
 from helios.config import ServerConfig
 from helios.server.app import create_app
 from helios.server.lifecycle import uvicorn_config
 from helios.server.state import ServerState, build_state
-from serving import _free_port
 
 
 @contextlib.contextmanager

@@ -5,18 +5,18 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 
 import httpx
 import uvicorn
+from support import ScriptedExecutor
 
 from helios.config import ServerConfig
 from helios.server.app import create_app
 from helios.server.state import build_state
-from support import ScriptedExecutor
 
 
 @dataclass

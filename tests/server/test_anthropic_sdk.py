@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import anthropic
 import pytest
+from scripted import scripted_app
 
 from helios.protocols.anthropic_messages import thinking_signature
-from scripted import scripted_app
 
 KEY = "sk-ant-local"
 WEATHER = {

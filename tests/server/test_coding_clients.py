@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from client_setup import CLIENTS, configure, installed, json_lines
+from scripted import Exchange, ScriptedServer, scripted_app
+from serving import API_KEY
+
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from scripted import Exchange, ScriptedServer, scripted_app
-from serving import API_KEY
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("FLARE_RUN_CLIENT_TESTS") != "1",

@@ -6,8 +6,8 @@ import asyncio
 import json
 
 import httpx
+from metrics_checks import expositions_disagree
 from prometheus_client.parser import text_string_to_metric_families
-
 from serving import Server
 
 
@@ -108,3 +108,19 @@ def test_metrics_text_parses_and_json_has_the_spec_fields(server: Server) -> Non
     negotiated = httpx.get(server.url + "/metrics", headers={"accept": "application/json"})
     assert negotiated.headers["content-type"].startswith("application/json")
     assert httpx.get(server.url + "/metrics?format=xml").status_code == 400
+
+
+def test_metrics_text_and_json_agree_sample_by_sample(server: Server) -> None:
+    """GET /metrics in both formats, idle: every text sample equals its JSON field (uptime may tick
+    between the two reads), and the text is what api.md names: format 0.0.4."""
+    response = httpx.get(server.url + "/metrics")
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    snapshot = server.metrics()
+    assert expositions_disagree(response.text, snapshot, skip=frozenset({"flare_uptime_seconds"})) == []
+    uptime = {
+        s.value
+        for f in text_string_to_metric_families(response.text)
+        for s in f.samples
+        if f.name == "flare_uptime_seconds"
+    }
+    assert len(uptime) == 1 and 0 <= snapshot["uptime_seconds"] - uptime.pop() <= 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from support import run_cli
+
 from helios.config import ConfigError, ServerConfig, load_config
 
 

@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import pytest
-
 from scripted import scripted_app
 from serving import sse_events
 

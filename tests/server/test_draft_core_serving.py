@@ -7,9 +7,9 @@ from pathlib import Path
 
 import httpx
 import msgspec
+from live import live_server, metrics
 
 from helios.config import ServerConfig
-from live import live_server, metrics
 from tests.engine.test_draft_core import CODE, cores  # noqa: F401 - the module's tiny-core fixture
 
 

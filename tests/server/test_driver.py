@@ -19,7 +19,15 @@ import pytest
 from helios.config import ServerConfig
 from helios.frontend.events import FinishEvent, TextEvent
 from helios.frontend.generate import ChoiceUpdate, Submission
-from helios.frontend.inference import Conversation, InferenceRequest, Message, StopOptions, Termination, TextPart
+from helios.frontend.inference import (
+    Conversation,
+    InferenceRequest,
+    Message,
+    SamplingOptions,
+    StopOptions,
+    Termination,
+    TextPart,
+)
 from helios.frontend.output import OutputDelta
 from helios.protocols import anthropic_encoding, openai_chat, openai_chat_encoding
 from helios.protocols.encoding import OutputValidationError
@@ -32,7 +40,7 @@ CONVERSATION = Conversation((Message("user", (TextPart("hi"),)),))
 
 
 def _request(stream: bool = True) -> InferenceRequest:
-    return InferenceRequest(input=CONVERSATION, sampling={}, max_tokens=8, stream=stream)
+    return InferenceRequest(input=CONVERSATION, sampling=SamplingOptions(), max_tokens=8, stream=stream)
 
 
 def _update(text: str, finish: Termination | None = None, error: str | None = None) -> ChoiceUpdate:
@@ -230,9 +238,13 @@ def test_cancelling_the_handler_aborts_the_engine_request(tiny_core: Path) -> No
 
     async def main():
         request = InferenceRequest(
-            input=CONVERSATION, sampling={}, max_tokens=1000, stream=True, stop=StopOptions(ignore_eos=True)
+            input=CONVERSATION,
+            sampling=SamplingOptions(),
+            max_tokens=1000,
+            stream=True,
+            stop=StopOptions(ignore_eos=True),
         )
-        run = await start(state, request, [request.input], "chatcmpl")
+        run = await start(state, request, "chatcmpl")
         _, options = openai_chat.decode({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
         frames = Drive(run, openai_chat_encoding.ChatStream(run.submission, run.model, options)).frames()
         first = asyncio.Event()

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from helios.config import ServerConfig
 from live import live_server, metrics, wait_until
 from serving import start_server
+
+from helios.config import ServerConfig
 
 CHAT = {"model": "x", "top_k": 1, "seed": 7, "ignore_eos": True}  # greedy: top_k 1 (temperature 0 clamps to 0.01)
 

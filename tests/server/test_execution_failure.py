@@ -19,7 +19,7 @@ CHAT = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_toke
 def failing_client(tiny_core: Path):
     state = build_state(tiny_core, ServerConfig(kv_pages=64))
 
-    def broken_run(chunks, page_copies=(), *state_copies):
+    def broken_run(chunks, memory=None):
         raise RuntimeError("device fault while running the step program")
 
     state.client.engine.executor.run = broken_run  # the step program fails, as a device error would

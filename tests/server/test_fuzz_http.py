@@ -13,7 +13,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from serving import API_KEY, Server
 
 EXTERNAL = Path(__file__).resolve().parents[3] / "shared" / "spec" / "external"

@@ -5,19 +5,23 @@ the reference parser, and the JSON object) the way GET /metrics builds them."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from metrics_checks import expositions_disagree
 from prometheus_client.parser import text_string_to_metric_families
 
 from helios.core import Core
-from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
-from helios.engine.kv_cache import ROOT_HASH, page_hash
+from helios.engine import EngineConfig, EngineRequest, HostCacheConfig, LLMEngine, SamplingParams, build_engine
+from helios.engine.memory.kv_cache import ROOT_HASH, page_hash
 from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
-from helios.engine.sampling_params import SamplingParams
-from helios.server.metrics import FirstResponseWindow, json_snapshot, prometheus_text
-from helios.server.state import ServerState
+from helios.server.metrics import (
+    FirstResponseWindow,
+    ServerCounters,
+    histograms_of,
+    json_snapshot,
+    prometheus_text,
+    values_of,
+)
 from tests.engine.test_host_store import _prompt
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
@@ -31,22 +35,21 @@ def tiny(tiny_core: Path) -> Core:
 
 
 def _export(engine: LLMEngine) -> tuple[dict[tuple[str, tuple], float], dict]:
-    """(Prometheus sample (name, sorted labels) -> value, the JSON object) of this engine's counters."""
-    state = SimpleNamespace(
-        client=SimpleNamespace(engine=engine),
-        slots=SimpleNamespace(in_use=0, capacity=1),
-        started=0.0,
-        frontend=SimpleNamespace(image_counters={}),
-    )
-    values = ServerState.snapshot(state)  # type: ignore[arg-type]
-    histograms = ServerState.histograms(state)  # type: ignore[arg-type]
+    """(Prometheus sample (name, sorted labels) -> value, the JSON object) of this engine's counters,
+    both from one metrics snapshot the way GET /metrics renders them, and agreeing sample by sample."""
+    metrics = engine.metrics()
+    values = values_of(metrics, ServerCounters(0, 1, 0, {}))
+    histograms = histograms_of(metrics)
     first = FirstResponseWindow().summary(now=0.0)
+    text = prometheus_text(values, first, histograms)
+    snapshot = json_snapshot(values, first, histograms)
+    assert expositions_disagree(text, snapshot) == []
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(prometheus_text(values, first, histograms))
+        for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-    return samples, json_snapshot(values, first, histograms)
+    return samples, snapshot
 
 
 def _both(samples: dict, snapshot: dict, name: str, key: str, **labels: str) -> float:
@@ -69,12 +72,12 @@ def _histogram_count(samples: dict, snapshot: dict, name: str) -> float:
 
 def test_host_cache_metrics_follow_a_scripted_run(tiny: Core, tmp_path: Path) -> None:
     size = tiny.manifest.limits.page_tokens
-    probe = LLMEngine(tiny, EngineConfig(num_pages=8, compiled_step=False))
+    probe = build_engine(tiny, EngineConfig(num_pages=8, compiled_step=False))
     page_bytes = probe.executor.page_bytes
     host = HostCacheConfig(
         memory_bytes=256 * MIB, directory=tmp_path, disk_bytes=512 * MIB, copy_queue_bytes=16 * page_bytes
     )
-    engine = LLMEngine(
+    engine = build_engine(
         tiny,
         EngineConfig(num_pages=PAGES, prefill_chunk_size=64, max_concurrency=2, host_cache=host, compiled_step=False),
     )
@@ -149,7 +152,7 @@ def test_oversize_and_io_error_drops_reach_both_expositions(tiny: Core, tmp_path
     """A memory tier smaller than one record drops it (dram, oversize); a corrupt disk record is
     dropped when read (nvme, io_error)."""
     size = tiny.manifest.limits.page_tokens
-    engine = LLMEngine(
+    engine = build_engine(
         tiny,
         EngineConfig(
             num_pages=PAGES,
@@ -169,7 +172,7 @@ def test_oversize_and_io_error_drops_reach_both_expositions(tiny: Core, tmp_path
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-    restarted = LLMEngine(
+    restarted = build_engine(
         tiny,
         EngineConfig(
             num_pages=PAGES,
@@ -186,9 +189,9 @@ def test_oversize_and_io_error_drops_reach_both_expositions(tiny: Core, tmp_path
 
 def test_checkpoint_slots_count_pages_and_recurrent_state_slots() -> None:
     """A hybrid core's local checkpoint pool: KV pages plus live and snapshot state slots."""
-    from helios.engine.kv_cache import PagePool
+    from helios.engine.memory.kv_cache import PagePool
+    from helios.engine.memory.state_slots import StatePool
     from helios.engine.scheduler import Scheduler, SchedulerConfig
-    from helios.engine.state_slots import StatePool
 
     pool, states = PagePool(10, 16), StatePool(2, 3)
     scheduler = Scheduler(SchedulerConfig(2, 64, 1024), pool, states=states)

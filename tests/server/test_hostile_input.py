@@ -11,12 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 from litestar.testing import TestClient
+from live import live_server
 
 from helios.config import ServerConfig
 from helios.server.app import create_app
 from helios.server.json_body import MAX_JSON_DEPTH, nesting_depth
 from helios.server.state import build_state
-from live import live_server
 
 CHAT = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -9,7 +9,6 @@ import zlib
 
 import httpx
 import pytest
-
 from serving import API_KEY, Server, start_server, stop_server
 
 CHAT = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

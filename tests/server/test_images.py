@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import resource
 import struct
 import zlib
 from pathlib import Path
-
-import json
 
 import anthropic
 import httpx
@@ -21,7 +20,10 @@ import numpy as np
 import openai
 import pytest
 import torch
+from live import live_server
 from PIL import Image
+from serving import SCHEMA_PATH, schema_validator, sse_events
+from support import anthropic_spec
 
 from helios.config import ServerConfig
 from helios.frontend import images
@@ -30,9 +32,6 @@ from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from live import live_server
-from serving import SCHEMA_PATH, schema_validator, sse_events
-from support import anthropic_spec
 from tests.ignition.test_gemma4_vision import encoded_images
 
 IMAGES = encoded_images()  # PNG 37x53, JPEG 64x40, WebP 90x90

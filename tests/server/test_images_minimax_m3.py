@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from live import live_server
 from PIL import Image
 
 from helios.config import ServerConfig
@@ -25,7 +26,6 @@ from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from live import live_server
 from tests.ignition.test_minimax_m3_vision import SHAPES, encode, pixel_inputs, reference_processor
 
 IMAGE = encode(*SHAPES[1])  # JPEG 300 x 200: scaled down to 252 x 168, 54 tokens

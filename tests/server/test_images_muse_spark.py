@@ -17,6 +17,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from live import live_server
 from PIL import Image
 
 from helios.config import ServerConfig
@@ -26,7 +27,6 @@ from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from live import live_server
 from tests.ignition.test_muse_spark_vision import SHAPES, encode, pixel_inputs, reference_processor
 
 IMAGE = encode(*SHAPES[1])  # JPEG 300 x 200: a 9 x 6 grid under the 64-token cap, 252 x 168, 54 tokens

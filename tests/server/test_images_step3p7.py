@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
+from live import live_server
 from PIL import Image
 
 from helios.config import ServerConfig
@@ -24,7 +25,6 @@ from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from live import live_server
 from tests.ignition.test_step3p7_vision import SHAPES, encode, pixel_inputs, reference_processor
 
 IMAGE = encode(*SHAPES[1])  # JPEG 300 x 200: 3 x 2 tiles

@@ -4,9 +4,20 @@ Accept negotiation follows api.md, and the first-response window summarises the 
 from __future__ import annotations
 
 import pytest
+from metrics_checks import engine_metrics, expositions_disagree, host_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from helios.server.metrics import FIELDS, FirstResponseWindow, choose_format, json_snapshot, prometheus_text
+from helios.engine import IMAGE_COUNTERS, HistogramSnapshot
+from helios.server.metrics import (
+    FIELDS,
+    FirstResponseWindow,
+    ServerCounters,
+    choose_format,
+    histograms_of,
+    json_snapshot,
+    prometheus_text,
+    values_of,
+)
 
 VALUES = {
     "prefill_tokens": 120,
@@ -29,6 +40,7 @@ VALUES = {
     "input_decoded_images_total": 6,
 }
 EMPTY_WINDOW = FirstResponseWindow().summary(now=0.0)
+SERVER = ServerCounters(http_admission_in_use=0, http_admission_capacity=1, uptime_seconds=0, image_counters={})
 
 
 def _samples(text: str) -> dict[str, tuple[str, float]]:
@@ -211,7 +223,7 @@ def test_unknown_format_is_rejected(query: str) -> None:
 
 
 def test_host_cache_histograms_and_labelled_counters_parse_when_filled() -> None:
-    from helios.engine.host_store import HostStats
+    from helios.engine.memory.host_store import HostStats
 
     stats = HostStats()
     for tokens in (3, 40, 5000):
@@ -222,8 +234,8 @@ def test_host_cache_histograms_and_labelled_counters_parse_when_filled() -> None
         values,
         EMPTY_WINDOW,
         {
-            "flare_host_cache_missing_tokens": stats.missing_tokens,
-            "flare_host_cache_estimated_transfer_ns": stats.transfer_ns,
+            "flare_host_cache_missing_tokens": HistogramSnapshot(tuple(stats.missing_tokens.cumulative()), 5043.0),
+            "flare_host_cache_estimated_transfer_ns": HistogramSnapshot(tuple(stats.transfer_ns.cumulative()), 2e6),
         },
     )
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -240,35 +252,17 @@ def test_host_cache_histograms_and_labelled_counters_parse_when_filled() -> None
 
 
 def test_checkpoint_counters_reach_prometheus_and_json() -> None:
-    """The engine's checkpoint counters as ServerState.snapshot exports them (api.md: roles, skip
-    reasons and the charged predicted extra work)."""
-    from types import SimpleNamespace
-
-    from helios.engine.drafter import HistoryDrafter, SpeculationConfig
-    from helios.engine.request import EngineStats
-    from helios.server.state import ServerState
-
-    stats = EngineStats(
-        checkpoint_captures={"anchor": 2, "message": 5},
-        checkpoint_skips={"unknown_cost": 1, "work_budget": 3},
+    """The engine's checkpoint counters as the server exports them (api.md: roles, skip reasons and
+    the charged predicted extra work)."""
+    engine = engine_metrics(
+        checkpoint_captures=(("anchor", 2), ("message", 5)),
+        checkpoint_skips=(("unknown_cost", 1), ("work_budget", 3)),
         checkpoint_extra_work_ns=123_456,
         checkpoint_anchor_reservations=3,
+        graph_launches=(("eager", 2), ("graph", 7)),
     )
-    engine = SimpleNamespace(
-        stats=stats,
-        host=None,
-        scheduler=SimpleNamespace(
-            drafter=HistoryDrafter(SpeculationConfig(mode="off")), copy_out=SimpleNamespace(checkpoint_slots=(0, 0, 0))
-        ),
-        executor=SimpleNamespace(launches={"graph": 7, "eager": 2}),
-    )
-    state = SimpleNamespace(
-        client=SimpleNamespace(engine=engine),
-        slots=SimpleNamespace(in_use=0, capacity=1),
-        started=0.0,
-        frontend=SimpleNamespace(image_counters={"input_decoded_images_total": 2}),
-    )
-    values = ServerState.snapshot(state)  # type: ignore[arg-type]
+    server = ServerCounters(0, 1, 0, {"input_decoded_images_total": 2})
+    values = values_of(engine, server)
     assert values["input_decoded_images_total"] == 2 and values["input_vision_encodes_total"] == 0
     families = {f.name: f for f in text_string_to_metric_families(prometheus_text(values, EMPTY_WINDOW))}
     captures = {s.labels["role"]: s.value for s in families["flare_checkpoint_captures"].samples}
@@ -291,32 +285,19 @@ def test_checkpoint_counters_reach_prometheus_and_json() -> None:
     assert snapshot["graph_launches"] == {"graph": 7, "eager": 2}
 
 
-def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
-    """The copy-out and anchor counters of the host store as ServerState.snapshot exports them."""
-    from types import SimpleNamespace
-
-    from helios.engine.drafter import HistoryDrafter, SpeculationConfig
-    from helios.engine.host_store import HostStore, identity_of
-    from helios.engine.request import EngineStats
-    from helios.server.state import ServerState
-
-    host = HostStore(identity_of("c", "float32", 16, ()), 1 << 20, None, 0)
-    host.stats.copy_waits, host.stats.copy_wait_ns = 2, 5_000
-    host.stats.drop("dram", "end_of_chain", 7)
-    scheduler = SimpleNamespace(
-        drafter=HistoryDrafter(SpeculationConfig(mode="off")),
-        copy_out=SimpleNamespace(pinned_records=3, copier_ns=9_000, checkpoint_slots=(5, 40, 8)),
+def test_host_copy_out_counters_reach_prometheus_and_json() -> None:
+    """The copy-out and anchor counters of the host store as the server exports them."""
+    host = host_metrics(
+        copyout_waits=2,
+        copyout_wait_ns=5_000,
+        copyout_worker_ns=9_000,
+        copyout_pinned_records=3,
+        dropped=(("dram/end_of_chain", 7),),
     )
-    engine = SimpleNamespace(
-        stats=EngineStats(), host=host, scheduler=scheduler, executor=SimpleNamespace(launches={"graph": 0, "eager": 0})
+    values = values_of(
+        engine_metrics(host=host, checkpoint_slots_in_use=5, checkpoint_slots_total=40, checkpoint_intake_slots=8),
+        SERVER,
     )
-    state = SimpleNamespace(
-        client=SimpleNamespace(engine=engine),
-        slots=SimpleNamespace(in_use=0, capacity=1),
-        started=0.0,
-        frontend=SimpleNamespace(image_counters={}),
-    )
-    values = ServerState.snapshot(state)  # type: ignore[arg-type]
     families = {f.name: f for f in text_string_to_metric_families(prometheus_text(values, EMPTY_WINDOW))}
     assert families["flare_host_cache_copyout_waits"].type == "counter"
     assert families["flare_host_cache_copyout_waits"].samples[0].value == 2
@@ -330,4 +311,61 @@ def test_host_copy_out_counters_reach_prometheus_and_json(tmp_path) -> None:
     snapshot = json_snapshot(values, EMPTY_WINDOW)
     assert snapshot["host_cache_copyout_waits_total"] == 2 and snapshot["host_cache_copyout_pinned_records"] == 3
     assert snapshot["host_cache_dropped"] == {"dram/end_of_chain": 7}
-    host.close()
+
+
+def test_every_sample_agrees_with_the_json_form() -> None:
+    """Both expositions of one busy snapshot (host store, drafts, images, checkpoints) say the same,
+    sample by sample, and the text covers every JSON number."""
+    busy = HistogramSnapshot((("1", 1), ("4", 3), ("+Inf", 4)), 77.5)
+    host = host_metrics(
+        hits=3,
+        reused_tokens=640,
+        memory_records=9,
+        disk_records=4,
+        bytes_out=1 << 40,
+        held=(("dram", 9), ("nvme", 4)),
+        dropped=(("nvme/io_error", 1), ("dram/oversize", 2)),
+        copyout_worker_ns=12_345,
+        missing_tokens=busy,
+        estimated_prefill_ns=HistogramSnapshot((("1e+04", 0), ("+Inf", 2)), 3e4),
+    )
+    engine = engine_metrics(
+        prefill_tokens=1200,
+        generated_tokens=420,
+        active=3,
+        free_pages=100,
+        total_pages=128,
+        cached_pages=20,
+        verify_steps=30,
+        accepted_drafts=17,
+        rounds_by_depth=((0, 4), (3, 9)),
+        steps_by_batch=((1, 20), (2, 10)),
+        steps_by_width=((4, 30),),
+        learned_drafter="mtp",
+        history_drafts_enabled=True,
+        images=tuple((name, index) for index, name in enumerate(IMAGE_COUNTERS)),
+        checkpoint_captures=(("endpoint", 6),),
+        graph_launches=(("eager", 3), ("graph", 27)),
+        host=host,
+    )
+    window = FirstResponseWindow()
+    window.record(0.25, now=0.0)
+    values = values_of(engine, ServerCounters(5, 64, 99, {"input_decoded_images_total": 2}))
+    first, histograms = window.summary(now=1.0), histograms_of(engine)
+    snapshot = json_snapshot(values, first, histograms)
+    assert snapshot["speculative_rounds_depth_3_total"] == 9 and snapshot["used_pages"] == 8
+    assert snapshot["learned_drafter"] is True and snapshot["learned_drafter_name"] == "mtp"
+    assert snapshot["host_cache_missing_tokens"] == {"buckets": {"1": 1, "4": 3, "+Inf": 4}, "count": 4, "sum": 77.5}
+    assert expositions_disagree(prometheus_text(values, first, histograms), snapshot) == []
+    idle = values_of(engine_metrics(), SERVER)  # no host store, no first responses: NaN median, empty histograms
+    assert expositions_disagree(prometheus_text(idle, EMPTY_WINDOW), json_snapshot(idle, EMPTY_WINDOW)) == []
+
+
+def test_a_wrong_sample_is_reported() -> None:
+    values = values_of(engine_metrics(generated_tokens=5), SERVER)
+    text = prometheus_text(values, EMPTY_WINDOW).replace(
+        "flare_generated_tokens_total 5.0", "flare_generated_tokens_total 6.0"
+    )
+    assert expositions_disagree(text, json_snapshot(values, EMPTY_WINDOW)) == [
+        "flare_generated_tokens_total: text 6.0, JSON generated_tokens 5"
+    ]

@@ -13,11 +13,11 @@ import jsonschema
 import ollama
 import pytest
 import yaml
+from serving import API_KEY, SCHEMA_PATH, Server
 
 from helios.core import Core
 from helios.protocols import ollama as discovery_protocol
 from helios.protocols.models import identity
-from serving import API_KEY, SCHEMA_PATH, Server
 
 OLLAMA_SCHEMA = SCHEMA_PATH.parent / "ollama-openapi.yaml"
 

@@ -6,7 +6,6 @@ import json
 
 import openai
 import pytest
-
 from serving import API_KEY, Server, schema_validator, sse_events
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import anthropic
 import pytest
+from serving import API_KEY, Server, start_server, stop_server
 
 from helios.config import ServerConfig
 from helios.core import Core
 from helios.frontend.inference import Conversation, Message, TextPart
 from helios.frontend.request import Frontend
-from serving import API_KEY, Server, start_server, stop_server
 
 DEFAULT = 5
 

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from scripted import ScriptedServer, scripted_app
+from serving import Server, schema_validator, sse_events
 
 from helios.protocols import anthropic_messages, openai_chat, openai_completions
 from helios.protocols.openai_responses import decode as responses_decode
-from scripted import ScriptedServer, scripted_app
-from serving import Server, schema_validator, sse_events
 
 VERSION = {"anthropic-version": "2023-06-01"}
 ASK = [{"role": "user", "content": "Say hello."}]

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from client_setup import CLIENTS, configure, installed, json_lines
 from serving import API_KEY, Server, start_server, stop_server
 

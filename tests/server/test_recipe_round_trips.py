@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from scripted import ScriptedServer, scripted_app
 
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from scripted import ScriptedServer, scripted_app
 
 ASK = "Weather in Paris?"
 RESULT = "Sunny, 21 C"

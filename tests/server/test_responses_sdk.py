@@ -6,7 +6,6 @@ import json
 
 import openai
 import pytest
-
 from scripted import scripted_app
 
 SHELL = {

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from serving import API_KEY, Server, start_server, stop_server
 
 from helios.config import ServerConfig
 from helios.core import Core
@@ -18,7 +19,6 @@ from helios.protocols import decisions, systemone
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from serving import API_KEY, Server, start_server, stop_server
 
 SYSTEMONE_EXAMPLE = {
     "model": "local",

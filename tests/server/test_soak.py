@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from serving import Server, start_server, stop_server
 
 REQUESTS = 200

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from live import live_server, metrics
 
 from helios.config import ServerConfig
-from live import live_server, metrics
 
 PASSAGE = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "

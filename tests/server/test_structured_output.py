@@ -14,7 +14,6 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-
 from scripted import scripted_app
 from serving import API_KEY, Server, start_server, stop_server
 

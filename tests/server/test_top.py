@@ -23,11 +23,11 @@ from typing import Any
 import httpx
 import pytest
 from rich.console import Console
+from serving import ROOT, Server, _free_port, start_server, stop_server
+from support import run_cli
 
 from helios.server.metrics import json_snapshot
 from helios.top import History, Sampler, Status, Unreachable, dashboard, metrics_url, plain, spark
-from serving import ROOT, Server, _free_port, start_server, stop_server
-from support import run_cli
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "top"
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|[()][0-9A-Za-z]|[=>78])")

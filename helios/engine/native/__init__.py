@@ -124,7 +124,7 @@ def load() -> bool:
             return False
         # The library now serves the CPU slot of flare::paged_attention and flare::write_kv and
         # hands what it does not cover to the Python kernels.
-        from helios.engine import kernels
+        from helios.engine.kernels import attention as kernels
 
         kernels.register_fallbacks()
         _state["loaded"] = True

@@ -13,8 +13,18 @@ import json
 from collections.abc import Iterable
 
 from helios.frontend.events import ToolCallEvent
-from helios.frontend.parsers.markup import BOUNDARY, FAIL, MORE, Held, Marks, Span, find_earliest, lit, partial_tail
-from helios.frontend.parsers.markup import skip_space
+from helios.frontend.parsers.markup import (
+    BOUNDARY,
+    FAIL,
+    MORE,
+    Held,
+    Marks,
+    Span,
+    find_earliest,
+    lit,
+    partial_tail,
+    skip_space,
+)
 from helios.frontend.parsers.schema import ToolSchemas
 
 MAX_ARGUMENT_BYTES = 8 << 20

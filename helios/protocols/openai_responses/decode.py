@@ -28,7 +28,7 @@ from helios.frontend.inference import (
     ToolResultPart,
     ToolSpec,
 )
-from helios.frontend.request import EFFORT_ORDER
+from helios.frontend.prompt import EFFORT_ORDER
 from helios.protocols import fields as f
 from helios.protocols.output_format import responses_text_format
 
