@@ -12,13 +12,13 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import ModuleType
-from collections.abc import Callable
 
 import msgspec
 import torch
@@ -26,10 +26,11 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 import ignition
-from helios.core import host, ops
+from helios.core import host
 from helios.core import manifest as mf
 from helios.core.bundle import core_digest, sha256_file
 from helios.core.golden import golden_key
+from helios.core.ops import catalog as ops
 from helios.core.program import (
     SCORED_PREFILL,
     STEP,
@@ -44,6 +45,7 @@ from helios.core.program import (
 from ignition.compiled import compile_program
 from ignition.errors import SourceError, UsageError, VerifyError
 from ignition.models import family
+from ignition.models.family import Family
 from ignition.models.moe import stack_experts
 from ignition.models.naming import rename
 from ignition.recipe import Recipe, without_ranges
@@ -127,34 +129,33 @@ def check_options(options: ExportOptions) -> None:
 
 
 def internal_weights(
-    fam: ModuleType, checkpoint: Checkpoint, config: object, dtype: torch.dtype
+    fam: Family, checkpoint: Checkpoint, config: object, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Rename (declarative map), drop the tied head, stack experts (a family's optional
-    STACKED), fuse, and cast the checkpoint's tensors."""
+    stacked), fuse, and cast the checkpoint's tensors."""
     named: dict[str, torch.Tensor] = {}
-    ignored = getattr(fam, "ignored_tensor", None)  # optional: tensors the family does not compile
+    ignored = fam.ignored_tensor  # optional: tensors the family does not compile
     for hf_name, tensor in checkpoint.tensors.items():
         if ignored is not None and ignored(config, hf_name):
             continue
-        mapped = rename(hf_name, fam.WEIGHT_MAP)
+        mapped = rename(hf_name, fam.weight_map)
         if mapped is None:
             if "rotary_emb" in hf_name:
                 continue
-            raise SourceError(f"{checkpoint.reference}: unexpected tensor {hf_name!r} for the {fam.FAMILY} family")
+            raise SourceError(f"{checkpoint.reference}: unexpected tensor {hf_name!r} for the {fam.name} family")
         named[mapped[0]] = tensor
     if config.tie_word_embeddings:  # type: ignore[attr-defined]
         named.pop("lm_head", None)
     # Copies a checkpoint stores twice (DeepSeek-V3's MTP layers repeat the embedding and head):
     # an exact copy is kept once, and the programs read the original where the copy is absent.
-    for copy, original in getattr(fam, "duplicates", lambda c: {})(config).items():
+    for copy, original in (fam.duplicates(config) if fam.duplicates is not None else {}).items():
         if copy in named and original in named and torch.equal(named[copy], named[original]):
             del named[copy]
     # MoE families: per-expert tensors -> one [E, rows, cols] stack per layer (ignition.models.moe).
-    stack_experts(getattr(fam, "STACKED", {}), named, checkpoint.reference)
-    # Main layers, and MTP layers numbered after them where a family names them as layers (DeepSeek-V3's).
-    num_layers = config.num_layers + getattr(config, "num_mtp_layers", 0)  # type: ignore[attr-defined]
-    for fused, parts in fam.FUSED.items():
-        for layer in range(num_layers):
+    stack_experts(fam.stacked, named, checkpoint.reference)
+    for fused, parts in fam.fused.items():
+        # Every layer any part names: main layers, and MTP layers numbered after them (DeepSeek-V3's).
+        for layer in _layers_named(parts, named):
             names = [p.format(layer) for p in parts]
             missing = [n for n in names if n not in named]
             if len(missing) == len(names):
@@ -164,6 +165,15 @@ def internal_weights(
             named[fused.format(layer)] = torch.cat([named.pop(n) for n in names], dim=0)
     # Integer tables (DeepSeek-V4's token -> expert ids) keep their dtype.
     return {name: (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in sorted(named.items())}
+
+
+def _layers_named(patterns: tuple[str, ...], names: dict[str, torch.Tensor]) -> list[int]:
+    """The layer numbers that fill the "{}" of any of `patterns` among `names`, ascending."""
+    found: set[int] = set()
+    for pattern in patterns:
+        regex = re.compile(re.escape(pattern).replace(re.escape("{}"), r"(\d+)"))
+        found.update(int(m.group(1)) for name in names if (m := regex.fullmatch(name)))
+    return sorted(found)
 
 
 def _dynamic_shapes(weights: dict[str, torch.Tensor], kv: mf.KvLayout, inputs: tuple[mf.TensorSpec, ...]) -> tuple:
@@ -253,14 +263,14 @@ def compile_step(
     return mf.CompiledSpec(file=str(path.relative_to(staging)), host=host.fingerprint(), max_abs_diff=_round_up(worst))
 
 
-def vision_width(config: object) -> int:
+def vision_width(fam: Family, config: object) -> int:
     """The image feature width of a vision config (its language model's hidden size), 0 without one."""
-    vision = getattr(config, "vision", None)
+    vision = fam.vision_of(config)
     return int(vision.text_hidden_size) if vision is not None else 0
 
 
 def export_program(
-    fam: ModuleType,
+    fam: Family,
     config: object,
     kind: str,
     num_top: int,
@@ -270,7 +280,7 @@ def export_program(
     page_tokens: int,
     path: Path,
 ) -> mf.ProgramSpec:
-    width = vision_width(config)
+    width = vision_width(fam, config)
     inputs, outputs = program_signature(
         kind,
         num_top,
@@ -278,11 +288,12 @@ def export_program(
         state=bool(kv.state),
         vision=width,
         window=kv.window_pool is not None,
-        bidirectional=bool(width and getattr(config, "bidirectional_images", False)),
+        bidirectional=bool(width and fam.images_bidirectional(config)),
     )
     # A family may return more than the signature's outputs, after them (MiMo's hidden states for its drafter).
-    outputs += getattr(fam, "extra_step_outputs", lambda c: ())(config)
-    module = fam.StepProgram(config, num_top, explicit, scored=kind == SCORED_PREFILL)
+    if fam.extra_step_outputs is not None:
+        outputs += fam.extra_step_outputs(config)
+    module = fam.step_program(config, num_top, explicit, scored=kind == SCORED_PREFILL)
     examples = (
         {
             "image_features": torch.randn(2, width, generator=torch.Generator().manual_seed(0)),
@@ -294,12 +305,13 @@ def export_program(
     return export_module(module, inputs, outputs, examples, config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
 
 
-def export_vision(fam: ModuleType, config: object, weights: dict[str, torch.Tensor], path: Path) -> mf.ProgramSpec:
+def export_vision(fam: Family, config: object, weights: dict[str, torch.Tensor], path: Path) -> mf.ProgramSpec:
     """The family's `vision` program (one image's patches -> feature rows), traced with a dynamic patch count."""
-    vision = config.vision  # type: ignore[attr-defined]
-    module = fam.vision_program(config)
-    pixels, positions = fam.vision_examples(config)
-    inputs, outputs = vision_signature(int(pixels.shape[1]), vision_width(config))
+    assert fam.vision is not None
+    vision = fam.vision_of(config)
+    module = fam.vision.program(config)
+    pixels, positions = fam.vision.examples(config)
+    inputs, outputs = vision_signature(int(pixels.shape[1]), vision_width(fam, config))
     # At least two tokens' patches: a one-row output would specialize the graph (the profile's
     # resize rule never yields fewer on Gemma 4's patch budgets).
     patches = torch.export.Dim("X", min=2 * vision.pooling_kernel_size**2)
@@ -314,7 +326,7 @@ def export_vision(fam: ModuleType, config: object, weights: dict[str, torch.Tens
 
 
 def self_check_vision(
-    fam: ModuleType,
+    fam: Family,
     config: object,
     checkpoint: Checkpoint,
     programs: dict[str, Program],
@@ -330,10 +342,11 @@ def self_check_vision(
     then every step program with those features spliced into a golden prompt (framed by the
     profile's prefix/suffix tokens), prefilled in chunks that cut through the image, against the
     reference forward (logprobs). Returns the max |Δ|."""
+    assert fam.vision is not None and fam.reference.features is not None
     stored = stored_tensors(checkpoint, weights)
-    pixels, positions = fam.vision_examples(config)
+    pixels, positions = fam.vision.examples(config)
     got = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
-    expected = fam.reference_features(config, stored, pixels, positions)
+    expected = fam.reference.features(config, stored, pixels, positions)
     worst = float((got - expected).abs().max())
     if worst > tolerance:
         raise VerifyError(
@@ -344,7 +357,7 @@ def self_check_vision(
     prompt = head + [profile.image_token_id] * int(got.shape[0]) + list(profile.suffix_token_ids) + list(prompts[0][5:])
     image_positions = list(range(len(head), len(head) + int(got.shape[0])))
     reference = torch.log_softmax(
-        fam.reference_logits(config, stored, prompt, expected, image_positions).float(), dim=-1
+        fam.reference.logits(config, stored, prompt, expected, image_positions).float(), dim=-1
     )
     for kind, program in programs.items():
         run = run_prompt(
@@ -396,7 +409,7 @@ def golden_prompts(tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
 
 
 def self_check(
-    fam: ModuleType,
+    fam: Family,
     config: object,
     checkpoint: Checkpoint,
     programs: dict[str, Program],
@@ -413,7 +426,7 @@ def self_check(
     # the check measures the program's arithmetic, not the precision the user chose.
     stored = stored_tensors(checkpoint, weights)
     for index, prompt in enumerate(prompts):
-        reference = torch.log_softmax(fam.reference_logits(config, stored, list(prompt)).float(), dim=-1)
+        reference = torch.log_softmax(fam.reference.logits(config, stored, list(prompt)).float(), dim=-1)
         for kind, program in programs.items():
             run = run_prompt(program, weights, kv, page_tokens, list(prompt), chunk=GOLDEN_CHUNK, explicit_ids=[0, 1])
             diff = float((run.logprobs - reference).abs().max())
@@ -436,7 +449,7 @@ def stored_tensors(checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> 
 
 
 def export_extra_programs(
-    fam: ModuleType,
+    fam: Family,
     config: object,
     num_top: int,
     weights: dict[str, torch.Tensor],
@@ -445,10 +458,10 @@ def export_extra_programs(
     staging: Path,
     progress: Progress | None = None,
 ) -> dict[str, tuple[mf.ProgramSpec, object]]:
-    """A family's own program kinds (optional `extra_programs(config, num_top, weights)`, e.g. MiMo's
+    """A family's own program kinds (its optional `extra_programs(config, num_top, weights)`, e.g. MiMo's
     "mtp_draft.N"): kind -> (spec, the family's description with its `check`)."""
     out: dict[str, tuple[mf.ProgramSpec, object]] = {}
-    for extra in getattr(fam, "extra_programs", lambda c, n, w: ())(config, num_top, weights):
+    for extra in fam.extra_programs(config, num_top, weights) if fam.extra_programs is not None else ():
         if progress is not None:
             progress(f"exporting the {extra.kind} program")
         path = staging / "programs" / f"{extra.kind}.pt2"
@@ -539,7 +552,7 @@ def export_core(
     phase = progress or (lambda name: None)
     fam = family(recipe.info.family)
     if options.dtype is None:  # the checkpoint's own, unless the family's 16-bit program is not yet accurate
-        own = checkpoint.dtype if getattr(fam, "ACCURATE_16BIT", True) else "float32"
+        own = checkpoint.dtype if fam.accurate_16bit else "float32"
         options = replace(options, dtype=own)
     assert options.dtype is not None
     if checkpoint.family != recipe.info.family:
@@ -552,13 +565,12 @@ def export_core(
     except (KeyError, ValueError) as exc:
         raise SourceError(f"{checkpoint.reference}: unsupported or incomplete config ({exc})") from exc
     limits = _limits(options, config)
-    if options.compile_step and getattr(config, "vision", None) is not None:
+    if options.compile_step and fam.vision_of(config) is not None:
         raise UsageError("--compile-step does not build vision cores yet (the step's image inputs); export without it")
     phase(f"converting weights to {options.dtype}")
-    canonical = getattr(fam, "canonical_tensors", None)  # optional: a family's second layout, rewritten
-    if canonical is not None:
+    if fam.canonical_tensors is not None:  # a family's second layout, rewritten
         try:
-            checkpoint = replace(checkpoint, tensors=canonical(config, checkpoint.tensors))
+            checkpoint = replace(checkpoint, tensors=fam.canonical_tensors(config, checkpoint.tensors))
         except ValueError as exc:
             raise SourceError(f"{checkpoint.reference}: {exc}") from exc
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
@@ -568,11 +580,11 @@ def export_core(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=options.kv_dtype or options.dtype,
-        shared_kv=getattr(fam, "SHARED_KV", False),
-        extra=tuple(mf.ExtraCache(*e) for e in getattr(fam, "extra_caches", lambda c: ())(config)),
-        state=tuple(mf.StateCache(*e) for e in getattr(fam, "state_caches", lambda c: ())(config)),
+        shared_kv=fam.shared_kv,
+        extra=tuple(mf.ExtraCache(*e) for e in (fam.extra_caches(config) if fam.extra_caches else ())),
+        state=tuple(mf.StateCache(*e) for e in (fam.state_caches(config) if fam.state_caches else ())),
     )
-    pooled = getattr(fam, "window_pool", lambda c: None)(config)  # optional: sliding layers' caches pooled apart
+    pooled = fam.window_pool(config) if fam.window_pool else None  # sliding layers' caches pooled apart
     if pooled is not None:
         kv = msgspec.structs.replace(kv, window_pool=mf.WindowPool(*pooled))
     template = checkpoint.chat_template if recipe.info.template_source == "checkpoint" else None
@@ -601,7 +613,7 @@ def export_core(
             fam, config, options.max_top_logprobs, weights, kv, options.page_tokens, staging, phase
         )
         vision_program = None
-        if getattr(config, "vision", None) is not None:
+        if fam.vision_of(config) is not None:
             phase(f"exporting the {VISION} program")
             specs[VISION] = export_vision(fam, config, weights, staging / "programs" / f"{VISION}.pt2")
             vision_program = Program.load(VISION, specs[VISION], staging / specs[VISION].file)
@@ -619,9 +631,9 @@ def export_core(
         )
         extra_worst = check_extra_programs(extras, checkpoint, weights, kv, options.page_tokens, staging, tolerance)
         profile = None
-        if vision_program is not None:
+        if vision_program is not None and fam.vision is not None:
             try:
-                profile = fam.vision_profile(
+                profile = fam.vision.profile(
                     config, checkpoint.processor_config or {}, limits.max_model_len, tokenizer.token_to_id
                 )
             except ValueError as exc:
@@ -658,7 +670,7 @@ def export_core(
             model=mf.ModelInfo(
                 id=options.model_id or checkpoint.checkpoint_id,
                 aliases=options.aliases,
-                family=fam.FAMILY,
+                family=fam.name,
                 name=checkpoint.name,
                 source=mf.SourceIdentity(
                     kind=checkpoint.kind,

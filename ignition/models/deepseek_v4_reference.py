@@ -11,8 +11,9 @@ import torch
 from torch import Tensor
 
 from ignition.models import moe
-from ignition.models.deepseek_v3 import RopeSpec, reference_angles
-from ignition.models.deepseek_v4 import DeepseekV4Config, canonical_name
+from ignition.models.deepseek_v3 import reference_angles
+from ignition.models.deepseek_v3_config import RopeSpec
+from ignition.models.deepseek_v4_config import DeepseekV4Config, canonical_name
 
 
 def _norm(t: Tensor, weight: Tensor | None, eps: float) -> Tensor:

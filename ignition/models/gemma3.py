@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models.common import DecoderProgram, decode_weight_bytes, decoder_shapes, kv_shape, rope, rotate_half
+from ignition.models.family import Family, Gguf, Reference, TinyCheckpoint
 from ignition.models.heads import step_outputs
 
 __all__ = ["decode_weight_bytes", "kv_shape"]  # the family interface, shared with common
 
-FAMILY = "gemma3"
+NAME = "gemma3"
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
 HF_MODEL_TYPES = ("gemma3_text",)
 GGUF_ARCHITECTURES = ("gemma3",)
@@ -123,9 +124,9 @@ def _rope_parameters(hf: dict[str, Any]) -> tuple[float, float, float]:
         full.update(hf["rope_scaling"])
     kind = full.get("rope_type") or full.get("type") or "default"
     if kind not in ("default", "linear"):
-        raise ValueError(f"rope scaling {kind!r} is not supported by the {FAMILY} family (default and linear are)")
+        raise ValueError(f"rope scaling {kind!r} is not supported by the {NAME} family (default and linear are)")
     if (local.get("rope_type") or local.get("type") or "default") != "default":
-        raise ValueError(f"scaled rotary embeddings on sliding layers are not supported by the {FAMILY} family")
+        raise ValueError(f"scaled rotary embeddings on sliding layers are not supported by the {NAME} family")
     factor = float(full.get("factor", 1.0)) if kind == "linear" else 1.0
     theta = float(full.get("rope_theta") or hf.get("rope_theta") or 1_000_000.0)
     local_theta = float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10_000.0)
@@ -149,12 +150,12 @@ def _layer_windows(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
 def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
     """Read a Hugging Face (gemma3_text) config.json dict; unsupported variants raise ValueError."""
     if hf.get("use_bidirectional_attention"):
-        raise ValueError(f"bidirectional attention (embedding models) is not supported by the {FAMILY} family")
+        raise ValueError(f"bidirectional attention (embedding models) is not supported by the {NAME} family")
     if hf.get("attention_bias"):
-        raise ValueError(f"attention_bias is not supported by the {FAMILY} family")
+        raise ValueError(f"attention_bias is not supported by the {NAME} family")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"hidden activation {act!r} is not supported by the {FAMILY} family")
+        raise ValueError(f"hidden activation {act!r} is not supported by the {NAME} family")
     heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
     num_layers = int(hf["num_hidden_layers"])
@@ -511,3 +512,38 @@ def hf_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
         "mlp.down_proj.weight": (h, f),
     }
     return decoder_shapes(c, per_layer)
+
+
+# ---------------------------------------------------------------------- the family contract (ignition.models.family)
+
+
+FAMILY = Family(
+    name=NAME,
+    hf_architectures=HF_ARCHITECTURES,
+    hf_model_types=HF_MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    weight_map=WEIGHT_MAP,
+    fused=FUSED,
+    kv_shape=kv_shape,
+    decode_weight_bytes=decode_weight_bytes,
+    step_program=StepProgram,
+    reference=Reference(reference_logits),
+    tiny=TinyCheckpoint(
+        config=testmodel_config,
+        hf_shapes=hf_shapes,
+        chat=TEST_CHAT,
+        special_tokens=TEST_SPECIAL_TOKENS,
+        token_roles=TEST_TOKEN_ROLES,
+        chat_template=TEST_CHAT_TEMPLATE,
+    ),
+    gguf=Gguf(
+        architectures=GGUF_ARCHITECTURES,
+        weight_map=GGUF_WEIGHT_MAP,
+        hf_config=hf_config_from_gguf,
+        tensor_fixup=gguf_tensor_fixup,
+        end_of_turn=GGUF_END_OF_TURN,
+        chat_template=CHAT_TEMPLATE,
+    ),
+    accurate_16bit=ACCURATE_16BIT,
+    window_pool=window_pool,
+)

@@ -146,9 +146,10 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int) -> mf.VisionProfile:
+def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, token_id=None) -> mf.VisionProfile:
     """The image profile helios prepares images by (resize rule, patches, pooling, normalization,
-    framing) and the limits /v1/models advertises, from the checkpoint's processor config."""
+    framing) and the limits /v1/models advertises, from the checkpoint's processor config.
+    `token_id` (the shared tower interface's) is unused: Gemma 4's framing ids are in its config."""
     ip = hf_processor.get("image_processor", hf_processor)
     soft = int(ip.get("max_soft_tokens", 280))
     if soft not in SOFT_TOKEN_CHOICES:

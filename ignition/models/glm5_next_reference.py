@@ -17,7 +17,8 @@ from torch import Tensor
 
 from ignition.models import moe
 from ignition.models.deepseek_v4_reference import _hyper, _mix, _norm
-from ignition.models.glm5_next import _FLAT_PREFIX, _TEXT_PREFIX, INDEXED, INDEXER_NORM_EPS, Glm5NextConfig
+from ignition.models.glm5_next_config import _FLAT_PREFIX, _TEXT_PREFIX, INDEXED, Glm5NextConfig
+from ignition.models.glm_moe_dsa import INDEXER_NORM_EPS
 
 
 def _canonical(name: str) -> str:

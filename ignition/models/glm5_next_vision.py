@@ -31,7 +31,8 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models.common import rotate_half
-from ignition.models.patch_grid import block_order
+from ignition.models.naming import with_biases
+from ignition.models.patch_grid import still_clip_example
 
 _V = "model.visual."
 _B = _V + "blocks.{}."
@@ -53,17 +54,17 @@ WEIGHT_MAP = {
     _B + "norm2.weight": "vision.layers.{}.norm2",
     _B + "attn.q_norm.weight": "vision.layers.{}.q_norm",
     _B + "attn.k_norm.weight": "vision.layers.{}.k_norm",
-    **{
-        _B + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-        for hf, ours in (
+    **with_biases(
+        _B,
+        "vision.layers.{}.",
+        (
             ("attn.qkv", "wqkv"),
             ("attn.proj", "wo"),
             ("mlp.gate_proj", "w_gate"),
             ("mlp.up_proj", "w_up"),
             ("mlp.down_proj", "w_down"),
-        )
-        for kind in ("weight", "bias")
-    },
+        ),
+    ),
 }
 ACTIVATIONS = ("silu", "gelu")
 DEFAULT_IMAGE_TOKEN_ID = 154854  # Glm5NextConfig.image_token_id
@@ -340,14 +341,8 @@ class VisionProgram(torch.nn.Module):
 
 
 def example_inputs(v: VisionConfig) -> tuple[Tensor, Tensor]:
-    """A 4 x 6 patch grid (2 x 3 tokens at m = 2): rows differ from columns, so neither specializes;
-    each patch's frames repeat one still image, as the processor makes them."""
-    m = v.merge_size
-    rows, cols = 2 * m, 3 * m
-    generator = torch.Generator().manual_seed(0)
-    still = torch.randn(rows * cols, 3, 1, v.patch_size**2, generator=generator)
-    pixels = still.expand(-1, -1, v.temporal_patch_size, -1).reshape(rows * cols, v.patch_dim)
-    return pixels.contiguous(), block_order(rows, cols, m)
+    """A 4 x 6 patch grid (2 x 3 tokens at m = 2) of still frames (patch_grid.still_clip_example)."""
+    return still_clip_example(v.merge_size, v.patch_size, v.temporal_patch_size)
 
 
 # ---------------------------------------------------------------------- plain reference

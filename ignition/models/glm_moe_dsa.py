@@ -27,18 +27,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import deepseek_v3 as mla
+from ignition.models import deepseek_v3_config as mla_config
 from ignition.models import moe
 from ignition.models.common import reference_swiglu, rms_norm
+from ignition.models.family import Family, Reference, TinyCheckpoint
 
-FAMILY = "glm_moe_dsa"
+NAME = "glm_moe_dsa"
 HF_ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
 HF_MODEL_TYPES = ("glm_moe_dsa",)
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 SHARED_KV = True  # the latent cache, as kimi_k3's; the indexer keys are extra_caches
 INDEXER_CACHE = "indexer_k"
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm is an nn.LayerNorm built with eps 1e-6
-LATENT_NORM_EPS = mla.LATENT_NORM_EPS
+LATENT_NORM_EPS = mla_config.LATENT_NORM_EPS
 
 _INDEXER_WEIGHT_MAP = {
     "model.layers.{}.self_attn.indexer.wq_b.weight": "layers.{}.idx_wq_b",
@@ -48,10 +49,10 @@ _INDEXER_WEIGHT_MAP = {
     "model.layers.{}.self_attn.indexer.weights_proj.weight": "layers.{}.idx_weights_proj",
 }
 # kimi_k3's text names (DeepseekV3ForCausalLM's layout is GLM-5's), without the plain q_proj: DSA needs the q LoRA.
-WEIGHT_MAP = {k: v for k, v in mla.TEXT_WEIGHT_MAP.items() if not k.endswith("self_attn.q_proj.weight")}
+WEIGHT_MAP = {k: v for k, v in mla_config.TEXT_WEIGHT_MAP.items() if not k.endswith("self_attn.q_proj.weight")}
 WEIGHT_MAP |= _INDEXER_WEIGHT_MAP
-STACKED = mla.STACKED
-FUSED = mla.FUSED
+STACKED = mla_config.STACKED
+FUSED = mla_config.FUSED
 
 # transformers' GLM-5.3-Flash (glm5_next): another architecture, named in the refusal.
 _GLM5_NEXT = ("glm5_next", "glm5_next_text", "Glm5NextForConditionalGeneration", "Glm5NextForCausalLM")
@@ -61,7 +62,7 @@ _GLM5_NEXT = ("glm5_next", "glm5_next_text", "Glm5NextForConditionalGeneration",
 
 
 @dataclass(frozen=True, slots=True)
-class GlmMoeDsaConfig(mla.DeepseekV3Config):
+class GlmMoeDsaConfig(mla_config.DeepseekV3Config):
     index_topk: int  # keys each query attends to (all visible ones when fewer)
     index_n_heads: int
     index_head_dim: int  # its first qk_rope_head_dim dims are rotated
@@ -93,22 +94,22 @@ def _check_supported(hf: dict[str, Any]) -> None:
     if names & set(_GLM5_NEXT):
         raise ValueError(
             f"model_type {hf.get('model_type')!r} is GLM-5.3-Flash's glm5_next architecture (KDA linear attention, "
-            f"hyper-connections, k-pool indexer, vision tower), not {FAMILY}: the glm5_next family compiles it "
+            f"hyper-connections, k-pool indexer, vision tower), not {NAME}: the glm5_next family compiles it "
             f"(recipe glm53)"
         )
     if hf.get("q_lora_rank") is None:
-        raise ValueError(f"q_lora_rank is required by the {FAMILY} family (the indexer reads the q LoRA)")
+        raise ValueError(f"q_lora_rank is required by the {NAME} family (the indexer reads the q LoRA)")
     for field in ("attention_bias", "quantization_config"):
         if hf.get(field):
-            raise ValueError(f"{field} is not supported by the {FAMILY} family")
+            raise ValueError(f"{field} is not supported by the {NAME} family")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported by the {FAMILY} family")
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported by the {NAME} family")
     heads = hf["num_attention_heads"]
     if hf.get("num_key_value_heads", heads) != heads:
-        raise ValueError(f"num_key_value_heads must equal num_attention_heads in the {FAMILY} family")
+        raise ValueError(f"num_key_value_heads must equal num_attention_heads in the {NAME} family")
     kinds = set(hf.get("layer_types") or ["indexed_attention"])
     if kinds != {"indexed_attention"}:
-        raise ValueError(f"layer_types {sorted(kinds)} are not supported by the {FAMILY} family (indexed_attention)")
+        raise ValueError(f"layer_types {sorted(kinds)} are not supported by the {NAME} family (indexed_attention)")
 
 
 def config_from_hf(hf: dict[str, Any]) -> GlmMoeDsaConfig:
@@ -143,7 +144,7 @@ def config_from_hf(hf: dict[str, Any]) -> GlmMoeDsaConfig:
         qk_rope_head_dim=rope_dim,
         v_head_dim=int(hf.get("v_head_dim", 256)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        rope=mla.rope_from_hf(hf, FAMILY, interleave=True),
+        rope=mla_config.rope_from_hf(hf, NAME, interleave=True),
         max_position_embeddings=int(hf.get("max_position_embeddings", 202752)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         first_k_dense_replace=n_dense,
@@ -161,7 +162,7 @@ def config_from_hf(hf: dict[str, Any]) -> GlmMoeDsaConfig:
 
 def kv_shape(config: GlmMoeDsaConfig) -> tuple[int, int, int]:
     """(num_layers, 1, latent_dim): one shared latent row per token (SHARED_KV)."""
-    return mla.kv_shape(config)
+    return mla_config.kv_shape(config)
 
 
 def extra_caches(config: GlmMoeDsaConfig) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
@@ -385,3 +386,28 @@ def glm_router(hf: dict, default_experts: int) -> moe.RouterSpec:
         has_correction_bias=True,
         norm_eps=1e-20,
     )
+
+
+# ---------------------------------------------------------------------- the family contract (ignition.models.family)
+
+
+FAMILY = Family(
+    name=NAME,
+    hf_architectures=HF_ARCHITECTURES,
+    hf_model_types=HF_MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    weight_map=WEIGHT_MAP,
+    fused=FUSED,
+    kv_shape=kv_shape,
+    decode_weight_bytes=decode_weight_bytes,
+    step_program=StepProgram,
+    reference=Reference(reference_logits),
+    tiny=TinyCheckpoint(
+        config=testmodel_config,
+        hf_shapes=hf_shapes,
+        chat=TEST_CHAT,
+    ),
+    stacked=STACKED,
+    shared_kv=SHARED_KV,
+    extra_caches=extra_caches,
+)

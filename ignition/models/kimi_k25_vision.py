@@ -32,6 +32,7 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models.common import rotate_half
+from ignition.models.naming import biased_shapes, with_biases
 from ignition.models.patch_grid import block_order
 
 _V = "model.vision_tower."
@@ -44,14 +45,11 @@ WEIGHT_MAP = {
     _V + "patch_embed.pos_emb.position_embeddings": "vision.pos_embed",
     _V + "final_layernorm.weight": "vision.final_norm",
     _V + "final_layernorm.bias": "vision.final_norm.bias",
-    **{
-        _PROJ + f"{hf}.{kind}": f"vision.{ours}" + ("" if kind == "weight" else ".bias")
-        for hf, ours in (("pre_norm", "proj_norm"), ("in_proj", "proj1"), ("out_proj", "proj2"))
-        for kind in ("weight", "bias")
-    },
-    **{
-        _VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-        for hf, ours in (
+    **with_biases(_PROJ, "vision.", (("pre_norm", "proj_norm"), ("in_proj", "proj1"), ("out_proj", "proj2"))),
+    **with_biases(
+        _VL,
+        "vision.layers.{}.",
+        (
             ("attn.q_proj", "wq"),
             ("attn.k_proj", "wk"),
             ("attn.v_proj", "wv"),
@@ -60,9 +58,8 @@ WEIGHT_MAP = {
             ("mlp.fc2", "fc2"),
             ("norm1", "norm1"),
             ("norm2", "norm2"),
-        )
-        for kind in ("weight", "bias")
-    },
+        ),
+    ),
 }
 # Moonshot's own layout (what its hub checkpoints ship) -> transformers' names, as transformers'
 # conversion_mapping "kimi_k25" renames them; the fused wqkv is split and permuted apart (native_tensors).
@@ -200,16 +197,9 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(v.num_layers):
         q = _VL.format(i)
-        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.proj"):
-            shapes |= {q + name + ".weight": (h, h), q + name + ".bias": (h,)}
-        shapes |= {
-            q + "mlp.fc1.weight": (f, h),
-            q + "mlp.fc1.bias": (f,),
-            q + "mlp.fc2.weight": (h, f),
-            q + "mlp.fc2.bias": (h,),
-        }
-        for name in ("norm1", "norm2"):
-            shapes |= {q + name + ".weight": (h,), q + name + ".bias": (h,)}
+        shapes |= biased_shapes(q, ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.proj"), h, h)
+        shapes |= biased_shapes(q, ("mlp.fc1",), f, h) | biased_shapes(q, ("mlp.fc2",), h, f)
+        shapes |= biased_shapes(q, ("norm1", "norm2"), h)
     return shapes
 
 

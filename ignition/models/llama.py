@@ -16,13 +16,15 @@ from ignition.models.common import (
     DecoderProgram,
     DenseConfig,
     attention_shapes,
+    decode_weight_bytes,
     decoder_fields,
     decoder_shapes,
+    kv_shape,
     reference_swiglu,
 )
-from ignition.models.common import decode_weight_bytes, kv_shape  # noqa: F401 - the family interface, shared
+from ignition.models.family import Family, Gguf, Reference, TinyCheckpoint
 
-FAMILY = "llama"
+NAME = "llama"
 HF_ARCHITECTURES = ("LlamaForCausalLM",)
 HF_MODEL_TYPES = ("llama",)
 GGUF_ARCHITECTURES = ("llama",)
@@ -63,7 +65,7 @@ LlamaConfig = DenseConfig
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
     """Read a Hugging Face config.json dict; unsupported variants raise ValueError."""
-    return DenseConfig(intermediate_size=int(hf["intermediate_size"]), **decoder_fields(hf, FAMILY, 2048))
+    return DenseConfig(intermediate_size=int(hf["intermediate_size"]), **decoder_fields(hf, NAME, 2048))
 
 
 def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -177,3 +179,34 @@ def hf_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     h, f = c.hidden_size, c.intermediate_size
     mlp = {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
     return decoder_shapes(c, {**attention_shapes(c), **mlp})
+
+
+# ---------------------------------------------------------------------- the family contract (ignition.models.family)
+
+
+FAMILY = Family(
+    name=NAME,
+    hf_architectures=HF_ARCHITECTURES,
+    hf_model_types=HF_MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    weight_map=WEIGHT_MAP,
+    fused=FUSED,
+    kv_shape=kv_shape,
+    decode_weight_bytes=decode_weight_bytes,
+    step_program=StepProgram,
+    reference=Reference(reference_logits),
+    tiny=TinyCheckpoint(
+        config=testmodel_config,
+        hf_shapes=hf_shapes,
+        chat=TEST_CHAT,
+        special_tokens=TEST_SPECIAL_TOKENS,
+        token_roles=TEST_TOKEN_ROLES,
+        chat_template=TEST_CHAT_TEMPLATE,
+    ),
+    gguf=Gguf(
+        architectures=GGUF_ARCHITECTURES,
+        weight_map=GGUF_WEIGHT_MAP,
+        hf_config=hf_config_from_gguf,
+        tensor_fixup=gguf_tensor_fixup,
+    ),
+)

@@ -30,12 +30,12 @@ from torch import Tensor
 
 from ignition.models import minimax_m3_vision, moe, vision_hooks
 from ignition.models.common import optional_inputs, rotate_half
+from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
 from ignition.models.heads import step_outputs
 
-FAMILY = "minimax_m3"
+NAME = "minimax_m3"
 HF_ARCHITECTURES = ("MiniMaxM3VLForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
 HF_MODEL_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 SPARSE, FULL = "minimax_m3_sparse", "full_attention"
 DEFAULT_THETA = 5000000.0  # MiniMaxM3VLTextConfig.default_theta
@@ -142,7 +142,7 @@ def _text(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _refuse(field: str, value: object, why: str) -> ValueError:
-    return ValueError(f"{field} = {value!r} is not supported by the {FAMILY} family: {why}")
+    return ValueError(f"{field} = {value!r} is not supported by the {NAME} family: {why}")
 
 
 def _layer_kinds(hf: dict[str, Any], layers: int) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
@@ -716,7 +716,33 @@ TESTMODEL_PROCESSOR = {
 }
 
 
-# ------------------------------------------------------------------------- vision hooks (ignition.export)
+# ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-vision_program, vision_examples, reference_features, vision_profile = vision_hooks.of(minimax_m3_vision)
+FAMILY = Family(
+    name=NAME,
+    hf_architectures=HF_ARCHITECTURES,
+    hf_model_types=HF_MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    weight_map=WEIGHT_MAP,
+    fused=FUSED,
+    kv_shape=kv_shape,
+    decode_weight_bytes=decode_weight_bytes,
+    step_program=StepProgram,
+    reference=Reference(reference_logits, features=vision_hooks.reference_features(minimax_m3_vision)),
+    tiny=TinyCheckpoint(
+        config=testmodel_config,
+        hf_shapes=hf_shapes,
+        chat=TEST_CHAT,
+        vision=TinyVision(
+            config=testmodel_vision,
+            chat="minimax_m3-vision",
+            tokens=TESTMODEL_VISION_TOKENS,
+            processor=TESTMODEL_PROCESSOR,
+        ),
+    ),
+    stacked=STACKED,
+    extra_caches=extra_caches,
+    canonical_tensors=canonical_tensors,
+    vision=vision_hooks.of(minimax_m3_vision),
+)

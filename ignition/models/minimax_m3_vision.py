@@ -31,7 +31,8 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models.common import rotate_half
-from ignition.models.patch_grid import block_order
+from ignition.models.naming import biased_shapes, with_biases
+from ignition.models.patch_grid import still_clip_example
 
 _V = "model.vision_tower."
 _VL = _V + "layers.{}."
@@ -41,19 +42,20 @@ WEIGHT_MAP = {
     _V + "embeddings.proj.weight": "vision.patch_embed",
     _V + "pre_layrnorm.weight": "vision.pre_norm",
     _V + "pre_layrnorm.bias": "vision.pre_norm.bias",
-    **{
-        _PROJ + f"{hf}.{kind}": f"vision.{ours}" + ("" if kind == "weight" else ".bias")
-        for hf, ours in (
+    **with_biases(
+        _PROJ,
+        "vision.",
+        (
             ("linear_1", "proj1"),
             ("linear_2", "proj2"),
             ("merge_linear_1", "merge1"),
             ("merge_linear_2", "merge2"),
-        )
-        for kind in ("weight", "bias")
-    },
-    **{
-        _VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-        for hf, ours in (
+        ),
+    ),
+    **with_biases(
+        _VL,
+        "vision.layers.{}.",
+        (
             ("self_attn.q_proj", "wq"),
             ("self_attn.k_proj", "wk"),
             ("self_attn.v_proj", "wv"),
@@ -62,9 +64,8 @@ WEIGHT_MAP = {
             ("mlp.fc2", "fc2"),
             ("layer_norm1", "norm1"),
             ("layer_norm2", "norm2"),
-        )
-        for kind in ("weight", "bias")
-    },
+        ),
+    ),
 }
 # MiniMax's own layout (what its hub checkpoints ship) -> transformers' names, as transformers'
 # conversion_mapping "minimax_m3_vl" renames them.
@@ -184,16 +185,11 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(v.num_layers):
         q = _VL.format(i)
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"):
-            shapes |= {q + name + ".weight": (h, h), q + name + ".bias": (h,)}
-        shapes |= {
-            q + "mlp.fc1.weight": (f, h),
-            q + "mlp.fc1.bias": (f,),
-            q + "mlp.fc2.weight": (h, f),
-            q + "mlp.fc2.bias": (h,),
-        }
-        for name in ("layer_norm1", "layer_norm2"):
-            shapes |= {q + name + ".weight": (h,), q + name + ".bias": (h,)}
+        shapes |= biased_shapes(
+            q, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"), h, h
+        )
+        shapes |= biased_shapes(q, ("mlp.fc1",), f, h) | biased_shapes(q, ("mlp.fc2",), h, f)
+        shapes |= biased_shapes(q, ("layer_norm1", "layer_norm2"), h)
     return shapes
 
 
@@ -348,14 +344,8 @@ class VisionProgram(torch.nn.Module):
 
 
 def example_inputs(v: VisionConfig) -> tuple[Tensor, Tensor]:
-    """A 4 x 6 patch grid (2 x 3 tokens at m = 2): rows differ from columns, so neither specializes;
-    each patch's frames repeat one still image, as the processor makes them."""
-    m = v.merge_size
-    rows, cols = 2 * m, 3 * m
-    generator = torch.Generator().manual_seed(0)
-    still = torch.randn(rows * cols, 3, 1, v.patch_size**2, generator=generator)
-    pixels = still.expand(-1, -1, v.temporal_patch_size, -1).reshape(rows * cols, v.patch_dim)
-    return pixels.contiguous(), block_order(rows, cols, m)
+    """A 4 x 6 patch grid (2 x 3 tokens at m = 2) of still frames (patch_grid.still_clip_example)."""
+    return still_clip_example(v.merge_size, v.patch_size, v.temporal_patch_size)
 
 
 # ---------------------------------------------------------------------- plain reference

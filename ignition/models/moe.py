@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from helios.core.ops_moe import ACTIVATIONS, expert_forward  # importing it also defines flare::routed_experts
+from helios.core.ops.moe import ACTIVATIONS, expert_forward  # importing it also defines flare::routed_experts
 from ignition.errors import SourceError
 from ignition.models.common import decode_weight_bytes as dense_decode_weight_bytes
 

@@ -42,12 +42,12 @@ from torch import Tensor
 
 from ignition.models import moe, muse_spark_vision, vision_hooks
 from ignition.models.common import DecoderProgram, rope, rotate_half
+from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
 from ignition.models.heads import step_outputs
 
-FAMILY = "muse_spark"
+NAME = "muse_spark"
 HF_ARCHITECTURES = ("MuseSparkForConditionalGeneration",)
 HF_MODEL_TYPES = ("muse_spark",)
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 # transformers keeps the router, its bias and the residual gates in fp32 even in a bf16 model; a
 # 16-bit core rounds them to its dtype, which is unchecked against a real checkpoint, so exports
@@ -161,7 +161,7 @@ class MuseSparkConfig:
 def _text(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("model_type") not in (None, *HF_MODEL_TYPES) or not isinstance(hf.get("text_config"), dict):
         raise ValueError(
-            f"the {FAMILY} family reads MuseSparkForConditionalGeneration configs (model_type "
+            f"the {NAME} family reads MuseSparkForConditionalGeneration configs (model_type "
             f"muse_spark, the text model under text_config), not {hf.get('model_type')!r}"
         )
     return {**TEXT_DEFAULTS, **{k: v for k, v in hf["text_config"].items() if v is not None}}
@@ -171,7 +171,7 @@ def _rope_theta(t: dict[str, Any]) -> float:
     params = dict(t.get("rope_scaling") or {}) | dict(t.get("rope_parameters") or {})
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind != "default":
-        raise ValueError(f"rope_parameters rope_type {kind!r} is not supported by the {FAMILY} family (default is)")
+        raise ValueError(f"rope_parameters rope_type {kind!r} is not supported by the {NAME} family (default is)")
     return float(params.get("rope_theta") or t.get("rope_theta") or DEFAULT_ROPE_THETA)
 
 
@@ -196,7 +196,7 @@ def _per_layer(
     if any(float(v) not in (0.0, theta) for v in thetas):
         raise ValueError(
             f"layer_rope_theta values other than 0 (NoPE) and rope_theta {theta:g} are not supported by "
-            f"the {FAMILY} family (transformers 5.24 ignores them): {thetas!r}"
+            f"the {NAME} family (transformers 5.24 ignores them): {thetas!r}"
         )
     mlps = t.get("mlp_layer_types") or [SPARSE] * num_layers
     if len(mlps) != num_layers or set(mlps) - {DENSE, SPARSE}:
@@ -211,19 +211,19 @@ def _per_layer(
 def _check_supported(hf: dict[str, Any], t: dict[str, Any]) -> None:
     if hf.get("quantization_config") or t.get("quantization_config"):
         raise ValueError(
-            f"quantization_config (quantized checkpoints, e.g. NVFP4) is not supported by the {FAMILY} family yet"
+            f"quantization_config (quantized checkpoints, e.g. NVFP4) is not supported by the {NAME} family yet"
         )
     if t.get("attention_bias"):
-        raise ValueError(f"attention_bias is not supported by the {FAMILY} family")
+        raise ValueError(f"attention_bias is not supported by the {NAME} family")
     if t["hidden_act"] != "silu":
-        raise ValueError(f"hidden_act {t['hidden_act']!r} is not supported by the {FAMILY} family (silu is)")
+        raise ValueError(f"hidden_act {t['hidden_act']!r} is not supported by the {NAME} family (silu is)")
     if hf.get("tie_word_embeddings") or t.get("tie_word_embeddings"):
         raise ValueError(
-            f"tie_word_embeddings is not supported by the {FAMILY} family (the model keeps its own "
+            f"tie_word_embeddings is not supported by the {NAME} family (the model keeps its own "
             "lm_head; transformers' MuseSparkForConditionalGeneration ties nothing)"
         )
     if float(t["final_logit_softcapping"]) <= 0:
-        raise ValueError(f"final_logit_softcapping must be positive for the {FAMILY} family (the model divides by it)")
+        raise ValueError(f"final_logit_softcapping must be positive for the {NAME} family (the model divides by it)")
 
 
 def config_from_hf(hf: dict[str, Any]) -> MuseSparkConfig:
@@ -733,7 +733,33 @@ TESTMODEL_PROCESSOR = {
 }
 
 
-# ------------------------------------------------------------------------- vision hooks (ignition.export)
+# ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-vision_program, vision_examples, reference_features, vision_profile = vision_hooks.of(muse_spark_vision)
+FAMILY = Family(
+    name=NAME,
+    hf_architectures=HF_ARCHITECTURES,
+    hf_model_types=HF_MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    weight_map=WEIGHT_MAP,
+    fused=FUSED,
+    kv_shape=kv_shape,
+    decode_weight_bytes=decode_weight_bytes,
+    step_program=StepProgram,
+    reference=Reference(reference_logits, features=vision_hooks.reference_features(muse_spark_vision)),
+    tiny=TinyCheckpoint(
+        config=testmodel_config,
+        hf_shapes=hf_shapes,
+        chat=TEST_CHAT,
+        vision=TinyVision(
+            config=testmodel_vision,
+            chat=TEST_VISION_CHAT,
+            tokens=TESTMODEL_VISION_TOKENS,
+            processor=TESTMODEL_PROCESSOR,
+        ),
+    ),
+    accurate_16bit=ACCURATE_16BIT,
+    stacked=STACKED,
+    canonical_tensors=canonical_tensors,
+    vision=vision_hooks.of(muse_spark_vision),
+)

@@ -41,7 +41,8 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models.common import rotate_half
-from ignition.models.patch_grid import block_order
+from ignition.models.naming import biased_shapes, with_biases
+from ignition.models.patch_grid import still_clip_example
 
 _V = "model.vision_tower."
 _VL = _V + "layers.{}."
@@ -56,9 +57,10 @@ WEIGHT_MAP = {
     _A + "fc1.weight": "vision.adapter1",
     _A + "fc2.weight": "vision.adapter2",
     "model.vision_projection.weight": "vision.projection",
-    **{
-        _VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-        for hf, ours in (
+    **with_biases(
+        _VL,
+        "vision.layers.{}.",
+        (
             ("attn.q_proj", "wq"),
             ("attn.k_proj", "wk"),
             ("attn.v_proj", "wv"),
@@ -67,9 +69,8 @@ WEIGHT_MAP = {
             ("mlp.fc2", "fc2"),
             ("norm1", "norm1"),
             ("norm2", "norm2"),
-        )
-        for kind in ("weight", "bias")
-    },
+        ),
+    ),
 }
 VISION_PREFIXES = (_V, _A, "model.vision_projection.")
 WINDOW, FULL = "window_attention", "full_attention"
@@ -178,18 +179,9 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(v.num_layers):
         q = _VL.format(i)
-        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.proj"):
-            shapes |= {q + name + ".weight": (h, h), q + name + ".bias": (h,)}
-        shapes |= {
-            q + "mlp.fc1.weight": (f, h),
-            q + "mlp.fc1.bias": (f,),
-            q + "mlp.fc2.weight": (h, f),
-            q + "mlp.fc2.bias": (h,),
-            q + "norm1.weight": (h,),
-            q + "norm1.bias": (h,),
-            q + "norm2.weight": (h,),
-            q + "norm2.bias": (h,),
-        }
+        shapes |= biased_shapes(q, ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.proj"), h, h)
+        shapes |= biased_shapes(q, ("mlp.fc1",), f, h) | biased_shapes(q, ("mlp.fc2",), h, f)
+        shapes |= biased_shapes(q, ("norm1", "norm2"), h)
     return shapes
 
 
@@ -338,14 +330,8 @@ class VisionProgram(torch.nn.Module):
 
 
 def example_inputs(v: VisionConfig) -> tuple[Tensor, Tensor]:
-    """A 4 x 6 patch grid (2 x 3 tokens at m = 2): rows differ from columns, so neither specializes;
-    each patch's frames repeat one still image, as the processor makes them."""
-    m = v.merge_size
-    rows, cols = 2 * m, 3 * m
-    generator = torch.Generator().manual_seed(0)
-    still = torch.randn(rows * cols, 3, 1, v.patch_size**2, generator=generator)
-    pixels = still.expand(-1, -1, v.temporal_patch_size, -1).reshape(rows * cols, v.patch_dim)
-    return pixels.contiguous(), block_order(rows, cols, m)
+    """A 4 x 6 patch grid (2 x 3 tokens at m = 2) of still frames (patch_grid.still_clip_example)."""
+    return still_clip_example(v.merge_size, v.patch_size, v.temporal_patch_size)
 
 
 # ---------------------------------------------------------------------- plain reference

@@ -4,7 +4,7 @@ where a second `{}` follows, an expert number (the target takes them in the same
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import cache
 
 
@@ -21,3 +21,23 @@ def rename(name: str, table: Mapping[str, str]) -> tuple[str, int | None] | None
             numbers = [int(group) for group in match.groups()]
             return target.format(*numbers), (numbers[0] if numbers else None)
     return None
+
+
+def with_biases(source: str, target: str, pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """A map of weight-and-bias pairs: for each (hf, ours), `source + hf + ".weight"` -> `target + ours`
+    and `source + hf + ".bias"` -> `target + ours + ".bias"`, in that order (e.g. a vision tower's layers)."""
+    return {
+        source + f"{hf}.{kind}": target + ours + ("" if kind == "weight" else ".bias")
+        for hf, ours in pairs
+        for kind in ("weight", "bias")
+    }
+
+
+def biased_shapes(prefix: str, names: Iterable[str], rows: int, cols: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Test-checkpoint shapes of weight-and-bias pairs: `prefix + name + ".weight"` [rows, cols] (a linear) or
+    [rows] (a norm, cols None), then its ".bias" [rows], name by name."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in names:
+        shapes[prefix + name + ".weight"] = (rows,) if cols is None else (rows, cols)
+        shapes[prefix + name + ".bias"] = (rows,)
+    return shapes

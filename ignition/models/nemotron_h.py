@@ -37,17 +37,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import helios.core.ops_mamba  # noqa: F401  (defines flare::mamba2_scan)
-import helios.core.ops_recurrent  # noqa: F401  (defines flare::causal_conv1d)
+import helios.core.ops.mamba  # noqa: F401  (defines flare::mamba2_scan)
+import helios.core.ops.recurrent  # noqa: F401  (defines flare::causal_conv1d)
 from ignition.models import moe
 from ignition.models.common import decode_weight_bytes as dense_decode_weight_bytes
 from ignition.models.common import optional_inputs, rms_norm
+from ignition.models.family import Family, Reference, TinyCheckpoint
 from ignition.models.heads import step_outputs
 
-FAMILY = "nemotron_h"
+NAME = "nemotron_h"
 HF_ARCHITECTURES = ("NemotronHForCausalLM",)
 HF_MODEL_TYPES = ("nemotron_h",)
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 _PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
@@ -167,11 +167,11 @@ def _layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
     unknown = sorted(set(types) - {MAMBA, ATTENTION, MLP, MOE})
     if unknown:
         raise ValueError(
-            f"layers_block_type {unknown} are not supported by the {FAMILY} family "
+            f"layers_block_type {unknown} are not supported by the {NAME} family "
             f"({MAMBA}, {ATTENTION}, {MLP}, {MOE} are)"
         )
     if MAMBA not in types:
-        raise ValueError(f"layers_block_type without a {MAMBA} (Mamba-2) layer is not supported by the {FAMILY} family")
+        raise ValueError(f"layers_block_type without a {MAMBA} (Mamba-2) layer is not supported by the {NAME} family")
     return tuple(types)
 
 
@@ -182,7 +182,7 @@ def _alias(hf: dict[str, Any], name: str, legacy: str, default: Any) -> Any:
 
 def _check_supported(hf: dict[str, Any]) -> None:
     def refuse(why: str) -> None:
-        raise ValueError(f"{why} is not supported by the {FAMILY} family")
+        raise ValueError(f"{why} is not supported by the {NAME} family")
 
     if hf.get("quantization_config"):
         refuse("quantization_config (quantized checkpoints)")
@@ -646,3 +646,29 @@ def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator
     if name.endswith(("conv1d.bias", "e_score_correction_bias")):
         return 0.1 * torch.randn(shape, generator=generator)
     return None
+
+
+# ---------------------------------------------------------------------- the family contract (ignition.models.family)
+
+
+FAMILY = Family(
+    name=NAME,
+    hf_architectures=HF_ARCHITECTURES,
+    hf_model_types=HF_MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    weight_map=WEIGHT_MAP,
+    fused=FUSED,
+    kv_shape=kv_shape,
+    decode_weight_bytes=decode_weight_bytes,
+    step_program=StepProgram,
+    reference=Reference(reference_logits),
+    tiny=TinyCheckpoint(
+        config=testmodel_config,
+        hf_shapes=hf_shapes,
+        chat=TEST_CHAT,
+        init=testmodel_init,
+    ),
+    stacked=STACKED,
+    state_caches=state_caches,
+    ignored_tensor=ignored_tensor,
+)

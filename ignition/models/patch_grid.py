@@ -13,3 +13,15 @@ def block_order(rows: int, cols: int, m: int) -> Tensor:
     shape = (rows // m, m, cols // m, m)
     ys, xs = (g.reshape(shape).transpose(1, 2).reshape(-1) for g in (gy, gx))
     return torch.stack([xs, ys], dim=-1)
+
+
+def still_clip_example(merge_size: int, patch_size: int, temporal_patch_size: int) -> tuple[Tensor, Tensor]:
+    """A tower's tracing example: a (2m) x (3m) patch grid (2 x 3 tokens), rows unlike columns so neither
+    specializes, in merge-block order; each patch's frames repeat one still image, as the processors make
+    them -> (pixels [X, 3 * frames * patch^2], positions [X, 2])."""
+    m = merge_size
+    rows, cols = 2 * m, 3 * m
+    generator = torch.Generator().manual_seed(0)
+    still = torch.randn(rows * cols, 3, 1, patch_size**2, generator=generator)
+    pixels = still.expand(-1, -1, temporal_patch_size, -1).reshape(rows * cols, 3 * temporal_patch_size * patch_size**2)
+    return pixels.contiguous(), block_order(rows, cols, m)

@@ -2,7 +2,7 @@
 
 Llama's decoder plus a per-head RMSNorm on q and k (weights of size head_dim, applied
 before RoPE), head_dim read from the config, and optionally tied embeddings.
-No GGUF reading yet (GGUF_ARCHITECTURES is empty).
+No GGUF reading yet (its Family has no gguf reader).
 """
 
 from __future__ import annotations
@@ -17,17 +17,18 @@ from ignition.models.common import (
     DecoderProgram,
     DenseConfig,
     attention_shapes,
+    decode_weight_bytes,
     decoder_fields,
     decoder_shapes,
+    kv_shape,
     reference_swiglu,
     rms_norm,
 )
-from ignition.models.common import decode_weight_bytes, kv_shape  # noqa: F401 - the family interface, shared
+from ignition.models.family import Family, Reference, TinyCheckpoint
 
-FAMILY = "qwen3"
+NAME = "qwen3"
 HF_ARCHITECTURES = ("Qwen3ForCausalLM",)
 HF_MODEL_TYPES = ("qwen3",)
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 # The per-head q/k norms Qwen3 adds to Llama's attention (Hugging Face name -> internal name).
 QK_NORM_WEIGHT_MAP = {
@@ -71,7 +72,7 @@ def attention_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3Config:
     """Read a Hugging Face config.json dict; unsupported variants raise ValueError."""
-    return Qwen3Config(intermediate_size=int(hf["intermediate_size"]), **attention_fields(hf, FAMILY))
+    return Qwen3Config(intermediate_size=int(hf["intermediate_size"]), **attention_fields(hf, NAME))
 
 
 class StepProgram(DecoderProgram):
@@ -127,3 +128,25 @@ def hf_shapes(c: Qwen3Config) -> dict[str, tuple[int, ...]]:
     h, f = c.hidden_size, c.intermediate_size
     mlp = {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
     return decoder_shapes(c, {**attention_shapes(c), **qk_norm_shapes(c), **mlp})
+
+
+# ---------------------------------------------------------------------- the family contract (ignition.models.family)
+
+
+FAMILY = Family(
+    name=NAME,
+    hf_architectures=HF_ARCHITECTURES,
+    hf_model_types=HF_MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    weight_map=WEIGHT_MAP,
+    fused=FUSED,
+    kv_shape=kv_shape,
+    decode_weight_bytes=decode_weight_bytes,
+    step_program=StepProgram,
+    reference=Reference(reference_logits),
+    tiny=TinyCheckpoint(
+        config=testmodel_config,
+        hf_shapes=hf_shapes,
+        chat=TEST_CHAT,
+    ),
+)

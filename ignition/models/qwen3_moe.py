@@ -18,15 +18,15 @@ from ignition.models.common import (
     ATTENTION_WEIGHT_MAP,
     attention_shapes,
     decoder_shapes,
+    kv_shape,
 )
-from ignition.models.common import kv_shape  # noqa: F401 - the family interface, shared
+from ignition.models.family import Family, Reference, TinyCheckpoint
 from ignition.models.qwen3 import QK_NORM_WEIGHT_MAP, attention_fields, qk_norm_shapes
 from ignition.models.qwen3 import StepProgram as Qwen3StepProgram
 
-FAMILY = "qwen3_moe"
+NAME = "qwen3_moe"
 HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 HF_MODEL_TYPES = ("qwen3_moe",)
-GGUF_ARCHITECTURES: tuple[str, ...] = ()
 
 # Hugging Face checkpoint name -> internal name; the second `{}` is the expert number.
 # Both expert layouts are read: per-expert tensors and transformers 5's stacked ones.
@@ -92,7 +92,7 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3MoeConfig:
         num_experts_per_tok=top_k,
         moe_intermediate_size=int(hf["moe_intermediate_size"]),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),  # transformers' default
-        **attention_fields(hf, FAMILY),
+        **attention_fields(hf, NAME),
     )
 
 
@@ -163,3 +163,26 @@ def hf_shapes(c: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
             }
         )
     return decoder_shapes(c, {**attention_shapes(c), **qk_norm_shapes(c), **moe})
+
+
+# ---------------------------------------------------------------------- the family contract (ignition.models.family)
+
+
+FAMILY = Family(
+    name=NAME,
+    hf_architectures=HF_ARCHITECTURES,
+    hf_model_types=HF_MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    weight_map=WEIGHT_MAP,
+    fused=FUSED,
+    kv_shape=kv_shape,
+    decode_weight_bytes=decode_weight_bytes,
+    step_program=StepProgram,
+    reference=Reference(reference_logits),
+    tiny=TinyCheckpoint(
+        config=testmodel_config,
+        hf_shapes=hf_shapes,
+        chat=TEST_CHAT,
+    ),
+    stacked=STACKED,
+)

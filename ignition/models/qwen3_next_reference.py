@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import moe
-from ignition.models.qwen3_next import FULL, Qwen3NextConfig, canonical_name, ignored_tensor
+from ignition.models.qwen3_next_config import FULL, Qwen3NextConfig, canonical_name, ignored_tensor
 
 F64 = torch.float64
 

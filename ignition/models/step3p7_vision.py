@@ -29,6 +29,7 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models.common import rotate_half
+from ignition.models.naming import biased_shapes, with_biases
 
 _V = "model.vision_model."
 _VL = _V + "layers.{}."
@@ -45,9 +46,10 @@ WEIGHT_MAP = {
     _V + "downsampler2.bias": "vision.down2.bias",
     _PROJ + "weight": "vision.projection",
     _PROJ + "bias": "vision.projection.bias",
-    **{
-        _VL + f"{hf}.{kind}": f"vision.layers.{{}}.{ours}" + ("" if kind == "weight" else ".bias")
-        for hf, ours in (
+    **with_biases(
+        _VL,
+        "vision.layers.{}.",
+        (
             ("self_attn.q_proj", "wq"),
             ("self_attn.k_proj", "wk"),
             ("self_attn.v_proj", "wv"),
@@ -56,9 +58,8 @@ WEIGHT_MAP = {
             ("mlp.fc2", "fc2"),
             ("layernorm_before", "norm1"),
             ("layernorm_after", "norm2"),
-        )
-        for kind in ("weight", "bias")
-    },
+        ),
+    ),
     _VL + "lambda_1": "vision.layers.{}.scale1",
     _VL + "lambda_2": "vision.layers.{}.scale2",
 }
@@ -191,18 +192,12 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
         shapes[_PROJ + "bias"] = (v.text_hidden_size,)
     for i in range(v.num_layers):
         p = _VL.format(i)
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"):
-            shapes |= {p + name + ".weight": (h, h), p + name + ".bias": (h,)}
-        shapes |= {
-            p + "mlp.fc1.weight": (f, h),
-            p + "mlp.fc1.bias": (f,),
-            p + "mlp.fc2.weight": (h, f),
-            p + "mlp.fc2.bias": (h,),
-            p + "lambda_1": (h,),
-            p + "lambda_2": (h,),
-        }
-        for name in ("layernorm_before", "layernorm_after"):
-            shapes |= {p + name + ".weight": (h,), p + name + ".bias": (h,)}
+        shapes |= biased_shapes(
+            p, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"), h, h
+        )
+        shapes |= biased_shapes(p, ("mlp.fc1",), f, h) | biased_shapes(p, ("mlp.fc2",), h, f)
+        shapes |= {p + "lambda_1": (h,), p + "lambda_2": (h,)}
+        shapes |= biased_shapes(p, ("layernorm_before", "layernorm_after"), h)
     return shapes
 
 

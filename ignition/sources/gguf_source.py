@@ -37,12 +37,13 @@ def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
     fam_name = family_of_gguf(str(arch))
     if fam_name is None:
         raise SourceError(f"{path}: GGUF architecture {arch!r} is not supported by this ignition")
-    fam = family(fam_name)
+    gguf = family(fam_name).gguf
+    assert gguf is not None  # family_of_gguf found it by its gguf architectures
     names = {t.name for t in reader.tensors}
-    hf_config = fam.hf_config_from_gguf(meta, names)
+    hf_config = gguf.hf_config(meta, names)
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        mapped = rename(tensor.name, fam.GGUF_WEIGHT_MAP)
+        mapped = rename(tensor.name, gguf.weight_map)
         if mapped is None:
             if tensor.name.startswith("rope_freqs"):
                 continue
@@ -57,7 +58,7 @@ def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
             array = array.copy()
         value = torch.from_numpy(array)
-        tensors[hf_name] = fam.gguf_tensor_fixup(hf_name, value, hf_config)
+        tensors[hf_name] = gguf.tensor_fixup(hf_name, value, hf_config)
     try:
         tokenizer = tokenizer_from_gguf(meta)
     except UnsupportedTokenizer as exc:
@@ -65,7 +66,7 @@ def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
     # A family may name end-of-turn tokens llama.cpp recognizes by their text (Gemma's <end_of_turn>).
-    turn_ends = [tokenizer.token_to_id(text) for text in getattr(fam, "GGUF_END_OF_TURN", ())]
+    turn_ends = [tokenizer.token_to_id(text) for text in gguf.end_of_turn]
     facts = TokenizerFacts(
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(sorted({int(t) for t in (eos, eot, *turn_ends) if t is not None})),
@@ -83,7 +84,7 @@ def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
         tokenizer_json=tokenizer.to_str(),
         tokenizer_facts=facts,
         # Conversions that drop the template (GGUF-my-repo's Gemma 3) get the family's published one.
-        chat_template=meta.get("tokenizer.chat_template") or getattr(fam, "CHAT_TEMPLATE", None),
+        chat_template=meta.get("tokenizer.chat_template") or gguf.chat_template,
         files={path.name: sha256_file(path)},
         dtype=_published_dtype(reader),
         source_format="gguf " + "+".join(sorted({t.tensor_type.name for t in reader.tensors})),

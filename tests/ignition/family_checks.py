@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from helios.core import Core
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
@@ -47,7 +47,7 @@ def check_generation_matches(core_dir: Path, model, text: str, max_tokens: int) 
     """Each greedy token's logprob and top alternatives equal transformers' on the whole sequence."""
     core = Core.open(core_dir)
     prompt = tuple(core.tokenizer().encode(text).ids)
-    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
+    engine = build_engine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
     request = EngineRequest("g", prompt, (GREEDY,), max_tokens, ignore_eos=True, num_top_logprobs=3)
     out = run_to_completion(engine, [request])["g"][0]
     expected = hf_logprobs(model, list(prompt) + out.token_ids)
@@ -66,14 +66,63 @@ def check_batching_invariance(core_dir: Path, texts: list[str], max_tokens: int 
         EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), max_tokens, ignore_eos=True)
         for i, t in enumerate(texts)
     ]
-    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
+    solo = build_engine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
     alone = {r.request_id: run_to_completion(solo, [r])[r.request_id][0].token_ids for r in requests}
-    engine = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
+    engine = build_engine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
     together = run_to_completion(engine, requests)
     assert {rid: choices[0].token_ids for rid, choices in together.items()} == alone
     again = run_to_completion(engine, [replace(r, request_id=r.request_id + "b") for r in requests])
     assert {rid[:-1]: choices[0].token_ids for rid, choices in again.items()} == alone
     assert sum(choices[0].num_cached_tokens for choices in again.values()) > 0
+
+
+# Eight prompts behind a shared preamble (check_eight_prompts_batching), and a second set the MLA families use.
+PREAMBLE = "You are a helpful assistant. Answer briefly and precisely. "
+EIGHT_TEXTS = (*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is")
+LONG_PREAMBLE = "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
+SHORT_TEXTS = (
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Once upon a time, there lived",
+    "1, 2, 3, 4,",
+    "Water boils at",
+    "My favourite colour is",
+    "The quick brown fox jumps over the lazy dog.",
+    "Hi",
+)
+CHUNKED_CACHE_ON_OFF = ({"prefill_chunk_size": 16}, {"prefill_chunk_size": 16, "enable_prefix_cache": False})
+
+
+def check_eight_prompts_batching(
+    core_dir: Path,
+    preamble: str = PREAMBLE,
+    texts: tuple[str, ...] = EIGHT_TEXTS,
+    settings: tuple[dict[str, object], ...] = CHUNKED_CACHE_ON_OFF,
+) -> None:
+    """The prompts behind a shared preamble together == each alone, under each of `settings`
+    (EngineConfig overrides), and again, from cached prefix pages (and state snapshots) exactly where
+    the prefix cache is on."""
+    core = Core.open(core_dir)
+    tok = core.tokenizer()
+    requests = [
+        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
+        for i, t in enumerate(texts)
+    ]
+
+    def tokens(outputs: dict) -> dict[str, list[int]]:
+        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
+
+    solo = build_engine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
+    alone: dict[str, list[int]] = {}
+    for request in requests:
+        alone.update(tokens(run_to_completion(solo, [request])))
+    for overrides in settings:
+        engine = build_engine(core, EngineConfig(num_pages=128, **overrides))  # type: ignore[arg-type]
+        assert tokens(run_to_completion(engine, requests)) == alone, f"batched output differs with {overrides}"
+        again = run_to_completion(engine, [replace(r, request_id=r.request_id + "b") for r in requests])
+        assert {k[:-1]: v for k, v in tokens(again).items()} == alone
+        cached = sum(c[0].num_cached_tokens for c in again.values())
+        assert (cached > 0) == overrides.get("enable_prefix_cache", True)
 
 
 def check_prefix_reuse(core_dir: Path, text: str, max_tokens: int = 8) -> None:
@@ -90,12 +139,16 @@ def check_prefix_reuse(core_dir: Path, text: str, max_tokens: int = 8) -> None:
         "second", prefix + tuple(tok.encode(" And so on.").ids), (GREEDY,), max_tokens, ignore_eos=True
     )
     assert len(prefix) > 2 * core.manifest.limits.page_tokens, "the shared prefix must cover whole pages"
-    uncached = run_to_completion(LLMEngine(core, EngineConfig(num_pages=64, enable_prefix_cache=False)), [second])
-    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
+    uncached = run_to_completion(build_engine(core, EngineConfig(num_pages=64, enable_prefix_cache=False)), [second])
+    engine = build_engine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
     run_to_completion(engine, [first])
     cached = run_to_completion(engine, [second])["second"][0]
     assert cached.num_cached_tokens > 0
     assert cached.token_ids == uncached["second"][0].token_ids
+
+
+# (route, its finish reason for a tool call) of each protocol tool_round_trip drives.
+TOOL_ROUTES = (("chat", "tool_calls"), ("messages", "tool_use"), ("responses", "completed"))
 
 
 def tool_round_trip(app, route: str, ask: str, schema: dict, **extra) -> tuple[dict, str]:
@@ -152,6 +205,29 @@ def tool_round_trip(app, route: str, ask: str, schema: dict, **extra) -> tuple[d
         "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
         "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"],
     }, result["status"]
+
+
+def step_logprob_error(
+    core_dir: Path, model, prompts: list[list[int]], decoded: int = 0, chunks: tuple[int | None, ...] = (None, 16, 5)
+) -> float:
+    """Max |Δ| of the step program's logprobs against transformers' full distributions over the prompts:
+    each prefilled whole (None) and in each of `chunks`-token chunks, then its first `decoded` tokens one
+    at a time (decode rows)."""
+    from helios.core.program import run_prompt
+
+    core = Core.open(core_dir)
+    program, weights, m = core.load_program(), core.load_weights(), core.manifest
+    page = m.limits.page_tokens
+    worst = 0.0
+    for ids in prompts:
+        expected = hf_logprobs(model, list(ids))
+        for chunk in chunks:
+            got = run_prompt(program, weights, m.kv, page, list(ids), chunk=chunk).logprobs
+            worst = max(worst, float((got - expected).abs().max()))
+        if decoded:
+            got = run_prompt(program, weights, m.kv, page, list(ids[:decoded]), chunk=1).logprobs
+            worst = max(worst, float((got - expected[:decoded]).abs().max()))
+    return worst
 
 
 def prompt_logprob_error(core_dir: Path, model, prompts: list[list[int]], chunk: int) -> float:

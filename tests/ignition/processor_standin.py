@@ -1,7 +1,7 @@
 """Shared by the vision-family tests: test images, and torch stand-ins for the torchvision calls
 transformers' image processors make, so a reference processor runs where torchvision is absent.
 
-`import_processing(names)` imports transformers' processing modules (names under
+`bicubic_processor(...)` builds a family's reference processor on them. `import_processing(names)` imports transformers' processing modules (names under
 transformers.models; with real torchvision where it loads, else with the stand-in posing as
 torchvision's v2 functional API while they import) and says which; `functional(...)` builds that stand-in from the
 primitives here: uint8 bicubic (torch's antialiased kernel, the one torchvision calls on CPU),
@@ -10,11 +10,15 @@ uint8 LANCZOS (PIL's filter), constant padding and per-channel normalization.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import io
 import sys
 import types
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,3 +111,40 @@ def import_processing(names: tuple[str, ...]) -> tuple[tuple[types.ModuleType, .
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+@contextlib.contextmanager
+def bicubic_processor(
+    modules: tuple[str, str],
+    processor: str,
+    image_processor: str,
+    processor_config: Mapping[str, Any],
+    checkpoint: Path,
+    patch_image_processing: bool = False,
+) -> Iterator[Any]:
+    """transformers' `processor` (of modules[1], e.g. "minimax_m3_vl.processing_minimax_m3_vl") over its
+    `image_processor` (of modules[0]) made with the test checkpoint's preprocessor config, and the
+    checkpoint's tokenizer: on torchvision where it imports, else on the bicubic stand-in above (also
+    patched into the image processing module itself where it holds its own tvF reference)."""
+    import pytest
+    import transformers.image_processing_backends as backends
+    from transformers import PreTrainedTokenizerFast
+    from transformers.image_utils import PILImageResampling
+
+    (image_processing, processing), real = import_processing(modules)
+    processor_class = getattr(processing, processor)
+    patch = pytest.MonkeyPatch()
+    if not real:
+        stand_in = functional()
+        patch.setattr(backends, "tvF", stand_in, raising=False)
+        if patch_image_processing:
+            patch.setattr(image_processing, "tvF", stand_in, raising=False)
+        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: Mode.BICUBIC})
+        # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
+        patch.setattr(processor_class, "check_argument_for_proper_class", lambda self, name, arg: None)
+    settings = {k: v for k, v in processor_config.items() if k != "image_processor_type"}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    try:
+        yield processor_class(getattr(image_processing, image_processor)(**settings), tokenizer)
+    finally:
+        patch.undo()

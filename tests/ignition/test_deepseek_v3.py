@@ -16,9 +16,7 @@ from safetensors.torch import save_file
 from helios.core import Core
 from helios.core.manifest import KvLayout
 from helios.core.program import SCORED_PREFILL, allocate_kv, run_prompt
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
+from helios.engine import EngineConfig, build_engine
 from helios.engine.sampling_params import SamplingParams
 from ignition.errors import SourceError
 from ignition.export import ExportOptions, export_core, internal_weights
@@ -26,6 +24,8 @@ from ignition.models import deepseek_v3, family_of_hf_config
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import _init, write_testmodel
+from tests.ignition import family_checks
+from tests.ignition.family_checks import LONG_PREAMBLE, SHORT_TEXTS
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 PAGE_TOKENS = 16
@@ -123,50 +123,20 @@ def test_engine_batching_invariance_and_latent_pool(exported: tuple[Path, Path])
     """8 prompts together == each alone (prefix cache on and off, 16-token prefill chunks), over a
     KV pool of one latent tensor per layer."""
     core = Core.open(exported[1])
-    tok = core.tokenizer()
-    preamble = "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
-    texts = [
-        "The capital of France is",
-        "def add(a, b):\n    return",
-        "Once upon a time, there lived",
-        "1, 2, 3, 4,",
-        "Water boils at",
-        "My favourite colour is",
-        "The quick brown fox jumps over the lazy dog.",
-        "Hi",
-    ]
-    requests = [
-        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-        for i, t in enumerate(texts)
-    ]
-
-    def engine(**overrides: object) -> LLMEngine:
-        return LLMEngine(core, EngineConfig(**{"num_pages": 128, **overrides}))
-
-    def tokens(outputs: dict) -> dict[str, list[int]]:
-        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
-
-    solo = engine(enable_prefix_cache=False)
+    solo = build_engine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
     m = core.manifest
     assert len(solo.executor.kv) == m.kv.num_layers  # not 2 * num_layers: keys and values share the latent
     assert tuple(solo.executor.kv[0].shape) == (128, PAGE_TOKENS, 1, m.kv.head_dim)
-    alone: dict[str, list[int]] = {}
-    for request in requests:
-        alone.update(tokens(run_to_completion(solo, [request])))
-    for overrides in ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16}):
-        batched = engine(**overrides)
-        assert tokens(run_to_completion(batched, requests)) == alone, f"batched output differs with {overrides}"
-        again = run_to_completion(batched, [replace(r, request_id=r.request_id + "b") for r in requests])
-        assert {k[:-1]: v for k, v in tokens(again).items()} == alone
-        cached = sum(c[0].num_cached_tokens for c in again.values())
-        assert (cached > 0) == overrides.get("enable_prefix_cache", True)
+    family_checks.check_eight_prompts_batching(
+        exported[1], LONG_PREAMBLE, SHORT_TEXTS, ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16})
+    )
 
 
 def test_page_bytes_count_one_latent_per_layer(exported: tuple[Path, Path]) -> None:
     core = Core.open(exported[1])
     kv = core.manifest.kv
     per_page = kv.num_layers * PAGE_TOKENS * kv.head_dim * 4  # fp32, one tensor per layer
-    engine = LLMEngine(core, EngineConfig(kv_memory_bytes=10 * per_page))
+    engine = build_engine(core, EngineConfig(kv_memory_bytes=10 * per_page))
     assert engine.stats.total_pages == 10
     assert len(allocate_kv(kv, 2, PAGE_TOKENS)) == kv.num_layers
     assert len(allocate_kv(msgspec.structs.replace(kv, shared_kv=False), 2, PAGE_TOKENS)) == 2 * kv.num_layers
@@ -181,14 +151,14 @@ def test_old_manifest_without_shared_kv_loads() -> None:
 def test_dense_and_moe_layers_fuse_their_own_groups(tmp_path: Path) -> None:
     checkpoint = open_source(str(write_testmodel("kimi_k3", tmp_path / "ckpt", seed=1)))
     config = deepseek_v3.config_from_hf(checkpoint.hf_config)
-    weights = internal_weights(deepseek_v3, checkpoint, config, torch.float32)
+    weights = internal_weights(deepseek_v3.FAMILY, checkpoint, config, torch.float32)
     assert "layers.0.w_gate_up" in weights and "layers.0.w_shared_gate_up" not in weights  # dense layer
     assert "layers.1.w_shared_gate_up" in weights and "layers.1.w_gate_up" not in weights  # MoE layer
     assert weights["layers.1.w_experts_gate_up"].shape == (8, 64, 64)
     # A layer holding part of a fused group (gate without up) is still an error.
     checkpoint.tensors.pop("model.layers.2.mlp.shared_experts.up_proj.weight")
     with pytest.raises(SourceError, match="missing tensors"):
-        internal_weights(deepseek_v3, checkpoint, config, torch.float32)
+        internal_weights(deepseek_v3.FAMILY, checkpoint, config, torch.float32)
 
 
 def test_kimi_k25_text_layout_reads_the_same_model(tmp_path: Path) -> None:
@@ -205,8 +175,8 @@ def test_kimi_k25_text_layout_reads_the_same_model(tmp_path: Path) -> None:
     ids = list(range(3, 30))
     same = deepseek_v3.reference_logits(config, moonshot, ids)
     assert torch.equal(same, deepseek_v3.reference_logits(config, checkpoint.tensors, ids))
-    renamed = internal_weights(deepseek_v3, replace(checkpoint, tensors=moonshot), config, torch.float32)
-    plain = internal_weights(deepseek_v3, checkpoint, config, torch.float32)
+    renamed = internal_weights(deepseek_v3.FAMILY, replace(checkpoint, tensors=moonshot), config, torch.float32)
+    plain = internal_weights(deepseek_v3.FAMILY, checkpoint, config, torch.float32)
     assert renamed.keys() == plain.keys() and all(torch.equal(renamed[n], plain[n]) for n in plain)
 
 

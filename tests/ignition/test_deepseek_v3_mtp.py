@@ -175,7 +175,7 @@ def test_mtp_program_matches_references(tiny: dict[str, Path]) -> None:
 
 def _eager_mtp_diff(checkpoint, config, tensors: dict[str, torch.Tensor], kv) -> float:
     """The MtpProgram module run eagerly (not exported) on `tensors` against reference_mtp on them."""
-    weights = internal_weights(deepseek_v3, replace(checkpoint, tensors=tensors), config, torch.float32)
+    weights = internal_weights(deepseek_v3.FAMILY, replace(checkpoint, tensors=tensors), config, torch.float32)
     ids = list(range(3, 3 + PAGE + 6))
     hidden = deepseek_v3.reference_forward(config, tensors, ids[:-1])[1]
     logits, _ = deepseek_v3.reference_mtp(config, tensors, 0, ids[1:], hidden)
@@ -206,7 +206,7 @@ def test_mtp_layer_without_its_own_head_and_embedding_uses_the_main_ones(tiny: d
     with_own = deepseek_v3.reference_mtp(config, checkpoint.tensors, 0, ids, hidden)[0]
     assert not torch.allclose(with_own, deepseek_v3.reference_mtp(config, shared, 0, ids, hidden)[0])
     main = {n: v for n, v in checkpoint.tensors.items() if not n.startswith(MTP_LAYER)}
-    weights = internal_weights(deepseek_v3, replace(checkpoint, tensors=main), config, torch.float32)
+    weights = internal_weights(deepseek_v3.FAMILY, replace(checkpoint, tensors=main), config, torch.float32)
     with pytest.raises(SourceError, match="num_nextn_predict_layers"):
         deepseek_v3.extra_programs(config, 2, weights)
 
@@ -220,7 +220,7 @@ def test_dense_mtp_layer_where_the_config_says_so(tiny: dict[str, Path], tmp_pat
     checkpoint = open_source(str(path))
     config = deepseek_v3.config_from_hf(checkpoint.hf_config)
     assert not config.is_moe(3) and MTP_LAYER + "mlp.gate_proj.weight" in checkpoint.tensors
-    weights = internal_weights(deepseek_v3, checkpoint, config, torch.float32)
+    weights = internal_weights(deepseek_v3.FAMILY, checkpoint, config, torch.float32)
     assert "layers.3.w_gate_up" in weights and "layers.3.w_router" not in weights
     kv = Core.open(tiny["core"]).manifest.kv  # the same cache layout: only the MLPs differ
     assert _eager_mtp_diff(checkpoint, config, checkpoint.tensors, kv) <= 1e-4

@@ -17,15 +17,16 @@ import torch
 from safetensors.torch import save_file
 
 from helios.core import Core
-from helios.core import ops_deepseek_v4 as ops
 from helios.core.manifest import ExtraCache, KvLayout
+from helios.core.ops import deepseek_v4 as ops
 from helios.core.program import SCORED_PREFILL, allocate_kv, run_prompt
-from helios.engine import kernels, kernels_deepseek_v4
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
+from helios.engine.kernels import deepseek_v4 as kernels_deepseek_v4
+from helios.engine.kernels import registry as kernels
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from ignition.export import internal_weights
-from ignition.models import deepseek_v4
+from ignition.models import deepseek_v4, deepseek_v4_config
 from ignition.sources import open_source
 from ignition.testmodel import _init, write_testmodel
 from tests.ignition.family_checks import GREEDY, TEXTS, check_generation_matches, export_tiny, hf_logprobs
@@ -144,7 +145,7 @@ def _tokens(outputs: dict) -> dict[str, list[int]]:
 def alone(tiny: tuple[Path, Path]) -> dict[str, list[int]]:
     """Each of the 8 prompts' greedy tokens, run one at a time without a prefix cache."""
     core = Core.open(tiny[1])
-    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
+    solo = build_engine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
     out: dict[str, list[int]] = {}
     for request in _requests(core):
         out.update(_tokens(run_to_completion(solo, [request])))
@@ -157,7 +158,7 @@ def test_engine_batching_invariance_and_prefix_reuse(tiny: tuple[Path, Path], al
     cache when on). Reused pages may end mid HCA group (16-token pages, groups of 12): the next
     chunk then pools that group partly from the reused pages' compressor state."""
     core = Core.open(tiny[1])
-    engine = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16, enable_prefix_cache=prefix_cache))
+    engine = build_engine(core, EngineConfig(num_pages=128, prefill_chunk_size=16, enable_prefix_cache=prefix_cache))
     assert _tokens(run_to_completion(engine, _requests(core))) == alone
     again = run_to_completion(engine, _requests(core, "b"))
     assert {k[:-1]: v for k, v in _tokens(again).items()} == alone
@@ -170,11 +171,11 @@ def test_engine_forks_and_preemption_keep_the_extra_caches(tiny: tuple[Path, Pat
     """n = 2 choices fork after the prompt (the partial last page is copied, extra caches too), and a
     pool too small for every request preempts and recomputes: outputs equal the unbatched ones."""
     core = Core.open(tiny[1])
-    forked = run_to_completion(LLMEngine(core, EngineConfig(num_pages=128)), _requests(core, n=2))
+    forked = run_to_completion(build_engine(core, EngineConfig(num_pages=128)), _requests(core, n=2))
     assert {rid: [c.token_ids for c in choices] for rid, choices in forked.items()} == {
         r: [t, t] for r, t in alone.items()
     }
-    small = LLMEngine(core, EngineConfig(num_pages=12, prefill_chunk_size=16))
+    small = build_engine(core, EngineConfig(num_pages=12, prefill_chunk_size=16))
     assert _tokens(run_to_completion(small, _requests(core))) == alone
     assert small.stats.preemptions > 0
 
@@ -223,7 +224,7 @@ def test_pages_count_every_cache(tiny: tuple[Path, Path]) -> None:
     kv = core.manifest.kv
     per_token = 4 * 32 + sum(e.num_heads * e.head_dim * len(e.layers) for e in kv.extra)
     assert kv.token_elements == per_token
-    engine = LLMEngine(core, EngineConfig(kv_memory_bytes=10 * per_token * 16 * 4))  # fp32, 16-token pages
+    engine = build_engine(core, EngineConfig(kv_memory_bytes=10 * per_token * 16 * 4))  # fp32, 16-token pages
     assert engine.stats.total_pages == 10
     caches = allocate_kv(kv, 3, 16)
     assert len(caches) == kv.num_caches == 4 + len(kv.extra)
@@ -330,7 +331,7 @@ def test_variant_reference_and_program_match_transformers(name: str, tmp_path: P
     expected = hf_logprobs(model, ids)
     ours = torch.log_softmax(deepseek_v4.reference_logits(config, source.tensors, ids), dim=-1)
     assert float((ours - expected).abs().max()) <= 1e-4
-    weights = internal_weights(deepseek_v4, source, config, torch.float32)
+    weights = internal_weights(deepseek_v4.FAMILY, source, config, torch.float32)
     layout = KvLayout(
         *deepseek_v4.kv_shape(config),
         "float32",
@@ -346,7 +347,7 @@ def _original_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """The checkpoint under DeepSeek's own names (ORIGINAL_WEIGHT_MAP inverted), one tensor per expert."""
     from ignition.models.naming import rename
 
-    inverse = {target: source for source, target in deepseek_v4.ORIGINAL_WEIGHT_MAP.items()}
+    inverse = {target: source for source, target in deepseek_v4_config.ORIGINAL_WEIGHT_MAP.items()}
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
@@ -379,8 +380,8 @@ def test_deepseek_checkpoint_names_read_like_transformers(tmp_path: Path) -> Non
     theirs, ours = _hf_model(checkpoint).state_dict(), _hf_model(original).state_dict()
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
     config = deepseek_v4.config_from_hf(hf.hf_config)
-    plain = internal_weights(deepseek_v4, hf, config, torch.float32)
-    renamed = internal_weights(deepseek_v4, open_source(str(original)), config, torch.float32)
+    plain = internal_weights(deepseek_v4.FAMILY, hf, config, torch.float32)
+    renamed = internal_weights(deepseek_v4.FAMILY, open_source(str(original)), config, torch.float32)
     assert plain.keys() == renamed.keys() and all(torch.equal(plain[n], renamed[n]) for n in plain)
     assert plain["layers.0.tid2eid"].dtype == torch.int64  # integer tables are not cast
     ids = list(range(3, 40))  # the self-check's reference reads either naming

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 import platform
+import shutil
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
-
 from support import run_cli
+
 from helios.core import Core, CoreError, CoreFormatError
 from helios.core import manifest as mf
 from ignition.errors import ExitCode

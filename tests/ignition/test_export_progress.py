@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from support import run_cli
 
 from helios.core import Core
 from ignition.export import ExportOptions, export_core
 from ignition.progress import export_phases
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from support import run_cli
 
 PHASES = [
     "converting weights to float32",

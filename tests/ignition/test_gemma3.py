@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from helios.core import Core
-from helios.core.program import SCORED_PREFILL, run_prompt
 from ignition.export import ExportOptions, export_core
 from ignition.models import gemma3
 from ignition.recipe import load_recipe
 from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
+from tests.ignition import family_checks
 from tests.ignition.family_checks import (
     CHAT,
     TEXTS,
@@ -64,24 +64,15 @@ def test_core_records_the_gemma3_recipe_and_template(tiny: tuple[Path, Path]) ->
 def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
     """Prompts longer than the window and than a page, prefilled whole and in chunks of 16 and 5."""
     core = Core.open(tiny[1])
-    program, weights, m = core.load_program(), core.load_weights(), core.manifest
-    for ids in _prompts(core):
-        assert len(ids) > m.limits.page_tokens > 8  # spans pages, and the window slides
-        expected = hf_logprobs(reference, ids)
-        for chunk in (None, 16, 5):
-            got = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=chunk).logprobs
-            assert float((got - expected).abs().max()) <= 1e-3, chunk
+    prompts = _prompts(core)
+    assert all(len(ids) > core.manifest.limits.page_tokens > 8 for ids in prompts)  # spans pages, the window slides
+    assert family_checks.step_logprob_error(tiny[1], reference, prompts) <= 1e-3
 
 
 def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
-    core = Core.open(tiny[1])
-    program, weights, m = core.load_program(SCORED_PREFILL), core.load_weights(), core.manifest
-    ids = _prompts(core)[1]
-    run = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=16)
-    expected = hf_logprobs(reference, ids)
-    targets = torch.tensor(ids[1:])
-    scored = expected[:-1].gather(1, targets[:, None])[:, 0]
-    assert float((run.outputs["prompt_logprobs"][:-1] - scored).abs().max()) <= 1e-3
+    """The scored-prefill program's prompt logprobs and top alternatives (16-token chunks) equal transformers'."""
+    ids = _prompts(Core.open(tiny[1]))[1]
+    assert family_checks.prompt_logprob_error(tiny[1], reference, [ids], chunk=16) <= 1e-3
 
 
 def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference) -> None:

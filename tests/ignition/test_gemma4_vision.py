@@ -15,13 +15,14 @@ import torch
 from PIL import Image
 
 from helios.core import Core
-from helios.core.program import STEP, SCORED_PREFILL, VISION, run_prompt
+from helios.core.program import SCORED_PREFILL, STEP, VISION, run_prompt
 from helios.frontend import images
 from ignition.export import ExportOptions, export_core
 from ignition.models import gemma4
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.ignition.vision_checks import export_tiny_vision
 
 TOLERANCE = 1e-3
 
@@ -45,14 +46,7 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel("gemma4", tmp_path_factory.mktemp("ckpt") / "tiny-gemma4-vision", seed=3, vision=True)
-    out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
-    export_core(
-        open_source(str(checkpoint)),
-        load_recipe("gemma4"),
-        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
-    )
-    return checkpoint, out
+    return export_tiny_vision("gemma4", "gemma4", "gemma4-vision", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +151,7 @@ def test_bidirectional_image_attention_matches_transformers(tmp_path: Path) -> N
     Gemma4ForConditionalGeneration given mm_token_type_ids; the causal model does not."""
     from transformers import Gemma4ForConditionalGeneration
 
-    from helios.engine.engine import EngineConfig, LLMEngine
+    from helios.engine import EngineConfig, build_engine
     from helios.engine.offline import run_to_completion
     from helios.engine.request import EngineImage, EngineRequest
     from helios.engine.sampling_params import SamplingParams
@@ -234,7 +228,7 @@ def test_bidirectional_image_attention_matches_transformers(tmp_path: Path) -> N
     )
     greedy = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
     request = EngineRequest("r", tuple(ids), (greedy,), 1, ignore_eos=True, num_top_logprobs=5, images=(image,))
-    engine = LLMEngine(core, EngineConfig(num_pages=32, prefill_chunk_size=11))
+    engine = build_engine(core, EngineConfig(num_pages=32, prefill_chunk_size=11))
     first = run_to_completion(engine, [request])["r"][0].logprobs[0]
     assert abs(first.logprob - float(expected[-1].max())) <= TOLERANCE
     assert [t for t, _ in first.alternatives] == expected[-1].topk(5).indices.tolist()

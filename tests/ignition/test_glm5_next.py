@@ -17,11 +17,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helios.core import Core, ops_glm5_next, ops_sparse  # noqa: F401 - registers the glm5_next ops
+from helios.core import Core
+from helios.core.ops import glm5_next as ops_glm5_next  # noqa: F401 - registers the glm5_next ops
+from helios.core.ops import sparse as ops_sparse
 from helios.core.program import SCORED_PREFILL, run_prompt
 from helios.core.template import ChatTemplate
-from helios.engine import kernels_glm5_next
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
+from helios.engine.kernels import glm5_next as kernels_glm5_next
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from ignition.export import ExportOptions, export_core, internal_weights
@@ -276,7 +278,7 @@ def test_engine_generation_matches_transformers(exported) -> None:
     transformers' on the whole sequence, for the three prompts."""
     _, core_dir, model = exported
     core = Core.open(core_dir)
-    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
+    engine = build_engine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
     requests = [
         EngineRequest(f"g{i}", tuple(ids), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=3)
         for i, ids in enumerate(_prompts(core))
@@ -309,12 +311,12 @@ def test_batching_invariance(exported) -> None:
     def tokens(outputs: dict) -> dict[str, list[int]]:
         return {rid: choices[0].token_ids for rid, choices in outputs.items()}
 
-    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
+    solo = build_engine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
     alone: dict[str, list[int]] = {}
     for request in requests:
         alone.update(tokens(run_to_completion(solo, [request])))
     for overrides in ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16}):
-        batched = LLMEngine(core, EngineConfig(**{"num_pages": 128, **overrides}))
+        batched = build_engine(core, EngineConfig(**{"num_pages": 128, **overrides}))
         assert tokens(run_to_completion(batched, requests)) == alone, f"batched output differs with {overrides}"
         again = run_to_completion(batched, [replace(r, request_id=r.request_id + "b") for r in requests])
         assert {k[:-1]: v for k, v in tokens(again).items()} == alone, overrides
@@ -411,8 +413,8 @@ def test_glm_names_and_nested_config_read_the_same_model(tmp_path: Path) -> None
             renamed[name] = tensor
     renamed["model.language_model.layers.4.eh_proj.weight"] = torch.zeros(4, 4)  # an MTP layer
     renamed["model.language_model.layers.3.shared_head.norm.weight"] = torch.zeros(4)
-    ours = internal_weights(glm5_next, replace(checkpoint, tensors=renamed), config, torch.float32)
-    plain = internal_weights(glm5_next, checkpoint, config, torch.float32)
+    ours = internal_weights(glm5_next.FAMILY, replace(checkpoint, tensors=renamed), config, torch.float32)
+    plain = internal_weights(glm5_next.FAMILY, checkpoint, config, torch.float32)
     assert ours.keys() == plain.keys() and all(torch.equal(ours[n], plain[n]) for n in plain)
     assert not any("visual" in n for n in plain) and plain["layers.0.conv"].shape == (192, 1, 4)
     ids = list(range(3, 30))

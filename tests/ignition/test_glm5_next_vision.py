@@ -18,10 +18,8 @@ are transformers' own code either way.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +28,11 @@ import torch
 from PIL import Image
 
 from helios.core import Core
-from helios.core.program import SCORED_PREFILL, STEP, VISION, run_prompt
+from helios.core.program import STEP, VISION
 from helios.frontend import images
-from ignition.export import ExportOptions, export_core
-from ignition.models import glm5_next, glm5_next_vision
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
-from tests.ignition.processor_standin import Mode, encode, functional, import_processing
+from ignition.models import glm5_next
+from tests.ignition.processor_standin import bicubic_processor, encode, import_processing
+from tests.ignition.vision_checks import check_features_and_logprobs, check_reference_tower, export_tiny_vision
 
 TOLERANCE = 1e-3
 # (width, height, format, PIL save options) and the fit_and_pad branch each takes under 4 .. 64 tokens of 28 x 28.
@@ -55,16 +50,7 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel(
-        "glm5_next", tmp_path_factory.mktemp("ckpt") / "tiny-glm53-vision", seed=3, vision=True
-    )
-    out = tmp_path_factory.mktemp("cores") / "glm53-vision"
-    export_core(
-        open_source(str(checkpoint)),
-        load_recipe("glm53"),
-        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
-    )
-    return checkpoint, out
+    return export_tiny_vision("glm5_next", "glm53", "glm53-vision", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -77,31 +63,17 @@ def reference(tiny: tuple[Path, Path]):
     return model.eval()
 
 
-@contextlib.contextmanager
-def reference_processor(checkpoint: Path) -> Iterator[Any]:
-    """transformers' Glm5NextProcessor (image processor + the checkpoint's tokenizer), on torchvision
-    where it imports, else on the torch primitives above."""
-    import transformers.image_processing_backends as backends
-    from transformers import PreTrainedTokenizerFast
-    from transformers.image_utils import PILImageResampling
-
-    (image_processing, processing), real = import_processing(
-        ("glm5_next.image_processing_glm5_next", "glm5_next.processing_glm5_next")
+def reference_processor(checkpoint: Path):
+    """transformers' Glm5NextProcessor (image processor + the checkpoint's tokenizer), on torchvision where it
+    imports, else on the torch stand-ins (tests/ignition/processor_standin.py)."""
+    return bicubic_processor(
+        ("glm5_next.image_processing_glm5_next", "glm5_next.processing_glm5_next"),
+        "Glm5NextProcessor",
+        "Glm5NextImageProcessor",
+        glm5_next.TESTMODEL_PROCESSOR,
+        checkpoint,
+        patch_image_processing=True,
     )
-    patch = pytest.MonkeyPatch()
-    if not real:
-        stand_in = functional()
-        patch.setattr(backends, "tvF", stand_in, raising=False)
-        patch.setattr(image_processing, "tvF", stand_in, raising=False)
-        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: Mode.BICUBIC})
-        # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
-        patch.setattr(processing.Glm5NextProcessor, "check_argument_for_proper_class", lambda self, name, arg: None)
-    settings = {k: v for k, v in glm5_next.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
-    try:
-        yield processing.Glm5NextProcessor(image_processing.Glm5NextImageProcessor(**settings), tokenizer)
-    finally:
-        patch.undo()
 
 
 def pixel_inputs(processed) -> dict[str, Any]:
@@ -185,60 +157,15 @@ def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], pr
 
 
 def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], reference, processor) -> None:
-    core = Core.open(tiny[1])
-    m = core.manifest
-    profile = m.vision
-    weights = core.load_weights()
-    vision = core.load_program(VISION)
-    programs = {kind: core.load_program(kind) for kind in (STEP, SCORED_PREFILL)}
-    worst_features = worst = worst_first = 0.0
-    for data in encoded_images():
-        pixels, positions = images.prepare_views(images.decode(data), profile)[0]
-        ours = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
-        processed = processor(text=PROMPT, images=[Image.open(io.BytesIO(data))], return_tensors="pt")
-        ids = processed["input_ids"][0].tolist()
-        with torch.no_grad():
-            theirs = reference.get_image_features(**pixel_inputs(processed)).pooler_output[0]
-            logits = reference(input_ids=torch.tensor([ids]), **pixel_inputs(processed)).logits[0].float()
-        worst_features = max(worst_features, float((ours - theirs).abs().max()))
-        expected = torch.log_softmax(logits, dim=-1)
-        image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
-        assert len(image_positions) == len(ours)
-        for program in programs.values():  # chunks of 11 cut through the image rows (and the KDA state)
-            run = run_prompt(
-                program,
-                weights,
-                m.kv,
-                m.limits.page_tokens,
-                ids,
-                chunk=11,
-                image_features=ours,
-                image_positions=image_positions,
-            )
-            worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
-            worst = max(worst, float((run.logprobs - expected).abs().max()))
-    assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
-    print(
-        f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
-        f"all prompt positions {worst:.3g}"
+    check_features_and_logprobs(
+        tiny[1], reference, processor, PROMPT, encoded_images(), pixel_inputs, chunk=11, tolerance=TOLERANCE
     )
 
 
 def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Path, Path]) -> None:
     """The exported program and the float64 reference agree on the export's example view (the
     self-check's input)."""
-    from safetensors.torch import load_file
-
-    config = glm5_next.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
-    assert config.vision is not None
-    pixels, positions = glm5_next_vision.example_inputs(config.vision)
-    core = Core.open(tiny[1])
-    got = core.load_program(VISION)(core.load_weights(), [], pixel_values=pixels, pixel_positions=positions)
-    expected = glm5_next_vision.reference_features(
-        config.vision, load_file(str(tiny[0] / "model.safetensors")), pixels, positions
-    )
-    assert got["image_features"].shape == (6, 64)
-    assert float((got["image_features"] - expected).abs().max()) <= 1e-4
+    check_reference_tower("glm5_next", tiny)
 
 
 def test_text_only_configs_stay_text_only(tiny: tuple[Path, Path]) -> None:

@@ -8,7 +8,6 @@ the glm / glm47 parsers through Chat Completions, Messages and Responses; refuse
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -16,18 +15,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helios.core import Core, ops_sparse
+from helios.core import Core
 from helios.core.manifest import KvLayout
+from helios.core.ops import sparse as ops_sparse
 from helios.core.program import SCORED_PREFILL, allocate_kv, run_prompt
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
+from helios.engine import EngineConfig, build_engine
 from ignition.export import ExportOptions, export_core
 from ignition.models import glm_moe_dsa
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import _init, write_testmodel
-from tests.ignition.family_checks import GREEDY, TEXTS, check_generation_matches, hf_logprobs
+from tests.ignition import family_checks
+from tests.ignition.family_checks import LONG_PREAMBLE, SHORT_TEXTS, TEXTS, check_generation_matches, hf_logprobs
 
 PAGE_TOKENS = 16
 # GLM-5's presets for this family's cores (the shipped glm53 recipe names glm5_next, GLM-5.3-Flash's architecture).
@@ -207,47 +206,17 @@ def test_engine_batching_invariance_and_pool(default_core: tuple[Path, Path]) ->
     """8 prompts together == each alone (prefix cache on and off, 16-token prefill chunks), over a
     pool of one latent tensor per layer plus one indexer-key tensor per full indexer layer."""
     core = Core.open(default_core[1])
-    tok = core.tokenizer()
-    preamble = "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
-    texts = [
-        "The capital of France is",
-        "def add(a, b):\n    return",
-        "Once upon a time, there lived",
-        "1, 2, 3, 4,",
-        "Water boils at",
-        "My favourite colour is",
-        "The quick brown fox jumps over the lazy dog.",
-        "Hi",
-    ]
-    requests = [
-        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-        for i, t in enumerate(texts)
-    ]
-
-    def engine(**overrides: object) -> LLMEngine:
-        return LLMEngine(core, EngineConfig(**{"num_pages": 128, **overrides}))
-
-    def tokens(outputs: dict) -> dict[str, list[int]]:
-        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
-
-    solo = engine(enable_prefix_cache=False)
+    solo = build_engine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
     kv = core.manifest.kv
     assert [tuple(t.shape) for t in solo.executor.kv] == [(128, PAGE_TOKENS, 1, 40)] * 3 + [
         (128, PAGE_TOKENS, 1, 16)
     ] * 2
-    alone: dict[str, list[int]] = {}
-    for request in requests:
-        alone.update(tokens(run_to_completion(solo, [request])))
-    for overrides in ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16}):
-        batched = engine(**overrides)
-        assert tokens(run_to_completion(batched, requests)) == alone, f"batched output differs with {overrides}"
-        again = run_to_completion(batched, [replace(r, request_id=r.request_id + "b") for r in requests])
-        assert {k[:-1]: v for k, v in tokens(again).items()} == alone
-        cached = sum(c[0].num_cached_tokens for c in again.values())
-        assert (cached > 0) == overrides.get("enable_prefix_cache", True)
+    family_checks.check_eight_prompts_batching(
+        default_core[1], LONG_PREAMBLE, SHORT_TEXTS, ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16})
+    )
     # A page holds every tensor's rows: 3 latents of 40 and 2 indexer keys of 16, fp32.
     per_page = PAGE_TOKENS * (3 * 40 + 2 * 16) * 4
-    assert LLMEngine(core, EngineConfig(kv_memory_bytes=10 * per_page)).stats.total_pages == 10
+    assert build_engine(core, EngineConfig(kv_memory_bytes=10 * per_page)).stats.total_pages == 10
     assert len(allocate_kv(kv, 2, PAGE_TOKENS)) == kv.num_caches == 5
 
 

@@ -18,11 +18,9 @@ fusion, the patch order and the placeholder expansion are transformers' own code
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +29,15 @@ import torch
 from PIL import Image
 
 from helios.core import Core
-from helios.core.program import SCORED_PREFILL, STEP, VISION, run_prompt
+from helios.core.program import STEP, VISION
 from helios.frontend import images
 from ignition.export import ExportOptions, export_core
-from ignition.models import deepseek_v3, kimi_k25_vision
+from ignition.models import deepseek_v3
+from ignition.models.patch_grid import block_order
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
-from tests.ignition.processor_standin import Mode, encode, functional, import_processing
+from tests.ignition.processor_standin import bicubic_processor, encode, import_processing
+from tests.ignition.vision_checks import check_features_and_logprobs, check_reference_tower, export_tiny_vision
 
 TOLERANCE = 1e-3
 # (width, height, format, PIL save options) and the navit branch each takes under 64 patches, 16 a side.
@@ -57,16 +56,7 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel(
-        "kimi_k3", tmp_path_factory.mktemp("ckpt") / "tiny-kimi-k25-vision", seed=3, vision=True
-    )
-    out = tmp_path_factory.mktemp("cores") / "kimi-k25-vision"
-    export_core(
-        open_source(str(checkpoint)),
-        load_recipe("kimi3"),
-        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
-    )
-    return checkpoint, out
+    return export_tiny_vision("kimi_k3", "kimi3", "kimi-k25-vision", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -79,31 +69,17 @@ def reference(tiny: tuple[Path, Path]):
     return model.eval()
 
 
-@contextlib.contextmanager
-def reference_processor(checkpoint: Path) -> Iterator[Any]:
-    """transformers' Kimi_K25Processor (image processor + the checkpoint's tokenizer), on torchvision
-    where it imports, else on the torch primitives above."""
-    import transformers.image_processing_backends as backends
-    from transformers import PreTrainedTokenizerFast
-    from transformers.image_utils import PILImageResampling
-
-    (image_processing, processing), real = import_processing(
-        ("kimi_k25.image_processing_kimi_k25", "kimi_k25.processing_kimi_k25")
+def reference_processor(checkpoint: Path):
+    """transformers' Kimi_K25Processor (image processor + the checkpoint's tokenizer), on torchvision where it
+    imports, else on the torch stand-ins (tests/ignition/processor_standin.py)."""
+    return bicubic_processor(
+        ("kimi_k25.image_processing_kimi_k25", "kimi_k25.processing_kimi_k25"),
+        "Kimi_K25Processor",
+        "Kimi_K25ImageProcessor",
+        deepseek_v3.TESTMODEL_PROCESSOR,
+        checkpoint,
+        patch_image_processing=True,
     )
-    patch = pytest.MonkeyPatch()
-    if not real:
-        stand_in = functional()
-        patch.setattr(backends, "tvF", stand_in, raising=False)
-        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: Mode.BICUBIC})
-        patch.setattr(image_processing, "tvF", stand_in, raising=False)
-        # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
-        patch.setattr(processing.Kimi_K25Processor, "check_argument_for_proper_class", lambda self, name, arg: None)
-    settings = {k: v for k, v in deepseek_v3.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
-    try:
-        yield processing.Kimi_K25Processor(image_processing.Kimi_K25ImageProcessor(**settings), tokenizer)
-    finally:
-        patch.undo()
 
 
 def pixel_inputs(processed) -> dict[str, Any]:
@@ -167,71 +143,22 @@ def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], pr
         raster = positions[:, 1] * cols + positions[:, 0]
         assert sorted(raster.tolist()) == list(range(rows * cols))
         assert float((pixels - theirs[raster]).abs().max()) <= 1e-5
-        assert positions.tolist() == kimi_k25_vision.block_order(rows, cols, 2).tolist()
+        assert positions.tolist() == block_order(rows, cols, 2).tolist()
         ids, runs = images.token_layout(cost, profile)
         assert ids == processed["input_ids"][0].tolist()
         assert cost.num_tokens == cost.num_patches // 4 == sum(r for _, r in runs) == ids.count(profile.image_token_id)
 
 
 def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], reference, processor) -> None:
-    core = Core.open(tiny[1])
-    m = core.manifest
-    profile = m.vision
-    weights = core.load_weights()
-    vision = core.load_program(VISION)
-    programs = {kind: core.load_program(kind) for kind in (STEP, SCORED_PREFILL)}
-    worst_features = worst = worst_first = 0.0
-    for data in encoded_images():
-        pixels, positions = images.prepare_views(images.decode(data), profile)[0]
-        ours = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
-        processed = processor(text=PROMPT, images=[Image.open(io.BytesIO(data))], return_tensors="pt")
-        ids = processed["input_ids"][0].tolist()
-        with torch.no_grad():
-            theirs = reference.get_image_features(**pixel_inputs(processed)).pooler_output[0]
-            logits = reference(input_ids=torch.tensor([ids]), **pixel_inputs(processed)).logits[0].float()
-        assert ours.shape == theirs.shape
-        worst_features = max(worst_features, float((ours - theirs).abs().max()))
-        expected = torch.log_softmax(logits, dim=-1)
-        image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
-        assert len(image_positions) == len(ours)
-        for program in programs.values():  # chunks of 11 cut through the image rows
-            run = run_prompt(
-                program,
-                weights,
-                m.kv,
-                m.limits.page_tokens,
-                ids,
-                chunk=11,
-                image_features=ours,
-                image_positions=image_positions,
-            )
-            worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
-            worst = max(worst, float((run.logprobs - expected).abs().max()))
-    assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
-    print(
-        f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
-        f"all prompt positions {worst:.3g}"
+    check_features_and_logprobs(
+        tiny[1], reference, processor, PROMPT, encoded_images(), pixel_inputs, chunk=11, tolerance=TOLERANCE
     )
 
 
 def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Path, Path]) -> None:
     """The exported program and the float64 reference agree on the export's example view (the
     self-check's input), and the program serves a grid larger than the learned position table."""
-    from safetensors.torch import load_file
-
-    config = deepseek_v3.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
-    assert config.vision is not None
-    hf = load_file(str(tiny[0] / "model.safetensors"))
-    core = Core.open(tiny[1])
-    program, weights = core.load_program(VISION), core.load_weights()
-    for pixels, positions in (
-        kimi_k25_vision.example_inputs(config.vision),
-        (torch.randn(10 * 12, 3 * 14 * 14), kimi_k25_vision.block_order(10, 12, 2)),
-    ):
-        got = program(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
-        expected = kimi_k25_vision.reference_features(config.vision, hf, pixels, positions)
-        assert got.shape == (len(pixels) // 4, 64)
-        assert float((got - expected).abs().max()) <= 1e-4
+    check_reference_tower("kimi_k3", tiny, ((torch.randn(10 * 12, 3 * 14 * 14), block_order(10, 12, 2)),))
 
 
 def test_navit_costs_match_the_reference_over_many_sizes() -> None:

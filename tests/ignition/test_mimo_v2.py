@@ -19,9 +19,7 @@ from safetensors.torch import save_file
 
 from helios.core import Core
 from helios.core.program import run_prompt
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
+from helios.engine import EngineConfig, build_engine
 from ignition.errors import SourceError
 from ignition.export import ExportOptions, export_core, internal_weights
 from ignition.models import family_of_hf_config, mimo_v2
@@ -30,7 +28,7 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import _tensor, write_testmodel
 from tests.ignition import family_checks
-from tests.ignition.family_checks import GREEDY, TEXTS, check_generation_matches, export_tiny, hf_logprobs
+from tests.ignition.family_checks import TEXTS, check_generation_matches, export_tiny, hf_logprobs
 
 PAGE = 16
 WINDOW = 8
@@ -203,18 +201,10 @@ def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None
     """Prompts longer than the window and than a page, prefilled whole, in chunks of 16 and 5, and
     token by token past the first page (decode rows whose window has slid)."""
     core = Core.open(tiny[1])
-    program, weights, m = core.load_program(), core.load_weights(), core.manifest
     prompts = _prompts(core)
     assert all(len(ids) > PAGE > WINDOW for ids in prompts[:2])
-    worst = 0.0
-    for ids in prompts:
-        expected = hf_logprobs(reference, ids)
-        for chunk in (None, 16, 5):
-            got = run_prompt(program, weights, m.kv, PAGE, ids, chunk=chunk).logprobs
-            worst = max(worst, float((got - expected).abs().max()))
-        decoded = PAGE + 4
-        got = run_prompt(program, weights, m.kv, PAGE, ids[:decoded], chunk=1).logprobs
-        worst = max(worst, float((got - expected[:decoded]).abs().max()))
+    # whole, in chunks of 16 and 5, then token by token past the first page
+    worst = family_checks.step_logprob_error(tiny[1], reference, prompts, decoded=core.manifest.limits.page_tokens + 4)
     print(f"max |Δ logprob| vs transformers: {worst:.3g}")
     assert worst <= 1e-3
 
@@ -236,29 +226,9 @@ def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], referen
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     """8 prompts together == each alone, prefix cache on and off, 16-token prefill chunks."""
     core = Core.open(tiny[1])
-    tok = core.tokenizer()
-    preamble = "You are a helpful assistant. Answer briefly and precisely. "
-    texts = [*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is"]
-    requests = [
-        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-        for i, t in enumerate(texts)
-    ]
-
-    def tokens(outputs: dict) -> dict[str, list[int]]:
-        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
-
-    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
+    solo = build_engine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
     assert len(solo.executor.kv) == 6 and tuple(solo.executor.kv[0].shape) == (128, PAGE, 2, 40)
-    alone: dict[str, list[int]] = {}
-    for request in requests:
-        alone.update(tokens(run_to_completion(solo, [request])))
-    uncached = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16, enable_prefix_cache=False))
-    assert tokens(run_to_completion(uncached, requests)) == alone
-    batched = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
-    assert tokens(run_to_completion(batched, requests)) == alone
-    again = run_to_completion(batched, [replace(r, request_id=r.request_id + "b") for r in requests])
-    assert {k[:-1]: v for k, v in tokens(again).items()} == alone  # from cached prefix pages
-    assert sum(c[0].num_cached_tokens for c in again.values()) > 0
+    family_checks.check_eight_prompts_batching(tiny[1])
 
 
 def test_transformers_layout_reads_the_same_weights(tiny: tuple[Path, Path], reference) -> None:
@@ -268,8 +238,8 @@ def test_transformers_layout_reads_the_same_weights(tiny: tuple[Path, Path], ref
     config = mimo_v2.config_from_hf(checkpoint.hf_config)
     native = {n: t for n, t in reference.state_dict().items() if "rotary_emb" not in n}
     assert "model.layers.1.self_attn.sinks" in native and "model.layers.1.mlp.experts.gate_up_proj" in native
-    plain = internal_weights(mimo_v2, checkpoint, config, torch.float32)
-    renamed = internal_weights(mimo_v2, replace(checkpoint, tensors=native), config, torch.float32)
+    plain = internal_weights(mimo_v2.FAMILY, checkpoint, config, torch.float32)
+    renamed = internal_weights(mimo_v2.FAMILY, replace(checkpoint, tensors=native), config, torch.float32)
     main = {n for n in plain if not n.startswith("mtp.")}
     assert renamed.keys() == main and all(torch.equal(renamed[n], plain[n]) for n in main)
     assert plain["layers.1.w_experts_gate_up"].shape == (8, 64, 64) and "layers.0.w_gate_up" in plain
@@ -278,12 +248,12 @@ def test_transformers_layout_reads_the_same_weights(tiny: tuple[Path, Path], ref
         mimo_v2.reference_logits(config, native, ids), mimo_v2.reference_logits(config, checkpoint.tensors, ids)
     )
     no_mtp = replace(config, num_mtp_layers=0)
-    assert not any(n.startswith("mtp.") for n in internal_weights(mimo_v2, checkpoint, no_mtp, torch.float32))
+    assert not any(n.startswith("mtp.") for n in internal_weights(mimo_v2.FAMILY, checkpoint, no_mtp, torch.float32))
     with pytest.raises(SourceError, match="num_nextn_predict_layers"):  # save_pretrained drops model.mtp.*
         mimo_v2.extra_programs(config, 2, renamed)
     bad = replace(checkpoint, tensors=checkpoint.tensors | {"model.layers.1.self_attn.q_norm.weight": torch.ones(24)})
     with pytest.raises(SourceError, match="q_norm"):
-        internal_weights(mimo_v2, bad, config, torch.float32)
+        internal_weights(mimo_v2.FAMILY, bad, config, torch.float32)
 
 
 def test_tied_variant_with_transformers_defaults_matches(tmp_path: Path) -> None:
@@ -331,8 +301,8 @@ def test_tied_variant_with_transformers_defaults_matches(tmp_path: Path) -> None
 def test_sink_attention_kernel_matches_reference() -> None:
     """helios' CPU kernel == the op's reference: mixed decode rows and prefill chunks (whole and
     partial histories), windows, sinks on and off, GQA, a strided view of the cache (full layers)."""
-    from helios.core.ops_sinks import sink_attention
-    from helios.engine.kernels_sinks import sink_attention_cpu
+    from helios.core.ops.sinks import sink_attention
+    from helios.engine.kernels.sinks import sink_attention_cpu
 
     generator = torch.Generator().manual_seed(0)
     cache = torch.randn(12, 4, 4, 8 + 5, generator=generator)  # 4 kv heads of 8-wide keys and 5-wide values
@@ -358,7 +328,7 @@ def test_sink_attention_kernel_matches_reference() -> None:
 def test_sinks_take_weight_from_the_visible_keys() -> None:
     """A sink only adds to the denominator: a huge sink sends a head's output to zero, a very
     negative one leaves plain attention."""
-    from helios.core.ops_sinks import sink_attention
+    from helios.core.ops.sinks import sink_attention
 
     cache = torch.randn(2, 4, 1, 6)
     args = (

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from helios.core import Core
 from helios.core.manifest import KvLayout
 from helios.core.program import SCORED_PREFILL, allocate_kv, run_prompt
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
 from ignition.errors import SourceError
 from ignition.export import ExportOptions, export_core, internal_weights
 from ignition.models import family_of_hf_config, minimax_m3
@@ -155,7 +155,7 @@ def test_kv_pool_holds_the_indexer_keys(exported: tuple[Path, Path, int]) -> Non
     sparse = kv.extra[0].layers
     assert kv.num_caches == 2 * kv.num_layers + len(sparse)
     per_page = page * (2 * kv.num_layers * kv.num_kv_heads * kv.head_dim + len(sparse) * kv.extra[0].head_dim) * 4
-    engine = LLMEngine(core, EngineConfig(kv_memory_bytes=10 * per_page))
+    engine = build_engine(core, EngineConfig(kv_memory_bytes=10 * per_page))
     assert engine.stats.total_pages == 10
     caches = engine.executor.kv
     assert [tuple(t.shape) for t in caches[2 * kv.num_layers :]] == [(10, page, 1, kv.extra[0].head_dim)] * len(sparse)
@@ -220,21 +220,21 @@ def test_minimax_multimodal_layout_reads_the_same_model(tmp_path: Path) -> None:
     )
     from dataclasses import replace
 
-    plain = internal_weights(minimax_m3, checkpoint, config, torch.float32)
-    renamed = internal_weights(minimax_m3, replace(checkpoint, tensors=original), config, torch.float32)
+    plain = internal_weights(minimax_m3.FAMILY, checkpoint, config, torch.float32)
+    renamed = internal_weights(minimax_m3.FAMILY, replace(checkpoint, tensors=original), config, torch.float32)
     assert renamed.keys() == plain.keys() and all(torch.equal(renamed[n], plain[n]) for n in plain)
     transformers_mm = {
         ("model.language_model." + n[len("model.") :] if n.startswith("model.") else n): t
         for n, t in checkpoint.tensors.items()
     }
-    again = internal_weights(minimax_m3, replace(checkpoint, tensors=transformers_mm), config, torch.float32)
+    again = internal_weights(minimax_m3.FAMILY, replace(checkpoint, tensors=transformers_mm), config, torch.float32)
     assert again.keys() == plain.keys()
     vision = dict(original, **{"vision_tower.vision_model.embeddings.patch_embedding.weight": torch.zeros(2, 2)})
     with pytest.raises(SourceError, match="vision_tower.vision_model.embeddings.patch_embedding.weight"):
-        internal_weights(minimax_m3, replace(checkpoint, tensors=vision), config, torch.float32)
+        internal_weights(minimax_m3.FAMILY, replace(checkpoint, tensors=vision), config, torch.float32)
     mtp = dict(original, **{"mtp.0.enorm.weight": torch.zeros(2)})  # multi-token prediction: not implemented
     with pytest.raises(SourceError, match="mtp.0.enorm.weight"):
-        internal_weights(minimax_m3, replace(checkpoint, tensors=mtp), config, torch.float32)
+        internal_weights(minimax_m3.FAMILY, replace(checkpoint, tensors=mtp), config, torch.float32)
 
 
 def test_legacy_sparse_attention_config_reads_the_same_layers() -> None:

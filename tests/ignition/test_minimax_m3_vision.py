@@ -18,10 +18,8 @@ patch order, the temporal repeat and the framing are transformers' own code eith
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +28,14 @@ import torch
 from PIL import Image
 
 from helios.core import Core
-from helios.core.program import SCORED_PREFILL, STEP, VISION, run_prompt
+from helios.core.program import STEP, VISION
 from helios.frontend import images
 from ignition.export import ExportOptions, export_core
-from ignition.models import minimax_m3, minimax_m3_vision
+from ignition.models import minimax_m3
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
-from tests.ignition.processor_standin import Mode, encode, functional, import_processing
+from tests.ignition.processor_standin import bicubic_processor, encode, import_processing
+from tests.ignition.vision_checks import check_features_and_logprobs, check_reference_tower, export_tiny_vision
 
 TOLERANCE = 1e-3
 # (width, height, format, PIL save options) and the smart_resize branch each takes under 3136 .. 50176 pixels.
@@ -55,16 +53,7 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel(
-        "minimax_m3", tmp_path_factory.mktemp("ckpt") / "tiny-minimax-m3-vision", seed=3, vision=True
-    )
-    out = tmp_path_factory.mktemp("cores") / "minimax-m3-vision"
-    export_core(
-        open_source(str(checkpoint)),
-        load_recipe("minimax_m3"),
-        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
-    )
-    return checkpoint, out
+    return export_tiny_vision("minimax_m3", "minimax_m3", "minimax-m3-vision", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -77,29 +66,16 @@ def reference(tiny: tuple[Path, Path]):
     return model.eval()
 
 
-@contextlib.contextmanager
-def reference_processor(checkpoint: Path) -> Iterator[Any]:
-    """transformers' MiniMaxM3VLProcessor (image processor + the checkpoint's tokenizer), on torchvision
-    where it imports, else on the torch primitives above."""
-    import transformers.image_processing_backends as backends
-    from transformers import PreTrainedTokenizerFast
-    from transformers.image_utils import PILImageResampling
-
-    (image_processing, processing), real = import_processing(
-        ("minimax_m3_vl.image_processing_minimax_m3_vl", "minimax_m3_vl.processing_minimax_m3_vl")
+def reference_processor(checkpoint: Path):
+    """transformers' MiniMaxM3VLProcessor (image processor + the checkpoint's tokenizer), on torchvision where it
+    imports, else on the torch stand-ins (tests/ignition/processor_standin.py)."""
+    return bicubic_processor(
+        ("minimax_m3_vl.image_processing_minimax_m3_vl", "minimax_m3_vl.processing_minimax_m3_vl"),
+        "MiniMaxM3VLProcessor",
+        "MiniMaxM3VLImageProcessor",
+        minimax_m3.TESTMODEL_PROCESSOR,
+        checkpoint,
     )
-    patch = pytest.MonkeyPatch()
-    if not real:
-        patch.setattr(backends, "tvF", functional(), raising=False)
-        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: Mode.BICUBIC})
-        # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
-        patch.setattr(processing.MiniMaxM3VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None)
-    settings = {k: v for k, v in minimax_m3.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
-    try:
-        yield processing.MiniMaxM3VLProcessor(image_processing.MiniMaxM3VLImageProcessor(**settings), tokenizer)
-    finally:
-        patch.undo()
 
 
 def pixel_inputs(processed) -> dict[str, Any]:
@@ -173,42 +149,8 @@ def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], pr
 
 
 def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], reference, processor) -> None:
-    core = Core.open(tiny[1])
-    m = core.manifest
-    profile = m.vision
-    weights = core.load_weights()
-    vision = core.load_program(VISION)
-    programs = {kind: core.load_program(kind) for kind in (STEP, SCORED_PREFILL)}
-    worst_features = worst = worst_first = 0.0
-    for data in encoded_images():
-        pixels, positions = images.prepare_views(images.decode(data), profile)[0]
-        ours = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
-        processed = processor(text=PROMPT, images=[Image.open(io.BytesIO(data))], return_tensors="pt")
-        ids = processed["input_ids"][0].tolist()
-        with torch.no_grad():
-            theirs = reference.get_image_features(**pixel_inputs(processed)).pooler_output[0]
-            logits = reference(input_ids=torch.tensor([ids]), **pixel_inputs(processed)).logits[0].float()
-        worst_features = max(worst_features, float((ours - theirs).abs().max()))
-        expected = torch.log_softmax(logits, dim=-1)
-        image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
-        assert len(image_positions) == len(ours)
-        for program in programs.values():  # chunks of 11 cut through the image rows
-            run = run_prompt(
-                program,
-                weights,
-                m.kv,
-                m.limits.page_tokens,
-                ids,
-                chunk=11,
-                image_features=ours,
-                image_positions=image_positions,
-            )
-            worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
-            worst = max(worst, float((run.logprobs - expected).abs().max()))
-    assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
-    print(
-        f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
-        f"all prompt positions {worst:.3g}"
+    check_features_and_logprobs(
+        tiny[1], reference, processor, PROMPT, encoded_images(), pixel_inputs, chunk=11, tolerance=TOLERANCE
     )
 
 
@@ -259,18 +201,7 @@ def test_minimax_hub_vision_layout_reads_the_same_weights(tiny: tuple[Path, Path
 def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Path, Path]) -> None:
     """The exported program and the float64 reference agree on the export's example view, whose
     frames repeat one image (the self-check's input)."""
-    config = minimax_m3.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
-    assert config.vision is not None
-    pixels, positions = minimax_m3_vision.example_inputs(config.vision)
-    core = Core.open(tiny[1])
-    got = core.load_program(VISION)(core.load_weights(), [], pixel_values=pixels, pixel_positions=positions)
-    from safetensors.torch import load_file
-
-    expected = minimax_m3_vision.reference_features(
-        config.vision, load_file(str(tiny[0] / "model.safetensors")), pixels, positions
-    )
-    assert got["image_features"].shape == (6, 64)
-    assert float((got["image_features"] - expected).abs().max()) <= 1e-4
+    check_reference_tower("minimax_m3", tiny)
 
 
 def test_smart_resize_costs_match_the_reference_over_many_sizes() -> None:

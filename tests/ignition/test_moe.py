@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from helios.core import Core
-from helios.core.ops_moe import expert_forward, reference_routed_experts
+from helios.core.ops.moe import expert_forward, reference_routed_experts
 from helios.core.program import run_prompt
 from helios.engine import graph
-from helios.engine.kernels_moe import routed_experts_cpu
+from helios.engine.kernels.moe import routed_experts_cpu
 from ignition.errors import SourceError
 from ignition.export import ExportOptions, export_core
 from ignition.models import moe, qwen3_moe

@@ -8,7 +8,6 @@ Messages and Responses."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,15 +17,13 @@ from safetensors.torch import load_file, save_file
 from helios.core import Core
 from helios.core.program import SCORED_PREFILL, run_prompt
 from helios.core.template import ChatTemplate
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
 from ignition.errors import SourceError
 from ignition.export import ExportOptions, export_core
 from ignition.models import family_of_hf_config, muse_spark
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from tests.ignition.family_checks import CHAT, GREEDY, TEXTS, check_generation_matches, export_tiny, hf_logprobs
+from tests.ignition import family_checks
+from tests.ignition.family_checks import CHAT, TEXTS, check_generation_matches, export_tiny, hf_logprobs
 
 SPECIALS = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}  # the qwen3 chat flavour
 
@@ -144,18 +141,10 @@ def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None
     """Three prompts (one past the window and a page) prefilled whole, in chunks of 16 and 5, and decoded
     token by token."""
     core = Core.open(tiny[1])
-    program, weights, m = core.load_program(), core.load_weights(), core.manifest
     prompts = _prompts(core)
-    assert max(len(p) for p in prompts) > m.limits.page_tokens > 8
-    worst = 0.0
-    for ids in prompts:
-        expected = hf_logprobs(reference, ids)
-        for chunk in (None, 16, 5):
-            got = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids, chunk=chunk).logprobs
-            worst = max(worst, float((got - expected).abs().max()))
-        decoded = m.limits.page_tokens + 4  # token-by-token decode steps, past the window and the first page
-        got = run_prompt(program, weights, m.kv, m.limits.page_tokens, ids[:decoded], chunk=1).logprobs
-        worst = max(worst, float((got - expected[:decoded]).abs().max()))
+    assert max(len(p) for p in prompts) > core.manifest.limits.page_tokens > 8
+    # whole, in chunks of 16 and 5, then token by token past the first page
+    worst = family_checks.step_logprob_error(tiny[1], reference, prompts, decoded=core.manifest.limits.page_tokens + 4)
     print(f"max |Δ logprob| vs transformers: {worst:.3g}")
     assert worst <= 1e-3
 
@@ -194,29 +183,7 @@ def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], referen
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     """8 prompts together == each alone, prefix cache on and off, 16-token prefill chunks, and again
     from cached prefix pages."""
-    core = Core.open(tiny[1])
-    tok = core.tokenizer()
-    preamble = "You are a helpful assistant. Answer briefly and precisely. "
-    texts = [*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is"]
-    requests = [
-        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-        for i, t in enumerate(texts)
-    ]
-
-    def tokens(outputs: dict) -> dict[str, list[int]]:
-        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
-
-    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
-    alone: dict[str, list[int]] = {}
-    for request in requests:
-        alone.update(tokens(run_to_completion(solo, [request])))
-    for overrides in ({"prefill_chunk_size": 16}, {"prefill_chunk_size": 16, "enable_prefix_cache": False}):
-        engine = LLMEngine(core, EngineConfig(num_pages=128, **overrides))
-        assert tokens(run_to_completion(engine, requests)) == alone, f"batched output differs with {overrides}"
-        again = run_to_completion(engine, [replace(r, request_id=r.request_id + "b") for r in requests])
-        assert {k[:-1]: v for k, v in tokens(again).items()} == alone
-        cached = sum(c[0].num_cached_tokens for c in again.values())
-        assert (cached > 0) == overrides.get("enable_prefix_cache", True)
+    family_checks.check_eight_prompts_batching(tiny[1])
 
 
 # ---------------------------------------------------------------------------- chat round trip

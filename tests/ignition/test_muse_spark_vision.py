@@ -35,14 +35,15 @@ import torch
 from PIL import Image
 
 from helios.core import Core
-from helios.core.program import SCORED_PREFILL, STEP, VISION, run_prompt
+from helios.core.program import STEP, VISION
 from helios.frontend import images
 from ignition.export import ExportOptions, export_core
-from ignition.models import muse_spark, muse_spark_vision
+from ignition.models import muse_spark
+from ignition.models.patch_grid import block_order
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 from tests.ignition.processor_standin import Mode, encode, functional, import_processing
+from tests.ignition.vision_checks import check_features_and_logprobs, check_reference_tower, export_tiny_vision
 
 TOLERANCE = 1e-3
 # (width, height, format, PIL save options) and the aspect grid each takes under the 64-token cap.
@@ -60,16 +61,7 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel(
-        "muse_spark", tmp_path_factory.mktemp("ckpt") / "tiny-muse-spark-vision", seed=3, vision=True
-    )
-    out = tmp_path_factory.mktemp("cores") / "muse-spark-vision"
-    export_core(
-        open_source(str(checkpoint)),
-        load_recipe("muse_spark"),
-        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
-    )
-    return checkpoint, out
+    return export_tiny_vision("muse_spark", "muse_spark", "muse-spark-vision", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +167,7 @@ def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], pr
         views = images.prepare_views(images.decode(data), profile)
         assert len(views) == 1
         pixels, positions = views[0]
-        assert positions.tolist() == muse_spark_vision.block_order(rows, cols, 2).tolist()
+        assert positions.tolist() == block_order(rows, cols, 2).tolist()
         assert pixels.shape == processed["pixel_values"].shape == (cost.num_patches, 3 * 2 * 14 * 14)
         assert float((helios_layout(pixels, positions, rows, cols) - processed["pixel_values"]).abs().max()) <= 1e-5
         ids, runs = images.token_layout(cost, profile)
@@ -184,59 +176,14 @@ def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path], pr
 
 
 def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], reference, processor) -> None:
-    core = Core.open(tiny[1])
-    m = core.manifest
-    profile = m.vision
-    weights = core.load_weights()
-    vision = core.load_program(VISION)
-    programs = {kind: core.load_program(kind) for kind in (STEP, SCORED_PREFILL)}
-    worst_features = worst = worst_first = 0.0
-    for data in encoded_images():
-        pixels, positions = images.prepare_views(images.decode(data), profile)[0]
-        ours = vision(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
-        processed = processor(text=PROMPT, images=[Image.open(io.BytesIO(data))], return_tensors="pt")
-        ids = processed["input_ids"][0].tolist()
-        with torch.no_grad():
-            theirs = reference.get_image_features(**pixel_inputs(processed)).pooler_output[0]
-            logits = reference(input_ids=torch.tensor([ids]), **pixel_inputs(processed)).logits[0].float()
-        worst_features = max(worst_features, float((ours - theirs).abs().max()))
-        expected = torch.log_softmax(logits, dim=-1)
-        image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
-        assert len(image_positions) == len(ours)
-        for program in programs.values():  # chunks of 7 cut through the image rows
-            run = run_prompt(
-                program,
-                weights,
-                m.kv,
-                m.limits.page_tokens,
-                ids,
-                chunk=7,
-                image_features=ours,
-                image_positions=image_positions,
-            )
-            worst_first = max(worst_first, float((run.logprobs[-1] - expected[-1]).abs().max()))
-            worst = max(worst, float((run.logprobs - expected).abs().max()))
-    assert max(worst_features, worst) <= TOLERANCE, (worst_features, worst)
-    print(
-        f"max |delta| vs transformers: features {worst_features:.3g}, first generated logprobs {worst_first:.3g}, "
-        f"all prompt positions {worst:.3g}"
+    check_features_and_logprobs(
+        tiny[1], reference, processor, PROMPT, encoded_images(), pixel_inputs, chunk=7, tolerance=TOLERANCE
     )
 
 
 def test_reference_tower_matches_the_program_on_the_example_grid(tiny: tuple[Path, Path]) -> None:
     """The exported program and the float64 reference agree on the export's example view (the self-check's input)."""
-    from safetensors.torch import load_file
-
-    config = muse_spark.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
-    assert config.vision is not None
-    pixels, positions = muse_spark_vision.example_inputs(config.vision)
-    core = Core.open(tiny[1])
-    got = core.load_program(VISION)(core.load_weights(), [], pixel_values=pixels, pixel_positions=positions)
-    expected = muse_spark_vision.reference_features(
-        config.vision, load_file(str(tiny[0] / "model.safetensors")), pixels, positions
-    )
-    assert got["image_features"].shape == (6, 64)
-    assert float((got["image_features"] - expected).abs().max()) <= 1e-4
+    check_reference_tower("muse_spark", tiny)
 
 
 def test_text_only_config_refuses_vision_tensors(tiny: tuple[Path, Path], tmp_path: Path) -> None:

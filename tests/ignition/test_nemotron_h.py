@@ -21,9 +21,6 @@ from safetensors.torch import save_file
 
 from helios.core import Core
 from helios.core.program import run_prompt
-from helios.engine.engine import EngineConfig, LLMEngine
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
 from ignition.export import ExportOptions, export_core, internal_weights
 from ignition.models import family_of_hf_config, nemotron_h
 from ignition.recipe import load_recipe
@@ -31,7 +28,6 @@ from ignition.sources import open_source
 from ignition.testmodel import _tensor, write_testmodel
 from tests.ignition import family_checks
 from tests.ignition.family_checks import (
-    GREEDY,
     TEXTS,
     check_generation_matches,
     check_prefix_reuse,
@@ -124,8 +120,8 @@ def test_other_layouts_read_the_same_weights(tiny: tuple[Path, Path], reference)
     config = nemotron_h.config_from_hf(checkpoint.hf_config)
     native = reference.state_dict()
     assert "model.layers.1.mixer.experts.up_proj" in native and any(n.startswith("mtp.") for n in checkpoint.tensors)
-    plain = internal_weights(nemotron_h, checkpoint, config, torch.float32)
-    renamed = internal_weights(nemotron_h, replace(checkpoint, tensors=native), config, torch.float32)
+    plain = internal_weights(nemotron_h.FAMILY, checkpoint, config, torch.float32)
+    renamed = internal_weights(nemotron_h.FAMILY, replace(checkpoint, tensors=native), config, torch.float32)
     assert renamed.keys() == plain.keys() and all(torch.equal(renamed[n], plain[n]) for n in plain)
     ids = list(range(3, 40))
     assert torch.equal(
@@ -146,18 +142,10 @@ def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None
     """Prompts longer than a page, prefilled whole, in chunks of 16 and 5 (each chunk resumes the
     conv window and SSM state from its slot), and token by token past the first page."""
     core = Core.open(tiny[1])
-    program, weights, m = core.load_program(), core.load_weights(), core.manifest
     prompts = _prompts(core)
     assert all(len(ids) > 3 * PAGE for ids in prompts[:2])
-    worst = 0.0
-    for ids in prompts:
-        expected = hf_logprobs(reference, ids)
-        for chunk in (None, 16, 5):
-            got = run_prompt(program, weights, m.kv, PAGE, ids, chunk=chunk).logprobs
-            worst = max(worst, float((got - expected).abs().max()))
-        decoded = PAGE + 4
-        got = run_prompt(program, weights, m.kv, PAGE, ids[:decoded], chunk=1).logprobs
-        worst = max(worst, float((got - expected[:decoded]).abs().max()))
+    # whole, in chunks of 16 and 5, then token by token past the first page
+    worst = family_checks.step_logprob_error(tiny[1], reference, prompts, decoded=core.manifest.limits.page_tokens + 4)
     print(f"max |Δ logprob| vs transformers: {worst:.3g}")
     assert worst <= 1e-3
 
@@ -178,29 +166,7 @@ def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], referen
 
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     """8 prompts together == each alone, prefix cache on and off, 16-token prefill chunks."""
-    core = Core.open(tiny[1])
-    tok = core.tokenizer()
-    preamble = "You are a helpful assistant. Answer briefly and precisely. "
-    texts = [*TEXTS, "Water boils at", "My favourite colour is", "1, 2, 3, 4,", "The capital of France is"]
-    requests = [
-        EngineRequest(f"r{i}", tuple(tok.encode(preamble + t).ids), (GREEDY,), 12, ignore_eos=True)
-        for i, t in enumerate(texts)
-    ]
-
-    def tokens(outputs: dict) -> dict[str, list[int]]:
-        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
-
-    solo = LLMEngine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
-    alone: dict[str, list[int]] = {}
-    for request in requests:
-        alone.update(tokens(run_to_completion(solo, [request])))
-    uncached = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16, enable_prefix_cache=False))
-    assert tokens(run_to_completion(uncached, requests)) == alone
-    batched = LLMEngine(core, EngineConfig(num_pages=128, prefill_chunk_size=16))
-    assert tokens(run_to_completion(batched, requests)) == alone
-    again = run_to_completion(batched, [replace(r, request_id=r.request_id + "b") for r in requests])
-    assert {k[:-1]: v for k, v in tokens(again).items()} == alone  # from cached prefix pages and state snapshots
-    assert sum(c[0].num_cached_tokens for c in again.values()) > 0
+    family_checks.check_eight_prompts_batching(tiny[1])
 
 
 def test_prefix_reuse(tiny: tuple[Path, Path]) -> None:
@@ -262,8 +228,8 @@ def test_relu2_experts_match_transformers(case: str) -> None:
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
-    from helios.core.ops_moe import reference_routed_experts
-    from helios.engine.kernels_moe import routed_experts_cpu
+    from helios.core.ops.moe import reference_routed_experts
+    from helios.engine.kernels.moe import routed_experts_cpu
 
     tokens, e, k, f, dtype = EXPERT_CASES[case]
     gen = torch.Generator().manual_seed(4)
@@ -348,22 +314,10 @@ def _check_prompt(app) -> None:
     assert prompt.endswith(f"<|im_start|>user\n{ASK}<|im_end|>\n<|im_start|>assistant\n<think>\n")
 
 
-def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
+@pytest.mark.parametrize(("route", "finish"), family_checks.TOOL_ROUTES)
+def test_reasoning_and_tool_call(app, route: str, finish: str) -> None:
+    """The scripted output's reasoning and call come back in each protocol's shape, from the published template's prompt."""
     app.say(OUTPUT)
-    got, finish = family_checks.tool_round_trip(app, "chat", ASK, CITY)
+    got, reason = family_checks.tool_round_trip(app, route, ASK, CITY)
     _check_prompt(app)
-    assert _stripped(got) == EXPECTED and finish == "tool_calls"
-
-
-def test_messages_with_reasoning_and_tool_call(app) -> None:
-    app.say(OUTPUT)
-    got, finish = family_checks.tool_round_trip(app, "messages", ASK, CITY)
-    _check_prompt(app)
-    assert _stripped(got) == EXPECTED and finish == "tool_use"
-
-
-def test_responses_with_reasoning_and_tool_call(app) -> None:
-    app.say(OUTPUT)
-    got, finish = family_checks.tool_round_trip(app, "responses", ASK, CITY)
-    _check_prompt(app)
-    assert _stripped(got) == EXPECTED and finish == "completed"
+    assert _stripped(got) == EXPECTED and reason == finish

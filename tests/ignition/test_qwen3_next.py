@@ -20,11 +20,11 @@ from safetensors.torch import save_file
 from helios.core import Core
 from helios.core.program import SCORED_PREFILL, run_prompt
 from helios.core.template import ChatTemplate
-from helios.engine.engine import EngineConfig, LLMEngine
+from helios.engine import EngineConfig, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from ignition.export import ExportOptions, export_core, internal_weights
-from ignition.models import family_of_hf_config, qwen3_next
+from ignition.models import family_of_hf_config, qwen3_next, qwen3_next_reference
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import _tensor, write_testmodel
@@ -166,7 +166,7 @@ def test_engine_generation_matches_transformers(exported) -> None:
     sequence, for the three prompts."""
     _, _, core_dir, model = exported
     core = Core.open(core_dir)
-    engine = LLMEngine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
+    engine = build_engine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
     requests = [
         EngineRequest(f"g{i}", tuple(ids), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=3)
         for i, ids in enumerate(_prompts(core))
@@ -222,10 +222,11 @@ def test_multimodal_checkpoint_layout_reads_the_same_model(tmp_path: Path) -> No
     renamed |= {"model.visual.blocks.0.attn.qkv.weight": torch.zeros(3, 3), "mtp.fc.weight": torch.zeros(4, 8)}
     ids = list(range(3, 30))
     assert torch.equal(
-        qwen3_next.reference_logits(config, renamed, ids), qwen3_next.reference_logits(config, checkpoint.tensors, ids)
+        qwen3_next_reference.reference_logits(config, renamed, ids),
+        qwen3_next_reference.reference_logits(config, checkpoint.tensors, ids),
     )
-    ours = internal_weights(qwen3_next, replace(checkpoint, tensors=renamed), config, torch.float32)
-    plain = internal_weights(qwen3_next, checkpoint, config, torch.float32)
+    ours = internal_weights(qwen3_next.FAMILY, replace(checkpoint, tensors=renamed), config, torch.float32)
+    plain = internal_weights(qwen3_next.FAMILY, checkpoint, config, torch.float32)
     assert ours.keys() == plain.keys() and all(torch.equal(ours[n], plain[n]) for n in plain)
     assert plain["layers.0.wqkvz"].shape == (config.conv_dim + config.value_dim, config.hidden_size)
     assert plain["layers.0.w_experts_gate_up"].shape == (4, 64, 64)

@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support import run_cli
 from tokenizers import Tokenizer
 
-from support import run_cli
 from helios.core import Core
 from ignition.errors import ExitCode
 from ignition.sources.gguf_source import _metadata

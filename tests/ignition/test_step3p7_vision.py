@@ -40,7 +40,7 @@ from ignition.export import ExportOptions, export_core
 from ignition.models import step3p7
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
+from tests.ignition.vision_checks import export_tiny_vision
 
 TOLERANCE = 1e-3
 # (width, height, format, PIL save options): what each exercises under the 168 / 112 / 448 profile.
@@ -68,14 +68,7 @@ def encoded_images() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel("step5", tmp_path_factory.mktemp("ckpt") / "tiny-step5-vision", seed=3, vision=True)
-    out = tmp_path_factory.mktemp("cores") / "step5-vision"
-    export_core(
-        open_source(str(checkpoint)),
-        load_recipe("step5"),
-        ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
-    )
-    return checkpoint, out
+    return export_tiny_vision("step5", "step5", "step5-vision", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
