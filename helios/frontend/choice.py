@@ -91,6 +91,8 @@ class ChoiceStream:
         ):
             self.failed = "no tool call"
             return FinishEvent(Termination.ERROR, error="tool_choice requires a tool call, and the model produced none")
-        if self.calls and termination in (Termination.EOS, Termination.STOP_TOKEN):
+        # Parsed calls complete an answer only where the user did not stop it: an explicit token
+        # stop reports stop / end_turn like a string stop (api.md, finish causes).
+        if self.calls and termination is Termination.EOS:
             return FinishEvent(Termination.TOOL_CALLS)
         return FinishEvent(termination, matched_stop=delta.matched_stop)

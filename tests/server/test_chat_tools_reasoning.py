@@ -55,6 +55,27 @@ def test_reasoning_text_and_tool_call_streamed(client) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_token_stop_after_a_tool_call_reports_stop(client) -> None:
+    """An explicit token stop is the user's stop: finish_reason stop, not tool_calls, even when a
+    parsed call completed the answer (api.md: parsed calls complete an answer the user did not stop)."""
+    tokenizer = client.state.frontend.tokenizer
+    for tail in ("!", "~", "#", "%", "^", "Q", "X", "Z"):  # a token that only comes after the call
+        ids = tokenizer.encode(CALL + tail, add_special_tokens=False).ids
+        if ids[-1] not in ids[:-1]:
+            break
+    else:
+        pytest.fail("no stop token that only follows the call in this tokenizer")
+    client.say(CALL + tail)
+    response = _chat(client, tools=[WEATHER], stop_token_ids=[ids[-1]])
+    assert response.status_code == 200, response.text
+    body = response.json()
+    choice = body["choices"][0]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert choice["finish_reason"] == "stop"
+    client.say(CALL)
+    assert _chat(client, tools=[WEATHER]).json()["choices"][0]["finish_reason"] == "tool_calls"  # end of sequence
+
+
 def test_delimiter_spelled_in_text_stays_text(client) -> None:
     # "<think>" written by the model as ordinary characters is answer text, not a delimiter.
     client.say("Use a tag like <", "think> in templates.")
