@@ -161,6 +161,8 @@ class InferenceRequest:
     # Messages' thinking.budget_tokens without an explicit thinking_token_budget: a hard cap only
     # where the model's reasoning syntax allows one, otherwise just the effort hint it also set.
     budget_is_hint: bool = False
+    # Messages' budgets above the 32-bit output limit: explicit, and never cut (no server default).
+    uncapped_reasoning: bool = False
     batch: tuple[RawPrompt, ...] = ()  # raw completions with several prompts: all of them, in order
 
     @property

@@ -113,7 +113,7 @@ def _engine_request(
         for j in range(n)
     )
     budget = request.thinking_token_budget
-    if budget is None and isinstance(request.input, Conversation):
+    if budget is None and isinstance(request.input, Conversation) and not request.uncapped_reasoning:
         budget = fe.config.thinking_token_budget  # the operator default for conversational requests
     return EngineRequest(
         request_id=request_id,

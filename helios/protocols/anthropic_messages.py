@@ -353,6 +353,7 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
         output=messages_output_format(body, f.optional_object(body, "output_config") or {}),
         cache_salt=f.cache_salt(body),
         budget_is_hint=not explicit,  # thinking.budget_tokens alone caps only where the model can
+        uncapped_reasoning=budget is not None and budget > MAX_APPLIED_BUDGET,
     )
     options = MessagesOptions(body["model"], stream, enabled, budget, effort, explicit_budget=explicit)
     return request, options

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -138,6 +139,29 @@ def test_budget_without_a_cut(protocol: str, app: ScriptedServer, schemas: Schem
             assert huge.reasoning == REASONING and huge.text == "Answer." and cuts(app) == before
             adaptive = both(api, REASONING + "</think>Answer.", thinking={"type": "adaptive", "budget_tokens": 10**12})
             assert adaptive.reasoning == REASONING and cuts(app) == before
+
+
+def test_huge_messages_budget_is_never_cut_by_the_server_default(app: ScriptedServer, schemas: Schemas) -> None:
+    """A Messages budget above the 32-bit limit is an explicit budget that never cuts: the server's
+    thinking_token_budget default, which caps a request that omits a budget, does not replace it."""
+    api = Messages(app, schemas)
+    frontend = app.state.frontend
+    original = frontend.config
+    frontend.config = dataclasses.replace(original, thinking_token_budget=3)
+    try:
+        with thinking_template(app):
+            before = cuts(app)
+            defaulted = both(api, CUT, thinking={"type": "adaptive"})
+            assert defaulted.blocks == [("reasoning", "one t"), ("text", "Final answer.")]
+            assert cuts(app) == before + 2  # buffered and streamed
+            for thinking in (
+                {"type": "enabled", "budget_tokens": 1 << 31},
+                {"type": "adaptive", "budget_tokens": 10**12},
+            ):
+                huge = both(api, REASONING + "</think>Answer.", thinking=thinking)
+                assert huge.reasoning == REASONING and huge.text == "Answer." and cuts(app) == before + 2
+    finally:
+        frontend.config = original
 
 
 @pytest.mark.parametrize("protocol", sorted(API))
