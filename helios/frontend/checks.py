@@ -31,6 +31,12 @@ def check_options(request: InferenceRequest, manifest: Manifest) -> None:
 def _check_logprobs(request: InferenceRequest, manifest: Manifest) -> None:
     caps = manifest.capabilities
     lp = request.logprobs
+    if lp.top is not None and caps.max_top_logprobs == 0:
+        raise RequestError(
+            "this core was exported without generation logprob outputs (allow_logprobs is false); "
+            "re-export it with `ignition export --max-top-logprobs N` (N 1..20) to request logprobs",
+            "logprobs",
+        )
     if lp.top is not None and lp.top > caps.max_top_logprobs:
         raise RequestError(
             f"this model returns at most {caps.max_top_logprobs} alternatives per token (asked for {lp.top})",

@@ -10,10 +10,12 @@ import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from helios.config import ServerConfig
 from helios.core import Core
+from helios.frontend.checks import check_options
 from helios.frontend.inference import (
     Conversation,
     InferenceRequest,
@@ -179,3 +181,17 @@ def test_range_errors_come_before_admission(frontend: Frontend) -> None:
         asyncio.run(generation.start(state, _chat(top_k=-5), "chatcmpl"))  # type: ignore[arg-type]
     assert state.runner.submitted == [] and state.slots.in_use == 1
     held.release()  # type: ignore[union-attr]
+
+
+def test_a_core_without_generation_logprobs_refuses_logprobs(frontend: Frontend) -> None:
+    """max_top_logprobs 0 (allow_logprobs false): logprobs at all is a 400 naming it (api.md)."""
+    manifest = frontend.manifest
+    bare = msgspec.structs.replace(
+        manifest, capabilities=msgspec.structs.replace(manifest.capabilities, max_top_logprobs=0)
+    )
+    for fields in ({"logprobs": True}, {"logprobs": True, "top_logprobs": 0}):
+        with pytest.raises(RequestError) as refused:
+            check_options(_chat(**fields), bare)
+        assert refused.value.param == "logprobs" and "max-top-logprobs" in str(refused.value)
+    check_options(_chat(), bare)  # no logprobs asked: fine
+    check_options(_chat(logprobs=True), manifest)  # the exported core has them
