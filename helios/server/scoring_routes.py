@@ -80,21 +80,40 @@ async def _multipart_body(request: Request) -> tuple[dict, dict[str, bytes]]:
     return body, images
 
 
+class _Submission:
+    """A scoring request's id, and whether it reached model submission: from then on every
+    response carries x-request-id, errors included (api.md, errors)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.request_id = new_request_id(prefix)
+        self.submitted = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"x-request-id": self.request_id} if self.submitted else {}
+
+    def failed(self, exc: Exception) -> Response:
+        error = translate(exc)
+        error.headers = {**error.headers, **self.headers}
+        return error_response(error)
+
+
 async def _score(
-    state: ServerState, text: str, questions: Sequence[tuple[str, QuestionSpec]], request_id: str
+    state: ServerState, text: str, questions: Sequence[tuple[str, QuestionSpec]], submission: _Submission
 ) -> tuple[list[LabelRead], ScoringUsage]:
     """Compile off the event loop, then hold one admission slot while the questions run in turn."""
     compiled = await state.in_pool(compile_questions, state.frontend, text, questions)
     reservation = _admit(state, 1)
+    submission.submitted = True
     try:
-        return await read_labels(state.frontend, state.runner, compiled, request_id)
+        return await read_labels(state.frontend, state.runner, compiled, submission.request_id)
     finally:
         reservation.release()
 
 
 @post("/v1/systemone", status_code=200)
 async def systemone_route(request: Request) -> Response:
-    request_id = new_request_id("sysone")
+    submission = _Submission("sysone")
     try:
         authorize(request)
         if _multipart(request):
@@ -106,20 +125,20 @@ async def systemone_route(request: Request) -> Response:
         assets = systemone.decode_assets(body, parts)
         decoded = systemone.decode(body, assets)
         questions = [(f"questions.{q.key}", q.spec) for q in decoded.questions]
-        reads, usage = await unless_disconnected(request, _score(state, decoded.state, questions, request_id))
+        reads, usage = await unless_disconnected(request, _score(state, decoded.state, questions, submission))
         body_out = systemone.response(state.model.public_id, decoded, reads, usage)
-        return json_response(body_out, headers={"x-request-id": request_id})
+        return json_response(body_out, headers=submission.headers)
     except systemone.SchemaError as exc:
         return json_response(exc.body(), 422)
     except ClientDisconnected:
         return gone()
     except Exception as exc:  # noqa: BLE001 - every other failure is a Chat Completions-style error
-        return error_response(translate(exc))
+        return submission.failed(exc)
 
 
 @post("/v1/decisions", status_code=200)
 async def decisions_route(request: Request) -> Response:
-    request_id = new_request_id("decision")
+    submission = _Submission("decision")
     try:
         authorize(request)
         if _multipart(request):
@@ -127,10 +146,10 @@ async def decisions_route(request: Request) -> Response:
         decoded = decisions.decode(await _body(request))
         state = state_of(request)
         questions = [(f"questions.{i}", q.spec) for i, q in enumerate(decoded.questions)]
-        reads, usage = await unless_disconnected(request, _score(state, decoded.text, questions, request_id))
+        reads, usage = await unless_disconnected(request, _score(state, decoded.text, questions, submission))
         body_out = decisions.response(state.model.public_id, decoded, reads, usage)
-        return json_response(body_out, headers={"x-request-id": request_id})
+        return json_response(body_out, headers=submission.headers)
     except ClientDisconnected:
         return gone()
     except Exception as exc:  # noqa: BLE001
-        return error_response(translate(exc))
+        return submission.failed(exc)

@@ -48,3 +48,21 @@ def test_streamed_execution_failure_is_a_terminal_event(failing_client) -> None:
     events = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
     assert "[DONE]" not in events and len(events) == 1  # no role chunk before the first token
     assert json.loads(events[0])["error"]["type"] == "server_error"
+
+
+DECISION = {
+    "model": "x",
+    "input": "Charged twice",
+    "questions": [{"type": "predicate", "name": "refund", "instructions": "Refund requested?"}],
+}
+
+
+def test_scoring_failure_after_submission_carries_the_request_id(failing_client) -> None:
+    """api.md: responses for requests that reach model submission carry x-request-id, errors too;
+    a request refused before it (here a malformed body) has none."""
+    client, _ = failing_client
+    failed = client.post("/v1/decisions", json=DECISION)
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    assert failed.headers.get("x-request-id", "").startswith("decision")
+    refused = client.post("/v1/decisions", json={"model": "x"})
+    assert refused.status_code in (400, 422) and "x-request-id" not in refused.headers
