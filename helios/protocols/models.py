@@ -35,6 +35,19 @@ IMAGE_LIMITS = (
 )
 
 
+def precision(manifest: Manifest, upcast_from: str | None) -> dict[str, str]:
+    """The core's weight precision and what the engine computes in: a 16-bit core this CPU runs
+    upcast computes (and keeps its KV cache) in float32; matmuls accumulate in float32 throughout.
+    A bfloat16 core's logprobs differ from a float32 export of the same weights (docs/serving.md)."""
+    upcast = upcast_from is not None
+    return {
+        "weights": manifest.weights.dtype,
+        "compute": "float32" if upcast else manifest.weights.dtype,
+        "kv_cache": "float32" if upcast else manifest.kv.dtype,
+        "accumulation": "float32",
+    }
+
+
 def flare_object(
     manifest: Manifest,
     *,
@@ -45,11 +58,13 @@ def flare_object(
     image_limits: dict[str, int] | None = None,
     device: str = "cpu",
     cuda_graphs: bool = False,
+    upcast_from: str | None = None,
 ) -> dict[str, Any]:
     """default_max_tokens is the effective integer budget of a request that omits one (never null).
     image_limits: the six image fields at the served context (vision cores; zeros without).
     device: the device the engine runs on ("cpu", "cuda", "cuda:N"); cuda_graphs: whether decode steps
-    replay captured CUDA graphs (never on CPU). api.md names neither: docs/serving.md documents them."""
+    replay captured CUDA graphs (never on CPU); upcast_from: the 16-bit weight dtype run as float32 here.
+    api.md names none of these: docs/serving.md documents them."""
     spec = manifest.recipe.sampling
     defaults = {name: getattr(spec.defaults, name) for name in DISTRIBUTION_PARAMS}
     defaults["seed"] = spec.defaults.seed
@@ -71,6 +86,7 @@ def flare_object(
         "output_modalities": ["text"],
         "device": device,
         "cuda_graphs": cuda_graphs,
+        "precision": precision(manifest, upcast_from),
     }
 
 

@@ -50,8 +50,11 @@ def capabilities(manifest: Manifest) -> tuple[str, ...]:
     return tuple(found)
 
 
-def discovery(model: ModelIdentity, manifest: Manifest, max_model_len: int) -> Discovery:
-    """max_model_len is the effective serving limit (prompt plus output), not the core's."""
+def discovery(
+    model: ModelIdentity, manifest: Manifest, max_model_len: int, precision: dict[str, str] | None = None
+) -> Discovery:
+    """max_model_len is the effective serving limit (prompt plus output), not the core's; precision
+    is the /v1/models flare object's (weights, compute and KV-cache dtypes)."""
     details = {
         "parent_model": "",
         "format": FORMAT,
@@ -64,6 +67,7 @@ def discovery(model: ModelIdentity, manifest: Manifest, max_model_len: int) -> D
         "general.name": manifest.model.name or model.public_id,
         "flare.context_length": max_model_len,
         "flare.vocab_size": manifest.tokenizer.vocab_size,
+        **{f"flare.{part}_dtype": dtype for part, dtype in (precision or {}).items() if part != "accumulation"},
     }
     caps = capabilities(manifest)
     weights = manifest.files.get(manifest.weights.file, "")

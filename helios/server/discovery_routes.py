@@ -14,7 +14,8 @@ from helios.server.route_io import authorize, read_json, state_of
 
 def _discovery(request: Request) -> ollama.Discovery:
     state = state_of(request)
-    return ollama.discovery(state.model, state.core.manifest, state.card["max_model_len"])
+    card = state.card
+    return ollama.discovery(state.model, state.core.manifest, card["max_model_len"], card["flare"]["precision"])
 
 
 def _failure(status: int, message: str) -> Response:

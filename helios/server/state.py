@@ -204,6 +204,7 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
         image_limits=frontend.image_limits(),
         device=device,
         cuda_graphs=running.cuda_graphs,
+        upcast_from=running.upcast_from,
     )
     return ServerState(
         config=config,

@@ -74,6 +74,9 @@ def test_show_by_public_checkpoint_or_alias(server: Server, client: ollama.Clien
         "general.name": shown.modelinfo["general.name"],
         "flare.context_length": card["max_model_len"],
         "flare.vocab_size": card["flare"]["vocab_size"],
+        "flare.weights_dtype": card["flare"]["precision"]["weights"],
+        "flare.compute_dtype": card["flare"]["precision"]["compute"],
+        "flare.kv_cache_dtype": card["flare"]["precision"]["kv_cache"],
     }
     assert shown.modelinfo["general.name"] and shown.details.format == "flare"
     assert shown.template is None and shown.modelfile is None  # templates are not exposed
