@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from helios.core.logs import log_failure
@@ -99,24 +99,37 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        return self.submit_group((request,))[0]
+
+    def submit_group(self, requests: Sequence[EngineRequest]) -> list[AsyncIterator[EngineEvent]]:
+        """Submit a group all or nothing (a batch's children): every request is checked, and the
+        queue bound applies to the whole group, before any of them is queued."""
         self._check_available()
-        reason = self.engine.check(request)
-        if reason is not None:
-            raise RequestRejected(reason)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.n, set(range(request.n)))
-        # Before the engine can see it: admission then waits for the host store to read the prompt's
-        # disk records on its own thread instead of reading them on the engine's.
-        self.engine.prefetch(request)
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise RequestRejected("a submitted group repeats a request id")
+        for request in requests:
+            reason = self.engine.check(request)
+            if reason is not None:
+                raise RequestRejected(reason)
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(loop, asyncio.Queue(), r.n, set(range(r.n))) for r in requests]
+        # Before the engine can see them: admission then waits for the host store to read the
+        # prompts' disk records on its own thread instead of reading them on the engine's.
+        for request in requests:
+            self.engine.prefetch(request)
         with self._lock:
             self._check_available()
-            if request.request_id in self._streams:
-                raise RequestRejected(f"request id {request.request_id!r} is already in flight")
-            if len(self._inbox) + self.engine.stats.pending >= self.engine.config.max_pending:
+            for request_id in ids:
+                if request_id in self._streams:
+                    raise RequestRejected(f"request id {request_id!r} is already in flight")
+            if len(self._inbox) + self.engine.stats.pending + len(requests) > self.engine.config.max_pending:
                 raise QueueFull("the model request queue is full")
-            self._streams[request.request_id] = stream
-            self._inbox.append(request)
+            for request, stream in zip(requests, streams, strict=True):
+                self._streams[request.request_id] = stream
+                self._inbox.append(request)
         self._wake.set()
-        return self._events(request.request_id, stream)
+        return [self._events(r.request_id, stream) for r, stream in zip(requests, streams, strict=True)]
 
     def _check_available(self) -> None:
         if not self.healthy:

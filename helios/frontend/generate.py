@@ -168,28 +168,31 @@ class Runner:
         return b"".join(self.tokens.bytes_of(t) for t in prompt.token_ids).decode("utf-8", "replace")
 
     def submit(self, prepared: Prepared) -> Submission:
-        """Submit every prepared prompt (a failure aborts those already submitted)."""
+        """Submit every prepared prompt as one group, all or nothing: every child is checked, and
+        the group queued at once, before any runs (a refused child leaves nothing queued)."""
         request = prepared.request
-        generations: list[Generation] = []
-        try:
-            for index, child in enumerate(prepared.inputs):
-                choices = [self._choice(request, child.prompt) for _ in range(request.n)]
-                events = self.client.submit(child.engine) if child.engine is not None else None
-                echo = self.echo_text(child.prompt) if request.echo else ""
-                generations.append(
-                    Generation(
-                        child.prompt,
-                        index * request.n,
-                        f"{prepared.request_id}.{index}",
-                        choices,
-                        events,
-                        child.engine.n if child.engine is not None else 0,
-                        echo,
-                    )
-                )
-        except BaseException:
-            self.abort(generations)
-            raise
+        children = [  # everything that can fail is built before anything is queued
+            (
+                child,
+                [self._choice(request, child.prompt) for _ in range(request.n)],
+                self.echo_text(child.prompt) if request.echo else "",
+            )
+            for child in prepared.inputs
+        ]
+        engines = [child.engine for child, _, _ in children if child.engine is not None]
+        streams = iter(self.client.submit_group(engines) if engines else ())
+        generations = [
+            Generation(
+                child.prompt,
+                index * request.n,
+                f"{prepared.request_id}.{index}",
+                choices,
+                next(streams) if child.engine is not None else None,
+                child.engine.n if child.engine is not None else 0,
+                echo,
+            )
+            for index, (child, choices, echo) in enumerate(children)
+        ]
         return Submission(request, prepared.request_id, generations)
 
     def _choice(self, request: InferenceRequest, prompt: PreparedPrompt) -> ChoiceStream:

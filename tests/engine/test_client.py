@@ -94,3 +94,24 @@ def test_metrics_is_a_frozen_snapshot_of_what_ran(client: EngineClient) -> None:
     after = client.metrics()
     assert after.generated_tokens == 6 and after.prefill_tokens == 4 and after.completed == 1
     assert dict(after.graph_launches)["eager"] > 0 and before.generated_tokens == 0
+
+
+def test_a_group_is_submitted_all_or_nothing(client: EngineClient) -> None:
+    """A batch's children are checked, and bounded by the queue, as one group: a refused child
+    leaves none of the others queued (api.md: every child is validated before the group is submitted)."""
+
+    async def scenario():
+        good = _request("good")
+        too_many = EngineRequest("wide", (5, 6, 7, 8), (GREEDY,) * 3, 4)  # n 3 > max_concurrency 2
+        with pytest.raises(RequestRejected):
+            client.submit_group([good, too_many])
+        with pytest.raises(QueueFull):  # max_pending 4: five children never fit, none is queued
+            client.submit_group([_request(f"child{i}") for i in range(5)])
+        assert client.metrics().pending == 0 and client.metrics().active == 0
+        streams = client.submit_group([_request("a"), _request("b")])
+        outputs = [[t async for event in stream for t in event.token_ids] for stream in streams]
+        assert [len(tokens) for tokens in outputs] == [8, 8]
+        again = [t async for event in client.submit(_request("good")) for t in event.token_ids]
+        assert len(again) == 8  # the refused group left nothing behind under its ids
+
+    asyncio.run(scenario())
