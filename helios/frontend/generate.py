@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from helios.engine import EngineClient, EngineEvent
 from helios.frontend.choice import ChoiceStream
-from helios.frontend.detokenizer import TokenBytes
+from helios.frontend.detokenizer import IncrementalDecoder, TokenBytes
 from helios.frontend.events import FinishEvent, ReasoningEvent, SemanticEvent, TextEvent, ToolCallEvent
 from helios.frontend.inference import Conversation, InferenceRequest, Termination
 from helios.frontend.output import ChoiceOutput, OutputDelta
@@ -83,6 +83,7 @@ class Generation:
     events: AsyncIterator[EngineEvent] | None  # None: nothing submitted (max_tokens 0)
     engine_choices: int  # choices the engine runs: n, or 1 when only the prompt is scored
     echo: str = ""  # the prompt as echoed (raw completions with echo)
+    echo_offsets: tuple[int, ...] = ()  # with echo: each prompt token's character offset in `echo`
     cached_tokens: int | None = None  # admission count of the first choice
     prompt_logprobs: tuple | None = None
     prompt_chunk_ends: tuple[int, ...] = ()  # where the engine's scored prefill chunks ended
@@ -161,6 +162,19 @@ class Runner:
         """One token decoded on its own, special tokens spelled out (logprob and echo strings)."""
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def echo_offsets(self, prompt: PreparedPrompt, echo: str) -> tuple[int, ...]:
+        """Each prompt token's text_offset in the echoed text: the decoded characters before it,
+        whatever string the token is shown as (token_id:N included). Aligned so that the prompt
+        ends where the echo does: a BOS the tokenizer spells out but the echo lacks takes no
+        characters, and generated offsets, which start after the echo, never go backwards."""
+        decoder = IncrementalDecoder()
+        starts, position = [], 0
+        for token_id in prompt.token_ids:
+            starts.append(position)
+            position += len(decoder.push(self.tokens.bytes_of(token_id)))
+        excess = position - len(echo)
+        return tuple(max(0, start - excess) for start in starts)
+
     def echo_text(self, prompt: PreparedPrompt) -> str:
         """The original prompt text, or the token-id prompt decoded."""
         if prompt.text is not None:
@@ -190,6 +204,7 @@ class Runner:
                 next(streams) if child.engine is not None else None,
                 child.engine.n if child.engine is not None else 0,
                 echo,
+                self.echo_offsets(child.prompt, echo) if request.echo else (),
             )
             for index, (child, choices, echo) in enumerate(children)
         ]

@@ -71,14 +71,18 @@ class Arrays:
 
 
 def add_prompt_entries(
-    arrays: Arrays, prompt_ids: tuple[int, ...], entries: tuple | None, token_text: TokenText, limit: int
+    arrays: Arrays,
+    prompt_ids: tuple[int, ...],
+    offsets: tuple[int, ...],
+    entries: tuple | None,
+    token_text: TokenText,
+    limit: int,
 ) -> None:
-    """Echoed prompt positions: null first entry, then each prompt token's logprob and alternatives."""
+    """Echoed prompt positions: null first entry, then each prompt token's logprob and alternatives.
+    `offsets`: each token's character offset in the echoed text (Generation.echo_offsets)."""
     for position, token_id in enumerate(prompt_ids):
-        text = token_text(token_id)
-        arrays.tokens.append(text)
-        arrays.text_offset.append(arrays.chars)
-        arrays.chars += len(text)
+        arrays.tokens.append(token_text(token_id))
+        arrays.text_offset.append(offsets[position])
         entry = entries[position] if entries is not None and position < len(entries) else None
         if entry is None:
             arrays.token_logprobs.append(None)
@@ -151,6 +155,7 @@ class _Choices:
                 add_prompt_entries(
                     choice.arrays,
                     generation.prompt.token_ids,
+                    generation.echo_offsets,
                     generation.prompt_logprobs,
                     self.token_text,
                     self.options.logprobs or 0,

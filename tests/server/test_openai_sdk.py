@@ -190,6 +190,22 @@ def test_completions_buffered_echo_logprobs_batch(server: Server, client: openai
     assert len(unechoed.choices[0].logprobs.tokens) == 4
 
 
+def test_echo_text_offsets_count_decoded_characters(server: Server) -> None:
+    """api.md: prompt text_offset counts characters of the decoded token strings, whatever the
+    token strings are shown as (token_id:N here), and generated offsets start after the echoed text."""
+    body = {"model": "x", "prompt": "Hello there", "max_tokens": 4, "echo": True, "logprobs": 1, "seed": 5}
+    plain = server.post("/v1/completions", {**body, "ignore_eos": True}).json()["choices"][0]
+    as_ids = server.post("/v1/completions", {**body, "ignore_eos": True, "return_tokens_as_token_ids": True}).json()[
+        "choices"
+    ][0]
+    offsets = as_ids["logprobs"]["text_offset"]
+    assert as_ids["logprobs"]["tokens"][0].startswith("token_id:")
+    assert offsets == plain["logprobs"]["text_offset"] and offsets == sorted(offsets)
+    prompt_tokens = len(offsets) - 4
+    assert offsets[prompt_tokens - 1] < len("Hello there") == offsets[prompt_tokens]  # generated after the echo
+    assert offsets[0] == 0
+
+
 def _without_echo_nulls(body: dict) -> dict:
     """spec/api.md: echoed position 0 has null token_logprobs/top_logprobs, which the OpenAI
     schema's arrays do not allow; validate everything else."""
