@@ -51,8 +51,13 @@ def usage_object(usage: Usage, *, reasoning: bool) -> dict[str, Any]:
     return body
 
 
-def prompt_logprobs_wire(entries: tuple | None, decode, as_token_ids: bool = False) -> list | None:
-    """vLLM-style prompt logprobs: [null, {"id": {"logprob", "rank", "decoded_token"}}, ...]."""
+def prompt_logprobs_wire(
+    entries: tuple | None, decode, as_token_ids: bool = False, limit: int | None = None
+) -> list | None:
+    """vLLM-style prompt logprobs: [null, {"id": {"logprob", "rank", "decoded_token"}}, ...].
+
+    `limit`: the alternatives the caller asked for, where the engine scored more (Completions'
+    echo arrays may want more than prompt_logprobs): the actual token, then the top `limit`."""
     if entries is None:
         return None
     out: list[Any] = []
@@ -60,6 +65,10 @@ def prompt_logprobs_wire(entries: tuple | None, decode, as_token_ids: bool = Fal
         if entry is None:
             out.append(None)
             continue
+        if limit is not None:
+            actual = next(iter(entry))  # prompt entries put the actual token first
+            top = sorted(entry.items(), key=lambda item: (-item[1].logprob, item[0]))[:limit]
+            entry = {actual: entry[actual], **dict(top)}
         out.append(
             {
                 str(token_id): {"logprob": value.logprob, "rank": value.rank, "decoded_token": decode(token_id)}

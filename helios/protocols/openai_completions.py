@@ -22,6 +22,7 @@ class CompletionOptions:
     logprobs: int | None  # Completions' integer logprobs (alternatives in the arrays)
     echo: bool
     num_prompts: int
+    prompt_logprobs: int | None = None  # alternatives in the prompt_logprobs field
 
 
 def _prompts(value: Any) -> list[RawPrompt]:
@@ -67,6 +68,9 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, CompletionOptions]:
         raise RequestError("prompt_logprobs cannot be streamed", "prompt_logprobs")
     if prompt_logprobs is None and echo and logprobs is not None:
         prompt_logprobs = logprobs  # echo with logprobs scores the prompt
+    # The engine scores the prompt for both: logprobs sets the echoed arrays' alternatives and
+    # prompt_logprobs the field's (each cut to its own count when they differ).
+    scored = max(prompt_logprobs, logprobs) if prompt_logprobs is not None and echo and logprobs is not None else None
     token_ids = f.int_list(body["logprob_token_ids"], "logprob_token_ids") if body.get("logprob_token_ids") else ()
     if token_ids and logprobs is None:
         raise RequestError("logprob_token_ids requires logprobs", "logprob_token_ids")
@@ -86,7 +90,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, CompletionOptions]:
         logprobs=LogprobOptions(
             top=logprobs,
             token_ids=token_ids,
-            prompt=prompt_logprobs,
+            prompt=scored if scored is not None else prompt_logprobs,
             as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids"),
         ),
         echo=echo,
@@ -101,5 +105,6 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, CompletionOptions]:
         logprobs,
         echo,
         len(prompts),
+        prompt_logprobs,
     )
     return request, options

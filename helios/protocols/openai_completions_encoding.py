@@ -251,7 +251,9 @@ class CompletionBuffer:
         choices = []
         for index, choice in sorted(self._choices.choices.items()):
             generation: Generation = self.run.generation_of(index)
-            prompt_logprobs = prompt_logprobs_wire(generation.prompt_logprobs, self.decoded_text)
+            prompt_logprobs = prompt_logprobs_wire(
+                generation.prompt_logprobs, self.decoded_text, limit=self.options.prompt_logprobs
+            )
             choices.append(choice_json(index, choice.text, choice.arrays, choice.finish, prompt_logprobs))
         return [json_body(response(self.run.request_id, self.model, choices, self.run.usage()))]
 

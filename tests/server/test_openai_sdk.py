@@ -206,6 +206,17 @@ def test_echo_text_offsets_count_decoded_characters(server: Server) -> None:
     assert offsets[0] == 0
 
 
+def test_echo_arrays_follow_logprobs_and_the_field_prompt_logprobs(server: Server) -> None:
+    """logprobs controls the echoed arrays' alternatives, prompt_logprobs the field's."""
+    body = {"model": "x", "prompt": "Hello there", "max_tokens": 2, "echo": True, "logprobs": 5, "prompt_logprobs": 1}
+    body["return_tokens_as_token_ids"] = True  # one key per id: several ids may decode to one string
+    choice = server.post("/v1/completions", body).json()["choices"][0]
+    prompt_tokens = len(choice["prompt_logprobs"])
+    echoed = choice["logprobs"]["top_logprobs"][1:prompt_tokens]
+    assert echoed and all(len(top) >= 5 for top in echoed)  # five alternatives (and the actual token)
+    assert all(1 <= len(entry) <= 2 for entry in choice["prompt_logprobs"][1:])  # one alternative (and the actual)
+
+
 def _without_echo_nulls(body: dict) -> dict:
     """spec/api.md: echoed position 0 has null token_logprobs/top_logprobs, which the OpenAI
     schema's arrays do not allow; validate everything else."""
