@@ -45,24 +45,26 @@ def output_instruction(output: OutputConstraint | None) -> str | None:
 
 
 def normalize_tool_results(messages: list[Message]) -> list[Message]:
-    """Parallel tool results go back into the preceding assistant's call order.
+    """Parallel tool results go back into the preceding assistant's call order (api.md).
 
-    Only a run of tool messages directly after an assistant message with calls is
-    reordered, and only when its ids are unique and exactly match calls of that message.
+    The group is every tool message after an assistant message with calls, up to the next
+    assistant message; other messages among them keep their positions, and the tool messages
+    take theirs in call order. A group whose ids are missing, duplicated or unknown stays exactly
+    as supplied; results never move across another assistant message.
     """
     out = list(messages)
     for index, message in enumerate(out):
         calls = [p.call_id for p in message.parts if isinstance(p, ToolCallPart)] if message.role == "assistant" else []
         if len(calls) < 2:
             continue
-        end = index + 1
-        while end < len(out) and out[end].role == "tool":
-            end += 1
-        run = out[index + 1 : end]
-        ids = [next((p.call_id for p in m.parts if isinstance(p, ToolResultPart)), None) for m in run]
-        if len(set(ids)) != len(ids) or not set(ids) <= set(calls) or None in ids:
-            continue
-        out[index + 1 : end] = sorted(run, key=lambda m: calls.index(ids[run.index(m)]))
+        end = next((i for i in range(index + 1, len(out)) if out[i].role == "assistant"), len(out))
+        slots = [i for i in range(index + 1, end) if out[i].role == "tool"]
+        ids = [next((p.call_id for p in out[i].parts if isinstance(p, ToolResultPart)), None) for i in slots]
+        if sorted(ids, key=str) != sorted(calls, key=str) or len(set(calls)) != len(calls):
+            continue  # missing, duplicate or unknown ids: left as supplied
+        results = dict(zip(ids, (out[i] for i in slots), strict=True))
+        for slot, call_id in zip(slots, calls, strict=True):
+            out[slot] = results[call_id]
     return out
 
 
