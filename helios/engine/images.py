@@ -99,6 +99,7 @@ class ImageEncoder:
         if encoded is not None and encoded.shape[0] == image.num_tokens:
             self._cache.move_to_end(image.digest)
             self.stats.images["input_prepared_cache_hits_total"] += 1
+            encoded = encoded.to(self.device)  # the cache is host memory (api.md: no persistent device embeddings)
         else:
             encoded = self._encode(image)
             self._remember(image.digest, encoded)
@@ -138,7 +139,9 @@ class ImageEncoder:
             _, old = self._cache.popitem(last=False)
             self._cached_bytes -= old.numel() * old.element_size()
             self.stats.images["input_prepared_cache_evictions_total"] += 1
-        self._cache[digest] = encoded
+        # Kept in host memory on every device: api.md retains no persistent GPU image embeddings
+        # (the arena holds a request's features only while its prefill needs them).
+        self._cache[digest] = encoded.to("cpu")
         self._cached_bytes += size
         self.stats.images["input_prepared_cache_bytes"] = self._cached_bytes
 
