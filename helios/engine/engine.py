@@ -515,8 +515,10 @@ class LLMEngine:
                 continue
             alternatives = ()
             if num:
-                pairs = zip(scores["prompt_top_ids"][i, :num].tolist(), scores["prompt_top_logprobs"][i, :num].tolist())
-                alternatives = tuple(sorted(pairs, key=lambda p: (-p[1], p[0])))
+                # Every entry the program returned, then the first `num`: torch.topk keeps an
+                # unspecified member of a tie at the cut-off, and ties report increasing ids.
+                pairs = zip(scores["prompt_top_ids"][i].tolist(), scores["prompt_top_logprobs"][i].tolist())
+                alternatives = tuple(sorted(pairs, key=lambda p: (-p[1], p[0]))[:num])
             entries.append(prompt_entry(seq.token_ids[position], values[i], ranks[i], alternatives))
         return entries
 

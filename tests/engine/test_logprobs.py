@@ -107,3 +107,25 @@ def test_prompt_entry_includes_an_actual_token_outside_the_alternatives() -> Non
     assert entry[42] == RankedLogprob(-9999.0, 1000)
     assert prompt_entry(42, -3.0, 5, ()) == {42: RankedLogprob(-3.0, 5)}
     assert prompt_entry(0, -1.0, 1, ((0, -1.0), (5, -math.inf)))[5] == RankedLogprob(-9999.0, 2)
+
+
+def test_prompt_alternatives_tied_at_the_cut_off_keep_increasing_ids() -> None:
+    """The scored program's top list may hold any member of a tie at the cut-off (torch.topk's
+    order among ties is unspecified): prompt entries, like generation's, report the lowest ids."""
+    from types import SimpleNamespace
+
+    from helios.engine.engine import LLMEngine
+
+    request = SimpleNamespace(prompt_logprobs=2, images=())
+    seq = SimpleNamespace(request=request, token_ids=[1, 4, 4], num_prompt=3)
+    chunk = SimpleNamespace(seq=seq, start=0, num_tokens=2)
+    ids = torch.tensor([[5, 9, 3, 7], [5, 9, 3, 7]])
+    values = torch.tensor([[-1.0, -2.0, -2.0, -3.0], [-1.0, -2.0, -2.0, -3.0]])
+    scores = {
+        "prompt_logprobs": torch.tensor([-2.5, -2.5]),
+        "prompt_ranks": torch.tensor([4, 4]),
+        "prompt_top_ids": ids,
+        "prompt_top_logprobs": values,
+    }
+    entries = LLMEngine._prompt_entries(chunk, scores)
+    assert entries[0] is None and list(entries[1]) == [4, 5, 3]  # the actual token, then 5 and the lower tied id
