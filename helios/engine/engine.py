@@ -205,6 +205,9 @@ class LLMEngine:
             state_slots_used=stats.state_slots_used,
             state_snapshots=stats.state_snapshots,
             state_rewinds=stats.state_rewinds,
+            replay_ns=stats.replay_ns,
+            readiness_wait_ns=stats.readiness_wait_ns,
+            readiness_samples=stats.readiness_samples,
             checkpoint_anchor_reservations=stats.checkpoint_anchor_reservations,
             checkpoint_captures=_counts(stats.checkpoint_captures),
             checkpoint_skips=_counts(stats.checkpoint_skips),
@@ -329,12 +332,18 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         events += plan.finished
         if not plan.chunks and self.scheduler.awaiting_prefetch and self.scheduler.host is not None:
+            waited = time.perf_counter_ns()
             self.scheduler.host.wait_prefetch(0.005)  # nothing to run until the head's records are read
+            self.stats.readiness_wait_ns += time.perf_counter_ns() - waited
         if plan.chunks:
             try:
-                started = time.perf_counter_ns()
+                started, restoring = time.perf_counter_ns(), self.executor.host_in_ns
                 result = self._execute(plan)
                 output = self._sample_step(plan, result)  # sampling waits for the device, so this times the whole step
+                self.stats.replay_ns += time.perf_counter_ns() - started
+                if plan.memory.host_in or plan.memory.state_in:
+                    self.stats.readiness_samples += 1
+                    self.stats.readiness_wait_ns += self.executor.host_in_ns - restoring
                 if self.states is not None:  # hybrid cores' checkpoint costs (checkpoints.StepCosts)
                     self.costs.observe_step(
                         sum(c.num_tokens + len(c.draft_ids) for c in plan.chunks), time.perf_counter_ns() - started

@@ -102,6 +102,9 @@ class EngineMetrics:
     state_slots_used: int
     state_snapshots: int
     state_rewinds: int
+    replay_ns: int  # completed steps' run and sampling wall time, restores included (api.md replay_gpu_ns)
+    readiness_wait_ns: int  # waits for host-store data: restore copies and disk prefetch
+    readiness_samples: int  # steps that carried host-store restores
     checkpoint_anchor_reservations: int
     checkpoint_captures: Counts  # by role
     checkpoint_skips: Counts  # by reason

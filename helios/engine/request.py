@@ -211,6 +211,13 @@ class EngineStats:
     state_slots_used: int = 0  # live slots held by running sequences
     state_snapshots: int = 0  # prefix snapshots held
     state_rewinds: int = 0  # hybrid cores: speculative rounds whose rejected drafts rewound the state
+    # Step timing (api.md replay_*): wall time of completed steps' program runs and sampling (on
+    # CUDA sampling waits for the device, so this covers its work), host-store restore copies
+    # included; and the waits for host-store data (the restore copies before a step, and the
+    # engine idling on a disk prefetch), with the steps that carried restores.
+    replay_ns: int = 0
+    readiness_wait_ns: int = 0
+    readiness_samples: int = 0
     checkpoint_anchor_reservations: int = 0  # unused anchor guards (snapshot slots kept for anchors)
     # Image preparation and feature counters (spec metrics "input_*"), under their Prometheus names
     # without flare_; the frontend adds its decode counters to the same table.

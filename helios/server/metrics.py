@@ -61,18 +61,23 @@ FIELDS: tuple[tuple[str, str | None, str, str], ...] = (
         "Requests whose reasoning was closed by the hard token budget",
     ),
     ("failed", "flare_requests_failed_total", "counter", "Requests failed by admission, execution or output"),
-    ("replay_gpu_ns", "flare_replay_gpu_nanoseconds_total", "counter", "GPU nanoseconds of completed graphs"),
+    (
+        "replay_gpu_ns",
+        "flare_replay_gpu_nanoseconds_total",
+        "counter",
+        "Nanoseconds of completed steps (program runs and sampling; CPU wall time, CUDA device-synchronised)",
+    ),
     (
         "replay_readiness_wait_ns",
         "flare_replay_readiness_wait_nanoseconds_total",
         "counter",
-        "Exposed embedding readiness delay in nanoseconds",
+        "Nanoseconds steps waited for host-store data (restore copies, disk prefetch)",
     ),
     (
         "replay_readiness_samples",
         "flare_replay_readiness_samples_total",
         "counter",
-        "Completed graphs with readiness timing",
+        "Completed steps that carried host-store restores",
     ),
     ("reused_tokens", "flare_cache_reused_tokens_total", "counter", "Tokens covered by GPU prefix-cache hits"),
     ("cached_pages", "flare_cached_kv_pages", "gauge", "KV pages holding an immutable cached prefix, in use or not"),
@@ -306,6 +311,9 @@ def values_of(engine: EngineMetrics, server: ServerCounters) -> dict[str, Any]:
     values.update(
         preemptions_total=e.preemptions,
         state_rewinds_total=e.state_rewinds,
+        replay_gpu_ns=e.replay_ns,
+        replay_readiness_wait_ns=e.readiness_wait_ns,
+        replay_readiness_samples=e.readiness_samples,
         used_pages=e.total_pages - e.free_pages - e.cached_pages,
         # api.md: learned_drafter is a boolean; which drafter it is goes beside it (JSON only):
         # "mtp" for the core's MTP programs, a draft core's model id, or null.

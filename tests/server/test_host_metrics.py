@@ -138,6 +138,12 @@ def test_host_cache_metrics_follow_a_scripted_run(tiny: Core, tmp_path: Path) ->
     assert m("flare_host_cache_hits_total", "host_hits") == 1
     assert m("flare_host_cache_reused_tokens_total", "host_reused_tokens") == 5 * size
     assert m("flare_host_cache_bytes_in_total", "host_bytes_in") == 5 * page_bytes
+    # The restoring step: its copies timed as a readiness wait, inside the step's own time.
+    assert m("flare_replay_readiness_samples_total", "replay_readiness_samples") == 1
+    assert 0 < m("flare_replay_readiness_wait_nanoseconds_total", "replay_readiness_wait_ns")
+    assert m("flare_replay_readiness_wait_nanoseconds_total", "replay_readiness_wait_ns") < m(
+        "flare_replay_gpu_nanoseconds_total", "replay_gpu_ns"
+    )
     samples, snapshot = _export(engine)
     assert _histogram_count(samples, snapshot, "flare_host_cache_missing_tokens") == 6  # one per admission lookup
     assert _histogram_count(samples, snapshot, "flare_host_cache_estimated_transfer_ns") == 1  # one restoring lookup
