@@ -22,6 +22,12 @@ from helios.engine.sequence import Chunk
 
 log = logging.getLogger("helios.engine")
 
+# On CPU the step's output rows are computed as at least this many, so that no row is reduced alone:
+# torch's CPU reductions (the program's logsumexp over the vocabulary) split a single output's sum
+# across threads (an order that depends on the thread count), and give each of two or more outputs
+# to one thread, whole. See docs/serving.md, "Reproducibility".
+MIN_LOGITS_ROWS = 2
+
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -473,6 +479,10 @@ class Executor:
             tables[row, : len(chunk.seq.pages)] = torch.tensor(chunk.seq.pages, dtype=torch.int32)
         if not logits_rows:  # the program always returns at least one row; it is ignored
             logits_rows, explicit = [starts[-1] - 1], [(0,)]
+        num_logits_rows = len(logits_rows)
+        if self.device == "cpu" and num_logits_rows < MIN_LOGITS_ROWS:  # copies of the last row, dropped
+            logits_rows += [logits_rows[-1]] * (MIN_LOGITS_ROWS - num_logits_rows)
+            explicit += [explicit[-1]] * (MIN_LOGITS_ROWS - num_logits_rows)
         inputs = {
             "token_ids": torch.tensor(token_ids, dtype=torch.int64),
             "positions": torch.tensor(positions, dtype=torch.int64),
@@ -510,9 +520,10 @@ class Executor:
             self.launches["eager"] += 1
         else:
             self.launches["graph"] += 1
-        if not any(c.wants_logits for c in chunks):
-            per_token = ("prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "prompt_top_ids", "hidden_states")
-            outputs = {k: v[:0] if k not in per_token else v for k, v in outputs.items()}
+        # Per-row outputs: only the rows asked for (none when no chunk wants logits).
+        per_token = ("prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "prompt_top_ids", "hidden_states")
+        kept = num_logits_rows if any(c.wants_logits for c in chunks) else 0
+        outputs = {k: v[:kept] if k not in per_token else v for k, v in outputs.items()}
         if not self.keep_hidden:
             outputs.pop("hidden_states", None)
         # Hidden states stay on the device: the drafter's programs read them there.

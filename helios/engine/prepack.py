@@ -48,7 +48,16 @@ def available() -> bool:
 
 
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear` on a oneDNN-packed weight."""
+    """`F.linear` on a oneDNN-packed weight.
+
+    oneDNN runs a one-row product on a GEMV kernel whose reduction order differs from its GEMM's
+    (seen on fp32 weights with 1536 inputs: the last bits of every output), so a sequence decoded
+    alone would not get the bits it gets beside others. One row is computed as two (the second a
+    copy): every call then takes the GEMM path, whose rows do not depend on their neighbours."""
+    if x.numel() == x.shape[-1]:
+        flat = x.reshape(1, -1)
+        out = torch.ops.mkldnn._linear_pointwise(flat.expand(2, -1), weight, bias, "none", [], "")
+        return out[:1].reshape(*x.shape[:-1], out.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

@@ -26,9 +26,16 @@ def logsumexp(x: Tensor) -> Tensor:
     torch.logsumexp takes a slow path when many terms underflow (e.g. logits scaled by a
     low temperature): ~10x slower over a 49k vocabulary. Every row's largest term is 1, so
     terms below e^-87 (about 1e-38 each) are far below the sum's resolution.
+
+    A row's value does not depend on the rows beside it or on the thread count: torch sums a
+    single output across threads, so one row is reduced as two (the second a copy, as the
+    executor does for the program's rows), and two or more outputs are each summed by one thread.
     """
+    rows = x.shape[0]
+    if rows == 1:
+        x = x.expand(2, -1)
     top = x.amax(dim=-1, keepdim=True)
-    return (x - top).clamp_min_(_EXP_FLOOR).exp_().sum(dim=-1).log_() + top[:, 0]
+    return ((x - top).clamp_min_(_EXP_FLOOR).exp_().sum(dim=-1).log_() + top[:, 0])[:rows]
 
 
 class MaskError(ValueError):

@@ -20,6 +20,12 @@
 // group of query heads sharing that kv head once and streams its keys and values page by page with
 // an online softmax in fp32, whatever the cache dtype. Every row is computed on its own, so a row's
 // result does not depend on which other rows share the step.
+//
+// Reproducibility (docs/serving.md): a query row gets the same bits whether it is decoded alone,
+// beside other rows, inside a prompt chunk of any length or among drafts under verification. The
+// arithmetic of flare::paged_attention is chosen per layer, never per step: bfloat16 layers run
+// chunk_rows for chunks and decode rows alike (decode_tiles), others decode_attention for every
+// query row. Work is split over rows, heads and output columns, never over one row's reduction.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
@@ -39,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -504,27 +511,56 @@ bool chunk_attention_supported(const at::Tensor& q, const at::Tensor& k_cache) {
 }
 
 #if defined(__AVX512BF16__)
-// keys [held, kv_heads, dim] -> per kv head, per tile: [4 blocks][dim / 2 pairs][16 keys][2]
-// values                    -> per kv head, per tile: [dim / 16 blocks][32 key pairs][16 features][2]
+// One 64-key tile of one kv head: key c's features at keys[c] (nullptr: past the end, zeros).
+// keys   -> [4 blocks][dim / 2 pairs][16 keys][2]
+// values -> [dim / 16 blocks][32 key pairs][16 features][2]
+// dim is a multiple of 64 (chunk_attention_supported). Keys move as 32-bit feature pairs; values
+// interleave two keys' 16 features with one permute per 32 outputs.
+void pack_tile(const uint16_t* const* keys, const uint16_t* const* values, int64_t dim, uint16_t* kt, uint16_t* vt) {
+  const int64_t pairs = dim / 2;
+  for (int64_t c = 0; c < kTile; ++c) {  // key block, feature pair, key lane, pair member
+    uint16_t* out = kt + ((c / kBlock) * pairs * kBlock + c % kBlock) * 2;
+    const uint16_t* key = keys[c];
+    for (int64_t p = 0; p < pairs; ++p) {
+      uint32_t pair = 0;
+      if (key != nullptr) std::memcpy(&pair, key + 2 * p, sizeof(pair));
+      std::memcpy(out + p * kBlock * 2, &pair, sizeof(pair));
+    }
+  }
+  // feature block, key pair, feature lane, pair member: lane f of key pair (c, c + 1) holds
+  // (value[c][f], value[c + 1][f]).
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t c = 0; c < kTile; c += 2) {
+    const uint16_t* first = values[c];
+    const uint16_t* second = values[c + 1];
+    for (int64_t block = 0; block < dim / kBlock; ++block) {
+      const __m256i a =
+          first != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + block * kBlock)) : zero;
+      const __m256i b =
+          second != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + block * kBlock)) : zero;
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(vt + ((block * (kTile / 2) + c / 2) * kBlock) * 2, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+// keys/values [held, kv_heads, dim] -> per kv head, per tile: pack_tile's layout.
 void pack_tiles(const uint16_t* keys, const uint16_t* values, int64_t held, int64_t kv_heads, int64_t dim,
                 uint16_t* kp, uint16_t* vp) {
   const int64_t tiles = (held + kTile - 1) / kTile, tile_elems = kTile * dim;
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    const uint16_t* kr[kTile];
+    const uint16_t* vr[kTile];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / tiles, t = task % tiles;
-      uint16_t* kt = kp + (h * tiles + t) * tile_elems;
-      uint16_t* vt = vp + (h * tiles + t) * tile_elems;
       for (int64_t c = 0; c < kTile; ++c) {
         const int64_t j = t * kTile + c;
-        const uint16_t* key = keys + (j * kv_heads + h) * dim;
-        const uint16_t* value = values + (j * kv_heads + h) * dim;
-        const bool real = j < held;
-        const int64_t block = c / kBlock, lane = c % kBlock;
-        for (int64_t d = 0; d < dim; ++d)  // key block, feature pair, key lane, pair member
-          kt[((block * (dim / 2) + d / 2) * kBlock + lane) * 2 + d % 2] = real ? key[d] : 0;
-        for (int64_t d = 0; d < dim; ++d)  // feature block, key pair, feature lane, pair member
-          vt[(((d / kBlock) * (kTile / 2) + c / 2) * kBlock + d % kBlock) * 2 + c % 2] = real ? value[d] : 0;
+        kr[c] = j < held ? keys + (j * kv_heads + h) * dim : nullptr;
+        vr[c] = j < held ? values + (j * kv_heads + h) * dim : nullptr;
       }
+      pack_tile(kr, vr, dim, kp + (h * tiles + t) * tile_elems, vp + (h * tiles + t) * tile_elems);
     }
   });
 }
@@ -678,6 +714,75 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
 #endif
 }
 
+// Decode rows (one query token per sequence) on chunk_attention's arithmetic, read in place: each
+// (sequence, kv head) task packs that head's keys and values tile by tile from the pages, in tiles
+// starting at absolute multiples of 64 keys as a chunk's are, and takes the query heads sharing
+// them through chunk_rows. A query row's result is then bit-identical whether it was decoded alone,
+// beside other rows, or computed inside a prompt chunk or a verification chunk of any length.
+// q [rows, heads, dim] bfloat16, caches bfloat16; kv_lens and positions int64 [rows].
+void decode_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& kv_lens, const at::Tensor& positions, double scale,
+                  int64_t window, at::Tensor& out) {
+#if defined(__AVX512BF16__)
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t page_tokens = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const int64_t max_blocks = block_tables.size(1), token_stride = kv_heads * dim, tile_elems = kTile * dim;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  const int64_t* where = positions.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> kpack, vpack;
+    std::vector<float> acc(6 * dim);
+    const uint16_t* kr[kTile];
+    const uint16_t* vr[kTile];
+    int64_t at_pos[6];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / kv_heads, kvh = task % kv_heads, pos = where[seq];
+      const int64_t stop = std::min({lens[seq], pos + 1, max_blocks * page_tokens});  // keys j < stop are visible
+      const int64_t key0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) / kTile * kTile : 0;
+      const int64_t held = std::max<int64_t>(0, stop - key0), tiles = (held + kTile - 1) / kTile;
+      if (static_cast<int64_t>(kpack.size()) < tiles * tile_elems) {
+        kpack.resize(tiles * tile_elems);
+        vpack.resize(tiles * tile_elems);
+      }
+      const int32_t* table = tables + seq * max_blocks;
+      for (int64_t t = 0; t < tiles; ++t) {
+        for (int64_t c = 0; c < kTile; ++c) {
+          const int64_t j = key0 + t * kTile + c;
+          const int64_t slot = j < stop ? table[j / page_tokens] * page_tokens + j % page_tokens : -1;
+          kr[c] = slot >= 0 ? kc + slot * token_stride + kvh * dim : nullptr;
+          vr[c] = slot >= 0 ? vc + slot * token_stride + kvh * dim : nullptr;
+        }
+        pack_tile(kr, vr, dim, kpack.data() + t * tile_elems, vpack.data() + t * tile_elems);
+      }
+      std::fill(at_pos, at_pos + 6, pos);
+      for (int64_t g0 = 0; g0 < group; g0 += 6) {
+        const int64_t count = std::min<int64_t>(6, group - g0), first = (seq * heads + kvh * group + g0) * dim;
+        const uint16_t* x = qp + first;
+        uint16_t* y = op + first;
+        const uint16_t* kt = kpack.data();
+        const uint16_t* vt = vpack.data();
+        switch (count) {
+          case 6: chunk_rows<6>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          case 5: chunk_rows<5>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          case 4: chunk_rows<4>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          case 3: chunk_rows<3>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          case 2: chunk_rows<2>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          default: chunk_rows<1>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "decode_tiles: this build has no AVX512-BF16 kernel");
+#endif
+}
+
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t out_features) {
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
@@ -703,9 +808,17 @@ at::Tensor attention_fallback(const at::Tensor& q, const at::Tensor& k_cache, co
   return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap);
 }
 
-// Decode rows (one query token per sequence) attend in place; longer chunks (prefill, drafts under
-// verification) run SDPA over their gathered pages exactly as the Python kernel does (the same
-// calls, so the same rounding); soft-capping and layouts the in-place kernel lacks go to it whole.
+at::Tensor index_of(const std::vector<int64_t>& values) {
+  return at::from_blob(const_cast<int64_t*>(values.data()), {static_cast<int64_t>(values.size())}, at::kLong).clone();
+}
+
+// Which arithmetic attends a layer's rows depends only on the layer (dtype, head size, soft-capping),
+// never on the step's shape, so a query row gets the same bits whatever it shares the step with:
+// * tiled (bfloat16, head size a multiple of 64 up to 256, no soft-capping, AVX512-BF16): chunks
+//   run chunk_attention over their gathered pages, decode rows decode_tiles in place, both on
+//   chunk_rows with 64-key tiles aligned to absolute key positions;
+// * otherwise every query row, of a chunk or a decode, is a decode_attention row of its sequence.
+// Layouts neither covers go to the Python kernels whole.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, const at::Tensor& positions, double scale,
@@ -718,74 +831,62 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                         seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                         positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                         query_start_loc.numel() == seq_lens.numel() + 1 && q.size(1) % k_cache.size(2) == 0;
-  const int64_t seqs = seq_lens.numel();
-  const int32_t* starts = in_place ? query_start_loc.data_ptr<int32_t>() : nullptr;
-  std::vector<int64_t> picked, rows, chunks;
-  if (in_place) {
-    for (int64_t i = 0; i < seqs; ++i) {
-      const int32_t len = starts[i + 1] - starts[i];
-      if (len == 1) {
-        picked.push_back(i);
-        rows.push_back(starts[i]);
-      } else if (len > 1) {
-        chunks.push_back(i);
-      }
-    }
-  }
-  if (!in_place || (!chunks.empty() && softcap > 0.0))
+  if (!in_place)
     return attention_fallback(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window,
                               softcap);
-  if (chunks.empty() && static_cast<int64_t>(picked.size()) == seqs && starts[seqs] == seqs && q.size(0) == seqs)
+  const bool tiled = chunk_attention_supported(q, k_cache) && softcap <= 0.0;
+  const int64_t seqs = seq_lens.numel();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  std::vector<int64_t> picked, rows, chunks;
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int32_t len = starts[i + 1] - starts[i];
+    if (len == 1 || (len > 1 && !tiled)) {  // rows attended one by one: (sequence, row) pairs
+      for (int64_t r = starts[i]; r < starts[i + 1]; ++r) {
+        picked.push_back(i);
+        rows.push_back(r);
+      }
+    } else if (len > 1) {
+      chunks.push_back(i);
+    }
+  }
+  const bool all_rows = chunks.empty() && static_cast<int64_t>(rows.size()) == q.size(0) &&
+                        static_cast<int64_t>(picked.size()) == seqs && starts[seqs] == seqs;
+  if (all_rows && !tiled)
     return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, positions, scale, window, softcap);
-  at::Tensor out = at::empty_like(q);
-  if (!picked.empty()) {
-    const auto index = [](const std::vector<int64_t>& values) {
-      return at::from_blob(const_cast<int64_t*>(values.data()), {static_cast<int64_t>(values.size())}, at::kLong)
-          .clone();
-    };
-    const at::Tensor seq_index = index(picked), row_index = index(rows);
-    const at::Tensor decoded = decode_attention(q.index_select(0, row_index), k_cache, v_cache,
-                                                block_tables.index_select(0, seq_index),
-                                                seq_lens.index_select(0, seq_index),
-                                                positions.index_select(0, row_index), scale, window, softcap);
-    out.index_copy_(0, row_index, decoded);
+  at::Tensor out = starts[seqs] < q.size(0) ? at::zeros_like(q) : at::empty_like(q);
+  if (!rows.empty()) {
+    const at::Tensor seq_index = index_of(picked), row_index = index_of(rows);
+    const at::Tensor query = q.index_select(0, row_index).contiguous();
+    const at::Tensor tables = block_tables.index_select(0, seq_index).contiguous();
+    const at::Tensor lens = seq_lens.index_select(0, seq_index);
+    const at::Tensor where = positions.index_select(0, row_index).contiguous();
+    at::Tensor attended;
+    if (tiled) {
+      attended = at::empty_like(query);
+      decode_tiles(query, k_cache, v_cache, tables, lens.to(at::kLong).contiguous(), where, scale, window, attended);
+    } else {
+      attended = decode_attention(query, k_cache, v_cache, tables, lens, where, scale, window, softcap);
+    }
+    if (all_rows) return attended;
+    out.index_copy_(0, row_index, attended);
   }
   const int64_t page_tokens = k_cache.size(1), kv_heads = k_cache.size(2), dim = k_cache.size(3);
-  const bool gqa = q.size(1) != kv_heads;
+  // A windowed chunk gathers from a page whose first key sits at a multiple of 64 (the tiles'
+  // absolute alignment): the least common multiple of the tile and the page.
+  const int64_t align = std::lcm<int64_t>(kTile, page_tokens);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* where = positions.data_ptr<int64_t>();
   for (const int64_t i : chunks) {
     const int64_t start = starts[i], end = starts[i + 1], kv_len = lens[i];
-    const int64_t first_pos = where[start], last_pos = where[end - 1];
-    const int64_t first = window > 0 ? std::max<int64_t>(first_pos - window + 1, 0) / page_tokens : 0;
+    const int64_t first_key = window > 0 ? std::max<int64_t>(where[start] - window + 1, 0) / align * align : 0;
+    const int64_t first = first_key / page_tokens;
     const at::Tensor pages =
         block_tables.select(0, i).slice(0, first, (kv_len + page_tokens - 1) / page_tokens).to(at::kLong);
-    const bool whole = end - start == kv_len && first_pos == 0 && last_pos == kv_len - 1 &&
-                       (window <= 0 || kv_len <= window);
-    c10::optional<at::Tensor> visible;
-    if (!whole) {  // helios.core.ops.visible_keys
-      const at::Tensor key_pos = at::arange(first * page_tokens, kv_len, positions.options()).unsqueeze(0);
-      const at::Tensor query_pos = positions.slice(0, start, end).unsqueeze(1);
-      at::Tensor mask = key_pos <= query_pos;
-      if (window > 0) mask = mask & (key_pos > query_pos - window);
-      visible = mask;
-    }
-    const int64_t held = kv_len - first * page_tokens;
-    if (chunk_attention_supported(q, k_cache)) {
-      const at::Tensor gathered_k = k_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held);
-      const at::Tensor gathered_v = v_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held);
-      out.slice(0, start, end).copy_(chunk_attention(q.slice(0, start, end), gathered_k, gathered_v,
-                                                     positions.slice(0, start, end), first * page_tokens, scale, window));
-      continue;
-    }
-    const at::Tensor keys =
-        k_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held).transpose(0, 1).to(q.scalar_type());
-    const at::Tensor values =
-        v_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held).transpose(0, 1).to(q.scalar_type());
-    const at::Tensor query = q.slice(0, start, end).transpose(0, 1);
-    const at::Tensor attended = at::scaled_dot_product_attention(
-        query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), visible, 0.0, /*is_causal=*/whole, scale, gqa);
-    out.slice(0, start, end).copy_(attended.squeeze(0).transpose(0, 1));
+    const int64_t held = kv_len - first_key;
+    const at::Tensor gathered_k = k_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held);
+    const at::Tensor gathered_v = v_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held);
+    out.slice(0, start, end).copy_(chunk_attention(q.slice(0, start, end), gathered_k, gathered_v,
+                                                   positions.slice(0, start, end), first_key, scale, window));
   }
   return out;
 }
