@@ -18,15 +18,10 @@ from helios.core.program import SCORED_PREFILL, STEP, VISION, CompiledProgram, P
 from helios.engine import graph, graphs, native, prepack, threads
 from helios.engine.kernels import registry as kernels
 from helios.engine.memory.plan import NO_MEMORY_WORK, MemoryPlan
+from helios.engine.rows import padded
 from helios.engine.sequence import Chunk
 
 log = logging.getLogger("helios.engine")
-
-# On CPU the step's output rows are computed as at least this many, so that no row is reduced alone:
-# torch's CPU reductions (the program's logsumexp over the vocabulary) split a single output's sum
-# across threads (an order that depends on the thread count), and give each of two or more outputs
-# to one thread, whole. See docs/serving.md, "Reproducibility".
-MIN_LOGITS_ROWS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,9 +475,10 @@ class Executor:
         if not logits_rows:  # the program always returns at least one row; it is ignored
             logits_rows, explicit = [starts[-1] - 1], [(0,)]
         num_logits_rows = len(logits_rows)
-        if self.device == "cpu" and num_logits_rows < MIN_LOGITS_ROWS:  # copies of the last row, dropped
-            logits_rows += [logits_rows[-1]] * (MIN_LOGITS_ROWS - num_logits_rows)
-            explicit += [explicit[-1]] * (MIN_LOGITS_ROWS - num_logits_rows)
+        if self.device == "cpu":  # no logits row reduced alone (rows.py): copies of the last, dropped
+            extra = padded(num_logits_rows) - num_logits_rows
+            logits_rows += [logits_rows[-1]] * extra
+            explicit += [explicit[-1]] * extra
         inputs = {
             "token_ids": torch.tensor(token_ids, dtype=torch.int64),
             "positions": torch.tensor(positions, dtype=torch.int64),

@@ -32,6 +32,7 @@ from helios.core import hostcache
 from helios.core.host import fingerprint
 from helios.core.program import Program
 from helios.engine import native
+from helios.engine.rows import never_alone
 
 log = logging.getLogger("helios.engine")
 
@@ -52,12 +53,13 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 
     oneDNN runs a one-row product on a GEMV kernel whose reduction order differs from its GEMM's
     (seen on fp32 weights with 1536 inputs: the last bits of every output), so a sequence decoded
-    alone would not get the bits it gets beside others. One row is computed as two (the second a
-    copy): every call then takes the GEMM path, whose rows do not depend on their neighbours."""
+    alone would not get the bits it gets beside others: a single row is never computed alone
+    (rows.never_alone), and every call takes the GEMM path."""
     if x.numel() == x.shape[-1]:
-        flat = x.reshape(1, -1)
-        out = torch.ops.mkldnn._linear_pointwise(flat.expand(2, -1), weight, bias, "none", [], "")
-        return out[:1].reshape(*x.shape[:-1], out.shape[-1])
+        out = never_alone(
+            lambda r: torch.ops.mkldnn._linear_pointwise(r, weight, bias, "none", [], ""), x.reshape(1, -1)
+        )
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

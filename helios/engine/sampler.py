@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from helios.engine.rows import never_alone
 from helios.engine.sampling_params import SamplingParams
 
 TOP_P_CANDIDATES = 1024  # partial sort size for top-p; more only when these hold too little mass
@@ -27,15 +28,14 @@ def logsumexp(x: Tensor) -> Tensor:
     low temperature): ~10x slower over a 49k vocabulary. Every row's largest term is 1, so
     terms below e^-87 (about 1e-38 each) are far below the sum's resolution.
 
-    A row's value does not depend on the rows beside it or on the thread count: torch sums a
-    single output across threads, so one row is reduced as two (the second a copy, as the
-    executor does for the program's rows), and two or more outputs are each summed by one thread.
+    A row's value does not depend on the rows beside it or on the thread count (rows.never_alone).
     """
-    rows = x.shape[0]
-    if rows == 1:
-        x = x.expand(2, -1)
+    return never_alone(_logsumexp, x)
+
+
+def _logsumexp(x: Tensor) -> Tensor:
     top = x.amax(dim=-1, keepdim=True)
-    return ((x - top).clamp_min_(_EXP_FLOOR).exp_().sum(dim=-1).log_() + top[:, 0])[:rows]
+    return (x - top).clamp_min_(_EXP_FLOOR).exp_().sum(dim=-1).log_() + top[:, 0]
 
 
 class MaskError(ValueError):

@@ -124,8 +124,8 @@ def check_restart(core: Core, max_tokens: int, directory: Path) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_row_reductions_do_not_depend_on_neighbours_or_threads(threads: int) -> None:
-    """What the executor's MIN_LOGITS_ROWS and sampler.logsumexp rely on: torch sums one output
-    across threads (so a row reduced alone takes an order that depends on the thread count), but
+    """What rows.never_alone (the executor, sampler.logsumexp, packed linears) relies on: torch
+    sums one output across threads (so a row reduced alone takes an order that depends on the thread count), but
     hands each of two or more outputs to one thread whole. Over a SmolLM2-sized vocabulary most
     rows' sums differ in the last bits between the two paths; a torch whose reductions change
     this fails here before it fails in the engine."""
