@@ -83,7 +83,7 @@ class Generation:
     events: AsyncIterator[EngineEvent] | None  # None: nothing submitted (max_tokens 0)
     engine_choices: int  # choices the engine runs: n, or 1 when only the prompt is scored
     echo: str = ""  # the prompt as echoed (raw completions with echo)
-    echo_offsets: tuple[int, ...] = ()  # with echo: each prompt token's character offset in `echo`
+    echo_offsets: tuple[int, ...] = ()  # with echo and logprobs: each prompt token's character offset in `echo`
     cached_tokens: int | None = None  # admission count of the first choice
     prompt_logprobs: tuple | None = None
     prompt_chunk_ends: tuple[int, ...] = ()  # where the engine's scored prefill chunks ended
@@ -204,7 +204,7 @@ class Runner:
                 next(streams) if child.engine is not None else None,
                 child.engine.n if child.engine is not None else 0,
                 echo,
-                self.echo_offsets(child.prompt, echo) if request.echo else (),
+                self.echo_offsets(child.prompt, echo) if request.echo and request.logprobs.top is not None else (),
             )
             for index, (child, choices, echo) in enumerate(children)
         ]
