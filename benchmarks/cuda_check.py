@@ -76,18 +76,7 @@ def runner_check(core: Core, device: str) -> dict:
     expected = program(weights, eager_kv, **inputs)
     graph_kv = [t.clone() for t in filled]
     backend = CudaGraphBackend(device) if devices.is_cuda(device) else EagerBackend()
-    runner = GraphRunner(
-        program,
-        weights,
-        graph_kv,
-        m.decode_buckets,
-        page,
-        -(-m.limits.max_model_len // page),
-        pages,
-        device,
-        backend,
-        explicit_width=max(1, m.capabilities.max_top_logprobs) if explicit else 0,
-    )
+    runner = GraphRunner.for_core(m, program, weights, graph_kv, page, pages, device, backend)
     failure = runner.capture_all()
     report["capture"] = failure or f"captured {len(runner.buckets)} buckets"
     if failure is not None:

@@ -6,8 +6,16 @@
 
 Measures decode tokens/s for 1, 8 and 32 concurrent sequences (greedy, ignore_eos,
 prompts already prefilled), and estimates the ceiling of each from measured fp32 matmul
-FLOP/s at that row count and measured matrix-vector memory bandwidth:
+FLOP/s at that row count and the host's measured read bandwidth (the best of an fp32
+matrix-vector product and a sum over 256 MiB):
 step time >= max(weight bytes / bandwidth, 2 * parameters * rows / FLOP/s).
+It prints the per-token decode limit of the core (the bytes a decode step reads, as the engine
+holds the weights: twice the stored bf16 bytes where it upcasts them, / bandwidth) and the
+fraction of it each batch achieved (1 = every step streams the weights at full bandwidth).
+
+Set FLARE_CPU_ISA=avx2 (with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+TORCHINDUCTOR_CPP_MARCH=haswell, read when torch starts: helios/cpu_isa.py) to measure an
+AVX-512 host as an AVX2 one; this script applies them itself when it is the first to load torch.
 
 --grammar instead compares 16 concurrent JSON-schema-constrained requests (a schema too
 long to finish within --tokens, so every row stays masked) against 16 unconstrained ones
@@ -25,27 +33,35 @@ import json
 import time
 from pathlib import Path
 
-import torch
+from helios import cpu_isa
 
-from helios.core import Core
-from helios.engine import EngineConfig, LLMEngine, build_engine
-from helios.engine.request import EngineRequest
-from helios.engine.sampling_params import SamplingParams
-from helios.frontend.constraint import ConstraintPlan, GrammarConstraint, GrammarMasks
-from helios.frontend.grammar import GrammarService
+cpu_isa.apply()  # before torch starts (FLARE_CPU_ISA)
+
+import torch  # noqa: E402
+
+from helios.core import Core  # noqa: E402
+from helios.engine import EngineConfig, LLMEngine, build_engine  # noqa: E402
+from helios.engine.request import EngineRequest  # noqa: E402
+from helios.engine.sampling_params import SamplingParams  # noqa: E402
+from helios.frontend.constraint import ConstraintPlan, GrammarConstraint, GrammarMasks  # noqa: E402
+from helios.frontend.grammar import GrammarService  # noqa: E402
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 
 
 def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes/s of an fp32 matrix-vector product over a matrix much larger than cache."""
+    """Read bytes/s over a matrix much larger than cache: the best single pass of an fp32
+    matrix-vector product and of a sum (whichever streams faster on this host)."""
     rows = megabytes * (1 << 20) // 4 // 4096
     matrix, vector = torch.randn(rows, 4096), torch.randn(4096)
-    torch.mv(matrix, vector)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.mv(matrix, vector)
-    return matrix.numel() * 4 * repeats / (time.perf_counter() - start)
+    best = float("inf")
+    for read in (lambda: torch.mv(matrix, vector), matrix.sum):
+        read()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - start)
+    return matrix.numel() * 4 / best
 
 
 def measure_flops(rows: int, size: int = 2048, repeats: int = 5) -> float:
@@ -174,15 +190,20 @@ def main() -> None:
     engine = build_engine(core, EngineConfig(num_pages=4096, max_concurrency=256))
     tokenizer = core.tokenizer()
     bandwidth = measure_bandwidth()
+    # What a decode step streams, as the engine holds the weights (upcast: fp32, twice the bytes).
+    step_bytes = m.decode_weight_bytes * (2 if engine.upcast_from else 1)
+    limit = step_bytes / bandwidth  # seconds per decode step at full read bandwidth
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         measured = decode_throughput(engine, tokenizer, batch, args.tokens)
         flops = measure_flops(batch)
-        step = max(m.decode_weight_bytes / bandwidth, 2 * m.weights.num_parameters * batch / flops)
+        step = max(limit, 2 * m.weights.num_parameters * batch / flops)
         rows.append(
             {
                 "batch": batch,
                 "tokens_per_s": round(measured, 1),
+                "bandwidth_limit_tokens_per_s": round(batch / limit, 1),
+                "fraction_of_bandwidth_limit": round(measured * limit / batch, 3),
                 "ceiling_tokens_per_s": round(batch / step, 1),
                 "fraction_of_ceiling": round(measured * step / batch, 3),
                 "matmul_gflops": round(flops / 1e9, 1),
@@ -190,19 +211,32 @@ def main() -> None:
         )
     report = {
         "core": str(args.core),
+        "isa": cpu_isa.requested() or "native",
         "threads": torch.get_num_threads(),
+        "linear_kernel": engine.executor.linear_kernel,
+        "step": engine.executor.step_kind,
+        "upcast_from": engine.upcast_from,
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "decode_weight_mb": round(m.decode_weight_bytes / 1e6, 1),
+        "decode_weight_mb": round(step_bytes / 1e6, 1),
+        "decode_limit_ms_per_token": round(limit * 1e3, 2),
         "rows": rows,
     }
+    held = f"upcast from {engine.upcast_from} to float32" if engine.upcast_from else "as stored"
     print(
-        f"core {args.core}: {report['decode_weight_mb']} MB weights/token, bandwidth {report['bandwidth_gb_s']} GB/s, "
-        f"{report['threads']} threads"
+        f"core {args.core}: {report['step']} step, linears on {report['linear_kernel']}, weights {held}, "
+        f"{report['threads']} threads, ISA {report['isa']}"
     )
-    print(f"{'batch':>5}  {'tok/s':>8}  {'ceiling':>8}  {'fraction':>8}  {'GFLOP/s':>8}")
+    print(
+        f"read bandwidth {report['bandwidth_gb_s']} GB/s; a decode step reads {report['decode_weight_mb']} MB: "
+        f"limit {report['decode_limit_ms_per_token']} ms per step ({1 / limit:.1f} tok/s for one sequence)"
+    )
+    print(
+        f"{'batch':>5}  {'tok/s':>8}  {'bw limit':>8}  {'of limit':>8}  {'ceiling':>8}  {'fraction':>8}  {'GFLOP/s':>8}"
+    )
     for row in rows:
         print(
-            f"{row['batch']:>5}  {row['tokens_per_s']:>8}  {row['ceiling_tokens_per_s']:>8}  "
+            f"{row['batch']:>5}  {row['tokens_per_s']:>8}  {row['bandwidth_limit_tokens_per_s']:>8}  "
+            f"{row['fraction_of_bandwidth_limit']:>8}  {row['ceiling_tokens_per_s']:>8}  "
             f"{row['fraction_of_ceiling']:>8}  {row['matmul_gflops']:>8}"
         )
     if args.json:

@@ -2,6 +2,7 @@
 sdist of llama-cpp-python (cmake; cached), and an F32 GGUF of the default model.
 
     python benchmarks/llamacpp_build.py build      # prints the llama-server path
+    python benchmarks/llamacpp_build.py build avx2 # the same, built for AVX2 hosts only (no AVX-512)
     python benchmarks/llamacpp_build.py f32 OUT    # writes the F32 GGUF
     python benchmarks/llamacpp_build.py bf16 OUT   # writes the BF16 GGUF
 """
@@ -25,18 +26,45 @@ def _run(command: list[str], cwd: Path | None = None) -> None:
     subprocess.run(command, check=True, cwd=cwd)
 
 
-def _build_dir() -> Path:
+# isa -> ggml's CMake options for it, instead of GGML_NATIVE (what this host has). "avx2": what an
+# AVX2+FMA host without AVX-512 runs (AMD Zen 1-3, Intel client cores), the peer of helios under
+# FLARE_CPU_ISA=avx2 on an AVX-512 machine.
+ISA_OPTIONS = {
+    "avx2": (
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_SSE42=ON",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_BMI2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_AVX_VNNI=OFF",
+        "-DGGML_AVX512=OFF",
+        "-DGGML_AVX512_VBMI=OFF",
+        "-DGGML_AVX512_VNNI=OFF",
+        "-DGGML_AVX512_BF16=OFF",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
+    )
+}
+
+
+def _build_dir(isa: str | None = None) -> Path:
     """One build per CPU: GGML_NATIVE compiles for this host's instruction set, so a build
-    cached on another machine can die with SIGILL here (seen: Q4_1 kernels)."""
+    cached on another machine can die with SIGILL here (seen: Q4_1 kernels). One per `isa`
+    (ISA_OPTIONS) besides."""
+    if isa is not None:
+        return CACHE / f"build-{platform.machine()}-{isa}"
     from helios.core import host
 
-    isa = hashlib.sha256(" ".join(host.fingerprint().isa).encode()).hexdigest()[:12]
-    return CACHE / f"build-{platform.machine()}-{isa}"
+    flags = hashlib.sha256(" ".join(host.fingerprint().isa).encode()).hexdigest()[:12]
+    return CACHE / f"build-{platform.machine()}-{flags}"
 
 
-def ensure_llama_server(jobs: int = 2) -> Path:
-    """Build (once per CPU kind) and return the path of llama-server."""
-    binary = _build_dir() / "bin" / "llama-server"
+def ensure_llama_server(jobs: int = 2, isa: str | None = None) -> Path:
+    """Build (once per CPU kind, or per `isa` of ISA_OPTIONS) and return the path of llama-server."""
+    binary = _build_dir(isa) / "bin" / "llama-server"
     if binary.is_file():
         return binary
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -67,7 +95,7 @@ def ensure_llama_server(jobs: int = 2) -> Path:
             members = [m for m in archive.getmembers() if "/vendor/llama.cpp/" in m.name]
             archive.extractall(CACHE / "extract", members=members, filter="data")
         (CACHE / "extract").joinpath(archives[-1].name[: -len(".tar.gz")], "vendor", "llama.cpp").rename(source)
-    build = _build_dir()
+    build = _build_dir(isa)
     _run(
         [
             "cmake",
@@ -76,7 +104,7 @@ def ensure_llama_server(jobs: int = 2) -> Path:
             "-B",
             str(build),
             "-DCMAKE_BUILD_TYPE=Release",
-            "-DGGML_NATIVE=ON",
+            *(ISA_OPTIONS[isa] if isa is not None else ("-DGGML_NATIVE=ON",)),
             "-DLLAMA_CURL=OFF",
             "-DLLAMA_BUILD_TESTS=OFF",
             "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -133,7 +161,7 @@ def write_gguf(source: Path, out: Path, precision: str) -> Path:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["build"]:
-        print(ensure_llama_server())
+        print(ensure_llama_server(isa=sys.argv[2] if len(sys.argv) > 2 else None))
     elif sys.argv[1:2] in (["f32"], ["bf16"]):
         import importlib.util
 

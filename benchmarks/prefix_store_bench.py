@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import ROOT, free_port, stop, wait_healthy  # noqa: E402
+from compare import ROOT, free_port, helios_command, stop, wait_healthy  # noqa: E402
 from serve_bench import filler  # noqa: E402
 
 
@@ -35,22 +35,7 @@ def serve(core: Path, store: Path, workdir: Path) -> tuple[subprocess.Popen, str
     config.write_text(
         f'[server]\nkv_pages = 2048\nprefill_chunk_size = 512\nhost_cache_dir = "{store}"\nspeculation = "off"\n'
     )
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "helios",
-            "serve",
-            str(core),
-            "--port",
-            str(port),
-            "--config",
-            str(config),
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-    )
+    process = subprocess.Popen(helios_command(core, port, config), cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
     return process, url

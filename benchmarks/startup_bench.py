@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import free_port, stop  # noqa: E402
+from compare import free_port, helios_command, stop  # noqa: E402
 from llamacpp_build import CACHE, ensure_llama_server, write_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,23 +68,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"helios": [], "llama-server": []}
     for _ in range(args.launches):
         port = free_port()
-        times["helios"].append(
-            first_answer(
-                [
-                    sys.executable,
-                    "-m",
-                    "helios",
-                    "serve",
-                    str(args.core),
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "warning",
-                ],
-                f"http://127.0.0.1:{port}",
-                env,
-            )
-        )
+        times["helios"].append(first_answer(helios_command(args.core, port), f"http://127.0.0.1:{port}", env))
         port = free_port()
         times["llama-server"].append(
             first_answer(

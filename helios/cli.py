@@ -58,10 +58,15 @@ def serve(
             ),
         ),
     ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", help="Also show the libraries' own INFO lines (torch's compiler and shape logs)."),
+    ] = False,
 ) -> None:
     """Serve a core: OpenAI Chat/Completions/Responses, Anthropic Messages, Ollama discovery, scoring, health, metrics."""
     import os
 
+    from helios import cpu_isa
     from helios.hugepages import reexec_with_huge_pages
 
     # Before torch loads OpenMP: pool threads spin only briefly (~10k iterations, tens of
@@ -74,12 +79,20 @@ def serve(
         # ACTIVE with a spin count, not the policy left unset: unset, libgomp throttles the
         # spin to 100 iterations when it sees other busy threads (steps 15-25% slower here).
         os.environ.update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="10000")
+    try:  # FLARE_CPU_ISA=avx2 (emulating an AVX2 host): torch must hear it before it starts
+        cpu_isa.apply()
+    except ValueError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
     reexec_with_huge_pages()  # once, before anything large is allocated
     import logging
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("torch", "httpx", "filelock", "urllib3"):  # their debug output is not ours
-        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
+    # Their output is not ours: torch's INFO lines (symbolic shapes, compile threads, ...) speak
+    # to torch's developers, not to people serving a model; --verbose shows them.
+    quiet = logging.INFO if verbose else logging.WARNING
+    for noisy in ("torch", "httpx", "filelock", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(quiet, logging.getLogger().level))
     from helios.config import ConfigError, load_config
     from helios.core import CoreError
     from helios.server.app import create_app
@@ -95,7 +108,7 @@ def serve(
     weights = state.core.manifest.weights.dtype
     running = state.client.metrics()
     if running.upcast_from:
-        weights += f" weights upcast to float32 at load: this CPU has no fast native {running.upcast_from} matmul"
+        weights += f" weights upcast to float32 at load: no {running.upcast_from} matmul here is as fast as float32"
     else:
         weights += " weights"
     weights += f", {running.step_kind} step, {running.attention_kernels} attention kernels"

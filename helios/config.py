@@ -46,7 +46,7 @@ class ServerConfig:
     # captured per decode bucket of the core (helios.engine.graphs); ignored on CPU.
     device: str = "auto"
     cuda_graphs: bool = True
-    thinking_token_budget: int | None = None  # default reasoning-token cap
+    thinking_token_budget: int | None = None  # default reasoning-token cap (state.py checks the core can cut)
     aliases: tuple[str, ...] = ()  # extra model names; the first nonempty is the public id
     frontend_workers: int = 4  # threads for decompression and tokenization
     prefix_cache: bool = True
@@ -116,6 +116,8 @@ class ServerConfig:
     # server reuses yesterday's prefixes. host_cache = false turns both tiers off;
     # host_cache_disk_mb = 0 only the disk tier. host_cache_copy_queue_mb bounds the KV pages pinned
     # for the copy-out thread (beyond it, while the copier is behind, a finishing chain's end is dropped).
+    # Vision cores keep their images' prepared inputs in these tiers too (frontend/image_cache.py:
+    # in memory also within image_cache_mb, on disk in a record directory of their own).
     host_cache: bool = True
     host_cache_copy_queue_mb: int = 256
     host_cache_memory_mb: int | None = None

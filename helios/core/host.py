@@ -4,6 +4,9 @@ A compiled step (AOTInductor) is machine code for the export host's instruction 
 weights pre-packed in the layout oneDNN chose for that CPU. It runs only where the
 instruction-set features that code generation and packing look at are the same, on the
 same torch build; anywhere else helios serves the portable program instead.
+
+Under FLARE_CPU_ISA (helios/cpu_isa.py: an AVX-512 host emulating an AVX2 one) the flags are
+those of the emulated instruction set, so every fingerprint and host-cache key says so too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from helios import cpu_isa
 from helios.core.manifest import HostFingerprint
 
 # /proc/cpuinfo flags that change Inductor's vector code or oneDNN's weight packing.
@@ -40,9 +44,14 @@ ISA_FLAGS = (
 )
 
 
-@cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    """The CPU's feature flags (Linux /proc/cpuinfo), less those FLARE_CPU_ISA emulates away;
+    empty where they cannot be read."""
+    return cpu_isa.visible_flags(_cpu_flags())
+
+
+@cache
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:

@@ -9,6 +9,7 @@ from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
 from helios.engine.logprobs import RankedLogprob, TokenLogprobs
 from helios.engine.memory.host_store import default_directory as default_host_cache_directory
 from helios.engine.memory.host_store import default_memory_bytes as default_host_cache_memory_bytes
+from helios.engine.memory.vision_inputs import RestoredInputs, VisionInputStore, vision_identity
 from helios.engine.metrics import EMPTY_HISTOGRAM, EngineMetrics, HistogramSnapshot, HostStoreMetrics
 from helios.engine.request import (
     IMAGE_COUNTERS,
@@ -18,6 +19,7 @@ from helios.engine.request import (
     FinishCause,
     MaskRow,
     ReasoningBudget,
+    ReasoningGate,
     TokenConstraint,
 )
 from helios.engine.sampling_params import SamplingParams
@@ -42,10 +44,15 @@ __all__ = [
     "draft_core_incompatibility",
     "default_host_cache_directory",
     "default_host_cache_memory_bytes",
+    # host retention of CPU vision inputs (the frontend looks there before decoding an image)
+    "VisionInputStore",
+    "RestoredInputs",
+    "vision_identity",
     # requests in
     "EngineRequest",
     "EngineImage",
     "ReasoningBudget",
+    "ReasoningGate",
     "IMAGE_COUNTERS",
     "SamplingParams",
     # structured output: the constraint the frontend builds, and the rows its mask hook reads

@@ -118,7 +118,8 @@ def build_engine(core: Core, config: EngineConfig, mask_hook: MaskHook | None = 
 
 
 def _upcast_from(core: Core, config: EngineConfig) -> str | None:
-    """A 16-bit core on a CPU without native 16-bit matmuls runs upcast to fp32 (measured)."""
+    """A 16-bit core runs upcast to fp32 only on a CPU where no 16-bit kernel (oneDNN's, or for
+    bf16 helios' own, AVX2 ones included) is competitive with fp32: measured, precision.is_native."""
     dtype = core.manifest.weights.dtype
     native = (
         config.device != "cpu" or dtype not in ("bfloat16", "float16") or precision.is_native(getattr(torch, dtype))

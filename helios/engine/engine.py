@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -31,7 +32,7 @@ from helios.engine.memory.kv_cache import PagePool
 from helios.engine.memory.state_slots import StatePool
 from helios.engine.memory.window_pages import WindowPages
 from helios.engine.metrics import EngineMetrics, HistogramSnapshot, HostStoreMetrics
-from helios.engine.request import EngineEvent, EngineRequest, EngineStats
+from helios.engine.request import EngineEvent, EngineRequest, EngineStats, ReasoningGate
 from helios.engine.sampler import Sampler, position_generator
 from helios.engine.scheduler import Scheduler, constraint_error
 from helios.engine.sequence import (
@@ -136,6 +137,8 @@ class LLMEngine:
         self.mask_hook = mask_hook
         self._aborted: set[tuple[str, int | None]] = set()
         self._prefill_ns = self._prefill_tokens = 0
+        # Each budgeted choice's own reasoning gate, forked when it first reaches its cap.
+        self._gates: weakref.WeakKeyDictionary[Sequence, ReasoningGate] = weakref.WeakKeyDictionary()
 
     @property
     def host(self) -> HostStore | None:
@@ -162,8 +165,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> EngineMetrics:
         """One frozen copy of every value /metrics and the startup line report (read racily from the
-        engine thread's counters: any thread may call it)."""
-        stats, drafter, copy_out = self.stats, self.scheduler.drafter, self.scheduler.copy_out
+        engine thread's counters: any thread may call it). Every EngineStats counter EngineMetrics
+        names is copied under its own name (_copied); the rest come from the engine's parts."""
+        drafter, copy_out = self.scheduler.drafter, self.scheduler.copy_out
         in_use, total, intake = copy_out.checkpoint_slots
         return EngineMetrics(
             device=self.executor.device,
@@ -172,51 +176,14 @@ class LLMEngine:
             upcast_from=self.upcast_from,
             attention_kernels=native.status(),
             max_model_len=self.max_model_len,
-            prefill_tokens=stats.prefill_tokens,
-            generated_tokens=stats.generated_tokens,
-            completed=stats.completed,
-            failed=stats.failed,
-            reused_tokens=stats.reused_tokens,
-            reasoning_budget_cuts=stats.reasoning_budget_cuts,
-            preemptions=stats.preemptions,
-            active=stats.active,
-            pending=stats.pending,
-            total_pages=stats.total_pages,
-            free_pages=stats.free_pages,
-            cached_pages=stats.cached_pages,
-            page_tokens=stats.page_tokens,
-            decode_weight_bytes=stats.decode_weight_bytes,
-            verify_steps=stats.verify_steps,
-            verification_rounds=stats.verification_rounds,
-            verification_drafts=stats.verification_drafts,
-            accepted_drafts=stats.accepted_drafts,
-            draft_rounds=stats.draft_rounds,
-            draft_steps=stats.draft_steps,
-            learned_offered=stats.learned_offered,
-            learned_accepted=stats.learned_accepted,
-            rounds_by_depth=_counts(stats.rounds_by_depth),
-            steps_by_batch=_counts(stats.steps_by_batch),
-            steps_by_width=_counts(stats.steps_by_width),
             learned_drafter=drafter.learned_name,
             history_drafts_enabled=drafter.enabled and drafter.config.history and drafter.config.shared_history,
             graph_launches=_counts(self.executor.launches),
-            state_slots=stats.state_slots,
-            state_slot_bytes=stats.state_slot_bytes,
-            state_slots_used=stats.state_slots_used,
-            state_snapshots=stats.state_snapshots,
-            state_rewinds=stats.state_rewinds,
-            replay_ns=stats.replay_ns,
-            readiness_wait_ns=stats.readiness_wait_ns,
-            readiness_samples=stats.readiness_samples,
-            checkpoint_anchor_reservations=stats.checkpoint_anchor_reservations,
-            checkpoint_captures=_counts(stats.checkpoint_captures),
-            checkpoint_skips=_counts(stats.checkpoint_skips),
-            checkpoint_extra_work_ns=stats.checkpoint_extra_work_ns,
             checkpoint_slots_in_use=in_use,
             checkpoint_slots_total=total,
             checkpoint_intake_slots=intake,
-            images=_counts(stats.images),
             host=self._host_metrics(),
+            **_copied(self.stats, EngineMetrics),
         )
 
     def _host_metrics(self) -> HostStoreMetrics | None:
@@ -225,25 +192,18 @@ class LLMEngine:
             return None
         stats = host.stats
         return HostStoreMetrics(
-            hits=stats.hits,
-            reused_tokens=stats.reused_tokens,
             memory_records=host.memory_records,
             disk_records=host.disk_records,
             parked_records=host.parked_records,
             anchor_records=host.anchor_records,
-            bytes_out=stats.bytes_out,
-            bytes_in=stats.bytes_in,
-            skipped=stats.skipped,
-            held=_counts(stats.held),
-            dropped=_counts({f"{tier}/{reason}": n for (tier, reason), n in dict(stats.dropped).items()}),
             copyout_pinned_records=copy_out.pinned_records,
             copyout_deferrals=stats.copy_deferrals,
             copyout_waits=stats.copy_waits,
             copyout_wait_ns=stats.copy_wait_ns,
             copyout_worker_ns=copy_out.copier_ns,
-            missing_tokens=_histogram(stats.missing_tokens),
             estimated_transfer_ns=_histogram(stats.transfer_ns),
             estimated_prefill_ns=_histogram(stats.prefill_ns),
+            **_copied(stats, HostStoreMetrics),  # hits, reused_tokens, bytes_*, skipped, held, dropped, missing_tokens
         )
 
     def _measure(self, plan: SchedulerOutput, elapsed_ns: int) -> None:
@@ -449,7 +409,9 @@ class LLMEngine:
                     tokens.pop(key, None)
                     settled.add(key)
                     continue
-                forced = _budget_close(seq) if not prefix else None
+                forced = (
+                    self._budget_close(seq, allowed[index] if allowed is not None else None) if not prefix else None
+                )
                 if forced is not None:
                     tokens[key] = [SampledToken(forced, None, forced=True)]  # forced tokens have no entry
                     settled.add(key)
@@ -531,6 +493,24 @@ class LLMEngine:
             entries.append(prompt_entry(seq.token_ids[position], values[i], ranks[i], alternatives))
         return entries
 
+    def _budget_close(self, seq: Sequence, allowed: torch.Tensor | None) -> int | None:
+        """The close delimiter, when this sequence's reasoning budget is spent, output remains, the
+        row's grammar mask (`allowed`, [V]) admits it and no tool opener in reasoning is undecided."""
+        budget = seq.request.reasoning_budget
+        if budget is None or not seq.reasoning_open or seq.reasoning_tokens < budget.budget:
+            return None
+        if seq.num_output + 1 >= seq.request.max_tokens:
+            return None  # no capacity left to continue after the close
+        if allowed is not None and not bool(allowed[budget.close_id]):
+            return None  # the output grammar disallows the close here
+        if budget.gate is not None:
+            gate = self._gates.get(seq)
+            if gate is None:
+                gate = self._gates[seq] = budget.gate.fork()
+            if not gate.allows_close(seq.token_ids, seq.num_prompt):
+                return None  # a tool opener waits for its decision, or a call ended reasoning
+        return budget.close_id
+
     def _refresh_gauges(self) -> None:
         self.stats.active = len(self.scheduler.running)
         self.stats.pending = len(self.scheduler.waiting)
@@ -542,19 +522,25 @@ class LLMEngine:
             self.stats.checkpoint_anchor_reservations = self.states.unused_guards
 
 
-def _budget_close(seq: Sequence) -> int | None:
-    """The close delimiter, when this sequence's reasoning budget is spent and output remains."""
-    budget = seq.request.reasoning_budget
-    if budget is None or not seq.reasoning_open or seq.reasoning_tokens < budget.budget:
-        return None
-    if seq.num_output + 1 >= seq.request.max_tokens:
-        return None  # no capacity left to continue after the close
-    return budget.close_id
-
-
 def _counts(table: Mapping[K, int]) -> tuple[tuple[K, int], ...]:
     """A counter table's (key, count) pairs, sorted (a copy: the engine thread keeps counting)."""
     return tuple(sorted(dict(table).items()))
+
+
+def _copied(counters: object, into: type) -> dict[str, object]:
+    """The dataclass `counters`' fields that `into` has under the same name, copied (_copy)."""
+    names = {f.name for f in fields(into)}
+    return {f.name: _copy(getattr(counters, f.name)) for f in fields(counters) if f.name in names}
+
+
+def _copy(value: object) -> object:
+    """A counter as a snapshot: a count as it is, a count table as its sorted (key, count) pairs (a
+    compound key as "a/b"), a histogram as its buckets and sum."""
+    if isinstance(value, Histogram):
+        return _histogram(value)
+    if isinstance(value, dict):
+        return _counts({"/".join(key) if isinstance(key, tuple) else key: n for key, n in dict(value).items()})
+    return value
 
 
 def _histogram(histogram: Histogram) -> HistogramSnapshot:

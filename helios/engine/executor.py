@@ -48,6 +48,17 @@ def _calls_native(shared_object: Path) -> bool:
         return False
 
 
+def _compiled_linears(shared_object: Path) -> str:
+    """The linear kernel a compiled step was built on (export measured it): the helios kernel its
+    op descriptions call, else oneDNN (packed into the package)."""
+    try:
+        described = shared_object.with_suffix(".json").read_text(encoding="utf-8")
+    except OSError:
+        return prepack.ONEDNN
+    called = [k for k, op in prepack.OP_NAMES.items() if f'"flare_native::{op}"' in described]
+    return called[0] if called else prepack.ONEDNN
+
+
 def no_image_rows(program) -> dict[str, Tensor]:
     """A vision core's step inputs for a step without image rows: one unused (-1) row."""
     width = next(int(t.shape[1]) for t in program.spec.inputs if t.name == "image_features")
@@ -100,13 +111,15 @@ class Executor:
         as many as the main pool's)."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
-        self.linear_kernel = prepack.ONEDNN if device == "cpu" else "device"  # the portable programs' linears
+        self.linear_kernel = prepack.ONEDNN if device == "cpu" else "device"  # the programs' linears (both steps)
         manifest = core.manifest
         self.device = device
         self.page_tokens = manifest.limits.page_tokens
         self.compiled_step, self.compiled_fallback = self._compiled_step(
             core, compiled and device == "cpu" and not upcast
         )
+        if self.compiled_step is not None:
+            self.linear_kernel = _compiled_linears(core.root / manifest.compiled[STEP].file)
         has_scored = SCORED_PREFILL in manifest.programs
         # The compiled step carries its own packed weights: the core's are loaded only for a
         # program that still needs them.
@@ -134,7 +147,7 @@ class Executor:
         if device == "cpu":
             for program in programs:
                 graph.simplify(program)
-            if prepack.available():
+            if prepack.available() and programs:
                 self.linear_kernel = prepack.choose(programs, self.weights)
                 self.weights = prepack.prepack(programs, self.weights, self.linear_kernel)
             clock.lap("simplifying graphs and packing weights")

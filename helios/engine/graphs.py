@@ -35,6 +35,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from helios.core.manifest import Manifest
+
 # Inputs a graph-captured step may take; a program with any other input (recurrent state slots,
 # image features) runs eagerly: its decode inputs are not all static-shaped or idempotent.
 GRAPH_INPUTS = frozenset(
@@ -148,6 +150,37 @@ class GraphRunner:
         self.device, self.backend, self.explicit_width = device, backend, explicit_width
         self.static: dict[int, dict[str, Tensor]] = {}
         self._kv_identity: tuple[int, ...] = self._identity()
+
+    @classmethod
+    def for_core(
+        cls,
+        manifest: Manifest,
+        program,
+        weights: dict[str, Tensor],
+        kv: list[Tensor],
+        page_tokens: int,
+        scratch_page: int,
+        device: str,
+        backend: GraphBackend,
+        *,
+        buckets: tuple[int, ...] | None = None,
+        window_scratch_page: int | None = None,
+    ) -> GraphRunner:
+        """The runner of a core's step: its decode buckets (unless `buckets`), block tables as wide
+        as its longest sequence, logprob_token_ids as wide as its top-logprobs limit."""
+        return cls(
+            program,
+            weights,
+            kv,
+            manifest.decode_buckets if buckets is None else buckets,
+            page_tokens,
+            -(-manifest.limits.max_model_len // page_tokens),
+            scratch_page,
+            device,
+            backend,
+            max(1, manifest.capabilities.max_top_logprobs) if "logprob_token_ids" in program.input_names else 0,
+            window_scratch_page,
+        )
 
     @staticmethod
     def eligible(input_names: tuple[str, ...]) -> bool:

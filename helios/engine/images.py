@@ -11,6 +11,8 @@ Prepared-input cache: an image's features are also kept by its digest (its conte
 settings), least recently used first out within `cache_bytes`, so the same image in another
 request, another position or a prompt whose prefix was not reused is neither prepared nor encoded
 again (features depend on nothing else: the vision program and its weights are the core's).
+Views restored from host retention (memory/vision_inputs.py) run the vision program but were not
+prepared here, so they are not counted as prepared.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from helios.engine.memory.vision_inputs import RestoredInputs
 from helios.engine.request import EngineImage, EngineStats
 from helios.engine.sequence import Chunk
 
@@ -113,7 +116,8 @@ class ImageEncoder:
 
     def _encode(self, image: EngineImage) -> Tensor:
         views = image.prepare()
-        self.stats.images["input_prepared_images_total"] += 1
+        if not isinstance(views, RestoredInputs):  # restored from host retention: nothing was prepared
+            self.stats.images["input_prepared_images_total"] += 1
         encoded = torch.cat(
             [
                 self.program(

@@ -67,9 +67,12 @@ class EngineMetrics:
     # Tokens and requests (counters).
     prefill_tokens: int
     generated_tokens: int
+    # Choices (sequences) the engine finished by a stop or the length limit, and with an error; aborted
+    # ones neither. Not api.md's completed and failed, which count requests by the outcome their
+    # client sees (helios/server/outcomes.py).
     completed: int
     failed: int
-    reused_tokens: int  # prompt tokens reused from the device prefix cache
+    reused_tokens: int  # prompt tokens reused from the device prefix cache, counted at each request's first admission
     reasoning_budget_cuts: int
     preemptions: int
     # Scheduler gauges.

@@ -7,13 +7,19 @@ linear; weights used only by linears are replaced by their packed form (no secon
 and a weight shared with other ops (a tied embedding) keeps its plain tensor while the
 linear reads a packed copy held by the program module.
 
-Three packed kernels exist: oneDNN's, and for bfloat16 weights on CPUs with AVX512-BF16
-helios' own (`flare_native::linear`, helios/engine/native), which reads each weight once per
-step at any row count, and on CPUs with AMX-BF16 the same packed weights run as AMX tiles
-(`flare_native::linear_tiles`). Which one a core's linears use is measured on this host over
-the core's own weight shapes at 1 and 32 rows (`choose`), remembered, and logged; export
-makes the same measurement for the compiled step. A program uses one kernel at every row
-count, so a row's result never depends on how many rows share its step.
+Four packed kernels exist: oneDNN's, and for bfloat16 weights helios' own (helios/engine/native),
+which read each weight once per step at any row count from one packed layout: on CPUs with
+AVX512-BF16 `flare_native::linear` (pair dot products), on CPUs with AMX-BF16 the same packed
+weights as AMX tiles (`flare_native::linear_tiles`), and on any x86-64 CPU with AVX2 and FMA
+`flare_native::linear_avx2`, which widens the bfloat16 weights to fp32 in registers: there a
+bfloat16 core streams half the bytes of an fp32 one where oneDNN would emulate bfloat16 slowly.
+Which one a core's linears use is measured on this host over the core's own weight shapes at 1
+and 32 rows (`choose`), remembered, and logged; export makes the same measurement for the
+compiled step. A program uses one kernel at every row count, so a row's result never depends on
+how many rows share its step.
+
+FLARE_LINEAR_KERNEL=<kernel> (onednn, native, native-amx, native-avx2) skips the measurement and
+uses that kernel where this host has it (tests and benchmarks compare kernels end to end with it).
 
 The core's programs and weights are unchanged on disk: this is a runtime rewrite, like
 registering faster kernels for the flare:: ops.
@@ -22,8 +28,10 @@ registering faster kernels for the flare:: ops.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
+from functools import cache
 
 import torch
 from torch import Tensor, fx
@@ -36,8 +44,10 @@ from helios.engine.rows import never_alone
 
 log = logging.getLogger("helios.engine")
 
-ONEDNN, NATIVE, NATIVE_TILES = "onednn", "native", "native-amx"
-NATIVE_KERNELS = (NATIVE, NATIVE_TILES)  # both read pack_linear's layout
+ONEDNN, NATIVE, NATIVE_TILES, NATIVE_AVX2 = "onednn", "native", "native-amx", "native-avx2"
+NATIVE_KERNELS = (NATIVE, NATIVE_TILES, NATIVE_AVX2)  # all read pack_linear's layout
+OP_NAMES = {NATIVE: "linear", NATIVE_TILES: "linear_tiles", NATIVE_AVX2: "linear_avx2"}  # flare_native::
+_ODD_INPUTS = (NATIVE_AVX2,)  # kernels that take weights with an odd number of input features
 _CHOICE_ROWS = (1, 32)  # a decode step of one sequence, and of many
 _SLOWER_AT_MANY_ROWS = 1.02  # a kernel this close to the best at 32 rows counts as as fast (noise)
 
@@ -75,8 +85,49 @@ def tiles_available() -> bool:
     return native_available() and bool(torch.ops.flare_native.has_amx_linear())
 
 
-def _native_op(kernel: str):
-    return torch.ops.flare_native.linear_tiles if kernel == NATIVE_TILES else torch.ops.flare_native.linear
+def avx2_available() -> bool:
+    return native.loaded() and bool(torch.ops.flare_native.has_avx2_linear())
+
+
+def native_kernels() -> list[str]:
+    """helios' own bfloat16 linear kernels this host and build can run (none without the library)."""
+    return [
+        kernel
+        for kernel, present in (
+            (NATIVE, native_available()),
+            (NATIVE_TILES, tiles_available()),
+            (NATIVE_AVX2, avx2_available()),
+        )
+        if present
+    ]
+
+
+def forced() -> str | None:
+    """The kernel FLARE_LINEAR_KERNEL names, or None (measure)."""
+    value = os.environ.get("FLARE_LINEAR_KERNEL", "").strip().lower()
+    if value and value not in (ONEDNN, *NATIVE_KERNELS):
+        raise ValueError(f"FLARE_LINEAR_KERNEL={value!r}: choose one of {ONEDNN}, {', '.join(NATIVE_KERNELS)}")
+    return value or None
+
+
+def native_op(kernel: str):
+    """The op of one of helios' kernels: op(x, packed, bias, out_features)."""
+    return getattr(torch.ops.flare_native, OP_NAMES[kernel])
+
+
+@cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN packs bfloat16 weights here (it wants AVX512-BW/VL/DQ or AVX-NE-CONVERT;
+    ONEDNN_MAX_CPU_ISA=AVX2 says no too)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
+
+
+def takes(kernel: str, weight: Tensor) -> bool:
+    """Whether `kernel` runs linears on this 2-D weight."""
+    if kernel not in NATIVE_KERNELS:
+        return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and onednn_bf16())
+    return weight.dtype == torch.bfloat16 and (kernel in _ODD_INPUTS or weight.shape[1] % 2 == 0)
 
 
 def _weight_uses(programs: list[Program], names: list[str]):
@@ -90,7 +141,8 @@ def _weight_uses(programs: list[Program], names: list[str]):
                 yield program, node, name, user, is_weight and node not in user.args[:1] + user.args[2:]
 
 
-def _best_ms(run, repeats: int = 3) -> float:
+def best_ms(run, repeats: int = 3) -> float:
+    """Best-of-`repeats` milliseconds of run() after one warm-up call."""
     run()
     best = float("inf")
     for _ in range(repeats):
@@ -111,7 +163,7 @@ def _measure(kernel: str, rows: int, sample: list[Tensor], packed: list[Tensor])
     """Best-of-three milliseconds for `sample`'s linears (packed for `kernel`), in order, at `rows` rows."""
     native_kernel = kernel in NATIVE_KERNELS
     inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in sample}}
-    op = _native_op(kernel)
+    op = native_op(kernel) if native_kernel else None
 
     def run() -> None:
         for w, p in zip(sample, packed):
@@ -121,15 +173,16 @@ def _measure(kernel: str, rows: int, sample: list[Tensor], packed: list[Tensor])
                 packed_linear(inputs[w.shape[1]], p)
 
     with torch.inference_mode():
-        return _best_ms(run)
+        return best_ms(run)
 
 
 def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
     """The packed-linear kernel for these programs' bfloat16 linears on this host.
 
-    Each candidate (oneDNN; the native kernel where AVX512-BF16 is there; its AMX-tile form
-    where AMX-BF16 is) is timed over the core's own linear weights in program order (up to
-    256 MiB of them, so no kernel runs from cache) at one row and at 32 rows. Of the
+    Each candidate that takes every such weight (oneDNN where it packs bfloat16; the native
+    kernel where AVX512-BF16 is there; its AMX-tile form where AMX-BF16 is; the AVX2 kernel where
+    AVX2 and FMA are) is timed over the core's own linear weights in program order (up to 256 MiB
+    of them, so no kernel runs from cache) at one row and at 32 rows. Of the
     candidates within 2% of the fastest at 32 rows, the fastest at one row wins. Measured
     once per host, torch, thread count and weight set (a second or two), then remembered."""
     names = list(
@@ -139,9 +192,18 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
             if of_linear and weights[name].dtype == torch.bfloat16 and weights[name].dim() == 2
         )
     )
-    if not names or not native_available() or any(weights[n].shape[1] % 2 for n in names):
+    candidates = [k for k in (*native_kernels(), ONEDNN) if all(takes(k, weights[n]) for n in names)]
+    if not names or candidates in ([], [ONEDNN]):  # nothing to choose: oneDNN packs what it takes
         return ONEDNN
-    candidates = [NATIVE, *([NATIVE_TILES] if tiles_available() else []), ONEDNN]
+    if len(candidates) == 1:
+        log.info("linear kernel: %s (the only one for these weights here)", candidates[0])
+        return candidates[0]
+    wanted = forced()
+    if wanted is not None:
+        if wanted in candidates:
+            log.info("linear kernel: %s (FLARE_LINEAR_KERNEL)", wanted)
+            return wanted
+        log.warning("FLARE_LINEAR_KERNEL=%s does not run here (%s do): measuring", wanted, ", ".join(candidates))
     shapes = Counter(tuple(weights[n].shape) for n in names)
     # The candidates are part of the key: a choice made before a kernel existed is not reused.
     key = f"{sorted(shapes.items())}|{torch.get_num_threads()}|{fingerprint()}|{','.join(candidates)}"
@@ -182,16 +244,11 @@ def prepack(programs: list[Program], weights: dict[str, Tensor], kernel: str = O
     """Rewrite the programs' linears in place; returns the weights dict to call them with.
 
     All programs must take `weights` (same keys, same order) as their first input. kernel:
-    ONEDNN for every float32/bfloat16 linear, or NATIVE / NATIVE_TILES for the bfloat16 ones
-    (choose()).
+    ONEDNN for every float32/bfloat16 linear it takes, or one of NATIVE_KERNELS for the bfloat16
+    ones (choose(); `takes` says which weights).
     """
     native_kernel = kernel in NATIVE_KERNELS
-    dtypes = (torch.bfloat16,) if native_kernel else (torch.float32, torch.bfloat16)
-    packable = {
-        name
-        for name, w in weights.items()
-        if w.dim() == 2 and w.dtype in dtypes and (not native_kernel or w.shape[1] % 2 == 0)
-    }
+    packable = {name for name, w in weights.items() if w.dim() == 2 and takes(kernel, w)}
     linear_only = set(packable)
     rewrites: list[tuple[Program, fx.Node, str]] = []
     for program, _, name, user, of_linear in _weight_uses(programs, list(weights)):
@@ -214,7 +271,7 @@ def prepack(programs: list[Program], weights: dict[str, Tensor], kernel: str = O
                     weight = module.graph.get_attr(attr)
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             if native_kernel:
-                node.target = _native_op(kernel).default
+                node.target = native_op(kernel).default
                 node.args, node.kwargs = (node.args[0], weight, bias, int(weights[name].shape[0])), {}
             else:
                 node.target = packed_linear

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,14 +19,30 @@ class FinishCause(enum.Enum):
     ERROR = "error"  # execution failed; `error` says why
 
 
+class ReasoningGate(Protocol):
+    """Whether a forced reasoning close may follow a choice's output so far: the frontend's reading of
+    tool openers in reasoning (one that still waits for the text that decides it, or a call that
+    ended reasoning). The engine asks only at the cap, each choice its own fork."""
+
+    def fork(self) -> ReasoningGate:
+        """An independent copy that has read no output (the request's copy stays pristine)."""
+        ...
+
+    def allows_close(self, token_ids: Sequence[int], start: int) -> bool:
+        """Read the output token_ids[start:] past what it has read, then answer."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class ReasoningBudget:
-    """A hard cap on reasoning tokens: at the cap the close delimiter is forced (one token)."""
+    """A hard cap on reasoning tokens of an output that starts inside reasoning: at the cap the
+    single-token close delimiter is forced, where the gate and the output grammar allow it."""
 
     budget: int  # reasoning tokens allowed, counted from the start of this request's output
-    open_id: int  # single-token delimiters
-    close_id: int
-    implicit_close_ids: frozenset[int] = frozenset()  # tokens that also end reasoning (tool openers)
+    open_id: int | None  # the opener, where it is one token (multi-part openers, e.g. Gemma 4's, are not)
+    close_id: int  # the single-token close delimiter
+    implicit_close_ids: frozenset[int] = frozenset()  # tokens that also end reasoning (openers that always call)
+    gate: ReasoningGate | None = None  # tool openers in reasoning the frontend decides (None: none to decide)
 
 
 class TokenConstraint(Protocol):

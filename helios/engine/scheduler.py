@@ -279,7 +279,6 @@ class Scheduler:
             reused_images = sum(1 for image in seq.request.images if image.end <= reused)
             if reused_images:
                 self.stats.images["input_reused_images_total"] += reused_images
-        self.stats.reused_tokens += reused
         return True
 
     def _fork(self, parent: Sequence, computed: int) -> list[Sequence]:

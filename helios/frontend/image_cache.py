@@ -1,18 +1,53 @@
-"""The frontend's decoded-image cache: an image sent again (every turn of a conversation carries
-its earlier images; System One decodes a state image once per question) is not decoded again.
+"""The frontend's image caches: an image sent again (every turn of a conversation carries its
+earlier images; System One decodes a state image once per question) is not decoded again.
 
-Keyed by the image's digest (its bytes and the core's processing settings, the same digest that
-identifies its prefix pages), bounded in bytes, least recently used first out. The frontend's
-worker threads share it, so every access holds its lock. Decoded pixels are read-only: the
-engine's preparation copies them before resizing.
+DecodedImages: decoded pixels in this process, keyed by the image's digest (its bytes and the
+core's processing settings, the same digest that identifies its prefix pages), bounded in bytes,
+least recently used first out. The frontend's worker threads share it, so every access holds its
+lock. Decoded pixels are read-only: the engine's preparation copies them before resizing.
+
+retained_inputs: the host retention of prepared views (the engine's VisionInputStore, in the
+configured host cache's DRAM and disk tiers), which also spares preprocessing and survives
+restarts.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
+
+from helios.config import ServerConfig
+from helios.core.manifest import VisionProfile
+from helios.engine import (
+    VisionInputStore,
+    default_host_cache_directory,
+    default_host_cache_memory_bytes,
+    vision_identity,
+)
+from helios.frontend import images as imaging
+
+
+def retained_inputs(profile: VisionProfile, config: ServerConfig) -> VisionInputStore | None:
+    """Host retention of this profile's prepared images, or None with host_cache off. Its DRAM tier
+    is bounded like the other image caches (image_cache_mb, and the host memory budget); its disk
+    tier is one more record directory under host_cache_dir, bounded by host_cache_disk_mb."""
+    if not config.host_cache:
+        return None
+    memory = (
+        config.host_cache_memory_mb << 20
+        if config.host_cache_memory_mb is not None
+        else default_host_cache_memory_bytes()
+    )
+    root = Path(config.host_cache_dir).expanduser() if config.host_cache_dir else default_host_cache_directory()
+    return VisionInputStore(
+        vision_identity(imaging.preparation(profile)),
+        min(memory, config.image_cache_mb << 20),
+        root if config.host_cache_disk_mb else None,
+        config.host_cache_disk_mb << 20,
+    )
 
 
 class DecodedImages:

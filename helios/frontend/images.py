@@ -17,7 +17,9 @@ import platform
 import warnings
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
+import PIL
 import torch
 from PIL import Image
 
@@ -28,6 +30,9 @@ from helios.core.manifest import VisionProfile
 Image.MAX_IMAGE_PIXELS = None
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
+# Bump when prepare_views' output changes for the same image and profile: host retention keeps
+# prepared views across restarts under preparation() (it then starts a new record directory).
+PREPARATION_VERSION = 1
 
 
 class ImageError(ValueError):
@@ -394,6 +399,26 @@ def token_layout(cost: ImageCost, profile: VisionProfile) -> tuple[list[int], tu
     runs.append((len(ids), rest))
     ids += [profile.image_token_id] * rest + list(profile.suffix_token_ids)
     return ids, tuple(runs)
+
+
+def preparation(profile: VisionProfile) -> str:
+    """What an image's prepared views depend on beyond its bytes: the whole profile, this code's
+    version, and the libraries and CPU path (_resize) that resize and normalize it."""
+    return "|".join(
+        (
+            f"v{PREPARATION_VERSION}",
+            msgspec.json.encode(profile).decode(),
+            f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()} {platform.machine()}",
+            f"PIL {PIL.__version__}",
+            f"numpy {np.__version__}",
+        )
+    )
+
+
+def source_description(header: ImageHeader) -> tuple[int, int, int, int]:
+    """An image's source as its header says (format number, width, height, encoded bytes): what a
+    retained record of its prepared views must describe to be served for it."""
+    return (tuple(FORMATS).index(header.format), header.width, header.height, header.num_bytes)
 
 
 def content_digest(data: bytes, profile: VisionProfile) -> bytes:

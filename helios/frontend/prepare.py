@@ -11,14 +11,23 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from helios.engine import EngineRequest, ReasoningBudget
 from helios.frontend.checks import check_options
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint
 from helios.frontend.grammar import GrammarError
-from helios.frontend.inference import Conversation, InferenceRequest, OutputConstraint, RequestError
-from helios.frontend.parsers.reasoning import reasoning_delimiters, starts_in_reasoning, token_delimiters
+from helios.frontend.inference import (
+    Conversation,
+    InferenceRequest,
+    Message,
+    OutputConstraint,
+    RawPrompt,
+    RequestError,
+    TextPart,
+)
+from helios.frontend.parsers.budget import output_starts_in_reasoning, tool_exits
+from helios.frontend.parsers.reasoning import close_token, starts_in_reasoning, token_delimiters
 from helios.frontend.parsers.tools import tool_opener_ids
 from helios.frontend.prompt import PreparedPrompt
 from helios.frontend.sampling import resolve_sampling
@@ -87,7 +96,7 @@ def _applied_budget(fe: Frontend, request: InferenceRequest) -> InferenceRequest
     if request.thinking_token_budget is None or not request.budget_is_hint:
         return request
     syntax = fe.manifest.recipe.reasoning_syntax
-    if syntax and reasoning_delimiters(syntax, fe.tokenizer) is not None:
+    if syntax and close_token(syntax, fe.tokenizer) is not None:
         return request
     return dataclasses.replace(request, thinking_token_budget=None)
 
@@ -128,7 +137,7 @@ def _engine_request(
         prompt_logprobs=lp.prompt,
         use_prefix_cache=fe.config.prefix_cache,
         cache_identity=salt_identity(request.cache_salt),
-        reasoning_budget=reasoning_budget(fe, budget, prompt.token_ids) if budget is not None else None,
+        reasoning_budget=reasoning_budget(fe, budget, prompt.token_ids, request.input) if budget is not None else None,
         constraint=_constraint(fe, request, prompt.token_ids, matcher) if matcher is not None else None,
         checkpoint_hints=prompt.checkpoint_hints,
         images=prompt.images,
@@ -142,30 +151,59 @@ def _constraint(
     recipe = fe.manifest.recipe
     delimiters = token_delimiters(recipe.reasoning_syntax, fe.tokenizer) if recipe.reasoning_syntax else None
     open_id, close_id = delimiters or (None, None)
-    conversation = request.input
-    tools_on = (
-        isinstance(conversation, Conversation) and bool(conversation.tools) and conversation.tool_choice.mode != "none"
-    )
+    tools_on = _tools_on(request.input)
     openers = tool_opener_ids(recipe.tool_syntax, fe.tokenizer) if tools_on and recipe.tool_syntax else frozenset()
     inside = delimiters is not None and starts_in_reasoning(prompt_ids, delimiters[0], delimiters[1])
     return GrammarConstraint(matcher, ConstraintPlan(open_id, close_id, openers, inside))
 
 
-def reasoning_budget(fe: Frontend, budget: int, prompt_ids: tuple[int, ...]) -> ReasoningBudget | None:
-    """The engine's hard cap, when output starts inside reasoning; None when it starts in content."""
+def _tools_on(source: Conversation | RawPrompt) -> TypeGuard[Conversation]:
+    """Whether the output parser reads tool calls in this input's output (as generate.py builds it)."""
+    return isinstance(source, Conversation) and bool(source.tools) and source.tool_choice.mode != "none"
+
+
+def reasoning_budget(
+    fe: Frontend, budget: int, prompt_ids: tuple[int, ...], source: Conversation | RawPrompt
+) -> ReasoningBudget | None:
+    """The engine's hard cap, when output starts inside reasoning; None when it starts in content
+    (accepted without a cut). A start inside reasoning needs a single-token close to force."""
     syntax = fe.manifest.recipe.reasoning_syntax
-    delimiters = reasoning_delimiters(syntax, fe.tokenizer) if syntax else None
-    if delimiters is None:
+    if syntax is None or not output_starts_in_reasoning(fe.tokenizer, syntax, prompt_ids):
+        return None
+    close_id = close_token(syntax, fe.tokenizer)
+    if close_id is None:
         raise RequestError(
-            "thinking_token_budget needs reasoning syntax with single-token delimiters; "
-            f"this model's ({syntax or 'none'}) has none",
+            f"thinking_token_budget needs a single-token reasoning close where output starts in reasoning; "
+            f"this model's reasoning syntax ({syntax}) closes with several tokens",
             "thinking_token_budget",
         )
-    open_id, close_id = delimiters
-    if not starts_in_reasoning(prompt_ids, open_id, close_id):
-        return None
-    implicit = frozenset(t for t in (fe.tokenizer.token_to_id("<tool_call>"),) if t is not None)
-    return ReasoningBudget(budget, open_id, close_id, implicit if fe.manifest.recipe.tool_syntax else frozenset())
+    delimiters = token_delimiters(syntax, fe.tokenizer)
+    implicit, gate = frozenset[int](), None
+    tool_syntax = fe.manifest.recipe.tool_syntax
+    if tool_syntax and _tools_on(source):
+        implicit, gate = tool_exits(fe.tokenizer, tool_syntax, source.tools)
+    return ReasoningBudget(budget, delimiters[0] if delimiters else None, close_id, implicit, gate)
+
+
+_DEFAULT_CHAT = Conversation((Message("user", (TextPart("Hello"),)),))
+
+
+def default_budget_problem(fe: Frontend) -> str | None:
+    """Why [server] thinking_token_budget cannot cap this core's default requests, or None. It needs
+    reasoning syntax, a single-token close, and a default output start it cuts: the generation
+    prompt of a plain chat (recipe and template defaults) must leave reasoning open."""
+    syntax = fe.manifest.recipe.reasoning_syntax
+    if syntax is None:
+        return "it declares no reasoning syntax"
+    if close_token(syntax, fe.tokenizer) is None:
+        return f"its reasoning syntax {syntax!r} does not close with a single-token delimiter"
+    try:
+        prompt = fe.prompt(_DEFAULT_CHAT)
+    except RequestError as exc:
+        return f"its default chat prompt does not render ({exc.message})"
+    if not output_starts_in_reasoning(fe.tokenizer, syntax, prompt.token_ids):
+        return "its default generation prompt starts output in content, where a budget never cuts"
+    return None
 
 
 def salt_identity(salt: str | None) -> bytes:

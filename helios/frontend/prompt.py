@@ -6,7 +6,9 @@ The functions read the loaded core's services from the `Frontend` facade (helios
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from helios.frontend.request import Frontend
 
 EFFORT_ORDER = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+EFFORT_VARIABLES = ("reasoning_effort", "thinking_effort")  # Qwen 3.8 and GLM-5.3; Kimi K3
 REQUIRED_TOOL_INSTRUCTION = "You must answer by calling at least one of the provided tools."
 JSON_OBJECT_INSTRUCTION = "Respond with only a JSON object, and no other text."
 JSON_SCHEMA_INSTRUCTION = "Respond with only a JSON value that conforms to this JSON schema, and no other text:\n"
@@ -187,7 +190,9 @@ def rendering(fe: Frontend, conversation: Conversation, output: OutputConstraint
         {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
         for t in presented
     ] or None
-    kwargs = reasoning_kwargs(fe, conversation)
+    effort_name = effort_variable(template.source)
+    default_effort = fe.manifest.recipe.default_effort if effort_name else None
+    kwargs = reasoning_kwargs(fe, conversation, effort_name or "reasoning_effort", default_effort)
     try:
         check_template_kwargs(kwargs)
         text = template.render(
@@ -226,15 +231,25 @@ def lowered(
     return normalize_tool_results(arranged), presented
 
 
-def reasoning_kwargs(fe: Frontend, conversation: Conversation) -> dict[str, object]:
-    """Template variables for reasoning controls; explicit chat_template_kwargs win."""
+def reasoning_kwargs(
+    fe: Frontend, conversation: Conversation, effort_name: str = "reasoning_effort", default_effort: str | None = None
+) -> dict[str, object]:
+    """Template variables for reasoning controls; explicit chat_template_kwargs win. The effort
+    goes under `effort_name`; `default_effort` stands in where the request names none."""
     kwargs = dict(conversation.template_kwargs)
     if conversation.thinking is not None:  # Messages' thinking switch; templates without it ignore it
         kwargs.setdefault("enable_thinking", conversation.thinking)
     levels = fe.manifest.recipe.effort_levels
-    if conversation.effort is not None and levels:
-        kwargs.setdefault("reasoning_effort", nearest_effort(conversation.effort, levels))
+    effort = nearest_effort(conversation.effort, levels) if conversation.effort is not None and levels else None
+    if effort or default_effort:
+        kwargs.setdefault(effort_name, effort or default_effort)
     return kwargs
+
+
+@functools.lru_cache(maxsize=16)
+def effort_variable(source: str) -> str | None:
+    """The reasoning-effort variable a chat template reads (Kimi K3: thinking_effort), or None."""
+    return next((name for name in EFFORT_VARIABLES if re.search(rf"\b{name}\b", source)), None)
 
 
 def with_instruction(messages: list[Message], text: str) -> list[Message]:

@@ -1,17 +1,21 @@
 """The images of a conversation prompt: costed from their headers against the prompt's limits,
 expanded from the template's placeholders into the profile's token layout, and decoded once
-(a content-addressed cache) into the engine's lazily prepared images.
+(a content-addressed cache) into the engine's lazily prepared images. Prepared views are also
+kept in host retention (image_cache.retained_inputs): an image found there is neither decoded
+nor preprocessed, and one whose record went (evicted, corrupt) is rebuilt from its data.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from helios.config import ServerConfig
 from helios.core.manifest import VisionProfile
 from helios.engine import IMAGE_COUNTERS, EngineImage
 from helios.frontend import images as imaging
-from helios.frontend.image_cache import DecodedImages
+from helios.frontend.image_cache import DecodedImages, retained_inputs
 from helios.frontend.inference import ImagePart, Message, RequestError, ToolResultPart
 from helios.frontend.limits import RequestLimits
 
@@ -41,6 +45,8 @@ def image_counters() -> dict[str, int]:
     """The frontend's share of the image metrics (under their names without flare_), all zero."""
     counters = dict.fromkeys(IMAGE_COUNTERS[:3], 0)  # decoded, rejected, decoded bytes
     counters["input_decode_cache_hits_total"] = 0  # images not decoded again (image_cache.py)
+    counters["input_host_cache_hits_total"] = 0  # images not decoded: host retention held their prepared views
+    counters["input_host_cache_restores_total"] = 0  # prepared views restored from host retention (not preprocessed)
     return counters
 
 
@@ -54,6 +60,7 @@ class PromptImages:
         self.max_images = limits.max_images_per_prompt
         self.max_image_tokens = limits.max_image_tokens_per_prompt
         self.decoded = DecodedImages(config.image_cache_mb << 20)
+        self.retained = retained_inputs(profile, config)  # None: host_cache off
         self.counters = counters
 
     def check(self, parts: list[ImagePart]) -> list[Costed]:
@@ -149,28 +156,53 @@ class PromptImages:
         start: int,
         runs: tuple[tuple[int, int], ...] = (),
     ) -> EngineImage:
-        """Decode now (the frontend pool); prepare later, only if prefill reaches the image (the engine)."""
-        profile = self.profile
-        digest = imaging.content_digest(part.data, profile)
+        """Decode now (the frontend pool) unless host retention holds the image's prepared views;
+        prepare later, only if prefill reaches the image (the engine: _inputs)."""
+        digest = imaging.content_digest(part.data, self.profile)
         rgb = self.decoded.get(digest)
         if rgb is not None:
             self.counters["input_decode_cache_hits_total"] += 1
+        elif self.retained is not None and self.retained.holds(digest, imaging.source_description(header)):
+            self.counters["input_host_cache_hits_total"] += 1
         else:
-            try:
-                rgb = imaging.decode(part.data)
-            except Exception:
-                self.counters["input_rejected_images_total"] += 1
-                raise ImageRejected(
-                    f"an image ({header.width}x{header.height} {header.format}) could not be decoded", "messages"
-                ) from None
-            self.counters["input_decoded_images_total"] += 1
-            self.counters["input_decoded_image_bytes_total"] += header.num_bytes
-            self.decoded.put(digest, rgb)
+            rgb = self._decode(part, header, digest)
         return EngineImage(
             start=start,
             num_tokens=cost.num_tokens,
             digest=digest,
-            prepare=functools.partial(imaging.prepare_views, rgb, profile),
+            prepare=functools.partial(self._inputs, part, header, digest, rgb),
             pixels=header.width * header.height,
             runs=runs,
         )
+
+    def _decode(self, part: ImagePart, header: imaging.ImageHeader, digest: bytes) -> np.ndarray:
+        try:
+            rgb = imaging.decode(part.data)
+        except Exception:
+            self.counters["input_rejected_images_total"] += 1
+            raise ImageRejected(
+                f"an image ({header.width}x{header.height} {header.format}) could not be decoded", "messages"
+            ) from None
+        self.counters["input_decoded_images_total"] += 1
+        self.counters["input_decoded_image_bytes_total"] += header.num_bytes
+        self.decoded.put(digest, rgb)
+        return rgb
+
+    def _inputs(
+        self, part: ImagePart, header: imaging.ImageHeader, digest: bytes, rgb: np.ndarray | None
+    ) -> list[tuple]:
+        """EngineImage.prepare (the engine thread, when prefill reaches the image): the views host
+        retention holds, else prepared from the pixels (decoded now when the record the lookup
+        found has gone since) and retained."""
+        source = imaging.source_description(header)
+        if self.retained is not None:
+            restored = self.retained.restore(digest, source)
+            if restored is not None:
+                self.counters["input_host_cache_restores_total"] += 1
+                return restored
+        if rgb is None:
+            rgb = self._decode(part, header, digest)
+        views = imaging.prepare_views(rgb, self.profile)
+        if self.retained is not None:
+            self.retained.retain(digest, source, views)
+        return views

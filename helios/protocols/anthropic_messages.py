@@ -26,7 +26,6 @@ from helios.frontend.inference import (
     Part,
     ReasoningPart,
     RequestError,
-    StopOptions,
     Termination,
     TextPart,
     ToolCallPart,
@@ -219,11 +218,8 @@ def _messages(body: dict[str, Any]) -> tuple[list[Message], list[tuple[int, int]
 
 
 def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
-    raw_tools = body.get("tools")
-    if raw_tools is not None and not isinstance(raw_tools, list):
-        raise RequestError("tools must be an array", "tools")
     specs = []
-    for tool in raw_tools or []:
+    for tool in f.tools(body):
         tool = tool if isinstance(tool, dict) else {}
         if tool.get("type") not in (None, "custom"):
             raise RequestError(f"server tool {tool['type']!r} is unsupported (only client tools)", "tools")
@@ -342,12 +338,7 @@ def decode(body: dict[str, Any], *, headers_version: str | None) -> tuple[Infere
         sampling=f.sampling(body),
         max_tokens=max_tokens,
         n=1,
-        stop=StopOptions(  # token stops and ignore_eos: the native extensions Chat accepts
-            strings=tuple(stops or ()),
-            token_ids=f.int_list(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else (),
-            token_sequences=f.token_sequences(body, "stop_token_sequences"),
-            ignore_eos=f.optional_bool(body, "ignore_eos"),
-        ),
+        stop=f.stop_options(body, tuple(stops or ())),  # with the native token stops and ignore_eos
         stream=stream,
         thinking_token_budget=budget if budget is not None and budget <= MAX_APPLIED_BUDGET else None,
         output=messages_output_format(body, f.optional_object(body, "output_config") or {}),

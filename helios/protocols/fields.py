@@ -6,12 +6,13 @@ import base64
 import binascii
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from helios.core.sampling import DISTRIBUTION_PARAMS
-from helios.frontend.inference import ImagePart, RequestError, SamplingOptions
+from helios.frontend.inference import ImagePart, RequestError, SamplingOptions, StopOptions
 
 _MISSING = object()
+T = TypeVar("T")
 
 
 def _type_error(name: str, expected: str, value: Any) -> RequestError:
@@ -39,31 +40,25 @@ def optional_number(body: Mapping[str, Any], name: str) -> float | None:
     return float(value)
 
 
-def optional_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+def _optional(body: Mapping[str, Any], name: str, kind: type[T], expected: str) -> T | None:
+    """The field if it is a `kind`, None if absent or null; anything else fails naming `expected`."""
     value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _type_error(name, "a boolean", value)
+    if value is not None and not isinstance(value, kind):
+        raise _type_error(name, expected, value)
     return value
+
+
+def optional_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    value = _optional(body, name, bool, "a boolean")
+    return default if value is None else value
 
 
 def optional_str(body: Mapping[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise _type_error(name, "a string", value)
-    return value
+    return _optional(body, name, str, "a string")
 
 
 def optional_object(body: Mapping[str, Any], name: str) -> dict[str, Any] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise _type_error(name, "an object", value)
-    return value
+    return _optional(body, name, dict, "an object")
 
 
 def int_list(value: Any, name: str) -> tuple[int, ...]:
@@ -81,6 +76,34 @@ def stop_strings(body: Mapping[str, Any], name: str = "stop") -> tuple[str, ...]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(value)
     raise _type_error(name, "a string or an array of strings", value)
+
+
+def tools(body: Mapping[str, Any]) -> list[Any]:
+    """The request's `tools` array as sent (empty when absent or null); each protocol reads its entries."""
+    value = body.get("tools")
+    if value is not None and not isinstance(value, list):
+        raise RequestError("tools must be an array", "tools")
+    return value or []
+
+
+def stop_options(body: Mapping[str, Any], strings: tuple[str, ...] | None = None) -> StopOptions:
+    """The stops a request asks for: its `stop` strings (or `strings`, read by the protocol under
+    its own name), and the native extensions every route accepts: stop_token_ids,
+    stop_token_sequences and ignore_eos."""
+    return StopOptions(
+        strings=stop_strings(body) if strings is None else strings,
+        token_ids=int_list(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else (),
+        token_sequences=token_sequences(body, "stop_token_sequences"),
+        ignore_eos=optional_bool(body, "ignore_eos"),
+    )
+
+
+def stream_usage(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
+    """OpenAI's stream_options: (the stream ends with a usage chunk, every chunk carries usage
+    too: vLLM's continuous_usage_stats); both off without streaming."""
+    options = optional_object(body, "stream_options") or {}
+    include = bool(options.get("include_usage")) if stream else False
+    return include, include and bool(options.get("continuous_usage_stats"))
 
 
 def token_sequences(body: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], ...]:

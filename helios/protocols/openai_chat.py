@@ -15,7 +15,6 @@ from helios.frontend.inference import (
     Part,
     ReasoningPart,
     RequestError,
-    StopOptions,
     TextPart,
     ToolCallPart,
     ToolChoice,
@@ -23,6 +22,7 @@ from helios.frontend.inference import (
     ToolSpec,
 )
 from helios.protocols import fields as f
+from helios.protocols.openai_common import OpenAIOptions
 from helios.protocols.output_format import chat_response_format
 
 UNSUPPORTED = ("audio", "prediction", "web_search_options", "functions", "function_call", "suffix")
@@ -30,12 +30,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True, slots=True)
-class ChatOptions:
+class ChatOptions(OpenAIOptions):
     """Protocol-level options that do not reach the engine."""
 
-    model: str
-    include_usage: bool
-    continuous_usage: bool
     logprobs: bool  # render logprobs.content
     return_token_ids: bool = False  # choices (and chunks) carry their generated token ids
     return_token_timestamps: bool = False  # ... and the Unix time each token reached the frontend
@@ -100,11 +97,8 @@ def _message(raw: Any) -> Message:
 
 
 def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise RequestError("tools must be an array", "tools")
     specs = []
-    for tool in tools or []:
+    for tool in f.tools(body):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError("each tool must be {type: function, function: {name, parameters}}", "tools")
@@ -167,9 +161,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
     prompt_logprobs = f.optional_int(body, "prompt_logprobs", 0, 20)
     if stream and body.get("prompt_logprobs") is not None:
         raise RequestError("prompt_logprobs cannot be streamed", "prompt_logprobs")
-    stream_options = f.optional_object(body, "stream_options") or {}
-    include_usage = bool(stream_options.get("include_usage")) if stream else False
-    continuous = include_usage and bool(stream_options.get("continuous_usage_stats"))
+    include_usage, continuous = f.stream_usage(body, stream)
     template_kwargs = f.optional_object(body, "chat_template_kwargs") or {}
     if "reasoning_effort" in body:  # the native template option; chat_template_kwargs wins
         template_kwargs = {"reasoning_effort": _reasoning_effort(body["reasoning_effort"]), **template_kwargs}
@@ -184,12 +176,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
         continue_final_message=continue_final,
         template_kwargs=template_kwargs,
     )
-    stop = StopOptions(
-        strings=f.stop_strings(body),
-        token_ids=f.int_list(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else (),
-        token_sequences=f.token_sequences(body, "stop_token_sequences"),
-        ignore_eos=f.optional_bool(body, "ignore_eos"),
-    )
+    stop = f.stop_options(body)
     request = InferenceRequest(
         input=conversation,
         sampling=f.sampling(body),

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from helios.frontend.generate import Submission, Usage
 from helios.frontend.inference import Termination
 from helios.frontend.output import TokenEntry
 from helios.protocols.encoding import data_frame
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIOptions:
+    """What an OpenAI-shaped route (Chat, Completions) keeps of a request beside the neutral one."""
+
+    model: str
+    include_usage: bool  # the stream ends with a usage chunk (stream_options: fields.stream_usage)
+    continuous_usage: bool  # every chunk carries usage too
+
 
 FINISH_REASONS = {
     Termination.EOS: "stop",

@@ -8,17 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from helios.frontend.inference import InferenceRequest, LogprobOptions, RawPrompt, RequestError, StopOptions
+from helios.frontend.inference import InferenceRequest, LogprobOptions, RawPrompt, RequestError
 from helios.protocols import fields as f
+from helios.protocols.openai_common import OpenAIOptions
 
 UNSUPPORTED = ("suffix", "tools", "tool_choice", "thinking_token_budget", "response_format")
 
 
 @dataclass(frozen=True, slots=True)
-class CompletionOptions:
-    model: str
-    include_usage: bool
-    continuous_usage: bool
+class CompletionOptions(OpenAIOptions):
     logprobs: int | None  # Completions' integer logprobs (alternatives in the arrays)
     echo: bool
     num_prompts: int
@@ -74,19 +72,13 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, CompletionOptions]:
     token_ids = f.int_list(body["logprob_token_ids"], "logprob_token_ids") if body.get("logprob_token_ids") else ()
     if token_ids and logprobs is None:
         raise RequestError("logprob_token_ids requires logprobs", "logprob_token_ids")
-    stream_options = f.optional_object(body, "stream_options") or {}
-    include_usage = bool(stream_options.get("include_usage")) if stream else False
+    include_usage, continuous = f.stream_usage(body, stream)
     request = InferenceRequest(
         input=prompts[0],
         sampling=f.sampling(body),
         max_tokens=max_tokens,
         n=n,
-        stop=StopOptions(
-            strings=f.stop_strings(body),
-            token_ids=f.int_list(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else (),
-            token_sequences=f.token_sequences(body, "stop_token_sequences"),
-            ignore_eos=f.optional_bool(body, "ignore_eos"),
-        ),
+        stop=f.stop_options(body),
         logprobs=LogprobOptions(
             top=logprobs,
             token_ids=token_ids,
@@ -101,7 +93,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, CompletionOptions]:
     options = CompletionOptions(
         model,
         include_usage,
-        include_usage and bool(stream_options.get("continuous_usage_stats")),
+        continuous,
         logprobs,
         echo,
         len(prompts),

@@ -43,35 +43,32 @@ def _kind(value: Any, param: str, kinds: tuple[str, ...]) -> str:
 
 def chat_response_format(value: Any) -> OutputConstraint | None:
     """Chat Completions response_format: text, json_object, json_schema {name, schema, strict}, or grammar."""
-    if value is None:
-        return None
-    kind = _kind(value, "response_format", ("text", "json_object", "json_schema", "grammar"))
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return OutputConstraint("json_object", "", "response_format")
-    if kind == "grammar":
-        return _grammar(value, "response_format")
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise RequestError("response_format.json_schema needs a nonempty name", "response_format.json_schema")
-    return _schema(spec.get("schema"), "response_format.json_schema.schema")
+    return _openai_format(value, "response_format", nested=True)
 
 
 def responses_text_format(value: Any) -> OutputConstraint | None:
     """Responses text.format: text, json_object, json_schema {name, schema, strict}, or grammar."""
+    return _openai_format(value, "text.format", nested=False)
+
+
+def _openai_format(value: Any, param: str, nested: bool) -> OutputConstraint | None:
+    """OpenAI's output format at `param`; its json_schema's {name, schema, strict} under
+    `json_schema` (Chat: nested) or beside its type (Responses)."""
     if value is None:
         return None
-    kind = _kind(value, "text.format", ("text", "json_object", "json_schema", "grammar"))
+    kind = _kind(value, param, ("text", "json_object", "json_schema", "grammar"))
     if kind == "text":
         return None
     if kind == "json_object":
-        return OutputConstraint("json_object", "", "text.format")
+        return OutputConstraint("json_object", "", param)
     if kind == "grammar":
-        return _grammar(value, "text.format")
-    if not isinstance(value.get("name"), str) or not value["name"]:
-        raise RequestError("text.format json_schema needs a nonempty name", "text.format.name")
-    return _schema(value.get("schema"), "text.format.schema")
+        return _grammar(value, param)
+    spec, where = (value.get("json_schema"), f"{param}.json_schema") if nested else (value, param)
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        if nested:
+            raise RequestError(f"{where} needs a nonempty name", where)
+        raise RequestError(f"{param} json_schema needs a nonempty name", f"{param}.name")
+    return _schema(spec.get("schema"), f"{where}.schema")
 
 
 def messages_output_format(body: dict[str, Any], config: dict[str, Any]) -> OutputConstraint | None:

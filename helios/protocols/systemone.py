@@ -81,6 +81,14 @@ class _Errors:
     def missing(self, loc: list[Any], value: Any) -> None:
         self.add("missing", loc, "Field required", value)
 
+    def is_object(self, loc: list[Any], value: Any) -> bool:
+        """A model's fields come in an object; anything else is reported as pydantic does."""
+        if isinstance(value, dict):
+            return True
+        msg = "Input should be a valid dictionary or object to extract fields from"
+        self.add("model_attributes_type", loc, msg, value)
+        return False
+
     def structured(self, loc: list[Any], value: Any) -> bool:
         """string | object | array, reported per union branch as pydantic does."""
         if isinstance(value, (str, dict, list)):
@@ -149,17 +157,37 @@ def _instructions(
     return True, refs.content(value)
 
 
-def _choice(key: str, question: dict[str, Any], errors: _Errors, refs: References) -> SystemOneQuestion | None:
-    loc = ["questions", key, "choice"]
+# A question's criteria container: (error type, message, the name its length errors use).
+_CONTAINERS: dict[type, tuple[str, str, str]] = {
+    dict: ("dict_type", "Input should be a valid dictionary", "Dictionary"),
+    list: ("list_type", "Input should be a valid list", "List"),
+}
+
+
+def _criteria(
+    loc: list[Any], question: dict[str, Any], errors: _Errors, refs: References, container: type, most: int
+) -> tuple[bool, Content | None, Any]:
+    """(valid so far, rendered instructions, criteria) of a choice or score question, whose
+    criteria are a required `container` of 1 to `most` items; criteria None: none to decode
+    (the error is recorded)."""
     ok, instructions = _instructions(loc, question, errors, refs)
     if "criteria" not in question:
         errors.missing([*loc, "criteria"], question)
-        return None
+        return ok, instructions, None
     criteria = question["criteria"]
-    if not isinstance(criteria, dict):
-        errors.add("dict_type", [*loc, "criteria"], "Input should be a valid dictionary", criteria)
+    kind, message, name = _CONTAINERS[container]
+    if not isinstance(criteria, container):
+        errors.add(kind, [*loc, "criteria"], message, criteria)
+        return ok, instructions, None
+    ok = errors.length([*loc, "criteria"], criteria, name, 1, most) and ok
+    return ok, instructions, criteria
+
+
+def _choice(key: str, question: dict[str, Any], errors: _Errors, refs: References) -> SystemOneQuestion | None:
+    loc = ["questions", key, "choice"]
+    ok, instructions, criteria = _criteria(loc, question, errors, refs, dict, MAX_OPTIONS)
+    if criteria is None:
         return None
-    ok = errors.length([*loc, "criteria"], criteria, "Dictionary", 1, MAX_OPTIONS) and ok
     options = []
     for name, description in criteria.items():
         if description is not None and not errors.structured([*loc, "criteria", name], description):
@@ -173,15 +201,9 @@ def _choice(key: str, question: dict[str, Any], errors: _Errors, refs: Reference
 
 def _score(key: str, question: dict[str, Any], errors: _Errors, refs: References) -> SystemOneQuestion | None:
     loc = ["questions", key, "score"]
-    ok, instructions = _instructions(loc, question, errors, refs)
-    if "criteria" not in question:
-        errors.missing([*loc, "criteria"], question)
+    ok, instructions, levels = _criteria(loc, question, errors, refs, list, MAX_LEVELS)
+    if levels is None:
         return None
-    levels = question["criteria"]
-    if not isinstance(levels, list):
-        errors.add("list_type", [*loc, "criteria"], "Input should be a valid list", levels)
-        return None
-    ok = errors.length([*loc, "criteria"], levels, "List", 1, MAX_LEVELS) and ok
     for index, level in enumerate(levels):
         ok = errors.structured([*loc, "criteria", index], level) and ok
     if not ok:
@@ -195,13 +217,7 @@ _DECODERS = {"noul": _noul, "choice": _choice, "score": _score}
 
 def _question(key: str, question: Any, errors: _Errors, refs: References) -> SystemOneQuestion | None:
     loc = ["questions", key]
-    if not isinstance(question, dict):
-        errors.add(
-            "model_attributes_type",
-            loc,
-            "Input should be a valid dictionary or object to extract fields from",
-            question,
-        )
+    if not errors.is_object(loc, question):
         return None
     tag = question.get("type")
     if tag is None:
@@ -312,13 +328,7 @@ def decode_assets(body: dict[str, Any], parts: dict[str, bytes] | None = None) -
         raise SchemaError(errors.entries)
     for name, asset in raw.items():
         loc = ["assets", name]
-        if not isinstance(asset, dict):
-            errors.add(
-                "model_attributes_type",
-                loc,
-                "Input should be a valid dictionary or object to extract fields from",
-                asset,
-            )
+        if not errors.is_object(loc, asset):
             continue
         if asset.get("type", "image") != "image":
             raise RequestError(

@@ -3,9 +3,11 @@
 A route hands its `Run` and its protocol's encoder to `respond`. One pump task reads the
 run's choice updates from the engine; the loop gives each to the encoder (a keepalive
 after KEEPALIVE_SECONDS without one), ends with the encoder's finish, or with its error at
-the first failed choice or exception. The admission reservation is released exactly once,
-however the loop ends. Cancelling the handler (a client disconnect) cancels the pump, which
-closes the engine event iterators and so aborts the engine request.
+the first failed choice or exception. The run ends exactly once, however the loop ends: its
+admission reservation goes back and its outcome is counted (completed once the encoder's finish
+produced the closing frames, failed with an error; neither when the client left). Cancelling the
+handler (a client disconnect) cancels the pump, which closes the engine event iterators and so
+aborts the engine request.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from litestar.response import Stream
 from helios.frontend.generate import ChoiceUpdate
 from helios.frontend.inference import InferenceRequest
 from helios.protocols.encoding import Encoder
+from helios.server.outcomes import Outcome
 from helios.server.responses import JSON, translate
 
 KEEPALIVE_SECONDS = 15.0
@@ -44,7 +47,7 @@ class Drivable(Protocol):
 
     def abort(self) -> None: ...
 
-    def release(self) -> None: ...
+    def end(self, outcome: Outcome | None) -> None: ...
 
 
 async def respond(run: Drivable, encoder: Encoder) -> Response | Stream:
@@ -75,6 +78,7 @@ class Drive:
         self.run = run
         self.encoder = encoder
         self.status = 200
+        self.outcome: Outcome | None = None  # decided by the loop; None while running or when the client left
         self._offered = False  # the first answer went out (first_output recorded)
 
     async def frames(self) -> AsyncIterator[bytes]:
@@ -99,6 +103,7 @@ class Drive:
                     for frame in encoder.push(update):
                         yield frame
             closing = encoder.finish()
+            self.outcome = Outcome.COMPLETED
             if not streaming:
                 run.first_output()  # a buffered answer is offered whole, once it encoded
             for frame in closing:
@@ -109,10 +114,10 @@ class Drive:
                 yield frame
         finally:
             run.abort()  # no-op when every choice finished; covers children whose iterator never started
-            run.release()
+            run.end(self.outcome)
 
     def _error(self, status: int, message: str) -> list[bytes]:
-        self.status = status
+        self.status, self.outcome = status, Outcome.FAILED
         return self.encoder.error(status, message)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from helios.frontend.generate import ChoiceUpdate, Submission, Usage, new_request_id
 from helios.frontend.inference import InferenceRequest
 from helios.server.admission import Reservation
+from helios.server.outcomes import Outcome
 from helios.server.responses import HttpError
 from helios.server.state import ServerState
 
@@ -61,9 +62,12 @@ class Run:
         """Abort every child the engine may still be running."""
         self.state.runner.abort(self.submission.generations)
 
-    def release(self) -> None:
-        """Give the admission slots back (idempotent: every exit path may call it)."""
+    def end(self, outcome: Outcome | None) -> None:
+        """The request is over: its admission slots go back and its outcome is counted (None: the
+        client left first). The driver calls it once, however the run ends."""
         self.reservation.release()
+        if outcome is not None:
+            self.state.outcomes.record(outcome)
 
 
 def admit(state: ServerState, slots: int) -> Reservation:
@@ -81,19 +85,24 @@ def admit(state: ServerState, slots: int) -> Reservation:
 
 
 async def start(state: ServerState, request: InferenceRequest, prefix: str) -> Run:
-    """Prepare (one frontend-pool hop), take one admission slot per choice (429 when none), submit."""
+    """Prepare (one frontend-pool hop), take one admission slot per choice (429 when none), submit.
+
+    Admission refusals (an oversized group, no slot, a request the engine can never run, a full
+    queue or a paused engine) are failed requests; frontend validation failures are not."""
     choices, limit = request.n * len(request.inputs), state.config.max_concurrency
     if choices > limit:  # before any prompt is tokenized: this group can never run
+        state.outcomes.record(Outcome.FAILED)
         raise HttpError(
             400,
             f"the request asks for {choices} choices (prompts times n) but this server generates at "
             f"most {limit} at once ([server] max_concurrency): send fewer prompts or a smaller n",
         )
     prepared = await state.in_pool(state.frontend.prepare, request, new_request_id(prefix))
-    reservation = admit(state, prepared.num_choices)
-    try:
-        submission = state.runner.submit(prepared)
-    except BaseException:
-        reservation.release()
-        raise
+    with state.outcomes.failures():
+        reservation = admit(state, prepared.num_choices)
+        try:
+            submission = state.runner.submit(prepared)
+        except BaseException:
+            reservation.release()
+            raise
     return Run(state, submission, reservation)

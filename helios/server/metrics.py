@@ -2,10 +2,12 @@
 
 One read of the engine's metrics snapshot (helios.engine.EngineMetrics) plus the server's own
 counters becomes a flat mapping keyed by the JSON field names of api.md's metrics table
-(`values_of`); both expositions render that one mapping. Keys beyond the table (admission, uptime,
-image-preparation caches) pass through to JSON unchanged and to Prometheus as flare_<key>: a
-counter when the key ends in _total, else a gauge. The text is prometheus_client's, from a
-collector over the mapping on a private registry.
+(`values_of`); both expositions render that one mapping. One table of `Spec`s (SPECS: api.md's
+fields, the extras, the labelled counters) names every metric: its JSON key, Prometheus name,
+type, help and where values_of reads it. Keys beyond the specs
+(image-preparation caches, speculative counters by depth, batch and width) pass through to JSON
+unchanged and to Prometheus as flare_<key>: a counter when the key ends in _total, else a gauge.
+The text is prometheus_client's, from a collector over the mapping on a private registry.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -30,211 +32,167 @@ Number = int | float | bool
 # api.md: "Prometheus text exposition format 0.0.4" (prometheus_client's CONTENT_TYPE_LATEST is 1.0.0 since 0.22).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# (JSON field, Prometheus name or None, Prometheus type, help); order is exposition order.
-FIELDS: tuple[tuple[str, str | None, str, str], ...] = (
-    ("prefill_tokens", "flare_prefill_tokens_total", "counter", "Prompt tokens consumed by completed prefill"),
-    ("generated_tokens", "flare_generated_tokens_total", "counter", "Committed generated tokens"),
-    ("decode_weight_bytes", "flare_decode_weight_bytes", "gauge", "Weight bytes one decode step reads per request"),
-    ("draft_steps", None, "counter", ""),
-    ("verify_steps", "flare_speculative_rounds_total", "counter", "Completed speculative or verification graphs"),
-    (
-        "verification_drafts",
-        "flare_verification_draft_tokens_total",
-        "counter",
-        "Draft positions allocated for progressing request rounds",
-    ),
-    (
-        "verification_rounds",
-        "flare_verification_request_rounds_total",
-        "counter",
-        "Progressing decode or verification request rounds",
-    ),
-    ("accepted_drafts", "flare_accepted_draft_tokens_total", "counter", "Accepted draft tokens, excluding the bonus"),
-    ("draft_rounds", "flare_draft_request_rounds_total", "counter", "Request rounds that offered at least one draft"),
-    ("active", "flare_active_requests", "gauge", "Model slots with a live request"),
-    ("pending", "flare_pending_requests", "gauge", "Requests waiting in the model scheduler"),
-    ("completed", "flare_requests_completed_total", "counter", "Requests whose generation completed"),
-    (
-        "reasoning_budget_cuts",
-        "flare_reasoning_budget_cuts_total",
-        "counter",
-        "Requests whose reasoning was closed by the hard token budget",
-    ),
-    ("failed", "flare_requests_failed_total", "counter", "Requests failed by admission, execution or output"),
-    (
-        "replay_gpu_ns",
-        "flare_replay_gpu_nanoseconds_total",
-        "counter",
-        "Nanoseconds of completed steps (program runs and sampling; CPU wall time, CUDA device-synchronised)",
-    ),
-    (
-        "replay_readiness_wait_ns",
-        "flare_replay_readiness_wait_nanoseconds_total",
-        "counter",
-        "Nanoseconds steps waited for host-store data (restore copies, disk prefetch)",
-    ),
-    (
-        "replay_readiness_samples",
-        "flare_replay_readiness_samples_total",
-        "counter",
-        "Completed steps that carried host-store restores",
-    ),
-    ("reused_tokens", "flare_cache_reused_tokens_total", "counter", "Tokens covered by GPU prefix-cache hits"),
-    ("cached_pages", "flare_cached_kv_pages", "gauge", "KV pages holding an immutable cached prefix, in use or not"),
-    ("free_pages", "flare_free_kv_pages", "gauge", "KV pages holding nothing and used by no request"),
-    ("total_pages", "flare_total_kv_pages", "gauge", "Pages in the per-rank KV pool"),
-    ("page_tokens", "flare_kv_page_tokens", "gauge", "Logical history tokens per KV page"),
-    ("host_hits", "flare_host_cache_hits_total", "counter", "Host prefix-store lookups that fetched"),
-    (
-        "host_reused_tokens",
-        "flare_host_cache_reused_tokens_total",
-        "counter",
-        "Tokens covered by host prefix-store chains",
-    ),
-    ("host_memory_records", "flare_host_cache_memory_records", "gauge", "Checkpoint records in host memory"),
-    ("host_disk_records", "flare_host_cache_disk_records", "gauge", "Checkpoint records on disk"),
-    ("host_bytes_out", "flare_host_cache_bytes_out_total", "counter", "Bytes copied from GPU to the host store"),
-    ("host_bytes_in", "flare_host_cache_bytes_in_total", "counter", "Bytes copied from the host store to GPU"),
-    ("learned_drafter", None, "gauge", ""),
-)
-_TABLE = {field for field, *_ in FIELDS}
 
-# Server-side extras with a fixed name and help; always exposed (absent reads as zero).
-EXTRAS: tuple[tuple[str, str, str], ...] = (
-    (
-        "preemptions_total",
-        "counter",
-        "Running sequences preempted (KV released, recomputed later) so older ones could grow",
-    ),
-    ("used_pages", "gauge", "KV pages held privately by live sequences (free + cached + used = total)"),
-    ("http_admission_in_use", "gauge", "HTTP admission slots held"),
-    ("http_admission_capacity", "gauge", "HTTP admission slots in total"),
-    ("history_drafts_enabled", "gauge", "Whether shared decoded history augments learned proposals"),
-    ("learned_draft_tokens_total", "counter", "Of the verified draft tokens, those the learned drafter proposed"),
-    (
-        "learned_accepted_draft_tokens_total",
-        "counter",
-        "Of the accepted draft tokens, those the learned drafter proposed",
-    ),
-    ("uptime_seconds", "gauge", "Seconds since server start"),
-    ("state_slots", "gauge", "Recurrent-state slots of a hybrid core, live plus snapshot (0 for other cores)"),
-    ("state_slot_bytes", "gauge", "Bytes of one recurrent-state slot over every recurrent layer"),
-    ("state_slots_used", "gauge", "Live recurrent-state slots held by running sequences"),
-    ("state_snapshots", "gauge", "Recurrent-state prefix snapshots held for reuse"),
-    (
-        "state_rewinds_total",
-        "counter",
-        "Speculative rounds of a hybrid core whose rejected drafts rewound its recurrent state (committed tokens recomputed)",
-    ),
-    (
-        "checkpoint_anchor_reservations",
-        "gauge",
-        "Unused anchor guards: snapshot slots kept for conversation anchors that no anchor holds or is armed to fill",
-    ),
-    (
-        "checkpoint_extra_work_nanoseconds_total",
-        "counter",
-        "Predicted extra prefill and copy work charged for hinted checkpoints (not a GPU timing)",
-    ),
-    ("host_cache_parked_records", "gauge", "Complete DRAM copies awaiting disk writes"),
-    (
-        "host_cache_store_skipped_total",
-        "counter",
-        "Copy-out offers of records the host store already held or was copying (duplicates and retries)",
-    ),
-    (
-        "host_cache_copyout_headroom_deferrals_total",
-        "counter",
-        "Copy-out offers deferred by the pool headroom check before pinning pages (retried at a later step)",
-    ),
-    (
-        "host_cache_slots_in_use",
-        "gauge",
-        "Local checkpoint pool slots in use: KV pages and recurrent-state slots not free (live, cached, pinned)",
-    ),
-    (
-        "host_cache_slots_total",
-        "gauge",
-        "Local checkpoint pool slots: KV pages plus recurrent-state slots, the copy-out intake included",
-    ),
-    ("host_cache_intake_slots", "gauge", "Pool slots the copy-out intake may hold pinned for the host store at once"),
-    ("host_cache_anchor_records", "gauge", "Host-memory records of conversation anchors' chains (evicted last)"),
-    (
-        "host_cache_copyout_pinned_records",
-        "gauge",
-        "KV pages and state snapshots pinned for the copy-out thread and not yet released",
-    ),
-    (
-        "host_cache_copyout_waits_total",
-        "counter",
-        "Times the engine thread waited for the copy-out thread because the pool needed pinned pages",
-    ),
-    ("host_cache_copyout_wait_nanoseconds_total", "counter", "Engine-thread nanoseconds spent in those waits"),
-    (
-        "host_cache_copyout_worker_nanoseconds_total",
-        "counter",
-        "Copy-out thread nanoseconds spent copying pinned pages and snapshots into host records",
-    ),
-)
-_EXTRA_NAMES = {key for key, *_ in EXTRAS}
-# JSON-only keys: strings with no Prometheus sample (api.md names learned_drafter's kind nowhere in the text).
-JSON_ONLY = frozenset({"learned_drafter_name"})
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One exported metric: its JSON key, help, where values_of reads it, and its Prometheus form."""
 
-# Labelled counters: JSON holds {"label value[/label value]": count} (absent entries read as zero);
-# Prometheus one line per entry, every label value api.md names included (zero until counted).
+    key: str  # the JSON key
+    help: str
+    # What values_of reads: "" the EngineMetrics attribute named like the key, else an EngineMetrics
+    # attribute, "host.<attribute>" (absent without a host prefix store) or "server.<attribute>"
+    # (ServerCounters); None: values_of computes it.
+    source: str | None = ""
+    name: str | None = ""  # the Prometheus name; "": flare_<key>; None: JSON only (api.md: "none")
+    kind: str = ""  # "counter" or "gauge"; "": a counter when the Prometheus name ends in _total
+    labels: tuple[str, ...] = ()  # labelled counters' label names; JSON holds {"value[/value]": count}
+    known: tuple[str, ...] = ()  # every label value api.md names: exported, zero until counted
+
+    @property
+    def metric(self) -> str:
+        return self.name or f"flare_{self.key}"
+
+    @property
+    def type(self) -> str:
+        return self.kind or ("counter" if self.metric.endswith("_total") else "gauge")
+
+
+def _field(key: str, name: str | None, source: str | None, help_text: str) -> Spec:
+    return Spec(key, help_text, source, name)
+
+
+def _extra(key: str, source: str | None, help_text: str, kind: str = "") -> Spec:
+    return Spec(key, help_text, source, kind=kind)
+
+
+# fmt: off
+# api.md's metrics table, in its order; every field is in JSON (absent reads as zero).
+# Columns: JSON key, Prometheus name (None: JSON only), source (see Spec), help.
+FIELDS: tuple[Spec, ...] = (
+    _field("prefill_tokens", "flare_prefill_tokens_total", "", "Prompt tokens consumed by completed prefill"),
+    _field("generated_tokens", "flare_generated_tokens_total", "", "Committed generated tokens"),
+    _field("decode_weight_bytes", "flare_decode_weight_bytes", "", "Weight bytes one decode step reads per request"),
+    _field("draft_steps", None, "", ""),
+    _field("verify_steps", "flare_speculative_rounds_total", "", "Completed speculative or verification graphs"),
+    _field("verification_drafts", "flare_verification_draft_tokens_total", "", "Draft positions allocated for progressing request rounds"),
+    _field("verification_rounds", "flare_verification_request_rounds_total", "", "Progressing decode or verification request rounds"),
+    _field("accepted_drafts", "flare_accepted_draft_tokens_total", "", "Accepted draft tokens, excluding the bonus"),
+    _field("draft_rounds", "flare_draft_request_rounds_total", "", "Request rounds that offered at least one draft"),
+    _field("active", "flare_active_requests", "", "Model slots with a live request"),
+    _field("pending", "flare_pending_requests", "", "Requests waiting in the model scheduler"),
+    _field("completed", "flare_requests_completed_total", "server.completed", "Requests whose generation completed"),
+    _field("reasoning_budget_cuts", "flare_reasoning_budget_cuts_total", "", "Requests whose reasoning was closed by the hard token budget"),
+    _field("failed", "flare_requests_failed_total", "server.failed", "Requests failed by admission, execution or output"),
+    _field("replay_gpu_ns", "flare_replay_gpu_nanoseconds_total", "replay_ns", "Nanoseconds of completed steps (program runs and sampling; CPU wall time, CUDA device-synchronised)"),
+    _field("replay_readiness_wait_ns", "flare_replay_readiness_wait_nanoseconds_total", "readiness_wait_ns", "Nanoseconds steps waited for host-store data (restore copies, disk prefetch)"),
+    _field("replay_readiness_samples", "flare_replay_readiness_samples_total", "readiness_samples", "Completed steps that carried host-store restores"),
+    _field("reused_tokens", "flare_cache_reused_tokens_total", "", "Tokens covered by GPU prefix-cache hits"),
+    _field("cached_pages", "flare_cached_kv_pages", "", "KV pages holding an immutable cached prefix, in use or not"),
+    _field("free_pages", "flare_free_kv_pages", "", "KV pages holding nothing and used by no request"),
+    _field("total_pages", "flare_total_kv_pages", "", "Pages in the per-rank KV pool"),
+    _field("page_tokens", "flare_kv_page_tokens", "", "Logical history tokens per KV page"),
+    _field("host_hits", "flare_host_cache_hits_total", "host.hits", "Host prefix-store lookups that fetched"),
+    _field("host_reused_tokens", "flare_host_cache_reused_tokens_total", "host.reused_tokens", "Tokens covered by host prefix-store chains"),
+    _field("host_memory_records", "flare_host_cache_memory_records", "host.memory_records", "Checkpoint records in host memory"),
+    _field("host_disk_records", "flare_host_cache_disk_records", "host.disk_records", "Checkpoint records on disk"),
+    _field("host_bytes_out", "flare_host_cache_bytes_out_total", "host.bytes_out", "Bytes copied from GPU to the host store"),
+    _field("host_bytes_in", "flare_host_cache_bytes_in_total", "host.bytes_in", "Bytes copied from the host store to GPU"),
+    _field("learned_drafter", None, None, ""),
+)
+# Beyond the table, as flare_<key>: in JSON when read (host-store ones need a host prefix store), in
+# Prometheus always (absent reads as zero). Columns: JSON key, source (see Spec), help.
+EXTRAS: tuple[Spec, ...] = (
+    _extra("preemptions_total", "preemptions", "Running sequences preempted (KV released, recomputed later) so older ones could grow"),
+    _extra("used_pages", None, "KV pages held privately by live sequences (free + cached + used = total)"),
+    _extra("http_admission_in_use", "server.http_admission_in_use", "HTTP admission slots held"),
+    _extra("http_admission_capacity", "server.http_admission_capacity", "HTTP admission slots in total"),
+    _extra("history_drafts_enabled", None, "Whether shared decoded history augments learned proposals"),
+    _extra("learned_draft_tokens_total", "learned_offered", "Of the verified draft tokens, those the learned drafter proposed"),
+    _extra("learned_accepted_draft_tokens_total", "learned_accepted", "Of the accepted draft tokens, those the learned drafter proposed"),
+    _extra("uptime_seconds", "server.uptime_seconds", "Seconds since server start"),
+    _extra("state_slots", "", "Recurrent-state slots of a hybrid core, live plus snapshot (0 for other cores)"),
+    _extra("state_slot_bytes", "", "Bytes of one recurrent-state slot over every recurrent layer"),
+    _extra("state_slots_used", "", "Live recurrent-state slots held by running sequences"),
+    _extra("state_snapshots", "", "Recurrent-state prefix snapshots held for reuse"),
+    _extra("state_rewinds_total", "state_rewinds", "Speculative rounds of a hybrid core whose rejected drafts rewound its recurrent state (committed tokens recomputed)"),
+    _extra("checkpoint_anchor_reservations", "", "Unused anchor guards: snapshot slots kept for conversation anchors that no anchor holds or is armed to fill"),
+    _extra("checkpoint_extra_work_nanoseconds_total", "checkpoint_extra_work_ns", "Predicted extra prefill and copy work charged for hinted checkpoints (not a GPU timing)"),
+    _extra("host_cache_parked_records", "host.parked_records", "Complete DRAM copies awaiting disk writes"),
+    _extra("host_cache_store_skipped_total", "host.skipped", "Copy-out offers of records the host store already held or was copying (duplicates and retries)"),
+    _extra("host_cache_copyout_headroom_deferrals_total", "host.copyout_deferrals", "Copy-out offers deferred by the pool headroom check before pinning pages (retried at a later step)"),
+    _extra("host_cache_slots_in_use", "checkpoint_slots_in_use", "Local checkpoint pool slots in use: KV pages and recurrent-state slots not free (live, cached, pinned)"),
+    _extra("host_cache_slots_total", "checkpoint_slots_total", "Local checkpoint pool slots: KV pages plus recurrent-state slots, the copy-out intake included", kind="gauge"),
+    _extra("host_cache_intake_slots", "checkpoint_intake_slots", "Pool slots the copy-out intake may hold pinned for the host store at once"),
+    _extra("host_cache_anchor_records", "host.anchor_records", "Host-memory records of conversation anchors' chains (evicted last)"),
+    _extra("host_cache_copyout_pinned_records", "host.copyout_pinned_records", "KV pages and state snapshots pinned for the copy-out thread and not yet released"),
+    _extra("host_cache_copyout_waits_total", "host.copyout_waits", "Times the engine thread waited for the copy-out thread because the pool needed pinned pages"),
+    _extra("host_cache_copyout_wait_nanoseconds_total", "host.copyout_wait_ns", "Engine-thread nanoseconds spent in those waits"),
+    _extra("host_cache_copyout_worker_nanoseconds_total", "host.copyout_worker_ns", "Copy-out thread nanoseconds spent copying pinned pages and snapshots into host records"),
+    Spec("learned_drafter_name", "", None, None),  # JSON only: "mtp", a draft core's model id, or null
+)
+# fmt: on
+# Labelled counters: one Prometheus line per label value (every value api.md names, zero until counted).
 _TIERS, _DROP_REASONS = ("dram", "nvme"), ("end_of_chain", "oversize", "io_error")
-LABELLED: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[str, ...]], ...] = (
-    (
+LABELLED: tuple[Spec, ...] = (
+    Spec(
         "host_cache_held",
-        "flare_host_cache_held_total",
-        "counter",
         "Records the host prefix store took in, by tier",
-        ("tier",),
-        _TIERS,
+        "host.held",
+        "flare_host_cache_held_total",
+        labels=("tier",),
+        known=_TIERS,
     ),
-    (
+    Spec(
         "host_cache_dropped",
-        "flare_host_cache_dropped_total",
-        "counter",
         "Records the host prefix store dropped, by tier and reason",
-        ("tier", "reason"),
-        tuple(f"{tier}/{reason}" for tier in _TIERS for reason in _DROP_REASONS),
+        "host.dropped",
+        "flare_host_cache_dropped_total",
+        labels=("tier", "reason"),
+        known=tuple(f"{tier}/{reason}" for tier in _TIERS for reason in _DROP_REASONS),
     ),
-    (
+    Spec(
         "checkpoint_captures",
-        "flare_checkpoint_captures_total",
-        "counter",
         "Recurrent-state checkpoints captured, by role (anchor: the end of a system/tools block; message: a "
         "message or cache_control block end, or a prompt's last page boundary; endpoint: a finished sequence's "
         "last full page)",
-        ("role",),
-        ("anchor", "message", "endpoint"),
+        name="flare_checkpoint_captures_total",
+        labels=("role",),
+        known=("anchor", "message", "endpoint"),
     ),
-    (
+    Spec(
         "checkpoint_skips",
-        "flare_checkpoint_skips_total",
-        "counter",
         "Checkpoint captures not made, by reason",
-        ("reason",),
-        ("unknown_cost", "work_budget", "storage"),
+        name="flare_checkpoint_skips_total",
+        labels=("reason",),
+        known=("unknown_cost", "work_budget", "storage"),
     ),
     # api.md: "graph launches by kind", unnamed there; docs/serving.md names it
-    (
+    Spec(
         "graph_launches",
-        "flare_graph_launches_total",
-        "counter",
         "Step program launches, by kind (graph: a captured CUDA graph replayed; eager: run op by op)",
-        ("kind",),
-        ("graph", "eager"),
+        name="flare_graph_launches_total",
+        labels=("kind",),
+        known=("graph", "eager"),
     ),
 )
-_LABELLED_NAMES = {key for key, *_ in LABELLED}
-
-HISTOGRAMS: tuple[tuple[str, str], ...] = (
+SPECS = FIELDS + EXTRAS + LABELLED  # Prometheus exposition order
+HISTOGRAMS: tuple[tuple[str, str], ...] = (  # the host store's (HostStoreMetrics.<name without flare_host_cache_>)
     ("flare_host_cache_missing_tokens", "Tokens a host prefix-store lookup could not cover"),
     ("flare_host_cache_estimated_transfer_ns", "Estimated host-to-GPU transfer time of a lookup"),
     ("flare_host_cache_estimated_prefill_ns", "Estimated prefill time a lookup would replace"),
 )
+# (Prometheus name, first_response key, its value when absent, help)
+FIRST_RESPONSE = (
+    (
+        "flare_first_response_median_seconds",
+        "median_seconds",
+        None,
+        "Median seconds from HTTP admission to first offered text over the window",
+    ),
+    ("flare_first_response_samples", "samples", 0, "First-response samples in the window"),
+)
+_TABLE = frozenset(spec.key for spec in FIELDS)
+_KEYS = frozenset(spec.key for spec in SPECS)
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
@@ -245,88 +203,33 @@ class ServerCounters:
     http_admission_in_use: int  # admission slots held
     http_admission_capacity: int  # admission slots in total
     uptime_seconds: int  # whole seconds since the server started
-    image_counters: Mapping[str, int]  # the frontend's share of the IMAGE_COUNTERS (decoding, rejections)
+    image_counters: Mapping[str, int] = field(default_factory=dict)  # the frontend's share of IMAGE_COUNTERS
+    completed: int = 0  # requests by the outcome their client saw (helios/server/outcomes.py)
+    failed: int = 0
 
 
 def values_of(engine: EngineMetrics, server: ServerCounters) -> dict[str, Any]:
-    """The flat mapping both expositions render: JSON field name -> number, or for labelled
-    counters {"label value[/label value]": count}; learned_drafter_name is JSON only."""
+    """The flat mapping both expositions render: JSON key -> number, or for labelled counters
+    {"label value[/label value]": count}; learned_drafter_name is JSON only."""
+    owners = {"": engine, "host": engine.host, "server": server}
+    values: dict[str, Any] = {}
+    for spec in SPECS:
+        if spec.source is None:
+            continue
+        owner, _, attribute = (spec.source or spec.key).rpartition(".")
+        if owners[owner] is not None:  # host-store metrics are absent without one
+            value = getattr(owners[owner], attribute)
+            values[spec.key] = dict(value) if spec.labels else value
     e = engine
-    values: dict[str, Any] = {
-        "prefill_tokens": e.prefill_tokens,
-        "generated_tokens": e.generated_tokens,
-        "decode_weight_bytes": e.decode_weight_bytes,
-        "verification_rounds": e.verification_rounds,
-        "active": e.active,
-        "pending": e.pending,
-        "completed": e.completed,
-        "failed": e.failed,
-        "reused_tokens": e.reused_tokens,
-        "cached_pages": e.cached_pages,
-        "free_pages": e.free_pages,
-        "total_pages": e.total_pages,
-        "page_tokens": e.page_tokens,
-        "reasoning_budget_cuts": e.reasoning_budget_cuts,
-        "verify_steps": e.verify_steps,
-        "verification_drafts": e.verification_drafts,
-        "accepted_drafts": e.accepted_drafts,
-        "draft_rounds": e.draft_rounds,
-        "draft_steps": e.draft_steps,
-        "state_slots": e.state_slots,
-        "state_slot_bytes": e.state_slot_bytes,
-        "state_slots_used": e.state_slots_used,
-        "state_snapshots": e.state_snapshots,
-        "checkpoint_anchor_reservations": e.checkpoint_anchor_reservations,
-    }
+    values.update(
+        used_pages=e.total_pages - e.free_pages - e.cached_pages,
+        learned_drafter=e.learned_drafter is not None,  # api.md: a boolean; its name goes beside it
+        learned_drafter_name=e.learned_drafter,
+        history_drafts_enabled=int(e.history_drafts_enabled),
+    )
     values.update(e.images)  # image preparation and feature counters (engine), plus the frontend's
     for name, count in server.image_counters.items():
         values[name] = values.get(name, 0) + count
-    values.update(
-        checkpoint_captures=dict(e.checkpoint_captures),
-        checkpoint_skips=dict(e.checkpoint_skips),
-        checkpoint_extra_work_nanoseconds_total=e.checkpoint_extra_work_ns,
-        host_cache_slots_in_use=e.checkpoint_slots_in_use,
-        host_cache_slots_total=e.checkpoint_slots_total,
-        host_cache_intake_slots=e.checkpoint_intake_slots,
-    )
-    if (host := e.host) is not None:
-        values.update(
-            host_hits=host.hits,
-            host_reused_tokens=host.reused_tokens,
-            host_memory_records=host.memory_records,
-            host_disk_records=host.disk_records,
-            host_bytes_out=host.bytes_out,
-            host_bytes_in=host.bytes_in,
-            host_cache_parked_records=host.parked_records,
-            host_cache_store_skipped_total=host.skipped,
-            host_cache_held=dict(host.held),
-            host_cache_anchor_records=host.anchor_records,
-            host_cache_copyout_pinned_records=host.copyout_pinned_records,
-            host_cache_copyout_headroom_deferrals_total=host.copyout_deferrals,
-            host_cache_copyout_waits_total=host.copyout_waits,
-            host_cache_copyout_wait_nanoseconds_total=host.copyout_wait_ns,
-            host_cache_copyout_worker_nanoseconds_total=host.copyout_worker_ns,
-            host_cache_dropped=dict(host.dropped),
-        )
-    values.update(
-        preemptions_total=e.preemptions,
-        state_rewinds_total=e.state_rewinds,
-        replay_gpu_ns=e.replay_ns,
-        replay_readiness_wait_ns=e.readiness_wait_ns,
-        replay_readiness_samples=e.readiness_samples,
-        used_pages=e.total_pages - e.free_pages - e.cached_pages,
-        # api.md: learned_drafter is a boolean; which drafter it is goes beside it (JSON only):
-        # "mtp" for the core's MTP programs, a draft core's model id, or null.
-        learned_drafter=e.learned_drafter is not None,
-        learned_drafter_name=e.learned_drafter,
-        learned_draft_tokens_total=e.learned_offered,
-        learned_accepted_draft_tokens_total=e.learned_accepted,
-        history_drafts_enabled=int(e.history_drafts_enabled),
-        http_admission_in_use=server.http_admission_in_use,
-        http_admission_capacity=server.http_admission_capacity,
-        uptime_seconds=server.uptime_seconds,
-        graph_launches=dict(e.graph_launches),  # by kind: graph (CUDA replay), eager
-    )
     # Speculative counters by depth (drafts a request round offered), batch (decode rows in a
     # verification step) and width (1 + the most drafts any row group of the step carried).
     for label, table in (("depth", e.rounds_by_depth), ("batch", e.steps_by_batch), ("width", e.steps_by_width)):
@@ -340,11 +243,7 @@ def histograms_of(engine: EngineMetrics) -> dict[str, HistogramSnapshot]:
     host = engine.host
     if host is None:
         return {}
-    return {
-        "flare_host_cache_missing_tokens": host.missing_tokens,
-        "flare_host_cache_estimated_transfer_ns": host.estimated_transfer_ns,
-        "flare_host_cache_estimated_prefill_ns": host.estimated_prefill_ns,
-    }
+    return {name: getattr(host, name.removeprefix("flare_host_cache_")) for name, _ in HISTOGRAMS}
 
 
 def json_snapshot(
@@ -355,12 +254,12 @@ def json_snapshot(
     """Every table field (absent = 0, integers except learned_drafter), extras, first_response, and
     each histogram under its Prometheus name without flare_: {"buckets": {le: cumulative count},
     "sum", "count"} (empty without a host prefix store)."""
-    out: dict[str, Any] = {field: int(values.get(field, 0)) for field, *_ in FIELDS}
+    out: dict[str, Any] = {spec.key: int(values.get(spec.key, 0)) for spec in FIELDS}
     out["learned_drafter"] = bool(values.get("learned_drafter", False))
     out["learned_drafter_name"] = values.get("learned_drafter_name")
     out.update((key, value) for key, value in values.items() if key not in _TABLE)
-    for key in _LABELLED_NAMES:
-        out.setdefault(key, {})
+    for spec in LABELLED:
+        out.setdefault(spec.key, {})
     for name, _ in HISTOGRAMS:
         histogram = (histograms or {}).get(name, EMPTY_HISTOGRAM)
         out[name.removeprefix("flare_")] = {
@@ -390,9 +289,9 @@ def prometheus_text(
 
 
 class MetricsCollector(Collector):
-    """The families of one /metrics read, in exposition order: the table, the extras, the labelled
-    counters (every label value api.md names, zero until counted), pass-through keys, the
-    first-response window, and the host-store histograms (empty without a host prefix store)."""
+    """The families of one /metrics read, in exposition order: the specs (table, extras, labelled
+    counters), pass-through keys, the first-response window, and the host-store histograms (empty
+    without a host prefix store)."""
 
     def __init__(
         self,
@@ -407,37 +306,27 @@ class MetricsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         values = self.values
-        for field, name, kind, help_text in FIELDS:
-            if name is not None:
-                yield _family(name, kind, help_text, int(values.get(field, 0)))
-        for key, kind, help_text in EXTRAS:
-            yield _family(f"flare_{key}", kind, help_text, values.get(key, 0))
-        for key, name, kind, help_text, labels, known in LABELLED:
-            family = _FAMILIES[kind](name, help_text, labels=labels)
-            counts = dict.fromkeys(known, 0) | dict(values.get(key) or {})
+        for spec in SPECS:
+            if spec.name is None:
+                continue
+            if not spec.labels:
+                value = values.get(spec.key, 0)
+                yield _family(spec.metric, spec.type, spec.help, int(value) if spec.key in _TABLE else value)
+                continue
+            family = _FAMILIES[spec.type](spec.metric, spec.help, labels=spec.labels)
+            counts = dict.fromkeys(spec.known, 0) | dict(values.get(spec.key) or {})
             for label_values, count in sorted(counts.items()):
                 family.add_metric(label_values.split("/"), count)
             yield family
         for key, value in values.items():
-            if key in _TABLE or key in _EXTRA_NAMES or key in _LABELLED_NAMES or key in JSON_ONLY:
+            if key in _KEYS:
                 continue
             if not _NAME.fullmatch(key):
                 raise ValueError(f"metric key {key!r} is not a valid Prometheus name")
-            yield _family(
-                f"flare_{key}", "counter" if key.endswith("_total") else "gauge", key.replace("_", " "), value
-            )
-        yield _family(
-            "flare_first_response_median_seconds",
-            "gauge",
-            "Median seconds from HTTP admission to first offered text over the window",
-            self.first_response.get("median_seconds"),
-        )
-        yield _family(
-            "flare_first_response_samples",
-            "gauge",
-            "First-response samples in the window",
-            self.first_response.get("samples", 0),
-        )
+            spec = Spec(key, key.replace("_", " "))
+            yield _family(spec.metric, spec.type, spec.help, value)
+        for name, key, absent, help_text in FIRST_RESPONSE:
+            yield _family(name, "gauge", help_text, self.first_response.get(key, absent))
         for name, help_text in HISTOGRAMS:
             histogram = self.histograms.get(name, EMPTY_HISTOGRAM)
             yield HistogramMetricFamily(name, help_text, buckets=list(histogram.buckets), sum_value=histogram.sum)

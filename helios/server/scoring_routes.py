@@ -16,6 +16,7 @@ from helios.protocols import decisions, systemone
 from helios.server import multipart
 from helios.server.generation import admit as _admit
 from helios.server.json_body import JsonBodyError, parse_json
+from helios.server.outcomes import Outcome
 from helios.server.responses import HttpError, error_response, json_response, translate
 from helios.server.route_io import (
     ClientDisconnected,
@@ -101,14 +102,18 @@ class _Submission:
 async def _score(
     state: ServerState, text: str, questions: Sequence[tuple[str, QuestionSpec]], submission: _Submission
 ) -> tuple[list[LabelRead], ScoringUsage]:
-    """Compile off the event loop, then hold one admission slot while the questions run in turn."""
+    """Compile off the event loop, then hold one admission slot while the questions run in turn.
+    From admission on the request is counted: failed when refused or when a read fails, else completed."""
     compiled = await state.in_pool(compile_questions, state.frontend, text, questions)
-    reservation = _admit(state, 1)
-    submission.submitted = True
-    try:
-        return await read_labels(state.frontend, state.runner, compiled, submission.request_id)
-    finally:
-        reservation.release()
+    with state.outcomes.failures():
+        reservation = _admit(state, 1)
+        submission.submitted = True
+        try:
+            result = await read_labels(state.frontend, state.runner, compiled, submission.request_id)
+        finally:
+            reservation.release()
+    state.outcomes.record(Outcome.COMPLETED)
+    return result
 
 
 @post("/v1/systemone", status_code=200)

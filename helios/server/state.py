@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,11 +33,12 @@ from helios.engine import (
 from helios.engine import resolve_device as resolve_engine_device
 from helios.frontend.constraint import GrammarMasks
 from helios.frontend.generate import Runner
-from helios.frontend.parsers.reasoning import reasoning_delimiters
+from helios.frontend.prepare import default_budget_problem
 from helios.frontend.request import Frontend
 from helios.protocols.models import ModelIdentity, card, flare_object, identity
 from helios.server.admission import AdmissionSlots
 from helios.server.metrics import FirstResponseWindow, ServerCounters, histograms_of, values_of
+from helios.server.outcomes import Outcome, RequestOutcomes
 
 T = TypeVar("T")
 HEAVY_REQUEST_BYTES = 1 << 20  # requests with bodies past this do their frontend work on the heavy pool
@@ -58,6 +59,7 @@ class ServerState:
     card: dict[str, Any]
     started: float
     first_response: FirstResponseWindow
+    outcomes: RequestOutcomes = field(default_factory=RequestOutcomes)  # api.md completed / failed
 
     async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
         """CPU-bound frontend work (tokenization, rendering) off the event loop.
@@ -85,6 +87,8 @@ def _values(state: ServerState, engine: EngineMetrics) -> dict[str, Any]:
         http_admission_capacity=state.slots.capacity,
         uptime_seconds=int(time.time() - state.started),
         image_counters=dict(state.frontend.image_counters),
+        completed=state.outcomes.count(Outcome.COMPLETED),
+        failed=state.outcomes.count(Outcome.FAILED),
     )
     return values_of(engine, server)
 
@@ -140,12 +144,12 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     core = Core.open(core_dir, trust_unchanged=True)
     clock.lap("opening the core (checksums)")
     m = core.manifest
-    if config.thinking_token_budget is not None and (
-        m.recipe.reasoning_syntax is None or reasoning_delimiters(m.recipe.reasoning_syntax, core.tokenizer()) is None
-    ):
+    frontend = Frontend(core, config)
+    problem = default_budget_problem(frontend) if config.thinking_token_budget is not None else None
+    if problem is not None:
         raise ConfigError(
-            "[server] thinking_token_budget needs a core whose reasoning syntax closes with a single-token delimiter; "
-            f"recipe {m.recipe.name!r} has none (reasoning syntax {m.recipe.reasoning_syntax!r}): remove the setting"
+            f"[server] thinking_token_budget cannot cap reasoning of recipe {m.recipe.name!r}: {problem}; "
+            "remove the setting"
         )
     device = resolve_device(config)
     cuda = is_cuda(device)
@@ -190,7 +194,6 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     client = EngineClient(engine).start()
     running = client.metrics()  # what runs: device, CUDA graphs, context limit
     clock.lap("starting the engine")
-    frontend = Frontend(core, config)
     frontend.grammars.probe.start()  # its worker builds the tokenizer while the server starts
     clock.lap("starting the frontend")
     created = int(time.time())

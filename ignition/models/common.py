@@ -1,8 +1,7 @@
-"""Pieces shared by the pre-norm GQA decoder families (llama, qwen3, qwen3_moe).
-
-The step-program skeleton (`DecoderProgram`, families override the q/k and MLP hooks),
-its norm/rotary helpers, and an independent plain-torch reference forward over Hugging
-Face-named weights that the export self-check compares the saved programs against.
+"""Pieces the families share: weight-name maps of the common tensors, the pre-norm GQA decoder
+(`DecoderProgram`: llama, qwen3, qwen3_moe, gemma3 override its q/k and MLP hooks), norms, rotary,
+hyper-connections, MLPs, the test-checkpoint shapes, and an independent plain-torch reference forward
+over Hugging Face-named weights that the export self-check compares the saved programs against.
 """
 
 from __future__ import annotations
@@ -16,19 +15,49 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models.heads import step_outputs
+from ignition.models.step import StepInputs, StepModule, cached_attention
 
-# Hugging Face names of the embedding, final norm, head and attention block (no MLP).
-ATTENTION_WEIGHT_MAP = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
+# Hugging Face name -> internal name ("{}": the layer) of the pieces most families share.
+HEAD_WEIGHT_MAP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+QKVO_WEIGHT_MAP = {f"model.layers.{{}}.self_attn.{p}_proj.weight": f"layers.{{}}.w{p}" for p in "qkvo"}
+QK_NORM_WEIGHT_MAP = {  # per-head q/k RMSNorm (Qwen3, Gemma)
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.q_norm",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.k_norm",
+}
+SWIGLU_WEIGHT_MAP = {f"model.layers.{{}}.mlp.{p}_proj.weight": f"layers.{{}}.w_{p}" for p in ("gate", "up", "down")}
+# A pre-norm layer's norms: before attention, and before the MLP.
+PRE_NORM_WEIGHT_MAP = {
     "model.layers.{}.input_layernorm.weight": "layers.{}.attn_norm",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.wq",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.wk",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.wv",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.wo",
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm",
+}
+# The embedding, final norm, head and a pre-norm attention block (no MLP).
+ATTENTION_WEIGHT_MAP = {**HEAD_WEIGHT_MAP, **PRE_NORM_WEIGHT_MAP, **QKVO_WEIGHT_MAP}
+
+
+def hyper_weight_map(source: str) -> dict[str, str]:
+    """The attention and MLP blocks' hyper-connection tensors (fn, base, scale): `source` with its "{block}"
+    and "{part}" filled in (e.g. "model.layers.{}.{block}_hc.{part}") -> "layers.{}.{block}_hc.{part}"."""
+    blocks, parts = ("attn", "ffn"), ("fn", "base", "scale")
+    name = lambda b, p: source.replace("{block}", b).replace("{part}", p)  # noqa: E731
+    return {name(b, p): f"layers.{{}}.{b}_hc.{p}" for b in blocks for p in parts}
+
+
+# llama.cpp's GGUF tensor names (convert_hf_to_gguf) -> Hugging Face names, of the pieces above.
+GGUF_DECODER_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    **{
+        f"blk.{{}}.attn_{g}.weight": f"model.layers.{{}}.self_attn.{h}_proj.weight"
+        for g, h in zip(("q", "k", "v", "output"), "qkvo")
+    },
+    **{f"blk.{{}}.ffn_{p}.weight": f"model.layers.{{}}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+}
+# Internal tensors concatenated (along output rows) into one, so a layer runs fewer matmuls.
+DENSE_FUSED = {
+    "layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
+    "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"),
 }
 
 
@@ -56,12 +85,12 @@ class DecoderConfig(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class DenseConfig:
-    """A decoder with one dense SwiGLU MLP per layer (Llama, Qwen3)."""
+class DecoderFields:
+    """The config fields of a GQA decoder that families read the same way (`decoder_fields`); a
+    family's config adds its MLP sizes and whatever else it has."""
 
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -74,6 +103,13 @@ class DenseConfig:
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class DenseConfig(DecoderFields):
+    """A decoder with one dense SwiGLU MLP per layer (Llama, Qwen3)."""
+
+    intermediate_size: int
 
 
 def decoder_fields(hf: dict[str, Any], family: str, default_positions: int) -> dict[str, Any]:
@@ -127,15 +163,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rope(
-    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype, factor: float = 1.0
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype | None = None, factor: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, 1, D] of rotary embeddings; `factor` > 1 is linear position scaling (inv_freq / factor)."""
+    """cos, sin [T, 1, D] fp32 of rotary embeddings (cast to `dtype` where given); `factor` > 1 is
+    linear position scaling (inv_freq / factor)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if factor != 1.0:
         inv_freq = inv_freq / factor
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
+    if dtype is None:
+        return emb.cos()[:, None, :], emb.sin()[:, None, :]
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
@@ -144,9 +183,22 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+def partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, D]: rotate-half rotary over the first cos.shape[-1] dims of each head; the rest passes."""
+    dim = cos.shape[-1]
+    rotated, passed = x[..., :dim], x[..., dim:]
+    return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
+
+
 def unit_rms(x: Tensor, eps: float) -> Tensor:
     """Weightless RMSNorm over the last dim (fp32)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def offset_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in fp32 whose weight stores the offset from one: x / rms(x) * (1 + w) (Gemma 3's,
+    Qwen3-Next's, MiniMax-M3's, Step 3.7's, Muse Spark's centered norm)."""
+    return unit_rms(x.float(), eps) * (1.0 + weight.float())
 
 
 def hyper_connection(
@@ -171,27 +223,23 @@ def hyper_connection(
     return post, comb, (pre[:, :, None] * streams).sum(dim=1)
 
 
+def hyper_block(config: Any, weights: dict[str, Tensor], prefix: str, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`hyper_connection` with the block's fn/base/scale under `prefix` (e.g. "layers.3.attn_hc.") and the
+    config's hc_sinkhorn_iters, hc_eps and rms_norm_eps (DeepSeek-V4, glm5_next)."""
+    c = config
+    fn, base, scale = (weights[prefix + part] for part in ("fn", "base", "scale"))
+    return hyper_connection(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+
 def hyper_residual(post: Tensor, comb: Tensor, out: Tensor, streams: Tensor) -> Tensor:
     """The streams after a block: its output [T, hidden] expanded by post, plus comb^T mixing the input streams."""
     return post[:, :, None] * out[:, None, :] + torch.matmul(comb.transpose(-1, -2), streams)
 
 
-class DecoderProgram(torch.nn.Module):
-    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature.
-
-    Pre-norm decoder: fused-QKV GQA attention over the flare:: paged-KV ops, then an MLP.
+class DecoderProgram(StepModule):
+    """Pre-norm decoder: fused-QKV GQA attention over the flare:: paged-KV ops, then an MLP.
     Subclasses change `qk` (per-head transforms before RoPE) and `mlp`.
     """
-
-    def __init__(self, config: Any, num_top: int, explicit_ids: bool, scored: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.num_top = num_top
-        self.explicit_ids = explicit_ids
-        self.scored = scored
-
-    def optional_inputs(self, extra_1: Tensor | None, extra_2: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-        return optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
 
     def qk(self, weights: dict[str, Tensor], layer: int, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q [T, H, D], k [T, KV, D] before RoPE; identity unless a family normalizes them."""
@@ -199,30 +247,15 @@ class DecoderProgram(torch.nn.Module):
 
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
         """SwiGLU over the fused gate/up projection: h [T, hidden] -> [T, hidden]."""
-        gate, up = F.linear(h, weights[f"layers.{layer}.w_gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, weights[f"layers.{layer}.w_down"])
+        return swiglu(weights, f"layers.{layer}.", h)
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        extra_1=None,
-        extra_2=None,
-    ):
-        logprob_ids, target_ids = self.optional_inputs(extra_1, extra_2)
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
         c = self.config
         # 16-bit cores: weights and matmul inputs in the core's dtype, but the residual stream,
         # norms and rotary stay fp32 (a bf16 residual through 30 layers moves logprobs by ~0.5).
         wdt = weights["embed"].dtype
-        x = F.embedding(token_ids, weights["embed"]).float()
-        cos, sin = rope(positions, c.head_dim, c.rope_theta, torch.float32)
+        x = F.embedding(s.token_ids, weights["embed"]).float()
+        cos, sin = rope(s.positions, c.head_dim, c.rope_theta, torch.float32)
         q_dim = c.num_heads * c.head_dim
         scale = 1.0 / math.sqrt(c.head_dim)
         for i in range(c.num_layers):
@@ -234,17 +267,18 @@ class DecoderProgram(torch.nn.Module):
             q, k = self.qk(weights, i, q, k)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
-            kvt = k_cache.dtype
-            torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
-            attn = torch.ops.flare.paged_attention(
-                q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale
-            )
+            attn = cached_attention(q, k, v, kv_cache[2 * i], kv_cache[2 * i + 1], s.paged, scale)
             x = x + F.linear(attn.reshape(-1, q_dim).to(wdt), weights[f"layers.{i}.wo"]).float()
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
         x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
+        return self.outputs(x, weights, s)
+
+
+def swiglu(weights: dict[str, Tensor], p: str, h: Tensor) -> Tensor:
+    """SwiGLU over the fused gate/up projection `p + "w_gate_up"` and `p + "w_down"`: h [T, hidden] -> [T, hidden]."""
+    gate, up = F.linear(h, weights[p + "w_gate_up"]).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, weights[p + "w_down"])
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -325,6 +359,39 @@ def attention_shapes(c: Any) -> dict[str, tuple[int, ...]]:
     }
 
 
+def tiny_decoder_config(architecture: str, model_type: str, vocab_size: int) -> dict[str, Any]:
+    """The Llama-shaped test config.json the dense families' tiny checkpoints start from: 2 layers of 4
+    query and 2 kv heads of 16, hidden size 64, MLP width 128, untied, float32."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def swiglu_shapes(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
+    """A Hugging Face gate/up/down MLP's tensor shapes under `prefix` (e.g. "mlp.", "mlp.shared_experts.")."""
+    return {
+        prefix + "gate_proj.weight": (width, hidden),
+        prefix + "up_proj.weight": (width, hidden),
+        prefix + "down_proj.weight": (hidden, width),
+    }
+
+
+def qk_norm_shapes(c: Any) -> dict[str, tuple[int, ...]]:
+    """Per-layer q/k norm shapes (names under "model.layers.{i}.")."""
+    return {"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}
+
+
 def decoder_shapes(c: Any, per_layer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes: embedding, final norm, head unless tied, and
     `per_layer` (names under "model.layers.{i}.") for every layer, in that order."""
@@ -335,13 +402,3 @@ def decoder_shapes(c: Any, per_layer: dict[str, tuple[int, ...]]) -> dict[str, t
     for layer in range(c.num_layers):
         shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
     return shapes
-
-
-def optional_inputs(
-    extra_1: Tensor | None, extra_2: Tensor | None, explicit_ids: bool, scored: bool
-) -> tuple[Tensor | None, Tensor | None]:
-    """(logprob_token_ids, target_ids): a step program's optional inputs, in program_signature's order."""
-    extra = [t for t in (extra_1, extra_2) if t is not None]
-    logprob_ids = extra.pop(0) if explicit_ids else None
-    target_ids = extra.pop(0) if scored else None
-    return logprob_ids, target_ids

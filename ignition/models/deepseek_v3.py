@@ -29,6 +29,7 @@ unchanged (glm_moe_dsa and glm5_next build on this one).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,31 +37,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import kimi_k25_vision, moe, mtp, vision_hooks
-from ignition.models.common import decoder_shapes, optional_inputs, reference_swiglu, rms_norm
+from ignition.models import deepseek_v3_config, kimi_k25_vision, moe, mtp, vision_hooks
+from ignition.models.common import decoder_shapes, reference_swiglu, rms_norm, swiglu, swiglu_shapes
 from ignition.models.deepseek_v3_config import (
-    FUSED,
-    HF_ARCHITECTURES,
-    HF_MODEL_TYPES,
     LATENT_NORM_EPS,
-    NAME,
     SHARED_KV,
     STACKED,
-    WEIGHT_MAP,
     DeepseekV3Config,
     RopeSpec,
     canonical_name,
     canonical_tensors,
-    config_from_hf,
-    decode_weight_bytes,
     extra_caches,
     extra_step_outputs,
     ignored_tensor,
-    kv_shape,
 )
 from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
-from ignition.models.heads import generation_outputs, step_outputs
 from ignition.models.kimi_k25_vision import TESTMODEL_PROCESSOR, TESTMODEL_VISION_TOKENS, testmodel_vision
+from ignition.models.naming import nested
+from ignition.models.step import Paged, StepInputs, StepModule, embed_images
 
 # ---------------------------------------------------------------------------- step program
 
@@ -86,16 +80,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-class StepProgram(torch.nn.Module):
-    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with
-    kv_cache = [latent_0, latent_1, ...], each [pages, page_tokens, 1, latent_dim]."""
+class StepProgram(StepModule):
+    """The step over kv_cache = [latent_0, latent_1, ...], each [pages, page_tokens, 1, latent_dim]."""
 
-    def __init__(self, config: DeepseekV3Config, num_top: int, explicit_ids: bool, scored: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.num_top = num_top
-        self.explicit_ids = explicit_ids
-        self.scored = scored
+    multimodal = True
 
     def q_resid(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor | None:
         """The normed q LoRA down-projection [T, q_lora_rank] in h's dtype; None without a q LoRA."""
@@ -157,7 +145,7 @@ class StepProgram(torch.nn.Module):
         cos: Tensor,
         sin: Tensor,
         cache: Tensor,
-        paged: tuple[Tensor, ...],
+        paged: Paged,
     ) -> Tensor:
         """Absorbed MLA: h [T, hidden] in the core dtype -> attention output [T, hidden] fp32."""
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
@@ -173,46 +161,18 @@ class StepProgram(torch.nn.Module):
         c = self.config
         if c.is_moe(layer):
             return moe.sparse_moe(c.router, weights, layer, h, shared=c.n_shared_experts > 0)
-        gate, up = F.linear(h, weights[f"layers.{layer}.w_gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, weights[f"layers.{layer}.w_down"]).float()
+        return swiglu(weights, f"layers.{layer}.", h).float()
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        extra_1=None,
-        extra_2=None,
-        extra_3=None,
-        extra_4=None,
-    ):
-        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
-        those rows' input embeddings are the features; rows of -1 are unused."""
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
-        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
-        logprob_ids, target_ids = optional_inputs(*(extra + [None, None])[:2], self.explicit_ids, self.scored)
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
+        """Vision cores: the image rows' input embeddings are the features."""
         c = self.config
         wdt = weights["embed"].dtype
         # As in the other families: residual stream, norms and rotary in fp32, matmuls in the core dtype.
-        x = F.embedding(token_ids, weights["embed"]).float()
-        if image is not None:
-            features, rows = image
-            T = x.shape[0]
-            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
-            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
-        cos, sin = self.rotary(positions)
-        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
-        x = self.decoder(weights, kv_cache, x, cos, sin, paged)
+        x = embed_images(F.embedding(s.token_ids, weights["embed"]).float(), s)
+        cos, sin = self.rotary(s.positions)
+        x = self.decoder(weights, kv_cache, x, cos, sin, s.paged)
         hidden = rms_norm(x, weights["norm"], c.rms_norm_eps)
-        outputs = step_outputs(
-            hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids
-        )
+        outputs = self.outputs(hidden.to(wdt), weights, s)
         # With MTP layers the drafter's input too (glm5_next's config, built on this one, has no such field).
         return (*outputs, hidden) if c.num_mtp_layers else outputs
 
@@ -229,7 +189,7 @@ class StepProgram(torch.nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        paged: tuple[Tensor, ...],
+        paged: Paged,
     ) -> Tensor:
         """The residual stream x [T, hidden] fp32 through every layer (pre-norm attention, then MLP)."""
         c, wdt = self.config, weights["embed"].dtype
@@ -241,45 +201,30 @@ class StepProgram(torch.nn.Module):
         return x
 
 
-class MtpProgram(StepProgram):
-    """MTP layer `layer`'s draft step (ignition.models.mtp's contract): forward(weights, kv_cache,
-    token_ids, positions, hidden_states, slot_mapping, block_tables, seq_lens, query_start_loc,
-    logits_indices) -> the logits_indices rows' logits, logsumexp (and top-N), then every row's
-    MTP hidden state [T, hidden] fp32 (shared_head.norm's output: the next draft's hidden_states)."""
+class MtpProgram(mtp.DraftForward, StepProgram):
+    """MTP layer `layer`'s draft step (ignition.models.mtp's contract); its hidden states are
+    shared_head.norm's output. The main step's attention, MLP and rotary are inherited."""
 
     def __init__(self, config: DeepseekV3Config, layer: int, num_top: int) -> None:
         super().__init__(config, num_top, explicit_ids=False, scored=False)
         self.layer = layer
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        hidden_states,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-    ):
+    def draft(self, weights: dict[str, Tensor], kv_cache: list[Tensor], d: mtp.DraftInputs) -> tuple[Tensor, ...]:
         c = self.config
         index = c.num_layers + self.layer  # its checkpoint layer number, and its cache's (extra_caches)
         p, wdt, eps = f"layers.{index}.", weights["embed"].dtype, c.rms_norm_eps
         embed = weights[p + "embed"] if p + "embed" in weights else weights["embed"]
         joined = torch.cat(
             [
-                rms_norm(F.embedding(token_ids, embed).float(), weights[p + "enorm"], eps),
-                rms_norm(hidden_states.float(), weights[p + "hnorm"], eps),
+                rms_norm(F.embedding(d.token_ids, embed).float(), weights[p + "enorm"], eps),
+                rms_norm(d.hidden.float(), weights[p + "hnorm"], eps),
             ],
             dim=-1,
         )
         x = F.linear(joined.to(wdt), weights[p + "eh_proj"]).float()
-        cos, sin = self.rotary(positions)
-        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
+        cos, sin = self.rotary(d.paged.positions)
         h = rms_norm(x, weights[p + "attn_norm"], eps).to(wdt)
-        x = x + self.attention(weights, index, h, cos, sin, kv_cache[index], paged)
+        x = x + self.attention(weights, index, h, cos, sin, kv_cache[index], d.paged)
         h = rms_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
         x = x + self.mlp(weights, index, h).float()
         out = rms_norm(x, weights[p + "head_norm"], eps)
@@ -287,7 +232,7 @@ class MtpProgram(StepProgram):
             head = weights[p + "head"]
         else:
             head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
-        return (*generation_outputs(out[logits_indices].to(wdt), head, self.num_top, None), out)
+        return self.draft_outputs(out, head, d, wdt)
 
 
 def duplicates(config: DeepseekV3Config) -> dict[str, str]:
@@ -310,17 +255,7 @@ def extra_programs(config: DeepseekV3Config, num_top: int, weights: dict[str, Te
     mtp.require_layers(
         weights, config.num_mtp_layers, lambda k: f"layers.{n + k}.eh_proj", lambda k: f"model.layers.{n + k}."
     )
-    modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
-    return mtp.draft_programs(
-        modules,
-        config.hidden_size,
-        num_top,
-        mtp.reference_check(
-            config.vocab_size,
-            lambda w, ids: reference_forward(config, w, ids)[1],
-            lambda w, layer, next_ids, hidden: reference_mtp(config, w, layer, next_ids, hidden)[0],
-        ),
-    )
+    return mtp.checked_drafts(config, num_top, MtpProgram, reference_forward, reference_mtp)
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -523,10 +458,7 @@ def hf_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     shapes = _text_shapes(c)
     if c.vision is None:
         return shapes
-    nested = {
-        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in shapes.items()
-    }
-    return nested | kimi_k25_vision.hf_shapes(c.vision)
+    return nested(shapes) | kimi_k25_vision.hf_shapes(c.vision)
 
 
 def _text_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
@@ -568,61 +500,27 @@ def _text_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     for layer in range(c.num_layers + num_mtp):
         p = f"model.layers.{layer}.mlp."
         if not c.is_moe(layer):
-            shapes.update(
-                {
-                    p + "gate_proj.weight": (c.intermediate_size, h),
-                    p + "up_proj.weight": (c.intermediate_size, h),
-                    p + "down_proj.weight": (h, c.intermediate_size),
-                }
-            )
+            shapes.update(swiglu_shapes(p, h, c.intermediate_size))
             continue
-        shapes.update(
-            {p + "gate.weight": (c.router.num_experts, h), p + "gate.e_score_correction_bias": (c.router.num_experts,)}
-        )
-        for e in range(c.router.num_experts):
-            shapes.update(
-                {
-                    f"{p}experts.{e}.gate_proj.weight": (f, h),
-                    f"{p}experts.{e}.up_proj.weight": (f, h),
-                    f"{p}experts.{e}.down_proj.weight": (h, f),
-                }
-            )
+        e = c.router.num_experts
+        shapes.update({p + "gate.weight": (e, h), p + "gate.e_score_correction_bias": (e,)})
+        shapes.update(moe.expert_shapes(p, e, h, f))
         if s:
-            shapes.update(
-                {
-                    p + "shared_experts.gate_proj.weight": (s, h),
-                    p + "shared_experts.up_proj.weight": (s, h),
-                    p + "shared_experts.down_proj.weight": (h, s),
-                }
-            )
+            shapes.update(swiglu_shapes(p + "shared_experts.", h, s))
     return shapes
 
+
+# The multimodal test checkpoint (ignition.testmodel --vision).
+TINY_VISION = TinyVision(testmodel_vision, "kimi_k3-vision", TESTMODEL_VISION_TOKENS, TESTMODEL_PROCESSOR)
 
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    deepseek_v3_config,
+    sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(kimi_k25_vision)),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        vision=TinyVision(
-            config=testmodel_vision,
-            chat="kimi_k3-vision",
-            tokens=TESTMODEL_VISION_TOKENS,
-            processor=TESTMODEL_PROCESSOR,
-        ),
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, vision=TINY_VISION),
     stacked=STACKED,
     shared_kv=SHARED_KV,
     extra_caches=extra_caches,

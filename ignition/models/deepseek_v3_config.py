@@ -15,7 +15,9 @@ from torch import Tensor
 
 from helios.core.manifest import TensorSpec
 from ignition.models import kimi_k25_vision, moe, mtp
+from ignition.models.common import HEAD_WEIGHT_MAP, PRE_NORM_WEIGHT_MAP
 from ignition.models.kimi_k25_vision import TESTMODEL_PROCESSOR, TESTMODEL_VISION_TOKENS, testmodel_vision  # noqa: F401
+from ignition.models.naming import refuse_vision_tensors, with_prefixes, without_prefixes
 
 NAME = "kimi_k3"
 HF_ARCHITECTURES = ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")
@@ -29,11 +31,8 @@ LATENT_NORM_EPS = 1e-6
 
 # Hugging Face checkpoint name (DeepseekV3ForCausalLM layout) -> internal name.
 _TEXT_WEIGHT_MAP = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attn_norm",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm",
+    **HEAD_WEIGHT_MAP,
+    **PRE_NORM_WEIGHT_MAP,
     "model.layers.{}.self_attn.q_proj.weight": "layers.{}.wq",  # q_lora_rank None
     "model.layers.{}.self_attn.q_a_proj.weight": "layers.{}.wq_a",
     "model.layers.{}.self_attn.q_a_layernorm.weight": "layers.{}.q_a_norm",
@@ -57,15 +56,6 @@ _TEXT_PREFIXES = {
 }
 
 
-def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
-    out = dict(table)
-    for source, target in table.items():
-        for plain, alternatives in _TEXT_PREFIXES.items():
-            if source.startswith(plain):
-                out.update({alt + source[len(plain) :]: target for alt in alternatives})
-    return out
-
-
 # An MTP layer's own tensors (layer numbers from num_hidden_layers on; its decoder layer is named as any other).
 _MTP_WEIGHT_MAP = {
     "model.layers.{}.enorm.weight": "layers.{}.enorm",
@@ -76,7 +66,7 @@ _MTP_WEIGHT_MAP = {
     "model.layers.{}.embed_tokens.weight": "layers.{}.embed",  # optional: else the main embedding
 }
 
-WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP | _MTP_WEIGHT_MAP) | kimi_k25_vision.WEIGHT_MAP
+WEIGHT_MAP = with_prefixes(_TEXT_WEIGHT_MAP | _MTP_WEIGHT_MAP, _TEXT_PREFIXES) | kimi_k25_vision.WEIGHT_MAP
 TEXT_WEIGHT_MAP = _TEXT_WEIGHT_MAP  # DeepseekV3ForCausalLM's own layout (glm_moe_dsa builds on it)
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
@@ -90,11 +80,7 @@ FUSED = {"layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"), **moe.SH
 
 def canonical_name(name: str) -> str:
     """A text tensor's DeepseekV3ForCausalLM name, whichever layout the checkpoint uses."""
-    for plain, alternatives in _TEXT_PREFIXES.items():
-        for alt in alternatives:
-            if name.startswith(alt):
-                return plain + name[len(alt) :]
-    return name
+    return without_prefixes(name, _TEXT_PREFIXES)
 
 
 # ---------------------------------------------------------------------------- config
@@ -211,15 +197,19 @@ def rope_from_hf(hf: dict[str, Any], family: str = NAME, interleave: bool | None
         return RopeSpec(theta=theta, dim=dim, interleave=interleave)
     if kind != "yarn":
         raise ValueError(f"rope type {kind!r} is not supported by the {family} family (supported: default, yarn)")
+    return yarn_rope(params, theta, dim, interleave, int(hf["max_position_embeddings"]))
+
+
+def yarn_rope(params: dict[str, Any], theta: float, dim: int, interleave: bool, max_positions: int) -> RopeSpec:
+    """YaRN rotary from transformers' rope_parameters (factor: max_positions over the original's where unset)."""
     original = int(params["original_max_position_embeddings"])
-    factor = params.get("factor") or int(hf["max_position_embeddings"]) / original
-    attention_factor = params.get("attention_factor")
+    attention_factor = params.get("attention_factor")  # None: YaRN's own mscale
     return RopeSpec(
         theta=theta,
         dim=dim,
         interleave=interleave,
         yarn=True,
-        factor=float(factor),
+        factor=float(params.get("factor") or max_positions / original),
         original_max_position_embeddings=original,
         beta_fast=float(params.get("beta_fast") or 32),
         beta_slow=float(params.get("beta_slow") or 1),
@@ -296,12 +286,7 @@ def canonical_tensors(config: DeepseekV3Config, tensors: dict[str, Tensor]) -> d
     (Moonshot's vision_tower.encoder.blocks.N.* / mm_projector.proj.* or transformers'
     model.vision_tower.*); a text-only config refuses them."""
     if config.vision is None:
-        stray = sorted(n for n in tensors if n.startswith(kimi_k25_vision.VISION_PREFIXES))
-        if stray:
-            raise ValueError(
-                f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
-                f"multimodal (no vision_config, or an image token id outside the vocabulary)"
-            )
+        refuse_vision_tensors(tensors, kimi_k25_vision.VISION_PREFIXES)
         return tensors
     return kimi_k25_vision.native_tensors(tensors, config.vision.num_heads)
 

@@ -25,7 +25,7 @@ Checked against transformers 5.24 `DeepseekV4ForCausalLM` (models/deepseek_v4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
 from typing import Any
 
 import torch
@@ -33,33 +33,25 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import helios.core.ops.deepseek_v4  # noqa: F401  (defines the flare::dsv4_* ops the program calls)
-from ignition.models import moe
-from ignition.models.common import hyper_connection, hyper_residual, optional_inputs, rms_norm, unit_rms
+from ignition.models import deepseek_v4_config, moe
+from ignition.models.common import hyper_block, hyper_residual, rms_norm, unit_rms
 from ignition.models.deepseek_v3 import rope_inv_freq
 from ignition.models.deepseek_v3_config import RopeSpec
 from ignition.models.deepseek_v4_config import (
     ACCURATE_16BIT,
     CSA,
-    FUSED,
     HASH_MOE,
     HCA,
-    HF_ARCHITECTURES,
-    HF_MODEL_TYPES,
     MOE,
-    NAME,
     SHARED_KV,
     SLIDING,
     STACKED,
-    WEIGHT_MAP,
     DeepseekV4Config,
-    config_from_hf,
-    decode_weight_bytes,
     extra_caches,
-    kv_shape,
 )
 from ignition.models.deepseek_v4_reference import reference_logits
 from ignition.models.family import Family, Reference, TinyCheckpoint
-from ignition.models.heads import step_outputs
+from ignition.models.step import Paged, StepInputs, StepModule
 
 # ---------------------------------------------------------------------------- step program
 
@@ -80,39 +72,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([head, torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)], dim=-1)
 
 
-@dataclass(frozen=True, slots=True)
-class _Paged:
-    slot_mapping: Tensor
-    block_tables: Tensor
-    query_start_loc: Tensor
-    positions: Tensor
-
-
-class StepProgram(torch.nn.Module):
-    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with
-    kv_cache = [rows_0, ..., rows_{L-1}] ([pages, page_tokens, 1, head_dim]) then extra_caches(config) (KvLayout.extra)."""
+class StepProgram(StepModule):
+    """The step over kv_cache = [rows_0, ..., rows_{L-1}] ([pages, page_tokens, 1, head_dim]) then
+    extra_caches(config) (KvLayout.extra)."""
 
     def __init__(self, config: DeepseekV4Config, num_top: int, explicit_ids: bool, scored: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.num_top = num_top
-        self.explicit_ids = explicit_ids
-        self.scored = scored
+        super().__init__(config, num_top, explicit_ids, scored)
         self.extra_names = tuple(e[0] for e in extra_caches(config))
-
-    def hyper(self, weights: dict[str, Tensor], prefix: str, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """streams [T, hc, hidden] -> (post [T, hc], comb [T, hc, hc], the block's input [T, hidden]), fp32
-        (ignition.models.common.hyper_connection, shared with glm5_next)."""
-        c = self.config
-        return hyper_connection(
-            streams,
-            weights[prefix + "fn"],
-            weights[prefix + "base"],
-            weights[prefix + "scale"],
-            c.hc_sinkhorn_iters,
-            c.hc_eps,
-            c.rms_norm_eps,
-        )
 
     def compress(
         self,
@@ -122,7 +88,7 @@ class StepProgram(torch.nn.Module):
         h: Tensor,
         state: Tensor,
         entries: Tensor,
-        paged: _Paged,
+        paged: Paged,
     ) -> None:
         """Store this step's compressor state, then pool, norm and rotate every group it completes into
         `entries` at the completing position's slot (part: "comp" or "index")."""
@@ -148,7 +114,7 @@ class StepProgram(torch.nn.Module):
         h: Tensor,
         ropes: dict[str, tuple[Tensor, Tensor]],
         caches: dict[str, Tensor],
-        paged: _Paged,
+        paged: Paged,
     ) -> Tensor:
         """h [T, hidden] in the core dtype -> attention output [T, hidden] fp32."""
         c, p, wdt = self.config, f"layers.{layer}.", h.dtype
@@ -211,43 +177,29 @@ class StepProgram(torch.nn.Module):
         out = moe.routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"], c.activation)
         return out + moe.shared_mlp(h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"], c.activation)
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        extra_1=None,
-        extra_2=None,
-    ):
-        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
         c = self.config
         wdt = weights["embed"].dtype
         caches = {f"layers.{i}.rows": kv_cache[i] for i in range(c.num_layers)}
         caches.update(zip(self.extra_names, kv_cache[c.num_layers :], strict=True))
-        paged = _Paged(slot_mapping, block_tables, query_start_loc, positions)
+        positions = s.positions
         ropes = {"main": rope_cos_sin(c.main_rope, positions), "compress": rope_cos_sin(c.compress_rope, positions)}
         # The hc_mult residual streams, norms and mixing stay fp32; matmuls run in the core dtype.
-        streams = F.embedding(token_ids, weights["embed"]).float()[:, None, :].expand(-1, c.hc_mult, -1)
+        streams = F.embedding(s.token_ids, weights["embed"]).float()[:, None, :].expand(-1, c.hc_mult, -1)
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            post, comb, collapsed = self.hyper(weights, p + "attn_hc.", streams)
+            post, comb, collapsed = hyper_block(c, weights, p + "attn_hc.", streams)
             h = rms_norm(collapsed, weights[p + "attn_norm"].float(), c.rms_norm_eps).to(wdt)
-            out = self.attention(weights, i, h, ropes, caches, paged)
+            out = self.attention(weights, i, h, ropes, caches, s.paged)
             streams = hyper_residual(post, comb, out, streams)
-            post, comb, collapsed = self.hyper(weights, p + "ffn_hc.", streams)
+            post, comb, collapsed = hyper_block(c, weights, p + "ffn_hc.", streams)
             h = rms_norm(collapsed, weights[p + "mlp_norm"].float(), c.rms_norm_eps).to(wdt)
-            out = self.mlp(weights, i, h, token_ids)
+            out = self.mlp(weights, i, h, s.token_ids)
             streams = hyper_residual(post, comb, out, streams)
         mixes = F.linear(unit_rms(streams.flatten(1), c.rms_norm_eps), weights["hc_head.fn"].float())
         pre = torch.sigmoid(mixes * weights["hc_head.scale"].float() + weights["hc_head.base"].float()) + c.hc_eps
         x = rms_norm((pre[:, :, None] * streams).sum(dim=1), weights["norm"].float(), c.rms_norm_eps).to(wdt)
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
+        return self.outputs(x, weights, s)
 
 
 # ----------------------------------------------------------------------- test checkpoints
@@ -390,23 +342,11 @@ def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    deepseek_v4_config,
+    sys.modules[__name__],
     reference=Reference(reference_logits),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        init=testmodel_init,
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init),
     accurate_16bit=ACCURATE_16BIT,
     stacked=STACKED,
     shared_kv=SHARED_KV,

@@ -13,7 +13,8 @@ from typing import Any
 from torch import Tensor
 
 from ignition.models import moe
-from ignition.models.deepseek_v3_config import RopeSpec
+from ignition.models.common import PRE_NORM_WEIGHT_MAP, hyper_weight_map
+from ignition.models.deepseek_v3_config import RopeSpec, yarn_rope
 from ignition.models.naming import rename
 
 NAME = "deepseek_v4"
@@ -44,14 +45,8 @@ _HF_WEIGHT_MAP = {
     "model.hc_head.hc_fn": "hc_head.fn",
     "model.hc_head.hc_base": "hc_head.base",
     "model.hc_head.hc_scale": "hc_head.scale",
-    _L + "input_layernorm.weight": "layers.{}.attn_norm",
-    _L + "post_attention_layernorm.weight": "layers.{}.mlp_norm",
-    _L + "attn_hc.fn": "layers.{}.attn_hc.fn",
-    _L + "attn_hc.base": "layers.{}.attn_hc.base",
-    _L + "attn_hc.scale": "layers.{}.attn_hc.scale",
-    _L + "ffn_hc.fn": "layers.{}.ffn_hc.fn",
-    _L + "ffn_hc.base": "layers.{}.ffn_hc.base",
-    _L + "ffn_hc.scale": "layers.{}.ffn_hc.scale",
+    **PRE_NORM_WEIGHT_MAP,
+    **hyper_weight_map(_L + "{block}_hc.{part}"),
     _A + "sinks": "layers.{}.sinks",
     _A + "q_a_proj.weight": "layers.{}.wq_a",
     _A + "q_a_norm.weight": "layers.{}.q_a_norm",
@@ -86,11 +81,7 @@ ORIGINAL_WEIGHT_MAP = {
     "hc_head_scale": "hc_head.scale",
     _O + "attn_norm.weight": "layers.{}.attn_norm",
     _O + "ffn_norm.weight": "layers.{}.mlp_norm",
-    **{
-        f"{_O}hc_{block}_{part}": f"layers.{{}}.{block}_hc.{part}"
-        for block in ("attn", "ffn")
-        for part in ("fn", "base", "scale")
-    },
+    **hyper_weight_map(_O + "hc_{block}_{part}"),
     _O + "attn.attn_sink": "layers.{}.sinks",
     _O + "attn.wq_a.weight": "layers.{}.wq_a",
     _O + "attn.q_norm.weight": "layers.{}.q_a_norm",
@@ -198,22 +189,7 @@ def _rope_from(params: dict[str, Any], theta: float, head_dim: int, max_position
             f"rope_parameters[{label!r}] rope_type {kind!r} is not supported by the {NAME} family "
             "(supported: default, yarn)"
         )
-    original = int(params["original_max_position_embeddings"])
-    attention_factor = params.get("attention_factor")  # None: YaRN's own mscale
-    return RopeSpec(
-        theta=theta,
-        dim=dim,
-        interleave=True,
-        yarn=True,
-        factor=float(params.get("factor") or max_positions / original),
-        original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 0),
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-        attention_factor=None if attention_factor is None else float(attention_factor),
-        truncate=bool(params.get("truncate", True)),
-    )
+    return yarn_rope(params, theta, dim, True, max_positions)
 
 
 def _ropes(hf: dict[str, Any], head_dim: int) -> tuple[RopeSpec, RopeSpec]:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from helios.core.manifest import TensorSpec, VisionProfile
+from ignition.models import common
 
 Config = Any  # a family's frozen config, as its config_from_hf returns it
 
@@ -63,6 +65,15 @@ class TinyVision:
     processor: Mapping[str, Any]  # preprocessor_config.json of the test checkpoint
 
 
+def merged_patch_processor(processor_type: str, defaults: Mapping[str, Any], **bounds: Any) -> dict[str, Any]:
+    """A tiny vision checkpoint's preprocessor_config.json for a Qwen2-VL-style image processor: 14-pixel
+    patches, 2 frames per temporal patch, 2 x 2 patches merged per token, bicubic resizing, the
+    processor's own mean and std (`defaults`); `bounds` its fields bounding the image size."""
+    fixed = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "resample": 3}
+    norms = {"image_mean": list(defaults["image_mean"]), "image_std": list(defaults["image_std"])}
+    return {"image_processor_type": processor_type, **bounds, **fixed, **norms}
+
+
 @dataclass(frozen=True, slots=True)
 class TinyCheckpoint:
     """How ignition.testmodel makes a tiny random-weight checkpoint of the family."""
@@ -90,6 +101,20 @@ class Gguf:
     tensor_fixup: Callable[[str, Tensor, dict[str, Any]], Tensor]  # (hf name, tensor, hf config) -> tensor
     end_of_turn: tuple[str, ...] = ()  # token texts that also end a turn (Gemma's <end_of_turn>)
     chat_template: str | None = None  # the published template, for conversions that drop it
+
+
+# The hooks every family module defines under the same names (Family.of reads them): Family field -> name.
+PLUMBING = {
+    "name": "NAME",
+    "hf_architectures": "HF_ARCHITECTURES",
+    "hf_model_types": "HF_MODEL_TYPES",
+    "config_from_hf": "config_from_hf",
+    "weight_map": "WEIGHT_MAP",
+    "fused": "FUSED",
+    "kv_shape": "kv_shape",
+    "decode_weight_bytes": "decode_weight_bytes",
+    "step_program": "StepProgram",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +162,23 @@ class Family:
     # (config, num_top, weights) -> program kinds beyond step/scored_prefill (ignition.models.mtp.ExtraProgram).
     extra_programs: Callable[[Config, int, dict[str, Tensor]], tuple[Any, ...]] | None = None
     vision: Vision | None = None  # the vision hooks; reference.features is set exactly when this is
+
+    @classmethod
+    def of(cls, *modules: ModuleType, **fields: Any) -> Family:
+        """The family whose PLUMBING hooks `modules` define under their names (the first module holding
+        a name wins: a family's *_config module, then its own), with every other field as `fields` give
+        it (reference and tiny always; the optional hooks the family has). kv_shape and
+        decode_weight_bytes default to ignition.models.common's (one K and one V cache per layer, every
+        weight read per token)."""
+        plumbing = {"kv_shape": common.kv_shape, "decode_weight_bytes": common.decode_weight_bytes}
+        for name, attribute in PLUMBING.items():
+            found = [vars(m)[attribute] for m in modules if attribute in vars(m)]
+            if found:
+                plumbing[name] = found[0]
+        missing = [PLUMBING[name] for name in PLUMBING if name not in plumbing]
+        if missing:
+            raise TypeError(f"{modules[-1].__name__} defines no {', '.join(missing)}")
+        return cls(**plumbing, **fields)
 
     def vision_of(self, config: Config) -> Any | None:
         """The config's vision tower config, None for a text-only checkpoint or family."""

@@ -13,6 +13,7 @@ applies. Checked against transformers' Gemma3ForCausalLM.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +21,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models.common import DecoderProgram, decode_weight_bytes, decoder_shapes, kv_shape, rope, rotate_half
+from ignition.models.common import (
+    DENSE_FUSED,
+    GGUF_DECODER_MAP,
+    HEAD_WEIGHT_MAP,
+    QK_NORM_WEIGHT_MAP,
+    QKVO_WEIGHT_MAP,
+    SWIGLU_WEIGHT_MAP,
+    DecoderProgram,
+    DenseConfig,
+    attention_shapes,
+    decode_weight_bytes,
+    decoder_shapes,
+    kv_shape,
+    offset_norm,
+    qk_norm_shapes,
+    rope,
+    rotate_half,
+    swiglu_shapes,
+)
 from ignition.models.family import Family, Gguf, Reference, TinyCheckpoint
-from ignition.models.heads import step_outputs
+from ignition.models.step import StepInputs, cached_attention
 
 __all__ = ["decode_weight_bytes", "kv_shape"]  # the family interface, shared with common
 
@@ -39,49 +58,30 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 ACCURATE_16BIT = False
 
 # Hugging Face checkpoint name -> internal name (stored in the core's safetensors).
-WEIGHT_MAP = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
+# Hugging Face checkpoint name -> internal name: a norm before AND after attention and the MLP (Gemma 4's too).
+SANDWICH_NORM_WEIGHT_MAP = {
     "model.layers.{}.input_layernorm.weight": "layers.{}.attn_norm",
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attn_norm",
     "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.mlp_norm",
     "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.post_mlp_norm",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.wq",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.wk",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.wv",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.wo",
-    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.q_norm",
-    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.k_norm",
-    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.w_gate",
-    "model.layers.{}.mlp.up_proj.weight": "layers.{}.w_up",
-    "model.layers.{}.mlp.down_proj.weight": "layers.{}.w_down",
 }
-
-# Internal tensors concatenated (along output rows) into one, so a layer runs fewer matmuls.
-FUSED = {
-    "layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
-    "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"),
+WEIGHT_MAP = {
+    **HEAD_WEIGHT_MAP,
+    **SANDWICH_NORM_WEIGHT_MAP,
+    **QKVO_WEIGHT_MAP,
+    **QK_NORM_WEIGHT_MAP,
+    **SWIGLU_WEIGHT_MAP,
 }
+FUSED = DENSE_FUSED
 
 # GGUF tensor name -> Hugging Face name (llama.cpp's convert_hf_to_gguf Gemma3Model naming).
 GGUF_WEIGHT_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    **GGUF_DECODER_MAP,
     "blk.{}.post_attention_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
     "blk.{}.ffn_norm.weight": "model.layers.{}.pre_feedforward_layernorm.weight",
     "blk.{}.post_ffw_norm.weight": "model.layers.{}.post_feedforward_layernorm.weight",
-    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
-    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
-    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
-    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
     "blk.{}.attn_q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
     "blk.{}.attn_k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
-    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
-    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
-    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
 }
 
 # Tokens that end a turn besides the tokenizer's EOS: llama.cpp treats <end_of_turn> as
@@ -90,28 +90,15 @@ GGUF_END_OF_TURN = ("<end_of_turn>",)
 
 
 @dataclass(frozen=True, slots=True)
-class Gemma3Config:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float  # global (full-attention) layers
+class Gemma3Config(DenseConfig):
+    """DenseConfig's fields (rope_theta: the global, full-attention layers') and Gemma's."""
+
     rope_factor: float  # linear position scaling of global layers; 1.0 = none
     rope_local_theta: float  # sliding-window layers (never scaled)
-    max_position_embeddings: int
-    tie_word_embeddings: bool
     query_pre_attn_scalar: float  # scores are scaled by query_pre_attn_scalar ** -0.5
     layer_windows: tuple[int, ...]  # per layer: sliding window in tokens, 0 = global attention
     attn_softcap: float  # 0.0 = off
     final_softcap: float  # 0.0 = off
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 def _rope_parameters(hf: dict[str, Any]) -> tuple[float, float, float]:
@@ -246,12 +233,6 @@ def window_pool(config: Gemma3Config) -> tuple[int, tuple[int, ...]] | None:
 # ---------------------------------------------------------------------------- step program
 
 
-def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Gemma's RMSNorm in fp32: x / rms(x) * (1 + w) (the weight stores the offset from one)."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
-
-
 def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     """sqrt(hidden) rounded as transformers rounds it: an fp32 tensor cast to the embedding's dtype."""
     return float(torch.tensor(hidden_size**0.5).to(dtype))
@@ -269,71 +250,39 @@ class StepProgram(DecoderProgram):
         gate, up = F.linear(h, weights[f"layers.{layer}.w_gate_up"]).chunk(2, dim=-1)
         return F.linear(F.gelu(gate, approximate="tanh") * up, weights[f"layers.{layer}.w_down"])
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        extra_1=None,
-        extra_2=None,
-        extra_3=None,
-        extra_4=None,
-    ):
+    def windowed(self) -> bool:
+        return window_pool(self.config) is not None
+
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
         c = self.config
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
-        # Sliding layers' caches are in the window pool (window_pool), with its own slots and tables.
-        pooled = (extra.pop(0), extra.pop(0)) if any(c.layer_windows) else (slot_mapping, block_tables)
-        logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
         eps = c.rms_norm_eps
         # As in the shared decoder: weights and matmul inputs in the core's dtype, residual stream,
         # norms and rotary in fp32.
         wdt = weights["embed"].dtype
-        x = (F.embedding(token_ids, weights["embed"]) * embed_scale(c.hidden_size, wdt)).float()
+        x = (F.embedding(s.token_ids, weights["embed"]) * embed_scale(c.hidden_size, wdt)).float()
         ropes = {
-            False: rope(positions, c.head_dim, c.rope_theta, torch.float32, c.rope_factor),
-            True: rope(positions, c.head_dim, c.rope_local_theta, torch.float32),
+            False: rope(s.positions, c.head_dim, c.rope_theta, torch.float32, c.rope_factor),
+            True: rope(s.positions, c.head_dim, c.rope_local_theta, torch.float32),
         }
         q_dim = c.num_heads * c.head_dim
         scale = c.query_pre_attn_scalar**-0.5
         for i, window in enumerate(c.layer_windows):
             cos, sin = ropes[window > 0]
-            h = gemma_norm(x, weights[f"layers.{i}.attn_norm"], eps).to(wdt)
+            h = offset_norm(x, weights[f"layers.{i}.attn_norm"], eps).to(wdt)
             q, k, v = F.linear(h, weights[f"layers.{i}.wqkv"]).float().split([q_dim, c.kv_dim, c.kv_dim], dim=-1)
-            q = gemma_norm(q.reshape(-1, c.num_heads, c.head_dim), weights[f"layers.{i}.q_norm"], eps)
-            k = gemma_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), weights[f"layers.{i}.k_norm"], eps)
+            q = offset_norm(q.reshape(-1, c.num_heads, c.head_dim), weights[f"layers.{i}.q_norm"], eps)
+            k = offset_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), weights[f"layers.{i}.k_norm"], eps)
             v = v.reshape(-1, c.num_kv_heads, c.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
-            kvt = k_cache.dtype
-            slots, tables = pooled if window > 0 else (slot_mapping, block_tables)
-            torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slots)
-            attn = torch.ops.flare.paged_attention(
-                q.to(kvt),
-                k_cache,
-                v_cache,
-                tables,
-                seq_lens,
-                query_start_loc,
-                positions,
-                scale,
-                window,
-                c.attn_softcap,
-            )
+            caches, pages = (kv_cache[2 * i], kv_cache[2 * i + 1]), s.pages(window > 0)
+            attn = cached_attention(q, k, v, *caches, pages, scale, window, c.attn_softcap)
             attn = F.linear(attn.reshape(-1, q_dim).to(wdt), weights[f"layers.{i}.wo"])
-            x = x + gemma_norm(attn, weights[f"layers.{i}.post_attn_norm"], eps)
-            h = gemma_norm(x, weights[f"layers.{i}.mlp_norm"], eps).to(wdt)
-            x = x + gemma_norm(self.mlp(weights, i, h), weights[f"layers.{i}.post_mlp_norm"], eps)
-        x = gemma_norm(x, weights["norm"], eps).to(wdt)
-        return step_outputs(
-            x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids, c.final_softcap
-        )
+            x = x + offset_norm(attn, weights[f"layers.{i}.post_attn_norm"], eps)
+            h = offset_norm(x, weights[f"layers.{i}.mlp_norm"], eps).to(wdt)
+            x = x + offset_norm(self.mlp(weights, i, h), weights[f"layers.{i}.post_mlp_norm"], eps)
+        x = offset_norm(x, weights["norm"], eps).to(wdt)
+        return self.outputs(x, weights, s, c.final_softcap)
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -495,46 +444,20 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
 
 def hf_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of a checkpoint with this config."""
-    h, f, q, kv, d = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.kv_dim, c.head_dim
-    per_layer = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "pre_feedforward_layernorm.weight": (h,),
-        "post_feedforward_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "self_attn.q_norm.weight": (d,),
-        "self_attn.k_norm.weight": (d,),
-        "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
-    }
-    return decoder_shapes(c, per_layer)
+    h = c.hidden_size
+    norms = {f"{n}_layernorm.weight": (h,) for n in ("input", "post_attention", "pre_feedforward", "post_feedforward")}
+    mlp = swiglu_shapes("mlp.", h, c.intermediate_size)
+    return decoder_shapes(c, norms | attention_shapes(c) | qk_norm_shapes(c) | mlp)
 
 
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    sys.modules[__name__],
     reference=Reference(reference_logits),
     tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        special_tokens=TEST_SPECIAL_TOKENS,
-        token_roles=TEST_TOKEN_ROLES,
-        chat_template=TEST_CHAT_TEMPLATE,
+        testmodel_config, hf_shapes, TEST_CHAT, TEST_SPECIAL_TOKENS, TEST_TOKEN_ROLES, TEST_CHAT_TEMPLATE
     ),
     gguf=Gguf(
         architectures=GGUF_ARCHITECTURES,

@@ -27,33 +27,27 @@ transformers' Gemma4ForCausalLM (eager attention).
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import gemma4_vision, moe, vision_hooks
+from ignition.models import gemma4_config, gemma4_vision, moe, vision_hooks
 from ignition.models.common import DecoderProgram, rotate_half
 from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
 from ignition.models.gemma3 import FULL, SLIDING, embed_scale, softcapped
 from ignition.models.gemma4_config import (
     ACCURATE_16BIT,
-    FUSED,
-    HF_ARCHITECTURES,
-    HF_MODEL_TYPES,
-    NAME,
     STACKED,
-    WEIGHT_MAP,
     Gemma4Config,
-    config_from_hf,
-    decode_weight_bytes,
     ignored_tensor,
-    kv_shape,
     text_names,
     window_pool,
 )
-from ignition.models.heads import step_outputs
+from ignition.models.naming import nested
+from ignition.models.step import StepInputs
 
 # ---------------------------------------------------------------------------- step program
 
@@ -86,48 +80,31 @@ GELU_TANH = moe.ExpertActivation("gelu_tanh")
 class StepProgram(DecoderProgram):
     """Gemma 4's step over the flare:: paged-KV ops."""
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        extra_1=None,
-        extra_2=None,
-        extra_3=None,
-        extra_4=None,
-        extra_5=None,
-        extra_6=None,
-        extra_7=None,
-    ):
-        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
-        those rows' input embeddings are the features (unscaled, as transformers merges them) and
-        their per-layer-input ids the pad id; rows of -1 are unused. Sliding layers' caches are in
-        the window pool (window_pool), addressed by window_slot_mapping / window_block_tables. With
-        bidirectional_images, attention_until follows image_rows: sliding layers let an image's tokens
-        see the rest of it (flare::paged_attention_until)."""
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4, extra_5, extra_6, extra_7) if t is not None]
-        until = extra.pop(-1) if self.config.vision is not None and self.config.bidirectional_images else None
-        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
-        pooled = (extra.pop(0), extra.pop(0)) if window_pool(self.config) is not None else (slot_mapping, block_tables)
-        logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
+    multimodal = True
+
+    def windowed(self) -> bool:
+        return window_pool(self.config) is not None
+
+    def bidirectional(self) -> bool:
+        return self.images() and self.config.bidirectional_images
+
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
+        """Vision cores: the image rows' input embeddings are the features (unscaled, as transformers
+        merges them) and their per-layer-input ids the pad id. Sliding layers' caches are in the window
+        pool (window_pool). With bidirectional_images, sliding layers let an image's tokens see the
+        rest of it (attention_until, flare::paged_attention_until)."""
         c = self.config
         eps = c.rms_norm_eps
         wdt = weights["embed"].dtype
-        x = (F.embedding(token_ids, weights["embed"]) * embed_scale(c.hidden_size, wdt)).float()
-        ple_ids = token_ids
-        if image is not None:
-            features, rows = image
+        x = (F.embedding(s.token_ids, weights["embed"]) * embed_scale(c.hidden_size, wdt)).float()
+        ple_ids = s.token_ids
+        if s.image_features is not None and s.image_rows is not None:
+            features, rows = s.image_features, s.image_rows
             T = x.shape[0]
             rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
             x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
             is_image = torch.zeros(T + 1, dtype=torch.bool, device=x.device).index_fill(0, rows, True)[:T]
-            ple_ids = torch.where(is_image, c.vision.pad_token_id, token_ids)
+            ple_ids = torch.where(is_image, c.vision.pad_token_id, s.token_ids)
         ple = None
         if c.ple_dim:
             tok = F.embedding(ple_ids, weights["embed_per_layer"]) * embed_scale(c.ple_dim, wdt)
@@ -138,7 +115,7 @@ class StepProgram(DecoderProgram):
         for i, window in enumerate(c.layer_windows):
             hd, kvh, H = c.layer_head_dims[i], c.layer_kv_heads[i], c.num_heads
             if (window > 0) not in ropes:  # one head size per layer type (config_from_hf checks)
-                ropes[window > 0] = _cos_sin(positions, hd, c.rope_sliding if window else c.rope_full)
+                ropes[window > 0] = _cos_sin(s.positions, hd, c.rope_sliding if window else c.rope_full)
             cos, sin = ropes[window > 0]
             p = f"layers.{i}."
             h = norm4(x, weights[p + "attn_norm"], eps).to(wdt)
@@ -146,7 +123,7 @@ class StepProgram(DecoderProgram):
             q = q * cos + rotate_half(q) * sin
             src = c.kv_sources[i]
             k_cache, v_cache = kv_cache[2 * src], kv_cache[2 * src + 1]
-            slots, tables = pooled if window > 0 else (slot_mapping, block_tables)
+            pages = s.pages(window > 0)
             kvt = k_cache.dtype
             if src == i:  # this layer produces keys and values
                 k_raw = F.linear(h, weights[p + "wk"]).float().reshape(-1, kvh, hd)
@@ -155,12 +132,23 @@ class StepProgram(DecoderProgram):
                 k = k * cos + rotate_half(k) * sin
                 v = norm4(v_raw, None, eps)
                 k, v = self._to_cache(k), self._to_cache(v)
-                torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slots)
+                torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), pages.slot_mapping)
             if hd < c.head_dim:
                 q = F.pad(q, (0, c.head_dim - hd))
-            if until is not None and window > 0:
+            _, tables, seq_lens, query_start_loc, positions = pages
+            if s.attention_until is not None and window > 0:
                 attn = torch.ops.flare.paged_attention_until(
-                    q.to(kvt), k_cache, v_cache, tables, seq_lens, query_start_loc, positions, until, 1.0, window, 0.0
+                    q.to(kvt),
+                    k_cache,
+                    v_cache,
+                    tables,
+                    seq_lens,
+                    query_start_loc,
+                    positions,
+                    s.attention_until,
+                    1.0,
+                    window,
+                    0.0,
                 )
             else:
                 attn = torch.ops.flare.paged_attention(
@@ -180,9 +168,7 @@ class StepProgram(DecoderProgram):
                 x = x + norm4(y, weights[p + "post_ple_norm"], eps)
             x = x * weights[p + "scalar"].float()
         x = norm4(x, weights["norm"], eps).to(wdt)
-        return step_outputs(
-            x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids, c.final_softcap
-        )
+        return self.outputs(x, weights, s, c.final_softcap)
 
     def _to_cache(self, t: Tensor) -> Tensor:
         """[T, kvh, hd] -> [T, cache kv heads, cache head size]: repeat heads, zero-pad the size."""
@@ -473,10 +459,7 @@ def hf_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
     shapes = _text_shapes(c)
     if c.vision is None:
         return shapes
-    nested = {
-        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in shapes.items()
-    }
-    return nested | gemma4_vision.hf_shapes(c.vision)
+    return nested(shapes) | gemma4_vision.hf_shapes(c.vision)
 
 
 def _text_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
@@ -536,33 +519,24 @@ def _text_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The multimodal test checkpoint (ignition.testmodel --vision).
+TINY_VISION = TinyVision(testmodel_vision, "gemma4-vision", ("<|image|>", "<|image>", "<image|>"), TESTMODEL_PROCESSOR)
+
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    gemma4_config,
+    sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(gemma4_vision)),
     tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        special_tokens=TEST_SPECIAL_TOKENS,
-        token_roles=TEST_TOKEN_ROLES,
-        chat_template=TEST_CHAT_TEMPLATE,
-        vision=TinyVision(
-            config=testmodel_vision,
-            chat="gemma4-vision",
-            tokens=("<|image|>", "<|image>", "<image|>"),
-            processor=TESTMODEL_PROCESSOR,
-        ),
+        testmodel_config,
+        hf_shapes,
+        TEST_CHAT,
+        TEST_SPECIAL_TOKENS,
+        TEST_TOKEN_ROLES,
+        TEST_CHAT_TEMPLATE,
+        vision=TINY_VISION,
     ),
     accurate_16bit=ACCURATE_16BIT,
     stacked=STACKED,

@@ -11,8 +11,10 @@ from typing import Any
 from torch import Tensor
 
 from ignition.models import gemma4_vision
-from ignition.models.gemma3 import FULL, SLIDING
+from ignition.models.common import HEAD_WEIGHT_MAP, QK_NORM_WEIGHT_MAP, QKVO_WEIGHT_MAP, SWIGLU_WEIGHT_MAP
+from ignition.models.gemma3 import FULL, SANDWICH_NORM_WEIGHT_MAP, SLIDING
 from ignition.models.moe import STACKED_EXPERTS, expert_weight_map
+from ignition.models.naming import with_prefixes
 
 
 def decode_weight_bytes(config: Gemma4Config, weights: dict[str, Tensor]) -> int:
@@ -35,21 +37,11 @@ WEIGHT_MAP = {
     "model.embed_tokens_per_layer.weight": "embed_per_layer",
     "model.per_layer_model_projection.weight": "per_layer_proj",
     "model.per_layer_projection_norm.weight": "per_layer_proj_norm",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
-    _L + "input_layernorm.weight": "layers.{}.attn_norm",
-    _L + "post_attention_layernorm.weight": "layers.{}.post_attn_norm",
-    _L + "pre_feedforward_layernorm.weight": "layers.{}.mlp_norm",
-    _L + "post_feedforward_layernorm.weight": "layers.{}.post_mlp_norm",
-    _L + "self_attn.q_proj.weight": "layers.{}.wq",
-    _L + "self_attn.k_proj.weight": "layers.{}.wk",
-    _L + "self_attn.v_proj.weight": "layers.{}.wv",
-    _L + "self_attn.o_proj.weight": "layers.{}.wo",
-    _L + "self_attn.q_norm.weight": "layers.{}.q_norm",
-    _L + "self_attn.k_norm.weight": "layers.{}.k_norm",
-    _L + "mlp.gate_proj.weight": "layers.{}.w_gate",
-    _L + "mlp.up_proj.weight": "layers.{}.w_up",
-    _L + "mlp.down_proj.weight": "layers.{}.w_down",
+    **HEAD_WEIGHT_MAP,
+    **SANDWICH_NORM_WEIGHT_MAP,
+    **QKVO_WEIGHT_MAP,
+    **QK_NORM_WEIGHT_MAP,
+    **SWIGLU_WEIGHT_MAP,
     _L + "layer_scalar": "layers.{}.scalar",
     _L + "per_layer_input_gate.weight": "layers.{}.ple_gate",
     _L + "per_layer_projection.weight": "layers.{}.ple_proj",
@@ -64,10 +56,7 @@ WEIGHT_MAP = {
 }
 
 # Multimodal checkpoints (Gemma4ForConditionalGeneration) nest the text model under model.language_model.
-WEIGHT_MAP |= {
-    "model.language_model." + k[len("model.") :]: v for k, v in list(WEIGHT_MAP.items()) if k.startswith("model.")
-}
-WEIGHT_MAP |= gemma4_vision.WEIGHT_MAP
+WEIGHT_MAP = with_prefixes(WEIGHT_MAP, {"model.": ("model.language_model.",)}) | gemma4_vision.WEIGHT_MAP
 
 
 def ignored_tensor(config: Gemma4Config, name: str) -> bool:

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.core import manifest as mf
+from ignition.models import vision_common as vc
 from ignition.models.common import rotate_half
+from ignition.models.patch_grid import raster_order
 
 _V = "model.vision_tower."
 _VL = _V + "encoder.layers.{}."
@@ -87,12 +89,8 @@ class VisionConfig:
 def config_from_hf(hf: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     """The vision_config of a Gemma4Config dict (with its image token ids); unsupported variants raise ValueError."""
     v = hf["vision_config"]
-    act = v.get("hidden_activation") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"vision hidden activation {act!r} is not supported by the gemma4 family")
-    rope = v.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 100.0}
-    if rope.get("rope_type", "axial") != "axial":
-        raise ValueError(f"vision rope type {rope.get('rope_type')!r} is not supported (axial is)")
+    vc.activation(v, "hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh", "gelu_tanh"), "gemma4")
+    rope = vc.axial_rope(v)
     if v.get("attention_bias"):
         raise ValueError("vision attention_bias is not supported by the gemma4 family")
     heads = int(v.get("num_attention_heads", 12))
@@ -159,28 +157,23 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, t
         or int(ip.get("pooling_kernel_size", v.pooling_kernel_size)) != v.pooling_kernel_size
     ):
         raise ValueError("the processor's patch_size / pooling_kernel_size differ from the vision config's")
-    normalize = bool(ip.get("do_normalize", False))
-    framing = 2  # boi + eoi around each image's soft tokens
-    return mf.VisionProfile(
+    return vc.image_profile(
+        v,
+        max_model_len,
+        per_image=soft,
+        smallest=1,
+        framing=2,  # boi + eoi around each image's soft tokens
+        rescale_factor=ip.get("rescale_factor", 1 / 255),
+        normalized=vc.normalization(
+            ip, ip.get("image_mean") or (0.0, 0.0, 0.0), ip.get("image_std") or (1.0, 1.0, 1.0), default=False
+        ),
+        prefix=(v.boi_token_id,),
+        suffix=(v.eoi_token_id,),
         resize="aspect_ratio_patch_budget",
         patch_size=v.patch_size,
         pooling_kernel_size=v.pooling_kernel_size,
         max_patches=soft * v.pooling_kernel_size**2,
         resample="bicubic" if int(ip.get("resample", 3)) == 3 else "bilinear",
-        rescale_factor=float(ip.get("rescale_factor", 1 / 255)),
-        image_mean=tuple(float(x) for x in (ip.get("image_mean") or (0.0, 0.0, 0.0))) if normalize else (0.0, 0.0, 0.0),
-        image_std=tuple(float(x) for x in (ip.get("image_std") or (1.0, 1.0, 1.0))) if normalize else (1.0, 1.0, 1.0),
-        placeholder_token_id=v.image_token_id,
-        image_token_id=v.image_token_id,
-        prefix_token_ids=(v.boi_token_id,),
-        suffix_token_ids=(v.eoi_token_id,),
-        feature_dim=v.text_hidden_size,
-        max_images_per_prompt=max(0, (max_model_len - 1) // (1 + framing)),
-        max_image_tokens_per_prompt=max(0, max_model_len - 1 - framing),
-        image_feature_window_tokens=soft,
-        max_image_tokens_per_image=soft,
-        max_image_pixels=50_000_000,
-        max_image_bytes=20 << 20,
     )
 
 
@@ -205,8 +198,7 @@ def _linear(weights: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
 
 def _axial_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos, sin [X, 1, head_dim]: the first half rotates by x, the second by y (H-H-W-W layout)."""
-    spatial = head_dim // 2
-    inv = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.int64, device=positions.device).float() / spatial))
+    inv = vc.inverse_frequencies(head_dim // 2, theta, positions.device)
     fx = positions[:, 0].float()[:, None] * inv[None, :]
     fy = positions[:, 1].float()[:, None] * inv[None, :]
     ang = torch.cat([fx, fx, fy, fy], dim=-1)
@@ -227,13 +219,7 @@ def _rope2d(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class VisionProgram(torch.nn.Module):
-    """forward(weights, kv_cache, pixel_values, pixel_positions) -> (image_features,); kv_cache is unused (empty)."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        self.config = config
-
+class VisionProgram(vc.TowerProgram):
     def forward(self, weights, kv_cache, pixel_values, pixel_positions):
         v = self.config
         eps, H, hd = v.rms_norm_eps, v.num_heads, v.head_dim
@@ -254,8 +240,7 @@ class VisionProgram(torch.nn.Module):
             val = _norm(_linear(weights, p + "wv", h).reshape(-1, v.num_kv_heads, hd), None, eps)
             group = H // v.num_kv_heads
             k, val = k.repeat_interleave(group, dim=1), val.repeat_interleave(group, dim=1)
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), val.transpose(0, 1), scale=1.0)
-            attn = _linear(weights, p + "wo", attn.transpose(0, 1).reshape(-1, H * hd))
+            attn = _linear(weights, p + "wo", vc.attention(q, k, val, scale=1.0))
             x = x + _norm(attn, weights[p + "post_attn_norm"], eps)
             h = _norm(x, weights[p + "mlp_norm"], eps)
             mlp = F.gelu(_linear(weights, p + "w_gate", h), approximate="tanh") * _linear(weights, p + "w_up", h)
@@ -275,10 +260,8 @@ class VisionProgram(torch.nn.Module):
 def example_inputs(v: VisionConfig) -> tuple[Tensor, Tensor]:
     """A 6 x 9 patch grid (2 x 3 pooled tokens with k = 3): every dim >= 2, so none specializes."""
     rows, cols = 2 * v.pooling_kernel_size, 3 * v.pooling_kernel_size
-    gy, gx = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
-    positions = torch.stack([gx.reshape(-1), gy.reshape(-1)], dim=-1)
     pixels = torch.rand(rows * cols, 3 * v.patch_size**2, generator=torch.Generator().manual_seed(0))
-    return pixels, positions
+    return pixels, raster_order(rows, cols)
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -303,9 +286,6 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
         if prefix + ".output_min" in hf:
             y = y.clamp(float(hf[prefix + ".output_min"]), float(hf[prefix + ".output_max"]))
         return y
-
-    def gelu(t: Tensor) -> Tensor:
-        return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t.pow(3))))
 
     X, hd, H = pixels.shape[0], v.head_dim, v.num_heads
     table = w(_V + "patch_embedder.position_embedding_table")
@@ -332,11 +312,11 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
         val = norm(lin(h, p + "self_attn.v_proj.linear.weight").view(X, -1, hd), None)
         k = k.repeat_interleave(H // k.shape[1], dim=1)
         val = val.repeat_interleave(H // val.shape[1], dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k)
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), val).reshape(X, H * hd)
+        attn = vc.reference_attention(q, k, val, scale=1.0).reshape(X, H * hd)
         x = x + norm(lin(attn, p + "self_attn.o_proj.linear.weight"), w(p + "post_attention_layernorm.weight"))
         h = norm(x, w(p + "pre_feedforward_layernorm.weight"))
-        mlp = gelu(lin(h, p + "mlp.gate_proj.linear.weight")) * lin(h, p + "mlp.up_proj.linear.weight")
+        mlp = vc.reference_activation(lin(h, p + "mlp.gate_proj.linear.weight"), "gelu_pytorch_tanh")
+        mlp = mlp * lin(h, p + "mlp.up_proj.linear.weight")
         x = x + norm(lin(mlp, p + "mlp.down_proj.linear.weight"), w(p + "post_feedforward_layernorm.weight"))
     kk = v.pooling_kernel_size
     cols = int(positions[:, 0].max()) + 1

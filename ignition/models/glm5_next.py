@@ -38,6 +38,7 @@ glm5_next_reference.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -47,39 +48,31 @@ from torch import Tensor
 import helios.core.ops.glm5_next  # noqa: F401  (defines flare::kda, flare::kpool_topk)
 import helios.core.ops.sparse  # noqa: F401  (defines flare::sparse_paged_attention)
 from ignition.models import deepseek_v3 as mla
-from ignition.models import glm5_next_vision, moe, vision_hooks
-from ignition.models.common import hyper_connection, hyper_residual, optional_inputs, rms_norm
-from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
+from ignition.models import glm5_next_config, glm5_next_vision, moe, vision_hooks
+from ignition.models.common import hyper_block, hyper_residual, rms_norm
+from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision, merged_patch_processor
 from ignition.models.glm5_next_config import (
     _TEXT_PREFIX,
     ACCURATE_16BIT,
     DENSE,
-    FUSED,
-    HF_ARCHITECTURES,
-    HF_MODEL_TYPES,
     INDEXED,
     LINEAR,
-    NAME,
     SHARED_KV,
     SPARSE,
     STACKED,
-    WEIGHT_MAP,
     Glm5NextConfig,
-    config_from_hf,
-    decode_weight_bytes,
     extra_caches,
     ignored_tensor,
-    kv_shape,
     state_caches,
 )
 from ignition.models.glm5_next_reference import reference_logits
 from ignition.models.glm_moe_dsa import INDEXER_NORM_EPS
-from ignition.models.heads import step_outputs
+from ignition.models.step import StatefulStepModule, StepInputs, embed_images
 
 # ---------------------------------------------------------------------------- step program
 
 
-class StepProgram(mla.StepProgram):
+class StepProgram(StatefulStepModule, mla.StepProgram):
     """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with state:
     kv_cache = [latent_0, ..., latent_{L-1}] ([pages, page_tokens, 1, kv_lora_rank]), the indexer
     caches of the full indexer layers ([pages, page_tokens, 1, 2 * index_head_dim]), then the conv
@@ -88,48 +81,22 @@ class StepProgram(mla.StepProgram):
 
     config: Glm5NextConfig
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        state_slots,
-        extra_1=None,
-        extra_2=None,
-        extra_3=None,
-        extra_4=None,
-    ):
-        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
-        those rows' input embeddings are the features; rows of -1 are unused."""
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
-        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
-        logprob_ids, target_ids = optional_inputs(*(extra + [None, None])[:2], self.explicit_ids, self.scored)
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
+        """Vision cores: the image rows' input embeddings are the features."""
         c = self.config
         wdt = weights["embed"].dtype
         n_index, n_linear = len(c.indexer_layers), len(c.linear_layers)
         index_caches = dict(zip(c.indexer_layers, kv_cache[c.num_layers : c.num_layers + n_index], strict=True))
         states = kv_cache[c.num_layers + n_index :]  # conv states, then delta-rule states, of the KDA layers
         linear = {layer: j for j, layer in enumerate(c.linear_layers)}
-        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
-        steps = (state_slots, query_start_loc, positions)
+        paged, steps = s.paged, s.recurrent
         # The hc_mult residual streams, norms and mixing stay fp32; matmuls run in the core dtype.
-        x = F.embedding(token_ids, weights["embed"]).float()
-        if image is not None:
-            features, rows = image
-            T = x.shape[0]
-            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
-            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
+        x = embed_images(F.embedding(s.token_ids, weights["embed"]).float(), s)
         streams = x[:, None, :].expand(-1, c.hc_mult, -1)
         selected: Tensor | None = None  # [T, width] kept positions of the last full indexer layer
         for i, kind in enumerate(c.layer_types):
             p = f"layers.{i}."
-            post, comb, collapsed = self.hyper(weights, p + "attn_hc.", streams)
+            post, comb, collapsed = hyper_block(c, weights, p + "attn_hc.", streams)
             h = rms_norm(collapsed, weights[p + "attn_norm"], c.rms_norm_eps).to(wdt)
             if kind == LINEAR:
                 j = linear[i]
@@ -141,23 +108,11 @@ class StepProgram(mla.StepProgram):
                 assert selected is not None  # a shared layer follows a full one (config_from_hf)
                 out = self.sparse_mla(weights, i, h, q_resid, kv_cache[i], selected, paged)
             streams = hyper_residual(post, comb, out, streams)
-            post, comb, collapsed = self.hyper(weights, p + "ffn_hc.", streams)
+            post, comb, collapsed = hyper_block(c, weights, p + "ffn_hc.", streams)
             h = rms_norm(collapsed, weights[p + "mlp_norm"], c.rms_norm_eps).to(wdt)
             streams = hyper_residual(post, comb, self.mlp(weights, i, h), streams)
         x = rms_norm(streams.mean(dim=1), weights["norm"], c.rms_norm_eps).to(wdt)  # the hyper head: a plain mean
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
-
-    def hyper(self, weights: dict[str, Tensor], prefix: str, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        c = self.config
-        return hyper_connection(
-            streams,
-            weights[prefix + "fn"],
-            weights[prefix + "base"],
-            weights[prefix + "scale"],
-            c.hc_sinkhorn_iters,
-            c.hc_eps,
-            c.rms_norm_eps,
-        )
+        return self.outputs(x, weights, s)
 
     def kda(
         self,
@@ -496,45 +451,22 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
 
 # Glm5NextImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): 4 .. 64
 # tokens of 28 x 28 pixels per image.
-TESTMODEL_PROCESSOR = {
-    "image_processor_type": "Glm5NextImageProcessor",
-    "min_image_tokens": 4,
-    "max_image_tokens": 64,
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "resample": 3,
-    "image_mean": list(glm5_next_vision.PROCESSOR_DEFAULTS["image_mean"]),
-    "image_std": list(glm5_next_vision.PROCESSOR_DEFAULTS["image_std"]),
-}
+TESTMODEL_PROCESSOR = merged_patch_processor(
+    "Glm5NextImageProcessor", glm5_next_vision.PROCESSOR_DEFAULTS, min_image_tokens=4, max_image_tokens=64
+)
 
+
+# The multimodal test checkpoint (ignition.testmodel --vision).
+TINY_VISION = TinyVision(testmodel_vision, TEST_VISION_CHAT, TESTMODEL_VISION_TOKENS, TESTMODEL_PROCESSOR)
 
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    glm5_next_config,
+    sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(glm5_next_vision)),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        init=testmodel_init,
-        vision=TinyVision(
-            config=testmodel_vision,
-            chat=TEST_VISION_CHAT,
-            tokens=TESTMODEL_VISION_TOKENS,
-            processor=TESTMODEL_PROCESSOR,
-        ),
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init, vision=TINY_VISION),
     accurate_16bit=ACCURATE_16BIT,
     stacked=STACKED,
     shared_kv=SHARED_KV,

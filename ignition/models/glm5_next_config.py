@@ -13,6 +13,7 @@ from typing import Any
 from torch import Tensor
 
 from ignition.models import glm5_next_vision, moe
+from ignition.models.common import hyper_weight_map
 from ignition.models.glm_moe_dsa import _indexer_types, glm_router
 
 NAME = "glm5_next"
@@ -36,17 +37,8 @@ _TEXT_WEIGHT_MAP = {
     "norm.weight": "norm",
     _L + "input_layernorm.weight": "layers.{}.attn_norm",
     _L + "post_attention_layernorm.weight": "layers.{}.mlp_norm",
-    **{
-        f"{_L}{block}_hc.{part}": f"layers.{{}}.{block}_hc.{part}"
-        for block in ("attn", "ffn")
-        for part in ("fn", "base", "scale")
-    },
-    # GLM's own hyper-connection names (transformers renames them at load)
-    **{
-        f"{_L}hc_{block}_{part}": f"layers.{{}}.{block}_hc.{part}"
-        for block in ("attn", "ffn")
-        for part in ("fn", "base", "scale")
-    },
+    **hyper_weight_map(_L + "{block}_hc.{part}"),
+    **hyper_weight_map(_L + "hc_{block}_{part}"),  # GLM's own names (transformers renames them at load)
     # KDA
     _A + "q_proj.weight": "layers.{}.wq",
     _A + "k_proj.weight": "layers.{}.wk",

@@ -1,15 +1,7 @@
 """GLM-5.3-Flash's vision tower and patch merger (Glm5NextModel.visual), one program.
 
-The `vision` program (helios.core.program.vision_signature) maps one image to its tokens in the
-language model's embedding space:
-    pixel_values [X, 3 * t * patch^2] fp32, normalized   (each patch's pixels in (channel, frame, row,
-                                                           col) order, the still image repeated over
-                                                           t = temporal_patch_size frames)
-    pixel_positions [X, 2] int64                           ((x, y) patch coordinates)
-    -> image_features [X / m^2, text hidden] fp32          (one row per m x m merge block)
-Patches come in merge-block order, as transformers' Glm5NextImageProcessor lays them out (the m x m
-blocks row-major, the patches of a block row-major inside it), so block b's patches are rows
-m^2 b .. m^2 b + m^2 - 1 and its token is row b. Inside, as transformers 5.24's Glm5NextVisionModel:
+The `vision` program maps one image's patch clips in merge-block order (vision_common's ClipTower
+layout, as transformers' Glm5NextImageProcessor lays them out) to one token per m x m block. Inside, as transformers 5.24's Glm5NextVisionModel:
 the Conv3d patch embedding (a linear over each patch row, with bias), blocks of RMSNorm, attention
 (fused qkv, per-head RMSNorm of q and k, a 2-D rotary over the whole head: head_dim / 4 frequencies
 of y then of x, repeated for rotate-half), RMSNorm and a clamped SwiGLU MLP; a final RMSNorm; each
@@ -21,7 +13,6 @@ in the manifest (profile()).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.core import manifest as mf
-from ignition.models.common import rotate_half
+from ignition.models import vision_common as vc
 from ignition.models.naming import with_biases
 from ignition.models.patch_grid import still_clip_example
 
@@ -39,11 +30,8 @@ _B = _V + "blocks.{}."
 _M = _V + "merger."
 # transformers' layout (what Glm5NextForConditionalGeneration.state_dict() holds and GLM ships).
 WEIGHT_MAP = {
-    _V + "patch_embed.proj.weight": "vision.patch_embed",
-    _V + "patch_embed.proj.bias": "vision.patch_embed.bias",
+    **with_biases(_V, "vision.", (("patch_embed.proj", "patch_embed"), ("downsample", "downsample"))),
     _V + "post_layernorm.weight": "vision.post_norm",
-    _V + "downsample.weight": "vision.downsample",
-    _V + "downsample.bias": "vision.downsample.bias",
     _M + "proj.weight": "vision.merger.proj",
     _M + "post_projection_norm.weight": "vision.merger.norm",
     _M + "post_projection_norm.bias": "vision.merger.norm.bias",
@@ -71,35 +59,13 @@ DEFAULT_IMAGE_TOKEN_ID = 154854  # Glm5NextConfig.image_token_id
 
 
 @dataclass(frozen=True, slots=True)
-class VisionConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
+class VisionConfig(vc.ClipTower):
     rms_norm_eps: float
     rope_theta: float
     hidden_act: str  # one of ACTIVATIONS (the MLPs' and the merger's SwiGLU gate)
     attention_bias: bool  # biases of qkv, proj and the block MLPs
     swiglu_limit: float  # gate <= limit, |up| <= limit (block MLPs and the merger)
-    patch_size: int
-    temporal_patch_size: int  # frames per patch; a still image is repeated over them
-    merge_size: int  # m: m x m patches merge into one token
     projection_intermediate_size: int  # the merger's SwiGLU width
-    text_hidden_size: int  # out_hidden_size: the downsample's and merger's width
-    image_token_id: int
-
-    @property
-    def pooling_kernel_size(self) -> int:
-        """Patches per token side (the profile's pooling_kernel_size): the spatial merge."""
-        return self.merge_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.temporal_patch_size * self.patch_size**2
 
 
 def image_token_id(top: dict[str, Any]) -> int:
@@ -109,21 +75,12 @@ def image_token_id(top: dict[str, Any]) -> int:
 def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     """The vision_config of a Glm5NextConfig dict, as transformers reads it; unsupported variants raise ValueError."""
     v = top["vision_config"]
-    act = v.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"vision hidden_act {act!r} is not supported by the glm5_next family ({ACTIVATIONS})")
-    rope = v.get("rope_parameters") or {}
-    if rope.get("rope_type", "axial") != "axial":
-        raise ValueError(f"vision rope type {rope.get('rope_type')!r} is not supported (axial is)")
-    if int(v.get("in_channels", 3)) != 3:
-        raise ValueError("vision in_channels other than 3 is not supported")
+    act = vc.activation(v, "hidden_act", "silu", ACTIVATIONS, "glm5_next")
+    rope = vc.axial_rope(v)
+    vc.check_rgb(v, "in_channels")
     hidden = int(v.get("hidden_size", 1024))
     heads = int(v.get("num_heads", v.get("num_attention_heads", 16)))
-    if hidden % heads or (hidden // heads) % 4:
-        raise ValueError(
-            f"vision hidden_size {hidden} over {heads} heads must give a head_dim divisible by 4 "
-            "(the 2-D rotary covers the whole head)"
-        )
+    vc.check_heads(hidden, heads)
     text_hidden = int(text.get("hidden_size", 4096))
     out = int(v.get("out_hidden_size", 1536))
     if out != text_hidden:
@@ -194,18 +151,9 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
 
 
 # Glm5NextImageProcessor's class defaults (its preprocessor_config.json may override them).
-PROCESSOR_DEFAULTS = {
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "patch_expand_factor": 1,
-    "min_image_tokens": 16,
-    "max_image_tokens": 8000,
-    "image_mean": (0.48145466, 0.4578275, 0.40821073),
-    "image_std": (0.26862954, 0.26130258, 0.27577711),
-    "rescale_factor": 1 / 255,
-    "resample": 3,
-}
+PROCESSOR_DEFAULTS = vc.processor_defaults(
+    vc.CLIP_MEAN, vc.CLIP_STD, patch_expand_factor=1, min_image_tokens=16, max_image_tokens=8000
+)
 IMAGE_TOKEN, START_TOKEN, END_TOKEN = "<|image|>", "<|begin_of_image|>", "<|end_of_image|>"
 
 
@@ -214,121 +162,73 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, t
     processor config; `token_id(text) -> id | None` resolves the framing tokens in its tokenizer.
     GLM's template renders <|begin_of_image|><|image|><|end_of_image|> itself, so the placeholder
     <|image|> expands to the image tokens alone."""
-    ip = hf_processor.get("image_processor", hf_processor)
-    settings = {k: ip.get(k) if ip.get(k) is not None else d for k, d in PROCESSOR_DEFAULTS.items()}
-    ps, t, m = int(settings["patch_size"]), int(settings["temporal_patch_size"]), int(settings["merge_size"])
-    if (ps, t, m) != (v.patch_size, v.temporal_patch_size, v.merge_size):
-        raise ValueError(
-            f"the processor's patch_size / temporal_patch_size / merge_size ({ps}, {t}, {m}) differ "
-            f"from the vision tower's ({v.patch_size}, {v.temporal_patch_size}, {v.merge_size})"
-        )
+    ip, settings = vc.processor_settings(hf_processor, PROCESSOR_DEFAULTS)
+    vc.check_patching(settings, v, ("patch_size", "temporal_patch_size", "merge_size"))
     if int(settings["patch_expand_factor"]) != 1:
         raise ValueError(f"patch_expand_factor {settings['patch_expand_factor']} is not supported (1 is)")
-    if int(settings["resample"]) != 3:
-        raise ValueError(f"resample {settings['resample']} is not supported (bicubic, 3, is)")
-    if ip.get("do_rescale") is False or ip.get("do_convert_rgb") is False or ip.get("do_resize") is False:
-        raise ValueError("do_rescale, do_resize and do_convert_rgb must stay on")
+    vc.check_resample(settings["resample"], 3, "bicubic")
+    vc.check_switches(ip)
+    ps, m = int(settings["patch_size"]), int(settings["merge_size"])
     low, high = int(settings["min_image_tokens"]), int(settings["max_image_tokens"])
     if not 0 < low <= high or high < 2:
         raise ValueError(f"min_image_tokens {low} / max_image_tokens {high} must bound at least two tokens")
-    normalize = ip.get("do_normalize", True)
-    ids = {text: token_id(text) for text in (IMAGE_TOKEN, START_TOKEN, END_TOKEN)}
-    missing = [text for text, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"the tokenizer lacks the image framing tokens {missing}")
-    if ids[IMAGE_TOKEN] != v.image_token_id:
-        raise ValueError(f"image_token_id {v.image_token_id} is not the tokenizer's {IMAGE_TOKEN} ({ids[IMAGE_TOKEN]})")
+    vc.framing_ids(token_id, IMAGE_TOKEN, (START_TOKEN, END_TOKEN), v)
     framing = 2  # the template's begin/end of image around each image's tokens
     factor = ps * m
     per_image = max(0, min(high, max_model_len - 1 - framing))
-    smallest = max(2, low)
-    return mf.VisionProfile(
+    return vc.image_profile(
+        v,
+        max_model_len,
+        per_image=per_image,
+        smallest=max(2, low),
+        framing=framing,
+        rescale_factor=settings["rescale_factor"],
+        normalized=vc.normalization(ip, settings["image_mean"], settings["image_std"]),
         resize="fit_and_pad",
         patch_size=ps,
         pooling_kernel_size=m,
         max_patches=per_image * m * m,
         resample="torch_bicubic",
-        rescale_factor=float(settings["rescale_factor"]),
-        image_mean=tuple(float(x) for x in settings["image_mean"]) if normalize else (0.0, 0.0, 0.0),
-        image_std=tuple(float(x) for x in settings["image_std"]) if normalize else (1.0, 1.0, 1.0),
-        placeholder_token_id=v.image_token_id,
-        image_token_id=v.image_token_id,
-        prefix_token_ids=(),
-        suffix_token_ids=(),
-        feature_dim=v.text_hidden_size,
-        max_images_per_prompt=max(0, (max_model_len - 1) // (smallest + framing)),
-        max_image_tokens_per_prompt=max(0, max_model_len - 1 - framing),
-        image_feature_window_tokens=per_image,
-        max_image_tokens_per_image=per_image,
-        max_image_pixels=50_000_000,
-        max_image_bytes=20 << 20,
         min_pixels=low * factor**2,  # the token bounds as canvas areas (the frames cancel out of GLM's rule)
         max_pixels=high * factor**2,
-        temporal_patch_size=t,
+        temporal_patch_size=v.temporal_patch_size,
     )
 
 
 # ---------------------------------------------------------------------------- the program
 
 
-def _act(name: str, x: Tensor) -> Tensor:
-    return F.silu(x) if name == "silu" else F.gelu(x)
-
-
 def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
-def _rotary_cos_sin(positions: Tensor, v: VisionConfig) -> tuple[Tensor, Tensor]:
-    """cos, sin [X, 1, head_dim]: head_dim / 4 frequencies of y, then of x, the set repeated for
-    rotate-half, as Glm5NextVisionRotaryEmbedding."""
-    half = v.head_dim // 2
-    inv = 1.0 / (v.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=positions.device) / half))
-    ang = torch.cat([positions[:, 1].float()[:, None] * inv, positions[:, 0].float()[:, None] * inv], dim=-1)
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos()[:, None, :], ang.sin()[:, None, :]
-
-
-class VisionProgram(torch.nn.Module):
-    """forward(weights, kv_cache, pixel_values, pixel_positions) -> (image_features,); kv_cache is unused (empty)."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        self.config = config
-
+class VisionProgram(vc.TowerProgram):
     def forward(self, weights, kv_cache, pixel_values, pixel_positions):
         v = self.config
         h, H, hd, eps, limit = v.hidden_size, v.num_heads, v.head_dim, v.rms_norm_eps, v.swiglu_limit
         patch = weights["vision.patch_embed"]  # [h, 3, t, p, p]: a linear over (channel, frame, row, col) rows
-        wdt = patch.dtype
-
-        def lin(name: str, x: Tensor) -> Tensor:
-            return F.linear(x.to(wdt), weights[name], weights.get(name + ".bias")).float()
+        lin = vc.Linears(weights, patch.dtype)
 
         def swiglu(prefix: str, x: Tensor) -> Tensor:
             gate = lin(prefix + "gate", x).clamp(max=limit)
             up = lin(prefix + "up", x).clamp(-limit, limit)
-            return lin(prefix + "down", _act(v.hidden_act, gate) * up)
+            return lin(prefix + "down", vc.activation_fn(v.hidden_act, gate) * up)
 
-        x = F.linear(pixel_values.to(wdt), patch.reshape(h, -1), weights["vision.patch_embed.bias"]).float()
-        cos, sin = _rotary_cos_sin(pixel_positions, v)
+        x = F.linear(pixel_values.to(patch.dtype), patch.reshape(h, -1), weights["vision.patch_embed.bias"]).float()
+        # head_dim / 4 frequencies of y, then of x, as Glm5NextVisionRotaryEmbedding.
+        cos_sin = vc.axial_cos_sin(pixel_positions[:, 1], pixel_positions[:, 0], hd, v.rope_theta)
         for i in range(v.num_layers):
             p = f"vision.layers.{i}."
             q, k, val = lin(p + "wqkv", _rms(x, weights[p + "norm1"], eps)).reshape(-1, 3, H, hd).unbind(1)
             q, k = _rms(q, weights[p + "q_norm"], eps), _rms(k, weights[p + "k_norm"], eps)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), val.transpose(0, 1))
-            x = x + lin(p + "wo", attn.transpose(0, 1).reshape(-1, h))
+            x = x + lin(p + "wo", vc.attention(vc.apply_rotary(q, *cos_sin), vc.apply_rotary(k, *cos_sin), val))
             x = x + swiglu(p + "w_", _rms(x, weights[p + "norm2"], eps))
         x = _rms(x, weights["vision.post_norm"], eps)
-        # Each merge block's m^2 consecutive rows side by side, gathered so every shape follows X; the
-        # Conv2d over the block is a linear over its (row, col, channel) values.
-        group = v.merge_size**2
-        n = x.shape[0] // group
-        rows = torch.arange(n, device=x.device)[:, None] * group + torch.arange(group, device=x.device)[None, :]
+        # Each merge block's m^2 rows side by side: the Conv2d over the block is a linear over its
+        # (row, col, channel) values.
         down = weights["vision.downsample"]  # [out, h, m, m]
         x = F.linear(
-            x[rows].reshape(n, group * h).to(wdt),
+            vc.merge_blocks(x, v.merge_size).flatten(1).to(patch.dtype),
             down.permute(0, 2, 3, 1).reshape(down.shape[0], -1),
             weights["vision.downsample.bias"],
         ).float()
@@ -370,23 +270,20 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
         v.swiglu_limit,
     )
     hd = h // H
-    rows, cols = int(positions[:, 1].max()) + 1, int(positions[:, 0].max()) + 1
-    clip = torch.zeros(3, t, rows * ps, cols * ps, dtype=f64)
-    for (x, y), patch in zip(positions.tolist(), pixels.to(f64)):
-        clip[:, :, y * ps : (y + 1) * ps, x * ps : (x + 1) * ps] = patch.view(3, t, ps, ps)
+    rows, cols = vc.reference_grid(positions)
+    clip = vc.reference_clip(pixels, positions, ps, t)
     grid = F.conv3d(clip[None], w(_V + "patch_embed.proj.weight"), w(_V + "patch_embed.proj.bias"), stride=(t, ps, ps))
     x = grid[0, :, 0].flatten(1).T  # [rows * cols, h] row-major
 
     def rms(u: Tensor, name: str) -> Tensor:
         return u / torch.sqrt((u * u).mean(-1, keepdim=True) + v.rms_norm_eps) * w(name)
 
-    def act(u: Tensor) -> Tensor:
-        return u / (1 + torch.exp(-u)) if v.hidden_act == "silu" else 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
-
     def swiglu(u: Tensor, prefix: str) -> Tensor:
         gate = (u @ w(prefix + "gate_proj.weight").T + b(prefix + "gate_proj.bias")).clamp(max=limit)
         up = (u @ w(prefix + "up_proj.weight").T + b(prefix + "up_proj.bias")).clamp(-limit, limit)
-        return (act(gate) * up) @ w(prefix + "down_proj.weight").T + b(prefix + "down_proj.bias")
+        return (vc.reference_activation(gate, v.hidden_act) * up) @ w(prefix + "down_proj.weight").T + b(
+            prefix + "down_proj.bias"
+        )
 
     # Channel pairs (j, j + hd/2) turn by angle[j]: hd/4 frequencies of the row y, then of the column x.
     quarter = hd // 4
@@ -394,19 +291,13 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     angle = torch.tensor(
         [[r * f for f in freqs] + [c * f for f in freqs] for r in range(rows) for c in range(cols)], dtype=f64
     )
-
-    def rotate(u: Tensor) -> Tensor:  # [N, H, hd]
-        a, z = u[..., : hd // 2], u[..., hd // 2 :]
-        c, s = angle.cos()[:, None, :], angle.sin()[:, None, :]
-        return torch.cat([a * c - z * s, z * c + a * s], dim=-1)
-
     for i in range(v.num_layers):
         p = _B.format(i)
         qkv = rms(x, p + "norm1.weight") @ w(p + "attn.qkv.weight").T + b(p + "attn.qkv.bias")
         q, k, val = qkv.view(-1, 3, H, hd).unbind(1)
-        q, k = rotate(rms(q, p + "attn.q_norm.weight")), rotate(rms(k, p + "attn.k_norm.weight"))
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), val).reshape(-1, h)
+        q = vc.reference_rotate(rms(q, p + "attn.q_norm.weight"), angle)
+        k = vc.reference_rotate(rms(k, p + "attn.k_norm.weight"), angle)
+        attn = vc.reference_attention(q, k, val).reshape(-1, h)
         x = x + attn @ w(p + "attn.proj.weight").T + b(p + "attn.proj.bias")
         x = x + swiglu(rms(x, p + "norm2.weight"), p + "mlp.")
     x = rms(x, _V + "post_layernorm.weight")
@@ -414,5 +305,4 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     x = tokens[0].flatten(1).T  # [blocks row-major, out]
     x = x @ w(_M + "proj.weight").T
     x = F.layer_norm(x, (x.shape[-1],), w(_M + "post_projection_norm.weight"), w(_M + "post_projection_norm.bias"))
-    x = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
-    return swiglu(x, _M).float()
+    return swiglu(vc.reference_activation(x, "gelu"), _M).float()

@@ -19,6 +19,7 @@ tower), compiled by the glm5_next family (the glm53 recipe); its configs are ref
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,42 +317,22 @@ TEST_CHAT: str | None = "glm53"
 
 
 def testmodel_config(vocab_size: int) -> dict[str, Any]:
-    """A tiny GLM-5 config: 3 layers (the first dense), indexer full / shared / full keeping 8
-    keys (so 24-token prompts drop keys), 8 sigmoid-routed experts top-2, a shared expert."""
-    return {
+    """A tiny GLM-5 config: kimi_k3's test sizes (3 layers, the first dense; 8 sigmoid-routed experts
+    top-2, a shared expert) in one expert group, and the indexer full / shared / full keeping 8 keys
+    (so 24-token prompts drop keys)."""
+    kimi = mla.testmodel_config(vocab_size)
+    for field in ("rope_interleave", "rope_theta", "num_nextn_predict_layers"):  # fields GLM-5 configs lack
+        del kimi[field]
+    return kimi | {
         "architectures": ["GlmMoeDsaForCausalLM"],
         "model_type": "glm_moe_dsa",
-        "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 3,
-        "first_k_dense_replace": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 48,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
         "index_topk": 8,
         "index_n_heads": 8,
         "index_head_dim": 16,
         "indexer_types": ["full", "shared", "full"],
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
         "n_group": 1,
-        "topk_group": 1,
-        "n_shared_experts": 1,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "hidden_act": "silu",
-        "attention_bias": False,
         "rms_norm_eps": 1e-5,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
     }
 
 
@@ -391,22 +372,10 @@ def glm_router(hf: dict, default_experts: int) -> moe.RouterSpec:
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    sys.modules[__name__],
     reference=Reference(reference_logits),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT),
     stacked=STACKED,
     shared_kv=SHARED_KV,
     extra_caches=extra_caches,

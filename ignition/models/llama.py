@@ -6,22 +6,12 @@ graph without weights; attention goes through the flare:: paged-KV ops.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import Tensor
 
 from ignition.models import common
-from ignition.models.common import (
-    ATTENTION_WEIGHT_MAP,
-    DecoderProgram,
-    DenseConfig,
-    attention_shapes,
-    decode_weight_bytes,
-    decoder_fields,
-    decoder_shapes,
-    kv_shape,
-    reference_swiglu,
-)
 from ignition.models.family import Family, Gguf, Reference, TinyCheckpoint
 
 NAME = "llama"
@@ -30,42 +20,22 @@ HF_MODEL_TYPES = ("llama",)
 GGUF_ARCHITECTURES = ("llama",)
 
 # Hugging Face checkpoint name -> internal name (stored in the core's safetensors).
-WEIGHT_MAP = {
-    **ATTENTION_WEIGHT_MAP,
-    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.w_gate",
-    "model.layers.{}.mlp.up_proj.weight": "layers.{}.w_up",
-    "model.layers.{}.mlp.down_proj.weight": "layers.{}.w_down",
-}
-
-# Internal tensors concatenated (along output rows) into one, so a layer runs fewer matmuls.
-FUSED = {
-    "layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
-    "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"),
-}
+WEIGHT_MAP = {**common.ATTENTION_WEIGHT_MAP, **common.SWIGLU_WEIGHT_MAP}
+FUSED = common.DENSE_FUSED
 
 # GGUF tensor name -> Hugging Face name (llama.cpp's convert_hf_to_gguf naming).
 GGUF_WEIGHT_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
-    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
-    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
-    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    **common.GGUF_DECODER_MAP,
     "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
-    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
-    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
 }
 
 
-LlamaConfig = DenseConfig
+LlamaConfig = common.DenseConfig
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
     """Read a Hugging Face config.json dict; unsupported variants raise ValueError."""
-    return DenseConfig(intermediate_size=int(hf["intermediate_size"]), **decoder_fields(hf, NAME, 2048))
+    return common.DenseConfig(intermediate_size=int(hf["intermediate_size"]), **common.decoder_fields(hf, NAME, 2048))
 
 
 def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -106,13 +76,15 @@ def _unpermute(weight: Tensor, num_heads: int) -> Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-class StepProgram(DecoderProgram):
+class StepProgram(common.DecoderProgram):
     """Llama's step: the shared decoder with a fused SwiGLU MLP and no q/k transform."""
 
 
 def reference_logits(config: LlamaConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
     """The shared plain-torch reference forward with Llama's dense SwiGLU MLP."""
-    return common.reference_logits(config, hf_weights, token_ids, lambda w, p, h: reference_swiglu(w, p + "mlp.", h))
+    return common.reference_logits(
+        config, hf_weights, token_ids, lambda w, p, h: common.reference_swiglu(w, p + "mlp.", h)
+    )
 
 
 # ----------------------------------------------------------------------- test checkpoints
@@ -120,21 +92,9 @@ def reference_logits(config: LlamaConfig, hf_weights: dict[str, Tensor], token_i
 
 def testmodel_config(vocab_size: int) -> dict[str, Any]:
     """A tiny Hugging Face config for random-weight test checkpoints."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
+    return common.tiny_decoder_config("LlamaForCausalLM", "llama", vocab_size) | {
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
     }
 
 
@@ -176,37 +136,19 @@ TEST_CHAT_TEMPLATE = (
 
 def hf_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of a checkpoint with this config."""
-    h, f = c.hidden_size, c.intermediate_size
-    mlp = {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
-    return decoder_shapes(c, {**attention_shapes(c), **mlp})
+    return common.decoder_shapes(
+        c, {**common.attention_shapes(c), **common.swiglu_shapes("mlp.", c.hidden_size, c.intermediate_size)}
+    )
 
 
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    sys.modules[__name__],
     reference=Reference(reference_logits),
     tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        special_tokens=TEST_SPECIAL_TOKENS,
-        token_roles=TEST_TOKEN_ROLES,
-        chat_template=TEST_CHAT_TEMPLATE,
+        testmodel_config, hf_shapes, TEST_CHAT, TEST_SPECIAL_TOKENS, TEST_TOKEN_ROLES, TEST_CHAT_TEMPLATE
     ),
-    gguf=Gguf(
-        architectures=GGUF_ARCHITECTURES,
-        weight_map=GGUF_WEIGHT_MAP,
-        hf_config=hf_config_from_gguf,
-        tensor_fixup=gguf_tensor_fixup,
-    ),
+    gguf=Gguf(GGUF_ARCHITECTURES, GGUF_WEIGHT_MAP, hf_config_from_gguf, gguf_tensor_fixup),
 )

@@ -35,6 +35,7 @@ transformers reference for MTP: `reference_mtp` below is this family's own plain
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -42,49 +43,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.core.manifest import TensorSpec
-from ignition.models import moe, mtp
-from ignition.models.common import optional_inputs, rms_norm, rotate_half
+from ignition.models import mimo_v2_config, moe, mtp
+from ignition.models.common import partial_rotary, rms_norm, rope, swiglu_shapes
 from ignition.models.family import Family, Reference, TinyCheckpoint
-from ignition.models.heads import generation_outputs, step_outputs
 from ignition.models.mimo_v2_config import (
     ACCURATE_16BIT,
     FULL,
-    FUSED,
-    HF_ARCHITECTURES,
-    HF_MODEL_TYPES,
-    NAME,
     SHARED_KV,
     SLIDING,
     STACKED,
-    WEIGHT_MAP,
     MiMoV2Config,
     RopeSpec,
-    config_from_hf,
-    decode_weight_bytes,
     extra_caches,
     ignored_tensor,
-    kv_shape,
     window_pool,
 )
+from ignition.models.step import Paged, StepInputs, StepModule
 
 # ---------------------------------------------------------------------------- step program
-
-
-def _cos_sin(positions: Tensor, spec: RopeSpec) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, 1, 2 * pairs] fp32, as transformers' default rotary builds them."""
-    inv = 1.0 / (
-        spec.theta ** (torch.arange(0, spec.dim, 2, dtype=torch.int64, device=positions.device).float() / spec.dim)
-    )
-    freqs = positions.float()[:, None] * inv[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos()[:, None, :], emb.sin()[:, None, :]
-
-
-def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, D]: rotate-half over the first cos.shape[-1] dims, the rest unchanged."""
-    dim = cos.shape[-1]
-    rot, rest = x[..., :dim], x[..., dim:]
-    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
 def _attention(
@@ -95,7 +71,7 @@ def _attention(
     window: int,
     rope: tuple[Tensor, Tensor],
     cache: Tensor,
-    paged: tuple[Tensor, ...],
+    paged: Paged,
 ) -> Tensor:
     """h [T, hidden] in the core dtype -> the attention block's output [T, hidden] fp32; writes
     this step's packed rows into `cache` [P, S, cache_heads, head_dim + v_head_dim]."""
@@ -107,8 +83,8 @@ def _attention(
     else:  # the MTP layers are not fused
         q, k, v = (F.linear(h, weights[p + name]).float() for name in ("wq", "wk", "wv"))
     cos, sin = rope
-    q = _apply_rope(q.reshape(-1, heads, dk), cos, sin)
-    k = _apply_rope(k.reshape(-1, kvh, dk), cos, sin)
+    q = partial_rotary(q.reshape(-1, heads, dk), cos, sin)
+    k = partial_rotary(k.reshape(-1, kvh, dk), cos, sin)
     v = v.reshape(-1, kvh, dv) * c.value_scale
     rows = torch.cat([k, v], dim=-1)  # [T, kvh, dk + dv]
     if kvh < cache.shape[2]:  # a full layer: the cache's other heads stay zero, and unread
@@ -135,65 +111,37 @@ def _dense_mlp(weights: dict[str, Tensor], p: str, h: Tensor) -> Tensor:
 def _ropes(c: MiMoV2Config, positions: Tensor) -> dict[bool, tuple[Tensor, Tensor]]:
     """cos/sin per layer kind (True: sliding), for the kinds present (MTP layers slide)."""
     kinds = {w > 0 for w in c.layer_windows} | ({True} if c.num_mtp_layers else set())
-    return {s: _cos_sin(positions, c.rope_sliding if s else c.rope_full) for s in kinds}
+    specs = {True: c.rope_sliding, False: c.rope_full}
+    return {s: rope(positions, specs[s].dim, specs[s].theta) for s in kinds}
 
 
-class StepProgram(torch.nn.Module):
-    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with
-    kv_cache = [packed_0, ..., packed_{L-1}, then the MTP layers' (untouched here)]; with MTP
-    layers, one more output after the signature's: hidden_states [T, hidden] fp32, the
+class StepProgram(StepModule):
+    """The step over kv_cache = [packed_0, ..., packed_{L-1}, then the MTP layers' (untouched here)];
+    with MTP layers, one more output after the signature's: hidden_states [T, hidden] fp32, the
     final-normed hidden state of every row (what mtp_draft.N takes)."""
 
-    def __init__(self, config: MiMoV2Config, num_top: int, explicit_ids: bool, scored: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.num_top = num_top
-        self.explicit_ids = explicit_ids
-        self.scored = scored
+    def windowed(self) -> bool:
+        return window_pool(self.config) is not None
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        extra_1=None,
-        extra_2=None,
-        extra_3=None,
-        extra_4=None,
-    ):
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
-        # Sliding layers' caches are in the window pool (window_pool), with its own slots and tables.
-        pooled = (extra.pop(0), extra.pop(0)) if window_pool(self.config) is not None else (slot_mapping, block_tables)
-        logprob_ids, target_ids = optional_inputs(*(extra + [None, None])[:2], self.explicit_ids, self.scored)
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
+        """Sliding layers' caches are in the window pool (window_pool), with its own slots and tables."""
         c = self.config
         # As in the other families: weights and matmul inputs in the core's dtype; residual stream,
         # norms, rotary and router in fp32.
         wdt = weights["embed"].dtype
-        x = F.embedding(token_ids, weights["embed"]).float()
-        ropes = _ropes(c, positions)
-        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
-        windowed = (*pooled, seq_lens, query_start_loc, positions)
+        x = F.embedding(s.token_ids, weights["embed"]).float()
+        ropes = _ropes(c, s.positions)
         for i, window in enumerate(c.layer_windows):
             p = f"layers.{i}."
             h = rms_norm(x, weights[p + "attn_norm"], c.rms_norm_eps).to(wdt)
-            x = x + _attention(
-                c, weights, p, h, window, ropes[window > 0], kv_cache[i], windowed if window > 0 else paged
-            )
+            x = x + _attention(c, weights, p, h, window, ropes[window > 0], kv_cache[i], s.pages(window > 0))
             h = rms_norm(x, weights[p + "mlp_norm"], c.rms_norm_eps).to(wdt)
             x = (
                 x
                 + (moe.sparse_moe(c.router, weights, i, h) if c.layer_sparse[i] else _dense_mlp(weights, p, h)).float()
             )
         hidden = rms_norm(x, weights["norm"], c.rms_norm_eps)
-        outputs = step_outputs(
-            hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids
-        )
+        outputs = self.outputs(hidden.to(wdt), weights, s)
         return (*outputs, hidden) if c.num_mtp_layers else outputs
 
 
@@ -202,67 +150,42 @@ def extra_step_outputs(config: MiMoV2Config) -> tuple[TensorSpec, ...]:
     return mtp.extra_step_outputs(config.hidden_size, config.num_mtp_layers)
 
 
-class MtpProgram(torch.nn.Module):
-    """One MTP layer's draft step: forward(weights, kv_cache, *MTP_INPUTS) -> MTP outputs.
+class MtpProgram(mtp.DraftModule):
+    """One MTP layer's draft step (ignition.models.mtp's contract): predicts the token after
+    token_ids[t]; its hidden states are final_layernorm's output."""
 
-    Row t pairs token_ids[t] (the token AFTER position positions[t]) with hidden_states[t] (the
-    main model's final-normed hidden state at positions[t]); it writes the MTP layer's KV at
-    slot_mapping[t] (the slot of positions[t], as the step's) and predicts the token after
-    token_ids[t]. Returns the distributions of the logits_indices rows (logits, logsumexp and
-    top-N as the step's) and every row's MTP hidden state [T, hidden] (the next layer's input)."""
-
-    def __init__(self, config: MiMoV2Config, layer: int, num_top: int) -> None:
-        super().__init__()
-        self.config = config
-        self.layer = layer
-        self.num_top = num_top
-
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        hidden_states,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-    ):
+    def draft(self, weights: dict[str, Tensor], kv_cache: list[Tensor], d: mtp.DraftInputs) -> tuple[Tensor, ...]:
         c, p = self.config, f"mtp.{self.layer}."
         wdt, eps = weights["embed"].dtype, c.rms_norm_eps
-        embedded = F.embedding(token_ids, weights["embed"]).float()
+        embedded = F.embedding(d.token_ids, weights["embed"]).float()
         joined = torch.cat(
-            [rms_norm(embedded, weights[p + "enorm"], eps), rms_norm(hidden_states.float(), weights[p + "hnorm"], eps)],
+            [rms_norm(embedded, weights[p + "enorm"], eps), rms_norm(d.hidden.float(), weights[p + "hnorm"], eps)],
             dim=-1,
         )
         x = F.linear(joined.to(wdt), weights[p + "eh_proj"]).float()
-        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         cache = kv_cache[c.num_layers + self.layer]  # after the main layers' (extra_caches)
         h = rms_norm(x, weights[p + "attn_norm"], eps).to(wdt)
-        x = x + _attention(c, weights, p, h, c.sliding_window, _cos_sin(positions, c.rope_sliding), cache, paged)
+        x = x + _attention(
+            c,
+            weights,
+            p,
+            h,
+            c.sliding_window,
+            rope(d.paged.positions, c.rope_sliding.dim, c.rope_sliding.theta),
+            cache,
+            d.paged,
+        )
         h = rms_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
         x = x + _dense_mlp(weights, p, h)
         out = rms_norm(x, weights[p + "final_norm"], eps)
         head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
-        return (*generation_outputs(out[logits_indices].to(wdt), head, self.num_top, None), out)
+        return self.draft_outputs(out, head, d, wdt)
 
 
 def extra_programs(config: MiMoV2Config, num_top: int, weights: dict[str, Tensor]) -> tuple[mtp.ExtraProgram, ...]:
     """One mtp_draft.N program per MTP layer, checked at export against reference_mtp."""
     mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"mtp.{k}.eh_proj", lambda k: f"model.mtp.layers.{k}.")
-    modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
-    return mtp.draft_programs(
-        modules,
-        config.hidden_size,
-        num_top,
-        mtp.reference_check(
-            config.vocab_size,
-            lambda w, ids: reference_forward(config, w, ids)[1],
-            lambda w, layer, next_ids, hidden: reference_mtp(config, w, layer, next_ids, hidden)[0],
-        ),
-    )
+    return mtp.checked_drafts(config, num_top, MtpProgram, reference_forward, reference_mtp)
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -462,11 +385,6 @@ def _attention_shapes(c: MiMoV2Config, sliding: bool) -> dict[str, tuple[int, ..
     return shapes
 
 
-def _dense_shapes(c: MiMoV2Config) -> dict[str, tuple[int, ...]]:
-    h, f = c.hidden_size, c.intermediate_size
-    return {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
-
-
 def hf_shapes(c: MiMoV2Config) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor names (the hub's layout: per-expert tensors, attention_sink_bias,
     model.mtp.layers.N with pre_mlp_layernorm) and shapes."""
@@ -478,19 +396,14 @@ def hf_shapes(c: MiMoV2Config) -> dict[str, tuple[int, ...]]:
         layer = _attention_shapes(c, window > 0) | {"post_attention_layernorm.weight": (h,)}
         if c.layer_sparse[i]:
             layer |= {"mlp.gate.weight": (e, h), "mlp.gate.e_score_correction_bias": (e,)}
-            for x in range(e):
-                layer |= {
-                    f"mlp.experts.{x}.gate_proj.weight": (f, h),
-                    f"mlp.experts.{x}.up_proj.weight": (f, h),
-                    f"mlp.experts.{x}.down_proj.weight": (h, f),
-                }
+            layer |= moe.expert_shapes("mlp.", e, h, f)
         else:
-            layer |= _dense_shapes(c)
+            layer |= swiglu_shapes("mlp.", h, c.intermediate_size)
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
     for k in range(c.num_mtp_layers):
         layer = (
             _attention_shapes(c, True)
-            | _dense_shapes(c)
+            | swiglu_shapes("mlp.", h, c.intermediate_size)
             | {
                 "enorm.weight": (h,),
                 "hnorm.weight": (h,),
@@ -506,23 +419,11 @@ def hf_shapes(c: MiMoV2Config) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    mimo_v2_config,
+    sys.modules[__name__],
     reference=Reference(reference_logits),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        init=testmodel_init,
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init),
     accurate_16bit=ACCURATE_16BIT,
     stacked=STACKED,
     shared_kv=SHARED_KV,

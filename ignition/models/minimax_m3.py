@@ -21,6 +21,7 @@ A text-only config refuses vision tensors.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import minimax_m3_vision, moe, vision_hooks
-from ignition.models.common import optional_inputs, rotate_half
-from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
-from ignition.models.heads import step_outputs
+from ignition.models.common import ATTENTION_WEIGHT_MAP, DecoderFields, offset_norm, partial_rotary
+from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision, merged_patch_processor
+from ignition.models.naming import nested, refuse_vision_tensors, with_prefixes, without_prefixes
+from ignition.models.step import Paged, StepInputs, StepModule, embed_images
 
 NAME = "minimax_m3"
 HF_ARCHITECTURES = ("MiniMaxM3VLForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
@@ -42,15 +44,7 @@ DEFAULT_THETA = 5000000.0  # MiniMaxM3VLTextConfig.default_theta
 
 # transformers' MiniMaxM3VLForCausalLM names -> internal names.
 _TEXT_WEIGHT_MAP = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attn_norm",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.wq",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.wk",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.wv",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.wo",
+    **ATTENTION_WEIGHT_MAP,
     "model.layers.{}.self_attn.q_norm.weight": "layers.{}.q_norm",
     "model.layers.{}.self_attn.k_norm.weight": "layers.{}.k_norm",
     "model.layers.{}.self_attn.indexer.q_proj.weight": "layers.{}.idx_wq",
@@ -82,16 +76,7 @@ _TEXT_PREFIXES = {
 }
 
 
-def _with_prefixes(table: dict[str, str]) -> dict[str, str]:
-    out = dict(table)
-    for source, target in table.items():
-        for plain, alternatives in _TEXT_PREFIXES.items():
-            if source.startswith(plain):
-                out.update({alt + source[len(plain) :]: target for alt in alternatives})
-    return out
-
-
-WEIGHT_MAP = _with_prefixes(_TEXT_WEIGHT_MAP) | minimax_m3_vision.WEIGHT_MAP
+WEIGHT_MAP = with_prefixes(_TEXT_WEIGHT_MAP, _TEXT_PREFIXES) | minimax_m3_vision.WEIGHT_MAP
 STACKED = moe.STACKED_EXPERTS
 # A dense layer stored as gate_proj/up_proj, a shared expert stored the same way; groups absent
 # from a layer (transformers' fused layout, the other kind of layer) are skipped.
@@ -102,18 +87,8 @@ FUSED = {"layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"), **moe.SH
 
 
 @dataclass(frozen=True, slots=True)
-class MiniMaxM3Config:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+class MiniMaxM3Config(DecoderFields):
     rotary_dim: int  # head_dim * partial_rotary_factor channels rotated, the rest passed through
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
     sparse_layers: tuple[bool, ...]  # per layer: block-sparse attention through the indexer
     moe_layers: tuple[bool, ...]  # per layer: routed MoE (else a dense MLP)
     dense_intermediate_size: int
@@ -127,10 +102,6 @@ class MiniMaxM3Config:
     index_topk_blocks: int
     index_local_blocks: int
     vision: minimax_m3_vision.VisionConfig | None = None  # the vision tower of a multimodal checkpoint
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def sparse_layer_ids(self) -> tuple[int, ...]:
@@ -263,12 +234,7 @@ def canonical_tensors(config: MiniMaxM3Config, tensors: dict[str, Tensor]) -> di
     (MiniMax's vision_tower.vision_model.* / patch_merge_mlp.* or transformers' model.vision_tower.*);
     a text-only config refuses them."""
     if config.vision is None:
-        stray = sorted(n for n in tensors if n.startswith(minimax_m3_vision.VISION_PREFIXES))
-        if stray:
-            raise ValueError(
-                f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
-                f"multimodal (no vision_config, or an image token id outside the vocabulary)"
-            )
+        refuse_vision_tensors(tensors, minimax_m3_vision.VISION_PREFIXES)
         return tensors
     return minimax_m3_vision.native_tensors(tensors)
 
@@ -291,29 +257,13 @@ def decode_weight_bytes(config: MiniMaxM3Config, weights: dict[str, Tensor]) -> 
 # ---------------------------------------------------------------------------- step program
 
 
-def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """MiniMaxM3VLRMSNorm in fp32: x / rms(x) * (1 + w)."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+class StepProgram(StepModule):
+    """The step over kv_cache = [k0, v0, k1, v1, ..., then one indexer-key cache per sparse layer] (KvLayout.extra)."""
 
-
-def partial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """transformers' apply_rotary_pos_emb: the first cos.shape[-1] channels rotated (halves), the rest kept."""
-    width = cos.shape[-1]
-    rot, rest = x[..., :width], x[..., width:]
-    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
-
-
-class StepProgram(torch.nn.Module):
-    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with
-    kv_cache = [k0, v0, k1, v1, ..., then one indexer-key cache per sparse layer] (KvLayout.extra)."""
+    multimodal = True
 
     def __init__(self, config: MiniMaxM3Config, num_top: int, explicit_ids: bool, scored: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.num_top = num_top
-        self.explicit_ids = explicit_ids
-        self.scored = scored
+        super().__init__(config, num_top, explicit_ids, scored)
         self.index_cache = {layer: 2 * config.num_layers + n for n, layer in enumerate(config.sparse_layer_ids)}
 
     def attention(
@@ -323,7 +273,7 @@ class StepProgram(torch.nn.Module):
         h: Tensor,
         rope: tuple[Tensor, ...],
         kv_cache: list[Tensor],
-        paged: tuple[Tensor, ...],
+        paged: Paged,
     ) -> Tensor:
         """h [T, hidden] in the core dtype -> attention output [T, hidden] fp32."""
         p, c = f"layers.{layer}.", self.config
@@ -332,11 +282,11 @@ class StepProgram(torch.nn.Module):
         q = F.linear(h, weights[p + "wq"]).view(-1, c.num_heads, c.head_dim)
         k = F.linear(h, weights[p + "wk"]).view(-1, c.num_kv_heads, c.head_dim)
         q, k = (
-            gemma_norm(q, weights[p + "q_norm"], c.rms_norm_eps),
-            gemma_norm(k, weights[p + "k_norm"], c.rms_norm_eps),
+            offset_norm(q, weights[p + "q_norm"], c.rms_norm_eps),
+            offset_norm(k, weights[p + "k_norm"], c.rms_norm_eps),
         )
         v = F.linear(h, weights[p + "wv"]).view(-1, c.num_kv_heads, c.head_dim)
-        q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
+        q, k = partial_rotary(q, cos, sin), partial_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache[2 * layer], kv_cache[2 * layer + 1]
         kvt = k_cache.dtype
         torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
@@ -344,8 +294,8 @@ class StepProgram(torch.nn.Module):
         if c.sparse_layers[layer]:
             idx_q = F.linear(h, weights[p + "idx_wq"]).view(-1, c.index_heads, c.index_head_dim)
             idx_k = F.linear(h, weights[p + "idx_wk"]).view(-1, 1, c.index_head_dim)
-            idx_q = partial_rope(gemma_norm(idx_q, weights[p + "idx_q_norm"], c.rms_norm_eps), idx_cos, idx_sin)
-            idx_k = partial_rope(gemma_norm(idx_k, weights[p + "idx_k_norm"], c.rms_norm_eps), idx_cos, idx_sin)
+            idx_q = partial_rotary(offset_norm(idx_q, weights[p + "idx_q_norm"], c.rms_norm_eps), idx_cos, idx_sin)
+            idx_k = partial_rotary(offset_norm(idx_k, weights[p + "idx_k_norm"], c.rms_norm_eps), idx_cos, idx_sin)
             idx_cache = kv_cache[self.index_cache[layer]]
             torch.ops.flare.write_kv(idx_cache, idx_cache, idx_k.to(kvt), idx_k.to(kvt), slot_mapping)
             blocks = torch.ops.flare.block_select(
@@ -383,36 +333,13 @@ class StepProgram(torch.nn.Module):
             return moe.sparse_moe(c.router, weights, layer, h, activation=c.activation, shared=True)
         return moe.shared_mlp(h, weights[p + "w_gate_up"], weights[p + "w_down"], c.activation)
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        extra_1=None,
-        extra_2=None,
-        extra_3=None,
-        extra_4=None,
-    ):
-        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
-        those rows' input embeddings are the features; rows of -1 are unused."""
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4) if t is not None]
-        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
-        logprob_ids, target_ids = optional_inputs(*(extra + [None, None])[:2], self.explicit_ids, self.scored)
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
+        """Vision cores: the image rows' input embeddings are the features."""
         c = self.config
         wdt = weights["embed"].dtype
         # Residual stream, norms and rotary in fp32, matmuls in the core dtype (as the other families).
-        x = F.embedding(token_ids, weights["embed"]).float()
-        if image is not None:
-            features, rows = image
-            T = x.shape[0]
-            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
-            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
+        x = embed_images(F.embedding(s.token_ids, weights["embed"]).float(), s)
+        positions = s.positions
         inv_freq = 1.0 / (
             c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, device=positions.device).float() / c.rotary_dim)
         )
@@ -421,14 +348,13 @@ class StepProgram(torch.nn.Module):
         cos, sin = emb.cos(), emb.sin()
         # The indexer takes cos/sin truncated to its head width, as transformers slices them.
         rope = (cos, sin, cos[..., : c.index_head_dim], sin[..., : c.index_head_dim])
-        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         for i in range(c.num_layers):
-            h = gemma_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps).to(wdt)
-            x = x + self.attention(weights, i, h, rope, kv_cache, paged)
-            h = gemma_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
+            h = offset_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps).to(wdt)
+            x = x + self.attention(weights, i, h, rope, kv_cache, s.paged)
+            h = offset_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
-        x = gemma_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
+        x = offset_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
+        return self.outputs(x, weights, s)
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -437,12 +363,7 @@ class StepProgram(torch.nn.Module):
 def canonical_name(name: str) -> str:
     """A text tensor's MiniMaxM3VLForCausalLM-style name (prefixes and MiniMax's module names undone;
     per-expert w1/w2/w3 stay per expert)."""
-    for plain, alternatives in _TEXT_PREFIXES.items():
-        for alt in alternatives:
-            if name.startswith(alt):
-                name = plain + name[len(alt) :]
-                break
-    name = name.replace(".self_attn.index_", ".self_attn.indexer.")
+    name = without_prefixes(name, _TEXT_PREFIXES).replace(".self_attn.index_", ".self_attn.indexer.")
     if ".block_sparse_moe." in name:
         name = name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
         name = name.replace(".block_sparse_moe.", ".mlp.")
@@ -608,10 +529,7 @@ def hf_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
     shapes = _text_shapes(c)
     if c.vision is None:
         return shapes
-    nested = {
-        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in shapes.items()
-    }
-    return nested | minimax_m3_vision.hf_shapes(c.vision)
+    return nested(shapes) | minimax_m3_vision.hf_shapes(c.vision)
 
 
 def _text_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
@@ -704,43 +622,23 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
 
 # MiniMaxM3VLImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): 4 .. 64
 # tokens of 28 x 28 pixels per image.
-TESTMODEL_PROCESSOR = {
-    "image_processor_type": "MiniMaxM3VLImageProcessor",
-    "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28},
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "resample": 3,
-    "image_mean": list(minimax_m3_vision.PROCESSOR_DEFAULTS["image_mean"]),
-    "image_std": list(minimax_m3_vision.PROCESSOR_DEFAULTS["image_std"]),
-}
+TESTMODEL_PROCESSOR = merged_patch_processor(
+    "MiniMaxM3VLImageProcessor",
+    minimax_m3_vision.PROCESSOR_DEFAULTS,
+    size={"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28},
+)
 
+
+# The multimodal test checkpoint (ignition.testmodel --vision).
+TINY_VISION = TinyVision(testmodel_vision, "minimax_m3-vision", TESTMODEL_VISION_TOKENS, TESTMODEL_PROCESSOR)
 
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(minimax_m3_vision)),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        vision=TinyVision(
-            config=testmodel_vision,
-            chat="minimax_m3-vision",
-            tokens=TESTMODEL_VISION_TOKENS,
-            processor=TESTMODEL_PROCESSOR,
-        ),
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, vision=TINY_VISION),
     stacked=STACKED,
     extra_caches=extra_caches,
     canonical_tensors=canonical_tensors,

@@ -22,6 +22,7 @@ from torch import Tensor
 from helios.core.ops.moe import ACTIVATIONS, expert_forward  # importing it also defines flare::routed_experts
 from ignition.errors import SourceError
 from ignition.models.common import decode_weight_bytes as dense_decode_weight_bytes
+from ignition.models.common import swiglu_shapes
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 
@@ -225,6 +226,15 @@ def shared_expert_weight_map(mlp: str = "model.layers.{}.mlp.", name: str = "sha
         f"{mlp}{name}.gate_proj.weight": "layers.{}.shared.w_gate",
         f"{mlp}{name}.up_proj.weight": "layers.{}.shared.w_up",
         f"{mlp}{name}.down_proj.weight": "layers.{}.w_shared_down",
+    }
+
+
+def expert_shapes(prefix: str, num_experts: int, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
+    """Test-checkpoint shapes of per-expert SwiGLU tensors under `prefix` (e.g. "mlp."), expert by expert."""
+    return {
+        name: shape
+        for e in range(num_experts)
+        for name, shape in swiglu_shapes(f"{prefix}experts.{e}.", hidden, width).items()
     }
 
 

@@ -24,6 +24,8 @@ from torch import Tensor
 from helios.core.manifest import KvLayout, TensorSpec
 from helios.core.program import allocate_kv
 from ignition.errors import SourceError
+from ignition.models.heads import generation_outputs
+from ignition.models.step import Paged
 
 MTP_KIND = "mtp_draft"  # program kinds "mtp_draft.0", "mtp_draft.1", ...
 MTP_CACHE = "mtp_kv"  # the KvLayout.extra caches the programs write (helios.engine.mtp reads the name)
@@ -73,6 +75,61 @@ def signature(hidden_size: int, num_top: int) -> tuple[tuple[TensorSpec, ...], t
     return inputs, (*outputs, hidden)
 
 
+@dataclass(frozen=True, slots=True)
+class DraftInputs:
+    """One mtp_draft.N call's inputs (`signature`): row t joins token_ids[t], the token AFTER
+    positions[t], with hidden[t], the main model's (or the previous MTP layer's) final-normed state at
+    positions[t]; the layer writes its own KV at the slot of positions[t], as the step's."""
+
+    token_ids: Tensor  # [T]
+    hidden: Tensor  # [T, hidden] fp32
+    paged: Paged
+    logits_indices: Tensor  # [R] rows whose distributions are returned
+
+
+class DraftForward:
+    """The forward of an mtp_draft.N program (a mixin beside torch.nn.Module): `signature`'s inputs ->
+    `draft`'s outputs."""
+
+    num_top: int
+
+    def forward(
+        self,
+        weights,
+        kv_cache,
+        token_ids,
+        positions,
+        hidden_states,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices,
+    ):
+        paged = Paged(slot_mapping, block_tables, seq_lens, query_start_loc, positions)
+        return self.draft(weights, kv_cache, DraftInputs(token_ids, hidden_states, paged, logits_indices))
+
+    def draft(self, weights: dict[str, Tensor], kv_cache: list[Tensor], d: DraftInputs) -> tuple[Tensor, ...]:
+        """-> `draft_outputs`."""
+        raise NotImplementedError
+
+    def draft_outputs(self, out: Tensor, head: Tensor, d: DraftInputs, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """The logits_indices rows' distributions (logits, logsumexp, top-N as the step's) from the MTP
+        layer's final-normed states out [T, hidden] fp32 through `head`, then every row's state (the
+        next draft's hidden_states)."""
+        return (*generation_outputs(out[d.logits_indices].to(dtype), head, self.num_top, None), out)
+
+
+class DraftModule(DraftForward, torch.nn.Module):
+    """An mtp_draft.N program of MTP layer `layer`: a family writes `draft`."""
+
+    def __init__(self, config: Any, layer: int, num_top: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer = layer
+        self.num_top = num_top
+
+
 def require_layers(
     weights: dict[str, Tensor],
     num_mtp_layers: int,
@@ -110,6 +167,26 @@ def draft_programs(
         ExtraProgram(f"{MTP_KIND}.{k}", module, inputs, outputs, examples, checker(k))
         for k, module in enumerate(modules)
     )
+
+
+def checked_drafts(
+    config: Any,
+    num_top: int,
+    program: Callable[[Any, int, int], torch.nn.Module],
+    reference_forward: Callable[[Any, dict[str, Tensor], list[int]], tuple[Tensor, Tensor]],
+    reference_mtp: Callable[[Any, dict[str, Tensor], int, list[int], Tensor], tuple[Tensor, Tensor]],
+) -> tuple[ExtraProgram, ...]:
+    """One program(config, N, num_top) per MTP layer N of the config, each checked at export against
+    the family's plain-torch references: reference_forward(config, hf_weights, ids) -> (logits,
+    final-normed hidden states) and reference_mtp(config, hf_weights, N, next_ids, hidden) -> (logits,
+    MTP hidden states)."""
+    modules = [program(config, k, num_top) for k in range(config.num_mtp_layers)]
+    check = reference_check(
+        config.vocab_size,
+        lambda w, ids: reference_forward(config, w, ids)[1],
+        lambda w, layer, next_ids, hidden: reference_mtp(config, w, layer, next_ids, hidden)[0],
+    )
+    return draft_programs(modules, config.hidden_size, num_top, check)
 
 
 def run_mtp_prompt(

@@ -33,6 +33,7 @@ compiled (its tensors are refused by name at export).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +42,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import moe, muse_spark_vision, vision_hooks
-from ignition.models.common import DecoderProgram, rope, rotate_half
+from ignition.models.common import DecoderProgram, offset_norm, rope, rotate_half, swiglu
 from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
-from ignition.models.heads import step_outputs
+from ignition.models.naming import refuse_vision_tensors
+from ignition.models.step import StepInputs, cached_attention, embed_images
 
 NAME = "muse_spark"
 HF_ARCHITECTURES = ("MuseSparkForConditionalGeneration",)
@@ -285,13 +287,8 @@ def canonical_tensors(config: MuseSparkConfig, tensors: dict[str, Tensor]) -> di
     """A text-only config refuses vision tensors by name (the audio tower's are unmapped and refused
     by export)."""
     if config.vision is None:
-        stray = sorted(n for n in tensors if n.startswith(muse_spark_vision.VISION_PREFIXES))
-        if stray:
-            raise ValueError(
-                f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not "
-                "multimodal (text_only, no vision_config, or an image token id outside the "
-                "vocabulary)"
-            )
+        why = "text_only, no vision_config, or an image token id outside the vocabulary"
+        refuse_vision_tensors(tensors, muse_spark_vision.VISION_PREFIXES, why)
     return tensors
 
 
@@ -314,11 +311,6 @@ def plain_norm(x: Tensor, eps: float) -> Tensor:
     """Weightless RMSNorm in fp32 (embedding, q/k, attention output, post-attention norms)."""
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def centered_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """MuseSparkTextCenteredRMSNorm: norm(x) * (1 + w)."""
-    return plain_norm(x, eps) * (1.0 + weight.float())
 
 
 def input_scaled_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -345,16 +337,17 @@ def text_token_ids(token_ids: Tensor, placeholder_ids: tuple[int, ...]) -> Tenso
 class StepProgram(DecoderProgram):
     """Muse Spark's step over the flare:: paged-KV ops; sliding layers pass their window to the op."""
 
+    multimodal = True
+
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
         """h [T, hidden] in the core dtype -> [T, hidden] fp32, dense SwiGLU or the MoE block."""
         c, p = self.config, f"layers.{layer}."
         if not c.layer_sparse[layer]:
-            gate, up = F.linear(h, weights[p + "w_gate_up"]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, weights[p + "w_down"]).float()
+            return swiglu(weights, p, h).float()
         # The router reads the hidden-size input in fp32 (a 16-bit router flips near-tied choices).
         logits = F.linear(h.float(), weights[p + "w_router"].float())
         top, ids = moe.route(c.router, logits, weights[p + "router_bias"])
-        z = centered_norm(F.linear(h, weights[p + "w_pre_expert"]), weights[p + "pre_expert_norm"], c.rms_norm_eps)
+        z = offset_norm(F.linear(h, weights[p + "w_pre_expert"]), weights[p + "pre_expert_norm"], c.rms_norm_eps)
         y = moe.routed_mlp(
             z.to(h.dtype),
             top,
@@ -367,44 +360,21 @@ class StepProgram(DecoderProgram):
         )
         return F.linear(y.to(h.dtype), weights[p + "w_post_expert"]).float()
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        extra_1=None,
-        extra_2=None,
-        extra_3=None,
-        extra_4=None,
-    ):
-        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
-        those rows' (normed) input embeddings are the features; rows of -1 are unused."""
-        extra = [e for e in (extra_1, extra_2, extra_3, extra_4) if e is not None]
-        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
-        logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
+        """Vision cores: the image rows' (normed) input embeddings are the features."""
         c = self.config
         eps = c.rms_norm_eps
         # As in the other families: weights and matmul inputs in the core dtype; residual stream,
         # norms, gates and rotary in fp32.
         wdt = weights["embed"].dtype
-        x = plain_norm(F.embedding(text_token_ids(token_ids, c.placeholder_ids), weights["embed"]), eps)
-        if image is not None:
-            features, rows = image
-            T = x.shape[0]
-            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
-            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
-        cos, sin = rope(positions, c.head_dim, c.rope_theta, torch.float32)
+        x = plain_norm(F.embedding(text_token_ids(s.token_ids, c.placeholder_ids), weights["embed"]), eps)
+        x = embed_images(x, s)
+        cos, sin = rope(s.positions, c.head_dim, c.rope_theta, torch.float32)
         q_dim, kv_dim = c.num_heads * c.head_dim, c.kv_dim
         scale = c.head_dim**-0.5
         for i, window in enumerate(c.layer_windows):
             p = f"layers.{i}."
-            h = centered_norm(x, weights[p + "attn_norm"], eps).to(wdt)
+            h = offset_norm(x, weights[p + "attn_norm"], eps).to(wdt)
             q, k, v, g = F.linear(h, weights[p + "wqkvg"]).float().split([q_dim, kv_dim, kv_dim, q_dim], dim=-1)
             q = plain_norm(q.reshape(-1, c.num_heads, c.head_dim), eps) * c.qk_scale_factor
             k = plain_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), eps)
@@ -412,22 +382,17 @@ class StepProgram(DecoderProgram):
             if c.layer_rope[i]:
                 q = q * cos + rotate_half(q) * sin
                 k = k * cos + rotate_half(k) * sin
-            k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
-            kvt = k_cache.dtype
-            torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
-            attn = torch.ops.flare.paged_attention(
-                q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window
-            )
+            attn = cached_attention(q, k, v, kv_cache[2 * i], kv_cache[2 * i + 1], s.paged, scale, window)
             attn = plain_norm(attn, eps).reshape(-1, q_dim) * torch.sigmoid(g)
             out = plain_norm(F.linear(attn.to(wdt), weights[p + "wo"]), c.post_norm_eps)
             x = residual_gated(x, out, weights[p + "attn_residual_gate"], c.residual_gate_temperature)
-            h = centered_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
+            h = offset_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
             out = input_scaled_norm(self.mlp(weights, i, h), weights[p + "post_mlp_norm"], c.post_norm_eps)
             x = residual_gated(x, out, weights[p + "mlp_residual_gate"], c.residual_gate_temperature)
         x = plain_norm(x, eps) * weights["norm"].float()
         # lm_head(x) * output_multiplier == lm_head(x * output_multiplier); step_outputs then soft-caps.
         x = (x * c.output_multiplier).to(wdt)
-        return step_outputs(x, weights, False, logits_indices, self.num_top, logprob_ids, target_ids, c.final_softcap)
+        return self.outputs(x, weights, s, c.final_softcap)
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -733,31 +698,16 @@ TESTMODEL_PROCESSOR = {
 }
 
 
+# The multimodal test checkpoint (ignition.testmodel --vision).
+TINY_VISION = TinyVision(testmodel_vision, TEST_VISION_CHAT, TESTMODEL_VISION_TOKENS, TESTMODEL_PROCESSOR)
+
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(muse_spark_vision)),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        vision=TinyVision(
-            config=testmodel_vision,
-            chat=TEST_VISION_CHAT,
-            tokens=TESTMODEL_VISION_TOKENS,
-            processor=TESTMODEL_PROCESSOR,
-        ),
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, vision=TINY_VISION),
     accurate_16bit=ACCURATE_16BIT,
     stacked=STACKED,
     canonical_tensors=canonical_tensors,

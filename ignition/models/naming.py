@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from functools import cache
+from typing import Any
 
 
 @cache
@@ -21,6 +22,47 @@ def rename(name: str, table: Mapping[str, str]) -> tuple[str, int | None] | None
             numbers = [int(group) for group in match.groups()]
             return target.format(*numbers), (numbers[0] if numbers else None)
     return None
+
+
+def with_prefixes(table: Mapping[str, str], prefixes: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
+    """`table` plus its entries again under other prefixes: for each plain prefix -> alternatives, a
+    source name starting with the plain prefix is also read with each alternative instead (where
+    multimodal checkpoints keep the text model)."""
+    out = dict(table)
+    for source, target in table.items():
+        for plain, alternatives in prefixes.items():
+            if source.startswith(plain):
+                out.update({alt + source[len(plain) :]: target for alt in alternatives})
+    return out
+
+
+def without_prefixes(name: str, prefixes: Mapping[str, tuple[str, ...]]) -> str:
+    """`name` with an alternative prefix of `prefixes` (see with_prefixes) put back to its plain one."""
+    for plain, alternatives in prefixes.items():
+        for alt in alternatives:
+            if name.startswith(alt):
+                return plain + name[len(alt) :]
+    return name
+
+
+def nested(table: Mapping[str, Any], plain: str = "model.", under: str = "model.language_model.") -> dict[str, Any]:
+    """`table` with its names under `plain` moved under `under` (where multimodal checkpoints keep the
+    text model), in the same order."""
+    return {(under + k[len(plain) :] if k.startswith(plain) else k): v for k, v in table.items()}
+
+
+def refuse_vision_tensors(
+    names: Iterable[str],
+    prefixes: tuple[str, ...],
+    why: str = "no vision_config, or an image token id outside the vocabulary",
+) -> None:
+    """A ValueError naming the first tensor under a vision tower's `prefixes`: a checkpoint whose config
+    is not multimodal (`why`) must not carry one."""
+    stray = sorted(n for n in names if n.startswith(prefixes))
+    if stray:
+        raise ValueError(
+            f"unexpected tensor {stray[0]!r}: vision tensors in a checkpoint whose config is not multimodal ({why})"
+        )
 
 
 def with_biases(source: str, target: str, pairs: Iterable[tuple[str, str]]) -> dict[str, str]:

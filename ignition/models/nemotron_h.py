@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +42,9 @@ import helios.core.ops.mamba  # noqa: F401  (defines flare::mamba2_scan)
 import helios.core.ops.recurrent  # noqa: F401  (defines flare::causal_conv1d)
 from ignition.models import moe
 from ignition.models.common import decode_weight_bytes as dense_decode_weight_bytes
-from ignition.models.common import optional_inputs, rms_norm
+from ignition.models.common import rms_norm
 from ignition.models.family import Family, Reference, TinyCheckpoint
-from ignition.models.heads import step_outputs
+from ignition.models.step import Paged, StatefulStepModule, StepInputs
 
 NAME = "nemotron_h"
 HF_ARCHITECTURES = ("NemotronHForCausalLM",)
@@ -296,16 +297,8 @@ def relu2_mlp(h: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     return F.linear(torch.relu(F.linear(h, w_up).float()).square().to(h.dtype), w_down).float()
 
 
-class StepProgram(torch.nn.Module):
-    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature with state:
-    kv_cache = [k0, v0, ..., k_{L-1}, v_{L-1}, conv_m0, conv_m1, ..., ssm_m0, ssm_m1, ...]."""
-
-    def __init__(self, config: NemotronHConfig, num_top: int, explicit_ids: bool, scored: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.num_top = num_top
-        self.explicit_ids = explicit_ids
-        self.scored = scored
+class StepProgram(StatefulStepModule):
+    """The step over kv_cache = [k0, v0, ..., k_{L-1}, v_{L-1}, conv_m0, conv_m1, ..., ssm_m0, ssm_m1, ...]."""
 
     def mamba(
         self,
@@ -347,9 +340,7 @@ class StepProgram(torch.nn.Module):
         y = gated_norm(y.reshape(total, c.mamba_inner), z, weights[p + "gated_norm"], groups, c.rms_norm_eps)
         return F.linear(y.to(h.dtype), weights[p + "out_proj"]).float()
 
-    def attention(
-        self, weights: dict[str, Tensor], i: int, h: Tensor, kv_cache: list[Tensor], paged: tuple[Tensor, ...]
-    ) -> Tensor:
+    def attention(self, weights: dict[str, Tensor], i: int, h: Tensor, kv_cache: list[Tensor], paged: Paged) -> Tensor:
         """h [T, hidden] -> causal GQA without position encoding [T, hidden] fp32."""
         c, p = self.config, f"layers.{i}."
         slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
@@ -383,29 +374,13 @@ class StepProgram(torch.nn.Module):
             routed = F.linear(routed.to(h.dtype), weights[p + "w_latent_out"]).float()
         return routed + moe.shared_mlp(h, weights[p + "w_shared_up"], weights[p + "w_shared_down"], RELU2)
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        state_slots,
-        extra_1=None,
-        extra_2=None,
-    ):
-        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
         c = self.config
         # Weights and matmul inputs in the core's dtype; residual stream, norms, router, conv
         # and scan in fp32.
         wdt = weights["embed"].dtype
-        x = F.embedding(token_ids, weights["embed"]).float()
-        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
-        recurrent = (state_slots, query_start_loc, positions)
+        x = F.embedding(s.token_ids, weights["embed"]).float()
+        paged, recurrent = s.paged, s.recurrent
         state_base, num_mamba = 2 * c.num_layers, len(c.mamba_layers)
         for i, kind in enumerate(c.layer_types):
             h = rms_norm(x, weights[f"layers.{i}.norm"], c.rms_norm_eps).to(wdt)
@@ -420,7 +395,7 @@ class StepProgram(torch.nn.Module):
             else:
                 x = x + self.moe(weights, i, h)
         x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
-        return step_outputs(x, weights, False, logits_indices, self.num_top, logprob_ids, target_ids)
+        return self.outputs(x, weights, s)
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -651,23 +626,10 @@ def testmodel_init(name: str, shape: tuple[int, ...], generator: torch.Generator
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    sys.modules[__name__],
     reference=Reference(reference_logits),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        init=testmodel_init,
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init),
     stacked=STACKED,
     state_caches=state_caches,
     ignored_tensor=ignored_tensor,

@@ -1,10 +1,17 @@
-"""Patch-grid helpers shared by the vision towers that merge m x m patches into one token
-(MiniMax M3, Kimi K2.5, GLM-5.3, Muse Spark): patches arrive in merge-block order."""
+"""Patch-grid helpers shared by the vision towers: row-major grids (Step 3.7, Gemma 4), and the
+merge-block order the towers that merge m x m patches into one token (MiniMax M3, Kimi K2.5,
+GLM-5.3, Muse Spark) take their patches in."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+def raster_order(rows: int, cols: int) -> Tensor:
+    """(x, y) positions [rows * cols, 2] of a rows x cols patch grid, row-major."""
+    gy, gx = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    return torch.stack([gx.reshape(-1), gy.reshape(-1)], dim=-1)
 
 
 def block_order(rows: int, cols: int, m: int) -> Tensor:

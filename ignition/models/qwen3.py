@@ -7,6 +7,7 @@ No GGUF reading yet (its Family has no gguf reader).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import Tensor
@@ -14,15 +15,19 @@ from torch import Tensor
 from ignition.models import common
 from ignition.models.common import (
     ATTENTION_WEIGHT_MAP,
+    DENSE_FUSED,
+    QK_NORM_WEIGHT_MAP,
+    SWIGLU_WEIGHT_MAP,
     DecoderProgram,
     DenseConfig,
     attention_shapes,
-    decode_weight_bytes,
     decoder_fields,
     decoder_shapes,
-    kv_shape,
+    qk_norm_shapes,
     reference_swiglu,
     rms_norm,
+    swiglu_shapes,
+    tiny_decoder_config,
 )
 from ignition.models.family import Family, Reference, TinyCheckpoint
 
@@ -30,26 +35,9 @@ NAME = "qwen3"
 HF_ARCHITECTURES = ("Qwen3ForCausalLM",)
 HF_MODEL_TYPES = ("qwen3",)
 
-# The per-head q/k norms Qwen3 adds to Llama's attention (Hugging Face name -> internal name).
-QK_NORM_WEIGHT_MAP = {
-    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.q_norm",
-    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.k_norm",
-}
-
-# Hugging Face checkpoint name -> internal name (stored in the core's safetensors).
-WEIGHT_MAP = {
-    **ATTENTION_WEIGHT_MAP,
-    **QK_NORM_WEIGHT_MAP,
-    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.w_gate",
-    "model.layers.{}.mlp.up_proj.weight": "layers.{}.w_up",
-    "model.layers.{}.mlp.down_proj.weight": "layers.{}.w_down",
-}
-
-# Internal tensors concatenated (along output rows) into one, so a layer runs fewer matmuls.
-FUSED = {
-    "layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
-    "layers.{}.w_gate_up": ("layers.{}.w_gate", "layers.{}.w_up"),
-}
+# Hugging Face checkpoint name -> internal name: Llama's, plus the per-head q/k norms.
+WEIGHT_MAP = {**ATTENTION_WEIGHT_MAP, **QK_NORM_WEIGHT_MAP, **SWIGLU_WEIGHT_MAP}
+FUSED = DENSE_FUSED
 
 Qwen3Config = DenseConfig
 
@@ -97,56 +85,32 @@ TEST_CHAT: str | None = "qwen3"
 
 def testmodel_config(vocab_size: int) -> dict[str, Any]:
     """A tiny Hugging Face config for random-weight test checkpoints (tied, like Qwen3-0.6B)."""
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-    }
+    return (
+        tiny_decoder_config("Qwen3ForCausalLM", "qwen3", vocab_size) | TINY_QWEN3_FIELDS | {"tie_word_embeddings": True}
+    )
 
 
-def qk_norm_shapes(c: Any) -> dict[str, tuple[int, ...]]:
-    """Per-layer q/k norm shapes (names under "model.layers.{i}.")."""
-    return {"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}
+# What the Qwen3 families' tiny configs add to common.tiny_decoder_config.
+TINY_QWEN3_FIELDS = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+}
 
 
 def hf_shapes(c: Qwen3Config) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of a checkpoint with this config."""
-    h, f = c.hidden_size, c.intermediate_size
-    mlp = {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    mlp = swiglu_shapes("mlp.", c.hidden_size, c.intermediate_size)
     return decoder_shapes(c, {**attention_shapes(c), **qk_norm_shapes(c), **mlp})
 
 
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    sys.modules[__name__],
     reference=Reference(reference_logits),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT),
 )

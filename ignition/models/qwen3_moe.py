@@ -8,6 +8,7 @@ shared routed-MoE pieces in ignition.models.moe (only the chosen experts compute
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,12 +17,16 @@ from torch import Tensor
 from ignition.models import common, moe
 from ignition.models.common import (
     ATTENTION_WEIGHT_MAP,
+    DENSE_FUSED,
+    QK_NORM_WEIGHT_MAP,
+    DecoderFields,
     attention_shapes,
     decoder_shapes,
-    kv_shape,
+    qk_norm_shapes,
+    tiny_decoder_config,
 )
 from ignition.models.family import Family, Reference, TinyCheckpoint
-from ignition.models.qwen3 import QK_NORM_WEIGHT_MAP, attention_fields, qk_norm_shapes
+from ignition.models.qwen3 import TINY_QWEN3_FIELDS, attention_fields
 from ignition.models.qwen3 import StepProgram as Qwen3StepProgram
 
 NAME = "qwen3_moe"
@@ -36,40 +41,19 @@ WEIGHT_MAP = {**ATTENTION_WEIGHT_MAP, **QK_NORM_WEIGHT_MAP, **moe.expert_weight_
 STACKED = moe.STACKED_EXPERTS
 
 # Internal tensors concatenated (along output rows) into one, so a layer runs fewer matmuls.
-FUSED = {
-    "layers.{}.wqkv": ("layers.{}.wq", "layers.{}.wk", "layers.{}.wv"),
-}
+FUSED = {"layers.{}.wqkv": DENSE_FUSED["layers.{}.wqkv"]}
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen3MoeConfig:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+class Qwen3MoeConfig(DecoderFields):
     num_experts: int
     num_experts_per_tok: int  # top-k experts per token, <= num_experts
     moe_intermediate_size: int  # each expert's SwiGLU width
     norm_topk_prob: bool  # renormalize the top-k routing weights to sum to one
 
     @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
     def router(self) -> moe.RouterSpec:
-        return moe.RouterSpec(
-            num_experts=self.num_experts,
-            top_k=self.num_experts_per_tok,
-            scoring="softmax",
-            norm_topk_prob=self.norm_topk_prob,
-        )
+        return moe.RouterSpec(self.num_experts, self.num_experts_per_tok, "softmax", self.norm_topk_prob)
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3MoeConfig:
@@ -123,66 +107,32 @@ TEST_CHAT: str | None = "qwen3"
 
 def testmodel_config(vocab_size: int) -> dict[str, Any]:
     """A tiny Hugging Face config for random-weight test checkpoints (untied, like Qwen3-30B-A3B)."""
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+    moe_fields = {
         "moe_intermediate_size": 32,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
     }
+    return tiny_decoder_config("Qwen3MoeForCausalLM", "qwen3_moe", vocab_size) | TINY_QWEN3_FIELDS | moe_fields
 
 
 def hf_shapes(c: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of a checkpoint with this config."""
-    h, f = c.hidden_size, c.moe_intermediate_size
-    moe: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (c.num_experts, h)}
-    for e in range(c.num_experts):
-        moe.update(
-            {
-                f"mlp.experts.{e}.gate_proj.weight": (f, h),
-                f"mlp.experts.{e}.up_proj.weight": (f, h),
-                f"mlp.experts.{e}.down_proj.weight": (h, f),
-            }
-        )
-    return decoder_shapes(c, {**attention_shapes(c), **qk_norm_shapes(c), **moe})
+    h = c.hidden_size
+    experts = moe.expert_shapes("mlp.", c.num_experts, h, c.moe_intermediate_size)
+    return decoder_shapes(
+        c, {**attention_shapes(c), **qk_norm_shapes(c), "mlp.gate.weight": (c.num_experts, h), **experts}
+    )
 
 
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    sys.modules[__name__],
     reference=Reference(reference_logits),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT),
     stacked=STACKED,
 )

@@ -34,6 +34,7 @@ The plain-torch reference forward is in qwen3_next_reference.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -41,115 +42,55 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import helios.core.ops.gated_delta  # noqa: F401  (defines flare::gated_delta_rule)
-from ignition.models import moe, mtp
+from ignition.models import moe, mtp, qwen3_next_config
 from ignition.models import qwen3_next_reference as ref
-from ignition.models.common import optional_inputs, rope, rotate_half
+from ignition.models.common import offset_norm, partial_rotary, rope, swiglu, swiglu_shapes
 from ignition.models.family import Family, Reference, TinyCheckpoint
-from ignition.models.heads import generation_outputs, step_outputs
 from ignition.models.qwen3_next_config import (
     ACCURATE_16BIT,
     FULL,
-    FUSED,
-    HF_ARCHITECTURES,
-    HF_MODEL_TYPES,
     LINEAR,
-    NAME,
     STACKED,
-    WEIGHT_MAP,
     Qwen3NextConfig,
-    config_from_hf,
-    decode_weight_bytes,
     extra_caches,
     extra_step_outputs,
     ignored_tensor,
-    kv_shape,
     state_caches,
 )
+from ignition.models.step import Paged, StatefulStepModule, StepInputs, cached_attention
 
 # ---------------------------------------------------------------------------- step program
 
 
-def centered_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen3-Next's RMSNorm in fp32: x / rms(x) * (1 + w)."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+class StepProgram(StatefulStepModule):
+    """The step over kv_cache = [k0, v0, ..., k{L-1}, v{L-1}, (the MTP layers' keys, then values,) conv
+    states of the DeltaNet layers, their delta-rule states]; with MTP layers it also returns the
+    final-normed hidden state of every row (what mtp_draft.N takes)."""
 
-
-def partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half rotary over the first cos.shape[-1] dims of each head; the rest passes through."""
-    dim = cos.shape[-1]
-    rotated, passed = x[..., :dim], x[..., dim:]
-    return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
-
-
-class StepProgram(torch.nn.Module):
-    """forward(weights, kv_cache, *inputs) per helios.core.program.program_signature, with state:
-    kv_cache = [k0, v0, ..., k{L-1}, v{L-1}, (the MTP layers' keys, then values,) conv states of the
-    DeltaNet layers, their delta-rule states]; with MTP layers it also returns the final-normed
-    hidden state of every row (what mtp_draft.N takes)."""
-
-    def __init__(self, config: Qwen3NextConfig, num_top: int, explicit_ids: bool, scored: bool) -> None:
-        super().__init__()
-        self.config = config
-        self.num_top = num_top
-        self.explicit_ids = explicit_ids
-        self.scored = scored
-
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        state_slots,
-        extra_1=None,
-        extra_2=None,
-    ):
-        logprob_ids, target_ids = optional_inputs(extra_1, extra_2, self.explicit_ids, self.scored)
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
         c = self.config
         eps = c.rms_norm_eps
         # Weights and matmul inputs in the core's dtype; the residual stream, norms, rotary and
         # recurrent state in fp32.
         wdt = weights["embed"].dtype
-        x = F.embedding(token_ids, weights["embed"]).float()
-        cos, sin = rope(positions, c.rotary_dim, c.rope_theta, torch.float32)
+        x = F.embedding(s.token_ids, weights["embed"]).float()
+        cos, sin = rope(s.positions, c.rotary_dim, c.rope_theta, torch.float32)
         linear = {layer: j for j, layer in enumerate(c.linear_layers)}
         states = kv_cache[2 * (c.num_layers + c.num_mtp_layers) :]  # conv, then delta-rule states, of the linear layers
-        steps = (state_slots, query_start_loc, positions)
+        steps = s.recurrent
         for i, kind in enumerate(c.layer_types):
             p = f"layers.{i}."
-            h = centered_norm(x, weights[p + "attn_norm"], eps).to(wdt)
+            h = offset_norm(x, weights[p + "attn_norm"], eps).to(wdt)
             if kind == LINEAR:
                 j = linear[i]
                 mixed = self.gated_delta_net(weights, i, h, states[j], states[len(linear) + j], steps)
             else:
-                mixed = attention(
-                    c,
-                    weights,
-                    p,
-                    h,
-                    kv_cache[2 * i],
-                    kv_cache[2 * i + 1],
-                    cos,
-                    sin,
-                    positions,
-                    slot_mapping,
-                    block_tables,
-                    seq_lens,
-                    query_start_loc,
-                )
+                mixed = attention(c, weights, p, h, kv_cache[2 * i], kv_cache[2 * i + 1], cos, sin, s.paged)
             x = x + mixed
-            h = centered_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
+            h = offset_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
             x = x + (routed_mlp(c, weights, p, h) if c.moe_layers[i] else dense_mlp(weights, p, h))
-        hidden = centered_norm(x, weights["norm"], eps)
-        outputs = step_outputs(
-            hidden.to(wdt), weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids
-        )
+        hidden = offset_norm(x, weights["norm"], eps)
+        outputs = self.outputs(hidden.to(wdt), weights, s)
         return (*outputs, hidden) if c.num_mtp_layers else outputs
 
     def gated_delta_net(self, weights, i, h, conv_state, recurrent_state, steps) -> Tensor:
@@ -197,39 +138,29 @@ class StepProgram(torch.nn.Module):
 
 def attention(
     c: Qwen3NextConfig,
-    weights,
+    weights: dict[str, Tensor],
     p: str,
-    h,
-    k_cache,
-    v_cache,
-    cos,
-    sin,
-    positions,
-    slot_mapping,
-    block_tables,
-    seq_lens,
-    query_start_loc,
+    h: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    paged: Paged,
 ) -> Tensor:
     """Gated full attention of the layer whose weights are under `p`: h [T, hidden] -> [T, hidden] fp32."""
     eps = c.rms_norm_eps
     q_dim = c.num_heads * c.head_dim
     q_gate, k, v = F.linear(h, weights[p + "wqkv"]).float().split([2 * q_dim, c.kv_dim, c.kv_dim], dim=-1)
     q, gate = q_gate.reshape(-1, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
-    q = partial_rotary(centered_norm(q, weights[p + "q_norm"], eps), cos, sin)
-    k = partial_rotary(centered_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), weights[p + "k_norm"], eps), cos, sin)
+    q = partial_rotary(offset_norm(q, weights[p + "q_norm"], eps), cos, sin)
+    k = partial_rotary(offset_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), weights[p + "k_norm"], eps), cos, sin)
     v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-    kvt = k_cache.dtype
-    torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
-    attn = torch.ops.flare.paged_attention(
-        q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, c.head_dim**-0.5
-    )
-    attn = attn.float() * torch.sigmoid(gate)
+    attn = cached_attention(q, k, v, k_cache, v_cache, paged, c.head_dim**-0.5).float() * torch.sigmoid(gate)
     return F.linear(attn.reshape(-1, q_dim).to(h.dtype), weights[p + "wo"]).float()
 
 
-def dense_mlp(weights, p: str, h) -> Tensor:
-    gate, up = F.linear(h, weights[p + "w_gate_up"]).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, weights[p + "w_down"]).float()
+def dense_mlp(weights: dict[str, Tensor], p: str, h: Tensor) -> Tensor:
+    return swiglu(weights, p, h).float()
 
 
 def routed_mlp(c: Qwen3NextConfig, weights, p: str, h) -> Tensor:
@@ -240,71 +171,38 @@ def routed_mlp(c: Qwen3NextConfig, weights, p: str, h) -> Tensor:
     return out + torch.sigmoid(F.linear(h.float(), weights[p + "w_shared_expert_gate"].float())) * shared
 
 
-class MtpProgram(torch.nn.Module):
-    """One MTP layer's draft step (ignition.models.mtp's contract): forward(weights, kv_cache,
-    *MTP inputs). Row t joins token_ids[t] (the token after positions[t]) with hidden_states[t] (the
-    main model's, or the previous MTP row's, final-normed state at positions[t]); the layer writes
-    its keys and values at slot_mapping[t]. Returns the logits_indices rows' distributions and
-    every row's MTP hidden state (the MTP norm's output, the next draft's hidden_states)."""
+class MtpProgram(mtp.DraftModule):
+    """One MTP layer's draft step (ignition.models.mtp's contract); its hidden states are the MTP
+    norm's output."""
 
-    def __init__(self, config: Qwen3NextConfig, layer: int, num_top: int) -> None:
-        super().__init__()
-        self.config = config
-        self.layer = layer
-        self.num_top = num_top
-
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        hidden_states,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-    ):
+    def draft(self, weights: dict[str, Tensor], kv_cache: list[Tensor], d: mtp.DraftInputs) -> tuple[Tensor, ...]:
         c, eps, p = self.config, self.config.rms_norm_eps, f"mtp.{self.layer}."
         wdt = weights["embed"].dtype
-        embedded = F.embedding(token_ids, weights["embed"])
+        embedded = F.embedding(d.token_ids, weights["embed"])
         joined = torch.cat(
             [
-                centered_norm(embedded, weights["mtp.pre_fc_norm_embedding"], eps),
-                centered_norm(hidden_states, weights["mtp.pre_fc_norm_hidden"], eps),
+                offset_norm(embedded, weights["mtp.pre_fc_norm_embedding"], eps),
+                offset_norm(d.hidden, weights["mtp.pre_fc_norm_hidden"], eps),
             ],
             dim=-1,
         )
         x = F.linear(joined.to(wdt), weights["mtp.fc"]).float()
-        cos, sin = rope(positions, c.rotary_dim, c.rope_theta, torch.float32)
+        cos, sin = rope(d.paged.positions, c.rotary_dim, c.rope_theta, torch.float32)
         keys = kv_cache[2 * c.num_layers + self.layer]  # the extra caches: every MTP layer's keys, then values
         values = kv_cache[2 * c.num_layers + c.num_mtp_layers + self.layer]
-        h = centered_norm(x, weights[p + "attn_norm"], eps).to(wdt)
-        x = x + attention(
-            c, weights, p, h, keys, values, cos, sin, positions, slot_mapping, block_tables, seq_lens, query_start_loc
-        )
-        h = centered_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
+        h = offset_norm(x, weights[p + "attn_norm"], eps).to(wdt)
+        x = x + attention(c, weights, p, h, keys, values, cos, sin, d.paged)
+        h = offset_norm(x, weights[p + "mlp_norm"], eps).to(wdt)
         x = x + (routed_mlp(c, weights, p, h) if c.mtp_moe else dense_mlp(weights, p, h))
-        out = centered_norm(x, weights["mtp.norm"], eps)
+        out = offset_norm(x, weights["mtp.norm"], eps)
         head = weights["embed"] if c.tie_word_embeddings else weights["lm_head"]
-        return (*generation_outputs(out[logits_indices].to(wdt), head, self.num_top, None), out)
+        return self.draft_outputs(out, head, d, wdt)
 
 
 def extra_programs(config: Qwen3NextConfig, num_top: int, weights: dict[str, Tensor]) -> tuple[mtp.ExtraProgram, ...]:
     """One mtp_draft.N program per MTP layer, checked at export against qwen3_next_reference.reference_mtp."""
     mtp.require_layers(weights, config.num_mtp_layers, lambda k: f"mtp.{k}.wqkv", lambda k: f"mtp.layers.{k}.")
-    modules = [MtpProgram(config, k, num_top) for k in range(config.num_mtp_layers)]
-    return mtp.draft_programs(
-        modules,
-        config.hidden_size,
-        num_top,
-        mtp.reference_check(
-            config.vocab_size,
-            lambda w, ids: ref.reference_forward(config, w, ids)[1],
-            lambda w, layer, next_ids, hidden: ref.reference_mtp(config, w, layer, next_ids, hidden)[0],
-        ),
-    )
+    return mtp.checked_drafts(config, num_top, MtpProgram, ref.reference_forward, ref.reference_mtp)
 
 
 # ----------------------------------------------------------------------- test checkpoints
@@ -434,47 +332,24 @@ def _attention_shapes(c: Qwen3NextConfig) -> dict[str, tuple[int, ...]]:
 def _mlp_shapes(c: Qwen3NextConfig, routed: bool) -> dict[str, tuple[int, ...]]:
     h = c.hidden_size
     if not routed:
-        f = c.intermediate_size
-        return {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+        return swiglu_shapes("mlp.", h, c.intermediate_size)
     e, f, s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (e, h)}
     if c.grouped_projections:  # Qwen3-Next's published checkpoints: one tensor per expert
-        for x in range(e):
-            shapes |= {
-                f"mlp.experts.{x}.gate_proj.weight": (f, h),
-                f"mlp.experts.{x}.up_proj.weight": (f, h),
-                f"mlp.experts.{x}.down_proj.weight": (h, f),
-            }
+        shapes |= moe.expert_shapes("mlp.", e, h, f)
     else:
         shapes |= {"mlp.experts.gate_up_proj": (e, 2 * f, h), "mlp.experts.down_proj": (e, h, f)}
-    return shapes | {
-        "mlp.shared_expert.gate_proj.weight": (s, h),
-        "mlp.shared_expert.up_proj.weight": (s, h),
-        "mlp.shared_expert.down_proj.weight": (h, s),
-        "mlp.shared_expert_gate.weight": (1, h),
-    }
+    return shapes | swiglu_shapes("mlp.shared_expert.", h, s) | {"mlp.shared_expert_gate.weight": (1, h)}
 
 
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    qwen3_next_config,
+    sys.modules[__name__],
     reference=Reference(ref.reference_logits),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        init=testmodel_init,
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init),
     accurate_16bit=ACCURATE_16BIT,
     stacked=STACKED,
     extra_caches=extra_caches,

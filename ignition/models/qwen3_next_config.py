@@ -13,6 +13,8 @@ from torch import Tensor
 
 from helios.core.manifest import TensorSpec
 from ignition.models import moe, mtp
+from ignition.models.common import ATTENTION_WEIGHT_MAP, QK_NORM_WEIGHT_MAP, SWIGLU_WEIGHT_MAP
+from ignition.models.naming import with_prefixes
 
 NAME = "qwen3_next"
 HF_ARCHITECTURES = (
@@ -40,18 +42,9 @@ _VARIANTS = {
 
 _L = "model.layers.{}."
 _TEXT_WEIGHT_MAP = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
-    _L + "input_layernorm.weight": "layers.{}.attn_norm",
-    _L + "post_attention_layernorm.weight": "layers.{}.mlp_norm",
     # gated full attention (q_proj rows: per head, head_dim query rows then head_dim gate rows)
-    _L + "self_attn.q_proj.weight": "layers.{}.wq",
-    _L + "self_attn.k_proj.weight": "layers.{}.wk",
-    _L + "self_attn.v_proj.weight": "layers.{}.wv",
-    _L + "self_attn.o_proj.weight": "layers.{}.wo",
-    _L + "self_attn.q_norm.weight": "layers.{}.q_norm",
-    _L + "self_attn.k_norm.weight": "layers.{}.k_norm",
+    **ATTENTION_WEIGHT_MAP,
+    **QK_NORM_WEIGHT_MAP,
     # gated DeltaNet: Qwen3-Next's fused projections (grouped per key head), kept as they are ...
     _L + "linear_attn.in_proj_qkvz.weight": "layers.{}.wqkvz",
     _L + "linear_attn.in_proj_ba.weight": "layers.{}.wba",
@@ -65,10 +58,7 @@ _TEXT_WEIGHT_MAP = {
     _L + "linear_attn.A_log": "layers.{}.a_log",
     _L + "linear_attn.norm.weight": "layers.{}.gated_norm",
     _L + "linear_attn.out_proj.weight": "layers.{}.w_out",
-    # dense MLP
-    _L + "mlp.gate_proj.weight": "layers.{}.w_gate",
-    _L + "mlp.up_proj.weight": "layers.{}.w_up",
-    _L + "mlp.down_proj.weight": "layers.{}.w_down",
+    **SWIGLU_WEIGHT_MAP,  # dense MLP
     # MoE: router, experts (per expert or stacked), shared expert and its gate
     **moe.expert_weight_map(),
     **moe.shared_expert_weight_map(name="shared_expert"),
@@ -92,15 +82,7 @@ _MTP_WEIGHT_MAP = {
     },
 }
 
-WEIGHT_MAP = {
-    **_TEXT_WEIGHT_MAP,
-    **{
-        _MULTIMODAL_PREFIX + k.removeprefix(_TEXT_PREFIX): v
-        for k, v in _TEXT_WEIGHT_MAP.items()
-        if k.startswith(_TEXT_PREFIX)
-    },
-    **_MTP_WEIGHT_MAP,
-}
+WEIGHT_MAP = with_prefixes(_TEXT_WEIGHT_MAP, {_TEXT_PREFIX: (_MULTIMODAL_PREFIX,)}) | _MTP_WEIGHT_MAP
 
 
 def _mtp_names(table: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
@@ -206,12 +188,7 @@ class Qwen3NextConfig:
 
     @property
     def router(self) -> moe.RouterSpec:
-        return moe.RouterSpec(
-            num_experts=self.num_experts,
-            top_k=self.num_experts_per_tok,
-            scoring="softmax",
-            norm_topk_prob=self.norm_topk_prob,
-        )
+        return moe.RouterSpec(self.num_experts, self.num_experts_per_tok, "softmax", self.norm_topk_prob)
 
 
 def _refuse(field: str, value: Any, why: str) -> None:

@@ -31,33 +31,26 @@ then takes image_features / image_rows and those rows' input embeddings are the 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import moe, step3p7_vision, vision_hooks
-from ignition.models.common import DecoderProgram, rotate_half
+from ignition.models import moe, step3p7_config, step3p7_vision, vision_hooks
+from ignition.models.common import DecoderProgram, offset_norm, rotate_half
 from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
-from ignition.models.gemma3 import FULL, SLIDING, gemma_norm
-from ignition.models.heads import step_outputs
+from ignition.models.gemma3 import FULL, SLIDING
+from ignition.models.step import Paged, StepInputs, cached_attention, embed_images
 from ignition.models.step3p7_config import (
     ACCURATE_16BIT,
-    FUSED,
-    HF_ARCHITECTURES,
-    HF_MODEL_TYPES,
-    NAME,
     STACKED,
-    WEIGHT_MAP,
     RopeSpec,
     Step3p7Config,
     canonical_name,
     canonical_tensors,
-    config_from_hf,
-    decode_weight_bytes,
     ignored_tensor,
-    kv_shape,
     window_pool,
 )
 
@@ -102,6 +95,8 @@ def _activation(limit: float) -> moe.ExpertActivation:
 class StepProgram(DecoderProgram):
     """Step 3.7's step over the flare:: paged-KV ops (see the module docstring)."""
 
+    multimodal = True
+
     def attention(
         self,
         weights: dict[str, Tensor],
@@ -109,32 +104,18 @@ class StepProgram(DecoderProgram):
         h: Tensor,
         rope: tuple[Tensor, Tensor],
         kv_cache: list[Tensor],
-        paged: tuple[Tensor, ...],
+        pages: Paged,
     ) -> Tensor:
         """h [T, hidden] in the core dtype -> the gated attention block's output [T, hidden] fp32."""
         c, p = self.config, f"layers.{i}."
-        slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
         heads, kvh, hd, eps = c.layer_heads[i], c.num_kv_heads, c.head_dim, c.rms_norm_eps
         q, k, v, gate = F.linear(h, weights[p + "wqkvg"]).float().split([heads * hd, c.kv_dim, c.kv_dim, heads], dim=-1)
         cos, sin = rope
-        q = apply_rope(gemma_norm(q.reshape(-1, heads, hd), weights[p + "q_norm"], eps), cos, sin)
-        k = apply_rope(gemma_norm(k.reshape(-1, kvh, hd), weights[p + "k_norm"], eps), cos, sin)
+        q = apply_rope(offset_norm(q.reshape(-1, heads, hd), weights[p + "q_norm"], eps), cos, sin)
+        k = apply_rope(offset_norm(k.reshape(-1, kvh, hd), weights[p + "k_norm"], eps), cos, sin)
         v = v.reshape(-1, kvh, hd)
-        k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
-        kvt = k_cache.dtype
-        torch.ops.flare.write_kv(k_cache, v_cache, k.to(kvt), v.to(kvt), slot_mapping)
-        attn = torch.ops.flare.paged_attention(
-            q.to(kvt),
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            positions,
-            c.attention_scale,
-            c.layer_windows[i],
-            0.0,
-        )
+        caches = kv_cache[2 * i], kv_cache[2 * i + 1]
+        attn = cached_attention(q, k, v, *caches, pages, c.attention_scale, c.layer_windows[i], 0.0)
         attn = attn.float() * torch.sigmoid(gate)[:, :, None]  # one gate per head
         return F.linear(attn.reshape(-1, heads * hd).to(h.dtype), weights[p + "wo"]).float()
 
@@ -147,55 +128,29 @@ class StepProgram(DecoderProgram):
             c.router, weights, layer, h, _activation(c.routed_limits[layer]), shared=True, shared_activation=shared
         )
 
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        extra_1=None,
-        extra_2=None,
-        extra_3=None,
-        extra_4=None,
-        extra_5=None,
-        extra_6=None,
-    ):
-        """Vision cores take image_features [I, hidden] and image_rows [I] last (program_signature):
-        those rows' input embeddings are the features (transformers' masked_scatter); rows of -1 are
-        unused. Sliding layers' caches are in the window pool: window_slot_mapping / window_block_tables."""
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4, extra_5, extra_6) if t is not None]
-        image = (extra.pop(-2), extra.pop(-1)) if self.config.vision is not None else None
-        pooled = (extra.pop(0), extra.pop(0)) if window_pool(self.config) is not None else (slot_mapping, block_tables)
-        logprob_ids, target_ids = self.optional_inputs(*(extra + [None, None])[:2])
+    def windowed(self) -> bool:
+        return window_pool(self.config) is not None
+
+    def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
+        """Vision cores: the image rows' input embeddings are the features (transformers' masked_scatter).
+        Sliding layers' caches are in the window pool."""
         c = self.config
         eps = c.rms_norm_eps
         # As in the other families: weights and matmul inputs in the core's dtype, residual
         # stream, norms, rotary, gate and router in fp32.
         wdt = weights["embed"].dtype
-        x = F.embedding(token_ids, weights["embed"]).float()
-        if image is not None:
-            features, rows = image
-            T = x.shape[0]
-            rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
-            x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
+        x = embed_images(F.embedding(s.token_ids, weights["embed"]).float(), s)
         ropes = {
-            window > 0: _cos_sin(positions, c.rope_sliding if window else c.rope_full)
+            window > 0: _cos_sin(s.positions, c.rope_sliding if window else c.rope_full)
             for window in set(c.layer_windows)
         }
-        paged = (slot_mapping, block_tables, seq_lens, query_start_loc, positions)
-        windowed = (*pooled, seq_lens, query_start_loc, positions)  # sliding layers: the window pool's slots, tables
         for i, window in enumerate(c.layer_windows):
-            h = gemma_norm(x, weights[f"layers.{i}.attn_norm"], eps).to(wdt)
-            x = x + self.attention(weights, i, h, ropes[window > 0], kv_cache, windowed if window > 0 else paged)
-            h = gemma_norm(x, weights[f"layers.{i}.mlp_norm"], eps).to(wdt)
+            h = offset_norm(x, weights[f"layers.{i}.attn_norm"], eps).to(wdt)
+            x = x + self.attention(weights, i, h, ropes[window > 0], kv_cache, s.pages(window > 0))
+            h = offset_norm(x, weights[f"layers.{i}.mlp_norm"], eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
-        x = gemma_norm(x, weights["norm"], eps).to(wdt)
-        return step_outputs(x, weights, c.tie_word_embeddings, logits_indices, self.num_top, logprob_ids, target_ids)
+        x = offset_norm(x, weights["norm"], eps).to(wdt)
+        return self.outputs(x, weights, s)
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -455,28 +410,17 @@ TESTMODEL_PROCESSOR = {
 }
 
 
+# The multimodal test checkpoint (ignition.testmodel --vision).
+TINY_VISION = TinyVision(testmodel_vision, "step5-vision", TESTMODEL_VISION_TOKENS, TESTMODEL_PROCESSOR)
+
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
 
 
-FAMILY = Family(
-    name=NAME,
-    hf_architectures=HF_ARCHITECTURES,
-    hf_model_types=HF_MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    weight_map=WEIGHT_MAP,
-    fused=FUSED,
-    kv_shape=kv_shape,
-    decode_weight_bytes=decode_weight_bytes,
-    step_program=StepProgram,
+FAMILY = Family.of(
+    step3p7_config,
+    sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(step3p7_vision)),
-    tiny=TinyCheckpoint(
-        config=testmodel_config,
-        hf_shapes=hf_shapes,
-        chat=TEST_CHAT,
-        vision=TinyVision(
-            config=testmodel_vision, chat="step5-vision", tokens=TESTMODEL_VISION_TOKENS, processor=TESTMODEL_PROCESSOR
-        ),
-    ),
+    tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, vision=TINY_VISION),
     accurate_16bit=ACCURATE_16BIT,
     stacked=STACKED,
     window_pool=window_pool,

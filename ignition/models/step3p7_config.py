@@ -13,7 +13,9 @@ from typing import Any
 from torch import Tensor
 
 from ignition.models import moe, step3p7_vision
+from ignition.models.common import ATTENTION_WEIGHT_MAP, QK_NORM_WEIGHT_MAP, SWIGLU_WEIGHT_MAP
 from ignition.models.gemma3 import FULL, SLIDING
+from ignition.models.naming import with_prefixes
 
 NAME = "step5"
 HF_ARCHITECTURES = ("Step3p7ForConditionalGeneration",)
@@ -25,29 +27,16 @@ ACCURATE_16BIT = False
 _L = "model.layers.{}."
 # Checkpoint names (StepFun's layout, which transformers' save_pretrained also writes) -> internal.
 _HUB_WEIGHT_MAP = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
-    _L + "input_layernorm.weight": "layers.{}.attn_norm",
-    _L + "post_attention_layernorm.weight": "layers.{}.mlp_norm",
-    _L + "self_attn.q_proj.weight": "layers.{}.wq",
-    _L + "self_attn.k_proj.weight": "layers.{}.wk",
-    _L + "self_attn.v_proj.weight": "layers.{}.wv",
+    **ATTENTION_WEIGHT_MAP,
     _L + "self_attn.g_proj.weight": "layers.{}.wg",
-    _L + "self_attn.o_proj.weight": "layers.{}.wo",
-    _L + "self_attn.q_norm.weight": "layers.{}.q_norm",
-    _L + "self_attn.k_norm.weight": "layers.{}.k_norm",
-    _L + "mlp.gate_proj.weight": "layers.{}.w_gate",  # dense layers
-    _L + "mlp.up_proj.weight": "layers.{}.w_up",
-    _L + "mlp.down_proj.weight": "layers.{}.w_down",
+    **QK_NORM_WEIGHT_MAP,
+    **SWIGLU_WEIGHT_MAP,  # dense layers
     _L + "moe.gate.weight": "layers.{}.w_router",
     _L + "moe.router_bias": "layers.{}.router_bias",
     _L + "moe.gate_proj.weight": "layers.{}.moe_gate",  # [E, F, H], stacked into w_experts_gate_up
     _L + "moe.up_proj.weight": "layers.{}.moe_up",
     _L + "moe.down_proj.weight": "layers.{}.w_experts_down",  # [E, H, F]
-    _L + "share_expert.gate_proj.weight": "layers.{}.shared.w_gate",
-    _L + "share_expert.up_proj.weight": "layers.{}.shared.w_up",
-    _L + "share_expert.down_proj.weight": "layers.{}.w_shared_down",
+    **moe.shared_expert_weight_map(_L, "share_expert"),
 }
 
 # transformers' in-memory names (a state dict saved as is): text under model.language_model.,
@@ -69,20 +58,14 @@ def canonical_name(name: str) -> str:
     return name
 
 
+_NATIVE = "model.language_model.layers.{}."
 WEIGHT_MAP = {
-    **_HUB_WEIGHT_MAP,
-    **{
-        "model.language_model." + k.removeprefix("model."): v
-        for k, v in _HUB_WEIGHT_MAP.items()
-        if k.startswith("model.")
-    },
-    "model.language_model.layers.{}.mlp.gate.weight": "layers.{}.w_router",
-    "model.language_model.layers.{}.mlp.gate.e_score_correction_bias": "layers.{}.router_bias",
-    "model.language_model.layers.{}.mlp.experts.gate_up_proj": "layers.{}.w_experts_gate_up",
-    "model.language_model.layers.{}.mlp.experts.down_proj": "layers.{}.w_experts_down",
-    "model.language_model.layers.{}.mlp.shared_experts.gate_proj.weight": "layers.{}.shared.w_gate",
-    "model.language_model.layers.{}.mlp.shared_experts.up_proj.weight": "layers.{}.shared.w_up",
-    "model.language_model.layers.{}.mlp.shared_experts.down_proj.weight": "layers.{}.w_shared_down",
+    **with_prefixes(_HUB_WEIGHT_MAP, {"model.": ("model.language_model.",)}),
+    _NATIVE + "mlp.gate.weight": "layers.{}.w_router",
+    _NATIVE + "mlp.gate.e_score_correction_bias": "layers.{}.router_bias",
+    _NATIVE + "mlp.experts.gate_up_proj": "layers.{}.w_experts_gate_up",
+    _NATIVE + "mlp.experts.down_proj": "layers.{}.w_experts_down",
+    **moe.shared_expert_weight_map(_NATIVE + "mlp."),
     **step3p7_vision.WEIGHT_MAP,
 }
 

@@ -18,7 +18,6 @@ data in the manifest (vision_profile).
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -28,40 +27,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.core import manifest as mf
-from ignition.models.common import rotate_half
-from ignition.models.naming import biased_shapes, with_biases
+from ignition.models import vision_common as vc
+from ignition.models.naming import with_biases
+from ignition.models.patch_grid import raster_order
 
 _V = "model.vision_model."
-_VL = _V + "layers.{}."
 _PROJ = "model.multi_modal_projector."
+LAYER = vc.EncoderLayout(_V + "layers.{}.", "self_attn.", "out_proj", ("layernorm_before", "layernorm_after"))
 # transformers' in-memory layout (what Step3p7ForConditionalGeneration.state_dict() holds).
 WEIGHT_MAP = {
     _V + "embeddings.patch_embedding.weight": "vision.patch_embed",
     _V + "embeddings.position_embedding.weight": "vision.pos_embed",
-    _V + "pre_layernorm.weight": "vision.pre_norm",
-    _V + "pre_layernorm.bias": "vision.pre_norm.bias",
-    _V + "downsampler1.weight": "vision.down1",
-    _V + "downsampler1.bias": "vision.down1.bias",
-    _V + "downsampler2.weight": "vision.down2",
-    _V + "downsampler2.bias": "vision.down2.bias",
-    _PROJ + "weight": "vision.projection",
-    _PROJ + "bias": "vision.projection.bias",
-    **with_biases(
-        _VL,
-        "vision.layers.{}.",
-        (
-            ("self_attn.q_proj", "wq"),
-            ("self_attn.k_proj", "wk"),
-            ("self_attn.v_proj", "wv"),
-            ("self_attn.out_proj", "wo"),
-            ("mlp.fc1", "fc1"),
-            ("mlp.fc2", "fc2"),
-            ("layernorm_before", "norm1"),
-            ("layernorm_after", "norm2"),
-        ),
-    ),
-    _VL + "lambda_1": "vision.layers.{}.scale1",
-    _VL + "lambda_2": "vision.layers.{}.scale2",
+    **with_biases(_V, "vision.", (("pre_layernorm", "pre_norm"), ("downsampler1", "down1"), ("downsampler2", "down2"))),
+    **with_biases("model.", "vision.", (("multi_modal_projector", "projection"),)),
+    **LAYER.weight_map(),
+    LAYER.prefix + "lambda_1": "vision.layers.{}.scale1",
+    LAYER.prefix + "lambda_2": "vision.layers.{}.scale2",
 }
 # StepFun's own layout (what its hub checkpoints ship) -> transformers' names (native_tensors);
 # the fused in_proj is split into q/k/v and q/k de-interleaved, as transformers' loader does.
@@ -85,18 +66,12 @@ DOWNSAMPLE = 4  # two stride-2 convolutions: 4 x 4 patches per token
 
 
 @dataclass(frozen=True, slots=True)
-class VisionConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
+class VisionConfig(vc.Tower):
     layer_norm_eps: float
     rope_theta: float
     patch_size: int
     image_size: int  # the position table's square grid is image_size / patch_size per side
-    text_hidden_size: int
     projector_bias: bool
-    image_token_id: int
 
     @property
     def pooling_kernel_size(self) -> int:
@@ -107,27 +82,17 @@ class VisionConfig:
     def position_side(self) -> int:
         return self.image_size // self.patch_size
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
 
 def config_from_hf(hf: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     """The vision_config of a Step3p7Config dict (StepFun's or transformers' spellings), as
     transformers reads it; unsupported variants raise ValueError."""
     v = hf["vision_config"]
-    act = v.get("hidden_act", "quick_gelu")
-    if act != "quick_gelu":
-        raise ValueError(f"vision hidden_act {act!r} is not supported by the step5 family (quick_gelu is)")
-    rope = v.get("rope_parameters") or {}
-    if rope.get("rope_type", "axial") != "axial":
-        raise ValueError(f"vision rope type {rope.get('rope_type')!r} is not supported (axial is)")
-    if int(v.get("num_channels", 3)) != 3:
-        raise ValueError("vision num_channels other than 3 is not supported")
+    vc.activation(v, "hidden_act", "quick_gelu", ("quick_gelu",), "step5")
+    rope = vc.axial_rope(v)
+    vc.check_rgb(v)
     hidden = int(v.get("width", v.get("hidden_size", 1536)))
     heads = int(v.get("heads", v.get("num_attention_heads", 16)))
-    if hidden % heads or (hidden // heads) % 4:
-        raise ValueError(f"vision width {hidden} over {heads} heads needs a head size divisible by 4 (2-D rotary)")
+    vc.check_heads(hidden, heads)
     size, patch = int(v.get("image_size", 728)), int(v.get("patch_size", 14))
     if size % patch:
         raise ValueError(f"vision image_size {size} is not a multiple of patch_size {patch}")
@@ -159,19 +124,13 @@ def native_tensors(v: VisionConfig, tensors: dict[str, Tensor]) -> dict[str, Ten
         fused = _HUB_IN_PROJ.match(name)
         if fused:
             layer, kind = fused.groups()
-            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=0)):
-                if part != "v_proj":
-                    half = chunk.shape[0] // v.num_heads // 2
-                    chunk = chunk.reshape(v.num_heads, half, 2, *chunk.shape[1:]).transpose(1, 2).reshape(chunk.shape)
-                out[f"{_V}layers.{layer}.self_attn.{part}.{kind}"] = chunk.contiguous()
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), vc.split_fused_qkv(tensor, v.num_heads)):
+                out[f"{_V}layers.{layer}.self_attn.{part}.{kind}"] = chunk
             continue
-        for pattern, replacement in _HUB_RENAMES:
-            renamed = re.sub(pattern, replacement, name)
-            if renamed != name:
-                out[renamed] = tensor
-                break
-        else:
+        renamed = vc.hub_renamed(name, _HUB_RENAMES)
+        if renamed is None:
             raise ValueError(f"unexpected vision tensor {name!r} in StepFun's layout")
+        out[renamed] = tensor
     return out
 
 
@@ -190,15 +149,7 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     }
     if v.projector_bias:
         shapes[_PROJ + "bias"] = (v.text_hidden_size,)
-    for i in range(v.num_layers):
-        p = _VL.format(i)
-        shapes |= biased_shapes(
-            p, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"), h, h
-        )
-        shapes |= biased_shapes(p, ("mlp.fc1",), f, h) | biased_shapes(p, ("mlp.fc2",), h, f)
-        shapes |= {p + "lambda_1": (h,), p + "lambda_2": (h,)}
-        shapes |= biased_shapes(p, ("layernorm_before", "layernorm_after"), h)
-    return shapes
+    return shapes | LAYER.shapes(v.num_layers, h, f, {"lambda_1": (h,), "lambda_2": (h,)})
 
 
 # Step3p7ImageProcessor's class defaults (its preprocessor_config.json may override the first six).
@@ -206,8 +157,8 @@ PROCESSOR_DEFAULTS = {
     "size": {"height": 728, "width": 728},
     "patch_size": 504,
     "max_image_size": 3024,
-    "image_mean": (0.48145466, 0.4578275, 0.40821073),
-    "image_std": (0.26862954, 0.26130258, 0.27577711),
+    "image_mean": vc.CLIP_MEAN,
+    "image_std": vc.CLIP_STD,
     "rescale_factor": 1 / 255,
     "vision_patch_size": 14,
     "downsampler_stride": DOWNSAMPLE,
@@ -234,43 +185,30 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, t
             )
     if tile > image_size:
         raise ValueError(f"tiles ({tile}) larger than the global view ({image_size}) are not supported")
-    if int(ip.get("resample", 2)) != 2:
-        raise ValueError(f"resample {ip.get('resample')} is not supported (bilinear, 2, is)")
-    if ip.get("do_rescale") is False or ip.get("do_convert_rgb") is False or ip.get("do_resize") is False:
-        raise ValueError("do_rescale, do_resize and do_convert_rgb must stay on")
-    normalize = ip.get("do_normalize", True)
-    ids = {t: token_id(t) for t in (*FRAMING, "<im_patch>")}
-    missing = [t for t, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"the tokenizer lacks the image framing tokens {missing}")
-    if ids["<im_patch>"] != v.image_token_id:
-        raise ValueError(f"image_token_id {v.image_token_id} is not the tokenizer's <im_patch> ({ids['<im_patch>']})")
+    vc.check_resample(ip.get("resample", 2), 2, "bilinear")
+    vc.check_switches(ip)
+    ids = vc.framing_ids(token_id, "<im_patch>", FRAMING, v)
     max_side = int(ip["max_image_size"])
     per_tile, per_view = (tile // (ps * DOWNSAMPLE)) ** 2, (image_size // (ps * DOWNSAMPLE)) ** 2
     # The per-image bound: a square max_image_side image's tiles plus the global view (longer,
     # thinner images that cut more tiles are refused against it per request).
     side_tiles = max_side // tile + (max_side % tile > 0.2 * tile)
     per_image = min(side_tiles**2 * per_tile + per_view, max(0, max_model_len - 3))
-    return mf.VisionProfile(
+    return vc.image_profile(
+        v,
+        max_model_len,
+        per_image=per_image,
+        smallest=per_view,
+        framing=2,
+        rescale_factor=ip["rescale_factor"],
+        normalized=vc.normalization(ip, ip["image_mean"], ip["image_std"]),
+        prefix=(ids["<im_start>"],),  # the template renders one <im_patch> per image
+        suffix=(ids["<im_end>"],),
         resize="global_and_tiles",
         patch_size=ps,
         pooling_kernel_size=DOWNSAMPLE,
         max_patches=(image_size // ps) ** 2,
         resample="torch_bilinear",
-        rescale_factor=float(ip["rescale_factor"]),
-        image_mean=tuple(float(x) for x in ip["image_mean"]) if normalize else (0.0, 0.0, 0.0),
-        image_std=tuple(float(x) for x in ip["image_std"]) if normalize else (1.0, 1.0, 1.0),
-        placeholder_token_id=v.image_token_id,  # the template renders one <im_patch> per image
-        image_token_id=v.image_token_id,
-        prefix_token_ids=(ids["<im_start>"],),
-        suffix_token_ids=(ids["<im_end>"],),
-        feature_dim=v.text_hidden_size,
-        max_images_per_prompt=max(0, (max_model_len - 1) // (per_view + 2)),
-        max_image_tokens_per_prompt=max(0, max_model_len - 3),
-        image_feature_window_tokens=per_image,
-        max_image_tokens_per_image=per_image,
-        max_image_pixels=50_000_000,
-        max_image_bytes=20 << 20,
         image_size=image_size,
         tile_size=tile,
         max_image_side=max_side,
@@ -306,15 +244,6 @@ def _resized_positions(table: Tensor, positions: Tensor, side: int) -> Tensor:
     return top * (1 - ly) + bottom * ly
 
 
-def _axial_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin [X, 1, head_dim]: angles (x, y) per quarter frequency set, the half repeated (rotate-half)."""
-    spatial = head_dim // 2
-    inv = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.int64, device=positions.device).float() / spatial))
-    ang = torch.cat([positions[:, 0].float()[:, None] * inv, positions[:, 1].float()[:, None] * inv], dim=-1)
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos()[:, None, :], ang.sin()[:, None, :]
-
-
 def _conv3x3_s2(x: Tensor, rows: Tensor, cols: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """A 3x3, stride-2, padding-1 convolution over row-major grid rows: x [rows * cols, C] ->
     [rows/2 * cols/2, O] fp32 (even sides), as nine gathered taps and one matmul."""
@@ -332,41 +261,25 @@ def _conv3x3_s2(x: Tensor, rows: Tensor, cols: Tensor, weight: Tensor, bias: Ten
     return F.linear(taps.reshape(n, -1).to(weight.dtype), w).float() + bias.float()
 
 
-class VisionProgram(torch.nn.Module):
-    """forward(weights, kv_cache, pixel_values, pixel_positions) -> (image_features,); kv_cache is unused (empty)."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        self.config = config
-
+class VisionProgram(vc.TowerProgram):
     def forward(self, weights, kv_cache, pixel_values, pixel_positions):
         v = self.config
-        h, H, hd, eps = v.hidden_size, v.num_heads, v.head_dim, v.layer_norm_eps
+        h, eps = v.hidden_size, v.layer_norm_eps
         patch = weights["vision.patch_embed"]  # [h, 3, p, p] -> a linear over (row, col, channel) patch rows
-        wdt = patch.dtype
-        x = F.linear(pixel_values.to(wdt), patch.permute(0, 2, 3, 1).reshape(h, -1)).float()
+        lin = vc.Linears(weights, patch.dtype)
+        x = F.linear(pixel_values.to(lin.dtype), patch.permute(0, 2, 3, 1).reshape(h, -1)).float()
         x = x + _resized_positions(weights["vision.pos_embed"], pixel_positions, v.position_side)
-        x = F.layer_norm(x, (h,), weights["vision.pre_norm"].float(), weights["vision.pre_norm.bias"].float(), eps)
-        cos, sin = _axial_cos_sin(pixel_positions, hd, v.rope_theta)
-
-        def lin(name: str, t: Tensor) -> Tensor:
-            return F.linear(t.to(wdt), weights[name], weights[name + ".bias"]).float()
-
+        x = lin.norm("vision.pre_norm", x, eps)
+        # The first quarter of the head's dims by x, the second by y, repeated.
+        cos_sin = vc.axial_cos_sin(pixel_positions[:, 0], pixel_positions[:, 1], v.head_dim, v.rope_theta)
         for i in range(v.num_layers):
             p = f"vision.layers.{i}."
-            y = F.layer_norm(x, (h,), weights[p + "norm1"].float(), weights[p + "norm1.bias"].float(), eps)
-            q, k, val = (lin(p + name, y).reshape(-1, H, hd) for name in ("wq", "wk", "wv"))
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), val.transpose(0, 1))
-            x = x + weights[p + "scale1"].float() * lin(p + "wo", attn.transpose(0, 1).reshape(-1, h))
-            y = F.layer_norm(x, (h,), weights[p + "norm2"].float(), weights[p + "norm2.bias"].float(), eps)
-            y = lin(p + "fc1", y)
-            x = x + weights[p + "scale2"].float() * lin(p + "fc2", y * torch.sigmoid(1.702 * y))
+            x = vc.encoder_layer(lin, p, x, v.num_heads, cos_sin, "quick_gelu", eps, layer_scale=True)
         rows, cols = _grid(pixel_positions)
         x = _conv3x3_s2(x, rows, cols, weights["vision.down1"], weights["vision.down1.bias"])
         half_rows, half_cols = torch.div(rows, 2, rounding_mode="floor"), torch.div(cols, 2, rounding_mode="floor")
         x = _conv3x3_s2(x, half_rows, half_cols, weights["vision.down2"], weights["vision.down2.bias"])
-        out = F.linear(x.to(wdt), weights["vision.projection"]).float()
+        out = F.linear(x.to(lin.dtype), weights["vision.projection"]).float()
         if "vision.projection.bias" in weights:
             out = out + weights["vision.projection.bias"].float()
         return (out,)
@@ -375,10 +288,8 @@ class VisionProgram(torch.nn.Module):
 def example_inputs(v: VisionConfig) -> tuple[Tensor, Tensor]:
     """An 8 x 12 patch grid (2 x 3 tokens): rows differ from columns, so neither specializes."""
     rows, cols = 2 * DOWNSAMPLE, 3 * DOWNSAMPLE
-    gy, gx = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
-    positions = torch.stack([gx.reshape(-1), gy.reshape(-1)], dim=-1)
     pixels = torch.randn(rows * cols, 3 * v.patch_size**2, generator=torch.Generator().manual_seed(0))
-    return pixels, positions
+    return pixels, raster_order(rows, cols)
 
 
 # ---------------------------------------------------------------------- plain reference
@@ -392,7 +303,7 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     w = lambda name: hf[name].to(f64)  # noqa: E731
     ps, h, H = v.patch_size, v.hidden_size, v.num_heads
     hd = h // H
-    rows, cols = int(positions[:, 1].max()) + 1, int(positions[:, 0].max()) + 1
+    rows, cols = vc.reference_grid(positions)
     image = torch.zeros(rows * ps, cols * ps, 3, dtype=f64)
     for (x, y), patch in zip(positions.tolist(), pixels.to(f64)):
         image[y * ps : (y + 1) * ps, x * ps : (x + 1) * ps] = patch.view(ps, ps, 3)
@@ -409,25 +320,10 @@ def reference_features(v: VisionConfig, hf: dict[str, Tensor], pixels: Tensor, p
     gy, gx = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
     inv = torch.tensor([v.rope_theta ** (-j / (hd // 2)) for j in range(0, hd // 2, 2)], dtype=f64)
     quarter = torch.cat([gx.reshape(-1, 1).to(f64) * inv, gy.reshape(-1, 1).to(f64) * inv], dim=-1)  # [N, hd / 2]
-
-    def rotate(t: Tensor) -> Tensor:  # [N, H, hd]: pairs (j, j + hd/2) turn by quarter[:, j]
-        a, b = t[..., : hd // 2], t[..., hd // 2 :]
-        c, s = quarter.cos()[:, None, :], quarter.sin()[:, None, :]
-        return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
-
+    rotate = lambda t: vc.reference_rotate(t, quarter)  # noqa: E731  (pairs (j, j + hd/2) turn by quarter[:, j])
+    scales = ("lambda_1", "lambda_2")
     for i in range(v.num_layers):
-        p = _VL.format(i)
-        y = ln(x, p + "layernorm_before")
-        q, k, val = (
-            y @ w(p + f"self_attn.{n}.weight").T + w(p + f"self_attn.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")
-        )
-        q, k, val = rotate(q.view(-1, H, hd)), rotate(k.view(-1, H, hd)), val.view(-1, H, hd)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), val).reshape(-1, h)
-        x = x + w(p + "lambda_1") * (attn @ w(p + "self_attn.out_proj.weight").T + w(p + "self_attn.out_proj.bias"))
-        y = ln(x, p + "layernorm_after") @ w(p + "mlp.fc1.weight").T + w(p + "mlp.fc1.bias")
-        y = (y / (1 + torch.exp(-1.702 * y))) @ w(p + "mlp.fc2.weight").T + w(p + "mlp.fc2.bias")
-        x = x + w(p + "lambda_2") * y
+        x = vc.reference_layer(w, LAYER, i, x, H, rotate, "quick_gelu", v.layer_norm_eps, scales=scales)
     grid = x.T.reshape(1, h, rows, cols)
     grid = F.conv2d(grid, w(_V + "downsampler1.weight"), w(_V + "downsampler1.bias"), stride=2, padding=1)
     grid = F.conv2d(grid, w(_V + "downsampler2.weight"), w(_V + "downsampler2.bias"), stride=2, padding=1)

@@ -1,8 +1,9 @@
 """The export hooks of a family with a vision tower module (ignition.models.family.Vision), bound once.
 
-Tower modules (minimax_m3_vision, kimi_k25_vision, glm5_next_vision, muse_spark_vision) share one
-interface: VisionProgram(v), example_inputs(v), reference_features(v, hf, pixels, positions) and
-profile(v, processor, max_model_len, token_id), each on the config's `vision`; a family binds it with
+Tower modules (minimax_m3_vision, kimi_k25_vision, glm5_next_vision, muse_spark_vision, step3p7_vision,
+gemma4_vision; their shared building blocks in vision_common) share one interface: VisionProgram(v),
+example_inputs(v), reference_features(v, hf, pixels, positions) and profile(v, processor,
+max_model_len, token_id), each on the config's `vision`; a family binds it with
 `vision=vision_hooks.of(module)` and `Reference(..., features=vision_hooks.reference_features(module))`.
 """
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -25,7 +24,8 @@ from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from tests.engine.test_learned_drafts import _check_nothing_held, _same
+from tests.engine.speculation_checks import same_tokens
+from tests.engine.test_learned_drafts import _cancel_while_drafting, _check_nothing_held, _same, _server_values
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.8, 0.95, -1, 0.0, 1.0, 0.0, 0.0, 21)
@@ -111,17 +111,9 @@ def test_preemption_and_cancellation_free_draft_state(cores: tuple[Path, Path]) 
     off, _ = _run(target, again, OFF, num_pages=12, prefill_chunk_size=16)
     spec, engine = _run(target, again, DRAFTS, Core.open(cores[0]), num_pages=12, prefill_chunk_size=16)
     assert engine.stats.preemptions > 0 and engine.stats.learned_accepted == engine.stats.learned_offered > 0
-    assert {k: [c.token_ids for c in v] for k, v in spec.items()} == {
-        k: [c.token_ids for c in v] for k, v in off.items()
-    }
+    same_tokens(spec, off)
     engine = build_engine(target, EngineConfig(num_pages=64, speculation=DRAFTS, draft_core=draft))
-    for request in requests:
-        engine.add(request)
-    for _ in range(5):
-        engine.step()
-    assert engine.learned is not None and engine.learned.num_tracked > 0
-    engine.abort("r0")
-    engine.abort("n2", 1)
+    _cancel_while_drafting(engine, requests, 5)
     while engine.has_work:
         engine.step()
     _check_nothing_held(engine)
@@ -129,18 +121,11 @@ def test_preemption_and_cancellation_free_draft_state(cores: tuple[Path, Path]) 
 
 def test_metrics_name_the_draft_core(cores: tuple[Path, Path]) -> None:
     from helios.server.metrics import FirstResponseWindow, json_snapshot
-    from helios.server.state import ServerState
 
     target, draft = Core.open(cores[0]), Core.open(cores[1])
     engine = build_engine(target, EngineConfig(num_pages=32, speculation=DRAFTS, draft_core=draft))
     run_to_completion(engine, _requests(target, max_tokens=6)[:1])
-    state = SimpleNamespace(
-        client=SimpleNamespace(metrics=engine.metrics),
-        slots=SimpleNamespace(in_use=0, capacity=1),
-        started=0.0,
-        frontend=SimpleNamespace(image_counters={}),
-    )
-    snapshot = json_snapshot(ServerState.snapshot(state), FirstResponseWindow().summary(now=0.0))  # type: ignore[arg-type]
+    snapshot = json_snapshot(_server_values(engine), FirstResponseWindow().summary(now=0.0))
     assert snapshot["learned_drafter"] is True and snapshot["learned_drafter_name"] == draft.manifest.public_id
     assert snapshot["draft_steps"] > 0
 

@@ -5,6 +5,7 @@ docs/serving.md ("CUDA")."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -12,8 +13,13 @@ import torch
 from helios.core import Core
 from helios.core.program import STEP, allocate_kv
 from helios.engine import devices
-from helios.engine.graphs import EagerBackend, GraphRunner
+from helios.engine.graphs import GRAPH_INPUTS, EagerBackend, GraphRunner
 from helios.engine.kernels import registry
+
+if TYPE_CHECKING:
+    from helios.core.manifest import Manifest
+    from helios.engine.executor import Executor, StepResult
+    from helios.engine.sequence import Chunk, Sequence
 
 PAGE = 4
 
@@ -21,16 +27,7 @@ PAGE = 4
 class _Recorder:
     """A fake step: records the inputs it saw, returns per-row outputs derived from them."""
 
-    input_names = (
-        "token_ids",
-        "positions",
-        "slot_mapping",
-        "block_tables",
-        "seq_lens",
-        "query_start_loc",
-        "logits_indices",
-        "logprob_token_ids",
-    )
+    input_names = tuple(sorted(GRAPH_INPUTS - {"window_slot_mapping", "window_block_tables"}))  # no window pool
 
     def __init__(self) -> None:
         self.calls: list[dict[str, torch.Tensor]] = []
@@ -286,6 +283,41 @@ def test_cuda_kv_pages_from_free_memory() -> None:
         devices.kv_pages_for(10 * mib, 0.5, 0, 0)
 
 
+def eager_decode_step(
+    executor: Executor, seqs: list[Sequence]
+) -> tuple[tuple[Chunk, ...], StepResult, list[torch.Tensor]]:
+    """Prefill `seqs`, give each one more token and run that decode step eagerly, then put the
+    caches back as they were before it, so the same step can run again through a runner.
+    Returns (the decode step's chunks, its eager result, the caches before it)."""
+    from helios.engine.sequence import Chunk
+
+    executor.run(tuple(Chunk(s, 0, len(s.token_ids), True, False) for s in seqs))
+    for index, seq in enumerate(seqs):
+        seq.token_ids.append(20 + index)
+    decode = tuple(Chunk(s, len(s.token_ids) - 1, 1, True, False) for s in seqs)
+    before = [t.clone() for t in executor.kv]
+    eager = executor.run(decode)
+    for tensor, saved in zip(executor.kv, before):
+        tensor.copy_(saved)
+    return decode, eager, before
+
+
+def eager_runner(executor: Executor, manifest: Manifest, scratch_page: int, **options: Any) -> GraphRunner:
+    """A runner of the executor's step on its caches, buckets 1, 2 and 4, through the CPU double."""
+    return GraphRunner.for_core(
+        manifest,
+        executor.step,
+        executor.weights,
+        executor.kv,
+        executor.page_tokens,
+        scratch_page,
+        "cpu",
+        EagerBackend(),
+        buckets=(1, 2, 4),
+        **options,
+    )
+
+
 def test_executor_routes_decode_only_steps_through_the_runner(tiny_core: Path) -> None:
     """Executor._call's wiring, on CPU with the double injected (on CPU the executor never builds a
     runner itself): decode-only steps replay, prefill steps stay eager, both are counted, and the
@@ -303,30 +335,9 @@ def test_executor_routes_decode_only_steps_through_the_runner(tiny_core: Path) -
     request = SimpleNamespace(logprob_token_ids=None)
     prompts = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], [13] * (page + 2)]
     seqs = [Sequence(request, 0, list(p), len(p), i, pages=[2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
-    executor.run(tuple(Chunk(s, 0, len(s.token_ids), True, False) for s in seqs))
-    for index, seq in enumerate(seqs):
-        seq.token_ids.append(20 + index)
-    decode = tuple(Chunk(s, len(s.token_ids) - 1, 1, True, False) for s in seqs)
-    before = [t.clone() for t in executor.kv]
-    eager = executor.run(decode)
+    decode, eager, _ = eager_decode_step(executor, seqs)
     assert executor.launches == {"graph": 0, "eager": 2}
-    for tensor, saved in zip(executor.kv, before):
-        tensor.copy_(saved)
-    m = core.manifest
-    executor.graphs = GraphRunner(
-        executor.step,
-        executor.weights,
-        executor.kv,
-        (1, 2, 4),
-        page,
-        -(-m.limits.max_model_len // page),
-        pages - 1,
-        "cpu",
-        EagerBackend(),
-        explicit_width=max(1, m.capabilities.max_top_logprobs)
-        if "logprob_token_ids" in executor.step.input_names
-        else 0,
-    )
+    executor.graphs = eager_runner(executor, core.manifest, pages - 1)
     graphed = executor.run(decode)
     assert executor.launches == {"graph": 1, "eager": 2}
     torch.testing.assert_close(graphed.logits, eager.logits, rtol=0, atol=1e-5)

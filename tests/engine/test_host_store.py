@@ -297,14 +297,15 @@ def test_dram_evicts_other_records_before_an_anchors_chain(tmp_path: Path) -> No
 def test_an_anchors_pages_survive_dram_pressure_that_evicts_the_rest(tiny: Core) -> None:
     size = tiny.manifest.limits.page_tokens
     system = _prompt(tiny, 20 * size, seed=7)  # the leading system + tools block: 20 pages
-    first = EngineRequest(
-        "first",
-        system + _prompt(tiny, 30 * size, seed=8),
-        (GREEDY,),
-        4,
-        ignore_eos=True,
-        checkpoint_hints=((len(system), "anchor"),),
-    )
+
+    def anchored(request_id: str, pages: int, seed: int) -> EngineRequest:
+        """The system block, hinted as an anchor, then `pages` pages of the request's own."""
+        prompt = system + _prompt(tiny, pages * size, seed=seed)
+        return EngineRequest(
+            request_id, prompt, (GREEDY,), 4, ignore_eos=True, checkpoint_hints=((len(system), "anchor"),)
+        )
+
+    first = anchored("first", 30, 8)
     probe = build_engine(tiny, EngineConfig(num_pages=64, compiled_step=False))
     memory = 60 * probe.executor.page_bytes  # the DRAM tier holds 60 pages
     engine = _engine(tiny, None, memory=memory, pages=200)
@@ -319,14 +320,7 @@ def test_an_anchors_pages_survive_dram_pressure_that_evicts_the_rest(tiny: Core)
     engine.drain_copies()
     store = engine.host
     assert store.anchor_records == 20 and store.stats.dropped[("dram", "end_of_chain")] > 100
-    later = EngineRequest(
-        "later",
-        system + _prompt(tiny, 10 * size, seed=9),
-        (GREEDY,),
-        4,
-        ignore_eos=True,
-        checkpoint_hints=((len(system), "anchor"),),
-    )
+    later = anchored("later", 10, 9)
     hits = store.stats.hits
     assert engine.pool.page_of(page_hash(ROOT_HASH, b"", system[:size])) is None  # not from the pool
     warm = run_to_completion(engine, [later])["later"][0]

@@ -18,6 +18,7 @@ from ignition.models import FAMILIES
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.engine.speculation_checks import wrong_every_third
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 17)
@@ -162,17 +163,7 @@ def test_speculation_rewinds_the_state_after_rejections_and_changes_no_output(hy
         )
     )
     plain = run_to_completion(_engine(hybrid, enable_prefix_cache=False), requests)
-    truth = {
-        (r.request_id, i): r.prompt_ids + tuple(plain[r.request_id][i].token_ids) for r in requests for i in range(r.n)
-    }
-
-    def oracle(seq, k: int) -> tuple[int, ...]:
-        n = len(seq.token_ids)
-        drafts = list(truth[seq.request.request_id, seq.choice_index][n : n + k])
-        if n % 3 == 0 and len(drafts) > 1:
-            drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % 64
-        return tuple(drafts)
-
+    oracle = wrong_every_third(plain, requests)
     for spare, pages in ((None, 64), (1, 14)):  # roomy; then one spare slot and a pool that preempts
         engine = _engine(hybrid, num_pages=pages, speculation=SpeculationConfig(mode="fixed", max_drafts=4))
         engine.scheduler.drafter.propose = oracle

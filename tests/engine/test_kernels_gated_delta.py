@@ -84,36 +84,16 @@ def test_chunks_carry_the_state_of_one_long_prompt() -> None:
     slot equals the same tokens in one call (the state is all that crosses a step)."""
     n = 150
     q, k, v, g, beta, pool, _, _, _ = _batch(11, [(n, 0)])
-    whole = kernels_gated_delta.gated_delta_rule_cpu(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        pool.clone(),
-        torch.tensor([3]),
-        torch.tensor([0, n], dtype=torch.int32),
-        torch.arange(n),
-        DK**-0.5,
-        True,
-    )
+
+    def rows(start: int, end: int, state: torch.Tensor) -> torch.Tensor:
+        """Rows [start, end) of the prompt as one step of the sequence in slot 3."""
+        inputs = (t[start:end] for t in (q, k, v, g, beta))
+        starts = torch.tensor([0, end - start], dtype=torch.int32)
+        run = kernels_gated_delta.gated_delta_rule_cpu
+        return run(*inputs, state, torch.tensor([3]), starts, torch.arange(start, end), DK**-0.5, True)
+
+    whole = rows(0, n, pool.clone())
     state = torch.full_like(pool, float("nan"))  # a fresh sequence never reads its slot
-    parts = []
     bounds = list(range(0, 128, 16)) + list(range(128, n + 1))
-    for start, end in zip(bounds, bounds[1:]):
-        parts.append(
-            kernels_gated_delta.gated_delta_rule_cpu(
-                q[start:end],
-                k[start:end],
-                v[start:end],
-                g[start:end],
-                beta[start:end],
-                state,
-                torch.tensor([3]),
-                torch.tensor([0, end - start], dtype=torch.int32),
-                torch.arange(start, end),
-                DK**-0.5,
-                True,
-            )
-        )
+    parts = [rows(start, end, state) for start, end in zip(bounds, bounds[1:])]
     assert float((torch.cat(parts) - whole).abs().max()) <= 1e-5

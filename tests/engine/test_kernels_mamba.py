@@ -36,6 +36,11 @@ def _rows(gen: torch.Generator, total: int) -> tuple[torch.Tensor, ...]:
     )
 
 
+def _one(rows: int, slot: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(state_slots, query_start_loc) of a step that is one sequence of `rows` rows in `slot`."""
+    return torch.tensor([slot]), torch.tensor([0, rows], dtype=torch.int32)
+
+
 def _hf():
     from transformers.models.nemotron_h import modeling_nemotron_h
 
@@ -53,21 +58,7 @@ def test_reference_matches_transformers_chunked_scan() -> None:
         pool = torch.randn(3, HEADS, DIM, STATE, generator=gen)
         pool[1] = initial
         positions = torch.arange(21) + (0 if fresh else 40)
-        y = ops_mamba.mamba2_scan(
-            x,
-            dt,
-            a,
-            b,
-            c,
-            d,
-            dt_bias,
-            pool,
-            torch.tensor([1]),
-            torch.tensor([0, 21], dtype=torch.int32),
-            positions,
-            DT_MIN,
-            0.0,
-        )
+        y = ops_mamba.mamba2_scan(x, dt, a, b, c, d, dt_bias, pool, *_one(21), positions, DT_MIN, 0.0)
         expected, final = _hf().mamba2_chunk_scan(
             x[None],
             dt[None],
@@ -94,24 +85,11 @@ def test_reference_matches_transformers_state_update() -> None:
     a, d, dt_bias = _params(gen)
     pool = torch.randn(4, HEADS, DIM, STATE, generator=gen)
     theirs = pool[[3, 0]].clone()
-    slots = torch.tensor([3, 0])
+    slots, starts = torch.tensor([3, 0]), torch.tensor([0, 1, 2], dtype=torch.int32)
     for step in range(3):
         x, dt, b, c = _rows(gen, 2)
-        y = ops_mamba.mamba2_scan(
-            x,
-            dt,
-            a,
-            b,
-            c,
-            d,
-            dt_bias,
-            pool,
-            slots,
-            torch.tensor([0, 1, 2], dtype=torch.int32),
-            torch.tensor([7 + step, 30 + step]),
-            0.0,
-            0.0,
-        )
+        positions = torch.tensor([7 + step, 30 + step])
+        y = ops_mamba.mamba2_scan(x, dt, a, b, c, d, dt_bias, pool, slots, starts, positions, 0.0, 0.0)
         expected = _hf().mamba2_selective_state_update(
             theirs,
             x,
@@ -162,44 +140,15 @@ def test_chunks_carry_the_state() -> None:
     a, d, dt_bias = _params(gen)
     x, dt, b, c = _rows(gen, 90)
     pool = torch.zeros(2, HEADS, DIM, STATE)
-    whole = kernels_mamba.mamba2_scan_cpu(
-        x,
-        dt,
-        a,
-        b,
-        c,
-        d,
-        dt_bias,
-        pool,
-        torch.tensor([1]),
-        torch.tensor([0, 90], dtype=torch.int32),
-        torch.arange(90),
-        DT_MIN,
-        0.0,
-    )
+    whole = kernels_mamba.mamba2_scan_cpu(x, dt, a, b, c, d, dt_bias, pool, *_one(90), torch.arange(90), DT_MIN, 0.0)
     final = pool[1].clone()
     for scan in (kernels_mamba.mamba2_scan_cpu, ops_mamba.mamba2_scan):
         pieces, start = [], 0
         pool = torch.randn(2, HEADS, DIM, STATE, generator=gen)  # slot contents ignored at position 0
         for size in [16, 5, 1, 1, 16, 51]:
-            rows = slice(start, start + size)
-            pieces.append(
-                scan(
-                    x[rows],
-                    dt[rows],
-                    a,
-                    b[rows],
-                    c[rows],
-                    d,
-                    dt_bias,
-                    pool,
-                    torch.tensor([1]),
-                    torch.tensor([0, size], dtype=torch.int32),
-                    torch.arange(start, start + size),
-                    DT_MIN,
-                    0.0,
-                )
-            )
+            rows, positions = slice(start, start + size), torch.arange(start, start + size)
+            piece = scan(x[rows], dt[rows], a, b[rows], c[rows], d, dt_bias, pool, *_one(size), positions, DT_MIN, 0.0)
+            pieces.append(piece)
             start += size
         assert float((torch.cat(pieces) - whole).abs().max()) <= 1e-4
         assert float((pool[1] - final).abs().max()) <= 1e-4

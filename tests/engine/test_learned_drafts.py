@@ -29,6 +29,7 @@ from ignition.models.mtp import run_mtp_prompt
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.engine.speculation_checks import same_tokens
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.8, 0.95, -1, 0.0, 1.0, 0.0, 0.0, 21)
@@ -80,6 +81,33 @@ def _check_nothing_held(engine: LLMEngine) -> None:
     assert engine.pool.num_free + engine.pool.num_cached == engine.pool.num_pages  # no page left to a sequence
     assert engine.scheduler.drafter.num_tracked == 0  # no draft state left
     assert engine.learned is None or engine.learned.num_tracked == 0
+
+
+def _cancel_while_drafting(engine: LLMEngine, requests: list[EngineRequest], steps: int) -> None:
+    """Add the requests and step until the learned drafter tracks some, then cancel r0 and n2's
+    second choice mid-generation."""
+    for request in requests:
+        engine.add(request)
+    for _ in range(steps):
+        engine.step()
+    assert engine.learned is not None and engine.learned.num_tracked > 0
+    engine.abort("r0")
+    engine.abort("n2", 1)
+
+
+def _server_values(engine: LLMEngine):
+    """What /metrics reports (ServerState.snapshot) of an idle server around `engine`."""
+    from helios.server.outcomes import RequestOutcomes
+    from helios.server.state import ServerState
+
+    state = SimpleNamespace(
+        outcomes=RequestOutcomes(),
+        client=SimpleNamespace(metrics=engine.metrics),
+        slots=SimpleNamespace(in_use=0, capacity=1),
+        started=0.0,
+        frontend=SimpleNamespace(image_counters={}),
+    )
+    return ServerState.snapshot(state)  # type: ignore[arg-type]
 
 
 def _same(a, b, tolerance: float = 1e-4) -> None:
@@ -209,19 +237,11 @@ def test_preemption_and_cancellation_leave_nothing_behind(core: Core) -> None:
     spec = run_to_completion(engine, again)
     _check_nothing_held(engine)
     assert engine.stats.preemptions > 0 and engine.stats.draft_steps > 0
-    assert {k: [c.token_ids for c in v] for k, v in spec.items()} == {
-        k: [c.token_ids for c in v] for k, v in off.items()
-    }
+    same_tokens(spec, off)
     finals = [list(r.prompt_ids) + c.token_ids for r in again for c in spec[r.request_id]]
     assert _check_against_reference(core, records[::4], finals) > 0  # recomputed after preemption, reused pages
     engine = build_engine(core, EngineConfig(num_pages=96, speculation=MTP))
-    for request in requests:
-        engine.add(request)
-    for _ in range(6):
-        engine.step()
-    assert engine.learned is not None and engine.learned.num_tracked > 0
-    engine.abort("r0")
-    engine.abort("n2", 1)
+    _cancel_while_drafting(engine, requests, 6)
     engine.step()
     while engine.has_work:
         if engine.stats.steps == 9:
@@ -234,19 +254,12 @@ def test_metrics_name_the_learned_drafter(core: Core) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from helios.server.metrics import FirstResponseWindow, json_snapshot, prometheus_text
-    from helios.server.state import ServerState
 
     window = FirstResponseWindow().summary(now=0.0)
     for speculation, name in ((MTP, "mtp"), (HISTORY, None), (OFF, None)):
         engine = build_engine(core, EngineConfig(num_pages=32, speculation=speculation))
         run_to_completion(engine, _requests(core, max_tokens=6)[:1])
-        state = SimpleNamespace(
-            client=SimpleNamespace(metrics=engine.metrics),
-            slots=SimpleNamespace(in_use=0, capacity=1),
-            started=0.0,
-            frontend=SimpleNamespace(image_counters={}),
-        )
-        values = ServerState.snapshot(state)  # type: ignore[arg-type]
+        values = _server_values(engine)
         snapshot = json_snapshot(values, window)
         assert snapshot["learned_drafter"] is (name is not None) and snapshot["learned_drafter_name"] == name
         assert (snapshot["draft_steps"] > 0) is (name is not None)

@@ -326,6 +326,7 @@ def test_admission_restores_the_host_stores_pages_after_the_pools_match() -> Non
     assert [int(payload[0]) for _, payload in plan.host_in] == [0, 1]  # type: ignore[index]
     assert m.pool.page_of(digests[0]) == a.pages[0]  # published at once
     assert host.stats.hits == 1 and host.stats.reused_tokens == 8 and host.stats.bytes_in == 2 * PAGE_BYTES
+    assert m.stats.reused_tokens == 0  # api.md reused_tokens: device prefix-cache hits only
     m.release(a, Release.FINISH)
     _idle(m)
 

@@ -132,7 +132,7 @@ def test_switched_off_by_the_environment() -> None:
 
 def test_a_failed_build_falls_back_to_the_python_kernels(tmp_path) -> None:
     out = _load_in_a_fresh_process({"FLARE_CACHE_DIR": str(tmp_path), "CXX": "/bin/false"})
-    assert out.startswith("python (compiling kernels.cpp failed") and "using the Python kernels" in out
+    assert out.startswith("python (compiling ") and " failed" in out and "using the Python kernels" in out
     assert not list((tmp_path / "native").glob("*.so"))  # nothing half-built is left to load next time
 
 
@@ -204,8 +204,9 @@ def test_a_rows_tiles_result_does_not_depend_on_the_batch() -> None:
 @needs_bf16
 def test_linear_refuses_what_it_cannot_compute() -> None:
     w = torch.randn(32, 16).bfloat16()
-    with pytest.raises(RuntimeError, match="even"):
-        torch.ops.flare_native.pack_linear(torch.randn(32, 15).bfloat16())
+    odd = torch.ops.flare_native.pack_linear(torch.randn(32, 15).bfloat16())  # packed (linear_avx2 takes it)
+    with pytest.raises(RuntimeError, match="even"):  # the pair dot product does not
+        torch.ops.flare_native.linear(torch.randn(2, 15).bfloat16(), odd, None, 32)
     with pytest.raises(RuntimeError, match="does not match"):
         torch.ops.flare_native.linear(torch.randn(2, 8).bfloat16(), torch.ops.flare_native.pack_linear(w), None, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):

@@ -68,7 +68,11 @@ def test_without_the_native_kernels_the_portable_step_serves(
     assert all(len(choices[0].token_ids) == 4 for choices in out.values())
 
 
-KERNELS = [prepack.ONEDNN, prepack.NATIVE] + ([prepack.NATIVE_TILES] if prepack.tiles_available() else [])
+KERNELS = (
+    [prepack.ONEDNN, prepack.NATIVE]
+    + ([prepack.NATIVE_TILES] if prepack.tiles_available() else [])
+    + ([prepack.NATIVE_AVX2] if prepack.avx2_available() else [])
+)
 
 
 def test_portable_programs_agree_on_every_kernel(native_core: Path) -> None:
@@ -82,6 +86,7 @@ def test_portable_programs_agree_on_every_kernel(native_core: Path) -> None:
         targets = {n.target for n in program.module.graph.nodes if n.op == "call_function"}
         assert (torch.ops.flare_native.linear.default in targets) == (kernel == prepack.NATIVE)
         assert (torch.ops.flare_native.linear_tiles.default in targets) == (kernel == prepack.NATIVE_TILES)
+        assert (torch.ops.flare_native.linear_avx2.default in targets) == (kernel == prepack.NATIVE_AVX2)
         runs.append(
             run_prompt(
                 program, weights, core.manifest.kv, core.manifest.limits.page_tokens, list(range(3, 40)), chunk=7
@@ -91,8 +96,11 @@ def test_portable_programs_agree_on_every_kernel(native_core: Path) -> None:
         assert float((runs[0] - other).abs().max()) < 0.1
 
 
-def _timed(monkeypatch: pytest.MonkeyPatch, timings: dict[tuple[str, int], float]) -> None:
-    """choose() sees these (kernel, rows) -> ms; a kernel this host lacks is never timed."""
+def _timed(monkeypatch: pytest.MonkeyPatch, times: dict[str, tuple[float, float]]) -> None:
+    """choose() sees these kernel -> (ms at 1 row, ms at 32 rows); a kernel this host lacks is never
+    timed. The AVX2 kernel, where it runs, is slower than the others unless given."""
+    times = {prepack.NATIVE_AVX2: (100.0, 100.0), **times}
+    timings = {(kernel, rows): ms[index] for kernel, ms in times.items() for index, rows in enumerate((1, 32))}
     monkeypatch.setattr(prepack, "_pack_sample", lambda kernel, sample: [])
     monkeypatch.setattr(prepack, "_measure", lambda kernel, rows, sample, packed: timings[(kernel, rows)])
 
@@ -104,17 +112,7 @@ def test_the_choice_is_measured_once_and_remembered(
     core = Core.open(native_core)
     program = core.load_program(STEP, check_guards=False)
     weights = core.load_weights("cpu")
-    _timed(
-        monkeypatch,
-        {
-            (prepack.NATIVE, 1): 1.0,
-            (prepack.NATIVE, 32): 10.0,
-            (prepack.ONEDNN, 1): 2.0,
-            (prepack.ONEDNN, 32): 10.0,
-            (prepack.NATIVE_TILES, 1): 1.5,
-            (prepack.NATIVE_TILES, 32): 10.1,
-        },
-    )
+    _timed(monkeypatch, {prepack.NATIVE: (1.0, 10.0), prepack.ONEDNN: (2.0, 10.0), prepack.NATIVE_TILES: (1.5, 10.1)})
     assert prepack.choose([program], weights) == prepack.NATIVE
     monkeypatch.setattr(prepack, "_measure", lambda *args: pytest.fail("measured again"))
     assert prepack.choose([program], weights) == prepack.NATIVE  # remembered
@@ -127,12 +125,9 @@ def test_slower_at_many_rows_means_onednn(native_core: Path, monkeypatch: pytest
     _timed(
         monkeypatch,
         {
-            (prepack.NATIVE, 1): 1.0,
-            (prepack.NATIVE, 32): 12.0,  # faster at one row, 20% slower at 32
-            (prepack.ONEDNN, 1): 2.0,
-            (prepack.ONEDNN, 32): 10.0,
-            (prepack.NATIVE_TILES, 1): 1.0,
-            (prepack.NATIVE_TILES, 32): 11.0,
+            prepack.NATIVE: (1.0, 12.0),  # faster at one row, 20% slower at 32
+            prepack.ONEDNN: (2.0, 10.0),
+            prepack.NATIVE_TILES: (1.0, 11.0),
         },
     )
     assert prepack.choose([core.load_program(STEP, check_guards=False)], core.load_weights("cpu")) == prepack.ONEDNN
@@ -145,15 +140,7 @@ def test_tiles_win_where_they_are_as_fast_at_one_row_and_fastest_at_many(
     monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
     core = Core.open(native_core)
     _timed(
-        monkeypatch,
-        {
-            (prepack.NATIVE, 1): 12.8,
-            (prepack.NATIVE, 32): 53.0,
-            (prepack.ONEDNN, 1): 17.5,
-            (prepack.ONEDNN, 32): 19.7,
-            (prepack.NATIVE_TILES, 1): 12.5,
-            (prepack.NATIVE_TILES, 32): 15.2,
-        },
+        monkeypatch, {prepack.NATIVE: (12.8, 53.0), prepack.ONEDNN: (17.5, 19.7), prepack.NATIVE_TILES: (12.5, 15.2)}
     )
     program = core.load_program(STEP, check_guards=False)
     kernel = prepack.choose([program], core.load_weights("cpu"))

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from helios.engine import sampler as s
 from helios.engine.sampling_params import SamplingParams
+from tests.engine.test_sampler import NEUTRAL
 
 
 def _params(**kw) -> SamplingParams:
-    base = dict(
-        temperature=0.7,
-        top_p=1.0,
-        top_k=-1,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        presence_penalty=0.0,
-        frequency_penalty=0.0,
-        seed=0,
-    )
-    return SamplingParams(**{**base, **kw})
+    return replace(NEUTRAL, **{"temperature": 0.7, **kw})
 
 
 def _full_path_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

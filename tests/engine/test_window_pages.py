@@ -18,6 +18,8 @@ from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
 from helios.engine.sequence import Sequence
 from helios.engine.speculation.drafter import SpeculationConfig
+from tests.engine.speculation_checks import same_tokens, wrong_every_third
+from tests.engine.test_graphs import eager_decode_step, eager_runner
 from tests.ignition.family_checks import TEXTS, export_tiny
 
 GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
@@ -133,9 +135,7 @@ def test_prefix_reuse_with_window_pages_and_preemption(core: Core) -> None:
     small = _engine(core, num_pages=8)
     squeezed = _run(small, requests)
     assert small.stats.preemptions > 0
-    assert {k: [c.token_ids for c in v] for k, v in squeezed.items()} == {
-        k: [c.token_ids for c in v] for k, v in plain.items()
-    }
+    same_tokens(squeezed, plain)
 
 
 def test_speculation_with_window_pages(core: Core) -> None:
@@ -143,17 +143,7 @@ def test_speculation_with_window_pages(core: Core) -> None:
     pages past the committed tokens; rejected ones are overwritten, never read."""
     requests = _requests(core)
     plain = _run(_engine(core), requests)
-    truth = {
-        (r.request_id, i): r.prompt_ids + tuple(plain[r.request_id][i].token_ids) for r in requests for i in range(r.n)
-    }
-
-    def oracle(seq, k: int) -> tuple[int, ...]:
-        n = len(seq.token_ids)
-        drafts = list(truth[seq.request.request_id, seq.choice_index][n : n + k])
-        if n % 3 == 0 and len(drafts) > 1:
-            drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % 64
-        return tuple(drafts)
-
+    oracle = wrong_every_third(plain, requests)
     engine = _engine(core, speculation=SpeculationConfig(mode="fixed", max_drafts=4))
     engine.scheduler.drafter.propose = oracle
     spec = _run(engine, requests)
@@ -220,9 +210,7 @@ def test_a_short_window_pool_cuts_chunks_and_preempts_without_changing_output(co
     squeezed = _run(engine, requests)
     assert max(running) < 6 <= sum(r.n for r in requests)  # the window pool, not the main pool, held them back
     assert engine.stats.preemptions > 0  # a decoding sequence crossing into a new page, with none left
-    assert {k: [c.token_ids for c in v] for k, v in squeezed.items()} == {
-        k: [c.token_ids for c in v] for k, v in plain.items()
-    }
+    same_tokens(squeezed, plain)
 
 
 def test_decode_steps_replay_through_the_graph_runner_with_window_tables(core: Core) -> None:
@@ -234,8 +222,7 @@ def test_decode_steps_replay_through_the_graph_runner_with_window_tables(core: C
     import torch
 
     from helios.engine.executor import Executor
-    from helios.engine.graphs import EagerBackend, GraphRunner
-    from helios.engine.sequence import Chunk
+    from helios.engine.graphs import GraphRunner
 
     pages, window_pages = 16, 10  # the last of each is the runner's scratch page
     executor = Executor(core, pages, "cpu", 0, compiled=False, num_window_pages=window_pages)
@@ -246,31 +233,10 @@ def test_decode_steps_replay_through_the_graph_runner_with_window_tables(core: C
         Sequence(request, 0, list(p), len(p), i, pages=[2 * i, 2 * i + 1], window_pages=[3 * i, 3 * i + 1])
         for i, p in enumerate(prompts)
     ]
-    executor.run(tuple(Chunk(s, 0, len(s.token_ids), True, False) for s in seqs))
-    for index, seq in enumerate(seqs):
-        seq.token_ids.append(20 + index)
-    decode = tuple(Chunk(s, len(s.token_ids) - 1, 1, True, False) for s in seqs)
-    before = [t.clone() for t in executor.kv]
-    eager = executor.run(decode)
-    for tensor, saved in zip(executor.kv, before):
-        tensor.copy_(saved)
+    decode, eager, before = eager_decode_step(executor, seqs)
     m = core.manifest
     assert GraphRunner.eligible(executor.step.input_names)
-    executor.graphs = GraphRunner(
-        executor.step,
-        executor.weights,
-        executor.kv,
-        (1, 2, 4),
-        page,
-        -(-m.limits.max_model_len // page),
-        pages - 1,
-        "cpu",
-        EagerBackend(),
-        explicit_width=max(1, m.capabilities.max_top_logprobs)
-        if "logprob_token_ids" in executor.step.input_names
-        else 0,
-        window_scratch_page=window_pages - 1,
-    )
+    executor.graphs = eager_runner(executor, m, pages - 1, window_scratch_page=window_pages - 1)
     graphed = executor.run(decode)
     assert executor.launches["graph"] == 1
     torch.testing.assert_close(graphed.logits, eager.logits, rtol=0, atol=1e-5)

@@ -23,13 +23,14 @@ from helios.frontend.inference import (
     Message,
     RawPrompt,
     RequestError,
-    SamplingOptions,
     TextPart,
 )
 from helios.frontend.request import Frontend
 from helios.protocols import anthropic_messages, openai_chat, openai_completions
 from helios.server import generation
 from helios.server.admission import AdmissionSlots
+from helios.server.outcomes import RequestOutcomes
+from tests.frontend.raw_requests import request_for
 
 CHAT = Conversation((Message("user", (TextPart("hi"),)),))
 
@@ -86,7 +87,7 @@ def test_max_tokens_is_resolved_once_into_each_engine_limit(frontend: Frontend) 
     context = frontend.max_model_len
 
     def limit(max_tokens: int | None, text: str = "hello") -> int | None:
-        request = InferenceRequest(RawPrompt(text=text), SamplingOptions(), max_tokens)
+        request = request_for(text, max_tokens)
         engine = frontend.prepare(request, "r").inputs[0].engine
         return None if engine is None else engine.max_tokens
 
@@ -95,7 +96,7 @@ def test_max_tokens_is_resolved_once_into_each_engine_limit(frontend: Frontend) 
     assert limit(7) == 7
     assert limit(10**6) == context - prompt_len  # bounded by the context the prompt leaves, not refused
     assert limit(0) is None  # tokenize (and echo) only: nothing to run
-    full = InferenceRequest(RawPrompt(token_ids=(1,) * context), SamplingOptions(), 1)
+    full = request_for((1,) * context)
     with pytest.raises(RequestError, match="leaves no room for output") as caught:
         frontend.prepare(full, "r")
     assert caught.value.param == "prompt"
@@ -104,7 +105,7 @@ def test_max_tokens_is_resolved_once_into_each_engine_limit(frontend: Frontend) 
 def test_zero_tokens_with_prompt_scoring_runs_one_choice_for_all(frontend: Frontend) -> None:
     if not frontend.manifest.capabilities.prompt_logprobs:
         pytest.skip("the tiny core is exported with prompt logprobs")
-    request = InferenceRequest(RawPrompt(text="hi"), SamplingOptions(), 0, n=3, logprobs=LogprobOptions(prompt=1))
+    request = request_for("hi", 0, n=3, logprobs=LogprobOptions(prompt=1))
     engine = frontend.prepare(request, "s").inputs[0].engine
     assert engine is not None and (engine.n, engine.max_tokens, engine.prompt_logprobs) == (1, 0, 1)
 
@@ -113,7 +114,7 @@ def test_shared_checks_run_before_any_prompt_is_lowered(frontend: Frontend, monk
     lowered = []
     monkeypatch.setattr(frontend, "prompt", lambda *args: lowered.append(args))
     with pytest.raises(RequestError, match="at most 20"):
-        frontend.prepare(InferenceRequest(CHAT, SamplingOptions(), 8, logprobs=LogprobOptions(top=21)), "c")
+        frontend.prepare(request_for(CHAT, 8, logprobs=LogprobOptions(top=21)), "c")
     assert lowered == []
 
 
@@ -133,7 +134,7 @@ def test_a_messages_budget_hint_is_dropped_where_the_model_cannot_cap(frontend: 
 
 def test_already_lowered_prompts_are_kept_as_they_are(frontend: Frontend) -> None:
     lowered = frontend.prompt(CHAT)
-    request = InferenceRequest(RawPrompt(token_ids=lowered.token_ids), SamplingOptions(), 1)
+    request = request_for(lowered.token_ids)
     (child,) = frontend.prepare(request, "score", [lowered]).inputs
     assert child.prompt is lowered and child.engine.prompt_ids == lowered.token_ids  # type: ignore[union-attr]
 
@@ -162,6 +163,7 @@ def _state(frontend: Frontend, capacity: int = 4) -> SimpleNamespace:
         runner=_Runner(),
         in_pool=in_pool,
         hops=hops,
+        outcomes=RequestOutcomes(),
     )
 
 
@@ -171,7 +173,8 @@ def test_the_server_prepares_in_one_pool_hop_then_admits_and_submits(frontend: F
     assert state.hops == [frontend.prepare]
     (prepared,) = state.runner.submitted
     assert prepared.request_id.startswith("chatcmpl-") and run.reservation.held and state.slots.in_use == 2
-    run.release()
+    run.end(None)  # the client left: slots back, no outcome counted
+    assert state.slots.in_use == 0
 
 
 def test_range_errors_come_before_admission(frontend: Frontend) -> None:

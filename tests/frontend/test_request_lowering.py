@@ -13,16 +13,15 @@ from helios.core.template import ChatTemplate
 from helios.frontend import prompt
 from helios.frontend.inference import (
     Conversation,
-    InferenceRequest,
     LogprobOptions,
     Message,
     RawPrompt,
     RequestError,
-    SamplingOptions,
     StopOptions,
     TextPart,
 )
 from helios.frontend.request import Frontend
+from tests.frontend.raw_requests import request_for
 
 NO_INLINE = (
     "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
@@ -71,24 +70,16 @@ def test_text_parts_join_with_blank_lines(frontend: Frontend) -> None:
 
 def test_context_and_option_limits(frontend: Frontend) -> None:
     hello = frontend.prompt(RawPrompt(text="hello"))
-    request = InferenceRequest(RawPrompt(text="hello"), SamplingOptions(), max_tokens=10**6)  # bounded, not refused
+    request = request_for("hello", 10**6)  # bounded, not refused
     assert frontend.max_tokens(request, len(hello.token_ids)) == frontend.max_model_len - len(hello.token_ids)
-    unbounded = InferenceRequest(RawPrompt(text="hello"), SamplingOptions(), max_tokens=None)
+    unbounded = request_for("hello", None)
     assert frontend.max_tokens(unbounded, len(hello.token_ids)) == frontend.max_model_len - len(hello.token_ids)
     with pytest.raises(RequestError, match="at most 20"):
-        frontend.check_options(
-            InferenceRequest(RawPrompt(text="x"), SamplingOptions(), 1, logprobs=LogprobOptions(top=21))
-        )
+        frontend.check_options(request_for("x", logprobs=LogprobOptions(top=21)))
     with pytest.raises(RequestError, match="combine"):
-        frontend.check_options(
-            InferenceRequest(
-                RawPrompt(text="x"), SamplingOptions(), 1, stop=StopOptions(strings=("a",), token_ids=(3,))
-            )
-        )
+        frontend.check_options(request_for("x", stop=StopOptions(strings=("a",), token_ids=(3,))))
     with pytest.raises(RequestError, match="4096"):
-        frontend.check_options(
-            InferenceRequest(RawPrompt(text="x"), SamplingOptions(), 1, stop=StopOptions(strings=("é" * 2100,)))
-        )
+        frontend.check_options(request_for("x", stop=StopOptions(strings=("é" * 2100,))))
 
 
 def test_empty_raw_prompt_uses_bos(frontend: Frontend) -> None:

@@ -1,11 +1,12 @@
 """Shared by the vision-family tests: test images, and torch stand-ins for the torchvision calls
 transformers' image processors make, so a reference processor runs where torchvision is absent.
 
-`bicubic_processor(...)` builds a family's reference processor on them. `import_processing(names)` imports transformers' processing modules (names under
-transformers.models; with real torchvision where it loads, else with the stand-in posing as
-torchvision's v2 functional API while they import) and says which; `functional(...)` builds that stand-in from the
-primitives here: uint8 bicubic (torch's antialiased kernel, the one torchvision calls on CPU),
-uint8 LANCZOS (PIL's filter), constant padding and per-channel normalization.
+`reference_processor(...)` builds a family's reference processor on them. `import_processing(names)`
+imports transformers' processing modules (names under transformers.models; with real torchvision where
+it loads, else with the stand-in posing as torchvision's v2 functional API while they import) and says
+which; `functional(...)` builds that stand-in from the primitives here: uint8 bicubic and bilinear
+(torch's antialiased kernels, the ones torchvision calls on CPU), uint8 LANCZOS (PIL's filter), constant
+padding and per-channel normalization.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import contextlib
 import enum
 import importlib
 import io
+import json
+import platform
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +47,22 @@ class Mode(enum.Enum):
 
 def resize(image: torch.Tensor, size, interpolation=Mode.BILINEAR, antialias: bool = True) -> torch.Tensor:
     """torchvision.transforms.v2.functional.resize on uint8 images [..., 3, H, W]: bicubic by torch's
-    native uint8 kernel, LANCZOS by PIL per image."""
-    assert interpolation in (Mode.BICUBIC, Mode.LANCZOS) and image.dtype == torch.uint8
+    native uint8 kernel; bilinear by it where the CPU has one (AVX2, AVX512, ARM), else in float32
+    rounded back (checked bit-equal against torchvision 0.28); LANCZOS by PIL per image."""
+    assert interpolation in (Mode.BICUBIC, Mode.BILINEAR, Mode.LANCZOS) and image.dtype == torch.uint8
     if tuple(image.shape[-2:]) == tuple(size):
         return image
     flat = image.reshape(-1, *image.shape[-3:])
+    if interpolation == Mode.BILINEAR:
+        native = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in (
+            "aarch64",
+            "arm64",
+        )
+        out = torch.nn.functional.interpolate(
+            flat if native else flat.float(), size=list(size), mode="bilinear", align_corners=False, antialias=antialias
+        )
+        out = out if native else out.round().to(image.dtype)
+        return out.reshape(*image.shape[:-2], *size)
     if interpolation == Mode.BICUBIC:
         out = torch.nn.functional.interpolate(
             flat, size=list(size), mode="bicubic", align_corners=False, antialias=antialias
@@ -114,18 +128,21 @@ def import_processing(names: tuple[str, ...]) -> tuple[tuple[types.ModuleType, .
 
 
 @contextlib.contextmanager
-def bicubic_processor(
+def reference_processor(
     modules: tuple[str, str],
     processor: str,
     image_processor: str,
-    processor_config: Mapping[str, Any],
     checkpoint: Path,
+    mode: Mode = Mode.BICUBIC,
     patch_image_processing: bool = False,
 ) -> Iterator[Any]:
     """transformers' `processor` (of modules[1], e.g. "minimax_m3_vl.processing_minimax_m3_vl") over its
-    `image_processor` (of modules[0]) made with the test checkpoint's preprocessor config, and the
-    checkpoint's tokenizer: on torchvision where it imports, else on the bicubic stand-in above (also
-    patched into the image processing module itself where it holds its own tvF reference)."""
+    `image_processor` (of modules[0]) made with the test checkpoint's preprocessor_config.json, and the
+    checkpoint's tokenizer: on torchvision where it imports, else on the stand-in above resizing by
+    `mode` (also patched into the image processing module itself where it holds its own tvF reference).
+    LANCZOS: the stand-in reports a torchvision new enough for transformers to pass it on (>= 0.27
+    resizes uint8 LANCZOS on the CPU; it is assumed to equal PIL's filter, the one transformers'
+    warning names as the original)."""
     import pytest
     import transformers.image_processing_backends as backends
     from transformers import PreTrainedTokenizerFast
@@ -139,12 +156,15 @@ def bicubic_processor(
         patch.setattr(backends, "tvF", stand_in, raising=False)
         if patch_image_processing:
             patch.setattr(image_processing, "tvF", stand_in, raising=False)
-        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling.BICUBIC: Mode.BICUBIC})
+        patch.setattr(backends, "pil_torch_interpolation_mapping", {PILImageResampling[mode.name]: mode})
+        if mode == Mode.LANCZOS:
+            patch.setattr(backends, "is_torchvision_greater_or_equal", lambda version: True)
         # The class check looks up BaseVideoProcessor, which transformers leaves out without torchvision.
         patch.setattr(processor_class, "check_argument_for_proper_class", lambda self, name, arg: None)
-    settings = {k: v for k, v in processor_config.items() if k != "image_processor_type"}
+    config = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    settings = {k: v for k, v in config.items() if k != "image_processor_type"}
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
     try:
-        yield processor_class(getattr(image_processing, image_processor)(**settings), tokenizer)
+        yield processor_class(getattr(image_processing, image_processor)(**settings), tokenizer=tokenizer)
     finally:
         patch.undo()

@@ -4,18 +4,16 @@ DeepseekV3ForCausalLM, the helios engine's batching invariance, and the one-tens
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from helios.core import Core
 from helios.core.manifest import KvLayout
-from helios.core.program import SCORED_PREFILL, allocate_kv, run_prompt
+from helios.core.program import allocate_kv
 from helios.engine import EngineConfig, build_engine
 from helios.engine.sampling_params import SamplingParams
 from ignition.errors import SourceError
@@ -23,7 +21,7 @@ from ignition.export import ExportOptions, export_core, internal_weights
 from ignition.models import deepseek_v3, family_of_hf_config
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import _init, write_testmodel
+from ignition.testmodel import write_testmodel
 from tests.ignition import family_checks
 from tests.ignition.family_checks import LONG_PREAMBLE, SHORT_TEXTS
 
@@ -38,16 +36,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         "q_lora_rank": None,
         "rope_interleave": False,
         "max_position_embeddings": 512,
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "original_max_position_embeddings": 64,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 0.707,
-            "mscale_all_dim": 1.0,
-        },
+        "rope_parameters": family_checks.MLA_YARN,
     },
 }
 TEXTS = (
@@ -57,64 +46,31 @@ TEXTS = (
 )
 
 
-def write_variant(out: Path, changes: dict[str, object], seed: int) -> Path:
-    """A tiny kimi_k3 checkpoint with `changes` applied to its config (tensors regenerated to fit)."""
-    write_testmodel("kimi_k3", out, seed=seed)
-    if not changes:
-        return out
-    config = json.loads((out / "config.json").read_text()) | changes
-    generator = torch.Generator().manual_seed(seed)
-    shapes = deepseek_v3.hf_shapes(deepseek_v3.config_from_hf(config))
-    save_file(
-        {n: _init(n, s, generator) for n, s in shapes.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(tiny checkpoint, its core with prompt logprobs), once per variant for this module."""
     name = request.param
-    checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"tiny-kimi-{name}", VARIANTS[name], seed=5)
+    checkpoint = family_checks.write_variant(
+        "kimi_k3", tmp_path_factory.mktemp("ckpt") / f"tiny-kimi-{name}", VARIANTS[name], seed=5
+    )
     core = tmp_path_factory.mktemp("cores") / f"tiny-kimi-{name}"
     options = ExportOptions(out=core, prompt_logprobs=True, page_tokens=PAGE_TOKENS)
     export_core(open_source(str(checkpoint)), load_recipe("kimi3"), options)
     return checkpoint, core
 
 
-def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-
 def test_logprobs_match_transformers(exported: tuple[Path, Path]) -> None:
-    from transformers import AutoModelForCausalLM
-
     checkpoint, core_dir = exported
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    model = family_checks.hf_model(checkpoint, "DeepseekV3ForCausalLM", eager=False)
     core = Core.open(core_dir)
     m = core.manifest
     assert m.model.family == "kimi_k3" and m.recipe.name == "kimi3"
     assert m.kv.shared_kv and m.kv.num_kv_heads == 1 and m.kv.head_dim == 32 + 8  # kv_lora_rank + qk_rope_head_dim
-    step, scored, weights = core.load_program(), core.load_program(SCORED_PREFILL), core.load_weights()
-    tokenizer = core.tokenizer()
-    prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in TEXTS]
+    prompts = [core.tokenizer().encode(text, add_special_tokens=False).ids for text in TEXTS]
     assert max(len(p) for p in prompts) > PAGE_TOKENS  # one prompt spans pages
-    worst = 0.0
-    for ids in prompts:
-        reference = _hf_logprobs(model, ids)
-        got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids, chunk=PAGE_TOKENS).logprobs
-        worst = max(worst, float((got - reference).abs().max()))
-        decoded = PAGE_TOKENS + 4  # token-by-token decode steps, past the first page
-        got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids[:decoded], chunk=1).logprobs
-        worst = max(worst, float((got - reference[:decoded]).abs().max()))
-        run = run_prompt(scored, weights, m.kv, PAGE_TOKENS, ids, chunk=PAGE_TOKENS)
-        expected = reference[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        worst = max(worst, float((run.outputs["prompt_logprobs"][:-1] - expected).abs().max()))
+    # page-sized chunks, then token by token past the first page; and the scored prefill's prompt logprobs
+    worst = family_checks.step_logprob_error(core_dir, model, prompts, PAGE_TOKENS + 4, chunks=(PAGE_TOKENS,))
+    worst = max(worst, family_checks.prompt_logprob_error(core_dir, model, prompts, chunk=PAGE_TOKENS))
     print(f"max |Δ logprob| vs transformers: {worst:.3g}")
     assert worst <= 1e-3, worst
 
@@ -150,7 +106,7 @@ def test_old_manifest_without_shared_kv_loads() -> None:
 
 def test_dense_and_moe_layers_fuse_their_own_groups(tmp_path: Path) -> None:
     checkpoint = open_source(str(write_testmodel("kimi_k3", tmp_path / "ckpt", seed=1)))
-    config = deepseek_v3.config_from_hf(checkpoint.hf_config)
+    config = deepseek_v3.FAMILY.config_from_hf(checkpoint.hf_config)
     weights = internal_weights(deepseek_v3.FAMILY, checkpoint, config, torch.float32)
     assert "layers.0.w_gate_up" in weights and "layers.0.w_shared_gate_up" not in weights  # dense layer
     assert "layers.1.w_shared_gate_up" in weights and "layers.1.w_gate_up" not in weights  # MoE layer
@@ -167,8 +123,8 @@ def test_kimi_k25_text_layout_reads_the_same_model(tmp_path: Path) -> None:
     hf = checkpoint.hf_config
     nested = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": hf}
     assert family_of_hf_config(nested) == "kimi_k3"
-    config = deepseek_v3.config_from_hf(nested)
-    assert config == deepseek_v3.config_from_hf(hf)
+    config = deepseek_v3.FAMILY.config_from_hf(nested)
+    assert config == deepseek_v3.FAMILY.config_from_hf(hf)
     moonshot = {
         ("language_model." + n if n.startswith(("model.", "lm_head.")) else n): t for n, t in checkpoint.tensors.items()
     }
@@ -186,13 +142,12 @@ def test_kimi_k25_text_layout_reads_the_same_model(tmp_path: Path) -> None:
 def test_unsupported_variants_are_refused(change: dict[str, object]) -> None:
     config = deepseek_v3.testmodel_config(300) | change
     with pytest.raises(ValueError):
-        deepseek_v3.config_from_hf(config)
+        deepseek_v3.FAMILY.config_from_hf(config)
 
 
 # ---------------------------------------------------------------------------- chat round trip
 
 O, C, S = "<|open|>", "<|close|>", "<|sep|>"
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 KIMI_OUTPUT = (
     f"The user wants weather.{C}think{S}{O}response{S}Checking.{C}response{S}{O}tools{S}"
     f'{O}call tool="get_weather" index="1"{S}{O}argument key="city" type="string"{S}Paris{C}argument{S}'
@@ -202,10 +157,7 @@ KIMI_OUTPUT = (
 
 @pytest.fixture(scope="module")
 def chat_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    checkpoint = write_testmodel("kimi_k3", tmp_path_factory.mktemp("ckpt") / "tiny-kimi-chat", seed=6)
-    core = tmp_path_factory.mktemp("cores") / "tiny-kimi-chat"
-    export_core(open_source(str(checkpoint)), load_recipe("kimi3"), ExportOptions(out=core))
-    return core
+    return family_checks.export_tiny("kimi_k3", "kimi3", tmp_path_factory, seed=6, prompt_logprobs=False)[1]
 
 
 def test_chat_completion_with_reasoning_and_tool_call(chat_core: Path) -> None:
@@ -216,21 +168,8 @@ def test_chat_completion_with_reasoning_and_tool_call(chat_core: Path) -> None:
 
     with scripted_app(chat_core) as app:
         app.say(KIMI_OUTPUT)
-        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
-        body = {
-            "model": "x",
-            "messages": [{"role": "user", "content": "Weather in Paris?"}],
-            "tools": tools,
-            "max_tokens": 256,
-        }
-        response = app.post("/v1/chat/completions", json=body)
-        assert response.status_code == 200, response.text
+        got, finish = family_checks.tool_round_trip(app, "chat", family_checks.ASK, family_checks.CITY)
         prompt = app.last_prompt()
     assert prompt is not None and prompt.endswith(f'{O}message role="assistant"{S}{O}think{S}')
     assert '"get_weather"' in prompt and f'{O}message role="user"{S}Weather in Paris?' in prompt
-    choice = response.json()["choices"][0]
-    message = choice["message"]
-    assert message["reasoning_content"] == "The user wants weather."
-    assert message["content"] == "Checking." and choice["finish_reason"] == "tool_calls"
-    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
-    assert calls == [("get_weather", {"city": "Paris", "days": 3})]
+    assert got == family_checks.WEATHER_CALL and finish == "tool_calls"

@@ -67,7 +67,7 @@ def _prompts(core: Core) -> list[list[int]]:
 
 
 def test_core_records_the_mtp_program_and_its_cache(tiny: dict[str, Path]) -> None:
-    c = deepseek_v3.config_from_hf(json.loads((tiny["ckpt"] / "config.json").read_text()))
+    c = deepseek_v3.FAMILY.config_from_hf(json.loads((tiny["ckpt"] / "config.json").read_text()))
     assert (c.num_layers, c.num_mtp_layers, c.is_moe(3)) == (3, 1, True)
     m = Core.open(tiny["core"]).manifest
     assert sorted(m.programs) == ["mtp_draft.0", "scored_prefill", "step"]
@@ -142,7 +142,7 @@ def test_mtp_program_matches_references(tiny: dict[str, Path]) -> None:
     core = Core.open(tiny["core"])
     m, weights = core.manifest, core.load_weights()
     checkpoint = open_source(str(tiny["ckpt"]))
-    config, t = deepseek_v3.config_from_hf(checkpoint.hf_config), checkpoint.tensors
+    config, t = deepseek_v3.FAMILY.config_from_hf(checkpoint.hf_config), checkpoint.tensors
     ids = _prompts(core)[0]
     assert len(ids) > PAGE + 4
     hidden = run_prompt(core.load_program(), weights, m.kv, PAGE, ids, chunk=PAGE).outputs["hidden_states"]
@@ -196,7 +196,7 @@ def test_mtp_layer_without_its_own_head_and_embedding_uses_the_main_ones(tiny: d
     main model's): program and reference both fall back to the main embedding and lm_head; a config
     promising an MTP layer the checkpoint lacks is a source error naming the field."""
     checkpoint = open_source(str(tiny["ckpt"]))
-    config = deepseek_v3.config_from_hf(checkpoint.hf_config)
+    config = deepseek_v3.FAMILY.config_from_hf(checkpoint.hf_config)
     kv = Core.open(tiny["core"]).manifest.kv
     own = {MTP_LAYER + "embed_tokens.weight", MTP_LAYER + "shared_head.head.weight"}
     shared = {n: v for n, v in checkpoint.tensors.items() if n not in own}
@@ -218,7 +218,7 @@ def test_dense_mtp_layer_where_the_config_says_so(tiny: dict[str, Path], tmp_pat
         "kimi_k3", tmp_path / "dense", seed=7, overrides={"num_nextn_predict_layers": 1, "first_k_dense_replace": 4}
     )
     checkpoint = open_source(str(path))
-    config = deepseek_v3.config_from_hf(checkpoint.hf_config)
+    config = deepseek_v3.FAMILY.config_from_hf(checkpoint.hf_config)
     assert not config.is_moe(3) and MTP_LAYER + "mlp.gate_proj.weight" in checkpoint.tensors
     weights = internal_weights(deepseek_v3.FAMILY, checkpoint, config, torch.float32)
     assert "layers.3.w_gate_up" in weights and "layers.3.w_router" not in weights
@@ -267,7 +267,7 @@ def test_an_mtp_copy_of_the_main_embedding_and_head_is_stored_once(tiny: dict[st
     names = set(copied.load_weights())
     assert "layers.3.embed" not in names and "layers.3.head" not in names and {"embed", "lm_head"} <= names
     assert "layers.3.embed" in Core.open(tiny["core"]).load_weights()  # the test checkpoint's own differ: kept
-    config = deepseek_v3.config_from_hf(json.loads((path / "config.json").read_text()))
+    config = deepseek_v3.FAMILY.config_from_hf(json.loads((path / "config.json").read_text()))
     ids = [(5 * t + 2) % config.vocab_size for t in range(20)]
     hidden = torch.randn(len(ids), config.hidden_size)
     got = run_mtp_prompt(

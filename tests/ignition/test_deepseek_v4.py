@@ -29,29 +29,29 @@ from ignition.export import internal_weights
 from ignition.models import deepseek_v4, deepseek_v4_config
 from ignition.sources import open_source
 from ignition.testmodel import _init, write_testmodel
-from tests.ignition.family_checks import GREEDY, TEXTS, check_generation_matches, export_tiny, hf_logprobs
+from tests.ignition.family_checks import (
+    ASK,
+    GREEDY,
+    LONG_PREAMBLE,
+    RESULT,
+    SHORT_TEXTS,
+    TEXTS,
+    check_generation_matches,
+    hf_logprobs,
+    hf_model,
+    read_turn,
+    served,
+    tiny_fixtures,
+    tool_result_turns,
+)
 
 CSA, HCA, SLIDING = deepseek_v4.CSA, deepseek_v4.HCA, deepseek_v4.SLIDING
 LONG = TEXTS[0] + " " + TEXTS[3]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(tiny DeepSeek-V4 checkpoint, its core with prompt logprobs), built once for this module."""
-    return export_tiny("deepseek_v4", "deepseek4", tmp_path_factory)
-
-
-def _hf_model(checkpoint: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    assert type(model).__name__ == "DeepseekV4ForCausalLM"
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: tuple[Path, Path]):
-    return _hf_model(tiny[0])
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+# (tiny DeepSeek-V4 checkpoint, its core with prompt logprobs) and transformers' model of it, once per module.
+tiny, reference = tiny_fixtures("deepseek_v4", "deepseek4", ARCHITECTURE, eager=False)
 
 
 def test_core_records_the_family_and_its_caches(tiny: tuple[Path, Path]) -> None:
@@ -116,24 +116,11 @@ def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], referen
     check_generation_matches(tiny[1], reference, text, 24)
 
 
-PREAMBLE = "You are a helpful assistant. Answer briefly and precisely, and never make things up. "
-PROMPTS = [
-    "The capital of France is",
-    "def add(a, b):\n    return",
-    "Once upon a time, there lived",
-    "1, 2, 3, 4,",
-    "Water boils at",
-    "My favourite colour is",
-    "The quick brown fox jumps over the lazy dog.",
-    "Hi",
-]
-
-
 def _requests(core: Core, suffix: str = "", n: int = 1) -> list[EngineRequest]:
     tok = core.tokenizer()
     return [
-        EngineRequest(f"r{i}{suffix}", tuple(tok.encode(PREAMBLE + t).ids), (GREEDY,) * n, 12, ignore_eos=True)
-        for i, t in enumerate(PROMPTS)
+        EngineRequest(f"r{i}{suffix}", tuple(tok.encode(LONG_PREAMBLE + t).ids), (GREEDY,) * n, 12, ignore_eos=True)
+        for i, t in enumerate(SHORT_TEXTS)
     ]
 
 
@@ -294,7 +281,7 @@ def write_variant(out: Path, changes: dict[str, object], seed: int) -> Path:
     config = json.loads((out / "config.json").read_text()) | changes
     config = {k: v for k, v in config.items() if v is not None}
     generator = torch.Generator().manual_seed(seed)
-    shapes = deepseek_v4.hf_shapes(deepseek_v4.config_from_hf(config))
+    shapes = deepseek_v4.hf_shapes(deepseek_v4.FAMILY.config_from_hf(config))
     tensors = {n: deepseek_v4.testmodel_init(n, s, generator) for n, s in shapes.items()}
     tensors = {n: _init(n, shapes[n], generator) if t is None else t for n, t in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -323,8 +310,8 @@ def test_variant_reference_and_program_match_transformers(name: str, tmp_path: P
     against transformers, for each variant."""
     checkpoint = write_variant(tmp_path / name, VARIANTS[name], seed=7)
     source = open_source(str(checkpoint))
-    config = deepseek_v4.config_from_hf(source.hf_config)
-    model = _hf_model(checkpoint)
+    config = deepseek_v4.FAMILY.config_from_hf(source.hf_config)
+    model = hf_model(checkpoint, ARCHITECTURE, eager=False)
     assert list(model.config.layer_types) == list(config.layer_types)
     assert [t == "hash_moe" for t in model.config.mlp_layer_types] == list(config.hash_layers)
     ids = torch.randint(3, config.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -333,7 +320,7 @@ def test_variant_reference_and_program_match_transformers(name: str, tmp_path: P
     assert float((ours - expected).abs().max()) <= 1e-4
     weights = internal_weights(deepseek_v4.FAMILY, source, config, torch.float32)
     layout = KvLayout(
-        *deepseek_v4.kv_shape(config),
+        *deepseek_v4.FAMILY.kv_shape(config),
         "float32",
         shared_kv=True,
         extra=tuple(ExtraCache(*e) for e in deepseek_v4.extra_caches(config)),
@@ -361,7 +348,7 @@ def _original_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         elif name.endswith("experts.down_proj"):
             out.update({f"layers.{layer}.ffn.experts.{e}.w2.weight": t[e] for e in range(t.shape[0])})
         else:
-            internal = rename(name, deepseek_v4.WEIGHT_MAP)[0]  # type: ignore[index]
+            internal = rename(name, deepseek_v4.FAMILY.weight_map)[0]  # type: ignore[index]
             pattern = inverse[internal.replace(f"layers.{layer}.", "layers.{}.", 1) if layer else internal]
             out[pattern.format(layer)] = t.contiguous()
     return out
@@ -377,9 +364,10 @@ def test_deepseek_checkpoint_names_read_like_transformers(tmp_path: Path) -> Non
     shutil.copytree(checkpoint, original)
     hf = open_source(str(checkpoint))
     save_file(_original_names(hf.tensors), str(original / "model.safetensors"), metadata={"format": "pt"})
-    theirs, ours = _hf_model(checkpoint).state_dict(), _hf_model(original).state_dict()
+    theirs = hf_model(checkpoint, ARCHITECTURE, eager=False).state_dict()
+    ours = hf_model(original, ARCHITECTURE, eager=False).state_dict()
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
-    config = deepseek_v4.config_from_hf(hf.hf_config)
+    config = deepseek_v4.FAMILY.config_from_hf(hf.hf_config)
     plain = internal_weights(deepseek_v4.FAMILY, hf, config, torch.float32)
     renamed = internal_weights(deepseek_v4.FAMILY, open_source(str(original)), config, torch.float32)
     assert plain.keys() == renamed.keys() and all(torch.equal(plain[n], renamed[n]) for n in plain)
@@ -411,13 +399,12 @@ REFUSED = {
 def test_unsupported_variants_are_refused(field: str) -> None:
     config = deepseek_v4.testmodel_config(300) | {field: REFUSED[field]}
     with pytest.raises(ValueError, match=field.split("_")[0] if field == "rope_parameters" else field):
-        deepseek_v4.config_from_hf(config)
+        deepseek_v4.FAMILY.config_from_hf(config)
 
 
 # ---------------------------------------------------------------------------- chat round trips
 
-ASK, RESULT, ANSWER, THINK = "Weather in Paris?", "Sunny, 21 C", "It is sunny.", "The user wants weather."
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+ANSWER, THINK = "It is sunny.", "The user wants weather."
 ARGUMENTS = {"city": "Paris", "days": 3}
 DSML = "｜DSML｜"
 CALL = (
@@ -428,105 +415,38 @@ CALL = (
 )
 OUTPUT = f"{THINK}</think>Checking.\n\n{CALL}"
 FINAL = f"Done.</think>{ANSWER}"
-VERSION = {"anthropic-version": "2023-06-01"}
+
+# The tiny core served in process; the scripted model writes DeepSeek-V4 syntax.
+app = served("tiny")
 
 
-@pytest.fixture(scope="module")
-def app(tiny: tuple[Path, Path]):
-    """The tiny core served in process; the scripted model writes DeepSeek-V4 syntax."""
-    from server.scripted import scripted_app  # tests/ is on sys.path
-
-    with scripted_app(tiny[1]) as server:
-        yield server
+# route -> finish reason (or status) of the call turn, then of the final turn.
+FINISH = {"chat": ("tool_calls", "stop"), "messages": ("tool_use", "end_turn"), "responses": ("completed", "completed")}
 
 
-def _turn(app, path: str, body: dict, output: str, **kwargs) -> tuple[dict, str]:
-    app.say(output)
-    response = app.post(path, json=body, **kwargs)
-    assert response.status_code == 200, response.text
-    return response.json(), app.last_prompt() or ""
-
-
-def test_chat_completions_round_trip(app) -> None:
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
-    body = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256, "tools": tools}
-    reply, prompt = _turn(app, "/v1/chat/completions", body, OUTPUT)
-    assert prompt.endswith(f"<｜User｜>{ASK}<｜Assistant｜><think>") and '"name": "get_weather"' in prompt
-    choice = reply["choices"][0]
-    message = choice["message"]
-    assert (message["reasoning_content"], message["content"], choice["finish_reason"]) == (
-        THINK,
-        "Checking.",
-        "tool_calls",
-    )
-    (call,) = message["tool_calls"]
-    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS
-    history = [
-        {"role": "user", "content": ASK},
-        {"role": "assistant", "content": message["content"], "reasoning_content": THINK, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call["id"], "content": RESULT},
-    ]
-    reply, prompt = _turn(app, "/v1/chat/completions", {**body, "messages": history}, FINAL)
-    assert RESULT in prompt and f"<{DSML}invoke" in prompt
-    message = reply["choices"][0]["message"]
-    assert (message["reasoning_content"], message["content"]) == ("Done.", ANSWER)
-
-
-def test_anthropic_messages_round_trip(app) -> None:
-    body = {
-        "model": "x",
-        "max_tokens": 256,
-        "messages": [{"role": "user", "content": ASK}],
-        "tools": [{"name": "get_weather", "input_schema": CITY}],
-        "thinking": {"type": "enabled", "budget_tokens": 1024},
+@pytest.mark.parametrize("route", sorted(FINISH))
+def test_tool_call_round_trip(app, route: str) -> None:
+    """The call turn (reasoning, text, a DSML call) and, with its result in the history, the final
+    turn, through each protocol and the native V4 encoder."""
+    reply, prompt, final, final_prompt = tool_result_turns(app, route, OUTPUT, FINAL)
+    call_finish, final_finish = FINISH[route]
+    assert read_turn(route, reply) == {
+        "parts": ["reasoning", "text", "call"],
+        "reasoning": THINK,
+        "text": "Checking.",
+        "calls": [("get_weather", ARGUMENTS)],
+        "finish": call_finish,
     }
-    reply, prompt = _turn(app, "/v1/messages", body, OUTPUT, headers=VERSION)
-    assert [b["type"] for b in reply["content"]] == ["thinking", "text", "tool_use"] and reply[
-        "stop_reason"
-    ] == "tool_use"
-    thought, text, use = reply["content"]
-    assert (thought["thinking"], text["text"], use["name"], use["input"]) == (
-        THINK,
-        "Checking.",
-        "get_weather",
-        ARGUMENTS,
-    )
-    history = [
-        {"role": "user", "content": ASK},
-        {"role": "assistant", "content": reply["content"]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": RESULT}]},
-    ]
-    reply, prompt = _turn(app, "/v1/messages", {**body, "messages": history}, FINAL, headers=VERSION)
-    assert RESULT in prompt and "Paris" in prompt
-    assert [(b["type"], b.get("thinking", b.get("text"))) for b in reply["content"]] == [
-        ("thinking", "Done."),
-        ("text", ANSWER),
-    ]
-    assert reply["stop_reason"] == "end_turn"
-
-
-def test_responses_round_trip(app) -> None:
-    body = {
-        "model": "x",
-        "input": ASK,
-        "max_output_tokens": 256,
-        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
+    assert read_turn(route, final) == {
+        "parts": ["reasoning", "text"],
+        "reasoning": "Done.",
+        "text": ANSWER,
+        "calls": [],
+        "finish": final_finish,
     }
-    reply, _ = _turn(app, "/v1/responses", body, OUTPUT)
-    items = reply["output"]
-    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
-    reasoning, text, call = items
-    assert reasoning["content"][0]["text"] == THINK and text["content"][0]["text"] == "Checking."
-    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == ARGUMENTS
-    history = [
-        {"role": "user", "content": ASK},
-        reasoning,
-        text,
-        call,
-        {"type": "function_call_output", "call_id": call["call_id"], "output": RESULT},
-    ]
-    reply, prompt = _turn(app, "/v1/responses", {**body, "input": history}, FINAL)
-    assert RESULT in prompt and "Paris" in prompt
-    final = reply["output"]
-    assert [i["type"] for i in final] == ["reasoning", "message"] and final[0]["content"][0]["text"] == "Done."
-    assert final[1]["content"][0]["text"] == ANSWER and reply["status"] == "completed"
+    assert RESULT in final_prompt
+    if route == "chat":
+        assert prompt.endswith(f"<｜User｜>{ASK}<｜Assistant｜><think>") and '"name": "get_weather"' in prompt
+        assert f"<{DSML}invoke" in final_prompt
+    else:
+        assert "Paris" in final_prompt

@@ -58,7 +58,7 @@ def test_export_writes_a_complete_core(tiny_core: Path) -> None:
 def test_same_source_exports_byte_identical_files(tiny_checkpoint: Path, tmp_path: Path) -> None:
     outs = [tmp_path / "a", tmp_path / "b"]
     for out in outs:
-        done = run_cli("ignition", "export", str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(out), "--json")
+        done = _export_smollm2(tiny_checkpoint, out, "--json")
         assert done.returncode == 0, done.stderr
     summaries = []
     for out in outs:
@@ -77,24 +77,8 @@ def test_same_source_exports_byte_identical_files(tiny_checkpoint: Path, tmp_pat
 
 def test_json_summary_and_verify_and_inspect(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "core"
-    done = run_cli(
-        "ignition",
-        "export",
-        str(tiny_checkpoint),
-        "--recipe",
-        "smollm2",
-        "--out",
-        str(out),
-        "--json",
-        "--alias",
-        "tiny",
-        "--alias",
-        "tiny-2",
-        "--max-top-logprobs",
-        "5",
-        "--no-logprob-ids",
-        "--no-ranges",
-    )
+    flags = ("--json", "--alias", "tiny", "--alias", "tiny-2", "--max-top-logprobs", "5", "--no-logprob-ids")
+    done = _export_smollm2(tiny_checkpoint, out, *flags, "--no-ranges")
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["ok"] and summary["digest"] == Core.open(out).digest and summary["bytes"] > 0
@@ -111,17 +95,7 @@ def test_json_summary_and_verify_and_inspect(tiny_checkpoint: Path, tmp_path: Pa
 
 
 def test_zero_top_logprobs_exports_no_alternatives(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    done = run_cli(
-        "ignition",
-        "export",
-        str(tiny_checkpoint),
-        "--recipe",
-        "smollm2",
-        "--out",
-        str(tmp_path / "c"),
-        "--max-top-logprobs",
-        "0",
-    )
+    done = _export_smollm2(tiny_checkpoint, tmp_path / "c", "--max-top-logprobs", "0")
     assert done.returncode == 0, done.stderr
     outputs = [t.name for t in Core.open(tmp_path / "c").manifest.programs["step"].outputs]
     assert "top_logprobs" not in outputs and "explicit_logprobs" in outputs
@@ -134,8 +108,13 @@ def _export(*args: str):
     return run_cli("ignition", "export", *args)
 
 
+def _export_smollm2(source: Path, out: Path, *flags: str):
+    """`ignition export SOURCE --recipe smollm2 --out OUT FLAGS...`."""
+    return _export(str(source), "--recipe", "smollm2", "--out", str(out), *flags)
+
+
 def test_missing_source(tmp_path: Path) -> None:
-    done = _export(str(tmp_path / "nope.gguf"), "--recipe", "smollm2", "--out", str(tmp_path / "o"))
+    done = _export_smollm2(tmp_path / "nope.gguf", tmp_path / "o")
     assert done.returncode == ExitCode.SOURCE
     assert "does not exist" in done.stderr
 
@@ -160,7 +139,7 @@ def test_unsupported_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None
     config = json.loads((ckpt / "config.json").read_text())
     config.update(architectures=["FooForCausalLM"], model_type="foo")
     (ckpt / "config.json").write_text(json.dumps(config))
-    done = _export(str(ckpt), "--recipe", "smollm2", "--out", str(tmp_path / "o"))
+    done = _export_smollm2(ckpt, tmp_path / "o")
     assert done.returncode == ExitCode.SOURCE and "FooForCausalLM is not supported" in done.stderr
 
 
@@ -169,7 +148,7 @@ def test_corrupted_weight_file(tiny_checkpoint: Path, tmp_path: Path) -> None:
     shutil.copytree(tiny_checkpoint, ckpt)
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
-    done = _export(str(ckpt), "--recipe", "smollm2", "--out", str(tmp_path / "o"))
+    done = _export_smollm2(ckpt, tmp_path / "o")
     assert done.returncode == ExitCode.SOURCE
     assert "model.safetensors: corrupted or unreadable" in done.stderr
     assert not (tmp_path / "o").exists()
@@ -178,20 +157,18 @@ def test_corrupted_weight_file(tiny_checkpoint: Path, tmp_path: Path) -> None:
 def test_corrupted_gguf(tmp_path: Path, smollm2_gguf: Path) -> None:
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(smollm2_gguf.read_bytes()[:5_000_000])
-    done = _export(str(broken), "--recipe", "smollm2", "--out", str(tmp_path / "o"))
+    done = _export_smollm2(broken, tmp_path / "o")
     assert done.returncode == ExitCode.SOURCE and "broken.gguf" in done.stderr
 
 
 def test_max_top_logprobs_out_of_range(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    done = _export(
-        str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(tmp_path / "o"), "--max-top-logprobs", "21"
-    )
+    done = _export_smollm2(tiny_checkpoint, tmp_path / "o", "--max-top-logprobs", "21")
     assert done.returncode == ExitCode.USAGE and "--max-top-logprobs must be between 0 and 20" in done.stderr
 
 
 def test_out_exists_needs_force(tiny_checkpoint: Path, tmp_path: Path) -> None:
     (tmp_path / "o").mkdir()
-    done = _export(str(tiny_checkpoint), "--recipe", "smollm2", "--out", str(tmp_path / "o"))
+    done = _export_smollm2(tiny_checkpoint, tmp_path / "o")
     assert done.returncode == ExitCode.USAGE and "--force" in done.stderr
 
 

@@ -18,38 +18,17 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
 from tests.ignition import family_checks
-from tests.ignition.family_checks import (
-    CHAT,
-    TEXTS,
-    check_batching_invariance,
-    check_generation_matches,
-    export_tiny,
-    hf_logprobs,
-)
+from tests.ignition.family_checks import CHAT, LONG_TEXT, TEXTS, hf_logprobs
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(tiny Gemma 3 checkpoint, its core with prompt logprobs), built once for this module."""
-    return export_tiny("gemma3", "gemma3", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: tuple[Path, Path]):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(tiny[0]), dtype=torch.float32, attn_implementation="eager")
-    assert type(model).__name__ == "Gemma3ForCausalLM"
-    return model.eval()
+PAGE = 16
+# (tiny Gemma 3 checkpoint, its core with prompt logprobs) and transformers' model of it, once per module.
+tiny, reference = family_checks.tiny_fixtures("gemma3", "gemma3", "Gemma3ForCausalLM")
 
 
 def _prompts(core: Core) -> list[list[int]]:
-    from helios.core.template import ChatTemplate
-
-    tok = core.tokenizer()
+    """A chat through the Gemma template and a long text."""
     specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
-    chat = ChatTemplate(core.chat_template(), specials).render(CHAT, add_generation_prompt=True)
-    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(TEXTS[0] + " " + TEXTS[3]).ids]
+    return family_checks.chat_prompts(core, specials, LONG_TEXT, chat=CHAT)
 
 
 def test_core_records_the_gemma3_recipe_and_template(tiny: tuple[Path, Path]) -> None:
@@ -62,28 +41,22 @@ def test_core_records_the_gemma3_recipe_and_template(tiny: tuple[Path, Path]) ->
 
 
 def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
-    """Prompts longer than the window and than a page, prefilled whole and in chunks of 16 and 5."""
-    core = Core.open(tiny[1])
-    prompts = _prompts(core)
-    assert all(len(ids) > core.manifest.limits.page_tokens > 8 for ids in prompts)  # spans pages, the window slides
-    assert family_checks.step_logprob_error(tiny[1], reference, prompts) <= 1e-3
-
-
-def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
-    """The scored-prefill program's prompt logprobs and top alternatives (16-token chunks) equal transformers'."""
-    ids = _prompts(Core.open(tiny[1]))[1]
-    assert family_checks.prompt_logprob_error(tiny[1], reference, [ids], chunk=16) <= 1e-3
+    """Prompts longer than the window and than a page, prefilled whole, in chunks of 16 and 5, and token
+    by token past the first page; and the long one's prompt logprobs (16-token chunks)."""
+    prompts = _prompts(Core.open(tiny[1]))
+    assert all(len(ids) > PAGE > 8 for ids in prompts)  # spans pages, the window slides
+    family_checks.check_program_logprobs(tiny[1], reference, prompts, scored=prompts[1:])
 
 
 def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
     """Decode rows attend through helios' windowed kernel: each generated token's logprob equals
     transformers' on the whole sequence, well past the window."""
-    check_generation_matches(tiny[1], reference, TEXTS[0], 20)
+    family_checks.check_generation_matches(tiny[1], reference, TEXTS[0], 20)
 
 
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     """Several prompts together (mixed prefill and windowed decode rows) == each alone."""
-    check_batching_invariance(tiny[1], TEXTS)
+    family_checks.check_batching_invariance(tiny[1], TEXTS)
 
 
 def test_softcapped_variant_matches_transformers(tmp_path: Path) -> None:

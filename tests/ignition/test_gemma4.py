@@ -19,50 +19,22 @@ from ignition.models import gemma4
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from tests.ignition import family_checks
-from tests.ignition.family_checks import (
-    CHAT,
-    TEXTS,
-    check_batching_invariance,
-    check_generation_matches,
-    export_tiny,
-    hf_logprobs,
-)
+from tests.ignition import family_checks, test_gemma3
+from tests.ignition.family_checks import TEXTS, hf_logprobs
+
+PAGE = 16
+# (tiny Gemma 4 checkpoint, its core with prompt logprobs) and transformers' model of it, once per module.
+tiny, reference = family_checks.tiny_fixtures("gemma4", "gemma4", "Gemma4ForCausalLM")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(tiny Gemma 4 checkpoint, its core with prompt logprobs), built once for this module."""
-    return export_tiny("gemma4", "gemma4", tmp_path_factory)
-
-
-def _hf_model(checkpoint: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    assert type(model).__name__ == "Gemma4ForCausalLM"
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: tuple[Path, Path]):
-    return _hf_model(tiny[0])
-
-
-def _prompts(core: Core) -> list[list[int]]:
-    from helios.core.template import ChatTemplate
-
-    tok = core.tokenizer()
-    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
-    chat = ChatTemplate(core.chat_template(), specials).render(CHAT, add_generation_prompt=True)
-    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(TEXTS[0] + " " + TEXTS[3]).ids]
+_prompts = test_gemma3._prompts  # a chat through the template, with Gemma 3's special tokens, and a long text
 
 
 def test_config_reads_the_gemma4_layout(tiny: tuple[Path, Path]) -> None:
-    config = gemma4.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
+    config = gemma4.FAMILY.config_from_hf(json.loads((tiny[0] / "config.json").read_text()))
     assert config.layer_windows == (8, 0, 8, 0)
     assert (config.layer_head_dims, config.layer_kv_heads) == ((16, 32, 16, 32), (2, 1, 2, 1))
-    assert config.kv_sources == (0, 1, 0, 1) and gemma4.kv_shape(config) == (2, 2, 32)
+    assert config.kv_sources == (0, 1, 0, 1) and gemma4.FAMILY.kv_shape(config) == (2, 2, 32)
     assert config.layer_intermediate == (96, 96, 192, 192)
     m = Core.open(tiny[1]).manifest
     assert (m.model.family, m.recipe.name, m.limits.page_tokens) == ("gemma4", "gemma4", 16)
@@ -85,31 +57,21 @@ def test_config_reads_the_gemma4_layout(tiny: tuple[Path, Path]) -> None:
 def test_unsupported_variants_are_refused(tiny: tuple[Path, Path], change: dict) -> None:
     config = json.loads((tiny[0] / "config.json").read_text()) | change
     with pytest.raises(ValueError):
-        gemma4.config_from_hf(config)
+        gemma4.FAMILY.config_from_hf(config)
 
 
-def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
-    """Prompts longer than the window and than a page, prefilled whole and in chunks of 16 and 5."""
-    core = Core.open(tiny[1])
-    prompts = _prompts(core)
-    assert all(len(ids) > core.manifest.limits.page_tokens > 8 for ids in prompts)  # spans pages, the window slides
-    assert family_checks.step_logprob_error(tiny[1], reference, prompts) <= 1e-3
-
-
-def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
-    """The scored-prefill program's prompt logprobs and top alternatives (16-token chunks) equal transformers'."""
-    ids = _prompts(Core.open(tiny[1]))[1]
-    assert family_checks.prompt_logprob_error(tiny[1], reference, [ids], chunk=16) <= 1e-3
+# Gemma 3's checks of the programs (whole, chunked, token by token; prompt logprobs), run on this core.
+test_logprobs_match_transformers = test_gemma3.test_logprobs_match_transformers
 
 
 def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
     """Decode rows (KV-shared layers reading their producers' pages) equal transformers on the whole sequence."""
-    check_generation_matches(tiny[1], reference, TEXTS[0], 16)
+    family_checks.check_generation_matches(tiny[1], reference, TEXTS[0], 16)
 
 
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
     """Several prompts together (mixed prefill and windowed decode rows) == each alone, also from cached prefixes."""
-    check_batching_invariance(tiny[1], TEXTS)
+    family_checks.check_batching_invariance(tiny[1], TEXTS)
 
 
 MOE = {
@@ -130,7 +92,7 @@ def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
     checkpoint = write_testmodel("gemma4", tmp_path / "ckpt", seed=5)
     config = json.loads((checkpoint / "config.json").read_text()) | MOE
     (checkpoint / "config.json").write_text(json.dumps(config))
-    parsed = gemma4.config_from_hf(config)
+    parsed = gemma4.FAMILY.config_from_hf(config)
     generator = torch.Generator().manual_seed(5)
     tensors = {
         n: (1.0 + 0.1 * torch.randn(s, generator=generator))
@@ -139,7 +101,7 @@ def test_moe_variant_matches_transformers(tmp_path: Path) -> None:
         for n, s in gemma4.hf_shapes(parsed).items()
     }
     save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
-    model = _hf_model(checkpoint)
+    model = family_checks.hf_model(checkpoint, "Gemma4ForCausalLM")
     ids = list(range(7, 47))
     ours = torch.log_softmax(gemma4.reference_logits(parsed, open_source(str(checkpoint)).tensors, ids), dim=-1)
     assert float((ours - hf_logprobs(model, ids)).abs().max()) <= 1e-4

@@ -1,8 +1,9 @@
-"""Gemma 4 vision cores: a tiny multimodal checkpoint (2-layer vision tower, 3 x 3 pooling,
-standardized features) exported with its vision program, checked against transformers'
-Gemma4ImageProcessorPil (helios' profile-driven preparation), Gemma4Model.get_image_features
-(the vision program) and Gemma4ForConditionalGeneration (logprobs with images in the prompt),
-on three images of different sizes and formats."""
+"""Gemma 4 vision cores (tests/ignition/vision_cases.py GEMMA; the export's profile and the reference tower
+are checked in test_vision_families.py): a tiny multimodal checkpoint (2-layer vision tower, 3 x 3
+pooling, standardized features) checked against transformers' Gemma4ImageProcessorPil (helios'
+profile-driven preparation), Gemma4Model.get_image_features (the vision program) and
+Gemma4ForConditionalGeneration (logprobs with images in the prompt, also with bidirectional image
+attention), on three images of different sizes and formats."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import io
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 
@@ -18,13 +18,12 @@ from helios.core import Core
 from helios.core.program import SCORED_PREFILL, STEP, VISION, run_prompt
 from helios.frontend import images
 from ignition.export import ExportOptions, export_core
-from ignition.models import gemma4
+from ignition.models import FAMILIES
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
-from tests.ignition.vision_checks import export_tiny_vision
-
-TOLERANCE = 1e-3
+from tests.ignition.vision_cases import GEMMA
+from tests.ignition.vision_checks import TOLERANCE, case_fixture, reference, tiny  # noqa: F401  (module fixtures over `case`)
 
 
 def encoded_images() -> list[bytes]:
@@ -44,35 +43,59 @@ def encoded_images() -> list[bytes]:
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return export_tiny_vision("gemma4", "gemma4", "gemma4-vision", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: tuple[Path, Path]):
-    from transformers import Gemma4ForConditionalGeneration
-
-    model = Gemma4ForConditionalGeneration.from_pretrained(
-        str(tiny[0]), dtype=torch.float32, attn_implementation="eager"
-    )
-    return model.eval()
+case = case_fixture(GEMMA)
 
 
 def _processor():
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    settings = {k: v for k, v in gemma4.TESTMODEL_PROCESSOR.items() if k != "image_processor_type"}
+    assert FAMILIES["gemma4"].tiny.vision is not None
+    settings = {k: v for k, v in FAMILIES["gemma4"].tiny.vision.processor.items() if k != "image_processor_type"}
     return Gemma4ImageProcessorPil(**settings)
 
 
-def test_export_declares_the_vision_profile(tiny: tuple[Path, Path]) -> None:
-    m = Core.open(tiny[1]).manifest
-    assert m.capabilities.vision and VISION in m.programs and m.vision is not None
-    v = m.vision
-    assert (v.patch_size, v.pooling_kernel_size, v.max_patches, v.max_image_tokens_per_image) == (4, 3, 630, 70)
-    assert [t.name for t in m.programs[STEP].inputs][-2:] == ["image_features", "image_rows"]
-    assert m.golden.max_abs_diff <= TOLERANCE
+def _prompt(core: Core, image_tokens: int) -> tuple[list[int], list[int]]:
+    """The ids of a prompt around one framed image of `image_tokens` tokens, and the image rows."""
+    m, profile, tok = core.manifest, core.manifest.vision, core.tokenizer()
+    ids = (
+        [m.tokenizer.bos_token_id]
+        + tok.encode("Describe this picture:", add_special_tokens=False).ids
+        + list(profile.prefix_token_ids)
+        + [profile.image_token_id] * image_tokens
+        + list(profile.suffix_token_ids)
+        + tok.encode(" in short.", add_special_tokens=False).ids
+    )
+    return ids, [i for i, t in enumerate(ids) if t == profile.image_token_id]
+
+
+def _logprobs(reference, ids: list[int], processed, **inputs) -> torch.Tensor:
+    """Gemma4ForConditionalGeneration's logprobs at every position of `ids` with the processed image."""
+    with torch.no_grad():
+        out = reference(
+            input_ids=torch.tensor([ids]),
+            pixel_values=processed["pixel_values"],
+            image_position_ids=processed["image_position_ids"],
+            **inputs,
+        )
+    return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def _worst(core: Core, weights, ids: list[int], image_positions: list[int], features, expected) -> float:
+    """The largest |delta| of the step programs' logprobs (11-token chunks) from `expected`."""
+    m, worst = core.manifest, 0.0
+    for kind in (STEP, SCORED_PREFILL):
+        run = run_prompt(
+            core.load_program(kind),
+            weights,
+            m.kv,
+            m.limits.page_tokens,
+            ids,
+            chunk=11,
+            image_features=features,
+            image_positions=image_positions,
+        )
+        worst = max(worst, float((run.logprobs - expected).abs().max()))
+    return worst
 
 
 def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path]) -> None:
@@ -89,14 +112,10 @@ def test_preparation_matches_the_reference_processor(tiny: tuple[Path, Path]) ->
         assert bool((ref["image_position_ids"][0, n:] == -1).all())
 
 
-def test_features_and_first_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
+def test_features_and_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
     core = Core.open(tiny[1])
-    m = core.manifest
-    profile = m.vision
-    weights = core.load_weights()
-    vision = core.load_program(VISION)
+    profile, weights, vision = core.manifest.vision, core.load_weights(), core.load_program(VISION)
     processor = _processor()
-    tok = core.tokenizer()
     worst = 0.0
     for data in encoded_images():
         pixels, positions = images.prepare(images.decode(data), profile)
@@ -106,40 +125,8 @@ def test_features_and_first_logprobs_match_transformers(tiny: tuple[Path, Path],
             theirs = reference.model.get_image_features(ref["pixel_values"], ref["image_position_ids"]).pooler_output[0]
         worst = max(worst, float((ours - theirs).abs().max()))
         # A prompt around the image: the step with these features vs the full multimodal model.
-        text = tok.encode("Describe this picture:", add_special_tokens=False).ids
-        ids = (
-            [m.tokenizer.bos_token_id]
-            + text
-            + list(profile.prefix_token_ids)
-            + [profile.image_token_id] * len(ours)
-            + list(profile.suffix_token_ids)
-            + tok.encode(" in short.", add_special_tokens=False).ids
-        )
-        image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
-        with torch.no_grad():
-            logits = (
-                reference(
-                    input_ids=torch.tensor([ids]),
-                    pixel_values=ref["pixel_values"],
-                    image_position_ids=ref["image_position_ids"],
-                )
-                .logits[0]
-                .float()
-            )
-        expected = torch.log_softmax(logits, dim=-1)
-        for kind in (STEP, SCORED_PREFILL):
-            run = run_prompt(
-                core.load_program(kind),
-                weights,
-                m.kv,
-                m.limits.page_tokens,
-                ids,
-                chunk=11,
-                image_features=ours,
-                image_positions=image_positions,
-            )
-            worst = max(worst, float((run.logprobs[-1] - expected[-1]).abs().max()))
-            worst = max(worst, float((run.logprobs - expected).abs().max()))
+        ids, image_positions = _prompt(core, len(ours))
+        worst = max(worst, _worst(core, weights, ids, image_positions, ours, _logprobs(reference, ids, ref)))
     assert worst <= TOLERANCE, worst
     print(f"max |delta| vs transformers: {worst:.3g}")
 
@@ -166,7 +153,7 @@ def test_bidirectional_image_attention_matches_transformers(tmp_path: Path) -> N
         ExportOptions(out=out, prompt_logprobs=True, dtype="float32"),
     )
     core = Core.open(out)
-    m, profile, weights, tok = core.manifest, core.manifest.vision, core.load_weights(), core.tokenizer()
+    profile, weights = core.manifest.vision, core.load_weights()
     assert "attention_until" in core.load_program(STEP).input_names
     reference = Gemma4ForConditionalGeneration.from_pretrained(
         str(checkpoint), dtype=torch.float32, attn_implementation="eager"
@@ -175,51 +162,11 @@ def test_bidirectional_image_attention_matches_transformers(tmp_path: Path) -> N
     pixels, positions = images.prepare(images.decode(data), profile)
     features = core.load_program(VISION)(weights, [], pixel_values=pixels, pixel_positions=positions)["image_features"]
     ref = _processor()(images=[Image.open(io.BytesIO(data))], return_tensors="pt")
-    text = tok.encode("Describe this picture:", add_special_tokens=False).ids
-    ids = (
-        [m.tokenizer.bos_token_id]
-        + text
-        + list(profile.prefix_token_ids)
-        + [profile.image_token_id] * len(features)
-        + list(profile.suffix_token_ids)
-        + tok.encode(" in short.", add_special_tokens=False).ids
-    )
-    image_positions = [i for i, t in enumerate(ids) if t == profile.image_token_id]
+    ids, image_positions = _prompt(core, len(features))
     types = torch.tensor([[int(t == profile.image_token_id) for t in ids]])
-    with torch.no_grad():
-        both = (
-            reference(
-                input_ids=torch.tensor([ids]),
-                pixel_values=ref["pixel_values"],
-                image_position_ids=ref["image_position_ids"],
-                mm_token_type_ids=types,
-            )
-            .logits[0]
-            .float()
-        )
-        causal = (
-            reference(
-                input_ids=torch.tensor([ids]),
-                pixel_values=ref["pixel_values"],
-                image_position_ids=ref["image_position_ids"],
-            )
-            .logits[0]
-            .float()
-        )
-    expected = torch.log_softmax(both, dim=-1)
-    assert float((torch.log_softmax(causal, dim=-1) - expected).abs().max()) > 10 * TOLERANCE  # the mask matters
-    for kind in (STEP, SCORED_PREFILL):
-        run = run_prompt(
-            core.load_program(kind),
-            weights,
-            m.kv,
-            m.limits.page_tokens,
-            ids,
-            chunk=11,
-            image_features=features,
-            image_positions=image_positions,
-        )
-        assert float((run.logprobs - expected).abs().max()) <= TOLERANCE
+    expected = _logprobs(reference, ids, ref, mm_token_type_ids=types)
+    assert float((_logprobs(reference, ids, ref) - expected).abs().max()) > 10 * TOLERANCE  # the mask matters
+    assert _worst(core, weights, ids, image_positions, features, expected) <= TOLERANCE
     image = EngineImage(
         start=image_positions[0],
         num_tokens=len(image_positions),

@@ -15,27 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from helios.core import Core
 from helios.core.ops import glm5_next as ops_glm5_next  # noqa: F401 - registers the glm5_next ops
-from helios.core.ops import sparse as ops_sparse
-from helios.core.program import SCORED_PREFILL, run_prompt
-from helios.core.template import ChatTemplate
-from helios.engine import EngineConfig, build_engine
 from helios.engine.kernels import glm5_next as kernels_glm5_next
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
 from ignition.export import ExportOptions, export_core, internal_weights
 from ignition.models import family_of_hf_config, glm5_next, glm_moe_dsa
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import _tensor, write_testmodel
-from tests.ignition.family_checks import CHAT, GREEDY, TEXTS, check_prefix_reuse, hf_logprobs
+from ignition.testmodel import write_testmodel
+from tests.ignition import family_checks
+from tests.ignition.family_checks import CHAT, EIGHT_PLAIN_TEXTS, LONGER_TEXT, check_prefix_reuse, hf_logprobs
 
 PAGE_TOKENS = 16
-LONG = TEXTS[0] + " " + TEXTS[3] + " " + TEXTS[2]  # many pools, 16-token chunks and pages
-EIGHT = [*TEXTS, "Water boils at one hundred degrees.", "1, 2, 3, 4, 5, 6, 7,", "Hello", "My favourite colour is"]
 
 
 # ------------------------------------------------------------------------------------ ops
@@ -155,8 +147,6 @@ def test_kpool_topk_selects_pools_and_tail() -> None:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory):
     """(tiny checkpoint, its core with prompt logprobs, transformers' model)."""
-    from transformers import Glm5NextForConditionalGeneration
-
     checkpoint = write_testmodel("glm5_next", tmp_path_factory.mktemp("ckpt") / "tiny-glm5-next", seed=3)
     core = tmp_path_factory.mktemp("cores") / "tiny-glm5-next"
     result = export_core(
@@ -166,8 +156,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory):
     )
     assert result.max_abs_diff <= 1e-3  # the self-check against the float64 reference
     print(f"export self-check max |Δ logprob|: {result.max_abs_diff:.3g}")
-    model = Glm5NextForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32)
-    return checkpoint, core, model.eval()
+    return checkpoint, core, family_checks.hf_model(checkpoint, "Glm5NextForConditionalGeneration", eager=False)
 
 
 @pytest.fixture
@@ -177,9 +166,8 @@ def tie_watch(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     the k-th score, and rows whose kept pools differ."""
     from transformers.models.glm5_next import modeling_glm5_next as hf
 
-    seen = {"dropping": 0, "tied": 0, "differ": 0}
     inside = [False]
-    forward, topk = hf.Glm5NextTextIndexer.forward, torch.Tensor.topk
+    forward = hf.Glm5NextTextIndexer.forward
 
     def indexer(self, *args, **kwargs):
         inside[0] = True
@@ -188,37 +176,19 @@ def tie_watch(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         finally:
             inside[0] = False
 
-    def watched(self: torch.Tensor, k: int, dim: int = -1, *args, **kwargs):
-        out = topk(self, k, dim, *args, **kwargs)
-        if inside[0] and self.dim() == 3:
-            scores = self.reshape(-1, self.shape[-1])
-            visible = scores > torch.finfo(self.dtype).min / 2
-            kth = out.values.reshape(-1, k)[:, -1:]
-            dropping = visible.sum(-1) > k
-            tied = dropping & (((scores > kth) & visible).sum(-1) + ((scores == kth) & visible).sum(-1) > k)
-            kept = ops_sparse.selected_keys(out.indices.reshape(-1, k), scores.shape[-1]) & visible
-            rule = ops_sparse.selected_keys(ops_sparse.select_topk(scores, visible, k), scores.shape[-1])
-            seen["dropping"] += int(dropping.sum())
-            seen["tied"] += int(tied.sum())
-            seen["differ"] += int((kept != rule).any(-1).sum())
-        return out
-
     monkeypatch.setattr(hf.Glm5NextTextIndexer, "forward", indexer)
-    monkeypatch.setattr(torch.Tensor, "topk", watched)
-    return seen
+    return family_checks.watch_topk_ties(monkeypatch, lambda scores, k, dim: inside[0] and scores.dim() == 3)
 
 
 def _prompts(core: Core) -> list[list[int]]:
     """A chat through the GLM-5.3-Flash template, a short text, and one spanning many pools and pages."""
-    tok = core.tokenizer()
-    chat = ChatTemplate(core.chat_template(), {"eos_token": "<|endoftext|>"}).render(CHAT, add_generation_prompt=True)
-    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode("Hi there").ids, tok.encode(LONG).ids]
+    return family_checks.chat_prompts(core, {"eos_token": "<|endoftext|>"}, "Hi there", LONGER_TEXT, chat=CHAT)
 
 
 def test_core_records_the_recipe_and_layout(exported) -> None:
     checkpoint, core_dir, _ = exported
     m = Core.open(core_dir).manifest
-    config = glm5_next.config_from_hf(json.loads((checkpoint / "config.json").read_text()))
+    config = glm5_next.FAMILY.config_from_hf(json.loads((checkpoint / "config.json").read_text()))
     assert (m.model.family, m.recipe.name) == ("glm5_next", "glm53")
     assert m.kv.shared_kv and m.kv.num_layers == 4 and (m.kv.num_kv_heads, m.kv.head_dim) == (1, 32)
     assert [(e.name, e.layers, e.num_heads, e.head_dim) for e in m.kv.extra] == [("indexer_kg", (1,), 1, 32)]
@@ -234,27 +204,10 @@ def test_logprobs_match_transformers(exported, tie_watch: dict[str, int]) -> Non
     at a time, every chunk after the first starting from the state slots; and the scored prefill's
     prompt logprobs; against transformers' full forward."""
     _, core_dir, model = exported
-    core = Core.open(core_dir)
-    step, scored, weights, m = (
-        core.load_program(),
-        core.load_program(SCORED_PREFILL),
-        core.load_weights(),
-        core.manifest,
-    )
-    prompts = _prompts(core)
+    prompts = _prompts(Core.open(core_dir))
     assert len(prompts[2]) > 4 * PAGE_TOKENS and len(prompts[0]) > PAGE_TOKENS + 4 > 8 + 3  # drops positions
-    worst = 0.0
-    for ids in prompts:
-        expected = hf_logprobs(model, ids)
-        for chunk in (None, 16, 5):
-            got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids, chunk=chunk).logprobs
-            worst = max(worst, float((got - expected).abs().max()))
-        decoded = PAGE_TOKENS + 4  # token-by-token steps past the first page
-        got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids[:decoded], chunk=1).logprobs
-        worst = max(worst, float((got - expected[:decoded]).abs().max()))
-        run = run_prompt(scored, weights, m.kv, PAGE_TOKENS, ids, chunk=16)
-        targets = expected[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        worst = max(worst, float((run.outputs["prompt_logprobs"][:-1] - targets).abs().max()))
+    worst = family_checks.step_logprob_error(core_dir, model, prompts, decoded=PAGE_TOKENS + 4)  # past the first page
+    worst = max(worst, family_checks.prompt_logprob_error(core_dir, model, prompts, chunk=16))
     print(f"max |Δ logprob| vs transformers (programs): {worst:.3g}; transformers' indexer rows: {tie_watch}")
     assert worst <= 1e-3
     assert tie_watch["dropping"] > 0 and tie_watch["differ"] == 0, tie_watch
@@ -277,24 +230,7 @@ def test_engine_generation_matches_transformers(exported) -> None:
     state slots and the selected latent rows): each token's logprob and top alternatives equal
     transformers' on the whole sequence, for the three prompts."""
     _, core_dir, model = exported
-    core = Core.open(core_dir)
-    engine = build_engine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
-    requests = [
-        EngineRequest(f"g{i}", tuple(ids), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=3)
-        for i, ids in enumerate(_prompts(core))
-    ]
-    outputs = run_to_completion(engine, requests)
-    worst = 0.0
-    for request in requests:
-        out = outputs[request.request_id][0]
-        expected = hf_logprobs(model, list(request.prompt_ids) + out.token_ids)
-        for position, entry in enumerate(out.logprobs):
-            row = expected[len(request.prompt_ids) - 1 + position]
-            worst = max(
-                worst,
-                abs(entry.logprob - float(row[entry.token_id])),
-                *(abs(v - float(row[t])) for t, v in entry.alternatives),
-            )
+    worst = family_checks.engine_logprob_error(core_dir, model, _prompts(Core.open(core_dir)))
     print(f"max |Δ logprob| vs transformers (engine): {worst:.3g}")
     assert worst <= 1e-3
 
@@ -302,30 +238,12 @@ def test_engine_generation_matches_transformers(exported) -> None:
 def test_batching_invariance(exported) -> None:
     """8 prompts together (mixed prefill chunks and decode rows over the state slots) == each alone,
     with the prefix cache on and off and 16-token prefill chunks, and again from cached prefixes."""
-    core = Core.open(exported[1])
-    tok = core.tokenizer()
-    requests = [
-        EngineRequest(f"r{i}", tuple(tok.encode(t).ids), (GREEDY,), 12, ignore_eos=True) for i, t in enumerate(EIGHT)
-    ]
-
-    def tokens(outputs: dict) -> dict[str, list[int]]:
-        return {rid: choices[0].token_ids for rid, choices in outputs.items()}
-
-    solo = build_engine(core, EngineConfig(num_pages=128, enable_prefix_cache=False))
-    alone: dict[str, list[int]] = {}
-    for request in requests:
-        alone.update(tokens(run_to_completion(solo, [request])))
-    for overrides in ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16}):
-        batched = build_engine(core, EngineConfig(**{"num_pages": 128, **overrides}))
-        assert tokens(run_to_completion(batched, requests)) == alone, f"batched output differs with {overrides}"
-        again = run_to_completion(batched, [replace(r, request_id=r.request_id + "b") for r in requests])
-        assert {k[:-1]: v for k, v in tokens(again).items()} == alone, overrides
-        cached = sum(c[0].num_cached_tokens for c in again.values())
-        assert (cached > 0) == overrides.get("enable_prefix_cache", True), overrides
+    settings = ({}, {"enable_prefix_cache": False}, {"prefill_chunk_size": 16})
+    family_checks.check_eight_prompts_batching(exported[1], "", tuple(EIGHT_PLAIN_TEXTS), settings)
 
 
 def test_prefix_reuse(exported) -> None:
-    check_prefix_reuse(exported[1], LONG, 8)
+    check_prefix_reuse(exported[1], LONGER_TEXT, 8)
 
 
 # ------------------------------------------------------------------------- config and layout
@@ -334,17 +252,10 @@ BASE = glm5_next.testmodel_config(300)
 
 
 def _variant(out: Path, changes: dict, seed: int = 4) -> Path:
-    """A tiny checkpoint with `changes` applied to its config (tensors regenerated to fit)."""
-    write_testmodel("glm5_next", out, seed=seed)
-    config = {k: v for k, v in (json.loads((out / "config.json").read_text()) | changes).items() if v is not None}
-    if "linear_lower_bound" in changes and changes["linear_lower_bound"] is None:
-        config["linear_lower_bound"] = None
-    generator = torch.Generator().manual_seed(seed)
-    shapes = glm5_next.hf_shapes(glm5_next.config_from_hf(config))
-    tensors = {n: _tensor(glm5_next.testmodel_init, n, s, generator) for n, s in shapes.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
+    """A tiny checkpoint with `changes` applied to its config (tensors regenerated to fit); a None
+    linear_lower_bound is written as null (the softplus forget gate), other None fields left out."""
+    dropped = [k for k, v in changes.items() if v is None and k != "linear_lower_bound"]
+    return family_checks.write_variant("glm5_next", out, changes, seed, dropped)
 
 
 @pytest.mark.parametrize(
@@ -366,7 +277,7 @@ def test_reference_matches_transformers_on_variants(tmp_path: Path, changes: dic
 
     checkpoint = _variant(tmp_path / "ckpt", changes)
     source = open_source(str(checkpoint))
-    config = glm5_next.config_from_hf(source.hf_config)
+    config = glm5_next.FAMILY.config_from_hf(source.hf_config)
     model = Glm5NextForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     hf_config = model.config.text_config
     assert (list(config.layer_types), list(config.indexer_types), list(config.mlp_layer_types)) == (
@@ -384,14 +295,14 @@ def test_glm_names_and_nested_config_read_the_same_model(tmp_path: Path) -> None
     self_attn / the layer) and a nested text_config give the same weights; the vision tower and an
     MTP layer are left out."""
     checkpoint = open_source(str(write_testmodel("glm5_next", tmp_path / "ckpt", seed=2)))
-    config = glm5_next.config_from_hf(checkpoint.hf_config)
+    config = glm5_next.FAMILY.config_from_hf(checkpoint.hf_config)
     nested = {
         "architectures": ["Glm5NextForConditionalGeneration"],
         "model_type": "glm5_next",
         "text_config": {**checkpoint.hf_config, "model_type": "glm5_next_text"},
         "vision_config": {"depth": 1},
     }
-    assert family_of_hf_config(nested) == "glm5_next" and glm5_next.config_from_hf(nested) == config
+    assert family_of_hf_config(nested) == "glm5_next" and glm5_next.FAMILY.config_from_hf(nested) == config
     renamed: dict[str, torch.Tensor] = {}
     for name, tensor in checkpoint.tensors.items():
         name = name.replace("self_attn.forget_gate.", "self_attn.")
@@ -448,7 +359,7 @@ def test_glm_names_and_nested_config_read_the_same_model(tmp_path: Path) -> None
 )
 def test_unsupported_variants_are_refused(change: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        glm5_next.config_from_hf(BASE | change)
+        glm5_next.FAMILY.config_from_hf(BASE | change)
 
 
 def test_glm_moe_dsa_points_glm5_next_configs_here() -> None:
@@ -481,7 +392,7 @@ def test_schedules_follow_transformers() -> None:
         },
     ):
         hf = Glm5NextTextConfig(**(base | extra))
-        ours = glm5_next.config_from_hf(base | extra)
+        ours = glm5_next.FAMILY.config_from_hf(base | extra)
         assert (list(ours.layer_types), list(ours.mlp_layer_types), list(ours.indexer_types)) == (
             hf.layer_types,
             hf.mlp_layer_types,
@@ -500,28 +411,14 @@ def test_schedules_follow_transformers() -> None:
 # The glm53 recipe's template, reasoning and tool syntax are the ones the glm_moe_dsa family's tests
 # drive (tests/data/tiny_glm5.toml copies them): the same round trips run here on this family's core.
 from tests.ignition.test_glm_moe_dsa import (  # noqa: E402
-    ASK,
     test_chat_completion_with_reasoning_and_tool_call,  # noqa: F401
     test_messages_with_reasoning_and_tool_call,  # noqa: F401
     test_responses_with_reasoning_and_tool_call,  # noqa: F401
 )
 
-
-@pytest.fixture(scope="module")
-def app(exported):
-    from server.scripted import scripted_app  # tests/server's in-process server with a scripted model
-
-    with scripted_app(exported[1]) as server:
-        yield server
+app = family_checks.served("exported")
 
 
 def test_images_are_refused(app) -> None:
     """Text only: the vision tower is not compiled, so image parts are a client error."""
-    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-    body = {
-        "model": "x",
-        "max_tokens": 8,
-        "messages": [{"role": "user", "content": [{"type": "text", "text": ASK}, image]}],
-    }
-    response = app.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400 and "does not accept images" in response.json()["error"]["message"]
+    family_checks.check_images_refused(app)

@@ -13,20 +13,26 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from helios.core import Core
 from helios.core.manifest import KvLayout
-from helios.core.ops import sparse as ops_sparse
-from helios.core.program import SCORED_PREFILL, allocate_kv, run_prompt
+from helios.core.program import allocate_kv
 from helios.engine import EngineConfig, build_engine
 from ignition.export import ExportOptions, export_core
 from ignition.models import glm_moe_dsa
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import _init, write_testmodel
 from tests.ignition import family_checks
-from tests.ignition.family_checks import LONG_PREAMBLE, SHORT_TEXTS, TEXTS, check_generation_matches, hf_logprobs
+from tests.ignition.family_checks import (
+    ASK,
+    CITY,
+    LONG_PREAMBLE,
+    SHORT_TEXTS,
+    TEXTS,
+    WEATHER_CALL,
+    check_generation_matches,
+    hf_logprobs,
+)
 
 PAGE_TOKENS = 16
 # GLM-5's presets for this family's cores (the shipped glm53 recipe names glm5_next, GLM-5.3-Flash's architecture).
@@ -47,16 +53,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         "index_topk_freq": 2,
         "index_skip_topk_offset": 2,
         "index_topk": 6,
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "original_max_position_embeddings": 64,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 0.707,
-            "mscale_all_dim": 1.0,
-        },
+        "rope_parameters": family_checks.MLA_YARN,
     },
 }
 PROMPTS = (
@@ -66,26 +63,13 @@ PROMPTS = (
 )
 
 
-def write_variant(out: Path, changes: dict[str, object], seed: int) -> Path:
-    """A tiny glm_moe_dsa checkpoint with `changes` applied to its config (tensors regenerated to fit)."""
-    write_testmodel("glm_moe_dsa", out, seed=seed)
-    if not changes:
-        return out
-    config = {k: v for k, v in (json.loads((out / "config.json").read_text()) | changes).items() if v is not None}
-    generator = torch.Generator().manual_seed(seed)
-    shapes = glm_moe_dsa.hf_shapes(glm_moe_dsa.config_from_hf(config))
-    save_file(
-        {n: _init(n, s, generator) for n, s in shapes.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
-
-
 def _export(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(tiny checkpoint of a variant, its core); the default variant's core has prompt logprobs."""
-    checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"tiny-glm-{name}", VARIANTS[name], seed=5)
+    changes = VARIANTS[name]
+    dropped = [k for k, v in changes.items() if v is None]  # a None field is left out
+    checkpoint = family_checks.write_variant(
+        "glm_moe_dsa", tmp_path_factory.mktemp("ckpt") / f"tiny-glm-{name}", changes, 5, dropped
+    )
     core = tmp_path_factory.mktemp("cores") / f"tiny-glm-{name}"
     options = ExportOptions(out=core, prompt_logprobs=name == "default", page_tokens=PAGE_TOKENS)
     export_core(open_source(str(checkpoint)), load_recipe(str(GLM5_RECIPE)), options)
@@ -110,36 +94,16 @@ def tie_watch(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     transformers' own scores. They can differ only where an exact tie sits at the k-th score:
     torch.topk has no fixed order among ties (its choice changes with the row's length), while the
     ops keep the earlier key (tests/engine/test_kernels_sparse.py). Counts rows that drop keys,
-    rows with such a tie, and rows whose kept keys differ."""
-    seen = {"dropping": 0, "tied": 0, "differ": 0}
-    topk = torch.Tensor.topk
+    rows with such a tie, and rows whose kept keys differ (family_checks.watch_topk_ties)."""
 
-    def watched(self: torch.Tensor, k: int, dim: int = -1, *args, **kwargs):
-        out = topk(self, k, dim, *args, **kwargs)
-        if self.dim() == 3 and dim == -1 and self.is_floating_point() and k > 2:  # [B, S, T] index scores
-            scores = self.reshape(-1, self.shape[-1])
-            visible = scores > torch.finfo(self.dtype).min / 2  # the causal mask adds finfo.min (or -inf)
-            kth = out.values.reshape(-1, k)[:, -1:]
-            dropping = visible.sum(-1) > k
-            tied = dropping & (((scores > kth) & visible).sum(-1) + ((scores == kth) & visible).sum(-1) > k)
-            kept = ops_sparse.selected_keys(out.indices.reshape(-1, k), scores.shape[-1]) & visible
-            rule = ops_sparse.selected_keys(ops_sparse.select_topk(scores, visible, k), scores.shape[-1])
-            seen["dropping"] += int(dropping.sum())
-            seen["tied"] += int(tied.sum())
-            seen["differ"] += int((kept != rule).any(-1).sum())
-        return out
+    def index_scores(scores: torch.Tensor, k: int, dim: int) -> bool:  # [B, S, T]
+        return scores.dim() == 3 and dim == -1 and scores.is_floating_point() and k > 2
 
-    monkeypatch.setattr(torch.Tensor, "topk", watched)
-    return seen
+    return family_checks.watch_topk_ties(monkeypatch, index_scores)
 
 
 def _hf_model(checkpoint: Path, **overrides: object):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(checkpoint), **overrides)
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32).eval()
-    assert type(model).__name__ == "GlmMoeDsaForCausalLM"
-    return model
+    return family_checks.hf_model(checkpoint, "GlmMoeDsaForCausalLM", eager=False, **overrides)
 
 
 def test_logprobs_match_transformers(exported: tuple[str, Path, Path], tie_watch: dict[str, int]) -> None:
@@ -155,23 +119,12 @@ def test_logprobs_match_transformers(exported: tuple[str, Path, Path], tie_watch
     assert [(e.name, e.layers, e.num_heads, e.head_dim) for e in m.kv.extra] == [
         ("indexer_k", tuple(config.indexer_layers), 1, 16)
     ]
-    step, weights = core.load_program(), core.load_weights()
-    scored = core.load_program(SCORED_PREFILL) if m.capabilities.prompt_logprobs else None
-    tokenizer = core.tokenizer()
-    prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in PROMPTS]
+    prompts = [core.tokenizer().encode(text, add_special_tokens=False).ids for text in PROMPTS]
     assert min(len(p) for p in prompts) > PAGE_TOKENS + 4 > config.index_topk  # selection drops keys
-    worst = 0.0
-    for ids in prompts:
-        reference = hf_logprobs(model, ids)
-        got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids, chunk=PAGE_TOKENS).logprobs
-        worst = max(worst, float((got - reference).abs().max()))
-        decoded = PAGE_TOKENS + 4  # token-by-token decode steps, past the first page
-        got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids[:decoded], chunk=1).logprobs
-        worst = max(worst, float((got - reference[:decoded]).abs().max()))
-        if scored is not None:
-            run = run_prompt(scored, weights, m.kv, PAGE_TOKENS, ids, chunk=PAGE_TOKENS)
-            expected = reference[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-            worst = max(worst, float((run.outputs["prompt_logprobs"][:-1] - expected).abs().max()))
+    # page-sized chunks, then token by token past the first page (and past index_topk); the scored prefill
+    worst = family_checks.step_logprob_error(core_dir, model, prompts, PAGE_TOKENS + 4, chunks=(PAGE_TOKENS,))
+    if m.capabilities.prompt_logprobs:
+        worst = max(worst, family_checks.prompt_logprob_error(core_dir, model, prompts, chunk=PAGE_TOKENS))
     print(f"{name}: max |Δ logprob| vs transformers: {worst:.3g}; transformers' indexer rows: {tie_watch}")
     assert worst <= 1e-3, worst
     assert tie_watch["dropping"] > 0 and tie_watch["differ"] == 0, tie_watch
@@ -183,11 +136,7 @@ def test_logprobs_match_transformers(exported: tuple[str, Path, Path], tie_watch
 def test_reference_matches_transformers(exported: tuple[str, Path, Path]) -> None:
     """The export self-check's dense reference (stable-sort selection, non-absorbed MLA) itself."""
     _, checkpoint, _ = exported
-    source = open_source(str(checkpoint))
-    config = glm_moe_dsa.config_from_hf(source.hf_config)
-    ids = list(range(5, 45))
-    ours = torch.log_softmax(glm_moe_dsa.reference_logits(config, source.tensors, ids), dim=-1)
-    assert float((ours - hf_logprobs(_hf_model(checkpoint), ids)).abs().max()) <= 1e-4
+    assert family_checks.reference_error("glm_moe_dsa", checkpoint, _hf_model(checkpoint), list(range(5, 45))) <= 1e-4
 
 
 def test_engine_generation_matches_transformers(default_core: tuple[Path, Path], tie_watch: dict[str, int]) -> None:
@@ -264,26 +213,12 @@ def test_indexer_schedule_follows_transformers() -> None:
 
 # ---------------------------------------------------------------------------- chat round trip
 
-VERSION = {"anthropic-version": "2023-06-01"}
-ASK = "Weather in Paris?"
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 GLM_OUTPUT = (
     "The user wants weather.</think>Checking.<tool_call>get_weather<arg_key>city</arg_key>"
     "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
 )
-EXPECTED = {
-    "reasoning": "The user wants weather.",
-    "text": "Checking.",
-    "calls": [("get_weather", {"city": "Paris", "days": 3})],
-}
 
-
-@pytest.fixture(scope="module")
-def app(default_core: tuple[Path, Path]):
-    from server.scripted import scripted_app  # tests/server's in-process server with a scripted model
-
-    with scripted_app(default_core[1]) as server:
-        yield server
+app = family_checks.served("default_core")
 
 
 def _check_prompt(prompt: str | None, effort: str = "Max") -> None:
@@ -295,23 +230,19 @@ def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
     """GLM-5.3-Flash's published template renders the request (default effort max); the scripted
     model's GLM output comes back through the recipe's glm reasoning and glm47 tool parsers."""
     app.say(GLM_OUTPUT)
+    got, finish = family_checks.tool_round_trip(app, "chat", ASK, CITY)
+    _check_prompt(app.last_prompt())
+    assert got == WEATHER_CALL and finish == "tool_calls"
+    # Effort "none" is the template's own switch: no effort line, and an empty think block pre-filled.
+    app.say("Paris.")
     body = {
         "model": "x",
         "messages": [{"role": "user", "content": ASK}],
         "max_tokens": 256,
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}],
+        "reasoning_effort": "none",
     }
     response = app.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    _check_prompt(app.last_prompt())
-    choice = response.json()["choices"][0]
-    message = choice["message"]
-    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
-    assert {"reasoning": message["reasoning_content"], "text": message["content"], "calls": calls} == EXPECTED
-    assert choice["finish_reason"] == "tool_calls"
-    # Effort "none" is the template's own switch: no effort line, and an empty think block pre-filled.
-    app.say("Paris.")
-    response = app.post("/v1/chat/completions", json={**body, "reasoning_effort": "none"})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "Paris."
     prompt = app.last_prompt() or ""
@@ -320,40 +251,13 @@ def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
 
 def test_messages_with_reasoning_and_tool_call(app) -> None:
     app.say(GLM_OUTPUT)
-    body = {
-        "model": "x",
-        "max_tokens": 256,
-        "messages": [{"role": "user", "content": ASK}],
-        "tools": [{"name": "get_weather", "input_schema": CITY}],
-    }
-    response = app.post("/v1/messages", json=body, headers=VERSION)
-    assert response.status_code == 200, response.text
+    got, finish = family_checks.tool_round_trip(app, "messages", ASK, CITY)
     _check_prompt(app.last_prompt())
-    blocks = response.json()["content"]
-    got = {
-        "reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
-        "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
-        "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"],
-    }
-    assert got == EXPECTED and response.json()["stop_reason"] == "tool_use"
+    assert got == WEATHER_CALL and finish == "tool_use"
 
 
 def test_responses_with_reasoning_and_tool_call(app) -> None:
     app.say(GLM_OUTPUT)
-    body = {
-        "model": "x",
-        "input": ASK,
-        "max_output_tokens": 256,
-        "reasoning": {"effort": "low"},
-        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
-    }
-    response = app.post("/v1/responses", json=body)
-    assert response.status_code == 200, response.text
+    got, finish = family_checks.tool_round_trip(app, "responses", ASK, CITY, reasoning={"effort": "low"})
     _check_prompt(app.last_prompt(), effort="Low")
-    output = response.json()["output"]
-    got = {
-        "reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
-        "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
-        "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"],
-    }
-    assert got == EXPECTED and response.json()["status"] == "completed"
+    assert got == WEATHER_CALL and finish == "completed"

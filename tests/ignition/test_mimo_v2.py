@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from helios.core import Core
 from helios.core.program import run_prompt
@@ -26,51 +25,24 @@ from ignition.models import family_of_hf_config, mimo_v2
 from ignition.models.mtp import run_mtp_prompt
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import _tensor, write_testmodel
 from tests.ignition import family_checks
-from tests.ignition.family_checks import TEXTS, check_generation_matches, export_tiny, hf_logprobs
+from tests.ignition.family_checks import LONG_TEXT, TEXTS, hf_logprobs
 
 PAGE = 16
 WINDOW = 8
-CHAT = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is the capital of France? Answer in one word, please."},
-]
-LONG = TEXTS[0] + " " + TEXTS[3]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(tiny MiMo-V2-Flash checkpoint, its core with prompt logprobs), built once for this module."""
-    return export_tiny("mimo_v2", "mimo_v2", tmp_path_factory)
-
-
-def _hf_model(checkpoint: Path):
-    from transformers import MiMoV2FlashForCausalLM
-
-    return MiMoV2FlashForCausalLM.from_pretrained(
-        str(checkpoint), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: tuple[Path, Path]):
-    return _hf_model(tiny[0])
+# (tiny MiMo-V2-Flash checkpoint, its core with prompt logprobs) and transformers' model of it, once per module.
+tiny, reference = family_checks.tiny_fixtures("mimo_v2", "mimo_v2", "MiMoV2FlashForCausalLM")
 
 
 def _prompts(core: Core) -> list[list[int]]:
     """A rendered chat (the test template), a long text and a short one."""
-    from helios.core.template import ChatTemplate
-
-    tok = core.tokenizer()
-    chat = ChatTemplate(core.chat_template(), {"eos_token": "<|im_end|>"}).render(CHAT, add_generation_prompt=True)
-    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(LONG).ids, tok.encode(TEXTS[2]).ids]
+    return family_checks.chat_prompts(core, {"eos_token": "<|im_end|>"}, LONG_TEXT, TEXTS[2])
 
 
 def test_config_and_core_record_the_mimo_layout(tiny: tuple[Path, Path]) -> None:
     hf = json.loads((tiny[0] / "config.json").read_text())
     assert family_of_hf_config(hf) == "mimo_v2"
-    c = mimo_v2.config_from_hf(hf)
+    c = mimo_v2.FAMILY.config_from_hf(hf)
     assert c.layer_windows == (0, WINDOW, WINDOW, 0, WINDOW)  # sliding_window_size 7 + the query
     assert c.layer_sparse == (False, True, True, False, True) and c.num_mtp_layers == 1
     assert (c.rope_full.dim, c.rope_full.pairs, c.rope_sliding.dim) == (8, 4, 12)  # int(24 * 0.334), int(24 * 0.5)
@@ -100,7 +72,7 @@ def test_transformers_spellings_read_the_same_config(tiny: tuple[Path, Path], tm
     native = json.loads((tmp_path / "config.json").read_text())
     ours = json.loads((tiny[0] / "config.json").read_text())
     assert native["sliding_window"] == WINDOW
-    assert mimo_v2.config_from_hf(native) == mimo_v2.config_from_hf(ours)
+    assert mimo_v2.FAMILY.config_from_hf(native) == mimo_v2.FAMILY.config_from_hf(ours)
     hub = {
         k: v
         for k, v in ours.items()
@@ -114,7 +86,7 @@ def test_transformers_spellings_read_the_same_config(tiny: tuple[Path, Path], tm
         "routed_scaling_factor": None,
         "attention_value_scale": None,
     }
-    c = mimo_v2.config_from_hf(hub)
+    c = mimo_v2.FAMILY.config_from_hf(hub)
     assert c.layer_windows == (0, WINDOW, WINDOW, WINDOW, WINDOW, 0, WINDOW)  # full at 0 and every 6th
     assert c.layer_sparse == (False,) + (True,) * 6
     assert (c.rope_full.theta, c.rope_sliding.theta, c.rope_sliding.dim) == (5e6, 1e4, 8)
@@ -182,13 +154,13 @@ def test_unsupported_variants_are_refused(name: str) -> None:
     changes, field = REFUSED[name]
     config = {k: v for k, v in (mimo_v2.testmodel_config(300) | changes).items() if v is not None}
     with pytest.raises(ValueError, match=f"^{field}|\\.{field} "):
-        mimo_v2.config_from_hf(config)
+        mimo_v2.FAMILY.config_from_hf(config)
 
 
 def test_reference_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
     """The self-check's float64 reference is transformers' model (logits and final hidden states)."""
     checkpoint = open_source(str(tiny[0]))
-    config = mimo_v2.config_from_hf(checkpoint.hf_config)
+    config = mimo_v2.FAMILY.config_from_hf(checkpoint.hf_config)
     ids = list(range(5, 60))
     logits, hidden = mimo_v2.reference_forward(config, checkpoint.tensors, ids)
     assert float((torch.log_softmax(logits, dim=-1) - hf_logprobs(reference, ids)).abs().max()) <= 2e-4
@@ -199,28 +171,17 @@ def test_reference_matches_transformers(tiny: tuple[Path, Path], reference) -> N
 
 def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
     """Prompts longer than the window and than a page, prefilled whole, in chunks of 16 and 5, and
-    token by token past the first page (decode rows whose window has slid)."""
-    core = Core.open(tiny[1])
-    prompts = _prompts(core)
+    token by token past the first page (decode rows whose window has slid); and their prompt logprobs."""
+    prompts = _prompts(Core.open(tiny[1]))
     assert all(len(ids) > PAGE > WINDOW for ids in prompts[:2])
-    # whole, in chunks of 16 and 5, then token by token past the first page
-    worst = family_checks.step_logprob_error(tiny[1], reference, prompts, decoded=core.manifest.limits.page_tokens + 4)
-    print(f"max |Δ logprob| vs transformers: {worst:.3g}")
-    assert worst <= 1e-3
+    family_checks.check_program_logprobs(tiny[1], reference, prompts)
 
 
-def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
-    core = Core.open(tiny[1])
-    worst = family_checks.prompt_logprob_error(tiny[1], reference, _prompts(core), chunk=PAGE)
-    print(f"max |Δ prompt logprob| vs transformers: {worst:.3g}")
-    assert worst <= 1e-3
-
-
-@pytest.mark.parametrize("text", [LONG, TEXTS[1], TEXTS[2]])
+@pytest.mark.parametrize("text", [LONG_TEXT, TEXTS[1], TEXTS[2]])
 def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference, text: str) -> None:
     """The engine's greedy tokens (16-token prefill chunks, windowed decode rows through helios'
     sink_attention kernel) carry transformers' logprobs and top alternatives on the whole sequence."""
-    check_generation_matches(tiny[1], reference, text, 16)
+    family_checks.check_generation_matches(tiny[1], reference, text, 16)
 
 
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
@@ -235,7 +196,7 @@ def test_transformers_layout_reads_the_same_weights(tiny: tuple[Path, Path], ref
     """transformers' in-memory names (self_attn.sinks, stacked mlp.experts.gate_up_proj) read as the
     hub's (attention_sink_bias, per-expert tensors); MTP layers past num_nextn_predict_layers are left out."""
     checkpoint = open_source(str(tiny[0]))
-    config = mimo_v2.config_from_hf(checkpoint.hf_config)
+    config = mimo_v2.FAMILY.config_from_hf(checkpoint.hf_config)
     native = {n: t for n, t in reference.state_dict().items() if "rotary_emb" not in n}
     assert "model.layers.1.self_attn.sinks" in native and "model.layers.1.mlp.experts.gate_up_proj" in native
     plain = internal_weights(mimo_v2.FAMILY, checkpoint, config, torch.float32)
@@ -261,27 +222,14 @@ def test_tied_variant_with_transformers_defaults_matches(tmp_path: Path) -> None
     leaves fields out (layer types, dense-first MLPs, rope thetas 5e6 / 1e4 at 0.334, which on
     16-wide heads is an odd d = 5: three pairs, six dims, rotate; value scale 0.707): reference
     and exported core against transformers."""
-    checkpoint = write_testmodel("mimo_v2", tmp_path / "ckpt", seed=5)
-    config = json.loads((checkpoint / "config.json").read_text())
-    dropped = (
-        "layer_types",
-        "hybrid_layer_pattern",
-        "mlp_layer_types",
-        "moe_layer_freq",
-        "rope_parameters",
-        "attention_value_scale",
-        "num_nextn_predict_layers",
-    )
-    config = {k: v for k, v in config.items() if k not in dropped}
-    config |= {"tie_word_embeddings": True, "num_hidden_layers": 6, "head_dim": 16, "v_head_dim": 16}
-    (checkpoint / "config.json").write_text(json.dumps(config))
-    parsed = mimo_v2.config_from_hf(config)
+    dropped = ("layer_types", "hybrid_layer_pattern", "mlp_layer_types", "moe_layer_freq", "rope_parameters")
+    dropped += ("attention_value_scale", "num_nextn_predict_layers")
+    changes = {"tie_word_embeddings": True, "num_hidden_layers": 6, "head_dim": 16, "v_head_dim": 16}
+    checkpoint = family_checks.write_variant("mimo_v2", tmp_path / "ckpt", changes, 5, dropped)
+    parsed = mimo_v2.FAMILY.config_from_hf(json.loads((checkpoint / "config.json").read_text()))
     assert parsed.layer_windows == (0, WINDOW, WINDOW, WINDOW, WINDOW, 0) and parsed.value_scale == 0.707
     assert (parsed.rope_full.dim, parsed.rope_full.pairs, parsed.rope_sliding.theta) == (5, 3, 1e4)
-    generator = torch.Generator().manual_seed(5)
-    tensors = {n: _tensor(mimo_v2.testmodel_init, n, s, generator) for n, s in mimo_v2.hf_shapes(parsed).items()}
-    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
-    model = _hf_model(checkpoint)
+    model = family_checks.hf_model(checkpoint, "MiMoV2FlashForCausalLM")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     ids = list(range(7, 47))
     expected = hf_logprobs(model, ids)
@@ -388,7 +336,7 @@ def test_mtp_program_matches_references(tiny: tuple[Path, Path], reference) -> N
     core = Core.open(tiny[1])
     m, weights = core.manifest, core.load_weights()
     checkpoint = open_source(str(tiny[0]))
-    config = mimo_v2.config_from_hf(checkpoint.hf_config)
+    config = mimo_v2.FAMILY.config_from_hf(checkpoint.hf_config)
     ids = _prompts(core)[1]  # longer than the window and a page
     assert len(ids) > PAGE + 4
     with torch.no_grad():
@@ -426,27 +374,15 @@ def test_mtp_program_matches_references(tiny: tuple[Path, Path], reference) -> N
 
 # ---------------------------------------------------------------------------- chat round trips
 
-ASK = "Weather in Paris?"
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
 THINK = {"enable_thinking": True}
 # What MiMo writes after the prompt's "<|im_start|>assistant\n<think>": compact calls, values verbatim.
 OUTPUT = (
     "The user wants weather.</think>Checking.<tool_call>\n<function=get_weather>\n<parameter=city>Paris"
     "</parameter>\n<parameter=days>3</parameter>\n</function>\n</tool_call><|im_end|>"
 )
-EXPECTED = {
-    "reasoning": "The user wants weather.",
-    "text": "Checking.",
-    "calls": [("get_weather", {"city": "Paris", "days": 3})],
-}
 
 
-@pytest.fixture(scope="module")
-def app(tiny: tuple[Path, Path]):
-    from server.scripted import scripted_app  # tests/server's in-process server with a scripted model
-
-    with scripted_app(tiny[1]) as server:
-        yield server
+app = family_checks.served("tiny")
 
 
 def _check_prompt(app, thinking: bool = True) -> None:
@@ -454,14 +390,23 @@ def _check_prompt(app, thinking: bool = True) -> None:
     assert prompt.startswith("<|im_start|>system\nYou are MiMo, a helpful AI assistant engineered by Xiaomi.")
     assert "<name>get_weather</name>" in prompt and "<parameter=example_parameter_1>value_1</parameter>" in prompt
     tail = "<think>" if thinking else "<think></think>"
-    assert prompt.endswith(f"<|im_end|><|im_start|>user\n{ASK}<|im_end|><|im_start|>assistant\n{tail}")
+    assert prompt.endswith(f"<|im_end|><|im_start|>user\n{family_checks.ASK}<|im_end|><|im_start|>assistant\n{tail}")
 
 
-def test_chat_completion_with_reasoning_and_tool_call(app) -> None:
+@pytest.mark.parametrize(
+    ("route", "finish", "extra"),
+    [
+        ("chat", "tool_calls", {"chat_template_kwargs": THINK}),
+        ("messages", "tool_use", {"thinking": family_checks.THINKING}),
+        ("responses", "completed", {"chat_template_kwargs": THINK}),
+    ],
+)
+def test_reasoning_and_tool_call(app, route: str, finish: str, extra: dict) -> None:
+    """The scripted output's reasoning and call come back in each protocol's shape, thinking on."""
     app.say(OUTPUT)
-    got, finish = family_checks.tool_round_trip(app, "chat", ASK, CITY, chat_template_kwargs=THINK)
+    got, reason = family_checks.tool_round_trip(app, route, family_checks.ASK, family_checks.CITY, **extra)
     _check_prompt(app)
-    assert got == EXPECTED and finish == "tool_calls"
+    assert got == family_checks.WEATHER_CALL and reason == finish
 
 
 def test_chat_history_renders_calls_and_results(app) -> None:
@@ -473,7 +418,7 @@ def test_chat_history_renders_calls_and_results(app) -> None:
         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
     }
     messages = [
-        {"role": "user", "content": ASK},
+        {"role": "user", "content": family_checks.ASK},
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
@@ -481,7 +426,7 @@ def test_chat_history_renders_calls_and_results(app) -> None:
         "model": "x",
         "messages": messages,
         "max_tokens": 64,
-        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": family_checks.CITY}}],
     }
     response = app.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
@@ -494,19 +439,3 @@ def test_chat_history_renders_calls_and_results(app) -> None:
     assert prompt.endswith(
         "<|im_start|>tool\n<tool_response>\nsunny\n</tool_response><|im_end|><|im_start|>assistant\n<think></think>"
     )
-
-
-def test_messages_with_reasoning_and_tool_call(app) -> None:
-    app.say(OUTPUT)
-    got, finish = family_checks.tool_round_trip(
-        app, "messages", ASK, CITY, thinking={"type": "enabled", "budget_tokens": 1024}
-    )
-    _check_prompt(app)
-    assert got == EXPECTED and finish == "tool_use"
-
-
-def test_responses_with_reasoning_and_tool_call(app) -> None:
-    app.say(OUTPUT)
-    got, finish = family_checks.tool_round_trip(app, "responses", ASK, CITY, chat_template_kwargs=THINK)
-    _check_prompt(app)
-    assert got == EXPECTED and finish == "completed"

@@ -14,7 +14,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from helios.core import Core
 from helios.core.manifest import KvLayout
@@ -25,7 +24,8 @@ from ignition.export import ExportOptions, export_core, internal_weights
 from ignition.models import family_of_hf_config, minimax_m3
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import _init, write_testmodel
+from ignition.testmodel import write_testmodel
+from tests.ignition import family_checks
 from tests.ignition.family_checks import TEXTS, check_batching_invariance, check_generation_matches, hf_logprobs
 
 # The default tiny config (blocks of 4 keys, 3 kept with 1 local, 2 indexer heads = KV heads,
@@ -50,27 +50,13 @@ VARIANTS: dict[str, tuple[dict[str, object], int]] = {
 LONG = " ".join(TEXTS)  # ~150 tokens: dozens of blocks, far more than topk + local
 
 
-def write_variant(out: Path, changes: dict[str, object], seed: int) -> Path:
-    write_testmodel("minimax_m3", out, seed=seed)
-    if not changes:
-        return out
-    config = json.loads((out / "config.json").read_text()) | changes
-    generator = torch.Generator().manual_seed(seed)
-    shapes = minimax_m3.hf_shapes(minimax_m3.config_from_hf(config))
-    save_file(
-        {n: _init(n, s, generator) for n, s in shapes.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int]:
     """(tiny checkpoint, its core with prompt logprobs, page tokens), once per variant."""
     changes, page = VARIANTS[request.param]
-    checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"tiny-minimax-{request.param}", changes, seed=3)
+    checkpoint = family_checks.write_variant(
+        "minimax_m3", tmp_path_factory.mktemp("ckpt") / f"tiny-minimax-{request.param}", changes, seed=3
+    )
     core = tmp_path_factory.mktemp("cores") / f"tiny-minimax-{request.param}"
     export_core(
         open_source(str(checkpoint)),
@@ -81,13 +67,7 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 def _hf_model(checkpoint: Path, **overrides: object):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(checkpoint), dtype=torch.float32, attn_implementation="eager", **overrides
-    )
-    assert type(model).__name__ == "MiniMaxM3VLForCausalLM"
-    return model.eval()
+    return family_checks.hf_model(checkpoint, "MiniMaxM3VLForCausalLM", **overrides)
 
 
 def test_logprobs_match_transformers(exported: tuple[Path, Path, int]) -> None:
@@ -290,10 +270,7 @@ CALL = ("get_weather", {"city": "Paris", "days": 3})
 
 @pytest.fixture(scope="module")
 def chat_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    checkpoint = write_testmodel("minimax_m3", tmp_path_factory.mktemp("ckpt") / "tiny-minimax-chat", seed=6)
-    core = tmp_path_factory.mktemp("cores") / "tiny-minimax-chat"
-    export_core(open_source(str(checkpoint)), load_recipe("minimax_m3"), ExportOptions(out=core))
-    return core
+    return family_checks.export_tiny("minimax_m3", "minimax_m3", tmp_path_factory, seed=6, prompt_logprobs=False)[1]
 
 
 def _check_prompt(prompt: str | None) -> None:
@@ -305,18 +282,12 @@ def test_chat_completions_with_reasoning_and_tool_call(chat_core: Path) -> None:
     from server.scripted import scripted_app
 
     with scripted_app(chat_core) as app:
-        app.say(MINIMAX_OUTPUT)
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
-        body = {
-            "model": "x",
-            "messages": [{"role": "user", "content": "Weather in Paris?"}],
-            "tools": tools,
-            "max_tokens": 256,
-        }
-        response = app.post("/v1/chat/completions", json=body)
-        assert response.status_code == 200, response.text
-        _check_prompt(app.last_prompt())
-        choice = response.json()["choices"][0]
+        asked = [{"role": "user", "content": "Weather in Paris?"}]
+        body = {"model": "x", "messages": asked, "tools": tools, "max_tokens": 256}
+        reply, prompt = family_checks.scripted_turn(app, "/v1/chat/completions", body, MINIMAX_OUTPUT)
+        _check_prompt(prompt)
+        choice = reply["choices"][0]
         message = choice["message"]
         assert message["reasoning_content"] == "The user wants weather."
         assert message["content"] == "Checking." and choice["finish_reason"] == "tool_calls"
@@ -327,11 +298,10 @@ def test_chat_completions_with_reasoning_and_tool_call(chat_core: Path) -> None:
             {"role": "assistant", "content": "Checking.", "tool_calls": message["tool_calls"]},
             {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "sunny"},
         ]
-        app.say("</mm:think>Sunny.[e~[")
-        again = app.post("/v1/chat/completions", json=dict(body, messages=history))
-        assert again.status_code == 200, again.text
-        assert again.json()["choices"][0]["message"]["content"] == "Sunny."
-        prompt = app.last_prompt()
+        again, prompt = family_checks.scripted_turn(
+            app, "/v1/chat/completions", dict(body, messages=history), "</mm:think>Sunny.[e~["
+        )
+        assert again["choices"][0]["message"]["content"] == "Sunny."
     assert f'{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>3{NS}</days>{NS}</invoke>' in prompt
     assert "]~b]tool\n<response>sunny</response>[e~[" in prompt
 

@@ -43,54 +43,26 @@ def _qwen3(e: int, k: int, norm: bool):
     return Qwen3MoeTopKRouter(_config(num_experts=e, num_experts_per_tok=k, norm_topk_prob=norm)), spec
 
 
+def _grouped_sigmoid(router: type, e: int, k: int, norm: bool, groups: tuple[int, int], scaling: float):
+    """A DeepSeek-V3-style router (sigmoid scores, a selection bias, `groups` = (n_group, topk_group),
+    `scaling` the routed_scaling_factor) and its spec."""
+    n_group, topk_group = groups
+    fields = {"n_group": n_group, "topk_group": topk_group, "routed_scaling_factor": scaling}
+    config = _config(num_local_experts=e, num_experts_per_tok=k, norm_topk_prob=norm, **fields)
+    spec = moe.RouterSpec(e, k, "sigmoid", norm, has_correction_bias=True, norm_eps=1e-20, **fields)
+    return router(config), spec
+
+
 def _deepseek_v3(e: int, k: int, norm: bool):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    config = _config(
-        num_local_experts=e,
-        num_experts_per_tok=k,
-        norm_topk_prob=norm,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-    )
-    spec = moe.RouterSpec(
-        e,
-        k,
-        "sigmoid",
-        norm,
-        routed_scaling_factor=2.5,
-        n_group=4,
-        topk_group=2,
-        has_correction_bias=True,
-        norm_eps=1e-20,
-    )
-    return DeepseekV3TopkRouter(config), spec
+    return _grouped_sigmoid(DeepseekV3TopkRouter, e, k, norm, (4, 2), 2.5)
 
 
 def _glm_moe_dsa(e: int, k: int, norm: bool):
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
 
-    config = _config(
-        num_local_experts=e,
-        num_experts_per_tok=k,
-        norm_topk_prob=norm,
-        n_group=8,
-        topk_group=3,
-        routed_scaling_factor=1.8,
-    )
-    spec = moe.RouterSpec(
-        e,
-        k,
-        "sigmoid",
-        norm,
-        routed_scaling_factor=1.8,
-        n_group=8,
-        topk_group=3,
-        has_correction_bias=True,
-        norm_eps=1e-20,
-    )
-    return GlmMoeDsaTopkRouter(config), spec
+    return _grouped_sigmoid(GlmMoeDsaTopkRouter, e, k, norm, (8, 3), 1.8)
 
 
 def _minimax_m3(e: int, k: int, norm: bool):

@@ -16,43 +16,24 @@ from safetensors.torch import load_file, save_file
 
 from helios.core import Core
 from helios.core.program import SCORED_PREFILL, run_prompt
-from helios.core.template import ChatTemplate
 from ignition.errors import SourceError
 from ignition.export import ExportOptions, export_core
 from ignition.models import family_of_hf_config, muse_spark
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from tests.ignition import family_checks
-from tests.ignition.family_checks import CHAT, TEXTS, check_generation_matches, export_tiny, hf_logprobs
+from tests.ignition.family_checks import CHAT, LONG_TEXT, TEXTS, check_generation_matches, hf_logprobs
 
 SPECIALS = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}  # the qwen3 chat flavour
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(tiny Muse Spark checkpoint, its core with prompt logprobs), built once for this module."""
-    return export_tiny("muse_spark", "muse_spark", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: tuple[Path, Path]):
-    from transformers import MuseSparkForConditionalGeneration
-
-    model = MuseSparkForConditionalGeneration.from_pretrained(
-        str(tiny[0]), dtype=torch.float32, attn_implementation="eager"
-    )
-    return model.eval()
+# (tiny Muse Spark checkpoint, its core with prompt logprobs) and transformers' model of it, once per module.
+tiny, reference = family_checks.tiny_fixtures("muse_spark", "muse_spark", "MuseSparkForConditionalGeneration")
 
 
 def _prompts(core: Core) -> list[list[int]]:
     """A rendered chat, a short text and a long one (past the window and the first page)."""
-    tok = core.tokenizer()
-    chat = ChatTemplate(core.chat_template(), SPECIALS).render(CHAT, add_generation_prompt=True)
-    return [
-        tok.encode(chat, add_special_tokens=False).ids,
-        tok.encode(TEXTS[1]).ids,
-        tok.encode(TEXTS[0] + " " + TEXTS[3]).ids,
-    ]
+    return family_checks.chat_prompts(core, SPECIALS, TEXTS[1], LONG_TEXT, chat=CHAT)
 
 
 def test_config_reads_the_muse_spark_layout(tiny: tuple[Path, Path]) -> None:
@@ -192,42 +173,21 @@ CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 CALL_JSON = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
 CALL_TEXT = "<tool_call>" + CALL_JSON + "</tool_call>"  # the tags are special tokens: not shown as text
 OUTPUT = "<think>The user wants weather.</think>It is sunny in Paris."
-VERSION = {"anthropic-version": "2023-06-01"}
+# The tiny core behind the in-process server, with a scripted model.
+app = family_checks.served("tiny")
+ASKED = [{"role": "user", "content": "Weather in Paris?"}]
+# route -> (path, the request's own fields, headers)
+ROUTES = {
+    "chat": ("/v1/chat/completions", {"max_tokens": 256, "messages": ASKED}, {}),
+    "messages": ("/v1/messages", {"max_tokens": 256, "messages": ASKED}, family_checks.VERSION),
+    "responses": ("/v1/responses", {"max_output_tokens": 256, "input": "Weather in Paris?", "store": False}, {}),
+}
 
 
-@pytest.fixture(scope="module")
-def app(tiny: tuple[Path, Path]):
-    """The tiny core behind the in-process server, with a scripted model."""
-    from server.scripted import scripted_app  # tests/server's helpers (tests/ is on sys.path)
-
-    with scripted_app(tiny[1]) as server:
-        yield server
-
-
-def _chat(app, **body) -> dict:
-    response = app.post(
-        "/v1/chat/completions",
-        json={"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": "Weather in Paris?"}], **body},
-    )
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _messages(app, **body) -> dict:
-    response = app.post(
-        "/v1/messages",
-        headers=VERSION,
-        json={"model": "x", "max_tokens": 256, "messages": [{"role": "user", "content": "Weather in Paris?"}], **body},
-    )
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _responses(app, **body) -> dict:
-    response = app.post(
-        "/v1/responses",
-        json={"model": "x", "max_output_tokens": 256, "input": "Weather in Paris?", "store": False, **body},
-    )
+def _ask(app, route: str, **body) -> dict:
+    """The response to "Weather in Paris?" through `route`, `body` added to the request."""
+    path, fields, headers = ROUTES[route]
+    response = app.post(path, json={"model": "x", **fields, **body}, headers=headers)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -235,7 +195,7 @@ def _responses(app, **body) -> dict:
 def test_reasoning_through_chat_messages_and_responses(app) -> None:
     """The qwen3 template renders the request; the recipe's think parser splits the scripted output."""
     app.say(OUTPUT)
-    body = _chat(app)
+    body = _ask(app, "chat")
     assert app.last_prompt().endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
     choice = body["choices"][0]
     assert choice["message"]["reasoning_content"] == "The user wants weather."
@@ -243,7 +203,7 @@ def test_reasoning_through_chat_messages_and_responses(app) -> None:
     assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
 
     app.say(OUTPUT)
-    message = _messages(app)
+    message = _ask(app, "messages")
     assert [(b["type"], b.get("thinking", b.get("text"))) for b in message["content"]] == [
         ("thinking", "The user wants weather."),
         ("text", "It is sunny in Paris."),
@@ -251,7 +211,7 @@ def test_reasoning_through_chat_messages_and_responses(app) -> None:
     assert message["stop_reason"] == "end_turn"
 
     app.say(OUTPUT)
-    response = _responses(app)
+    response = _ask(app, "responses")
     items = [(i["type"], i["content"][0]["text"]) for i in response["output"]]
     assert items == [("reasoning", "The user wants weather."), ("message", "It is sunny in Paris.")]
     assert response["status"] == "completed" and response["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
@@ -264,7 +224,7 @@ def test_tools_without_a_tool_syntax_stay_text(app) -> None:
     output = "<think>Check the weather.</think>" + CALL_TEXT
     app.say(output)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
-    body = _chat(app, tools=[tool])
+    body = _ask(app, "chat", tools=[tool])
     assert '"get_weather"' in app.last_prompt()  # qwen3's template declares the tool
     message = body["choices"][0]["message"]
     assert message["reasoning_content"] == "Check the weather."
@@ -272,12 +232,12 @@ def test_tools_without_a_tool_syntax_stay_text(app) -> None:
     assert body["choices"][0]["finish_reason"] == "stop"
 
     app.say(output)
-    message = _messages(app, tools=[{"name": "get_weather", "input_schema": CITY}])
+    message = _ask(app, "messages", tools=[{"name": "get_weather", "input_schema": CITY}])
     assert [b["type"] for b in message["content"]] == ["thinking", "text"]
     assert message["content"][1]["text"] == CALL_JSON and message["stop_reason"] == "end_turn"
 
     app.say(output)
-    response = _responses(app, tools=[{"type": "function", "name": "get_weather", "parameters": CITY}])
+    response = _ask(app, "responses", tools=[{"type": "function", "name": "get_weather", "parameters": CITY}])
     assert [i["type"] for i in response["output"]] == ["reasoning", "message"]
     assert response["output"][1]["content"][0]["text"] == CALL_JSON and response["status"] == "completed"
 
@@ -301,7 +261,7 @@ def test_required_tool_choice_is_refused(app) -> None:
         assert response.status_code == 400 and "declares no tool-call syntax" in response.json()["error"]["message"]
     response = app.post(
         "/v1/messages",
-        headers=VERSION,
+        headers=family_checks.VERSION,
         json={
             "model": "x",
             "max_tokens": 64,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -27,50 +26,16 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import _tensor, write_testmodel
 from tests.ignition import family_checks
-from tests.ignition.family_checks import (
-    TEXTS,
-    check_generation_matches,
-    check_prefix_reuse,
-    export_tiny,
-    hf_logprobs,
-)
+from tests.ignition.family_checks import LONG_TEXT, TEXTS, hf_logprobs
 
 PAGE = 16
-CHAT = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is the capital of France? Answer in one word, please."},
-]
-LONG = TEXTS[0] + " " + TEXTS[3]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(tiny Nemotron-H checkpoint, its core with prompt logprobs), built once for this module."""
-    return export_tiny("nemotron_h", "nemotron_h", tmp_path_factory)
-
-
-def _hf_model(checkpoint: Path):
-    from transformers import NemotronHForCausalLM
-
-    return NemotronHForCausalLM.from_pretrained(
-        str(checkpoint), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: tuple[Path, Path]):
-    return _hf_model(tiny[0])
+# (tiny Nemotron-H checkpoint, its core with prompt logprobs) and transformers' model of it, once per module.
+tiny, reference = family_checks.tiny_fixtures("nemotron_h", "nemotron_h", "NemotronHForCausalLM")
 
 
 def _prompts(core: Core) -> list[list[int]]:
     """A rendered chat (the published template), a long text and a short one."""
-    from helios.core.template import ChatTemplate
-
-    tok = core.tokenizer()
-    chat = ChatTemplate(core.chat_template(), {"bos_token": "<s>", "eos_token": "<|im_end|>"}).render(
-        CHAT, add_generation_prompt=True
-    )
-    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(LONG).ids, tok.encode(TEXTS[2]).ids]
+    return family_checks.chat_prompts(core, {"bos_token": "<s>", "eos_token": "<|im_end|>"}, LONG_TEXT, TEXTS[2])
 
 
 def test_config_reads_the_hybrid_layout(tiny: tuple[Path, Path]) -> None:
@@ -131,37 +96,22 @@ def test_other_layouts_read_the_same_weights(tiny: tuple[Path, Path], reference)
 
 def test_reference_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
     """The self-check's float64 reference is transformers' model (so the export checks against it)."""
-    checkpoint = open_source(str(tiny[0]))
-    config = nemotron_h.config_from_hf(checkpoint.hf_config)
-    ids = list(range(5, 70))
-    ours = torch.log_softmax(nemotron_h.reference_logits(config, checkpoint.tensors, ids), dim=-1)
-    assert float((ours - hf_logprobs(reference, ids)).abs().max()) <= 1e-4
+    assert family_checks.reference_error("nemotron_h", tiny[0], reference, list(range(5, 70))) <= 1e-4
 
 
 def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
     """Prompts longer than a page, prefilled whole, in chunks of 16 and 5 (each chunk resumes the
-    conv window and SSM state from its slot), and token by token past the first page."""
-    core = Core.open(tiny[1])
-    prompts = _prompts(core)
+    conv window and SSM state from its slot), and token by token past the first page; and their prompt logprobs."""
+    prompts = _prompts(Core.open(tiny[1]))
     assert all(len(ids) > 3 * PAGE for ids in prompts[:2])
-    # whole, in chunks of 16 and 5, then token by token past the first page
-    worst = family_checks.step_logprob_error(tiny[1], reference, prompts, decoded=core.manifest.limits.page_tokens + 4)
-    print(f"max |Δ logprob| vs transformers: {worst:.3g}")
-    assert worst <= 1e-3
+    family_checks.check_program_logprobs(tiny[1], reference, prompts)
 
 
-def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
-    core = Core.open(tiny[1])
-    worst = family_checks.prompt_logprob_error(tiny[1], reference, _prompts(core), chunk=PAGE)
-    print(f"max |Δ prompt logprob| vs transformers: {worst:.3g}")
-    assert worst <= 1e-3
-
-
-@pytest.mark.parametrize("text", [LONG, TEXTS[1], TEXTS[2]])
+@pytest.mark.parametrize("text", [LONG_TEXT, TEXTS[1], TEXTS[2]])
 def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference, text: str) -> None:
     """The engine's greedy tokens (16-token prefill chunks, then decode rows whose state lives in
     slots) carry transformers' logprobs and top alternatives on the whole sequence."""
-    check_generation_matches(tiny[1], reference, text, 16)
+    family_checks.check_generation_matches(tiny[1], reference, text, 16)
 
 
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
@@ -170,7 +120,7 @@ def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
 
 
 def test_prefix_reuse(tiny: tuple[Path, Path]) -> None:
-    check_prefix_reuse(tiny[1], LONG)
+    family_checks.check_prefix_reuse(tiny[1], LONG_TEXT)
 
 
 def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
@@ -194,7 +144,7 @@ def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
     generator = torch.Generator().manual_seed(5)
     tensors = {n: _tensor(nemotron_h.testmodel_init, n, s, generator) for n, s in nemotron_h.hf_shapes(parsed).items()}
     save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
-    model = _hf_model(checkpoint)
+    model = family_checks.hf_model(checkpoint, "NemotronHForCausalLM")
     # The same weights under transformers' in-memory names (its save_pretrained writes NVIDIA's back).
     native = {n: t.contiguous() for n, t in model.state_dict().items()}
     save_file(native, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
@@ -279,45 +229,18 @@ def test_unsupported_variants_are_refused(change: dict[str, object], field: str)
 
 # ---------------------------------------------------------------------------- chat round trips
 
-ASK = "Weather in Paris?"
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
-# What Nemotron writes after the prompt's "<|im_start|>assistant\n<think>\n".
-OUTPUT = (
-    "The user wants weather.\n</think>\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>"
-)
-EXPECTED = {
-    "reasoning": "The user wants weather.",
-    "text": "Checking.",
-    "calls": [("get_weather", {"city": "Paris", "days": 3})],
-}
 
-
-def _stripped(got: dict[str, Any]) -> dict[str, Any]:
-    """The "think" parser keeps the newlines around </think> (reasoning "...weather.\\n", text
-    "\\nChecking."); compare what is between them."""
-    return got | {"reasoning": got["reasoning"].strip("\n"), "text": got["text"].strip("\n")}
-
-
-@pytest.fixture(scope="module")
-def app(tiny: tuple[Path, Path]):
-    from server.scripted import scripted_app  # tests/server's in-process server with a scripted model
-
-    with scripted_app(tiny[1]) as server:
-        yield server
+app = family_checks.served("tiny")
 
 
 def _check_prompt(app) -> None:
     prompt = app.last_prompt() or ""
     assert prompt.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following functions:")
     assert "<function>\n<name>get_weather</name>" in prompt and "<function=example_function_name>" in prompt
-    assert prompt.endswith(f"<|im_start|>user\n{ASK}<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert prompt.endswith(f"<|im_start|>user\n{family_checks.ASK}<|im_end|>\n<|im_start|>assistant\n<think>\n")
 
 
 @pytest.mark.parametrize(("route", "finish"), family_checks.TOOL_ROUTES)
 def test_reasoning_and_tool_call(app, route: str, finish: str) -> None:
-    """The scripted output's reasoning and call come back in each protocol's shape, from the published template's prompt."""
-    app.say(OUTPUT)
-    got, reason = family_checks.tool_round_trip(app, route, ASK, CITY)
-    _check_prompt(app)
-    assert _stripped(got) == EXPECTED and reason == finish
+    """Nemotron's reasoning and call come back in each protocol's shape, from the published template's prompt."""
+    family_checks.check_think_tool_call(app, route, finish, _check_prompt)

@@ -15,26 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from helios.core import Core
-from helios.core.program import SCORED_PREFILL, run_prompt
-from helios.core.template import ChatTemplate
-from helios.engine import EngineConfig, build_engine
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
 from ignition.export import ExportOptions, export_core, internal_weights
 from ignition.models import family_of_hf_config, qwen3_next, qwen3_next_reference
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import _tensor, write_testmodel
+from tests.ignition import family_checks
 from tests.ignition.family_checks import (
     CHAT,
-    GREEDY,
-    TEXTS,
+    EIGHT_PLAIN_TEXTS,
+    LONGER_TEXT,
+    RESULT,
     check_batching_invariance,
     check_prefix_reuse,
-    hf_logprobs,
+    read_turn,
+    tool_result_turns,
 )
 
 PAGE_TOKENS = 16
@@ -71,31 +67,17 @@ VARIANTS: dict[str, tuple[dict, tuple[str, ...], str, str]] = {
         "Qwen3_5MoeForCausalLM",
     ),
 }
-LONG = TEXTS[0] + " " + TEXTS[3] + " " + TEXTS[2]  # many 16-token chunks and pages
-EIGHT = [*TEXTS, "Water boils at one hundred degrees.", "1, 2, 3, 4, 5, 6, 7,", "Hello", "My favourite colour is"]
 
 
 def write_variant(out: Path, name: str, seed: int, extra: dict | None = None) -> Path:
     """A tiny checkpoint of VARIANTS[name] (tensors regenerated for its config), `extra` config fields added."""
     changes, dropped, _, _ = VARIANTS[name]
-    changes = changes | (extra or {})
-    write_testmodel("qwen3_next", out, seed=seed)
-    if not changes:
-        return out
-    config = {k: v for k, v in json.loads((out / "config.json").read_text()).items() if k not in dropped} | changes
-    generator = torch.Generator().manual_seed(seed)
-    shapes = qwen3_next.hf_shapes(qwen3_next.config_from_hf(config))
-    tensors = {n: _tensor(qwen3_next.testmodel_init, n, s, generator) for n, s in shapes.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
+    return family_checks.write_variant("qwen3_next", out, changes | (extra or {}), seed, dropped)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(variant name, tiny checkpoint, its core with prompt logprobs, transformers' model)."""
-    from transformers import AutoModelForCausalLM
-
     name = request.param
     checkpoint = write_variant(tmp_path_factory.mktemp("ckpt") / f"tiny-{name}", name, seed=3)
     core = tmp_path_factory.mktemp("cores") / f"tiny-{name}"
@@ -105,22 +87,18 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         ExportOptions(out=core, prompt_logprobs=True, page_tokens=PAGE_TOKENS),
     )
     assert result.max_abs_diff <= 1e-3  # the self-check against the float64 reference
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    assert type(model).__name__ == VARIANTS[name][3]
-    return name, checkpoint, core, model.eval()
+    return name, checkpoint, core, family_checks.hf_model(checkpoint, VARIANTS[name][3])
 
 
 def _prompts(core: Core) -> list[list[int]]:
     """A chat through the qwen3.5 template, a short text and one spanning several chunks and pages."""
-    tok = core.tokenizer()
-    chat = ChatTemplate(core.chat_template(), {"eos_token": "<|im_end|>"}).render(CHAT, add_generation_prompt=True)
-    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode("Hi there").ids, tok.encode(LONG).ids]
+    return family_checks.chat_prompts(core, {"eos_token": "<|im_end|>"}, "Hi there", LONGER_TEXT, chat=CHAT)
 
 
 def test_core_records_the_recipe_and_state_layout(exported) -> None:
     name, _, core_dir, _ = exported
     m = Core.open(core_dir).manifest
-    config = qwen3_next.config_from_hf(json.loads((exported[1] / "config.json").read_text()))
+    config = qwen3_next.FAMILY.config_from_hf(json.loads((exported[1] / "config.json").read_text()))
     assert (m.model.family, m.recipe.name) == ("qwen3_next", VARIANTS[name][2])
     assert m.kv.num_layers == config.num_layers and (m.kv.num_kv_heads, m.kv.head_dim) == (2, 32)
     conv, recurrent = m.kv.state
@@ -135,27 +113,10 @@ def test_logprobs_match_transformers(exported) -> None:
     token at a time, every chunk after the first starting from the state slots; and the scored
     prefill's prompt logprobs."""
     _, _, core_dir, model = exported
-    core = Core.open(core_dir)
-    step, scored, weights, m = (
-        core.load_program(),
-        core.load_program(SCORED_PREFILL),
-        core.load_weights(),
-        core.manifest,
-    )
-    prompts = _prompts(core)
+    prompts = _prompts(Core.open(core_dir))
     assert len(prompts[2]) > 4 * PAGE_TOKENS
-    worst = 0.0
-    for ids in prompts:
-        expected = hf_logprobs(model, ids)
-        for chunk in (None, 16, 5):
-            got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids, chunk=chunk).logprobs
-            worst = max(worst, float((got - expected).abs().max()))
-        decoded = PAGE_TOKENS + 4  # token-by-token steps past the first page
-        got = run_prompt(step, weights, m.kv, PAGE_TOKENS, ids[:decoded], chunk=1).logprobs
-        worst = max(worst, float((got - expected[:decoded]).abs().max()))
-        run = run_prompt(scored, weights, m.kv, PAGE_TOKENS, ids, chunk=16)
-        targets = expected[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        worst = max(worst, float((run.outputs["prompt_logprobs"][:-1] - targets).abs().max()))
+    worst = family_checks.step_logprob_error(core_dir, model, prompts, decoded=PAGE_TOKENS + 4)  # past the first page
+    worst = max(worst, family_checks.prompt_logprob_error(core_dir, model, prompts, chunk=16))
     print(f"max |Δ logprob| vs transformers (programs): {worst:.3g}")
     assert worst <= 1e-3
 
@@ -165,24 +126,7 @@ def test_engine_generation_matches_transformers(exported) -> None:
     state slots): each token's logprob and top alternatives equal transformers' on the whole
     sequence, for the three prompts."""
     _, _, core_dir, model = exported
-    core = Core.open(core_dir)
-    engine = build_engine(core, EngineConfig(num_pages=64, prefill_chunk_size=16))
-    requests = [
-        EngineRequest(f"g{i}", tuple(ids), (GREEDY,), 12, ignore_eos=True, num_top_logprobs=3)
-        for i, ids in enumerate(_prompts(core))
-    ]
-    outputs = run_to_completion(engine, requests)
-    worst = 0.0
-    for request in requests:
-        out = outputs[request.request_id][0]
-        expected = hf_logprobs(model, list(request.prompt_ids) + out.token_ids)
-        for position, entry in enumerate(out.logprobs):
-            row = expected[len(request.prompt_ids) - 1 + position]
-            worst = max(
-                worst,
-                abs(entry.logprob - float(row[entry.token_id])),
-                *(abs(v - float(row[t])) for t, v in entry.alternatives),
-            )
+    worst = family_checks.engine_logprob_error(core_dir, model, _prompts(Core.open(core_dir)))
     print(f"max |Δ logprob| vs transformers (engine): {worst:.3g}")
     assert worst <= 1e-3
 
@@ -190,11 +134,11 @@ def test_engine_generation_matches_transformers(exported) -> None:
 def test_batching_invariance(exported) -> None:
     """8 prompts together (mixed prefill chunks and decode rows over the state slots) == each
     alone, with the prefix cache on and off."""
-    check_batching_invariance(exported[2], EIGHT)
+    check_batching_invariance(exported[2], EIGHT_PLAIN_TEXTS)
 
 
 def test_prefix_reuse(exported) -> None:
-    check_prefix_reuse(exported[2], LONG, 8)
+    check_prefix_reuse(exported[2], LONGER_TEXT, 8)
 
 
 # ------------------------------------------------------------------------- config and layout
@@ -213,8 +157,8 @@ def test_multimodal_checkpoint_layout_reads_the_same_model(tmp_path: Path) -> No
         "vision_config": {"depth": 1},
     }
     assert family_of_hf_config(nested) == "qwen3_next"
-    config = qwen3_next.config_from_hf(nested)
-    assert config == qwen3_next.config_from_hf(flat)
+    config = qwen3_next.FAMILY.config_from_hf(nested)
+    assert config == qwen3_next.FAMILY.config_from_hf(flat)
     renamed = {
         ("model.language_model." + n[len("model.") :] if n.startswith("model.") else n): t
         for n, t in checkpoint.tensors.items()
@@ -253,29 +197,27 @@ def test_multimodal_checkpoint_layout_reads_the_same_model(tmp_path: Path) -> No
 def test_unsupported_variants_are_refused(change: dict, field: str) -> None:
     config = qwen3_next.testmodel_config(300) | change
     with pytest.raises(ValueError, match=field):
-        qwen3_next.config_from_hf(config)
+        qwen3_next.FAMILY.config_from_hf(config)
 
 
 def test_dense_layers_follow_the_sparse_step() -> None:
     """Qwen3-Next's decoder_sparse_step / mlp_only_layers, as Qwen3NextDecoderLayer reads them."""
-    config = qwen3_next.config_from_hf(
+    config = qwen3_next.FAMILY.config_from_hf(
         qwen3_next.testmodel_config(300) | {"decoder_sparse_step": 2, "mlp_only_layers": []}
     )
     assert config.moe_layers == (False, True, False, True)
-    assert qwen3_next.config_from_hf(qwen3_next.testmodel_config(300)).moe_layers == (True, False, True, True)
+    assert qwen3_next.FAMILY.config_from_hf(qwen3_next.testmodel_config(300)).moe_layers == (True, False, True, True)
 
 
 # ---------------------------------------------------------------------------- chat round trips
 
-ASK, RESULT, ANSWER, THINK = "Weather in Paris?", "Sunny, 21 C", "It is sunny.", "The user wants weather."
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+ANSWER, THINK = "It is sunny.", "The user wants weather."
 ARGUMENTS = {"city": "Paris", "days": 3}
 OUTPUT = (
     f"{THINK}\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
     "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
 )
 FINAL = f"Done.\n</think>\n\n{ANSWER}"
-VERSION = {"anthropic-version": "2023-06-01"}
 
 
 @pytest.fixture(scope="module", params=["qwen38", "qwen38_dense"])
@@ -291,94 +233,42 @@ def app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         yield server
 
 
-def _turn(app, path: str, body: dict, output: str, **kwargs) -> tuple[dict, str]:
-    app.say(output)
-    response = app.post(path, json=body, **kwargs)
-    assert response.status_code == 200, response.text
-    return response.json(), app.last_prompt() or ""
+# route -> finish reason (or status) of the call turn, then of the final turn.
+FINISH = {"chat": ("tool_calls", "stop"), "messages": ("tool_use", "end_turn"), "responses": ("completed", "completed")}
 
 
-def test_chat_completions_round_trip(app) -> None:
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
-    body = {"model": "x", "messages": [{"role": "user", "content": ASK}], "max_tokens": 256, "tools": tools}
-    reply, prompt = _turn(app, "/v1/chat/completions", body, OUTPUT)
-    assert prompt.endswith("<|im_start|>assistant\n<think>\n") and '"name": "get_weather"' in prompt
-    choice = reply["choices"][0]
-    message = choice["message"]
-    assert message["reasoning_content"].strip() == THINK and message["content"].strip() == "Checking."
-    assert choice["finish_reason"] == "tool_calls"
-    (call,) = message["tool_calls"]
-    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS
-    history = [
-        {"role": "user", "content": ASK},
-        {
-            "role": "assistant",
-            "content": message["content"],
-            "reasoning_content": message["reasoning_content"],
-            "tool_calls": [call],
-        },
-        {"role": "tool", "tool_call_id": call["id"], "content": RESULT},
-    ]
-    reply, prompt = _turn(app, "/v1/chat/completions", {**body, "messages": history}, FINAL)
-    assert f"<tool_response>\n{RESULT}\n</tool_response>" in prompt and "<function=get_weather>" in prompt
-    message = reply["choices"][0]["message"]
-    assert (message["reasoning_content"].strip(), message["content"].strip()) == ("Done.", ANSWER)
+def _stripped(turn: dict) -> dict:
+    """read_turn's reading without the newlines Qwen3.5's turns carry around the reasoning and text."""
+    return turn | {"reasoning": turn["reasoning"].strip(), "text": turn["text"].strip()}
 
 
-def test_anthropic_messages_round_trip(app) -> None:
-    body = {
-        "model": "x",
-        "max_tokens": 256,
-        "messages": [{"role": "user", "content": ASK}],
-        "tools": [{"name": "get_weather", "input_schema": CITY}],
-        "thinking": {"type": "enabled", "budget_tokens": 1024},
+@pytest.mark.parametrize("route", sorted(FINISH))
+def test_tool_call_round_trip(app, route: str) -> None:
+    """The call turn (reasoning, text, a qwen3_coder call) and, with its result in the history, the
+    final turn, through each protocol and the recipe's template and parsers."""
+    reply, prompt, final, final_prompt = tool_result_turns(app, route, OUTPUT, FINAL)
+    call_finish, final_finish = FINISH[route]
+    assert _stripped(read_turn(route, reply)) == {
+        "parts": ["reasoning", "text", "call"],
+        "reasoning": THINK,
+        "text": "Checking.",
+        "calls": [("get_weather", ARGUMENTS)],
+        "finish": call_finish,
     }
-    reply, prompt = _turn(app, "/v1/messages", body, OUTPUT, headers=VERSION)
-    assert [b["type"] for b in reply["content"]] == ["thinking", "text", "tool_use"] and reply[
-        "stop_reason"
-    ] == "tool_use"
-    thought, text, use = reply["content"]
-    assert (thought["thinking"].strip(), text["text"].strip()) == (THINK, "Checking.")
-    assert (use["name"], use["input"]) == ("get_weather", ARGUMENTS)
-    history = [
-        {"role": "user", "content": ASK},
-        {"role": "assistant", "content": reply["content"]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": RESULT}]},
-    ]
-    reply, prompt = _turn(app, "/v1/messages", {**body, "messages": history}, FINAL, headers=VERSION)
-    assert RESULT in prompt and "Paris" in prompt
-    assert [(b["type"], b.get("thinking", b.get("text")).strip()) for b in reply["content"]] == [
-        ("thinking", "Done."),
-        ("text", ANSWER),
-    ]
-    assert reply["stop_reason"] == "end_turn"
-
-
-def test_responses_round_trip(app) -> None:
-    body = {
-        "model": "x",
-        "input": ASK,
-        "max_output_tokens": 256,
-        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
+    assert _stripped(read_turn(route, final)) == {
+        "parts": ["reasoning", "text"],
+        "reasoning": "Done.",
+        "text": ANSWER,
+        "calls": [],
+        "finish": final_finish,
     }
-    reply, _ = _turn(app, "/v1/responses", body, OUTPUT)
-    items = reply["output"]
-    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
-    reasoning, text, call = items
-    assert reasoning["content"][0]["text"].strip() == THINK and text["content"][0]["text"].strip() == "Checking."
-    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == ARGUMENTS
-    history = [
-        {"role": "user", "content": ASK},
-        reasoning,
-        text,
-        call,
-        {"type": "function_call_output", "call_id": call["call_id"], "output": RESULT},
-    ]
-    reply, prompt = _turn(app, "/v1/responses", {**body, "input": history}, FINAL)
-    assert RESULT in prompt and "Paris" in prompt
-    final = reply["output"]
-    assert [i["type"] for i in final] == ["reasoning", "message"] and final[0]["content"][0]["text"].strip() == "Done."
-    assert final[1]["content"][0]["text"].strip() == ANSWER and reply["status"] == "completed"
+    if route == "chat":
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n") and '"name": "get_weather"' in prompt
+        assert (
+            f"<tool_response>\n{RESULT}\n</tool_response>" in final_prompt and "<function=get_weather>" in final_prompt
+        )
+    else:
+        assert RESULT in final_prompt and "Paris" in final_prompt
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -395,7 +285,7 @@ def test_mtp_layer_exports_as_a_drafter_program_matching_the_reference(name: str
     out = tmp_path / "core"
     export_core(open_source(str(checkpoint)), load_recipe(VARIANTS[name][2]), ExportOptions(out=out, page_tokens=16))
     core = Core.open(out)
-    config = qwen3_next.config_from_hf(json.loads((checkpoint / "config.json").read_text()))
+    config = qwen3_next.FAMILY.config_from_hf(json.loads((checkpoint / "config.json").read_text()))
     assert config.mtp_moe is (name != "qwen3_5") and "mtp_draft.0" in core.manifest.programs
     assert [e.name for e in core.manifest.kv.extra] == ["mtp_kv", "mtp_kv"]  # keys, then values
     hf, weights, kv = load_file(str(checkpoint / "model.safetensors")), core.load_weights(), core.manifest.kv

@@ -22,51 +22,25 @@ from ignition.export import internal_weights
 from ignition.models import family_of_hf_config, step3p7
 from ignition.sources import open_source
 from tests.ignition import family_checks
-from tests.ignition.family_checks import TEXTS, check_generation_matches, export_tiny, hf_logprobs
+from tests.ignition.family_checks import LONG_TEXT, TEXTS, hf_logprobs
 
 PAGE = 16
 WINDOW = 8
-CHAT = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is the capital of France? Answer in one word, please."},
-]
-LONG = TEXTS[0] + " " + TEXTS[3]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(tiny Step 3.7 checkpoint, its core with prompt logprobs), built once for this module."""
-    return export_tiny("step5", "step5", tmp_path_factory)
-
-
-def _hf_model(checkpoint: Path):
-    from transformers import Step3p7ForConditionalGeneration
-
-    model = Step3p7ForConditionalGeneration.from_pretrained(
-        str(checkpoint), dtype=torch.float32, attn_implementation="eager"
-    )
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: tuple[Path, Path]):
-    return _hf_model(tiny[0])
+# (tiny Step 3.7 checkpoint, its core with prompt logprobs) and transformers' model of it, once per module.
+tiny, reference = family_checks.tiny_fixtures("step5", "step5", "Step3p7ForConditionalGeneration")
 
 
 def _prompts(core: Core) -> list[list[int]]:
     """A rendered chat (the published template), a long text and a short one."""
-    from helios.core.template import ChatTemplate
-
-    tok = core.tokenizer()
-    specials = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<|im_end|>"}
-    chat = ChatTemplate(core.chat_template(), specials).render(CHAT, add_generation_prompt=True)
-    return [tok.encode(chat, add_special_tokens=False).ids, tok.encode(LONG).ids, tok.encode(TEXTS[2]).ids]
+    return family_checks.chat_prompts(
+        core, {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<|im_end|>"}, LONG_TEXT, TEXTS[2]
+    )
 
 
 def test_config_reads_the_step_layout(tiny: tuple[Path, Path]) -> None:
     hf = json.loads((tiny[0] / "config.json").read_text())
     assert family_of_hf_config(hf) == "step5"
-    config = step3p7.config_from_hf(hf)
+    config = step3p7.FAMILY.config_from_hf(hf)
     assert config.layer_windows == (0, WINDOW, WINDOW, 0) and config.layer_heads == (4, 6, 6, 4)
     assert config.layer_sparse == (False, True, True, True) and config.num_mtp_layers == 1
     assert (config.rope_full.dim, config.rope_full.llama3, config.rope_sliding.dim) == (8, True, 16)
@@ -90,16 +64,18 @@ def test_transformers_spellings_read_the_same_config(tiny: tuple[Path, Path], tm
     native = json.loads((tmp_path / "config.json").read_text())
     assert "per_layer_config" in native["text_config"] and "moe_layers_enum" not in native["text_config"]
     ours = json.loads((tiny[0] / "config.json").read_text())
-    assert step3p7.config_from_hf(native) == step3p7.config_from_hf(ours)
+    assert step3p7.FAMILY.config_from_hf(native) == step3p7.FAMILY.config_from_hf(ours)
     flat = dict(ours["text_config"], architectures=["Step3p5ForCausalLM"])  # Step-3.5-Flash: text only, flat
-    assert family_of_hf_config(flat) == "step5" and step3p7.config_from_hf(flat) == step3p7.config_from_hf(ours)
+    assert family_of_hf_config(flat) == "step5" and step3p7.FAMILY.config_from_hf(
+        flat
+    ) == step3p7.FAMILY.config_from_hf(ours)
 
 
 def test_other_layouts_read_the_same_weights(tiny: tuple[Path, Path], reference) -> None:
     """transformers' in-memory names (model.language_model., fused mlp.experts.gate_up_proj) read
     the same weights; vision tower, projector and MTP-layer tensors are left out."""
     checkpoint = open_source(str(tiny[0]))
-    config = step3p7.config_from_hf(checkpoint.hf_config)
+    config = step3p7.FAMILY.config_from_hf(checkpoint.hf_config)
     native = {n: t for n, t in reference.state_dict().items() if "rotary_emb" not in n}
     assert any(n.startswith("model.vision_model.") for n in native)
     assert any(n.startswith("model.layers.4.") for n in checkpoint.tensors)  # the MTP layer
@@ -149,42 +125,27 @@ REFUSED = {
 def test_unsupported_variants_are_refused(tiny: tuple[Path, Path], name: str) -> None:
     config = REFUSED[name](json.loads((tiny[0] / "config.json").read_text()))
     with pytest.raises(ValueError):
-        step3p7.config_from_hf(config)
+        step3p7.FAMILY.config_from_hf(config)
 
 
 def test_reference_matches_transformers(tiny: tuple[Path, Path], reference) -> None:
     """The self-check's float64 reference is transformers' model (so the export checks against it)."""
-    checkpoint = open_source(str(tiny[0]))
-    config = step3p7.config_from_hf(checkpoint.hf_config)
-    ids = list(range(5, 60))
-    ours = torch.log_softmax(step3p7.reference_logits(config, checkpoint.tensors, ids), dim=-1)
-    assert float((ours - hf_logprobs(reference, ids)).abs().max()) <= 2e-4
+    assert family_checks.reference_error("step5", tiny[0], reference, list(range(5, 60))) <= 2e-4
 
 
 def test_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
     """Prompts longer than the window and than a page, prefilled whole, in chunks of 16 and 5,
-    and token by token past the first page (decode rows whose window has slid)."""
-    core = Core.open(tiny[1])
-    prompts = _prompts(core)
+    and token by token past the first page (decode rows whose window has slid); and the first two's prompt logprobs."""
+    prompts = _prompts(Core.open(tiny[1]))
     assert all(len(ids) > PAGE > WINDOW for ids in prompts[:2])
-    # whole, in chunks of 16 and 5, then token by token past the first page
-    worst = family_checks.step_logprob_error(tiny[1], reference, prompts, decoded=core.manifest.limits.page_tokens + 4)
-    print(f"max |Δ logprob| vs transformers: {worst:.3g}")
-    assert worst <= 1e-3
+    family_checks.check_program_logprobs(tiny[1], reference, prompts, scored=prompts[:2])
 
 
-def test_prompt_logprobs_match_transformers(tiny: tuple[Path, Path], reference) -> None:
-    core = Core.open(tiny[1])
-    worst = family_checks.prompt_logprob_error(tiny[1], reference, _prompts(core)[:2], chunk=PAGE)
-    print(f"max |Δ prompt logprob| vs transformers: {worst:.3g}")
-    assert worst <= 1e-3
-
-
-@pytest.mark.parametrize("text", [LONG, TEXTS[1], TEXTS[2]])
+@pytest.mark.parametrize("text", [LONG_TEXT, TEXTS[1], TEXTS[2]])
 def test_engine_generation_matches_transformers(tiny: tuple[Path, Path], reference, text: str) -> None:
     """The engine's greedy tokens (16-token prefill chunks, windowed decode rows) carry
     transformers' logprobs and top alternatives on the whole sequence."""
-    check_generation_matches(tiny[1], reference, text, 16)
+    family_checks.check_generation_matches(tiny[1], reference, text, 16)
 
 
 def test_batching_invariance(tiny: tuple[Path, Path]) -> None:
@@ -215,12 +176,12 @@ def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
     text = {k: v for k, v in config["text_config"].items() if k not in dropped}
     config |= {"tie_word_embeddings": True, "text_config": text | {"rope_theta": 50_000.0, "query_pre_attn_scalar": 24}}
     (checkpoint / "config.json").write_text(json.dumps(config))
-    parsed = step3p7.config_from_hf(config)
+    parsed = step3p7.FAMILY.config_from_hf(config)
     assert parsed.layer_sparse == (False, False, False, True) and parsed.tie_word_embeddings
     generator = torch.Generator().manual_seed(5)
     tensors = {n: _init(n, s, generator) for n, s in step3p7.hf_shapes(parsed).items()}
     save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
-    model = _hf_model(checkpoint)
+    model = family_checks.hf_model(checkpoint, "Step3p7ForConditionalGeneration")
     assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
     ids = list(range(7, 47))
     expected = hf_logprobs(model, ids)
@@ -235,57 +196,23 @@ def test_plain_variant_matches_transformers(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------- chat round trips
 
-ASK = "Weather in Paris?"
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
-# What Step models write after the prompt's "<|im_start|>assistant\n<think>\n".
-OUTPUT = (
-    "The user wants weather.\n</think>\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>"
-)
-EXPECTED = {
-    "reasoning": "The user wants weather.",
-    "text": "Checking.",
-    "calls": [("get_weather", {"city": "Paris", "days": 3})],
-}
 
-
-def _stripped(got: dict[str, Any]) -> dict[str, Any]:
-    """The "think" parser keeps the newlines around </think> that Step's turns carry (reasoning
-    "...weather.\n", text "\nChecking."); compare what is between them."""
-    return got | {"reasoning": got["reasoning"].strip("\n"), "text": got["text"].strip("\n")}
-
-
-@pytest.fixture(scope="module")
-def app(tiny: tuple[Path, Path]):
-    from server.scripted import scripted_app  # tests/server's in-process server with a scripted model
-
-    with scripted_app(tiny[1]) as server:
-        yield server
+app = family_checks.served("tiny")
 
 
 def _check_prompt(app) -> None:
     prompt = app.last_prompt() or ""
     assert prompt.startswith("<｜begin▁of▁sentence｜><|im_start|>system\n")
     assert '"name": "get_weather"' in prompt and "<function=example_function_name>" in prompt  # the tools section
-    assert prompt.endswith(f"<|im_start|>user\n{ASK}<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert prompt.endswith(f"<|im_start|>user\n{family_checks.ASK}<|im_end|>\n<|im_start|>assistant\n<think>\n")
 
 
 @pytest.mark.parametrize(("route", "finish"), family_checks.TOOL_ROUTES)
 def test_reasoning_and_tool_call(app, route: str, finish: str) -> None:
-    """The scripted output's reasoning and call come back in each protocol's shape, from the published template's prompt."""
-    app.say(OUTPUT)
-    got, reason = family_checks.tool_round_trip(app, route, ASK, CITY)
-    _check_prompt(app)
-    assert _stripped(got) == EXPECTED and reason == finish
+    """Step's reasoning and call come back in each protocol's shape, from the published template's prompt."""
+    family_checks.check_think_tool_call(app, route, finish, _check_prompt)
 
 
 def test_images_are_refused(app) -> None:
     """Text only: the vision tower is not compiled, so image parts are a client error."""
-    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-    body = {
-        "model": "x",
-        "max_tokens": 8,
-        "messages": [{"role": "user", "content": [{"type": "text", "text": ASK}, image]}],
-    }
-    response = app.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400 and "does not accept images" in response.json()["error"]["message"]
+    family_checks.check_images_refused(app)

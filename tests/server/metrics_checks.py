@@ -51,8 +51,8 @@ def expositions_disagree(text: str, snapshot: dict, skip: frozenset[str] = froze
     """Every sample of the Prometheus text against the JSON object built from the same values, and
     every number of the JSON object against the text: what disagrees ([] when both say the same).
     Samples named in `skip` (unlabelled ones, whose JSON key is the name without flare_) are not compared."""
-    table = {name: field for field, name, *_ in FIELDS if name is not None}
-    labelled = {name.removesuffix("_total"): (key, labels) for key, name, _, _, labels, _ in LABELLED}
+    table = {spec.metric: spec.key for spec in FIELDS if spec.name is not None}
+    labelled = {spec.metric.removesuffix("_total"): (spec.key, spec.labels) for spec in LABELLED}
     histograms = {name for name, _ in HISTOGRAMS}
     first = {"flare_first_response_median_seconds": "median_seconds", "flare_first_response_samples": "samples"}
     bad, seen = [], set()

@@ -34,6 +34,7 @@ from helios.protocols.encoding import OutputValidationError
 from helios.server import driver
 from helios.server.driver import Drive
 from helios.server.generation import start
+from helios.server.outcomes import Outcome
 from helios.server.state import build_state
 
 CONVERSATION = Conversation((Message("user", (TextPart("hi"),)),))
@@ -60,6 +61,7 @@ class FakeRun:
     released: int = 0
     aborted: int = 0
     first: int = 0
+    outcomes: list[Outcome | None] = field(default_factory=list)  # what each end() counted
 
     def updates(self) -> AsyncIterator[ChoiceUpdate]:
         return self.source()
@@ -70,8 +72,9 @@ class FakeRun:
     def abort(self) -> None:
         self.aborted += 1
 
-    def release(self) -> None:
+    def end(self, outcome: Outcome | None) -> None:
         self.released += 1
+        self.outcomes.append(outcome)
 
 
 def _chat_stream(request: InferenceRequest) -> openai_chat_encoding.ChatStream:

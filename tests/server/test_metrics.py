@@ -80,9 +80,9 @@ def test_prometheus_text_parses_with_spec_names_and_values() -> None:
     }
     for name, value in expected.items():
         assert samples[name] == value, name
-    for field, name, _, _ in FIELDS:
-        if name is not None:
-            assert name in samples, field
+    for spec in FIELDS:
+        if spec.name is not None:
+            assert spec.name in samples, spec.key
     assert all(name.startswith("flare_") for name in samples)
     assert not any("learned_drafter" in name or "draft_steps" in name for name in samples)  # "none" in the table
 
@@ -120,10 +120,10 @@ def test_first_response_median_is_exported() -> None:
 
 def test_json_snapshot_has_every_field_as_integers() -> None:
     snapshot = json_snapshot({"generated_tokens": 42.0, "active": 2, "uptime_seconds": 1.5}, EMPTY_WINDOW)
-    for field, *_ in FIELDS:
-        assert field in snapshot
-        if field != "learned_drafter":
-            assert type(snapshot[field]) is int, field
+    for spec in FIELDS:
+        assert spec.key in snapshot
+        if spec.key != "learned_drafter":
+            assert type(snapshot[spec.key]) is int, spec.key
     assert snapshot["generated_tokens"] == 42 and snapshot["prefill_tokens"] == 0
     assert snapshot["learned_drafter"] is False
     assert snapshot["uptime_seconds"] == 1.5

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from helios.core.ops.attention import attend, history, sequence_rows, visible_keys
+from helios.core.ops.fakes import like_first
 
 
 @torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))
@@ -21,6 +22,8 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     k_cache, v_cache: [num_pages, page_tokens, num_kv_heads, head_dim]
     k, v:             [num_tokens, num_kv_heads, head_dim]
     slot_mapping:     [num_tokens] int64, page * page_tokens + offset; negative = padding, skipped
+
+    Returning nothing, its fake kernel is the trivial one torch.library generates.
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -28,11 +31,6 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
     flat_k.index_copy_(0, slots, k[keep].to(k_cache.dtype))
     flat_v.index_copy_(0, slots, v[keep].to(v_cache.dtype))
-
-
-@write_kv.register_fake
-def _write_kv_fake(k_cache, v_cache, k, v, slot_mapping) -> None:
-    return None
 
 
 @torch.library.custom_op("flare::paged_attention", mutates_args=())
@@ -73,11 +71,7 @@ def paged_attention(
     return out
 
 
-@paged_attention.register_fake
-def _paged_attention_fake(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0
-):
-    return torch.empty_like(q)
+paged_attention.register_fake(like_first)
 
 
 # The plain-torch bodies of the two ops, callable without the dispatcher: where helios' native

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from helios.core.ops.attention import attend, history, sequence_rows
+from helios.core.ops.fakes import like_first
 
 
 @torch.library.custom_op("flare::paged_attention_until", mutates_args=())
@@ -50,11 +51,7 @@ def visible_until(key_positions: Tensor, query_positions: Tensor, until: Tensor,
     return visible & (keys > query_positions[:, None] - window) if window > 0 else visible
 
 
-@paged_attention_until.register_fake
-def _paged_attention_until_fake(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale, window=0, softcap=0.0
-):
-    return torch.empty_like(q)
+paged_attention_until.register_fake(like_first)
 
 
 # The op's plain-torch body, callable without the dispatcher (helios' kernel falls back to it).

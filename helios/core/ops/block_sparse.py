@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.core.ops.attention import attend, history, sequence_rows
+from helios.core.ops.fakes import like_first
 
 
 def select_blocks(
@@ -139,8 +140,4 @@ def block_sparse_attention(
     return out
 
 
-@block_sparse_attention.register_fake
-def _block_sparse_attention_fake(
-    q, k_cache, v_cache, block_ids, block_tables, seq_lens, query_start_loc, positions, scale, block_size
-):
-    return torch.empty_like(q)
+block_sparse_attention.register_fake(like_first)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from helios.core.ops.fakes import like_first
+
 
 def token_sequences(query_start_loc: Tensor, num_tokens: int) -> Tensor:
     """[T] int64: the sequence (row of block_tables) each query token belongs to."""
@@ -152,8 +154,4 @@ def dsv4_attention(
     return out
 
 
-@dsv4_attention.register_fake
-def _dsv4_attention_fake(
-    q, kv_cache, entry_cache, block_tables, query_start_loc, positions, sinks, scale, window, rate, selected
-):
-    return torch.empty_like(q)
+dsv4_attention.register_fake(like_first)

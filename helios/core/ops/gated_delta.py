@@ -41,8 +41,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, scale: float, qk_l2norm: bool) -> t
     return q * scale, k, v
 
 
-@torch.library.custom_op("flare::gated_delta_rule", mutates_args=("state",))
-def gated_delta_rule(
+def delta_rule_op(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -55,18 +54,20 @@ def gated_delta_rule(
     scale: float,
     qk_l2norm: bool,
 ) -> Tensor:
-    """Gated delta rule over a flat batch of sequences (see the module docstring).
+    """The reference body of flare::gated_delta_rule and flare::kda (see the module docstrings):
+    one schema, the gate's shape tells them apart.
 
     q, k:            [num_tokens, num_k_heads, k_dim] (any float dtype)
     v:               [num_tokens, num_v_heads, v_dim]; num_v_heads a multiple of num_k_heads,
-                     value head h reads query/key head h // (num_v_heads / num_k_heads)
-    g:               [num_tokens, num_v_heads] log decay per token and head (<= 0)
+                     value head h reads query/key head h // (num_v_heads / num_k_heads) (kda: equal)
+    g:               log decay (<= 0) per token and head, [num_tokens, num_v_heads] (gated_delta_rule),
+                     or per token, head and key channel, [num_tokens, num_heads, k_dim] (kda)
     beta:            [num_tokens, num_v_heads] write strength per token and head
     state:           [num_slots, num_v_heads, k_dim, v_dim] fp32 pool, updated in place
     state_slots:     [num_seqs] int64 slot of each sequence
     query_start_loc: [num_seqs + 1] int32 offsets of each sequence's rows
     positions:       [num_tokens] int64 (only each sequence's first position is read: 0 = fresh)
-    scale:           multiplies q (after normalization); Qwen3-Next: k_dim ** -0.5
+    scale:           multiplies q (after normalization); Qwen3-Next, GLM-5.3-Flash: k_dim ** -0.5
     qk_l2norm:       L2-normalize q and k per head first
     returns          [num_tokens, num_v_heads, v_dim] fp32
     """
@@ -74,9 +75,12 @@ def gated_delta_rule(
     return delta_rule(q, k, v, g, beta, state, spans, scale, qk_l2norm)
 
 
-@gated_delta_rule.register_fake
-def _gated_delta_rule_fake(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm):
+def delta_rule_fake(q, k, v, *_) -> Tensor:
     return v.new_empty(v.shape, dtype=torch.float32)
+
+
+gated_delta_rule = torch.library.custom_op("flare::gated_delta_rule", mutates_args=("state",))(delta_rule_op)
+gated_delta_rule.register_fake(delta_rule_fake)
 
 
 def delta_rule(

@@ -29,46 +29,14 @@ import torch
 from torch import Tensor
 
 from helios.core.ops.attention import history, sequence_rows
-from helios.core.ops.gated_delta import delta_rule
-from helios.core.ops.recurrent import state_spans
+from helios.core.ops.gated_delta import delta_rule_fake, delta_rule_op
 from helios.core.ops.sparse import index_scores, select_topk
 
-
-@torch.library.custom_op("flare::kda", mutates_args=("state",))
-def kda(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    state: Tensor,
-    state_slots: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    scale: float,
-    qk_l2norm: bool,
-) -> Tensor:
-    """Kimi Delta Attention over a flat batch of sequences (see the module docstring).
-
-    q, k:            [num_tokens, num_heads, k_dim] (any float dtype)
-    v:               [num_tokens, num_heads, v_dim]
-    g:               [num_tokens, num_heads, k_dim] log decay per token, head and key channel (<= 0)
-    beta:            [num_tokens, num_heads] write strength per token and head
-    state:           [num_slots, num_heads, k_dim, v_dim] fp32 pool, updated in place
-    state_slots:     [num_seqs] int64 slot of each sequence
-    query_start_loc: [num_seqs + 1] int32 offsets of each sequence's rows
-    positions:       [num_tokens] int64 (only each sequence's first position is read: 0 = fresh)
-    scale:           multiplies q (after normalization); GLM-5.3-Flash: k_dim ** -0.5
-    qk_l2norm:       L2-normalize q and k per head first
-    returns          [num_tokens, num_heads, v_dim] fp32
-    """
-    spans = state_spans(state_slots, query_start_loc, positions)
-    return delta_rule(q, k, v, g, beta, state, spans, scale, qk_l2norm)
-
-
-@kda.register_fake
-def _kda_fake(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm):
-    return v.new_empty(v.shape, dtype=torch.float32)
+# flare::kda has flare::gated_delta_rule's schema and reference body (delta_rule_op): only its
+# gate differs, g [num_tokens, num_heads, k_dim] (one decay per key channel), which the shared
+# recurrence broadcasts over the state; its value heads equal its key heads.
+kda = torch.library.custom_op("flare::kda", mutates_args=("state",))(delta_rule_op)
+kda.register_fake(delta_rule_fake)
 
 
 def kpool_width(pool: int, topk_pools: int, tail: bool) -> int:
@@ -137,8 +105,7 @@ def kpool_topk(
 ) -> Tensor:
     """The k-pool indexer's kept positions per query (see the module docstring).
 
-    q:               [num_tokens, index_heads, index_dim] indexer queries (fp32)
-    head_weights:    [num_tokens, index_heads] fp32, each head's weight for its query (fully scaled)
+    q, head_weights: as flare::indexer_topk (the indexer's queries and their heads' weights)
     cache:           [num_pages, page_tokens, 1, 2 * index_dim] per position: its indexer key, then
                      its gate logits (already holding this step's rows)
     ape:             [pool, index_dim] the gate's bias per offset in the pool

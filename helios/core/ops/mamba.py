@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from helios.core.ops.fakes import fp32_like_first
 from helios.core.ops.recurrent import state_spans
 
 
@@ -71,8 +72,4 @@ def mamba2_scan(
     return out
 
 
-@mamba2_scan.register_fake
-def _mamba2_scan_fake(
-    x, dt, A, B, C, D, dt_bias, ssm_state, state_slots, query_start_loc, positions, dt_min=0.0, dt_max=0.0
-):
-    return x.new_empty(x.shape, dtype=torch.float32)
+mamba2_scan.register_fake(fp32_like_first)

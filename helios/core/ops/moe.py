@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from helios.core.ops.fakes import fp32_like_first
+
 # The gated activations an expert may apply to its (gate, up) halves; `limit` 0 means no clamp.
 # silu:              silu(min(gate, L)) * clamp(up, -L, L)         (SwiGLU; DeepSeek-V4 clamps)
 # silu_clamp_after:  min(silu(gate), L) * clamp(up, -L, L)         (Step 3.7)
@@ -117,20 +119,7 @@ def routed_experts(
     return out
 
 
-@routed_experts.register_fake
-def _routed_experts_fake(
-    h,
-    expert_weights,
-    expert_ids,
-    w_gate_up,
-    w_down,
-    activation="silu",
-    limit=0.0,
-    alpha=1.0,
-    post_norm_scale=None,
-    post_norm_eps=1e-6,
-):
-    return h.new_empty(h.shape, dtype=torch.float32)
+routed_experts.register_fake(fp32_like_first)
 
 
 # The plain-torch body of the op, callable without the dispatcher (helios' kernel hands it the

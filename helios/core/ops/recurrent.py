@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from helios.core.ops.fakes import like_first
+
 
 class Span(NamedTuple):
     """One sequence's rows in a step and where its state lives."""
@@ -79,6 +81,4 @@ def convolve_spans(
         conv_state[span.slot] = window[:, window.shape[1] - (width - 1) :].to(conv_state.dtype)
 
 
-@causal_conv1d.register_fake
-def _causal_conv1d_fake(x, weight, bias, conv_state, state_slots, query_start_loc, positions, silu):
-    return torch.empty_like(x)
+causal_conv1d.register_fake(like_first)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from helios.core.ops.attention import attend, history, sequence_rows, visible_keys
+from helios.core.ops.fakes import like_first
 
 
 @torch.library.custom_op("flare::indexer_topk", mutates_args=())
@@ -94,11 +95,7 @@ def sparse_paged_attention(
     return out
 
 
-@sparse_paged_attention.register_fake
-def _sparse_paged_attention_fake(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, topk_indices, scale
-):
-    return torch.empty_like(q)
+sparse_paged_attention.register_fake(like_first)
 
 
 # ---------------------------------------------------------------------------- shared pieces

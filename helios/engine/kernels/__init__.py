@@ -4,17 +4,3 @@ One module per op family; `registry.register()` installs them all into the dispa
 several families share lives in `memo` (a value computed once per step) and `plan` (the paged
 attention layout of a step). Each module imports what it uses directly, so no order matters.
 """
-
-from helios.engine.kernels import (  # noqa: F401  (one module per op family)
-    attention,
-    bidirectional,
-    block_sparse,
-    deepseek_v4,
-    gated_delta,
-    glm5_next,
-    mamba,
-    moe,
-    recurrent,
-    sinks,
-    sparse,
-)

@@ -38,17 +38,9 @@ def _in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
 
 
 def paged_attention_cpu(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0
 ) -> Tensor:
+    """flare::paged_attention (arguments as its schema: helios.core.ops.base)."""
     page_tokens, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     in_place = _in_place(q, k_cache, v_cache)  # layers of one step may differ (head sizes, cache dtypes)
     plan = step_plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window, in_place)

@@ -17,18 +17,9 @@ _plain_until: StepMemo[bool] = StepMemo()
 
 
 def paged_attention_until_cpu(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    until: Tensor,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale, window=0, softcap=0.0
 ) -> Tensor:
+    """flare::paged_attention_until (arguments as its schema: helios.core.ops.bidirectional)."""
     plain = _plain_until.get((positions, until), lambda: bool(torch.equal(positions, until)))
     if plain:
         return torch.ops.flare.paged_attention(

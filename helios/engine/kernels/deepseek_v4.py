@@ -81,16 +81,9 @@ def pool_cpu(
 
 
 def indexer_topk_cpu(
-    q: Tensor,
-    head_weights: Tensor,
-    key_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    rate: int,
-    top_k: int,
-    scale: float,
+    q, head_weights, key_cache, block_tables, query_start_loc, positions, rate, top_k, scale
 ) -> Tensor:
+    """flare::dsv4_indexer_topk (arguments as its schema: helios.core.ops.deepseek_v4)."""
     out = torch.full((positions.shape[0], top_k), -1, dtype=torch.int64)
     flat = key_cache.view(-1, key_cache.shape[-1])
     for span in _plan(query_start_loc, positions).spans:
@@ -109,18 +102,9 @@ def indexer_topk_cpu(
 
 
 def attention_cpu(
-    q: Tensor,
-    kv_cache: Tensor,
-    entry_cache: Tensor | None,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    sinks: Tensor,
-    scale: float,
-    window: int,
-    rate: int,
-    selected: Tensor | None,
+    q, kv_cache, entry_cache, block_tables, query_start_loc, positions, sinks, scale, window, rate, selected
 ) -> Tensor:
+    """flare::dsv4_attention (arguments as its schema: helios.core.ops.deepseek_v4)."""
     out = torch.empty_like(q)
     page_tokens, dim = kv_cache.shape[1], kv_cache.shape[-1]
     flat = kv_cache.view(-1, dim)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from helios.engine.kernels.gated_delta import run_spans
+from helios.engine.kernels.gated_delta import DecodeRows, run_spans
 
 CHUNK = 16  # tokens per chunk of the chunked form (its explicit decay tensor grows with CHUNK^2)
 _IN_PLACE_BYTES = 1 << 18  # decode states of at least this many bytes per slot update in place
@@ -25,62 +25,28 @@ _IN_PLACE_BYTES = 1 << 18  # decode states of at least this many bytes per slot 
 
 def kda_cpu(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm):
     return run_spans(
-        q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked, _decode
+        q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, (_chunk, CHUNK), _decode
     )
 
 
-def _decode(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    state: Tensor,
-    decode: list[tuple[int, int, bool]],
-    out: Tensor,
-) -> None:
+def _decode(d: DecodeRows, state: Tensor, out: Tensor) -> None:
     """One recurrent step for every one-token sequence: with D = diag(exp(g)), the decayed state's
-    reads are S^T (D k) and S^T (D q), and o = (D S)'^T q = S^T (D q) + (k . q) delta. Large states
-    (real models: megabytes per slot) update in place in their slots, one sequence after another,
-    as flare::gated_delta_rule's kernel does; small ones batch all rows in one gather."""
-    rows = torch.tensor([r for r, _, _ in decode])
-    slots = torch.tensor([s for _, s, _ in decode])
-    qt, kt, vt, bt = q[rows], k[rows], v[rows], beta[rows]  # [Bd, H, D]
-    decay = g[rows].exp()  # [Bd, H, Dk]
-    if state[0].numel() * 4 >= _IN_PLACE_BYTES and state.dtype == torch.float32:
-        for i, (row, slot, fresh) in enumerate(decode):
-            s = state[slot]  # [H, Dk, Dv] view
-            if fresh:
-                s.zero_()
-            read = torch.bmm(s.transpose(-1, -2), torch.stack([decay[i] * kt[i], decay[i] * qt[i]], dim=-1))
-            delta = (vt[i] - read[..., 0]) * bt[i][:, None]
-            out[row] = read[..., 1] + (kt[i] * qt[i]).sum(-1, keepdim=True) * delta
-            s.mul_(decay[i][..., None]).baddbmm_(kt[i][:, :, None], delta[:, None, :])
+    reads are S^T (D k) and S^T (D q), and o = (D S)'^T q = S^T (D q) + (k . q) delta (in place in
+    large slots, as flare::gated_delta_rule's kernel does: DecodeRows)."""
+    decay = d.g.exp()  # [Bd, H, Dk]
+    if d.in_place(state, _IN_PLACE_BYTES):
+        for i, row, s in d.slot_states(state):
+            read = torch.bmm(s.transpose(-1, -2), torch.stack([decay[i] * d.k[i], decay[i] * d.q[i]], dim=-1))
+            delta = (d.v[i] - read[..., 0]) * d.beta[i][:, None]
+            out[row] = read[..., 1] + (d.k[i] * d.q[i]).sum(-1, keepdim=True) * delta
+            s.mul_(decay[i][..., None]).baddbmm_(d.k[i][:, :, None], delta[:, None, :])
         return
-    s = state.index_select(0, slots).float()  # [Bd, H, Dk, Dv]
-    fresh = [i for i, (_, _, f) in enumerate(decode) if f]
-    if fresh:
-        s[fresh] = 0.0
-    read = s.transpose(-1, -2) @ torch.stack([decay * kt, decay * qt], dim=-1)  # [Bd, H, Dv, 2]
-    delta = (vt - read[..., 0]) * bt[..., None]
-    out[rows] = read[..., 1] + (kt * qt).sum(-1, keepdim=True) * delta
-    s = s * decay[..., None] + kt[..., None] * delta[..., None, :]
+    slots, s = d.gathered(state)
+    read = s.transpose(-1, -2) @ torch.stack([decay * d.k, decay * d.q], dim=-1)  # [Bd, H, Dv, 2]
+    delta = (d.v - read[..., 0]) * d.beta[..., None]
+    out[d.rows] = read[..., 1] + (d.k * d.q).sum(-1, keepdim=True) * delta
+    s = s * decay[..., None] + d.k[..., None] * delta[..., None, :]
     state.index_copy_(0, slots, s.to(state.dtype))
-
-
-def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor | None) -> tuple[Tensor, Tensor]:
-    """One sequence's rows: q, k [n, H, Dk] (prepared), v [n, H, Dv], g [n, H, Dk], beta [n, H],
-    initial [H, Dk, Dv] or None (zero) -> (out [n, H, Dv], final state [H, Dk, Dv])."""
-    n, heads, dk = k.shape
-    s = q.new_zeros(heads, dk, v.shape[-1]) if initial is None else initial.clone()
-    out = torch.empty(n, heads, v.shape[-1], dtype=torch.float32)
-    qh, kh, vh, gh = (t.transpose(0, 1) for t in (q, k, v, g))  # [H, n, D]
-    bh = beta.T  # [H, n]
-    for start in range(0, n, CHUNK):
-        end = min(n, start + CHUNK)
-        o, s = _chunk(qh[:, start:end], kh[:, start:end], vh[:, start:end], gh[:, start:end], bh[:, start:end], s)
-        out[start:end] = o.transpose(0, 1)
-    return out, s
 
 
 def _chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:

@@ -64,30 +64,36 @@ def step_plan(
     window: int,
     in_place: bool = False,
 ) -> Plan:
-    """This step's plan for the window (built by whichever layer or op asks first)."""
-    memo = _plans.setdefault((window, in_place), StepMemo())
-    return memo.get(
-        (block_tables, seq_lens, query_start_loc, positions),
-        lambda: plan(block_tables, seq_lens, query_start_loc, positions, page_tokens, window, in_place),
-    )
+    """This step's plan for the window (built by whichever layer or op asks first).
 
-
-def plan(
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    page_tokens: int,
-    window: int,
-    in_place: bool = False,
-) -> Plan:
-    """in_place: decode rows are attended by the native kernel (a table, length and position
+    in_place: decode rows are attended by the native kernel (a table, length and position
     per row), not through a padded gather (pages, mask). Prefill chunks, however short, stay
     on SDPA: a prompt's remainder after a cached prefix then rounds like the whole prompt did
     (on 16-bit cores a different kernel could part the answers at a near tie)."""
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+
+    def build() -> Plan:
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+        decoding = _decoding(block_tables, seq_lens, positions, starts, decode, page_tokens, window, in_place)
+        prefills = _prefills(block_tables, positions, starts, lens, set(decode), page_tokens, window)
+        identity = len(decode) == len(lens) and decode == list(range(len(lens))) and starts[-1] == len(decode)
+        return Plan(*decoding, prefills, identity)
+
+    memo = _plans.setdefault((window, in_place), StepMemo())
+    return memo.get((block_tables, seq_lens, query_start_loc, positions), build)
+
+
+def _decoding(
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    positions: Tensor,
+    starts: list[int],
+    decode: list[int],
+    page_tokens: int,
+    window: int,
+    in_place: bool,
+) -> tuple[Tensor | None, ...]:
+    """Plan's decode fields (decode_rows through decode_mask) for the sequences `decode`."""
     decode_rows = decode_tables = decode_lens = decode_positions = decode_pages = decode_mask = None
     if decode:
         picked = torch.tensor(decode)
@@ -106,11 +112,23 @@ def plan(
         if window > 0:
             held &= key_pos > dpos[:, None] - window
         decode_mask = held[:, None, None, :]
-    decode_set = set(decode)
+    return decode_rows, decode_tables, decode_lens, decode_positions, decode_pages, decode_mask
+
+
+def _prefills(
+    block_tables: Tensor,
+    positions: Tensor,
+    starts: list[int],
+    lens: list[int],
+    decode: set[int],
+    page_tokens: int,
+    window: int,
+) -> tuple[Prefill, ...]:
+    """Every sequence with queries that does not decode, as a chunk over its gathered pages."""
     prefills = []
     for i, kv_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
-        if i in decode_set or end <= start:
+        if i in decode or end <= start:
             continue
         first_pos, last_pos = int(positions[start]), int(positions[end - 1])
         first = int(first_page(first_pos, window, page_tokens))
@@ -121,7 +139,4 @@ def plan(
         key_pos = torch.arange(first * page_tokens, kv_len)
         visible = None if whole else visible_keys(key_pos, positions[start:end], window)
         prefills.append(Prefill(start, end, pages, kv_len - first * page_tokens, visible))
-    identity = len(decode) == len(lens) and decode == list(range(len(lens))) and starts[-1] == len(decode)
-    return Plan(
-        decode_rows, decode_tables, decode_lens, decode_positions, decode_pages, decode_mask, tuple(prefills), identity
-    )
+    return tuple(prefills)

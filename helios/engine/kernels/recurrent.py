@@ -11,16 +11,8 @@ from torch import Tensor
 from helios.core.ops.recurrent import convolve_spans, state_spans
 
 
-def causal_conv1d_cpu(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor,
-    conv_state: Tensor,
-    state_slots: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    silu: bool,
-) -> Tensor:
+def causal_conv1d_cpu(x, weight, bias, conv_state, state_slots, query_start_loc, positions, silu) -> Tensor:
+    """flare::causal_conv1d (arguments as its schema: helios.core.ops.recurrent)."""
     out = torch.empty(x.shape, dtype=torch.float32)
     spans = state_spans(state_slots, query_start_loc, positions)
     decode = [s for s in spans if s.end - s.start == 1 and not s.fresh]

@@ -19,6 +19,20 @@ from helios.engine.kernels import (
     sparse,
 )
 
+# Every op family's kernels, each module installing its own (register(library)).
+FAMILIES = (
+    attention,
+    moe,
+    bidirectional,
+    block_sparse,
+    sparse,
+    deepseek_v4,
+    recurrent,
+    mamba,
+    gated_delta,
+    glm5_next,
+    sinks,
+)
 _library: torch.library.Library | None = None
 
 
@@ -37,18 +51,6 @@ def register() -> None:
     if _library is None:
         native.load()  # before any step runs, so every step of this process uses the same kernels
         library = torch.library.Library("flare", "IMPL")  # kept alive: dropping it unregisters
-        for family in (
-            attention,
-            moe,
-            bidirectional,
-            block_sparse,
-            sparse,
-            deepseek_v4,
-            recurrent,
-            mamba,
-            gated_delta,
-            glm5_next,
-            sinks,
-        ):
+        for family in FAMILIES:
             family.register(library)
         _library = library

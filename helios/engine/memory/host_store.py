@@ -181,6 +181,14 @@ class HostStore:
     def fetch(self, digest: bytes, parent: bytes, tokens: tuple[int, ...]) -> Record | None:
         """The record for this page (or state record: parent the boundary's chain hash, no tokens),
         verified against what the caller expects, or None."""
+        record = self.get(digest)
+        if record is None or record.parent != parent or record.tokens != tokens:
+            return None
+        return record
+
+    def get(self, digest: bytes) -> Record | None:
+        """The record under this key from DRAM, else read from disk (checksum verified) and kept in
+        DRAM; None when neither tier holds a sound one. The caller checks what the record says."""
         with self._lock:
             record = self._memory_get(digest)
             on_disk = record is None and digest in self._disk
@@ -188,9 +196,24 @@ class HostStore:
             record = self._read(digest)
             if record is not None:
                 self._keep_in_memory(record)
-        if record is None or record.parent != parent or record.tokens != tokens:
-            return None
         return record
+
+    def discard(self, digest: bytes) -> None:
+        """Forget a record in both tiers (its caller found it unusable), so a new one can take its key."""
+        with self._lock:
+            for tier in (self._dram, self._anchors):
+                record = tier.pop(digest, None)
+                if record is not None:
+                    self._dram_used -= record.nbytes
+                    self._anchor_used -= record.nbytes if tier is self._anchors else 0
+            size = self._disk.pop(digest, None)
+            if size is not None:
+                self._disk_used -= size
+        if size is not None:
+            try:
+                self._path(digest).unlink()
+            except OSError:
+                pass
 
     def _memory_get(self, digest: bytes) -> Record | None:
         """The DRAM record, now the most recently used of its kind (lock held)."""

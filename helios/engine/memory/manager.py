@@ -8,7 +8,7 @@ rollback_slot, checkpoints) and writes nothing else. Its interface:
   match(seq)          the cached prefix seq can resume from (pool pages, window pages, snapshot)
   admit(seq, ...)     take that prefix, seq's remaining pages, its reservation and state slot,
                       and whatever the host store restores (at first admission, choose its
-                      checkpoints); returns the tokens reused
+                      checkpoints and count its device hits); returns the tokens reused
   grow(seq)           pages for seq's next token (its reservation first); False: preempt someone
   fork(parent, child) a child's share of its parent's pages, its copies and its state slot
   commit(seq)         publish seq's newly computed full pages in the prefix caches
@@ -177,6 +177,8 @@ class MemoryManager:
         self.pool.reserve(reserve)
         seq.reserved = reserve
         reused, end, state = len(pages), match.end, None
+        if not seq.admitted:  # api.md reused_tokens: device prefix-cache hits, once per request admission
+            self.stats.reused_tokens += reused * size  # (the host store counts its own restores)
         if self.host is not None and seq.request.use_prefix_cache and not seq.scoring:
             hybrid = self.copy_out.host_state_bytes if self.states is not None else None
             restored = host_restore.restore(

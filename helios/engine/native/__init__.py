@@ -1,4 +1,5 @@
-"""helios' native CPU kernels (kernels.cpp): built once per host, loaded at engine start.
+"""helios' native CPU kernels (the .cpp sources here, common.h lists them): built once per host,
+loaded at engine start.
 
 The Python kernels of the flare:: ops gather a decode row's whole history into a padded copy
 and run SDPA over it under a mask, every layer; at 32 decode rows that is as much time as all
@@ -9,9 +10,12 @@ rows in place, bfloat16 chunks on its own kernel, the rest handed to helios' Pyt
 and CompiledRunner runs a compiled step as an op, so the GIL is released while it runs.
 
 The library is compiled on the serving host (`g++ -O3 -march=native` against the installed
-torch) into the cache directory, keyed by the source, torch version and CPU flags, so it is
-built on first use (about 20 s) and loaded in milliseconds after that; `ignition export` and
-`helios serve` build it ahead of the first request. Where no C++ compiler exists or the build
+torch, each source in parallel, then linked) into the cache directory, keyed by the sources,
+compiler flags, torch version and CPU flags, so it is built on first use (under a minute) and
+loaded in milliseconds after that; `ignition export` and `helios serve` build it ahead of the
+first request. Under FLARE_CPU_ISA=avx2 (helios/cpu_isa.py) it is compiled for Haswell instead:
+no AVX-512 kernels, as on an AVX2 host. The AVX2 linear (linear_avx2.cpp) is compiled without
+AVX-512 on every x86-64 host, so an AVX-512 machine runs (and tests) what an AVX2 one runs. Where no C++ compiler exists or the build
 fails, helios says why once and keeps the Python kernels (same results, slower); setting
 FLARE_NATIVE_KERNELS=0 does the same on purpose.
 """
@@ -22,20 +26,28 @@ import fcntl
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from helios import cpu_isa
 from helios.core import hostcache
 from helios.core.host import cpu_flags
 
 log = logging.getLogger("helios.engine")
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+DIRECTORY = Path(__file__).parent
+SOURCES = tuple(sorted(DIRECTORY.glob("*.cpp")))
+HEADERS = tuple(sorted(DIRECTORY.glob("*.h")))
+# Per-source flags on x86-64: the AVX2 kernels are built without AVX-512 whatever the host has, so
+# an AVX-512 host runs (and tests) the code an AVX2 host runs.
+_SOURCE_FLAGS = {"linear_avx2.cpp": ("-mno-avx512f",)}
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "reason": why not
 
@@ -44,10 +56,22 @@ def enabled_by_environment() -> bool:
     return os.environ.get("FLARE_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _march() -> str:
+    isa = cpu_isa.requested()
+    return f"-march={cpu_isa.MARCH[isa]}" if isa else "-march=native"
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 def _key() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(sorted(cpu_flags())).encode())
+    digest.update(" ".join(_flags()).encode() + repr(sorted(_SOURCE_FLAGS.items())).encode())
     return digest.hexdigest()[:24]
 
 
@@ -59,22 +83,34 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _command(compiler: str, output: Path) -> list[str]:
+def _flags() -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        compiler,
         "-O3",
-        "-march=native",
+        _march(),
         "-fopenmp",
-        "-shared",
         "-fPIC",
         "-std=c++17",
         "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{root / 'include'}",
         f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-        str(SOURCE),
+    ]
+
+
+def _compile_command(compiler: str, source: Path, output: Path) -> list[str]:
+    extra = _SOURCE_FLAGS.get(source.name, ()) if _x86() else ()
+    return [compiler, *_flags(), *extra, "-c", str(source), "-o", str(output)]
+
+
+def _link_command(compiler: str, objects: list[Path], output: Path) -> list[str]:
+    root = Path(torch.__file__).parent
+    return [
+        compiler,
+        "-shared",
+        "-fopenmp",
+        *map(str, objects),
         "-o",
         str(output),
         f"-L{root / 'lib'}",
@@ -82,6 +118,12 @@ def _command(compiler: str, output: Path) -> list[str]:
         "-ltorch_cpu",
         f"-Wl,-rpath,{root / 'lib'}",
     ]
+
+
+def _run(command: list[str], what: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed: {done.stderr.strip()[-2000:]}")
 
 
 def build() -> Path:
@@ -100,9 +142,14 @@ def build() -> Path:
         log.info("building helios' native CPU kernels for this host (once; cached in %s)", path.parent)
         with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
             staged = Path(scratch) / path.name
-            done = subprocess.run(_command(compiler, staged), capture_output=True, text=True, timeout=600)
-            if done.returncode != 0:
-                raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+            objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+            with ThreadPoolExecutor(max(1, min(len(SOURCES), os.cpu_count() or 1))) as pool:
+                for done in [
+                    pool.submit(_run, _compile_command(compiler, source, obj), f"compiling {source.name}")
+                    for source, obj in zip(SOURCES, objects)
+                ]:
+                    done.result()
+            _run(_link_command(compiler, objects, staged), "linking the native kernels")
             os.replace(staged, path)
     return path
 

@@ -22,9 +22,9 @@ from helios.frontend.parsers.envelope import MAX_ARGUMENT_BYTES, ToolCallError, 
 REASONING_SYNTAX = "deepseek"
 TOOL_SYNTAX = "deepseek_dsml_v4"
 _MARKUP = (ds.SpecialToken.ThinkingStart, ds.SpecialToken.ThinkingEnd, ds.SpecialToken.Dsml)
-_DSML = ds.SpecialToken.Dsml.default_str()
+DSML = ds.SpecialToken.Dsml.default_str()
 _THINK, _UNTHINK = ds.SpecialToken.ThinkingStart.default_str(), ds.SpecialToken.ThinkingEnd.default_str()
-_BLOCK_OPENERS = (f"<{_DSML}tool_calls>", f"<{_DSML} calls>")  # V4 and V4.1 spell the calls block apart
+_BLOCK_OPENERS = (f"<{DSML}tool_calls>", f"<{DSML} calls>")  # V4 and V4.1 spell the calls block apart
 _PROMPT_TAIL = 16  # prompt tokens inspected for where the generation prompt leaves the output
 
 

@@ -69,8 +69,22 @@ class Marks:
         return text + mark
 
     def encode_ids(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> str:
-        """Prompt tokens, to see whether the generation prompt leaves a region open."""
-        return "".join(self._by_id.get(i) or tokenizer.decode([i], skip_special_tokens=False) for i in token_ids)
+        """Token ids as encoded text (a prompt's tail, or output the engine asks about): each run of
+        text tokens decoded at once, delimiter tokens as their sentinels."""
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in token_ids:
+            mark = self._by_id.get(token_id)
+            if mark is None:
+                run.append(token_id)
+                continue
+            if run:
+                parts.append(tokenizer.decode(run, skip_special_tokens=False).translate(_SCRUB))
+                run = []
+            parts.append(mark)
+        if run:
+            parts.append(tokenizer.decode(run, skip_special_tokens=False).translate(_SCRUB))
+        return "".join(parts)
 
     def decode(self, text: str) -> str:
         """Encoded text as the output pipeline showed it."""

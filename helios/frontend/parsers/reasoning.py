@@ -47,26 +47,29 @@ SYNTAXES = {
         ),
     ),
 }
-# Syntaxes whose delimiters are both single tokens (what thinking_token_budget can cut with).
-DELIMITERS = {
-    name: (SYNTAXES[name].open[0], SYNTAXES[name].close[0]) for name in ("qwen3", "think", "glm", "minimax_m3")
-}
 
 
-def reasoning_delimiters(syntax: str, tokenizer: Tokenizer) -> tuple[int, int] | None:
-    """(open, close) token ids when both delimiters are single tokens, else None."""
-    spellings = DELIMITERS.get(syntax)
-    if spellings is None:
+def close_token(syntax: str, tokenizer: Tokenizer) -> int | None:
+    """The id of the syntax's close delimiter where it is one token: what thinking_token_budget
+    forces at its cap (Qwen's </think>, Gemma 4's <channel|>; not Kimi K3's three-part close)."""
+    delimiters = SYNTAXES.get(syntax)
+    if delimiters is None or len(delimiters.close) != 1:
         return None
-    ids = [tokenizer.token_to_id(s) for s in spellings]
-    return None if None in ids else (ids[0], ids[1])  # type: ignore[return-value]
+    return tokenizer.token_to_id(delimiters.close[0])
+
+
+def prompt_opens(delimiters: Delimiters, marks: Marks, tokenizer: Tokenizer, prompt_ids: tuple[int, ...]) -> bool:
+    """Whether the generation prompt leaves reasoning open, so output starts inside it: its tail
+    has an opener (of any parts) with no close after it."""
+    tail = marks.encode_ids(tokenizer, prompt_ids[-_PROMPT_TAIL:])
+    opened = tail.rfind(marks.pattern(delimiters.open))
+    return opened >= 0 and opened >= tail.rfind(marks.pattern(delimiters.close))
 
 
 def token_delimiters(syntax: str, tokenizer: Tokenizer) -> tuple[int, int] | None:
     """(open, close) ids when the syntax's delimiters are one part each and single tokens.
 
-    Wider than `reasoning_delimiters`: structured output also needs them where the budget
-    cannot cut (e.g. DeepSeek, whose official parser matches the same delimiters as text).
+    Structured output needs both; a reasoning budget needs only the close (`close_token`).
     """
     delimiters = SYNTAXES.get(syntax)
     if delimiters is None or len(delimiters.open) != 1 or len(delimiters.close) != 1:
@@ -93,8 +96,7 @@ class ReasoningSplitter:
         self.skip_newline = delimiters.skip_newline
         self.close_id = marks.token_id(delimiters.close[0]) if len(delimiters.close) == 1 else None
         self.implicit_close_ids: frozenset[int] = frozenset()  # opener tokens that also end reasoning
-        tail = marks.encode_ids(tokenizer, prompt_ids[-_PROMPT_TAIL:])
-        self.inside = tail.rfind(self.open) >= 0 and tail.rfind(self.open) >= tail.rfind(self.close)
+        self.inside = prompt_opens(delimiters, marks, tokenizer, prompt_ids)
         self.seen_open = self.inside
         self._newline_due = False  # the opener's newline may still come
         self._held = ""  # a possible delimiter's start

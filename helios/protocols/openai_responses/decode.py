@@ -21,7 +21,6 @@ from helios.frontend.inference import (
     Part,
     ReasoningPart,
     RequestError,
-    StopOptions,
     TextPart,
     ToolCallPart,
     ToolChoice,
@@ -343,12 +342,7 @@ def decode(
         effort=effort,
         template_kwargs=f.optional_object(body, "chat_template_kwargs") or {},
     )
-    stop = StopOptions(
-        strings=f.stop_strings(body),
-        token_ids=f.int_list(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else (),
-        token_sequences=f.token_sequences(body, "stop_token_sequences"),
-        ignore_eos=f.optional_bool(body, "ignore_eos"),
-    )
+    stop = f.stop_options(body)
     max_tokens = f.optional_int(body, "max_output_tokens", 1)
     budget = f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1)
     request = InferenceRequest(

@@ -1,0 +1,299 @@
+// One chunk of a sequence's queries (a prompt chunk, or drafts under verification) over its keys,
+// bfloat16 throughout, on the same register micro-kernel as linear: keys and values are packed
+// once per chunk and kv head in 64-key tiles (keys: pairs of head features x 16 keys; values:
+// pairs of keys x 16 features), then each task takes up to 6 query rows of one head through the
+// tiles in order with an online softmax in fp32 (probabilities rounded to bfloat16 for the value
+// product, as SDPA's bfloat16 kernel does). Tiles no row of a task can see are skipped, and a tile
+// contributes exactly nothing to a row that sees none of it, so a row's result depends only on its
+// own position and the keys: it is the same whichever chunk or neighbours it comes with.
+#include "avx512_bf16.h"
+
+namespace flare_native {
+
+bool chunk_attention_supported(const at::Tensor& q, const at::Tensor& k_cache) {
+#if defined(__AVX512BF16__)
+  return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && q.size(2) % 64 == 0 &&
+         q.size(2) <= 256;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+namespace {
+
+// One 64-key tile of one kv head: key c's features at keys[c] (nullptr: past the end, zeros).
+// keys   -> [4 blocks][dim / 2 pairs][16 keys][2]
+// values -> [dim / 16 blocks][32 key pairs][16 features][2]
+// dim is a multiple of 64 (chunk_attention_supported). Keys move as 32-bit feature pairs; values
+// interleave two keys' 16 features with one permute per 32 outputs.
+void pack_tile(const uint16_t* const* keys, const uint16_t* const* values, int64_t dim, uint16_t* kt, uint16_t* vt) {
+  const int64_t pairs = dim / 2;
+  for (int64_t c = 0; c < kTile; ++c) {  // key block, feature pair, key lane, pair member
+    uint16_t* out = kt + ((c / kBlock) * pairs * kBlock + c % kBlock) * 2;
+    const uint16_t* key = keys[c];
+    for (int64_t p = 0; p < pairs; ++p) {
+      uint32_t pair = 0;
+      if (key != nullptr) std::memcpy(&pair, key + 2 * p, sizeof(pair));
+      std::memcpy(out + p * kBlock * 2, &pair, sizeof(pair));
+    }
+  }
+  // feature block, key pair, feature lane, pair member: lane f of key pair (c, c + 1) holds
+  // (value[c][f], value[c + 1][f]).
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t c = 0; c < kTile; c += 2) {
+    const uint16_t* first = values[c];
+    const uint16_t* second = values[c + 1];
+    for (int64_t block = 0; block < dim / kBlock; ++block) {
+      const __m256i a =
+          first != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + block * kBlock)) : zero;
+      const __m256i b =
+          second != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + block * kBlock)) : zero;
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(vt + ((block * (kTile / 2) + c / 2) * kBlock) * 2, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+// keys/values [held, kv_heads, dim] -> per kv head, per tile: pack_tile's layout.
+void pack_tiles(const uint16_t* keys, const uint16_t* values, int64_t held, int64_t kv_heads, int64_t dim,
+                uint16_t* kp, uint16_t* vp) {
+  const int64_t tiles = (held + kTile - 1) / kTile, tile_elems = kTile * dim;
+  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    const uint16_t* kr[kTile];
+    const uint16_t* vr[kTile];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / tiles, t = task % tiles;
+      for (int64_t c = 0; c < kTile; ++c) {
+        const int64_t j = t * kTile + c;
+        kr[c] = j < held ? keys + (j * kv_heads + h) * dim : nullptr;
+        vr[c] = j < held ? values + (j * kv_heads + h) * dim : nullptr;
+      }
+      pack_tile(kr, vr, dim, kp + (h * tiles + t) * tile_elems, vp + (h * tiles + t) * tile_elems);
+    }
+  });
+}
+
+// exp_nonpositive on 16 lanes (same polynomial; 2^n applied with scalef).
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <int MR>
+void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint16_t* kp, const uint16_t* vp,
+                int64_t tiles, int64_t dim, int64_t key0, int64_t held, float scale, int64_t window, float* o_acc,
+                uint16_t* out, int64_t ldo) {
+  constexpr int NB = 4;
+  const int64_t pairs = dim / 2, tile_elems = kTile * dim;
+  alignas(64) float scores[MR * kTile];
+  alignas(64) uint16_t probs[MR * kTile];
+  alignas(64) float part[MR * NB * kBlock];
+  float m[MR], l[MR];
+  for (int r = 0; r < MR; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+  std::fill(o_acc, o_acc + MR * dim, 0.0f);
+  int64_t lo = key0, hi = key0;
+  for (int r = 0; r < MR; ++r) hi = std::max(hi, std::min<int64_t>(where[r] + 1, key0 + held));
+  if (window > 0) {
+    lo = where[0] - window + 1;
+    for (int r = 1; r < MR; ++r) lo = std::min(lo, where[r] - window + 1);
+    lo = std::max(lo, key0);
+  }
+  for (int64_t t = (lo - key0) / kTile; t < tiles && key0 + t * kTile < hi; ++t) {
+    micro<MR, NB>(q, ldq, kp + t * tile_elems, pairs, scores);  // scores[r][c]: (r * 4 + c / 16) * 16 + c % 16
+    const int64_t first = key0 + t * kTile;  // absolute position of the tile's first key
+    for (int r = 0; r < MR; ++r) {
+      float* s = scores + r * kTile;
+      const int64_t last = std::min<int64_t>(where[r], key0 + held - 1);  // visible: floor <= j <= last
+      const int64_t floor = window > 0 ? where[r] - window + 1 : first;
+      uint16_t* pr = probs + r * kTile;
+      if (last < first || floor > first + kTile - 1) {  // sees none of this tile: contributes nothing
+        std::memset(pr, 0, sizeof(uint16_t) * kTile);
+        continue;
+      }
+      const bool whole = last >= first + kTile - 1 && floor <= first;
+      __m512 v[4];
+      __mmask16 keep[4];
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int b = 0; b < 4; ++b) {
+        v[b] = _mm512_mul_ps(_mm512_loadu_ps(s + b * kBlock), _mm512_set1_ps(scale));
+        if (whole) {
+          keep[b] = 0xFFFF;
+        } else {  // lanes j = first + 16 b + lane with floor <= j <= last
+          const int64_t lo = std::max<int64_t>(floor - first - b * kBlock, 0);
+          const int64_t hi = std::min<int64_t>(last - first - b * kBlock, kBlock - 1);
+          keep[b] = hi < lo ? 0 : static_cast<__mmask16>(((1u << (hi + 1)) - 1) & ~((1u << lo) - 1));
+        }
+        top = _mm512_mask_max_ps(top, keep[b], top, v[b]);
+      }
+      const float next = std::max(m[r], _mm512_reduce_max_ps(top));
+      const float rescale = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_nonpositive(m[r] - next);
+      __m512 total = _mm512_setzero_ps();
+      for (int b = 0; b < 4; ++b) {
+        const __m512 p = _mm512_maskz_mov_ps(keep[b], exp_nonpositive16(_mm512_sub_ps(v[b], _mm512_set1_ps(next))));
+        total = _mm512_add_ps(total, p);
+        const __m256bh h = _mm512_cvtneps_pbh(p);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + b * kBlock), (__m256i)h);
+      }
+      l[r] = l[r] * rescale + _mm512_reduce_add_ps(total);
+      m[r] = next;
+      if (rescale != 1.0f)
+        for (int64_t d = 0; d < dim; ++d) o_acc[r * dim + d] *= rescale;
+    }
+    const uint16_t* vt = vp + t * tile_elems;
+    for (int64_t base = 0; base < dim; base += NB * kBlock) {  // 64 features per product
+      micro<MR, NB>(probs, kTile, vt + (base / kBlock) * (kTile / 2) * 2 * kBlock, kTile / 2, part);
+      for (int r = 0; r < MR; ++r)
+        for (int64_t d = 0; d < NB * kBlock; ++d) o_acc[r * dim + base + d] += part[r * NB * kBlock + d];
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < dim; d += kBlock) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o_acc + r * dim + d), _mm512_set1_ps(inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + d), (__m256i)h);
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+// q [Tq, heads, dim] of one chunk, keys/values [held, kv_heads, dim] (key i at absolute position
+// key0 + i), positions [Tq]; returns [Tq, heads, dim].
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& positions, int64_t key0, double scale, int64_t window) {
+#if defined(__AVX512BF16__)
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t held = keys.size(0), kv_heads = keys.size(1), group = heads / kv_heads;
+  const int64_t tiles = (held + kTile - 1) / kTile;
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor where = positions.to(at::kLong).contiguous();
+  at::Tensor kpack = at::empty({kv_heads * tiles * kTile * dim}, q.options());
+  at::Tensor vpack = at::empty({kv_heads * tiles * kTile * dim}, q.options());
+  auto* kp = reinterpret_cast<uint16_t*>(kpack.data_ptr());
+  auto* vp = reinterpret_cast<uint16_t*>(vpack.data_ptr());
+  pack_tiles(reinterpret_cast<const uint16_t*>(kc.data_ptr()), reinterpret_cast<const uint16_t*>(vc.data_ptr()),
+             held, kv_heads, dim, kp, vp);
+  at::Tensor out = at::empty_like(qc);
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t* wp = where.data_ptr<int64_t>();
+  const int64_t blocks = (rows + 5) / 6, tasks = blocks * heads;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(6 * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      // Later rows see more keys: alternate light and heavy row blocks so each thread's
+      // contiguous share of tasks costs about the same.
+      const int64_t pair = task / heads, head = task % heads;
+      const int64_t block = pair % 2 == 0 ? pair / 2 : blocks - 1 - pair / 2;
+      const int64_t r0 = block * 6, count = std::min<int64_t>(6, rows - r0);
+      const int64_t kvh = head / group;
+      const uint16_t* x = qp + (r0 * heads + head) * dim;
+      uint16_t* y = op + (r0 * heads + head) * dim;
+      const uint16_t* kt = kp + kvh * tiles * kTile * dim;
+      const uint16_t* vt = vp + kvh * tiles * kTile * dim;
+      const int64_t* w = wp + r0;
+      const int64_t ld = heads * dim;
+      switch (count) {
+        case 6: chunk_rows<6>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        case 5: chunk_rows<5>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        case 4: chunk_rows<4>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        case 3: chunk_rows<3>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        case 2: chunk_rows<2>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+        default: chunk_rows<1>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "chunk_attention: this build has no AVX512-BF16 kernel");
+#endif
+}
+
+// Decode rows (one query token per sequence) on chunk_attention's arithmetic, read in place: each
+// (sequence, kv head) task packs that head's keys and values tile by tile from the pages, in tiles
+// starting at absolute multiples of 64 keys as a chunk's are, and takes the query heads sharing
+// them through chunk_rows. A query row's result is then bit-identical whether it was decoded alone,
+// beside other rows, or computed inside a prompt chunk or a verification chunk of any length.
+// q [rows, heads, dim] bfloat16, caches bfloat16; kv_lens and positions int64 [rows].
+void decode_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& kv_lens, const at::Tensor& positions, double scale,
+                  int64_t window, at::Tensor& out) {
+#if defined(__AVX512BF16__)
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t page_tokens = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const int64_t max_blocks = block_tables.size(1), token_stride = kv_heads * dim, tile_elems = kTile * dim;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  const int64_t* where = positions.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> kpack, vpack;
+    std::vector<float> acc(6 * dim);
+    const uint16_t* kr[kTile];
+    const uint16_t* vr[kTile];
+    int64_t at_pos[6];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / kv_heads, kvh = task % kv_heads, pos = where[seq];
+      const int64_t stop = std::min({lens[seq], pos + 1, max_blocks * page_tokens});  // keys j < stop are visible
+      const int64_t key0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) / kTile * kTile : 0;
+      const int64_t held = std::max<int64_t>(0, stop - key0), tiles = (held + kTile - 1) / kTile;
+      if (static_cast<int64_t>(kpack.size()) < tiles * tile_elems) {
+        kpack.resize(tiles * tile_elems);
+        vpack.resize(tiles * tile_elems);
+      }
+      const int32_t* table = tables + seq * max_blocks;
+      for (int64_t t = 0; t < tiles; ++t) {
+        for (int64_t c = 0; c < kTile; ++c) {
+          const int64_t j = key0 + t * kTile + c;
+          const int64_t slot = j < stop ? table[j / page_tokens] * page_tokens + j % page_tokens : -1;
+          kr[c] = slot >= 0 ? kc + slot * token_stride + kvh * dim : nullptr;
+          vr[c] = slot >= 0 ? vc + slot * token_stride + kvh * dim : nullptr;
+        }
+        pack_tile(kr, vr, dim, kpack.data() + t * tile_elems, vpack.data() + t * tile_elems);
+      }
+      std::fill(at_pos, at_pos + 6, pos);
+      for (int64_t g0 = 0; g0 < group; g0 += 6) {
+        const int64_t count = std::min<int64_t>(6, group - g0), first = (seq * heads + kvh * group + g0) * dim;
+        const uint16_t* x = qp + first;
+        uint16_t* y = op + first;
+        const uint16_t* kt = kpack.data();
+        const uint16_t* vt = vpack.data();
+        switch (count) {
+          case 6: chunk_rows<6>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          case 5: chunk_rows<5>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          case 4: chunk_rows<4>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          case 3: chunk_rows<3>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          case 2: chunk_rows<2>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+          default: chunk_rows<1>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "decode_tiles: this build has no AVX512-BF16 kernel");
+#endif
+}
+
+}  // namespace flare_native

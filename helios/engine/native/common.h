@@ -1,0 +1,116 @@
+// helios' native CPU kernels: what every source of the library shares.
+//
+// The library (built on the serving host by helios/engine/native/__init__.py: g++ -O3 with the
+// host's -march, every .cpp of this directory, loaded with torch.ops.load_library) holds:
+//   attention.cpp        decode_attention (one query row per sequence over its pages, any dtype and
+//                        instruction set) and write_kv;
+//   attention_tiles.cpp  chunk_attention and decode_tiles: bfloat16 attention on the AVX512-BF16
+//                        micro-kernel (avx512_bf16.h), 64-key tiles at absolute positions;
+//   linear_pack.cpp      pack_linear, the packed weight layout every native linear reads;
+//   linear_avx512.cpp    linear / linear_tiles: AVX512-BF16 pair dot products and AMX tiles;
+//   linear_avx2.cpp      linear_avx2: AVX2+FMA, bfloat16 widened to fp32 in registers (any x86-64
+//                        CPU with AVX2, compiled with a target attribute whatever -march is);
+//   ops.cpp              the op schemas, and the CPU kernels of flare::paged_attention/write_kv;
+//   compiled_step.cpp    run_compiled: AOTInductor steps with the GIL released.
+//
+// Reproducibility (docs/serving.md): a query row gets the same bits whether it is decoded alone,
+// beside other rows, inside a prompt chunk of any length or among drafts under verification. Work
+// is split over rows, heads and output columns, never over one row's reduction, and a row's
+// reduction order never depends on how many rows share the call.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace flare_native {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const at::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+inline float load(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = static_cast<at::BFloat16>(v); }  // round to nearest even
+inline void store(at::Half* p, int64_t i, float v) { p[i] = static_cast<at::Half>(v); }
+
+// exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^(x log2 e) split into an
+// integer power built in the exponent bits and a degree-6 polynomial of the fraction. Relative
+// error below 2e-7; inputs below -87 flush to 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t);
+  const float f = t - n;  // [0, 1)
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+constexpr int kChunk = 64;  // keys scored at a time per head (one online-softmax update each)
+
+constexpr int kMaxDim = 512;
+
+constexpr int64_t kBlock = 16;  // outputs per packed linear block
+constexpr int64_t kTile = 64;   // keys per attention tile (4 blocks of 16)
+
+// attention.cpp
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& kv_lens, const at::Tensor& positions,
+                            double scale, int64_t window, double softcap);
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping);
+
+// attention_tiles.cpp
+bool chunk_attention_supported(const at::Tensor& q, const at::Tensor& k_cache);
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& positions, int64_t key0, double scale, int64_t window);
+void decode_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& kv_lens, const at::Tensor& positions, double scale,
+                  int64_t window, at::Tensor& out);
+
+// linear_pack.cpp
+at::Tensor pack_linear(const at::Tensor& w);
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features);
+// Checks x against the packed weight and returns (the output, allocated; rows; bias as fp32 or undefined).
+struct LinearCall {
+  at::Tensor out;
+  int64_t rows;
+  at::Tensor bias;
+};
+LinearCall linear_call(const char* name, const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features);
+
+// linear_avx512.cpp
+bool has_bf16_linear();
+bool has_amx_linear();
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t out_features);
+at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                        int64_t out_features);
+
+// linear_avx2.cpp
+bool has_avx2_linear();
+at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features);
+
+}  // namespace flare_native

@@ -1,0 +1,221 @@
+// linear_avx2: bfloat16 weights (pack_linear's layout) times bfloat16 or fp32 activations on AVX2+FMA,
+// the instruction set of most CPUs people own (AMD Zen 1-3, Intel client cores without AVX-512).
+//
+// The weights stay bfloat16 in memory, so a decode step streams half the bytes of an fp32 core. One
+// 256-bit load holds 8 outputs' weights for a pair of input features (each 32-bit lane: the even
+// feature's bfloat16 in the low half, the odd one's in the high half); a shift left by 16 makes the
+// even weights fp32 and a mask of the high halves the odd ones, exactly (bfloat16 is the top half
+// of an fp32). Activations are widened to fp32 once per call. Products are fused multiply-adds in
+// fp32, and outputs (+ bias) are rounded to bfloat16 nearest-even, as torch's cast does.
+//
+// Register blocking: 8 fp32 accumulators of 8 outputs, as 1 row x 64 outputs, 2 rows x 32 or
+// 4 rows x 16, so each weight is loaded and widened once per 4 rows. Threads split the output
+// blocks into contiguous runs; a decode row streams 4 blocks at once, more rows take a block's
+// weights from memory once and from cache for the rest. Threads never split a reduction, and
+// every output is accumulated in the same order (features ascending, the pair's even then odd
+// product) whatever rows share the call, so a row's bits never depend on its neighbours.
+//
+// The functions carry target("avx2,fma"), so they exist in every x86-64 build of the library (an
+// AVX-512 host included, where its tests run); has_avx2_linear asks the CPU at run time. This file
+// is compiled without AVX-512 (native/__init__.py) so that what runs here is what an AVX2 host runs.
+#include <type_traits>
+
+#include "common.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define FLARE_X86 1
+#include <immintrin.h>
+#define FLARE_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace flare_native {
+namespace {
+
+#if defined(FLARE_X86)
+constexpr int kRows = 4;         // rows per register block
+constexpr int64_t kHalf = 8;     // outputs per 256-bit register
+constexpr int64_t kAhead = 32;   // feature pairs (64-byte lines of a block) fetched ahead of use
+
+// rows [m, m + MR) x blocks [0, NB) of a task: acc[(r * NB + j) * 16 + o] = sum_p w[p] x[r][p] for
+// output o of block j. w points at the first block (blocks `stride` elements apart), x at row m.
+template <int MR, int NB>
+FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs,
+                             float* acc_out) {
+  __m256 acc[MR][2 * NB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 2 * NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int j = 0; j < NB; ++j) {
+      const uint16_t* wp = w + j * stride + p * 2 * kBlock;
+      // The first row block streams the weights from memory: keep lines in flight while it computes.
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * 2 * kBlock), _MM_HINT_T0);
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kBlock));
+      const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+      const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
+      const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+      const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+      for (int r = 0; r < MR; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+        const __m256 b = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+        acc[r][2 * j] = _mm256_fmadd_ps(b, odd0, _mm256_fmadd_ps(a, even0, acc[r][2 * j]));
+        acc[r][2 * j + 1] = _mm256_fmadd_ps(b, odd1, _mm256_fmadd_ps(a, even1, acc[r][2 * j + 1]));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 2 * NB; ++j) _mm256_storeu_ps(acc_out + (r * NB * 2 + j) * kHalf, acc[r][j]);
+}
+
+// 8 fp32 -> 8 bfloat16, nearest even (NaN -> 0x7FC0), as c10::BFloat16's conversion.
+FLARE_AVX2 inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+
+// One row's 16 results of the block starting at output `first` (+ bias) into y[first:], past n masked.
+template <typename Y>
+FLARE_AVX2 inline void store_block(const float* acc, const float* bias, int64_t first, int64_t n, Y* y) {
+  const int64_t count = std::min<int64_t>(kBlock, n - first);
+  alignas(32) float sum[kBlock];
+  for (int h = 0; h < 2; ++h) {
+    __m256 v = _mm256_loadu_ps(acc + h * kHalf);
+    if (bias != nullptr) {
+      alignas(32) float b[kHalf] = {};
+      for (int64_t o = h * kHalf; o < std::min<int64_t>(count, (h + 1) * kHalf); ++o) b[o - h * kHalf] = bias[first + o];
+      v = _mm256_add_ps(v, _mm256_load_ps(b));
+    }
+    if constexpr (std::is_same_v<Y, uint16_t>) {
+      alignas(16) uint16_t out[kHalf];
+      _mm_store_si128(reinterpret_cast<__m128i*>(out), to_bf16(v));
+      if (count >= (h + 1) * kHalf) {
+        std::memcpy(y + first + h * kHalf, out, sizeof out);
+      } else {
+        for (int64_t o = h * kHalf; o < count; ++o) y[first + o] = out[o - h * kHalf];
+      }
+    } else {
+      _mm256_store_ps(sum + h * kHalf, v);
+    }
+  }
+  if constexpr (!std::is_same_v<Y, uint16_t>) std::memcpy(y + first, sum, count * sizeof(float));
+}
+
+// MR rows through blocks [b0, b1), NB blocks at a time (the last group narrower).
+template <int MR, int NB, typename Y>
+FLARE_AVX2 void wide(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs, int64_t b0,
+                     int64_t b1, int64_t n, const float* bias, Y* y) {
+  alignas(32) float acc[MR * NB * kBlock];
+  for (int64_t b = b0; b < b1; b += NB) {
+    const int64_t count = std::min<int64_t>(NB, b1 - b);
+    const uint16_t* wb = w + b * stride;
+    if (count == NB) {
+      micro<MR, NB>(x, ldx, wb, stride, pairs, acc);
+    } else if (NB > 2 && count == 3) {
+      micro<MR, (NB > 2 ? 3 : 1)>(x, ldx, wb, stride, pairs, acc);
+    } else if (NB > 1 && count == 2) {
+      micro<MR, (NB > 1 ? 2 : 1)>(x, ldx, wb, stride, pairs, acc);
+    } else {
+      micro<MR, 1>(x, ldx, wb, stride, pairs, acc);
+    }
+    for (int64_t r = 0; r < MR; ++r)
+      for (int64_t j = 0; j < count; ++j)
+        store_block(acc + (r * count + j) * kBlock, bias, (b + j) * kBlock, n, y + r * n);
+  }
+}
+
+// Every row through blocks [b0, b1). One or two decode rows take 4 or 2 blocks at once (8
+// accumulators, several weight streams in flight); more rows go block by block, 4 rows at a
+// time, so a block's weights come from memory for its first rows and from cache for the rest.
+template <typename Y>
+FLARE_AVX2 void blocks(const float* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t b0,
+                       int64_t b1, int64_t n, const float* bias, Y* y) {
+  const int64_t stride = pairs * 2 * kBlock;  // elements per packed block
+  if (rows == 1) return wide<1, 4>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+  if (rows == 2) return wide<2, 2>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t m = 0; m < rows; m += kRows) {
+      const int64_t r = std::min<int64_t>(kRows, rows - m);
+      const float* xm = x + m * ldx;
+      Y* ym = y + m * n;
+      switch (r) {
+        case 4: wide<4, 1>(xm, ldx, w, stride, pairs, b, b + 1, n, bias, ym); break;
+        case 3: wide<3, 1>(xm, ldx, w, stride, pairs, b, b + 1, n, bias, ym); break;
+        case 2: wide<2, 1>(xm, ldx, w, stride, pairs, b, b + 1, n, bias, ym); break;
+        default: wide<1, 1>(xm, ldx, w, stride, pairs, b, b + 1, n, bias, ym); break;
+      }
+    }
+  }
+}
+
+// x [rows, k] (bfloat16 or fp32, contiguous) -> fp32 [rows, ld], a last odd feature zero. Exact.
+void widen(const at::Tensor& x, int64_t rows, int64_t k, int64_t ld, float* out) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+  auto rows_to = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* dst = out + r * ld;
+      if (bf16) {
+        for (int64_t i = 0; i < k; ++i) {
+          const uint32_t bits = static_cast<uint32_t>(xb[r * k + i]) << 16;
+          std::memcpy(dst + i, &bits, sizeof bits);
+        }
+      } else {
+        std::memcpy(dst, xf + r * k, k * sizeof(float));
+      }
+      if (ld > k) dst[k] = 0.0f;
+    }
+  };
+  if (rows * k < (1 << 16)) {  // a decode step's rows: not worth waking the pool
+    rows_to(0, rows);
+  } else {
+    at::parallel_for(0, rows, 16, rows_to);
+  }
+}
+#endif
+
+}  // namespace
+
+bool has_avx2_linear() {
+#if defined(FLARE_X86)
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "linear_avx2: needs bfloat16 or float32 activations");
+  LinearCall call = linear_call("linear_avx2", x, packed, bias, out_features);
+  if (call.rows == 0) return call.out;
+  TORCH_CHECK(has_avx2_linear(), "linear_avx2: this CPU has no AVX2 and FMA");
+#if defined(FLARE_X86)
+  const int64_t rows = call.rows, k = x.size(-1), pairs = packed.size(1), ld = 2 * pairs;
+  const bool direct = x.scalar_type() == at::kFloat && ld == k && x.is_contiguous();
+  at::Tensor widened = direct ? x : at::empty({rows, ld}, x.options().dtype(at::kFloat));
+  if (!direct) widen(x.contiguous(), rows, k, ld, widened.data_ptr<float>());
+  const float* xp = widened.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bp = call.bias.defined() ? call.bias.data_ptr<float>() : nullptr;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  void* yp = call.out.data_ptr();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {  // a contiguous run of blocks each
+    if (bf16) {
+      blocks(xp, rows, ld, wp, pairs, b0, b1, out_features, bp, static_cast<uint16_t*>(yp));
+    } else {
+      blocks(xp, rows, ld, wp, pairs, b0, b1, out_features, bp, static_cast<float*>(yp));
+    }
+  });
+#endif
+  return call.out;
+}
+
+}  // namespace flare_native

@@ -1,0 +1,171 @@
+// The op schemas of the library, and the CPU kernels it serves for the flare:: ops.
+#include <torch/library.h>
+
+#include <numeric>
+
+#include "common.h"
+
+namespace flare_native {
+
+// ------------------------------------------------------------------- the flare:: ops' CPU kernels
+// The compiled step calls flare::paged_attention and flare::write_kv through the dispatcher once per
+// layer. Served from C++, a decode step never takes the GIL (the HTTP thread keeps streaming while
+// it runs); the steps these kernels do not cover go to the Python kernels, which helios registers
+// as flare_fallback:: (helios/engine/kernels.py) and which compute the same rows the same way.
+
+namespace {
+
+at::Tensor attention_fallback(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, const at::Tensor& positions, double scale,
+                              int64_t window, double softcap) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flare_fallback::paged_attention", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, double, int64_t, double)>();
+  return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap);
+}
+
+at::Tensor index_of(const std::vector<int64_t>& values) {
+  return at::from_blob(const_cast<int64_t*>(values.data()), {static_cast<int64_t>(values.size())}, at::kLong).clone();
+}
+
+}  // namespace
+
+// Which arithmetic attends a layer's rows depends only on the layer (dtype, head size, soft-capping),
+// never on the step's shape, so a query row gets the same bits whatever it shares the step with:
+// * tiled (bfloat16, head size a multiple of 64 up to 256, no soft-capping, AVX512-BF16): chunks
+//   run chunk_attention over their gathered pages, decode rows decode_tiles in place, both on
+//   chunk_rows with 64-key tiles aligned to absolute key positions;
+// * otherwise every query row, of a chunk or a decode, is a decode_attention row of its sequence.
+// Layouts neither covers go to the Python kernels whole.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, const at::Tensor& positions, double scale,
+                           int64_t window, double softcap) {
+  const bool in_place = q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) <= kMaxDim &&
+                        q.size(2) == k_cache.size(3) && k_cache.sizes() == v_cache.sizes() &&
+                        k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() &&
+                        v_cache.is_contiguous() && block_tables.scalar_type() == at::kInt &&
+                        query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+                        seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                        positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                        query_start_loc.numel() == seq_lens.numel() + 1 && q.size(1) % k_cache.size(2) == 0;
+  if (!in_place)
+    return attention_fallback(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window,
+                              softcap);
+  const bool tiled = chunk_attention_supported(q, k_cache) && softcap <= 0.0;
+  const int64_t seqs = seq_lens.numel();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  std::vector<int64_t> picked, rows, chunks;
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int32_t len = starts[i + 1] - starts[i];
+    if (len == 1 || (len > 1 && !tiled)) {  // rows attended one by one: (sequence, row) pairs
+      for (int64_t r = starts[i]; r < starts[i + 1]; ++r) {
+        picked.push_back(i);
+        rows.push_back(r);
+      }
+    } else if (len > 1) {
+      chunks.push_back(i);
+    }
+  }
+  const bool all_rows = chunks.empty() && static_cast<int64_t>(rows.size()) == q.size(0) &&
+                        static_cast<int64_t>(picked.size()) == seqs && starts[seqs] == seqs;
+  if (all_rows && !tiled)
+    return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, positions, scale, window, softcap);
+  at::Tensor out = starts[seqs] < q.size(0) ? at::zeros_like(q) : at::empty_like(q);
+  if (!rows.empty()) {
+    const at::Tensor seq_index = index_of(picked), row_index = index_of(rows);
+    const at::Tensor query = q.index_select(0, row_index).contiguous();
+    const at::Tensor tables = block_tables.index_select(0, seq_index).contiguous();
+    const at::Tensor lens = seq_lens.index_select(0, seq_index);
+    const at::Tensor where = positions.index_select(0, row_index).contiguous();
+    at::Tensor attended;
+    if (tiled) {
+      attended = at::empty_like(query);
+      decode_tiles(query, k_cache, v_cache, tables, lens.to(at::kLong).contiguous(), where, scale, window, attended);
+    } else {
+      attended = decode_attention(query, k_cache, v_cache, tables, lens, where, scale, window, softcap);
+    }
+    if (all_rows) return attended;
+    out.index_copy_(0, row_index, attended);
+  }
+  const int64_t page_tokens = k_cache.size(1), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  // A windowed chunk gathers from a page whose first key sits at a multiple of 64 (the tiles'
+  // absolute alignment): the least common multiple of the tile and the page.
+  const int64_t align = std::lcm<int64_t>(kTile, page_tokens);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* where = positions.data_ptr<int64_t>();
+  for (const int64_t i : chunks) {
+    const int64_t start = starts[i], end = starts[i + 1], kv_len = lens[i];
+    const int64_t first_key = window > 0 ? std::max<int64_t>(where[start] - window + 1, 0) / align * align : 0;
+    const int64_t first = first_key / page_tokens;
+    const at::Tensor pages =
+        block_tables.select(0, i).slice(0, first, (kv_len + page_tokens - 1) / page_tokens).to(at::kLong);
+    const int64_t held = kv_len - first_key;
+    const at::Tensor gathered_k = k_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held);
+    const at::Tensor gathered_v = v_cache.index_select(0, pages).view({-1, kv_heads, dim}).slice(0, 0, held);
+    out.slice(0, start, end).copy_(chunk_attention(q.slice(0, start, end), gathered_k, gathered_v,
+                                                   positions.slice(0, start, end), first_key, scale, window));
+  }
+  return out;
+}
+
+void write_kv_op(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& slot_mapping) {
+  if (k_cache.is_contiguous() && v_cache.is_contiguous()) return write_kv(k_cache, v_cache, k, v, slot_mapping);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flare_fallback::write_kv", "")
+                             .typed<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  op.call(k_cache, v_cache, k, v, slot_mapping);
+}
+
+}  // namespace flare_native
+
+using namespace flare_native;
+
+TORCH_LIBRARY(flare_native, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor kv_lens, "
+        "Tensor positions, float scale, int window, float softcap) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("has_bf16_linear() -> bool", &has_bf16_linear);
+  m.def("has_amx_linear() -> bool", &has_amx_linear);
+  m.def("has_avx2_linear() -> bool", &has_avx2_linear);
+  m.def("pack_linear(Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_tiles(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_avx2(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("chunk_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, int key0, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("write_kv", &write_kv);
+  m.impl("pack_linear", &pack_linear);
+  m.impl("linear", &linear);
+  m.impl("linear_tiles", &linear_tiles);
+  m.impl("linear_avx2", &linear_avx2);
+  m.impl("chunk_attention", &chunk_attention);
+}
+
+TORCH_LIBRARY_IMPL(flare_native, Meta, m) {
+  m.impl("linear", &linear_meta);
+  m.impl("linear_tiles", &linear_meta);
+  m.impl("linear_avx2", &linear_meta);
+}
+
+TORCH_LIBRARY(flare_fallback, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, Tensor positions, float scale, int window, float softcap) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(flare, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv_op);
+}
+
+// The KV caches are never autograd inputs: skip custom_op's Python ADInplaceOrView kernel (a
+// version-counter bump and a redispatch, in Python, on every layer's write).
+TORCH_LIBRARY_IMPL(flare, ADInplaceOrView, m) { m.impl("write_kv", torch::CppFunction::makeFallthrough()); }
