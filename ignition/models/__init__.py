@@ -1,5 +1,5 @@
 """Architecture families ignition can compile: one module per family, each ending with
-`FAMILY = Family(...)` (ignition.models.family: the contract, field by field); this registry
+`FAMILY = Family.of(...)` or `Family(...)` (ignition.models.family: the contract, field by field); this registry
 maps family names to those values.
 """
 
