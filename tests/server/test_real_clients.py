@@ -7,6 +7,7 @@ npm or its registry cannot be reached.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,7 +81,13 @@ def test_codex_exec(codex: Path, smol: Server, smollm2_core: Path, workspace: tu
     assert _completed(smol) > before
 
 
-@pytest.mark.parametrize("mode", [["--bare"], []], ids=["bare", "normal"])
+_SLOW = pytest.mark.skipif(not os.environ.get("FLARE_SLOW_TESTS"), reason="slow: set FLARE_SLOW_TESTS=1")
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [pytest.param(["--bare"], id="bare"), pytest.param([], id="normal", marks=[pytest.mark.slow, _SLOW])],
+)  # CI samples the bare session; the normal one (Claude Code's full system prompt) runs with the flag
 def test_claude_print(
     claude: Path, smol: Server, smollm2_core: Path, workspace: tuple[Path, Path], mode: list[str]
 ) -> None:
