@@ -22,6 +22,7 @@ import numpy as np
 from helios.config import ServerConfig
 from helios.core.manifest import VisionProfile
 from helios.engine import (
+    HostCacheConfig,
     VisionInputStore,
     default_host_cache_directory,
     default_host_cache_memory_bytes,
@@ -30,10 +31,9 @@ from helios.engine import (
 from helios.frontend import images as imaging
 
 
-def retained_inputs(profile: VisionProfile, config: ServerConfig) -> VisionInputStore | None:
-    """Host retention of this profile's prepared images, or None with host_cache off. Its DRAM tier
-    is bounded like the other image caches (image_cache_mb, and the host memory budget); its disk
-    tier is one more record directory under host_cache_dir, bounded by host_cache_disk_mb."""
+def host_cache_config(config: ServerConfig) -> HostCacheConfig | None:
+    """The host prefix store's tiers from the [server] settings, or None with host_cache off (the
+    engine's prefix store and the frontend's retention of prepared images both read these)."""
     if not config.host_cache:
         return None
     memory = (
@@ -41,12 +41,27 @@ def retained_inputs(profile: VisionProfile, config: ServerConfig) -> VisionInput
         if config.host_cache_memory_mb is not None
         else default_host_cache_memory_bytes()
     )
-    root = Path(config.host_cache_dir).expanduser() if config.host_cache_dir else default_host_cache_directory()
+    directory = Path(config.host_cache_dir).expanduser() if config.host_cache_dir else default_host_cache_directory()
+    return HostCacheConfig(
+        memory,
+        directory if config.host_cache_disk_mb else None,
+        config.host_cache_disk_mb << 20,
+        config.host_cache_copy_queue_mb << 20,
+    )
+
+
+def retained_inputs(profile: VisionProfile, config: ServerConfig) -> VisionInputStore | None:
+    """Host retention of this profile's prepared images, or None with host_cache off. Its DRAM tier
+    is bounded like the other image caches (image_cache_mb, and the host memory budget); its disk
+    tier is one more record directory under host_cache_dir, bounded by host_cache_disk_mb."""
+    tiers = host_cache_config(config)
+    if tiers is None:
+        return None
     return VisionInputStore(
         vision_identity(imaging.preparation(profile)),
-        min(memory, config.image_cache_mb << 20),
-        root if config.host_cache_disk_mb else None,
-        config.host_cache_disk_mb << 20,
+        min(tiers.memory_bytes, config.image_cache_mb << 20),
+        tiers.directory,
+        tiers.disk_bytes,
     )
 
 

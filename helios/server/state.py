@@ -22,17 +22,15 @@ from helios.engine import (
     EngineConfig,
     EngineMetrics,
     HistogramSnapshot,
-    HostCacheConfig,
     SpeculationConfig,
     build_engine,
-    default_host_cache_directory,
-    default_host_cache_memory_bytes,
     draft_core_incompatibility,
     is_cuda,
 )
 from helios.engine import resolve_device as resolve_engine_device
 from helios.frontend.constraint import GrammarMasks
 from helios.frontend.generate import Runner
+from helios.frontend.image_cache import host_cache_config
 from helios.frontend.prepare import default_budget_problem
 from helios.frontend.request import Frontend
 from helios.protocols.models import ModelIdentity, card, flare_object, identity
@@ -100,23 +98,6 @@ class Scrape:
     values: dict[str, Any]  # JSON field name -> value (metrics.values_of)
     first_response: dict[str, Any]  # FirstResponseWindow.summary()
     histograms: dict[str, HistogramSnapshot]  # Prometheus name -> state; empty without a host prefix store
-
-
-def host_cache_config(config: ServerConfig) -> HostCacheConfig | None:
-    if not config.host_cache:
-        return None
-    memory = (
-        config.host_cache_memory_mb << 20
-        if config.host_cache_memory_mb is not None
-        else default_host_cache_memory_bytes()
-    )
-    directory = Path(config.host_cache_dir).expanduser() if config.host_cache_dir else default_host_cache_directory()
-    return HostCacheConfig(
-        memory,
-        directory if config.host_cache_disk_mb else None,
-        config.host_cache_disk_mb << 20,
-        config.host_cache_copy_queue_mb << 20,
-    )
 
 
 def _draft_core(config: ServerConfig, target: Manifest) -> Core | None:
