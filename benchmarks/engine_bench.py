@@ -3,6 +3,7 @@
     python benchmarks/engine_bench.py cores/smollm2 [--tokens 64] [--batches 1,8,32] [--json out.json]
     python benchmarks/engine_bench.py cores/smollm2 --grammar [--tokens 64] [--grammar-threads 1]
     python benchmarks/engine_bench.py cores/smollm2 --device cuda [--no-graphs] [--batches 1,8,32,128]
+    python benchmarks/engine_bench.py cores/smollm2 --breakdown [--tokens 64]
 
 Measures decode tokens/s for 1, 8 and 32 concurrent sequences (greedy, ignore_eos,
 prompts already prefilled), and estimates the ceiling of each from measured fp32 matmul
@@ -20,6 +21,9 @@ AVX-512 host as an AVX2 one; this script applies them itself when it is the firs
 --grammar instead compares 16 concurrent JSON-schema-constrained requests (a schema too
 long to finish within --tokens, so every row stays masked) against 16 unconstrained ones
 on the same engine, and prints the throughput cost of the grammar masks (target <= 15%).
+
+--breakdown times one stream's decode steps in parts (module step_breakdown): the engine step, the
+executor's inputs, the step program, and the core's linears alone next to the bandwidth limit.
 
 --device cuda[:N] runs the engine on a GPU with CUDA graphs for decode steps (--no-graphs: eager);
 the CPU ceiling is not estimated there, and each row reports the step launches by kind instead.
@@ -40,7 +44,8 @@ cpu_isa.apply()  # before torch starts (FLARE_CPU_ISA)
 import torch  # noqa: E402
 
 from helios.core import Core  # noqa: E402
-from helios.engine import EngineConfig, LLMEngine, build_engine  # noqa: E402
+from helios.core.program import STEP  # noqa: E402
+from helios.engine import EngineConfig, LLMEngine, build_engine, prepack  # noqa: E402
 from helios.engine.request import EngineRequest  # noqa: E402
 from helios.engine.sampling_params import SamplingParams  # noqa: E402
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint, GrammarMasks  # noqa: E402
@@ -97,6 +102,65 @@ def decode_throughput(
     while engine.has_work:
         engine.step()
     return (engine.stats.generated_tokens - generated) / (time.perf_counter() - start)
+
+
+def step_breakdown(engine: LLMEngine, core: Core, tokenizer, tokens: int, bandwidth: float, step_bytes: float) -> dict:
+    """Where one stream's decode step goes: the whole engine step (scheduling, the step, sampling and
+    bookkeeping), the executor's share (building the inputs and running the step), the step program
+    alone, and, inside it, the core's linears alone on the kernel the engine uses (at one row,
+    timed apart) next to the bandwidth limit of the bytes a step reads. Medians over the decode
+    steps of one sequence (ms); tokens per step above 1 are speculation's."""
+    executor = engine.executor
+    spent: dict[str, list[float]] = {"run": [], "program": []}
+
+    def timed(name: str, call):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[name].append(time.perf_counter() - start)
+
+        return wrapper
+
+    executor.run, executor._launch = timed("run", executor.run), timed("program", executor._launch)
+    steps: list[float] = []
+    try:
+        prompt = tuple(tokenizer.encode("Request 0: write about the sea.").ids)
+        engine.add(EngineRequest("breakdown", prompt, (GREEDY,), tokens + 1, ignore_eos=True))
+        while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        generated = engine.stats.generated_tokens
+        for values in spent.values():
+            values.clear()
+        while engine.has_work:
+            start = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - start)
+    finally:
+        del executor.run, executor._launch  # the instance's wrappers: the class's methods again
+    median = lambda values: 1e3 * sorted(values)[len(values) // 2] if values else 0.0  # noqa: E731
+    m = core.manifest
+    program = core.load_program(STEP, check_guards=False)
+    weights = core.load_weights("cpu")
+    if engine.upcast_from:
+        weights = {name: w.float() if w.is_floating_point() else w for name, w in weights.items()}
+    names = prepack.linear_weights([program], weights)
+    kernel = executor.linear_kernel if executor.linear_kernel in (*prepack.NATIVE_KERNELS, prepack.ONEDNN) else None
+    linears = prepack.measure_linears(kernel, 1, [weights[n] for n in names]) if kernel and names else None
+    step, run, call = median(steps), median(spent["run"]), median(spent["program"])
+    return {
+        "tokens_per_step": round((engine.stats.generated_tokens - generated) / max(1, len(steps)), 2),
+        "threads": torch.get_num_threads(),
+        "step_ms": round(step, 2),
+        "engine_ms": round(step - run, 2),
+        "inputs_ms": round(run - call, 2),
+        "program_ms": round(call, 2),
+        "linears_ms": round(linears, 2) if linears is not None else None,
+        "linear_mb": round(sum(weights[n].numel() * weights[n].element_size() for n in names) / 1e6, 1),
+        "bandwidth_limit_ms": round(step_bytes / bandwidth * 1e3, 2),
+        "decode_weight_mb": round(m.decode_weight_bytes * (2 if engine.upcast_from else 1) / 1e6, 1),
+    }
 
 
 # Never complete within the measured tokens: at least 1000 short strings.
@@ -165,6 +229,9 @@ def main() -> None:
     parser.add_argument("--grammar-threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--no-graphs", action="store_true", help="CUDA: run decode steps eagerly")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="where one stream's decode step goes (engine, inputs, step, linears)"
+    )
     args = parser.parse_args()
     core = Core.open(args.core, verify_checksums=False)
     if args.grammar:
@@ -193,6 +260,24 @@ def main() -> None:
     # What a decode step streams, as the engine holds the weights (upcast: fp32, twice the bytes).
     step_bytes = m.decode_weight_bytes * (2 if engine.upcast_from else 1)
     limit = step_bytes / bandwidth  # seconds per decode step at full read bandwidth
+    if args.breakdown:
+        parts = step_breakdown(engine, core, tokenizer, args.tokens, bandwidth, step_bytes)
+        print(
+            f"core {args.core}: {engine.executor.step_kind} step, linears on {engine.executor.linear_kernel}, "
+            f"{parts['threads']} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s"
+        )
+        print(
+            f"one stream, median per decode step ({parts['tokens_per_step']} tokens a step): "
+            f"{parts['step_ms']} ms = engine {parts['engine_ms']} (scheduling, sampling, bookkeeping) "
+            f"+ inputs {parts['inputs_ms']} + step program {parts['program_ms']}"
+        )
+        print(
+            f"the linears alone ({parts['linear_mb']} MB) at one row: {parts['linears_ms']} ms; "
+            f"the bandwidth limit of the {parts['decode_weight_mb']} MB a step reads: {parts['bandwidth_limit_ms']} ms"
+        )
+        if args.json:
+            args.json.write_text(json.dumps(parts, indent=2) + "\n")
+        return
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         measured = decode_throughput(engine, tokenizer, batch, args.tokens)

@@ -1,6 +1,7 @@
 """Load generator for any OpenAI-compatible server (helios, llama-server, vLLM, ...).
 
     python benchmarks/serve_bench.py http://127.0.0.1:8000 [--model M] [--scenario all] [--json out.json]
+    python benchmarks/serve_bench.py URL --scenario sweep --levels 1,64 --device cuda
 
 Scenarios (prompts are fixed and seeded, so runs are comparable):
   single   one stream, 128 output tokens
@@ -12,6 +13,10 @@ Scenarios (prompts are fixed and seeded, so runs are comparable):
            (the workload speculative decoding targets); helios also reports its acceptance
            rate and DEPTH over the run from /metrics
 Reports output tokens/s, requests/s, TTFT p50/p99, inter-token latency p50/p99, errors.
+
+--levels sets the sweep's concurrency levels. The device is the server's (helios: [server] device):
+the report records what a helios server says it serves on (/v1/models: device, CUDA graphs), and
+--device D makes the run fail unless it serves on D (a server left on "auto" may be on the CPU).
 """
 
 from __future__ import annotations
@@ -270,8 +275,20 @@ def _speculation_delta(before: dict | None, after: dict | None) -> dict:
     }
 
 
+async def served_on(url: str) -> dict | None:
+    """The device and CUDA graphs a helios server reports in /v1/models (None from other servers)."""
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            response = await client.get(url + "/v1/models")
+            models = response.json().get("data") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    flare = (models or [{}])[0].get("flare") if isinstance(models, list) else None
+    return {"device": flare.get("device"), "cuda_graphs": flare.get("cuda_graphs")} if isinstance(flare, dict) else None
+
+
 async def run(url: str, model: str, scenarios: list[str], levels: tuple[int, ...] = CONCURRENCY) -> dict:
-    report: dict = {"url": url}
+    report: dict = {"url": url, "server": await served_on(url)}
     if "single" in scenarios:
         report["single"] = await single(url, model)
     if "sweep" in scenarios:
@@ -294,10 +311,17 @@ def main() -> None:
     parser.add_argument(
         "--scenario", default="all", help="single, sweep, prefix, prefill, edit, busy or all (comma-separated)"
     )
+    parser.add_argument("--levels", default=",".join(map(str, CONCURRENCY)), help="the sweep's concurrency levels")
+    parser.add_argument("--device", help="fail unless the (helios) server reports serving on this device")
     parser.add_argument("--json")
     args = parser.parse_args()
     scenarios = ["single", "sweep", "prefix", "prefill", "edit"] if args.scenario == "all" else args.scenario.split(",")
-    report = asyncio.run(run(args.url.rstrip("/"), args.model, scenarios))
+    url = args.url.rstrip("/")
+    if args.device is not None:
+        server = asyncio.run(served_on(url))
+        if server is None or server["device"] != args.device:
+            raise SystemExit(f"--device {args.device}: the server at {url} reports serving on {server}")
+    report = asyncio.run(run(url, args.model, scenarios, tuple(int(c) for c in args.levels.split(","))))
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as handle:

@@ -62,6 +62,23 @@ def serve(
         bool,
         typer.Option("--verbose", help="Also show the libraries' own INFO lines (torch's compiler and shape logs)."),
     ] = False,
+    tensor_parallel: Annotated[
+        int | None,
+        typer.Option(
+            "--tensor-parallel", help=escape("Ranks to run on, one process each (overrides [parallel] tensor).")
+        ),
+    ] = None,
+    expert_parallel: Annotated[
+        bool | None,
+        typer.Option("--expert-parallel", help="Split the experts across the ranks (a core exported so)."),
+    ] = None,
+    nnodes: Annotated[int | None, typer.Option("--nnodes", help="Machines the ranks run on.")] = None,
+    node_rank: Annotated[int | None, typer.Option("--node-rank", help="This machine's index (0 serves HTTP).")] = None,
+    master_addr: Annotated[str | None, typer.Option("--master-addr", help="Node 0's address (rendezvous).")] = None,
+    master_port: Annotated[int | None, typer.Option("--master-port", help="Node 0's rendezvous port.")] = None,
+    headless: Annotated[
+        bool | None, typer.Option("--headless", help="Run this machine's ranks without serving HTTP (node-rank > 0).")
+    ] = None,
 ) -> None:
     """Serve a core: OpenAI Chat/Completions/Responses, Anthropic Messages, Ollama discovery, scoring, health, metrics."""
     import os
@@ -95,14 +112,38 @@ def serve(
         logging.getLogger(noisy).setLevel(max(quiet, logging.getLogger().level))
     from helios.config import ConfigError, load_config
     from helios.core import CoreError
+    from helios.engine import ParallelError
+    from helios.server import ranks
     from helios.server.app import create_app
     from helios.server.lifecycle import serve as serve_until_signal
-    from helios.server.state import build_state
+    from helios.server.state import build_state, resolve_device
 
+    flags = {
+        "tensor": tensor_parallel,
+        "expert": expert_parallel,
+        "nnodes": nnodes,
+        "node_rank": node_rank,
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "headless": headless,
+    }
     try:
-        settings = load_config(config, api_key_file=api_key_file, host=host, port=port, draft_core=draft_core)
-        state = build_state(core, settings)
-    except (ConfigError, CoreError) as exc:
+        settings = load_config(
+            config,
+            api_key_file=api_key_file,
+            host=host,
+            port=port,
+            draft_core=draft_core,
+            parallel={k: v for k, v in flags.items() if v is not None},
+        )
+        world = None
+        if ranks.wanted(settings):
+            joined = ranks.join(core, settings, resolve_device(settings), log_level)
+            if isinstance(joined, int):  # a headless rank, stopped by rank 0
+                raise typer.Exit(joined)
+            world = joined
+        state = build_state(core, settings, world)
+    except (ConfigError, CoreError, ParallelError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     weights = state.core.manifest.weights.dtype

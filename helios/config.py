@@ -8,6 +8,9 @@
   speculation, max_draft_tokens, speculative_rows, history_drafts, learned_drafts, draft_core, state_snapshots,
   snapshot_interval, anchor_guards, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
   host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction, window_pool, image_cache_mb
+
+`[parallel]` table keys (all optional; docs/parallel.md): tensor, expert, timeout_s, nnodes, node_rank,
+  master_addr, master_port, headless
 """
 
 from __future__ import annotations
@@ -23,6 +26,20 @@ MIB = 1 << 20
 
 class ConfigError(ValueError):
     """An invalid setting; the message names it and says what is accepted."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor/expert parallel serving ([parallel]; `helios serve --tensor-parallel N ...` overrides)."""
+
+    tensor: int = 1  # ranks (one process each); the core must declare the size (ignition export --tensor-parallel)
+    expert: bool = False  # MoE cores exported with --expert-parallel: experts split across the ranks
+    timeout_s: float = 60.0  # rendezvous and every collective's deadline
+    nnodes: int = 1  # machines; each runs tensor / nnodes ranks
+    node_rank: int = 0  # this machine's index (0 serves HTTP)
+    master_addr: str = "127.0.0.1"  # node 0's address, where rank 0's rendezvous listens
+    master_port: int = 29500
+    headless: bool = False  # a machine other than node 0: run its ranks, serve no HTTP
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +140,7 @@ class ServerConfig:
     host_cache_memory_mb: int | None = None
     host_cache_disk_mb: int = 4096
     host_cache_dir: str | None = None
+    parallel: ParallelConfig = ParallelConfig()  # the [parallel] table
 
     @property
     def auth_enabled(self) -> bool:
@@ -207,7 +225,28 @@ def _check(config: ServerConfig) -> ServerConfig:
     rows = config.serial_decode_rows
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
         raise ConfigError(f"[server] serial_decode_rows must be a non-negative integer (0 disables), got {rows!r}")
+    _check_parallel(config.parallel)
     return config
+
+
+def _check_parallel(p: ParallelConfig) -> None:
+    for name in ("tensor", "nnodes", "master_port"):
+        value = getattr(p, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"[parallel] {name} must be a positive integer, got {value!r}")
+    if not isinstance(p.node_rank, int) or isinstance(p.node_rank, bool) or not 0 <= p.node_rank < p.nnodes:
+        raise ConfigError(f"[parallel] node_rank must be from 0 to nnodes - 1, got {p.node_rank!r}")
+    if p.tensor % p.nnodes:
+        raise ConfigError(f"[parallel] tensor ({p.tensor}) must be a multiple of nnodes ({p.nnodes})")
+    if isinstance(p.timeout_s, bool) or not isinstance(p.timeout_s, (int, float)) or not 0 < p.timeout_s <= 3600:
+        raise ConfigError(
+            f"[parallel] timeout_s must be a number of seconds above 0 and at most 3600, got {p.timeout_s!r}"
+        )
+    for name in ("expert", "headless"):
+        if not isinstance(getattr(p, name), bool):
+            raise ConfigError(f"[parallel] {name} must be true or false")
+    if not isinstance(p.master_addr, str) or not p.master_addr:
+        raise ConfigError("[parallel] master_addr must be a nonempty string")
 
 
 def load_config(
@@ -217,9 +256,12 @@ def load_config(
     host: str | None = None,
     port: int | None = None,
     draft_core: Path | None = None,
+    parallel: dict[str, Any] | None = None,
 ) -> ServerConfig:
-    """Build the server configuration: file, then flags (a key file overrides api_key)."""
+    """Build the server configuration: file, then flags (a key file overrides api_key; `parallel`:
+    the [parallel] keys given as flags)."""
     values: dict[str, Any] = {}
+    parallel_values: dict[str, Any] = {}
     if path is not None:
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -227,11 +269,20 @@ def load_config(
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        unknown_tables = set(data) - {"server"}
+        unknown_tables = set(data) - {"server", "parallel"}
         if unknown_tables:
-            raise ConfigError(f"config file {path}: unknown tables {sorted(unknown_tables)} (only [server] is read)")
+            raise ConfigError(
+                f"config file {path}: unknown tables {sorted(unknown_tables)} (only [server] and [parallel] are read)"
+            )
         values = dict(data.get("server", {}))
-        known = {f.name for f in fields(ServerConfig)}
+        parallel_values = dict(data.get("parallel", {}))
+        known_parallel = {f.name for f in fields(ParallelConfig)}
+        if set(parallel_values) - known_parallel:
+            raise ConfigError(
+                f"config file {path}: unknown [parallel] keys {sorted(set(parallel_values) - known_parallel)} "
+                f"(known: {', '.join(sorted(known_parallel))})"
+            )
+        known = {f.name for f in fields(ServerConfig)} - {"parallel"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(
@@ -241,7 +292,8 @@ def load_config(
             if not isinstance(values["aliases"], list):
                 raise ConfigError("[server] aliases must be a list of strings")
             values["aliases"] = tuple(values["aliases"])
-    config = ServerConfig(**values)
+    parallel_values.update(parallel or {})
+    config = ServerConfig(**values, parallel=ParallelConfig(**parallel_values))
     if api_key_file is not None:
         try:
             key = api_key_file.read_text(encoding="utf-8").strip()

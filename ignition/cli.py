@@ -102,10 +102,24 @@ def export(
             help="Also build the step ahead of time for this CPU (AOTInductor; needs a C++ compiler, minutes). helios runs it on hosts with the same CPU features and torch, the portable step elsewhere.",
         ),
     ] = False,
+    tensor_parallel: Annotated[
+        str,
+        typer.Option(
+            "--tensor-parallel",
+            help="Tensor-parallel sizes the core can be served at (e.g. 1,2,4): rank programs and weight shards for each (docs/parallel.md).",
+        ),
+    ] = "1",
+    expert_parallel: Annotated[
+        bool,
+        typer.Option(
+            "--expert-parallel", help="MoE families: split the experts across the ranks instead of each expert's width."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
 ) -> None:
     """Export a checkpoint plus a recipe into a core bundle, self-checked against a reference forward."""
     from ignition.export import ExportOptions, check_options, export_core
+    from ignition.parallel import parse_sizes
     from ignition.progress import export_phases
     from ignition.recipe import load_recipe
     from ignition.sources import open_source, resolve_default_source
@@ -126,6 +140,8 @@ def export(
             ranges=not no_ranges,
             model_id=model_id,
             compile_step=compile_step,
+            tensor_parallel=parse_sizes(tensor_parallel),
+            expert_parallel=expert_parallel,
         )
         check_options(options)
         loaded = load_recipe(recipe)

@@ -42,10 +42,11 @@ from helios.core.program import (
     run_prompt,
     vision_signature,
 )
+from ignition import parallel
 from ignition.compiled import compile_program
 from ignition.errors import SourceError, UsageError, VerifyError
 from ignition.models import family
-from ignition.models.family import Family
+from ignition.models.family import Family, PromptImages
 from ignition.models.moe import stack_experts
 from ignition.models.naming import rename
 from ignition.recipe import Recipe, without_ranges
@@ -83,6 +84,8 @@ class ExportOptions:
     ranges: bool = True
     model_id: str | None = None
     compile_step: bool = False  # also build the step ahead of time for this host (AOTInductor)
+    tensor_parallel: tuple[int, ...] = (1,)  # declared tensor-parallel sizes (ignition.parallel)
+    expert_parallel: bool = False  # MoE rank programs split the experts across the ranks
 
 
 @dataclass
@@ -279,7 +282,9 @@ def export_program(
     kv: mf.KvLayout,
     page_tokens: int,
     path: Path,
+    tp: int = 1,
 ) -> mf.ProgramSpec:
+    """`tp` > 1: a rank program of that many ranks, traced with the sharded config (ignition.parallel)."""
     width = vision_width(fam, config)
     inputs, outputs = program_signature(
         kind,
@@ -294,6 +299,7 @@ def export_program(
     if fam.extra_step_outputs is not None:
         outputs += fam.extra_step_outputs(config)
     module = fam.step_program(config, num_top, explicit, scored=kind == SCORED_PREFILL)
+    module.tp = tp
     examples = (
         {
             "image_features": torch.randn(2, width, generator=torch.Generator().manual_seed(0)),
@@ -357,7 +363,7 @@ def self_check_vision(
     prompt = head + [profile.image_token_id] * int(got.shape[0]) + list(profile.suffix_token_ids) + list(prompts[0][5:])
     image_positions = list(range(len(head), len(head) + int(got.shape[0])))
     reference = torch.log_softmax(
-        fam.reference.logits(config, stored, prompt, expected, image_positions).float(), dim=-1
+        fam.reference.logits(config, stored, prompt, PromptImages(expected, tuple(image_positions))).float(), dim=-1
     )
     for kind, program in programs.items():
         run = run_prompt(
@@ -544,6 +550,22 @@ def _tokenizer_info(
     )
 
 
+def kv_layout(fam: Family, config: object, dtype: str) -> mf.KvLayout:
+    """The caches of a family's config in `dtype`: paged K/V, its extra caches, recurrent state and window pool."""
+    num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
+    kv = mf.KvLayout(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        shared_kv=fam.shared_kv,
+        extra=tuple(mf.ExtraCache(*e) for e in (fam.extra_caches(config) if fam.extra_caches else ())),
+        state=tuple(mf.StateCache(*e) for e in (fam.state_caches(config) if fam.state_caches else ())),
+    )
+    pooled = fam.window_pool(config) if fam.window_pool else None  # sliding layers' caches pooled apart
+    return msgspec.structs.replace(kv, window_pool=mf.WindowPool(*pooled)) if pooled is not None else kv
+
+
 def export_core(
     checkpoint: Checkpoint, recipe: Recipe, options: ExportOptions, progress: Progress | None = None
 ) -> ExportResult:
@@ -565,6 +587,7 @@ def export_core(
     except (KeyError, ValueError) as exc:
         raise SourceError(f"{checkpoint.reference}: unsupported or incomplete config ({exc})") from exc
     limits = _limits(options, config)
+    parallel.check(fam, config, options.tensor_parallel, options.expert_parallel)
     if options.compile_step and fam.vision_of(config) is not None:
         raise UsageError("--compile-step does not build vision cores yet (the step's image inputs); export without it")
     phase(f"converting weights to {options.dtype}")
@@ -574,19 +597,7 @@ def export_core(
         except ValueError as exc:
             raise SourceError(f"{checkpoint.reference}: {exc}") from exc
     weights = internal_weights(fam, checkpoint, config, DTYPES[options.dtype])
-    num_layers, num_kv_heads, head_dim = fam.kv_shape(config)
-    kv = mf.KvLayout(
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        dtype=options.kv_dtype or options.dtype,
-        shared_kv=fam.shared_kv,
-        extra=tuple(mf.ExtraCache(*e) for e in (fam.extra_caches(config) if fam.extra_caches else ())),
-        state=tuple(mf.StateCache(*e) for e in (fam.state_caches(config) if fam.state_caches else ())),
-    )
-    pooled = fam.window_pool(config) if fam.window_pool else None  # sliding layers' caches pooled apart
-    if pooled is not None:
-        kv = msgspec.structs.replace(kv, window_pool=mf.WindowPool(*pooled))
+    kv = kv_layout(fam, config, options.kv_dtype or options.dtype)
     template = checkpoint.chat_template if recipe.info.template_source == "checkpoint" else None
     tokenizer = Tokenizer.from_str(checkpoint.tokenizer_json)
     staging = Path(tempfile.mkdtemp(prefix=f".{options.out.name}.", dir=options.out.parent))
@@ -618,6 +629,22 @@ def export_core(
             specs[VISION] = export_vision(fam, config, weights, staging / "programs" / f"{VISION}.pt2")
             vision_program = Program.load(VISION, specs[VISION], staging / specs[VISION].file)
         specs.update({kind: spec for kind, (spec, _) in extras.items()})
+        if max(options.tensor_parallel) > 1:
+            phase(f"exporting the rank programs and shards for --tensor-parallel {max(options.tensor_parallel)}")
+        declared = parallel.export_ranks(
+            fam,
+            config,
+            options.tensor_parallel,
+            options.expert_parallel,
+            kinds,
+            weights,
+            lambda c: kv_layout(fam, c, options.kv_dtype or options.dtype),  # type: ignore[arg-type]
+            options.dtype,
+            staging,
+            lambda c, kind, w, kv_, path, tp: export_program(
+                fam, c, kind, options.max_top_logprobs, options.logprob_ids, w, kv_, options.page_tokens, path, tp
+            ),
+        )
         phase("writing weights and tokenizer")
         save_file(weights, str(staging / "weights.safetensors"))
         (staging / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
@@ -711,6 +738,7 @@ def export_core(
             files=files,
             compiled=compiled,
             vision=profile,
+            parallel=declared,
         )
         (staging / mf.MANIFEST_FILE).write_bytes(mf.encode(manifest))
         _install(staging, options.out)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from helios.engine.request import EngineRequest
 
@@ -70,6 +73,30 @@ class ScriptedExecutor:
                 logits[row, token] = 0.0
                 row += 1
         return dataclasses.replace(result, logits=logits, logsumexp=logits.logsumexp(dim=-1))
+
+
+class KernelRecorder:
+    """Stands in for the flare IMPL library a kernel family registers into: records the kernel
+    each op gets in the `key` dispatch slot ("CPU", "CUDA")."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.kernels: dict[str, Callable] = {}
+
+    def impl(self, name: str, kernel: Callable, key: str) -> None:
+        assert key == self.key
+        self.kernels[name] = kernel
+
+
+def assert_takes_op_arguments(name: str, kernel: Callable) -> None:
+    """`kernel` takes flare::`name`'s arguments as the dispatcher hands them over: its schema's
+    names, in its order, with its defaults (helios.core.ops)."""
+    schema = getattr(torch.ops.flare, name).default._schema
+    expected = [
+        (a.name, a.default_value if a.has_default_value() else inspect.Parameter.empty) for a in schema.arguments
+    ]
+    parameters = inspect.signature(kernel).parameters.values()
+    assert [(p.name, p.default) for p in parameters] == expected, name
 
 
 ANTHROPIC_SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec" / "external" / "anthropic-hosted_spec.json"

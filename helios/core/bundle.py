@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from helios.core import hostcache
 from helios.core import manifest as mf
+from helios.core.ops import catalog as ops_catalog
 from helios.core.program import SCORED_PREFILL, STEP, CompiledProgram, Program
 
 CHUNK = 1 << 22
@@ -80,6 +81,9 @@ class Core:
             raise CoreFormatError(f"{path}: {exc}") from exc
         except mf.ManifestError as exc:
             raise CoreError(f"{path}: {exc}") from exc
+        unsupported = ops_catalog.problem(manifest.ops.namespace, manifest.ops.version, manifest.ops.ops)
+        if unsupported is not None:
+            raise CoreFormatError(f"{path}: {unsupported}")
         core = cls(root, manifest)
         if verify_checksums:
             core.verify_checksums(trust_unchanged)

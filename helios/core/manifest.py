@@ -1,4 +1,4 @@
-"""core.json: the manifest of a core bundle, format version 1.
+"""core.json: the manifest of a core bundle, format version 2 (version 1: no `parallel`).
 
 The manifest is the contract between ignition (which writes it) and helios (which
 serves from it). Its structs are decoded strictly; the format name and version are
@@ -15,7 +15,8 @@ import msgspec
 from helios.core.sampling import SamplingSpec
 
 FORMAT_NAME = "flare-core"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+OLDEST_FORMAT_VERSION = 1  # read as a core declaring only one rank (no `parallel` record)
 MANIFEST_FILE = "core.json"
 MAX_TOP_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 128  # per request, before deduplication; the chosen token may add one
@@ -332,6 +333,23 @@ class Provenance(_Struct):
     exported_at: str  # the only field that differs between two exports of one source
 
 
+class ParallelLayout(_Struct):
+    """One declared tensor-parallel size N > 1: the rank programs (one file per kind, the same for
+    every rank: a rank's offsets are weights) and each rank's weight shard (docs/parallel.md)."""
+
+    programs: dict[str, ProgramSpec]  # kind -> the rank program (traced with heads, kv heads, MLP width / N)
+    weights: tuple[WeightsInfo, ...]  # rank r's shard is weights[r]
+    kv: KvLayout  # each rank's caches (kv heads / N); every rank's pool has the same page count
+    expert: bool = False  # experts split across the ranks (expert parallel) instead of each expert's width
+
+
+class Parallel(_Struct):
+    """The tensor-parallel sizes a core can be served at; absent: one rank only."""
+
+    tensor: tuple[int, ...] = (1,)  # declared sizes, ascending, always with 1
+    layouts: dict[str, ParallelLayout] = {}  # str(N) -> its layout, every declared N > 1
+
+
 class Manifest(_Struct):
     format: FormatTag
     model: ModelInfo
@@ -350,6 +368,7 @@ class Manifest(_Struct):
     files: dict[str, str]  # every other file of the bundle -> sha256
     compiled: dict[str, CompiledSpec] = {}  # program kind -> its ahead-of-time build, where exported
     vision: VisionProfile | None = None  # image preparation of a vision core (capabilities.vision); None: text-only
+    parallel: Parallel = Parallel()  # tensor-parallel sizes and their rank programs and shards (format 2)
 
     @property
     def public_id(self) -> str:
@@ -388,9 +407,9 @@ def decode(data: bytes) -> Manifest:
             f"core format version {version} is newer than this Flare understands (version {FORMAT_VERSION}): "
             "upgrade Flare, or re-export the core with this version's `ignition export`"
         )
-    if version < FORMAT_VERSION:
+    if version < OLDEST_FORMAT_VERSION:
         raise ManifestError(
-            f"core format version {version} is no longer supported (current {FORMAT_VERSION}): "
+            f"core format version {version} is no longer supported (oldest {OLDEST_FORMAT_VERSION}): "
             "re-export the core with `ignition export`"
         )
     try:

@@ -2,7 +2,7 @@
 "The engine's face"). Submodules below import each other directly, never from this package."""
 
 from helios.engine.build import build_engine
-from helios.engine.client import EngineClient, EngineUnavailable, QueueFull, RequestRejected
+from helios.engine.client import EngineClient, EngineUnavailable, FlushRefused, QueueFull, RequestRejected
 from helios.engine.devices import DeviceError, is_cuda
 from helios.engine.devices import resolve as resolve_device
 from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
@@ -10,7 +10,13 @@ from helios.engine.logprobs import RankedLogprob, TokenLogprobs
 from helios.engine.memory.host_store import default_directory as default_host_cache_directory
 from helios.engine.memory.host_store import default_memory_bytes as default_host_cache_memory_bytes
 from helios.engine.memory.vision_inputs import RestoredInputs, VisionInputStore, vision_identity
-from helios.engine.metrics import EMPTY_HISTOGRAM, EngineMetrics, HistogramSnapshot, HostStoreMetrics
+from helios.engine.metrics import EMPTY_HISTOGRAM, CacheFlush, EngineMetrics, HistogramSnapshot, HostStoreMetrics
+from helios.engine.parallel.launch import plan_from as parallel_plan
+from helios.engine.parallel.launch import run_headless as serve_headless_rank
+from helios.engine.parallel.launch import start as start_parallel
+from helios.engine.parallel.world import World as ParallelWorld
+from helios.engine.parallel.world import WorldError as ParallelError
+from helios.engine.parallel.world import rank_core
 from helios.engine.request import (
     IMAGE_COUNTERS,
     EngineEvent,
@@ -32,6 +38,9 @@ __all__ = [
     "EngineUnavailable",
     "QueueFull",
     "RequestRejected",
+    # dropping the prefix caches (POST /flush_cache)
+    "CacheFlush",
+    "FlushRefused",
     # the engine, built from its config
     "EngineConfig",
     "HostCacheConfig",
@@ -44,6 +53,13 @@ __all__ = [
     "draft_core_incompatibility",
     "default_host_cache_directory",
     "default_host_cache_memory_bytes",
+    # tensor/expert parallel serving (helios.engine.parallel)
+    "ParallelWorld",
+    "ParallelError",
+    "parallel_plan",
+    "start_parallel",
+    "serve_headless_rank",
+    "rank_core",
     # host retention of CPU vision inputs (the frontend looks there before decoding an image)
     "VisionInputStore",
     "RestoredInputs",

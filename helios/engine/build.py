@@ -54,18 +54,22 @@ def build_engine(core: Core, config: EngineConfig, mask_hook: MaskHook | None = 
     speculation = config.speculation
     learned_drafts = speculation.mode != "off" and speculation.learned
     mtp = mtp_kinds(m.programs) if learned_drafts and config.draft_core is None else ()
-    executor = Executor(
-        core,
-        pool.num_pages,
-        config.device,
-        config.serial_decode_rows,
-        upcast_from is not None,
-        config.compiled_step,
-        states.num_slots if states else 1,
-        mtp,
+    executor_options = dict(
+        device=config.device,
+        serial_decode_rows=config.serial_decode_rows,
+        upcast=upcast_from is not None,
+        compiled=config.compiled_step,
+        num_slots=states.num_slots if states else 1,
+        drafters=mtp,
         cuda_graphs=config.cuda_graphs and devices.is_cuda(config.device),
         num_window_pages=window.pool.num_pages if window is not None else None,
     )
+    if config.parallel is not None:  # rank 0 of N: every call goes to the other ranks too
+        from helios.engine.parallel.proxy import RankZeroExecutor
+
+        executor: Executor = RankZeroExecutor(config.parallel, core, pool.num_pages, **executor_options)
+    else:
+        executor = Executor(core, pool.num_pages, **executor_options)  # type: ignore[arg-type]
     if executor.compiled_fallback:
         log.warning("%s", executor.compiled_fallback)
     _attach_image_encoder(core, config, executor, stats)
@@ -270,6 +274,9 @@ def _host_store(
 ) -> HostStore | None:
     host = config.host_cache
     if host is None:
+        return None
+    if config.parallel is not None:
+        log.warning("host cache: off at --tensor-parallel > 1 (its records are not per-rank yet; docs/parallel.md)")
         return None
     m = core.manifest
     if window is not None:

@@ -11,11 +11,12 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from helios.core.logs import log_failure
 from helios.engine.engine import LLMEngine
-from helios.engine.metrics import EngineMetrics
+from helios.engine.metrics import CacheFlush, EngineMetrics
 from helios.engine.request import EngineEvent, EngineRequest, FinishCause
 
 log = logging.getLogger("helios.engine")
@@ -31,6 +32,10 @@ class QueueFull(RuntimeError):
 
 class EngineUnavailable(RuntimeError):
     """The engine thread has stopped."""
+
+
+class FlushRefused(RuntimeError):
+    """A prefix-cache flush asked for while requests are open: nothing was dropped."""
 
 
 @dataclass(eq=False)
@@ -49,6 +54,7 @@ class EngineClient:
         self._wake = threading.Event()
         self._inbox: list[EngineRequest] = []
         self._aborts: list[tuple[str, int | None]] = []
+        self._flushes: list[Future[CacheFlush]] = []  # flush_prefix_cache calls the engine thread has not run
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._refusal: str | None = None  # set while draining: why new requests are refused
@@ -87,6 +93,11 @@ class EngineClient:
     @property
     def healthy(self) -> bool:
         return self._thread.is_alive() and self.failure is None
+
+    @property
+    def refusal(self) -> str | None:
+        """Why new requests are refused while the engine still runs (draining after stop_admitting), or None."""
+        return self._refusal
 
     def metrics(self) -> EngineMetrics:
         """The engine's counters and gauges now (any thread; read racily from the engine thread's)."""
@@ -137,6 +148,19 @@ class EngineClient:
         if self._refusal is not None:
             raise EngineUnavailable(self._refusal)
 
+    def flush_prefix_cache(self) -> Future[CacheFlush]:
+        """Drop every cached prefix (GPU pages, state snapshots, host store) on the engine thread
+        between steps. The future fails with FlushRefused while any request is open (submitted and
+        not finished), and with EngineUnavailable when the engine has stopped."""
+        future: Future[CacheFlush] = Future()
+        with self._lock:
+            if not self.healthy:
+                future.set_exception(EngineUnavailable(self.failure or "the engine is not running"))
+                return future
+            self._flushes.append(future)
+        self._wake.set()
+        return future
+
     def abort(self, request_id: str, choice_index: int | None = None) -> None:
         with self._lock:
             self._aborts.append((request_id, choice_index))
@@ -161,10 +185,13 @@ class EngineClient:
                 with self._lock:
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
+                    flushes, self._flushes = self._flushes, []
                 for request in inbox:
                     self.engine.add(request)
                 for request_id, choice_index in aborts:
                     self.engine.abort(request_id, choice_index)
+                for future in flushes:
+                    self._flush(future)
                 if not self.engine.has_work:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
@@ -174,6 +201,20 @@ class EngineClient:
             log_failure(log, "engine thread died", exc)
             self.failure = f"the engine stopped: {type(exc).__name__}: {exc}"
             self.fail_open(self.failure)
+        with self._lock:  # stopped or failed: flushes asked for now have no thread to run them
+            flushes, self._flushes = self._flushes, []
+        for future in flushes:
+            future.set_exception(EngineUnavailable(self.failure or "the engine has stopped"))
+
+    def _flush(self, future: Future[CacheFlush]) -> None:
+        open_requests = self.num_open
+        flushed = self.engine.flush_prefix_cache() if not open_requests else None
+        if flushed is None:
+            future.set_exception(
+                FlushRefused(f"{open_requests or 'some'} requests are open: flush the cache when none runs")
+            )
+        else:
+            future.set_result(flushed)
 
     def _deliver(self, events: list[EngineEvent]) -> None:
         # One wake-up per event loop per step, not one per event: each wake-up is a

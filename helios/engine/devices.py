@@ -1,8 +1,9 @@
 """Which device helios serves on, and how large a CUDA KV pool fits beside the weights.
 
 `[server] device` is "auto", "cpu", "cuda" or "cuda:N" (helios.config checks the spelling);
-resolve() turns it into the torch device string the engine runs on. kv_pages_for() is the
-pure sizing rule for a CUDA pool sized from free device memory (no kv_pages / kv_memory_mb).
+resolve() turns it into the torch device string the engine runs on; prepare() readies the flare::
+ops for it (on CUDA, helios' Triton kernels). kv_pages_for() is the pure sizing rule for a CUDA
+pool sized from free device memory (no kv_pages / kv_memory_mb).
 """
 
 from __future__ import annotations
@@ -53,6 +54,29 @@ def resolve(
 
 def is_cuda(device: str) -> bool:
     return device.split(":")[0] == "cuda"
+
+
+def prepare(device: str) -> None:
+    """Ready the dispatcher for steps on `device`, before any program runs there: on CUDA, helios'
+    Triton kernels for every flare:: op go into its CUDA slot (helios.engine.cuda.registry; once
+    per process). DeviceError where triton is not installed; nothing to do on other devices."""
+    if not is_cuda(device):
+        return
+    from helios.engine.cuda import registry
+
+    try:
+        registry.register()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "triton":
+            raise
+        import torch
+
+        raise DeviceError(
+            f'[server] device = "{device}" needs triton, which helios\' CUDA kernels for the flare:: ops are '
+            f"written in, and it is not installed here ({exc}; torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda}): install the triton release this torch was built with (pip install triton), "
+            'or set device = "cpu"'
+        ) from exc
 
 
 def kv_pages_for(free_bytes: int, fraction: float, page_bytes: int, graph_reserve_bytes: int) -> int:

@@ -31,7 +31,8 @@ from helios.engine.memory.host_store import Histogram, HostStore
 from helios.engine.memory.kv_cache import PagePool
 from helios.engine.memory.state_slots import StatePool
 from helios.engine.memory.window_pages import WindowPages
-from helios.engine.metrics import EngineMetrics, HistogramSnapshot, HostStoreMetrics
+from helios.engine.metrics import CacheFlush, EngineMetrics, HistogramSnapshot, HostStoreMetrics
+from helios.engine.parallel.world import World
 from helios.engine.request import EngineEvent, EngineRequest, EngineStats, ReasoningGate
 from helios.engine.sampler import Sampler, position_generator
 from helios.engine.scheduler import Scheduler, constraint_error
@@ -86,6 +87,9 @@ class EngineConfig:
     # A small core with the same tokenizer that proposes drafts (draft_core.py); None: the core's own
     # MTP programs where it has them, else history drafts only.
     draft_core: Core | None = None
+    # Tensor parallel: the joined ranks (helios.engine.parallel); the core is then rank 0's view of it
+    # (world.rank_core) and the executor sends each call to the other ranks. None: one rank.
+    parallel: World | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +166,23 @@ class LLMEngine:
                     break
             self._refresh_gauges()
 
+    def flush_prefix_cache(self) -> CacheFlush | None:
+        """Drop every cached prefix: the pools' cached pages, state snapshots and the host store's
+        records, after its copier finished (engine thread, between steps). None, dropping nothing,
+        while a sequence runs, waits or awaits its abort: a flush applies to an idle engine only."""
+        if self.scheduler.has_work or self._aborted:
+            return None
+        self.drain_copies()
+        host = self.scheduler.host
+        flushed = CacheFlush(
+            pages=self.pool.drop_cached(),
+            window_pages=self.window.pool.drop_cached() if self.window is not None else 0,
+            snapshots=self.states.drop_snapshots() if self.states is not None else 0,
+            host_records=host.clear() if host is not None else 0,
+        )
+        self._refresh_gauges()
+        return flushed
+
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> EngineMetrics:
         """One frozen copy of every value /metrics and the startup line report (read racily from the
@@ -183,6 +204,7 @@ class LLMEngine:
             checkpoint_slots_total=total,
             checkpoint_intake_slots=intake,
             host=self._host_metrics(),
+            parallel_ranks=self.config.parallel.size if self.config.parallel is not None else 1,
             **_copied(self.stats, EngineMetrics),
         )
 

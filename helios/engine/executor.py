@@ -15,7 +15,7 @@ from torch import Tensor
 from helios.core import Core, host, hostcache
 from helios.core.logs import Stopwatch
 from helios.core.program import SCORED_PREFILL, STEP, VISION, CompiledProgram, Program, allocate_kv
-from helios.engine import graph, graphs, native, prepack, threads
+from helios.engine import devices, graph, graphs, native, prepack, threads
 from helios.engine.kernels import registry as kernels
 from helios.engine.memory.plan import NO_MEMORY_WORK, MemoryPlan
 from helios.engine.rows import padded
@@ -111,6 +111,7 @@ class Executor:
         as many as the main pool's)."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
+        devices.prepare(device)  # CUDA: helios' Triton kernels in the flare:: ops' CUDA slot
         self.linear_kernel = prepack.ONEDNN if device == "cpu" else "device"  # the programs' linears (both steps)
         manifest = core.manifest
         self.device = device
@@ -120,6 +121,9 @@ class Executor:
         )
         if self.compiled_step is not None:
             self.linear_kernel = _compiled_linears(core.root / manifest.compiled[STEP].file)
+            log.info(
+                "linear layers on %s: the compiled step's, measured at export", prepack.describe(self.linear_kernel)
+            )
         has_scored = SCORED_PREFILL in manifest.programs
         # The compiled step carries its own packed weights: the core's are loaded only for a
         # program that still needs them.
@@ -140,6 +144,8 @@ class Executor:
         self.drafters = {kind: core.load_program(kind, check_guards=False) for kind in drafters}
         self.keep_hidden = bool(drafters)
         programs = [p for p in (portable_step, self.scored, *self.drafters.values()) if p is not None]
+        for program in (*programs, self.vision) if self.vision is not None else programs:
+            graph.place(program, device)  # device-neutral, once, on every device (graph.py)
         clock.lap(f"loading {len(programs) + (self.compiled_step is not None)} programs")
         if upcast:
             for program in programs:
@@ -282,8 +288,11 @@ class Executor:
         return min(int(t.shape[0]) for t in self.kv[: len(self.kv) - len(self.state)])
 
     def _probe_decode(self, rows: int) -> None:
-        """One decode step of `rows` one-token sequences on pages 0..rows-1 (before serving)."""
-        self.step(self.weights, self.kv, **self.probe_inputs(rows))
+        """One decode step of `rows` one-token sequences on pages 0..rows-1 (before serving); on CUDA
+        it waits for the device, so the measurements time the step and not only its launch."""
+        self._launch(self.step, self.probe_inputs(rows))
+        if devices.is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
 
     def probe_inputs(self, rows: int) -> dict[str, Tensor]:
         """The step's inputs for `rows` one-token sequences on pages 0..rows-1 (results unread)."""
@@ -525,7 +534,7 @@ class Executor:
         ):
             outputs = self.graphs.run(inputs)  # None: no bucket holds the step
         if outputs is None:
-            outputs = program(self.weights, self.kv, **inputs)
+            outputs = self._launch(program, inputs)
             self.launches["eager"] += 1
         else:
             self.launches["graph"] += 1
@@ -537,6 +546,11 @@ class Executor:
             outputs.pop("hidden_states", None)
         # Hidden states stay on the device: the drafter's programs read them there.
         return {name: value if name == "hidden_states" else value.cpu() for name, value in outputs.items()}
+
+    def _launch(self, program, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One eager program call on this executor's weights and caches (a tensor-parallel rank 0
+        sends it to the other ranks first: helios.engine.parallel.proxy)."""
+        return program(self.weights, self.kv, **inputs)
 
     def _window_inputs(self, chunks: list[Chunk], positions: list[int], width: int) -> tuple[Tensor, Tensor]:
         """The window pool's slots of the step's positions and its page tables (window_pages.py): a

@@ -29,6 +29,16 @@ EMPTY_HISTOGRAM = HistogramSnapshot((("+Inf", 0),), 0.0)
 
 
 @dataclass(frozen=True, slots=True)
+class CacheFlush:
+    """What one prefix-cache flush dropped (LLMEngine.flush_prefix_cache, POST /flush_cache)."""
+
+    pages: int  # cached pages of the main KV pool, now free
+    window_pages: int  # cached pages of the sliding-window pool (0 without one)
+    snapshots: int  # recurrent-state snapshots of hybrid cores (0 for other cores)
+    host_records: int  # host prefix-store records, DRAM and disk (0 without the store)
+
+
+@dataclass(frozen=True, slots=True)
 class HostStoreMetrics:
     """The host prefix store (host_store.py) and its copy-out, when the engine has one."""
 
@@ -118,3 +128,4 @@ class EngineMetrics:
     checkpoint_intake_slots: int
     images: Counts  # image preparation and feature counters, by IMAGE_COUNTERS name (the engine's share)
     host: HostStoreMetrics | None  # None without a host prefix store
+    parallel_ranks: int = 1  # tensor-parallel ranks; total_pages and the page gauges are per rank (each holds as many)

@@ -162,7 +162,8 @@ def _pack_sample(kernel: str, sample: list[Tensor]) -> list[Tensor]:
 def _measure(kernel: str, rows: int, sample: list[Tensor], packed: list[Tensor]) -> float:
     """Best-of-three milliseconds for `sample`'s linears (packed for `kernel`), in order, at `rows` rows."""
     native_kernel = kernel in NATIVE_KERNELS
-    inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in sample}}
+    dtype = torch.bfloat16 if native_kernel else sample[0].dtype
+    inputs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w in sample}}
     op = native_op(kernel) if native_kernel else None
 
     def run() -> None:
@@ -176,6 +177,17 @@ def _measure(kernel: str, rows: int, sample: list[Tensor], packed: list[Tensor])
         return best_ms(run)
 
 
+def linear_weights(programs: list[Program], weights: dict[str, Tensor]) -> list[str]:
+    """The 2-D weights the programs' linears read as their weight, in program order."""
+    uses = _weight_uses(programs, list(weights))
+    return list(dict.fromkeys(name for _, _, name, _, of_linear in uses if of_linear and weights[name].dim() == 2))
+
+
+def measure_linears(kernel: str, rows: int, weights: list[Tensor]) -> float:
+    """Best-of-three milliseconds for these linears in turn on `kernel` at `rows` rows (benchmarks)."""
+    return _measure(kernel, rows, weights, _pack_sample(kernel, weights))
+
+
 def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
     """The packed-linear kernel for these programs' bfloat16 linears on this host.
 
@@ -185,32 +197,28 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
     of them, so no kernel runs from cache) at one row and at 32 rows. Of the
     candidates within 2% of the fastest at 32 rows, the fastest at one row wins. Measured
     once per host, torch, thread count and weight set (a second or two), then remembered."""
-    names = list(
-        dict.fromkeys(
-            name
-            for _, _, name, _, of_linear in _weight_uses(programs, list(weights))
-            if of_linear and weights[name].dtype == torch.bfloat16 and weights[name].dim() == 2
-        )
-    )
+    names = [name for name in linear_weights(programs, weights) if weights[name].dtype == torch.bfloat16]
     candidates = [k for k in (*native_kernels(), ONEDNN) if all(takes(k, weights[n]) for n in names)]
     if not names or candidates in ([], [ONEDNN]):  # nothing to choose: oneDNN packs what it takes
         return ONEDNN
     if len(candidates) == 1:
-        log.info("linear kernel: %s (the only one for these weights here)", candidates[0])
+        log.info("linear layers on %s: the only kernel here for these weights", describe(candidates[0]))
         return candidates[0]
     wanted = forced()
     if wanted is not None:
         if wanted in candidates:
-            log.info("linear kernel: %s (FLARE_LINEAR_KERNEL)", wanted)
+            log.info("linear layers on %s: FLARE_LINEAR_KERNEL (not measured)", describe(wanted))
             return wanted
         log.warning("FLARE_LINEAR_KERNEL=%s does not run here (%s do): measuring", wanted, ", ".join(candidates))
     shapes = Counter(tuple(weights[n].shape) for n in names)
     # The candidates are part of the key: a choice made before a kernel existed is not reused.
     key = f"{sorted(shapes.items())}|{torch.get_num_threads()}|{fingerprint()}|{','.join(candidates)}"
     remembered = hostcache.get("linear-kernel", key)
-    if remembered in candidates:
-        log.info("linear kernel: %s (measured before on this host)", remembered)
-        return remembered
+    if isinstance(remembered, str):  # a choice remembered before its figures were kept with it
+        remembered = {"kernel": remembered}
+    if isinstance(remembered, dict) and remembered.get("kernel") in candidates:
+        log.info(_why(remembered, "measured before on this host"))
+        return remembered["kernel"]
     sample, total = [], 0
     for name in names:
         if total >= _SAMPLE_BYTES:
@@ -227,11 +235,46 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
     best_many = min(timings[(kernel, many)] for kernel in candidates)
     close = [kernel for kernel in candidates if timings[(kernel, many)] <= _SLOWER_AT_MANY_ROWS * best_many]
     choice = min(close, key=lambda kernel: timings[(kernel, few)])
-    log.info(
-        "linear kernel: %s (%s)", choice, ", ".join(f"{k} x {r} rows: {ms:.1f} ms" for (k, r), ms in timings.items())
-    )
-    hostcache.put("linear-kernel", key, choice)
+    measured = {
+        "kernel": choice,
+        "megabytes": round(total / 1e6),
+        "ms": {kernel: [round(timings[(kernel, rows)], 2) for rows in _CHOICE_ROWS] for kernel in candidates},
+    }
+    log.info(_why(measured, "measured now"))
+    hostcache.put("linear-kernel", key, measured)
     return choice
+
+
+_DESCRIPTIONS = {
+    ONEDNN: "oneDNN's packed matmul",
+    NATIVE: "helios' AVX512-BF16 kernel",
+    NATIVE_TILES: "helios' AMX-BF16 tiles",
+    NATIVE_AVX2: "helios' AVX2+FMA kernel (bfloat16 weights widened to float32 in registers)",
+}
+
+
+def describe(kernel: str) -> str:
+    """The kernel's name and what it is, for people reading the startup log."""
+    return f"{kernel}, {_DESCRIPTIONS.get(kernel, 'a packed kernel')}"
+
+
+def _why(measured: dict, when: str) -> str:
+    """The startup line of choose(): the kernel, and the figures it won on ({"kernel", "megabytes",
+    "ms": {kernel: [ms at 1 row, ms at 32 rows]}}; a choice remembered without them says so)."""
+    choice, figures = measured["kernel"], measured.get("ms")
+    if not figures:
+        return f"linear layers on {describe(choice)}: {when}"
+    few, many = _CHOICE_ROWS
+
+    def row(index: int, rows: int) -> str:
+        others = ", ".join(f"{k} {ms[index]:.1f}" for k, ms in figures.items() if k != choice)
+        return f"{rows} row{'s' if rows > 1 else ''} {figures[choice][index]:.1f} ms ({others})"
+
+    return (
+        f"linear layers on {describe(choice)}: {when} over {measured.get('megabytes', '?')} MB of this core's weights, "
+        f"the fastest at {few} row of those within {round((_SLOWER_AT_MANY_ROWS - 1) * 100)}% of the fastest at "
+        f"{many} rows: {row(0, few)}; {row(1, many)}"
+    )
 
 
 def _weight_inputs(program: Program, names: list[str]) -> dict[fx.Node, str]:

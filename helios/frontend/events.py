@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from helios.frontend.inference import Termination
+from helios.frontend.inference import Termination, ToolCallPart
 from helios.frontend.output import TokenEntry
 
 
@@ -26,11 +26,8 @@ class ReasoningEvent:
     entries: tuple[TokenEntry, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ToolCallEvent:
-    call_id: str
-    name: str
-    arguments: str  # a JSON object, as text
+# A call the model makes is the value a later turn sends back: one type for both.
+ToolCallEvent = ToolCallPart
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,14 +113,6 @@ class Frontend:
         whole context). The remaining context bounds it per request."""
         return self.limits.default_max_tokens
 
-    @property
-    def max_images_per_prompt(self) -> int:
-        return self.limits.max_images_per_prompt
-
-    @property
-    def max_image_tokens_per_prompt(self) -> int:
-        return self.limits.max_image_tokens_per_prompt
-
     def image_limits(self) -> dict[str, int]:
         """The /v1/models image fields at the served context (none for a text-only core)."""
         return self.limits.image_limits(self.vision)

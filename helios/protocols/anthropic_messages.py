@@ -299,9 +299,7 @@ Thinking = tuple[bool | None, int | None, str | None]  # (thinking switch, reque
 
 
 def _conversation(body: dict[str, Any]) -> tuple[Conversation, Thinking]:
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError("model is required (any string: the loaded model answers)", "model")
+    f.model(body)
     messages, marks = _messages(body)
     tools, choice = _tools(body)
     thinking = _thinking(body)

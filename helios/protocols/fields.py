@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from helios.core.sampling import DISTRIBUTION_PARAMS
-from helios.frontend.inference import ImagePart, RequestError, SamplingOptions, StopOptions
+from helios.frontend.inference import ImagePart, LogprobOptions, RequestError, SamplingOptions, StopOptions
 
 _MISSING = object()
 T = TypeVar("T")
@@ -59,6 +59,13 @@ def optional_str(body: Mapping[str, Any], name: str) -> str | None:
 
 def optional_object(body: Mapping[str, Any], name: str) -> dict[str, Any] | None:
     return _optional(body, name, dict, "an object")
+
+
+def model(body: Mapping[str, Any]) -> str:
+    value = body.get("model")
+    if not isinstance(value, str):
+        raise RequestError("model is required (any string: the loaded model answers)", "model")
+    return value
 
 
 def int_list(value: Any, name: str) -> tuple[int, ...]:
@@ -113,6 +120,33 @@ def token_sequences(body: Mapping[str, Any], name: str) -> tuple[tuple[int, ...]
     if not isinstance(value, list):
         raise _type_error(name, "an array of token-id arrays", value)
     return tuple(int_list(v, name) for v in value)
+
+
+MAX_THINKING_BUDGET = (1 << 31) - 1
+
+
+def thinking_token_budget(body: Mapping[str, Any]) -> int | None:
+    """The native thinking_token_budget: a hard cap on reasoning tokens (OpenAI-style routes)."""
+    return optional_int(body, "thinking_token_budget", 1, MAX_THINKING_BUDGET)
+
+
+def top_logprobs(body: Mapping[str, Any], logprobs: bool, requires: str) -> int | None:
+    """top_logprobs (0 to 20) of a route whose logprobs are on when `logprobs` (`requires` says how
+    a request turns them on); None when they are off."""
+    top = optional_int(body, "top_logprobs", 0, 20)
+    if top and not logprobs:
+        raise RequestError(f"top_logprobs requires {requires}", "top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def logprob_options(body: Mapping[str, Any], top: int | None, requires: str) -> LogprobOptions:
+    """The generation logprobs asked for: `top` alternatives per token (None: logprobs are off, and
+    `requires` says how a request turns them on), with the native logprob_token_ids and
+    return_tokens_as_token_ids. Prompt logprobs are each route's own."""
+    token_ids = int_list(body["logprob_token_ids"], "logprob_token_ids") if body.get("logprob_token_ids") else ()
+    if token_ids and top is None:
+        raise RequestError(f"logprob_token_ids requires {requires}", "logprob_token_ids")
+    return LogprobOptions(top=top, token_ids=token_ids, as_token_ids=optional_bool(body, "return_tokens_as_token_ids"))
 
 
 MAX_CACHE_SALT = 256

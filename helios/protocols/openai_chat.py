@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from helios.frontend.inference import (
     Conversation,
     ImagePart,
     InferenceRequest,
-    LogprobOptions,
     Message,
     Part,
     ReasoningPart,
@@ -27,6 +26,7 @@ from helios.protocols.output_format import chat_response_format
 
 UNSUPPORTED = ("audio", "prediction", "web_search_options", "functions", "function_call", "suffix")
 ROLES = ("system", "developer", "user", "assistant", "tool")
+REQUIRES = "logprobs: true"  # what turns generation logprobs on
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +140,7 @@ def _reasoning_effort(value: Any) -> str | int | None:
 
 def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
     f.reject(body, UNSUPPORTED)
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError("model is required (any string: the loaded model answers)", "model")
+    model = f.model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a nonempty array", "messages")
@@ -151,12 +149,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
     if max_tokens is None:
         max_tokens = f.optional_int(body, "max_tokens", 1)
     logprobs = f.optional_bool(body, "logprobs")
-    top = f.optional_int(body, "top_logprobs", 0, 20)
-    if top and not logprobs:
-        raise RequestError("top_logprobs requires logprobs: true", "top_logprobs")
-    token_ids = f.int_list(body["logprob_token_ids"], "logprob_token_ids") if body.get("logprob_token_ids") else ()
-    if token_ids and not logprobs:
-        raise RequestError("logprob_token_ids requires logprobs: true", "logprob_token_ids")
+    generation_logprobs = f.logprob_options(body, f.top_logprobs(body, logprobs, REQUIRES), REQUIRES)
     stream = f.optional_bool(body, "stream")
     prompt_logprobs = f.optional_int(body, "prompt_logprobs", 0, 20)
     if stream and body.get("prompt_logprobs") is not None:
@@ -183,14 +176,9 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, ChatOptions]:
         max_tokens=max_tokens,
         n=f.optional_int(body, "n", 1, 128) or 1,
         stop=stop,
-        logprobs=LogprobOptions(
-            top=(top or 0) if logprobs else None,
-            token_ids=token_ids,
-            prompt=prompt_logprobs,
-            as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids"),
-        ),
+        logprobs=replace(generation_logprobs, prompt=prompt_logprobs),
         stream=stream,
-        thinking_token_budget=f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1),
+        thinking_token_budget=f.thinking_token_budget(body),
         output=output,
         cache_salt=f.cache_salt(body),
     )

@@ -5,10 +5,10 @@ This module decodes requests; openai_completions_encoding.py renders choices and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from helios.frontend.inference import InferenceRequest, LogprobOptions, RawPrompt, RequestError
+from helios.frontend.inference import InferenceRequest, RawPrompt, RequestError
 from helios.protocols import fields as f
 from helios.protocols.openai_common import OpenAIOptions
 
@@ -47,9 +47,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, CompletionOptions]:
     for name in UNSUPPORTED:
         if body.get(name) not in (None, "", []):
             raise RequestError(f"{name} is not supported on /v1/completions", name)
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError("model is required (any string: the loaded model answers)", "model")
+    model = f.model(body)
     if "prompt" not in body:
         raise RequestError("prompt is required", "prompt")
     prompts = _prompts(body["prompt"])
@@ -69,9 +67,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, CompletionOptions]:
     # The engine scores the prompt for both: logprobs sets the echoed arrays' alternatives and
     # prompt_logprobs the field's (each cut to its own count when they differ).
     scored = max(prompt_logprobs, logprobs) if prompt_logprobs is not None and echo and logprobs is not None else None
-    token_ids = f.int_list(body["logprob_token_ids"], "logprob_token_ids") if body.get("logprob_token_ids") else ()
-    if token_ids and logprobs is None:
-        raise RequestError("logprob_token_ids requires logprobs", "logprob_token_ids")
+    generation_logprobs = f.logprob_options(body, logprobs, "logprobs")
     include_usage, continuous = f.stream_usage(body, stream)
     request = InferenceRequest(
         input=prompts[0],
@@ -79,12 +75,7 @@ def decode(body: dict[str, Any]) -> tuple[InferenceRequest, CompletionOptions]:
         max_tokens=max_tokens,
         n=n,
         stop=f.stop_options(body),
-        logprobs=LogprobOptions(
-            top=logprobs,
-            token_ids=token_ids,
-            prompt=scored if scored is not None else prompt_logprobs,
-            as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids"),
-        ),
+        logprobs=replace(generation_logprobs, prompt=scored if scored is not None else prompt_logprobs),
         echo=echo,
         stream=stream,
         cache_salt=f.cache_salt(body),

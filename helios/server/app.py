@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
+from litestar.handlers import HTTPRouteHandler
 from litestar.response import Stream
 
 from helios.server import anthropic_routes, openai_routes, responses_routes
@@ -12,18 +15,33 @@ from helios.server.discovery_routes import api_show, api_tags
 from helios.server.errors import anthropic_error, openai_error
 from helios.server.metrics import CONTENT_TYPE, choose_format, json_snapshot, prometheus_text
 from helios.server.responses import HttpError, error_response, json_response, translate
-from helios.server.route_io import ClientDisconnected, authorize, gone, json_object, state_of, unless_disconnected
+from helios.server.route_io import (
+    ClientDisconnected,
+    authorize,
+    gone,
+    json_object,
+    refusal,
+    state_of,
+    unless_disconnected,
+)
 from helios.server.scoring_routes import decisions_route, systemone_route
 from helios.server.state import ServerState
+from helios.server.worker_routes import WORKER_ROUTES
+
+# A protocol's route function: (state, body) or, for Messages, (state, body, headers) -> its answer.
+ProtocolHandler = Callable[..., Awaitable[Response | Stream]]
+RouteRunner = Callable[[Request, ProtocolHandler], Awaitable[Response | Stream]]
 
 
 # ---------------------------------------------------------------------------- routes
 @get("/health", sync_to_thread=False)
 def health(request: Request) -> Response:
     client = state_of(request).client
-    if client.healthy:
-        return json_response({"status": "ok"})
-    return json_response(openai_error(503, client.failure or "the model runtime is not running"), 503)
+    if not client.healthy:
+        return json_response(openai_error(503, client.failure or "the model runtime is not running"), 503)
+    if client.refusal is not None:  # draining after SIGTERM: a router stops sending here
+        return json_response(openai_error(503, client.refusal), 503)
+    return json_response({"status": "ok"})
 
 
 @get("/metrics", sync_to_thread=False)
@@ -43,19 +61,15 @@ def metrics(request: Request) -> Response:
 
 @get("/v1/models", sync_to_thread=False)
 def list_models(request: Request) -> Response:
-    try:
-        authorize(request)
-    except HttpError as exc:
-        return error_response(exc)
+    if (refused := refusal(request)) is not None:
+        return refused
     return json_response({"object": "list", "data": [state_of(request).card]})
 
 
 @get("/v1/models/{name:path}", sync_to_thread=False)
 def get_model(request: Request, name: str) -> Response:
-    try:
-        authorize(request)
-    except HttpError as exc:
-        return error_response(exc)
+    if (refused := refusal(request)) is not None:
+        return refused
     state = state_of(request)
     name = name.lstrip("/")
     if not state.model.matches(name):
@@ -71,7 +85,7 @@ def get_model(request: Request, name: str) -> Response:
     return json_response(state.card)
 
 
-async def _generation(request: Request, handler) -> Response | Stream:
+async def _generation(request: Request, handler: ProtocolHandler) -> Response | Stream:
     try:
         authorize(request)
         body = await json_object(request)
@@ -82,7 +96,7 @@ async def _generation(request: Request, handler) -> Response | Stream:
         return error_response(translate(exc))
 
 
-async def _anthropic(request: Request, handler) -> Response | Stream:
+async def _anthropic(request: Request, handler: ProtocolHandler) -> Response | Stream:
     """Messages routes: x-api-key or bearer auth, and the Messages error format."""
     try:
         authorize(request, anthropic=True)
@@ -95,29 +109,23 @@ async def _anthropic(request: Request, handler) -> Response | Stream:
         return json_response(anthropic_error(error.status, error.message), error.status, error.headers)
 
 
-@post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request) -> Response | Stream:
-    return await _generation(request, openai_routes.chat)
+def _post(path: str, run: RouteRunner, handler: ProtocolHandler) -> HTTPRouteHandler:
+    """The POST route at `path`: `run` does its auth, body and error format around `handler`."""
+
+    async def route(request: Request) -> Response | Stream:
+        return await run(request, handler)
+
+    return post(path, status_code=200)(route)
 
 
-@post("/v1/completions", status_code=200)
-async def completions(request: Request) -> Response | Stream:
-    return await _generation(request, openai_routes.completions)
-
-
-@post("/v1/responses", status_code=200)
-async def responses(request: Request) -> Response | Stream:
-    return await _generation(request, responses_routes.responses)
-
-
-@post("/v1/messages", status_code=200)
-async def messages(request: Request) -> Response | Stream:
-    return await _anthropic(request, anthropic_routes.messages)
-
-
-@post("/v1/messages/count_tokens", status_code=200)
-async def count_tokens(request: Request) -> Response:
-    return await _anthropic(request, anthropic_routes.count_tokens)
+# POST generation routes: path, the route runner (auth, body and error format), the protocol's handler.
+GENERATION_ROUTES = (
+    _post("/v1/chat/completions", _generation, openai_routes.chat),
+    _post("/v1/completions", _generation, openai_routes.completions),
+    _post("/v1/responses", _generation, responses_routes.responses),
+    _post("/v1/messages", _anthropic, anthropic_routes.messages),
+    _post("/v1/messages/count_tokens", _anthropic, anthropic_routes.count_tokens),
+)
 
 
 def _unrouted(request: Request, exc: Exception) -> Response:
@@ -144,15 +152,12 @@ def create_app(state: ServerState) -> Litestar:
             metrics,
             list_models,
             get_model,
-            chat_completions,
-            completions,
-            responses,
-            messages,
-            count_tokens,
+            *GENERATION_ROUTES,
             api_tags,
             api_show,
             systemone_route,
             decisions_route,
+            *WORKER_ROUTES,
         ],
         state=State({"helios": state}),
         request_max_body_size=None,  # bounded by read_body, encoded and decoded

@@ -8,8 +8,8 @@ from __future__ import annotations
 from litestar import Request, Response, get, post
 
 from helios.protocols import ollama
-from helios.server.responses import HttpError, error_response, json_response
-from helios.server.route_io import authorize, read_json, state_of
+from helios.server.responses import HttpError, json_response
+from helios.server.route_io import read_json, refusal, state_of
 
 
 def _discovery(request: Request) -> ollama.Discovery:
@@ -24,19 +24,15 @@ def _failure(status: int, message: str) -> Response:
 
 @get("/api/tags", sync_to_thread=False)
 def api_tags(request: Request) -> Response:
-    try:
-        authorize(request)
-    except HttpError as exc:
-        return error_response(exc)
+    if (refused := refusal(request)) is not None:
+        return refused
     return json_response(ollama.tags(_discovery(request)))
 
 
 @post("/api/show", status_code=200)
 async def api_show(request: Request) -> Response:
-    try:
-        authorize(request)
-    except HttpError as exc:
-        return error_response(exc)
+    if (refused := refusal(request)) is not None:
+        return refused
     try:
         name = ollama.decode_show(await read_json(request, compressed=False))
     except HttpError as exc:

@@ -57,123 +57,102 @@ class Spec:
         return self.kind or ("counter" if self.metric.endswith("_total") else "gauge")
 
 
-def _field(key: str, name: str | None, source: str | None, help_text: str) -> Spec:
-    return Spec(key, help_text, source, name)
+def _specs(table: str) -> tuple[Spec, ...]:
+    """The Specs of a `|`-separated table whose first row names Spec fields, one Spec a row. In
+    the name and source columns "none" reads as None (see Spec) and a blank cell as ""; labels
+    and known hold space-separated values."""
+    header, *rows = ([cell.strip() for cell in line.split("|")] for line in table.strip().splitlines())
+    return tuple(
+        Spec(**{column: _cell(column, text) for column, text in zip(header, row, strict=True)}) for row in rows
+    )
 
 
-def _extra(key: str, source: str | None, help_text: str, kind: str = "") -> Spec:
-    return Spec(key, help_text, source, kind=kind)
+def _cell(column: str, text: str) -> str | tuple[str, ...] | None:
+    if column in ("labels", "known"):
+        return tuple(text.split())
+    return None if text == "none" and column in ("name", "source") else text
 
 
-# fmt: off
 # api.md's metrics table, in its order; every field is in JSON (absent reads as zero).
-# Columns: JSON key, Prometheus name (None: JSON only), source (see Spec), help.
-FIELDS: tuple[Spec, ...] = (
-    _field("prefill_tokens", "flare_prefill_tokens_total", "", "Prompt tokens consumed by completed prefill"),
-    _field("generated_tokens", "flare_generated_tokens_total", "", "Committed generated tokens"),
-    _field("decode_weight_bytes", "flare_decode_weight_bytes", "", "Weight bytes one decode step reads per request"),
-    _field("draft_steps", None, "", ""),
-    _field("verify_steps", "flare_speculative_rounds_total", "", "Completed speculative or verification graphs"),
-    _field("verification_drafts", "flare_verification_draft_tokens_total", "", "Draft positions allocated for progressing request rounds"),
-    _field("verification_rounds", "flare_verification_request_rounds_total", "", "Progressing decode or verification request rounds"),
-    _field("accepted_drafts", "flare_accepted_draft_tokens_total", "", "Accepted draft tokens, excluding the bonus"),
-    _field("draft_rounds", "flare_draft_request_rounds_total", "", "Request rounds that offered at least one draft"),
-    _field("active", "flare_active_requests", "", "Model slots with a live request"),
-    _field("pending", "flare_pending_requests", "", "Requests waiting in the model scheduler"),
-    _field("completed", "flare_requests_completed_total", "server.completed", "Requests whose generation completed"),
-    _field("reasoning_budget_cuts", "flare_reasoning_budget_cuts_total", "", "Requests whose reasoning was closed by the hard token budget"),
-    _field("failed", "flare_requests_failed_total", "server.failed", "Requests failed by admission, execution or output"),
-    _field("replay_gpu_ns", "flare_replay_gpu_nanoseconds_total", "replay_ns", "Nanoseconds of completed steps (program runs and sampling; CPU wall time, CUDA device-synchronised)"),
-    _field("replay_readiness_wait_ns", "flare_replay_readiness_wait_nanoseconds_total", "readiness_wait_ns", "Nanoseconds steps waited for host-store data (restore copies, disk prefetch)"),
-    _field("replay_readiness_samples", "flare_replay_readiness_samples_total", "readiness_samples", "Completed steps that carried host-store restores"),
-    _field("reused_tokens", "flare_cache_reused_tokens_total", "", "Tokens covered by GPU prefix-cache hits"),
-    _field("cached_pages", "flare_cached_kv_pages", "", "KV pages holding an immutable cached prefix, in use or not"),
-    _field("free_pages", "flare_free_kv_pages", "", "KV pages holding nothing and used by no request"),
-    _field("total_pages", "flare_total_kv_pages", "", "Pages in the per-rank KV pool"),
-    _field("page_tokens", "flare_kv_page_tokens", "", "Logical history tokens per KV page"),
-    _field("host_hits", "flare_host_cache_hits_total", "host.hits", "Host prefix-store lookups that fetched"),
-    _field("host_reused_tokens", "flare_host_cache_reused_tokens_total", "host.reused_tokens", "Tokens covered by host prefix-store chains"),
-    _field("host_memory_records", "flare_host_cache_memory_records", "host.memory_records", "Checkpoint records in host memory"),
-    _field("host_disk_records", "flare_host_cache_disk_records", "host.disk_records", "Checkpoint records on disk"),
-    _field("host_bytes_out", "flare_host_cache_bytes_out_total", "host.bytes_out", "Bytes copied from GPU to the host store"),
-    _field("host_bytes_in", "flare_host_cache_bytes_in_total", "host.bytes_in", "Bytes copied from the host store to GPU"),
-    _field("learned_drafter", None, None, ""),
+FIELDS = _specs(
+    """
+    key                      | name                                          | source              | help
+    prefill_tokens           | flare_prefill_tokens_total                    |                     | Prompt tokens consumed by completed prefill
+    generated_tokens         | flare_generated_tokens_total                  |                     | Committed generated tokens
+    decode_weight_bytes      | flare_decode_weight_bytes                     |                     | Weight bytes one decode step reads per request
+    draft_steps              | none                                          |                     |
+    verify_steps             | flare_speculative_rounds_total                |                     | Completed speculative or verification graphs
+    verification_drafts      | flare_verification_draft_tokens_total         |                     | Draft positions allocated for progressing request rounds
+    verification_rounds      | flare_verification_request_rounds_total       |                     | Progressing decode or verification request rounds
+    accepted_drafts          | flare_accepted_draft_tokens_total             |                     | Accepted draft tokens, excluding the bonus
+    draft_rounds             | flare_draft_request_rounds_total              |                     | Request rounds that offered at least one draft
+    active                   | flare_active_requests                         |                     | Model slots with a live request
+    pending                  | flare_pending_requests                        |                     | Requests waiting in the model scheduler
+    completed                | flare_requests_completed_total                | server.completed    | Requests whose generation completed
+    reasoning_budget_cuts    | flare_reasoning_budget_cuts_total             |                     | Requests whose reasoning was closed by the hard token budget
+    failed                   | flare_requests_failed_total                   | server.failed       | Requests failed by admission, execution or output
+    replay_gpu_ns            | flare_replay_gpu_nanoseconds_total            | replay_ns           | Nanoseconds of completed steps (program runs and sampling; CPU wall time, CUDA device-synchronised)
+    replay_readiness_wait_ns | flare_replay_readiness_wait_nanoseconds_total | readiness_wait_ns   | Nanoseconds steps waited for host-store data (restore copies, disk prefetch)
+    replay_readiness_samples | flare_replay_readiness_samples_total          | readiness_samples   | Completed steps that carried host-store restores
+    reused_tokens            | flare_cache_reused_tokens_total               |                     | Tokens covered by GPU prefix-cache hits
+    cached_pages             | flare_cached_kv_pages                         |                     | KV pages holding an immutable cached prefix, in use or not
+    free_pages               | flare_free_kv_pages                           |                     | KV pages holding nothing and used by no request
+    total_pages              | flare_total_kv_pages                          |                     | Pages in the per-rank KV pool
+    page_tokens              | flare_kv_page_tokens                          |                     | Logical history tokens per KV page
+    host_hits                | flare_host_cache_hits_total                   | host.hits           | Host prefix-store lookups that fetched
+    host_reused_tokens       | flare_host_cache_reused_tokens_total          | host.reused_tokens  | Tokens covered by host prefix-store chains
+    host_memory_records      | flare_host_cache_memory_records               | host.memory_records | Checkpoint records in host memory
+    host_disk_records        | flare_host_cache_disk_records                 | host.disk_records   | Checkpoint records on disk
+    host_bytes_out           | flare_host_cache_bytes_out_total              | host.bytes_out      | Bytes copied from GPU to the host store
+    host_bytes_in            | flare_host_cache_bytes_in_total               | host.bytes_in       | Bytes copied from the host store to GPU
+    learned_drafter          | none                                          | none                |
+    """
 )
 # Beyond the table, as flare_<key>: in JSON when read (host-store ones need a host prefix store), in
-# Prometheus always (absent reads as zero). Columns: JSON key, source (see Spec), help.
-EXTRAS: tuple[Spec, ...] = (
-    _extra("preemptions_total", "preemptions", "Running sequences preempted (KV released, recomputed later) so older ones could grow"),
-    _extra("used_pages", None, "KV pages held privately by live sequences (free + cached + used = total)"),
-    _extra("http_admission_in_use", "server.http_admission_in_use", "HTTP admission slots held"),
-    _extra("http_admission_capacity", "server.http_admission_capacity", "HTTP admission slots in total"),
-    _extra("history_drafts_enabled", None, "Whether shared decoded history augments learned proposals"),
-    _extra("learned_draft_tokens_total", "learned_offered", "Of the verified draft tokens, those the learned drafter proposed"),
-    _extra("learned_accepted_draft_tokens_total", "learned_accepted", "Of the accepted draft tokens, those the learned drafter proposed"),
-    _extra("uptime_seconds", "server.uptime_seconds", "Seconds since server start"),
-    _extra("state_slots", "", "Recurrent-state slots of a hybrid core, live plus snapshot (0 for other cores)"),
-    _extra("state_slot_bytes", "", "Bytes of one recurrent-state slot over every recurrent layer"),
-    _extra("state_slots_used", "", "Live recurrent-state slots held by running sequences"),
-    _extra("state_snapshots", "", "Recurrent-state prefix snapshots held for reuse"),
-    _extra("state_rewinds_total", "state_rewinds", "Speculative rounds of a hybrid core whose rejected drafts rewound its recurrent state (committed tokens recomputed)"),
-    _extra("checkpoint_anchor_reservations", "", "Unused anchor guards: snapshot slots kept for conversation anchors that no anchor holds or is armed to fill"),
-    _extra("checkpoint_extra_work_nanoseconds_total", "checkpoint_extra_work_ns", "Predicted extra prefill and copy work charged for hinted checkpoints (not a GPU timing)"),
-    _extra("host_cache_parked_records", "host.parked_records", "Complete DRAM copies awaiting disk writes"),
-    _extra("host_cache_store_skipped_total", "host.skipped", "Copy-out offers of records the host store already held or was copying (duplicates and retries)"),
-    _extra("host_cache_copyout_headroom_deferrals_total", "host.copyout_deferrals", "Copy-out offers deferred by the pool headroom check before pinning pages (retried at a later step)"),
-    _extra("host_cache_slots_in_use", "checkpoint_slots_in_use", "Local checkpoint pool slots in use: KV pages and recurrent-state slots not free (live, cached, pinned)"),
-    _extra("host_cache_slots_total", "checkpoint_slots_total", "Local checkpoint pool slots: KV pages plus recurrent-state slots, the copy-out intake included", kind="gauge"),
-    _extra("host_cache_intake_slots", "checkpoint_intake_slots", "Pool slots the copy-out intake may hold pinned for the host store at once"),
-    _extra("host_cache_anchor_records", "host.anchor_records", "Host-memory records of conversation anchors' chains (evicted last)"),
-    _extra("host_cache_copyout_pinned_records", "host.copyout_pinned_records", "KV pages and state snapshots pinned for the copy-out thread and not yet released"),
-    _extra("host_cache_copyout_waits_total", "host.copyout_waits", "Times the engine thread waited for the copy-out thread because the pool needed pinned pages"),
-    _extra("host_cache_copyout_wait_nanoseconds_total", "host.copyout_wait_ns", "Engine-thread nanoseconds spent in those waits"),
-    _extra("host_cache_copyout_worker_nanoseconds_total", "host.copyout_worker_ns", "Copy-out thread nanoseconds spent copying pinned pages and snapshots into host records"),
-    Spec("learned_drafter_name", "", None, None),  # JSON only: "mtp", a draft core's model id, or null
-)
-# fmt: on
+# Prometheus always (absent reads as zero).
+EXTRAS = _specs(
+    """
+    key                                         | source                         | kind  | help
+    preemptions_total                           | preemptions                    |       | Running sequences preempted (KV released, recomputed later) so older ones could grow
+    used_pages                                  | none                           |       | KV pages held privately by live sequences (free + cached + used = total)
+    parallel_ranks                              |                                | gauge | Tensor-parallel ranks the engine runs on; each rank's KV pool holds total_pages pages
+    http_admission_in_use                       | server.http_admission_in_use   |       | HTTP admission slots held
+    http_admission_capacity                     | server.http_admission_capacity |       | HTTP admission slots in total
+    history_drafts_enabled                      | none                           |       | Whether shared decoded history augments learned proposals
+    learned_draft_tokens_total                  | learned_offered                |       | Of the verified draft tokens, those the learned drafter proposed
+    learned_accepted_draft_tokens_total         | learned_accepted               |       | Of the accepted draft tokens, those the learned drafter proposed
+    uptime_seconds                              | server.uptime_seconds          |       | Seconds since server start
+    state_slots                                 |                                |       | Recurrent-state slots of a hybrid core, live plus snapshot (0 for other cores)
+    state_slot_bytes                            |                                |       | Bytes of one recurrent-state slot over every recurrent layer
+    state_slots_used                            |                                |       | Live recurrent-state slots held by running sequences
+    state_snapshots                             |                                |       | Recurrent-state prefix snapshots held for reuse
+    state_rewinds_total                         | state_rewinds                  |       | Speculative rounds of a hybrid core whose rejected drafts rewound its recurrent state (committed tokens recomputed)
+    checkpoint_anchor_reservations              |                                |       | Unused anchor guards: snapshot slots kept for conversation anchors that no anchor holds or is armed to fill
+    checkpoint_extra_work_nanoseconds_total     | checkpoint_extra_work_ns       |       | Predicted extra prefill and copy work charged for hinted checkpoints (not a GPU timing)
+    host_cache_parked_records                   | host.parked_records            |       | Complete DRAM copies awaiting disk writes
+    host_cache_store_skipped_total              | host.skipped                   |       | Copy-out offers of records the host store already held or was copying (duplicates and retries)
+    host_cache_copyout_headroom_deferrals_total | host.copyout_deferrals         |       | Copy-out offers deferred by the pool headroom check before pinning pages (retried at a later step)
+    host_cache_slots_in_use                     | checkpoint_slots_in_use        |       | Local checkpoint pool slots in use: KV pages and recurrent-state slots not free (live, cached, pinned)
+    host_cache_slots_total                      | checkpoint_slots_total         | gauge | Local checkpoint pool slots: KV pages plus recurrent-state slots, the copy-out intake included
+    host_cache_intake_slots                     | checkpoint_intake_slots        |       | Pool slots the copy-out intake may hold pinned for the host store at once
+    host_cache_anchor_records                   | host.anchor_records            |       | Host-memory records of conversation anchors' chains (evicted last)
+    host_cache_copyout_pinned_records           | host.copyout_pinned_records    |       | KV pages and state snapshots pinned for the copy-out thread and not yet released
+    host_cache_copyout_waits_total              | host.copyout_waits             |       | Times the engine thread waited for the copy-out thread because the pool needed pinned pages
+    host_cache_copyout_wait_nanoseconds_total   | host.copyout_wait_ns           |       | Engine-thread nanoseconds spent in those waits
+    host_cache_copyout_worker_nanoseconds_total | host.copyout_worker_ns         |       | Copy-out thread nanoseconds spent copying pinned pages and snapshots into host records
+    """
+) + (Spec("learned_drafter_name", "", source=None, name=None),)  # JSON only: "mtp", a draft core's model id, or null
 # Labelled counters: one Prometheus line per label value (every value api.md names, zero until counted).
-_TIERS, _DROP_REASONS = ("dram", "nvme"), ("end_of_chain", "oversize", "io_error")
-LABELLED: tuple[Spec, ...] = (
-    Spec(
-        "host_cache_held",
-        "Records the host prefix store took in, by tier",
-        "host.held",
-        "flare_host_cache_held_total",
-        labels=("tier",),
-        known=_TIERS,
-    ),
-    Spec(
-        "host_cache_dropped",
-        "Records the host prefix store dropped, by tier and reason",
-        "host.dropped",
-        "flare_host_cache_dropped_total",
-        labels=("tier", "reason"),
-        known=tuple(f"{tier}/{reason}" for tier in _TIERS for reason in _DROP_REASONS),
-    ),
-    Spec(
-        "checkpoint_captures",
-        "Recurrent-state checkpoints captured, by role (anchor: the end of a system/tools block; message: a "
-        "message or cache_control block end, or a prompt's last page boundary; endpoint: a finished sequence's "
-        "last full page)",
-        name="flare_checkpoint_captures_total",
-        labels=("role",),
-        known=("anchor", "message", "endpoint"),
-    ),
-    Spec(
-        "checkpoint_skips",
-        "Checkpoint captures not made, by reason",
-        name="flare_checkpoint_skips_total",
-        labels=("reason",),
-        known=("unknown_cost", "work_budget", "storage"),
-    ),
-    # api.md: "graph launches by kind", unnamed there; docs/serving.md names it
-    Spec(
-        "graph_launches",
-        "Step program launches, by kind (graph: a captured CUDA graph replayed; eager: run op by op)",
-        name="flare_graph_launches_total",
-        labels=("kind",),
-        known=("graph", "eager"),
-    ),
+# api.md: "graph launches by kind", unnamed there; docs/serving.md names it.
+LABELLED = _specs(
+    """
+    key                 | source       | name                            | labels      | known                                                                                       | help
+    host_cache_held     | host.held    | flare_host_cache_held_total     | tier        | dram nvme                                                                                   | Records the host prefix store took in, by tier
+    host_cache_dropped  | host.dropped | flare_host_cache_dropped_total  | tier reason | dram/end_of_chain dram/oversize dram/io_error nvme/end_of_chain nvme/oversize nvme/io_error | Records the host prefix store dropped, by tier and reason
+    checkpoint_captures |              | flare_checkpoint_captures_total | role        | anchor message endpoint                                                                     | Recurrent-state checkpoints captured, by role (anchor: the end of a system/tools block; message: a message or cache_control block end, or a prompt's last page boundary; endpoint: a finished sequence's last full page)
+    checkpoint_skips    |              | flare_checkpoint_skips_total    | reason      | unknown_cost work_budget storage                                                            | Checkpoint captures not made, by reason
+    graph_launches      |              | flare_graph_launches_total      | kind        | graph eager                                                                                 | Step program launches, by kind (graph: a captured CUDA graph replayed; eager: run op by op)
+    """
 )
 SPECS = FIELDS + EXTRAS + LABELLED  # Prometheus exposition order
 HISTOGRAMS: tuple[tuple[str, str], ...] = (  # the host store's (HostStoreMetrics.<name without flare_host_cache_>)

@@ -13,7 +13,7 @@ from litestar import Request, Response
 from helios.server.auth import check_key
 from helios.server.body import BodyError, read_body
 from helios.server.json_body import JsonBodyError, parse_json
-from helios.server.responses import HttpError
+from helios.server.responses import HttpError, error_response
 from helios.server.state import REQUEST_BYTES, ServerState
 
 T = TypeVar("T")
@@ -34,6 +34,15 @@ def authorize(request: Request, anthropic: bool = False) -> None:
     )
     if problem is not None:
         raise HttpError(401, problem)
+
+
+def refusal(request: Request) -> Response | None:
+    """The 401 response (OpenAI format) of a request without the serving key; None when it may pass."""
+    try:
+        authorize(request)
+    except HttpError as exc:
+        return error_response(exc)
+    return None
 
 
 async def json_object(request: Request) -> dict[str, Any]:

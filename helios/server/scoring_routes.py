@@ -6,9 +6,10 @@ Both routes share one scorer (helios/frontend/scoring.py). System One schema fai
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from litestar import Request, Response, post
+from litestar.handlers import HTTPRouteHandler
 
 from helios.frontend.generate import new_request_id
 from helios.frontend.scoring import LabelRead, QuestionSpec, ScoringUsage, compile_questions, read_labels
@@ -116,45 +117,54 @@ async def _score(
     return result
 
 
-@post("/v1/systemone", status_code=200)
-async def systemone_route(request: Request) -> Response:
-    submission = _Submission("sysone")
-    try:
-        authorize(request)
-        if _multipart(request):
-            body, parts = await _multipart_body(request)
-        else:
-            body, parts = await _body(request), {}
-        _check_assets(request, systemone.uses_assets(body))
-        state = state_of(request)
-        assets = systemone.decode_assets(body, parts)
-        decoded = systemone.decode(body, assets)
-        questions = [(f"questions.{q.key}", q.spec) for q in decoded.questions]
-        reads, usage = await unless_disconnected(request, _score(state, decoded.state, questions, submission))
-        body_out = systemone.response(state.model.public_id, decoded, reads, usage)
-        return json_response(body_out, headers=submission.headers)
-    except systemone.SchemaError as exc:
-        return json_response(exc.body(), 422)
-    except ClientDisconnected:
-        return gone()
-    except Exception as exc:  # noqa: BLE001 - every other failure is a Chat Completions-style error
-        return submission.failed(exc)
+ScoringAnswer = Callable[[Request, _Submission], Awaitable[Response]]
 
 
-@post("/v1/decisions", status_code=200)
-async def decisions_route(request: Request) -> Response:
-    submission = _Submission("decision")
-    try:
-        authorize(request)
-        if _multipart(request):
-            raise HttpError(400, "multipart/form-data is not supported on /v1/decisions (text input only)")
-        decoded = decisions.decode(await _body(request))
-        state = state_of(request)
-        questions = [(f"questions.{i}", q.spec) for i, q in enumerate(decoded.questions)]
-        reads, usage = await unless_disconnected(request, _score(state, decoded.text, questions, submission))
-        body_out = decisions.response(state.model.public_id, decoded, reads, usage)
-        return json_response(body_out, headers=submission.headers)
-    except ClientDisconnected:
-        return gone()
-    except Exception as exc:  # noqa: BLE001
-        return submission.failed(exc)
+def _scoring_route(path: str, id_prefix: str) -> Callable[[ScoringAnswer], HTTPRouteHandler]:
+    """The POST route at `path` around a scoring answer: the key is checked first; System One
+    schema failures are 422 detail lists, every other failure a Chat Completions-style error."""
+
+    def route_of(answer: ScoringAnswer) -> HTTPRouteHandler:
+        async def route(request: Request) -> Response:
+            submission = _Submission(id_prefix)
+            try:
+                authorize(request)
+                return await answer(request, submission)
+            except systemone.SchemaError as exc:
+                return json_response(exc.body(), 422)
+            except ClientDisconnected:
+                return gone()
+            except Exception as exc:  # noqa: BLE001 - every other failure is a Chat Completions-style error
+                return submission.failed(exc)
+
+        return post(path, status_code=200)(route)
+
+    return route_of
+
+
+@_scoring_route("/v1/systemone", "sysone")
+async def systemone_route(request: Request, submission: _Submission) -> Response:
+    if _multipart(request):
+        body, parts = await _multipart_body(request)
+    else:
+        body, parts = await _body(request), {}
+    _check_assets(request, systemone.uses_assets(body))
+    state = state_of(request)
+    assets = systemone.decode_assets(body, parts)
+    decoded = systemone.decode(body, assets)
+    questions = [(f"questions.{q.key}", q.spec) for q in decoded.questions]
+    reads, usage = await unless_disconnected(request, _score(state, decoded.state, questions, submission))
+    body_out = systemone.response(state.model.public_id, decoded, reads, usage)
+    return json_response(body_out, headers=submission.headers)
+
+
+@_scoring_route("/v1/decisions", "decision")
+async def decisions_route(request: Request, submission: _Submission) -> Response:
+    if _multipart(request):
+        raise HttpError(400, "multipart/form-data is not supported on /v1/decisions (text input only)")
+    decoded = decisions.decode(await _body(request))
+    state = state_of(request)
+    questions = [(f"questions.{i}", q.spec) for i, q in enumerate(decoded.questions)]
+    reads, usage = await unless_disconnected(request, _score(state, decoded.text, questions, submission))
+    body_out = decisions.response(state.model.public_id, decoded, reads, usage)
+    return json_response(body_out, headers=submission.headers)

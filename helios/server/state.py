@@ -22,6 +22,7 @@ from helios.engine import (
     EngineConfig,
     EngineMetrics,
     HistogramSnapshot,
+    ParallelWorld,
     SpeculationConfig,
     build_engine,
     draft_core_incompatibility,
@@ -34,6 +35,7 @@ from helios.frontend.image_cache import host_cache_config
 from helios.frontend.prepare import default_budget_problem
 from helios.frontend.request import Frontend
 from helios.protocols.models import ModelIdentity, card, flare_object, identity
+from helios.server import ranks
 from helios.server.admission import AdmissionSlots
 from helios.server.metrics import FirstResponseWindow, ServerCounters, histograms_of, values_of
 from helios.server.outcomes import Outcome, RequestOutcomes
@@ -120,7 +122,8 @@ def resolve_device(config: ServerConfig) -> str:
         raise ConfigError(str(exc)) from None
 
 
-def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
+def build_state(core_dir: Path, config: ServerConfig, world: ParallelWorld | None = None) -> ServerState:
+    """`world`: the joined ranks of a tensor-parallel engine (helios.server.ranks), None for one rank."""
     clock = Stopwatch(logging.getLogger("helios.server"), "startup")
     core = Core.open(core_dir, trust_unchanged=True)
     clock.lap("opening the core (checksums)")
@@ -139,7 +142,7 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
     kv_bytes = config.kv_memory_mb << 20 if config.kv_memory_mb is not None else (None if cuda else 1 << 30)
     try:
         engine = build_engine(
-            core,
+            ranks.engine_core(core, world),
             EngineConfig(
                 max_concurrency=config.max_concurrency,
                 max_pending=config.queue_size,
@@ -167,12 +170,15 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
                 anchor_guards=config.anchor_guards,
                 checkpoint_work_fraction=config.checkpoint_work_fraction,
                 host_cache=host_cache_config(config),
+                parallel=world,
             ),
             mask_hook=GrammarMasks(m.tokenizer.vocab_size, config.grammar_threads),
         )
     except DeviceError as exc:  # the KV pool does not fit on the device
         raise ConfigError(str(exc)) from None
     client = EngineClient(engine).start()
+    if world is not None:
+        ranks.watch(world, client)
     running = client.metrics()  # what runs: device, CUDA graphs, context limit
     clock.lap("starting the engine")
     frontend.grammars.probe.start()  # its worker builds the tokenizer while the server starts
@@ -190,6 +196,9 @@ def build_state(core_dir: Path, config: ServerConfig) -> ServerState:
         cuda_graphs=running.cuda_graphs,
         upcast_from=running.upcast_from,
     )
+    # docs/parallel.md: the ranks the engine runs on, and over how many its experts are split
+    flare["tensor_parallel"] = world.size if world is not None else 1
+    flare["expert_parallel"] = world.size if world is not None and world.plan.expert else 1
     return ServerState(
         config=config,
         core=core,

@@ -162,12 +162,22 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
+def arange_like(like: Tensor, end: int, step: int = 1, dtype: torch.dtype = torch.float32) -> Tensor:
+    """torch.arange(0, end, step) in `dtype` (fp32 unless given) on `like`'s device, traced without a
+    device constant (`end` may be a traced size).
+
+    torch.export writes a factory's device (arange(..., device=x.device)) into the program as the
+    export device, so the program would need that device at run time; new_ones takes its device from
+    `like` when it runs. The values are exact (fp32: whole numbers below 2**24, as arange's .float())."""
+    return (like.new_ones(-(-end // step), dtype=dtype).cumsum(0) - 1) * step
+
+
 def rope(
     positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype | None = None, factor: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """cos, sin [T, 1, D] fp32 of rotary embeddings (cast to `dtype` where given); `factor` > 1 is
     linear position scaling (inv_freq / factor)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    exponents = arange_like(positions, head_dim, 2) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if factor != 1.0:
         inv_freq = inv_freq / factor
@@ -254,7 +264,7 @@ class DecoderProgram(StepModule):
         # 16-bit cores: weights and matmul inputs in the core's dtype, but the residual stream,
         # norms and rotary stay fp32 (a bf16 residual through 30 layers moves logprobs by ~0.5).
         wdt = weights["embed"].dtype
-        x = F.embedding(s.token_ids, weights["embed"]).float()
+        x = self.embed_tokens(weights, s.token_ids)
         cos, sin = rope(s.positions, c.head_dim, c.rope_theta, torch.float32)
         q_dim = c.num_heads * c.head_dim
         scale = 1.0 / math.sqrt(c.head_dim)
@@ -268,9 +278,10 @@ class DecoderProgram(StepModule):
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attn = cached_attention(q, k, v, kv_cache[2 * i], kv_cache[2 * i + 1], s.paged, scale)
-            x = x + F.linear(attn.reshape(-1, q_dim).to(wdt), weights[f"layers.{i}.wo"]).float()
+            # row-parallel o and MLP down projections on tp ranks: their partial sums meet here
+            x = x + self.reduce(F.linear(attn.reshape(-1, q_dim).to(wdt), weights[f"layers.{i}.wo"]).float())
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
-            x = x + self.mlp(weights, i, h).float()
+            x = x + self.reduce(self.mlp(weights, i, h).float())
         x = rms_norm(x, weights["norm"], c.rms_norm_eps).to(wdt)
         return self.outputs(x, weights, s)
 

@@ -38,34 +38,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import deepseek_v3_config, kimi_k25_vision, moe, mtp, vision_hooks
-from ignition.models.common import decoder_shapes, reference_swiglu, rms_norm, swiglu, swiglu_shapes
-from ignition.models.deepseek_v3_config import (
-    LATENT_NORM_EPS,
-    SHARED_KV,
-    STACKED,
-    DeepseekV3Config,
-    RopeSpec,
-    canonical_name,
-    canonical_tensors,
-    extra_caches,
-    extra_step_outputs,
-    ignored_tensor,
-)
-from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
+from ignition.models.common import arange_like, decoder_shapes, reference_swiglu, rms_norm, swiglu, swiglu_shapes
+from ignition.models.deepseek_v3_config import LATENT_NORM_EPS, DeepseekV3Config, RopeSpec, canonical_name
+from ignition.models.family import Family, PromptImages, Reference, TinyCheckpoint, TinyVision
 from ignition.models.kimi_k25_vision import TESTMODEL_PROCESSOR, TESTMODEL_VISION_TOKENS, testmodel_vision
-from ignition.models.naming import nested
 from ignition.models.step import Paged, StepInputs, StepModule, embed_images
 
 # ---------------------------------------------------------------------------- step program
 
 
-def rope_inv_freq(spec: RopeSpec, device: torch.device) -> Tensor:
+def rope_inv_freq(spec: RopeSpec, like: Tensor) -> Tensor:
     """[dim / 2] fp32 inverse frequencies, YaRN-blended where the spec says (transformers' formula)."""
-    base = spec.theta ** (torch.arange(0, spec.dim, 2, device=device).float() / spec.dim)
+    base = spec.theta ** (arange_like(like, spec.dim, 2) / spec.dim)
     if not spec.yarn:
         return 1.0 / base
     low, high = spec.correction_range()
-    ramp = ((torch.arange(spec.dim // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
+    ramp = ((arange_like(like, spec.dim // 2) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
     return (1.0 / (spec.factor * base)) * (1 - extrapolation) + (1.0 / base) * extrapolation
 
@@ -179,7 +167,7 @@ class StepProgram(StepModule):
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [T, 1, rope / 2] fp32, YaRN's attention factor included."""
         rope = self.config.rope
-        freqs = positions.float()[:, None] * rope_inv_freq(rope, positions.device)[None, :]
+        freqs = positions.float()[:, None] * rope_inv_freq(rope, positions)[None, :]
         return (freqs.cos() * rope.cos_sin_scale)[:, None, :], (freqs.sin() * rope.cos_sin_scale)[:, None, :]
 
     def decoder(
@@ -347,15 +335,10 @@ def _reference_head(c: DeepseekV3Config, w: dict[str, Tensor], x: Tensor, own: s
 
 
 def reference_forward(
-    config: DeepseekV3Config,
-    hf_weights: dict[str, Tensor],
-    token_ids: list[int],
-    image_features: Tensor | None = None,
-    image_positions: list[int] | None = None,
+    config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int], images: PromptImages | None = None
 ) -> tuple[Tensor, Tensor]:
     """Dense, unpaged forward over Hugging Face-named weights: (logits [T, V], final-normed hidden
-    states [T, hidden]), fp32. Images: row i of image_features replaces the input embedding at
-    image_positions[i].
+    states [T, hidden]), fp32, with the prompt's `images` spliced in.
 
     Non-absorbed MLA on purpose (kv_b_proj expands every head's k_nope and v from c_kv,
     explicit causal mask, complex-number rotary), so the export self-check compares two
@@ -364,9 +347,8 @@ def reference_forward(
     c = config
     w, rotate, mask = _reference_setup(c, hf_weights, len(token_ids))
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
-    if image_positions:
-        assert image_features is not None
-        x[torch.tensor(image_positions)] = image_features.float()
+    if images is not None:
+        images.splice(x)
     for i in range(c.num_layers):
         x = _reference_layer(c, w, i, x, rotate, mask)
     x = reference_norm(x, w["model.norm.weight"], c.rms_norm_eps)
@@ -374,13 +356,9 @@ def reference_forward(
 
 
 def reference_logits(
-    config: DeepseekV3Config,
-    hf_weights: dict[str, Tensor],
-    token_ids: list[int],
-    image_features: Tensor | None = None,
-    image_positions: list[int] | None = None,
+    config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int], images: PromptImages | None = None
 ) -> Tensor:
-    return reference_forward(config, hf_weights, token_ids, image_features, image_positions)[0]
+    return reference_forward(config, hf_weights, token_ids, images)[0]
 
 
 def reference_mtp(
@@ -451,17 +429,9 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
     }
 
 
-def hf_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes (per-expert layout) of a checkpoint with this config; a
-    multimodal config's as Kimi_K25ForConditionalGeneration names them (the text model under
-    model.language_model., then the vision tower and projector)."""
-    shapes = _text_shapes(c)
-    if c.vision is None:
-        return shapes
-    return nested(shapes) | kimi_k25_vision.hf_shapes(c.vision)
-
-
 def _text_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes (per-expert layout) of the text model of a checkpoint with
+    this config (hf_shapes nests them as Kimi_K25ForConditionalGeneration does for a multimodal one)."""
     h, heads = c.hidden_size, c.num_heads
     attention: dict[str, tuple[int, ...]] = {
         "input_layernorm.weight": (h,),
@@ -510,6 +480,9 @@ def _text_shapes(c: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+hf_shapes = vision_hooks.nested_shapes(_text_shapes, kimi_k25_vision)
+
+
 # The multimodal test checkpoint (ignition.testmodel --vision).
 TINY_VISION = TinyVision(testmodel_vision, "kimi_k3-vision", TESTMODEL_VISION_TOKENS, TESTMODEL_PROCESSOR)
 
@@ -521,13 +494,5 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(kimi_k25_vision)),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, vision=TINY_VISION),
-    stacked=STACKED,
-    shared_kv=SHARED_KV,
-    extra_caches=extra_caches,
-    ignored_tensor=ignored_tensor,
-    canonical_tensors=canonical_tensors,
-    duplicates=duplicates,
-    extra_step_outputs=extra_step_outputs,
-    extra_programs=extra_programs,
     vision=vision_hooks.of(kimi_k25_vision),
 )

@@ -16,6 +16,7 @@ from torch import Tensor
 from helios.core.manifest import TensorSpec
 from ignition.models import kimi_k25_vision, moe, mtp
 from ignition.models.common import HEAD_WEIGHT_MAP, PRE_NORM_WEIGHT_MAP
+from ignition.models.hf_config import REQUIRED, Fields, Key, grouped_sigmoid_router
 from ignition.models.kimi_k25_vision import TESTMODEL_PROCESSOR, TESTMODEL_VISION_TOKENS, testmodel_vision  # noqa: F401
 from ignition.models.naming import refuse_vision_tensors, with_prefixes, without_prefixes
 
@@ -231,6 +232,27 @@ def _check_supported(hf: dict[str, Any]) -> None:
         raise ValueError(f"quantized checkpoints are not supported by the {NAME} family yet")
 
 
+# The fields read as they stand in the (text) config; DeepseekV3Config's defaults for the optional ones.
+_FIELDS = Fields(
+    DeepseekV3Config,
+    vocab_size=REQUIRED,
+    hidden_size=REQUIRED,
+    intermediate_size=REQUIRED,
+    num_layers=Key("num_hidden_layers"),
+    num_heads=Key("num_attention_heads"),
+    kv_lora_rank=REQUIRED,
+    qk_nope_head_dim=REQUIRED,
+    qk_rope_head_dim=REQUIRED,
+    v_head_dim=REQUIRED,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    first_k_dense_replace=Key("first_k_dense_replace", 0, or_default=True),
+    moe_intermediate_size=REQUIRED,
+    n_shared_experts=Key("n_shared_experts", 0, or_default=True),
+    num_mtp_layers=Key("num_nextn_predict_layers", 0, or_default=True),
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
     """Read a Hugging Face config.json dict (DeepSeek-V3, or Kimi's with a nested text_config)."""
     tie = bool(text_config(hf).get("tie_word_embeddings", False))
@@ -238,37 +260,14 @@ def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
     _check_supported(hf)
     experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts"))
     q_lora = hf.get("q_lora_rank")
-    router = moe.RouterSpec(
-        num_experts=experts,
-        top_k=int(hf["num_experts_per_tok"]),
-        scoring="sigmoid",
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1),
-        has_correction_bias=True,
-        norm_eps=1e-20,
-    )
+    scaling = float(hf.get("routed_scaling_factor", 1.0))
+    router = grouped_sigmoid_router(hf, experts, int(hf["num_experts_per_tok"]), scaling)
     return DeepseekV3Config(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=int(hf["num_attention_heads"]),
+        **_FIELDS.read(hf),
         q_lora_rank=None if q_lora is None else int(q_lora),
-        kv_lora_rank=int(hf["kv_lora_rank"]),
-        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-        v_head_dim=int(hf["v_head_dim"]),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=rope_from_hf(hf),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=tie,
-        first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
-        moe_intermediate_size=int(hf["moe_intermediate_size"]),
-        n_shared_experts=int(hf.get("n_shared_experts") or 0),
         router=router,
-        num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
         vision=kimi_k25_vision.config_from_hf(top, hf) if _multimodal(top) else None,
     )
 

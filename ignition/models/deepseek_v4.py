@@ -37,18 +37,7 @@ from ignition.models import deepseek_v4_config, moe
 from ignition.models.common import hyper_block, hyper_residual, rms_norm, unit_rms
 from ignition.models.deepseek_v3 import rope_inv_freq
 from ignition.models.deepseek_v3_config import RopeSpec
-from ignition.models.deepseek_v4_config import (
-    ACCURATE_16BIT,
-    CSA,
-    HASH_MOE,
-    HCA,
-    MOE,
-    SHARED_KV,
-    SLIDING,
-    STACKED,
-    DeepseekV4Config,
-    extra_caches,
-)
+from ignition.models.deepseek_v4_config import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config, extra_caches
 from ignition.models.deepseek_v4_reference import reference_logits
 from ignition.models.family import Family, Reference, TinyCheckpoint
 from ignition.models.step import Paged, StepInputs, StepModule
@@ -58,7 +47,7 @@ from ignition.models.step import Paged, StepInputs, StepModule
 
 def rope_cos_sin(spec: RopeSpec, positions: Tensor) -> tuple[Tensor, Tensor]:
     """cos, sin [T, 1, dim / 2] fp32 of the rotary at `positions` (cos/sin scaled as YaRN says)."""
-    freqs = positions.float()[:, None] * rope_inv_freq(spec, positions.device)[None, :]
+    freqs = positions.float()[:, None] * rope_inv_freq(spec, positions)[None, :]
     scale = spec.cos_sin_scale
     return (freqs.cos() * scale)[:, None, :], (freqs.sin() * scale)[:, None, :]
 
@@ -347,8 +336,4 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init),
-    accurate_16bit=ACCURATE_16BIT,
-    stacked=STACKED,
-    shared_kv=SHARED_KV,
-    extra_caches=extra_caches,
 )

@@ -13,8 +13,9 @@ from typing import Any
 from torch import Tensor
 
 from ignition.models import moe
-from ignition.models.common import PRE_NORM_WEIGHT_MAP, hyper_weight_map
+from ignition.models.common import HEAD_WEIGHT_MAP, PRE_NORM_WEIGHT_MAP, hyper_weight_map
 from ignition.models.deepseek_v3_config import RopeSpec, yarn_rope
+from ignition.models.hf_config import Fields
 from ignition.models.naming import rename
 
 NAME = "deepseek_v4"
@@ -39,9 +40,7 @@ _A = _L + "self_attn."
 _C = _A + "compressor."
 _I = _C + "indexer."
 _HF_WEIGHT_MAP = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
+    **HEAD_WEIGHT_MAP,
     "model.hc_head.hc_fn": "hc_head.fn",
     "model.hc_head.hc_base": "hc_head.base",
     "model.hc_head.hc_scale": "hc_head.scale",
@@ -275,6 +274,26 @@ def _check_supported(hf: dict[str, Any]) -> None:
             raise ValueError(f"{name} = {hf.get(name)!r} is not supported by the {NAME} family ({why})")
 
 
+# The fields read as they stand in config.json (with DeepseekV4Config's defaults).
+_FIELDS = Fields(
+    DeepseekV4Config,
+    vocab_size=129280,
+    hidden_size=4096,
+    q_lora_rank=1024,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=1048576,
+    tie_word_embeddings=False,
+    sliding_window=128,
+    o_lora_rank=1024,
+    index_n_heads=64,
+    index_topk=512,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    moe_intermediate_size=2048,
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> DeepseekV4Config:
     """Read a Hugging Face config.json dict, resolving V4's legacy keys as transformers does."""
     _check_supported(hf)
@@ -299,30 +318,17 @@ def config_from_hf(hf: dict[str, Any]) -> DeepseekV4Config:
         norm_eps=1e-20,
     )
     return DeepseekV4Config(
-        vocab_size=int(hf.get("vocab_size", 129280)),
-        hidden_size=int(hf.get("hidden_size", 4096)),
+        **_FIELDS.read(hf),
         num_layers=n,
         num_heads=heads,
         head_dim=head_dim,
-        q_lora_rank=int(hf.get("q_lora_rank", 1024)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         main_rope=main_rope,
         compress_rope=compress_rope,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 1048576)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         layer_types=layer_types,
         layer_rates=layer_rates,
-        sliding_window=int(hf.get("sliding_window", 128)),
         o_groups=o_groups,
-        o_lora_rank=int(hf.get("o_lora_rank", 1024)),
-        index_n_heads=int(hf.get("index_n_heads", 64)),
         index_head_dim=index_head_dim,
-        index_topk=int(hf.get("index_topk", 512)),
-        hc_mult=int(hf.get("hc_mult", 4)),
-        hc_sinkhorn_iters=int(hf.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(hf.get("hc_eps", 1e-6)),
         hash_layers=_hash_layers(hf, n),
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
         activation=moe.ExpertActivation("silu", limit=float(hf.get("swiglu_limit", 10.0))),
         router=router,
     )

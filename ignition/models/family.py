@@ -22,12 +22,31 @@ Config = Any  # a family's frozen config, as its config_from_hf returns it
 
 
 @dataclass(frozen=True, slots=True)
+class PromptImages:
+    """Image features in a reference forward's prompt: row i of `features` replaces the input
+    embedding at prompt position `positions[i]`."""
+
+    features: Tensor  # [N, width]
+    positions: tuple[int, ...]  # N prompt positions
+
+    def __post_init__(self) -> None:
+        if len(self.features) != len(self.positions):
+            raise ValueError(f"{len(self.features)} image feature rows for {len(self.positions)} image positions")
+
+    def splice(self, x: Tensor) -> Tensor:
+        """x [T, width], its rows at the image positions replaced by the features (in x's dtype, in place)."""
+        if self.positions:
+            x[torch.tensor(self.positions)] = self.features.to(x.dtype)
+        return x
+
+
+@dataclass(frozen=True, slots=True)
 class Reference:
     """The family's independent plain-torch forward(s) the export self-check compares the saved
     programs against (fp32 or float64, unpaged, over Hugging Face-named weights)."""
 
     # (config, hf_weights, token_ids) -> logits [T, V]; a vision family's also takes
-    # (image_features [N, width], image_positions list[int]) after token_ids.
+    # `images: PromptImages | None` after token_ids.
     logits: Callable[..., Tensor]
     # Vision families only: (config, hf_weights, pixels, positions) -> image features [N, width].
     features: Callable[[Config, dict[str, Tensor], Tensor, Tensor], Tensor] | None = None
@@ -116,6 +135,22 @@ PLUMBING = {
     "step_program": "StepProgram",
 }
 
+# The optional hooks a family module defines under these names where the family has them (Family.of reads
+# them too; a family without one leaves the name undefined): Family field -> name.
+OPTIONAL = {
+    "accurate_16bit": "ACCURATE_16BIT",
+    "stacked": "STACKED",
+    "shared_kv": "SHARED_KV",
+    "extra_caches": "extra_caches",
+    "state_caches": "state_caches",
+    "window_pool": "window_pool",
+    "ignored_tensor": "ignored_tensor",
+    "canonical_tensors": "canonical_tensors",
+    "duplicates": "duplicates",
+    "extra_step_outputs": "extra_step_outputs",
+    "extra_programs": "extra_programs",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Family:
@@ -165,20 +200,20 @@ class Family:
 
     @classmethod
     def of(cls, *modules: ModuleType, **fields: Any) -> Family:
-        """The family whose PLUMBING hooks `modules` define under their names (the first module holding
-        a name wins: a family's *_config module, then its own), with every other field as `fields` give
-        it (reference and tiny always; the optional hooks the family has). kv_shape and
-        decode_weight_bytes default to ignition.models.common's (one K and one V cache per layer, every
-        weight read per token)."""
-        plumbing = {"kv_shape": common.kv_shape, "decode_weight_bytes": common.decode_weight_bytes}
-        for name, attribute in PLUMBING.items():
+        """The family whose PLUMBING hooks and OPTIONAL hooks `modules` define under their names (the
+        first module holding a name wins: a family's *_config module, then its own), with every other
+        field as `fields` give it (reference and tiny always; gguf and vision where the family has them).
+        kv_shape and decode_weight_bytes default to ignition.models.common's (one K and one V cache per
+        layer, every weight read per token); an optional hook no module defines keeps its default."""
+        hooks = {"kv_shape": common.kv_shape, "decode_weight_bytes": common.decode_weight_bytes}
+        for name, attribute in (PLUMBING | OPTIONAL).items():
             found = [vars(m)[attribute] for m in modules if attribute in vars(m)]
             if found:
-                plumbing[name] = found[0]
-        missing = [PLUMBING[name] for name in PLUMBING if name not in plumbing]
+                hooks[name] = found[0]
+        missing = [PLUMBING[name] for name in PLUMBING if name not in hooks]
         if missing:
             raise TypeError(f"{modules[-1].__name__} defines no {', '.join(missing)}")
-        return cls(**plumbing, **fields)
+        return cls(**hooks, **fields)
 
     def vision_of(self, config: Config) -> Any | None:
         """The config's vision tower config, None for a text-only checkpoint or family."""

@@ -41,6 +41,7 @@ from ignition.models.common import (
     swiglu_shapes,
 )
 from ignition.models.family import Family, Gguf, Reference, TinyCheckpoint
+from ignition.models.hf_config import REQUIRED, AttentionHeads, Fields, Key
 from ignition.models.step import StepInputs, cached_attention
 
 __all__ = ["decode_weight_bytes", "kv_shape"]  # the family interface, shared with common
@@ -134,6 +135,19 @@ def _layer_windows(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     return tuple(int(window) if t == SLIDING else 0 for t in types)
 
 
+# The fields read as they stand in config.json; Gemma3TextConfig's defaults for the optional ones.
+_FIELDS = Fields(
+    Gemma3Config,
+    vocab_size=REQUIRED,
+    hidden_size=REQUIRED,
+    intermediate_size=REQUIRED,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=131072,
+    tie_word_embeddings=True,
+    final_softcap=Key("final_logit_softcapping", 0.0, or_default=True),
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
     """Read a Hugging Face (gemma3_text) config.json dict; unsupported variants raise ValueError."""
     if hf.get("use_bidirectional_attention"):
@@ -143,30 +157,21 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"hidden activation {act!r} is not supported by the {NAME} family")
-    heads = int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+    heads = AttentionHeads.from_hf(hf)
     num_layers = int(hf["num_hidden_layers"])
     theta, factor, local_theta = _rope_parameters(hf)
     return Gemma3Config(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
+        **_FIELDS.read(hf),
+        **heads._asdict(),
         num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_factor=factor,
         rope_local_theta=local_theta,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or head_dim),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or heads.head_dim),
         layer_windows=_layer_windows(hf, num_layers),
         # Gemma 3 dropped attention soft-capping: transformers' Gemma3Attention never applies a
         # configured attn_logit_softcapping (and llama.cpp's converter asserts it is unset).
         attn_softcap=0.0,
-        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
     )
 
 
@@ -467,6 +472,4 @@ FAMILY = Family.of(
         end_of_turn=GGUF_END_OF_TURN,
         chat_template=CHAT_TEMPLATE,
     ),
-    accurate_16bit=ACCURATE_16BIT,
-    window_pool=window_pool,
 )

@@ -35,19 +35,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import gemma4_config, gemma4_vision, moe, vision_hooks
-from ignition.models.common import DecoderProgram, rotate_half
-from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
+from ignition.models.common import DecoderProgram, arange_like, rotate_half
+from ignition.models.family import Family, PromptImages, Reference, TinyCheckpoint, TinyVision
 from ignition.models.gemma3 import FULL, SLIDING, embed_scale, softcapped
-from ignition.models.gemma4_config import (
-    ACCURATE_16BIT,
-    STACKED,
-    Gemma4Config,
-    ignored_tensor,
-    text_names,
-    window_pool,
-)
-from ignition.models.naming import nested
+from ignition.models.gemma4_config import Gemma4Config, text_names, window_pool
 from ignition.models.step import StepInputs
+from ignition.models.vision_common import nested_testmodel
 
 # ---------------------------------------------------------------------------- step program
 
@@ -59,17 +52,17 @@ def norm4(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return out * weight.float() if weight is not None else out
 
 
-def _inv_freq(head_dim: int, theta: float, pairs: int, factor: float, device: Any = None) -> Tensor:
+def _inv_freq(head_dim: int, theta: float, pairs: int, factor: float, like: Tensor) -> Tensor:
     """[head_dim / 2] fp32 inverse frequencies; angles past `pairs` are zero (proportional rotary)."""
-    exps = torch.arange(0, 2 * pairs, 2, dtype=torch.int64, device=device).float() / head_dim
+    exps = arange_like(like, 2 * pairs, 2) / head_dim
     inv = 1.0 / (theta**exps)
     if pairs < head_dim // 2:
-        inv = torch.cat([inv, torch.zeros(head_dim // 2 - pairs, device=device)])
+        inv = torch.cat([inv, inv.new_zeros(head_dim // 2 - pairs)])
     return inv / factor
 
 
 def _cos_sin(positions: Tensor, head_dim: int, rope: tuple[float, int, float]) -> tuple[Tensor, Tensor]:
-    freqs = positions.float()[:, None] * _inv_freq(head_dim, *rope, device=positions.device)[None, :]
+    freqs = positions.float()[:, None] * _inv_freq(head_dim, *rope, like=positions)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos()[:, None, :], emb.sin()[:, None, :]
 
@@ -103,7 +96,7 @@ class StepProgram(DecoderProgram):
             T = x.shape[0]
             rows = torch.where(rows < 0, T, rows)  # unused rows land on a scratch row past the end
             x = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_copy(0, rows, features.float())[:T]
-            is_image = torch.zeros(T + 1, dtype=torch.bool, device=x.device).index_fill(0, rows, True)[:T]
+            is_image = rows.new_zeros(T + 1, dtype=torch.bool).index_fill(0, rows, True)[:T]
             ple_ids = torch.where(is_image, c.vision.pad_token_id, s.token_ids)
         ple = None
         if c.ple_dim:
@@ -197,18 +190,14 @@ class StepProgram(DecoderProgram):
 
 
 def reference_logits(
-    config: Gemma4Config,
-    hf_weights: dict[str, Tensor],
-    token_ids: list[int],
-    image_features: Tensor | None = None,
-    image_positions: list[int] | None = None,
+    config: Gemma4Config, hf_weights: dict[str, Tensor], token_ids: list[int], images: PromptImages | None = None
 ) -> Tensor:
     """Dense, unpaged forward over Hugging Face-named weights in float64: logits [T, V] fp32.
 
     Independent of the program: unfused and unpadded weights, explicit per-layer masks, KV
     sharing by keeping each producer's keys/values, the MoE block as a loop over experts.
-    Images: row i of image_features replaces the input embedding at image_positions[i], whose
-    per-layer-input token is the pad id (as transformers' Gemma4Model merges them).
+    The prompt's `images` replace their positions' input embeddings, whose per-layer-input token is
+    the pad id (as transformers' Gemma4Model merges them).
     """
     c = config
     hf_weights = text_names(hf_weights)
@@ -218,9 +207,10 @@ def reference_logits(
     ids = torch.tensor(token_ids)
     table = hf_weights["model.embed_tokens.weight"]
     x = table[ids].to(f64) * embed_scale(c.hidden_size, table.dtype)
+    image_positions = list(images.positions) if images is not None else []
     if image_positions:
-        assert image_features is not None and c.vision is not None
-        x[torch.tensor(image_positions)] = image_features.to(f64)
+        assert images is not None and c.vision is not None
+        images.splice(x)
         ids = ids.clone()
         ids[torch.tensor(image_positions)] = c.vision.pad_token_id
     pos = torch.arange(T, dtype=f64)
@@ -409,34 +399,32 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
     a 2-layer vision tower of width 32 over 4-pixel patches, 3 x 3 pooling, standardized features,
     up to 70 tokens per image (the reference processor's smallest max_soft_tokens). `tokens`: the
     tokenizer's ids of <|image|>, <|image> and <image|>."""
-    text = {k: v for k, v in text.items() if k != "architectures"}
-    return {
-        "architectures": ["Gemma4ForConditionalGeneration"],
-        "model_type": "gemma4",
-        "text_config": text,
-        "vision_config": {
-            "model_type": "gemma4_vision",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "patch_size": 4,
-            "pooling_kernel_size": 3,
-            "position_embedding_size": 64,
-            "standardize": True,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
-            "rms_norm_eps": 1e-6,
-            "hidden_activation": "gelu_pytorch_tanh",
-        },
-        "audio_config": None,
-        "image_token_id": tokens["<|image|>"],
-        "boi_token_id": tokens["<|image>"],
-        "eoi_token_id": tokens["<image|>"],
-        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
-        "max_position_embeddings": text["max_position_embeddings"],
+    vision = {
+        "model_type": "gemma4_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "patch_size": 4,
+        "pooling_kernel_size": 3,
+        "position_embedding_size": 64,
+        "standardize": True,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
     }
+    return nested_testmodel(
+        "Gemma4ForConditionalGeneration",
+        "gemma4",
+        text,
+        vision,
+        audio_config=None,
+        image_token_id=tokens["<|image|>"],
+        boi_token_id=tokens["<|image>"],
+        eoi_token_id=tokens["<image|>"],
+    )
 
 
 TESTMODEL_PROCESSOR = {
@@ -453,16 +441,9 @@ TESTMODEL_PROCESSOR = {
 }
 
 
-def hf_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of a checkpoint with this config (a multimodal one's
-    text model under model.language_model., then its vision tower)."""
-    shapes = _text_shapes(c)
-    if c.vision is None:
-        return shapes
-    return nested(shapes) | gemma4_vision.hf_shapes(c.vision)
-
-
 def _text_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes of the text model of a checkpoint with this config
+    (hf_shapes nests them under model.language_model. beside a multimodal one's vision tower)."""
     h, H = c.hidden_size, c.num_heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -519,6 +500,9 @@ def _text_shapes(c: Gemma4Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+hf_shapes = vision_hooks.nested_shapes(_text_shapes, gemma4_vision)
+
+
 # The multimodal test checkpoint (ignition.testmodel --vision).
 TINY_VISION = TinyVision(testmodel_vision, "gemma4-vision", ("<|image|>", "<|image>", "<image|>"), TESTMODEL_PROCESSOR)
 
@@ -538,9 +522,5 @@ FAMILY = Family.of(
         TEST_CHAT_TEMPLATE,
         vision=TINY_VISION,
     ),
-    accurate_16bit=ACCURATE_16BIT,
-    stacked=STACKED,
-    window_pool=window_pool,
-    ignored_tensor=ignored_tensor,
     vision=vision_hooks.of(gemma4_vision, bidirectional=lambda config: config.bidirectional_images),
 )

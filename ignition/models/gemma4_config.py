@@ -13,6 +13,7 @@ from torch import Tensor
 from ignition.models import gemma4_vision
 from ignition.models.common import HEAD_WEIGHT_MAP, QK_NORM_WEIGHT_MAP, QKVO_WEIGHT_MAP, SWIGLU_WEIGHT_MAP
 from ignition.models.gemma3 import FULL, SANDWICH_NORM_WEIGHT_MAP, SLIDING
+from ignition.models.hf_config import Fields, Key
 from ignition.models.moe import STACKED_EXPERTS, expert_weight_map
 from ignition.models.naming import with_prefixes
 
@@ -135,6 +136,18 @@ def _rope(hf: dict[str, Any], kind: str, head_dim: int) -> tuple[float, int, flo
     )
 
 
+# The fields read as they stand in the text config (with Gemma4TextConfig's defaults).
+_FIELDS = Fields(
+    Gemma4Config,
+    vocab_size=262_144,
+    hidden_size=2304,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=131_072,
+    tie_word_embeddings=True,
+    final_softcap=Key("final_logit_softcapping", 0.0, or_default=True),
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
     """Read a Hugging Face gemma4_text config.json dict, or a multimodal gemma4 one (its text_config
     plus its vision_config; an audio tower is left out); unsupported variants raise ValueError."""
@@ -213,15 +226,11 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
     moe = bool(hf.get("enable_moe_block", False))
     ple = int(hf.get("hidden_size_per_layer_input") or 0)
     return Gemma4Config(
-        vocab_size=int(hf.get("vocab_size", 262_144)),
-        hidden_size=int(hf.get("hidden_size", 2304)),
+        **_FIELDS.read(hf),
         num_layers=n,
         num_heads=heads,
         num_kv_heads=max_kv,
         head_dim=max(dims),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131_072)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         layer_windows=tuple(window if t == SLIDING else 0 for t in types),
         layer_head_dims=dims,
         layer_kv_heads=kvs,
@@ -232,7 +241,6 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma4Config:
         rope_full=_rope(hf, FULL, next(d for d, t in zip(dims, types) if t == FULL)),
         ple_dim=ple,
         ple_vocab=int(hf.get("vocab_size_per_layer_input", 262_144)) if ple else 0,
-        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
         num_experts=int(hf["num_experts"]) if moe else 0,
         top_k_experts=int(hf["top_k_experts"]) if moe else 0,
         moe_intermediate_size=int(hf["moe_intermediate_size"]) if moe else 0,

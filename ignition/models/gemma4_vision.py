@@ -28,19 +28,15 @@ from torch import Tensor
 from helios.core import manifest as mf
 from ignition.models import vision_common as vc
 from ignition.models.common import rotate_half
+from ignition.models.hf_config import Fields, Key
 from ignition.models.patch_grid import raster_order
 
 _V = "model.vision_tower."
 _VL = _V + "encoder.layers.{}."
 # Clipped linears (use_clipped_linears) carry scalar input/output bounds beside each weight.
 _LINEARS = {
-    "self_attn.q_proj": "wq",
-    "self_attn.k_proj": "wk",
-    "self_attn.v_proj": "wv",
-    "self_attn.o_proj": "wo",
-    "mlp.gate_proj": "w_gate",
-    "mlp.up_proj": "w_up",
-    "mlp.down_proj": "w_down",
+    **{f"self_attn.{p}_proj": f"w{p}" for p in "qkvo"},
+    **{f"mlp.{p}_proj": f"w_{p}" for p in ("gate", "up", "down")},
 }
 WEIGHT_MAP = {
     _V + "patch_embedder.input_proj.weight": "vision.patch_proj",
@@ -86,6 +82,23 @@ class VisionConfig:
     pad_token_id: int  # the per-layer-input id of image rows (transformers swaps image ids for pad)
 
 
+# The fields read as they stand in vision_config, and the image token ids of the top level (with
+# Gemma4VisionConfig's and Gemma4Config's defaults).
+_FIELDS = Fields(
+    VisionConfig,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_layers=Key("num_hidden_layers", 16),
+    head_dim=Key("head_dim", 64, or_default=True),
+    rms_norm_eps=1e-6,
+    patch_size=16,
+    pooling_kernel_size=3,
+    position_embedding_size=10240,
+    standardize=False,
+)
+_TOKEN_FIELDS = Fields(VisionConfig, image_token_id=258_880, boi_token_id=255_999, eoi_token_id=258_882)
+
+
 def config_from_hf(hf: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     """The vision_config of a Gemma4Config dict (with its image token ids); unsupported variants raise ValueError."""
     v = hf["vision_config"]
@@ -95,22 +108,12 @@ def config_from_hf(hf: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
         raise ValueError("vision attention_bias is not supported by the gemma4 family")
     heads = int(v.get("num_attention_heads", 12))
     return VisionConfig(
-        hidden_size=int(v.get("hidden_size", 768)),
-        intermediate_size=int(v.get("intermediate_size", 3072)),
-        num_layers=int(v.get("num_hidden_layers", 16)),
+        **_FIELDS.read(v),
+        **_TOKEN_FIELDS.read(hf),
         num_heads=heads,
         num_kv_heads=int(v.get("num_key_value_heads") or heads),
-        head_dim=int(v.get("head_dim") or 64),
-        rms_norm_eps=float(v.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", 100.0)),
-        patch_size=int(v.get("patch_size", 16)),
-        pooling_kernel_size=int(v.get("pooling_kernel_size", 3)),
-        position_embedding_size=int(v.get("position_embedding_size", 10240)),
-        standardize=bool(v.get("standardize", False)),
         text_hidden_size=int(text.get("hidden_size", 2304)),
-        image_token_id=int(hf.get("image_token_id", 258_880)),
-        boi_token_id=int(hf.get("boi_token_id", 255_999)),
-        eoi_token_id=int(hf.get("eoi_token_id", 258_882)),
         pad_token_id=int(text.get("pad_token_id") if text.get("pad_token_id") is not None else 0),
     )
 
@@ -198,7 +201,7 @@ def _linear(weights: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
 
 def _axial_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos, sin [X, 1, head_dim]: the first half rotates by x, the second by y (H-H-W-W layout)."""
-    inv = vc.inverse_frequencies(head_dim // 2, theta, positions.device)
+    inv = vc.inverse_frequencies(head_dim // 2, theta, positions)
     fx = positions[:, 0].float()[:, None] * inv[None, :]
     fy = positions[:, 1].float()[:, None] * inv[None, :]
     ang = torch.cat([fx, fx, fy, fy], dim=-1)

@@ -51,23 +51,10 @@ from ignition.models import deepseek_v3 as mla
 from ignition.models import glm5_next_config, glm5_next_vision, moe, vision_hooks
 from ignition.models.common import hyper_block, hyper_residual, rms_norm
 from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision, merged_patch_processor
-from ignition.models.glm5_next_config import (
-    _TEXT_PREFIX,
-    ACCURATE_16BIT,
-    DENSE,
-    INDEXED,
-    LINEAR,
-    SHARED_KV,
-    SPARSE,
-    STACKED,
-    Glm5NextConfig,
-    extra_caches,
-    ignored_tensor,
-    state_caches,
-)
+from ignition.models.glm5_next_config import _TEXT_PREFIX, DENSE, INDEXED, LINEAR, SPARSE, Glm5NextConfig
 from ignition.models.glm5_next_reference import reference_logits
 from ignition.models.glm_moe_dsa import INDEXER_NORM_EPS
-from ignition.models.step import StatefulStepModule, StepInputs, embed_images
+from ignition.models.step import Paged, StatefulStepModule, StepInputs, embed_images
 
 # ---------------------------------------------------------------------------- step program
 
@@ -148,7 +135,7 @@ class StepProgram(StatefulStepModule, mla.StepProgram):
         return F.linear(out.reshape(-1, c.qkv_dim).to(h.dtype), weights[p + "wo"]).float()
 
     def indexer(
-        self, weights: dict[str, Tensor], i: int, h: Tensor, q_resid: Tensor, cache: Tensor, paged: tuple[Tensor, ...]
+        self, weights: dict[str, Tensor], i: int, h: Tensor, q_resid: Tensor, cache: Tensor, paged: Paged
     ) -> Tensor:
         """Write this step's indexer rows and select each query's positions: [T, width] int64."""
         c, p = self.config, f"layers.{i}."
@@ -191,7 +178,7 @@ class StepProgram(StatefulStepModule, mla.StepProgram):
         q_resid: Tensor,
         cache: Tensor,
         selected: Tensor,
-        paged: tuple[Tensor, ...],
+        paged: Paged,
     ) -> Tensor:
         """NoPE absorbed MLA over the selected latent rows: h [T, hidden] -> [T, hidden] fp32."""
         c, p = self.config, f"layers.{i}."
@@ -402,9 +389,7 @@ def hf_shapes(c: Glm5NextConfig) -> dict[str, tuple[int, ...]]:
 # Test vision checkpoints: the "glm53" chat flavour plus GLM's image and video framing tokens.
 TEST_VISION_CHAT = "glm53-vision"
 TESTMODEL_VISION_TOKENS = (
-    glm5_next_vision.IMAGE_TOKEN,
-    glm5_next_vision.START_TOKEN,
-    glm5_next_vision.END_TOKEN,
+    *vision_hooks.image_tokens(glm5_next_vision),
     "<|video|>",
     "<|begin_of_video|>",
     "<|end_of_video|>",
@@ -467,11 +452,5 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(glm5_next_vision)),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init, vision=TINY_VISION),
-    accurate_16bit=ACCURATE_16BIT,
-    stacked=STACKED,
-    shared_kv=SHARED_KV,
-    extra_caches=extra_caches,
-    state_caches=state_caches,
-    ignored_tensor=ignored_tensor,
     vision=vision_hooks.of(glm5_next_vision),
 )

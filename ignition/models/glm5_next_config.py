@@ -13,8 +13,11 @@ from typing import Any
 from torch import Tensor
 
 from ignition.models import glm5_next_vision, moe
-from ignition.models.common import hyper_weight_map
+from ignition.models.common import HEAD_WEIGHT_MAP, PRE_NORM_WEIGHT_MAP, SWIGLU_WEIGHT_MAP, hyper_weight_map
 from ignition.models.glm_moe_dsa import _indexer_types, glm_router
+from ignition.models.hf_config import Fields, Key
+from ignition.models.naming import with_prefixes
+from ignition.models.qwen3_next_config import StateCaches, linear_attention_states
 
 NAME = "glm5_next"
 HF_ARCHITECTURES = ("Glm5NextForConditionalGeneration",)
@@ -29,14 +32,13 @@ LINEAR, INDEXED = "linear_attention", "indexed_attention"
 DENSE, SPARSE = "dense", "sparse"
 
 _TEXT_PREFIX, _FLAT_PREFIX = "model.language_model.", "model."
-_L = "layers.{}."
+_L = "model.layers.{}."
 _A = _L + "self_attn."
 _I = _A + "indexer."
+# The flat text layout's names (model.*); WEIGHT_MAP adds the multimodal layout's (model.language_model.*).
 _TEXT_WEIGHT_MAP = {
-    "embed_tokens.weight": "embed",
-    "norm.weight": "norm",
-    _L + "input_layernorm.weight": "layers.{}.attn_norm",
-    _L + "post_attention_layernorm.weight": "layers.{}.mlp_norm",
+    **HEAD_WEIGHT_MAP,
+    **PRE_NORM_WEIGHT_MAP,
     **hyper_weight_map(_L + "{block}_hc.{part}"),
     **hyper_weight_map(_L + "hc_{block}_{part}"),  # GLM's own names (transformers renames them at load)
     # KDA
@@ -75,21 +77,12 @@ _TEXT_WEIGHT_MAP = {
     _I + "weights_proj.weight": "layers.{}.idx_weights_proj",
     _I + "index_kpool_compress_ape": "layers.{}.idx_ape",
     _I + "index_kpool_compress_gate": "layers.{}.idx_gate",
-    # dense MLP
-    _L + "mlp.gate_proj.weight": "layers.{}.w_gate",
-    _L + "mlp.up_proj.weight": "layers.{}.w_up",
-    _L + "mlp.down_proj.weight": "layers.{}.w_down",
+    **SWIGLU_WEIGHT_MAP,  # dense MLP
     # MoE (per-expert or stacked experts) and the shared experts
-    **{k.removeprefix("model."): v for k, v in moe.expert_weight_map().items()},
-    **{k.removeprefix("model."): v for k, v in moe.shared_expert_weight_map().items()},
+    **moe.expert_weight_map(),
+    **moe.shared_expert_weight_map(),
 }
-# Transformers' multimodal layout (model.language_model.*) or a flat text layout (model.*).
-WEIGHT_MAP = {
-    **{_TEXT_PREFIX + k: v for k, v in _TEXT_WEIGHT_MAP.items()},
-    **{_FLAT_PREFIX + k: v for k, v in _TEXT_WEIGHT_MAP.items()},
-    "lm_head.weight": "lm_head",
-    **glm5_next_vision.WEIGHT_MAP,
-}
+WEIGHT_MAP = with_prefixes(_TEXT_WEIGHT_MAP, {_FLAT_PREFIX: (_TEXT_PREFIX,)}) | glm5_next_vision.WEIGHT_MAP
 STACKED = moe.STACKED_EXPERTS
 # Each layer holds only its own groups (KDA or MLA, full indexer or not, dense or MoE).
 FUSED = {
@@ -272,6 +265,29 @@ def _linear_fields(text: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+# The fields read as they stand in the text config (with Glm5NextTextConfig's defaults).
+_FIELDS = Fields(
+    Glm5NextConfig,
+    vocab_size=154880,
+    hidden_size=4096,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=1048576,
+    num_heads=Key("num_attention_heads", 64),
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=256,
+    v_head_dim=256,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_tail=Key("index_kpool_always_select_tail", True),
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    intermediate_size=12288,
+    moe_intermediate_size=2048,
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> Glm5NextConfig:
     """Read a Hugging Face config.json dict (text_config nested or flat); unsupported variants raise
     ValueError naming the field."""
@@ -294,31 +310,15 @@ def config_from_hf(hf: dict[str, Any]) -> Glm5NextConfig:
         _refuse("swiglu_limit", limit, "the SwiGLU clamp must be positive")
     router = glm_router(text, default_experts=288)
     return Glm5NextConfig(
-        vocab_size=int(text.get("vocab_size", 154880)),
-        hidden_size=int(text.get("hidden_size", 4096)),
+        **_FIELDS.read(text),
         num_layers=layers,
         layer_types=kinds,
         mlp_layer_types=mlps,
         indexer_types=indexers,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(text.get("max_position_embeddings", 1048576)),
         tie_word_embeddings=tied,
-        num_heads=int(text.get("num_attention_heads", 64)),
-        q_lora_rank=int(text.get("q_lora_rank", 1536)),
-        kv_lora_rank=int(text.get("kv_lora_rank", 512)),
-        qk_nope_head_dim=int(text.get("qk_nope_head_dim", 256)),
-        v_head_dim=int(text.get("v_head_dim", 256)),
         index_topk=topk,
-        index_n_heads=int(text.get("index_n_heads", 32)),
-        index_head_dim=int(text.get("index_head_dim", 128)),
         index_kpool=kpool,
-        index_tail=bool(text.get("index_kpool_always_select_tail", True)),
         **_linear_fields(text),
-        hc_mult=int(text.get("hc_mult", 4)),
-        hc_sinkhorn_iters=int(text.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(text.get("hc_eps", 1e-6)),
-        intermediate_size=int(text.get("intermediate_size", 12288)),
-        moe_intermediate_size=int(text.get("moe_intermediate_size", 2048)),
         n_shared_experts=int(text.get("n_shared_experts", 1) or 0),
         activation=moe.ExpertActivation("silu", limit=limit),
         router=router,
@@ -344,12 +344,11 @@ def extra_caches(config: Glm5NextConfig) -> tuple[tuple[str, tuple[int, ...], in
     return ((INDEXER_CACHE, config.indexer_layers, 1, 2 * config.index_head_dim),)
 
 
-def state_caches(config: Glm5NextConfig) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...], str], ...]:
-    """Per-sequence state of the KDA layers: the conv's last K - 1 inputs and the delta-rule state."""
-    c, layers = config, config.linear_layers
-    return (
-        ("conv", layers, (c.conv_dim, c.conv_kernel_size - 1), "float32"),
-        ("recurrent", layers, (c.linear_num_heads, c.linear_head_dim, c.linear_head_dim), "float32"),
+def state_caches(config: Glm5NextConfig) -> StateCaches:
+    """The KDA layers' conv inputs and delta-rule states (Qwen3-Next's layout)."""
+    c = config
+    return linear_attention_states(
+        c.linear_layers, c.conv_dim, c.conv_kernel_size, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim
     )
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ignition.models import moe
 from ignition.models.deepseek_v4_reference import _hyper, _mix, _norm
+from ignition.models.family import PromptImages
 from ignition.models.glm5_next_config import _FLAT_PREFIX, _TEXT_PREFIX, INDEXED, Glm5NextConfig
 from ignition.models.glm_moe_dsa import INDEXER_NORM_EPS
 
@@ -107,20 +108,15 @@ def _dense(c: Glm5NextConfig, w: dict[str, Tensor], m: str, h: Tensor) -> Tensor
 
 
 def reference_logits(
-    config: Glm5NextConfig,
-    hf_weights: dict[str, Tensor],
-    token_ids: list[int],
-    image_features: Tensor | None = None,
-    image_positions: list[int] | None = None,
+    config: Glm5NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int], images: PromptImages | None = None
 ) -> Tensor:
-    """Dense forward over Hugging Face-named weights: logits [T, V] (float64 arithmetic). Images:
-    row i of image_features replaces the input embedding at image_positions[i]."""
+    """Dense forward over Hugging Face-named weights: logits [T, V] (float64 arithmetic). The
+    prompt's `images` replace their positions' input embeddings."""
     c = config
     w = {_canonical(k): v.double() if v.is_floating_point() else v for k, v in hf_weights.items()}
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]  # a copy (advanced indexing)
-    if image_positions:
-        assert image_features is not None and len(image_features) == len(image_positions)
-        x[torch.tensor(image_positions)] = image_features.double()
+    if images is not None:
+        images.splice(x)
     streams = x[:, None, :].expand(-1, c.hc_mult, -1)
     kept: Tensor | None = None
     for i, kind in enumerate(c.layer_types):

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models import vision_common as vc
+from ignition.models.hf_config import Fields, Key
 from ignition.models.naming import with_biases
 from ignition.models.patch_grid import still_clip_example
 
@@ -72,11 +73,25 @@ def image_token_id(top: dict[str, Any]) -> int:
     return int(top.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
 
 
+# The fields read as they stand in vision_config (with Glm5NextVisionConfig's defaults).
+_FIELDS = Fields(
+    VisionConfig,
+    intermediate_size=4096,
+    num_layers=Key(("depth", "num_hidden_layers"), 24),
+    rms_norm_eps=1e-5,
+    attention_bias=True,
+    patch_size=14,
+    temporal_patch_size=2,
+    merge_size=Key("spatial_merge_size", 2),
+    projection_intermediate_size=10240,
+)
+
+
 def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     """The vision_config of a Glm5NextConfig dict, as transformers reads it; unsupported variants raise ValueError."""
     v = top["vision_config"]
     act = vc.activation(v, "hidden_act", "silu", ACTIVATIONS, "glm5_next")
-    rope = vc.axial_rope(v)
+    theta = vc.axial_theta(v)
     vc.check_rgb(v, "in_channels")
     hidden = int(v.get("hidden_size", 1024))
     heads = int(v.get("num_heads", v.get("num_attention_heads", 16)))
@@ -92,19 +107,12 @@ def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
         if isinstance(v.get(name), (list, tuple)):
             raise ValueError(f"vision {name} {v[name]!r}: only a single integer is supported")
     return VisionConfig(
+        **_FIELDS.read(v),
         hidden_size=hidden,
-        intermediate_size=int(v.get("intermediate_size", 4096)),
-        num_layers=int(v.get("depth", v.get("num_hidden_layers", 24))),
         num_heads=heads,
-        rms_norm_eps=float(v.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+        rope_theta=theta,
         hidden_act=act,
-        attention_bias=bool(v.get("attention_bias", True)),
         swiglu_limit=limit,
-        patch_size=int(v.get("patch_size", 14)),
-        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-        merge_size=int(v.get("spatial_merge_size", 2)),
-        projection_intermediate_size=int(v.get("projection_intermediate_size", 10240)),
         text_hidden_size=text_hidden,
         image_token_id=image_token_id(top),
     )

@@ -32,6 +32,8 @@ from ignition.models import deepseek_v3_config as mla_config
 from ignition.models import moe
 from ignition.models.common import reference_swiglu, rms_norm
 from ignition.models.family import Family, Reference, TinyCheckpoint
+from ignition.models.hf_config import REQUIRED, Fields, Key, grouped_sigmoid_router
+from ignition.models.step import Paged
 
 NAME = "glm_moe_dsa"
 HF_ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
@@ -113,6 +115,24 @@ def _check_supported(hf: dict[str, Any]) -> None:
         raise ValueError(f"layer_types {sorted(kinds)} are not supported by the {NAME} family (indexed_attention)")
 
 
+# The fields read as they stand in config.json; GlmMoeDsaConfig's defaults for the optional ones.
+_FIELDS = Fields(
+    GlmMoeDsaConfig,
+    vocab_size=REQUIRED,
+    hidden_size=REQUIRED,
+    intermediate_size=12288,
+    num_heads=Key("num_attention_heads"),
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    v_head_dim=256,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=202752,
+    tie_word_embeddings=False,
+    moe_intermediate_size=2048,
+    index_n_heads=32,
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> GlmMoeDsaConfig:
     """Read a Hugging Face config.json dict, with GlmMoeDsaConfig's defaults for absent fields."""
     _check_supported(hf)
@@ -134,27 +154,16 @@ def config_from_hf(hf: dict[str, Any]) -> GlmMoeDsaConfig:
         raise ValueError(f"index_topk must be positive, got {topk}")
     router = glm_router(hf, default_experts=256)
     return GlmMoeDsaConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf.get("intermediate_size", 12288)),
+        **_FIELDS.read(hf),
         num_layers=layers,
-        num_heads=int(hf["num_attention_heads"]),
-        q_lora_rank=int(hf["q_lora_rank"]),
-        kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
-        qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 192)),
+        q_lora_rank=int(hf["q_lora_rank"]),  # required here (the indexer reads it)
         qk_rope_head_dim=rope_dim,
-        v_head_dim=int(hf.get("v_head_dim", 256)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         rope=mla_config.rope_from_hf(hf, NAME, interleave=True),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 202752)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         first_k_dense_replace=n_dense,
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
         n_shared_experts=int(hf.get("n_shared_experts", 1) or 0),
         router=router,
         num_mtp_layers=0,  # GLM's MTP layers are not compiled (kimi_k3's are)
         index_topk=topk,
-        index_n_heads=int(hf.get("index_n_heads", 32)),
         index_head_dim=index_dim,
         indexer_types=indexer_types,
         mlp_layer_types=mlp_types,
@@ -192,7 +201,7 @@ class StepProgram(mla.StepProgram):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        paged: tuple[Tensor, ...],
+        paged: Paged,
     ) -> Tensor:
         c, wdt = self.config, weights["embed"].dtype
         index_caches = dict(zip(c.indexer_layers, kv_cache[c.num_layers :], strict=True))
@@ -225,7 +234,7 @@ class StepProgram(mla.StepProgram):
         cos: Tensor,
         sin: Tensor,
         cache: Tensor,
-        paged: tuple[Tensor, ...],
+        paged: Paged,
     ) -> Tensor:
         """Write this step's indexer keys and select each query's top-k keys: [T, index_topk] int64."""
         p, c = f"layers.{layer}.", self.config
@@ -356,17 +365,8 @@ def hf_shapes(c: GlmMoeDsaConfig) -> dict[str, tuple[int, ...]]:
 
 def glm_router(hf: dict, default_experts: int) -> moe.RouterSpec:
     """GLM's MoE router (GLM-5 and GLM-5.3): sigmoid scores with a correction bias, group-limited."""
-    return moe.RouterSpec(
-        num_experts=int(hf.get("n_routed_experts", default_experts)),
-        top_k=int(hf.get("num_experts_per_tok", 8)),
-        scoring="sigmoid",
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
-        n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1),
-        has_correction_bias=True,
-        norm_eps=1e-20,
-    )
+    experts, top_k = int(hf.get("n_routed_experts", default_experts)), int(hf.get("num_experts_per_tok", 8))
+    return grouped_sigmoid_router(hf, experts, top_k, float(hf.get("routed_scaling_factor", 2.5)))
 
 
 # ---------------------------------------------------------------------- the family contract (ignition.models.family)
@@ -376,7 +376,4 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT),
-    stacked=STACKED,
-    shared_kv=SHARED_KV,
-    extra_caches=extra_caches,
 )

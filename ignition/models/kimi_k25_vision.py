@@ -27,6 +27,8 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models import vision_common as vc
+from ignition.models.common import arange_like
+from ignition.models.hf_config import Fields, Key
 from ignition.models.naming import with_biases
 from ignition.models.patch_grid import block_order
 
@@ -79,11 +81,15 @@ def image_token_id(top: dict[str, Any]) -> int:
     return int(top.get("image_token_id", top.get("media_placeholder_token_id", DEFAULT_IMAGE_TOKEN_ID)))
 
 
+# The fields read as they stand in vision_config (with Kimi_K25VisionConfig's defaults).
+_FIELDS = Fields(VisionConfig, intermediate_size=4304, num_layers=Key("num_hidden_layers", 27), patch_size=14)
+
+
 def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     """The vision_config of a Kimi_K25Config dict, as transformers reads it; unsupported variants raise ValueError."""
     v = top["vision_config"]
     act = vc.activation(v, "hidden_act", "gelu_pytorch_tanh", ACTIVATIONS, "kimi_k3")
-    rope = vc.axial_rope(v)
+    theta = vc.axial_theta(v)
     hidden, heads = int(v.get("hidden_size", 1152)), int(v.get("num_attention_heads", 16))
     vc.check_heads(hidden, heads)
     side = int(v.get("pos_emb_height", v.get("init_pos_emb_height", 64)))  # transformers' name, then Moonshot's
@@ -98,13 +104,11 @@ def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
             f"hidden_size {hidden} (the projector's LayerNorm runs over each patch row)"
         )
     return VisionConfig(
+        **_FIELDS.read(v),
         hidden_size=hidden,
-        intermediate_size=int(v.get("intermediate_size", 4304)),
-        num_layers=int(v.get("num_hidden_layers", 27)),
         num_heads=heads,
-        rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+        rope_theta=theta,
         hidden_act=act,
-        patch_size=int(v.get("patch_size", 14)),
         pos_emb_side=side,
         merge_size=int(merge[0]),
         projection_eps=float(top.get("projection_layer_norm_eps", 1e-5)),
@@ -153,8 +157,8 @@ PROCESSOR_DEFAULTS = {
     "max_side": 512,
     "patch_size": 14,
     "merge_size": 2,
-    "image_mean": (0.5, 0.5, 0.5),
-    "image_std": (0.5, 0.5, 0.5),
+    "image_mean": vc.STANDARD_MEAN,
+    "image_std": vc.STANDARD_STD,
     "rescale_factor": 1 / 255,
     "resample": 3,
 }
@@ -231,7 +235,7 @@ def _cubic_taps(index: Tensor, size: Tensor, side: int) -> tuple[Tensor, Tensor]
     `index` [X] on an axis of `size` patches (a 0-d tensor), border-clamped, and their weights [X, 4]."""
     src = (index.float() + 0.5) * side / size - 0.5
     floor = torch.floor(src)
-    offsets = torch.arange(-1, 3, device=index.device)
+    offsets = arange_like(index, 4, dtype=torch.int64) - 1
     taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
     d = (src[:, None] - floor[:, None] - offsets).abs()
     a = -0.75
@@ -375,6 +379,6 @@ TESTMODEL_PROCESSOR = {
     "patch_size": 14,
     "merge_size": 2,
     "resample": 3,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
+    "image_mean": list(PROCESSOR_DEFAULTS["image_mean"]),
+    "image_std": list(PROCESSOR_DEFAULTS["image_std"]),
 }

@@ -46,18 +46,7 @@ from helios.core.manifest import TensorSpec
 from ignition.models import mimo_v2_config, moe, mtp
 from ignition.models.common import partial_rotary, rms_norm, rope, swiglu_shapes
 from ignition.models.family import Family, Reference, TinyCheckpoint
-from ignition.models.mimo_v2_config import (
-    ACCURATE_16BIT,
-    FULL,
-    SHARED_KV,
-    SLIDING,
-    STACKED,
-    MiMoV2Config,
-    RopeSpec,
-    extra_caches,
-    ignored_tensor,
-    window_pool,
-)
+from ignition.models.mimo_v2_config import FULL, SLIDING, MiMoV2Config, RopeSpec, window_pool
 from ignition.models.step import Paged, StepInputs, StepModule
 
 # ---------------------------------------------------------------------------- step program
@@ -424,12 +413,4 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init),
-    accurate_16bit=ACCURATE_16BIT,
-    stacked=STACKED,
-    shared_kv=SHARED_KV,
-    extra_caches=extra_caches,
-    window_pool=window_pool,
-    ignored_tensor=ignored_tensor,
-    extra_step_outputs=extra_step_outputs,
-    extra_programs=extra_programs,
 )

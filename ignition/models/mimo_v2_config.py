@@ -12,6 +12,7 @@ from typing import Any
 from torch import Tensor
 
 from ignition.models import moe, mtp
+from ignition.models.hf_config import Fields, grouped_sigmoid_router
 
 NAME = "mimo_v2"
 HF_ARCHITECTURES = ("MiMoV2FlashForCausalLM",)
@@ -229,6 +230,19 @@ def _rope(hf: dict[str, Any], kind: str, head_dim: int) -> RopeSpec:
     return spec
 
 
+# The fields read as they stand in config.json (with transformers' MiMoV2Config defaults).
+_FIELDS = Fields(
+    MiMoV2Config,
+    vocab_size=152576,
+    hidden_size=4096,
+    intermediate_size=16384,
+    rms_norm_eps=_TRANSFORMERS_DEFAULTS["rms_norm_eps"],
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    moe_intermediate_size=2048,
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> MiMoV2Config:
     """Read a Hugging Face config.json dict, in transformers' spellings or the hub's (which must
     agree with what transformers computes from it); unsupported variants raise ValueError."""
@@ -250,35 +264,20 @@ def config_from_hf(hf: dict[str, Any]) -> MiMoV2Config:
     scale = hf.get("attention_value_scale", 0.707)
     experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 256)
     scaling = hf.get("routed_scaling_factor")
-    router = moe.RouterSpec(
-        num_experts=experts,
-        top_k=int(hf.get("num_experts_per_tok", 8)),
-        scoring="sigmoid",
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        routed_scaling_factor=1.0 if scaling is None else float(scaling),
-        n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1),
-        has_correction_bias=True,
-        norm_eps=1e-20,
-    )
+    top_k = int(hf.get("num_experts_per_tok", 8))
+    router = grouped_sigmoid_router(hf, experts, top_k, 1.0 if scaling is None else float(scaling))
     return MiMoV2Config(
-        vocab_size=int(hf.get("vocab_size", 152576)),
-        hidden_size=int(hf.get("hidden_size", 4096)),
-        intermediate_size=int(hf.get("intermediate_size", 16384)),
+        **_FIELDS.read(hf),
         num_layers=n,
         num_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
         v_head_dim=v_head_dim,
-        rms_norm_eps=float(_get(hf, "rms_norm_eps")),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         layer_windows=tuple(int(window) if t == SLIDING else 0 for t in types),
         layer_sparse=_mlp_types(hf, n),
         rope_full=_rope(hf, FULL, head_dim),
         rope_sliding=_rope(hf, SLIDING, head_dim),
         value_scale=1.0 if scale is None else float(scale),
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
         router=router,
         num_mtp_layers=mtp,
         sliding_window=int(window),

@@ -30,10 +30,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import minimax_m3_vision, moe, vision_hooks
-from ignition.models.common import ATTENTION_WEIGHT_MAP, DecoderFields, offset_norm, partial_rotary
-from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision, merged_patch_processor
-from ignition.models.naming import nested, refuse_vision_tensors, with_prefixes, without_prefixes
+from ignition.models.common import (
+    ATTENTION_WEIGHT_MAP,
+    DecoderFields,
+    arange_like,
+    attention_shapes,
+    offset_norm,
+    partial_rotary,
+    qk_norm_shapes,
+)
+from ignition.models.family import Family, PromptImages, Reference, TinyCheckpoint, TinyVision, merged_patch_processor
+from ignition.models.hf_config import REQUIRED, AttentionHeads, Fields
+from ignition.models.naming import refuse_vision_tensors, with_prefixes, without_prefixes
 from ignition.models.step import Paged, StepInputs, StepModule, embed_images
+from ignition.models.vision_common import nested_testmodel
 
 NAME = "minimax_m3"
 HF_ARCHITECTURES = ("MiniMaxM3VLForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
@@ -157,23 +167,34 @@ def _rotary(hf: dict[str, Any], head_dim: int) -> tuple[int, float]:
     return dim, float(params.get("rope_theta") or hf.get("rope_theta") or DEFAULT_THETA)
 
 
+# The fields read as they stand in the text config; MiniMaxM3VLTextConfig's defaults for the optional ones.
+_FIELDS = Fields(
+    MiniMaxM3Config,
+    vocab_size=REQUIRED,
+    hidden_size=REQUIRED,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=524288,
+    dense_intermediate_size=12288,
+    intermediate_size=3072,
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> MiniMaxM3Config:
     """Read a config.json dict: MiniMaxM3VLTextConfig's fields, or a multimodal config's text_config."""
     tie = bool(hf.get("tie_word_embeddings", False)) or bool(_text(hf).get("tie_word_embeddings", False))
     top, hf = hf, _text(hf)
     if hf.get("quantization_config"):
         raise _refuse("quantization_config", hf["quantization_config"], "quantized checkpoints are not read yet")
-    layers, heads = int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+    layers, heads = int(hf["num_hidden_layers"]), AttentionHeads.from_hf(hf)
     sparse, moe_layers = _layer_kinds(hf, layers)
-    rotary_dim, theta = _rotary(hf, head_dim)
+    rotary_dim, theta = _rotary(hf, heads.head_dim)
     index_heads = _index_field(hf, "index_n_heads", "sparse_num_index_heads", 4)
     topk = _index_field(hf, "index_topk_blocks", "sparse_topk_blocks", 16)
     local = _index_field(hf, "index_local_blocks", "sparse_local_block", 1)
     block = _index_field(hf, "index_block_size", "sparse_block_size", 128)
     if any(sparse):
-        if index_heads < 1 or heads % index_heads:
-            raise _refuse("index_n_heads", index_heads, f"it must divide num_attention_heads ({heads})")
+        if index_heads < 1 or heads.num_heads % index_heads:
+            raise _refuse("index_n_heads", index_heads, f"it must divide num_attention_heads ({heads.num_heads})")
         if topk < 1 or block < 1:
             raise _refuse("index_topk_blocks" if topk < 1 else "index_block_size", min(topk, block), "it must be >= 1")
         if not 0 <= local <= topk:  # more boosted (+inf) blocks than slots: transformers' top-k breaks the tie
@@ -194,21 +215,14 @@ def config_from_hf(hf: dict[str, Any]) -> MiniMaxM3Config:
         has_correction_bias=True,
     )
     return MiniMaxM3Config(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
+        **_FIELDS.read(hf),
+        **heads._asdict(),
         num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
         rotary_dim=rotary_dim,
         rope_theta=theta,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 524288)),
         tie_word_embeddings=tie,
         sparse_layers=sparse,
         moe_layers=moe_layers,
-        dense_intermediate_size=int(hf.get("dense_intermediate_size", 12288)),
-        intermediate_size=int(hf.get("intermediate_size", 3072)),
         shared_intermediate_size=shared,
         router=router,
         activation=moe.ExpertActivation("clamped_glu", limit, float(hf.get("swiglu_alpha", 1.702))),
@@ -340,9 +354,7 @@ class StepProgram(StepModule):
         # Residual stream, norms and rotary in fp32, matmuls in the core dtype (as the other families).
         x = embed_images(F.embedding(s.token_ids, weights["embed"]).float(), s)
         positions = s.positions
-        inv_freq = 1.0 / (
-            c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, device=positions.device).float() / c.rotary_dim)
-        )
+        inv_freq = 1.0 / (c.rope_theta ** (arange_like(positions, c.rotary_dim, 2) / c.rotary_dim))
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, rotary_dim]
         cos, sin = emb.cos(), emb.sin()
@@ -389,24 +401,19 @@ def _reference_select(scores: Tensor, positions: Tensor, c: MiniMaxM3Config) -> 
 
 
 def reference_logits(
-    config: MiniMaxM3Config,
-    hf_weights: dict[str, Tensor],
-    token_ids: list[int],
-    image_features: Tensor | None = None,
-    image_positions: list[int] | None = None,
+    config: MiniMaxM3Config, hf_weights: dict[str, Tensor], token_ids: list[int], images: PromptImages | None = None
 ) -> Tensor:
     """Dense, unpaged forward over Hugging Face-named weights (any of the layouts WEIGHT_MAP reads):
     logits [T, V] fp32. Independent of the program path: explicit attention matrices, the
     indexer's choice made query by query (sorting, not top-k), rotary from float64 angles.
-    Images: row i of image_features replaces the input embedding at image_positions[i]."""
+    The prompt's `images` replace their positions' input embeddings."""
     c = config
     w = {canonical_name(k): v.float() for k, v in hf_weights.items()}
     total = len(token_ids)
     positions = torch.arange(total)
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]
-    if image_positions:
-        assert image_features is not None
-        x[torch.tensor(image_positions)] = image_features.float()
+    if images is not None:
+        images.splice(x)
     inv = c.rope_theta ** (-torch.arange(0, c.rotary_dim, 2, dtype=torch.float64) / c.rotary_dim)
     angles = torch.cat([positions[:, None] * inv[None, :]] * 2, dim=-1)  # [T, rotary_dim]
     cos, sin = angles.cos().float(), angles.sin().float()
@@ -522,36 +529,17 @@ def testmodel_config(vocab_size: int) -> dict[str, Any]:
     }
 
 
-def hf_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
-    """transformers' MiniMaxM3VLForCausalLM tensor names and shapes (stacked experts, fused gate/up); a
-    multimodal config's as MiniMaxM3SparseForConditionalGeneration names them (the text model under
-    model.language_model., then the vision tower and projector)."""
-    shapes = _text_shapes(c)
-    if c.vision is None:
-        return shapes
-    return nested(shapes) | minimax_m3_vision.hf_shapes(c.vision)
-
-
 def _text_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
-    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.kv_dim
+    """transformers' MiniMaxM3VLForCausalLM tensor names and shapes (stacked experts, fused gate/up)
+    (hf_shapes nests them as MiniMaxM3SparseForConditionalGeneration does for a multimodal config)."""
+    h = c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
     e, f, s = c.router.num_experts, c.intermediate_size, c.shared_intermediate_size
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "self_attn.q_norm.weight": (c.head_dim,),
-                p + "self_attn.k_norm.weight": (c.head_dim,),
-            }
-        )
+        shapes.update({p + name: shape for name, shape in (attention_shapes(c) | qk_norm_shapes(c)).items()})
         if c.sparse_layers[layer]:
             i = p + "self_attn.indexer."
             shapes.update(
@@ -580,13 +568,11 @@ def _text_shapes(c: MiniMaxM3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+hf_shapes = vision_hooks.nested_shapes(_text_shapes, minimax_m3_vision)
+
+
 # Test vision checkpoints: the "minimax_m3" chat flavour plus the processor's framing tokens.
-TESTMODEL_VISION_TOKENS = (
-    minimax_m3_vision.IMAGE_TOKEN,
-    minimax_m3_vision.START_TOKEN,
-    minimax_m3_vision.END_TOKEN,
-    "]<]video[>[",
-)
+TESTMODEL_VISION_TOKENS = (*vision_hooks.image_tokens(minimax_m3_vision), "]<]video[>[")
 
 
 def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
@@ -594,30 +580,28 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
     model: a 2-layer vision tower of width 32 (2 heads of 16, 12 of them rotated over 3 axes) over
     14-pixel patches of 2 frames, 2 x 2 merging, a projector of width 48. `tokens`:
     TESTMODEL_VISION_TOKENS -> ids."""
-    text = {k: v for k, v in text.items() if k != "architectures"}
-    return {
-        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
-        "model_type": "minimax_m3_vl",
-        "text_config": text,
-        "vision_config": {
-            "model_type": "minimax_m3_vl_vision",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "patch_size": 14,
-            "temporal_patch_size": 2,
-            "spatial_merge_size": 2,
-            "hidden_act": "gelu",
-            "layer_norm_eps": 1e-5,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
-        },
-        "projector_hidden_size": 48,
-        "image_token_id": tokens[minimax_m3_vision.IMAGE_TOKEN],
-        "video_token_id": tokens["]<]video[>["],
-        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
-        "max_position_embeddings": text["max_position_embeddings"],  # also at the top, where testmodel reads it
+    vision = {
+        "model_type": "minimax_m3_vl_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "hidden_act": "gelu",
+        "layer_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
     }
+    return nested_testmodel(
+        "MiniMaxM3SparseForConditionalGeneration",
+        "minimax_m3_vl",
+        text,
+        vision,
+        projector_hidden_size=48,
+        image_token_id=tokens[minimax_m3_vision.IMAGE_TOKEN],
+        video_token_id=tokens["]<]video[>["],
+    )
 
 
 # MiniMaxM3VLImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): 4 .. 64
@@ -639,8 +623,5 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(minimax_m3_vision)),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, vision=TINY_VISION),
-    stacked=STACKED,
-    extra_caches=extra_caches,
-    canonical_tensors=canonical_tensors,
     vision=vision_hooks.of(minimax_m3_vision),
 )

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models import vision_common as vc
+from ignition.models.hf_config import Fields, Key
 from ignition.models.naming import with_biases
 from ignition.models.patch_grid import still_clip_example
 
@@ -68,28 +69,35 @@ def image_token_id(top: dict[str, Any]) -> int:
     return int(top.get("image_token_id", top.get("image_token_index", DEFAULT_IMAGE_TOKEN_ID)))
 
 
+# The fields read as they stand in vision_config (with MiniMaxM3VisionConfig's defaults).
+_FIELDS = Fields(
+    VisionConfig,
+    intermediate_size=5120,
+    num_layers=Key("num_hidden_layers", 32),
+    layer_norm_eps=1e-5,
+    patch_size=14,
+    temporal_patch_size=2,
+    merge_size=Key("spatial_merge_size", 2),
+)
+
+
 def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     """The vision_config of a MiniMaxM3VLConfig dict, as transformers reads it; unsupported variants
     raise ValueError."""
     v = top["vision_config"]
     act = vc.activation(v, "hidden_act", "gelu", ACTIVATIONS, "minimax_m3")
-    rope = vc.axial_rope(v)
+    theta = vc.axial_theta(v)
     vc.check_rgb(v)
     hidden, heads = int(v.get("hidden_size", 1280)), int(v.get("num_attention_heads", 16))
     if hidden % heads or (hidden // heads) // 3 < 2:
         raise ValueError(f"vision hidden_size {hidden} over {heads} heads leaves no rotary channels per axis")
     text_hidden = int(text.get("hidden_size", 6144))
     return VisionConfig(
+        **_FIELDS.read(v),
         hidden_size=hidden,
-        intermediate_size=int(v.get("intermediate_size", 5120)),
-        num_layers=int(v.get("num_hidden_layers", 32)),
         num_heads=heads,
-        layer_norm_eps=float(v.get("layer_norm_eps", 1e-5)),
-        rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+        rope_theta=theta,
         hidden_act=act,
-        patch_size=int(v.get("patch_size", 14)),
-        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-        merge_size=int(v.get("spatial_merge_size", 2)),
         projector_hidden_size=int(top.get("projector_hidden_size", 6144)),
         text_hidden_size=text_hidden,
         image_token_id=image_token_id(top),
@@ -182,7 +190,7 @@ def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, t
 def _cos_sin(positions: Tensor, v: VisionConfig) -> tuple[Tensor, Tensor]:
     """cos, sin [X, 1, 3 * axis_dim]: angles by (frame 0, y, x) per axis_dim / 2 frequencies, the set
     repeated for rotate-half, as MiniMaxM3VLVisionRotaryEmbedding."""
-    inv = vc.inverse_frequencies(v.axis_dim, v.rope_theta, positions.device)
+    inv = vc.inverse_frequencies(v.axis_dim, v.rope_theta, positions)
     y = positions[:, 1].float()[:, None] * inv
     return vc.rope_tables(torch.cat([torch.zeros_like(y), y, positions[:, 0].float()[:, None] * inv], dim=-1))
 

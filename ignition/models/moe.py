@@ -160,6 +160,15 @@ def shared_mlp(h: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: ExpertA
     return expert_forward(h, w_gate_up, w_down, activation.name, activation.limit, activation.alpha)
 
 
+def local_experts(top: Tensor, ids: Tensor, start: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """An expert-parallel rank's share of the routing (ignition.parallel): the choices of its experts
+    start .. start + count - 1 as local ids with their weights; every other choice weighs 0 (on local
+    expert 0), so the rank's output is its experts' part of the routed sum."""
+    local = ids - start
+    mine = (local >= 0) & (local < count)
+    return torch.where(mine, top, torch.zeros_like(top)), local.clamp(0, count - 1)
+
+
 def sparse_moe(
     spec: RouterSpec,
     weights: dict[str, Tensor],
@@ -179,6 +188,8 @@ def sparse_moe(
     logits = F.linear(h.float(), weights[p + "w_router"].float())
     bias = weights[p + "router_bias"] if spec.has_correction_bias else None
     top, ids = route(spec, logits, bias)
+    if "expert_start" in weights:  # an expert-parallel rank: its experts only, the ranks' sums added by the caller
+        top, ids = local_experts(top, ids, weights["expert_start"], weights[p + "w_experts_gate_up"].shape[0])
     out = routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"], activation)
     if shared:
         out = out + shared_mlp(

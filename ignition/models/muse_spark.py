@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import moe, muse_spark_vision, vision_hooks
-from ignition.models.common import DecoderProgram, offset_norm, rope, rotate_half, swiglu
-from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
+from ignition.models.common import DecoderFields, DecoderProgram, offset_norm, rope, rotate_half, swiglu
+from ignition.models.family import Family, PromptImages, Reference, TinyCheckpoint, TinyVision
+from ignition.models.hf_config import REQUIRED, Fields, Key
 from ignition.models.naming import refuse_vision_tensors
 from ignition.models.step import StepInputs, cached_attention, embed_images
 
@@ -129,18 +130,11 @@ FUSED = {
 
 
 @dataclass(frozen=True, slots=True)
-class MuseSparkConfig:
-    vocab_size: int
-    hidden_size: int
+class MuseSparkConfig(DecoderFields):
+    """Muse Spark's text model (rms_norm_eps: the pre-norms, q/k/o norms, embedding and final norm)."""
+
     intermediate_size: int  # dense layers' SwiGLU width
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float  # pre-norms, q/k/o norms, embedding and final norms
     post_norm_eps: float  # post-attention, post-feedforward and post-expert norms
-    rope_theta: float
-    max_position_embeddings: int
     layer_windows: tuple[int, ...]  # per layer: sliding window in tokens, 0 = full attention
     layer_rope: tuple[bool, ...]  # per layer: rotary on (False: NoPE)
     layer_sparse: tuple[bool, ...]  # per layer: MoE block (False: dense SwiGLU)
@@ -152,12 +146,7 @@ class MuseSparkConfig:
     moe_intermediate_size: int  # each expert's SwiGLU width
     router: moe.RouterSpec
     placeholder_ids: tuple[int, ...]  # embedded as token 0
-    tie_word_embeddings: bool = False  # never: the wrapper keeps its own lm_head
     vision: muse_spark_vision.VisionConfig | None = None  # the vision tower of a multimodal checkpoint
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 def _text(hf: dict[str, Any]) -> dict[str, Any]:
@@ -228,6 +217,24 @@ def _check_supported(hf: dict[str, Any], t: dict[str, Any]) -> None:
         raise ValueError(f"final_logit_softcapping must be positive for the {NAME} family (the model divides by it)")
 
 
+# The fields read as they stand in the text config (TEXT_DEFAULTS fill in the absent ones).
+_FIELDS = Fields(
+    MuseSparkConfig,
+    vocab_size=REQUIRED,
+    hidden_size=REQUIRED,
+    intermediate_size=REQUIRED,
+    num_kv_heads=Key("num_key_value_heads"),
+    rms_norm_eps=REQUIRED,
+    post_norm_eps=REQUIRED,
+    max_position_embeddings=REQUIRED,
+    qk_scale_factor=REQUIRED,
+    final_softcap=Key("final_logit_softcapping"),
+    residual_gate_temperature=REQUIRED,
+    moe_hidden_size=REQUIRED,
+    moe_intermediate_size=REQUIRED,
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> MuseSparkConfig:
     """Read a MuseSparkForConditionalGeneration config.json dict; unsupported variants raise ValueError."""
     t = _text(hf)
@@ -248,26 +255,16 @@ def config_from_hf(hf: dict[str, Any]) -> MuseSparkConfig:
         logit_scale=multiplier,
     )
     return MuseSparkConfig(
-        vocab_size=int(t["vocab_size"]),
-        hidden_size=int(t["hidden_size"]),
-        intermediate_size=int(t["intermediate_size"]),
+        **_FIELDS.read(t),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(t["num_key_value_heads"]),
         head_dim=int(t.get("head_dim") or int(t["hidden_size"]) // heads),
-        rms_norm_eps=float(t["rms_norm_eps"]),
-        post_norm_eps=float(t["post_norm_eps"]),
         rope_theta=theta,
-        max_position_embeddings=int(t["max_position_embeddings"]),
         layer_windows=windows,
         layer_rope=rotary,
         layer_sparse=sparse,
-        qk_scale_factor=float(t["qk_scale_factor"]),
         output_multiplier=multiplier,
-        final_softcap=float(t["final_logit_softcapping"]),
-        residual_gate_temperature=float(t["residual_gate_temperature"]),
-        moe_hidden_size=int(t["moe_hidden_size"]),
-        moe_intermediate_size=int(t["moe_intermediate_size"]),
+        tie_word_embeddings=False,  # never: the wrapper keeps its own lm_head
         router=router,
         placeholder_ids=tuple(int(hf.get(k) if hf.get(k) is not None else v) for k, v in PLACEHOLDER_DEFAULTS.items()),
         vision=muse_spark_vision.config_from_hf(hf, t) if _multimodal(hf, t) else None,
@@ -399,14 +396,10 @@ class StepProgram(DecoderProgram):
 
 
 def reference_logits(
-    config: MuseSparkConfig,
-    hf_weights: dict[str, Tensor],
-    token_ids: list[int],
-    image_features: Tensor | None = None,
-    image_positions: list[int] | None = None,
+    config: MuseSparkConfig, hf_weights: dict[str, Tensor], token_ids: list[int], images: PromptImages | None = None
 ) -> Tensor:
-    """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32. Images: row i of
-    image_features replaces the (normed) input embedding at image_positions[i].
+    """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32. The prompt's
+    `images` replace their positions' (normed) input embeddings.
 
     Independent of the program path on purpose: unfused weights, no custom ops, explicit
     attention matrices and masks, experts looped over their chosen tokens with sorting instead
@@ -447,9 +440,8 @@ def reference_logits(
         return t.view(total, count, c.head_dim).transpose(0, 1)
 
     x = norm(w(_P + "embed_tokens.weight")[torch.tensor(ids)], c.rms_norm_eps)
-    if image_positions:
-        assert image_features is not None
-        x[torch.tensor(image_positions)] = image_features.to(f64)
+    if images is not None:
+        images.splice(x)
     group = c.num_heads // c.num_kv_heads
     for i, window in enumerate(c.layer_windows):
         p = _L.format(i)
@@ -644,12 +636,7 @@ def _text_shapes(c: MuseSparkConfig) -> dict[str, tuple[int, ...]]:
 # Test vision checkpoints: the "muse_spark-vision" chat flavour (qwen3's tokens plus Muse Spark's
 # image and video placeholders and framing).
 TEST_VISION_CHAT = "muse_spark-vision"
-TESTMODEL_VISION_TOKENS = (
-    muse_spark_vision.IMAGE_TOKEN,
-    muse_spark_vision.START_TOKEN,
-    muse_spark_vision.END_TOKEN,
-    "<|video|>",
-)
+TESTMODEL_VISION_TOKENS = (*vision_hooks.image_tokens(muse_spark_vision), "<|video|>")
 
 
 def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, Any]:
@@ -685,7 +672,7 @@ def testmodel_vision(text: dict[str, Any], tokens: dict[str, int]) -> dict[str, 
 
 
 # MuseGlimmerImageProcessor settings of the tiny vision checkpoints (preprocessor_config.json): at most
-# 64 tokens of 28 x 28 pixels per image, LANCZOS, mean / std 0.5.
+# 64 tokens of 28 x 28 pixels per image, LANCZOS, the class's mean / std (0.5).
 TESTMODEL_PROCESSOR = {
     "image_processor_type": "MuseGlimmerImageProcessor",
     "patch_size": 14,
@@ -693,8 +680,8 @@ TESTMODEL_PROCESSOR = {
     "merge_size": 2,
     "max_image_tokens": 64,
     "resample": 1,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
+    "image_mean": list(muse_spark_vision.PROCESSOR_DEFAULTS["image_mean"]),
+    "image_std": list(muse_spark_vision.PROCESSOR_DEFAULTS["image_std"]),
 }
 
 
@@ -708,8 +695,5 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(muse_spark_vision)),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, vision=TINY_VISION),
-    accurate_16bit=ACCURATE_16BIT,
-    stacked=STACKED,
-    canonical_tensors=canonical_tensors,
     vision=vision_hooks.of(muse_spark_vision),
 )

@@ -33,6 +33,8 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models import vision_common as vc
+from ignition.models.common import arange_like
+from ignition.models.hf_config import Fields, Key
 from ignition.models.naming import with_biases
 from ignition.models.patch_grid import still_clip_example
 
@@ -69,6 +71,16 @@ def image_token_id(top: dict[str, Any]) -> int:
     return int(top.get("image_token_id") if top.get("image_token_id") is not None else DEFAULT_IMAGE_TOKEN_ID)
 
 
+# The fields read as they stand in vision_config (with MuseSparkVisionConfig's defaults).
+_FIELDS = Fields(
+    VisionConfig,
+    intermediate_size=8960,
+    layer_norm_eps=1e-5,
+    patch_size=14,
+    temporal_patch_size=Key("patch_temporal", 2),
+)
+
+
 def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     """The vision_config of a MuseSparkConfig dict (MuseSparkVisionConfig's defaults where absent);
     unsupported variants raise ValueError."""
@@ -94,14 +106,11 @@ def config_from_hf(top: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     if out != hidden * merge**2:
         raise ValueError(f"out_hidden_size {out} is not the vision hidden_size {hidden} times merge_size^2 ({merge}^2)")
     return VisionConfig(
+        **_FIELDS.read(v),
         hidden_size=hidden,
-        intermediate_size=int(v.get("intermediate_size", 8960)),
         num_layers=layers,
         num_heads=heads,
-        layer_norm_eps=float(v.get("layer_norm_eps", 1e-5)),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        patch_size=int(v.get("patch_size", 14)),
-        temporal_patch_size=int(v.get("patch_temporal", 2)),
         merge_size=merge,
         pos_side=side,
         layer_windows=tuple(t == WINDOW for t in types),
@@ -130,7 +139,7 @@ def hf_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
 
 # MuseGlimmerImageProcessor's class defaults (its preprocessor_config.json may override them).
 LANCZOS = 1  # PILImageResampling.LANCZOS
-PROCESSOR_DEFAULTS = vc.processor_defaults((0.5, 0.5, 0.5), (0.5, 0.5, 0.5), max_image_tokens=4096, resample=LANCZOS)
+PROCESSOR_DEFAULTS = vc.processor_defaults(vc.STANDARD_MEAN, vc.STANDARD_STD, max_image_tokens=4096, resample=LANCZOS)
 
 
 def profile(v: VisionConfig, hf_processor: dict[str, Any], max_model_len: int, token_id) -> mf.VisionProfile:
@@ -176,7 +185,7 @@ def _pos_taps(index: Tensor, size: Tensor, side: int) -> tuple[Tensor, Tensor]:
     range taps weigh 0), for `index` on an axis of `size` positions; fp32 as transformers computes them."""
     src = (index.float() + 0.5) * side / size.float() - 0.5
     floor = torch.floor(src)
-    raw = floor.long()[:, None] + torch.arange(2, device=index.device)[None, :]
+    raw = floor.long()[:, None] + arange_like(index, 2, dtype=torch.int64)[None, :]
     weights = (1 - (src[:, None] - raw.float()).abs()).clamp(min=0) * ((raw >= 0) & (raw <= side - 1))
     return raw.clamp(0, side - 1), weights
 

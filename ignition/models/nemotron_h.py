@@ -44,6 +44,7 @@ from ignition.models import moe
 from ignition.models.common import decode_weight_bytes as dense_decode_weight_bytes
 from ignition.models.common import rms_norm
 from ignition.models.family import Family, Reference, TinyCheckpoint
+from ignition.models.hf_config import Fields, Key
 from ignition.models.step import Paged, StatefulStepModule, StepInputs
 
 NAME = "nemotron_h"
@@ -176,11 +177,6 @@ def _layer_types(hf: dict[str, Any]) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _alias(hf: dict[str, Any], name: str, legacy: str, default: Any) -> Any:
-    """transformers reads the legacy mamba_* spelling first when both are present."""
-    return hf[legacy] if legacy in hf else hf.get(name, default)
-
-
 def _check_supported(hf: dict[str, Any]) -> None:
     def refuse(why: str) -> None:
         raise ValueError(f"{why} is not supported by the {NAME} family")
@@ -200,6 +196,28 @@ def _check_supported(hf: dict[str, Any]) -> None:
         refuse(f"mlp_hidden_act {hf['mlp_hidden_act']!r} (relu2 is)")
 
 
+# The fields read as they stand in config.json (with transformers' NemotronHConfig defaults); where a
+# legacy mamba_* spelling is present too, transformers reads it first.
+_FIELDS = Fields(
+    NemotronHConfig,
+    vocab_size=131072,
+    hidden_size=4096,
+    head_dim=Key("head_dim", 128, or_default=True),
+    rms_norm_eps=Key("layer_norm_epsilon", 1e-5),
+    max_position_embeddings=4096,
+    mamba_head_dim=64,
+    ssm_state_size=128,
+    conv_kernel=Key(("mamba_d_conv", "conv_kernel"), 4),
+    use_conv_bias=Key(("mamba_conv_bias", "use_conv_bias"), True),
+    dt_min=Key(("mamba_dt_min", "time_step_min"), 0.001),
+    intermediate_size=21504,
+    moe_intermediate_size=7688,
+    shared_intermediate_size=Key("moe_shared_expert_intermediate_size", 7688),
+    latent_size=Key("moe_latent_size", 0, or_default=True),
+)
+_N_GROUPS = Key(("mamba_n_groups", "n_groups"), 8)
+
+
 def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
     """Read a Hugging Face config.json dict (transformers' defaults for absent fields);
     unsupported variants raise ValueError naming the field."""
@@ -209,7 +227,7 @@ def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}")
-    mamba_heads, groups = int(hf.get("mamba_num_heads", 128)), int(_alias(hf, "n_groups", "mamba_n_groups", 8))
+    mamba_heads, groups = int(hf.get("mamba_num_heads", 128)), int(_N_GROUPS.value(hf))
     if groups < 1 or mamba_heads % groups:
         raise ValueError(f"n_groups {groups} must divide mamba_num_heads {mamba_heads}")
     router = None
@@ -228,26 +246,13 @@ def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
         if router.n_group == 1 and router.num_experts < 2:
             raise ValueError("n_routed_experts must be at least 2 (transformers ranks the expert group by its top two)")
     return NemotronHConfig(
-        vocab_size=int(hf.get("vocab_size", 131072)),
-        hidden_size=int(hf.get("hidden_size", 4096)),
+        **_FIELDS.read(hf),
         num_layers=len(types),
         layer_types=types,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(hf.get("head_dim") or 128),
-        rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         mamba_heads=mamba_heads,
-        mamba_head_dim=int(hf.get("mamba_head_dim", 64)),
-        ssm_state_size=int(hf.get("ssm_state_size", 128)),
         n_groups=groups,
-        conv_kernel=int(_alias(hf, "conv_kernel", "mamba_d_conv", 4)),
-        use_conv_bias=bool(_alias(hf, "use_conv_bias", "mamba_conv_bias", True)),
-        dt_min=float(_alias(hf, "time_step_min", "mamba_dt_min", 0.001)),
-        intermediate_size=int(hf.get("intermediate_size", 21504)),
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 7688)),
-        shared_intermediate_size=int(hf.get("moe_shared_expert_intermediate_size", 7688)),
-        latent_size=int(hf.get("moe_latent_size") or 0),
         router=router,
     )
 
@@ -630,7 +635,4 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init),
-    stacked=STACKED,
-    state_caches=state_caches,
-    ignored_tensor=ignored_tensor,
 )

@@ -134,5 +134,4 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT),
-    stacked=STACKED,
 )

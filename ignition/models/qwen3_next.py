@@ -46,17 +46,7 @@ from ignition.models import moe, mtp, qwen3_next_config
 from ignition.models import qwen3_next_reference as ref
 from ignition.models.common import offset_norm, partial_rotary, rope, swiglu, swiglu_shapes
 from ignition.models.family import Family, Reference, TinyCheckpoint
-from ignition.models.qwen3_next_config import (
-    ACCURATE_16BIT,
-    FULL,
-    LINEAR,
-    STACKED,
-    Qwen3NextConfig,
-    extra_caches,
-    extra_step_outputs,
-    ignored_tensor,
-    state_caches,
-)
+from ignition.models.qwen3_next_config import FULL, LINEAR, Qwen3NextConfig
 from ignition.models.step import Paged, StatefulStepModule, StepInputs, cached_attention
 
 # ---------------------------------------------------------------------------- step program
@@ -350,11 +340,4 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(ref.reference_logits),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, init=testmodel_init),
-    accurate_16bit=ACCURATE_16BIT,
-    stacked=STACKED,
-    extra_caches=extra_caches,
-    state_caches=state_caches,
-    ignored_tensor=ignored_tensor,
-    extra_step_outputs=extra_step_outputs,
-    extra_programs=extra_programs,
 )

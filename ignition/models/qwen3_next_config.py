@@ -13,7 +13,8 @@ from torch import Tensor
 
 from helios.core.manifest import TensorSpec
 from ignition.models import moe, mtp
-from ignition.models.common import ATTENTION_WEIGHT_MAP, QK_NORM_WEIGHT_MAP, SWIGLU_WEIGHT_MAP
+from ignition.models.common import ATTENTION_WEIGHT_MAP, QK_NORM_WEIGHT_MAP, SWIGLU_WEIGHT_MAP, DecoderFields
+from ignition.models.hf_config import REQUIRED, AttentionHeads, Fields, Key
 from ignition.models.naming import with_prefixes
 
 NAME = "qwen3_next"
@@ -132,20 +133,10 @@ def ignored_tensor(config: Any, name: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen3NextConfig:
+class Qwen3NextConfig(DecoderFields):
     variant: str  # "qwen3_next", "qwen3_5" or "qwen3_5_moe": the reference followed
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
     layer_types: tuple[str, ...]  # per layer: LINEAR or FULL
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    # gated full attention
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
+    # gated full attention (DecoderFields' heads, head_dim and rope_theta)
     rotary_dim: int  # leading dims of a head that rotate (head_dim * partial_rotary_factor), even
     # gated DeltaNet
     grouped_projections: bool  # in_proj_qkvz / in_proj_ba grouped per key head (Qwen3-Next)
@@ -164,10 +155,6 @@ class Qwen3NextConfig:
     norm_topk_prob: bool = True
     num_mtp_layers: int = 0  # MTP layers compiled as mtp_draft.N programs
     mtp_moe: bool = False  # whether the MTP layers' MLP is routed (else dense SwiGLU)
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def key_dim(self) -> int:
@@ -299,6 +286,19 @@ def _mlp_fields(hf: dict[str, Any], variant: str, num_layers: int) -> dict[str, 
     return fields
 
 
+# The fields read as they stand in the text config; the references' defaults for the optional ones.
+_FIELDS = Fields(
+    Qwen3NextConfig,
+    vocab_size=REQUIRED,
+    hidden_size=REQUIRED,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+    linear_key_head_dim=REQUIRED,
+    linear_value_head_dim=REQUIRED,
+    conv_kernel_size=Key("linear_conv_kernel_dim", 4),
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> Qwen3NextConfig:
     """Read a Hugging Face config.json dict (flat, or a multimodal one's text_config); unsupported
     variants raise ValueError naming the field."""
@@ -306,33 +306,24 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3NextConfig:
     tied = _tied(hf)
     text = text_config(hf)
     _check_supported(text)
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-    theta, rotary_dim = _rope(text, head_dim)
+    heads = AttentionHeads.from_hf(text)
+    theta, rotary_dim = _rope(text, heads.head_dim)
     num_layers = int(text["num_hidden_layers"])
     k_heads, v_heads = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
     if v_heads % k_heads:
         _refuse("linear_num_value_heads", v_heads, f"it must be a multiple of linear_num_key_heads {k_heads}")
     return Qwen3NextConfig(
+        **_FIELDS.read(text),
+        **heads._asdict(),
         variant=variant,
-        vocab_size=int(text["vocab_size"]),
-        hidden_size=int(text["hidden_size"]),
         num_layers=num_layers,
         layer_types=_layer_types(text, num_layers),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
         tie_word_embeddings=tied,
-        num_heads=heads,
-        num_kv_heads=int(text.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
         rope_theta=theta,
         rotary_dim=rotary_dim,
         grouped_projections=grouped,
         linear_num_key_heads=k_heads,
         linear_num_value_heads=v_heads,
-        linear_key_head_dim=int(text["linear_key_head_dim"]),
-        linear_value_head_dim=int(text["linear_value_head_dim"]),
-        conv_kernel_size=int(text.get("linear_conv_kernel_dim", 4)),
         **_mlp_fields(text, variant, num_layers),
         **_mtp_fields(text, variant),
     )
@@ -373,13 +364,25 @@ def extra_step_outputs(config: Qwen3NextConfig) -> tuple[TensorSpec, ...]:
     return mtp.extra_step_outputs(config.hidden_size, config.num_mtp_layers)
 
 
-def state_caches(config: Qwen3NextConfig) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...], str], ...]:
-    """Per-sequence state of the DeltaNet layers: the conv's last K - 1 inputs and the delta-rule state."""
-    c, layers = config, config.linear_layers
+StateCaches = tuple[tuple[str, tuple[int, ...], tuple[int, ...], str], ...]
+
+
+def linear_attention_states(
+    layers: tuple[int, ...], conv_dim: int, conv_kernel_size: int, heads: int, key_dim: int, value_dim: int
+) -> StateCaches:
+    """Per-sequence state of delta-rule linear-attention layers (gated DeltaNet, GLM-5.3's KDA), fp32:
+    the short conv's last K - 1 inputs [conv_dim, K - 1] and the delta-rule state [heads, key_dim, value_dim]."""
     return (
-        ("conv", layers, (c.conv_dim, c.conv_kernel_size - 1), "float32"),
-        ("recurrent", layers, (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), "float32"),
+        ("conv", layers, (conv_dim, conv_kernel_size - 1), "float32"),
+        ("recurrent", layers, (heads, key_dim, value_dim), "float32"),
     )
+
+
+def state_caches(config: Qwen3NextConfig) -> StateCaches:
+    """The DeltaNet layers' conv inputs and delta-rule states."""
+    c = config
+    heads, key_dim, value_dim = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    return linear_attention_states(c.linear_layers, c.conv_dim, c.conv_kernel_size, heads, key_dim, value_dim)
 
 
 def decode_weight_bytes(config: Qwen3NextConfig, weights: dict[str, Tensor]) -> int:

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from helios.core.ops.collectives import TENSOR_GROUP
 from ignition.models.heads import step_outputs
 
 
@@ -66,6 +68,9 @@ class StepModule(torch.nn.Module):
 
     stateful = False  # recurrent-state families: state_slots comes first among the optional inputs
     multimodal = False  # families whose configs may carry a vision tower (`config.vision`)
+    # Tensor-parallel ranks this program runs on (ignition.parallel sets it on a rank program traced
+    # with the sharded config): its shards meet through flare::all_reduce / all_gather; 1 = no collective.
+    tp = 1
 
     def __init__(self, config: Any, num_top: int, explicit_ids: bool, scored: bool) -> None:
         super().__init__()
@@ -121,10 +126,34 @@ class StepModule(torch.nn.Module):
     def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
         raise NotImplementedError
 
+    def reduce(self, partial: Tensor) -> Tensor:
+        """A row-parallel projection's partial sums added over the ranks (identity on one rank)."""
+        return torch.ops.flare.all_reduce(partial, self.tp, TENSOR_GROUP) if self.tp > 1 else partial
+
+    def gather_vocab(self, logits: Tensor) -> Tensor:
+        """A rank's vocabulary shard's logits [R, ceil(V / tp)] -> the full vocabulary's [R, V], rank
+        order (the last shard's padding rows cut)."""
+        return torch.ops.flare.all_gather(logits, 1, self.tp, TENSOR_GROUP)[:, : self.config.vocab_size]
+
+    def embed_tokens(self, weights: dict[str, Tensor], token_ids: Tensor) -> Tensor:
+        """Input embeddings [T, hidden] fp32. On tp ranks the table is the rank's vocabulary shard
+        from `vocab_start` (a [1] int64 weight): rows outside it are zero, the sum over ranks whole."""
+        table = weights["embed"]
+        if self.tp == 1:
+            return F.embedding(token_ids, table).float()
+        local = token_ids - weights["vocab_start"]
+        inside = (local >= 0) & (local < table.shape[0])
+        rows = F.embedding(local.clamp(0, table.shape[0] - 1), table).float() * inside[:, None]
+        return self.reduce(rows)
+
     def outputs(self, hidden: Tensor, weights: dict[str, Tensor], s: StepInputs, softcap: float = 0.0) -> tuple:
-        """program_signature's outputs from the final-normed hidden states [T, hidden] in the core dtype."""
+        """program_signature's outputs from the final-normed hidden states [T, hidden] in the core dtype
+        (on tp ranks, over the gathered vocabulary: the same outputs as one rank's)."""
         tied = self.config.tie_word_embeddings
-        return step_outputs(hidden, weights, tied, s.logits_indices, self.num_top, s.logprob_ids, s.target_ids, softcap)
+        gather = self.gather_vocab if self.tp > 1 else None
+        return step_outputs(
+            hidden, weights, tied, s.logits_indices, self.num_top, s.logprob_ids, s.target_ids, softcap, gather
+        )
 
 
 class StatefulStepModule(StepModule):

@@ -39,27 +39,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import moe, step3p7_config, step3p7_vision, vision_hooks
-from ignition.models.common import DecoderProgram, offset_norm, rotate_half
-from ignition.models.family import Family, Reference, TinyCheckpoint, TinyVision
+from ignition.models.common import DecoderProgram, arange_like, offset_norm
+from ignition.models.family import Family, PromptImages, Reference, TinyCheckpoint, TinyVision
 from ignition.models.gemma3 import FULL, SLIDING
 from ignition.models.step import Paged, StepInputs, cached_attention, embed_images
-from ignition.models.step3p7_config import (
-    ACCURATE_16BIT,
-    STACKED,
-    RopeSpec,
-    Step3p7Config,
-    canonical_name,
-    canonical_tensors,
-    ignored_tensor,
-    window_pool,
-)
+from ignition.models.step3p7_config import RopeSpec, Step3p7Config, canonical_name, ignored_tensor, window_pool
+from ignition.models.vision_common import apply_rotary
 
 # ---------------------------------------------------------------------------- step program
 
 
-def inv_freq(spec: RopeSpec, device: Any = None) -> Tensor:
+def inv_freq(spec: RopeSpec, like: Tensor) -> Tensor:
     """[dim / 2] fp32 inverse frequencies, llama3-scaled where the spec says (transformers' formula)."""
-    exps = torch.arange(0, spec.dim, 2, dtype=torch.int64, device=device).float() / spec.dim
+    exps = arange_like(like, spec.dim, 2) / spec.dim
     inv = 1.0 / (spec.theta**exps)
     if not spec.llama3:
         return inv
@@ -74,18 +66,9 @@ def inv_freq(spec: RopeSpec, device: Any = None) -> Tensor:
 
 
 def _cos_sin(positions: Tensor, spec: RopeSpec) -> tuple[Tensor, Tensor]:
-    freqs = positions.float()[:, None] * inv_freq(spec, positions.device)[None, :]
+    freqs = positions.float()[:, None] * inv_freq(spec, positions)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos()[:, None, :], emb.sin()[:, None, :]  # [T, 1, dim]
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, D]: rotate-half over the first cos.shape[-1] dims, the rest unchanged."""
-    dim = cos.shape[-1]
-    if dim == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    rot, rest = x[..., :dim], x[..., dim:]
-    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
 def _activation(limit: float) -> moe.ExpertActivation:
@@ -111,8 +94,8 @@ class StepProgram(DecoderProgram):
         heads, kvh, hd, eps = c.layer_heads[i], c.num_kv_heads, c.head_dim, c.rms_norm_eps
         q, k, v, gate = F.linear(h, weights[p + "wqkvg"]).float().split([heads * hd, c.kv_dim, c.kv_dim, heads], dim=-1)
         cos, sin = rope
-        q = apply_rope(offset_norm(q.reshape(-1, heads, hd), weights[p + "q_norm"], eps), cos, sin)
-        k = apply_rope(offset_norm(k.reshape(-1, kvh, hd), weights[p + "k_norm"], eps), cos, sin)
+        q = apply_rotary(offset_norm(q.reshape(-1, heads, hd), weights[p + "q_norm"], eps), cos, sin)
+        k = apply_rotary(offset_norm(k.reshape(-1, kvh, hd), weights[p + "k_norm"], eps), cos, sin)
         v = v.reshape(-1, kvh, hd)
         caches = kv_cache[2 * i], kv_cache[2 * i + 1]
         attn = cached_attention(q, k, v, *caches, pages, c.attention_scale, c.layer_windows[i], 0.0)
@@ -174,17 +157,13 @@ def _reference_inv_freq(spec: RopeSpec) -> list[float]:
 
 
 def reference_logits(
-    config: Step3p7Config,
-    hf_weights: dict[str, Tensor],
-    token_ids: list[int],
-    image_features: Tensor | None = None,
-    image_positions: list[int] | None = None,
+    config: Step3p7Config, hf_weights: dict[str, Tensor], token_ids: list[int], images: PromptImages | None = None
 ) -> Tensor:
     """Dense, unpaged forward over checkpoint-named weights in float64: logits [T, V] fp32.
 
     Independent of the program: unfused weights, explicit per-layer masks, rotary as complex
-    rotations, routing by sorting and a loop over experts. Images: row i of image_features
-    replaces the input embedding at image_positions[i].
+    rotations, routing by sorting and a loop over experts. The prompt's `images` replace their
+    positions' input embeddings.
     """
     c = config
     f64 = torch.float64
@@ -193,9 +172,8 @@ def reference_logits(
     T = len(token_ids)
     pos = torch.arange(T, dtype=f64)
     x = w["model.embed_tokens.weight"][torch.tensor(token_ids)].to(f64)
-    if image_positions:
-        assert image_features is not None
-        x[torch.tensor(image_positions)] = image_features.to(f64)
+    if images is not None:
+        images.splice(x)
 
     def norm(t: Tensor, weight: Tensor) -> Tensor:
         return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * (1.0 + weight)
@@ -421,10 +399,5 @@ FAMILY = Family.of(
     sys.modules[__name__],
     reference=Reference(reference_logits, features=vision_hooks.reference_features(step3p7_vision)),
     tiny=TinyCheckpoint(testmodel_config, hf_shapes, TEST_CHAT, vision=TINY_VISION),
-    accurate_16bit=ACCURATE_16BIT,
-    stacked=STACKED,
-    window_pool=window_pool,
-    ignored_tensor=ignored_tensor,
-    canonical_tensors=canonical_tensors,
     vision=vision_hooks.of(step3p7_vision),
 )

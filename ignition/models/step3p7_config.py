@@ -15,6 +15,7 @@ from torch import Tensor
 from ignition.models import moe, step3p7_vision
 from ignition.models.common import ATTENTION_WEIGHT_MAP, QK_NORM_WEIGHT_MAP, SWIGLU_WEIGHT_MAP
 from ignition.models.gemma3 import FULL, SLIDING
+from ignition.models.hf_config import Fields
 from ignition.models.naming import with_prefixes
 
 NAME = "step5"
@@ -275,6 +276,18 @@ def _layer_heads(hf: dict[str, Any], types: list[str], n: int) -> tuple[int, ...
     return tuple(int(sliding) if t == SLIDING else heads for t in types)
 
 
+# The fields read as they stand in the text config (with Step3p7TextConfig's defaults).
+_FIELDS = Fields(
+    Step3p7Config,
+    vocab_size=128815,
+    hidden_size=4096,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128000,
+    intermediate_size=11264,
+    moe_intermediate_size=1280,
+)
+
+
 def config_from_hf(hf: dict[str, Any]) -> Step3p7Config:
     """Read a Hugging Face config.json dict (Step 3.7's nested text_config, or a flat step3p5
     config), in StepFun's spellings or transformers'; unsupported variants raise ValueError."""
@@ -325,13 +338,10 @@ def config_from_hf(hf: dict[str, Any]) -> Step3p7Config:
     if share <= 0:
         raise ValueError(f"share_expert_dim must be positive, got {share}")
     return Step3p7Config(
-        vocab_size=int(hf.get("vocab_size", 128815)),
-        hidden_size=int(hf.get("hidden_size", 4096)),
+        **_FIELDS.read(hf),
         num_layers=n,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 128000)),
         tie_word_embeddings=bool((top if "text_config" in top else hf).get("tie_word_embeddings", False)),
         attention_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5,
         layer_heads=heads,
@@ -339,8 +349,6 @@ def config_from_hf(hf: dict[str, Any]) -> Step3p7Config:
         rope_full=ropes[FULL],
         rope_sliding=ropes[SLIDING],
         layer_sparse=sparse,
-        intermediate_size=int(hf.get("intermediate_size", 11264)),
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 1280)),
         share_expert_dim=share,
         router=router,
         routed_limits=limits[0],

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models import vision_common as vc
+from ignition.models.common import arange_like
 from ignition.models.naming import with_biases
 from ignition.models.patch_grid import raster_order
 
@@ -88,7 +89,7 @@ def config_from_hf(hf: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
     transformers reads it; unsupported variants raise ValueError."""
     v = hf["vision_config"]
     vc.activation(v, "hidden_act", "quick_gelu", ("quick_gelu",), "step5")
-    rope = vc.axial_rope(v)
+    theta = vc.axial_theta(v)
     vc.check_rgb(v)
     hidden = int(v.get("width", v.get("hidden_size", 1536)))
     heads = int(v.get("heads", v.get("num_attention_heads", 16)))
@@ -103,7 +104,7 @@ def config_from_hf(hf: dict[str, Any], text: dict[str, Any]) -> VisionConfig:
         num_layers=int(v.get("layers", v.get("num_hidden_layers", 47))),
         num_heads=heads,
         layer_norm_eps=float(v.get("layer_norm_eps", 1e-5)),
-        rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+        rope_theta=theta,
         patch_size=patch,
         image_size=size,
         text_hidden_size=int(text.get("hidden_size", 4096)),
@@ -249,9 +250,9 @@ def _conv3x3_s2(x: Tensor, rows: Tensor, cols: Tensor, weight: Tensor, bias: Ten
     [rows/2 * cols/2, O] fp32 (even sides), as nine gathered taps and one matmul."""
     n = x.shape[0] // 4
     out_cols = torch.div(cols, 2, rounding_mode="floor")
-    o = torch.arange(n, device=x.device)
+    o = arange_like(x, n, dtype=torch.int64)
     oy, ox = torch.div(o, out_cols, rounding_mode="floor"), o % out_cols
-    tap = torch.arange(9, device=x.device)
+    tap = arange_like(x, 9, dtype=torch.int64)
     iy = 2 * oy[:, None] + torch.div(tap, 3, rounding_mode="floor")[None, :] - 1  # [n, 9]
     ix = 2 * ox[:, None] + (tap % 3)[None, :] - 1
     valid = (iy >= 0) & (iy < rows) & (ix >= 0) & (ix < cols)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from helios.core import manifest as mf
-from ignition.models.common import rotate_half
+from ignition.models.common import arange_like, rotate_half
 from ignition.models.naming import biased_shapes, with_biases
 
 # ---------------------------------------------------------------------------- config
@@ -98,6 +98,12 @@ def axial_rope(v: Mapping[str, Any]) -> Mapping[str, Any]:
     if rope.get("rope_type", "axial") != "axial":
         raise ValueError(f"vision rope type {rope.get('rope_type')!r} is not supported (axial is)")
     return rope
+
+
+def axial_theta(v: Mapping[str, Any]) -> float:
+    """The axial rotary's base (rope_parameters' rope_theta, else vision_config's own, else 10000); a
+    rope_type other than axial raises ValueError."""
+    return float(axial_rope(v).get("rope_theta", v.get("rope_theta", 10000.0)))
 
 
 def check_rgb(v: Mapping[str, Any], key: str = "num_channels") -> None:
@@ -205,6 +211,8 @@ def nested_testmodel(
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's normalization, many processors' default
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+STANDARD_MEAN = (0.5, 0.5, 0.5)  # transformers' IMAGENET_STANDARD_MEAN / _STD: pixels to [-1, 1]
+STANDARD_STD = (0.5, 0.5, 0.5)
 
 
 def processor_defaults(mean: tuple[float, ...], std: tuple[float, ...], **own: Any) -> dict[str, Any]:
@@ -333,9 +341,9 @@ def activation_fn(name: str, x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
-def inverse_frequencies(width: int, theta: float, device: torch.device) -> Tensor:
-    """1 / theta^(2j / width) for j < width / 2: a rotary's frequencies over `width` channels."""
-    return 1.0 / (theta ** (torch.arange(0, width, 2, dtype=torch.int64, device=device).float() / width))
+def inverse_frequencies(width: int, theta: float, like: Tensor) -> Tensor:
+    """1 / theta^(2j / width) for j < width / 2: a rotary's frequencies over `width` channels (on `like`'s device)."""
+    return 1.0 / (theta ** (arange_like(like, width, 2) / width))
 
 
 def rope_tables(angles: Tensor) -> tuple[Tensor, Tensor]:
@@ -349,14 +357,15 @@ def axial_cos_sin(
 ) -> tuple[Tensor, Tensor]:
     """cos, sin [X, 1, head_dim] of a 2-D rotary over the whole head: head_dim / 4 frequencies of the
     `first` coordinate, then of the `second` (or, `interleave`d, per frequency the first then the second)."""
-    inv = inverse_frequencies(head_dim // 2, theta, first.device)
+    inv = inverse_frequencies(head_dim // 2, theta, first)
     a, b = first.float()[:, None] * inv, second.float()[:, None] * inv
     ang = torch.stack([a, b], dim=-1).reshape(first.shape[0], head_dim // 2) if interleave else torch.cat([a, b], -1)
     return rope_tables(ang)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half rotary over x's first cos.shape[-1] channels (the rest pass through)."""
+    """Rotate-half rotary over x's first cos.shape[-1] channels (the rest pass through); Step 3.7's text
+    attention rotates with it too."""
     width = cos.shape[-1]
     if width == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
@@ -400,7 +409,7 @@ def merge_blocks(x: Tensor, m: int) -> Tensor:
     gathered so every shape follows X."""
     group = m * m
     n = x.shape[0] // group
-    rows = torch.arange(n, device=x.device)[:, None] * group + torch.arange(group, device=x.device)[None, :]
+    rows = arange_like(x, n, dtype=torch.int64)[:, None] * group + arange_like(x, group, dtype=torch.int64)[None, :]
     return x[rows]
 
 

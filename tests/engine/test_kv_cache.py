@@ -14,6 +14,16 @@ def _publish_all(pool: PagePool, pages: list[int], tokens: tuple[int, ...], iden
         parent = pool.publish(page, parent, identity, tokens[index * size : (index + 1) * size])
 
 
+def _two_published(pages: int, first: tuple[int, int], second: tuple[int, int]) -> tuple[PagePool, int, int]:
+    """A pool of `pages` two-token pages, two of them allocated and published: (pool, the page
+    holding `first`, the page holding `second`)."""
+    pool = PagePool(pages, 2)
+    a, b = pool.allocate(), pool.allocate()
+    _publish_all(pool, [a], first)
+    _publish_all(pool, [b], second)
+    return pool, a, b
+
+
 def test_prefix_hit_shares_pages_and_stops_at_first_difference() -> None:
     pool = PagePool(8, 4)
     tokens = tuple(range(12))
@@ -28,10 +38,7 @@ def test_prefix_hit_shares_pages_and_stops_at_first_difference() -> None:
 
 
 def test_unreferenced_cached_pages_are_evicted_lru() -> None:
-    pool = PagePool(3, 2)
-    a, b = pool.allocate(), pool.allocate()
-    _publish_all(pool, [a], (1, 2))
-    _publish_all(pool, [b], (3, 4))
+    pool, a, b = _two_published(3, (1, 2), (3, 4))
     pool.release([a])
     pool.release([b])
     assert pool.num_free == 1 and pool.num_cached == 2 and pool.num_available == 3
@@ -54,9 +61,6 @@ def test_out_of_pages_and_no_double_release() -> None:
 
 
 def test_duplicate_publish_keeps_the_first_page() -> None:
-    pool = PagePool(4, 2)
-    first, second = pool.allocate(), pool.allocate()
-    _publish_all(pool, [first], (5, 6))
-    _publish_all(pool, [second], (5, 6))
+    pool, first, second = _two_published(4, (5, 6), (5, 6))
     pool.release([second])
     assert pool.num_cached == 1 and pool.match_prefix((5, 6), b"", 1)[0] == [first]

@@ -59,10 +59,27 @@ TOOLS = (
 )
 
 
+@dataclass(frozen=True)
+class ParserFactory:
+    """A fresh output parser per replay (`factory()`), and the tokenizer a case's segments are
+    tokenized with."""
+
+    tokenizer: Tokenizer
+    make: Callable[[], OutputParser]
+
+    def __call__(self) -> OutputParser:
+        return self.make()
+
+
 def factory(
-    tokenizer: Tokenizer, reasoning: str | None, tools: str | None, prompt: Sequence[Segment] = ()
-) -> Callable[[], OutputParser]:
-    """A fresh parser per replay; `prompt` is the generation prompt's tail."""
+    tokenizer: Tokenizer,
+    reasoning: str | None,
+    tools: str | None,
+    prompt: Sequence[Segment] = (),
+    structured: bool = False,
+) -> ParserFactory:
+    """Parsers of the syntaxes after the generation prompt's tail `prompt`; `structured`: under an
+    output constraint."""
     prompt_ids = tuple(
         i
         for part in prompt
@@ -72,7 +89,10 @@ def factory(
             else tokenizer.encode(part, add_special_tokens=False).ids
         )
     )
-    return lambda: build_parser(tokenizer, reasoning, tools, prompt_ids, tools is not None, TOOLS)
+    return ParserFactory(
+        tokenizer,
+        lambda: build_parser(tokenizer, reasoning, tools, prompt_ids, tools is not None, TOOLS, structured=structured),
+    )
 
 
 def _tokens(
@@ -135,14 +155,9 @@ def replay(make: Callable[[], OutputParser], pieces: list[Piece], truncated: boo
     ]
 
 
-def check(
-    make: Callable[[], OutputParser],
-    tokenizer: Tokenizer,
-    segments: Sequence[Segment],
-    expected: list[Block],
-    truncated: bool = False,
-) -> None:
+def check(make: ParserFactory, segments: Sequence[Segment], expected: list[Block], truncated: bool = False) -> None:
     """The buffered result is `expected`, and every random grouping streams to the same blocks."""
+    tokenizer = make.tokenizer
     buffered = replay(make, _pieces(_tokens(tokenizer, segments, None), None), truncated)
     assert buffered == expected, f"buffered {buffered} != expected {expected}"
     rng = random.Random(repr(segments))
@@ -152,16 +167,10 @@ def check(
         assert streamed == buffered, f"streamed {streamed} != buffered {buffered} for pieces {[p.text for p in pieces]}"
 
 
-def check_error(
-    make: Callable[[], OutputParser],
-    tokenizer: Tokenizer,
-    segments: Sequence[Segment],
-    match: str,
-    truncated: bool = False,
-) -> None:
+def check_error(make: ParserFactory, segments: Sequence[Segment], match: str, truncated: bool = False) -> None:
     """Every grouping fails with a tool-call error."""
     rng = random.Random(repr(segments))
     for grouping in range(GROUPINGS + 1):
         source = None if grouping == 0 else rng
         with pytest.raises(ToolCallError, match=match):
-            replay(make, _pieces(_tokens(tokenizer, segments, source), source), truncated)
+            replay(make, _pieces(_tokens(make.tokenizer, segments, source), source), truncated)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import deepseek_recipe as ds
-from parser_cases import TOOLS, Tok, check, check_error, factory
+from parser_cases import Tok, check, check_error, factory
 
-from helios.frontend.parsers import build_parser
 from ignition.testmodel import CHATS, build_tokenizer
 
 TOKENIZER = build_tokenizer(CHATS["deepseek"]["special_tokens"])
@@ -37,24 +36,22 @@ WEATHER = invoke("get_weather", param("city", "Paris"), param("days", "3", strin
 def test_reasoning_then_answer() -> None:
     check(
         THINKING,
-        TOKENIZER,
         ["\nLet me think.", CLOSE, "The answer is 4."],
         [("reasoning", "Let me think."), ("text", "The answer is 4.")],
     )
 
 
 def test_delimiter_spelled_in_pieces_is_matched_as_text() -> None:
-    check(THINKING, TOKENIZER, ["Plan.</think>Done."], [("reasoning", "Plan."), ("text", "Done.")])
+    check(THINKING, ["Plan.</think>Done."], [("reasoning", "Plan."), ("text", "Done.")])
 
 
 def test_answer_only_without_thinking() -> None:
-    check(NO_THINKING, TOKENIZER, ["Hello there."], [("text", "Hello there.")])
+    check(NO_THINKING, ["Hello there."], [("text", "Hello there.")])
 
 
 def test_one_call_after_reasoning_and_text() -> None:
     check(
         THINKING,
-        TOKENIZER,
         ["Need weather.", CLOSE, "Checking.\n\n", *block(WEATHER)],
         [("reasoning", "Need weather."), ("text", "Checking."), ("call", "get_weather", {"city": "Paris", "days": 3})],
     )
@@ -67,12 +64,12 @@ def test_two_calls_and_the_v41_spelling() -> None:
         ("call", "get_weather", {"city": "Paris", "days": 3}),
         ("call", "get_weather", {"city": "Rome"}),
     ]
-    check(THINKING, TOKENIZER, ["Two cities.", CLOSE, *block(WEATHER, second)], expected)
+    check(THINKING, ["Two cities.", CLOSE, *block(WEATHER, second)], expected)
     spaced = [
         invoke("get_weather", param("city", "Paris"), param("days", "3", string=False), spaced=True),
         invoke("get_weather", param("city", "Rome"), spaced=True),
     ]
-    check(THINKING, TOKENIZER, ["Two cities.", CLOSE, *block(*spaced, name=" calls")], expected)
+    check(THINKING, ["Two cities.", CLOSE, *block(*spaced, name=" calls")], expected)
 
 
 def test_json_parameters_keep_their_types() -> None:
@@ -87,7 +84,6 @@ def test_json_parameters_keep_their_types() -> None:
     )
     check(
         NO_THINKING,
-        TOKENIZER,
         block(flags),
         [
             (
@@ -100,38 +96,34 @@ def test_json_parameters_keep_their_types() -> None:
 
 
 def test_empty_arguments() -> None:
-    check(NO_THINKING, TOKENIZER, block(invoke("get_time")), [("call", "get_time", {})])
+    check(NO_THINKING, block(invoke("get_time")), [("call", "get_time", {})])
 
 
 def test_text_after_the_calls_block_is_discarded() -> None:
     check(
         THINKING,
-        TOKENIZER,
         ["Go.", CLOSE, *block(WEATHER), "\nDone! <think>x</think>"],
         [("reasoning", "Go."), ("call", "get_weather", {"city": "Paris", "days": 3})],
     )
 
 
 def test_invalid_json_parameter_fails() -> None:
-    check_error(NO_THINKING, TOKENIZER, block(invoke("set_flags", param("tags", "[1, oops", False))), "not valid JSON")
+    check_error(NO_THINKING, block(invoke("set_flags", param("tags", "[1, oops", False))), "not valid JSON")
 
 
 def test_duplicate_argument_names_fail() -> None:
-    check_error(
-        NO_THINKING, TOKENIZER, block(invoke("get_weather", param("city", "A"), param("city", "B"))), "repeats argument"
-    )
+    check_error(NO_THINKING, block(invoke("get_weather", param("city", "A"), param("city", "B"))), "repeats argument")
 
 
 def test_empty_names_fail() -> None:
-    check_error(NO_THINKING, TOKENIZER, block(invoke("get_weather", param("", "A"))), "nonempty name")
-    check_error(NO_THINKING, TOKENIZER, block(invoke("", param("city", "A"))), "nonempty name")
+    check_error(NO_THINKING, block(invoke("get_weather", param("", "A"))), "nonempty name")
+    check_error(NO_THINKING, block(invoke("", param("city", "A"))), "nonempty name")
 
 
 def test_truncated_call_is_omitted() -> None:
     partial = ["<", DSML, "tool_calls>\n<", DSML, 'invoke name="get_weather">\n', *param("city", "Paris")]
     check(
         THINKING,
-        TOKENIZER,
         ["Plan.", CLOSE, "Ok.", *partial],
         [("reasoning", "Plan."), ("text", "Ok.")],
         truncated=True,
@@ -140,7 +132,7 @@ def test_truncated_call_is_omitted() -> None:
 
 def test_incomplete_call_at_natural_stop_fails() -> None:
     partial = ["<", DSML, "tool_calls>\n<", DSML, 'invoke name="get_weather">\n', *param("city", "Paris")]
-    check_error(THINKING, TOKENIZER, ["Plan.", CLOSE, *partial], "unfinished")
+    check_error(THINKING, ["Plan.", CLOSE, *partial], "unfinished")
 
 
 def test_required_choice_starts_inside_the_calls_block() -> None:
@@ -149,23 +141,17 @@ def test_required_choice_starts_inside_the_calls_block() -> None:
     )
     check(
         required,
-        TOKENIZER,
         [*WEATHER, "</", DSML, "tool_calls>"],
         [("call", "get_weather", {"city": "Paris", "days": 3})],
     )
 
 
 def test_structured_answer_is_verbatim_once_it_begins() -> None:
-    prompt_ids = tuple(TOKENIZER.token_to_id(t.spelling) for t in (ASSISTANT, THINK))
-
-    def structured():
-        return build_parser(TOKENIZER, "deepseek", "deepseek_dsml_v4", prompt_ids, True, TOOLS, structured=True)
-
+    structured = factory(TOKENIZER, "deepseek", "deepseek_dsml_v4", prompt=[ASSISTANT, THINK], structured=True)
     answer = ['{"a": "<', DSML, 'tool_calls> </think> x", "b": 1}']
     check(
         structured,
-        TOKENIZER,
         ["Plan.", CLOSE, *answer],
         [("reasoning", "Plan."), ("text", '{"a": "<tool_calls> </think> x", "b": 1}')],
     )
-    check(structured, TOKENIZER, ["Plan.", CLOSE, "42"], [("reasoning", "Plan."), ("text", "42")])
+    check(structured, ["Plan.", CLOSE, "42"], [("reasoning", "Plan."), ("text", "42")])

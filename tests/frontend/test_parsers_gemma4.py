@@ -19,21 +19,19 @@ CHANNEL, CHANNEL_END, CALL, CALL_END, Q = (
 def test_thought_channel_is_reasoning() -> None:
     check(
         THINKING,
-        TOKENIZER,
         [CHANNEL, "thought\nLet me think.\n", CHANNEL_END, "Answer."],
         [("reasoning", "Let me think.\n"), ("text", "Answer.")],
     )
 
 
 def test_prefilled_empty_thought_means_answer_only() -> None:
-    check(NO_THINKING, TOKENIZER, ["Hello ", CHANNEL_END, "there"], [("text", "Hello there")])
+    check(NO_THINKING, ["Hello ", CHANNEL_END, "there"], [("text", "Hello there")])
 
 
 def test_other_channels_and_spelled_out_delimiters_stay_text() -> None:
-    check(THINKING, TOKENIZER, [CHANNEL, "final\nHi"], [("text", "final\nHi")])
+    check(THINKING, [CHANNEL, "final\nHi"], [("text", "final\nHi")])
     check(
         THINKING,
-        TOKENIZER,
         [CHANNEL, "thought\nthe <channel|> token", CHANNEL_END, "ok"],
         [("reasoning", "the <channel|> token"), ("text", "ok")],
     )
@@ -42,7 +40,6 @@ def test_other_channels_and_spelled_out_delimiters_stay_text() -> None:
 def test_call_with_quoted_strings_and_bare_scalars() -> None:
     check(
         THINKING,
-        TOKENIZER,
         [
             CHANNEL,
             "thought\nweather",
@@ -63,7 +60,6 @@ def test_nested_values() -> None:
     body = ["call:set_flags{on:true,opts:{k:", Q, "v: {x}", Q, "},ratio:0.5,tags:[1,2],note:null}"]
     check(
         THINKING,
-        TOKENIZER,
         ["Setting.", CALL, *body, CALL_END, CALL, "call:get_time{}", CALL_END],
         [
             ("text", "Setting."),
@@ -74,16 +70,15 @@ def test_nested_values() -> None:
 
 
 def test_opener_always_starts_a_call() -> None:
-    check_error(THINKING, TOKENIZER, ["See ", CALL, " for calls", CALL_END], "call:NAME")
-    check_error(THINKING, TOKENIZER, ["See ", CALL, " for calls"], "unfinished")
+    check_error(THINKING, ["See ", CALL, " for calls", CALL_END], "call:NAME")
+    check_error(THINKING, ["See ", CALL, " for calls"], "unfinished")
 
 
 def test_truncated_call_is_omitted() -> None:
     check(
         THINKING,
-        TOKENIZER,
         ["Checking.", CALL, "call:get_weather{city:", Q, "Pa"],
         [("text", "Checking.")],
         truncated=True,
     )
-    check_error(THINKING, TOKENIZER, ["Checking.", CALL, "call:get_weather{city:", Q, "Pa"], "unfinished")
+    check_error(THINKING, ["Checking.", CALL, "call:get_weather{city:", Q, "Pa"], "unfinished")

@@ -15,7 +15,6 @@ CALL = [OPEN, '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', CLO
 def test_call_ends_reasoning_and_spelled_tags_stay_text() -> None:
     check(
         HERMES,
-        TOKENIZER,
         ["Look up <tool_call> in the docs.\n", *CALL, "\nDone."],
         [
             ("reasoning", "Look up <tool_call> in the docs."),
@@ -26,5 +25,5 @@ def test_call_ends_reasoning_and_spelled_tags_stay_text() -> None:
 
 
 def test_invalid_json_fails_and_truncated_call_is_omitted() -> None:
-    check_error(HERMES, TOKENIZER, [Tok("</think>"), OPEN, '{"name": "x", ', CLOSE], "not valid JSON")
-    check(HERMES, TOKENIZER, [Tok("</think>"), "Hi", OPEN, '{"name": "x", '], [("text", "Hi")], truncated=True)
+    check_error(HERMES, [Tok("</think>"), OPEN, '{"name": "x", ', CLOSE], "not valid JSON")
+    check(HERMES, [Tok("</think>"), "Hi", OPEN, '{"name": "x", '], [("text", "Hi")], truncated=True)

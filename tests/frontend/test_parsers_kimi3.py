@@ -19,7 +19,6 @@ def argument(key: str, kind: str, value: str) -> list:
 def test_reasoning_and_response_wrappers() -> None:
     check(
         KIMI,
-        TOKENIZER,
         ["Think.", *RESPONSE, "Hello!", C, "response", S, C, "message", S],
         [("reasoning", "Think."), ("text", "Hello!")],
     )
@@ -57,7 +56,6 @@ def test_calls_with_typed_arguments_and_json_blocks() -> None:
     ]
     check(
         KIMI,
-        TOKENIZER,
         ["Plan.", *RESPONSE, "Checking.", C, "response", S, *calls],
         [
             ("reasoning", "Plan."),
@@ -72,9 +70,8 @@ def test_truncated_call_is_omitted() -> None:
     partial = [O, "tools", S, O, 'call tool="get_weather" index="1"', S, *argument("city", "string", "Paris")]
     check(
         KIMI,
-        TOKENIZER,
         ["Plan.", *RESPONSE, "Ok.", C, "response", S, *partial],
         [("reasoning", "Plan."), ("text", "Ok.")],
         truncated=True,
     )
-    check_error(KIMI, TOKENIZER, ["Plan.", *RESPONSE, *partial], "unfinished")
+    check_error(KIMI, ["Plan.", *RESPONSE, *partial], "unfinished")

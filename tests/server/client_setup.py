@@ -98,6 +98,17 @@ def installed(client: Client) -> Path:
     return executable
 
 
+def client_fixture(name: str):
+    """A session fixture named `name`: that client's executable, installed once (skipping without npm):
+    `codex = client_fixture("codex")` in a conftest or test module."""
+
+    @pytest.fixture(scope="session", name=name)
+    def executable() -> Path:
+        return installed(CLIENTS[name])
+
+    return executable
+
+
 def configure(name: str, core: Path, url: str, api_key: str, home: Path) -> dict[str, str]:
     """Run the block `helios clients NAME` prints, in a fresh HOME; the environment to run the client in."""
     key_file = home.parent / "key"

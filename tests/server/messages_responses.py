@@ -7,6 +7,7 @@ the envelope and the block types it knows)."""
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,13 +152,52 @@ def _named_events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-class Messages:
-    """POST /v1/messages with Anthropic tool and thinking fields."""
-
-    name = "messages"
+class Driver(ABC):
+    """What the Messages and Responses drivers share: a buffered answer (or HTTP error) checked and
+    read into a Result, and the named events of a stream."""
 
     def __init__(self, app: ScriptedServer, schemas: Schemas) -> None:
         self.app, self.schemas = app, schemas
+
+    @abstractmethod
+    def post(self, body: dict[str, Any]) -> httpx.Response: ...
+
+    @abstractmethod
+    def check_error(self, error: dict[str, Any]) -> None:
+        """An HTTP error body is the protocol's error object."""
+
+    @abstractmethod
+    def check_answer(self, answer: dict[str, Any]) -> None:
+        """A buffered answer (message or response object) is valid."""
+
+    @staticmethod
+    @abstractmethod
+    def _result(answer: dict[str, Any], events: list | None = None) -> Result: ...
+
+    def buffered(self, body: dict[str, Any]) -> Result:
+        response = self.post(body)
+        if response.status_code != 200:
+            error = response.json()
+            self.check_error(error)
+            return Result(
+                response.status_code, error=error["error"]["message"], error_type=error["error"]["type"], body=error
+            )
+        answer = response.json()
+        self.check_answer(answer)
+        assert response.headers["x-request-id"] == answer["id"]
+        return self._result(answer)
+
+    def stream(self, body: dict[str, Any]) -> tuple[httpx.Response, list[tuple[str, dict[str, Any]]]]:
+        """The streamed response to `body` and its (event name, data)."""
+        response = self.post({**body, "stream": True})
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        return response, _named_events(response)
+
+
+class Messages(Driver):
+    """POST /v1/messages with Anthropic tool and thinking fields."""
+
+    name = "messages"
 
     @staticmethod
     def tools(*names: str) -> list[dict[str, Any]]:
@@ -180,24 +220,15 @@ class Messages:
         full = {"model": "claude-x", "max_tokens": 256, "messages": [{"role": "user", "content": ASK}], **body}
         return self.app.post("/v1/messages", json=full, headers=VERSION)
 
-    def buffered(self, body: dict[str, Any]) -> Result:
-        response = self.post(body)
-        if response.status_code != 200:
-            error = response.json()
-            self.schemas.anthropic_body("ErrorResponse", error)
-            assert error["type"] == "error"
-            return Result(
-                response.status_code, error=error["error"]["message"], error_type=error["error"]["type"], body=error
-            )
-        message = response.json()
-        self.schemas.check_message(message)
-        assert response.headers["x-request-id"] == message["id"]
-        return self._result(message)
+    def check_error(self, error: dict[str, Any]) -> None:
+        self.schemas.anthropic_body("ErrorResponse", error)
+        assert error["type"] == "error"
+
+    def check_answer(self, answer: dict[str, Any]) -> None:
+        self.schemas.check_message(answer)
 
     def streamed(self, body: dict[str, Any]) -> Result:
-        response = self.post({**body, "stream": True})
-        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        events = _named_events(response)
+        _, events = self.stream(body)
         for name, data in events:
             self.schemas.check_message_event(name, data)
         assert events[0][0] == "message_start"
@@ -265,13 +296,10 @@ class Messages:
         )
 
 
-class Responses:
+class Responses(Driver):
     """POST /v1/responses with OpenAI Responses tool and reasoning fields."""
 
     name = "responses"
-
-    def __init__(self, app: ScriptedServer, schemas: Schemas) -> None:
-        self.app, self.schemas = app, schemas
 
     @staticmethod
     def tools(*names: str) -> list[dict[str, Any]]:
@@ -297,23 +325,14 @@ class Responses:
         full = {"model": "codex-x", "input": ASK, "max_output_tokens": 256, "store": False, **body}
         return self.app.post("/v1/responses", json=full)
 
-    def buffered(self, body: dict[str, Any]) -> Result:
-        response = self.post(body)
-        if response.status_code != 200:
-            error = response.json()
-            self.schemas.openai_body("ErrorResponse", error)
-            return Result(
-                response.status_code, error=error["error"]["message"], error_type=error["error"]["type"], body=error
-            )
-        out = response.json()
-        self.schemas.check_response(out)
-        assert response.headers["x-request-id"] == out["id"]
-        return self._result(out)
+    def check_error(self, error: dict[str, Any]) -> None:
+        self.schemas.openai_body("ErrorResponse", error)
+
+    def check_answer(self, answer: dict[str, Any]) -> None:
+        self.schemas.check_response(answer)
 
     def streamed(self, body: dict[str, Any]) -> Result:
-        response = self.post({**body, "stream": True})
-        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        named = _named_events(response)
+        response, named = self.stream(body)
         events = [data for _, data in named]
         assert events and events[-1]["type"] != "[DONE]" and "[DONE]" not in sse_events(response)
         assert [e["sequence_number"] for e in events] == list(range(len(events)))

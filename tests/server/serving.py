@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +103,16 @@ def stop_server(server: Server) -> None:
         server.process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         server.process.kill()
+
+
+@contextlib.contextmanager
+def running_server(core: Path, tmp: Path, **settings) -> Iterator[Server]:
+    """start_server(core, tmp, **settings) for the `with` block, stopped when it ends."""
+    server = start_server(core, tmp, **settings)
+    try:
+        yield server
+    finally:
+        stop_server(server)
 
 
 def schema_validator(spec: dict, name: str) -> jsonschema.protocols.Validator:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from client_setup import CLIENTS, configure, installed, json_lines
+from client_setup import configure, json_lines
 from scripted import Exchange, ScriptedServer, scripted_app
 from serving import API_KEY
 
@@ -342,16 +342,6 @@ def check_task(policy: Policy, exchanges: list[Exchange], diagnosis: str) -> Non
     assert any(PASSED in b for b in bodies), diagnosis  # the test's output, as a tool result
     assert any(THOUGHTS["read"] in b for b in bodies), diagnosis  # reasoning went back as history
     assert any(PREAMBLE["edit"].strip() in b for b in bodies), diagnosis  # and the text before a call
-
-
-@pytest.fixture(scope="session")
-def claude() -> Path:
-    return installed(CLIENTS["claude"])
-
-
-@pytest.fixture(scope="session")
-def codex() -> Path:
-    return installed(CLIENTS["codex"])
 
 
 @pytest.mark.parametrize("mode", ["normal", "bare"])

@@ -10,22 +10,9 @@ import pytest
 from scripted import scripted_app
 from serving import sse_events
 
-VERSION = {"anthropic-version": "2023-06-01"}
-ASK = "Weather in Paris?"
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
-DSML = "｜DSML｜"
-CALL = (
-    f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
-    f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
-    f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n'
-    f"</{DSML}invoke>\n</{DSML}tool_calls>"
-)
-OUTPUT = "The user wants weather.</think>Checking.\n\n" + CALL + "ignored after the block"
-EXPECTED = {
-    "reasoning": "The user wants weather.",
-    "text": "Checking.",
-    "calls": [("get_weather", {"city": "Paris", "days": 3})],
-}
+from tests.ignition.family_checks import ASK, CITY, DSML, DSML_CALL, VERSION, WEATHER_CALL
+
+OUTPUT = "The user wants weather.</think>Checking.\n\n" + DSML_CALL + "ignored after the block"
 EFFORT_LINE = "Reasoning Effort: {} (range 1-100"
 
 
@@ -76,25 +63,11 @@ def _chat(app, stream: bool, **body) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_chat_reasoning_and_dsml_call(app, stream: bool) -> None:
-    app.say(OUTPUT)
-    result = _chat(app, stream)
-    assert {k: result[k] for k in EXPECTED} == EXPECTED and result["finish"] == "tool_calls"
-    if not stream:
-        assert result["reasoning_tokens"] == len(
-            app.state.frontend.tokenizer.encode("The user wants weather.</think>").ids
-        )
-    prompt = app.last_prompt() or ""
-    assert prompt.endswith("<｜User｜>Weather in Paris?<｜Assistant｜><think>") and EFFORT_LINE.format(75) in prompt
-    assert '"name": "get_weather"' in prompt  # the encoder's own tool schema section
-
-
 def test_chat_required_choice_starts_inside_the_calls_block(app) -> None:
-    invoke = CALL.split("tool_calls>\n", 1)[1]  # the encoder's prompt already opened the block
+    invoke = DSML_CALL.split("tool_calls>\n", 1)[1]  # the encoder's prompt already opened the block
     app.say(invoke)
     result = _chat(app, False, tool_choice="required")
-    assert result["calls"] == EXPECTED["calls"] and result["finish"] == "tool_calls"
+    assert result["calls"] == WEATHER_CALL["calls"] and result["finish"] == "tool_calls"
     assert (app.last_prompt() or "").endswith(f"<｜Assistant｜><think>\n\n<{DSML} calls>\n")
 
 
@@ -174,15 +147,8 @@ def _messages(app, stream: bool, **body) -> dict[str, Any]:
         "reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
         "text": "".join(b["text"] for b in blocks if b["type"] == "text"),
         "calls": [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"],
-        "stop": stop,
+        "finish": stop,
     }
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_messages_reasoning_and_dsml_call(app, stream: bool) -> None:
-    app.say(OUTPUT)
-    result = _messages(app, stream)
-    assert {k: result[k] for k in EXPECTED} == EXPECTED and result["stop"] == "tool_use"
 
 
 def test_messages_thinking_controls_reach_the_encoder(app) -> None:
@@ -220,15 +186,8 @@ def _responses(app, stream: bool, **body) -> dict[str, Any]:
         "reasoning": "".join(c["text"] for i in output if i["type"] == "reasoning" for c in i["content"]),
         "text": "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"]),
         "calls": [(i["name"], json.loads(i["arguments"])) for i in output if i["type"] == "function_call"],
-        "status": status,
+        "finish": status,
     }
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_responses_reasoning_and_dsml_call(app, stream: bool) -> None:
-    app.say(OUTPUT)
-    result = _responses(app, stream)
-    assert {k: result[k] for k in EXPECTED} == EXPECTED and result["status"] == "completed"
 
 
 def test_responses_named_effort_resolves_against_the_encoder(app) -> None:
@@ -236,3 +195,28 @@ def test_responses_named_effort_resolves_against_the_encoder(app) -> None:
         app.say("Fine.</think>Done.")
         assert _responses(app, False, reasoning={"effort": effort})["text"] == "Done."
         assert EFFORT_LINE.format(score) in (app.last_prompt() or "")
+
+
+# ---------------------------------------------------------------------------- a DSML call on every route
+# route -> (its reader, the finish reason, or the Responses status, of a turn that calls a tool)
+CALL_TURNS = {
+    "chat": (_chat, "tool_calls"),
+    "messages": (_messages, "tool_use"),
+    "responses": (_responses, "completed"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", sorted(CALL_TURNS))
+def test_reasoning_and_dsml_call(app, route: str, stream: bool) -> None:
+    read, finish = CALL_TURNS[route]
+    app.say(OUTPUT)
+    result = read(app, stream)
+    assert {k: result[k] for k in WEATHER_CALL} == WEATHER_CALL and result["finish"] == finish
+    if route == "chat" and not stream:
+        assert result["reasoning_tokens"] == len(
+            app.state.frontend.tokenizer.encode("The user wants weather.</think>").ids
+        )
+    prompt = app.last_prompt() or ""
+    assert prompt.endswith("<｜User｜>Weather in Paris?<｜Assistant｜><think>") and EFFORT_LINE.format(75) in prompt
+    assert '"name": "get_weather"' in prompt  # the encoder's own tool schema section

@@ -12,20 +12,22 @@ from helios.server.errors import anthropic_error, openai_error
 SPEC = Path(__file__).resolve().parents[3] / "shared" / "spec" / "external"
 
 
-@pytest.mark.parametrize(
-    "status,type_",
-    [
-        (400, "invalid_request_error"),
-        (401, "authentication_error"),
-        (404, "not_found_error"),
-        (413, "request_too_large"),
-        (415, "invalid_request_error"),
-        (429, "rate_limit_error"),
-        (500, "server_error"),
-        (503, "server_error"),
-    ],
-)
-def test_openai_error_shape(status: int, type_: str) -> None:
+# The error type api.md assigns to each status, on the OpenAI and on the Anthropic wire.
+TYPES = {
+    400: ("invalid_request_error", "invalid_request_error"),
+    401: ("authentication_error", "authentication_error"),
+    404: ("not_found_error", "not_found_error"),
+    413: ("request_too_large", "request_too_large"),
+    415: ("invalid_request_error", "invalid_request_error"),
+    429: ("rate_limit_error", "rate_limit_error"),
+    500: ("server_error", "api_error"),
+    503: ("server_error", "api_error"),
+}
+
+
+@pytest.mark.parametrize("status", TYPES)
+def test_openai_error_shape(status: int) -> None:
+    type_ = TYPES[status][0]
     assert openai_error(status, "boom") == {"error": {"type": type_, "message": "boom", "param": None, "code": None}}
 
 
@@ -40,20 +42,9 @@ def test_openai_model_not_found_and_overrides() -> None:
     assert openai_error(400, "m", type="custom")["error"]["type"] == "custom"
 
 
-@pytest.mark.parametrize(
-    "status,type_",
-    [
-        (400, "invalid_request_error"),
-        (401, "authentication_error"),
-        (404, "not_found_error"),
-        (413, "request_too_large"),
-        (415, "invalid_request_error"),
-        (429, "rate_limit_error"),
-        (500, "api_error"),
-        (503, "api_error"),
-    ],
-)
-def test_anthropic_error_shape(status: int, type_: str) -> None:
+@pytest.mark.parametrize("status", TYPES)
+def test_anthropic_error_shape(status: int) -> None:
+    type_ = TYPES[status][1]
     assert anthropic_error(status, "boom") == {"type": "error", "error": {"type": type_, "message": "boom"}}
     assert anthropic_error(status, "m", type="overloaded_error")["error"]["type"] == "overloaded_error"
 

@@ -9,7 +9,7 @@ import zlib
 
 import httpx
 import pytest
-from serving import API_KEY, Server, start_server, stop_server
+from serving import API_KEY, Server, running_server
 
 CHAT = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -148,21 +148,17 @@ LONG = {**CHAT, "max_tokens": 900, "stream": True, "ignore_eos": True}
 
 
 def test_admission_slots_exhausted_is_429(tiny_core, tmp_path) -> None:
-    server = start_server(tiny_core, tmp_path, http_slots=1)
-    try:
+    with running_server(tiny_core, tmp_path, http_slots=1) as server:
         started, release = threading.Event(), threading.Event()
         thread = _hold_stream(server, started, release, LONG)
         assert started.wait(60)
         _error(server.post("/v1/chat/completions", CHAT), 429, "rate_limit_error")
         release.set()
         thread.join()
-    finally:
-        stop_server(server)
 
 
 def test_full_model_queue_is_503(tiny_core, tmp_path) -> None:
-    server = start_server(tiny_core, tmp_path, max_concurrency=1, queue_size=1)
-    try:
+    with running_server(tiny_core, tmp_path, max_concurrency=1, queue_size=1) as server:
         first, release = threading.Event(), threading.Event()
         runner = _hold_stream(server, first, release, LONG)
         assert first.wait(60)
@@ -172,5 +168,3 @@ def test_full_model_queue_is_503(tiny_core, tmp_path) -> None:
             _error(server.post("/v1/chat/completions", CHAT), 503, "server_error")
         release.set()
         runner.join()
-    finally:
-        stop_server(server)

@@ -346,7 +346,7 @@ def test_png_bomb_is_refused_from_its_header_in_bounded_memory(served) -> None:
 
 def test_budget_rejection_costs_every_image_and_names_the_first_past_it(served) -> None:
     state = served[1]
-    budget = state.frontend.max_image_tokens_per_prompt
+    budget = state.frontend.limits.max_image_tokens_per_prompt
     cost = images.cost(90, 90, state.frontend.vision)  # the WebP: 96x96 after resizing, 24x24 patches
     per_image = cost.num_tokens
     assert (per_image, cost.num_patches) == (64, 576)
@@ -564,7 +564,7 @@ def test_systemone_asset_refusals(served) -> None:
     json_second = httpx.post(served[0] + "/v1/systemone", files=files, headers=DANGER, timeout=120)
     assert json_second.status_code == 400
     assert json_second.json()["error"]["message"] == "the first multipart part must be the application/json request"
-    budget = served[1].frontend.max_image_tokens_per_prompt
+    budget = served[1].frontend.limits.max_image_tokens_per_prompt
     per_image = images.cost(37, 53, served[1].frontend.vision).num_tokens
     many = {f"p{i}": {"data_base64": b64(0), "format": "png"} for i in range(budget // per_image + 2)}
     over = _systemone(served, {**SYSTEMONE, "state": " ".join(many), "assets": many})

@@ -123,28 +123,14 @@ def test_chat_stream_validates_every_chunk(server: Server, client: openai.OpenAI
 
 
 def test_chat_prompt_logprobs_and_stops(server: Server, client: openai.OpenAI, validators) -> None:
-    full = client.chat.completions.create(
-        model="x",
-        messages=MESSAGES,
-        max_tokens=12,
-        seed=11,
-        temperature=0.01,
-        extra_body={"ignore_eos": True, "prompt_logprobs": 2},
-    )
+    request = {"model": "x", "messages": MESSAGES, "max_tokens": 12, "seed": 11, "temperature": 0.01}
+    full = client.chat.completions.create(**request, extra_body={"ignore_eos": True, "prompt_logprobs": 2})
     prompt_logprobs = full.model_extra["prompt_logprobs"]
     assert prompt_logprobs[0] is None and all(len(entry) >= 1 for entry in prompt_logprobs[1:])
     text = full.choices[0].message.content
     stop = text[3:5]
     if stop and stop.strip():
-        stopped = client.chat.completions.create(
-            model="x",
-            messages=MESSAGES,
-            max_tokens=12,
-            seed=11,
-            temperature=0.01,
-            stop=[stop],
-            extra_body={"ignore_eos": True},
-        )
+        stopped = client.chat.completions.create(**request, stop=[stop], extra_body={"ignore_eos": True})
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].message.content == text[: text.index(stop)]
 

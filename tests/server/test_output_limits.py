@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anthropic
 import pytest
-from serving import API_KEY, Server, start_server, stop_server
+from serving import API_KEY, Server, running_server
 
 from helios.config import ServerConfig
 from helios.core import Core
@@ -21,9 +21,8 @@ DEFAULT = 5
 
 @pytest.fixture(scope="module")
 def limited(tiny_core: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    instance = start_server(tiny_core, tmp_path_factory.mktemp("limited"), default_max_tokens=DEFAULT)
-    yield instance
-    stop_server(instance)
+    with running_server(tiny_core, tmp_path_factory.mktemp("limited"), default_max_tokens=DEFAULT) as instance:
+        yield instance
 
 
 @pytest.fixture(scope="module")

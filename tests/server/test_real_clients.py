@@ -9,37 +9,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from client_setup import CLIENTS, configure, installed, json_lines
-from serving import API_KEY, Server, start_server, stop_server
+from client_setup import configure, json_lines
+from serving import API_KEY, Server
 
 PROMPT = "Say hello in one short sentence."
 CLIENT_TIMEOUT_S = 300
-
-
-@pytest.fixture(scope="session")
-def codex() -> Path:
-    return installed(CLIENTS["codex"])
-
-
-@pytest.fixture(scope="session")
-def claude() -> Path:
-    return installed(CLIENTS["claude"])
-
-
-@pytest.fixture(scope="session")
-def opencode() -> Path:
-    return installed(CLIENTS["opencode"])
-
-
-@pytest.fixture(scope="module")
-def smol(smollm2_core: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    instance = start_server(smollm2_core, tmp_path_factory.mktemp("clients-srv"), api_key=API_KEY)
-    yield instance
-    stop_server(instance)
 
 
 def run_client(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:

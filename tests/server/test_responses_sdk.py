@@ -6,14 +6,9 @@ import json
 
 import openai
 import pytest
-from scripted import scripted_app
 
-SHELL = {
-    "type": "function",
-    "name": "shell",
-    "description": "Run a command",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
-}
+from tests.protocols.test_openai_responses import TOOLS, codex_body  # a Codex-shaped request
+
 PATCH = {
     "type": "custom",
     "name": "apply_patch",
@@ -31,43 +26,19 @@ def call(name: str, arguments: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def app(qwen3_core):
-    with scripted_app(qwen3_core) as server:
-        yield server
+def sdk(qwen3_app) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=qwen3_app.url + "/v1", api_key="unused", _strict_response_validation=True, max_retries=0
+    )
 
 
-@pytest.fixture(scope="module")
-def sdk(app) -> openai.OpenAI:
-    return openai.OpenAI(base_url=app.url + "/v1", api_key="unused", _strict_response_validation=True, max_retries=0)
-
-
-def codex_input() -> list:
-    """Shaped like Codex's requests: developer message, user turns, replayed reasoning,
-    function and custom tool calls with their outputs."""
-    return [
-        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Work in /repo."}]},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List files."}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Use ls."}]},
-        {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"command": "ls"}'},
-        {"type": "function_call_output", "call_id": "call_1", "output": "a.py\nb.py"},
-        {
-            "type": "custom_tool_call",
-            "call_id": "call_2",
-            "name": "apply_patch",
-            "input": "*** Begin Patch\nedit\n*** End Patch",
-        },
-        {"type": "custom_tool_call_output", "call_id": "call_2", "output": "ok"},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Now run the tests."}]},
-    ]
-
-
-def test_create_reasoning_and_function_call(app, sdk: openai.OpenAI) -> None:
-    app.say("<think>Run pytest.</think>" + call("shell", {"command": "pytest"}))
+def test_create_reasoning_and_function_call(qwen3_app, sdk: openai.OpenAI) -> None:
+    qwen3_app.say("<think>Run pytest.</think>" + call("shell", {"command": ["pytest"]}))
     response = sdk.responses.create(
         model="codex-local",
         instructions="You are Codex.",
-        input=codex_input(),
-        tools=[SHELL, PATCH],
+        input=codex_body()["input"],
+        tools=TOOLS,
         store=False,
         max_output_tokens=300,
     )
@@ -76,23 +47,23 @@ def test_create_reasoning_and_function_call(app, sdk: openai.OpenAI) -> None:
     assert kinds == ["reasoning", "function_call"]
     assert response.output[0].content[0].text == "Run pytest." and response.output[0].summary == []
     fc = response.output[1]
-    assert fc.name == "shell" and json.loads(fc.arguments) == {"command": "pytest"}
+    assert fc.name == "shell" and json.loads(fc.arguments) == {"command": ["pytest"]}
     assert response.usage.output_tokens_details.reasoning_tokens > 0
 
 
-def test_custom_tool_call_is_validated_against_its_grammar(app, sdk: openai.OpenAI) -> None:
+def test_custom_tool_call_is_validated_against_its_grammar(qwen3_app, sdk: openai.OpenAI) -> None:
     good = "*** Begin Patch\nfix\n*** End Patch"
-    app.say(call("apply_patch", {"input": good}))
+    qwen3_app.say(call("apply_patch", {"input": good}))
     response = sdk.responses.create(model="m", input="Fix it.", tools=[PATCH], store=False, max_output_tokens=300)
     item = response.output[-1]
     assert item.type == "custom_tool_call" and item.name == "apply_patch" and item.input == good
-    app.say(call("apply_patch", {"input": "not a patch"}))
+    qwen3_app.say(call("apply_patch", {"input": "not a patch"}))
     with pytest.raises(openai.InternalServerError):
         sdk.responses.create(model="m", input="Fix it.", tools=[PATCH], store=False, max_output_tokens=300)
 
 
-def test_stream_lifecycle(app, sdk: openai.OpenAI) -> None:
-    app.say("<think>Short.</think>All tests pass.")
+def test_stream_lifecycle(qwen3_app, sdk: openai.OpenAI) -> None:
+    qwen3_app.say("<think>Short.</think>All tests pass.")
     with sdk.responses.stream(model="m", input="Status?", store=False, max_output_tokens=200) as stream:
         events = [event for event in stream]
         final = stream.get_final_response()
@@ -103,8 +74,8 @@ def test_stream_lifecycle(app, sdk: openai.OpenAI) -> None:
     assert final.output_text == "All tests pass."
 
 
-def test_incomplete_and_logprobs(app, sdk: openai.OpenAI) -> None:
-    app.say("one two three four five six")
+def test_incomplete_and_logprobs(qwen3_app, sdk: openai.OpenAI) -> None:
+    qwen3_app.say("one two three four five six")
     response = sdk.responses.create(
         model="m",
         input="count",
@@ -118,9 +89,9 @@ def test_incomplete_and_logprobs(app, sdk: openai.OpenAI) -> None:
     assert part.logprobs and len(part.logprobs) == 4 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
 
 
-def test_stateful_features_are_refused(app) -> None:
+def test_stateful_features_are_refused(qwen3_app) -> None:
     for extra in ({"store": True}, {"previous_response_id": "resp_1"}, {"background": True}, {"truncation": "auto"}):
-        response = app.post("/v1/responses", json={"model": "m", "input": "hi", **extra})
+        response = qwen3_app.post("/v1/responses", json={"model": "m", "input": "hi", **extra})
         assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     opaque = [{"type": "reasoning", "id": "rs_x", "summary": [], "encrypted_content": "gAAAA..."}]
-    assert app.post("/v1/responses", json={"model": "m", "input": opaque}).status_code == 400
+    assert qwen3_app.post("/v1/responses", json={"model": "m", "input": opaque}).status_code == 400

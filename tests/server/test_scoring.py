@@ -4,12 +4,11 @@ independent /v1/completions read of the same rendered prompt with logprob_token_
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from serving import API_KEY, Server, start_server, stop_server
+from serving import API_KEY, Server, running_server
 
 from helios.config import ServerConfig
 from helios.core import Core
@@ -47,13 +46,6 @@ DECISIONS_EXAMPLE = {
     ],
 }
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def smol(smollm2_core: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    instance = start_server(smollm2_core, tmp_path_factory.mktemp("scoring"), api_key=API_KEY)
-    yield instance
-    stop_server(instance)
 
 
 @pytest.fixture(scope="module")
@@ -237,11 +229,8 @@ def test_cores_without_explicit_ids_answer_400(tiny_checkpoint: Path, tmp_path_f
     out = tmp_path_factory.mktemp("cores") / "tiny-no-ids"
     export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), ExportOptions(out=out, logprob_ids=False))
     assert Core.open(out, verify_checksums=False).manifest.capabilities.explicit_logprob_ids is False
-    server = start_server(out, tmp_path_factory.mktemp("no-ids"), api_key=API_KEY)
-    try:
+    with running_server(out, tmp_path_factory.mktemp("no-ids"), api_key=API_KEY) as server:
         for route, body in (("/v1/systemone", SYSTEMONE_EXAMPLE), ("/v1/decisions", DECISIONS_EXAMPLE)):
             response = server.post(route, body)
             assert response.status_code == 400, response.text
             assert "re-export" in response.json()["error"]["message"]
-    finally:
-        stop_server(server)

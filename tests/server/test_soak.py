@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import Server, start_server, stop_server
+from serving import Server, running_server
 
 REQUESTS = 200
 PAGES = 24  # 384 token slots: every single request fits alone, the crowd does not
@@ -19,9 +19,8 @@ PAGES = 24  # 384 token slots: every single request fits alone, the crowd does n
 
 @pytest.fixture(scope="module")
 def soak_server(tiny_core: Path, tmp_path_factory: pytest.TempPathFactory):
-    server = start_server(tiny_core, tmp_path_factory.mktemp("soak"), kv_pages=PAGES, max_concurrency=16)
-    yield server
-    stop_server(server)
+    with running_server(tiny_core, tmp_path_factory.mktemp("soak"), kv_pages=PAGES, max_concurrency=16) as server:
+        yield server
 
 
 def _plan(rng: random.Random, index: int) -> dict:

@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
-from scripted import scripted_app
-from serving import API_KEY, Server, start_server, stop_server
+from serving import API_KEY, Server
 
 SCHEMA = {
     "type": "object",
@@ -86,17 +83,9 @@ FORMATS: dict[str, tuple[dict, dict, str, int, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_core: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    instance = start_server(
-        smollm2_core,
-        tmp_path_factory.mktemp("structured"),
-        api_key=API_KEY,
-        max_concurrency=128,
-        queue_size=1024,
-        kv_memory_mb=2048,
-    )
-    yield instance
-    stop_server(instance)
+def smol_settings() -> dict[str, object]:
+    """Room for every concurrent request of a format (conftest's `smol` serves with these)."""
+    return {"max_concurrency": 128, "queue_size": 1024, "kv_memory_mb": 2048}
 
 
 async def _chat(client: openai.AsyncOpenAI, name: str, seed: int, stream: bool) -> tuple[str, str | None]:
@@ -190,31 +179,25 @@ SMALL_FORMAT = {"type": "json_schema", "json_schema": {"name": "pet", "schema": 
 ASK = [{"role": "user", "content": "A pet?"}]
 
 
-@pytest.fixture(scope="module")
-def scripted(qwen3_core):
-    with scripted_app(qwen3_core) as app:
-        yield app
-
-
 def _post_chat(app, **body):
     return app.post("/v1/chat/completions", json={"model": "x", "messages": ASK, "max_tokens": 128, **body})
 
 
-def test_reasoning_before_a_constrained_answer_is_untouched(scripted) -> None:
+def test_reasoning_before_a_constrained_answer_is_untouched(qwen3_app) -> None:
     # The spelled-out close stays reasoning: only the delimiter token ends it, and only then does the grammar start.
     reasoning = 'Spelled </think> stays reasoning, and {"kind": "cow"} is not checked.'
-    scripted.say(
+    qwen3_app.say(
         "<think>",
         "Spelled </",
         'think> stays reasoning, and {"kind": "cow"} is not checked.</think>',
         '{"kind": "dog"}',
     )
-    body = _post_chat(scripted, response_format=SMALL_FORMAT).json()
+    body = _post_chat(qwen3_app, response_format=SMALL_FORMAT).json()
     message = body["choices"][0]["message"]
     assert message["reasoning_content"] == reasoning
     assert json.loads(message["content"]) == {"kind": "dog"} and body["choices"][0]["finish_reason"] == "stop"
-    scripted.say("<think>Plan.</think>", '{"kind": "cat"}')
-    response = _post_chat(scripted, response_format=SMALL_FORMAT, stream=True)
+    qwen3_app.say("<think>Plan.</think>", '{"kind": "cat"}')
+    response = _post_chat(qwen3_app, response_format=SMALL_FORMAT, stream=True)
     chunks = [
         json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:") and "[DONE]" not in line
     ]
@@ -223,19 +206,19 @@ def test_reasoning_before_a_constrained_answer_is_untouched(scripted) -> None:
     assert json.loads("".join(d.get("content", "") for d in deltas)) == {"kind": "cat"}
 
 
-def test_a_tool_call_under_an_output_constraint_is_returned_as_a_call(scripted) -> None:
+def test_a_tool_call_under_an_output_constraint_is_returned_as_a_call(qwen3_app) -> None:
     for script in (("<think>Need the weather.</think>", CALL), (CALL,)):
-        scripted.say(*script)
-        body = _post_chat(scripted, tools=[WEATHER], response_format={"type": "json_object"}).json()
+        qwen3_app.say(*script)
+        body = _post_chat(qwen3_app, tools=[WEATHER], response_format={"type": "json_object"}).json()
         choice = body["choices"][0]
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
         call = choice["message"]["tool_calls"][0]["function"]
         assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
 
 
-def test_responses_and_messages_structured_output(scripted) -> None:
-    scripted.say('{"kind": "cat"}')
-    body = scripted.post(
+def test_responses_and_messages_structured_output(qwen3_app) -> None:
+    qwen3_app.say('{"kind": "cat"}')
+    body = qwen3_app.post(
         "/v1/responses",
         json={
             "model": "x",
@@ -246,15 +229,15 @@ def test_responses_and_messages_structured_output(scripted) -> None:
     ).json()
     assert body["status"] == "completed" and json.loads(body["output"][-1]["content"][0]["text"]) == {"kind": "cat"}
     assert body["text"]["format"]["type"] == "json_schema"
-    scripted.say('{"kind": "dog"}')
+    qwen3_app.say('{"kind": "dog"}')
     messages = {"model": "x", "messages": ASK, "output_config": {"format": {"type": "json_schema", "schema": SMALL}}}
     headers = {"anthropic-version": "2023-06-01"}
-    response = scripted.post("/v1/messages", headers=headers, json={**messages, "max_tokens": 64})
+    response = qwen3_app.post("/v1/messages", headers=headers, json={**messages, "max_tokens": 64})
     assert response.status_code == 200, response.text
     body = response.json()
     assert json.loads(body["content"][-1]["text"]) == {"kind": "dog"}
-    counted = scripted.post("/v1/messages/count_tokens", headers=headers, json=messages).json()["input_tokens"]
-    plain = scripted.post("/v1/messages/count_tokens", headers=headers, json={"model": "x", "messages": ASK}).json()
+    counted = qwen3_app.post("/v1/messages/count_tokens", headers=headers, json=messages).json()["input_tokens"]
+    plain = qwen3_app.post("/v1/messages/count_tokens", headers=headers, json={"model": "x", "messages": ASK}).json()
     assert counted == body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"] > plain["input_tokens"]
 
 
@@ -320,9 +303,9 @@ def test_responses_and_messages_structured_output(scripted) -> None:
         ),
     ],
 )
-def test_rejections(scripted, path: str, body: dict, param: str) -> None:
+def test_rejections(qwen3_app, path: str, body: dict, param: str) -> None:
     full = {"model": "x", **({"messages": ASK} if path == "/v1/chat/completions" else {}), **body}
-    response = scripted.post(path, json=full, headers={"anthropic-version": "2023-06-01"})
+    response = qwen3_app.post(path, json=full, headers={"anthropic-version": "2023-06-01"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     if path == "/v1/messages":  # Anthropic errors carry no param

@@ -1,10 +1,14 @@
-"""The flare:: op set a core's programs may call (core format v1), as a core manifest records it,
-and the module of this package that defines each op (schema, reference and fake kernels)."""
+"""The flare:: op set a core's programs may call, as a core manifest records it, and the module of
+this package that defines each op (schema, reference and fake kernels).
+
+OPS_VERSION is bumped whenever ops are added; helios refuses a core whose op set names an op it
+does not define, or whose version is newer than its own (helios.core.bundle: `check_ops`).
+Version 2 added the collectives (all_reduce, all_gather) of tensor-parallel rank programs."""
 
 from __future__ import annotations
 
 OPS_NAMESPACE = "flare"
-OPS_VERSION = 1
+OPS_VERSION = 2
 # op name -> its defining module (helios.core.ops.<module>), in the order a manifest lists the ops
 OPS = {
     "write_kv": "base",
@@ -24,6 +28,8 @@ OPS = {
     "kda": "glm5_next",
     "kpool_topk": "glm5_next",
     "paged_attention_until": "bidirectional",
+    "all_reduce": "collectives",
+    "all_gather": "collectives",
 }
 OP_NAMES = tuple(OPS)
 
@@ -31,3 +37,18 @@ OP_NAMES = tuple(OPS)
 def describe() -> dict[str, object]:
     """The op-set record a core manifest stores."""
     return {"namespace": OPS_NAMESPACE, "version": OPS_VERSION, "ops": list(OP_NAMES)}
+
+
+def problem(namespace: str, version: int, ops: tuple[str, ...] | list[str]) -> str | None:
+    """Why a core's recorded op set cannot run here (None: it can): another namespace, a newer
+    op-set version, or ops this helios does not define."""
+    if namespace != OPS_NAMESPACE:
+        return f"its programs call ops of namespace {namespace!r}, not {OPS_NAMESPACE!r}"
+    unknown = [op for op in ops if op not in OPS]
+    if version > OPS_VERSION or unknown:
+        named = f" ({', '.join(unknown)} unknown)" if unknown else ""
+        return (
+            f"its op set is version {version}{named}, newer than this Flare's ({OPS_VERSION}): upgrade Flare, "
+            "or re-export the core with this version's `ignition export`"
+        )
+    return None

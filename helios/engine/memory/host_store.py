@@ -464,6 +464,24 @@ class HostStore:
     def parked_records(self) -> int:
         return self._parked
 
+    def clear(self) -> int:
+        """Forget every record in both tiers and delete this store's record files (POST /flush_cache);
+        queued disk writes finish first. Returns the count of records dropped."""
+        self.flush()
+        with self._lock:
+            dropped = len(self._dram) + len(self._anchors) + len(self._disk)
+            self._dram.clear()
+            self._anchors.clear()
+            self._dram_used = self._anchor_used = 0
+            files, self._disk = list(self._disk), OrderedDict()
+            self._disk_used = 0
+        for digest in files:
+            try:
+                self._path(digest).unlink()
+            except OSError:
+                pass
+        return dropped
+
     def flush(self) -> None:
         """Wait for queued disk writes (tests, shutdown)."""
         if self._writer is not None:

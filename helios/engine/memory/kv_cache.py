@@ -145,6 +145,17 @@ class PagePool:
                 self._evictable.move_to_end(page)
         return pages, parent
 
+    def drop_cached(self) -> int:
+        """Forget every unreferenced cached page (POST /flush_cache): they become free pages and no
+        later lookup finds their prefixes. Pages running sequences share stay cached. Returns the
+        count dropped."""
+        dropped = list(self._evictable)
+        self._evictable.clear()
+        for page in dropped:
+            del self._by_hash[self._cached.pop(page).hash]
+        self._free.extend(dropped)
+        return len(dropped)
+
     def cached_tokens(self, page: int) -> tuple[int, ...] | None:
         """The tokens a cached page holds (None: it holds no published prefix)."""
         entry = self._cached.get(page)

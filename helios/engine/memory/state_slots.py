@@ -158,6 +158,15 @@ class StatePool:
     def num_pinned(self) -> int:
         return len(self._pinned)
 
+    def drop_snapshots(self) -> int:
+        """Forget every registered snapshot no host-store copy is reading (POST /flush_cache): their
+        slots are free again. Returns the count dropped."""
+        dropped = [digest for digest, slot in self._by_hash.items() if slot not in self._pinned]
+        for digest in dropped:
+            self._free_snapshots.append(self._by_hash.pop(digest))
+            self._anchors.discard(digest)
+        return len(dropped)
+
     def register(self, digest: bytes, slot: int, anchor: bool = False) -> None:
         """The claimed slot now holds the state at `digest`'s boundary."""
         self._pending.discard(slot)

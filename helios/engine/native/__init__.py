@@ -47,7 +47,7 @@ SOURCES = tuple(sorted(DIRECTORY.glob("*.cpp")))
 HEADERS = tuple(sorted(DIRECTORY.glob("*.h")))
 # Per-source flags on x86-64: the AVX2 kernels are built without AVX-512 whatever the host has, so
 # an AVX-512 host runs (and tests) the code an AVX2 host runs.
-_SOURCE_FLAGS = {"linear_avx2.cpp": ("-mno-avx512f",)}
+_SOURCE_FLAGS = {"linear_avx2.cpp": ("-mno-avx512f",), "attention_avx2.cpp": ("-mno-avx512f",)}
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "reason": why not
 

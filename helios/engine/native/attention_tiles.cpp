@@ -171,6 +171,20 @@ void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint
   }
 }
 
+// chunk_rows for 1 to 6 rows.
+void rows_through_tiles(int64_t count, const uint16_t* q, int64_t ldq, const int64_t* where, const uint16_t* kp,
+                        const uint16_t* vp, int64_t tiles, int64_t dim, int64_t key0, int64_t held, float scale,
+                        int64_t window, float* o_acc, uint16_t* out, int64_t ldo) {
+  switch (count) {
+    case 6: return chunk_rows<6>(q, ldq, where, kp, vp, tiles, dim, key0, held, scale, window, o_acc, out, ldo);
+    case 5: return chunk_rows<5>(q, ldq, where, kp, vp, tiles, dim, key0, held, scale, window, o_acc, out, ldo);
+    case 4: return chunk_rows<4>(q, ldq, where, kp, vp, tiles, dim, key0, held, scale, window, o_acc, out, ldo);
+    case 3: return chunk_rows<3>(q, ldq, where, kp, vp, tiles, dim, key0, held, scale, window, o_acc, out, ldo);
+    case 2: return chunk_rows<2>(q, ldq, where, kp, vp, tiles, dim, key0, held, scale, window, o_acc, out, ldo);
+    default: return chunk_rows<1>(q, ldq, where, kp, vp, tiles, dim, key0, held, scale, window, o_acc, out, ldo);
+  }
+}
+
 }  // namespace
 #endif
 
@@ -211,14 +225,7 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
       const uint16_t* vt = vp + kvh * tiles * kTile * dim;
       const int64_t* w = wp + r0;
       const int64_t ld = heads * dim;
-      switch (count) {
-        case 6: chunk_rows<6>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
-        case 5: chunk_rows<5>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
-        case 4: chunk_rows<4>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
-        case 3: chunk_rows<3>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
-        case 2: chunk_rows<2>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
-        default: chunk_rows<1>(x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld); break;
-      }
+      rows_through_tiles(count, x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld);
     }
   });
   return out;
@@ -280,14 +287,7 @@ void decode_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         uint16_t* y = op + first;
         const uint16_t* kt = kpack.data();
         const uint16_t* vt = vpack.data();
-        switch (count) {
-          case 6: chunk_rows<6>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
-          case 5: chunk_rows<5>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
-          case 4: chunk_rows<4>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
-          case 3: chunk_rows<3>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
-          case 2: chunk_rows<2>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
-          default: chunk_rows<1>(x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim); break;
-        }
+        rows_through_tiles(count, x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim);
       }
     }
   });

@@ -6,6 +6,8 @@
 //                        instruction set) and write_kv;
 //   attention_tiles.cpp  chunk_attention and decode_tiles: bfloat16 attention on the AVX512-BF16
 //                        micro-kernel (avx512_bf16.h), 64-key tiles at absolute positions;
+//   attention_avx2.cpp   avx2_attention: every query row of a step (chunks and decode rows) on
+//                        AVX2+FMA, fp32 or bfloat16, 64-key tiles at absolute positions, in place;
 //   linear_pack.cpp      pack_linear, the packed weight layout every native linear reads;
 //   linear_avx512.cpp    linear / linear_tiles: AVX512-BF16 pair dot products and AMX tiles;
 //   linear_avx2.cpp      linear_avx2: AVX2+FMA, bfloat16 widened to fp32 in registers (any x86-64
@@ -86,6 +88,12 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
 void decode_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& kv_lens, const at::Tensor& positions, double scale,
                   int64_t window, at::Tensor& out);
+
+// attention_avx2.cpp
+bool avx2_attention_supported(const at::Tensor& q, const at::Tensor& k_cache);
+at::Tensor avx2_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                          const at::Tensor& positions, double scale, int64_t window, double softcap);
 
 // linear_pack.cpp
 at::Tensor pack_linear(const at::Tensor& w);

@@ -8,16 +8,20 @@
 // of an fp32). Activations are widened to fp32 once per call. Products are fused multiply-adds in
 // fp32, and outputs (+ bias) are rounded to bfloat16 nearest-even, as torch's cast does.
 //
-// Register blocking: 8 fp32 accumulators of 8 outputs, as 1 row x 64 outputs, 2 rows x 32 or
-// 4 rows x 16, so each weight is loaded and widened once per 4 rows. Threads split the output
-// blocks into contiguous runs; a decode row streams 4 blocks at once, more rows take a block's
-// weights from memory once and from cache for the rest. Threads never split a reduction, and
+// Register blocking: one or two decode rows keep 8 fp32 accumulators of 8 outputs (1 row x 64
+// outputs, 2 x 32: several weight streams in flight); 3 rows and more go 16 outputs at a time in
+// groups of up to 6 rows (12 accumulators: each weight is loaded and widened once per 6 rows, and
+// each accumulator's chain of FMAs has room to hide their latency), in panels of 48 rows whose
+// inputs stay in cache while the thread's blocks stream past (a prompt chunk's weights are read
+// once per panel, not its inputs once per block). Threads split the output blocks into contiguous
+// runs and never split a reduction, and
 // every output is accumulated in the same order (features ascending, the pair's even then odd
 // product) whatever rows share the call, so a row's bits never depend on its neighbours.
 //
 // The functions carry target("avx2,fma"), so they exist in every x86-64 build of the library (an
 // AVX-512 host included, where its tests run); has_avx2_linear asks the CPU at run time. This file
 // is compiled without AVX-512 (native/__init__.py) so that what runs here is what an AVX2 host runs.
+#include <cstdlib>
 #include <type_traits>
 
 #include "common.h"
@@ -32,13 +36,14 @@ namespace flare_native {
 namespace {
 
 #if defined(FLARE_X86)
-constexpr int kRows = 4;         // rows per register block
 constexpr int64_t kHalf = 8;     // outputs per 256-bit register
 constexpr int64_t kAhead = 32;   // feature pairs (64-byte lines of a block) fetched ahead of use
+constexpr int kRows = 6;         // rows per register block from 3 rows (micro1)
+constexpr int64_t kPanel = 48;   // rows whose inputs stay in cache while a thread's blocks stream past
 
 // rows [m, m + MR) x blocks [0, NB) of a task: acc[(r * NB + j) * 16 + o] = sum_p w[p] x[r][p] for
 // output o of block j. w points at the first block (blocks `stride` elements apart), x at row m.
-template <int MR, int NB>
+template <int MR, int NB, bool FETCH = true>
 FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs,
                              float* acc_out) {
   __m256 acc[MR][2 * NB];
@@ -49,7 +54,7 @@ FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int
     for (int j = 0; j < NB; ++j) {
       const uint16_t* wp = w + j * stride + p * 2 * kBlock;
       // The first row block streams the weights from memory: keep lines in flight while it computes.
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * 2 * kBlock), _MM_HINT_T0);
+      if (FETCH) _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * 2 * kBlock), _MM_HINT_T0);
       const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
       const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kBlock));
       const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
@@ -66,6 +71,45 @@ FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 2 * NB; ++j) _mm256_storeu_ps(acc_out + (r * NB * 2 + j) * kHalf, acc[r][j]);
+}
+
+// micro<MR, 1> for up to 6 rows: each pair's even weights feed every row before its odd ones are
+// widened (the same products in the same order per output as micro), so 12 accumulators, the two
+// widened halves and a broadcast fit the 16 registers. The row loops are unrolled by pragma: left
+// to -O3's heuristics, the accumulators went through the stack every pair.
+template <int MR>
+FLARE_AVX2 inline void micro1(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* acc_out) {
+  __m256 acc[MR][2];
+  #pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* wp = w + p * 2 * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * 2 * kBlock), _MM_HINT_T0);
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kBlock));
+    const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+    const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+    #pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+      acc[r][0] = _mm256_fmadd_ps(a, even0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, even1, acc[r][1]);
+    }
+    // (high halves kept by two shifts: a mask constant would be a 17th register)
+    const __m256 odd0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(lo, 16), 16));
+    const __m256 odd1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(hi, 16), 16));
+    #pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+      acc[r][0] = _mm256_fmadd_ps(b, odd0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(b, odd1, acc[r][1]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(acc_out + r * kBlock, acc[r][0]);
+    _mm256_storeu_ps(acc_out + r * kBlock + kHalf, acc[r][1]);
+  }
 }
 
 // 8 fp32 -> 8 bfloat16, nearest even (NaN -> 0x7FC0), as c10::BFloat16's conversion.
@@ -105,9 +149,32 @@ FLARE_AVX2 inline void store_block(const float* acc, const float* bias, int64_t 
   if constexpr (!std::is_same_v<Y, uint16_t>) std::memcpy(y + first, sum, count * sizeof(float));
 }
 
-// MR rows through blocks [b0, b1), NB blocks at a time (the last group narrower).
-template <int MR, int NB, typename Y>
+// MR rows through blocks [b0, b1), 8 blocks at a time (the last groups 4, 2, 1): eight weight
+// streams in flight (measured: a decode row reads its weights at 0.9x a plain sum's bandwidth this
+// way, 0.7x with four; software prefetches only cost issue slots here).
+template <int MR, typename Y>
 FLARE_AVX2 void wide(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs, int64_t b0,
+                     int64_t b1, int64_t n, const float* bias, Y* y) {
+  alignas(32) float acc[MR * 8 * kBlock];
+  for (int64_t b = b0, count; b < b1; b += count) {
+    const int64_t left = b1 - b;
+    count = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    const uint16_t* wb = w + b * stride;
+    switch (count) {
+      case 8: micro<MR, 8, false>(x, ldx, wb, stride, pairs, acc); break;
+      case 4: micro<MR, 4, false>(x, ldx, wb, stride, pairs, acc); break;
+      case 2: micro<MR, 2, false>(x, ldx, wb, stride, pairs, acc); break;
+      default: micro<MR, 1, false>(x, ldx, wb, stride, pairs, acc); break;
+    }
+    for (int64_t r = 0; r < MR; ++r)
+      for (int64_t j = 0; j < count; ++j)
+        store_block(acc + (r * count + j) * kBlock, bias, (b + j) * kBlock, n, y + r * n);
+  }
+}
+
+// The former blocking (A/B): 4 and 2 blocks at a time with prefetches.
+template <int MR, int NB, typename Y>
+FLARE_AVX2 void wide_old(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs, int64_t b0,
                      int64_t b1, int64_t n, const float* bias, Y* y) {
   alignas(32) float acc[MR * NB * kBlock];
   for (int64_t b = b0; b < b1; b += NB) {
@@ -128,25 +195,51 @@ FLARE_AVX2 void wide(const float* x, int64_t ldx, const uint16_t* w, int64_t str
   }
 }
 
+// MR rows through block b (micro1), stored.
+template <int MR, typename Y>
+FLARE_AVX2 void rows_block(const float* x, int64_t ldx, const uint16_t* wb, int64_t pairs, int64_t b, int64_t n,
+                           const float* bias, Y* y) {
+  alignas(32) float acc[MR * kBlock];
+  micro1<MR>(x, ldx, wb, pairs, acc);
+  for (int64_t r = 0; r < MR; ++r) store_block(acc + r * kBlock, bias, b * kBlock, n, y + r * n);
+}
+
 // Every row through blocks [b0, b1). One or two decode rows take 4 or 2 blocks at once (8
-// accumulators, several weight streams in flight); more rows go block by block, 4 rows at a
-// time, so a block's weights come from memory for its first rows and from cache for the rest.
+// accumulators, several weight streams in flight); more rows go block by block in groups of up to
+// 6 rows, panel by panel, so a block's weights come from memory for its first rows and from cache
+// for the rest of the panel.
 template <typename Y>
 FLARE_AVX2 void blocks(const float* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t b0,
                        int64_t b1, int64_t n, const float* bias, Y* y) {
   const int64_t stride = pairs * 2 * kBlock;  // elements per packed block
-  if (rows == 1) return wide<1, 4>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
-  if (rows == 2) return wide<2, 2>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
-  for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t m = 0; m < rows; m += kRows) {
-      const int64_t r = std::min<int64_t>(kRows, rows - m);
-      const float* xm = x + m * ldx;
-      Y* ym = y + m * n;
-      switch (r) {
-        case 4: wide<4, 1>(xm, ldx, w, stride, pairs, b, b + 1, n, bias, ym); break;
-        case 3: wide<3, 1>(xm, ldx, w, stride, pairs, b, b + 1, n, bias, ym); break;
-        case 2: wide<2, 1>(xm, ldx, w, stride, pairs, b, b + 1, n, bias, ym); break;
-        default: wide<1, 1>(xm, ldx, w, stride, pairs, b, b + 1, n, bias, ym); break;
+  if (std::getenv("FLARE_AVX2_OLD") != nullptr) {
+    if (rows == 1) return wide_old<1, 4>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+    if (rows == 2) return wide_old<2, 2>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+  }
+  if (rows == 1) return wide<1>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+  if (rows == 2) return wide<2>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+  if (std::getenv("FLARE_AVX2_34") != nullptr) {
+    if (rows == 3) return wide<3>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+    if (rows == 4) return wide<4>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+  }
+  // Panels of rows whose inputs stay in cache while the thread's blocks stream past, 6 rows at a time.
+  for (int64_t p0 = 0; p0 < rows; p0 += kPanel) {
+    const int64_t p1 = std::min(rows, p0 + kPanel);
+    const int64_t groups = (p1 - p0 + kRows - 1) / kRows;  // as even as they go: 8 rows as 4 + 4, not 6 + 2
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t g = 0, m = p0; g < groups; ++g) {
+        const int64_t r = (p1 - p0) / groups + (g < (p1 - p0) % groups ? 1 : 0);
+        const float* xm = x + m * ldx;
+        Y* ym = y + m * n;
+        switch (r) {
+          case 6: rows_block<6>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          case 5: rows_block<5>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          case 4: rows_block<4>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          case 3: rows_block<3>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          case 2: rows_block<2>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          default: rows_block<1>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+        }
+        m += r;
       }
     }
   }

@@ -27,6 +27,18 @@ at::Tensor attention_fallback(const at::Tensor& q, const at::Tensor& k_cache, co
   return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap);
 }
 
+// Whether the native kernels can attend this layout where it lies (else the Python kernels do).
+bool in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& positions) {
+  return q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) <= kMaxDim && q.size(2) == k_cache.size(3) &&
+         k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+         k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.scalar_type() == at::kInt &&
+         block_tables.dim() == 2 && query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+         seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && positions.scalar_type() == at::kLong &&
+         positions.is_contiguous() && query_start_loc.numel() == seq_lens.numel() + 1 &&
+         q.size(1) % k_cache.size(2) == 0;
+}
+
 at::Tensor index_of(const std::vector<int64_t>& values) {
   return at::from_blob(const_cast<int64_t*>(values.data()), {static_cast<int64_t>(values.size())}, at::kLong).clone();
 }
@@ -38,24 +50,21 @@ at::Tensor index_of(const std::vector<int64_t>& values) {
 // * tiled (bfloat16, head size a multiple of 64 up to 256, no soft-capping, AVX512-BF16): chunks
 //   run chunk_attention over their gathered pages, decode rows decode_tiles in place, both on
 //   chunk_rows with 64-key tiles aligned to absolute key positions;
+// * else on AVX2+FMA (fp32 or bfloat16 queries and cache, head size a multiple of 8): every row,
+//   of a chunk or a decode, on avx2_attention in place, in blocks of rows sharing a kv head;
 // * otherwise every query row, of a chunk or a decode, is a decode_attention row of its sequence.
-// Layouts neither covers go to the Python kernels whole.
+// Layouts none covers go to the Python kernels whole.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, const at::Tensor& positions, double scale,
                            int64_t window, double softcap) {
-  const bool in_place = q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) <= kMaxDim &&
-                        q.size(2) == k_cache.size(3) && k_cache.sizes() == v_cache.sizes() &&
-                        k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() &&
-                        v_cache.is_contiguous() && block_tables.scalar_type() == at::kInt &&
-                        query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
-                        seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
-                        positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                        query_start_loc.numel() == seq_lens.numel() + 1 && q.size(1) % k_cache.size(2) == 0;
-  if (!in_place)
+  if (!in_place(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions))
     return attention_fallback(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window,
                               softcap);
   const bool tiled = chunk_attention_supported(q, k_cache) && softcap <= 0.0;
+  if (!tiled && avx2_attention_supported(q, k_cache))
+    return avx2_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window,
+                          softcap);
   const int64_t seqs = seq_lens.numel();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   std::vector<int64_t> picked, rows, chunks;
@@ -112,6 +121,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+// flare_native::avx2_attention: the AVX2 kernel whatever the layer would get (its tests run it on
+// AVX-512 hosts too), on the layouts paged_attention serves in place.
+at::Tensor avx2_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, const at::Tensor& positions, double scale,
+                             int64_t window, double softcap) {
+  TORCH_CHECK(in_place(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions) &&
+                  avx2_attention_supported(q, k_cache),
+              "avx2_attention: needs AVX2 and FMA, fp32 or bfloat16 queries and caches, a head size that is a multiple "
+              "of 8, contiguous caches and int32 tables, lengths and query starts");
+  return avx2_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window,
+                        softcap);
+}
+
 void write_kv_op(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& slot_mapping) {
   if (k_cache.is_contiguous() && v_cache.is_contiguous()) return write_kv(k_cache, v_cache, k, v, slot_mapping);
@@ -137,6 +160,9 @@ TORCH_LIBRARY(flare_native, m) {
   m.def("linear_tiles(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_avx2(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("chunk_attention(Tensor q, Tensor keys, Tensor values, Tensor positions, int key0, float scale, int window) -> Tensor");
+  m.def("avx2_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, Tensor positions, float scale, int window, float softcap) -> Tensor");
+  m.def("has_avx2_attention(Tensor q, Tensor k_cache) -> bool", &avx2_attention_supported);
 }
 
 TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
@@ -147,6 +173,7 @@ TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
   m.impl("linear_tiles", &linear_tiles);
   m.impl("linear_avx2", &linear_avx2);
   m.impl("chunk_attention", &chunk_attention);
+  m.impl("avx2_attention", &avx2_attention_op);
 }
 
 TORCH_LIBRARY_IMPL(flare_native, Meta, m) {

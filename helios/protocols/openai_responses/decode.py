@@ -296,18 +296,9 @@ def _logprobs(body: dict[str, Any]) -> tuple[bool, int, LogprobOptions]:
     if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
         raise RequestError("include must be an array of strings", "include")
     logprobs = LOGPROBS_INCLUDE in include  # other include values are ignored
-    top = f.optional_int(body, "top_logprobs", 0, 20) or 0
-    if top and not logprobs:
-        raise RequestError(f'top_logprobs requires include: ["{LOGPROBS_INCLUDE}"]', "top_logprobs")
-    token_ids = f.int_list(body["logprob_token_ids"], "logprob_token_ids") if body.get("logprob_token_ids") else ()
-    if token_ids and not logprobs:
-        raise RequestError(f'logprob_token_ids requires include: ["{LOGPROBS_INCLUDE}"]', "logprob_token_ids")
-    options = LogprobOptions(
-        top=top if logprobs else None,
-        token_ids=token_ids,
-        as_token_ids=f.optional_bool(body, "return_tokens_as_token_ids"),
-    )
-    return logprobs, top, options
+    requires = f'include: ["{LOGPROBS_INCLUDE}"]'
+    options = f.logprob_options(body, f.top_logprobs(body, logprobs, requires), requires)
+    return logprobs, options.top or 0, options
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
@@ -321,9 +312,7 @@ def decode(
     """The neutral request and options; `grammars` compiles custom-tool grammars (the server
     passes its cached, bounded compiler; this runs on the frontend pool)."""
     _reject_state(body)
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError("model is required (any string: the loaded model answers)", "model")
+    model = f.model(body)
     fmt = (f.optional_object(body, "text") or {}).get("format")
     output = responses_text_format(fmt)
     instructions = f.optional_str(body, "instructions")
@@ -344,7 +333,7 @@ def decode(
     )
     stop = f.stop_options(body)
     max_tokens = f.optional_int(body, "max_output_tokens", 1)
-    budget = f.optional_int(body, "thinking_token_budget", 1, (1 << 31) - 1)
+    budget = f.thinking_token_budget(body)
     request = InferenceRequest(
         input=conversation,
         sampling=f.sampling(body),
