@@ -7,7 +7,8 @@
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
   speculation, max_draft_tokens, speculative_rows, history_drafts, learned_drafts, draft_core, state_snapshots,
   snapshot_interval, anchor_guards, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
-  host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction, window_pool, image_cache_mb
+  host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction, window_pool, image_cache_mb,
+  embedding_row_cache_rows, embedding_rows_source
 
 `[parallel]` table keys (all optional; docs/parallel.md): tensor, expert, timeout_s, nnodes, node_rank,
   master_addr, master_port, headless
@@ -74,6 +75,13 @@ class ServerConfig:
     # features (engine), each kept by image digest so a repeated image is neither decoded nor
     # encoded again; 0 turns both off.
     image_cache_mb: int = 256
+    # Cores exported with --host-embeddings (Gemma 4's per-layer input table kept off the device): the
+    # device keeps up to embedding_row_cache_rows rows of each such table, least recently used out
+    # (0: none, every step's rows are read from the host); missed rows are read from the table in RAM
+    # ("ram": read at startup) or through a memory map of the core's weights file ("disk": no resident
+    # copy, the page cache or the disk serves each read). Other cores ignore both (engine/memory/embedding_rows.py).
+    embedding_row_cache_rows: int = 8192
+    embedding_rows_source: str = "ram"
     # Threads computing a step's grammar masks. On CPU serving torch owns every core and a
     # second spinning pool slows each step many times over; raise it on GPU hosts.
     grammar_threads: int = 1
@@ -215,10 +223,21 @@ def _check(config: ServerConfig) -> ServerConfig:
         seconds = getattr(config, name)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
             raise ConfigError(f"[server] {name} must be a number of seconds above 0 and at most 3600, got {seconds!r}")
-    for name in ("state_snapshots", "snapshot_interval", "anchor_guards", "host_cache_disk_mb", "image_cache_mb"):
+    for name in (
+        "state_snapshots",
+        "snapshot_interval",
+        "anchor_guards",
+        "host_cache_disk_mb",
+        "image_cache_mb",
+        "embedding_row_cache_rows",
+    ):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ConfigError(f"[server] {name} must be a non-negative integer, got {value!r}")
+    if config.embedding_rows_source not in ("ram", "disk"):
+        raise ConfigError(
+            f'[server] embedding_rows_source must be "ram" or "disk", got {config.embedding_rows_source!r}'
+        )
     fraction = config.checkpoint_work_fraction
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 100:
         raise ConfigError(f"[server] checkpoint_work_fraction must be a number from 0 to 100, got {fraction!r}")

@@ -115,6 +115,13 @@ def export(
             "--expert-parallel", help="MoE families: split the experts across the ranks instead of each expert's width."
         ),
     ] = False,
+    host_embeddings: Annotated[
+        bool,
+        typer.Option(
+            "--host-embeddings",
+            help="Keep the family's large embedding tables (Gemma 4's per-layer inputs) out of the programs: helios serves their rows from RAM or disk through a device row cache (docs/export.md).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
 ) -> None:
     """Export a checkpoint plus a recipe into a core bundle, self-checked against a reference forward."""
@@ -142,6 +149,7 @@ def export(
             compile_step=compile_step,
             tensor_parallel=parse_sizes(tensor_parallel),
             expert_parallel=expert_parallel,
+            host_embeddings=host_embeddings,
         )
         check_options(options)
         loaded = load_recipe(recipe)

@@ -42,7 +42,7 @@ from helios.core.program import (
     run_prompt,
     vision_signature,
 )
-from ignition import parallel
+from ignition import host_embeddings, parallel
 from ignition.compiled import compile_program
 from ignition.errors import SourceError, UsageError, VerifyError
 from ignition.models import family
@@ -86,6 +86,9 @@ class ExportOptions:
     compile_step: bool = False  # also build the step ahead of time for this host (AOTInductor)
     tensor_parallel: tuple[int, ...] = (1,)  # declared tensor-parallel sizes (ignition.parallel)
     expert_parallel: bool = False  # MoE rank programs split the experts across the ranks
+    host_embeddings: bool = (
+        False  # the family's large embedding tables stay out of the programs (ignition.host_embeddings)
+    )
 
 
 @dataclass
@@ -283,9 +286,12 @@ def export_program(
     page_tokens: int,
     path: Path,
     tp: int = 1,
+    host: host_embeddings.Tables = (),
 ) -> mf.ProgramSpec:
-    """`tp` > 1: a rank program of that many ranks, traced with the sharded config (ignition.parallel)."""
+    """`tp` > 1: a rank program of that many ranks, traced with the sharded config (ignition.parallel).
+    `host`: tables whose rows the program takes as its last input instead of as weights."""
     width = vision_width(fam, config)
+    host_rows = host_embeddings.input_specs(host, weights)
     inputs, outputs = program_signature(
         kind,
         num_top,
@@ -294,13 +300,15 @@ def export_program(
         vision=width,
         window=kv.window_pool is not None,
         bidirectional=bool(width and fam.images_bidirectional(config)),
+        host_rows=host_rows,
     )
     # A family may return more than the signature's outputs, after them (MiMo's hidden states for its drafter).
     if fam.extra_step_outputs is not None:
         outputs += fam.extra_step_outputs(config)
     module = fam.step_program(config, num_top, explicit, scored=kind == SCORED_PREFILL)
     module.tp = tp
-    examples = (
+    module.host_input = host_rows[0].name if host_rows else ""
+    examples = host_embeddings.examples(host_rows) | (
         {
             "image_features": torch.randn(2, width, generator=torch.Generator().manual_seed(0)),
             "image_rows": torch.tensor([1, -1]),
@@ -308,6 +316,7 @@ def export_program(
         if width
         else {}
     )
+    weights = host_embeddings.program_weights(weights, host)
     return export_module(module, inputs, outputs, examples, config.vocab_size, weights, kv, page_tokens, path)  # type: ignore[attr-defined]
 
 
@@ -588,6 +597,7 @@ def export_core(
         raise SourceError(f"{checkpoint.reference}: unsupported or incomplete config ({exc})") from exc
     limits = _limits(options, config)
     parallel.check(fam, config, options.tensor_parallel, options.expert_parallel)
+    host = host_embeddings.planned(fam, config, options.host_embeddings, options.tensor_parallel, options.compile_step)
     if options.compile_step and fam.vision_of(config) is not None:
         raise UsageError("--compile-step does not build vision cores yet (the step's image inputs); export without it")
     phase(f"converting weights to {options.dtype}")
@@ -617,6 +627,7 @@ def export_core(
                 kv,
                 options.page_tokens,
                 staging / "programs" / f"{kind}.pt2",
+                host=host,
             )
             specs[kind] = spec
             programs[kind] = Program.load(kind, spec, staging / spec.file)  # check what was saved, not the module
@@ -626,7 +637,8 @@ def export_core(
         vision_program = None
         if fam.vision_of(config) is not None:
             phase(f"exporting the {VISION} program")
-            specs[VISION] = export_vision(fam, config, weights, staging / "programs" / f"{VISION}.pt2")
+            vision_weights = host_embeddings.program_weights(weights, host)
+            specs[VISION] = export_vision(fam, config, vision_weights, staging / "programs" / f"{VISION}.pt2")
             vision_program = Program.load(VISION, specs[VISION], staging / specs[VISION].file)
         specs.update({kind: spec for kind, (spec, _) in extras.items()})
         if max(options.tensor_parallel) > 1:
@@ -647,6 +659,9 @@ def export_core(
         )
         phase("writing weights and tokenizer")
         save_file(weights, str(staging / "weights.safetensors"))
+        hosted = host_embeddings.entries(host, weights, staging / "weights.safetensors")
+        programs = host_embeddings.fed(programs, hosted, weights)  # the checks gather their rows from the table
+        vision_program = host_embeddings.fed({VISION: vision_program}, hosted, weights)[VISION]
         (staging / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
         if template is not None:
             (staging / "chat_template.jinja").write_text(template, encoding="utf-8")
@@ -739,6 +754,7 @@ def export_core(
             compiled=compiled,
             vision=profile,
             parallel=declared,
+            host_embeddings=hosted,
         )
         (staging / mf.MANIFEST_FILE).write_bytes(mf.encode(manifest))
         _install(staging, options.out)

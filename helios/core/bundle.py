@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from helios.core import hostcache
 from helios.core import manifest as mf
+from helios.core.host_rows import DISK, HostFed, open_table
 from helios.core.ops import catalog as ops_catalog
 from helios.core.program import SCORED_PREFILL, STEP, CompiledProgram, Program
 
@@ -116,16 +118,32 @@ class Core:
         return core_digest(self.manifest.files)
 
     def load_weights(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The programs' weights argument. Host tables (manifest.host_embeddings) stay out: the
+        programs take their rows as inputs, and a table may be larger than the device."""
         # Sorted by name, the order export traced the programs with: safetensors files order
         # tensors by dtype first, and a program's weights argument is flattened by position.
-        return dict(sorted(load_file(str(self.root / self.manifest.weights.file), device=device).items()))
+        path = str(self.root / self.manifest.weights.file)
+        hosted = {entry.name for entry in self.manifest.host_embeddings}
+        if not hosted:
+            return dict(sorted(load_file(path, device=device).items()))
+        with safe_open(path, framework="pt", device=device) as handle:
+            return {name: handle.get_tensor(name) for name in sorted(handle.keys()) if name not in hosted}
 
-    def load_program(self, kind: str = STEP, check_guards: bool = True) -> Program:
+    def host_tables(self, source: str = DISK) -> tuple[tuple[mf.HostEmbedding, torch.Tensor], ...]:
+        """Each host table with its rows on the CPU (helios.core.host_rows.open_table: "disk" maps the
+        weights file, "ram" reads the table into memory)."""
+        return tuple((entry, open_table(self.root, entry, source)) for entry in self.manifest.host_embeddings)
+
+    def load_program(self, kind: str = STEP, check_guards: bool = True, fed: bool = True) -> Program | HostFed:
+        """fed: a program taking host-table rows comes wrapped (HostFed) to gather them from the mapped
+        tables itself; the engine asks for the bare program and feeds it from its row cache."""
         spec = self.manifest.programs.get(kind)
         if spec is None:
             hint = " (export with --prompt-logprobs)" if kind == SCORED_PREFILL else ""
             raise CoreError(f"{self.root}: the core has no {kind!r} program{hint}")
-        return Program.load(kind, spec, self.root / spec.file, check_guards)
+        program = Program.load(kind, spec, self.root / spec.file, check_guards)
+        hosted = {entry.input for entry in self.manifest.host_embeddings}
+        return HostFed(program, self.host_tables()) if fed and hosted & set(program.input_names) else program
 
     def load_compiled(self, kind: str = STEP, runner: Callable[[str], Any] | None = None) -> CompiledProgram:
         """The program's ahead-of-time build (the caller checks its host first: helios.core.host);

@@ -281,6 +281,25 @@ class WeightsInfo(_Struct):
     num_parameters: int
 
 
+class HostEmbedding(_Struct):
+    """An embedding table the step programs do not hold (ignition export --host-embeddings): the
+    runner gathers the rows of each step token and passes them as the program input `input`
+    [T, width] in `dtype`, exactly the table's rows. The table stays in the core's weights file
+    (`file`, its row-major bytes at `offset`), outside the weights dict the programs take; helios
+    serves it from RAM or a memory map through a device row cache (helios.engine.memory.embedding_rows).
+    A step row whose input embedding is an image feature (the step's image_rows) takes the row of
+    `image_row_id` instead of its token's (None: no substitution, a text-only core)."""
+
+    name: str  # the weight's name in the weights file (e.g. "embed_per_layer")
+    input: str  # the step input it feeds (e.g. "embed_per_layer_rows")
+    rows: int
+    width: int
+    dtype: str  # torch dtype name of the stored rows and of the input
+    file: str  # the safetensors file holding the bytes (the core's weights file)
+    offset: int  # byte offset of row 0 in that file
+    image_row_id: int | None = None
+
+
 class OpSet(_Struct):
     namespace: str
     version: int
@@ -369,6 +388,8 @@ class Manifest(_Struct):
     compiled: dict[str, CompiledSpec] = {}  # program kind -> its ahead-of-time build, where exported
     vision: VisionProfile | None = None  # image preparation of a vision core (capabilities.vision); None: text-only
     parallel: Parallel = Parallel()  # tensor-parallel sizes and their rank programs and shards (format 2)
+    # Tables the programs take as gathered rows instead of weights (export --host-embeddings); absent: none.
+    host_embeddings: tuple[HostEmbedding, ...] = ()
 
     @property
     def public_id(self) -> str:

@@ -46,6 +46,7 @@ def program_signature(
     vision: int = 0,
     window: bool = False,
     bidirectional: bool = False,
+    host_rows: tuple[TensorSpec, ...] = (),
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Input and output specs of a program kind, for a core's logprob capabilities.
 
@@ -65,6 +66,9 @@ def program_signature(
     Vision cores whose image tokens attend each other both ways (`bidirectional`) take
     `attention_until` [T] int64 after image_rows: the last key each row may see (the end of its
     image's span for an image token, its own position otherwise; flare::paged_attention_until).
+
+    `host_rows`: inputs [T, width] fed from host-resident embedding tables (manifest.HostEmbedding,
+    export --host-embeddings), last: each step row's table row, gathered by the runner.
     """
     inputs = [
         TensorSpec("token_ids", "int64", ("T",)),
@@ -89,6 +93,7 @@ def program_signature(
         inputs.append(TensorSpec("image_rows", "int64", ("I",)))
         if bidirectional:
             inputs.append(TensorSpec("attention_until", "int64", ("T",)))
+    inputs += host_rows
     outputs = [TensorSpec("logits", "float32", ("R", "V")), TensorSpec("logsumexp", "float32", ("R",))]
     if num_top:
         outputs += [

@@ -7,6 +7,7 @@ from helios.engine.devices import DeviceError, is_cuda
 from helios.engine.devices import resolve as resolve_device
 from helios.engine.engine import EngineConfig, HostCacheConfig, LLMEngine
 from helios.engine.logprobs import RankedLogprob, TokenLogprobs
+from helios.engine.memory.embedding_rows import RowCacheConfig
 from helios.engine.memory.host_store import default_directory as default_host_cache_directory
 from helios.engine.memory.host_store import default_memory_bytes as default_host_cache_memory_bytes
 from helios.engine.memory.vision_inputs import RestoredInputs, VisionInputStore, vision_identity
@@ -28,7 +29,7 @@ from helios.engine.request import (
     ReasoningGate,
     TokenConstraint,
 )
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY, SamplingParams
 from helios.engine.speculation.draft_core import incompatibility as draft_core_incompatibility
 from helios.engine.speculation.drafter import MaskHook, SpeculationConfig
 
@@ -44,6 +45,7 @@ __all__ = [
     # the engine, built from its config
     "EngineConfig",
     "HostCacheConfig",
+    "RowCacheConfig",
     "SpeculationConfig",
     "LLMEngine",
     "build_engine",
@@ -71,6 +73,7 @@ __all__ = [
     "ReasoningGate",
     "IMAGE_COUNTERS",
     "SamplingParams",
+    "GREEDY",
     # structured output: the constraint the frontend builds, and the rows its mask hook reads
     "TokenConstraint",
     "MaskRow",

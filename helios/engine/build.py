@@ -63,6 +63,7 @@ def build_engine(core: Core, config: EngineConfig, mask_hook: MaskHook | None = 
         drafters=mtp,
         cuda_graphs=config.cuda_graphs and devices.is_cuda(config.device),
         num_window_pages=window.pool.num_pages if window is not None else None,
+        row_cache=config.row_cache,
     )
     if config.parallel is not None:  # rank 0 of N: every call goes to the other ranks too
         from helios.engine.parallel.proxy import RankZeroExecutor
@@ -117,8 +118,33 @@ def build_engine(core: Core, config: EngineConfig, mask_hook: MaskHook | None = 
     )
     engine._refresh_gauges()
     if executor.graphs is not None:  # after the drafters widened the caches the graphs read
-        executor.capture_graphs()
+        _remember_graph_memory(core, config, executor.capture_graphs())
     return engine
+
+
+def _graph_memory_key(core: Core, config: EngineConfig) -> str:  # pragma: no cover - needs a GPU
+    return devices.graph_memory_key(
+        core.digest, devices.device_name(config.device), core.manifest.decode_buckets, torch.__version__
+    )
+
+
+def _remember_graph_memory(core: Core, config: EngineConfig, measured: dict[int, int]) -> None:
+    """Keep what capturing each bucket took on this device for the next start's pool sizing (the
+    pool is allocated before its graphs are captured, which read it), and say how it compares
+    with what this start set aside."""
+    if not measured or not devices.is_cuda(config.device):
+        return
+    key = _graph_memory_key(core, config)  # pragma: no cover - needs a GPU
+    set_aside = devices.graph_reserve(core.manifest.decode_buckets, devices.remembered_graph_bytes(key))
+    devices.remember_graph_bytes(key, measured)
+    taken = sum(measured.values())
+    log.info("CUDA graphs: capture took %d MiB (%d MiB was set aside)", taken >> 20, set_aside >> 20)
+    if taken > set_aside and config.num_pages is None and config.kv_memory_bytes is None:
+        log.warning(
+            "CUDA graphs took %d MiB more than the KV pool left for them; the next start sizes the pool "
+            "from this measurement",
+            (taken - set_aside) >> 20,
+        )
 
 
 def _upcast_from(core: Core, config: EngineConfig) -> str | None:
@@ -167,16 +193,19 @@ def _pool_pages(core: Core, config: EngineConfig, page_bytes: int) -> int:
     if config.kv_memory_bytes is not None or not devices.is_cuda(config.device):
         return max(1, (1 << 30 if config.kv_memory_bytes is None else config.kv_memory_bytes) // page_bytes)
     weights = (core.root / core.manifest.weights.file).stat().st_size
-    reserve = devices.GRAPH_RESERVE_PER_BUCKET * len(core.manifest.decode_buckets) if config.cuda_graphs else 0
+    # The graphs' share: what capturing them took here before (measured), else the estimate.
+    measured = devices.remembered_graph_bytes(_graph_memory_key(core, config)) if config.cuda_graphs else None
+    reserve = devices.graph_reserve(core.manifest.decode_buckets, measured) if config.cuda_graphs else 0
     free = devices.free_device_bytes(config.device)
     pages = devices.kv_pages_for(max(0, free - weights), config.kv_memory_fraction, page_bytes, reserve)
     log.info(
-        "KV pool: %d pages from %d MiB free on %s (%d MiB of weights to load, %d MiB kept for CUDA graphs)",
+        "KV pool: %d pages from %d MiB free on %s (%d MiB of weights to load, %d MiB kept for CUDA graphs, %s)",
         pages,
         free >> 20,
         config.device,
         weights >> 20,
         reserve >> 20,
+        "measured at an earlier capture" if measured else "estimated: not yet captured on this device",
     )
     return pages
 

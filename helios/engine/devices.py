@@ -3,19 +3,26 @@
 `[server] device` is "auto", "cpu", "cuda" or "cuda:N" (helios.config checks the spelling);
 resolve() turns it into the torch device string the engine runs on; prepare() readies the flare::
 ops for it (on CUDA, helios' Triton kernels). kv_pages_for() is the pure sizing rule for a CUDA
-pool sized from free device memory (no kv_pages / kv_memory_mb).
+pool sized from free device memory (no kv_pages / kv_memory_mb); graph_reserve() says how much of
+it the captured graphs keep: what capturing them took on this host before (measured with
+torch.cuda.memory_reserved around each bucket's capture, remembered per core, device and torch),
+the estimate only where this core's graphs were never captured here.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+from helios.core import hostcache
 
 DEVICE_SETTING = re.compile(r"auto|cpu|cuda(:\d+)?")
 # Device memory the captured CUDA graphs of one decode bucket are expected to hold (their
-# private pool: activations of the bucket's step). An estimate, not yet measured on a GPU:
-# the KV pool is sized after it is set aside.
+# private pool: activations of the bucket's step) before they were ever captured on this host:
+# a first start's estimate. Later starts set aside what capture measured (graph_reserve).
 GRAPH_RESERVE_PER_BUCKET = 32 << 20
+GRAPH_MEMORY_CACHE = "graph-memory"  # hostcache name: measured bytes per decode bucket
+GRAPH_HEADROOM = 1.1  # measured graph memory is set aside with this margin (allocator rounding between starts)
 
 
 class DeviceError(ValueError):
@@ -96,6 +103,37 @@ def kv_pages_for(free_bytes: int, fraction: float, page_bytes: int, graph_reserv
             "cuda_graphs = false, or give kv_pages / kv_memory_mb"
         )
     return usable // page_bytes
+
+
+def graph_reserve(buckets: tuple[int, ...], measured: Mapping[int, int] | None) -> int:
+    """Bytes the KV pool leaves for the decode buckets' captured graphs: each bucket's measured
+    capture bytes (GRAPH_HEADROOM over them), the per-bucket estimate for a bucket never measured."""
+    known = measured or {}
+    return sum(int(known[b] * GRAPH_HEADROOM) if b in known else GRAPH_RESERVE_PER_BUCKET for b in sorted(set(buckets)))
+
+
+def graph_memory_key(core_digest: str, device_name: str, buckets: tuple[int, ...], torch_version: str) -> str:
+    """The hostcache key of a core's measured graph memory: it changes with the core, the device
+    model, the buckets and torch (its kernels and allocator)."""
+    return f"{core_digest}|{device_name}|{sorted(set(buckets))}|{torch_version}"
+
+
+def remembered_graph_bytes(key: str) -> dict[int, int] | None:
+    """Measured capture bytes per bucket from an earlier start on this host, or None."""
+    value = hostcache.get(GRAPH_MEMORY_CACHE, key)
+    if not isinstance(value, dict):
+        return None
+    return {int(bucket): int(size) for bucket, size in value.items()}
+
+
+def remember_graph_bytes(key: str, measured: Mapping[int, int]) -> None:
+    hostcache.put(GRAPH_MEMORY_CACHE, key, {str(bucket): int(size) for bucket, size in measured.items()})
+
+
+def device_name(device: str) -> str:  # pragma: no cover - needs a GPU
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def free_device_bytes(device: str) -> int:  # pragma: no cover - needs a GPU

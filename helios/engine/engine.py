@@ -18,14 +18,16 @@ import torch
 
 from helios.core import Core
 from helios.core.logs import log_failure
-from helios.engine import native
+from helios.engine import native, step_output
 from helios.engine.executor import Executor, StepResult
 from helios.engine.logprobs import (
     TokenLogprobs,
     explicit_alternatives,
-    natural_alternatives,
+    listed_alternatives,
     prompt_entry,
+    scanned_alternatives,
 )
+from helios.engine.memory import embedding_rows
 from helios.engine.memory.checkpoints import StepCosts
 from helios.engine.memory.host_store import Histogram, HostStore
 from helios.engine.memory.kv_cache import PagePool
@@ -84,6 +86,9 @@ class EngineConfig:
     # False: both tables are the main pool's (the window caches as large as the others).
     reclaim_window_pages: bool = True
     image_cache_bytes: int = 256 << 20  # vision cores: prepared image features kept by digest (images.py)
+    # Cores with host embedding tables (export --host-embeddings): device rows kept per table and where
+    # missed rows are read, "ram" or "disk" (memory/embedding_rows.py).
+    row_cache: embedding_rows.RowCacheConfig = embedding_rows.RowCacheConfig()
     # A small core with the same tokenizer that proposes drafts (draft_core.py); None: the core's own
     # MTP programs where it has them, else history drafts only.
     draft_core: Core | None = None
@@ -205,6 +210,7 @@ class LLMEngine:
             checkpoint_intake_slots=intake,
             host=self._host_metrics(),
             parallel_ranks=self.config.parallel.size if self.config.parallel is not None else 1,
+            **embedding_rows.metrics(self.executor.row_caches),
             **_copied(self.stats, EngineMetrics),
         )
 
@@ -320,12 +326,18 @@ class LLMEngine:
         if plan.chunks:
             try:
                 started, restoring = time.perf_counter_ns(), self.executor.host_in_ns
+                delivering = embedding_rows.delivery_ns(self.executor.row_caches)
                 result = self._execute(plan)
-                output = self._sample_step(plan, result)  # sampling waits for the device, so this times the whole step
-                self.stats.replay_ns += time.perf_counter_ns() - started
-                if plan.memory.host_in or plan.memory.state_in:
+                output = self._sample_step(plan, result)  # its copy to the host waits for the device
+                # api.md replay_gpu_ns: on CUDA the programs' device time (events) plus restores; the
+                # whole step's wall time on other devices.
+                device_ns = self.executor.device_time_ns()
+                restored = self.executor.host_in_ns - restoring
+                self.stats.replay_ns += time.perf_counter_ns() - started if device_ns is None else device_ns + restored
+                delivered = embedding_rows.delivery_ns(self.executor.row_caches) - delivering  # missed host rows
+                if plan.memory.host_in or plan.memory.state_in or delivered:
                     self.stats.readiness_samples += 1
-                    self.stats.readiness_wait_ns += self.executor.host_in_ns - restoring
+                    self.stats.readiness_wait_ns += self.executor.host_in_ns - restoring + delivered
                 if self.states is not None:  # hybrid cores' checkpoint costs (checkpoints.StepCosts)
                     self.costs.observe_step(
                         sum(c.num_tokens + len(c.draft_ids) for c in plan.chunks), time.perf_counter_ns() - started
@@ -379,13 +391,9 @@ class LLMEngine:
         return result
 
     def _sample_step(self, plan: SchedulerOutput, result: StepResult) -> ModelOutput:
-        """Sample every choice of every sampled chunk and verify drafts."""
+        """Sample every choice of every sampled chunk and verify drafts. Sampling runs on the
+        outputs' device; what the host reads comes back in one copy (step_output.fetch)."""
         self._count_verify_step(plan)
-        prompt_entries = {
-            key: self._prompt_entries(chunk, result.prompt_scores[key])
-            for chunk in plan.chunks
-            if (key := id(chunk)) in result.prompt_scores
-        }
         # One sampling row per choice, and for a chunk with drafts one per position: row i
         # samples the token after draft i - 1, as if drafts[:i] had been committed.
         rows: list[int] = []
@@ -417,10 +425,20 @@ class LLMEngine:
             if blocked:  # sampled harmlessly; such a row fails its choice only if verification reaches it
                 allowed[list(blocked)] = True
         tokens: dict[int, list[SampledToken]] = {}
+        sampled = None
         if seqs:
-            identity = rows == list(range(result.logits.shape[0]))
-            logits = result.logits if identity else result.logits.index_select(0, torch.tensor(rows))
-            drawn = self._sample(logits, seqs, prefixes, allowed).tolist()
+            logits = result.logits
+            if rows != list(range(logits.shape[0])):
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            sampled = self._sample(logits, seqs, prefixes, allowed)  # on the outputs' device
+        host = step_output.fetch(result, rows, sampled, [s.request.num_top_logprobs for s in seqs])
+        prompt_entries = {
+            key: self._prompt_entries(chunk, host.prompt_scores[key])
+            for chunk in plan.chunks
+            if (key := id(chunk)) in host.prompt_scores
+        }
+        if seqs:
+            drawn = host.tokens
             settled: set[int] = set()  # sequences whose round ended (a draft was rejected)
             for index, (row, seq, prefix, token) in enumerate(zip(rows, seqs, prefixes, drawn)):
                 key = id(seq)
@@ -439,9 +457,8 @@ class LLMEngine:
                     settled.add(key)
                     continue
                 wants = seq.request.num_top_logprobs is not None
-                tokens.setdefault(key, []).append(
-                    SampledToken(token, self._logprobs(seq, token, row, result) if wants else None)
-                )
+                entry = self._logprobs(seq, token, host.logprobs[index], result, row) if wants else None
+                tokens.setdefault(key, []).append(SampledToken(token, entry))
                 offered = drafts.get(key, ())
                 if len(prefix) >= len(offered) or token != offered[len(prefix)]:
                     settled.add(key)  # a correction, or the bonus token after every draft was accepted
@@ -463,8 +480,6 @@ class LLMEngine:
             torch.tensor(s.output_ids + list(prefix), dtype=torch.int64) if penalized else empty
             for s, prefix in zip(seqs, prefixes)
         ]
-        if allowed is not None:
-            allowed = allowed.to(logits.device, non_blocking=True)
         # A draw depends on the choice's seed and the output position it fills, so verification
         # rows draw exactly what plain decoding would have drawn at those positions.
         generators = [
@@ -473,31 +488,40 @@ class LLMEngine:
         ]
         return self.sampler.sample(logits, params, generators, prompt_ids, output_ids, allowed)
 
-    def _logprobs(self, seq: Sequence, token: int, row: int, result: StepResult) -> TokenLogprobs:
-        lse = float(result.logsumexp[row])
-        chosen = float(result.logits[row, token]) - lse
+    @staticmethod
+    def _logprobs(
+        seq: Sequence, token: int, values: step_output.RowLogprobs, result: StepResult, row: int
+    ) -> TokenLogprobs:
+        """A sampled token's entry from its row's host values (row: its output row, read again
+        only where natural alternatives tie across their cut-off)."""
+        lse = values.logsumexp
+        chosen = values.chosen_logit - lse
         ids = seq.request.logprob_token_ids
+        num = seq.request.num_top_logprobs
         if ids:
-            assert result.explicit_logprobs is not None
-            values = result.explicit_logprobs[row, : len(ids)].tolist()
-            alternatives = explicit_alternatives(ids, values, token, chosen)
-        elif result.top_logprobs is not None and seq.request.num_top_logprobs:
-            alternatives = natural_alternatives(
-                result.logits[row], lse, result.top_logprobs[row], result.top_ids[row], seq.request.num_top_logprobs
+            assert values.explicit is not None
+            alternatives = explicit_alternatives(ids, values.explicit[: len(ids)], token, chosen)
+        elif values.top_values is not None and values.top_ids is not None and num:
+            listed = listed_alternatives(values.top_values, values.top_ids, num, values.at_cutoff)
+            alternatives = (
+                listed
+                if listed is not None
+                else scanned_alternatives(step_output.logits_row(result, row), lse, values.top_values[num - 1], num)
             )
         else:
             alternatives = ()
         return TokenLogprobs(token, chosen, alternatives)
 
     @staticmethod
-    def _prompt_entries(chunk: Chunk, scores: dict[str, torch.Tensor]) -> list:
+    def _prompt_entries(chunk: Chunk, scores: dict[str, list]) -> list:
         """Prompt logprob entries of a scored chunk's positions (the first prompt position and image
-        positions have none: an image row's token is a placeholder, not a prediction target)."""
+        positions have none: an image row's token is a placeholder, not a prediction target), from
+        the scores' host values (step_output.fetch)."""
         seq = chunk.seq
         num = seq.request.prompt_logprobs or 0
         entries: list = [None] if chunk.start == 0 else []
-        values = scores["prompt_logprobs"].tolist()
-        ranks = scores["prompt_ranks"].tolist()
+        values = scores["prompt_logprobs"]
+        ranks = scores["prompt_ranks"]
         images = seq.request.images
         for i in range(chunk.num_tokens):
             position = chunk.start + i + 1
@@ -510,7 +534,7 @@ class LLMEngine:
             if num:
                 # Every entry the program returned, then the first `num`: torch.topk keeps an
                 # unspecified member of a tie at the cut-off, and ties report increasing ids.
-                pairs = zip(scores["prompt_top_ids"][i].tolist(), scores["prompt_top_logprobs"][i].tolist())
+                pairs = zip(scores["prompt_top_ids"][i], scores["prompt_top_logprobs"][i])
                 alternatives = tuple(sorted(pairs, key=lambda p: (-p[1], p[0]))[:num])
             entries.append(prompt_entry(seq.token_ids[position], values[i], ranks[i], alternatives))
         return entries

@@ -17,6 +17,7 @@ from helios.core.logs import Stopwatch
 from helios.core.program import SCORED_PREFILL, STEP, VISION, CompiledProgram, Program, allocate_kv
 from helios.engine import devices, graph, graphs, native, prepack, threads
 from helios.engine.kernels import registry as kernels
+from helios.engine.memory import embedding_rows
 from helios.engine.memory.plan import NO_MEMORY_WORK, MemoryPlan
 from helios.engine.rows import padded
 from helios.engine.sequence import Chunk
@@ -26,7 +27,8 @@ log = logging.getLogger("helios.engine")
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Outputs of one step, in chunk order."""
+    """Outputs of one step, in chunk order, on the step's device (step_output.fetch copies what the
+    host reads)."""
 
     sampled: tuple[Chunk, ...]  # chunks with wants_logits, in row order of the tensors below (chunk.num_rows each)
     logits: Tensor  # [R, V] f32
@@ -99,6 +101,7 @@ class Executor:
         drafters: tuple[str, ...] = (),
         cuda_graphs: bool = False,
         num_window_pages: int | None = None,
+        row_cache: embedding_rows.RowCacheConfig = embedding_rows.RowCacheConfig(),
     ) -> None:
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure). compiled: run the
@@ -108,7 +111,8 @@ class Executor:
         each step keeps its hidden states (StepResult.hidden). cuda_graphs: on a CUDA device, decode-only
         steps replay a graph captured per decode bucket (graphs.py); the pool gets one scratch page.
         num_window_pages: pages of a window-pool core's sliding-layer caches (window_pages.py; None:
-        as many as the main pool's)."""
+        as many as the main pool's). row_cache: the device row caches of a core's host embedding
+        tables (memory/embedding_rows.py; none for other cores)."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
         devices.prepare(device)  # CUDA: helios' Triton kernels in the flare:: ops' CUDA slot
@@ -135,14 +139,16 @@ class Executor:
             self.weights = {name: w.float() if w.is_floating_point() else w for name, w in self.weights.items()}
             kv_layout = msgspec.structs.replace(kv_layout, dtype="float32")
         # The executor builds every input itself, so per-call guard checks are skipped.
-        portable_step = core.load_program(STEP, check_guards=False) if self.compiled_step is None else None
+        portable_step = core.load_program(STEP, check_guards=False, fed=False) if self.compiled_step is None else None
         self.step: Program | CompiledProgram = self.compiled_step or portable_step  # type: ignore[assignment]
-        self.scored = core.load_program(SCORED_PREFILL, check_guards=False) if has_scored else None
+        self.scored = core.load_program(SCORED_PREFILL, check_guards=False, fed=False) if has_scored else None
         # Vision cores: the vision program (run by engine/images.py's encoder, set up by the engine).
         self.vision = core.load_program(VISION, check_guards=False) if VISION in manifest.programs else None
         self.images = None  # helios.engine.images.ImageEncoder of a vision core
-        self.drafters = {kind: core.load_program(kind, check_guards=False) for kind in drafters}
+        self.drafters = {kind: core.load_program(kind, check_guards=False, fed=False) for kind in drafters}
         self.keep_hidden = bool(drafters)
+        # Host embedding tables: step input name -> its device row cache, filled before each program run.
+        self.row_caches = embedding_rows.open_caches(core, device, row_cache, upcast)
         programs = [p for p in (portable_step, self.scored, *self.drafters.values()) if p is not None]
         for program in (*programs, self.vision) if self.vision is not None else programs:
             graph.place(program, device)  # device-neutral, once, on every device (graph.py)
@@ -198,6 +204,7 @@ class Executor:
             clock.lap("the thread policy")
         self.serial_decode_rows = serial_decode_rows
         self.launches = {"graph": 0, "eager": 0}  # program calls by kind (flare_graph_launches_total{kind})
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: events around program calls
         self.graphs: graphs.GraphRunner | None = None
         if graphed:
             self.graphs = graphs.GraphRunner(
@@ -221,17 +228,19 @@ class Executor:
                 sorted(manifest.decode_buckets),
             )
 
-    def capture_graphs(self) -> None:
-        """Capture the decode buckets' CUDA graphs (graphs.GraphRunner.capture_all); where that fails,
-        graphs are off and every step runs eagerly (a warning says why)."""
+    def capture_graphs(self) -> dict[int, int]:
+        """Capture the decode buckets' CUDA graphs (graphs.GraphRunner.capture_all) and return the
+        device memory each took (measured; empty where capture failed: graphs are then off and every
+        step runs eagerly, a warning says why)."""
         assert self.graphs is not None
         clock = Stopwatch(log, "CUDA graph capture")
         failure = self.graphs.capture_all()
         if failure is not None:
             log.warning("CUDA graphs: capture failed (%s); serving every step eagerly", failure)
             self.graphs = None
-        else:
-            clock.lap(f"capturing {len(self.graphs.buckets)} decode buckets")
+            return {}
+        clock.lap(f"capturing {len(self.graphs.buckets)} decode buckets")
+        return self.graphs.capture_bytes()
 
     @staticmethod
     def _remembered(kind: str, key: str, measure, found: str) -> int:
@@ -318,6 +327,8 @@ class Executor:
             inputs.update(no_image_rows(self.step))
         if "attention_until" in self.step.input_names:
             inputs["attention_until"] = inputs["positions"]
+        for name, cache in self.row_caches.items():
+            inputs[name] = cache.zeros(rows)
         return {name: value.to(self.device) for name, value in inputs.items()}
 
     def copy_page(self, src: int, dst: int) -> None:
@@ -395,6 +406,7 @@ class Executor:
         """Carry out the memory plan's work before the step (host restores into pages, state copies,
         host restores into state slots), run the chunks, then its copies after the step (forked
         children's pages and window pages, state slots), which read what the step has just written."""
+        self._timed.clear()  # device_time_ns counts this step's program calls (a failed step's are dropped)
         if memory.host_in:
             started = time.perf_counter_ns()
             self.write_pages(memory.host_in)  # type: ignore[arg-type]
@@ -525,7 +537,11 @@ class Executor:
             inputs["state_slots"] = torch.tensor([c.seq.state_slot for c in chunks], dtype=torch.int64)
         if "window_slot_mapping" in program.input_names:
             inputs["window_slot_mapping"], inputs["window_block_tables"] = self._window_inputs(chunks, positions, width)
+        for name, cache in self.row_caches.items():  # host tables' rows, from the device row cache
+            if name in program.input_names:
+                inputs[name] = cache.gather(inputs["token_ids"], inputs.get("image_rows"))
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
+        timer = self._start_timer()
         outputs = None
         if (
             self.graphs is not None
@@ -538,14 +554,41 @@ class Executor:
             self.launches["eager"] += 1
         else:
             self.launches["graph"] += 1
+        if timer is not None:
+            timer[1].record()
+            self._timed.append(timer)
         # Per-row outputs: only the rows asked for (none when no chunk wants logits).
         per_token = ("prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "prompt_top_ids", "hidden_states")
         kept = num_logits_rows if any(c.wants_logits for c in chunks) else 0
         outputs = {k: v[:kept] if k not in per_token else v for k, v in outputs.items()}
         if not self.keep_hidden:
             outputs.pop("hidden_states", None)
-        # Hidden states stay on the device: the drafter's programs read them there.
-        return {name: value if name == "hidden_states" else value.cpu() for name, value in outputs.items()}
+        # Every output stays on the device: the engine samples there and copies what the host reads
+        # once (step_output.fetch); the drafter's programs read the hidden states there. A graph's
+        # outputs are views of its bucket's static buffers, valid until the next replay: the engine
+        # reads them within the step.
+        return outputs
+
+    def _start_timer(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """CUDA: a pair of timing events, the first recorded now (before a program call); None elsewhere."""
+        if not devices.is_cuda(self.device):
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()  # not yet run on a GPU (docs/performance.md, Device check)
+        return start, end
+
+    def device_time_ns(self) -> int | None:
+        """CUDA: the device's nanoseconds in this step's program calls, from their events (waits for
+        the last one; the step's copy to the host has already); None on other devices, whose steps
+        are timed on the host (api.md replay_gpu_ns)."""
+        if not devices.is_cuda(self.device):
+            return None
+        timed, self._timed = self._timed, []
+        total = 0
+        for start, end in timed:
+            end.synchronize()
+            total += int(start.elapsed_time(end) * 1e6)  # elapsed_time is in milliseconds
+        return total
 
     def _launch(self, program, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """One eager program call on this executor's weights and caches (a tensor-parallel rank 0

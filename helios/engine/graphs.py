@@ -65,6 +65,8 @@ class GraphBackend(Protocol):
 
     def captured(self, bucket: int) -> bool: ...
 
+    def capture_bytes(self) -> dict[int, int]: ...
+
 
 class EagerBackend:
     """The CPU test double: capture records the callable, replay calls it (on the static buffers)."""
@@ -83,19 +85,34 @@ class EagerBackend:
     def captured(self, bucket: int) -> bool:
         return bucket in self.steps
 
+    def capture_bytes(self) -> dict[int, int]:
+        return {}  # nothing held on the side: the replay is the eager call
+
 
 class CudaGraphBackend:  # pragma: no cover - needs a GPU; not yet run on one (see the module docstring)
     """torch.cuda.CUDAGraph per bucket, each in its own memory pool, captured after `warmup`
     eager runs on a side stream (allocator and kernel autotuning settle before capture). The
     warm-up runs write the step's keys and values exactly as the replay does (the same values
-    to the same slots), so capturing on a live step is harmless for cores without recurrent state."""
+    to the same slots), so capturing on a live step is harmless for cores without recurrent state.
+    Each capture's device memory is measured: torch.cuda.memory_reserved before and after it."""
 
     def __init__(self, device: str, warmup: int = 2) -> None:
         self.device = torch.device(device)
         self.warmup = warmup
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}
+        self.measured: dict[int, int] = {}  # bucket -> bytes its warm-up and capture reserved
+
+    def capture_bytes(self) -> dict[int, int]:
+        return dict(self.measured)
 
     def capture(self, bucket: int, step: Callable[[], dict[str, Tensor]]) -> None:
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        self._capture(bucket, step)
+        torch.cuda.synchronize(self.device)
+        self.measured[bucket] = max(0, torch.cuda.memory_reserved(self.device) - before)
+
+    def _capture(self, bucket: int, step: Callable[[], dict[str, Tensor]]) -> None:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -227,6 +244,10 @@ class GraphRunner:
         except RuntimeError as exc:  # torch raises RuntimeError (incl. torch.cuda errors) for capture failures
             return f"{type(exc).__name__}: {exc}".splitlines()[0]
         return None
+
+    def capture_bytes(self) -> dict[int, int]:
+        """Device memory each captured bucket took (measured by the backend; empty for the CPU double)."""
+        return self.backend.capture_bytes()
 
     def _step_on(self, static: dict[str, Tensor]) -> Callable[[], dict[str, Tensor]]:
         return lambda: self.program(self.weights, self.kv, **static)

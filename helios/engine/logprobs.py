@@ -49,15 +49,37 @@ def natural_alternatives(logits_row: Tensor, lse: float, top_values: Tensor, top
         return ()
     values = top_values.tolist()
     cutoff = values[num - 1]
-    if num < available:
+    # No next entry to look at when all N are asked for: count the vocabulary at or above the cut-off.
+    at_cutoff = int((logits_row.float() - lse >= cutoff).sum()) if num == available else None
+    listed = listed_alternatives(values, top_ids.tolist(), num, at_cutoff)
+    return listed if listed is not None else scanned_alternatives(logits_row, lse, cutoff, num)
+
+
+def listed_alternatives(
+    values: Sequence[float], ids: Sequence[int], num: int, at_cutoff: int | None
+) -> Alternatives | None:
+    """natural_alternatives from the program's top-N list alone (host values), or None when a tie
+    crosses the cut-off and the row must be scanned (scanned_alternatives). at_cutoff: how many
+    vocabulary entries are at or above the num-th value, needed only when num is N."""
+    if not 0 <= num <= len(values):
+        raise ValueError(f"asked for {num} alternatives, the core returns at most {len(values)}")
+    if num == 0:
+        return ()
+    cutoff = values[num - 1]
+    if num < len(values):
         # The list is a true top-N, so a tie at the cut-off shows as an equal next entry.
         tied = values[num] == cutoff
     else:
-        # No next entry to look at: count the vocabulary at or above the cut-off.
-        tied = int((logits_row.float() - lse >= cutoff).sum()) > num
-    if not tied:
-        pairs = zip(top_ids[:num].tolist(), values[:num])
-        return tuple(sorted(pairs, key=lambda pair: (-pair[1], pair[0])))
+        assert at_cutoff is not None, "all N alternatives asked for: the row's count at the cut-off is needed"
+        tied = at_cutoff > num
+    if tied:
+        return None
+    return tuple(sorted(zip(ids[:num], values[:num]), key=lambda pair: (-pair[1], pair[0])))
+
+
+def scanned_alternatives(logits_row: Tensor, lse: float, cutoff: float, num: int) -> Alternatives:
+    """The `num` most likely tokens of a host row [V] whose top list ties across `cutoff` (the
+    num-th value): every id at or above it, by decreasing logprob then increasing id."""
     row = logits_row.float() - lse
     ids = (row >= cutoff).nonzero().flatten()  # ascending ids
     candidates = row[ids]

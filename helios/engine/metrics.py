@@ -115,7 +115,7 @@ class EngineMetrics:
     state_slots_used: int
     state_snapshots: int
     state_rewinds: int
-    replay_ns: int  # completed steps' run and sampling wall time, restores included (api.md replay_gpu_ns)
+    replay_ns: int  # completed steps: CPU wall time of run and sampling; CUDA events around the programs; restores included (api.md replay_gpu_ns)
     readiness_wait_ns: int  # waits for host-store data: restore copies and disk prefetch
     readiness_samples: int  # steps that carried host-store restores
     checkpoint_anchor_reservations: int
@@ -129,3 +129,12 @@ class EngineMetrics:
     images: Counts  # image preparation and feature counters, by IMAGE_COUNTERS name (the engine's share)
     host: HostStoreMetrics | None  # None without a host prefix store
     parallel_ranks: int = 1  # tensor-parallel ranks; total_pages and the page gauges are per rank (each holds as many)
+    # The device row cache of host embedding tables (memory/embedding_rows.py), summed over a core's tables;
+    # all 0 on a core without host tables (exported without --host-embeddings).
+    embedding_row_lookups: int = 0  # distinct table rows asked for, one per distinct row per program run
+    embedding_row_hits: int = 0  # of those, found on the device
+    embedding_row_misses: int = 0  # of those, read from the host table (RAM or disk)
+    embedding_row_evictions: int = 0  # resident rows dropped for a missed one
+    embedding_row_host_bytes: int = 0  # bytes read from the host table
+    embedding_rows_resident: int = 0  # rows on the device now
+    embedding_row_capacity: int = 0  # rows the device keeps at most

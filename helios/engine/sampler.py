@@ -4,6 +4,13 @@ mask -> penalties -> temperature -> top-k -> top-p -> min-p -> draw. Each stage 
 logits [B, V] f32 to new logits (dropped tokens become -inf) and skips its work when
 every row is neutral for it. Logprobs are not computed here: they describe the raw
 distribution, before any of these stages (see helios.engine.logprobs).
+
+Every stage runs on the logits' device. A few shortcuts read a value on the host to pick a
+cheaper path with the same distribution (a partial sort instead of a full one); on the CPU such
+a read costs nothing, on an accelerator it would stall the step, so there the sampler takes the
+full paths and no value leaves the device (Sampler.host_reads). A seeded top-k/top-p row then
+draws from the same distribution, not always the same token. The engine copies the sampled ids
+to the host once per step (helios.engine.step_output).
 """
 
 from __future__ import annotations
@@ -77,26 +84,33 @@ def _column(params: Sequence[SamplingParams], name: str, like: Tensor) -> Tensor
 
 
 def _token_counts(ids: Sequence[Tensor], batch: int, vocab: int, device: torch.device) -> Tensor:
-    """How often each token occurs in each row's ids, [B, V] f32, without a per-row loop."""
+    """How often each token occurs in each row's ids, [B, V] f32, without a per-row loop. The ids
+    (host tensors, from the sequences) go to the device in one copy."""
     counts = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
-    lengths = torch.tensor([len(t) for t in ids], device=device)
-    if int(lengths.sum()) == 0:
+    lengths = [len(t) for t in ids]  # shapes: known on the host, no read of the device
+    if sum(lengths) == 0:
         return counts
-    rows = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
-    flat = torch.cat([t.to(device=device, dtype=torch.int64) for t in ids])
+    rows = torch.repeat_interleave(torch.arange(batch), torch.tensor(lengths)).to(device)
+    flat = torch.cat([t.to(dtype=torch.int64) for t in ids]).to(device)
     return counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+
+
+def check_mask(allowed: Tensor) -> None:
+    """Raise MaskError where a constraint's mask ([B, V] bool) allows no token in a row, which
+    would otherwise turn into a NaN distribution. Masks are built on the host (llguidance), so
+    the sampler checks them there, before their one copy to the device."""
+    empty = ~allowed.any(dim=-1)
+    if bool(empty.any()):
+        raise MaskError(empty.nonzero().flatten().tolist())
 
 
 def apply_mask(logits: Tensor, allowed: Tensor | None) -> Tensor:
     """Drop tokens a constraint forbids. `allowed` is [B, V] bool (an unconstrained row
-    is all True) or None when no row is constrained. Raises MaskError for an empty row,
-    which would otherwise turn into a NaN distribution."""
+    is all True) or None when no row is constrained. Raises MaskError for an empty row."""
     if allowed is None:
         return logits
-    empty = ~allowed.any(dim=-1)
-    if bool(empty.any()):
-        raise MaskError(empty.nonzero().flatten().tolist())
-    return logits.masked_fill(~allowed, float("-inf"))
+    check_mask(allowed)
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def apply_penalties(
@@ -145,20 +159,23 @@ def apply_top_k(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_p(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+def apply_top_p(logits: Tensor, params: Sequence[SamplingParams], host_reads: bool = True) -> Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p; the top
     token always survives, so no row empties.
 
-    The nucleus is searched among the TOP_P_CANDIDATES most likely tokens (a partial
-    sort); only rows whose candidates hold less than top_p of the mass sort the whole row.
+    With host_reads, the nucleus is searched among the TOP_P_CANDIDATES most likely tokens (a
+    partial sort); only when some row's candidates hold less than top_p of the mass (a value
+    read on the host) is the whole row sorted. Without, every row is sorted whole on the device.
     """
     if all(p.top_p >= 1.0 for p in params):
         return logits
     probs = logits.softmax(dim=-1)
     top_p = _column(params, "top_p", logits)  # [B, 1]
-    k = min(TOP_P_CANDIDATES, logits.shape[-1])
-    values, order = probs.topk(k, dim=-1)  # descending
-    if bool((values.sum(dim=-1, keepdim=True) < top_p).any()):
+    if host_reads:
+        values, order = probs.topk(min(TOP_P_CANDIDATES, logits.shape[-1]), dim=-1)  # descending
+        if bool((values.sum(dim=-1, keepdim=True) < top_p).any()):
+            values, order = probs.sort(dim=-1, descending=True)
+    else:
         values, order = probs.sort(dim=-1, descending=True)
     # A token stays while the tokens ranked above it hold less than top_p of the mass.
     keep = (values.cumsum(dim=-1) - values) < top_p
@@ -230,6 +247,16 @@ def draw(logits: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
 class Sampler:
     """Runs the pipeline for one batch of rows, one SamplingParams and generator each."""
 
+    def __init__(self, host_reads: bool | None = None) -> None:
+        """host_reads: whether the shortcuts may read tensor values on the host (the module
+        docstring); None: exactly when the logits live on the CPU, where a read is no transfer.
+        Without them the step's sampling never waits for the device: the ids stay there until
+        the engine's one copy (step_output.to_host)."""
+        self.host_reads = host_reads
+
+    def reads_host(self, logits: Tensor) -> bool:
+        return logits.device.type == "cpu" if self.host_reads is None else self.host_reads
+
     def sample(
         self,
         logits: Tensor,  # [B, V] f32 raw next-token logits
@@ -237,15 +264,22 @@ class Sampler:
         generators: Sequence[torch.Generator],
         prompt_ids: Sequence[Tensor],  # B tensors of token ids
         output_ids: Sequence[Tensor],  # B tensors of token ids generated so far
-        allowed: Tensor | None = None,  # [B, V] bool, or None when no row is constrained
+        allowed: Tensor | None = None,  # [B, V] bool (built on the host), or None when no row is constrained
     ) -> Tensor:
-        """The next token of every row, [B] int64."""
-        logits = apply_mask(logits.float(), allowed)
+        """The next token of every row, [B] int64, on the logits' device."""
+        reads = self.reads_host(logits)
+        logits = logits.float()
+        if allowed is not None:
+            if reads or allowed.device.type == "cpu":  # a host mask is checked where it is: no transfer
+                check_mask(allowed)
+            # one copy of the step's mask to the device (a no-op where both are on the host)
+            allowed = allowed.to(logits.device, non_blocking=True)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         logits = apply_penalties(logits, prompt_ids, output_ids, params)
         logits = apply_logit_bias(logits, params)
         sampled = [row for row, p in enumerate(params) if p.top_k != 1]
         if len(sampled) == len(params):
-            return self._draw(logits, params, generators)
+            return self._draw(logits, params, generators, reads)
         # Greedy before temperature: division could round distinct logits into a tie.
         # argmax returns the first maximum, i.e. the lowest token id on ties.
         greedy_ids = logits.argmax(dim=-1)
@@ -256,23 +290,27 @@ class Sampler:
             # sampling row's draws depend only on its own generator and step count.
             picked = torch.tensor(sampled, device=logits.device)
             drawn = self._draw(
-                logits.index_select(0, picked), [params[r] for r in sampled], [generators[r] for r in sampled]
+                logits.index_select(0, picked), [params[r] for r in sampled], [generators[r] for r in sampled], reads
             )
             return greedy_ids.index_copy(0, picked, drawn)
-        return self._draw(logits, params, generators)
+        return self._draw(logits, params, generators, reads)
 
     @staticmethod
-    def _draw(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> Tensor:
+    def _draw(
+        logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator], reads: bool = True
+    ) -> Tensor:
         """temperature -> top-k -> top-p -> min-p -> draw, for rows that all sample.
 
-        Each row takes the smallest candidate set that provably holds its surviving tokens, on
-        its own: how a row draws never depends on which other rows share the batch."""
+        With host reads, each row takes the smallest candidate set that provably holds its
+        surviving tokens (a mass read on the host decides), on its own: how a row draws never
+        depends on which other rows share the batch. Without, every row takes the full path."""
         logits = apply_temperature(logits, params)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         vocab = logits.shape[-1]
-        # Rows with neither top-k nor top-p keep the whole vocabulary: no candidate set can hold them.
-        whole = [r for r, p in enumerate(params) if not (0 < p.top_k < vocab or p.top_p < 1.0)]
-        pending = [r for r, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        # Rows with neither top-k nor top-p keep the whole vocabulary: no candidate set can hold them
+        # (without host reads, every row takes the full path).
+        whole = [r for r, p in enumerate(params) if not (reads and (0 < p.top_k < vocab or p.top_p < 1.0))]
+        pending = [r for r, p in enumerate(params) if reads and (0 < p.top_k < vocab or p.top_p < 1.0)]
         full_lse = logsumexp(logits) if pending else None
         for size in CANDIDATE_SIZES if pending else ():
             k = min(size, vocab)
@@ -302,9 +340,9 @@ class Sampler:
         rest = [params[r] for r in pending]
         gens = [generators[r] for r in pending]
         if len(pending) == logits.shape[0]:  # every row (in order): no copy of the logits
-            return draw(apply_min_p(apply_top_p(apply_top_k(logits, rest), rest), rest), gens)
+            return draw(apply_min_p(apply_top_p(apply_top_k(logits, rest), rest, reads), rest), gens)
         picked = torch.tensor(pending, device=logits.device)
-        out[picked] = draw(apply_min_p(apply_top_p(apply_top_k(logits[picked], rest), rest), rest), gens)
+        out[picked] = draw(apply_min_p(apply_top_p(apply_top_k(logits[picked], rest), rest, reads), rest), gens)
         return out
 
 

@@ -22,3 +22,16 @@ class SamplingParams:
     frequency_penalty: float  # in [-2, 2]; 0 is neutral
     seed: int  # in [0, 2**63), already advanced by the choice index
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id < vocab, bias in [-100, 100]) added to raw logits
+
+
+# Exact greedy decoding with every penalty neutral: what a probe or a reproducible check runs with.
+GREEDY = SamplingParams(
+    temperature=1.0,
+    top_p=1.0,
+    top_k=1,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    seed=0,
+)

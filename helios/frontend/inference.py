@@ -57,6 +57,12 @@ class Message:
         """Text parts joined with blank lines (spec: text blocks are joined that way)."""
         return "\n\n".join(p.text for p in self.parts if isinstance(p, TextPart))
 
+    def reasoning(self) -> str | None:
+        """Reasoning parts joined the same way; None without any (an empty part still counts:
+        templates and encoders render an empty reasoning block for it)."""
+        texts = [p.text for p in self.parts if isinstance(p, ReasoningPart)]
+        return "\n\n".join(texts) if texts else None
+
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:

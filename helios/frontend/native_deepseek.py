@@ -20,7 +20,6 @@ from helios.frontend.inference import (
     ImagePart,
     Message,
     OutputConstraint,
-    ReasoningPart,
     RequestError,
     TextPart,
     ToolCallPart,
@@ -212,14 +211,11 @@ class NativeEncoder:
 
 def _message(message: Message) -> ds.Message:
     texts: list[str] = []
-    reasoning: list[str] = []
     calls: list[ds.ToolCall] = []
     call_id: str | None = None
     for part in message.parts:
         if isinstance(part, TextPart):
             texts.append(part.text)
-        elif isinstance(part, ReasoningPart):
-            reasoning.append(part.text)
         elif isinstance(part, ToolCallPart):
             calls.append(ds.ToolCall(part.call_id, part.name, _arguments(part)))
         elif isinstance(part, ToolResultPart):
@@ -233,7 +229,7 @@ def _message(message: Message) -> ds.Message:
     if message.role == "system":
         return ds.SystemMessage(content)
     if message.role == "assistant":
-        return ds.AssistantMessage(content, "\n\n".join(reasoning) if reasoning else None, calls or None)
+        return ds.AssistantMessage(content, message.reasoning(), calls or None)
     if message.role == "tool":
         return ds.ToolMessage(content, call_id)
     return ds.UserMessage(content)

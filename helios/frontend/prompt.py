@@ -21,7 +21,6 @@ from helios.frontend.inference import (
     Message,
     OutputConstraint,
     RawPrompt,
-    ReasoningPart,
     RequestError,
     TextPart,
     ToolCallPart,
@@ -286,14 +285,12 @@ def template_message(fe: Frontend, message: Message) -> dict[str, object]:
     """One message as HF chat templates read it: content (a string, or text and image items),
     tool_calls with parsed arguments, reasoning_content, tool_call_id."""
     out: dict[str, object] = {"role": message.role}
-    texts, calls, reasoning = [], [], []
+    texts, calls = [], []
     items: list[dict[str, str]] = []
     vision = fe.vision is not None
     for part in message.parts:
         if isinstance(part, TextPart):
             texts.append(part.text)
-        elif isinstance(part, ReasoningPart):
-            reasoning.append(part.text)
         elif isinstance(part, ToolCallPart):
             try:
                 arguments = json.loads(part.arguments) if part.arguments else {}
@@ -325,8 +322,9 @@ def template_message(fe: Frontend, message: Message) -> dict[str, object]:
     out["content"] = items if any(i["type"] == "image" for i in items) else "\n\n".join(texts)
     if calls:
         out["tool_calls"] = calls
-    if reasoning:
-        out["reasoning_content"] = "\n\n".join(reasoning)
+    reasoning = message.reasoning()
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
     if message.name:
         out["name"] = message.name
     return out

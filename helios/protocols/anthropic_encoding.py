@@ -50,15 +50,14 @@ class MessagesEncoder:
 class MessagesBuffer(BufferedEvents):
     """The buffered message."""
 
+    error_body = staticmethod(anthropic_error)
+
     def __init__(self, run: Submission, model: str) -> None:
         super().__init__()
         self.run, self.model = run, model
 
     def finish(self) -> list[bytes]:
         return [json_body(message_json(self.run.request_id, self.model, self._blocks, self.run.usage()))]
-
-    def error(self, status: int, message: str) -> list[bytes]:
-        return [json_body(anthropic_error(status, message))]
 
 
 def encoder(run: Submission, model: str) -> MessagesEncoder | MessagesBuffer:

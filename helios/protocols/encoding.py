@@ -8,7 +8,8 @@ until `finish` (or `error`), which returns the whole JSON body.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
@@ -57,17 +58,27 @@ def data_frame(body: Any) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
-class BufferedEvents:
-    """The shared half of a buffered encoder: no frames until `finish`, events accumulated."""
+class Buffered:
+    """The shared half of a buffered encoder: no frames until `finish`; a failure is the whole
+    error body, in the protocol's shape (`error_body = staticmethod(openai_error)` or anthropic_error)."""
 
-    def __init__(self) -> None:
-        self._blocks = Accumulator()
+    error_body: ClassVar[Callable[[int, str], dict[str, Any]]]
 
     def start(self) -> list[bytes]:
         return []
 
     def keepalive(self) -> list[bytes]:
         return []
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [json_body(self.error_body(status, message))]
+
+
+class BufferedEvents(Buffered):
+    """A buffered encoder that renders the accumulated events (Messages, Responses)."""
+
+    def __init__(self) -> None:
+        self._blocks = Accumulator()
 
     def push(self, update: ChoiceUpdate) -> list[bytes]:
         for event in update.events:

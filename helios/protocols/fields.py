@@ -5,11 +5,19 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from helios.core.sampling import DISTRIBUTION_PARAMS
-from helios.frontend.inference import ImagePart, LogprobOptions, RequestError, SamplingOptions, StopOptions
+from helios.frontend.inference import (
+    ImagePart,
+    LogprobOptions,
+    RequestError,
+    SamplingOptions,
+    StopOptions,
+    ToolChoice,
+    ToolSpec,
+)
 
 _MISSING = object()
 T = TypeVar("T")
@@ -91,6 +99,18 @@ def tools(body: Mapping[str, Any]) -> list[Any]:
     if value is not None and not isinstance(value, list):
         raise RequestError("tools must be an array", "tools")
     return value or []
+
+
+def tool_choice(value: Any, specs: Sequence[ToolSpec], parallel: bool, named: Callable[[Any], str]) -> ToolChoice:
+    """An OpenAI-shaped tool_choice (Chat, Responses): absent or "auto", "none", "required" (which
+    needs a declared tool), else an object naming one tool; `named` reads that object's name in
+    the route's spelling and raises RequestError when it does not name a declared tool."""
+    if value is None or value in ("auto", "none", "required"):
+        mode = value or "auto"
+        if mode == "required" and not specs:
+            raise RequestError("tool_choice required needs at least one declared tool", "tool_choice")
+        return ToolChoice(mode, None, parallel)
+    return ToolChoice("named", named(value), parallel)
 
 
 def stop_options(body: Mapping[str, Any], strings: tuple[str, ...] | None = None) -> StopOptions:

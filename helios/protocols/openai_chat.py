@@ -106,15 +106,11 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
             raise RequestError("strict function schemas are not supported", "tools")
         specs.append(ToolSpec(fn["name"], fn.get("description"), fn.get("parameters") or {"type": "object"}))
     parallel = f.optional_bool(body, "parallel_tool_calls", default=True)
-    choice = body.get("tool_choice")
-    if choice is None or choice == "auto":
-        return tuple(specs), ToolChoice("auto", None, parallel)
-    if choice == "none":
-        return tuple(specs), ToolChoice("none", None, parallel)
-    if choice == "required":
-        if not specs:
-            raise RequestError("tool_choice required needs at least one declared tool", "tool_choice")
-        return tuple(specs), ToolChoice("required", None, parallel)
+    return tuple(specs), f.tool_choice(body.get("tool_choice"), specs, parallel, lambda c: _named_tool(c, specs))
+
+
+def _named_tool(choice: Any, specs: list[ToolSpec]) -> str:
+    """{type: function, function: {name}}: the declared function tool it names."""
     name = (
         (choice.get("function") or {}).get("name")
         if isinstance(choice, dict) and choice.get("type") == "function"
@@ -126,7 +122,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], ToolChoice]:
         )
     if name not in {s.name for s in specs}:
         raise RequestError(f"tool_choice names {name!r}, which is not a declared function tool", "tool_choice")
-    return tuple(specs), ToolChoice("named", name, parallel)
+    return name
 
 
 def _reasoning_effort(value: Any) -> str | int | None:

@@ -14,16 +14,16 @@ from typing import Any
 from helios.frontend.events import Accumulator, ReasoningEvent, TextEvent, ToolCallEvent
 from helios.frontend.generate import ChoiceUpdate, Submission, Usage
 from helios.frontend.inference import Termination
-from helios.protocols.encoding import KEEPALIVE_COMMENT, data_frame, json_body
+from helios.protocols.encoding import Buffered, data_frame, json_body
 from helios.protocols.errors import openai_error
 from helios.protocols.openai_chat import ChatOptions
 from helios.protocols.openai_common import (
+    ChunkStream,
     chat_logprob_entry,
     finish_reason,
     now,
     prompt_logprobs_wire,
     stream_chunk,
-    stream_end,
     usage_object,
 )
 
@@ -131,23 +131,21 @@ def chunk(
     return stream_chunk("chat.completion.chunk", request_id, model, created, [choice], usage)
 
 
-class ChatStream:
+class ChatStream(ChunkStream):
     """The chunk stream; with continuous usage every chunk carries the cumulative counts."""
 
+    kind = "chat.completion.chunk"
+    reasoning = True
+    options: ChatOptions
+
     def __init__(self, run: Submission, model: str, options: ChatOptions) -> None:
-        self.run, self.model, self.options = run, model, options
+        super().__init__(run, model, options)
         self._started: set[int] = set()
         self._tool_calls: dict[int, int] = {}  # tool calls streamed so far, per choice
 
-    def start(self) -> list[bytes]:
-        return []
-
-    def keepalive(self) -> list[bytes]:
-        return [KEEPALIVE_COMMENT]
-
     def push(self, update: ChoiceUpdate) -> list[bytes]:
         options = self.options
-        usage = usage_object(self.run.usage(), reasoning=True) if options.continuous_usage else None
+        usage = self.usage() if options.continuous_usage else None
         out = []
         if update.index not in self._started:  # the role delta only once the first token exists
             self._started.add(update.index)
@@ -157,7 +155,7 @@ class ChatStream:
         # Token observations without a usage chunk put the usage on the terminal chunk (spec).
         terminal = usage
         if finish is not None and usage is None and options.observes_tokens and not options.include_usage:
-            terminal = usage_object(self.run.usage(), reasoning=True)
+            terminal = self.usage()
         entries = [chat_logprob_entry(e) for e in update.delta.entries] if options.logprobs else None
         ids = list(update.delta.token_ids)
         observations = _observations(options, ids, [update.observed] * len(ids))
@@ -198,25 +196,15 @@ class ChatStream:
     def _chunk(self, index: int, delta: dict[str, Any], **fields: Any) -> bytes:
         return data_frame(chunk(self.run.request_id, self.model, self.run.created, index, delta, **fields))
 
-    def finish(self) -> list[bytes]:
-        return stream_end("chat.completion.chunk", self.run, self.model, self.options.include_usage, reasoning=True)
 
-    def error(self, status: int, message: str) -> list[bytes]:
-        return [data_frame(openai_error(status, message))]  # no [DONE] after a failure
-
-
-class ChatBuffer:
+class ChatBuffer(Buffered):
     """The buffered chat.completion, from the same updates."""
+
+    error_body = staticmethod(openai_error)
 
     def __init__(self, run: Submission, model: str, options: ChatOptions, token_text: Callable[[int], str]) -> None:
         self.run, self.model, self.options, self.token_text = run, model, options, token_text
         self._choices: dict[int, ChoiceState] = {}
-
-    def start(self) -> list[bytes]:
-        return []
-
-    def keepalive(self) -> list[bytes]:
-        return []
 
     def push(self, update: ChoiceUpdate) -> list[bytes]:
         self._choices.setdefault(update.index, ChoiceState()).apply(update, self.options)
@@ -238,9 +226,6 @@ class ChatBuffer:
                 )
             )
         ]
-
-    def error(self, status: int, message: str) -> list[bytes]:
-        return [json_body(openai_error(status, message))]
 
 
 def encoder(

@@ -1,15 +1,16 @@
-"""Pieces shared by the OpenAI-shaped protocols: finish reasons, usage, chat-style logprobs."""
+"""Pieces shared by the OpenAI-shaped protocols: finish reasons, usage, chat-style logprobs, the chunk stream."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from helios.frontend.generate import Submission, Usage
 from helios.frontend.inference import Termination
 from helios.frontend.output import TokenEntry
-from helios.protocols.encoding import data_frame
+from helios.protocols.encoding import KEEPALIVE_COMMENT, data_frame
+from helios.protocols.errors import openai_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +108,31 @@ def stream_chunk(
 DONE = b"data: [DONE]\n\n"
 
 
-def stream_end(kind: str, run: Submission, model: str, include_usage: bool, *, reasoning: bool) -> list[bytes]:
-    """The close of an OpenAI chunk stream: the usage chunk when asked for, then [DONE]."""
-    usage = [
-        data_frame(
-            stream_chunk(kind, run.request_id, model, run.created, [], usage_object(run.usage(), reasoning=reasoning))
-        )
-    ]
-    return (usage if include_usage else []) + [DONE]
+class ChunkStream:
+    """The shared half of the OpenAI chunk streams (Chat, Completions): keepalive comments, the
+    usage they report, the close (the usage chunk when asked for, then [DONE]) and errors."""
+
+    kind: ClassVar[str]  # the chunks' "object": "chat.completion.chunk" or "text_completion"
+    reasoning: ClassVar[bool]  # usage reports completion_tokens_details.reasoning_tokens
+
+    def __init__(self, run: Submission, model: str, options: OpenAIOptions) -> None:
+        self.run, self.model, self.options = run, model, options
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def keepalive(self) -> list[bytes]:
+        return [KEEPALIVE_COMMENT]
+
+    def usage(self) -> dict[str, Any]:
+        """The run's usage so far, in this route's shape."""
+        return usage_object(self.run.usage(), reasoning=self.reasoning)
+
+    def finish(self) -> list[bytes]:
+        if not self.options.include_usage:
+            return [DONE]
+        run = self.run
+        return [data_frame(stream_chunk(self.kind, run.request_id, self.model, run.created, [], self.usage())), DONE]
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [data_frame(openai_error(status, message))]  # no [DONE] after a failure

@@ -15,14 +15,14 @@ from typing import Any
 from helios.frontend.generate import ChoiceUpdate, Generation, Submission, Usage
 from helios.frontend.inference import Termination
 from helios.frontend.output import TokenEntry, text_offsets
-from helios.protocols.encoding import KEEPALIVE_COMMENT, data_frame, json_body
+from helios.protocols.encoding import Buffered, data_frame, json_body
 from helios.protocols.errors import openai_error
 from helios.protocols.openai_common import (
+    ChunkStream,
     finish_reason,
     now,
     prompt_logprobs_wire,
     stream_chunk,
-    stream_end,
     usage_object,
 )
 from helios.protocols.openai_completions import CompletionOptions
@@ -180,21 +180,19 @@ def _windows(chunk_ends: tuple[int, ...], count: int, fallback: int) -> list[tup
     return [(a, b) for a, b in zip([0] + ends[:-1], ends) if b > a]
 
 
-class CompletionStream:
+class CompletionStream(ChunkStream):
     """Completion chunks; streams may interleave choice indices."""
+
+    kind = "text_completion"
+    reasoning = False
+    options: CompletionOptions
 
     def __init__(
         self, run: Submission, model: str, options: CompletionOptions, token_text: TokenText, prompt_chunk: int
     ) -> None:
-        self.run, self.model, self.options = run, model, options
+        super().__init__(run, model, options)
         self.prompt_chunk = max(prompt_chunk, 1)  # prompt positions per echoed logprob frame
         self._choices = _Choices(run, options, token_text)
-
-    def start(self) -> list[bytes]:
-        return []
-
-    def keepalive(self) -> list[bytes]:
-        return [KEEPALIVE_COMMENT]
 
     def push(self, update: ChoiceUpdate) -> list[bytes]:
         choice, opened = self._choices.open(update.index)
@@ -214,20 +212,16 @@ class CompletionStream:
         return out
 
     def _frame(self, index: int, text: str, arrays: Arrays | None, finish: Termination | None) -> bytes:
-        usage = usage_object(self.run.usage(), reasoning=False) if self.options.continuous_usage else None
+        usage = self.usage() if self.options.continuous_usage else None
         return data_frame(
             chunk(self.run.request_id, self.model, self.run.created, choice_json(index, text, arrays, finish), usage)
         )
 
-    def finish(self) -> list[bytes]:
-        return stream_end("text_completion", self.run, self.model, self.options.include_usage, reasoning=False)
 
-    def error(self, status: int, message: str) -> list[bytes]:
-        return [data_frame(openai_error(status, message))]
-
-
-class CompletionBuffer:
+class CompletionBuffer(Buffered):
     """The buffered text_completion: choices in index order, with per-prompt prompt_logprobs."""
+
+    error_body = staticmethod(openai_error)
 
     def __init__(
         self, run: Submission, model: str, options: CompletionOptions, token_text: TokenText, decoded_text: TokenText
@@ -235,12 +229,6 @@ class CompletionBuffer:
         self.run, self.model, self.options = run, model, options
         self.decoded_text = decoded_text  # prompt_logprobs' decoded_token stays text under token-id strings
         self._choices = _Choices(run, options, token_text)
-
-    def start(self) -> list[bytes]:
-        return []
-
-    def keepalive(self) -> list[bytes]:
-        return []
 
     def push(self, update: ChoiceUpdate) -> list[bytes]:
         choice, _ = self._choices.open(update.index)
@@ -256,9 +244,6 @@ class CompletionBuffer:
             )
             choices.append(choice_json(index, choice.text, choice.arrays, choice.finish, prompt_logprobs))
         return [json_body(response(self.run.request_id, self.model, choices, self.run.usage()))]
-
-    def error(self, status: int, message: str) -> list[bytes]:
-        return [json_body(openai_error(status, message))]
 
 
 def encoder(

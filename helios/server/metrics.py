@@ -91,9 +91,9 @@ FIELDS = _specs(
     completed                | flare_requests_completed_total                | server.completed    | Requests whose generation completed
     reasoning_budget_cuts    | flare_reasoning_budget_cuts_total             |                     | Requests whose reasoning was closed by the hard token budget
     failed                   | flare_requests_failed_total                   | server.failed       | Requests failed by admission, execution or output
-    replay_gpu_ns            | flare_replay_gpu_nanoseconds_total            | replay_ns           | Nanoseconds of completed steps (program runs and sampling; CPU wall time, CUDA device-synchronised)
-    replay_readiness_wait_ns | flare_replay_readiness_wait_nanoseconds_total | readiness_wait_ns   | Nanoseconds steps waited for host-store data (restore copies, disk prefetch)
-    replay_readiness_samples | flare_replay_readiness_samples_total          | readiness_samples   | Completed steps that carried host-store restores
+    replay_gpu_ns            | flare_replay_gpu_nanoseconds_total            | replay_ns           | Nanoseconds of completed steps (CPU: wall time of program runs and sampling; CUDA: events around the programs, rank 0)
+    replay_readiness_wait_ns | flare_replay_readiness_wait_nanoseconds_total | readiness_wait_ns   | Nanoseconds steps waited for host data: host-store restores and disk prefetch, and embedding rows from RAM or disk
+    replay_readiness_samples | flare_replay_readiness_samples_total          | readiness_samples   | Completed steps that carried host-store restores or read embedding rows from the host
     reused_tokens            | flare_cache_reused_tokens_total               |                     | Tokens covered by GPU prefix-cache hits
     cached_pages             | flare_cached_kv_pages                         |                     | KV pages holding an immutable cached prefix, in use or not
     free_pages               | flare_free_kv_pages                           |                     | KV pages holding nothing and used by no request
@@ -140,6 +140,13 @@ EXTRAS = _specs(
     host_cache_copyout_waits_total              | host.copyout_waits             |       | Times the engine thread waited for the copy-out thread because the pool needed pinned pages
     host_cache_copyout_wait_nanoseconds_total   | host.copyout_wait_ns           |       | Engine-thread nanoseconds spent in those waits
     host_cache_copyout_worker_nanoseconds_total | host.copyout_worker_ns         |       | Copy-out thread nanoseconds spent copying pinned pages and snapshots into host records
+    embedding_row_cache_lookups_total           | embedding_row_lookups          |       | Distinct host embedding table rows step programs asked the device row cache for (0 without host tables)
+    embedding_row_cache_hits_total              | embedding_row_hits             |       | Embedding row-cache lookups found on the device
+    embedding_row_cache_misses_total            | embedding_row_misses           |       | Embedding row-cache lookups read from the host table (RAM or disk) and copied in
+    embedding_row_cache_evictions_total         | embedding_row_evictions        |       | Resident embedding rows dropped, least recently used first, for missed ones
+    embedding_row_cache_host_bytes_total        | embedding_row_host_bytes       |       | Bytes of embedding rows read from the host table
+    embedding_row_cache_rows                    | embedding_rows_resident        | gauge | Embedding rows resident in the device row cache
+    embedding_row_cache_capacity_rows           | embedding_row_capacity         | gauge | Embedding rows the device row cache holds at most
     """
 ) + (Spec("learned_drafter_name", "", source=None, name=None),)  # JSON only: "mtp", a draft core's model id, or null
 # Labelled counters: one Prometheus line per label value (every value api.md names, zero until counted).

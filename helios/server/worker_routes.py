@@ -20,7 +20,7 @@ from typing import Any
 from litestar import Request, Response, get, post
 
 import helios
-from helios.engine import EngineRequest, EngineUnavailable, FlushRefused, QueueFull, SamplingParams
+from helios.engine import GREEDY, EngineRequest, EngineUnavailable, FlushRefused, QueueFull
 from helios.server.errors import openai_error
 from helios.server.responses import json_response
 from helios.server.route_io import refusal, state_of
@@ -28,17 +28,6 @@ from helios.server.state import ServerState
 
 HEALTH_GENERATE_SECONDS = 30.0  # a probe token not back by then: the engine is wedged (503)
 FLUSH_SECONDS = 60.0  # the engine thread runs the flush between steps; a step never takes this long
-# The probe: one greedy token after token 0 (every vocabulary has it), outside the prefix cache.
-PROBE_PARAMS = SamplingParams(
-    temperature=1.0,
-    top_p=1.0,
-    top_k=1,
-    min_p=0.0,
-    repetition_penalty=1.0,
-    presence_penalty=0.0,
-    frequency_penalty=0.0,
-    seed=0,
-)
 
 
 def model_info(state: ServerState) -> dict[str, Any]:
@@ -98,7 +87,8 @@ def load(state: ServerState) -> dict[str, int]:
 
 async def probe(state: ServerState) -> str | None:
     """One generated token through the engine: None when it came back, else why not."""
-    request = EngineRequest(f"health-{uuid.uuid4().hex}", (0,), (PROBE_PARAMS,), 1, use_prefix_cache=False)
+    # The probe: one greedy token after token 0 (every vocabulary has it), outside the prefix cache.
+    request = EngineRequest(f"health-{uuid.uuid4().hex}", (0,), (GREEDY,), 1, use_prefix_cache=False)
     try:
         events = state.client.submit(request)
     except (EngineUnavailable, QueueFull) as exc:

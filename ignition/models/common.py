@@ -61,35 +61,22 @@ DENSE_FUSED = {
 }
 
 
-class DecoderConfig(Protocol):
-    """What the shared program and reference read from a family's frozen config."""
+class CacheConfig(Protocol):
+    """What the default kv_shape reads from a family's frozen config (DecoderFields and most others)."""
 
     @property
-    def vocab_size(self) -> int: ...
-    @property
     def num_layers(self) -> int: ...
-    @property
-    def num_heads(self) -> int: ...
     @property
     def num_kv_heads(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
-    @property
-    def rms_norm_eps(self) -> float: ...
-    @property
-    def rope_theta(self) -> float: ...
-    @property
-    def tie_word_embeddings(self) -> bool: ...
-    @property
-    def kv_dim(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
-class DecoderFields:
-    """The config fields of a GQA decoder that families read the same way (`decoder_fields`); a
-    family's config adds its MLP sizes and whatever else it has."""
+class AttentionStack:
+    """The shape of a stack of RMS-normed GQA attention layers with rotary positions: a decoder's
+    (DecoderFields) and Gemma 4's vision tower's."""
 
-    vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -97,6 +84,14 @@ class DecoderFields:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderFields(AttentionStack):
+    """The config fields of a GQA decoder that families read the same way (`decoder_fields`); a
+    family's config adds its MLP sizes and whatever else it has."""
+
+    vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool
 
@@ -129,12 +124,12 @@ def decoder_fields(hf: dict[str, Any], family: str, default_positions: int) -> d
     }
 
 
-def kv_shape(config: DecoderConfig) -> tuple[int, int, int]:
+def kv_shape(config: CacheConfig) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of the paged cache."""
     return config.num_layers, config.num_kv_heads, config.head_dim
 
 
-def decode_weight_bytes(config: DecoderConfig, weights: dict[str, Tensor]) -> int:
+def decode_weight_bytes(config: Any, weights: dict[str, Tensor]) -> int:
     """Weights read per decode token: everything but the embedding table (one row is read),
     except when tied, where the table is the output projection and is read whole."""
     total = sum(t.numel() * t.element_size() for t in weights.values())
@@ -169,7 +164,8 @@ def arange_like(like: Tensor, end: int, step: int = 1, dtype: torch.dtype = torc
     torch.export writes a factory's device (arange(..., device=x.device)) into the program as the
     export device, so the program would need that device at run time; new_ones takes its device from
     `like` when it runs. The values are exact (fp32: whole numbers below 2**24, as arange's .float())."""
-    return (like.new_ones(-(-end // step), dtype=dtype).cumsum(0) - 1) * step
+    values = like.new_ones(-(-end // step), dtype=dtype).cumsum(0) - 1
+    return values * step if step != 1 else values
 
 
 def rope(
@@ -305,7 +301,7 @@ def reference_swiglu(w: dict[str, Tensor], prefix: str, h: Tensor) -> Tensor:
 
 
 def reference_logits(
-    config: DecoderConfig, hf_weights: dict[str, Tensor], token_ids: list[int], mlp: ReferenceMlp, qk_norm: bool = False
+    config: DecoderFields, hf_weights: dict[str, Tensor], token_ids: list[int], mlp: ReferenceMlp, qk_norm: bool = False
 ) -> Tensor:
     """Dense, unpaged forward over Hugging Face-named weights: logits [T, V] in fp32.
 

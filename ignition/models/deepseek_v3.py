@@ -68,6 +68,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
+Rotary = tuple[Tensor, Tensor]  # cos, sin [T, 1, rope / 2] fp32 (StepProgram.rotary)
+# (layer, h [T, hidden] in the core dtype) -> that layer's attention output [T, hidden] fp32.
+Attend = Callable[[int, Tensor], Tensor]
+
+
 class StepProgram(StepModule):
     """The step over kv_cache = [latent_0, latent_1, ...], each [pages, page_tokens, 1, latent_dim]."""
 
@@ -148,7 +153,7 @@ class StepProgram(StepModule):
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
         c = self.config
         if c.is_moe(layer):
-            return moe.sparse_moe(c.router, weights, layer, h, shared=c.n_shared_experts > 0)
+            return moe.sparse_moe(c.moe_block, weights, layer, h)
         return swiglu(weights, f"layers.{layer}.", h).float()
 
     def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
@@ -181,12 +186,19 @@ class StepProgram(StepModule):
     ) -> Tensor:
         """The residual stream x [T, hidden] fp32 through every layer (pre-norm attention, then MLP)."""
         c, wdt = self.config, weights["embed"].dtype
+        attend = self.attender(weights, kv_cache, (cos, sin), paged)
         for i in range(c.num_layers):
             h = rms_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps).to(wdt)
-            x = x + self.attention(weights, i, h, cos, sin, kv_cache[i], paged)
+            x = x + attend(i, h)
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
             x = x + self.mlp(weights, i, h).float()
         return x
+
+    def attender(self, weights: dict[str, Tensor], kv_cache: list[Tensor], rotary: Rotary, paged: Paged) -> Attend:
+        """One step's per-layer attention for `decoder`: absorbed MLA over each layer's latent cache.
+        A family whose layers hand state down (GLM's indexer selection) keeps it in the function."""
+        cos, sin = rotary
+        return lambda i, h: self.attention(weights, i, h, cos, sin, kv_cache[i], paged)
 
 
 class MtpProgram(mtp.DraftForward, StepProgram):
@@ -313,7 +325,7 @@ def _reference_layer(
     x = x + reference_mla(c, w, p + "self_attn.", h, rotate, mask)
     h = reference_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
     if c.is_moe(layer):
-        return x + moe.reference_moe(c.router, w, p + "mlp.", h, shared=c.n_shared_experts > 0)
+        return x + moe.reference_moe(c.moe_block, w, p + "mlp.", h)
     return x + reference_swiglu(w, p + "mlp.", h)
 
 
@@ -355,10 +367,7 @@ def reference_forward(
     return _reference_head(c, w, x), x
 
 
-def reference_logits(
-    config: DeepseekV3Config, hf_weights: dict[str, Tensor], token_ids: list[int], images: PromptImages | None = None
-) -> Tensor:
-    return reference_forward(config, hf_weights, token_ids, images)[0]
+reference_logits = mtp.logits_of(reference_forward)
 
 
 def reference_mtp(

@@ -169,6 +169,11 @@ class DeepseekV3Config:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def moe_block(self) -> moe.MoeBlock:
+        """The MoE layers: SwiGLU experts, with the shared expert where the checkpoint has one."""
+        return moe.MoeBlock(self.router, shared=self.n_shared_experts > 0)
+
+    @property
     def latent_dim(self) -> int:
         """One cache row: normed c_kv [kv_lora_rank] then rotated k_pe [qk_rope_head_dim]."""
         return self.kv_lora_rank + self.qk_rope_head_dim

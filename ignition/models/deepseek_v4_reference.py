@@ -130,7 +130,7 @@ def reference_logits(config: DeepseekV4Config, hf_weights: dict[str, Tensor], to
         post, comb, collapsed = _hyper(c, w, p + "ffn_hc.", streams)
         h = _norm(collapsed, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
         chosen = w[p + "mlp.gate.tid2eid"][ids].long() if c.hash_layers[i] else None  # hash layers: by token id
-        out = moe.reference_moe(c.router, w, p + "mlp.", h, c.activation, shared=True, ids=chosen)
+        out = moe.reference_moe(moe.MoeBlock(c.router, c.activation, shared=True), w, p + "mlp.", h, ids=chosen)
         streams = _mix(post, comb, out, streams)
     flat = _norm(streams.flatten(1), None, c.rms_norm_eps) @ w["model.hc_head.hc_fn"].T
     pre = torch.sigmoid(flat * w["model.hc_head.hc_scale"] + w["model.hc_head.hc_base"]) + c.hc_eps

@@ -149,6 +149,7 @@ OPTIONAL = {
     "duplicates": "duplicates",
     "extra_step_outputs": "extra_step_outputs",
     "extra_programs": "extra_programs",
+    "host_embeddings": "host_embeddings",
 }
 
 
@@ -197,6 +198,9 @@ class Family:
     # (config, num_top, weights) -> program kinds beyond step/scored_prefill (ignition.models.mtp.ExtraProgram).
     extra_programs: Callable[[Config, int, dict[str, Tensor]], tuple[Any, ...]] | None = None
     vision: Vision | None = None  # the vision hooks; reference.features is set exactly when this is
+    # config -> (internal weight name, image-row id or None) of each table export --host-embeddings keeps
+    # out of the programs (their step takes the gathered rows: StepModule.host_input); () for this config.
+    host_embeddings: Callable[[Config], tuple[tuple[str, int | None], ...]] | None = None
 
     @classmethod
     def of(cls, *modules: ModuleType, **fields: Any) -> Family:

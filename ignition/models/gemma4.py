@@ -70,6 +70,14 @@ def _cos_sin(positions: Tensor, head_dim: int, rope: tuple[float, int, float]) -
 GELU_TANH = moe.ExpertActivation("gelu_tanh")
 
 
+def host_embeddings(config: Gemma4Config) -> tuple[tuple[str, int | None], ...]:
+    """export --host-embeddings: the per-layer input table (several GB in Gemma 4 E2B/E4B, which keep it
+    off the accelerator) becomes host rows; image rows take the vision pad id's row, as the step does."""
+    if not config.ple_dim:
+        return ()
+    return (("embed_per_layer", config.vision.pad_token_id if config.vision is not None else None),)
+
+
 class StepProgram(DecoderProgram):
     """Gemma 4's step over the flare:: paged-KV ops."""
 
@@ -100,7 +108,9 @@ class StepProgram(DecoderProgram):
             ple_ids = torch.where(is_image, c.vision.pad_token_id, s.token_ids)
         ple = None
         if c.ple_dim:
-            tok = F.embedding(ple_ids, weights["embed_per_layer"]) * embed_scale(c.ple_dim, wdt)
+            # --host-embeddings: the runner gathered the table's rows (image rows: the pad id's) into host_rows.
+            rows_of_ids = s.host_rows if s.host_rows is not None else F.embedding(ple_ids, weights["embed_per_layer"])
+            tok = rows_of_ids * embed_scale(c.ple_dim, wdt)
             proj = F.linear(x.to(wdt), weights["per_layer_proj"]).float() * c.hidden_size**-0.5
             proj = norm4(proj.reshape(-1, c.num_layers, c.ple_dim), weights["per_layer_proj_norm"], eps)
             ple = (proj + tok.float().reshape(-1, c.num_layers, c.ple_dim)) * 2.0**-0.5

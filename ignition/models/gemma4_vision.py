@@ -27,7 +27,7 @@ from torch import Tensor
 
 from helios.core import manifest as mf
 from ignition.models import vision_common as vc
-from ignition.models.common import rotate_half
+from ignition.models.common import AttentionStack, rotate_half
 from ignition.models.hf_config import Fields, Key
 from ignition.models.patch_grid import raster_order
 
@@ -62,15 +62,8 @@ SOFT_TOKEN_CHOICES = (70, 140, 280, 560, 1120)  # the reference processor's max_
 
 
 @dataclass(frozen=True, slots=True)
-class VisionConfig:
-    hidden_size: int
+class VisionConfig(AttentionStack):
     intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
     patch_size: int
     pooling_kernel_size: int
     position_embedding_size: int

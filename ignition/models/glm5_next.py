@@ -198,7 +198,7 @@ class StepProgram(StatefulStepModule, mla.StepProgram):
     def mlp(self, weights: dict[str, Tensor], i: int, h: Tensor) -> Tensor:
         c = self.config
         if c.is_moe(i):
-            return moe.sparse_moe(c.router, weights, i, h, c.activation, shared=c.n_shared_experts > 0)
+            return moe.sparse_moe(c.moe_block, weights, i, h)
         return moe.shared_mlp(h, weights[f"layers.{i}.w_gate_up"], weights[f"layers.{i}.w_down"], c.activation)
 
 

@@ -159,6 +159,11 @@ class Glm5NextConfig:
         return self.qk_nope_head_dim
 
     @property
+    def moe_block(self) -> moe.MoeBlock:
+        """The MoE layers: clamped SwiGLU experts, with the shared expert where the checkpoint has one."""
+        return moe.MoeBlock(self.router, self.activation, shared=self.n_shared_experts > 0)
+
+    @property
     def softmax_scale(self) -> float:
         return self.qk_head_dim**-0.5
 

@@ -138,7 +138,7 @@ def reference_logits(
         post, comb, collapsed = _hyper(c, {f"{p}ffn_hc.{k}": v for k, v in hc.items()}, p + "ffn_hc.", streams)
         h = _norm(collapsed, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
         if c.is_moe(i):
-            out = moe.reference_moe(c.router, w, p + "mlp.", h, c.activation, shared=c.n_shared_experts > 0)
+            out = moe.reference_moe(c.moe_block, w, p + "mlp.", h)
         else:
             out = _dense(c, w, p + "mlp.", h)
         streams = _mix(post, comb, out, streams)

@@ -30,7 +30,8 @@ from torch import Tensor
 from ignition.models import deepseek_v3 as mla
 from ignition.models import deepseek_v3_config as mla_config
 from ignition.models import moe
-from ignition.models.common import reference_swiglu, rms_norm
+from ignition.models.common import reference_swiglu
+from ignition.models.deepseek_v3 import Attend, Rotary
 from ignition.models.family import Family, Reference, TinyCheckpoint
 from ignition.models.hf_config import REQUIRED, Fields, Key, grouped_sigmoid_router
 from ignition.models.step import Paged
@@ -194,20 +195,15 @@ class StepProgram(mla.StepProgram):
 
     config: GlmMoeDsaConfig
 
-    def decoder(
-        self,
-        weights: dict[str, Tensor],
-        kv_cache: list[Tensor],
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        paged: Paged,
-    ) -> Tensor:
-        c, wdt = self.config, weights["embed"].dtype
+    def attender(self, weights: dict[str, Tensor], kv_cache: list[Tensor], rotary: Rotary, paged: Paged) -> Attend:
+        """Sparse MLA: each layer attends the keys its last full indexer layer selected (layer 0 is one)."""
+        c = self.config
+        cos, sin = rotary
         index_caches = dict(zip(c.indexer_layers, kv_cache[c.num_layers :], strict=True))
         selected: Tensor | None = None  # [T, index_topk] key positions of the last full indexer layer
-        for i in range(c.num_layers):
-            h = rms_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps).to(wdt)
+
+        def attend(i: int, h: Tensor) -> Tensor:
+            nonlocal selected
             q_resid = self.q_resid(weights, i, h)
             assert q_resid is not None  # config_from_hf requires the q LoRA
             cache = kv_cache[i]
@@ -220,10 +216,9 @@ class StepProgram(mla.StepProgram):
             attn = torch.ops.flare.sparse_paged_attention(
                 query, cache, cache, block_tables, seq_lens, query_start_loc, positions, selected, c.softmax_scale
             )
-            x = x + self.latent_output(weights, i, attn, wdt)
-            h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
-            x = x + self.mlp(weights, i, h).float()
-        return x
+            return self.latent_output(weights, i, attn, h.dtype)
+
+        return attend
 
     def indexer(
         self,
@@ -311,7 +306,7 @@ def reference_logits(config: GlmMoeDsaConfig, hf_weights: dict[str, Tensor], tok
         x = x + mla.reference_mla(c, w, a, h, rotate, mask)
         h = mla.reference_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
         if c.is_moe(i):
-            x = x + moe.reference_moe(c.router, w, p + "mlp.", h, shared=c.n_shared_experts > 0)
+            x = x + moe.reference_moe(c.moe_block, w, p + "mlp.", h)
         else:
             x = x + reference_swiglu(w, p + "mlp.", h)
     x = mla.reference_norm(x, w["model.norm.weight"], c.rms_norm_eps)

@@ -127,7 +127,11 @@ class StepProgram(StepModule):
             h = rms_norm(x, weights[p + "mlp_norm"], c.rms_norm_eps).to(wdt)
             x = (
                 x
-                + (moe.sparse_moe(c.router, weights, i, h) if c.layer_sparse[i] else _dense_mlp(weights, p, h)).float()
+                + (
+                    moe.sparse_moe(moe.MoeBlock(c.router), weights, i, h)
+                    if c.layer_sparse[i]
+                    else _dense_mlp(weights, p, h)
+                ).float()
             )
         hidden = rms_norm(x, weights["norm"], c.rms_norm_eps)
         outputs = self.outputs(hidden.to(wdt), weights, s)
@@ -258,15 +262,14 @@ def reference_forward(
         x = x + _ref_attention(c, w, p + "self_attn.", h, window)
         h = _ref_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
         if c.layer_sparse[i]:
-            x = x + moe.reference_moe(c.router, w, p + "mlp.", h)  # type: ignore[arg-type]  (a dict-like view)
+            x = x + moe.reference_moe(moe.MoeBlock(c.router), w, p + "mlp.", h)  # type: ignore[arg-type]  (a dict-like view)
         else:
             x = x + _ref_swiglu(w, p + "mlp.", h)
     x = _ref_norm(x, w["model.norm.weight"], c.rms_norm_eps)
     return _ref_head(c, w, x), x.float()
 
 
-def reference_logits(config: MiMoV2Config, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    return reference_forward(config, hf_weights, token_ids)[0]
+reference_logits = mtp.logits_of(reference_forward)
 
 
 def reference_mtp(

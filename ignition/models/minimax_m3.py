@@ -344,7 +344,7 @@ class StepProgram(StepModule):
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
         c, p = self.config, f"layers.{layer}."
         if c.moe_layers[layer]:
-            return moe.sparse_moe(c.router, weights, layer, h, activation=c.activation, shared=True)
+            return moe.sparse_moe(moe.MoeBlock(c.router, c.activation, shared=True), weights, layer, h)
         return moe.shared_mlp(h, weights[p + "w_gate_up"], weights[p + "w_down"], c.activation)
 
     def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
@@ -466,12 +466,11 @@ def reference_logits(
         x = x + attn @ w[a + "o_proj.weight"].T
         h = norm(x, w[p + "post_attention_layernorm.weight"])
         if c.moe_layers[i]:
-            routed = moe.reference_moe(
-                c.router,
+            routed = moe.reference_moe(  # the shared expert added below
+                moe.MoeBlock(c.router, c.activation),
                 w,
                 p + "mlp.",
                 h,
-                activation=c.activation,
                 names=("w1", "w3", "w2")
                 if p + "mlp.experts.0.w1.weight" in w
                 else ("gate_proj", "up_proj", "down_proj"),

@@ -77,6 +77,22 @@ class ExpertActivation:
 SWIGLU = ExpertActivation()
 
 
+@dataclass(frozen=True, slots=True)
+class MoeBlock:
+    """A MoE layer as the program (sparse_moe) and the reference (reference_moe) both run it, so a family
+    states it once: the routing, the routed experts' activation, and whether a shared expert joins
+    (with `shared_activation`, else the routed one)."""
+
+    router: RouterSpec
+    activation: ExpertActivation = SWIGLU
+    shared: bool = False
+    shared_activation: ExpertActivation | None = None
+
+    @property
+    def shared_act(self) -> ExpertActivation:
+        return self.shared_activation or self.activation
+
+
 # ---------------------------------------------------------------------------- step program
 
 
@@ -169,32 +185,22 @@ def local_experts(top: Tensor, ids: Tensor, start: Tensor, count: int) -> tuple[
     return torch.where(mine, top, torch.zeros_like(top)), local.clamp(0, count - 1)
 
 
-def sparse_moe(
-    spec: RouterSpec,
-    weights: dict[str, Tensor],
-    layer: int,
-    h: Tensor,
-    activation: ExpertActivation = SWIGLU,
-    shared: bool = False,
-    shared_activation: ExpertActivation | None = None,
-) -> Tensor:
+def sparse_moe(block: MoeBlock, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
     """One MoE layer over the standard internal names (expert_weight_map, STACKED_EXPERTS,
     shared_expert_weight_map + SHARED_EXPERT_FUSED): h [T, H] in the core dtype -> routed (+ shared) output [T, H] fp32.
 
     The router runs in fp32 whatever the core dtype: a bf16 router flips near-tied expert
     choices, the largest error a 16-bit MoE core can make against its reference.
     """
-    p = f"layers.{layer}."
+    p, spec = f"layers.{layer}.", block.router
     logits = F.linear(h.float(), weights[p + "w_router"].float())
     bias = weights[p + "router_bias"] if spec.has_correction_bias else None
     top, ids = route(spec, logits, bias)
     if "expert_start" in weights:  # an expert-parallel rank: its experts only, the ranks' sums added by the caller
         top, ids = local_experts(top, ids, weights["expert_start"], weights[p + "w_experts_gate_up"].shape[0])
-    out = routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"], activation)
-    if shared:
-        out = out + shared_mlp(
-            h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"], shared_activation or activation
-        )
+    out = routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"], block.activation)
+    if block.shared:
+        out = out + shared_mlp(h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"], block.shared_act)
     return out
 
 
@@ -219,13 +225,21 @@ def expert_weight_map(
 ) -> dict[str, str]:
     """Hugging Face -> internal names of a MoE block under `mlp`, in both checkpoint layouts:
     per-expert tensors (`experts.{E}.gate_proj.weight`, stacked later by STACKED_EXPERTS) and
-    transformers 5's stacked `experts.gate_up_proj` [E, 2F, H] / `experts.down_proj` [E, H, F]."""
+    transformers 5's stacked ones (`stacked_expert_weight_map`)."""
     return {
-        f"{mlp}{router}.weight": "layers.{}.w_router",
-        f"{mlp}{router}.e_score_correction_bias": "layers.{}.router_bias",
+        **stacked_expert_weight_map(mlp, router),
         f"{mlp}experts.{{}}.{gate}.weight": "layers.{}.experts.{}.w_gate",
         f"{mlp}experts.{{}}.{up}.weight": "layers.{}.experts.{}.w_up",
         f"{mlp}experts.{{}}.{down}.weight": "layers.{}.experts.{}.w_down",
+    }
+
+
+def stacked_expert_weight_map(mlp: str = "model.layers.{}.mlp.", router: str = "gate") -> dict[str, str]:
+    """Hugging Face -> internal names of a MoE block under `mlp` in transformers 5's stacked layout only:
+    the router and its correction bias, `experts.gate_up_proj` [E, 2F, H] and `experts.down_proj` [E, H, F]."""
+    return {
+        f"{mlp}{router}.weight": "layers.{}.w_router",
+        f"{mlp}{router}.e_score_correction_bias": "layers.{}.router_bias",
         f"{mlp}experts.gate_up_proj": "layers.{}.w_experts_gate_up",
         f"{mlp}experts.down_proj": "layers.{}.w_experts_down",
     }
@@ -357,13 +371,10 @@ def _reference_expert(
 
 
 def reference_moe(
-    spec: RouterSpec,
+    block: MoeBlock,
     w: dict[str, Tensor],
     prefix: str,
     h: Tensor,
-    activation: ExpertActivation = SWIGLU,
-    shared: bool = False,
-    shared_activation: ExpertActivation | None = None,
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     router: str = "gate",
     ids: Tensor | None = None,
@@ -372,8 +383,9 @@ def reference_moe(
     weights, h [T, H] -> [T, H]; independent of the program path (sorting instead of topk,
     one loop over experts with only their chosen tokens, per-expert or stacked weights).
 
-    `ids` [T, K] fixes the choice (hash routing); `shared` adds `shared_experts.*`.
+    `ids` [T, K] fixes the choice (hash routing); the block's shared expert is `shared_experts.*`.
     """
+    spec = block.router
     logits = h @ w[f"{prefix}{router}.weight"].T
     probs = _reference_scores(spec, logits)
     if ids is None:
@@ -387,10 +399,10 @@ def reference_moe(
     for e in range(spec.num_experts):
         rows, slots = (ids == e).nonzero(as_tuple=True)
         if rows.numel():
-            y = _reference_expert(w, prefix + "experts.", e, names, h[rows], activation)
+            y = _reference_expert(w, prefix + "experts.", e, names, h[rows], block.activation)
             out.index_add_(0, rows, y * top[rows, slots, None])
-    if shared:
+    if block.shared:
         s = prefix + "shared_experts."
         gate, up = h @ w[s + "gate_proj.weight"].T, h @ w[s + "up_proj.weight"].T
-        out = out + _reference_act(gate, up, shared_activation or activation) @ w[s + "down_proj.weight"].T
+        out = out + _reference_act(gate, up, block.shared_act) @ w[s + "down_proj.weight"].T
     return out

@@ -13,6 +13,7 @@ deepseek_v3); this module has the signature, the export description and the self
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,6 +168,17 @@ def draft_programs(
         ExtraProgram(f"{MTP_KIND}.{k}", module, inputs, outputs, examples, checker(k))
         for k, module in enumerate(modules)
     )
+
+
+def logits_of(reference_forward: Callable[..., tuple[Tensor, Tensor]]) -> Callable[..., Tensor]:
+    """A family's Reference.logits from the reference_forward its drafts are checked with (checked_drafts:
+    -> (logits, final-normed hidden states)): the same forward, its logits only, under its module."""
+
+    @functools.wraps(reference_forward)
+    def reference_logits(*args: Any, **kwargs: Any) -> Tensor:
+        return reference_forward(*args, **kwargs)[0]
+
+    return reference_logits
 
 
 def checked_drafts(

@@ -45,7 +45,7 @@ from ignition.models.common import decode_weight_bytes as dense_decode_weight_by
 from ignition.models.common import rms_norm
 from ignition.models.family import Family, Reference, TinyCheckpoint
 from ignition.models.hf_config import Fields, Key
-from ignition.models.step import Paged, StatefulStepModule, StepInputs
+from ignition.models.step import Paged, StatefulStepModule, StepInputs, cached_attention
 
 NAME = "nemotron_h"
 HF_ARCHITECTURES = ("NemotronHForCausalLM",)
@@ -348,23 +348,11 @@ class StepProgram(StatefulStepModule):
     def attention(self, weights: dict[str, Tensor], i: int, h: Tensor, kv_cache: list[Tensor], paged: Paged) -> Tensor:
         """h [T, hidden] -> causal GQA without position encoding [T, hidden] fp32."""
         c, p = self.config, f"layers.{i}."
-        slot_mapping, block_tables, seq_lens, query_start_loc, positions = paged
         q_dim = c.num_heads * c.head_dim
         q, k, v = F.linear(h, weights[p + "wqkv"]).float().split([q_dim, c.kv_dim, c.kv_dim], dim=-1)
-        k_cache, v_cache = kv_cache[2 * i], kv_cache[2 * i + 1]
-        kvt = k_cache.dtype
-        k, v = k.reshape(-1, c.num_kv_heads, c.head_dim).to(kvt), v.reshape(-1, c.num_kv_heads, c.head_dim).to(kvt)
-        torch.ops.flare.write_kv(k_cache, v_cache, k, v, slot_mapping)
-        attn = torch.ops.flare.paged_attention(
-            q.reshape(-1, c.num_heads, c.head_dim).to(kvt),
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            positions,
-            1.0 / math.sqrt(c.head_dim),
-        )
+        heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
+        q, k, v = q.reshape(-1, heads, d), k.reshape(-1, kv_heads, d), v.reshape(-1, kv_heads, d)
+        attn = cached_attention(q, k, v, kv_cache[2 * i], kv_cache[2 * i + 1], paged, 1.0 / math.sqrt(d))
         return F.linear(attn.reshape(-1, q_dim).to(h.dtype), weights[p + "wo"]).float()
 
     def moe(self, weights: dict[str, Tensor], i: int, h: Tensor) -> Tensor:

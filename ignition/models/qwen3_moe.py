@@ -89,13 +89,13 @@ class StepProgram(Qwen3StepProgram):
     """Qwen3's step with a routed sparse-MoE MLP: only each token's top-k experts run."""
 
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
-        return moe.sparse_moe(self.config.router, weights, layer, h)
+        return moe.sparse_moe(moe.MoeBlock(self.config.router), weights, layer, h)
 
 
 def reference_logits(config: Qwen3MoeConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
     """The shared plain-torch reference forward with q/k norms and a sparsely routed MoE
     (moe.reference_moe: its own routing and expert loop, not the program's op)."""
-    mlp = lambda w, p, h: moe.reference_moe(config.router, w, p + "mlp.", h)  # noqa: E731
+    mlp = lambda w, p, h: moe.reference_moe(moe.MoeBlock(config.router), w, p + "mlp.", h)  # noqa: E731
     return common.reference_logits(config, hf_weights, token_ids, mlp, qk_norm=True)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ignition.models import moe
+from ignition.models import moe, mtp
 from ignition.models.qwen3_next_config import FULL, Qwen3NextConfig, canonical_name, ignored_tensor
 
 F64 = torch.float64
@@ -99,7 +99,7 @@ def _mlp(c: Qwen3NextConfig, w: dict[str, Tensor], p: str, routed: bool, h: Tens
 
     if not routed:
         return swiglu(p + "mlp.")
-    routed = moe.reference_moe(c.router, w, p + "mlp.", h)
+    routed = moe.reference_moe(moe.MoeBlock(c.router), w, p + "mlp.", h)
     shared = swiglu(p + "mlp.shared_expert.")
     return routed + torch.sigmoid(h @ w[p + "mlp.shared_expert_gate.weight"].T) * shared
 
@@ -135,8 +135,7 @@ def reference_forward(
     return _head(c, w, x), x.float()
 
 
-def reference_logits(config: Qwen3NextConfig, hf_weights: dict[str, Tensor], token_ids: list[int]) -> Tensor:
-    return reference_forward(config, hf_weights, token_ids)[0]
+reference_logits = mtp.logits_of(reference_forward)
 
 
 def reference_mtp(

@@ -41,6 +41,8 @@ class StepInputs:
     image_features: Tensor | None  # [I, hidden] fp32 (vision cores)
     image_rows: Tensor | None  # [I] the rows whose input embedding each feature row replaces; -1 unused
     attention_until: Tensor | None  # [T] the last key each row may see (bidirectional images)
+    # [T, width] each row's row of a host-resident embedding table (StepModule.host_input), else None
+    host_rows: Tensor | None = None
 
     @property
     def positions(self) -> Tensor:
@@ -71,6 +73,9 @@ class StepModule(torch.nn.Module):
     # Tensor-parallel ranks this program runs on (ignition.parallel sets it on a rank program traced
     # with the sharded config): its shards meet through flare::all_reduce / all_gather; 1 = no collective.
     tp = 1
+    # The input fed with rows of a host-resident table (export --host-embeddings sets it; last among the
+    # inputs, helios.core.program.program_signature's host_rows): StepInputs.host_rows. "": none.
+    host_input = ""
 
     def __init__(self, config: Any, num_top: int, explicit_ids: bool, scored: bool) -> None:
         super().__init__()
@@ -109,8 +114,10 @@ class StepModule(torch.nn.Module):
         extra_5=None,
         extra_6=None,
         extra_7=None,
+        extra_8=None,
     ):
-        extra = [t for t in (extra_1, extra_2, extra_3, extra_4, extra_5, extra_6, extra_7) if t is not None]
+        extra = [t for t in (extra_1, extra_2, extra_3, extra_4, extra_5, extra_6, extra_7, extra_8) if t is not None]
+        host_rows = extra.pop(-1) if self.host_input else None
         state_slots = extra.pop(0) if self.stateful else None
         paged = Paged(slot_mapping, block_tables, seq_lens, query_start_loc, positions)
         window = Paged(extra.pop(0), extra.pop(0), seq_lens, query_start_loc, positions) if self.windowed() else paged
@@ -119,7 +126,17 @@ class StepModule(torch.nn.Module):
         logprob_ids = extra.pop(0) if self.explicit_ids else None
         target_ids = extra.pop(0) if self.scored else None
         inputs = StepInputs(
-            token_ids, logits_indices, paged, window, state_slots, logprob_ids, target_ids, features, rows, until
+            token_ids,
+            logits_indices,
+            paged,
+            window,
+            state_slots,
+            logprob_ids,
+            target_ids,
+            features,
+            rows,
+            until,
+            host_rows,
         )
         return self.step(weights, kv_cache, inputs)
 
@@ -157,29 +174,10 @@ class StepModule(torch.nn.Module):
 
 
 class StatefulStepModule(StepModule):
-    """A StepModule whose cores carry recurrent state: state_slots [B] follows logits_indices."""
+    """A StepModule whose cores carry recurrent state: state_slots [B] follows logits_indices (the
+    first optional input, StepModule.forward's extra_1)."""
 
     stateful = True
-
-    def forward(
-        self,
-        weights,
-        kv_cache,
-        token_ids,
-        positions,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        logits_indices,
-        state_slots,
-        extra_1=None,
-        extra_2=None,
-        extra_3=None,
-        extra_4=None,
-    ):
-        fixed = (token_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_indices)
-        return super().forward(weights, kv_cache, *fixed, state_slots, extra_1, extra_2, extra_3, extra_4)
 
 
 def cached_attention(

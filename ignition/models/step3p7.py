@@ -107,9 +107,8 @@ class StepProgram(DecoderProgram):
         shared = _activation(c.shared_limits[layer])
         if not c.layer_sparse[layer]:  # the dense MLP clamps with the shared expert's limit, as transformers does
             return moe.shared_mlp(h, weights[p + "w_gate_up"], weights[p + "w_down"], shared)
-        return moe.sparse_moe(
-            c.router, weights, layer, h, _activation(c.routed_limits[layer]), shared=True, shared_activation=shared
-        )
+        block = moe.MoeBlock(c.router, _activation(c.routed_limits[layer]), shared=True, shared_activation=shared)
+        return moe.sparse_moe(block, weights, layer, h)
 
     def windowed(self) -> bool:
         return window_pool(self.config) is not None

@@ -62,10 +62,7 @@ def canonical_name(name: str) -> str:
 _NATIVE = "model.language_model.layers.{}."
 WEIGHT_MAP = {
     **with_prefixes(_HUB_WEIGHT_MAP, {"model.": ("model.language_model.",)}),
-    _NATIVE + "mlp.gate.weight": "layers.{}.w_router",
-    _NATIVE + "mlp.gate.e_score_correction_bias": "layers.{}.router_bias",
-    _NATIVE + "mlp.experts.gate_up_proj": "layers.{}.w_experts_gate_up",
-    _NATIVE + "mlp.experts.down_proj": "layers.{}.w_experts_down",
+    **moe.stacked_expert_weight_map(_NATIVE + "mlp."),
     **moe.shared_expert_weight_map(_NATIVE + "mlp."),
     **step3p7_vision.WEIGHT_MAP,
 }

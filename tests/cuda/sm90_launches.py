@@ -27,21 +27,30 @@ from triton.runtime.jit import JITFunction
 _POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32", torch.int64: "*i64"}
 
 
-def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, object]]:
+def _type(value: object) -> object:
+    """Triton's signature type of a (non-constexpr) kernel argument: a tuple's (a NamedTuple's, as
+    helios' Paged layout, keeping its type so that the kernel reads its fields by name) per element."""
+    if isinstance(value, tuple):
+        types = [_type(v) for v in value]
+        return type(value)(*types) if hasattr(value, "_fields") else tuple(types)
+    if isinstance(value, torch.Tensor):
+        return _POINTERS[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if abs(value) < 2**31 else "i64"
+    return "fp32"
+
+
+def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict[str, object], dict[str, object]]:
     values = dict(zip(fn.arg_names, args)) | kwargs
     signature, constants = {}, {}
     for param, name in zip(fn.params, fn.arg_names):
         value = values[name]
         if param.is_constexpr:
             signature[name], constants[name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = _POINTERS[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if abs(value) < 2**31 else "i64"
         else:
-            signature[name] = "fp32"
+            signature[name] = _type(value)
     return signature, constants
 
 
@@ -118,13 +127,13 @@ def _recurrent_launches(sample: bool = False) -> None:
         bc = torch.randn(tokens, groups, state).bfloat16()
         scan = (torch.randn(tokens, heads, dim).bfloat16(), torch.randn(tokens, heads), -torch.rand(heads), bc, bc)
         pool = torch.zeros(8, heads, dim, state)
-        recurrent.run_mamba2_scan(*scan, torch.ones(heads), torch.zeros(heads), pool, *layout, 0.0, 0.0, chunked)
+        recurrent.mamba2_scan(*scan, torch.ones(heads), torch.zeros(heads), pool, *layout, form=recurrent.Form(chunked))
         for kda in (False, True):
             qk = torch.randn(tokens, value_heads if kda else key_heads, k_dim).bfloat16()
             gate = -torch.rand(tokens, value_heads, k_dim) if kda else -torch.rand(tokens, value_heads)
             v, beta = torch.randn(tokens, value_heads, v_dim).bfloat16(), torch.rand(tokens, value_heads).bfloat16()
             pool = torch.zeros(8, value_heads, k_dim, v_dim)
-            recurrent.run_delta_rule(qk, qk, v, gate, beta, pool, *layout, 0.1, True, chunked)
+            recurrent.delta_rule(qk, qk, v, gate, beta, pool, *layout, 0.1, True, form=recurrent.Form(chunked))
 
 
 # what each argument compiles: "sample" (CI) is the decode path, bf16
@@ -135,12 +144,14 @@ FAMILIES = {
 }
 
 
-def main(families: list[str]) -> int:
+def main(launches: dict[str, Callable[[], None]], names: list[str]) -> int:
+    """Compile the launches of each named entry of `launches`, print one line per kernel; 1 if any
+    failed to compile (this module's FAMILIES, and tests.cuda.sm90_paged_launches' GROUPS)."""
     assert not os.environ.get("TRITON_INTERPRET"), "compile for the GPU: run without TRITON_INTERPRET"
-    lines = [line for family in families for line in compile_launches(FAMILIES[family])]
+    lines = [line for name in names for line in compile_launches(launches[name])]
     print("\n".join(lines))
     return int(any(line.startswith("FAILED") for line in lines))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or ["moe", "recurrent"]))
+    sys.exit(main(FAMILIES, sys.argv[1:] or ["moe", "recurrent"]))

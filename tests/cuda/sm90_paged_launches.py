@@ -8,13 +8,12 @@ prints one line per compiled kernel and exits 1 if any failed to compile.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
 from tests.cuda.paged_steps import paged_step
-from tests.cuda.sm90_launches import compile_launches
+from tests.cuda.sm90_launches import main
 
 PAGE = 16
 
@@ -106,12 +105,5 @@ def sample_launches() -> None:
 GROUPS = {"attention": attention_launches, "sparse": sparse_launches, "sample": sample_launches}
 
 
-def main(groups: list[str]) -> int:
-    assert not os.environ.get("TRITON_INTERPRET"), "compile for the GPU: run without TRITON_INTERPRET"
-    lines = [line for group in groups for line in compile_launches(GROUPS[group])]
-    print("\n".join(lines))
-    return int(any(line.startswith("FAILED") for line in lines))
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or ["attention", "sparse"]))
+    sys.exit(main(GROUPS, sys.argv[1:] or ["attention", "sparse"]))

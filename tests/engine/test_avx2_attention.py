@@ -15,6 +15,7 @@ import torch
 
 from helios.core.ops.base import reference_paged_attention
 from helios.engine import native
+from tests.engine.test_native_kernels import paged_step
 
 pytestmark = pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64")
@@ -36,16 +37,7 @@ LAYOUTS = {
 def _step(seed: int, layout: str, history: list[int], queries: list[int]):
     """A step: per sequence `history` keys after it and its last `queries` of them as query rows."""
     dtype, cache_dtype, heads, kv_heads, dim, page_tokens = LAYOUTS[layout]
-    gen = torch.Generator().manual_seed(seed)
-    blocks = max(-(-n // page_tokens) for n in history)
-    pages = len(history) * blocks + 3
-    k_cache = torch.randn(pages, page_tokens, kv_heads, dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(pages, page_tokens, kv_heads, dim, generator=gen).to(cache_dtype)
-    tables = torch.randperm(pages, generator=gen)[: len(history) * blocks].view(len(history), blocks).int()
-    starts = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
-    positions = torch.cat([torch.arange(n - t, n) for n, t in zip(history, queries)]).long()
-    return q, k_cache, v_cache, tables, torch.tensor(history, dtype=torch.int32), starts, positions
+    return paged_step(seed, dtype, cache_dtype, heads, kv_heads, dim, history, queries, page_tokens)
 
 
 def _avx2(*args) -> torch.Tensor:
@@ -66,17 +58,23 @@ STEPS = {  # keys per sequence after the step, query rows per sequence
 }
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (23, 0.0), (0, 30.0), (70, 5.0)])
+# Beside plain causal attention, each (layout, step) pair also runs one of these (window, softcap)
+# settings, in turn: every setting meets every layout and every step.
+OPTIONS = [(23, 0.0), (0, 30.0), (70, 5.0)]
+
+
 @pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_matches_the_reference(layout: str, step: str, window: int, softcap: float) -> None:
+def test_matches_the_reference(layout: str, step: str) -> None:
     history, queries = STEPS[step]
-    args = (*_step(len(layout + step) + window, layout, history, queries), 0.125, window, softcap)
-    got = _avx2(*args)
-    assert got.dtype == args[0].dtype and got.shape == args[0].shape
-    expected = _reference(*args)
-    tolerance = 1e-5 if args[0].dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
-    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    option = OPTIONS[(sorted(LAYOUTS).index(layout) + sorted(STEPS).index(step)) % len(OPTIONS)]
+    for window, softcap in ((0, 0.0), option):
+        args = (*_step(len(layout + step) + window, layout, history, queries), 0.125, window, softcap)
+        got = _avx2(*args)
+        assert got.dtype == args[0].dtype and got.shape == args[0].shape
+        expected = _reference(*args)
+        tolerance = 1e-5 if args[0].dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+        torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("layout", ["fp32 gqa", "bf16 gqa", "fp32 odd group"])
@@ -148,6 +146,14 @@ def test_padding_rows_and_unseen_keys() -> None:
     assert torch.equal(out[-3:], torch.zeros(3, *q.shape[1:]))
     torch.testing.assert_close(
         out[:-3], _reference(q, k_cache, v_cache, tables, lens, starts, positions, 0.125, 0, 0.0)
+    )
+    # the second sequence's row at position 60 with a window of 5 keys: 56..60, none of them among its 20
+    unseen = positions.clone()
+    unseen[4] = 60
+    out = _avx2(q, k_cache, v_cache, tables, lens, starts, unseen, 0.125, 5, 0.0)
+    assert torch.equal(out[4], torch.zeros_like(out[4])) and bool(out[:4].abs().sum() > 0)
+    torch.testing.assert_close(
+        out[:4], _reference(q, k_cache, v_cache, tables, lens, starts, positions, 0.125, 5, 0.0)[:4]
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from helios.core import Core
 from helios.engine import (
+    GREEDY,
     EngineClient,
     EngineConfig,
     EngineMetrics,
@@ -16,11 +17,8 @@ from helios.engine import (
     FinishCause,
     QueueFull,
     RequestRejected,
-    SamplingParams,
     build_engine,
 )
-
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 
 
 @pytest.fixture()

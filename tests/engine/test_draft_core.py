@@ -17,7 +17,7 @@ from helios.core import Core
 from helios.engine import EngineConfig, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY, SamplingParams
 from helios.engine.speculation.draft_core import incompatibility
 from helios.engine.speculation.drafter import SpeculationConfig
 from ignition.export import ExportOptions, export_core
@@ -27,7 +27,6 @@ from ignition.testmodel import write_testmodel
 from tests.engine.speculation_checks import same_tokens
 from tests.engine.test_learned_drafts import _cancel_while_drafting, _check_nothing_held, _same, _server_values
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.8, 0.95, -1, 0.0, 1.0, 0.0, 0.0, 21)
 OFF = SpeculationConfig(mode="off")
 DRAFTS = SpeculationConfig(mode="fixed", max_drafts=5, history=False)  # learned drafts only

@@ -17,9 +17,8 @@ from helios.engine.memory.host_store import HostStore, Record, identity_of
 from helios.engine.memory.kv_cache import ROOT_HASH, page_hash
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 MIB = 1 << 20
 
 

@@ -12,13 +12,12 @@ from helios.core import Core
 from helios.engine import EngineConfig, HostCacheConfig, LLMEngine, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 MIB = 1 << 20
 TEXT = "The quick brown fox jumps over the lazy dog while the cat watches from the fence. " * 5
 

@@ -12,7 +12,7 @@ from helios.core import Core
 from helios.engine import EngineConfig, LLMEngine, build_engine
 from helios.engine.offline import ChoiceOutput, collect, run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY, SamplingParams
 from ignition.export import ExportOptions, export_core
 from ignition.models import FAMILIES
 from ignition.recipe import load_recipe
@@ -20,7 +20,6 @@ from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
 from tests.engine.speculation_checks import wrong_every_third
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 17)
 HYBRIDS = [
     (family, recipe)

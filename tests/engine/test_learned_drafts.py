@@ -20,7 +20,7 @@ from helios.core.program import run_prompt
 from helios.engine import EngineConfig, LLMEngine, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY, SamplingParams
 from helios.engine.speculation.drafter import SpeculationConfig
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint, GrammarMasks
 from helios.frontend.grammar import GrammarService
@@ -31,7 +31,6 @@ from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
 from tests.engine.speculation_checks import same_tokens
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.8, 0.95, -1, 0.0, 1.0, 0.0, 0.0, 21)
 OFF = SpeculationConfig(mode="off")
 HISTORY = SpeculationConfig(mode="fixed", max_drafts=4, learned=False)

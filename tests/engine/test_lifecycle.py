@@ -12,9 +12,8 @@ from helios.core import Core
 from helios.engine import EngineConfig, LLMEngine, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY, SamplingParams
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 77)
 
 

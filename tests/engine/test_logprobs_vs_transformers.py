@@ -15,9 +15,8 @@ from helios.core import Core
 from helios.engine import EngineConfig, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 CHATS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
     "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nList three primes.<|im_end|>\n<|im_start|>assistant\n",

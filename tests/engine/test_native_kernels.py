@@ -22,25 +22,31 @@ def loaded() -> None:
     assert native.load(), native.status()
 
 
-def _decode_case(
+def paged_step(
     seed: int,
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
     heads: int,
     kv_heads: int,
     dim: int,
-    lens: list[int],
+    history: list[int],
+    queries: list[int] | None = None,
     page_tokens: int = 16,
 ):
+    """A step over a random paged cache: each sequence has `history` keys after the step and its
+    last `queries` of them as query rows (None: one each, a decode step) -> the op's arguments
+    up to `positions`."""
+    queries = [1] * len(history) if queries is None else queries
     gen = torch.Generator().manual_seed(seed)
-    blocks = max(-(-n // page_tokens) for n in lens)
-    pages = len(lens) * blocks + 2
+    blocks = max(-(-n // page_tokens) for n in history)
+    pages = len(history) * blocks + 2
     k_cache = torch.randn(pages, page_tokens, kv_heads, dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn(pages, page_tokens, kv_heads, dim, generator=gen).to(cache_dtype)
-    tables = torch.randperm(pages, generator=gen)[: len(lens) * blocks].view(len(lens), blocks).int()
-    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    return q, k_cache, v_cache, tables, seq_lens, seq_lens.long() - 1
+    tables = torch.randperm(pages, generator=gen)[: len(history) * blocks].view(len(history), blocks).int()
+    q = torch.randn(sum(queries), heads, dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n - t, n) for n, t in zip(history, queries)]).long()
+    return q, k_cache, v_cache, tables, torch.tensor(history, dtype=torch.int32), starts, positions
 
 
 DECODE = {  # dtype, cache dtype, heads, kv heads, head size, window, softcap
@@ -60,10 +66,9 @@ DECODE = {  # dtype, cache dtype, heads, kv heads, head size, window, softcap
 def test_decode_attention_matches_the_reference_op(name: str) -> None:
     dtype, cache_dtype, heads, kv_heads, dim, window, softcap = DECODE[name]
     lens = [1, 17, 40, 100, 5, 64, 65]  # one token, page edges, several key chunks
-    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(
+    q, k_cache, v_cache, tables, seq_lens, starts, positions = paged_step(
         len(name), dtype, cache_dtype, heads, kv_heads, dim, lens
     )
-    starts = torch.arange(len(lens) + 1, dtype=torch.int32)
     expected = reference_paged_attention(
         q, k_cache, v_cache, tables, seq_lens, starts, positions, 0.125, window, softcap
     )
@@ -77,7 +82,7 @@ def test_decode_attention_matches_the_reference_op(name: str) -> None:
 
 def test_decode_rows_do_not_depend_on_their_neighbours() -> None:
     """A row's output is bit-identical alone and in a batch (batching invariance)."""
-    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(
+    q, k_cache, v_cache, tables, seq_lens, _, positions = paged_step(
         3, torch.bfloat16, torch.bfloat16, 9, 3, 64, [30, 7, 99]
     )
     together = torch.ops.flare_native.decode_attention(q, k_cache, v_cache, tables, seq_lens, positions, 0.125, 0, 0.0)
@@ -97,7 +102,7 @@ def test_decode_rows_do_not_depend_on_their_neighbours() -> None:
 
 
 def test_bad_shapes_are_refused_with_an_error_not_a_crash() -> None:
-    q, k_cache, v_cache, tables, seq_lens, positions = _decode_case(1, torch.float32, torch.float32, 9, 3, 64, [5])
+    q, k_cache, v_cache, tables, seq_lens, _, positions = paged_step(1, torch.float32, torch.float32, 9, 3, 64, [5])
     with pytest.raises(RuntimeError, match="head layout"):
         torch.ops.flare_native.decode_attention(q[:, :8], k_cache, v_cache, tables, seq_lens, positions, 0.1, 0, 0.0)
     with pytest.raises(RuntimeError, match="block_tables"):

@@ -12,12 +12,10 @@ from helios.core import Core
 from helios.engine import EngineConfig, LLMEngine, build_engine, precision
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,12 @@ from helios.engine import EngineConfig, HostCacheConfig, LLMEngine, build_engine
 from helios.engine.offline import ChoiceOutput, run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampler import logsumexp
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY, SamplingParams
 from helios.engine.speculation.drafter import SpeculationConfig
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SEEDED = SamplingParams(0.8, 1.0, -1, 0.0, 1.0, 0.0, 0.0, 4242)
 # Repetitive on purpose: history drafts find n-grams to propose, so speculation really verifies.
 QUESTION = (

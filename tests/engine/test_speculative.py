@@ -18,11 +18,10 @@ from helios.engine import EngineConfig, build_engine
 from helios.engine.executor import StepResult
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY, SamplingParams
 from helios.engine.sequence import Chunk, SchedulerOutput, Sequence
 from helios.engine.speculation.drafter import DraftPicker, NgramIndex, PayoffGate, SharedHistory, SpeculationConfig
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.7, 0.95, -1, 0.0, 1.0, 0.0, 0.0, 77)
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 5
 FIXED = SpeculationConfig(mode="fixed", max_drafts=4)

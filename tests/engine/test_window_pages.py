@@ -15,14 +15,13 @@ from helios.engine.memory.kv_cache import ROOT_HASH, PagePool, page_hash
 from helios.engine.memory.window_pages import NONE, WindowPages, pool_pages
 from helios.engine.offline import ChoiceOutput, collect
 from helios.engine.request import EngineRequest
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY, SamplingParams
 from helios.engine.sequence import Sequence
 from helios.engine.speculation.drafter import SpeculationConfig
 from tests.engine.speculation_checks import same_tokens, wrong_every_third
 from tests.engine.test_graphs import eager_decode_step, eager_runner
 from tests.ignition.family_checks import TEXTS, export_tiny
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 11)
 
 

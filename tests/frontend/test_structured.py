@@ -17,7 +17,7 @@ from helios.core import Core
 from helios.engine import EngineConfig, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest, FinishCause, ReasoningBudget
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY
 from helios.frontend.constraint import ConstraintPlan, GrammarConstraint, GrammarMasks, Phase
 from helios.frontend.events import ReasoningEvent, TextEvent
 from helios.frontend.grammar import GrammarError, GrammarService
@@ -35,7 +35,6 @@ from helios.frontend.parsers import build_parser
 from helios.frontend.parsers.tools import ToolCallError
 from helios.frontend.request import Frontend
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -415,8 +415,9 @@ def test_program_path_matches_transformers_deepseek_v3_moe_block() -> None:
     h = torch.randn(19, HIDDEN, generator=torch.Generator().manual_seed(17))
     with torch.no_grad():
         expected = block(h[None])[0]
-    torch.testing.assert_close(moe.sparse_moe(spec, stacked, 0, h, shared=True), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(moe.reference_moe(spec, hf, "", h, shared=True), expected, rtol=1e-5, atol=1e-5)
+    with_shared = moe.MoeBlock(spec, shared=True)
+    torch.testing.assert_close(moe.sparse_moe(with_shared, stacked, 0, h), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moe.reference_moe(with_shared, hf, "", h), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_stacking_reads_every_expert_layout() -> None:
@@ -441,9 +442,9 @@ def test_stacking_reads_every_expert_layout() -> None:
     torch.testing.assert_close(split.pop("layers.1.w_experts_gate_up"), gate_up, rtol=0, atol=0)
     assert not split
     # The independent reference reads both layouts to the same result.
-    spec = moe.RouterSpec(4, 2, "softmax", True)
+    block = moe.MoeBlock(moe.RouterSpec(4, 2, "softmax", True))
     h = torch.randn(6, HIDDEN)
-    torch.testing.assert_close(moe.reference_moe(spec, hf, "", h), moe.reference_moe(spec, stacked_hf, "", h))
+    torch.testing.assert_close(moe.reference_moe(block, hf, "", h), moe.reference_moe(block, stacked_hf, "", h))
 
 
 def test_stacking_refuses_missing_experts() -> None:

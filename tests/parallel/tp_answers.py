@@ -20,10 +20,9 @@ from helios.engine.offline import run_to_completion
 from helios.engine.parallel import launch
 from helios.engine.parallel.world import rank_core
 from helios.engine.request import EngineRequest
-from helios.engine.sampling_params import SamplingParams
+from helios.engine.sampling_params import GREEDY
 from helios.engine.speculation.drafter import SpeculationConfig
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 PROMPTS = ((5, 17, 42, 99, 7, 3, 250, 11, 64, 80, 2), (9, 8, 7, 6, 5, 4, 3, 2, 1) * 3, (100, 200, 33))
 TOKENS = 64
 

@@ -11,7 +11,7 @@ from metrics_checks import expositions_disagree
 from prometheus_client.parser import text_string_to_metric_families
 
 from helios.core import Core
-from helios.engine import EngineConfig, EngineRequest, HostCacheConfig, LLMEngine, SamplingParams, build_engine
+from helios.engine import GREEDY, EngineConfig, EngineRequest, HostCacheConfig, LLMEngine, build_engine
 from helios.engine.memory.kv_cache import ROOT_HASH, page_hash
 from helios.engine.offline import run_to_completion
 from helios.server.metrics import (
@@ -24,7 +24,6 @@ from helios.server.metrics import (
 )
 from tests.engine.test_host_store import _prompt
 
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 MIB = 1 << 20
 PAGES = 40
 

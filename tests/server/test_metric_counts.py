@@ -20,7 +20,7 @@ from test_driver import FakeRun, _chat_stream, _request, _update
 
 from helios.config import ServerConfig
 from helios.core import Core
-from helios.engine import EngineConfig, EngineRequest, HostCacheConfig, LLMEngine, SamplingParams, build_engine
+from helios.engine import GREEDY, EngineConfig, EngineRequest, HostCacheConfig, LLMEngine, build_engine
 from helios.engine.memory.kv_cache import ROOT_HASH, page_hash
 from helios.engine.offline import run_to_completion
 from helios.frontend.inference import Termination
@@ -40,7 +40,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch"}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-GREEDY = SamplingParams(1.0, 1.0, 1, 0.0, 1.0, 0.0, 0.0, 0)
 MIB = 1 << 20
 
 

@@ -191,6 +191,12 @@ def _chat_text(events: list[str]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
+def _finish(events: list[str]) -> str | None:
+    """The stream's last finish_reason (chat and completions chunks alike)."""
+    reasons = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c.get("finish_reason")]
+    return reasons[-1] if reasons else None
+
+
 def test_sse_streams_pass_intact(cluster: Cluster) -> None:
     direct = cluster.replicas[1].url
     chat = {**GREEDY, "messages": [{"role": "user", "content": "Name a tool."}], "max_tokens": 12}
@@ -198,12 +204,15 @@ def test_sse_streams_pass_intact(cluster: Cluster) -> None:
         _stream(cluster.router, "/v1/chat/completions", chat),
         _stream(direct, "/v1/chat/completions", chat),
     )
-    assert _chat_text(routed) == _chat_text(expected) and len(routed) == len(expected)
+    # Same text and ending; the chunk count may differ: a replica that decoded this answer before
+    # drafts it from its decoded history, so several tokens can arrive in one chunk.
+    assert _chat_text(routed) == _chat_text(expected)
+    assert _finish(routed) == _finish(expected) == "length"
 
     completion = {**GREEDY, "prompt": "Once upon a time", "max_tokens": 12}
     routed = _stream(cluster.router, "/v1/completions", completion)
     expected = _stream(direct, "/v1/completions", completion)
-    assert routed[-1] == "[DONE]" and len(routed) == len(expected)
+    assert routed[-1] == "[DONE]" and _finish(routed) == _finish(expected) == "length"
     texts = ["".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) for events in (routed, expected)]
     assert texts[0] == texts[1]
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from helios.engine.cuda.tiles import KV_TILE, paged_rows, pow2, softmax_result, softmax_start, softmax_step, warps
+from helios.engine.cuda import tiles
 
 DECODE_ROWS = 16  # BLOCK_M (query tokens x grouped heads) when every sequence has one query
 PREFILL_ROWS = 64  # BLOCK_M otherwise
@@ -98,28 +98,16 @@ def _attention_kernel(
     q,
     k_cache,
     v_cache,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    positions,
+    paged,
     until,
     sinks,
     scale,
     softcap,
     window,
-    num_seqs,
-    page_tokens,
-    q_tok,
-    q_head,
-    kc_page,
-    kc_tok,
-    kc_head,
-    vc_page,
-    vc_tok,
-    vc_head,
-    o_tok,
-    o_head,
-    bt_row,
+    q_strides,
+    k_strides,
+    v_strides,
+    o_strides,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -135,11 +123,11 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = find_sequence(query_start_loc, num_seqs, block, BLOCK_Q)
-    q_start = tl.load(query_start_loc + seq)
-    q_end = tl.load(query_start_loc + seq + 1)
+    seq = find_sequence(paged.query_start_loc, paged.num_seqs, block, BLOCK_Q)
+    q_start = tl.load(paged.query_start_loc + seq)
+    q_end = tl.load(paged.query_start_loc + seq + 1)
     first = q_start + (block - q_start // BLOCK_Q - seq) * BLOCK_Q
-    kv_len = tl.load(seq_lens + seq)
+    kv_len = tl.load(paged.seq_lens + seq)
     if (first >= q_end) | (kv_len <= 0):
         return  # no rows here (the output stays zero for a sequence without history)
 
@@ -147,46 +135,41 @@ def _attention_kernel(
     token = first + rows // G_PAD
     head = kv_head * GROUP + rows % G_PAD
     row_ok = (token < q_end) & (rows % G_PAD < GROUP)
-    pos = tl.load(positions + token, mask=row_ok, other=0)
+    pos = tl.load(paged.positions + token, mask=row_ok, other=0)
     if HAS_UNTIL:
         edge = tl.load(until + token, mask=row_ok, other=0)
     else:
         edge = pos
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
-    query = tl.load(q + token[:, None] * q_tok + head[:, None] * q_head + dk[None, :], mask=row_ok[:, None] & (dk < DK))
+    at, mask = tiles.token_rows(q, q_strides, token, head, row_ok, dk, DK)
+    query = tl.load(at, mask=mask, other=0.0)
 
     # The keys any row here may see: [lo, hi).
     hi = tl.minimum(tl.max(tl.where(row_ok, edge, -1)) + 1, kv_len)
     lo = tl.maximum(tl.min(tl.where(row_ok, pos, kv_len)) - window + 1, 0)
     lo = tl.where(window > 0, lo, 0)
 
-    m_i, l_i, acc = softmax_start(sinks, head, row_ok, BLOCK_M, BLOCK_DV, HAS_SINKS)
-    table = block_tables + seq.to(tl.int64) * bt_row
+    m_i, l_i, acc = tiles.softmax_start(sinks, head, row_ok, BLOCK_M, BLOCK_DV, HAS_SINKS)
+    table = paged.block_tables + seq.to(tl.int64) * paged.bt_row
+    k_base, v_base = kv_head * k_strides[2], kv_head * v_strides[2]
     for start in range(lo, hi, BLOCK_N):
         key_pos = start + tl.arange(0, BLOCK_N)
         key_ok = key_pos < hi
-        keys = paged_rows(k_cache, table, key_pos, key_ok, page_tokens, kc_page, kc_tok, kv_head * kc_head, dk, DK)
-        scores = tl.dot(query, tl.trans(keys.to(query.dtype)), input_precision="ieee") * scale
-        if SOFTCAP:
-            capped = scores / softcap
-            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))  # tanh, overflow-safe
+        keys = tiles.paged_rows(k_cache, k_strides, paged, table, key_pos, key_ok, k_base, dk, DK)
         visible = key_ok[None, :] & (key_pos[None, :] <= edge[:, None]) & row_ok[:, None]
         visible = visible & ((window <= 0) | (key_pos[None, :] > pos[:, None] - window))
-        values = paged_rows(v_cache, table, key_pos, key_ok, page_tokens, vc_page, vc_tok, kv_head * vc_head, dv, DV)
-        m_i, l_i, acc = softmax_step(tl.where(visible, scores, float("-inf")), values.to(query.dtype), m_i, l_i, acc)
-    at = out + token[:, None] * o_tok + head[:, None] * o_head + dv[None, :]
-    tl.store(at, softmax_result(acc, l_i).to(out.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :])
+        scores = tiles.tile_scores(query, keys, visible, scale, softcap, SOFTCAP)
+        values = tiles.paged_rows(v_cache, v_strides, paged, table, key_pos, key_ok, v_base, dv, DV)
+        m_i, l_i, acc = tiles.softmax_step(scores, values.to(query.dtype), m_i, l_i, acc)
+    tiles.store_result(out, o_strides, token, head, row_ok, acc, l_i, dv, DV)
 
 
 def _attend(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
+    layout: tiles.Paged,
     scale: float,
     window: int,
     softcap: float,
@@ -198,49 +181,32 @@ def _attend(
     kv_heads, dv = k_cache.shape[2], v_cache.shape[3]
     group = num_heads // kv_heads
     out = q.new_zeros(num_tokens, num_heads, dv)
-    num_seqs = block_tables.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
+    if num_tokens == 0 or layout.num_seqs == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     g_pad = triton.next_power_of_2(group)
-    rows = DECODE_ROWS if num_tokens <= num_seqs else PREFILL_ROWS
+    rows = DECODE_ROWS if num_tokens <= layout.num_seqs else PREFILL_ROWS
     block_q = max(1, rows // g_pad)
-    grid = (num_tokens // block_q + num_seqs, kv_heads)
-    _attention_kernel[grid](
+    strides = (q.stride()[:2], k_cache.stride()[:3], v_cache.stride()[:3], out.stride()[:2])
+    extras = (layout.positions if until is None else until, q if sinks is None else sinks)
+    blocks = {"GROUP": group, "G_PAD": g_pad, "BLOCK_Q": block_q, "BLOCK_N": tiles.KV_TILE}
+    widths = {"DK": dk, "DV": dv, "BLOCK_DK": tiles.pow2(dk), "BLOCK_DV": tiles.pow2(dv)}
+    flags = {"HAS_UNTIL": until is not None, "HAS_SINKS": sinks is not None, "SOFTCAP": softcap > 0.0}
+    _attention_kernel[(num_tokens // block_q + layout.num_seqs, kv_heads)](
         out,
         q,
         k_cache,
         v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        positions,
-        positions if until is None else until,
-        q if sinks is None else sinks,
+        layout,
+        *extras,
         float(scale),
         float(softcap),
         int(window),
-        num_seqs,
-        k_cache.shape[1],
-        q.stride(0),
-        q.stride(1),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        GROUP=group,
-        G_PAD=g_pad,
-        BLOCK_Q=block_q,
-        BLOCK_N=KV_TILE,
-        DK=dk,
-        DV=dv,
-        BLOCK_DK=pow2(dk),
-        BLOCK_DV=pow2(dv),
-        HAS_UNTIL=until is not None,
-        HAS_SINKS=sinks is not None,
-        SOFTCAP=softcap > 0.0,
-        num_warps=warps(block_q * g_pad, pow2(max(dk, dv))),
+        *strides,
+        **blocks,
+        **widths,
+        **flags,
+        num_warps=tiles.warps(block_q * g_pad, tiles.pow2(max(dk, dv))),
     )
     return out
 
@@ -272,22 +238,25 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
     )
 
 
+def _layout(block_tables, seq_lens, query_start_loc, positions, cache) -> tiles.Paged:
+    """The dense kernel's Paged layout: it finds each block's sequence from query_start_loc itself."""
+    return tiles.layout_of(block_tables, seq_lens, query_start_loc, positions, cache.shape[1], per_token=False)
+
+
 def paged_attention(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window=0, softcap=0.0
 ) -> Tensor:
     """flare::paged_attention (helios.core.ops.base) for decode rows and prefill chunks alike."""
-    return _attend(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap, None, None
-    )
+    layout = _layout(block_tables, seq_lens, query_start_loc, positions, k_cache)
+    return _attend(q, k_cache, v_cache, layout, scale, window, softcap, None, None)
 
 
 def paged_attention_until(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, until, scale, window=0, softcap=0.0
 ) -> Tensor:
     """flare::paged_attention_until (helios.core.ops.bidirectional): the causal edge is until[t]."""
-    return _attend(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale, window, softcap, until, None
-    )
+    layout = _layout(block_tables, seq_lens, query_start_loc, positions, k_cache)
+    return _attend(q, k_cache, v_cache, layout, scale, window, softcap, until, None)
 
 
 def sink_attention(
@@ -295,8 +264,8 @@ def sink_attention(
 ) -> Tensor:
     """flare::sink_attention (helios.core.ops.sinks): packed key|value rows, optional sink logits."""
     dk = q.shape[-1]
-    keys, values = kv_cache[..., :dk], kv_cache[..., dk:]
-    return _attend(q, keys, values, block_tables, seq_lens, query_start_loc, positions, scale, window, 0.0, None, sinks)
+    layout = _layout(block_tables, seq_lens, query_start_loc, positions, kv_cache)
+    return _attend(q, kv_cache[..., :dk], kv_cache[..., dk:], layout, scale, window, 0.0, None, sinks)
 
 
 def register(library: torch.library.Library) -> None:

@@ -7,13 +7,15 @@ layout), not a loop over experts.
    names the expert of each BLOCK_M block (num_experts past the end: such blocks exit at once).
    Its length is bounded by shapes alone: num_assignments + min(num_assignments, num_experts) *
    (BLOCK_M - 1) rows, since only experts with rows pad.
-2. `_gate_up_kernel`, grid (blocks, cdiv(F, BLOCK_N)): a block's rows of h (token = id // top_k)
-   times its expert's gate and up rows (two fp32 accumulators over the same F columns; one for the
-   ungated relu2), rounded to the weights' dtype as the reference's matmul output is, the gated
-   activation applied in fp32, stored to `act[assignment]` in the weights' dtype.
-3. `_down_kernel`, grid (blocks, cdiv(hidden, BLOCK_N)): act rows times the expert's down matrix,
-   rounded to the weights' dtype, scaled by the routing weight, stored fp32 to `y[assignment]`.
-4. The combine: y viewed [num_tokens, top_k, hidden] summed over top_k (deterministic: no atomics).
+2. `_expert_gemm_kernel` twice, one grouped GEMM kernel for both projections; a program takes one
+   BLOCK_M block of an expert's assignments and BLOCK_N output columns:
+   - gate/up, grid (blocks, cdiv(F, BLOCK_N)): a block's rows of h (token = id // top_k) times its
+     expert's gate and up rows (two fp32 accumulators over the same F columns; one for the
+     ungated relu2), rounded to the weights' dtype as the reference's matmul output is, the gated
+     activation applied in fp32, stored to `act[assignment]` in the weights' dtype;
+   - down, grid (blocks, cdiv(hidden, BLOCK_N)): act rows times the expert's down matrix, rounded
+     to the weights' dtype, scaled by the routing weight, stored fp32 to `y[assignment]`.
+3. The combine: y viewed [num_tokens, top_k, hidden] summed over top_k (deterministic: no atomics).
    With post_norm_scale (Muse Spark) the kernel leaves y unweighted and the scale, RMS norm and
    routing weight follow as torch elementwise ops.
 
@@ -68,25 +70,19 @@ def _activate(gate, up, limit, alpha, ACTIVATION: tl.constexpr, CLAMP: tl.conste
 
 
 @triton.jit
-def _block(sorted_ids_ptr, num_assignments, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's rows (assignment ids, which are real) and output columns."""
-    ids = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    return ids, ids < num_assignments, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-
-
-@triton.jit
-def _gate_up_kernel(
-    h_ptr,
+def _expert_gemm_kernel(
+    a_ptr,
     w_ptr,
-    act_ptr,
+    out_ptr,
+    weights_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
     num_assignments,
     num_experts,
-    hidden,
-    ffn,
-    top_k,
-    stride_h,
+    k_dim,
+    n_dim,
+    rows_per_a,
+    stride_a,
     stride_we,
     stride_wn,
     stride_wk,
@@ -95,84 +91,46 @@ def _gate_up_kernel(
     ACTIVATION: tl.constexpr,
     CLAMP: tl.constexpr,
     GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    expert = tl.load(block_experts_ptr + tl.program_id(0)).to(tl.int64)
-    if expert >= num_experts:  # a block past the last expert's rows
-        return
-    ids, valid, cols = _block(sorted_ids_ptr, num_assignments, BLOCK_M, BLOCK_N)
-    tokens = ids // top_k
-    col_ok = cols < ffn
-    ks = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert * stride_we
-    gate_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = (k0 + ks) < hidden
-        a = tl.load(
-            h_ptr + tokens[:, None] * stride_h + (k0 + ks)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
-        )
-        a = a.to(w_ptr.dtype.element_ty)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w_offsets = (k0 + ks)[:, None] * stride_wk + cols[None, :] * stride_wn
-        gate_acc += tl.dot(a, tl.load(w_base + w_offsets, mask=w_mask, other=0.0), input_precision="ieee")
-        if GATED:
-            up = tl.load(w_base + ffn * stride_wn + w_offsets, mask=w_mask, other=0.0)
-            up_acc += tl.dot(a, up, input_precision="ieee")
-    # the reference's matmul output is in the weights' dtype; the activation runs in fp32
-    gate = gate_acc.to(w_ptr.dtype.element_ty).to(tl.float32)
-    up_val = up_acc.to(w_ptr.dtype.element_ty).to(tl.float32)
-    out = _activate(gate, up_val, limit, alpha, ACTIVATION, CLAMP)
-    tl.store(
-        act_ptr + ids[:, None] * ffn + cols[None, :],
-        out.to(act_ptr.dtype.element_ty),
-        mask=valid[:, None] & col_ok[None, :],
-    )
-
-
-@triton.jit
-def _down_kernel(
-    act_ptr,
-    w_ptr,
-    y_ptr,
-    weights_ptr,
-    sorted_ids_ptr,
-    block_experts_ptr,
-    num_assignments,
-    num_experts,
-    hidden,
-    ffn,
-    stride_we,
-    stride_wn,
-    stride_wk,
     WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """out[assignment, cols] for a block of one expert's assignments: row assignment // rows_per_a of
+    a [*, k_dim] times the expert's [n_dim, k_dim] rows of w (and, GATED, its up rows n_dim further),
+    rounded to the weights' dtype, then the activation ACTIVATION (-1: none) and, WEIGHTED, the
+    routing weight, in fp32. Serves both projections: gate/up (a = h, rows_per_a = top_k) and
+    down (a = act, one row per assignment)."""
     expert = tl.load(block_experts_ptr + tl.program_id(0)).to(tl.int64)
-    if expert >= num_experts:
+    if expert >= num_experts:  # a block past the last expert's rows
         return
-    ids, valid, cols = _block(sorted_ids_ptr, num_assignments, BLOCK_M, BLOCK_N)
-    col_ok = cols < hidden
+    ids = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = ids < num_assignments  # the rest pad the expert's run
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_dim
+    a_rows = a_ptr + (ids // rows_per_a)[:, None] * stride_a
     ks = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, ffn, BLOCK_K):
-        k_ok = (k0 + ks) < ffn
-        a = tl.load(act_ptr + ids[:, None] * ffn + (k0 + ks)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(
-            w_base + (k0 + ks)[:, None] * stride_wk + cols[None, :] * stride_wn,
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        acc += tl.dot(a, w, input_precision="ieee")
+    up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        k_ok = (k0 + ks) < k_dim
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        a = a.to(w_ptr.dtype.element_ty)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_offsets = (k0 + ks)[:, None] * stride_wk + cols[None, :] * stride_wn
+        acc += tl.dot(a, tl.load(w_base + w_offsets, mask=w_mask, other=0.0), input_precision="ieee")
+        if GATED:
+            up = tl.load(w_base + n_dim * stride_wn + w_offsets, mask=w_mask, other=0.0)
+            up_acc += tl.dot(a, up, input_precision="ieee")
+    # the reference's matmul output is in the weights' dtype; what follows runs in fp32
     y = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+    if ACTIVATION >= 0:
+        y = _activate(y, up_acc.to(w_ptr.dtype.element_ty).to(tl.float32), limit, alpha, ACTIVATION, CLAMP)
     if WEIGHTED:
         y = y * tl.load(weights_ptr + ids, mask=valid, other=0.0)[:, None]
-    tl.store(y_ptr + ids[:, None] * hidden + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
+    out_at = out_ptr + ids[:, None] * n_dim + cols[None, :]
+    tl.store(out_at, y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
 def align_by_expert(expert_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -236,16 +194,19 @@ def routed_experts(
     blocks = block_experts.shape[0]
     x = h if h.stride(-1) == 1 else h.contiguous()
     act = torch.empty(assignments, ffn, dtype=wdt, device=h.device)
-    plan = (sorted_ids, block_experts, assignments, num_experts, hidden, ffn)
-    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps}
-    flags = {"ACTIVATION": ACTIVATIONS.index(activation), "CLAMP": limit > 0, "GATED": activation != "relu2"}
-    _gate_up_kernel[(blocks, triton.cdiv(ffn, block_n))](
-        x, w_gate_up, act, *plan, top_k, x.stride(0), *w_gate_up.stride(), float(limit), float(alpha), **flags, **config
-    )
     weights = expert_weights.reshape(-1).float().contiguous()
     y = torch.empty(assignments, hidden, dtype=torch.float32, device=h.device)
-    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, w_down, y, weights, *plan, *w_down.stride(), WEIGHTED=post_norm_scale is None, **config
+    plan = (weights, sorted_ids, block_experts, assignments, num_experts)
+    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps}
+    options = (float(limit), float(alpha))
+    gate_up = {"ACTIVATION": ACTIVATIONS.index(activation), "CLAMP": limit > 0, "GATED": activation != "relu2"}
+    gate_up["WEIGHTED"] = False
+    _expert_gemm_kernel[(blocks, triton.cdiv(ffn, block_n))](
+        x, w_gate_up, act, *plan, hidden, ffn, top_k, x.stride(0), *w_gate_up.stride(), *options, **gate_up, **config
+    )
+    down = {"ACTIVATION": -1, "CLAMP": False, "GATED": False, "WEIGHTED": post_norm_scale is None}
+    _expert_gemm_kernel[(blocks, triton.cdiv(hidden, block_n))](
+        act, w_down, y, *plan, ffn, hidden, 1, act.stride(0), *w_down.stride(), *options, **down, **config
     )
     if post_norm_scale is not None:  # Muse Spark: scale, RMS-normalize, then the routing weight
         y = y * post_norm_scale.float()

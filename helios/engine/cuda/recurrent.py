@@ -26,6 +26,8 @@ capturable; all arithmetic is fp32, tl.dot at IEEE fp32 precision.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -43,19 +45,49 @@ VALUE_BLOCK = 32  # value channels (Mamba-2: head channels) per program
 CHUNKED_WARPS = 8  # the chunked forms hold several [CHUNK, K] tiles beside the state: more threads, fewer spills
 
 
+class Form(NamedTuple):
+    """Which form a recurrent-state kernel takes: chunked (prefill) or token by token (decode), and
+    the rows per chunk (None: the op's default). The wrappers choose by the layout unless given one."""
+
+    chunked: bool
+    chunk: int | None = None
+
+
 def _pow2(n: int, floor: int = MIN_DOT) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
+class Slots(NamedTuple):
+    """The sequences' layout and state slots, passed to the kernels as ONE argument (Triton takes a
+    NamedTuple whole)."""
+
+    query_start_loc: Tensor  # [B + 1]
+    state_slots: Tensor  # [B]
+    positions: Tensor  # [T]
+    num_slots: int  # the pool's size: a negative slot counts from its end
+
+
 @triton.jit
-def _span(b, query_start_loc, state_slots, positions, num_slots):
-    """Sequence b's rows [start, end), its slot, and whether it carries state (not fresh)."""
-    start = tl.load(query_start_loc + b).to(tl.int64)  # 64-bit rows: row * stride never overflows
-    end = tl.load(query_start_loc + b + 1).to(tl.int64)
-    slot = tl.load(state_slots + b).to(tl.int64)
-    slot = tl.where(slot < 0, slot + num_slots, slot)
-    first = tl.load(positions + start, mask=end > start, other=0)
+def _span(slots):
+    """The rows [start, end) of this program's sequence (grid axis 0), its slot, and whether it
+    carries state (not fresh)."""
+    b = tl.program_id(0)
+    start = tl.load(slots.query_start_loc + b).to(tl.int64)  # 64-bit rows: row * stride never overflows
+    end = tl.load(slots.query_start_loc + b + 1).to(tl.int64)
+    slot = tl.load(slots.state_slots + b).to(tl.int64)
+    slot = tl.where(slot < 0, slot + slots.num_slots, slot)
+    first = tl.load(slots.positions + start, mask=end > start, other=0)
     return start, end, slot, first != 0
+
+
+@triton.jit
+def _state_tile(state, strides, slot, rows, cols, rows_ok, cols_ok, carried):
+    """Pointers, mask and fp32 value (zeros when not carried) of the [R, C] tile (rows, cols) of
+    head program_id(1)'s state in `slot`; strides: the pool's (slot, head, row, col) strides."""
+    at = state + slot * strides[0] + tl.program_id(1) * strides[1]
+    at += rows[:, None] * strides[2] + cols[None, :] * strides[3]
+    mask = rows_ok[:, None] & cols_ok[None, :]
+    return at, mask, tl.load(at, mask=mask & carried, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -75,12 +107,9 @@ def _conv_kernel(
     conv_state,
     out,
     token_seq,
-    query_start_loc,
-    state_slots,
-    positions,
+    slots,
     num_tokens,
     num_seqs,
-    num_slots,
     channels,
     stride_x,
     stride_wc,
@@ -98,10 +127,10 @@ def _conv_kernel(
     seq = tl.load(token_seq + rows, mask=rows < num_tokens, other=num_seqs)
     row_ok = seq < num_seqs  # rows past the last sequence stay zero
     seq = tl.minimum(seq, num_seqs - 1)
-    start = tl.load(query_start_loc + seq)
-    slot = tl.load(state_slots + seq).to(tl.int64)
-    slot = tl.where(slot < 0, slot + num_slots, slot)
-    carried = tl.load(positions + start, mask=row_ok, other=0) != 0
+    start = tl.load(slots.query_start_loc + seq)
+    slot = tl.load(slots.state_slots + seq).to(tl.int64)
+    slot = tl.where(slot < 0, slot + slots.num_slots, slot)
+    carried = tl.load(slots.positions + start, mask=row_ok, other=0) != 0
     ch_ok = chans < channels
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32) + tl.load(bias + chans, mask=ch_ok, other=0.0)[None, :]
     for k in tl.static_range(WIDTH):
@@ -126,10 +155,7 @@ def _conv_kernel(
 def _conv_state_kernel(
     x,
     conv_state,
-    query_start_loc,
-    state_slots,
-    positions,
-    num_slots,
+    slots,
     channels,
     stride_x,
     stride_ss,
@@ -139,7 +165,7 @@ def _conv_state_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    start, end, slot, carried = _span(tl.program_id(0), query_start_loc, state_slots, positions, num_slots)
+    start, end, slot, carried = _span(slots)
     if end <= start:
         return
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -167,16 +193,16 @@ def causal_conv1d(x, weight, bias, conv_state, state_slots, query_start_loc, pos
     steps = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=x.device)
     token_seq = torch.searchsorted(query_start_loc[1:], steps, right=True)
     block_c = min(_pow2(channels), 64)
-    layout = (query_start_loc, state_slots, positions)
-    sizes = (conv_state.shape[0], channels, x.stride(0))
-    tensors = (x, weight, bias, conv_state, out, token_seq, *layout, num_tokens, num_seqs)
+    layout = Slots(query_start_loc, state_slots, positions, conv_state.shape[0])
+    sizes = (channels, x.stride(0))
+    tensors = (x, weight, bias, conv_state, out, token_seq, layout, num_tokens, num_seqs)
     grid = (triton.cdiv(num_tokens, 16), triton.cdiv(channels, block_c))
     blocks = {"WIDTH": width, "BLOCK_C": block_c}
     _conv_kernel[grid](*tensors, *sizes, *weight.stride(), *conv_state.stride(), SILU=bool(silu), BLOCK_T=16, **blocks)
     if width > 1:  # after every row has read the old state
         grid = (num_seqs, triton.cdiv(channels, block_c))
         blocks["BLOCK_S"] = triton.next_power_of_2(width - 1)
-        _conv_state_kernel[grid](x, conv_state, *layout, *sizes, *conv_state.stride(), **blocks)
+        _conv_state_kernel[grid](x, conv_state, layout, *sizes, *conv_state.stride(), **blocks)
     return out
 
 
@@ -194,10 +220,7 @@ def _ssm_kernel(
     D,
     ssm_state,
     out,
-    query_start_loc,
-    state_slots,
-    positions,
-    num_slots,
+    slots,
     heads,
     heads_per_group,
     dim,
@@ -206,16 +229,13 @@ def _ssm_kernel(
     stride_xh,
     stride_bt,
     stride_bg,
-    stride_ss,
-    stride_sh,
-    stride_sp,
-    stride_sn,
+    state_strides,
     CHUNKED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    start, end, slot, carried = _span(tl.program_id(0), query_start_loc, state_slots, positions, num_slots)
+    start, end, slot, carried = _span(slots)
     if end <= start:
         return
     h = tl.program_id(1)
@@ -223,9 +243,7 @@ def _ssm_kernel(
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     p_ok, n_ok = p < dim, n < state_dim
-    at = ssm_state + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :] * stride_sn
-    mask = p_ok[:, None] & n_ok[None, :]
-    state = tl.load(at, mask=mask & carried, other=0.0).to(tl.float32)  # [P, N]
+    at, mask, state = _state_tile(ssm_state, state_strides, slot, p, n, p_ok, n_ok, carried)  # [P, N]
     a = tl.load(A + h).to(tl.float32)
     skip = tl.load(D + h).to(tl.float32)
     if CHUNKED:  # SSD: within a chunk one masked matrix product, the state passed from chunk to chunk
@@ -265,52 +283,30 @@ def _ssm_kernel(
     tl.store(at, state.to(ssm_state.dtype.element_ty), mask=mask)
 
 
-def run_mamba2_scan(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor,
-    dt_bias: Tensor,
-    ssm_state: Tensor,
-    state_slots: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    dt_min: float,
-    dt_max: float,
-    chunked: bool,
-    chunk: int = SSM_CHUNK,
+def mamba2_scan(
+    x, dt, A, B, C, D, dt_bias, ssm_state, state_slots, query_start_loc, positions, dt_min=0.0, dt_max=0.0, *, form=None
 ) -> Tensor:
-    """flare::mamba2_scan in the recurrent or the chunked form (both serve any layout)."""
+    """flare::mamba2_scan (arguments as its schema: helios.core.ops.mamba), chunked when the step has
+    more rows than sequences (prefill), else token by token (decode); a `Form` forces one, as the
+    tests do (both serve any layout)."""
     num_tokens, heads, dim = x.shape
     groups, state_dim = B.shape[1], B.shape[2]
     num_seqs = state_slots.shape[0]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    chunked, chunk = form or Form(num_tokens > num_seqs)
     steps = time_steps(dt, dt_bias, dt_min, dt_max).contiguous()  # [T, H] fp32, elementwise on the device
     x, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, B, C))
     if B.stride() != C.stride():
         B, C = B.contiguous(), C.contiguous()
     block_p = min(_pow2(dim), VALUE_BLOCK)
-    args = (x, steps, A, B, C, D, ssm_state, out, query_start_loc, state_slots, positions, ssm_state.shape[0])
-    shape = (heads, heads // groups, dim, state_dim, *x.stride()[:2], *B.stride()[:2], *ssm_state.stride())
+    args = (x, steps, A, B, C, D, ssm_state, out, Slots(query_start_loc, state_slots, positions, ssm_state.shape[0]))
+    shape = (heads, heads // groups, dim, state_dim, *x.stride()[:2], *B.stride()[:2], ssm_state.stride())
     grid = (num_seqs, heads, triton.cdiv(dim, block_p))
-    blocks = {"CHUNK": chunk, "BLOCK_P": block_p, "BLOCK_N": _pow2(state_dim)}
+    blocks = {"CHUNK": chunk or SSM_CHUNK, "BLOCK_P": block_p, "BLOCK_N": _pow2(state_dim)}
     _ssm_kernel[grid](*args, *shape, CHUNKED=chunked, **blocks, num_warps=CHUNKED_WARPS if chunked else 4)
     return out
-
-
-def mamba2_scan(
-    x, dt, A, B, C, D, dt_bias, ssm_state, state_slots, query_start_loc, positions, dt_min=0.0, dt_max=0.0
-) -> Tensor:
-    """flare::mamba2_scan (arguments as its schema: helios.core.ops.mamba): chunked when the step has
-    more rows than sequences (prefill), else token by token (decode)."""
-    chunked = x.shape[0] > state_slots.shape[0]
-    return run_mamba2_scan(
-        x, dt, A, B, C, D, dt_bias, ssm_state, state_slots, query_start_loc, positions, dt_min, dt_max, chunked
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,10 +382,7 @@ def _delta_kernel(
     beta,
     state,
     out,
-    query_start_loc,
-    state_slots,
-    positions,
-    num_slots,
+    slots,
     value_heads,
     group,
     k_dim,
@@ -401,10 +394,7 @@ def _delta_kernel(
     stride_vh,
     stride_gt,
     stride_gh,
-    stride_ss,
-    stride_sh,
-    stride_sk,
-    stride_sv,
+    state_strides,
     NORM: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
     CHUNKED: tl.constexpr,
@@ -413,7 +403,7 @@ def _delta_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    start, end, slot, carried = _span(tl.program_id(0), query_start_loc, state_slots, positions, num_slots)
+    start, end, slot, carried = _span(slots)
     if end <= start:
         return
     h = tl.program_id(1)
@@ -421,9 +411,7 @@ def _delta_kernel(
     kd = tl.arange(0, BLOCK_K)
     vd = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok, v_ok = kd < k_dim, vd < v_dim
-    mask = k_ok[:, None] & v_ok[None, :]
-    at = state + slot * stride_ss + h * stride_sh + kd[:, None] * stride_sk + vd[None, :] * stride_sv
-    s = tl.load(at, mask=mask & carried, other=0.0).to(tl.float32)  # [K, V]
+    at, mask, s = _state_tile(state, state_strides, slot, kd, vd, k_ok, v_ok, carried)  # [K, V]
     if CHUNKED:  # the WY / UT form, CHUNK rows at a time
         r = tl.arange(0, CHUNK)
         lower = r[:, None] > r[None, :]
@@ -496,23 +484,13 @@ def _delta_kernel(
     tl.store(at, s.to(state.dtype.element_ty), mask=mask)
 
 
-def run_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    state: Tensor,
-    state_slots: Tensor,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    scale: float,
-    qk_l2norm: bool,
-    chunked: bool,
-    chunk: int | None = None,
+def delta_rule(
+    q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, *, form=None
 ) -> Tensor:
-    """flare::gated_delta_rule (g [T, Hv]) or flare::kda (g [T, H, Dk]) in the recurrent or the
-    chunked form (both serve any layout); `chunk` rows per chunk (default by op)."""
+    """flare::gated_delta_rule (g [T, Hv]) and flare::kda (g [T, H, Dk]): one schema (helios.core.ops
+    .gated_delta, .glm5_next), the gate's shape tells them apart. Chunked when the step has more rows
+    than sequences (prefill), else token by token (decode); a `Form` forces one, as the tests do
+    (both serve any layout)."""
     num_tokens, value_heads, v_dim = v.shape
     key_heads, k_dim = k.shape[1], k.shape[2]
     per_channel = g.dim() == 3
@@ -520,39 +498,30 @@ def run_delta_rule(
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    chunked, chunk = form or Form(num_tokens > num_seqs)
     q, k, v, g = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g))
     if q.stride() != k.stride():
         q, k = q.contiguous(), k.contiguous()
     beta = beta.contiguous()
     block_k = _pow2(k_dim)
     block_v = min(_pow2(v_dim), VALUE_BLOCK)
-    args = (q, k, v, g, beta, state, out, query_start_loc, state_slots, positions, state.shape[0], value_heads)
-    shape = (value_heads // key_heads, k_dim, v_dim, float(scale), *q.stride()[:2], *v.stride()[:2])
-    shape += (*g.stride()[:2], *state.stride())
+    layout = Slots(query_start_loc, state_slots, positions, state.shape[0])
+    args = (q, k, v, g, beta, state, out, layout, value_heads, value_heads // key_heads, k_dim, v_dim, float(scale))
+    strides = (*q.stride()[:2], *v.stride()[:2], *g.stride()[:2], state.stride())
     grid = (num_seqs, value_heads, triton.cdiv(v_dim, block_v))
     flags = {"NORM": bool(qk_l2norm), "PER_CHANNEL": per_channel, "BLOCK_K": block_k, "BLOCK_V": block_v}
     flags |= {"CHUNKED": chunked, "CHUNK": chunk or (KDA_CHUNK if per_channel else DELTA_CHUNK)}
     flags |= {"SUB": min(KDA_SUB, block_k), "num_warps": CHUNKED_WARPS if chunked else 4}
-    _delta_kernel[grid](*args, *shape, **flags)
+    _delta_kernel[grid](*args, *strides, **flags)
     return out
 
 
-def gated_delta_rule(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm) -> Tensor:
-    """flare::gated_delta_rule (arguments as its schema: helios.core.ops.gated_delta): chunked when
-    the step has more rows than sequences (prefill), else token by token (decode)."""
-    chunked = v.shape[0] > state_slots.shape[0]
-    return run_delta_rule(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked)
-
-
-def kda(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm) -> Tensor:
-    """flare::kda (arguments as its schema: helios.core.ops.glm5_next; g per key channel)."""
-    chunked = v.shape[0] > state_slots.shape[0]
-    return run_delta_rule(q, k, v, g, beta, state, state_slots, query_start_loc, positions, scale, qk_l2norm, chunked)
+gated_delta_rule = kda = delta_rule
 
 
 def register(library: torch.library.Library) -> None:
     """Install this family's kernels into the flare IMPL library's CUDA slot."""
     library.impl("causal_conv1d", causal_conv1d, "CUDA")
     library.impl("mamba2_scan", mamba2_scan, "CUDA")
-    library.impl("gated_delta_rule", gated_delta_rule, "CUDA")
-    library.impl("kda", kda, "CUDA")
+    library.impl("gated_delta_rule", delta_rule, "CUDA")
+    library.impl("kda", delta_rule, "CUDA")

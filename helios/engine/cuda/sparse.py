@@ -1,7 +1,7 @@
 """Triton kernels for the sparse-attention flare:: ops (block-sparse, DSA, DeepSeek-V4, GLM k-pool).
 
 Every kernel takes one query token per program (its sequence from a device-side searchsorted
-over query_start_loc); the selections are dense score rows as wide as the block table can
+over query_start_loc, in the step's `Paged` layout); the selections are dense score rows as wide as the block table can
 address, then torch.topk (or the core's shape-static select_topk) on the device.
 
 * `_index_scores_kernel` scores the entries a query can see for the indexer ops:
@@ -13,12 +13,12 @@ address, then torch.topk (or the core's shape-static select_topk) on the device.
   sequence lengths, j < seq_len // per_entry. Grid: (num_tokens, cdiv(entries, BLOCK_N)).
 * `_block_scores_kernel` (flare::block_select): per indexer head, the max over a key block of the
   visible keys' scores q . k, +inf for the query's local blocks. Grid: (num_tokens, blocks).
-* `_block_sparse_kernel` (flare::block_sparse_attention): flash attention over the selected key
-  blocks (a block listed twice counts once), rows = a run of query heads sharing one selection
-  head and one kv head. Grid: (num_tokens, num_heads // run).
-* `_sparse_attention_kernel` (flare::sparse_paged_attention): flash attention over the listed key
-  positions (sorted and de-duplicated on the device first), rows = one kv head's query heads.
-  Grid: (num_tokens, num_kv_heads).
+* `_listed_attention_kernel`: flash attention of one query token over the keys a list names,
+  rows = a run of query heads sharing one kv head (and one selection head). Grid: (num_tokens,
+  num_heads // run). It serves flare::block_sparse_attention (BLOCKS: the selected key blocks, a
+  block listed twice counted once; run = the heads sharing a selection head and a kv head) and
+  flare::sparse_paged_attention (the listed key positions, sorted and de-duplicated on the device
+  first; run = one kv head's query heads).
 * flare::dsv4_pool and flare::dsv4_attention: helios.engine.cuda.deepseek_v4 (registered here).
 
 Capturable: grids and buffers from shapes only, lengths and positions read in the kernels.
@@ -27,6 +27,7 @@ Capturable: grids and buffers from shapes only, lengths and positions read in th
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,18 +36,8 @@ from torch import Tensor
 
 from helios.core.ops.glm5_next import expand_selection
 from helios.core.ops.sparse import select_topk
+from helios.engine.cuda import tiles
 from helios.engine.cuda.deepseek_v4 import dsv4_attention, dsv4_pool
-from helios.engine.cuda.tiles import (
-    KV_TILE,
-    paged_rows,
-    pow2,
-    sequences,
-    softmax_result,
-    softmax_start,
-    softmax_step,
-    token_state,
-    warps,
-)
 
 ENTRY_TILE = 32  # entries scored per program (BLOCK_N of _index_scores_kernel)
 
@@ -66,25 +57,13 @@ def _index_scores_kernel(
     weights,
     cache,
     ape,
-    block_tables,
-    seq_lens,
-    token_seq,
-    positions,
+    paged,
     scale,
-    per_entry,
-    key_stride,
-    key_offset,
-    page_tokens,
-    num_seqs,
-    num_entries,
-    q_tok,
-    q_head,
+    entries,
+    q_strides,
+    c_strides,
     w_tok,
-    c_page,
-    c_tok,
     a_row,
-    bt_row,
-    s_tok,
     HEADS: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -93,20 +72,18 @@ def _index_scores_kernel(
     HAS_LENS: tl.constexpr,
     POOLED: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token, seq, pos, bound, table = tiles.token_state(paged, HAS_LENS)
     entry = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    seq, pos, bound = token_state(token_seq, positions, seq_lens, token, num_seqs, HAS_LENS)
-    ok = (entry < bound // per_entry) & (entry < num_entries)
-    table = block_tables + seq.to(tl.int64) * bt_row
+    ok = (entry < bound // entries.per_entry) & (entry < entries.count)
     dims = tl.arange(0, BLOCK_D)
     if POOLED:  # softmax over the pool's tokens of (gate + ape[offset]), per channel, online
         m_i = tl.full([BLOCK_N, BLOCK_D], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         keys = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        for offset in range(0, per_entry):
-            key_pos = entry * per_entry + offset
-            key = paged_rows(cache, table, key_pos, ok, page_tokens, c_page, c_tok, 0, dims, DIM).to(tl.float32)
-            gate = paged_rows(cache, table, key_pos, ok, page_tokens, c_page, c_tok, DIM, dims, DIM).to(tl.float32)
+        for offset in range(0, entries.per_entry):
+            key_pos = entry * entries.per_entry + offset
+            key = tiles.paged_rows(cache, c_strides, paged, table, key_pos, ok, 0, dims, DIM).to(tl.float32)
+            gate = tiles.paged_rows(cache, c_strides, paged, table, key_pos, ok, DIM, dims, DIM).to(tl.float32)
             gate += tl.load(ape + offset * a_row + dims, mask=dims < DIM, other=0.0).to(tl.float32)[None, :]
             m_new = tl.maximum(m_i, gate)
             alpha = tl.exp(m_i - m_new)
@@ -116,83 +93,51 @@ def _index_scores_kernel(
             m_i = m_new
         keys = keys / l_i
     else:
-        key_pos = entry * key_stride + key_offset
-        keys = paged_rows(cache, table, key_pos, ok, page_tokens, c_page, c_tok, 0, dims, DIM).to(tl.float32)
+        key_pos = entry * entries.key_stride + entries.key_offset
+        keys = tiles.paged_rows(cache, c_strides, paged, table, key_pos, ok, 0, dims, DIM).to(tl.float32)
     heads = tl.arange(0, BLOCK_H)
-    query = tl.load(
-        q + token * q_tok + heads[:, None] * q_head + dims[None, :],
-        mask=(heads < HEADS)[:, None] & (dims < DIM)[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    at, mask = tiles.token_rows(q, q_strides, token, heads, heads < HEADS, dims, DIM)
+    query = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(weights + token * w_tok + heads, mask=heads < HEADS, other=0.0).to(tl.float32)
     per_head = tl.dot(query, tl.trans(keys), input_precision="ieee") * scale  # [heads, entries]
     total = tl.sum(tl.maximum(per_head, 0.0) * weight[:, None], 0)
-    tl.store(scores + token * s_tok + entry, tl.where(ok, total, float("-inf")), mask=entry < num_entries)
+    tl.store(scores + token * entries.count + entry, tl.where(ok, total, float("-inf")), mask=entry < entries.count)
 
 
-def _index_scores(
-    q: Tensor,
-    head_weights: Tensor,
-    cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor | None,
-    query_start_loc: Tensor,
-    positions: Tensor,
-    scale: float,
-    per_entry: int,
-    num_entries: int,
-    key_stride: int = 1,
-    key_offset: int = 0,
-    ape: Tensor | None = None,
-) -> Tensor:
-    """[T, num_entries] fp32 indexer scores (see `_index_scores_kernel`), -inf where not visible."""
+class Entries(NamedTuple):
+    """What `_index_scores_kernel` scores (one kernel argument): `count` entries, entry j visible
+    from position (j + 1) * per_entry - 1 on, its key at position j * key_stride + key_offset (or,
+    pooled, the pool of positions j * per_entry .. j * per_entry + per_entry - 1)."""
+
+    count: int
+    per_entry: int
+    key_stride: int = 1
+    key_offset: int = 0
+
+
+def _index_scores(q, head_weights, cache, layout: tiles.Paged, scale: float, entries: Entries, ape=None) -> Tensor:
+    """[T, entries.count] fp32 indexer scores (see `_index_scores_kernel`), -inf where not visible."""
     num_tokens, heads, dim = q.shape
-    scores = torch.full((num_tokens, num_entries), float("-inf"), dtype=torch.float32, device=q.device)
-    if num_tokens == 0 or num_entries == 0 or block_tables.shape[0] == 0:
+    # contiguous: the kernel takes rows entries.count apart
+    scores = torch.full((num_tokens, entries.count), float("-inf"), dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or entries.count == 0 or layout.num_seqs == 0:
         return scores
     q, head_weights = q.contiguous(), head_weights.contiguous()
-    grid = (num_tokens, triton.cdiv(num_entries, ENTRY_TILE))
-    _index_scores_kernel[grid](
-        scores,
-        q,
-        head_weights,
-        cache,
-        q if ape is None else ape,
-        block_tables,
-        positions if seq_lens is None else seq_lens,
-        sequences(query_start_loc, num_tokens),
-        positions,
-        float(scale),
-        per_entry,
-        key_stride,
-        key_offset,
-        cache.shape[1],
-        block_tables.shape[0],
-        num_entries,
-        q.stride(0),
-        q.stride(1),
-        head_weights.stride(0),
-        cache.stride(0),
-        cache.stride(1),
-        0 if ape is None else ape.stride(0),
-        block_tables.stride(0),
-        scores.stride(0),
-        HEADS=heads,
-        DIM=dim,
-        BLOCK_H=pow2(heads),
-        BLOCK_D=pow2(dim),
-        BLOCK_N=ENTRY_TILE,
-        HAS_LENS=seq_lens is not None,
-        POOLED=ape is not None,
-    )
+    grid = (num_tokens, triton.cdiv(entries.count, ENTRY_TILE))
+    strides = (q.stride()[:2], cache.stride()[:2], head_weights.stride(0), 0 if ape is None else ape.stride(0))
+    blocks = {"BLOCK_H": tiles.pow2(heads), "BLOCK_D": tiles.pow2(dim), "BLOCK_N": ENTRY_TILE}
+    # layout_of() stands the positions in for lengths an op does not have
+    flags = {"HAS_LENS": layout.seq_lens is not layout.positions, "POOLED": ape is not None}
+    tensors = (scores, q, head_weights, cache, q if ape is None else ape, layout)
+    _index_scores_kernel[grid](*tensors, float(scale), entries, *strides, HEADS=heads, DIM=dim, **blocks, **flags)
     return scores
 
 
 def indexer_topk(q, head_weights, k_cache, block_tables, seq_lens, query_start_loc, positions, scale, topk) -> Tensor:
     """flare::indexer_topk (helios.core.ops.sparse): kept key positions ascending, ties to the earlier."""
-    positions_max = block_tables.shape[1] * k_cache.shape[1]
+    layout = tiles.layout_of(block_tables, seq_lens, query_start_loc, positions, k_cache.shape[1])
     scores = _index_scores(
-        q, head_weights, k_cache, block_tables, seq_lens, query_start_loc, positions, scale, 1, positions_max
+        q, head_weights, k_cache, layout, scale, Entries(block_tables.shape[1] * k_cache.shape[1], 1)
     )
     return select_topk(scores, scores > float("-inf"), topk)
 
@@ -201,10 +146,9 @@ def dsv4_indexer_topk(
     q, head_weights, key_cache, block_tables, query_start_loc, positions, rate, top_k, scale
 ) -> Tensor:
     """flare::dsv4_indexer_topk (helios.core.ops.deepseek_v4): complete entries' ids, best first."""
-    entries = block_tables.shape[1] * key_cache.shape[1] // rate
-    scores = _index_scores(
-        q, head_weights, key_cache, block_tables, None, query_start_loc, positions, scale, rate, entries, rate, rate - 1
-    )
+    entries = Entries(block_tables.shape[1] * key_cache.shape[1] // rate, rate, rate, rate - 1)
+    layout = tiles.layout_of(block_tables, None, query_start_loc, positions, key_cache.shape[1])
+    scores = _index_scores(q, head_weights, key_cache, layout, scale, entries)
     return _best_first(scores, top_k)
 
 
@@ -212,17 +156,14 @@ def kpool_topk(
     q, head_weights, cache, ape, block_tables, seq_lens, query_start_loc, positions, scale, pool, topk_pools, tail
 ) -> Tensor:
     """flare::kpool_topk (helios.core.ops.glm5_next): the kept pools' positions, then the query's own pool's."""
-    pools = block_tables.shape[1] * cache.shape[1] // pool
-    ape = ape.contiguous()
-    scores = _index_scores(
-        q, head_weights, cache, block_tables, seq_lens, query_start_loc, positions, scale, pool, pools, ape=ape
-    )
+    pools = Entries(block_tables.shape[1] * cache.shape[1] // pool, pool)
+    layout = tiles.layout_of(block_tables, seq_lens, query_start_loc, positions, cache.shape[1])
+    scores = _index_scores(q, head_weights, cache, layout, scale, pools, ape.contiguous())
     chosen = select_topk(scores, scores > float("-inf"), topk_pools)
     kept = expand_selection(chosen, positions, pool, tail)
     # A token of no sequence, or of one without history, keeps nothing (not even its tail).
-    seqs = sequences(query_start_loc, q.shape[0]).long()
     lens = torch.cat([seq_lens, seq_lens.new_zeros(1)])  # the last for tokens past every sequence
-    return torch.where((lens[seqs] > 0)[:, None], kept, -1)
+    return torch.where((lens[layout.token_seq.long()] > 0)[:, None], kept, -1)
 
 
 @triton.jit
@@ -230,51 +171,37 @@ def _block_scores_kernel(
     out,
     q,
     k_cache,
-    block_tables,
-    seq_lens,
-    token_seq,
-    positions,
+    paged,
     block_size,
     local_blocks,
-    page_tokens,
-    num_seqs,
-    q_tok,
-    q_head,
-    kc_page,
-    kc_tok,
-    bt_row,
-    o_tok,
-    o_head,
+    q_strides,
+    k_strides,
+    o_strides,
     HEADS: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token, seq, pos, bound, table = tiles.token_state(paged, True)
     block = tl.program_id(1)
-    seq, pos, bound = token_state(token_seq, positions, seq_lens, token, num_seqs, True)
-    table = block_tables + seq.to(tl.int64) * bt_row
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    query = tl.load(
-        q + token * q_tok + heads[:, None] * q_head + dims[None, :],
-        mask=(heads < HEADS)[:, None] & (dims < DIM)[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    at, mask = tiles.token_rows(q, q_strides, token, heads, heads < HEADS, dims, DIM)
+    query = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     best = tl.full([BLOCK_H], float("-inf"), tl.float32)
     first = block * block_size
     end = tl.minimum(first + block_size, bound)
     for start in range(first, end, BLOCK_K):
         key_pos = start + tl.arange(0, BLOCK_K)
         key_ok = key_pos < end
-        keys = paged_rows(k_cache, table, key_pos, key_ok, page_tokens, kc_page, kc_tok, 0, dims, DIM)
+        keys = tiles.paged_rows(k_cache, k_strides, paged, table, key_pos, key_ok, 0, dims, DIM)
         scores = tl.dot(query, tl.trans(keys.to(tl.float32)), input_precision="ieee")
         best = tl.maximum(best, tl.max(tl.where(key_ok[None, :], scores, float("-inf")), 1))
     own = pos // block_size  # the query's block and the local_blocks - 1 before it always win
     local = (bound > 0) & (block <= own) & (block > own - local_blocks)
     best = tl.where(local, float("inf"), best)
-    tl.store(out + token * o_tok + heads * o_head + block, best, mask=heads < HEADS)
+    tl.store(out + token * o_strides[0] + heads * o_strides[1] + block, best, mask=heads < HEADS)
 
 
 def block_select(
@@ -286,63 +213,31 @@ def block_select(
     scores = torch.full((num_tokens, heads, blocks), float("-inf"), dtype=torch.float32, device=idx_q.device)
     if num_tokens and blocks and block_tables.shape[0]:
         idx_q = idx_q.contiguous()
-        _block_scores_kernel[(num_tokens, blocks)](
-            scores,
-            idx_q,
-            idx_k_cache,
-            block_tables,
-            seq_lens,
-            sequences(query_start_loc, num_tokens),
-            positions,
-            block_size,
-            local_blocks,
-            idx_k_cache.shape[1],
-            block_tables.shape[0],
-            idx_q.stride(0),
-            idx_q.stride(1),
-            idx_k_cache.stride(0),
-            idx_k_cache.stride(1),
-            block_tables.stride(0),
-            scores.stride(0),
-            scores.stride(1),
-            HEADS=heads,
-            DIM=dim,
-            BLOCK_H=pow2(heads),
-            BLOCK_D=pow2(dim),
-            BLOCK_K=min(KV_TILE, pow2(block_size)),
-        )
+        layout = tiles.layout_of(block_tables, seq_lens, query_start_loc, positions, idx_k_cache.shape[1])
+        strides = (idx_q.stride()[:2], idx_k_cache.stride()[:2], scores.stride()[:2])
+        sizes = {"HEADS": heads, "DIM": dim, "BLOCK_H": tiles.pow2(heads), "BLOCK_D": tiles.pow2(dim)}
+        sizes["BLOCK_K"] = min(tiles.KV_TILE, tiles.pow2(block_size))
+        tensors = (scores, idx_q, idx_k_cache, layout)
+        _block_scores_kernel[(num_tokens, blocks)](*tensors, block_size, local_blocks, *strides, **sizes)
     return _best_first(scores, topk_blocks)
 
 
 @triton.jit
-def _block_sparse_kernel(
+def _listed_attention_kernel(
     out,
     q,
     k_cache,
     v_cache,
-    block_ids,
-    block_tables,
-    seq_lens,
-    token_seq,
-    positions,
+    listed,
+    paged,
     scale,
     block_size,
-    page_tokens,
-    num_seqs,
-    num_picks,
-    q_tok,
-    q_head,
-    kc_page,
-    kc_tok,
-    kc_head,
-    vc_page,
-    vc_tok,
-    vc_head,
-    b_tok,
-    b_head,
-    bt_row,
-    o_tok,
-    o_head,
+    num_listed,
+    q_strides,
+    k_strides,
+    v_strides,
+    l_strides,
+    o_strides,
     RUN: tl.constexpr,
     PER_SELECTION: tl.constexpr,
     GROUP: tl.constexpr,
@@ -351,192 +246,95 @@ def _block_sparse_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    """Flash attention of one query token's run of heads over the keys `listed` names: key blocks
+    (BLOCKS: block_sparse_attention) or key positions (sparse_paged_attention)."""
+    token, seq, pos, bound, table = tiles.token_state(paged, True)
     first_head = tl.program_id(1) * RUN
-    selection = first_head // PER_SELECTION
-    kv_head = first_head // GROUP
-    seq, pos, bound = token_state(token_seq, positions, seq_lens, token, num_seqs, True)
-    table = block_tables + seq.to(tl.int64) * bt_row
+    k_base = (first_head // GROUP) * k_strides[2]
+    v_base = (first_head // GROUP) * v_strides[2]
     rows = tl.arange(0, BLOCK_M)
     head = first_head + rows
     row_ok = rows < RUN
     dims = tl.arange(0, BLOCK_D)
-    query = tl.load(q + token * q_tok + head[:, None] * q_head + dims[None, :], mask=row_ok[:, None] & (dims < DIM))
-    picks = tl.arange(0, BLOCK_P)
-    chosen = block_ids + token * b_tok + selection * b_head
-    ids = tl.load(chosen + picks, mask=picks < num_picks, other=-1)
-    m_i, l_i, acc = softmax_start(q, head, row_ok, BLOCK_M, BLOCK_D, False)
-    for pick in range(0, num_picks):
-        block = tl.load(chosen + pick)
-        earlier = tl.sum(((ids == block) & (picks < pick)).to(tl.int32))  # listed before: counted once
-        first = block * block_size
-        end = tl.where((block >= 0) & (earlier == 0), tl.minimum(first + block_size, bound), first)
-        for start in range(first, end, BLOCK_N):
-            key_pos = start + tl.arange(0, BLOCK_N)
-            key_ok = key_pos < end
-            keys = paged_rows(
-                k_cache, table, key_pos, key_ok, page_tokens, kc_page, kc_tok, kv_head * kc_head, dims, DIM
-            )
-            values = paged_rows(
-                v_cache, table, key_pos, key_ok, page_tokens, vc_page, vc_tok, kv_head * vc_head, dims, DIM
-            )
-            scores = tl.dot(query, tl.trans(keys.to(query.dtype)), input_precision="ieee") * scale
-            scores = tl.where(key_ok[None, :] & row_ok[:, None], scores, float("-inf"))
-            m_i, l_i, acc = softmax_step(scores, values.to(query.dtype), m_i, l_i, acc)
-    at = out + token * o_tok + head[:, None] * o_head + dims[None, :]
-    tl.store(at, softmax_result(acc, l_i).to(out.dtype.element_ty), mask=row_ok[:, None] & (dims < DIM)[None, :])
+    at, mask = tiles.token_rows(q, q_strides, token, head, row_ok, dims, DIM)
+    query = tl.load(at, mask=mask, other=0.0)
+    chosen = listed + token * l_strides[0] + (first_head // PER_SELECTION) * l_strides[1]
+    m_i, l_i, acc = tiles.softmax_start(q, head, row_ok, BLOCK_M, BLOCK_D, False)
+    if BLOCKS:
+        picks = tl.arange(0, BLOCK_P)
+        ids = tl.load(chosen + picks, mask=picks < num_listed, other=-1)
+        for pick in range(0, num_listed):
+            block = tl.load(chosen + pick)
+            earlier = tl.sum(((ids == block) & (picks < pick)).to(tl.int32))  # listed before: counted once
+            first = block * block_size
+            end = tl.where((block >= 0) & (earlier == 0), tl.minimum(first + block_size, bound), first)
+            for start in range(first, end, BLOCK_N):
+                key_pos = start + tl.arange(0, BLOCK_N)
+                key_ok = key_pos < end
+                keys = tiles.paged_rows(k_cache, k_strides, paged, table, key_pos, key_ok, k_base, dims, DIM)
+                values = tiles.paged_rows(v_cache, v_strides, paged, table, key_pos, key_ok, v_base, dims, DIM)
+                scores = tiles.tile_scores(query, keys, key_ok[None, :] & row_ok[:, None], scale, 0.0, False)
+                m_i, l_i, acc = tiles.softmax_step(scores, values.to(query.dtype), m_i, l_i, acc)
+    else:  # the positions, sorted with repeats as -1 (sparse_paged_attention)
+        for start in range(0, num_listed, BLOCK_N):
+            at_list = start + tl.arange(0, BLOCK_N)
+            key_pos = tl.load(chosen + at_list, mask=at_list < num_listed, other=-1)
+            key_ok = (key_pos >= 0) & (key_pos < bound)
+            keys = tiles.paged_rows(k_cache, k_strides, paged, table, key_pos, key_ok, k_base, dims, DIM)
+            values = tiles.paged_rows(v_cache, v_strides, paged, table, key_pos, key_ok, v_base, dims, DIM)
+            scores = tiles.tile_scores(query, keys, key_ok[None, :] & row_ok[:, None], scale, 0.0, False)
+            m_i, l_i, acc = tiles.softmax_step(scores, values.to(query.dtype), m_i, l_i, acc)
+    tiles.store_result(out, o_strides, token, head, row_ok, acc, l_i, dims, DIM)
+
+
+def _listed_attention(q, k_cache, v_cache, listed, layout: tiles.Paged, scale, block_size: int, run: int) -> Tensor:
+    """Launch `_listed_attention_kernel`: listed [T, selection heads, blocks] block ids (block_size > 0)
+    or [T, 1, n] key positions (block_size 0); programs of `run` heads sharing a kv head and a
+    selection head."""
+    num_tokens, num_heads, dim = q.shape
+    out = torch.zeros_like(q)
+    if num_tokens == 0 or layout.num_seqs == 0 or listed.shape[2] == 0:
+        return out
+    q, listed = q.contiguous(), listed.contiguous()
+    strides = (q.stride()[:2], k_cache.stride()[:3], v_cache.stride()[:3], listed.stride()[:2], out.stride()[:2])
+    heads = {"RUN": run, "PER_SELECTION": num_heads // listed.shape[1], "GROUP": num_heads // k_cache.shape[2]}
+    if block_size:  # BLOCK_N within a block; BLOCK_P covers the picks (the de-duplication reads them all)
+        tile, picks = min(tiles.KV_TILE, tiles.pow2(block_size)), triton.next_power_of_2(listed.shape[2])
+    else:
+        tile, picks = tiles.KV_TILE, 1
+    blocks = {"BLOCK_M": tiles.pow2(run), "BLOCK_D": tiles.pow2(dim), "BLOCK_N": tile, "BLOCK_P": picks}
+    blocks["BLOCKS"] = block_size > 0
+    warps = tiles.warps(tiles.pow2(run), tiles.pow2(dim))
+    tensors = (out, q, k_cache, v_cache, listed, layout)
+    _listed_attention_kernel[(num_tokens, num_heads // run)](
+        *tensors, float(scale), block_size, listed.shape[2], *strides, **heads, DIM=dim, **blocks, num_warps=warps
+    )
+    return out
 
 
 def block_sparse_attention(
     q, k_cache, v_cache, block_ids, block_tables, seq_lens, query_start_loc, positions, scale, block_size
 ) -> Tensor:
     """flare::block_sparse_attention (helios.core.ops.block_sparse): attention over the selected blocks."""
-    num_tokens, num_heads, dim = q.shape
-    out = torch.zeros_like(q)
-    if num_tokens == 0 or block_tables.shape[0] == 0:
-        return out
-    q, block_ids = q.contiguous(), block_ids.contiguous()
-    per_selection, group = num_heads // block_ids.shape[1], num_heads // k_cache.shape[2]
+    layout = tiles.layout_of(block_tables, seq_lens, query_start_loc, positions, k_cache.shape[1])
+    per_selection, group = q.shape[1] // block_ids.shape[1], q.shape[1] // k_cache.shape[2]
     run = math.gcd(per_selection, group)  # consecutive heads sharing a selection head and a kv head
-    _block_sparse_kernel[(num_tokens, num_heads // run)](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_ids,
-        block_tables,
-        seq_lens,
-        sequences(query_start_loc, num_tokens),
-        positions,
-        float(scale),
-        block_size,
-        k_cache.shape[1],
-        block_tables.shape[0],
-        block_ids.shape[2],
-        q.stride(0),
-        q.stride(1),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        block_ids.stride(0),
-        block_ids.stride(1),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        RUN=run,
-        PER_SELECTION=per_selection,
-        GROUP=group,
-        DIM=dim,
-        BLOCK_M=pow2(run),
-        BLOCK_D=pow2(dim),
-        BLOCK_N=min(KV_TILE, pow2(block_size)),
-        BLOCK_P=triton.next_power_of_2(block_ids.shape[2]),
-        num_warps=warps(pow2(run), pow2(dim)),
-    )
-    return out
-
-
-@triton.jit
-def _sparse_attention_kernel(
-    out,
-    q,
-    k_cache,
-    v_cache,
-    indices,
-    block_tables,
-    seq_lens,
-    token_seq,
-    positions,
-    scale,
-    page_tokens,
-    num_seqs,
-    num_indices,
-    q_tok,
-    q_head,
-    kc_page,
-    kc_tok,
-    kc_head,
-    vc_page,
-    vc_tok,
-    vc_head,
-    i_tok,
-    bt_row,
-    o_tok,
-    o_head,
-    GROUP: tl.constexpr,
-    DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    token = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq, pos, bound = token_state(token_seq, positions, seq_lens, token, num_seqs, True)
-    table = block_tables + seq.to(tl.int64) * bt_row
-    rows = tl.arange(0, BLOCK_M)
-    head = kv_head * GROUP + rows
-    row_ok = rows < GROUP
-    dims = tl.arange(0, BLOCK_D)
-    query = tl.load(q + token * q_tok + head[:, None] * q_head + dims[None, :], mask=row_ok[:, None] & (dims < DIM))
-    m_i, l_i, acc = softmax_start(q, head, row_ok, BLOCK_M, BLOCK_D, False)
-    for start in range(0, num_indices, BLOCK_N):
-        listed = start + tl.arange(0, BLOCK_N)
-        key_pos = tl.load(indices + token * i_tok + listed, mask=listed < num_indices, other=-1)
-        key_ok = (key_pos >= 0) & (key_pos < bound)
-        keys = paged_rows(k_cache, table, key_pos, key_ok, page_tokens, kc_page, kc_tok, kv_head * kc_head, dims, DIM)
-        values = paged_rows(v_cache, table, key_pos, key_ok, page_tokens, vc_page, vc_tok, kv_head * vc_head, dims, DIM)
-        scores = tl.dot(query, tl.trans(keys.to(query.dtype)), input_precision="ieee") * scale
-        scores = tl.where(key_ok[None, :] & row_ok[:, None], scores, float("-inf"))
-        m_i, l_i, acc = softmax_step(scores, values.to(query.dtype), m_i, l_i, acc)
-    at = out + token * o_tok + head[:, None] * o_head + dims[None, :]
-    tl.store(at, softmax_result(acc, l_i).to(out.dtype.element_ty), mask=row_ok[:, None] & (dims < DIM)[None, :])
+    return _listed_attention(q, k_cache, v_cache, block_ids, layout, scale, block_size, run)
 
 
 def sparse_paged_attention(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, topk_indices, scale
 ) -> Tensor:
     """flare::sparse_paged_attention (helios.core.ops.sparse): attention over each query's listed keys."""
-    num_tokens, num_heads, dim = q.shape
-    out = torch.zeros_like(q)
-    if num_tokens == 0 or block_tables.shape[0] == 0 or topk_indices.shape[1] == 0:
-        return out
     # Ascending, each key once (a key listed twice counts once): repeats become -1.
     listed = topk_indices.sort(dim=1).values
     repeat = torch.nn.functional.pad(listed[:, 1:] == listed[:, :-1], (1, 0), value=False)
-    listed = torch.where(repeat, -1, listed).contiguous()
-    q = q.contiguous()
-    kv_heads = k_cache.shape[2]
-    group = num_heads // kv_heads
-    _sparse_attention_kernel[(num_tokens, kv_heads)](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        listed,
-        block_tables,
-        seq_lens,
-        sequences(query_start_loc, num_tokens),
-        positions,
-        float(scale),
-        k_cache.shape[1],
-        block_tables.shape[0],
-        listed.shape[1],
-        q.stride(0),
-        q.stride(1),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        listed.stride(0),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        DIM=dim,
-        BLOCK_M=pow2(group),
-        BLOCK_D=pow2(dim),
-        BLOCK_N=KV_TILE,
-        num_warps=warps(pow2(group), pow2(dim)),
-    )
-    return out
+    listed = torch.where(repeat, -1, listed)[:, None, :]
+    layout = tiles.layout_of(block_tables, seq_lens, query_start_loc, positions, k_cache.shape[1])
+    group = q.shape[1] // k_cache.shape[2]  # a program: one kv head's query heads
+    return _listed_attention(q, k_cache, v_cache, listed, layout, scale, 0, group)
 
 
 OPS = {

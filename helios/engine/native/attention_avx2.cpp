@@ -58,13 +58,8 @@ FLARE_AVX2 inline __m256 exp8(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExpFraction[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpFraction[i]));
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
@@ -210,7 +205,8 @@ FLARE_AVX2 void attend_block(const Call<Q, C>& a, const Block& b, Scratch& s) {
   // Keys [c0, c1) of the tile at `first` (its keys from absolute position `first`): where they lie.
   const auto map = [&](int64_t first, const C** keys, const C** values) {
     const int64_t c0 = std::max(lo, first) - first, c1 = std::min(hi, first + kTile) - first;
-    for (int64_t c = c0, page = (first + c0) / a.page_tokens, at = (first + c0) % a.page_tokens; c < c1; ++page, at = 0) {
+    int64_t page = (first + c0) / a.page_tokens, at = (first + c0) % a.page_tokens;
+    for (int64_t c = c0; c < c1; ++page, at = 0) {
       const int64_t slot = static_cast<int64_t>(table[page]) * a.page_tokens + at;
       const C* key = kbase + slot * stride;
       const C* value = vbase + slot * stride;
@@ -261,8 +257,8 @@ FLARE_AVX2 void attend_block(const Call<Q, C>& a, const Block& b, Scratch& s) {
         top = _mm256_max_ps(top, _mm256_blendv_ps(top, v[i], keep[i]));
       }
       const float next = std::max(m[r], max8(top));
-      rescale[r] = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f
-                                                                   : _mm256_cvtss_f32(exp8(_mm256_set1_ps(m[r] - next)));
+      const bool first_seen = m[r] == -std::numeric_limits<float>::infinity();
+      rescale[r] = first_seen ? 0.0f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(m[r] - next)));
       __m256 p[kTile / 8];
       for (int i = 0; i < kTile / 8; ++i) {
         p[i] = _mm256_and_ps(exp8(_mm256_sub_ps(v[i], _mm256_set1_ps(next))), keep[i]);
@@ -302,23 +298,22 @@ FLARE_AVX2 void run_block(const Call<Q, C>& a, const Block& b, Scratch& s) {
 std::vector<Block> plan_blocks(const int32_t* starts, int64_t seqs, const int64_t* positions, int64_t kv_heads,
                                int64_t group, int64_t window) {
   std::vector<Block> blocks;
-  for (int64_t i = 0; i < seqs; ++i)
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      Block b{i, kvh, 0, 0, {}, {}, {}};
-      for (int64_t t = starts[i]; t < starts[i + 1]; ++t)
-        for (int64_t g = 0; g < group; ++g) {
-          b.token[b.rows] = t;
-          b.head[b.rows] = kvh * group + g;
-          b.pos[b.rows] = positions[t];
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t rows = (starts[i + 1] - starts[i]) * group;  // (token, head) rows per kv head
+    const int64_t count = (rows + kRowsMax - 1) / kRowsMax;   // blocks as even as they go: 8 rows as 4 + 4
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      for (int64_t k = 0, row = 0; k < count; ++k) {
+        Block b{i, kvh, 0, static_cast<int>(rows / count + (k < rows % count ? 1 : 0)), {}, {}, {}};
+        for (int r = 0; r < b.rows; ++r, ++row) {
+          const int64_t t = starts[i] + row / group;
+          b.token[r] = t;
+          b.head[r] = kvh * group + row % group;
+          b.pos[r] = positions[t];
           b.cost = std::max(b.cost, window > 0 ? std::min(window, positions[t] + 1) : positions[t] + 1);
-          if (++b.rows == kRowsMax) {
-            blocks.push_back(b);
-            b.rows = 0;
-            b.cost = 0;
-          }
         }
-      if (b.rows > 0) blocks.push_back(b);
-    }
+        blocks.push_back(b);
+      }
+  }
   std::stable_sort(blocks.begin(), blocks.end(),
                    [](const Block& x, const Block& y) {
                      return x.kvh != y.kvh ? x.kvh < y.kvh : x.cost * x.rows > y.cost * y.rows;

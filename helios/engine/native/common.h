@@ -49,18 +49,18 @@ inline void store(at::Half* p, int64_t i, float v) { p[i] = static_cast<at::Half
 // exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^(x log2 e) split into an
 // integer power built in the exponent bits and a degree-6 polynomial of the fraction. Relative
 // error below 2e-7; inputs below -87 flush to 0.
+// The vector forms (exp8 in attention_avx2.cpp, exp_nonpositive16 in attention_tiles.cpp) evaluate
+// the same polynomial, kExpFraction (2^f on [0, 1), highest degree first), with fused multiply-adds.
+constexpr float kExpFraction[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                   5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f,
+                                   1.0f};
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float t = x * 1.44269504088896341f;
   const float n = std::floor(t);
   const float f = t - n;  // [0, 1)
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  float p = kExpFraction[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExpFraction[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);

@@ -8,20 +8,19 @@
 // of an fp32). Activations are widened to fp32 once per call. Products are fused multiply-adds in
 // fp32, and outputs (+ bias) are rounded to bfloat16 nearest-even, as torch's cast does.
 //
-// Register blocking: one or two decode rows keep 8 fp32 accumulators of 8 outputs (1 row x 64
-// outputs, 2 x 32: several weight streams in flight); 3 rows and more go 16 outputs at a time in
-// groups of up to 6 rows (12 accumulators: each weight is loaded and widened once per 6 rows, and
-// each accumulator's chain of FMAs has room to hide their latency), in panels of 48 rows whose
-// inputs stay in cache while the thread's blocks stream past (a prompt chunk's weights are read
-// once per panel, not its inputs once per block). Threads split the output blocks into contiguous
-// runs and never split a reduction, and
-// every output is accumulated in the same order (features ascending, the pair's even then odd
-// product) whatever rows share the call, so a row's bits never depend on its neighbours.
+// Register blocking: one or two decode rows take 8 blocks of 16 outputs at once (8 weight streams
+// in flight: memory, not arithmetic, limits them); 3 rows and more go block by block in groups of
+// up to 6 rows (12 accumulators: each weight is loaded and widened once per 6 rows, and each
+// accumulator's chain of FMAs has room to hide their latency), in panels of 48 rows whose inputs
+// stay in cache while the thread's blocks stream past (a prompt chunk reads the weights once per
+// panel, not its inputs once per block). Threads split the output blocks into contiguous runs and
+// never split a reduction, and every output is accumulated in the same order (features ascending,
+// the pair's even then odd product) whatever rows share the call, so a row's bits never depend on
+// its neighbours.
 //
 // The functions carry target("avx2,fma"), so they exist in every x86-64 build of the library (an
 // AVX-512 host included, where its tests run); has_avx2_linear asks the CPU at run time. This file
 // is compiled without AVX-512 (native/__init__.py) so that what runs here is what an AVX2 host runs.
-#include <cstdlib>
 #include <type_traits>
 
 #include "common.h"
@@ -43,7 +42,7 @@ constexpr int64_t kPanel = 48;   // rows whose inputs stay in cache while a thre
 
 // rows [m, m + MR) x blocks [0, NB) of a task: acc[(r * NB + j) * 16 + o] = sum_p w[p] x[r][p] for
 // output o of block j. w points at the first block (blocks `stride` elements apart), x at row m.
-template <int MR, int NB, bool FETCH = true>
+template <int MR, int NB>
 FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs,
                              float* acc_out) {
   __m256 acc[MR][2 * NB];
@@ -53,8 +52,6 @@ FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int
   for (int64_t p = 0; p < pairs; ++p) {
     for (int j = 0; j < NB; ++j) {
       const uint16_t* wp = w + j * stride + p * 2 * kBlock;
-      // The first row block streams the weights from memory: keep lines in flight while it computes.
-      if (FETCH) _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * 2 * kBlock), _MM_HINT_T0);
       const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
       const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kBlock));
       const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
@@ -150,8 +147,8 @@ FLARE_AVX2 inline void store_block(const float* acc, const float* bias, int64_t 
 }
 
 // MR rows through blocks [b0, b1), 8 blocks at a time (the last groups 4, 2, 1): eight weight
-// streams in flight (measured: a decode row reads its weights at 0.9x a plain sum's bandwidth this
-// way, 0.7x with four; software prefetches only cost issue slots here).
+// streams in flight (measured on a busy 2-core EPYC, one thread: a decode row's linears 0.8x the
+// time of four streams with prefetches; software prefetches only cost issue slots here).
 template <int MR, typename Y>
 FLARE_AVX2 void wide(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs, int64_t b0,
                      int64_t b1, int64_t n, const float* bias, Y* y) {
@@ -161,33 +158,10 @@ FLARE_AVX2 void wide(const float* x, int64_t ldx, const uint16_t* w, int64_t str
     count = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     const uint16_t* wb = w + b * stride;
     switch (count) {
-      case 8: micro<MR, 8, false>(x, ldx, wb, stride, pairs, acc); break;
-      case 4: micro<MR, 4, false>(x, ldx, wb, stride, pairs, acc); break;
-      case 2: micro<MR, 2, false>(x, ldx, wb, stride, pairs, acc); break;
-      default: micro<MR, 1, false>(x, ldx, wb, stride, pairs, acc); break;
-    }
-    for (int64_t r = 0; r < MR; ++r)
-      for (int64_t j = 0; j < count; ++j)
-        store_block(acc + (r * count + j) * kBlock, bias, (b + j) * kBlock, n, y + r * n);
-  }
-}
-
-// The former blocking (A/B): 4 and 2 blocks at a time with prefetches.
-template <int MR, int NB, typename Y>
-FLARE_AVX2 void wide_old(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs, int64_t b0,
-                     int64_t b1, int64_t n, const float* bias, Y* y) {
-  alignas(32) float acc[MR * NB * kBlock];
-  for (int64_t b = b0; b < b1; b += NB) {
-    const int64_t count = std::min<int64_t>(NB, b1 - b);
-    const uint16_t* wb = w + b * stride;
-    if (count == NB) {
-      micro<MR, NB>(x, ldx, wb, stride, pairs, acc);
-    } else if (NB > 2 && count == 3) {
-      micro<MR, (NB > 2 ? 3 : 1)>(x, ldx, wb, stride, pairs, acc);
-    } else if (NB > 1 && count == 2) {
-      micro<MR, (NB > 1 ? 2 : 1)>(x, ldx, wb, stride, pairs, acc);
-    } else {
-      micro<MR, 1>(x, ldx, wb, stride, pairs, acc);
+      case 8: micro<MR, 8>(x, ldx, wb, stride, pairs, acc); break;
+      case 4: micro<MR, 4>(x, ldx, wb, stride, pairs, acc); break;
+      case 2: micro<MR, 2>(x, ldx, wb, stride, pairs, acc); break;
+      default: micro<MR, 1>(x, ldx, wb, stride, pairs, acc); break;
     }
     for (int64_t r = 0; r < MR; ++r)
       for (int64_t j = 0; j < count; ++j)
@@ -204,24 +178,16 @@ FLARE_AVX2 void rows_block(const float* x, int64_t ldx, const uint16_t* wb, int6
   for (int64_t r = 0; r < MR; ++r) store_block(acc + r * kBlock, bias, b * kBlock, n, y + r * n);
 }
 
-// Every row through blocks [b0, b1). One or two decode rows take 4 or 2 blocks at once (8
-// accumulators, several weight streams in flight); more rows go block by block in groups of up to
+// Every row through blocks [b0, b1). One or two decode rows take 8 blocks at once (several weight
+// streams in flight); more rows go block by block in groups of up to
 // 6 rows, panel by panel, so a block's weights come from memory for its first rows and from cache
 // for the rest of the panel.
 template <typename Y>
 FLARE_AVX2 void blocks(const float* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t b0,
                        int64_t b1, int64_t n, const float* bias, Y* y) {
   const int64_t stride = pairs * 2 * kBlock;  // elements per packed block
-  if (std::getenv("FLARE_AVX2_OLD") != nullptr) {
-    if (rows == 1) return wide_old<1, 4>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
-    if (rows == 2) return wide_old<2, 2>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
-  }
   if (rows == 1) return wide<1>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
   if (rows == 2) return wide<2>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
-  if (std::getenv("FLARE_AVX2_34") != nullptr) {
-    if (rows == 3) return wide<3>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
-    if (rows == 4) return wide<4>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
-  }
   // Panels of rows whose inputs stay in cache while the thread's blocks stream past, 6 rows at a time.
   for (int64_t p0 = 0; p0 < rows; p0 += kPanel) {
     const int64_t p1 = std::min(rows, p0 + kPanel);

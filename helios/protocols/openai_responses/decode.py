@@ -23,7 +23,6 @@ from helios.frontend.inference import (
     RequestError,
     TextPart,
     ToolCallPart,
-    ToolChoice,
     ToolResultPart,
     ToolSpec,
 )
@@ -252,12 +251,8 @@ def _echo(tool: dict[str, Any]) -> dict[str, Any]:
     return dict(tool)
 
 
-def _tool_choice(value: Any, specs: list[ToolSpec], parallel: bool) -> ToolChoice:
-    if value is None or value in ("auto", "none", "required"):
-        mode = value or "auto"
-        if mode == "required" and not specs:
-            raise RequestError("tool_choice required needs at least one declared tool", "tool_choice")
-        return ToolChoice(mode=mode, parallel=parallel)
+def _named_tool(value: Any, specs: list[ToolSpec]) -> str:
+    """{type: function, name} or {type: custom, name}: the declared tool of that kind it names."""
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in ("function", "custom") or not isinstance(value.get("name"), str):
         raise RequestError(
@@ -268,7 +263,7 @@ def _tool_choice(value: Any, specs: list[ToolSpec], parallel: bool) -> ToolChoic
         raise RequestError(
             f"tool_choice selects {kind} tool {value['name']!r}, which is not declared as a {kind} tool", "tool_choice"
         )
-    return ToolChoice(mode="named", name=value["name"], parallel=parallel)
+    return value["name"]
 
 
 # ---------------------------------------------------------------------------- request
@@ -327,7 +322,7 @@ def decode(
     conversation = Conversation(
         messages=tuple(messages),
         tools=tuple(specs),
-        tool_choice=_tool_choice(body.get("tool_choice"), specs, parallel),
+        tool_choice=f.tool_choice(body.get("tool_choice"), specs, parallel, lambda c: _named_tool(c, specs)),
         effort=effort,
         template_kwargs=f.optional_object(body, "chat_template_kwargs") or {},
     )

@@ -343,6 +343,8 @@ class ResponsesEncoder:
 class ResponsesBuffer(BufferedEvents):
     """The buffered response object; output failing its contract is a 500."""
 
+    error_body = staticmethod(openai_error)
+
     def __init__(self, run: Submission, model: str, options: ResponsesOptions) -> None:
         super().__init__()
         self.run, self.model, self.options = run, model, options
@@ -362,9 +364,6 @@ class ResponsesBuffer(BufferedEvents):
                 )
             )
         ]
-
-    def error(self, status: int, message: str) -> list[bytes]:
-        return [json_body(openai_error(status, message))]
 
 
 def encoder(run: Submission, model: str, options: ResponsesOptions) -> ResponsesEncoder | ResponsesBuffer:
