@@ -9,9 +9,9 @@ import torch
 
 from helios.core.ops.base import reference_paged_attention, reference_write_kv
 from helios.core.ops.bidirectional import reference_paged_attention_until
-from helios.core.ops.sinks import sink_attention as reference_sink_attention
+from helios.core.ops.sinks import sink_attention
 from helios.engine.cuda import attention
-from tests.cuda.paged_steps import assert_close, captured, paged_step
+from tests.cuda.paged_steps import assert_close, captured, paged_step, reference
 
 SCALE = 0.3
 # (history lengths, queries per sequence, page_tokens, heads, kv heads, head_dim, window, softcap)
@@ -106,7 +106,7 @@ def test_sink_attention_matches_the_reference(name: str, with_sinks: bool, dtype
     sinks = torch.randn(q.shape[1], generator=gen) * 2 if with_sinks else None
     args = (q, packed, *rest, SCALE, window, sinks)
     got = captured(attention.sink_attention, *args)
-    assert_close(got, reference_sink_attention(*args), dtype)
+    assert_close(got, reference(sink_attention)(*args), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -28,7 +28,7 @@ import tests.cuda.interpreter_fixes  # noqa: F401  (the interpreter computes as 
 from helios.core.ops import gated_delta, glm5_next, mamba, recurrent
 from helios.engine.cuda import moe
 from helios.engine.cuda import recurrent as cuda
-from tests.cuda.paged_steps import no_host_reads
+from tests.cuda.paged_steps import no_host_reads, reference
 
 SLOTS = 7
 CHUNK = 16  # the chunked forms' rows per chunk here: the prompts below span several
@@ -93,7 +93,7 @@ def test_causal_conv1d_matches_the_reference(name: str, dtype: torch.dtype) -> N
     pool = _pool(gen, case, CHANNELS, WIDTH - 1, dtype=dtype)
     for silu in (True, False):
         expected_state, state = pool.clone(), pool.clone()
-        expected = recurrent.causal_conv1d(x, weight, bias, expected_state, *reference_step[:3], silu)
+        expected = reference(recurrent.causal_conv1d)(x, weight, bias, expected_state, *reference_step[:3], silu)
         with no_host_reads():
             got = cuda.causal_conv1d(_strided(x), weight, bias, state, *step[:3], silu)
         tol = FP32 if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}  # one bf16 rounding of y
@@ -129,7 +129,7 @@ def test_mamba2_scan_matches_the_reference(name: str, chunked: bool, dtype: torc
     inputs, pool, step = _mamba_inputs(CASES[name], dtype)
     limits = (1e-3, 0.1) if name == "mixed" else (0.0, 0.0)
     expected_state, state = pool.clone(), pool.clone()
-    expected = mamba.mamba2_scan(*inputs, expected_state, *step[:3], *limits)
+    expected = reference(mamba.mamba2_scan)(*inputs, expected_state, *step[:3], *limits)
     got = cuda.mamba2_scan(*inputs, state, *step[:3], *limits, form=cuda.Form(chunked, CHUNK))
     torch.testing.assert_close(got, expected, **FP32)  # bf16 inputs: both widen the same values
     _same_state(state, expected_state, **FP32)
@@ -139,7 +139,7 @@ def test_mamba2_scan_matches_the_reference(name: str, chunked: bool, dtype: torc
 def test_mamba2_scan_wrapper_is_capturable(name: str) -> None:
     inputs, pool, step = _mamba_inputs(CASES[name], torch.float32, seed=3)
     expected_state, state = pool.clone(), pool.clone()
-    expected = mamba.mamba2_scan(*inputs, expected_state, *step[:3])
+    expected = reference(mamba.mamba2_scan)(*inputs, expected_state, *step[:3])
     x, dt, a, b, c, d, dt_bias = inputs
     with no_host_reads():  # x, B and C as slices of wider rows
         got = cuda.mamba2_scan(_strided(x), dt, a, _strided(b), _strided(c), d, dt_bias, state, *step[:3])
@@ -169,7 +169,10 @@ def _delta_inputs(case: list[tuple[int, int, int]], kda: bool, dtype: torch.dtyp
     return (q, k, v, g, beta), _pool(gen, case, VALUE_HEADS, K_DIM, V_DIM) * 0.3, step
 
 
-OPS = {"gated_delta_rule": (gated_delta.gated_delta_rule, cuda.gated_delta_rule), "kda": (glm5_next.kda, cuda.kda)}
+OPS = {  # the op's reference body, its CUDA wrapper
+    "gated_delta_rule": (reference(gated_delta.gated_delta_rule), cuda.gated_delta_rule),
+    "kda": (reference(glm5_next.kda), cuda.kda),
+}
 
 
 @pytest.mark.parametrize("norm", [True, False], ids=["l2norm", "raw"])

@@ -13,7 +13,7 @@ from helios.core.ops import deepseek_v4 as ops_dsv4
 from helios.core.ops import glm5_next as ops_glm5
 from helios.core.ops import sparse as ops_sparse
 from helios.engine.cuda import sparse
-from tests.cuda.paged_steps import assert_close, captured, paged_step, sweep
+from tests.cuda.paged_steps import assert_close, captured, paged_step, reference, sweep
 
 PAGE_TOKENS = 4
 # (history lengths, queries per sequence); a length-0 sequence is a padding row
@@ -24,11 +24,6 @@ STEPS = {
 }
 FP32, BF16 = torch.float32, torch.bfloat16
 DTYPES = [FP32, BF16]
-
-
-def _reference(op: object):
-    """The op's plain-torch body (not whatever kernel the dispatcher holds for CPU)."""
-    return op._init_fn  # type: ignore[attr-defined]
 
 
 def _setup(name: str, seed: int, page_tokens: int = PAGE_TOKENS):
@@ -45,7 +40,7 @@ def _dsv4_setup(name: str, seed: int):
 
 
 @pytest.mark.parametrize("name", sorted(STEPS))
-def test_indexer_topk_matches_the_reference(name: str) -> None:
+def test_indexer_topk_matches_thereference(name: str) -> None:
     gen, step = _setup(name, 1)
     heads, dim = 3, 8
     k_cache = torch.randn(step.num_pages, PAGE_TOKENS, 1, dim, generator=gen)
@@ -56,7 +51,7 @@ def test_indexer_topk_matches_the_reference(name: str) -> None:
     weights = torch.randn(tokens, heads, generator=gen)
     args = (q, weights, k_cache, step.block_tables, step.seq_lens, step.query_start_loc, step.positions, 0.5, 5)
     got = captured(sparse.indexer_topk, *args)
-    assert torch.equal(got, _reference(ops_sparse.indexer_topk)(*args))
+    assert torch.equal(got, reference(ops_sparse.indexer_topk)(*args))
 
 
 def _kv(gen: torch.Generator, step, kv_heads: int, dim: int, dtype: torch.dtype):
@@ -67,7 +62,7 @@ def _kv(gen: torch.Generator, step, kv_heads: int, dim: int, dtype: torch.dtype)
 @pytest.mark.parametrize(
     ("name", "dtype"), sweep(STEPS, DTYPES, sample=[("decode", BF16), ("mixed", FP32), ("prefill chunks", FP32)])
 )
-def test_sparse_paged_attention_matches_the_reference(name: str, dtype: torch.dtype) -> None:
+def test_sparse_paged_attention_matches_thereference(name: str, dtype: torch.dtype) -> None:
     """Listed keys with -1, keys past the query (ignored), repeats (counted once), GQA 3."""
     gen, step = _setup(name, 2)
     k_cache, v_cache = _kv(gen, step, 2, 12, dtype)
@@ -78,7 +73,7 @@ def test_sparse_paged_attention_matches_the_reference(name: str, dtype: torch.dt
     indices[:, 1] = indices[:, 2]
     args = (q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc, step.positions)
     got = captured(sparse.sparse_paged_attention, *args, indices, 0.3)
-    assert_close(got, _reference(ops_sparse.sparse_paged_attention)(*args, indices, 0.3), dtype)
+    assert_close(got, reference(ops_sparse.sparse_paged_attention)(*args, indices, 0.3), dtype)
 
 
 def _same_selection(got: torch.Tensor, expected: torch.Tensor, scores_tie: torch.Tensor) -> None:
@@ -90,14 +85,14 @@ def _same_selection(got: torch.Tensor, expected: torch.Tensor, scores_tie: torch
 @pytest.mark.parametrize(
     ("name", "local_blocks"), sweep(STEPS, [0, 1, 2], sample=[("decode", 1), ("mixed", 2), ("prefill chunks", 0)])
 )
-def test_block_select_matches_the_reference(name: str, local_blocks: int) -> None:
+def test_block_select_matches_thereference(name: str, local_blocks: int) -> None:
     gen, step = _setup(name, 3)
     heads, dim, block_size, topk = 2, 8, 3, 4  # blocks straddle pages
     idx_k = torch.randn(step.num_pages, PAGE_TOKENS, 1, dim, generator=gen)
     idx_q = torch.randn(step.positions.shape[0], heads, dim, generator=gen)
     args = (idx_q, idx_k, step.block_tables, step.seq_lens, step.query_start_loc, step.positions)
     got = captured(sparse.block_select, *args, block_size, topk, local_blocks)
-    expected = _reference(ops_block_sparse.block_select)(*args, block_size, topk, local_blocks)
+    expected = reference(ops_block_sparse.block_select)(*args, block_size, topk, local_blocks)
     _same_selection(got, expected, torch.arange(topk) < local_blocks)
 
 
@@ -113,7 +108,7 @@ HEADS = [(4, 2, 2), (6, 3, 2), (4, 1, 4)]  # (query heads, selection heads, kv h
         sample=[("decode", (6, 3, 2), FP32), ("mixed", (4, 1, 4), BF16), ("prefill chunks", (4, 2, 2), FP32)],
     ),
 )
-def test_block_sparse_attention_matches_the_reference(
+def test_block_sparse_attention_matches_thereference(
     name: str, heads: tuple[int, int, int], dtype: torch.dtype
 ) -> None:
     """Selections from flare::block_select, plus -1 entries and a block listed twice."""
@@ -123,13 +118,13 @@ def test_block_sparse_attention_matches_the_reference(
     idx_k = torch.randn(step.num_pages, PAGE_TOKENS, 1, 8, generator=gen)
     idx_q = torch.randn(step.positions.shape[0], select_heads, 8, generator=gen)
     paged = (step.block_tables, step.seq_lens, step.query_start_loc, step.positions)
-    blocks = _reference(ops_block_sparse.block_select)(idx_q, idx_k, *paged, block_size, 3, 1)
+    blocks = reference(ops_block_sparse.block_select)(idx_q, idx_k, *paged, block_size, 3, 1)
     blocks = torch.cat([blocks, blocks[..., :1]], dim=-1)  # the first block again
     k_cache, v_cache = _kv(gen, step, kv_heads, dim, dtype)
     q = torch.randn(step.positions.shape[0], heads, dim, generator=gen).to(dtype)
     args = (q, k_cache, v_cache, blocks, *paged, 0.3, block_size)
     got = captured(sparse.block_sparse_attention, *args)
-    assert_close(got, _reference(ops_block_sparse.block_sparse_attention)(*args), dtype)
+    assert_close(got, reference(ops_block_sparse.block_sparse_attention)(*args), dtype)
 
 
 @pytest.mark.parametrize(
@@ -138,14 +133,14 @@ def test_block_sparse_attention_matches_the_reference(
         STEPS, [2, 3, 4], [True, False], sample=[("mixed", 2, True), ("prefill chunks", 3, True), ("decode", 4, False)]
     ),
 )
-def test_dsv4_pool_matches_the_reference(name: str, rate: int, overlap: bool) -> None:
+def test_dsv4_pool_matches_thereference(name: str, rate: int, overlap: bool) -> None:
     gen, step = _dsv4_setup(name, 5)
     dim = 6
     width = 2 * dim if overlap else dim
     state = torch.randn(step.num_pages, PAGE_TOKENS, 1, 2 * width, generator=gen)
     args = (state, step.block_tables, step.query_start_loc, step.positions, rate, overlap)
     got = captured(sparse.dsv4_pool, *args)
-    torch.testing.assert_close(got, _reference(ops_dsv4.dsv4_pool)(*args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference(ops_dsv4.dsv4_pool)(*args), rtol=1e-5, atol=1e-5)
     assert got.abs().sum(-1).gt(0).any()  # some token completes a group
 
 
@@ -169,12 +164,12 @@ def _entry_scores(args: tuple, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", sorted(STEPS))
-def test_dsv4_indexer_topk_matches_the_reference(name: str) -> None:
+def test_dsv4_indexer_topk_matches_thereference(name: str) -> None:
     """Best first; entries tied in score (several score exactly 0 after the ReLU) in any order."""
     gen, step = _dsv4_setup(name, 6)
     args = _dsv4_indexer(gen, step, 2)
     got = captured(sparse.dsv4_indexer_topk, *args)
-    expected = _reference(ops_dsv4.dsv4_indexer_topk)(*args)
+    expected = reference(ops_dsv4.dsv4_indexer_topk)(*args)
     torch.testing.assert_close(_entry_scores(args, got), _entry_scores(args, expected), rtol=1e-5, atol=1e-5)
     assert torch.equal(got >= 0, expected >= 0)
     listed = got.sort(dim=-1).values
@@ -190,7 +185,7 @@ def test_dsv4_indexer_topk_matches_the_reference(name: str) -> None:
         sample=[("decode", "none", FP32), ("mixed", "all", BF16), ("prefill chunks", "selected", FP32)],
     ),
 )
-def test_dsv4_attention_matches_the_reference(name: str, entries: str, dtype: torch.dtype) -> None:
+def test_dsv4_attention_matches_thereference(name: str, entries: str, dtype: torch.dtype) -> None:
     gen, step = _dsv4_setup(name, 7)
     heads, dim, rate, window = 18, 20, 2, 5  # more heads than one program's tile
     kv_cache = torch.randn(step.num_pages, PAGE_TOKENS, 1, dim, generator=gen).to(dtype)
@@ -199,17 +194,17 @@ def test_dsv4_attention_matches_the_reference(name: str, entries: str, dtype: to
     sinks = torch.randn(heads, generator=gen)
     selected = None
     if entries == "selected":
-        selected = _reference(ops_dsv4.dsv4_indexer_topk)(*_dsv4_indexer(gen, step, rate))
+        selected = reference(ops_dsv4.dsv4_indexer_topk)(*_dsv4_indexer(gen, step, rate))
     cache = None if entries == "none" else entry_cache
     args = (q, kv_cache, cache, step.block_tables, step.query_start_loc, step.positions, sinks, 0.3, window, rate)
     got = captured(sparse.dsv4_attention, *args, selected)
-    assert_close(got, _reference(ops_dsv4.dsv4_attention)(*args, selected), dtype)
+    assert_close(got, reference(ops_dsv4.dsv4_attention)(*args, selected), dtype)
 
 
 @pytest.mark.parametrize(
     ("name", "tail"), sweep(STEPS, [True, False], sample=[("decode", True), ("mixed", False), ("prefill chunks", True)])
 )
-def test_kpool_topk_matches_the_reference(name: str, tail: bool) -> None:
+def test_kpool_topk_matches_thereference(name: str, tail: bool) -> None:
     gen, step = _setup(name, 8)
     heads, dim, pool = 3, 8, 3  # pools straddle pages
     cache = torch.randn(step.num_pages, PAGE_TOKENS, 1, 2 * dim, generator=gen)
@@ -220,7 +215,7 @@ def test_kpool_topk_matches_the_reference(name: str, tail: bool) -> None:
     paged = (step.block_tables, step.seq_lens, step.query_start_loc, step.positions)
     args = (q, weights, cache, ape, *paged, 0.5, pool, 2, tail)
     got = captured(sparse.kpool_topk, *args)
-    assert torch.equal(got, _reference(ops_glm5.kpool_topk)(*args))
+    assert torch.equal(got, reference(ops_glm5.kpool_topk)(*args))
 
 
 def test_every_sparse_op_is_registered_for_cuda() -> None:
