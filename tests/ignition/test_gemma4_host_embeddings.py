@@ -6,6 +6,7 @@ cache's counters and the readiness wait move; cores without host tables report z
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -127,6 +128,7 @@ def test_the_option_is_refused_where_it_does_not_apply(tmp_path: Path) -> None:
     assert not (tmp_path / "core").exists()
 
 
+@pytest.mark.skipif(not os.environ.get("FLARE_SLOW_TESTS"), reason="slow: set FLARE_SLOW_TESTS=1")
 def test_image_rows_take_the_pad_row_in_a_vision_core(tmp_path: Path) -> None:
     """A vision core's image positions gather the vision pad id's row (as the program substitutes it
     when it holds the table): export's self-check of the vision path passes, and the engine's greedy
