@@ -27,7 +27,7 @@ def table_bytes(entry: HostEmbedding) -> int:
 
 
 def row_bytes(entry: HostEmbedding) -> int:
-    return entry.width * torch.empty((), dtype=getattr(torch, entry.dtype)).element_size()
+    return entry.width * getattr(torch, entry.dtype).itemsize
 
 
 def open_table(root: Path, entry: HostEmbedding, source: str = DISK) -> Tensor:

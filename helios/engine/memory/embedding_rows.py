@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from helios.core import Core
-from helios.core.host_rows import SOURCES, open_table, row_ids
+from helios.core.host_rows import SOURCES, open_table, row_bytes, row_ids
 from helios.core.manifest import HostEmbedding
 
 
@@ -61,7 +61,7 @@ class RowCache:
         self.rows = torch.empty(capacity, entry.width, dtype=dtype, device=device)
         self.slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # table row -> slot, oldest first
         self.free = list(reversed(range(capacity)))
-        self.row_bytes = entry.width * table.element_size()
+        self.row_bytes = row_bytes(entry)  # as stored: what a miss reads from the host table
         self.stats = RowCacheStats()
 
     @property
