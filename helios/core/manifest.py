@@ -15,7 +15,7 @@ import msgspec
 from helios.core.sampling import SamplingSpec
 
 FORMAT_NAME = "flare-core"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: quantized weights (`quantization`); cores without them are written as version 2
 OLDEST_FORMAT_VERSION = 1  # read as a core declaring only one rank (no `parallel` record)
 MANIFEST_FILE = "core.json"
 MAX_TOP_LOGPROBS = 20
@@ -369,6 +369,40 @@ class Parallel(_Struct):
     layouts: dict[str, ParallelLayout] = {}  # str(N) -> its layout, every declared N > 1
 
 
+class QuantizedTensor(_Struct):
+    """One weight stored quantized (layout: helios.core.quant): the programs take it as a float
+    tensor of `shape` and `dtype`; helios runs its linears on the stored values, or dequantizes."""
+
+    format: str  # "int8" | "int4"
+    group: int  # elements per scale along the input dimension: 32, 64 or 128
+    scale_dtype: str  # "float32" | "bfloat16"
+    shape: tuple[int, ...]  # the float weight's shape, [..., out, in]
+    dtype: str  # the dtype the programs take the weight in
+    origin: str = "export"  # "export" (quantized by ignition) or the source block type kept as is, e.g. "gguf Q4_K"
+
+
+class QuantSelfCheck(_Struct):
+    """The export's measurement of the quantized core against the same checkpoint unquantized."""
+
+    prompts: int  # calibration prompts compared
+    positions: int  # next-token distributions compared over them
+    top1_agreement: float  # fraction of positions whose most likely token is the same
+    max_abs_logprob_diff: float  # over every vocabulary entry of every compared position
+    mean_abs_logprob_diff: float
+    perplexity: float  # of the quantized core on the shipped text
+    reference_perplexity: float  # of the unquantized weights on the same text
+    perplexity_tokens: int
+    requantized: dict[str, float] = {}  # source tensors whose blocks had no core layout -> max |error| of requantizing
+
+
+class Quantization(_Struct):
+    """Weights stored at fewer bits (ignition export --quantize, or a quantized GGUF kept as is)."""
+
+    level: str  # what users see, e.g. "int4-g32" (quant.level); "mixed" when tensors differ
+    tensors: dict[str, QuantizedTensor]  # weight name -> how it is stored; unlisted weights are stored as is
+    self_check: QuantSelfCheck | None = None
+
+
 class Manifest(_Struct):
     format: FormatTag
     model: ModelInfo
@@ -390,6 +424,7 @@ class Manifest(_Struct):
     parallel: Parallel = Parallel()  # tensor-parallel sizes and their rank programs and shards (format 2)
     # Tables the programs take as gathered rows instead of weights (export --host-embeddings); absent: none.
     host_embeddings: tuple[HostEmbedding, ...] = ()
+    quantization: Quantization | None = None  # quantized weights (format 3); None: every weight as stored dtype
 
     @property
     def public_id(self) -> str:
