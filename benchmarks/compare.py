@@ -74,8 +74,16 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path, settings: str = "") -> dict:
-    """serve_bench's scenarios against `helios serve core`; `settings`: extra [server] lines."""
+def run_helios(
+    core: Path,
+    threads: int,
+    scenarios: list[str],
+    workdir: Path,
+    settings: str = "",
+    levels: tuple[int, ...] = serve_bench.CONCURRENCY,
+) -> dict:
+    """serve_bench's scenarios against `helios serve core`; `settings`: extra [server] lines;
+    `levels`: the sweep's concurrency levels."""
     port = free_port()
     config = workdir / "helios-bench.toml"
     config.write_text(
@@ -88,7 +96,7 @@ def run_helios(core: Path, threads: int, scenarios: list[str], workdir: Path, se
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process)
-        return asyncio.run(serve_bench.run(url, "helios", scenarios))
+        return asyncio.run(serve_bench.run(url, "helios", scenarios, levels))
     finally:
         stop(process)
         shutil.rmtree(store, ignore_errors=True)
@@ -123,13 +131,21 @@ def _llama(
     return process, url
 
 
-def run_llama(binary: Path, gguf: Path, threads: int, scenarios: list[str], extra: tuple[str, ...] = ()) -> dict:
-    """serve_bench's scenarios against llama-server on `gguf`; `extra`: more llama-server flags."""
+def run_llama(
+    binary: Path,
+    gguf: Path,
+    threads: int,
+    scenarios: list[str],
+    extra: tuple[str, ...] = (),
+    levels: tuple[int, ...] = serve_bench.CONCURRENCY,
+) -> dict:
+    """serve_bench's scenarios against llama-server on `gguf`; `extra`: more llama-server flags;
+    `levels`: the sweep's concurrency levels."""
     report: dict = {}
     for scenario in scenarios:
         if scenario == "sweep":
             report["sweep"] = {}
-            for level in serve_bench.CONCURRENCY:
+            for level in levels:
                 process, url = _llama(binary, gguf, threads, level, SLOT_CONTEXT, extra)
                 try:
                     report["sweep"][str(level)] = asyncio.run(serve_bench.concurrent(url, "llama", level))

@@ -208,7 +208,14 @@ def grammar_overhead(core: Core, tokens: int, threads: int, batch: int = 16, rou
 def device_throughput(core: Core, args: argparse.Namespace) -> dict:
     """Decode tokens/s on a GPU per batch, with the step launches by kind (graph replays, eager)."""
     engine = build_engine(
-        core, EngineConfig(num_pages=4096, max_concurrency=256, device=args.device, cuda_graphs=not args.no_graphs)
+        core,
+        EngineConfig(
+            num_pages=4096,
+            max_concurrency=256,
+            device=args.device,
+            cuda_graphs=not args.no_graphs,
+            async_output=_async_output(args),
+        ),
     )
     tokenizer = core.tokenizer()
     rows = []
@@ -221,9 +228,14 @@ def device_throughput(core: Core, args: argparse.Namespace) -> dict:
         "core": str(args.core),
         "device": args.device,
         "cuda_graphs": engine.executor.graphs is not None,
+        "async_output": engine.async_output,
         "gpu": torch.cuda.get_device_name(torch.device(args.device)),
         "rows": rows,
     }
+
+
+def _async_output(args: argparse.Namespace) -> bool | None:
+    return None if args.async_output is None else args.async_output == "on"
 
 
 def main() -> None:
@@ -236,6 +248,17 @@ def main() -> None:
     parser.add_argument("--grammar-threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--no-graphs", action="store_true", help="CUDA: run decode steps eagerly")
+    parser.add_argument(
+        "--runtime",
+        choices=("torch", "onnxruntime"),
+        default="torch",
+        help="CPU: the step programs on torch, or their ONNX renditions on ONNX Runtime (a core exported with --onnx)",
+    )
+    parser.add_argument(
+        "--async-output",
+        choices=("on", "off"),
+        help="launch each step before reading the last one's tokens (helios/engine/overlap.py); default: the engine's",
+    )
     parser.add_argument(
         "--breakdown", action="store_true", help="where one stream's decode step goes (engine, inputs, step, linears)"
     )
@@ -254,7 +277,10 @@ def main() -> None:
     if args.device != "cpu":
         report = device_throughput(core, args)
         return _publish([json.dumps(report, indent=2)], report, args.json)
-    engine = build_engine(core, EngineConfig(num_pages=4096, max_concurrency=256))
+    engine = build_engine(
+        core,
+        EngineConfig(num_pages=4096, max_concurrency=256, async_output=_async_output(args), runtime=args.runtime),
+    )
     tokenizer = core.tokenizer()
     gc.collect()
     gc.freeze()  # as `helios serve` does once started: the collector then skips what startup made
@@ -296,6 +322,7 @@ def main() -> None:
         "isa": cpu_isa.requested() or "native",
         "threads": torch.get_num_threads(),
         "linear_kernel": engine.executor.linear_kernel,
+        "async_output": engine.async_output,
         "step": engine.executor.step_kind,
         "upcast_from": engine.upcast_from,
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),

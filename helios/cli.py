@@ -79,6 +79,13 @@ def serve(
     headless: Annotated[
         bool | None, typer.Option("--headless", help="Run this machine's ranks without serving HTTP (node-rank > 0).")
     ] = None,
+    runtime: Annotated[
+        str | None,
+        typer.Option(
+            "--runtime",
+            help=escape("torch or onnxruntime (a core exported with --onnx; overrides [server] runtime)."),
+        ),
+    ] = None,
 ) -> None:
     """Serve a core: OpenAI Chat/Completions/Responses, Anthropic Messages, Ollama discovery, scoring, health, metrics."""
     import os
@@ -135,6 +142,7 @@ def serve(
             port=port,
             draft_core=draft_core,
             parallel={k: v for k, v in flags.items() if v is not None},
+            runtime=runtime,
         )
         world = None
         if ranks.wanted(settings):
@@ -146,9 +154,12 @@ def serve(
     except (ConfigError, CoreError, ParallelError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
-    weights = state.core.manifest.weights.dtype
+    quantization = state.core.manifest.quantization
+    weights = quantization.level if quantization is not None else state.core.manifest.weights.dtype
     running = state.client.metrics()
-    if running.upcast_from:
+    if quantization is not None and running.weights_in_memory != quantization.level:
+        weights += f" weights, held as {running.weights_in_memory} (docs/quantization.md)"
+    elif running.upcast_from:
         weights += f" weights upcast to float32 at load: no {running.upcast_from} matmul here is as fast as float32"
     else:
         weights += " weights"

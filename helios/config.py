@@ -8,7 +8,7 @@
   speculation, max_draft_tokens, speculative_rows, history_drafts, learned_drafts, draft_core, state_snapshots,
   snapshot_interval, anchor_guards, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
   host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction, window_pool, image_cache_mb,
-  embedding_row_cache_rows, embedding_rows_source
+  embedding_row_cache_rows, embedding_rows_source, runtime
 
 `[parallel]` table keys (all optional; docs/parallel.md): tensor, expert, timeout_s, nnodes, node_rank,
   master_addr, master_port, headless
@@ -93,6 +93,9 @@ class ServerConfig:
     # Run the core's compiled step (ignition export --compile-step) where it was built for
     # this host's CPU and torch; elsewhere, or when false, the portable step.
     compiled_step: bool = True
+    # "torch" (the core's torch.export programs) or "onnxruntime" (its ONNX renditions, from
+    # `ignition export --onnx`, on ONNX Runtime's CPU provider; helios.engine.onnx_runner).
+    runtime: str = "torch"
     # On SIGTERM/SIGINT: new requests get 503, open ones get this long to finish, then end
     # with an error event (streams) or a 500 (buffered) and the process exits.
     drain_seconds: float = 30.0
@@ -205,6 +208,10 @@ def _check(config: ServerConfig) -> ServerConfig:
         raise ConfigError("[server] draft_core must be a nonempty path string (a core directory)")
     if not isinstance(config.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
         raise ConfigError(f'[server] device must be "auto", "cpu", "cuda" or "cuda:N", got {config.device!r}')
+    if config.runtime not in ("torch", "onnxruntime"):
+        raise ConfigError(f'[server] runtime must be "torch" or "onnxruntime", got {config.runtime!r}')
+    if config.runtime == "onnxruntime" and config.parallel.tensor > 1:
+        raise ConfigError('[server] runtime = "onnxruntime" serves one rank: drop [parallel] tensor or use "torch"')
     share = config.kv_memory_fraction
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
         raise ConfigError(f"[server] kv_memory_fraction must be a number above 0 and at most 1, got {share!r}")
@@ -276,6 +283,7 @@ def load_config(
     port: int | None = None,
     draft_core: Path | None = None,
     parallel: dict[str, Any] | None = None,
+    runtime: str | None = None,
 ) -> ServerConfig:
     """Build the server configuration: file, then flags (a key file overrides api_key; `parallel`:
     the [parallel] keys given as flags)."""
@@ -325,6 +333,8 @@ def load_config(
         config = replace(config, port=port)
     if draft_core is not None:
         config = replace(config, draft_core=str(draft_core))
+    if runtime is not None:
+        config = replace(config, runtime=runtime)
     if config.api_key == "":
         config = replace(config, api_key=None)
     return _check(config)

@@ -122,12 +122,43 @@ def export(
             help="Keep the family's large embedding tables (Gemma 4's per-layer inputs) out of the programs: helios serves their rows from RAM or disk through a device row cache (docs/export.md).",
         ),
     ] = False,
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            "--quantize",
+            help="Store the linear weights (attention, MLP, experts) as int8 (symmetric) or int4 (scale and min) in groups along their inputs; a quantized GGUF's Q8_0/Q4_0/Q4_1/Q4_K blocks are kept as they are (docs/export.md).",
+        ),
+    ] = None,
+    quant_group: Annotated[
+        int, typer.Option("--quant-group", help="--quantize: values per scale along the inputs (32, 64 or 128).")
+    ] = 32,
+    quant_scales: Annotated[
+        str, typer.Option("--quant-scales", help="--quantize: dtype of the scales and minimums (float32 or bfloat16).")
+    ] = "float32",
+    quantize_embeddings: Annotated[
+        bool, typer.Option("--quantize-embeddings", help="--quantize: also the embedding table.")
+    ] = False,
+    quantize_head: Annotated[
+        bool,
+        typer.Option(
+            "--quantize-head", help="--quantize: also the output head (a tied head needs --quantize-embeddings too)."
+        ),
+    ] = False,
+    onnx: Annotated[
+        bool,
+        typer.Option(
+            "--onnx",
+            help="Also write ONNX renditions of the step programs (onnx/, opset 18) for ONNX Runtime: `helios serve --runtime onnxruntime` (docs/core-format.md).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
 ) -> None:
     """Export a checkpoint plus a recipe into a core bundle, self-checked against a reference forward."""
     from ignition.export import ExportOptions, check_options, export_core
     from ignition.parallel import parse_sizes
     from ignition.progress import export_phases
+    from ignition.quant_check import describe
+    from ignition.quantize import QuantRequest
     from ignition.recipe import load_recipe
     from ignition.sources import open_source, resolve_default_source
 
@@ -150,6 +181,10 @@ def export(
             tensor_parallel=parse_sizes(tensor_parallel),
             expert_parallel=expert_parallel,
             host_embeddings=host_embeddings,
+            onnx=onnx,
+            quantization=QuantRequest(quantize, quant_group, quant_scales, quantize_embeddings, quantize_head)
+            if quantize is not None
+            else None,
         )
         check_options(options)
         loaded = load_recipe(recipe)
@@ -180,6 +215,8 @@ def export(
             f"wrote {out} ({result.bytes / 1e6:.1f} MB) in {result.seconds:.1f}s; "
             f"self-check max |Δ logprob| {result.max_abs_diff:.2e}"
         )
+        if result.manifest.quantization is not None:
+            typer.echo(f"quantized {describe(result.manifest.quantization)}")
 
 
 def _open(core_dir: Path, verify_checksums: bool) -> Core:
@@ -195,12 +232,22 @@ def _open(core_dir: Path, verify_checksums: bool) -> Core:
 def verify(
     core: Annotated[Path, typer.Argument(help="Core directory.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable result.")] = False,
+    onnx: Annotated[
+        bool, typer.Option("--onnx", help="Also run the ONNX programs under onnxruntime against the torch programs.")
+    ] = False,
 ) -> None:
     """Re-check every checksum and re-run the golden logprob check."""
+    from ignition.quant_check import check_stored
+
     try:
         opened = _open(core, verify_checksums=True)
+        check_stored(opened)  # a quantized core's stored tensors: names, shapes, dtypes, finite scales
         try:
             worst = recheck(opened)
+            if onnx:
+                from ignition.onnx_export import verify as verify_onnx
+
+                worst = max(worst, verify_onnx(opened))
         except CoreError as exc:
             raise VerifyError(str(exc)) from None
     except IgnitionError as error:
@@ -229,8 +276,9 @@ def inspect(
         sys.stdout.write(mf.encode(opened.manifest).decode())
         return
     from ignition.inspect_text import describe
+    from ignition.onnx_export import describe as describe_onnx
 
-    typer.echo(describe(opened))
+    typer.echo(describe(opened) + describe_onnx(opened))
 
 
 @app.command()

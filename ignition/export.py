@@ -10,7 +10,6 @@ directory and moved into place only when everything passed.
 from __future__ import annotations
 
 import datetime as dt
-import math
 import os
 import re
 import shutil
@@ -42,7 +41,8 @@ from helios.core.program import (
     run_prompt,
     vision_signature,
 )
-from ignition import host_embeddings, parallel
+from ignition import host_embeddings, onnx_export, parallel, quant_check, quantize
+from ignition.checks import check_logprob_outputs, round_up
 from ignition.compiled import compile_program
 from ignition.errors import SourceError, UsageError, VerifyError
 from ignition.models import family
@@ -89,6 +89,8 @@ class ExportOptions:
     host_embeddings: bool = (
         False  # the family's large embedding tables stay out of the programs (ignition.host_embeddings)
     )
+    quantization: quantize.QuantRequest | None = None  # --quantize: weights stored at 8 or 4 bits
+    onnx: bool = False  # --onnx: also the step programs' ONNX renditions (ignition.onnx_export)
 
 
 @dataclass
@@ -111,6 +113,7 @@ class ExportResult:
             "bytes": self.bytes,
             "seconds": round(self.seconds, 2),
             "max_abs_logprob_diff": self.max_abs_diff,
+            "quantization": quant_check.describe(m.quantization) or None,
             "files": m.files,
         }
 
@@ -130,6 +133,7 @@ def check_options(options: ExportOptions) -> None:
         raise UsageError("--decode-buckets must be positive batch sizes, e.g. 1,2,4,8")
     if options.max_model_len is not None and options.max_model_len < 1:
         raise UsageError(f"--max-model-len must be positive, got {options.max_model_len}")
+    quantize.check(options.quantization, options.compile_step, options.tensor_parallel, options.host_embeddings)
     if options.out.exists() and not options.force:
         raise UsageError(f"{options.out} already exists; pass --force to replace it")
 
@@ -266,7 +270,7 @@ def compile_step(
                 f"self-check failed: the compiled step differs from the portable step by {diff:.3g} in logprob on "
                 f"golden prompt {index} (tolerance {tolerance:g}); export without --compile-step"
             )
-    return mf.CompiledSpec(file=str(path.relative_to(staging)), host=host.fingerprint(), max_abs_diff=_round_up(worst))
+    return mf.CompiledSpec(file=str(path.relative_to(staging)), host=host.fingerprint(), max_abs_diff=round_up(worst))
 
 
 def vision_width(fam: Family, config: object) -> int:
@@ -451,7 +455,7 @@ def self_check(
                     f"self-check failed: the exported {kind} program differs from the reference forward by "
                     f"{diff:.3g} in logprob on golden prompt {index} (tolerance {tolerance:g})"
                 )
-            _check_logprob_outputs(kind, run.outputs, run.logprobs, prompt, tolerance)
+            check_logprob_outputs(kind, run.outputs, run.logprobs, prompt, tolerance)
             if kind == STEP:
                 golden[golden_key(index)] = run.logprobs.contiguous()
     return worst, golden
@@ -509,27 +513,6 @@ def check_extra_programs(
             )
         worst = max(worst, diff)
     return worst
-
-
-def _check_logprob_outputs(
-    kind: str, outputs: dict[str, torch.Tensor], logprobs: torch.Tensor, prompt: tuple[int, ...], tolerance: float
-) -> None:
-    """The program's derived outputs agree with its own full distribution."""
-    checks: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    if "top_logprobs" in outputs:
-        checks.append(("top_logprobs", outputs["top_logprobs"], logprobs.gather(1, outputs["top_ids"])))
-    if "explicit_logprobs" in outputs:
-        checks.append(("explicit_logprobs", outputs["explicit_logprobs"], logprobs[:, [0, 1]]))
-    if "prompt_logprobs" in outputs:
-        targets = torch.tensor(list(prompt[1:]))
-        expected = logprobs[:-1].gather(1, targets[:, None])[:, 0]
-        checks.append(("prompt_logprobs", outputs["prompt_logprobs"][:-1], expected))
-        ranks = (logprobs[:-1] > expected[:, None]).sum(-1) + 1
-        if not torch.equal(outputs["prompt_ranks"][:-1], ranks):
-            raise VerifyError(f"self-check failed: {kind} prompt_ranks disagree with the distribution")
-    for name, got, expected in checks:
-        if float((got - expected).abs().max()) > tolerance:
-            raise VerifyError(f"self-check failed: {kind} output {name} disagrees with the distribution")
 
 
 def _limits(options: ExportOptions, config: object) -> mf.Limits:
@@ -657,8 +640,11 @@ def export_core(
                 fam, c, kind, options.max_top_logprobs, options.logprob_ids, w, kv_, options.page_tokens, path, tp
             ),
         )
+        quantized = quantize.prepare(
+            options.quantization, fam, config, checkpoint, weights, specs, staging, internal_weights, phase
+        )
         phase("writing weights and tokenizer")
-        save_file(weights, str(staging / "weights.safetensors"))
+        save_file(quantize.file_tensors(quantized, weights), str(staging / "weights.safetensors"))
         hosted = host_embeddings.entries(host, weights, staging / "weights.safetensors")
         programs = host_embeddings.fed(programs, hosted, weights)  # the checks gather their rows from the table
         vision_program = host_embeddings.fed({VISION: vision_program}, hosted, weights)[VISION]
@@ -697,7 +683,11 @@ def export_core(
                     profile,
                 ),
             )
+        golden, quantization = quant_check.measure(
+            quantized, programs[STEP], weights, golden, kv, prompts, tokenizer, limits
+        )
         save_file(golden, str(staging / "golden.safetensors"))
+        onnx_export.write(options.onnx, specs, staging, kv, phase)  # before the files map: it digests them
         compiled = {}
         if options.compile_step:
             phase("compiling the step for this CPU (AOTInductor)")
@@ -708,7 +698,7 @@ def export_core(
         files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         recipe_info = recipe.info if options.ranges else without_ranges(recipe.info)
         manifest = mf.Manifest(
-            format=mf.FormatTag(mf.FORMAT_NAME, mf.FORMAT_VERSION),
+            format=mf.FormatTag(mf.FORMAT_NAME, quantize.format_version(quantization)),
             model=mf.ModelInfo(
                 id=options.model_id or checkpoint.checkpoint_id,
                 aliases=options.aliases,
@@ -731,7 +721,7 @@ def export_core(
                 prompt_logprobs=options.prompt_logprobs,
                 vision=profile is not None,
             ),
-            decode_weight_bytes=fam.decode_weight_bytes(config, weights),
+            decode_weight_bytes=fam.decode_weight_bytes(config, quantize.sized(quantized, weights)),
             weights=mf.WeightsInfo(
                 file="weights.safetensors", dtype=options.dtype, num_parameters=sum(t.numel() for t in weights.values())
             ),
@@ -743,7 +733,7 @@ def export_core(
                 prompts=prompts,
                 prefill_chunk=GOLDEN_CHUNK,
                 tolerance=tolerance,
-                max_abs_diff=_round_up(worst),
+                max_abs_diff=round_up(worst),
             ),
             provenance=mf.Provenance(
                 ignition_version=ignition.__version__,
@@ -755,6 +745,7 @@ def export_core(
             vision=profile,
             parallel=declared,
             host_embeddings=hosted,
+            quantization=quantization,
         )
         (staging / mf.MANIFEST_FILE).write_bytes(mf.encode(manifest))
         _install(staging, options.out)
@@ -769,14 +760,6 @@ def export_core(
         bytes=size,
         max_abs_diff=max(worst, extra_worst),
     )
-
-
-def _round_up(value: float) -> float:
-    """A stable printable bound (two significant digits, rounded up) so reruns stay byte-identical."""
-    if value <= 0:
-        return 0.0
-    exponent = math.floor(math.log10(value)) - 1
-    return math.ceil(value / 10**exponent) * 10**exponent
 
 
 def _install(staging: Path, out: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from helios.core import Core
 from helios.core.manifest import RecipeInfo
 from helios.core.sampling import DISTRIBUTION_PARAMS
+from ignition.quant_check import describe as describe_quantization
 from ignition.recipe import sampling_row
 
 _SHORT = {
@@ -58,6 +59,8 @@ def describe(core: Core) -> str:
         + "".join(f", + {len(e.layers)} x {e.name} [{e.num_heads} x {e.head_dim}]" for e in m.kv.extra),
         f"logprobs    top {caps.max_top_logprobs}, explicit ids {'yes' if caps.explicit_logprob_ids else 'no'},"
         f" prompt logprobs {'yes' if caps.prompt_logprobs else 'no'}",
+        f"precision   {describe_quantization(m.quantization) if m.quantization else f'{m.weights.dtype} weights'},"
+        f" kv cache {m.kv.dtype}",
         f"decode      {m.decode_weight_bytes / 1e6:.1f} MB of weights read per token",
         f"programs    {', '.join(f'{k} ({v.file})' for k, v in m.programs.items())}",
         f"ops         {m.ops.namespace} v{m.ops.version}: {', '.join(m.ops.ops)}",

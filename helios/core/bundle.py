@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from helios.core import hostcache
+from helios.core import hostcache, quant
 from helios.core import manifest as mf
 from helios.core.host_rows import DISK, HostFed, open_table
 from helios.core.ops import catalog as ops_catalog
@@ -61,6 +61,21 @@ def core_digest(files: dict[str, str]) -> str:
     for name in sorted(files):
         digest.update(f"{name}\0{files[name]}\n".encode())
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """One quantized weight as the weights file holds it (layout: helios.core.quant)."""
+
+    spec: mf.QuantizedTensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None  # int4 only
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight the programs take (float32 arithmetic, then `dtype`; None: the spec's)."""
+        target = dtype if dtype is not None else getattr(torch, self.spec.dtype)
+        return quant.dequantize(self.qweight, self.scales, self.mins, self.spec.group, target)
 
 
 @dataclass(frozen=True)
@@ -119,15 +134,44 @@ class Core:
 
     def load_weights(self, device: str = "cpu") -> dict[str, torch.Tensor]:
         """The programs' weights argument. Host tables (manifest.host_embeddings) stay out: the
-        programs take their rows as inputs, and a table may be larger than the device."""
+        programs take their rows as inputs, and a table may be larger than the device. A quantized
+        weight (manifest.quantization) comes dequantized to the dtype the programs take it in (the
+        engine instead runs what it can on the stored values: load_stored, helios.engine.quantized)."""
+        plain, stored = self.load_stored(device)
+        if not stored:
+            return plain
+        return dict(sorted({**plain, **{name: weight.dequantize() for name, weight in stored.items()}}.items()))
+
+    def load_stored(self, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, StoredWeight]]:
+        """The weights file read once: the programs' weights stored as they are taken, sorted by
+        name, and each quantized weight's stored tensors apart (empty for an unquantized core)."""
         # Sorted by name, the order export traced the programs with: safetensors files order
         # tensors by dtype first, and a program's weights argument is flattened by position.
         path = str(self.root / self.manifest.weights.file)
         hosted = {entry.name for entry in self.manifest.host_embeddings}
-        if not hosted:
-            return dict(sorted(load_file(path, device=device).items()))
+        quantized = self.manifest.quantization.tensors if self.manifest.quantization is not None else {}
+        if not hosted and not quantized:
+            return dict(sorted(load_file(path, device=device).items())), {}
+        parts = {part: name for name, spec in quantized.items() for part in quant.stored_names(name, spec.format)}
         with safe_open(path, framework="pt", device=device) as handle:
-            return {name: handle.get_tensor(name) for name in sorted(handle.keys()) if name not in hosted}
+            names = set(handle.keys())
+            missing = sorted(set(parts) - names)
+            if missing:
+                raise CoreError(
+                    f"{self.root / self.manifest.weights.file}: quantized weight part {missing[0]!r} is missing "
+                    f"({len(missing)} of {len(parts)} missing); re-export the core"
+                )
+            plain = {name: handle.get_tensor(name) for name in sorted(names - hosted - set(parts))}
+            stored = {
+                name: StoredWeight(
+                    spec,
+                    handle.get_tensor(name + quant.QWEIGHT),
+                    handle.get_tensor(name + quant.SCALES),
+                    handle.get_tensor(name + quant.MINS) if spec.format == quant.INT4 else None,
+                )
+                for name, spec in sorted(quantized.items())
+            }
+        return plain, stored
 
     def host_tables(self, source: str = DISK) -> tuple[tuple[mf.HostEmbedding, torch.Tensor], ...]:
         """Each host table with its rows on the CPU (helios.core.host_rows.open_table: "disk" maps the

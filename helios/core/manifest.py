@@ -398,7 +398,7 @@ class QuantSelfCheck(_Struct):
 class Quantization(_Struct):
     """Weights stored at fewer bits (ignition export --quantize, or a quantized GGUF kept as is)."""
 
-    level: str  # what users see, e.g. "int4-g32" (quant.level); "mixed" when tensors differ
+    level: str  # what users see, e.g. "int4-g32" (quant.level); "int4-g32+int8-g32" when tensors differ
     tensors: dict[str, QuantizedTensor]  # weight name -> how it is stored; unlisted weights are stored as is
     self_check: QuantSelfCheck | None = None
 

@@ -24,6 +24,7 @@ from helios.engine.memory.host_store import HostStore, identity_of
 from helios.engine.memory.kv_cache import PagePool
 from helios.engine.memory.state_slots import StatePool
 from helios.engine.memory.window_pages import WindowPages, min_pool_pages, pool_pages
+from helios.engine.quantized import dequantized_growth
 from helios.engine.request import EngineStats
 from helios.engine.sampler import Sampler
 from helios.engine.scheduler import Scheduler, SchedulerConfig
@@ -58,12 +59,13 @@ def build_engine(core: Core, config: EngineConfig, mask_hook: MaskHook | None = 
         device=config.device,
         serial_decode_rows=config.serial_decode_rows,
         upcast=upcast_from is not None,
-        compiled=config.compiled_step,
+        compiled=config.compiled_step and config.runtime == "torch",
         num_slots=states.num_slots if states else 1,
         drafters=mtp,
         cuda_graphs=config.cuda_graphs and devices.is_cuda(config.device),
         num_window_pages=window.pool.num_pages if window is not None else None,
         row_cache=config.row_cache,
+        runtime=config.runtime,
     )
     if config.parallel is not None:  # rank 0 of N: every call goes to the other ranks too
         from helios.engine.parallel.proxy import RankZeroExecutor
@@ -192,7 +194,8 @@ def _pool_pages(core: Core, config: EngineConfig, page_bytes: int) -> int:
     less the weights still to load and the graphs' reserve (devices.kv_pages_for)."""
     if config.kv_memory_bytes is not None or not devices.is_cuda(config.device):
         return max(1, (1 << 30 if config.kv_memory_bytes is None else config.kv_memory_bytes) // page_bytes)
-    weights = (core.root / core.manifest.weights.file).stat().st_size
+    # (a quantized core's weights are dequantized on a GPU: they take more than their file)
+    weights = (core.root / core.manifest.weights.file).stat().st_size + dequantized_growth(core.manifest.quantization)
     # The graphs' share: what capturing them took here before (measured), else the estimate.
     measured = devices.remembered_graph_bytes(_graph_memory_key(core, config)) if config.cuda_graphs else None
     reserve = devices.graph_reserve(core.manifest.decode_buckets, measured) if config.cuda_graphs else 0

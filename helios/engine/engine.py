@@ -2,6 +2,8 @@
 
 The engine runs the programs and the sampler; every change to a sequence or its pages is
 the scheduler's (scheduler.py). build.py makes its parts; `metrics()` copies what they count.
+With async output handling (overlap.py) a step's tokens are committed one step later, after the
+next step has been launched.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from helios.core import Core
 from helios.core.logs import log_failure
-from helios.engine import native, step_output
+from helios.engine import native, overlap, step_output
 from helios.engine.executor import Executor, StepResult
 from helios.engine.logprobs import (
     TokenLogprobs,
@@ -70,6 +72,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     serial_decode_rows: int | None = 0  # CPU: decode-only steps of at most this many rows use one thread; None: measure
     compiled_step: bool = True  # run the core's ahead-of-time step where it was built for this host
+    runtime: str = "torch"  # "onnxruntime": the step programs' ONNX renditions (onnx_runner.py)
     speculation: SpeculationConfig = SpeculationConfig(mode="off")  # drafts verified per decode round (drafter.py)
     # Hybrid cores (recurrent state): snapshot slots for prefix reuse (None: one per max_concurrency)
     # and the prompt interval they are taken at in tokens (None: the prefill chunk, whole pages; 0: only at
@@ -95,6 +98,9 @@ class EngineConfig:
     # Tensor parallel: the joined ranks (helios.engine.parallel); the core is then rank 0's view of it
     # (world.rank_core) and the executor sends each call to the other ranks. None: one rank.
     parallel: World | None = None
+    # Async output handling (overlap.py): plan and launch the next step before reading this one's
+    # tokens. None: on for accelerator devices, off on the CPU (no gain measured there).
+    async_output: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +154,15 @@ class LLMEngine:
         self._prefill_ns = self._prefill_tokens = 0
         # Each budgeted choice's own reasoning gate, forked when it first reaches its cap.
         self._gates: weakref.WeakKeyDictionary[Sequence, ReasoningGate] = weakref.WeakKeyDictionary()
+        # Async output handling, where no part of the engine needs each step's tokens first (overlap.py).
+        self.async_output = (
+            overlap.enabled(config.async_output, executor.device)
+            and not scheduler.drafter.enabled
+            and learned is None
+            and not executor.row_caches
+            and states is None
+        )
+        self._inflight: overlap.InFlight | None = None  # the launched step whose tokens are not read yet
 
     @property
     def host(self) -> HostStore | None:
@@ -175,7 +190,7 @@ class LLMEngine:
         """Drop every cached prefix: the pools' cached pages, state snapshots and the host store's
         records, after its copier finished (engine thread, between steps). None, dropping nothing,
         while a sequence runs, waits or awaits its abort: a flush applies to an idle engine only."""
-        if self.scheduler.has_work or self._aborted:
+        if self.scheduler.has_work or self._aborted or self._inflight is not None:
             return None
         self.drain_copies()
         host = self.scheduler.host
@@ -189,6 +204,12 @@ class LLMEngine:
         return flushed
 
     # ------------------------------------------------------------------ metrics
+    def _weights_in_memory(self) -> str:
+        """The weight precision the executor holds (EngineMetrics.weights_in_memory)."""
+        if self.executor.quantized is not None:
+            return self.executor.quantized.in_memory
+        return "float32" if self.upcast_from else self.core.manifest.weights.dtype
+
     def metrics(self) -> EngineMetrics:
         """One frozen copy of every value /metrics and the startup line report (read racily from the
         engine thread's counters: any thread may call it). Every EngineStats counter EngineMetrics
@@ -210,6 +231,7 @@ class LLMEngine:
             checkpoint_intake_slots=intake,
             host=self._host_metrics(),
             parallel_ranks=self.config.parallel.size if self.config.parallel is not None else 1,
+            weights_in_memory=self._weights_in_memory(),
             **embedding_rows.metrics(self.executor.row_caches),
             **_copied(self.stats, EngineMetrics),
         )
@@ -308,6 +330,7 @@ class LLMEngine:
         copier = self.scheduler.copy_out.copier
         return (
             self.scheduler.has_work
+            or self._inflight is not None
             or bool(self._aborted)
             or bool(self.scheduler.copy_out.copies_deferred)
             or (copier is not None and copier.has_done)
@@ -315,46 +338,88 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineEvent]:
-        events = self._apply_aborts()
+        events: list[EngineEvent] = []
+        previous, self._inflight = self._inflight, None
+        if previous is not None and self._aborted:  # an abort follows every step launched before it
+            events += self._complete(previous)
+            previous = None
+        events += self._apply_aborts()
         self.scheduler.copy_out.settle_copies()  # the step boundary: pins of finished copies are released
+        if previous is not None:  # plan past its tokens, still on the device (overlap.py)
+            events += overlap.advance(previous, self.scheduler, self.scheduler.config.max_model_len)
         plan = self.scheduler.schedule()
         events += plan.finished
         if not plan.chunks and self.scheduler.awaiting_prefetch and self.scheduler.host is not None:
             waited = time.perf_counter_ns()
             self.scheduler.host.wait_prefetch(0.005)  # nothing to run until the head's records are read
             self.stats.readiness_wait_ns += time.perf_counter_ns() - waited
+        launched = None
         if plan.chunks:
             try:
-                started, restoring = time.perf_counter_ns(), self.executor.host_in_ns
-                delivering = embedding_rows.delivery_ns(self.executor.row_caches)
-                result = self._execute(plan)
-                output = self._sample_step(plan, result)  # its copy to the host waits for the device
-                # api.md replay_gpu_ns: on CUDA the programs' device time (events) plus restores; the
-                # whole step's wall time on other devices.
-                device_ns = self.executor.device_time_ns()
-                restored = self.executor.host_in_ns - restoring
-                self.stats.replay_ns += time.perf_counter_ns() - started if device_ns is None else device_ns + restored
-                delivered = embedding_rows.delivery_ns(self.executor.row_caches) - delivering  # missed host rows
-                if plan.memory.host_in or plan.memory.state_in or delivered:
-                    self.stats.readiness_samples += 1
-                    self.stats.readiness_wait_ns += self.executor.host_in_ns - restoring + delivered
-                if self.states is not None:  # hybrid cores' checkpoint costs (checkpoints.StepCosts)
-                    self.costs.observe_step(
-                        sum(c.num_tokens + len(c.draft_ids) for c in plan.chunks), time.perf_counter_ns() - started
-                    )
+                launched = self._launch(plan, previous)
             except Exception as exc:  # a failed step fails its own requests; the engine keeps serving
+                if previous is not None:  # the step before it ran: its tokens first
+                    events += self._complete(previous)
+                    previous = None
                 log_failure(log, "step failed", exc)
                 events += self.scheduler.fail(plan, f"execution failed: {exc}")
+        if previous is not None:  # its host work overlaps the device's on the step just launched
+            events += self._complete(previous)
+        if launched is not None:
+            if self.async_output and overlap.overlaps(plan, launched.sampling, launched.result):
+                self._inflight = launched
             else:
-                tables = {id(s): list(s.pages) for s in plan.sequences} if self.learned is not None else {}
-                generated = self.stats.generated_tokens
-                events += self.scheduler.update_from_output(plan, output)
-                self._observe_payoff(plan, self.stats.generated_tokens - generated, time.perf_counter_ns() - started)
-                if self.learned is not None:
-                    self._propose(plan, result, tables)
+                events += self._complete(launched)
         self.scheduler.copy_out.hand_off_copies()  # what finishing sequences pinned, copied while the next step runs
         self._refresh_gauges()
         self.stats.steps += 1
+        return events
+
+    def _launch(self, plan: SchedulerOutput, previous: overlap.InFlight | None) -> overlap.InFlight:
+        """Run the plan and sample on the device, starting the copy of what the host reads; the
+        previous step's sampled ids feed its placeholders (overlap.py)."""
+        started, restoring = time.perf_counter_ns(), self.executor.host_in_ns
+        delivering = embedding_rows.delivery_ns(self.executor.row_caches)
+        fed = previous.sampling.sampled if previous is not None and previous.placeholders else None
+        result = self._execute(plan, fed)
+        sampling = self._start_sampling(plan, result)
+        restored = self.executor.host_in_ns - restoring
+        delivered = embedding_rows.delivery_ns(self.executor.row_caches) - delivering  # missed host rows
+        if plan.memory.host_in or plan.memory.state_in or delivered:
+            self.stats.readiness_samples += 1
+            self.stats.readiness_wait_ns += restored + delivered
+        return overlap.InFlight(
+            plan, result, sampling, started, time.perf_counter_ns() - started, restored, self.executor.take_timers()
+        )
+
+    def _complete(self, step: overlap.InFlight) -> list[EngineEvent]:
+        """Read a launched step's tokens and commit them (stops, finishes, events)."""
+        plan, result = step.plan, step.result
+        waited = time.perf_counter_ns()
+        try:
+            output = self._finish_sampling(plan, result, step.sampling)  # waits for the step's copy
+            # api.md replay_gpu_ns: on CUDA the programs' device time (events) plus restores; the
+            # step's wall time on other devices (its launch and the wait for its values).
+            device_ns = self.executor.device_time_ns(step.timers)
+            host_ns = step.host_ns + time.perf_counter_ns() - waited
+            self.stats.replay_ns += host_ns if device_ns is None else device_ns + step.restored_ns
+            if self.states is not None:  # hybrid cores' checkpoint costs (checkpoints.StepCosts)
+                self.costs.observe_step(
+                    sum(c.num_tokens + len(c.draft_ids) for c in plan.chunks), time.perf_counter_ns() - step.started
+                )
+        except Exception as exc:  # a failed step fails its own requests; the engine keeps serving
+            log_failure(log, "step failed", exc)
+            return self.scheduler.fail(plan, f"execution failed: {exc}")
+        overlap.resolve(step)
+        tables = {id(s): list(s.pages) for s in plan.sequences} if self.learned is not None else {}
+        generated = self.stats.generated_tokens
+        if step.advanced:
+            events = self.scheduler.commit_tokens(plan, output)
+        else:
+            events = self.scheduler.update_from_output(plan, output)
+        self._observe_payoff(plan, self.stats.generated_tokens - generated, time.perf_counter_ns() - step.started)
+        if self.learned is not None:
+            self._propose(plan, result, tables)
         return events
 
     def _observe_payoff(self, plan: SchedulerOutput, committed: int, elapsed_ns: int) -> None:
@@ -384,15 +449,22 @@ class LLMEngine:
         """Run the programs, then sample every choice of every sampled chunk and verify drafts."""
         return self._sample_step(plan, self._execute(plan))
 
-    def _execute(self, plan: SchedulerOutput) -> StepResult:
+    def _execute(self, plan: SchedulerOutput, fed: torch.Tensor | None = None) -> StepResult:
         started = time.perf_counter_ns()
-        result = self.executor.run(plan.chunks, plan.memory)
+        if fed is None:
+            result = self.executor.run(plan.chunks, plan.memory)
+        else:  # the previous step's sampled ids feed the placeholders of its choices (overlap.py)
+            result = self.executor.run(plan.chunks, plan.memory, fed=fed)
         self._measure(plan, time.perf_counter_ns() - started)
         return result
 
     def _sample_step(self, plan: SchedulerOutput, result: StepResult) -> ModelOutput:
         """Sample every choice of every sampled chunk and verify drafts. Sampling runs on the
         outputs' device; what the host reads comes back in one copy (step_output.fetch)."""
+        return self._finish_sampling(plan, result, self._start_sampling(plan, result))
+
+    def _start_sampling(self, plan: SchedulerOutput, result: StepResult) -> overlap.Sampling:
+        """Draw every sampling row on the outputs' device and start the step's one copy to the host."""
         self._count_verify_step(plan)
         # One sampling row per choice, and for a chunk with drafts one per position: row i
         # samples the token after draft i - 1, as if drafts[:i] had been committed.
@@ -417,21 +489,29 @@ class LLMEngine:
                     prefixes += [()] * len(chunk.choices)
                     masked += chunk.choices
             cursor += chunk.num_rows
-        errors: dict[int, str] = {}
         allowed = self.mask_hook(masked) if self.mask_hook and seqs else None
         blocked: set[int] = set()
         if allowed is not None:
             blocked = set((~allowed.any(dim=-1)).nonzero().flatten().tolist())
             if blocked:  # sampled harmlessly; such a row fails its choice only if verification reaches it
                 allowed[list(blocked)] = True
-        tokens: dict[int, list[SampledToken]] = {}
         sampled = None
         if seqs:
             logits = result.logits
             if rows != list(range(logits.shape[0])):
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             sampled = self._sample(logits, seqs, prefixes, allowed)  # on the outputs' device
-        host = step_output.fetch(result, rows, sampled, [s.request.num_top_logprobs for s in seqs])
+        fetch = step_output.fetch_start(result, rows, sampled, [s.request.num_top_logprobs for s in seqs])
+        return overlap.Sampling(rows, seqs, prefixes, masked, drafts, allowed, blocked, sampled, fetch)
+
+    def _finish_sampling(self, plan: SchedulerOutput, result: StepResult, sampling: overlap.Sampling) -> ModelOutput:
+        """The step's tokens from its copy to the host: blocked rows, forced closes, logprob entries,
+        and where each choice's round ended (a draft rejected)."""
+        rows, seqs, prefixes, masked = sampling.rows, sampling.seqs, sampling.prefixes, sampling.masked
+        drafts, allowed, blocked = sampling.drafts, sampling.allowed, sampling.blocked
+        errors: dict[int, str] = {}
+        tokens: dict[int, list[SampledToken]] = {}
+        host = sampling.fetch.wait()
         prompt_entries = {
             key: self._prompt_entries(chunk, host.prompt_scores[key])
             for chunk in plan.chunks
@@ -473,12 +553,14 @@ class LLMEngine:
         self, logits: torch.Tensor, seqs: list[Sequence], prefixes: list[tuple[int, ...]], allowed: torch.Tensor | None
     ) -> torch.Tensor:
         params = [s.request.params[s.choice_index] for s in seqs]
-        penalized = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
+        # Only penalized rows' ids: another row's count is never read, and its last token may still
+        # be a placeholder on the device (overlap.py).
+        penalized = [p.repetition_penalty != 1 or bool(p.presence_penalty or p.frequency_penalty) for p in params]
         empty = torch.empty(0, dtype=torch.int64)
-        prompt_ids = [torch.tensor(s.token_ids[: s.num_prompt]) if penalized else empty for s in seqs]
+        prompt_ids = [torch.tensor(s.token_ids[: s.num_prompt]) if pen else empty for s, pen in zip(seqs, penalized)]
         output_ids = [
-            torch.tensor(s.output_ids + list(prefix), dtype=torch.int64) if penalized else empty
-            for s, prefix in zip(seqs, prefixes)
+            torch.tensor(s.output_ids + list(prefix), dtype=torch.int64) if pen else empty
+            for s, prefix, pen in zip(seqs, prefixes, penalized)
         ]
         # A draw depends on the choice's seed and the output position it fills, so verification
         # rows draw exactly what plain decoding would have drawn at those positions.

@@ -15,7 +15,7 @@ from torch import Tensor
 from helios.core import Core, host, hostcache
 from helios.core.logs import Stopwatch
 from helios.core.program import SCORED_PREFILL, STEP, VISION, CompiledProgram, Program, allocate_kv
-from helios.engine import devices, graph, graphs, native, prepack, threads
+from helios.engine import devices, graph, graphs, native, onnx_runner, prepack, quantized, threads
 from helios.engine.kernels import registry as kernels
 from helios.engine.memory import embedding_rows
 from helios.engine.memory.plan import NO_MEMORY_WORK, MemoryPlan
@@ -102,6 +102,7 @@ class Executor:
         cuda_graphs: bool = False,
         num_window_pages: int | None = None,
         row_cache: embedding_rows.RowCacheConfig = embedding_rows.RowCacheConfig(),
+        runtime: str = onnx_runner.TORCH,
     ) -> None:
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure). compiled: run the
@@ -132,7 +133,8 @@ class Executor:
         # The compiled step carries its own packed weights: the core's are loaded only for a
         # program that still needs them.
         needs_weights = self.compiled_step is None or has_scored or bool(drafters)
-        self.weights = core.load_weights(device) if needs_weights else {}
+        # A quantized core's quantized weights come apart, as stored (quantized.prepare below).
+        self.weights, stored = core.load_stored(device) if needs_weights else ({}, {})
         clock.lap("loading weights")
         kv_layout = manifest.kv
         if upcast:  # a 16-bit core on a host without native 16-bit matmuls: fp32 at load
@@ -156,6 +158,18 @@ class Executor:
         if upcast:
             for program in programs:
                 graph.upcast(program)
+        # Quantized weights: their linears rewritten onto the native kernels, or dequantized (any
+        # device); before simplify and prepack, which leave the rewritten linears alone.
+        self.weights, self.quantized = quantized.prepare(
+            programs,
+            self.weights,
+            stored,
+            device,
+            upcast,
+            manifest.quantization.level if manifest.quantization is not None else "",
+            observed=(self.vision,) if self.vision is not None else (),
+        )
+        del stored
         if device == "cpu":
             for program in programs:
                 graph.simplify(program)
@@ -163,6 +177,10 @@ class Executor:
                 self.linear_kernel = prepack.choose(programs, self.weights)
                 self.weights = prepack.prepack(programs, self.weights, self.linear_kernel)
             clock.lap("simplifying graphs and packing weights")
+        self.runtime = runtime  # "onnxruntime": the step programs as the core's ONNX renditions (onnx_runner.py)
+        if runtime == onnx_runner.ONNXRUNTIME:
+            self.step, self.scored = onnx_runner.load(core, device, upcast, has_scored)
+            serial_decode_rows = 0  # ONNX Runtime keeps its own thread pool
         graphed = (
             cuda_graphs
             and device != "cpu"
@@ -289,6 +307,8 @@ class Executor:
 
     @property
     def step_kind(self) -> str:
+        if self.runtime == onnx_runner.ONNXRUNTIME:
+            return onnx_runner.ONNXRUNTIME
         return "compiled" if self.compiled_step is not None else "portable"
 
     @property
@@ -402,10 +422,14 @@ class Executor:
         for tensor in self.state:
             tensor[dst].copy_(tensor[src])
 
-    def run(self, chunks: tuple[Chunk, ...], memory: MemoryPlan = NO_MEMORY_WORK) -> StepResult:
+    def run(
+        self, chunks: tuple[Chunk, ...], memory: MemoryPlan = NO_MEMORY_WORK, fed: Tensor | None = None
+    ) -> StepResult:
         """Carry out the memory plan's work before the step (host restores into pages, state copies,
         host restores into state slots), run the chunks, then its copies after the step (forked
-        children's pages and window pages, state slots), which read what the step has just written."""
+        children's pages and window pages, state slots), which read what the step has just written.
+        fed: the previous step's sampled ids, still on the device; a token id -(1 + i) in a chunk
+        stands for fed[i] (async output handling: helios.engine.overlap)."""
         self._timed.clear()  # device_time_ns counts this step's program calls (a failed step's are dropped)
         if memory.host_in:
             started = time.perf_counter_ns()
@@ -429,7 +453,7 @@ class Executor:
         scored = [c for c in chunks if c.scored]
         parts: list[tuple[list[Chunk], dict[str, Tensor]]] = []
         if plain:
-            parts.append((plain, self._call(self.step, plain, scored=False)))
+            parts.append((plain, self._call(self.step, plain, scored=False, fed=fed)))
         if scored:
             assert self.scored is not None, "prompt logprobs need a core exported with --prompt-logprobs"
             parts.append((scored, self._call(self.scored, scored, scored=True)))
@@ -475,7 +499,7 @@ class Executor:
             hidden=hidden,
         )
 
-    def _call(self, program, chunks: list[Chunk], scored: bool) -> dict[str, Tensor]:
+    def _call(self, program, chunks: list[Chunk], scored: bool, fed: Tensor | None = None) -> dict[str, Tensor]:
         size = self.page_tokens
         token_ids: list[int] = []
         positions: list[int] = []
@@ -541,6 +565,9 @@ class Executor:
             if name in program.input_names:
                 inputs[name] = cache.gather(inputs["token_ids"], inputs.get("image_rows"))
         inputs = {name: value.to(self.device) for name, value in inputs.items()}
+        if fed is not None:  # placeholders -(1 + i) take the previous step's i-th sampled id, on the device
+            ids = inputs["token_ids"]
+            inputs["token_ids"] = torch.where(ids < 0, fed[(-1 - ids).clamp_(min=0)], ids)
         timer = self._start_timer()
         outputs = None
         if (
@@ -577,13 +604,18 @@ class Executor:
         start.record()  # not yet run on a GPU (docs/performance.md, Device check)
         return start, end
 
-    def device_time_ns(self) -> int | None:
-        """CUDA: the device's nanoseconds in this step's program calls, from their events (waits for
-        the last one; the step's copy to the host has already); None on other devices, whose steps
-        are timed on the host (api.md replay_gpu_ns)."""
+    def take_timers(self) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+        """This step's timing events (CUDA), handed over before the next step starts new ones."""
+        timed, self._timed = self._timed, []
+        return timed
+
+    def device_time_ns(self, timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None) -> int | None:
+        """CUDA: the device's nanoseconds in this step's program calls (or in `timed`, from
+        take_timers), from their events (waits for the last one; the step's copy to the host has
+        already); None on other devices, whose steps are timed on the host (api.md replay_gpu_ns)."""
         if not devices.is_cuda(self.device):
             return None
-        timed, self._timed = self._timed, []
+        timed = self.take_timers() if timed is None else timed
         total = 0
         for start, end in timed:
             end.synchronize()

@@ -138,3 +138,7 @@ class EngineMetrics:
     embedding_row_host_bytes: int = 0  # bytes read from the host table
     embedding_rows_resident: int = 0  # rows on the device now
     embedding_row_capacity: int = 0  # rows the device keeps at most
+    # What runs (constant): the weight precision the engine holds, e.g. "bfloat16", "float32" (a 16-bit
+    # core run upcast), "int4-g32" (a quantized core on helios' native kernels) or its dequantized dtype
+    # (helios.engine.quantized.QuantizedLoad.in_memory).
+    weights_in_memory: str = ""

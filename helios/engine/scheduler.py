@@ -300,8 +300,13 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update_from_output(self, plan: SchedulerOutput, output: ModelOutput) -> list[EngineEvent]:
         """Commit a step: computed positions, published pages, sampled tokens, stops and finishes."""
+        return self.commit_positions(plan, output.prompt_entries) + self.commit_tokens(plan, output)
+
+    def commit_positions(self, plan: SchedulerOutput, prompt_entries: dict[int, list]) -> list[EngineEvent]:
+        """The first half of update_from_output, which needs none of the sampled tokens: the positions
+        the step computed, their published pages, prompt logprob entries. Async output handling
+        (helios.engine.overlap) calls it before the step's tokens are on the host."""
         events: list[EngineEvent] = []
-        drafts = {id(chunk.seq): len(chunk.draft_ids) for chunk in plan.chunks if chunk.draft_ids}
         self.memory.step_ran(plan.memory)  # the step ran, so the copies after it were made
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -312,12 +317,20 @@ class Scheduler:
                 self.stats.prefill_tokens += min(end, seq.num_prompt) - chunk.start
             seq.num_computed = end
             self.memory.commit(seq)
-            entries = output.prompt_entries.get(id(chunk))
+            entries = prompt_entries.get(id(chunk))
             if entries is not None:
                 seq.prompt_entries.extend(entries)
                 seq.prompt_chunk_ends.append(min(end, seq.num_prompt))
             if chunk.wants_logits and seq.request.max_tokens == 0:  # prompt scoring only: no output
                 events += self._finish_all(seq, FinishCause.LENGTH)
+        return events
+
+    def commit_tokens(self, plan: SchedulerOutput, output: ModelOutput) -> list[EngineEvent]:
+        """The second half of update_from_output: sampled tokens, stops and finishes. A sequence that
+        has left `running` since the step was planned (finished, or preempted while async output
+        handling planned the next step) takes its tokens like any other unless it finished."""
+        events: list[EngineEvent] = []
+        drafts = {id(chunk.seq): len(chunk.draft_ids) for chunk in plan.chunks if chunk.draft_ids}
         for seq in plan.sequences:
             if seq.finish is not None:
                 continue

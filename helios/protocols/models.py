@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from helios.core.manifest import Manifest
+from helios.core.manifest import Manifest, Quantization
 from helios.core.sampling import DISTRIBUTION_PARAMS
 
 
@@ -35,17 +35,51 @@ IMAGE_LIMITS = (
 )
 
 
-def precision(manifest: Manifest, upcast_from: str | None) -> dict[str, str]:
-    """The core's weight precision and what the engine computes in: a 16-bit core this CPU runs
-    upcast computes (and keeps its KV cache) in float32; matmuls accumulate in float32 throughout.
-    A bfloat16 core's logprobs differ from a float32 export of the same weights (docs/serving.md)."""
+def precision(manifest: Manifest, upcast_from: str | None, weights_in_memory: str = "") -> dict[str, str]:
+    """The core's weight precision, what the engine holds and computes in, and what its logprobs
+    are: a 16-bit core this CPU runs upcast computes (and keeps its KV cache) in float32; matmuls
+    accumulate in float32 throughout. weights is the stored precision: a quantized core's level
+    (e.g. "int4-g32"), else the float dtype; weights_in_memory what the engine holds (the level
+    where its native kernels run the stored values, the float dtype a quantized weight was
+    dequantized to elsewhere). A bfloat16 core's logprobs differ from a float32 export of the same
+    weights, a quantized core's from the unquantized checkpoint's (docs/serving.md, docs/quantization.md)."""
     upcast = upcast_from is not None
+    compute = "float32" if upcast else manifest.weights.dtype
+    quantization = manifest.quantization
+    stored = quantization.level if quantization is not None else manifest.weights.dtype
+    held = weights_in_memory or (compute if quantization is None else stored)
     return {
-        "weights": manifest.weights.dtype,
-        "compute": "float32" if upcast else manifest.weights.dtype,
+        "weights": stored,
+        "weights_in_memory": held,
+        "compute": compute,
         "kv_cache": "float32" if upcast else manifest.kv.dtype,
         "accumulation": "float32",
+        "logprobs": _logprob_statement(quantization, stored, held, compute),
     }
+
+
+def _logprob_statement(quantization: Quantization | None, stored: str, held: str, compute: str) -> str:
+    """What the reported logprobs are the distribution of, in a sentence."""
+    arithmetic = f"{compute} activations, float32 accumulation"
+    if quantization is None:
+        if stored == "float32":
+            return "the float32 model's own distribution (float32 arithmetic throughout)"
+        return (
+            f"the {stored} weights' distribution ({arithmetic}); a float32 export of the same checkpoint "
+            "differs by up to a few tenths of a nat"
+        )
+    check = quantization.self_check
+    measured = (
+        f"export self-check: max |Δ logprob| {check.max_abs_logprob_diff:.3g}, top-1 agreement "
+        f"{check.top1_agreement:.1%}, perplexity {check.perplexity:.4g} vs {check.reference_perplexity:.4g}"
+        if check is not None
+        else "not measured at export"
+    )
+    values = "its stored values" if held == stored else f"its values rounded to {held} at load"
+    return (
+        f"the {stored} quantized weights' distribution, computed on {values} ({arithmetic}); it differs "
+        f"from the unquantized checkpoint's ({measured})"
+    )
 
 
 def flare_object(
@@ -59,11 +93,13 @@ def flare_object(
     device: str = "cpu",
     cuda_graphs: bool = False,
     upcast_from: str | None = None,
+    weights_in_memory: str = "",
 ) -> dict[str, Any]:
     """default_max_tokens is the effective integer budget of a request that omits one (never null).
     image_limits: the six image fields at the served context (vision cores; zeros without).
     device: the device the engine runs on ("cpu", "cuda", "cuda:N"); cuda_graphs: whether decode steps
-    replay captured CUDA graphs (never on CPU); upcast_from: the 16-bit weight dtype run as float32 here.
+    replay captured CUDA graphs (never on CPU); upcast_from: the 16-bit weight dtype run as float32 here;
+    weights_in_memory: the weight precision the engine holds (EngineMetrics.weights_in_memory).
     api.md names none of these: docs/serving.md documents them."""
     spec = manifest.recipe.sampling
     defaults = {name: getattr(spec.defaults, name) for name in DISTRIBUTION_PARAMS}
@@ -86,7 +122,7 @@ def flare_object(
         "output_modalities": ["text"],
         "device": device,
         "cuda_graphs": cuda_graphs,
-        "precision": precision(manifest, upcast_from),
+        "precision": precision(manifest, upcast_from, weights_in_memory),
     }
 
 

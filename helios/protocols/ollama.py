@@ -50,24 +50,28 @@ def capabilities(manifest: Manifest) -> tuple[str, ...]:
     return tuple(found)
 
 
+_DTYPES = ("weights", "compute", "kv_cache")  # the flare object's precision entries model_info repeats
+
+
 def discovery(
     model: ModelIdentity, manifest: Manifest, max_model_len: int, precision: dict[str, str] | None = None
 ) -> Discovery:
     """max_model_len is the effective serving limit (prompt plus output), not the core's; precision
     is the /v1/models flare object's (weights, compute and KV-cache dtypes)."""
+    stated = precision or {}
     details = {
         "parent_model": "",
         "format": FORMAT,
         "family": "",
         "families": [],
         "parameter_size": "",
-        "quantization_level": "",
+        "quantization_level": manifest.quantization.level if manifest.quantization is not None else "",
     }
     info = {
         "general.name": manifest.model.name or model.public_id,
         "flare.context_length": max_model_len,
         "flare.vocab_size": manifest.tokenizer.vocab_size,
-        **{f"flare.{part}_dtype": dtype for part, dtype in (precision or {}).items() if part != "accumulation"},
+        **{f"flare.{part}_dtype": stated[part] for part in _DTYPES if part in stated},
     }
     caps = capabilities(manifest)
     weights = manifest.files.get(manifest.weights.file, "")

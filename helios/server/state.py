@@ -159,6 +159,7 @@ def build_state(core_dir: Path, config: ServerConfig, world: ParallelWorld | Non
                 kv_memory_fraction=config.kv_memory_fraction,
                 serial_decode_rows=config.serial_decode_rows,
                 compiled_step=config.compiled_step,
+                runtime=config.runtime,
                 speculation=SpeculationConfig(
                     config.speculation,
                     config.max_draft_tokens,
@@ -197,6 +198,7 @@ def build_state(core_dir: Path, config: ServerConfig, world: ParallelWorld | Non
         device=device,
         cuda_graphs=running.cuda_graphs,
         upcast_from=running.upcast_from,
+        weights_in_memory=running.weights_in_memory,
     )
     # docs/parallel.md: the ranks the engine runs on, and over how many its experts are split
     flare["tensor_parallel"] = world.size if world is not None else 1

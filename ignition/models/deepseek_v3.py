@@ -161,7 +161,7 @@ class StepProgram(StepModule):
         c = self.config
         wdt = weights["embed"].dtype
         # As in the other families: residual stream, norms and rotary in fp32, matmuls in the core dtype.
-        x = embed_images(F.embedding(s.token_ids, weights["embed"]).float(), s)
+        x = embed_images(self.embed_tokens(weights, s.token_ids), s)
         cos, sin = self.rotary(s.positions)
         x = self.decoder(weights, kv_cache, x, cos, sin, s.paged)
         hidden = rms_norm(x, weights["norm"], c.rms_norm_eps)
@@ -184,14 +184,16 @@ class StepProgram(StepModule):
         sin: Tensor,
         paged: Paged,
     ) -> Tensor:
-        """The residual stream x [T, hidden] fp32 through every layer (pre-norm attention, then MLP)."""
+        """The residual stream x [T, hidden] fp32 through every layer (pre-norm attention, then MLP).
+        On tp ranks (ignition.parallel_rules: each rank its query heads over the whole latent, its share
+        of the MLP widths or experts) the row-parallel o and down projections' partial sums meet here."""
         c, wdt = self.config, weights["embed"].dtype
         attend = self.attender(weights, kv_cache, (cos, sin), paged)
         for i in range(c.num_layers):
             h = rms_norm(x, weights[f"layers.{i}.attn_norm"], c.rms_norm_eps).to(wdt)
-            x = x + attend(i, h)
+            x = x + self.reduce(attend(i, h))
             h = rms_norm(x, weights[f"layers.{i}.mlp_norm"], c.rms_norm_eps).to(wdt)
-            x = x + self.mlp(weights, i, h).float()
+            x = x + self.reduce(self.mlp(weights, i, h).float())
         return x
 
     def attender(self, weights: dict[str, Tensor], kv_cache: list[Tensor], rotary: Rotary, paged: Paged) -> Attend:

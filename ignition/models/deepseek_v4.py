@@ -153,7 +153,8 @@ class StepProgram(StepModule):
         groups = attn.reshape(-1, c.o_groups, c.num_heads * c.head_dim // c.o_groups).transpose(0, 1)
         w_a = weights[p + "wo_a"].view(c.o_groups, c.o_lora_rank, -1)
         grouped = torch.bmm(groups.to(wdt), w_a.transpose(1, 2)).transpose(0, 1).reshape(-1, c.o_groups * c.o_lora_rank)
-        return F.linear(grouped, weights[p + "wo_b"]).float()
+        # on tp ranks each rank holds its query heads' output groups (row-parallel o_b): the sums meet here
+        return self.reduce(F.linear(grouped, weights[p + "wo_b"]).float())
 
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor, token_ids: Tensor) -> Tensor:
         c, p = self.config, f"layers.{layer}."
@@ -163,8 +164,12 @@ class StepProgram(StepModule):
             top = moe.weights_at(c.router, moe.scores(c.router, logits), ids)
         else:
             top, ids = moe.route(c.router, logits, weights[p + "router_bias"])
-        out = moe.routed_mlp(h, top, ids, weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"], c.activation)
-        return out + moe.shared_mlp(h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"], c.activation)
+        experts_gate_up, experts_down = weights[p + "w_experts_gate_up"], weights[p + "w_experts_down"]
+        if "expert_start" in weights:  # an expert-parallel rank: its experts' part of the routed sum
+            top, ids = moe.local_experts(top, ids, weights["expert_start"], experts_gate_up.shape[0])
+        out = moe.routed_mlp(h, top, ids, experts_gate_up, experts_down, c.activation)
+        out = out + moe.shared_mlp(h, weights[p + "w_shared_gate_up"], weights[p + "w_shared_down"], c.activation)
+        return self.reduce(out)  # tp ranks: their shares of the widths (or experts) added
 
     def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
         c = self.config
@@ -174,7 +179,7 @@ class StepProgram(StepModule):
         positions = s.positions
         ropes = {"main": rope_cos_sin(c.main_rope, positions), "compress": rope_cos_sin(c.compress_rope, positions)}
         # The hc_mult residual streams, norms and mixing stay fp32; matmuls run in the core dtype.
-        streams = F.embedding(s.token_ids, weights["embed"]).float()[:, None, :].expand(-1, c.hc_mult, -1)
+        streams = self.embed_tokens(weights, s.token_ids)[:, None, :].expand(-1, c.hc_mult, -1)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             post, comb, collapsed = hyper_block(c, weights, p + "attn_hc.", streams)

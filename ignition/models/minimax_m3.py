@@ -339,20 +339,24 @@ class StepProgram(StepModule):
             attn = torch.ops.flare.paged_attention(
                 q.to(kvt), k_cache, v_cache, block_tables, seq_lens, query_start_loc, positions, scale
             )
-        return F.linear(attn.reshape(-1, c.num_heads * c.head_dim).to(h.dtype), weights[p + "wo"]).float()
+        # row-parallel o on tp ranks (each its query heads): the partial sums meet here
+        return self.reduce(F.linear(attn.reshape(-1, c.num_heads * c.head_dim).to(h.dtype), weights[p + "wo"]).float())
 
     def mlp(self, weights: dict[str, Tensor], layer: int, h: Tensor) -> Tensor:
+        """On tp ranks each rank's share of the widths (or of the experts) and of the shared expert: summed."""
         c, p = self.config, f"layers.{layer}."
         if c.moe_layers[layer]:
-            return moe.sparse_moe(moe.MoeBlock(c.router, c.activation, shared=True), weights, layer, h)
-        return moe.shared_mlp(h, weights[p + "w_gate_up"], weights[p + "w_down"], c.activation)
+            out = moe.sparse_moe(moe.MoeBlock(c.router, c.activation, shared=True), weights, layer, h)
+        else:
+            out = moe.shared_mlp(h, weights[p + "w_gate_up"], weights[p + "w_down"], c.activation)
+        return self.reduce(out)
 
     def step(self, weights: dict[str, Tensor], kv_cache: list[Tensor], s: StepInputs) -> tuple[Tensor, ...]:
         """Vision cores: the image rows' input embeddings are the features."""
         c = self.config
         wdt = weights["embed"].dtype
         # Residual stream, norms and rotary in fp32, matmuls in the core dtype (as the other families).
-        x = embed_images(F.embedding(s.token_ids, weights["embed"]).float(), s)
+        x = embed_images(self.embed_tokens(weights, s.token_ids), s)
         positions = s.positions
         inv_freq = 1.0 / (c.rope_theta ** (arange_like(positions, c.rotary_dim, 2) / c.rotary_dim))
         freqs = positions.float()[:, None] * inv_freq[None, :]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,9 @@ class Checkpoint:
     processor_config: dict[str, Any] | None = (
         None  # preprocessor_config.json / processor_config.json (vision checkpoints)
     )
+    # Quantized sources whose blocks an export can keep (GGUF): reads their grids on demand
+    # (ignition.sources.gguf_grids.SourceGrids); None: the values are all there is.
+    grids: Callable[[], Any] | None = None
 
 
 def sha256_file(path: Path) -> str:

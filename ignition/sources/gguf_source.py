@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from ignition.errors import SourceError
 from ignition.models import family, family_of_gguf
 from ignition.models.naming import rename
 from ignition.sources.checkpoint import Checkpoint, TokenizerFacts, sha256_file
+from ignition.sources.gguf_grids import read_grids
 from ignition.sources.tokenizer_gguf import UnsupportedTokenizer, tokenizer_from_gguf
 
 
@@ -88,7 +90,13 @@ def read_gguf(path: Path, checkpoint_id: str | None) -> Checkpoint:
         files={path.name: sha256_file(path)},
         dtype=_published_dtype(reader),
         source_format="gguf " + "+".join(sorted({t.tensor_type.name for t in reader.tensors})),
+        grids=partial(read_grids, path, gguf.tensor_fixup, partial(_hf_name, gguf.weight_map), hf_config),
     )
+
+
+def _hf_name(weight_map: Any, gguf_name: str) -> str | None:
+    mapped = rename(gguf_name, weight_map)
+    return mapped[0] if mapped is not None else None
 
 
 def _published_dtype(reader: Any) -> str:

@@ -77,11 +77,11 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_keeps_serving(tiny
     run = engine.executor.run
     calls = {"n": 0}
 
-    def fault_once(chunks, page_copies=(), *state_copies):
+    def fault_once(chunks, page_copies=(), *state_copies, **options):  # options: fed= (async output handling)
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected device fault")
-        return run(chunks, page_copies, *state_copies)
+        return run(chunks, page_copies, *state_copies, **options)
 
     engine.executor.run = fault_once
     requests = [EngineRequest(name, _prompt(tiny, name), (GREEDY,), 6, ignore_eos=True) for name in ("a", "b", "c")]

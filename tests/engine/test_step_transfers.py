@@ -1,5 +1,5 @@
 """One device-to-host copy per step: sampling without host reads (Sampler(host_reads=False), what an
-accelerator runs), the packed copy (step_output.to_host), and an engine step that reads device
+accelerator runs), the packed copy (step_output.to_host, HostCopy), and an engine step that reads device
 values only through it, with the same tokens and logprobs as before.
 
 No GPU here: "a host read" is any call that turns a tensor's values into Python values (tolist,
@@ -34,7 +34,8 @@ def _params(**changes: object) -> SamplingParams:
 
 
 class ReadCounter:
-    """Counts host reads of tensor values while `counting`, except inside the to_host boundary."""
+    """Counts host reads of tensor values while `counting`, except inside the copy boundary
+    (step_output.HostCopy: its start, counted as a copy, and its wait)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.reads: list[str] = []
@@ -44,18 +45,28 @@ class ReadCounter:
         for name in READS:
             original = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, original))
-        to_host = step_output.to_host
+        start, wait = step_output.HostCopy.__init__, step_output.HostCopy.wait
 
-        def counted(parts):
+        def started(copy, parts):
             if self.counting:
                 self.copies += 1
-            self._inside = True
-            try:
-                return to_host(parts)
-            finally:
-                self._inside = False
+            with self._boundary():
+                start(copy, parts)
 
-        monkeypatch.setattr(step_output, "to_host", counted)
+        def waited(copy):
+            with self._boundary():
+                return wait(copy)
+
+        monkeypatch.setattr(step_output.HostCopy, "__init__", started)
+        monkeypatch.setattr(step_output.HostCopy, "wait", waited)
+
+    @contextmanager
+    def _boundary(self) -> Iterator[None]:
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
 
     def _wrap(self, name: str, original):
         def wrapper(tensor, *args, **kwargs):
@@ -251,16 +262,21 @@ def test_an_engine_step_copies_to_the_host_once(tiny_core: Path, monkeypatch: py
     engine.sampler = Sampler(host_reads=False)  # what a device runs: no value leaves it while sampling
     counter = ReadCounter(monkeypatch)
     copies_per_step: list[int] = []
-    sample_step = engine._sample_step
+    start_sampling, finish_sampling = engine._start_sampling, engine._finish_sampling
 
-    def counted(plan, result):
+    def started(plan, result):
         counter.copies = 0
         with counter.active():
-            output = sample_step(plan, result)
+            return start_sampling(plan, result)
+
+    def finished(plan, result, sampling):
+        with counter.active():
+            output = finish_sampling(plan, result, sampling)
         copies_per_step.append(counter.copies)
         return output
 
-    monkeypatch.setattr(engine, "_sample_step", counted)
+    monkeypatch.setattr(engine, "_start_sampling", started)
+    monkeypatch.setattr(engine, "_finish_sampling", finished)
     after = run_to_completion(engine, _requests())
     assert counter.reads == []
     assert copies_per_step and set(copies_per_step) == {1}

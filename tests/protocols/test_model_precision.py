@@ -10,21 +10,26 @@ from helios.protocols.ollama import discovery
 
 
 def _manifest(weights: str, kv: str) -> SimpleNamespace:
-    return SimpleNamespace(weights=SimpleNamespace(dtype=weights), kv=SimpleNamespace(dtype=kv))
+    return SimpleNamespace(weights=SimpleNamespace(dtype=weights), kv=SimpleNamespace(dtype=kv), quantization=None)
 
 
 def test_a_core_run_as_stored() -> None:
-    assert precision(_manifest("bfloat16", "bfloat16"), None) == {
+    stated = precision(_manifest("bfloat16", "bfloat16"), None)
+    assert stated == {
         "weights": "bfloat16",
+        "weights_in_memory": "bfloat16",
         "compute": "bfloat16",
         "kv_cache": "bfloat16",
         "accumulation": "float32",
+        "logprobs": stated["logprobs"],
     }
+    assert "float32 export" in stated["logprobs"]
 
 
 def test_a_16_bit_core_run_upcast() -> None:
     stated = precision(_manifest("bfloat16", "bfloat16"), "bfloat16")
     assert stated["weights"] == "bfloat16" and stated["compute"] == stated["kv_cache"] == "float32"
+    assert stated["weights_in_memory"] == "float32"
 
 
 def test_show_carries_the_dtypes(tiny_core) -> None:
@@ -39,3 +44,14 @@ def test_show_carries_the_dtypes(tiny_core) -> None:
         manifest.weights.dtype,
         manifest.kv.dtype,
     )
+
+
+def test_a_quantized_core_states_its_level() -> None:
+    check = SimpleNamespace(max_abs_logprob_diff=0.25, top1_agreement=0.97, perplexity=12.5, reference_perplexity=12.0)
+    manifest = _manifest("bfloat16", "bfloat16")
+    manifest.quantization = SimpleNamespace(level="int4-g32", self_check=check)
+    native = precision(manifest, None, "int4-g32")
+    assert (native["weights"], native["weights_in_memory"], native["compute"]) == ("int4-g32", "int4-g32", "bfloat16")
+    assert "int4-g32" in native["logprobs"] and "0.25" in native["logprobs"] and "stored values" in native["logprobs"]
+    dequantized = precision(manifest, None, "bfloat16")
+    assert dequantized["weights"] == "int4-g32" and "rounded to bfloat16" in dequantized["logprobs"]

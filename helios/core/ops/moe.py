@@ -67,11 +67,16 @@ def expert_forward(
     """
     wdt = w_gate_up.dtype
     act = expert_activation(F.linear(x.to(wdt), w_gate_up).float(), activation, limit, alpha)
-    y = F.linear(act.to(wdt), w_down).float()
-    if post_norm_scale is not None:  # Muse Spark's post-expert norm: scale first, then RMS-normalize
-        y = y * post_norm_scale.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + post_norm_eps)
-    return y
+    return post_expert_norm(F.linear(act.to(wdt), w_down).float(), post_norm_scale, post_norm_eps)
+
+
+def post_expert_norm(y: Tensor, scale: Tensor | None, eps: float) -> Tensor:
+    """Muse Spark's post-expert norm of an expert's fp32 output: scale first, then RMS-normalize
+    (no norm: y as it is). Every expert kernel applies it through here."""
+    if scale is None:
+        return y
+    y = y * scale.float()
+    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
 
 
 @torch.library.custom_op("flare::routed_experts", mutates_args=())

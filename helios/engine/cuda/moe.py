@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from helios.core.ops.moe import ACTIVATIONS
+from helios.core.ops.moe import ACTIVATIONS, post_expert_norm
 
 
 @triton.jit
@@ -209,8 +209,7 @@ def routed_experts(
         act, w_down, y, *plan, ffn, hidden, 1, act.stride(0), *w_down.stride(), *options, **down, **config
     )
     if post_norm_scale is not None:  # Muse Spark: scale, RMS-normalize, then the routing weight
-        y = y * post_norm_scale.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + post_norm_eps) * weights[:, None]
+        y = post_expert_norm(y, post_norm_scale, post_norm_eps) * weights[:, None]
     return y.view(num_tokens, top_k, hidden).sum(1)
 
 

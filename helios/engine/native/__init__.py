@@ -47,7 +47,14 @@ SOURCES = tuple(sorted(DIRECTORY.glob("*.cpp")))
 HEADERS = tuple(sorted(DIRECTORY.glob("*.h")))
 # Per-source flags on x86-64: the AVX2 kernels are built without AVX-512 whatever the host has, so
 # an AVX-512 host runs (and tests) the code an AVX2 host runs.
-_SOURCE_FLAGS = {"linear_avx2.cpp": ("-mno-avx512f",), "attention_avx2.cpp": ("-mno-avx512f",)}
+# The quantized linears are compiled without contracting a product and a sum into one fused
+# multiply-add, so that each weight is exactly helios.core.quant.dequantize's value (linear_q.h).
+_SOURCE_FLAGS = {
+    "linear_avx2.cpp": ("-mno-avx512f",),
+    "attention_avx2.cpp": ("-mno-avx512f",),
+    "linear_q.cpp": ("-ffp-contract=off",),
+    "linear_q_avx2.cpp": ("-mno-avx512f", "-ffp-contract=off"),
+}
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "reason": why not
 

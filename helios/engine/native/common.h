@@ -12,6 +12,9 @@
 //   linear_avx512.cpp    linear / linear_tiles: AVX512-BF16 pair dot products and AMX tiles;
 //   linear_avx2.cpp      linear_avx2: AVX2+FMA, bfloat16 widened to fp32 in registers (any x86-64
 //                        CPU with AVX2, compiled with a target attribute whatever -march is);
+//   linear_q.cpp         pack_qlinear / qlinear: int8 and int4 weights (helios/core/quant.py's layout)
+//                        times float activations, and its AVX-512 kernel (linear_q.h, linear_q_kernel.h);
+//   linear_q_avx2.cpp    qlinear's AVX2+FMA kernel (compiled without AVX-512, like linear_avx2.cpp);
 //   ops.cpp              the op schemas, and the CPU kernels of flare::paged_attention/write_kv;
 //   compiled_step.cpp    run_compiled: AOTInductor steps with the GIL released.
 //

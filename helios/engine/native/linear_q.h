@@ -1,0 +1,66 @@
+// Quantized linears (int8 and int4 weights, group-wise scales; helios/core/quant.py's stored
+// layout): pack_qlinear repacks a weight's stored tensors once at load into one uint8 blob, and
+// qlinear multiplies float32 or bfloat16 activations by it on AVX-512 or AVX2+FMA.
+//
+// The blob: a 64-byte header (QHeader), then per block of 16 outputs (outputs past `out` are zero),
+// per group of `group` input features, the group's 16 scales (and for int4 its 16 minimums) in the
+// stored scale dtype (float32 or bfloat16), then its weights feature by feature:
+//   int8: for each feature k, the 16 outputs' int8 values (16 bytes);
+//   int4: for each pair of features (2p, 2p + 1), 16 bytes: output o's byte holds feature 2p in its
+//         low nibble and 2p + 1 in its high nibble (the stored qweight byte [o, p] as it is).
+// So a block's weights, scales next to them, stream linearly, and one 16-byte load gives the 16
+// outputs' weights of a feature (int8) or of a pair of features (int4): one AVX-512 register of
+// fp32 outputs, or two AVX2 ones. Scales are widened to float32 exactly; each weight is dequantized
+// to exactly the float32 value helios.core.quant.dequantize gives: q * scale, or q * scale + min as
+// a product then a sum (one fused multiply-add where the product is exact: bfloat16 scales). The
+// sources are compiled with -ffp-contract=off (native/__init__.py) so that the compiler fuses
+// nothing else.
+//
+// Activations stay float (bfloat16 ones widened exactly): quantizing them to int8 for VNNI would
+// not give the float reference's results. So many rows run at the fp32 FMA rate of the host (on a
+// Zen 4 core about half of what AVX512-BF16's pair dot products give the bfloat16 linear), and one
+// row at the rate its dequantizing allows (int8: load, widen, convert, scale; int4 also a nibble
+// split and the minimum).
+//
+// Reduction order: every output of every row is one fp32 fused multiply-add chain over the input
+// features in ascending order, starting from 0, then + bias, then rounded to the output dtype. The
+// few-row kernel (weights dequantized in registers as they stream) and the many-row kernel (a tile
+// of weights dequantized once into L1 and reused by every row) run the same chain, and so do the
+// AVX-512 and AVX2 paths: a row's bits depend neither on its neighbours nor on the instruction set.
+#pragma once
+
+#include "common.h"
+
+namespace flare_native {
+
+struct QHeader {
+  int64_t magic, bits, group, in, out, blocks, scale_bytes, block_bytes;
+};
+static_assert(sizeof(QHeader) == 64, "the blob header is one cache line");
+constexpr int64_t kQMagic = 0x31514c46;  // "FLQ1"
+
+// What a qlinear kernel needs from the call: inputs widened to fp32 rows, output, bias.
+struct QCall {
+  const QHeader* head;
+  const uint8_t* blocks;  // the first block (just past the header)
+  const float* x;         // [rows, ldx] fp32
+  int64_t rows, ldx;
+  const float* bias;  // [out] fp32 or null
+  void* y;            // [rows, out] of the output dtype
+  bool bf16_out;
+};
+
+// linear_q.cpp
+at::Tensor pack_qlinear(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                        int64_t group);
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                   int64_t out_features);
+bool has_qlinear();
+bool has_qlinear_avx512();
+void qlinear_avx512(const QCall& call);
+
+// linear_q_avx2.cpp
+bool has_qlinear_avx2();
+void qlinear_avx2(const QCall& call);
+
+}  // namespace flare_native

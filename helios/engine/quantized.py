@@ -1,0 +1,269 @@
+"""Quantized weights at load (manifest.quantization): run on the stored values, or dequantize.
+
+A quantized core's programs were traced with float weights; its weights file holds some of them
+group-wise quantized (helios.core.quant). At load, for each such weight:
+
+* **native**: every use in the programs the engine rewrites (step, scored prefill, drafters) is a
+  linear's weight (`aten.linear`, 2-D) or an expert stack of `flare::routed_experts` whose two
+  stacks both run natively, the engine runs on the CPU, and the native library has the quantized
+  kernels on this host (`flare_native::has_qlinear`). The weights-dict entry becomes the packed
+  blob of `flare_native::pack_qlinear` (per expert for a stack: [E, bytes]) and the uses are
+  rewritten: linears to `flare_native::qlinear(x, packed, bias, out_features)`, expert calls to
+  helios' quantized expert kernel (kernels.moe.routed_experts_quantized). The stored tensors are
+  dropped once packed: no float copy of the weight exists.
+* **dequantized** otherwise, to the dtype the programs take the weight in (float32 where the
+  engine runs a 16-bit core upcast), with the reason logged once: a GPU device, no native kernel
+  here, or a use that is not a linear (a tied embedding, the router, a vision tower's program).
+
+Runs before graph.simplify and prepack: prepack packs bfloat16/float32 linears only, so the
+rewritten quantized linears keep their kernel. The core's programs and weights are unchanged on
+disk: this is a runtime rewrite like prepack's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, fx
+
+from helios.core import quant
+from helios.core.bundle import StoredWeight
+from helios.core.manifest import Quantization
+from helios.core.program import Program
+from helios.engine.kernels import moe
+
+log = logging.getLogger("helios.engine")
+
+_LINEAR = torch.ops.aten.linear.default
+_EMBEDDING = torch.ops.aten.embedding.default
+_HEADER_WORDS = 8  # the packed blob's header: magic, bits, group, in, out, blocks, scale_bytes, block_bytes
+_BLOCK = 16  # outputs per block of the packed layout (native/linear_q.h)
+# flare::routed_experts as exported, and as graph.simplify retargets it (either may be seen).
+_EXPERTS = (torch.ops.flare.routed_experts.default, moe.routed_experts_cpu)
+_STACKS = {3: "gate_up_features", 4: "down_features"}  # routed_experts' stack arguments -> out-features kwarg
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedLoad:
+    """What the engine made of a core's quantized weights (discovery and the startup line)."""
+
+    level: str  # manifest.quantization.level, e.g. "int4-g32"
+    native: tuple[str, ...]  # weights whose linears run on the stored values
+    dequantized: tuple[str, ...]  # weights dequantized at load
+    dtype: str  # the float dtype dequantized weights are held in
+    reasons: tuple[str, ...]  # why each group of weights was dequantized (empty when none was)
+
+    @property
+    def in_memory(self) -> str:
+        """The weight precision the engine holds: the level, the float dtype, or both."""
+        if not self.dequantized:
+            return self.level
+        if not self.native:
+            return self.dtype
+        total = len(self.native) + len(self.dequantized)
+        return f"{self.level} ({len(self.dequantized)} of {total} quantized tensors dequantized to {self.dtype})"
+
+
+def dequantized_growth(quantization: Quantization | None) -> int:
+    """Bytes a device holds beyond the weights file's when every quantized weight is dequantized
+    there (a GPU: the KV pool is sized from the memory the weights leave)."""
+    if quantization is None:
+        return 0
+    return sum(
+        math.prod(t.shape) * getattr(torch, t.dtype).itemsize
+        - quant.stored_bytes(t.shape, t.format, t.group, getattr(torch, t.scale_dtype))
+        for t in quantization.tensors.values()
+    )
+
+
+def has_qlinear() -> bool:
+    """Whether the native library here has the quantized linear kernels and this host runs them."""
+    try:
+        check = torch.ops.flare_native.has_qlinear
+        torch.ops.flare_native.pack_qlinear  # noqa: B018
+        torch.ops.flare_native.qlinear  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(check())
+
+
+@dataclass(frozen=True, slots=True)
+class _Use:
+    program: Program
+    node: fx.Node  # the user
+    argument: int  # which positional argument of the user the weight is (-1: a keyword or several)
+    kind: str  # "linear", "experts" or what else reads it
+
+
+def _uses(programs: list[Program], names: list[str], wanted: set[str]) -> Iterator[tuple[str, _Use]]:
+    """(weight name, use) for every use of a wanted weight input of the programs."""
+    for program in programs:
+        placeholders = [n for n in program.module.graph.nodes if n.op == "placeholder"]
+        for node, name in zip(placeholders[: len(names)], names, strict=True):
+            if name not in wanted:
+                continue
+            for user in node.users:
+                positions = [i for i, a in enumerate(user.args) if a is node]
+                inside = node in user.kwargs.values() or len(positions) != 1
+                argument = -1 if inside else positions[0]
+                if user.target is _LINEAR and argument == 1:
+                    kind = "linear"
+                elif user.target in _EXPERTS and argument in _STACKS:
+                    kind = "experts"
+                elif user.target is _EMBEDDING and argument == 0:
+                    kind = "embedding"
+                else:
+                    kind = str(user.target)
+                yield name, _Use(program, user, argument, kind)
+
+
+def _reason_of_use(use: _Use, weight: StoredWeight) -> str | None:
+    """Why this use cannot read the packed weight, or None."""
+    dims = len(weight.spec.shape)
+    if use.kind == "linear":
+        return None if dims == 2 else f"a linear reads a {dims}-D weight"
+    if use.kind == "experts":
+        return None if dims == 3 else f"an expert call reads a {dims}-D stack"
+    if use.kind == "embedding":
+        return None if dims == 2 else f"an embedding reads a {dims}-D table"
+    return f"read by {use.kind}, not only as a linear's weight"
+
+
+def prepare(
+    programs: list[Program],
+    weights: dict[str, Tensor],
+    stored: dict[str, StoredWeight],
+    device: str,
+    upcast: bool,
+    level: str,
+    observed: tuple[Program, ...] = (),
+) -> tuple[dict[str, Tensor], QuantizedLoad | None]:
+    """The weights dict to call the programs with (every name, sorted) and what became of the
+    quantized ones; rewrites the programs' uses of natively run weights in place.
+
+    weights: the core's other weights (Core.load_stored); stored: its quantized ones. observed:
+    programs that take the same weights dict but are not rewritten (a vision program): a quantized
+    weight they read is dequantized. upcast: dequantize to float32 (a 16-bit core run upcast)."""
+    if not stored:
+        return weights, None
+    names = sorted({*weights, *stored})
+    reasons: dict[str, str] = {}
+    if device != "cpu":
+        reasons = {name: f"the engine runs on {device} (the quantized kernels are CPU ones)" for name in stored}
+    elif not has_qlinear():
+        reasons = {name: "no native quantized kernel here (flare_native::has_qlinear)" for name in stored}
+    uses: dict[str, list[_Use]] = {name: [] for name in stored}
+    if not reasons:
+        for name, use in _uses(programs, names, set(stored)):
+            uses[name].append(use)
+        for name, _ in _uses(list(observed), names, set(stored)):
+            reasons.setdefault(name, "read by a program helios does not rewrite (the vision tower's)")
+        for name, found in uses.items():
+            for use in found:
+                why = _reason_of_use(use, stored[name])
+                if why is not None:
+                    reasons.setdefault(name, why)
+        _pair_experts(uses, stored, reasons)
+    native = [name for name in stored if name not in reasons]
+    dtype = torch.float32 if upcast else None
+    packed = {name: _pack(stored[name]) for name in native}
+    dequantized = {name: stored[name].dequantize(dtype) for name in reasons}
+    for name in native:
+        compute = dtype or getattr(torch, stored[name].spec.dtype)  # the programs' activations
+        for use in uses[name]:
+            _rewrite(use, stored[name], compute)
+    for program in {id(u.program): u.program for name in native for u in uses[name]}.values():
+        program.module.graph.lint()
+        program.module.recompile()
+    held = str(dtype or getattr(torch, next(iter(stored.values())).spec.dtype)).removeprefix("torch.")
+    outcome = QuantizedLoad(level, tuple(native), tuple(sorted(reasons)), held, tuple(sorted(set(reasons.values()))))
+    _log(outcome, reasons)
+    everything = {**weights, **packed, **dequantized}
+    return {name: everything[name] for name in names}, outcome
+
+
+def _pair_experts(uses: dict[str, list[_Use]], stored: dict[str, StoredWeight], reasons: dict[str, str]) -> None:
+    """An expert call runs on the quantized kernel only when both its stacks do: a stack whose
+    partner is dequantized (or not quantized at all) is dequantized too, until nothing changes."""
+    stack_of = {(id(u.node), u.argument): name for name, found in uses.items() for u in found if u.kind == "experts"}
+    changed = True
+    while changed:
+        changed = False
+        for name, found in uses.items():
+            for use in (u for u in found if u.kind == "experts" and name not in reasons):
+                partner = stack_of.get((id(use.node), 7 - use.argument))  # 3 <-> 4
+                if partner is None or partner in reasons:
+                    reasons[name] = "its expert call's other stack does not run on the quantized kernel"
+                    changed = True
+
+
+def _pack(weight: StoredWeight) -> Tensor:
+    return torch.ops.flare_native.pack_qlinear(weight.qweight, weight.scales, weight.mins, weight.spec.group)
+
+
+def _rewrite(use: _Use, weight: StoredWeight, compute: torch.dtype) -> None:
+    """Point one use at the packed weight (the placeholder now carries it)."""
+    node = use.node
+    out_features = int(weight.spec.shape[-2])
+    if use.kind == "linear":
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        node.target = torch.ops.flare_native.qlinear.default
+        node.args, node.kwargs = (node.args[0], node.args[1], bias, out_features), {}
+        return
+    if use.kind == "embedding":  # a tied table: the head's linear and the lookup read one blob
+        node.target = embedding_rows
+        node.args, node.kwargs = (node.args[0], node.args[1], compute), {}
+        return
+    # An expert call (its partner stack is rewritten too): same arguments, plus what the packed
+    # stacks no longer say, keyed by the argument this stack is.
+    node.target = moe.routed_experts_quantized
+    node.kwargs = {**node.kwargs, _STACKS[use.argument]: out_features, "dtype": compute}
+
+
+def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """The rows `ids` of a packed 2-D weight (flare_native::pack_qlinear's blob), dequantized
+    exactly as helios.core.quant.dequantize and rounded to `dtype`: an embedding lookup of a table
+    whose linear (the tied head) runs on the blob, so no float copy of the table is kept. Reads a
+    block of 16 rows per id from the layout of native/linear_q.h."""
+    _, bits, group, width, _, blocks, scale_bytes, block_bytes = packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
+    groups, int4 = width // group, bits == 4
+    head = _BLOCK * scale_bytes * (2 if int4 else 1)  # a group's scales (and minimums)
+    body = blocks * block_bytes
+    flat = ids.reshape(-1)
+    picked = packed[64 : 64 + body].view(blocks, groups, block_bytes // groups)[flat // _BLOCK]  # [T, G, per group]
+    lane = (flat % _BLOCK).view(-1, 1, 1)
+    scale_dtype = torch.float32 if scale_bytes == 4 else torch.bfloat16
+
+    def per_output(part: Tensor, dtype: torch.dtype | None = None) -> Tensor:  # [T, G, n * 16] -> [T, G, n] at lane
+        part = part.contiguous().view(dtype) if dtype is not None else part
+        rows = part.reshape(part.shape[0], groups, -1, _BLOCK)
+        return rows.gather(3, lane[..., None].expand(-1, groups, rows.shape[2], 1)).squeeze(3)
+
+    scales = per_output(picked[..., : _BLOCK * scale_bytes], scale_dtype).squeeze(2)
+    mins = per_output(picked[..., _BLOCK * scale_bytes : head], scale_dtype).squeeze(2) if int4 else None
+    q = per_output(picked[..., head:])  # [T, G, group or group / 2] bytes
+    qweight = q.view(torch.int8) if not int4 else q
+    rows = quant.dequantize(qweight.reshape(len(flat), -1), scales, mins, group, dtype)
+    return rows.reshape(*ids.shape, width)
+
+
+def _log(outcome: QuantizedLoad, reasons: dict[str, str]) -> None:
+    if outcome.native:
+        log.info(
+            "quantized weights (%s): %d tensor(s) run on helios' native quantized kernels",
+            outcome.level,
+            len(outcome.native),
+        )
+    for reason in outcome.reasons:
+        count = sum(1 for why in reasons.values() if why == reason)
+        log.info(
+            "quantized weights (%s): %d tensor(s) dequantized to %s at load: %s",
+            outcome.level,
+            count,
+            outcome.dtype,
+            reason,
+        )
