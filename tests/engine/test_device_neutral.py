@@ -136,10 +136,13 @@ def test_a_program_exported_with_device_constants_is_retargeted_and_unchanged_on
 def test_the_executor_places_every_program_for_its_device(tiny_core: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a device, the engine's first step is a startup probe (the speculation row budget) of the
     core's step, before any graph is captured: it runs there, the scored prefill is placed too."""
-    load = Core.load_weights
-    monkeypatch.setattr(
-        Core, "load_weights", lambda core, device="cpu": {k: w.to(device) for k, w in load(core).items()}
-    )
+    load = Core.load_stored
+
+    def placed(core: Core, device: str = "cpu") -> tuple[dict, dict]:  # safetensors reads no `meta` tensors
+        plain, stored = load(core)
+        return {k: w.to(device) for k, w in plain.items()}, stored
+
+    monkeypatch.setattr(Core, "load_stored", placed)
     executor = Executor(Core.open(tiny_core), 8, "meta", compiled=False)
     outputs = executor.step(executor.weights, executor.kv, **executor.probe_inputs(2))
     assert outputs["logits"].device.type == "meta"

@@ -23,7 +23,10 @@ from ignition.testmodel import write_testmodel
 
 CHAT = {
     "model": "x",
-    "messages": [{"role": "user", "content": "Tell me about the sea"}],
+    # Not "Tell me about the sea": there the torch runtime's first greedy token on this random tiny
+    # model varies from run to run between two candidates 8e-4 apart (a known engine issue, seen
+    # before the ONNX runtime existed), which this comparison is not about.
+    "messages": [{"role": "user", "content": "Write a poem about rain"}],
     "max_tokens": 12,
     "temperature": 0,
     "logprobs": True,
