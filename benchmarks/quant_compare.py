@@ -30,18 +30,18 @@ SCENARIOS = ["single", "sweep", "prefill"]
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_0"), ("int4", "Q4_K_M"))
 
 
-def figures(report: dict) -> dict[str, float | None]:
+def figures(report: dict, levels: tuple[int, ...] = LEVELS) -> dict[str, float | None]:
     sweep = report.get("sweep", {})
     return {
         "1 stream tok/s": report.get("single", {}).get("output_tok_s"),
-        **{f"{n} streams tok/s": sweep.get(str(n), {}).get("output_tok_s") for n in LEVELS},
+        **{f"{n} streams tok/s": sweep.get(str(n), {}).get("output_tok_s") for n in levels},
         "prefill tok/s (2k prompt)": report.get("prefill", {}).get("prefill_tok_s"),
     }
 
 
-def table(results: dict) -> str:
+def table(results: dict, levels: tuple[int, ...] = LEVELS) -> str:
     rows = [("figure", *(f"{bits} core / {kind}" for bits, kind in PAIRS))]
-    names = list(figures({}))
+    names = list(figures({}, levels))
     for name in names:
         cells = []
         for bits, kind in PAIRS:
@@ -49,7 +49,7 @@ def table(results: dict) -> str:
             if mine is None or peer is None:
                 cells.append("n/a")
                 continue
-            a, b = figures(mine)[name], figures(peer)[name]
+            a, b = figures(mine, levels)[name], figures(peer, levels)[name]
             cells.append(f"{a:.1f} / {b:.1f} = {ratio(a, b)}" if a and b else "n/a")
         rows.append((name, *cells))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
@@ -63,9 +63,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--only", default="", help="comma-separated subset of int8,int4,Q8_0,Q4_0,Q4_K_M")
+    parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="the sweep's concurrency levels")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     only = set(filter(None, args.only.split(",")))
+    levels = tuple(int(n) for n in args.levels.split(","))
     binary = ensure_llama_server()
     import importlib.util
 
@@ -84,14 +86,14 @@ def main() -> None:
     }
     for bits, core in (("int8", args.int8_core), ("int4", args.int4_core)):
         if (not only or bits in only) and core.is_dir():
-            results[f"helios_{bits}"] = run_helios(core, args.threads, SCENARIOS, args.out, levels=LEVELS)
+            results[f"helios_{bits}"] = run_helios(core, args.threads, SCENARIOS, args.out, levels=levels)
             path.write_text(json.dumps(results, indent=2) + "\n")
     for kind in dict.fromkeys(kind for _, kind in PAIRS):
         if not only or kind in only:
             gguf = write_quantized_gguf(f32, CACHE / f"SmolLM2-135M-Instruct.{kind}.gguf", kind)
-            results[f"llama_{kind}"] = run_llama(binary, gguf, args.threads, SCENARIOS, levels=LEVELS)
+            results[f"llama_{kind}"] = run_llama(binary, gguf, args.threads, SCENARIOS, levels=levels)
             path.write_text(json.dumps(results, indent=2) + "\n")
-    print(table(results))
+    print(table(results, levels))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ A quantized core's programs were traced with float weights; its weights file hol
 group-wise quantized (helios.core.quant). At load, for each such weight:
 
 * **native**: every use in the programs the engine rewrites (step, scored prefill, drafters) is a
-  linear's weight (`aten.linear`, 2-D) or an expert stack of `flare::routed_experts` whose two
+  linear's weight (`aten.linear`, 2-D), an embedding table (`aten.embedding`: its rows gathered
+  from the packed blob, `embedding_rows`) or an expert stack of `flare::routed_experts` whose two
   stacks both run natively, the engine runs on the CPU, and the native library has the quantized
   kernels on this host (`flare_native::has_qlinear`). The weights-dict entry becomes the packed
   blob of `flare_native::pack_qlinear` (per expert for a stack: [E, bytes]) and the uses are
@@ -13,7 +14,7 @@ group-wise quantized (helios.core.quant). At load, for each such weight:
   dropped once packed: no float copy of the weight exists.
 * **dequantized** otherwise, to the dtype the programs take the weight in (float32 where the
   engine runs a 16-bit core upcast), with the reason logged once: a GPU device, no native kernel
-  here, or a use that is not a linear (a tied embedding, the router, a vision tower's program).
+  here, or another use (a vision tower's program, a stack whose partner is dequantized).
 
 Runs before graph.simplify and prepack: prepack packs bfloat16/float32 linears only, so the
 rewritten quantized linears keep their kernel. The core's programs and weights are unchanged on
