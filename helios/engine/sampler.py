@@ -70,13 +70,14 @@ def argmax(logits: Tensor) -> Tensor:
 
 class Scratch:
     """Reused host buffers for the sampler's full-vocabulary temporaries ([B, V] fp32, one per
-    purpose). A fresh tensor that large (12 MB at 64 rows of a 49k vocabulary) is mapped from the
-    OS as untouched pages, and faulting them in cost more than the arithmetic on them: measured
-    on one thread, a 64-row temperature + top-p draw took 26 ms with fresh tensors, most of it in
-    page faults. Buffers above `limit_bytes` are not kept (they are allocated per call as before);
-    device tensors never use these (the caching allocator already reuses their memory)."""
+    purpose). A fresh tensor that large (12 MB at 64 rows of a 49k vocabulary) may be mapped from
+    the OS as untouched pages (whether glibc's heap keeps it depends on the process's allocation
+    history), and faulting them in costs more than the arithmetic on them: measured on one thread,
+    a 64-row temperature + top-p draw took 26 ms where its temporaries faulted, 15 ms where they did
+    not. Buffers above `limit_bytes` are not kept (those are allocated per call); device tensors
+    never use these (the caching allocator already reuses their memory)."""
 
-    def __init__(self, limit_bytes: int = 64 << 20) -> None:
+    def __init__(self, limit_bytes: int = 32 << 20) -> None:
         self.limit_bytes = limit_bytes
         self._held: dict[str, Tensor] = {}
 
