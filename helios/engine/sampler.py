@@ -311,7 +311,9 @@ class Sampler:
         Without them the step's sampling never waits for the device: the ids stay there until
         the engine's one copy (step_output.to_host)."""
         self.host_reads = host_reads
-        self.scratch: Scratch | None = Scratch()  # None: fresh tensors each call (the same results)
+        # None: fresh tensors each call (the same results). The buffers make sample() non-reentrant:
+        # one engine's step loop calls it, never two threads at once; no result aliases a buffer.
+        self.scratch: Scratch | None = Scratch()
 
     def reads_host(self, logits: Tensor) -> bool:
         return logits.device.type == "cpu" if self.host_reads is None else self.host_reads
