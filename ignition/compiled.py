@@ -9,10 +9,18 @@ oneDNN, or for bfloat16 weights helios' native AVX512-BF16 kernel, which the pac
 calls by name (helios loads it before the package, and serves the portable program where it
 cannot). The package is machine code for this CPU's instruction set, so the manifest records
 the host it was built on and helios falls back to the portable program elsewhere.
+
+A quantized core's step is built from the program helios would run at load
+(helios.engine.quantized.prepare, reused as is): its quantized linears call
+`flare_native::qlinear` on blobs packed here (package constants of about the stored bytes, no
+float copy), its expert stacks and embedding rows the flare_quant:: ops
+(helios.engine.quantized_ops) on the same blobs. The self-check compares it with that portable
+step, which runs the same kernels.
 """
 
 from __future__ import annotations
 
+import inspect
 import shutil
 import tempfile
 import zipfile
@@ -22,8 +30,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from helios.core.program import Program
-from helios.engine import native, prepack
+from helios.core import manifest as mf
+from helios.core import quant
+from helios.core.bundle import StoredWeight
+from helios.core.program import Program, run_prompt
+from helios.engine import native, prepack, quantized_ops
+from helios.engine import quantized as quantized_load
+from helios.engine.kernels import moe
+from ignition.errors import UsageError
+from ignition.quantize import Quantized
 
 
 class _Frozen(torch.nn.Module):
@@ -86,3 +101,71 @@ def compile_program(
                 for member, target in ((stem + ".so", path), (stem + ".json", path.with_suffix(".json"))):
                     with archive.open(member) as source, target.open("wb") as out:
                         shutil.copyfileobj(source, out, 1 << 22)
+
+
+def quantized_step(program: Program, weights: dict[str, Tensor], quantized: Quantized, level: str) -> dict[str, Tensor]:
+    """Rewrite the step `program` in place as helios does at load (helios.engine.quantized.prepare)
+    and return the weights dict to build it with: each quantized weight as its packed blob.
+    Raises UsageError where a quantized weight would be dequantized (the package would hold a
+    float copy of it) - no native quantized kernel here, or a use helios runs on floats."""
+    native.load()
+    stored = {
+        name: StoredWeight(
+            record,
+            quantized.stored[name + quant.QWEIGHT],
+            quantized.stored[name + quant.SCALES],
+            quantized.stored.get(name + quant.MINS),
+        )
+        for name, record in quantized.tensors.items()
+    }
+    plain = {name: w for name, w in weights.items() if name not in stored}
+    prepared, outcome = quantized_load.prepare([program], plain, stored, "cpu", False, level)
+    if outcome is not None and outcome.dequantized:
+        raise UsageError(
+            f"--compile-step cannot build this quantized step: {len(outcome.dequantized)} quantized weight(s) "
+            f"would be dequantized into the package ({'; '.join(outcome.reasons)}); export without --compile-step"
+        )
+    _as_ops(program, list(prepared), quantized)
+    return prepared
+
+
+def _as_ops(program: Program, names: list[str], quantized: Quantized) -> None:
+    """Point the rewritten step's quantized expert calls and embedding lookups (Python functions
+    in the portable step) at their flare_quant:: ops, which a compiled package can call."""
+    placeholders = [n for n in program.module.graph.nodes if n.op == "placeholder"]
+    widths = {
+        node: quantized.tensors[name].shape[-1]
+        for node, name in zip(placeholders[: len(names)], names, strict=True)
+        if name in quantized.tensors
+    }
+    experts = inspect.signature(moe.routed_experts_quantized)
+    for node in program.module.graph.nodes:
+        if node.target is moe.routed_experts_quantized:
+            bound = experts.bind(*node.args, **node.kwargs)
+            bound.apply_defaults()  # the op takes every argument, in the function's order
+            node.target = quantized_ops.ROUTED_EXPERTS
+            node.args, node.kwargs = tuple(bound.arguments.values()), {}
+        elif node.target is quantized_load.embedding_rows:
+            packed, ids, dtype = node.args
+            node.target = quantized_ops.EMBEDDING_ROWS
+            node.args = (packed, ids, dtype, int(widths[packed]))
+    program.module.graph.lint()
+    program.module.recompile()
+
+
+def portable_logprobs(
+    program: Program,
+    weights: dict[str, Tensor],
+    kv: mf.KvLayout,
+    page_tokens: int,
+    prompts: tuple[tuple[int, ...], ...],
+    chunk: int,
+) -> list[Tensor]:
+    """The portable step's logprobs on each prompt (prefilled in chunks of `chunk`): the compiled
+    step's reference where the golden values are not this step's (a quantized core's golden
+    values are its dequantized weights' float run)."""
+    with torch.no_grad():
+        return [
+            run_prompt(program, weights, kv, page_tokens, list(prompt), chunk=chunk, explicit_ids=[0, 1]).logprobs
+            for prompt in prompts
+        ]

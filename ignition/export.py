@@ -43,7 +43,7 @@ from helios.core.program import (
 )
 from ignition import host_embeddings, onnx_export, parallel, quant_check, quantize
 from ignition.checks import check_logprob_outputs, round_up
-from ignition.compiled import compile_program
+from ignition.compiled import compile_program, portable_logprobs, quantized_step
 from ignition.errors import SourceError, UsageError, VerifyError
 from ignition.models import family
 from ignition.models.family import Family, PromptImages
@@ -133,7 +133,7 @@ def check_options(options: ExportOptions) -> None:
         raise UsageError("--decode-buckets must be positive batch sizes, e.g. 1,2,4,8")
     if options.max_model_len is not None and options.max_model_len < 1:
         raise UsageError(f"--max-model-len must be positive, got {options.max_model_len}")
-    quantize.check(options.quantization, options.compile_step, options.tensor_parallel, options.host_embeddings)
+    quantize.check(options.quantization, options.tensor_parallel, options.host_embeddings)
     if options.out.exists() and not options.force:
         raise UsageError(f"{options.out} already exists; pass --force to replace it")
 
@@ -243,10 +243,17 @@ def compile_step(
     prompts: tuple[tuple[int, ...], ...],
     golden: dict[str, torch.Tensor],
     tolerance: float,
+    quantized: quantize.Quantized | None = None,
+    level: str = "",
 ) -> mf.CompiledSpec:
     """Build the step with AOTInductor for this host and check it against the portable step's
-    golden logprobs; the package lands next to the portable program."""
+    golden logprobs (a quantized core's: the portable step on the native quantized kernels, whose
+    rewrite it is built from); the package lands next to the portable program."""
     program = Program.load(STEP, spec, staging / spec.file, check_guards=False)
+    reference = [golden[golden_key(index)] for index in range(len(prompts))]
+    if quantized is not None:
+        weights = quantized_step(program, weights, quantized, level)
+        reference = portable_logprobs(program, weights, kv, page_tokens, prompts, GOLDEN_CHUNK)
     path = staging / "programs" / f"{STEP}.{host.fingerprint().machine}.aoti.so"
     try:
         compile_program(
@@ -263,7 +270,7 @@ def compile_step(
     worst = 0.0
     for index, prompt in enumerate(prompts):
         run = run_prompt(compiled, {}, kv, page_tokens, list(prompt), chunk=GOLDEN_CHUNK, explicit_ids=[0, 1])
-        diff = float((run.logprobs - golden[golden_key(index)]).abs().max())
+        diff = float((run.logprobs - reference[index]).abs().max())
         worst = max(worst, diff)
         if diff > tolerance:
             raise VerifyError(
@@ -692,7 +699,17 @@ def export_core(
         if options.compile_step:
             phase("compiling the step for this CPU (AOTInductor)")
             compiled[STEP] = compile_step(
-                specs[STEP], staging, weights, kv, options.page_tokens, config.vocab_size, prompts, golden, tolerance
+                specs[STEP],
+                staging,
+                weights,
+                kv,
+                options.page_tokens,
+                config.vocab_size,
+                prompts,
+                golden,
+                tolerance,
+                quantized,
+                quantization.level if quantization is not None else "",
             )
         phase("writing core.json")
         files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}

@@ -7,7 +7,8 @@ flare:: ops become standard ONNX ops through plain-torch forms that trace to the
 over the block table with a masked softmax, routed experts a dense mix over every expert),
 the in-place KV writes become outputs (ONNX has no aliasing: `kv_cache.N` in,
 `kv_cache.N.updated` out), and `torch.onnx.export(..., dynamo=True)` writes opset
-`OPSET`. The weights stay where they are: the graph's initializers are external data
+`OPSET`. Every program the core has is rendered: step, scored prefill, vision and the
+drafter's (`mtp_draft.N`). The weights stay where they are: the graph's initializers are external data
 pointing into `onnx/weights.safetensors`, the core's weights file (a hard link where the
 file system allows, else a copy), at each tensor's offset, so nothing is converted or
 repacked. `onnx/onnx.json` lists the programs (helios.core.onnx_program reads it).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 from collections.abc import Callable
@@ -38,17 +40,23 @@ from helios.core.onnx_program import (
     OPSET,
     RECORD,
     OnnxRecord,
+    output_name,
 )
 from helios.core.ops.moe import expert_activation, post_expert_norm
-from helios.core.program import SCORED_PREFILL, STEP
+from helios.core.program import SCORED_PREFILL, STEP, VISION
 from ignition.errors import UsageError, VerifyError
 
 if TYPE_CHECKING:
     from helios.core.bundle import Core
 
-# Program kinds rendered: the ones helios' executor runs every step. Vision and drafter
-# programs stay torch-only for now (export refuses nothing for them: they are simply absent).
+# Program kinds rendered first (helios' executor runs them every step); every other program the
+# core has (vision, the drafter's mtp_draft.N) follows in the manifest's order.
 KINDS = (STEP, SCORED_PREFILL)
+
+
+def rendered_kinds(specs: dict[str, mf.ProgramSpec]) -> list[str]:
+    """Every program kind of the core, step programs first: none is left torch-only."""
+    return [kind for kind in KINDS if kind in specs] + [kind for kind in specs if kind not in KINDS]
 
 
 def onnx_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -124,6 +132,30 @@ def onnx_routed_experts(
     return (y * mix.t()[:, :, None]).sum(0)
 
 
+def onnx_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """aten::scaled_dot_product_attention as MatMul, masked Softmax and MatMul: the exporter's own
+    translation takes 4-d inputs only, and vision towers attend over [heads, patches, dim]."""
+    if k.shape[-3] != q.shape[-3]:  # grouped keys (enable_gqa): each shared by heads / kv_heads queries
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return torch.matmul(scores.softmax(-1), v)
+
+
 # flare op name -> its ONNX-traceable form; an op missing here has no ONNX form yet and a program
 # calling it is refused at export (docs/core-format.md lists them).
 ONNX_FORMS: dict[str, Callable[..., object]] = {
@@ -170,6 +202,7 @@ def _functional(exported: torch.export.ExportedProgram) -> tuple[torch.export.Ex
         for key in [k for k in env.var_to_range if not isinstance(k, sympy.Symbol)]:
             del env.var_to_range[key]
     table = {getattr(torch.ops.flare, name).default: form for name, form in ONNX_FORMS.items() if name != "write_kv"}
+    table[torch.ops.aten.scaled_dot_product_attention.default] = onnx_attention
     functional = exported.run_decompositions(table)
     signature = functional.graph_signature
     inputs = [s.arg.name for s in signature.input_specs]
@@ -216,13 +249,16 @@ def convert(
     check_convertible(exported, kind)
     if kv.state:  # its ops are refused above; a state tensor is no paged cache (no kv_cache.N name)
         raise UsageError(f"--onnx: the {kind} program keeps recurrent state, which ONNX renditions do not carry yet")
-    num_caches = kv.num_caches
+    num_caches = len(exported.call_spec.in_spec.child(0).child(1).children())  # type: ignore[union-attr]
     weights = _weight_names(exported)
     functional, mutated = _functional(exported)
     try:
         onnx_program = torch.onnx.export(functional, dynamo=True, opset_version=OPSET, verbose=False)
     except Exception as exc:  # the exporter raises its own error types for any op it cannot translate
-        raise UsageError(f"--onnx: the {kind} program did not convert to ONNX ({str(exc)[:400]})") from exc
+        raise UsageError(
+            f"--onnx: the {kind} program did not convert to ONNX: {_failed_op(exc)} has no ONNX translation "
+            f"({str(exc).splitlines()[0][:200]}); export without --onnx"
+        ) from exc
     model = onnx_program.model
     graph = model.graph
     values, outputs = list(graph.inputs), list(graph.outputs)
@@ -252,11 +288,19 @@ def convert(
     for value, index in zip(outputs, mutated):
         value.name = CACHE_OUTPUT.format(index)
     for value, tensor in zip(outputs[len(mutated) :], spec.outputs, strict=True):
-        value.name = tensor.name
+        value.name = output_name(tensor.name, spec)
+    for name in [name for name, value in graph.initializers.items() if not value.uses()]:
+        del graph.initializers[name]  # weights another program uses (the vision tower's, for the step)
     proto = ir.serde.serialize_model(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(proto.SerializeToString())
     return mutated
+
+
+def _failed_op(exc: BaseException) -> str:
+    """The op the exporter could not translate, as its error names it."""
+    found = re.search(r"target=([\w.:]+)", "".join(str(e) for e in (exc, exc.__cause__, exc.__context__)))
+    return found.group(1) if found else "an op of the program"
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -273,7 +317,7 @@ def write(
     kv: mf.KvLayout,
     progress: Callable[[str], None] | None = None,
 ) -> None:
-    """export_core's hook: with --onnx, the ONNX renditions of the core's step programs under
+    """export_core's hook: with --onnx, the ONNX renditions of every program of the core under
     staging/onnx (before core.json, so the files map lists and digests them)."""
     if not enabled:
         return
@@ -287,9 +331,7 @@ def write(
     weights_path = folder / ONNX_WEIGHTS
     _link_or_copy(staging / "weights.safetensors", weights_path)
     programs: dict[str, dict[str, object]] = {}
-    for kind in KINDS:
-        if kind not in specs:
-            continue
+    for kind in rendered_kinds(specs):
         if progress is not None:
             progress(f"converting the {kind} program to ONNX")
         file = folder / f"{kind}.onnx"
@@ -351,13 +393,45 @@ def _check_ties(kind: str, what: str, torch_outs: dict[str, Tensor], onnx_outs: 
         raise VerifyError(f"ONNX {kind} program, {what}: top_ids differ from the torch program's beyond ties")
 
 
+def _vision_examples(core: Core) -> list[tuple[Tensor, Tensor]]:
+    """A seeded 90 x 60 image prepared as helios prepares one for the vision program: its views'
+    (pixel_values, pixel_positions)."""
+    import numpy as np
+
+    from helios.frontend.images import prepare_views
+
+    assert core.manifest.vision is not None
+    rgb = np.random.default_rng(0).integers(0, 256, size=(60, 90, 3), dtype=np.uint8)
+    return prepare_views(rgb, core.manifest.vision)
+
+
+def _program_examples(spec: mf.ProgramSpec, vocab: int, page_tokens: int) -> dict[str, Tensor]:
+    """export's example inputs by name; an input only some programs take is seeded noise of its
+    shape at 5 rows (the drafter's hidden_states, host table rows), a vision core's step gets
+    export's two image rows (one used, one not)."""
+    from ignition.export import _example_inputs
+
+    generator = torch.Generator().manual_seed(0)
+    own = {
+        t.name: torch.randn(
+            *((2 if t.name == "image_features" else 5) if isinstance(d, str) else d for d in t.shape),
+            generator=generator,
+        )
+        for t in spec.inputs
+        if t.dtype.startswith("float")
+    }
+    own["image_rows"] = torch.tensor([1, -1])
+    return dict(zip((t.name for t in spec.inputs), _example_inputs(spec.inputs, vocab, page_tokens, own)))
+
+
 def verify(core: Core) -> float:
     """`ignition verify --onnx`: every ONNX program against its torch program, on export's example
-    inputs (every output, and the caches it writes) and on the golden prompts (chunked prefill
-    logprobs). Returns the max |Δ|; VerifyError names the first output beyond tolerance."""
+    inputs (every output, and the caches it writes), the step programs also on the golden prompts
+    (chunked prefill logprobs), the vision program on a prepared image. Returns the max |Δ|;
+    VerifyError names the first output beyond tolerance."""
     from helios.core.onnx_program import OnnxRecord, OnnxUnavailable, load_onnx
     from helios.core.program import run_prompt
-    from ignition.export import _example_caches, _example_inputs
+    from ignition.export import _example_caches
 
     m = core.manifest
     try:
@@ -373,9 +447,17 @@ def verify(core: Core) -> float:
     worst = 0.0
     for kind, onnx_program in programs.items():
         reference = core.load_program(kind)
-        inputs = dict(
-            zip(reference.input_names, _example_inputs(reference.spec.inputs, m.tokenizer.vocab_size, page_tokens))
-        )
+        if kind == VISION:
+            for index, (pixels, positions) in enumerate(_vision_examples(core)):
+                views = [
+                    p(weights, [], pixel_values=pixels, pixel_positions=positions) for p in (reference, onnx_program)
+                ]
+                for name in reference.output_names:
+                    worst = max(
+                        worst, _compare(kind, f"image view {index}", name, *(v[name] for v in views), tolerance)
+                    )
+            continue
+        inputs = _program_examples(reference.spec, m.tokenizer.vocab_size, page_tokens)
         torch_caches, onnx_caches = _example_caches(m.kv, page_tokens), _example_caches(m.kv, page_tokens)
         expected, got = reference(weights, torch_caches, **inputs), onnx_program(weights, onnx_caches, **inputs)
         for name in reference.output_names:
@@ -383,6 +465,8 @@ def verify(core: Core) -> float:
         _check_ties(kind, "example inputs", expected, got, tolerance)
         for index, (a, b) in enumerate(zip(torch_caches, onnx_caches, strict=True)):
             worst = max(worst, _compare(kind, "example inputs", f"kv_cache[{index}]", a, b, tolerance))
+        if kind not in KINDS:  # a drafter's program runs on the step's hidden states, not on prompts
+            continue
         for index, prompt in enumerate(m.golden.prompts):
             runs = [
                 run_prompt(
@@ -404,6 +488,7 @@ __all__ = [
     "convert",
     "describe",
     "flare_ops",
+    "rendered_kinds",
     "verify",
     "write",
 ]

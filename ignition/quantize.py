@@ -63,7 +63,7 @@ class Quantized:
     kept_float: dict[str, int]  # weight -> its input size (not a multiple of the group)
 
 
-def check(request: QuantRequest | None, compile_step: bool, tensor_parallel: tuple[int, ...], host: bool) -> None:
+def check(request: QuantRequest | None, tensor_parallel: tuple[int, ...], host: bool) -> None:
     """Refuse what --quantize cannot be combined with (those paths read float weights)."""
     if request is None:
         return
@@ -74,7 +74,6 @@ def check(request: QuantRequest | None, compile_step: bool, tensor_parallel: tup
     if request.scale_dtype not in SCALE_DTYPES:
         raise UsageError(f"--quant-scales must be one of {', '.join(SCALE_DTYPES)}, got {request.scale_dtype!r}")
     for flag, on in (
-        ("--compile-step", compile_step),
         ("--tensor-parallel above 1", max(tensor_parallel) > 1),
         ("--host-embeddings", host),
     ):

@@ -37,6 +37,12 @@ CACHE_OUTPUT = "kv_cache.{}.updated"
 EXPORT_FLAG = "--onnx"
 
 
+def output_name(name: str, spec: ProgramSpec) -> str:
+    """An output's name in the ONNX graph: its own, or `NAME.output` where an input has the same
+    name (the drafter's hidden_states in and out), as ONNX names every value once."""
+    return f"{name}.output" if any(t.name == name for t in spec.inputs) else name
+
+
 class OnnxUnavailable(CoreError):
     """The core has no ONNX rendition, or it cannot be loaded; the message says what to do."""
 
@@ -113,7 +119,8 @@ class OnnxProgram(_Callable):
         self.path = path
         self.updated = updated
         graph_inputs = {i.name for i in self.session.get_inputs()}
-        self.cache_inputs = [i for i in range(max(updated, default=-1) + 1) if CACHE_INPUT.format(i) in graph_inputs]
+        # every cache the graph reads (a drafter's reads only its own; a vision program none)
+        self.cache_inputs = [i for i in range(len(graph_inputs)) if CACHE_INPUT.format(i) in graph_inputs]
         self.fed = [name for name in self.input_names if name in graph_inputs]  # an unused input may be pruned
         self.copied_back = 0  # bytes of updated caches ORT returned in its own buffers (copied into the pool)
 
@@ -138,7 +145,7 @@ class OnnxProgram(_Callable):
             keep.append(array)
             binding.bind_cpu_input(name, array)
         for name in self.output_names:
-            binding.bind_output(name)
+            binding.bind_output(output_name(name, self.spec))
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         for index, value in zip(self.updated, outputs[: len(self.updated)]):
@@ -179,4 +186,5 @@ __all__ = [
     "OnnxRendition",
     "OnnxUnavailable",
     "load_onnx",
+    "output_name",
 ]

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from helios.core import Core
+from helios.core.onnx_program import OnnxProgram
 from helios.engine import devices, precision
 from helios.engine.engine import EngineConfig, LLMEngine
 from helios.engine.executor import Executor
@@ -234,7 +235,8 @@ def _attach_image_encoder(core: Core, config: EngineConfig, executor: Executor, 
         return
     from helios.engine.images import ImageEncoder
 
-    weights = executor.weights or core.load_weights(config.device)  # a compiled step keeps none
+    # A compiled step keeps no torch weights; an ONNX vision program holds its own (none needed).
+    weights = executor.weights or ({} if isinstance(executor.vision, OnnxProgram) else core.load_weights(config.device))
     executor.images = ImageEncoder(
         executor.vision,
         weights,

@@ -14,8 +14,20 @@ from torch import Tensor
 
 from helios.core import Core, host, hostcache
 from helios.core.logs import Stopwatch
+from helios.core.manifest import Quantization
+from helios.core.onnx_program import OnnxProgram
 from helios.core.program import SCORED_PREFILL, STEP, VISION, CompiledProgram, Program, allocate_kv
-from helios.engine import devices, graph, graphs, native, onnx_runner, prepack, quantized, threads
+from helios.engine import (
+    devices,
+    graph,
+    graphs,
+    native,
+    onnx_runner,
+    prepack,
+    quantized,
+    quantized_ops,  # noqa: F401  (registers the flare_quant:: ops compiled quantized steps call)
+    threads,
+)
 from helios.engine.kernels import registry as kernels
 from helios.engine.memory import embedding_rows
 from helios.engine.memory.plan import NO_MEMORY_WORK, MemoryPlan
@@ -59,6 +71,14 @@ def _compiled_linears(shared_object: Path) -> str:
         return prepack.ONEDNN
     called = [k for k, op in prepack.OP_NAMES.items() if f'"flare_native::{op}"' in described]
     return called[0] if called else prepack.ONEDNN
+
+
+def _compiled_quantized(quantization: Quantization) -> quantized.QuantizedLoad:
+    """A quantized core's compiled step holds every quantized weight as the blob its native kernels
+    read (export refuses to build one that would dequantize any: ignition.compiled.quantized_step)."""
+    tensors = quantization.tensors
+    dtype = next(iter(tensors.values())).dtype if tensors else ""
+    return quantized.QuantizedLoad(quantization.level, tuple(sorted(tensors)), (), dtype, ())
 
 
 def no_image_rows(program) -> dict[str, Tensor]:
@@ -121,18 +141,25 @@ class Executor:
         manifest = core.manifest
         self.device = device
         self.page_tokens = manifest.limits.page_tokens
+        has_scored = SCORED_PREFILL in manifest.programs
+        # "onnxruntime": the programs as the core's ONNX renditions, which hold their own weights (onnx_runner.py)
+        self.runtime = runtime
+        onnx = (
+            onnx_runner.load(core, device, upcast, has_scored, drafters) if runtime == onnx_runner.ONNXRUNTIME else None
+        )
         self.compiled_step, self.compiled_fallback = self._compiled_step(
-            core, compiled and device == "cpu" and not upcast
+            core, compiled and device == "cpu" and not upcast and onnx is None
         )
         if self.compiled_step is not None:
             self.linear_kernel = _compiled_linears(core.root / manifest.compiled[STEP].file)
             log.info(
                 "linear layers on %s: the compiled step's, measured at export", prepack.describe(self.linear_kernel)
             )
-        has_scored = SCORED_PREFILL in manifest.programs
-        # The compiled step carries its own packed weights: the core's are loaded only for a
-        # program that still needs them.
-        needs_weights = self.compiled_step is None or has_scored or bool(drafters)
+        # The compiled step carries its own packed weights, the ONNX renditions theirs: the core's
+        # are loaded only for a torch program that still needs them.
+        needs_weights = (
+            bool(onnx.torch_kinds) if onnx is not None else self.compiled_step is None or has_scored or bool(drafters)
+        )
         # A quantized core's quantized weights come apart, as stored (quantized.prepare below).
         self.weights, stored = core.load_stored(device) if needs_weights else ({}, {})
         clock.lap("loading weights")
@@ -141,20 +168,36 @@ class Executor:
             self.weights = {name: w.float() if w.is_floating_point() else w for name, w in self.weights.items()}
             kv_layout = msgspec.structs.replace(kv_layout, dtype="float32")
         # The executor builds every input itself, so per-call guard checks are skipped.
-        portable_step = core.load_program(STEP, check_guards=False, fed=False) if self.compiled_step is None else None
-        self.step: Program | CompiledProgram = self.compiled_step or portable_step  # type: ignore[assignment]
-        self.scored = core.load_program(SCORED_PREFILL, check_guards=False, fed=False) if has_scored else None
+        torch_step = self.compiled_step is None and onnx is None
+        portable_step = core.load_program(STEP, check_guards=False, fed=False) if torch_step else None
+        self.step: Program | CompiledProgram | OnnxProgram = self.compiled_step or portable_step  # type: ignore[assignment]
+        self.scored = (
+            core.load_program(SCORED_PREFILL, check_guards=False, fed=False) if onnx is None and has_scored else None
+        )
+        if onnx is not None:
+            self.step, self.scored = onnx.step, onnx.scored
+        ported = {VISION: onnx.vision, **onnx.drafters} if onnx is not None else {}  # kind -> ONNX rendition
         # Vision cores: the vision program (run by engine/images.py's encoder, set up by the engine).
-        self.vision = core.load_program(VISION, check_guards=False) if VISION in manifest.programs else None
+        self.vision = ported.get(VISION) or (
+            core.load_program(VISION, check_guards=False) if VISION in manifest.programs else None
+        )
         self.images = None  # helios.engine.images.ImageEncoder of a vision core
-        self.drafters = {kind: core.load_program(kind, check_guards=False, fed=False) for kind in drafters}
+        self.drafters = {
+            kind: ported.get(kind) or core.load_program(kind, check_guards=False, fed=False) for kind in drafters
+        }
         self.keep_hidden = bool(drafters)
         # Host embedding tables: step input name -> its device row cache, filled before each program run.
         self.row_caches = embedding_rows.open_caches(core, device, row_cache, upcast)
-        programs = [p for p in (portable_step, self.scored, *self.drafters.values()) if p is not None]
-        for program in (*programs, self.vision) if self.vision is not None else programs:
+        # The torch programs (graph rewrites, packing and quantized linears apply to these only).
+        programs = [
+            p
+            for p in (portable_step, self.scored, *self.drafters.values())
+            if p is not None and not isinstance(p, OnnxProgram)
+        ]
+        vision = self.vision if self.vision is not None and not isinstance(self.vision, OnnxProgram) else None
+        for program in (*programs, vision) if vision is not None else programs:
             graph.place(program, device)  # device-neutral, once, on every device (graph.py)
-        clock.lap(f"loading {len(programs) + (self.compiled_step is not None)} programs")
+        clock.lap(f"loading {len(programs) + (self.compiled_step is not None) + (onnx is not None)} programs")
         if upcast:
             for program in programs:
                 graph.upcast(program)
@@ -167,9 +210,11 @@ class Executor:
             device,
             upcast,
             manifest.quantization.level if manifest.quantization is not None else "",
-            observed=(self.vision,) if self.vision is not None else (),
+            observed=(vision,) if vision is not None else (),
         )
         del stored
+        if self.quantized is None and self.compiled_step is not None and manifest.quantization is not None:
+            self.quantized = _compiled_quantized(manifest.quantization)
         if device == "cpu":
             for program in programs:
                 graph.simplify(program)
@@ -177,9 +222,7 @@ class Executor:
                 self.linear_kernel = prepack.choose(programs, self.weights)
                 self.weights = prepack.prepack(programs, self.weights, self.linear_kernel)
             clock.lap("simplifying graphs and packing weights")
-        self.runtime = runtime  # "onnxruntime": the step programs as the core's ONNX renditions (onnx_runner.py)
-        if runtime == onnx_runner.ONNXRUNTIME:
-            self.step, self.scored = onnx_runner.load(core, device, upcast, has_scored)
+        if onnx is not None:
             serial_decode_rows = 0  # ONNX Runtime keeps its own thread pool
         graphed = (
             cuda_graphs

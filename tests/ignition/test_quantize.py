@@ -88,7 +88,6 @@ def test_selection_follows_the_programs_reads() -> None:
 def test_refused_combinations(tmp_path: Path) -> None:
     base = ExportOptions(out=tmp_path / "core", quantization=QuantRequest("int4"))
     for options, flag in (
-        (replace(base, compile_step=True), "--compile-step"),
         (replace(base, tensor_parallel=(1, 2)), "--tensor-parallel"),
         (replace(base, host_embeddings=True), "--host-embeddings"),
         (replace(base, quantization=QuantRequest("int3")), "--quantize must be one of"),
@@ -206,9 +205,9 @@ def test_cli_flags_reach_the_export(tmp_path: Path) -> None:
     """The command line builds the request (refused here before any source is read)."""
     done = run_cli(
         "ignition", "export", str(tmp_path), "--recipe", "smollm2", "--out", str(tmp_path / "core"),
-        "--quantize", "int4", "--quant-group", "64", "--compile-step",
+        "--quantize", "int4", "--quant-group", "64", "--host-embeddings",
     )  # fmt: skip
-    assert done.returncode == 2 and "--quantize does not combine with --compile-step" in done.stderr
+    assert done.returncode == 2 and "--quantize does not combine with --host-embeddings" in done.stderr
     done = run_cli(
         "ignition", "export", str(tmp_path), "-r", "smollm2", "-o", str(tmp_path / "c"), "--quantize", "int5"
     )

@@ -1,0 +1,158 @@
+"""The compiled step of a quantized core (ignition export --quantize ... --compile-step).
+
+Fast: the flare_quant:: ops a compiled quantized step calls (its expert stacks and embedding
+rows) pass torch's op checks (schema, fake kernel, dispatch) on packed blobs and equal the
+portable step's Python kernels. Slow (FLARE_SLOW_TESTS=1, an AOTInductor build per core, about
+a minute each on 2 cores): tiny llama (int4, embedding table quantized too) and qwen3_moe (int8)
+cores exported with the compiled step hold only the packed blobs of their quantized weights,
+load and serve it, and answer as the portable quantized step does: the same greedy tokens,
+logprobs within the export's self-check tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from helios.core import Core, quant
+from helios.core.program import STEP
+from helios.engine import EngineConfig, LLMEngine, build_engine, native, quantized, quantized_ops
+from helios.engine.kernels import moe
+from helios.engine.offline import run_to_completion
+from helios.engine.request import EngineRequest
+from helios.engine.sampling_params import GREEDY
+from ignition.errors import UsageError
+from ignition.export import ExportOptions, export_core
+from ignition.quantize import QuantRequest
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
+from ignition.testmodel import write_testmodel
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+# What AOTInductor relies on: the schema, and fake kernels agreeing with the real ones (opcheck's
+# autograd checks compile with aot_autograd: minutes on a busy 2-core host, and nothing here
+# takes gradients).
+CHECKS = ("test_schema", "test_faketensor")
+
+
+def _native_or_skip() -> None:
+    if not native.load() or not quantized.has_qlinear():
+        pytest.skip("no native quantized kernels on this host (flare_native::has_qlinear)")
+
+
+def _packed(shape: tuple[int, ...], fmt: str, seed: int) -> torch.Tensor:
+    """A random weight of `shape` quantized (groups of 32) and packed as helios packs it at load."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    parts = quant.quantize(w, fmt, 32, torch.float32)
+    return torch.ops.flare_native.pack_qlinear(parts[quant.QWEIGHT], parts[quant.SCALES], parts.get(quant.MINS), 32)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_the_ops_pass_torch_checks_and_equal_the_portable_kernels(fmt: str) -> None:
+    _native_or_skip()
+    table = _packed((40, 64), fmt, 0)
+    ids = torch.tensor([[0, 17], [39, 16]])
+    torch.library.opcheck(quantized_ops.EMBEDDING_ROWS, (table, ids, torch.float32, 64), test_utils=CHECKS)
+    assert torch.equal(
+        quantized_ops.EMBEDDING_ROWS(table, ids, torch.float32, 64), quantized.embedding_rows(table, ids, torch.float32)
+    )
+    experts, hidden, features, tokens = 4, 64, 32, 5
+    gate_up = torch.stack([_packed((2 * features, hidden), fmt, 1 + e) for e in range(experts)])
+    down = torch.stack([_packed((hidden, features), fmt, 9 + e) for e in range(experts)])
+    h = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2))
+    weights = torch.rand(tokens, 2, generator=torch.Generator().manual_seed(3))
+    for ids in (torch.tensor([[0, 3]] * tokens), torch.tensor([[1, 2], [3, 0], [2, 2], [0, 1], [3, 1]])):
+        args = (h, weights, ids, gate_up, down, "silu", 0.0, 1.0, None, 1e-6, torch.float32, 2 * features, hidden)
+        torch.library.opcheck(quantized_ops.ROUTED_EXPERTS, args, test_utils=CHECKS)
+        want = moe.routed_experts_quantized(
+            *args[:10], dtype=torch.float32, gate_up_features=2 * features, down_features=hidden
+        )
+        assert torch.equal(quantized_ops.ROUTED_EXPERTS(*args), want)
+
+
+# ---------------------------------------------------------------------------- exported and served
+
+slow = pytest.mark.skipif(
+    os.environ.get("FLARE_SLOW_TESTS") != "1",
+    reason="AOTInductor builds of quantized steps run only with FLARE_SLOW_TESTS=1 (about a minute each on 2 cores)",
+)
+# name -> (family, recipe, format, quantize the embedding table too)
+CASES = {
+    "llama-int4": ("llama", "smollm2", quant.INT4, True),
+    "qwen3_moe-int8": ("qwen3_moe", str(DATA / "tiny_qwen3_moe.toml"), quant.INT8, False),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_cores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    _native_or_skip()
+    root = tmp_path_factory.mktemp("compiled-quantized")
+    cores = {}
+    for name, (family, recipe, fmt, embeddings) in CASES.items():
+        checkpoint = write_testmodel(family, root / f"ckpt-{family}", seed=3)
+        request = QuantRequest(fmt, 32, embeddings=embeddings)
+        options = ExportOptions(out=root / name, quantization=request, compile_step=True)
+        export_core(open_source(str(checkpoint)), load_recipe(recipe), options)
+        cores[name] = root / name
+    return cores
+
+
+def _answers(engine: LLMEngine, tokens: int = 10) -> dict[str, tuple[list[int], list[float]]]:
+    """Four greedy requests at once (prefill, then batched decode), each with its top-3 alternatives."""
+    requests = [
+        EngineRequest(f"r{i}", tuple(range(5 + i, 14 + 3 * i)), (GREEDY,), tokens, ignore_eos=True, num_top_logprobs=3)
+        for i in range(4)
+    ]
+    out = run_to_completion(engine, requests)
+    return {name: (c.token_ids, [e.logprob for e in c.logprobs]) for name, (c,) in out.items()}
+
+
+@slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_compiled_step_serves_as_the_portable_one(compiled_cores: dict[str, Path], name: str) -> None:
+    core = Core.open(compiled_cores[name])
+    manifest = core.manifest
+    assert manifest.quantization is not None
+    spec = manifest.compiled[STEP]
+    assert spec.max_abs_diff <= manifest.golden.tolerance
+    # The package holds each quantized weight as its packed blob (its constant w<i> is the i-th
+    # weight of the step's weights dict) and no float constant larger than the float weights.
+    plain, stored = core.load_stored()
+    names = sorted({*plain, *stored})
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(core.root / spec.file), 1)
+    constants = runner.extract_constants_map(False)
+    largest = max(w.numel() for w in plain.values() if w.is_floating_point())
+    blobs = 0
+    for key, value in constants.items():
+        if key.startswith("w") and names[int(key[1:])] in stored:
+            assert value.dtype == torch.uint8, key
+            blobs += 1
+        else:
+            assert not value.is_floating_point() or value.numel() <= largest, key
+    assert blobs == len(stored)  # every quantized weight of these cores is read by the step
+    compiled = build_engine(core, EngineConfig(num_pages=96))
+    portable = build_engine(core, EngineConfig(num_pages=96, compiled_step=False))
+    assert compiled.executor.step_kind == "compiled" and portable.executor.step_kind == "portable"
+    level = manifest.quantization.level
+    assert compiled.metrics().weights_in_memory == level == portable.metrics().weights_in_memory
+    assert compiled.executor.weights == {}  # the package carries the weights
+    got, want = _answers(compiled), _answers(portable)
+    for request, (tokens, logprobs) in want.items():
+        assert got[request][0] == tokens, request
+        assert max(abs(a - b) for a, b in zip(got[request][1], logprobs)) <= manifest.golden.tolerance, request
+
+
+@slow
+def test_an_export_that_would_dequantize_into_the_package_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the native quantized kernels the step would hold float copies: export says so."""
+    monkeypatch.setattr(quantized, "has_qlinear", lambda: False)
+    checkpoint = write_testmodel("llama", tmp_path / "ckpt", seed=3)
+    options = ExportOptions(out=tmp_path / "core", quantization=QuantRequest(quant.INT8), compile_step=True)
+    with pytest.raises(UsageError, match="would be dequantized into the package"):
+        export_core(open_source(str(checkpoint)), load_recipe("smollm2"), options)
+    assert not (tmp_path / "core").exists()
