@@ -16,6 +16,14 @@ group-wise quantized (helios.core.quant). At load, for each such weight:
   engine runs a 16-bit core upcast), with the reason logged once: a GPU device, no native kernel
   here, or another use (a vision tower's program, a stack whose partner is dequantized).
 
+Activations: a weight recorded with int8 activations (manifest QuantizedTensor.activations,
+`ignition export --quant-activations int8`) is packed for the int8-activation kernel
+(pack_qlinear's act_bits=8: native/linear_qa.h), which quantizes each row of a linear's input per
+32-feature block as llama.cpp's Q8_0 does and multiplies integers. Where such a weight is
+dequantized instead, its linears' inputs are rounded the same way first
+(quantized_ref.fake_quantize), so every path computes what the core's self-check measured. Cores
+without the field (or with "float") run the exact float-activation kernel as before.
+
 Runs before graph.simplify and prepack: prepack packs bfloat16/float32 linears only, so the
 rewritten quantized linears keep their kernel. The core's programs and weights are unchanged on
 disk: this is a runtime rewrite like prepack's.
@@ -35,6 +43,7 @@ from helios.core import quant
 from helios.core.bundle import StoredWeight
 from helios.core.manifest import Quantization
 from helios.core.program import Program
+from helios.engine import quantized_ref
 from helios.engine.kernels import moe
 
 log = logging.getLogger("helios.engine")
@@ -122,9 +131,15 @@ def _uses(programs: list[Program], names: list[str], wanted: set[str]) -> Iterat
                 yield name, _Use(program, user, argument, kind)
 
 
+def _int8_activations(weight: StoredWeight) -> bool:
+    return weight.spec.activations == quant.INT8_ACTIVATIONS
+
+
 def _reason_of_use(use: _Use, weight: StoredWeight) -> str | None:
     """Why this use cannot read the packed weight, or None."""
     dims = len(weight.spec.shape)
+    if _int8_activations(weight) and use.kind != "linear":
+        return f"recorded with int8 activations but read by {use.kind} (only linears have that kernel)"
     if use.kind == "linear":
         return None if dims == 2 else f"a linear reads a {dims}-D weight"
     if use.kind == "experts":
@@ -158,7 +173,8 @@ def prepare(
     elif not has_qlinear():
         reasons = {name: "no native quantized kernel here (flare_native::has_qlinear)" for name in stored}
     uses: dict[str, list[_Use]] = {name: [] for name in stored}
-    if not reasons:
+    collected = not reasons  # uses are looked up where native kernels could run
+    if collected:
         for name, use in _uses(programs, names, set(stored)):
             uses[name].append(use)
         for name, _ in _uses(list(observed), names, set(stored)):
@@ -177,7 +193,14 @@ def prepare(
         compute = dtype or getattr(torch, stored[name].spec.dtype)  # the programs' activations
         for use in uses[name]:
             _rewrite(use, stored[name], compute)
-    for program in {id(u.program): u.program for name in native for u in uses[name]}.values():
+    rounded = [name for name in reasons if _int8_activations(stored[name])]
+    if rounded and not collected:
+        for name, use in _uses(programs, names, set(rounded)):
+            uses[name].append(use)
+    for name in rounded:
+        for use in uses[name]:
+            _round_input(use)
+    for program in {id(u.program): u.program for name in [*native, *rounded] for u in uses[name]}.values():
         program.module.graph.lint()
         program.module.recompile()
     held = str(dtype or getattr(torch, next(iter(stored.values())).spec.dtype)).removeprefix("torch.")
@@ -203,7 +226,20 @@ def _pair_experts(uses: dict[str, list[_Use]], stored: dict[str, StoredWeight], 
 
 
 def _pack(weight: StoredWeight) -> Tensor:
-    return torch.ops.flare_native.pack_qlinear(weight.qweight, weight.scales, weight.mins, weight.spec.group)
+    act_bits = (8,) if _int8_activations(weight) else ()  # (the float-activation layout is the default)
+    return torch.ops.flare_native.pack_qlinear(weight.qweight, weight.scales, weight.mins, weight.spec.group, *act_bits)
+
+
+def _round_input(use: _Use) -> None:
+    """A dequantized weight recorded with int8 activations: its linear's input rounded as the
+    int8-activation kernel rounds it (the values the core's self-check measured)."""
+    node = use.node
+    if use.kind != "linear":
+        return
+    graph = node.graph
+    with graph.inserting_before(node):
+        rounded = graph.call_function(quantized_ref.fake_quantize, (node.args[0],))
+    node.args = (rounded, *node.args[1:])
 
 
 def _rewrite(use: _Use, weight: StoredWeight, compute: torch.dtype) -> None:

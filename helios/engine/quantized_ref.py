@@ -31,9 +31,15 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(nonzero[..., None], q, torch.zeros_like(q)), d
 
 
-def terms(
-    x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, group: int
-) -> tuple[Tensor, Tensor | None]:
+def fake_quantize(x: Tensor) -> Tensor:
+    """x with each 32-feature block replaced by q * d (its int8 quantization, dequantized), in x's
+    dtype: a float linear of this by the dequantized weights is the int8-activation product up to
+    float rounding (the export's self-check runs its programs so)."""
+    q, d = quantize_activations(x)
+    return (q * d[..., None]).reshape(x.shape).to(x.dtype)
+
+
+def terms(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, group: int) -> tuple[Tensor, Tensor | None]:
     """Per row, output and activation block, in float64: the scaled block products
     s * d * sum(w_q * x_q) [rows, out, in / 32], and (int4) the minimum terms m * d * sum(x_q)."""
     q, d = quantize_activations(x.reshape(-1, x.shape[-1]))

@@ -13,11 +13,15 @@ from quant_support import dequantized_core, export_quantized, qlinear_ops
 from safetensors.torch import load_file, save_file
 
 from helios.core import Core, CoreError, quant
-from helios.engine import EngineConfig, LLMEngine, build_engine, quantized
+from helios.engine import EngineConfig, LLMEngine, build_engine, quantized, quantized_ref
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import GREEDY
 from helios.engine.speculation.drafter import SpeculationConfig
+from ignition.export import ExportOptions, export_core
+from ignition.quantize import QuantRequest
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -174,3 +178,43 @@ def test_a_missing_part_names_itself(cores: dict, tmp_path: Path) -> None:
     save_file(tensors, str(broken / "weights.safetensors"))
     with pytest.raises(CoreError, match=r"'layers\.0\.wo\.scales' is missing.*re-export"):
         Core.open(broken, verify_checksums=False).load_stored()
+
+
+@pytest.fixture(scope="module")
+def int8_activations(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama exported with --quantize int4 --quant-activations int8."""
+    root = tmp_path_factory.mktemp("int8-activations")
+    checkpoint = write_testmodel("llama", root / "ckpt", seed=3)
+    request = QuantRequest(quant.INT4, 32, activations=quant.INT8_ACTIVATIONS)
+    options = ExportOptions(out=root / "core", quantization=request)
+    export_core(open_source(str(checkpoint)), load_recipe("smollm2"), options)
+    return root / "core"
+
+
+def test_int8_activations_are_recorded_and_run_as_recorded(
+    int8_activations: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The choice is the core's (manifest, per tensor; self-checked so): the native path packs those
+    weights for the int8-activation kernel, the dequantizing fallback rounds the linears' inputs the
+    same way, and both give the same answers."""
+    record = Core.open(int8_activations).manifest.quantization
+    assert record is not None and record.level == "int4-g32-a8" and record.self_check is not None
+    assert {t.activations for t in record.tensors.values()} == {quant.INT8_ACTIVATIONS}
+    with monkeypatch.context() as patched:
+        patched.setattr(quantized, "has_qlinear", lambda: False)
+        fallback = _engine(int8_activations)
+        calls = [n.target for n in fallback.executor.step.module.graph.nodes if n.op == "call_function"]
+        assert calls.count(quantized_ref.fake_quantize) == len(record.tensors)
+        want = _answers(fallback)
+    try:
+        ops = qlinear_ops()
+    except LookupError as exc:
+        pytest.skip(str(exc))
+    if ops != "native":
+        pytest.skip("the stand-in has no int8-activation kernel")
+    engine = _engine(int8_activations)
+    loaded = engine.executor.quantized
+    assert loaded is not None and loaded.dequantized == ()
+    magic = {int(engine.executor.weights[name][:8].view(torch.int64)) for name in loaded.native}
+    assert magic == {0x38514C46}  # "FLQ8": native/linear_qa.h's blob
+    _assert_close(_answers(engine), want, 1e-4)
