@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -77,7 +78,9 @@ def with_int8_activations(program: Program, names: list[str], tensors: dict[str,
     wanted = {name for name, t in tensors.items() if t.activations == quant.INT8_ACTIVATIONS}
     if not wanted:
         return program
-    module = copy.deepcopy(program.module)
+    with warnings.catch_warnings():  # (torch's pytree specs warn about their own deprecations when copied)
+        warnings.simplefilter("ignore", FutureWarning)
+        module = copy.deepcopy(program.module)
     graph = module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders[: len(names)], names, strict=True):

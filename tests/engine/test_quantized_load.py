@@ -5,14 +5,18 @@ and either way the engine's logprobs equal those of the same core holding the de
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from quant_support import dequantized_core, export_quantized, qlinear_ops
 from safetensors.torch import load_file, save_file
 
 from helios.core import Core, CoreError, quant
+from helios.core import manifest as mf
 from helios.engine import EngineConfig, LLMEngine, build_engine, quantized, quantized_ref
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
@@ -180,31 +184,32 @@ def test_a_missing_part_names_itself(cores: dict, tmp_path: Path) -> None:
         Core.open(broken, verify_checksums=False).load_stored()
 
 
-@pytest.fixture(scope="module")
-def int8_activations(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama exported with --quantize int4 --quant-activations int8."""
-    root = tmp_path_factory.mktemp("int8-activations")
-    checkpoint = write_testmodel("llama", root / "ckpt", seed=3)
-    request = QuantRequest(quant.INT4, 32, activations=quant.INT8_ACTIVATIONS)
-    options = ExportOptions(out=root / "core", quantization=request)
-    export_core(open_source(str(checkpoint)), load_recipe("smollm2"), options)
-    return root / "core"
+def _with_int8_activations(core: Path, out: Path) -> Path:
+    """A copy of a quantized core whose linear-only weights are recorded with int8 activations (what
+    `ignition export --quant-activations int8` records: the embedding table keeps float ones)."""
+    shutil.copytree(core, out)
+    manifest = mf.decode((out / mf.MANIFEST_FILE).read_bytes())
+    record = manifest.quantization
+    tensors = {
+        name: t if "embed" in name else msgspec.structs.replace(t, activations=quant.INT8_ACTIVATIONS)
+        for name, t in record.tensors.items()
+    }
+    quantization = msgspec.structs.replace(record, tensors=tensors)
+    (out / mf.MANIFEST_FILE).write_bytes(mf.encode(msgspec.structs.replace(manifest, quantization=quantization)))
+    return out
 
 
-def test_int8_activations_are_recorded_and_run_as_recorded(
-    int8_activations: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The choice is the core's (manifest, per tensor; self-checked so): the native path packs those
-    weights for the int8-activation kernel, the dequantizing fallback rounds the linears' inputs the
-    same way, and both give the same answers."""
-    record = Core.open(int8_activations).manifest.quantization
-    assert record is not None and record.level == "int4-g32-a8" and record.self_check is not None
-    assert {t.activations for t in record.tensors.values()} == {quant.INT8_ACTIVATIONS}
+def test_int8_activations_run_as_recorded(cores: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice is the core's (manifest, per tensor): the native path packs those weights for the
+    int8-activation kernel, the dequantizing fallback rounds the linears' inputs the same way
+    (quantized_ref.fake_quantize), and both give the same answers."""
+    core = _with_int8_activations(cores[("llama", "int4")][0], tmp_path / "a8")
+    int8 = [n for n, t in Core.open(core).manifest.quantization.tensors.items() if t.activations == "int8"]
     with monkeypatch.context() as patched:
         patched.setattr(quantized, "has_qlinear", lambda: False)
-        fallback = _engine(int8_activations)
+        fallback = _engine(core)
         calls = [n.target for n in fallback.executor.step.module.graph.nodes if n.op == "call_function"]
-        assert calls.count(quantized_ref.fake_quantize) == len(record.tensors)
+        assert calls.count(quantized_ref.fake_quantize) == len(int8)
         want = _answers(fallback)
     try:
         ops = qlinear_ops()
@@ -212,9 +217,24 @@ def test_int8_activations_are_recorded_and_run_as_recorded(
         pytest.skip(str(exc))
     if ops != "native":
         pytest.skip("the stand-in has no int8-activation kernel")
-    engine = _engine(int8_activations)
+    engine = _engine(core)
     loaded = engine.executor.quantized
     assert loaded is not None and loaded.dequantized == ()
-    magic = {int(engine.executor.weights[name][:8].view(torch.int64)) for name in loaded.native}
-    assert magic == {0x38514C46}  # "FLQ8": native/linear_qa.h's blob
+    magic = {name: int(engine.executor.weights[name][:8].view(torch.int64)) for name in loaded.native}
+    assert {magic[name] for name in int8} == {0x38514C46}  # "FLQ8": native/linear_qa.h's blob
+    assert {m for name, m in magic.items() if name not in int8} == {0x31514C46}  # "FLQ1": the float one
     _assert_close(_answers(engine), want, 1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("FLARE_SLOW_TESTS") != "1", reason="one more export: FLARE_SLOW_TESTS=1")
+def test_export_records_and_self_checks_int8_activations(tmp_path: Path) -> None:
+    """`--quant-activations int8`: recorded per linear weight, in the level, and self-checked so (the
+    recorded golden logprobs are the int8-activation run's: the engine reproduces them)."""
+    checkpoint = write_testmodel("llama", tmp_path / "ckpt", seed=3)
+    request = QuantRequest(quant.INT4, 32, activations=quant.INT8_ACTIVATIONS)
+    options = ExportOptions(out=tmp_path / "core", quantization=request)
+    export_core(open_source(str(checkpoint)), load_recipe("smollm2"), options)
+    record = Core.open(tmp_path / "core").manifest.quantization
+    assert record is not None and record.level == "int4-g32-a8" and record.self_check is not None
+    assert {t.activations for t in record.tensors.values()} == {quant.INT8_ACTIVATIONS}
+    assert record.self_check.top1_agreement > 0.5
