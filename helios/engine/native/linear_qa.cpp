@@ -19,6 +19,7 @@ struct Vnni {
   using I = __m512i;
   using W = __m512i;
   using X = __m512i;
+  using A = __m512i;
   static constexpr int kRows = 4;
   static constexpr int64_t kTile = 4;  // blocks whose weights every register block of rows reuses
   static constexpr int nb(int rows) { return rows == 1 ? 4 : 2; }
@@ -48,7 +49,9 @@ struct Vnni {
   }
   static X x4(const int8_t* p) { return x8(p); }
   static I dp8(I acc, W w, X x) { return _mm512_dpbusd_epi32(acc, w, x); }
-  static I dp4(I acc, W w, X x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static A azero() { return _mm512_setzero_si512(); }
+  static A dp4(A acc, W w, X x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static I done4(A acc) { return acc; }
   static I fix8(I acc, int32_t sum) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * sum)); }
 
   // Q8_0's rule: d = amax / 127; q = x / d rounded to nearest even (the default rounding mode);

@@ -23,6 +23,7 @@ struct Avx2 {
     __m256i a, b;
   };
   using W = I;
+  using A = I;  // int4 block sums in int16 lanes, widened once per block (done4)
   struct X {
     __m256i v, abs;  // 4 activation bytes broadcast, and (int8 weights) their absolute values
   };
@@ -77,7 +78,14 @@ struct Avx2 {
   QK_TARGET static I dp8(I acc, W w, X x) {
     return {pairs(acc.a, x.abs, _mm256_sign_epi8(w.a, x.v)), pairs(acc.b, x.abs, _mm256_sign_epi8(w.b, x.v))};
   }
-  QK_TARGET static I dp4(I acc, W w, X x) { return {pairs(acc.a, w.a, x.v), pairs(acc.b, w.b, x.v)}; }
+  QK_TARGET static A azero() { return izero(); }
+  QK_TARGET static A dp4(A acc, W w, X x) {
+    return {_mm256_add_epi16(acc.a, _mm256_maddubs_epi16(w.a, x.v)), _mm256_add_epi16(acc.b, _mm256_maddubs_epi16(w.b, x.v))};
+  }
+  QK_TARGET static I done4(A acc) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return {_mm256_madd_epi16(acc.a, one), _mm256_madd_epi16(acc.b, one)};
+  }
   QK_TARGET static I fix8(I acc, int32_t) { return acc; }  // dp8 used the signed weights
 
   // Q8_0's rule, as the VNNI kernel's quantize (the same bits: IEEE division, nearest even).

@@ -5,7 +5,9 @@
 // bytes broadcast as its dot products need them. T gives:
 //   quantize(x, q) -> (d, S)   one 32-feature block of a row to int8 (Q8_0's rule, exactly);
 //   w8 / w4, x8 / x4, dp8 / dp4 the integer steps; fix8 removes int8 weights' +128 offset where
-//                              dp8 leaves it in (VNNI), else nothing;
+//                              dp8 leaves it in (VNNI), else nothing; int4 steps add into a T::A
+//                              (AVX2: int16 lanes, which a block's 8 products of at most
+//                              2 * 15 * 127 each never overflow) that done4 widens to T::I;
 //   kRows                      rows of a register block; nb(rows) blocks of 16 outputs it takes.
 // Included inside each file's anonymous namespace, after T is defined.
 
@@ -34,6 +36,7 @@ struct QAKernel {
   using I = typename T::I;
   using W = typename T::W;
   using X = typename T::X;
+  using A = typename T::A;
 
   // Rows [r0, r0 + MR) through blocks [b, b + NB), over every input feature.
   template <int MR, int NB, bool INT4, bool BF>
@@ -70,14 +73,19 @@ struct QAKernel {
             }
           }
         } else {
+          A a4[MR][NB];
+          _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+            _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) a4[r][j] = T::azero();
           _Pragma("GCC unroll 4") for (int st = 0; st < 4; ++st) {
             W lo[NB], hi[NB];
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) T::w4(blk[j] + region + kb * kb_bytes + st * step_bytes, lo[j], hi[j]);
             _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
               const X xl = T::x4(xr[r] + xo + 4 * st), xh = T::x4(xr[r] + xo + 16 + 4 * st);
-              _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) ia[r][j] = T::dp4(T::dp4(ia[r][j], lo[j], xl), hi[j], xh);
+              _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) a4[r][j] = T::dp4(T::dp4(a4[r][j], lo[j], xl), hi[j], xh);
             }
           }
+          _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+            _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) ia[r][j] = T::done4(a4[r][j]);
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
           const int64_t i = (r0 + r) * nkb + kb;
