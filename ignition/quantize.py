@@ -316,9 +316,9 @@ def prepare(
 
 def activations_of(request: QuantRequest, kinds: set[str], dims: int) -> str:
     """What a quantized weight's linears multiply it by: int8 activations where asked for and the
-    weight is read only as a 2-D linear's weight (helios packs exactly those for its int8-activation
-    kernel); expert stacks and vocabulary tables read as embeddings keep float activations."""
-    if request.activations == quant.INT8_ACTIVATIONS and kinds == {LINEAR} and dims == 2:
+    weight is a 2-D linear's weight (a tied vocabulary table also read by its embedding lookup, which
+    helios gathers from the same blob, included); expert stacks keep float activations."""
+    if request.activations == quant.INT8_ACTIVATIONS and LINEAR in kinds and EXPERTS not in kinds and dims == 2:
         return quant.INT8_ACTIVATIONS
     return quant.FLOAT_ACTIVATIONS
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helios.core import quant
-from helios.engine import native, quantized_ref
+from helios.engine import native, quantized, quantized_ref
 
 pytestmark = pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64")
@@ -144,6 +144,16 @@ def test_expert_stacks_and_the_float_blob(fmt: str, monkeypatch) -> None:
         exact = torch.ops.flare_native.pack_qlinear(*_args(one, group))  # act_bits=32
         w = quant.dequantize(*_args(one, group))
         assert torch.allclose(_qlinear("avx2", monkeypatch, x, exact, None, n), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_rows_read_the_int8_activation_blob() -> None:
+    """A tied table packed for int8 activations: its lookup gathers exactly dequantize's rows."""
+    for fmt in quant.FORMATS:
+        for group, scale_dtype in ((32, torch.float32), (128, torch.bfloat16)):
+            stored = _stored(45, group * 3, fmt, group, scale_dtype, seed=group)
+            ids = torch.tensor([[0, 44, 17], [16, 15, 3]])
+            want = quant.dequantize(*_args(stored, group))[ids]
+            assert torch.equal(quantized.embedding_rows(_pack(stored, group), ids, torch.float32), want)
 
 
 def test_wrong_act_bits_say_what_to_do() -> None:
