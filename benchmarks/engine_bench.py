@@ -4,6 +4,7 @@
     python benchmarks/engine_bench.py cores/smollm2 --grammar [--tokens 64] [--grammar-threads 1]
     python benchmarks/engine_bench.py cores/smollm2 --device cuda [--no-graphs] [--batches 1,8,32,128]
     python benchmarks/engine_bench.py cores/smollm2 --breakdown [--tokens 64]
+    python benchmarks/engine_bench.py cores/smollm2 --prefill 2000 --sampling recipe [--threads 1]
 
 Measures decode tokens/s for 1, 8 and 32 concurrent sequences (greedy, ignore_eos,
 prompts already prefilled), and estimates the ceiling of each from measured fp32 matmul
@@ -21,6 +22,13 @@ AVX-512 host as an AVX2 one; this script applies them itself when it is the firs
 --grammar instead compares 16 concurrent JSON-schema-constrained requests (a schema too
 long to finish within --tokens, so every row stays masked) against 16 unconstrained ones
 on the same engine, and prints the throughput cost of the grammar masks (target <= 15%).
+
+Each decode row also gives the process's CPU time per step (on a shared, busy machine the wall clock
+is unreliable; one thread's CPU time is not). --sampling recipe decodes with the core's recipe
+defaults (e.g. temperature 0.2, top_p 0.9: the sampler's passes over the vocabulary count) instead of
+greedy. --prefill N also measures prefill: a prompt of N tokens (distinct per round, so no prefix
+reuse), chunked as the engine chunks it, to its first token; best of 3, tokens/s and CPU seconds.
+--threads N runs the engine on N threads (default: the engine's choice).
 
 --breakdown times one stream's decode steps in parts (module step_breakdown): the engine step, the
 executor's inputs, the step program, and the core's linears alone next to the bandwidth limit.
@@ -79,15 +87,49 @@ def measure_flops(rows: int, size: int = 2048, repeats: int = 5) -> float:
     return 2 * rows * size * size * repeats / (time.perf_counter() - start)
 
 
+def recipe_sampling(core: Core) -> SamplingParams:
+    """The core's recipe defaults as one choice's parameters (seed 0 where the recipe has none)."""
+    d = core.manifest.recipe.sampling.defaults
+    return SamplingParams(
+        d.temperature,
+        d.top_p,
+        d.top_k,
+        d.min_p,
+        d.repetition_penalty,
+        d.presence_penalty,
+        d.frequency_penalty,
+        d.seed or 0,
+    )
+
+
 def decode_throughput(
-    engine: LLMEngine, tokenizer, batch: int, tokens: int, constraint: GrammarConstraint | None = None, tag: str = ""
+    engine: LLMEngine,
+    tokenizer,
+    batch: int,
+    tokens: int,
+    constraint: GrammarConstraint | None = None,
+    tag: str = "",
+    params: SamplingParams = GREEDY,
 ) -> float:
     """Aggregate generated tokens/s of `batch` sequences, counting decode steps only."""
+    return decode_run(engine, tokenizer, batch, tokens, constraint, tag, params)[0]
+
+
+def decode_run(
+    engine: LLMEngine,
+    tokenizer,
+    batch: int,
+    tokens: int,
+    constraint: GrammarConstraint | None = None,
+    tag: str = "",
+    params: SamplingParams = GREEDY,
+) -> tuple[float, float]:
+    """decode_throughput, and the process's CPU milliseconds per decode step."""
     requests = [
         EngineRequest(
             f"b{batch}{tag}-{i}",
             tuple(tokenizer.encode(f"Request {i}: write about the sea.").ids),
-            (GREEDY,),
+            (params,),
             tokens + 1,
             ignore_eos=constraint is None,
             constraint=constraint,
@@ -99,10 +141,36 @@ def decode_throughput(
     while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (and the first sampled token) is not part of the decode figure
     generated = engine.stats.generated_tokens
-    start = time.perf_counter()
+    start, cpu, steps = time.perf_counter(), time.process_time(), 0
     while engine.has_work:
         engine.step()
-    return (engine.stats.generated_tokens - generated) / (time.perf_counter() - start)
+        steps += 1
+    cpu_ms = 1e3 * (time.process_time() - cpu) / max(1, steps)
+    return (engine.stats.generated_tokens - generated) / (time.perf_counter() - start), cpu_ms
+
+
+def prefill_throughput(engine: LLMEngine, tokenizer, tokens: int, rounds: int = 3) -> dict:
+    """Best-of-rounds prefill of a `tokens`-long prompt, chunked as the engine chunks it, up to its
+    first sampled token: tokens/s, and the process's CPU seconds of that round. Each round's prompt
+    starts with a different token, so no round reuses another's cached prefix."""
+    text = " ".join(f"Line {i}: the sea keeps its own time, and the tide answers to the moon." for i in range(tokens))
+    body = list(tokenizer.encode(text).ids)[: tokens - 1]
+    best = (float("inf"), 0.0, 0)
+    for index in range(rounds):
+        engine.add(EngineRequest(f"prefill-{index}", (100 + index, *body), (GREEDY,), 1, ignore_eos=True))
+        start, cpu, steps = time.perf_counter(), time.process_time(), 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+        best = min(best, (time.perf_counter() - start, time.process_time() - cpu, steps))
+    wall, cpu, steps = best
+    return {
+        "tokens": len(body) + 1,
+        "steps": steps,
+        "tokens_per_s": round((len(body) + 1) / wall, 1),
+        "seconds": round(wall, 3),
+        "cpu_seconds": round(cpu, 3),
+    }
 
 
 def step_breakdown(engine: LLMEngine, core: Core, tokenizer, tokens: int, bandwidth: float, step_bytes: float) -> dict:
@@ -262,6 +330,11 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="where one stream's decode step goes (engine, inputs, step, linears)"
     )
+    parser.add_argument("--prefill", type=int, default=0, help="also measure prefill of a prompt this many tokens long")
+    parser.add_argument(
+        "--sampling", choices=("greedy", "recipe"), default="greedy", help="decode greedily or with the recipe defaults"
+    )
+    parser.add_argument("--threads", type=int, help="engine threads (default: the engine's)")
     args = parser.parse_args()
     core = Core.open(args.core, verify_checksums=False)
     if args.grammar:
@@ -274,6 +347,8 @@ def main() -> None:
         ]
         return _publish(lines, report, args.json)
     m = core.manifest
+    if args.threads:
+        torch.set_num_threads(args.threads)  # before the engine: its executor takes this count
     if args.device != "cpu":
         report = device_throughput(core, args)
         return _publish([json.dumps(report, indent=2)], report, args.json)
@@ -301,9 +376,10 @@ def main() -> None:
             f"the bandwidth limit of the {parts['decode_weight_mb']} MB a step reads: {parts['bandwidth_limit_ms']} ms",
         ]
         return _publish(lines, parts, args.json)
+    params = recipe_sampling(core) if args.sampling == "recipe" else GREEDY
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        measured = decode_throughput(engine, tokenizer, batch, args.tokens)
+        measured, cpu_ms = decode_run(engine, tokenizer, batch, args.tokens, params=params)
         flops = measure_flops(batch)
         step = max(limit, 2 * m.weights.num_parameters * batch / flops)
         rows.append(
@@ -315,8 +391,10 @@ def main() -> None:
                 "ceiling_tokens_per_s": round(batch / step, 1),
                 "fraction_of_ceiling": round(measured * step / batch, 3),
                 "matmul_gflops": round(flops / 1e9, 1),
+                "cpu_ms_per_step": round(cpu_ms, 2),
             }
         )
+    prefill = prefill_throughput(engine, tokenizer, args.prefill) if args.prefill else None
     report = {
         "core": str(args.core),
         "isa": cpu_isa.requested() or "native",
@@ -328,19 +406,27 @@ def main() -> None:
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "decode_weight_mb": round(step_bytes / 1e6, 1),
         "decode_limit_ms_per_token": round(limit * 1e3, 2),
+        "sampling": args.sampling,
         "rows": rows,
+        "prefill": prefill,
     }
     held = f"upcast from {engine.upcast_from} to float32" if engine.upcast_from else "as stored"
     lines = [
         f"core {args.core}: {report['step']} step, linears on {report['linear_kernel']}, weights {held}, "
-        f"{report['threads']} threads, ISA {report['isa']}",
+        f"{report['threads']} threads, ISA {report['isa']}, {args.sampling} sampling",
         f"read bandwidth {report['bandwidth_gb_s']} GB/s; a decode step reads {report['decode_weight_mb']} MB: "
         f"limit {report['decode_limit_ms_per_token']} ms per step ({1 / limit:.1f} tok/s for one sequence)",
         f"{'batch':>5}  {'tok/s':>8}  {'bw limit':>8}  {'of limit':>8}  {'ceiling':>8}  {'fraction':>8}  {'GFLOP/s':>8}",
     ]
     columns = ("tokens_per_s", "bandwidth_limit_tokens_per_s", "fraction_of_bandwidth_limit", "ceiling_tokens_per_s")
-    columns += ("fraction_of_ceiling", "matmul_gflops")
+    columns += ("fraction_of_ceiling", "matmul_gflops", "cpu_ms_per_step")
+    lines[-1] += f"  {'CPU ms/step':>11}"
     lines += [f"{row['batch']:>5}  " + "  ".join(f"{row[name]:>8}" for name in columns) for row in rows]
+    if prefill is not None:
+        lines.append(
+            f"prefill of {prefill['tokens']} tokens in {prefill['steps']} steps: {prefill['tokens_per_s']} tok/s "
+            f"({prefill['seconds']} s, {prefill['cpu_seconds']} CPU s)"
+        )
     _publish(lines, report, args.json)
 
 

@@ -1,7 +1,8 @@
 """Tensor- and expert-parallel rank programs and weight shards (`ignition export --tensor-parallel`).
 
 For each declared size N > 1 the exporter traces the step program(s) with the sharded config
-(heads, kv heads and MLP width / N; experts / N with expert parallel; the vocabulary in ceil(V / N)
+(heads, kv heads and MLP width / N, or the largest uneven share where N does not divide them, the
+smaller shares zero-padded; experts / N with expert parallel; the vocabulary in ceil(V / N)
 rows a rank, the last padded) and `tp = N`, so the program
 calls flare::all_reduce after its row-parallel projections and its vocabulary-parallel embedding,
 and flare::all_gather on its vocabulary-parallel head's logits (ignition.models.step.StepModule).

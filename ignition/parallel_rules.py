@@ -13,6 +13,10 @@ which is exact (vLLM's and SGLang's MLA layout). Per-head pieces (query up-proje
 per-head kv_b, V4's sinks and output groups, MiniMax's indexer query heads) are column-parallel and
 the output projection row-parallel. MLPs, shared experts included, split by width; routed experts
 by width or, under expert parallel, as whole experts; routers are replicated.
+
+The DecoderProgram families (llama, qwen3, qwen3_moe) also split sizes that do not divide: heads by
+whole KV-head groups, widths in uneven contiguous shares, each rank's share zero-padded to the largest
+(`span`), so one rank program serves every rank (docs/parallel.md, "Uneven splits").
 """
 
 from __future__ import annotations
@@ -40,10 +44,29 @@ class Slice:
 Split = Callable[[Tensor, Slice], Tensor]
 
 
+def bounds(total: int, rank: int, n: int) -> tuple[int, int]:
+    """The rank's contiguous [start, end) of `total` items split n ways as evenly as possible (sizes
+    differ by at most one, the larger first: 3 on 2 ranks is 2 + 1); total / n each where n divides."""
+    return -(-rank * total // n), -(-(rank + 1) * total // n)
+
+
+def span(t: Tensor, start: int, end: int, size: int, dim: int) -> Tensor:
+    """t[start:end] along `dim`, zero-padded to `size` there: every rank's piece has one shape, so one
+    rank program serves them all. A padded row is exact: a zero query/key/value head attends to zeros
+    and meets zero columns of wo; a zero gate/up row gives silu(0) * 0 = 0 into a zero column of down."""
+    part = t.narrow(dim, start, end - start)
+    if end - start == size:
+        return part
+    pad = list(part.shape)
+    pad[dim] = size - (end - start)
+    return torch.cat([part, part.new_zeros(pad)], dim=dim)
+
+
 def rows(t: Tensor, rank: int, n: int, dim: int = 0) -> Tensor:
-    """The rank's n-th of `t` along `dim` (contiguous)."""
-    size = t.shape[dim] // n
-    return t.narrow(dim, rank * size, size)
+    """The rank's n-th of `t` along `dim` (contiguous; where n does not divide it, the rank's uneven
+    share zero-padded to ceil(size / n))."""
+    start, end = bounds(t.shape[dim], rank, n)
+    return span(t, start, end, -(-t.shape[dim] // n), dim)
 
 
 def halves(t: Tensor, rank: int, n: int, dim: int) -> Tensor:
@@ -80,11 +103,32 @@ def experts_down(t: Tensor, s: Slice) -> Tensor:
     return rows(t, s.rank, s.n) if s.expert else rows(t, s.rank, s.n, 2)
 
 
+def kv_groups(c: Any, rank: int, n: int) -> tuple[int, int, int]:
+    """GQA split by KV-head groups: the rank's KV heads [start, end) (with their query heads) and the
+    KV heads every rank's program has, ceil(kv_heads / n) (9 heads / 3 KV heads on 2 ranks: rank 0 KV
+    heads 0-1 and query heads 0-5, rank 1 KV head 2 and query heads 6-8, padded with one zero group)."""
+    start, end = bounds(c.num_kv_heads, rank, n)
+    return start, end, -(-c.num_kv_heads // n)
+
+
 def fused_qkv(t: Tensor, s: Slice) -> Tensor:
     """DecoderProgram's fused [q; k; v]: the rank's query heads, then its KV heads of k and of v."""
     c = s.config
     q, k, v = t.split([c.num_heads * c.head_dim, c.kv_dim, c.kv_dim])
-    return torch.cat([rows(q, s.rank, s.n), rows(k, s.rank, s.n), rows(v, s.rank, s.n)])
+    start, end, per = kv_groups(c, s.rank, s.n)
+    qd = c.num_heads // c.num_kv_heads * c.head_dim  # one KV group's query rows
+    kd = c.head_dim
+    parts = [span(q, start * qd, end * qd, per * qd, 0)]
+    parts += [span(x, start * kd, end * kd, per * kd, 0) for x in (k, v)]
+    return torch.cat(parts)
+
+
+def heads_out(t: Tensor, s: Slice) -> Tensor:
+    """DecoderProgram's wo, row-parallel by the rank's query heads (those of its KV groups)."""
+    c = s.config
+    start, end, per = kv_groups(c, s.rank, s.n)
+    qd = c.num_heads // c.num_kv_heads * c.head_dim
+    return span(t, start * qd, end * qd, per * qd, 1)
 
 
 def index_query(t: Tensor, s: Slice) -> Tensor:
@@ -149,20 +193,23 @@ class Rules:
 
 
 def _decoder_refusal(c: Any, n: int, expert: bool) -> str | None:
-    fields = {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads}
-    if hasattr(c, "intermediate_size"):
-        fields["intermediate_size"] = c.intermediate_size
-    if hasattr(c, "num_experts"):
-        fields.update({"num_experts": c.num_experts} if expert else {"moe_intermediate_size": c.moe_intermediate_size})
-    return divisible(n, fields)
+    # Heads split by whole KV groups and widths by uneven shares (both zero-padded to one shape), so
+    # only a size above the KV heads (their replication is not built) or whole experts must divide.
+    if c.num_kv_heads < n:
+        return (
+            f"num_key_value_heads {c.num_kv_heads} is fewer than {n} ranks (each rank needs a KV head of its "
+            f"own; KV-head replication is not built): use at most {c.num_kv_heads} ranks"
+        )
+    return divisible(n, {"num_experts": c.num_experts}) if expert and hasattr(c, "num_experts") else None
 
 
 def _decoder_changes(c: Any, n: int, expert: bool) -> dict[str, Any]:
-    changes = {"num_heads": c.num_heads // n, "num_kv_heads": c.num_kv_heads // n}
+    per = -(-c.num_kv_heads // n)  # kv_groups: whole KV groups a rank, padded to the largest share
+    changes = {"num_heads": per * (c.num_heads // c.num_kv_heads), "num_kv_heads": per}
     if hasattr(c, "intermediate_size"):
-        changes["intermediate_size"] = c.intermediate_size // n
+        changes["intermediate_size"] = -(-c.intermediate_size // n)
     if hasattr(c, "moe_intermediate_size") and not expert:
-        changes["moe_intermediate_size"] = c.moe_intermediate_size // n
+        changes["moe_intermediate_size"] = -(-c.moe_intermediate_size // n)
     return changes
 
 
@@ -170,7 +217,7 @@ DECODER = Rules(
     _decoder_refusal,
     _decoder_changes,
     lambda c: getattr(c, "num_experts", 0),
-    _patterns(("wqkv", fused_qkv), (r"wo", row), *MLP, NORMS),
+    _patterns(("wqkv", fused_qkv), (r"wo", heads_out), *MLP, NORMS),
 )
 
 

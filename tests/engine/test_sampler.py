@@ -18,8 +18,10 @@ from helios.engine.sampler import (
     apply_temperature,
     apply_top_k,
     apply_top_p,
+    argmax,
     draw,
     make_generator,
+    position_generator,
 )
 from helios.engine.sampling_params import SamplingParams
 
@@ -196,3 +198,41 @@ def test_zero_probability_tokens_are_never_drawn() -> None:
     probs = torch.tensor(row).softmax(-1)
     for token in counts:
         assert abs(counts[token] / num - float(probs[token])) < 0.03
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 4096 + 64, 300])
+def test_blocked_argmax_is_torch_argmax(vocab: int) -> None:
+    """The first maximum of each row, ties, NaN (torch counts it as the maximum) and -inf rows included."""
+    logits = torch.randn(7, vocab, generator=make_generator(5)).mul_(4).round_()  # many ties at the top
+    logits[1, vocab // 3] = logits[1, vocab - 1] = 99.0  # tie across blocks: the first wins
+    logits[2, 5:] = float("-inf")
+    logits[3, vocab - 2] = logits[3, vocab // 2] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 0] = float("inf")
+    assert argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert argmax(logits[:, :-1]).tolist() == logits[:, :-1].argmax(dim=-1).tolist()  # rows with a stride
+
+
+def test_reused_buffers_change_no_draw() -> None:
+    """The sampler's reused full-vocabulary buffers (Scratch) give the draws of fresh tensors, across
+    calls of different batch sizes, for nucleus, temperature-only and mixed greedy batches."""
+    logits = torch.randn(9, 4096, generator=make_generator(11)) * 3
+    kinds = [
+        _params(temperature=0.2, top_p=0.9, seed=1),
+        _params(temperature=0.7, seed=2),
+        _params(top_k=1),
+        _params(temperature=1.3, top_k=40, seed=3),
+    ]
+    sampler = Sampler()
+    for rows in (9, 3, 9, 1, 5):
+        params = [kinds[(row + rows) % len(kinds)] for row in range(rows)]
+        for step in range(2):
+            fresh = Sampler()
+            fresh.scratch = None
+            expected = fresh.sample(logits[:rows], params, _generators(params, step), _no_ids(rows), _no_ids(rows))
+            reused = sampler.sample(logits[:rows], params, _generators(params, step), _no_ids(rows), _no_ids(rows))
+            assert reused.tolist() == expected.tolist()
+
+
+def _generators(params: list[SamplingParams], step: int) -> list[torch.Generator]:
+    return [position_generator(p.seed, step) for p in params]

@@ -25,8 +25,23 @@ __all__ = ["tp_llama_core"]  # session fixture
 # FLARE_SLOW_TESTS=1 (CI runs the two-rank equivalence in test_tp_equivalence.py instead).
 pytestmark = SLOW
 DEADLINE_S = 10  # [parallel] timeout_s of these servers: every collective's deadline
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 24, "temperature": 0}
-COMPLETION = {"model": "m", "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0}
+# ignore_eos: every answer runs its 24 tokens whatever the random test model ends with
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Say something."}],
+    "max_tokens": 24,
+    "temperature": 0,
+    "top_k": 1,  # greedy: the recipe clamps temperature 0 to 0.01, which still samples
+    "ignore_eos": True,
+}
+COMPLETION = {
+    "model": "m",
+    "prompt": "The capital of France is",
+    "max_tokens": 24,
+    "temperature": 0,
+    "top_k": 1,  # greedy: the recipe clamps temperature 0 to 0.01, which still samples
+    "ignore_eos": True,
+}
 
 
 def _config(tmp: Path) -> Path:

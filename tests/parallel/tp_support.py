@@ -27,14 +27,24 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 SLOW = pytest.mark.skipif(not os.environ.get("FLARE_SLOW_TESTS"), reason="slow: set FLARE_SLOW_TESTS=1")
 
 
-@pytest.fixture(scope="session")
-def tp_llama_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
+# SmolLM2-135M's head counts (9 query heads, 3 KV heads) and an odd MLP width: at 2 ranks nothing
+# divides, so the ranks split by whole KV groups (rank 0 KV heads 0-1, rank 1 KV head 2 and a zero
+# group) and uneven MLP shares (50 + 49, padded): ignition.parallel_rules.kv_groups.
+UNEVEN = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 99}
+
+
+def llama_core(root: Path, overrides: dict | None = None) -> Path:
     """A tiny Llama (fp32, prompt logprobs) declaring tensor-parallel sizes 1 and 2."""
-    root = tmp_path_factory.mktemp("tp-llama")
-    write_testmodel("llama", root / "ckpt", seed=0)
+    write_testmodel("llama", root / "ckpt", seed=0, overrides=overrides)
     options = ExportOptions(out=root / "core", prompt_logprobs=True, tensor_parallel=(1, 2))
     export_core(open_source(str(root / "ckpt")), load_recipe("smollm2"), options)
     return root / "core"
+
+
+@pytest.fixture(scope="session")
+def tp_llama_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with SmolLM2's uneven head counts (UNEVEN), sizes 1 and 2: the server tests' core."""
+    return llama_core(tmp_path_factory.mktemp("tp-llama"), UNEVEN)
 
 
 @pytest.fixture(scope="session")

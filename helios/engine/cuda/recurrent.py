@@ -443,8 +443,11 @@ def _delta_kernel(
                 tail = tl.exp(last[None, :] - cum)
                 s_decay = tl.exp(last)[:, None]  # [K, 1]
             else:  # gated DeltaNet: one log decay per head and row
-                gc = tl.load(g_rows, mask=r_ok[:, None], other=0.0).to(tl.float32)  # [L, 1]
-                cum = tl.cumsum(gc, axis=0)
+                # The scan runs over the [L] vector: triton 3.6 (torch 2.11's, the GPU hosts') fails an
+                # assertion lowering a cumsum over an [L, 1] block for sm_90 at 8 warps.
+                gv = tl.load(g + rows * stride_gt + h * stride_gh, mask=r_ok, other=0.0).to(tl.float32)  # [L]
+                gc = gv[:, None]  # [L, 1]
+                cum = tl.cumsum(gv, axis=0)[:, None]  # [L, 1]
                 last = tl.sum(gc, axis=0)  # [1]
                 decay = tl.exp(tl.where(causal, cum - tl.trans(cum), float("-inf")))  # [L, L], i >= j
                 system = tl.where(lower, tl.dot(kb, tl.trans(kc), input_precision="ieee") * decay, 0.0)
