@@ -369,7 +369,8 @@ class Parallel(_Struct):
     layouts: dict[str, ParallelLayout] = {}  # str(N) -> its layout, every declared N > 1
 
 
-class QuantizedTensor(_Struct):
+# omit_defaults: "activations" is written only where int8, so an older helios reads float-activation cores.
+class QuantizedTensor(_Struct, omit_defaults=True):
     """One weight stored quantized (layout: helios.core.quant): the programs take it as a float
     tensor of `shape` and `dtype`; helios runs its linears on the stored values, or dequantizes."""
 
