@@ -5,7 +5,9 @@ k and v 192 wide), each with its own random weights so that nothing runs from ca
 16 and 64 rows of bfloat16 activations: milliseconds per full set (the sum of each linear's best
 of N calls, N full sets apart: see _best_ms) and the weight bytes read per second, for
   * helios' qlinear (helios/engine/native/linear_q.cpp): int8 and int4, group 32 (Q8_0 / Q4_1's
-    blocks) or --group, bfloat16 scales, on AVX-512 and on AVX2 (FLARE_QLINEAR_ISA);
+    blocks) or --group, bfloat16 scales, on AVX-512 and on AVX2 (FLARE_QLINEAR_ISA), with float
+    activations ("a32": the exact path) and with int8 activations ("a8": linear_qa.cpp, Q8_0-style
+    activations and integer dot products, AVX512-VNNI or AVX2; llama.cpp's way);
   * helios' bfloat16 kernels (helios.engine.prepack: oneDNN and the native ones this host runs);
   * torch's stock int8 weight-only (aten._weight_int8pack_mm: per-channel scales, no groups) and
     int4 (aten._weight_int4pack_mm_for_cpu: group scales and zeros).
@@ -52,18 +54,19 @@ def _weights() -> list[Tensor]:
     return [torch.randn(n, k, generator=generator) * k**-0.5 for _ in range(LAYERS) for n, k in SHAPES]
 
 
-def _qlinear(weights: list[Tensor], fmt: str, group: int, isa: str) -> Kernel:
+def _qlinear(weights: list[Tensor], fmt: str, group: int, isa: str, act_bits: int = 32) -> Kernel:
     packed = []
     for w in weights:
         stored = quant.quantize(w, fmt, group, torch.bfloat16)
         packed.append(
             torch.ops.flare_native.pack_qlinear(
-                stored[quant.QWEIGHT], stored[quant.SCALES], stored.get(quant.MINS), group
+                stored[quant.QWEIGHT], stored[quant.SCALES], stored.get(quant.MINS), group, act_bits
             )
         )
     op = torch.ops.flare_native.qlinear
     calls = [lambda inputs, w=w, p=p: op(inputs[w.shape[1]], p, None, w.shape[0]) for w, p in zip(weights, packed)]
-    return Kernel(f"qlinear {quant.level(fmt, group)} {isa}", sum(p.numel() for p in packed), calls, isa)
+    name = f"qlinear {quant.level(fmt, group)} a{act_bits} {isa}"
+    return Kernel(name, sum(p.numel() for p in packed), calls, isa)
 
 
 def _bf16(weights: list[Tensor], kernel: str) -> Kernel:
@@ -135,7 +138,11 @@ def main() -> None:
     builders: list[Callable[[], Kernel]] = []
     isas = [isa for isa in ("avx512", "avx2") if getattr(torch.ops.flare_native, f"has_qlinear_{isa}")()]
     for fmt in quant.FORMATS:
-        builders += [lambda fmt=fmt, isa=isa: _qlinear(weights, fmt, args.group, isa) for isa in isas]
+        builders += [
+            lambda fmt=fmt, isa=isa, bits=bits: _qlinear(weights, fmt, args.group, isa, bits)
+            for bits in (32, 8)
+            for isa in isas
+        ]
     builders += [lambda kernel=kernel: _bf16(weights, kernel) for kernel in (*prepack.native_kernels(), prepack.ONEDNN)]
     builders += [lambda: _aten_int8(weights), lambda: _aten_int4(weights, args.group)]
     print(f"SmolLM2-135M linears ({len(weights)} weights), {torch.get_num_threads()} threads, best of {args.repeats}")

@@ -6,11 +6,17 @@ weights (ignition.export.self_check). Here the same program runs on the dequanti
 agreement and |Δ logprob| over the full vocabulary on the golden (calibration) prompts, and
 the perplexity of both on a fixed English text shipped with ignition (data/perplexity.txt),
 truncated to the core's context. One prefill pass per prompt and weight set.
+
+Weights recorded with int8 activations (export --quant-activations int8) are measured so: their
+linears' inputs go through helios.engine.quantized_ref.fake_quantize (Q8_0's rounding per 32-feature
+block) in a copy of the program, the value helios' integer kernels multiply by.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,6 +28,7 @@ from helios.core import Core, quant
 from helios.core import manifest as mf
 from helios.core.golden import golden_key
 from helios.core.program import Program, run_prompt
+from helios.engine import quantized_ref
 from ignition.errors import VerifyError
 from ignition.quantize import Quantized, level_of
 
@@ -64,6 +71,31 @@ def perplexity(
     return math.exp(-float(run.logprobs[:-1, 0].double().mean()))
 
 
+def with_int8_activations(program: Program, names: list[str], tensors: dict[str, mf.QuantizedTensor]) -> Program:
+    """`program` (taking the weights dict in `names` order) with the input of every linear whose weight
+    is recorded with int8 activations rounded as helios' int8-activation kernel rounds it; the
+    program itself where none is."""
+    wanted = {name for name, t in tensors.items() if t.activations == quant.INT8_ACTIVATIONS}
+    if not wanted:
+        return program
+    with warnings.catch_warnings():  # (torch's pytree specs warn about their own deprecations when copied)
+        warnings.simplefilter("ignore", FutureWarning)
+        module = copy.deepcopy(program.module)
+    graph = module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders[: len(names)], names, strict=True):
+        if name not in wanted:
+            continue
+        for user in list(node.users):
+            if user.target is torch.ops.aten.linear.default and user.args[1] is node:
+                with graph.inserting_before(user):
+                    rounded = graph.call_function(quantized_ref.fake_quantize, (user.args[0],))
+                user.args = (rounded, *user.args[1:])
+    graph.lint()
+    module.recompile()
+    return Program(program.kind, program.spec, module)
+
+
 def _figure(value: float) -> float:
     """Five significant digits: stable bytes across reruns of one export."""
     return float(f"{value:.5g}")
@@ -87,11 +119,12 @@ def measure(
     from ignition.export import GOLDEN_CHUNK  # (export imports this module)
 
     page_tokens = limits.page_tokens
+    quantized_program = with_int8_activations(program, list(quantized.program), quantized.tensors)
     recorded: dict[str, Tensor] = {}
     agree = positions = 0
     worst, total, count = 0.0, 0.0, 0
     for index, prompt in enumerate(prompts):
-        run = run_prompt(program, quantized.program, kv, page_tokens, list(prompt), chunk=GOLDEN_CHUNK)
+        run = run_prompt(quantized_program, quantized.program, kv, page_tokens, list(prompt), chunk=GOLDEN_CHUNK)
         key = golden_key(index)
         recorded[key] = run.logprobs.contiguous()
         delta = (run.logprobs - golden[key]).abs()
@@ -107,7 +140,7 @@ def measure(
         top1_agreement=_figure(agree / max(positions, 1)),
         max_abs_logprob_diff=_figure(worst),
         mean_abs_logprob_diff=_figure(total / max(count, 1)),
-        perplexity=_figure(perplexity(program, quantized.program, kv, page_tokens, ids)),
+        perplexity=_figure(perplexity(quantized_program, quantized.program, kv, page_tokens, ids)),
         reference_perplexity=_figure(perplexity(program, float_weights, kv, page_tokens, ids)),
         perplexity_tokens=len(ids),
         requantized={name: _figure(error) for name, error in sorted(quantized.requantized.items())},
@@ -121,6 +154,9 @@ def describe(quantization: mf.Quantization | None) -> str:
         return ""
     origins = sorted({t.origin for t in quantization.tensors.values()})
     line = f"{quantization.level}: {len(quantization.tensors)} weights ({', '.join(origins)})"
+    int8 = sum(t.activations == quant.INT8_ACTIVATIONS for t in quantization.tensors.values())
+    if int8:
+        line += f", {int8} on int8 activations"
     check = quantization.self_check
     if check is None:
         return line

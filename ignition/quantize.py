@@ -50,6 +50,9 @@ class QuantRequest:
     scale_dtype: str = "float32"  # "float32" | "bfloat16"
     embeddings: bool = False  # also the embedding table
     head: bool = False  # also the output head
+    # --quant-activations: "float" (exact products of the stored values) or "int8" (the linears'
+    # activations quantized per 32-feature block, as llama.cpp's Q8_0: faster, recorded per tensor)
+    activations: str = quant.FLOAT_ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ def check(request: QuantRequest | None, tensor_parallel: tuple[int, ...], host: 
         raise UsageError(f"--quant-group must be one of {', '.join(map(str, quant.GROUPS))}, got {request.group}")
     if request.scale_dtype not in SCALE_DTYPES:
         raise UsageError(f"--quant-scales must be one of {', '.join(SCALE_DTYPES)}, got {request.scale_dtype!r}")
+    if request.activations not in quant.ACTIVATIONS:
+        raise UsageError(
+            f"--quant-activations must be one of {', '.join(quant.ACTIVATIONS)}, got {request.activations!r}"
+        )
     for flag, on in (
         ("--tensor-parallel above 1", max(tensor_parallel) > 1),
         ("--host-embeddings", host),
@@ -261,7 +268,7 @@ def prepare(
         vision = weight_uses([Program.load(VISION, specs[VISION], staging / specs[VISION].file)], names)
         towers = {name for name, kinds in vision.items() if kinds}
     chosen, floats = selected(request, config, uses, weights, towers)
-    level = quant.level(request.format, request.group)
+    level = quant.level(request.format, request.group, request.activations)
     note = "; kept float: " + ", ".join(f"{n} ({k} inputs)" for n, k in floats.items()) if floats else ""
     progress(f"quantizing {len(chosen)} weights to {level}{note}")
     found = _internal_ids(fam, config, checkpoint, internal) if checkpoint.grids is not None else None
@@ -301,8 +308,18 @@ def prepare(
             shape=tuple(int(d) for d in values.shape),
             dtype=str(weights[name].dtype).removeprefix("torch."),
             origin=origin,
+            activations=activations_of(request, uses[name], values.dim()),
         )
     return Quantized(stored=stored, program=program, tensors=records, requantized=requantized, kept_float=floats)
+
+
+def activations_of(request: QuantRequest, kinds: set[str], dims: int) -> str:
+    """What a quantized weight's linears multiply it by: int8 activations where asked for and the
+    weight is a 2-D linear's weight (a tied vocabulary table also read by its embedding lookup, which
+    helios gathers from the same blob, included); expert stacks keep float activations."""
+    if request.activations == quant.INT8_ACTIVATIONS and LINEAR in kinds and EXPERTS not in kinds and dims == 2:
+        return quant.INT8_ACTIVATIONS
+    return quant.FLOAT_ACTIVATIONS
 
 
 def file_tensors(quantized: Quantized | None, weights: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -313,7 +330,7 @@ def file_tensors(quantized: Quantized | None, weights: dict[str, Tensor]) -> dic
 def level_of(tensors: dict[str, mf.QuantizedTensor]) -> str:
     """The core's precision name: its levels (quant.level), the most used first, joined by "+"
     (e.g. "int4-g32+int8-g32": int4 linears and an int8 head kept from a GGUF's Q8_0 table)."""
-    counts = Counter(quant.level(t.format, t.group) for t in tensors.values())
+    counts = Counter(quant.level(t.format, t.group, t.activations) for t in tensors.values())
     return "+".join(sorted(counts, key=lambda name: (-counts[name], name)))
 
 
@@ -338,6 +355,7 @@ def sized(quantized: Quantized | None, weights: dict[str, Tensor]) -> dict[str, 
 __all__ = [
     "QuantRequest",
     "Quantized",
+    "activations_of",
     "check",
     "file_tensors",
     "format_version",

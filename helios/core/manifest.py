@@ -369,7 +369,8 @@ class Parallel(_Struct):
     layouts: dict[str, ParallelLayout] = {}  # str(N) -> its layout, every declared N > 1
 
 
-class QuantizedTensor(_Struct):
+# omit_defaults: "activations" is written only where int8, so an older helios reads float-activation cores.
+class QuantizedTensor(_Struct, omit_defaults=True):
     """One weight stored quantized (layout: helios.core.quant): the programs take it as a float
     tensor of `shape` and `dtype`; helios runs its linears on the stored values, or dequantizes."""
 
@@ -379,6 +380,11 @@ class QuantizedTensor(_Struct):
     shape: tuple[int, ...]  # the float weight's shape, [..., out, in]
     dtype: str  # the dtype the programs take the weight in
     origin: str = "export"  # "export" (quantized by ignition) or the source block type kept as is, e.g. "gguf Q4_K"
+    # What its linears multiply it by: "float" (the activations as they are: the exact product of the
+    # stored values) or "int8" (export --quant-activations int8: each activation row quantized per
+    # 32-feature block to int8 with one float32 scale, as llama.cpp's Q8_0, and integer dot products;
+    # helios.engine.quantized_ref is its reference). The self-check figures were measured so.
+    activations: str = "float"
 
 
 class QuantSelfCheck(_Struct):

@@ -29,6 +29,10 @@ FORMATS = (INT8, INT4)
 GROUPS = (32, 64, 128)
 SCALE_DTYPES = ("float32", "bfloat16")
 QWEIGHT, SCALES, MINS = ".qweight", ".scales", ".mins"
+# What a quantized weight's linears multiply it by (manifest QuantizedTensor.activations): the float
+# activations as they are, or int8 ones (Q8_0-style per 32-feature block, helios.engine.quantized_ref).
+FLOAT_ACTIVATIONS, INT8_ACTIVATIONS = "float", "int8"
+ACTIVATIONS = (FLOAT_ACTIVATIONS, INT8_ACTIVATIONS)
 
 
 def stored_names(name: str, fmt: str) -> tuple[str, ...]:
@@ -36,9 +40,10 @@ def stored_names(name: str, fmt: str) -> tuple[str, ...]:
     return (name + QWEIGHT, name + SCALES, name + MINS) if fmt == INT4 else (name + QWEIGHT, name + SCALES)
 
 
-def level(fmt: str, group: int) -> str:
-    """The short precision name users see (Ollama's quantization_level), e.g. 'int4-g64'."""
-    return f"{fmt}-g{group}"
+def level(fmt: str, group: int, activations: str = FLOAT_ACTIVATIONS) -> str:
+    """The short precision name users see (Ollama's quantization_level), e.g. 'int4-g64', or
+    'int8-g32-a8' where the linears run on int8 activations."""
+    return f"{fmt}-g{group}" + ("-a8" if activations == INT8_ACTIVATIONS else "")
 
 
 def check_shape(shape: tuple[int, ...], group: int) -> None:

@@ -16,6 +16,14 @@ group-wise quantized (helios.core.quant). At load, for each such weight:
   engine runs a 16-bit core upcast), with the reason logged once: a GPU device, no native kernel
   here, or another use (a vision tower's program, a stack whose partner is dequantized).
 
+Activations: a weight recorded with int8 activations (manifest QuantizedTensor.activations,
+`ignition export --quant-activations int8`) is packed for the int8-activation kernel
+(pack_qlinear's act_bits=8: native/linear_qa.h), which quantizes each row of a linear's input per
+32-feature block as llama.cpp's Q8_0 does and multiplies integers. Where such a weight is
+dequantized instead, its linears' inputs are rounded the same way first
+(quantized_ref.fake_quantize), so every path computes what the core's self-check measured. Cores
+without the field (or with "float") run the exact float-activation kernel as before.
+
 Runs before graph.simplify and prepack: prepack packs bfloat16/float32 linears only, so the
 rewritten quantized linears keep their kernel. The core's programs and weights are unchanged on
 disk: this is a runtime rewrite like prepack's.
@@ -35,6 +43,7 @@ from helios.core import quant
 from helios.core.bundle import StoredWeight
 from helios.core.manifest import Quantization
 from helios.core.program import Program
+from helios.engine import quantized_ref
 from helios.engine.kernels import moe
 
 log = logging.getLogger("helios.engine")
@@ -43,6 +52,8 @@ _LINEAR = torch.ops.aten.linear.default
 _EMBEDDING = torch.ops.aten.embedding.default
 _HEADER_WORDS = 8  # the packed blob's header: magic, bits, group, in, out, blocks, scale_bytes, block_bytes
 _BLOCK = 16  # outputs per block of the packed layout (native/linear_q.h)
+_MAGIC_A8 = 0x38514C46  # "FLQ8": the int8-activation layout (native/linear_qa.h)
+_ACT_BLOCK = 32  # features per activation block of that layout
 # flare::routed_experts as exported, and as graph.simplify retargets it (either may be seen).
 _EXPERTS = (torch.ops.flare.routed_experts.default, moe.routed_experts_cpu)
 _STACKS = {3: "gate_up_features", 4: "down_features"}  # routed_experts' stack arguments -> out-features kwarg
@@ -122,9 +133,15 @@ def _uses(programs: list[Program], names: list[str], wanted: set[str]) -> Iterat
                 yield name, _Use(program, user, argument, kind)
 
 
+def _int8_activations(weight: StoredWeight) -> bool:
+    return weight.spec.activations == quant.INT8_ACTIVATIONS
+
+
 def _reason_of_use(use: _Use, weight: StoredWeight) -> str | None:
     """Why this use cannot read the packed weight, or None."""
     dims = len(weight.spec.shape)
+    if _int8_activations(weight) and use.kind not in ("linear", "embedding"):
+        return f"recorded with int8 activations but read by {use.kind} (only linears have that kernel)"
     if use.kind == "linear":
         return None if dims == 2 else f"a linear reads a {dims}-D weight"
     if use.kind == "experts":
@@ -158,7 +175,8 @@ def prepare(
     elif not has_qlinear():
         reasons = {name: "no native quantized kernel here (flare_native::has_qlinear)" for name in stored}
     uses: dict[str, list[_Use]] = {name: [] for name in stored}
-    if not reasons:
+    collected = not reasons  # uses are looked up where native kernels could run
+    if collected:
         for name, use in _uses(programs, names, set(stored)):
             uses[name].append(use)
         for name, _ in _uses(list(observed), names, set(stored)):
@@ -177,7 +195,14 @@ def prepare(
         compute = dtype or getattr(torch, stored[name].spec.dtype)  # the programs' activations
         for use in uses[name]:
             _rewrite(use, stored[name], compute)
-    for program in {id(u.program): u.program for name in native for u in uses[name]}.values():
+    rounded = [name for name in reasons if _int8_activations(stored[name])]
+    if rounded and not collected:
+        for name, use in _uses(programs, names, set(rounded)):
+            uses[name].append(use)
+    for name in rounded:
+        for use in uses[name]:
+            _round_input(use)
+    for program in {id(u.program): u.program for name in [*native, *rounded] for u in uses[name]}.values():
         program.module.graph.lint()
         program.module.recompile()
     held = str(dtype or getattr(torch, next(iter(stored.values())).spec.dtype)).removeprefix("torch.")
@@ -203,7 +228,20 @@ def _pair_experts(uses: dict[str, list[_Use]], stored: dict[str, StoredWeight], 
 
 
 def _pack(weight: StoredWeight) -> Tensor:
-    return torch.ops.flare_native.pack_qlinear(weight.qweight, weight.scales, weight.mins, weight.spec.group)
+    act_bits = (8,) if _int8_activations(weight) else ()  # (the float-activation layout is the default)
+    return torch.ops.flare_native.pack_qlinear(weight.qweight, weight.scales, weight.mins, weight.spec.group, *act_bits)
+
+
+def _round_input(use: _Use) -> None:
+    """A dequantized weight recorded with int8 activations: its linear's input rounded as the
+    int8-activation kernel rounds it (the values the core's self-check measured)."""
+    node = use.node
+    if use.kind != "linear":
+        return
+    graph = node.graph
+    with graph.inserting_before(node):
+        rounded = graph.call_function(quantized_ref.fake_quantize, (node.args[0],))
+    node.args = (rounded, *node.args[1:])
 
 
 def _rewrite(use: _Use, weight: StoredWeight, compute: torch.dtype) -> None:
@@ -229,8 +267,12 @@ def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
     """The rows `ids` of a packed 2-D weight (flare_native::pack_qlinear's blob), dequantized
     exactly as helios.core.quant.dequantize and rounded to `dtype`: an embedding lookup of a table
     whose linear (the tied head) runs on the blob, so no float copy of the table is kept. Reads a
-    block of 16 rows per id from the layout of native/linear_q.h."""
-    _, bits, group, width, _, blocks, scale_bytes, block_bytes = packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
+    block of 16 rows per id from the layout of native/linear_q.h (or linear_qa.h: _a8_rows)."""
+    magic, bits, group, width, _, blocks, scale_bytes, block_bytes = (
+        packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
+    )
+    if magic == _MAGIC_A8:
+        return _a8_rows(packed, ids, dtype)
     groups, int4 = width // group, bits == 4
     head = _BLOCK * scale_bytes * (2 if int4 else 1)  # a group's scales (and minimums)
     body = blocks * block_bytes
@@ -249,6 +291,34 @@ def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
     q = per_output(picked[..., head:])  # [T, G, group or group / 2] bytes
     qweight = q.view(torch.int8) if not int4 else q
     rows = quant.dequantize(qweight.reshape(len(flat), -1), scales, mins, group, dtype)
+    return rows.reshape(*ids.shape, width)
+
+
+def _a8_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """embedding_rows of an int8-activation blob (native/linear_qa.h): per 16-row block a scale
+    region ([group][16] scales, int4 then [group][16] minimums; padded to 64 bytes), then per 32
+    features 64-byte steps of 16 rows x 4 bytes (int8 + 128; int4: features f and f + 16 in the low
+    and high nibble)."""
+    _, bits, group, width, _, blocks, scale_bytes, block_bytes = packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
+    groups, int4 = width // group, bits == 4
+    region = block_bytes - width * _BLOCK // (2 if int4 else 1)
+    flat = ids.reshape(-1)
+    picked = packed[64 : 64 + blocks * block_bytes].view(blocks, block_bytes)[flat // _BLOCK]  # [T, block]
+    lane = flat % _BLOCK
+    scale_dtype = torch.float32 if scale_bytes == 4 else torch.bfloat16
+    head = picked[:, : groups * _BLOCK * scale_bytes * (2 if int4 else 1)].contiguous().view(scale_dtype)
+    head = head.reshape(len(flat), -1, groups, _BLOCK)  # [T, 1 or 2, G, 16]
+    at = lane.view(-1, 1, 1, 1).expand(-1, head.shape[1], groups, 1)
+    chosen = head.gather(3, at).squeeze(3)  # [T, 1 or 2, G]
+    steps = picked[:, region:].reshape(len(flat), width // _ACT_BLOCK, -1, _BLOCK, 4)  # [T, KB, steps, 16, 4]
+    mine = steps.gather(3, lane.view(-1, 1, 1, 1, 1).expand(-1, steps.shape[1], steps.shape[2], 1, 4)).squeeze(3)
+    if int4:  # [T, KB, 4 steps, 4]: low nibbles features 0..15 of the block, high ones 16..31
+        values = torch.cat(((mine & 15).flatten(2), (mine >> 4).flatten(2)), dim=2)
+        stored = quant.pack_int4(values.reshape(len(flat), width))
+        rows = quant.dequantize(stored, chosen[:, 0], chosen[:, 1], group, dtype)
+    else:
+        stored = (mine.flatten(1) ^ 0x80).view(torch.int8)
+        rows = quant.dequantize(stored, chosen[:, 0], None, group, dtype)
     return rows.reshape(*ids.shape, width)
 
 

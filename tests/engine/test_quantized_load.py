@@ -5,19 +5,27 @@ and either way the engine's logprobs equal those of the same core holding the de
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from quant_support import dequantized_core, export_quantized, qlinear_ops
 from safetensors.torch import load_file, save_file
 
 from helios.core import Core, CoreError, quant
-from helios.engine import EngineConfig, LLMEngine, build_engine, quantized
+from helios.core import manifest as mf
+from helios.engine import EngineConfig, LLMEngine, build_engine, quantized, quantized_ref
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import GREEDY
 from helios.engine.speculation.drafter import SpeculationConfig
+from ignition.export import ExportOptions, export_core
+from ignition.quantize import QuantRequest
+from ignition.recipe import load_recipe
+from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -174,3 +182,60 @@ def test_a_missing_part_names_itself(cores: dict, tmp_path: Path) -> None:
     save_file(tensors, str(broken / "weights.safetensors"))
     with pytest.raises(CoreError, match=r"'layers\.0\.wo\.scales' is missing.*re-export"):
         Core.open(broken, verify_checksums=False).load_stored()
+
+
+def _with_int8_activations(core: Path, out: Path) -> Path:
+    """A copy of a quantized core whose 2-D weights are recorded with int8 activations (the tiny llama's
+    embedding table, read only by its lookup, too: its rows come from the int8-activation blob)."""
+    shutil.copytree(core, out)
+    manifest = mf.decode((out / mf.MANIFEST_FILE).read_bytes())
+    record = manifest.quantization
+    tensors = {
+        name: msgspec.structs.replace(t, activations=quant.INT8_ACTIVATIONS) if len(t.shape) == 2 else t
+        for name, t in record.tensors.items()
+    }
+    quantization = msgspec.structs.replace(record, tensors=tensors)
+    (out / mf.MANIFEST_FILE).write_bytes(mf.encode(msgspec.structs.replace(manifest, quantization=quantization)))
+    return out
+
+
+def test_int8_activations_run_as_recorded(cores: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice is the core's (manifest, per tensor): the native path packs those weights for the
+    int8-activation kernel, the dequantizing fallback rounds the linears' inputs the same way
+    (quantized_ref.fake_quantize), and both give the same answers."""
+    core = _with_int8_activations(cores[("llama", "int4")][0], tmp_path / "a8")
+    int8 = [n for n, t in Core.open(core).manifest.quantization.tensors.items() if t.activations == "int8"]
+    with monkeypatch.context() as patched:
+        patched.setattr(quantized, "has_qlinear", lambda: False)
+        fallback = _engine(core)
+        calls = [n.target for n in fallback.executor.step.module.graph.nodes if n.op == "call_function"]
+        assert calls.count(quantized_ref.fake_quantize) == len(int8) - 1  # all but the embedding table
+        want = _answers(fallback)
+    try:
+        ops = qlinear_ops()
+    except LookupError as exc:
+        pytest.skip(str(exc))
+    if ops != "native":
+        pytest.skip("the stand-in has no int8-activation kernel")
+    engine = _engine(core)
+    loaded = engine.executor.quantized
+    assert loaded is not None and loaded.dequantized == ()
+    magic = {name: int(engine.executor.weights[name][:8].view(torch.int64)) for name in loaded.native}
+    assert {magic[name] for name in int8} == {0x38514C46}  # "FLQ8": native/linear_qa.h's blob
+    graph = engine.executor.step.module.graph
+    assert [n.target for n in graph.nodes].count(quantized.embedding_rows) == 1  # rows from the FLQ8 blob
+    _assert_close(_answers(engine), want, 1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("FLARE_SLOW_TESTS") != "1", reason="one more export: FLARE_SLOW_TESTS=1")
+def test_export_records_and_self_checks_int8_activations(tmp_path: Path) -> None:
+    """`--quant-activations int8`: recorded per linear weight, in the level, and self-checked so (the
+    recorded golden logprobs are the int8-activation run's: the engine reproduces them)."""
+    checkpoint = write_testmodel("llama", tmp_path / "ckpt", seed=3)
+    request = QuantRequest(quant.INT4, 32, activations=quant.INT8_ACTIVATIONS)
+    options = ExportOptions(out=tmp_path / "core", quantization=request)
+    export_core(open_source(str(checkpoint)), load_recipe("smollm2"), options)
+    record = Core.open(tmp_path / "core").manifest.quantization
+    assert record is not None and record.level == "int4-g32-a8" and record.self_check is not None
+    assert {t.activations for t in record.tensors.values()} == {quant.INT8_ACTIVATIONS}
+    assert record.self_check.top1_agreement > 0.5

@@ -93,6 +93,7 @@ def test_refused_combinations(tmp_path: Path) -> None:
         (replace(base, quantization=QuantRequest("int3")), "--quantize must be one of"),
         (replace(base, quantization=QuantRequest("int8", group=48)), "--quant-group"),
         (replace(base, quantization=QuantRequest("int8", scale_dtype="float16")), "--quant-scales"),
+        (replace(base, quantization=QuantRequest("int8", activations="int16")), "--quant-activations"),
     ):
         with pytest.raises(UsageError, match=flag):
             check_options(options)

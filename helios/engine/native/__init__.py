@@ -54,6 +54,8 @@ _SOURCE_FLAGS = {
     "attention_avx2.cpp": ("-mno-avx512f",),
     "linear_q.cpp": ("-ffp-contract=off",),
     "linear_q_avx2.cpp": ("-mno-avx512f", "-ffp-contract=off"),
+    "linear_qa.cpp": ("-ffp-contract=off",),
+    "linear_qa_avx2.cpp": ("-mno-avx512f", "-ffp-contract=off"),
 }
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "reason": why not

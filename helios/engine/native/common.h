@@ -15,6 +15,9 @@
 //   linear_q.cpp         pack_qlinear / qlinear: int8 and int4 weights (helios/core/quant.py's layout)
 //                        times float activations, and its AVX-512 kernel (linear_q.h, linear_q_kernel.h);
 //   linear_q_avx2.cpp    qlinear's AVX2+FMA kernel (compiled without AVX-512, like linear_avx2.cpp);
+//   linear_qa.cpp        the int8-activation layout of pack_qlinear (act_bits=8) and its AVX512-VNNI
+//                        kernel (linear_qa.h, linear_qa_kernel.h): Q8_0-style activations, vpdpbusd;
+//   linear_qa_avx2.cpp   its AVX2 kernel (vpmaddubsw; compiled without AVX-512);
 //   ops.cpp              the op schemas, and the CPU kernels of flare::paged_attention/write_kv;
 //   compiled_step.cpp    run_compiled: AOTInductor steps with the GIL released.
 //

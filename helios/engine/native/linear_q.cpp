@@ -1,6 +1,7 @@
 // pack_qlinear and qlinear (linear_q.h): the blob, the op, and its AVX-512 kernel (16 outputs per
 // zmm register; linear_q_kernel.h holds the kernels both instruction sets share).
 #include "linear_q.h"
+#include "linear_qa.h"
 
 #include <torch/library.h>
 
@@ -112,7 +113,9 @@ void qlinear_avx512(const QCall& call) {
 bool has_qlinear() { return has_qlinear_avx512() || has_qlinear_avx2(); }
 
 at::Tensor pack_qlinear(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                        int64_t group) {
+                        int64_t group, int64_t act_bits) {
+  TORCH_CHECK(act_bits == 32 || act_bits == 8,
+              "pack_qlinear: act_bits must be 32 (float activations, exact) or 8 (int8 activations, linear_qa.h)");
   const bool int4 = mins.has_value() && mins->defined();
   TORCH_CHECK(group == 32 || group == 64 || group == 128, "pack_qlinear: group must be 32, 64 or 128, not ", group);
   TORCH_CHECK(qweight.dim() >= 2, "pack_qlinear: needs a quantized weight [..., out, in] (helios.core.quant)");
@@ -131,9 +134,10 @@ at::Tensor pack_qlinear(const at::Tensor& qweight, const at::Tensor& scales, con
   if (int4)
     TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type(),
                 "pack_qlinear: mins must match the scales' shape and dtype");
-  QHeader h{kQMagic, int4 ? 4 : 8, group, in, out, (out + kBlock - 1) / kBlock, scales.element_size(), 0};
+  const bool a8 = act_bits == 8;
+  QHeader h{a8 ? kQMagicA8 : kQMagic, int4 ? 4 : 8, group, in, out, (out + kBlock - 1) / kBlock, scales.element_size(), 0};
   const int64_t per_group = kBlock * h.scale_bytes * (int4 ? 2 : 1) + (int4 ? group / 2 : group) * kBlock;
-  h.block_bytes = in / group * per_group;
+  h.block_bytes = a8 ? a8_block_bytes(h.bits, group, in, h.scale_bytes) : in / group * per_group;
   // Each weight's blob a multiple of 64 bytes, so that every expert of a stack starts on a cache line.
   const int64_t bytes = (static_cast<int64_t>(sizeof(QHeader)) + h.blocks * h.block_bytes + 63) / 64 * 64;
   int64_t count = 1;
@@ -146,7 +150,11 @@ at::Tensor pack_qlinear(const at::Tensor& qweight, const at::Tensor& scales, con
     const auto* qp = static_cast<const uint8_t*>(q.data_ptr()) + e * qstride;
     const auto* sp = static_cast<const uint8_t*>(s.data_ptr()) + e * sstride;
     const auto* mp = int4 ? static_cast<const uint8_t*>(m.data_ptr()) + e * sstride : nullptr;
-    pack_one(qp, sp, mp, h, blob.data_ptr<uint8_t>() + e * bytes);
+    if (a8) {
+      pack_one_a8(qp, sp, mp, h, blob.data_ptr<uint8_t>() + e * bytes);
+    } else {
+      pack_one(qp, sp, mp, h, blob.data_ptr<uint8_t>() + e * bytes);
+    }
   }
   if (lead.empty()) return blob.view({bytes});
   lead.push_back(bytes);
@@ -160,7 +168,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const c10::opt
               "qlinear: needs one weight's pack_qlinear blob (a stack's blob[e] for expert e)");
   QHeader h;
   std::memcpy(&h, packed.data_ptr(), sizeof h);
-  TORCH_CHECK(h.magic == kQMagic && (h.bits == 4 || h.bits == 8) &&
+  const bool a8 = h.magic == kQMagicA8;
+  TORCH_CHECK((h.magic == kQMagic || a8) && (h.bits == 4 || h.bits == 8) &&
                   packed.numel() >= static_cast<int64_t>(sizeof h) + h.blocks * h.block_bytes,
               "qlinear: not a pack_qlinear blob of this build (pack the stored weights again)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0, "qlinear: the blob must be 4-byte aligned");
@@ -182,7 +191,20 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const c10::opt
   const at::Tensor xf = x.reshape({rows, h.in}).to(at::kFloat).contiguous();  // exact for bfloat16
   const QCall call{&h, static_cast<const uint8_t*>(packed.data_ptr()) + sizeof h, xf.data_ptr<float>(), rows, h.in,
                    b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr(), x.scalar_type() == at::kBFloat16};
-  switch (chosen()) {
+  const Isa isa = chosen();
+  if (a8) {  // int8 activations: AVX512-VNNI where present, else AVX2 (the same bits)
+    const bool forced = std::getenv("FLARE_QLINEAR_ISA") != nullptr && *std::getenv("FLARE_QLINEAR_ISA") != '\0';
+    if (isa == Isa::kAvx512 && has_qlinear_a8_avx512()) {
+      qlinear_a8_avx512(call);
+    } else {
+      TORCH_CHECK(!(forced && isa == Isa::kAvx512),
+                  "qlinear: FLARE_QLINEAR_ISA=avx512 but this build or CPU has no AVX512-VNNI for int8 activations");
+      TORCH_CHECK(isa != Isa::kNone, "qlinear: this CPU has neither AVX-512 nor AVX2+FMA (check has_qlinear first)");
+      qlinear_a8_avx2(call);
+    }
+    return y;
+  }
+  switch (isa) {
     case Isa::kAvx512: qlinear_avx512(call); break;
     case Isa::kAvx2: qlinear_avx2(call); break;
     default: TORCH_CHECK(false, "qlinear: this CPU has neither AVX-512 nor AVX2+FMA (check has_qlinear first)");
@@ -203,7 +225,7 @@ TORCH_LIBRARY_FRAGMENT(flare_native, m) {
   m.def("has_qlinear() -> bool", &flare_native::has_qlinear);
   m.def("has_qlinear_avx512() -> bool", &flare_native::has_qlinear_avx512);
   m.def("has_qlinear_avx2() -> bool", &flare_native::has_qlinear_avx2);
-  m.def("pack_qlinear(Tensor qweight, Tensor scales, Tensor? mins, int group) -> Tensor");
+  m.def("pack_qlinear(Tensor qweight, Tensor scales, Tensor? mins, int group, int act_bits=32) -> Tensor");
   m.def("qlinear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 

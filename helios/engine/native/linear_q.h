@@ -16,8 +16,9 @@
 // sources are compiled with -ffp-contract=off (native/__init__.py) so that the compiler fuses
 // nothing else.
 //
-// Activations stay float (bfloat16 ones widened exactly): quantizing them to int8 for VNNI would
-// not give the float reference's results. So many rows run at the fp32 FMA rate of the host (on a
+// Activations stay float (bfloat16 ones widened exactly) in this layout, the exact path:
+// quantizing them to int8 for VNNI does not give the float reference's results, so that is a
+// separate layout (pack_qlinear's act_bits=8: linear_qa.h) a core chooses at export. Here many rows run at the fp32 FMA rate of the host (on a
 // Zen 4 core about half of what AVX512-BF16's pair dot products give the bfloat16 linear), and one
 // row at the rate its dequantizing allows (int8: load, widen, convert, scale; int4 also a nibble
 // split and the minimum).
@@ -52,7 +53,7 @@ struct QCall {
 
 // linear_q.cpp
 at::Tensor pack_qlinear(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                        int64_t group);
+                        int64_t group, int64_t act_bits);
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                    int64_t out_features);
 bool has_qlinear();

@@ -1,0 +1,177 @@
+// The int8-activation quantized linear kernels (linear_qa.h describes the blob and the arithmetic),
+// written once over an instruction-set traits type T and instantiated by linear_qa.cpp
+// (AVX512-VNNI) and linear_qa_avx2.cpp (AVX2). T::F holds 16 fp32 outputs, T::I their 16 int32
+// block sums, T::W one 64-byte weight step (16 outputs x 4 bytes), T::X one row's 4 activation
+// bytes broadcast as its dot products need them. T gives:
+//   quantize(x, q) -> (d, S)   one 32-feature block of a row to int8 (Q8_0's rule, exactly);
+//   w8 / w4, x8 / x4, dp8 / dp4 the integer steps; fix8 removes int8 weights' +128 offset where
+//                              dp8 leaves it in (VNNI), else nothing; int4 steps add into a T::A
+//                              (AVX2: int16 lanes, which a block's 8 products of at most
+//                              2 * 15 * 127 each never overflow) that done4 widens to T::I;
+//   kRows                      rows of a register block; nb(rows) blocks of 16 outputs it takes.
+// Included inside each file's anonymous namespace, after T is defined.
+
+struct QAData {  // one call's quantized activations
+  const int8_t* xq;    // [rows, in]
+  const float* xd;     // [rows, in / 32] scales
+  const int32_t* xs;   // [rows, in / 32] sums of the block's x_q
+  const float* xc;     // [rows, in / 32] d * float(S) (int4's minimum term)
+};
+
+inline void store_a8(const QCall& c, const float* sums, int64_t row, int64_t first) {
+  const int64_t n = c.head->out, count = std::min<int64_t>(kBlock, n - first);
+  if (count <= 0) return;
+  if (c.bf16_out) {
+    at::BFloat16* y = static_cast<at::BFloat16*>(c.y) + row * n + first;
+    for (int64_t o = 0; o < count; ++o) y[o] = static_cast<at::BFloat16>(c.bias ? sums[o] + c.bias[first + o] : sums[o]);
+  } else {
+    float* y = static_cast<float*>(c.y) + row * n + first;
+    for (int64_t o = 0; o < count; ++o) y[o] = c.bias ? sums[o] + c.bias[first + o] : sums[o];
+  }
+}
+
+template <class T>
+struct QAKernel {
+  using F = typename T::F;
+  using I = typename T::I;
+  using W = typename T::W;
+  using X = typename T::X;
+  using A = typename T::A;
+
+  // Rows [r0, r0 + MR) through blocks [b, b + NB), over every input feature.
+  template <int MR, int NB, bool INT4, bool BF>
+  QK_TARGET static void micro(const QCall& c, const QAData& a, int64_t r0, int64_t b) {
+    const QHeader& h = *c.head;
+    const int64_t nkb = h.in / kActBlock, per_group = h.group / kActBlock, groups = h.in / h.group;
+    const int64_t sb = h.scale_bytes, region = a8_scale_region(h.bits, h.group, h.in, sb);
+    constexpr int64_t step_bytes = 64, kb_bytes = INT4 ? 256 : 512;
+    const uint8_t* blk[NB];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) blk[j] = c.blocks + (b + j) * h.block_bytes;
+    const int8_t* xr[MR];
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) xr[r] = a.xq + (r0 + r) * h.in;
+    F acc[MR][NB];
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+      _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) acc[r][j] = T::fzero();
+    for (int64_t g = 0; g < groups; ++g) {
+      F s[NB], m[NB];
+      _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
+        s[j] = T::scales(blk[j] + g * kBlock * sb, BF);
+        if constexpr (INT4) m[j] = T::scales(blk[j] + (groups + g) * kBlock * sb, BF);
+      }
+      for (int64_t kb = g * per_group; kb < (g + 1) * per_group; ++kb) {
+        I ia[MR][NB];
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+          _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) ia[r][j] = T::izero();
+        const int64_t xo = kb * kActBlock;
+        if constexpr (!INT4) {
+          _Pragma("GCC unroll 8") for (int st = 0; st < 8; ++st) {
+            W w[NB];
+            _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) w[j] = T::w8(blk[j] + region + kb * kb_bytes + st * step_bytes);
+            _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+              const X xv = T::x8(xr[r] + xo + 4 * st);
+              _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) ia[r][j] = T::dp8(ia[r][j], w[j], xv);
+            }
+          }
+        } else {
+          A a4[MR][NB];
+          _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+            _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) a4[r][j] = T::azero();
+          _Pragma("GCC unroll 4") for (int st = 0; st < 4; ++st) {
+            W lo[NB], hi[NB];
+            _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) T::w4(blk[j] + region + kb * kb_bytes + st * step_bytes, lo[j], hi[j]);
+            _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+              const X xl = T::x4(xr[r] + xo + 4 * st), xh = T::x4(xr[r] + xo + 16 + 4 * st);
+              _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) a4[r][j] = T::dp4(T::dp4(a4[r][j], lo[j], xl), hi[j], xh);
+            }
+          }
+          _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+            _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) ia[r][j] = T::done4(a4[r][j]);
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+          const int64_t i = (r0 + r) * nkb + kb;
+          const F d = T::bcast(a.xd[i]);
+          _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
+            const I v = INT4 ? ia[r][j] : T::fix8(ia[r][j], a.xs[i]);
+            acc[r][j] = T::fma(T::cvt(v), T::mul(s[j], d), acc[r][j]);
+            if constexpr (INT4) acc[r][j] = T::fma(m[j], T::bcast(a.xc[i]), acc[r][j]);
+          }
+        }
+      }
+    }
+    alignas(64) float sums[kBlock];
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+      _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
+        T::store(sums, acc[r][j]);
+        store_a8(c, sums, r0 + r, (b + j) * kBlock);
+      }
+  }
+
+  template <int MR, bool INT4, bool BF>
+  QK_TARGET static void blocks_of(const QCall& c, const QAData& a, int64_t r0, int64_t b0, int64_t b1) {
+    constexpr int NB = T::nb(MR);
+    int64_t b = b0;
+    for (; b + NB <= b1; b += NB) micro<MR, NB, INT4, BF>(c, a, r0, b);
+    if constexpr (NB >= 4) {
+      if (b + 2 <= b1) {
+        micro<MR, 2, INT4, BF>(c, a, r0, b);
+        b += 2;
+      }
+    }
+    if constexpr (NB >= 2) {
+      for (; b < b1; ++b) micro<MR, 1, INT4, BF>(c, a, r0, b);
+    }
+  }
+
+  template <bool INT4, bool BF>
+  QK_TARGET static void rows_of(const QCall& c, const QAData& a, int64_t r0, int64_t rows, int64_t b0, int64_t b1) {
+    static_assert(T::kRows <= 4, "register blocks of up to 4 rows");
+    switch (std::min<int64_t>(rows, T::kRows)) {
+      case 1: return blocks_of<1, INT4, BF>(c, a, r0, b0, b1);
+      case 2: return blocks_of<std::min(2, T::kRows), INT4, BF>(c, a, r0, b0, b1);
+      case 3: return blocks_of<std::min(3, T::kRows), INT4, BF>(c, a, r0, b0, b1);
+      default: return blocks_of<std::min(4, T::kRows), INT4, BF>(c, a, r0, b0, b1);
+    }
+  }
+
+  // Blocks [b0, b1) for every row: a tile of blocks at a time (its weights stay in cache while
+  // every register block of rows passes), rows split as evenly as they go (5 rows as 3 + 2).
+  template <bool INT4, bool BF>
+  QK_TARGET static void span(const QCall& c, const QAData& a, int64_t b0, int64_t b1) {
+    const int64_t groups = (c.rows + T::kRows - 1) / T::kRows;
+    const int64_t tile = c.rows <= T::kRows ? b1 - b0 : T::kTile;
+    for (int64_t b = b0; b < b1; b += tile) {
+      const int64_t e = std::min(b1, b + tile);
+      for (int64_t g = 0, r = 0; g < groups; ++g) {
+        const int64_t n = c.rows / groups + (g < c.rows % groups ? 1 : 0);
+        rows_of<INT4, BF>(c, a, r, n, b, e);
+        r += n;
+      }
+    }
+  }
+
+  static void run(const QCall& c) {
+    const QHeader& h = *c.head;
+    const int64_t nkb = h.in / kActBlock, rows = c.rows;
+    std::vector<int8_t> xq(rows * h.in);
+    std::vector<float> xd(rows * nkb), xc(rows * nkb);
+    std::vector<int32_t> xs(rows * nkb);
+    // Rows are quantized independently (Q8_0's rule per 32-feature block): any split gives the same.
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / h.in), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          const int64_t i = r * nkb + kb;
+          T::quantize(c.x + r * c.ldx + kb * kActBlock, xq.data() + r * h.in + kb * kActBlock, xd[i], xs[i]);
+          xc[i] = xd[i] * static_cast<float>(xs[i]);
+        }
+    });
+    const QAData a{xq.data(), xd.data(), xs.data(), xc.data()};
+    at::parallel_for(0, h.blocks, 1, [&](int64_t b0, int64_t b1) {
+      const bool int4 = h.bits == 4, bf = h.scale_bytes == 2;
+      if (int4) {
+        bf ? span<true, true>(c, a, b0, b1) : span<true, false>(c, a, b0, b1);
+      } else {
+        bf ? span<false, true>(c, a, b0, b1) : span<false, false>(c, a, b0, b1);
+      }
+    });
+  }
+};
