@@ -79,10 +79,11 @@ slow = pytest.mark.skipif(
     os.environ.get("FLARE_SLOW_TESTS") != "1",
     reason="AOTInductor builds of quantized steps run only with FLARE_SLOW_TESTS=1 (about a minute each on 2 cores)",
 )
-# name -> (family, recipe, format, quantize the embedding table too)
+# name -> (family, recipe, format, quantize the embedding table too, activations)
 CASES = {
-    "llama-int4": ("llama", "smollm2", quant.INT4, True),
-    "qwen3_moe-int8": ("qwen3_moe", str(DATA / "tiny_qwen3_moe.toml"), quant.INT8, False),
+    "llama-int4": ("llama", "smollm2", quant.INT4, True, quant.FLOAT_ACTIVATIONS),
+    "llama-int8-a8": ("llama", "smollm2", quant.INT8, False, quant.INT8_ACTIVATIONS),
+    "qwen3_moe-int8": ("qwen3_moe", str(DATA / "tiny_qwen3_moe.toml"), quant.INT8, False, quant.FLOAT_ACTIVATIONS),
 }
 
 
@@ -91,9 +92,11 @@ def compiled_cores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _native_or_skip()
     root = tmp_path_factory.mktemp("compiled-quantized")
     cores = {}
-    for name, (family, recipe, fmt, embeddings) in CASES.items():
-        checkpoint = write_testmodel(family, root / f"ckpt-{family}", seed=3)
-        request = QuantRequest(fmt, 32, embeddings=embeddings)
+    for name, (family, recipe, fmt, embeddings, activations) in CASES.items():
+        checkpoint = root / f"ckpt-{family}"
+        if not checkpoint.exists():
+            write_testmodel(family, checkpoint, seed=3)
+        request = QuantRequest(fmt, 32, embeddings=embeddings, activations=activations)
         options = ExportOptions(out=root / name, quantization=request, compile_step=True)
         export_core(open_source(str(checkpoint)), load_recipe(recipe), options)
         cores[name] = root / name
