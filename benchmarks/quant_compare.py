@@ -8,6 +8,11 @@ its shipped Q4_1 file), with its default choices for the embedding and output te
 one stream, 16 and 64 concurrent streams (serve_bench's short chats, 128 tokens each) and a
 2,000-token prefill, on loopback with the same thread count and parallel slots = concurrency.
 Writes quant_compare.json under --out and prints helios/llama.cpp ratios.
+
+--perplexity also reports each side's perplexity delta at its bits on the repository's fixed text
+(ignition/data/perplexity.txt): helios' from each core's export self-check (quantized vs the
+unquantized weights, read from core.json), llama.cpp's from its own `llama-perplexity` on the
+quantized GGUF against the F32 one (512-token windows). Each side's delta is its own method's.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import ratio, run_helios, run_llama  # noqa: E402
-from llamacpp_build import CACHE, ensure_llama_server, write_f32_gguf, write_quantized_gguf  # noqa: E402
+from llamacpp_build import CACHE, ensure_llama_server, llama_perplexity, write_f32_gguf, write_quantized_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LEVELS = (16, 64)
@@ -64,6 +69,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--only", default="", help="comma-separated subset of int8,int4,Q8_0,Q4_0,Q4_K_M")
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="the sweep's concurrency levels")
+    parser.add_argument("--perplexity", action="store_true", help="also report both sides' perplexity deltas")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     only = set(filter(None, args.only.split(",")))
@@ -93,7 +99,34 @@ def main() -> None:
             gguf = write_quantized_gguf(f32, CACHE / f"SmolLM2-135M-Instruct.{kind}.gguf", kind)
             results[f"llama_{kind}"] = run_llama(binary, gguf, args.threads, SCENARIOS, levels=levels)
             path.write_text(json.dumps(results, indent=2) + "\n")
+    if args.perplexity:
+        results["perplexity"] = perplexity_deltas(args, f32)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        for line in results["perplexity"]["lines"]:
+            print(line)
     print(table(results, levels))
+
+
+def perplexity_deltas(args: argparse.Namespace, f32: Path) -> dict:
+    """helios' self-check perplexities (core.json) and llama-perplexity's on the same text."""
+    text = ROOT / "ignition" / "data" / "perplexity.txt"
+    report: dict = {"helios": {}, "llama": {"F32": llama_perplexity(f32, text, args.threads)}, "lines": []}
+    for bits, core in (("int8", args.int8_core), ("int4", args.int4_core)):
+        manifest = core / "core.json"
+        if manifest.is_file():
+            check = json.loads(manifest.read_text())["quantization"]["self_check"]
+            report["helios"][bits] = {"quantized": check["perplexity"], "unquantized": check["reference_perplexity"]}
+            report["lines"].append(
+                f"helios {bits}: perplexity {check['perplexity']} vs {check['reference_perplexity']} unquantized "
+                f"({100 * (check['perplexity'] / check['reference_perplexity'] - 1):+.2f}%)"
+            )
+    for kind in dict.fromkeys(kind for _, kind in PAIRS):
+        gguf = write_quantized_gguf(f32, CACHE / f"SmolLM2-135M-Instruct.{kind}.gguf", kind)
+        value = llama_perplexity(gguf, text, args.threads)
+        report["llama"][kind] = value
+        base = report["llama"]["F32"]
+        report["lines"].append(f"llama.cpp {kind}: perplexity {value} vs {base} F32 ({100 * (value / base - 1):+.2f}%)")
+    return report
 
 
 if __name__ == "__main__":
