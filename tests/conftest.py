@@ -26,7 +26,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # so a shared prefix store would let one worker's records count as another's reuse.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
+        inherited = os.environ.get("FLARE_CACHE_DIR")  # the controller's (its branch below), else unset
         os.environ["FLARE_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"flare-test-cache-{worker}-")
+        _share_native_builds(Path(inherited) if inherited else None)
         # The workers share the cores: torch in each gets its share of them, not all.
         import torch
 
@@ -34,6 +36,17 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     else:
         os.environ.setdefault("FLARE_CACHE_DIR", tempfile.mkdtemp(prefix="flare-test-cache-"))
+
+
+def _share_native_builds(root: Path | None) -> None:
+    """The workers' caches share one `native` directory: helios' native library is named by a hash
+    of its sources, flags, torch and the host, and builds under a file lock, so one worker compiles
+    it (about a minute of both cores) and the others load that build."""
+    if root is None:
+        return
+    common = root / "native"
+    common.mkdir(parents=True, exist_ok=True)
+    (Path(os.environ["FLARE_CACHE_DIR"]) / "native").symlink_to(common, target_is_directory=True)
 
 
 def shared(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
