@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -151,6 +153,14 @@ def _periodic(sampler: Sampler, interval: float, out: TextIO) -> None:
         time.sleep(max(0.0, tick - time.monotonic()))
 
 
+def _honour_ctrl_c() -> None:
+    """Ctrl-C quits the dashboard even when the process was started with SIGINT ignored or
+    blocked (both are inherited from the parent that started it): take Python's own handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _live(sampler: Sampler, interval: float) -> None:
     from rich.console import Console
     from rich.live import Live
@@ -166,6 +176,7 @@ def _live(sampler: Sampler, interval: float) -> None:
         status = replace(sampler.status, paused=paused, interactive=keys.enabled)
         return dashboard(*(frozen if paused and frozen else sampler.inputs()), status)
 
+    _honour_ctrl_c()
     with Keys() as keys, Live(console=console, screen=True, auto_refresh=False, redirect_stdout=False) as live:
         tick = time.monotonic()
         while True:

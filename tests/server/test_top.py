@@ -296,12 +296,22 @@ def _read_until(master: int, process: subprocess.Popen, text: str, seen: list[st
             seen.append(os.read(master, 65536).decode(errors="replace"))
 
 
+def _signal_state(pid: int) -> str:
+    """The process's signal masks and where it sleeps, for a failure message."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as exc:
+        return str(exc)
+    return " ".join(line for line in status if line.startswith(("State", "Sig", "Shd"))) + f" wchan={wchan}"
+
+
 def _wait_draining(master: int, process: subprocess.Popen, timeout: float = 90) -> int:
     """The exit status, reading the pty meanwhile as a terminal would: a screen whose output nobody
     reads blocks in write() once the pty's buffer is full, and never gets to exit."""
     deadline = time.monotonic() + timeout
     while process.poll() is None:
-        assert time.monotonic() < deadline, "helios top did not exit"
+        assert time.monotonic() < deadline, f"helios top did not exit: {_signal_state(process.pid)}"
         if select.select([master], [], [], 0.2)[0]:
             try:
                 os.read(master, 65536)
