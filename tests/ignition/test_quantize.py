@@ -190,8 +190,9 @@ def test_verify_catches_a_corrupted_scale(exported, tmp_path: Path) -> None:
         changed = change(tensors[part].clone())
         tensors[part] = changed if changed is not None else tensors[part]
         save_file(tensors, str(copy / "weights.safetensors"))
-        done = run_cli("ignition", "verify", str(copy))
-        assert done.returncode == 4 and "checksum mismatch" in done.stderr  # the digest catches any byte change
+        if message.endswith("non-finite values"):  # once: the digest catches any byte change
+            done = run_cli("ignition", "verify", str(copy))
+            assert done.returncode == 4 and "checksum mismatch" in done.stderr
         manifest = json.loads((copy / mf.MANIFEST_FILE).read_text())
         manifest["files"]["weights.safetensors"] = sha256_file(copy / "weights.safetensors")
         (copy / mf.MANIFEST_FILE).write_text(json.dumps(manifest))

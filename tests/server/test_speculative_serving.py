@@ -14,6 +14,10 @@ from live import live_server, metrics
 
 from helios.config import ServerConfig
 
+# Three servers over 20 chats (about 70 s of a CI worker): with FLARE_SLOW_TESTS=1. In CI the engine's
+# own speculation tests (tests/engine/test_speculative.py) check the same equality without HTTP.
+pytestmark = pytest.mark.skipif(not os.environ.get("FLARE_SLOW_TESTS"), reason="slow: set FLARE_SLOW_TESTS=1")
+
 PASSAGE = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
     "How vexingly quick daft zebras jump. Sphinx of black quartz, judge my vow."
@@ -96,18 +100,7 @@ def plain(smollm2_core: Path) -> list[dict]:
     return _answers(smollm2_core, speculation="off")[0]
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "adaptive",
-        pytest.param(
-            "fixed",
-            marks=pytest.mark.skipif(
-                not os.environ.get("FLARE_SLOW_TESTS"), reason="a third server: set FLARE_SLOW_TESTS=1"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("mode", ["adaptive", "fixed"])
 def test_same_answers_with_speculation(smollm2_core: Path, plain: list[dict], mode: str) -> None:
     answers, counters = _answers(smollm2_core, speculation=mode, max_draft_tokens=5)
     for index, (a, b) in enumerate(zip(plain, answers, strict=True)):
