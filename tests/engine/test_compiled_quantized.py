@@ -19,17 +19,15 @@ import torch
 
 from helios.core import Core, quant
 from helios.core.program import STEP
-from helios.engine import EngineConfig, LLMEngine, build_engine, native, quantized, quantized_ops
+from helios.engine import EngineConfig, build_engine, native, quantized, quantized_ops
 from helios.engine.kernels import moe
-from helios.engine.offline import run_to_completion
-from helios.engine.request import EngineRequest
-from helios.engine.sampling_params import GREEDY
 from ignition.errors import UsageError
 from ignition.export import ExportOptions, export_core
 from ignition.quantize import QuantRequest
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.engine.quantized_checks import answers
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 # What AOTInductor relies on: the schema, and fake kernels agreeing with the real ones (opcheck's
@@ -103,16 +101,6 @@ def compiled_cores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return cores
 
 
-def _answers(engine: LLMEngine, tokens: int = 10) -> dict[str, tuple[list[int], list[float]]]:
-    """Four greedy requests at once (prefill, then batched decode), each with its top-3 alternatives."""
-    requests = [
-        EngineRequest(f"r{i}", tuple(range(5 + i, 14 + 3 * i)), (GREEDY,), tokens, ignore_eos=True, num_top_logprobs=3)
-        for i in range(4)
-    ]
-    out = run_to_completion(engine, requests)
-    return {name: (c.token_ids, [e.logprob for e in c.logprobs]) for name, (c,) in out.items()}
-
-
 @slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_compiled_step_serves_as_the_portable_one(compiled_cores: dict[str, Path], name: str) -> None:
@@ -142,7 +130,7 @@ def test_the_compiled_step_serves_as_the_portable_one(compiled_cores: dict[str, 
     level = manifest.quantization.level
     assert compiled.metrics().weights_in_memory == level == portable.metrics().weights_in_memory
     assert compiled.executor.weights == {}  # the package carries the weights
-    got, want = _answers(compiled), _answers(portable)
+    got, want = answers(compiled), answers(portable)
     for request, (tokens, logprobs) in want.items():
         assert got[request][0] == tokens, request
         assert max(abs(a - b) for a, b in zip(got[request][1], logprobs)) <= manifest.golden.tolerance, request

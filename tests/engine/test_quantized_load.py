@@ -27,6 +27,7 @@ from ignition.quantize import QuantRequest
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
+from tests.engine.quantized_checks import answers
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 RECIPES = {"llama": "smollm2", "qwen3_moe": str(DATA / "tiny_qwen3_moe.toml")}
@@ -51,21 +52,11 @@ def cores(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tup
 @pytest.fixture(scope="module")
 def twin_answers(cores: dict) -> dict[tuple[str, str], dict]:
     """The twins' answers, each computed once (both paths compare with them)."""
-    return {case: _answers(_engine(twin)) for case, (_, twin) in cores.items()}
+    return {case: answers(_engine(twin)) for case, (_, twin) in cores.items()}
 
 
 def _engine(core: Path, **config) -> LLMEngine:
     return build_engine(Core.open(core), EngineConfig(num_pages=96, **config))
-
-
-def _answers(engine: LLMEngine, tokens: int = 10) -> dict[str, tuple[list[int], list[float]]]:
-    """Four greedy requests at once (a batched decode), each with its top-3 alternatives."""
-    requests = [
-        EngineRequest(f"r{i}", tuple(range(5 + i, 14 + 3 * i)), (GREEDY,), tokens, ignore_eos=True, num_top_logprobs=3)
-        for i in range(4)
-    ]
-    out = run_to_completion(engine, requests)
-    return {name: (c.token_ids, [e.logprob for e in c.logprobs]) for name, (c,) in out.items()}
 
 
 def _assert_close(got: dict, want: dict, tolerance: float) -> None:
@@ -86,7 +77,7 @@ def test_fallback_dequantizes_and_matches_the_twin(
     assert loaded.reasons == ("no native quantized kernel here (flare_native::has_qlinear)",)
     assert engine.metrics().weights_in_memory == "float32"
     assert all(w.dtype == torch.float32 for w in engine.executor.weights.values() if w.is_floating_point())
-    _assert_close(_answers(engine), twin_answers[(family, fmt)], 1e-5)
+    _assert_close(answers(engine), twin_answers[(family, fmt)], 1e-5)
 
 
 @pytest.mark.parametrize(("family", "fmt"), CASES)
@@ -116,10 +107,10 @@ def test_native_path_runs_the_stored_values(cores: dict, twin_answers: dict, fam
         from helios.engine.kernels import moe
 
         assert calls.count(moe.routed_experts_quantized) == 2
-    _assert_close(_answers(engine), twin_answers[(family, fmt)], 1e-4)
+    _assert_close(answers(engine), twin_answers[(family, fmt)], 1e-4)
 
 
-def test_prefix_cache_and_draft_core_keep_the_answers(cores: dict) -> None:
+def test_prefix_cache_and_draft_core_keep_theanswers(cores: dict) -> None:
     """A quantized core reusing a cached prefix, and drafting with a quantized draft core (itself),
     answers as it does alone."""
     try:
@@ -128,7 +119,7 @@ def test_prefix_cache_and_draft_core_keep_the_answers(cores: dict) -> None:
         pytest.skip(str(exc))
     core, _ = cores[("qwen3_moe", "int4")]
     plain = _engine(core)
-    first = _answers(plain)
+    first = answers(plain)
     prompt = tuple(range(20, 60))  # past two pages of 16 tokens: the second run reuses them
     alone, again = (
         run_to_completion(plain, [EngineRequest("p", prompt, (GREEDY,), 8, ignore_eos=True, num_top_logprobs=3)])["p"][
@@ -145,7 +136,7 @@ def test_prefix_cache_and_draft_core_keep_the_answers(cores: dict) -> None:
     )
     assert drafting.executor.quantized is not None and drafting.learned is not None
     assert drafting.learned.executor.quantized is not None  # the draft core loads its own quantized weights
-    _assert_close(_answers(drafting), first, 1e-5)
+    _assert_close(answers(drafting), first, 1e-5)
     assert drafting.metrics().accepted_drafts > 0
 
 
@@ -210,7 +201,7 @@ def test_int8_activations_run_as_recorded(cores: dict, tmp_path: Path, monkeypat
         fallback = _engine(core)
         calls = [n.target for n in fallback.executor.step.module.graph.nodes if n.op == "call_function"]
         assert calls.count(quantized_ref.fake_quantize) == len(int8) - 1  # all but the embedding table
-        want = _answers(fallback)
+        want = answers(fallback)
     try:
         ops = qlinear_ops()
     except LookupError as exc:
@@ -224,7 +215,7 @@ def test_int8_activations_run_as_recorded(cores: dict, tmp_path: Path, monkeypat
     assert {magic[name] for name in int8} == {0x38514C46}  # "FLQ8": native/linear_qa.h's blob
     graph = engine.executor.step.module.graph
     assert [n.target for n in graph.nodes].count(quantized.embedding_rows) == 1  # rows from the FLQ8 blob
-    _assert_close(_answers(engine), want, 1e-4)
+    _assert_close(answers(engine), want, 1e-4)
 
 
 @pytest.mark.skipif(os.environ.get("FLARE_SLOW_TESTS") != "1", reason="one more export: FLARE_SLOW_TESTS=1")
