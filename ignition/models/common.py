@@ -168,13 +168,24 @@ def arange_like(like: Tensor, end: int, step: int = 1, dtype: torch.dtype = torc
     return values * step if step != 1 else values
 
 
+def theta_powers(like: Tensor, pairs: int, dim: int, theta: float) -> Tensor:
+    """[pairs] fp32 theta ** (-2j / dim), the rotary inverse frequencies, on `like`'s device.
+
+    Computed as exp(-2j/dim * ln theta) in fp64 and rounded once to fp32 (the correctly rounded
+    value, as an exact pow would give). Written with exp on purpose: Inductor keeps a pointwise
+    value inside every consumer unless it holds a costly op (exp or log on the CPU), so a
+    theta ** x left the pow, cos and sin of the rotary tables recomputed per element in every
+    layer's attention prologue of a compiled step; with exp the tables are computed once a step."""
+    exponents = arange_like(like, 2 * pairs, 2, dtype=torch.float64) / dim
+    return torch.exp(exponents * -math.log(theta)).float()
+
+
 def rope(
     positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype | None = None, factor: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """cos, sin [T, 1, D] fp32 of rotary embeddings (cast to `dtype` where given); `factor` > 1 is
     linear position scaling (inv_freq / factor)."""
-    exponents = arange_like(positions, head_dim, 2) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    inv_freq = theta_powers(positions, head_dim // 2, head_dim, theta)
     if factor != 1.0:
         inv_freq = inv_freq / factor
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]

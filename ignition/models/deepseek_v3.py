@@ -38,7 +38,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import deepseek_v3_config, kimi_k25_vision, moe, mtp, vision_hooks
-from ignition.models.common import arange_like, decoder_shapes, reference_swiglu, rms_norm, swiglu, swiglu_shapes
+from ignition.models.common import (
+    arange_like,
+    decoder_shapes,
+    reference_swiglu,
+    rms_norm,
+    swiglu,
+    swiglu_shapes,
+    theta_powers,
+)
 from ignition.models.deepseek_v3_config import LATENT_NORM_EPS, DeepseekV3Config, RopeSpec, canonical_name
 from ignition.models.family import Family, PromptImages, Reference, TinyCheckpoint, TinyVision
 from ignition.models.kimi_k25_vision import TESTMODEL_PROCESSOR, TESTMODEL_VISION_TOKENS, testmodel_vision
@@ -49,7 +57,7 @@ from ignition.models.step import Paged, StepInputs, StepModule, embed_images
 
 def rope_inv_freq(spec: RopeSpec, like: Tensor) -> Tensor:
     """[dim / 2] fp32 inverse frequencies, YaRN-blended where the spec says (transformers' formula)."""
-    base = spec.theta ** (arange_like(like, spec.dim, 2) / spec.dim)
+    base = 1.0 / theta_powers(like, spec.dim // 2, spec.dim, spec.theta)
     if not spec.yarn:
         return 1.0 / base
     low, high = spec.correction_range()

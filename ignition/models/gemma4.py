@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import gemma4_config, gemma4_vision, moe, vision_hooks
-from ignition.models.common import DecoderProgram, arange_like, rotate_half
+from ignition.models.common import DecoderProgram, rotate_half, theta_powers
 from ignition.models.family import Family, PromptImages, Reference, TinyCheckpoint, TinyVision
 from ignition.models.gemma3 import FULL, SLIDING, embed_scale, softcapped
 from ignition.models.gemma4_config import Gemma4Config, text_names, window_pool
@@ -54,8 +54,7 @@ def norm4(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 def _inv_freq(head_dim: int, theta: float, pairs: int, factor: float, like: Tensor) -> Tensor:
     """[head_dim / 2] fp32 inverse frequencies; angles past `pairs` are zero (proportional rotary)."""
-    exps = arange_like(like, 2 * pairs, 2) / head_dim
-    inv = 1.0 / (theta**exps)
+    inv = theta_powers(like, pairs, head_dim, theta)
     if pairs < head_dim // 2:
         inv = torch.cat([inv, inv.new_zeros(head_dim // 2 - pairs)])
     return inv / factor

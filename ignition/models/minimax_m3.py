@@ -33,11 +33,11 @@ from ignition.models import minimax_m3_vision, moe, vision_hooks
 from ignition.models.common import (
     ATTENTION_WEIGHT_MAP,
     DecoderFields,
-    arange_like,
     attention_shapes,
     offset_norm,
     partial_rotary,
     qk_norm_shapes,
+    theta_powers,
 )
 from ignition.models.family import Family, PromptImages, Reference, TinyCheckpoint, TinyVision, merged_patch_processor
 from ignition.models.hf_config import REQUIRED, AttentionHeads, Fields
@@ -358,7 +358,7 @@ class StepProgram(StepModule):
         # Residual stream, norms and rotary in fp32, matmuls in the core dtype (as the other families).
         x = embed_images(self.embed_tokens(weights, s.token_ids), s)
         positions = s.positions
-        inv_freq = 1.0 / (c.rope_theta ** (arange_like(positions, c.rotary_dim, 2) / c.rotary_dim))
+        inv_freq = theta_powers(positions, c.rotary_dim // 2, c.rotary_dim, c.rope_theta)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, rotary_dim]
         cos, sin = emb.cos(), emb.sin()

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ignition.models import moe, step3p7_config, step3p7_vision, vision_hooks
-from ignition.models.common import DecoderProgram, arange_like, offset_norm
+from ignition.models.common import DecoderProgram, offset_norm, theta_powers
 from ignition.models.family import Family, PromptImages, Reference, TinyCheckpoint, TinyVision
 from ignition.models.gemma3 import FULL, SLIDING
 from ignition.models.step import Paged, StepInputs, cached_attention, embed_images
@@ -51,8 +51,7 @@ from ignition.models.vision_common import apply_rotary
 
 def inv_freq(spec: RopeSpec, like: Tensor) -> Tensor:
     """[dim / 2] fp32 inverse frequencies, llama3-scaled where the spec says (transformers' formula)."""
-    exps = arange_like(like, spec.dim, 2) / spec.dim
-    inv = 1.0 / (spec.theta**exps)
+    inv = theta_powers(like, spec.dim // 2, spec.dim, spec.theta)
     if not spec.llama3:
         return inv
     old = spec.original_max_position_embeddings

@@ -31,6 +31,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -71,6 +72,36 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// f(begin, end) over [0, n) in runs of `chunk` that the pool's threads take in turn from one atomic
+// counter, instead of one fixed share each. On a host whose cores are shared (the HTTP side, the
+// load generator, a neighbour VM), a thread that is descheduled mid-call otherwise leaves its whole
+// share undone while the others wait at the region's end; taken in turn, the running threads do
+// the rest and only the run in hand waits. Which thread computes a run never changes its bits.
+template <typename F>
+void parallel_runs(int64_t n, int64_t chunk, const F& f) {
+  chunk = std::max<int64_t>(1, chunk);
+  const int64_t runs = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), runs);
+  if (threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) f(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(chunk); b < n; b = next.fetch_add(chunk)) f(b, std::min(n, b + chunk));
+  });
+}
+
+// The run length for n output blocks: about `per_thread` runs for each thread, a multiple of `unit`
+// (the kernel's widest group of blocks) where there are enough blocks for that, else an even share.
+inline int64_t run_length(int64_t n, int64_t unit, int64_t per_thread = 8) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t even = (n + threads - 1) / threads;
+  if (n < threads * unit * 2) return even;
+  const int64_t want = std::max<int64_t>(unit, n / (threads * per_thread));
+  return std::min(even, (want + unit - 1) / unit * unit);
 }
 
 constexpr int kChunk = 64;  // keys scored at a time per head (one online-softmax update each)

@@ -13,10 +13,10 @@
 // up to 6 rows (12 accumulators: each weight is loaded and widened once per 6 rows, and each
 // accumulator's chain of FMAs has room to hide their latency), in panels of 48 rows whose inputs
 // stay in cache while the thread's blocks stream past (a prompt chunk reads the weights once per
-// panel, not its inputs once per block). Threads split the output blocks into contiguous runs and
-// never split a reduction, and every output is accumulated in the same order (features ascending,
-// the pair's even then odd product) whatever rows share the call, so a row's bits never depend on
-// its neighbours.
+// panel, not its inputs once per block). Threads take runs of output blocks in turn (common.h:
+// parallel_runs) and never split a reduction, and every output is accumulated in the same order
+// (features ascending, the pair's even then odd product) whatever rows share the call, so a row's
+// bits never depend on its neighbours.
 //
 // The functions carry target("avx2,fma"), so they exist in every x86-64 build of the library (an
 // AVX-512 host included, where its tests run); has_avx2_linear asks the CPU at run time. This file
@@ -266,7 +266,10 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
   const float* bp = call.bias.defined() ? call.bias.data_ptr<float>() : nullptr;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   void* yp = call.out.data_ptr();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {  // a contiguous run of blocks each
+  // Runs of blocks taken in turn (parallel_runs): 8-block groups for one or two rows (wide's weight
+  // streams), single blocks in panels for more.
+  const int64_t nblocks = packed.size(0);
+  parallel_runs(nblocks, run_length(nblocks, rows <= 2 ? 8 : 1), [&](int64_t b0, int64_t b1) {
     if (bf16) {
       blocks(xp, rows, ld, wp, pairs, b0, b1, out_features, bp, static_cast<uint16_t*>(yp));
     } else {

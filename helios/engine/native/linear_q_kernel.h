@@ -223,11 +223,11 @@ struct QKernel {
     }
   }
 
-  // Threads take contiguous runs of blocks (as even as they go), never part of a block.
+  // Threads take runs of blocks in turn (common.h: parallel_runs), never part of a block.
   static void run(const QCall& c) {
     const int64_t blocks = c.head->blocks;
     if (c.rows <= T::kFewRows) {
-      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      parallel_runs(blocks, run_length(blocks, T::kFewBlocks), [&](int64_t b0, int64_t b1) {
         if (c.head->scale_bytes == 2) {
           few_blocks<true>(c, b0, b1);
         } else {
@@ -236,7 +236,7 @@ struct QKernel {
       });
       return;
     }
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    parallel_runs(blocks, run_length(blocks, T::kTile), [&](int64_t b0, int64_t b1) {
       std::vector<float> buf(kChunk * T::kTile * kBlock + 16), acc(std::min(c.rows, kPanel) * T::kTile * kBlock + 16);
       float* bufp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
       float* accp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t(63));

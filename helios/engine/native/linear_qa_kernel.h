@@ -165,7 +165,7 @@ struct QAKernel {
         }
     });
     const QAData a{xq.data(), xd.data(), xs.data(), xc.data()};
-    at::parallel_for(0, h.blocks, 1, [&](int64_t b0, int64_t b1) {
+    parallel_runs(h.blocks, run_length(h.blocks, rows <= T::kRows ? 8 : T::kTile), [&](int64_t b0, int64_t b1) {
       const bool int4 = h.bits == 4, bf = h.scale_bytes == 2;
       if (int4) {
         bf ? span<true, true>(c, a, b0, b1) : span<true, false>(c, a, b0, b1);
