@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from helios.engine import native
 from helios.engine.rows import MIN_ROWS, never_alone
 from helios.engine.sampling_params import SamplingParams
 
@@ -372,8 +373,33 @@ class Sampler:
 
         With host reads, each row takes the smallest candidate set that provably holds its
         surviving tokens (a mass read on the host decides), on its own: how a row draws never
-        depends on which other rows share the batch. Without, every row takes the full path.
+        depends on which other rows share the batch; top-p rows without top-k find theirs on the
+        native kernel first (_native_nucleus). Without, every row takes the full path.
         scratch: buffers for the full-vocabulary temporaries (the same results without)."""
+        rows_in = logits.shape[0]
+        out = torch.empty(rows_in, dtype=torch.int64, device=logits.device)
+        nucleus = _native_nucleus(logits, params, generators, out) if reads else []
+        if len(nucleus) == rows_in:
+            return out
+        if not nucleus:
+            return Sampler._torch_draw(logits, params, generators, reads, scratch)
+        drawn = set(nucleus)  # the other rows take the torch path, on their own
+        rest = [r for r in range(rows_in) if r not in drawn]
+        picked = torch.tensor(rest, device=logits.device)
+        out[picked] = Sampler._torch_draw(
+            logits.index_select(0, picked), [params[r] for r in rest], [generators[r] for r in rest], reads, scratch
+        )
+        return out
+
+    @staticmethod
+    def _torch_draw(
+        logits: Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+        reads: bool = True,
+        scratch: Scratch | None = None,
+    ) -> Tensor:
+        """_draw's torch path: every stage as tensor operations over the whole vocabulary."""
         rows_in = logits.shape[0]
         take = (lambda name: scratch.take(name, rows_in, logits)) if scratch is not None else (lambda name: None)
         logits = apply_temperature(logits, params, take("scaled"))
@@ -420,6 +446,49 @@ class Sampler:
             apply_min_p(apply_top_p(apply_top_k(logits[picked], rest), rest, reads), rest), gens, take("weights")
         )
         return out
+
+
+def _nucleus_row(params: SamplingParams, vocab: int) -> bool:
+    """A row whose surviving set is a top-p nucleus alone (no top-k): native candidates can hold it."""
+    return params.top_p < 1.0 and not 0 < params.top_k < vocab
+
+
+def _native_nucleus(
+    logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator], out: Tensor
+) -> list[int]:
+    """Draw the top-p rows (without top-k) whose nucleus lies among their likeliest tokens, on the
+    native kernel (native/sampling.cpp: the row's logsumexp at its temperature and every token
+    within log(TOP_P_CANDIDATES) of its maximum, in two passes over the row), into `out`; the
+    indices of the rows drawn. The same draw as the torch path's candidate draw (_candidate_draw
+    over the same set, normalized by the row's own logsumexp), up to the last bits of that
+    logsumexp; a row's result depends only on the row. Rows with more candidates, or whose
+    candidates hold less than top_p, are left to the torch path; so is everything where the native
+    library is not loaded or the logits are not fp32 host tensors."""
+    vocab = logits.shape[-1]
+    rows = [r for r, p in enumerate(params) if _nucleus_row(p, vocab)]
+    if not rows or logits.device.type != "cpu" or logits.dtype != torch.float32 or not native.loaded():
+        return []
+    every = len(rows) == logits.shape[0]
+    index = torch.tensor(rows)
+    held = logits if every else logits.index_select(0, index)
+    temperatures = torch.tensor([params[r].temperature for r in rows], dtype=torch.float32)
+    lse, values, ids, counts = torch.ops.flare_native.nucleus_candidates(held, temperatures, TOP_P_CANDIDATES)
+    mass = torch.exp(values - lse[:, None]).sum(dim=-1).tolist()
+    fits = [j for j, (n, m) in enumerate(zip(counts.tolist(), mass)) if n > 0 and m >= params[rows[j]].top_p]
+    if not fits:
+        return []
+    chosen = [rows[j] for j in fits]
+    picked = torch.tensor(fits)
+    drawn = _candidate_draw(
+        values.index_select(0, picked),
+        ids.index_select(0, picked),
+        [params[r] for r in chosen],
+        [generators[r] for r in chosen],
+        lse.index_select(0, picked),
+        vocab,
+    )
+    out[torch.tensor(chosen)] = drawn
+    return chosen
 
 
 def _fits(params: SamplingParams, k: int, vocab: int, candidate_mass: float) -> bool:

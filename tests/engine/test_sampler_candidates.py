@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+import pytest
 import torch
 
 from helios.engine import sampler as s
@@ -76,3 +78,63 @@ def test_a_row_draws_the_same_whatever_shares_its_batch() -> None:
             torch.cat([sharp, flat]), params, [s.position_generator(seed, 0), s.position_generator(9, 0)]
         )
         assert int(alone[0]) == int(mixed[0])
+
+
+def _native() -> bool:
+    from helios.engine import native
+
+    return native.load()
+
+
+def test_native_candidates_hold_the_nucleus_and_the_logsumexp() -> None:
+    """native/sampling.cpp against torch: the row's logsumexp at its temperature, and its tokens
+    within log(cap) of the maximum, descending (ties: lower id first); flat or NaN rows say -1."""
+    if not _native():
+        pytest.skip("no native kernels here")
+    torch.manual_seed(2)
+    logits = torch.randn(6, 5003) * 4  # an odd vocabulary: the 8-lane pass has a tail
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie at the top
+    logits[2] = torch.randn(5003) * 0.01  # flat: far more than `cap` tokens qualify
+    logits[3, 100] = float("nan")
+    logits[4, :2000] = float("-inf")  # masked tokens
+    temperatures = torch.tensor([0.2, 0.7, 1.0, 1.0, 0.5, 1.3])
+    lse, values, ids, counts = torch.ops.flare_native.nucleus_candidates(logits, temperatures, 128)
+    assert counts[2] == -1 and counts[3] == -1
+    for r in (0, 1, 4, 5):
+        scaled = logits[r] / temperatures[r]
+        expected = torch.logsumexp(scaled.clamp_min(scaled.max() - 87), dim=-1)
+        assert abs(float(lse[r]) - float(expected)) < 1e-4
+        n = int(counts[r])
+        keep = (scaled - scaled.max() >= math.log(1 / 128)).nonzero().flatten()
+        assert n == len(keep)
+        order = sorted(keep.tolist(), key=lambda i: (-float(scaled[i]), i))
+        assert ids[r, :n].tolist() == order
+        assert torch.equal(values[r, :n], scaled[order])
+        assert bool((values[r, n:] == float("-inf")).all())
+
+
+def test_native_draws_match_the_full_distribution_and_ignore_the_batch() -> None:
+    if not _native():
+        pytest.skip("no native kernels here")
+    torch.manual_seed(0)
+    logits = torch.randn(5000) * 3
+    for params in (_params(top_p=0.9), _params(top_p=0.8, min_p=0.05, temperature=0.3)):
+        expected = _full_path_probs(logits, params)
+        rows = logits[None].repeat(4000, 1)
+        out = torch.empty(4000, dtype=torch.int64)
+        generators = [torch.Generator().manual_seed(i) for i in range(4000)]
+        assert s._native_nucleus(rows, [params] * 4000, generators, out) == list(range(4000))
+        observed = torch.bincount(out, minlength=5000).float() / 4000
+        assert set(observed.nonzero().flatten().tolist()) <= set(expected.nonzero().flatten().tolist())
+        assert float((observed - expected).abs().sum()) < 0.12
+    # A row draws the same alone, beside a flat row (torch path) and beside a top-k row.
+    sharp, flat = torch.randn(1, 5000) * 4, torch.randn(1, 5000) * 0.01
+    params = [_params(top_p=0.9), _params(top_p=0.9), _params(top_k=5)]
+    for seed in range(20):
+        alone = s.Sampler._draw(sharp.clone(), params[:1], [s.position_generator(seed, 0)])
+        mixed = s.Sampler._draw(
+            torch.cat([flat, sharp, sharp]),
+            [params[1], params[0], params[2]],
+            [s.position_generator(9, 0), s.position_generator(seed, 0), s.position_generator(4, 0)],
+        )
+        assert int(alone[0]) == int(mixed[1])

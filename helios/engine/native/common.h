@@ -18,6 +18,8 @@
 //   linear_qa.cpp        the int8-activation layout of pack_qlinear (act_bits=8) and its AVX512-VNNI
 //                        kernel (linear_qa.h, linear_qa_kernel.h): Q8_0-style activations, vpdpbusd;
 //   linear_qa_avx2.cpp   its AVX2 kernel (vpmaddubsw; compiled without AVX-512);
+//   sampling.cpp         nucleus_candidates: a temperature + top-p row's logsumexp and likeliest
+//                        tokens in two passes (helios/engine/sampler.py);
 //   ops.cpp              the op schemas, and the CPU kernels of flare::paged_attention/write_kv;
 //   compiled_step.cpp    run_compiled: AOTInductor steps with the GIL released.
 //
@@ -36,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace flare_native {
@@ -157,5 +160,10 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& packed, const c10
 bool has_avx2_linear();
 at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t out_features);
+
+// sampling.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nucleus_candidates(const at::Tensor& logits,
+                                                                               const at::Tensor& temperature,
+                                                                               int64_t cap);
 
 }  // namespace flare_native
