@@ -306,15 +306,22 @@ class Executor:
     @staticmethod
     def _remembered(kind: str, key: str, measure, found: str) -> int:
         """A host measurement of this core's step, taken once per core, step kind, thread count,
-        OpenMP wait settings (they change the timings) and host; later starts reuse it."""
+        OpenMP wait settings (they change the timings) and host; later starts reuse it. One taken
+        while other processes kept the CPUs busy is used for this run only (threads.py)."""
         waits = (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
         key = f"{key}|{waits}|{host.fingerprint()}"
         remembered = hostcache.get(kind, key)
         if isinstance(remembered, int):
             log.info(found, remembered)
             return remembered
-        value = measure()
-        hostcache.put(kind, key, value)
+        value, quiet = threads.measured_on_a_quiet_host(measure)
+        if quiet:
+            hostcache.put(kind, key, value)
+        else:
+            log.warning(
+                "%s: measured while other processes kept this host busy; used now, measured again at the next start",
+                kind,
+            )
         return value
 
     def speculation_rows(self, core: Core) -> int:

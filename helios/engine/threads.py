@@ -10,6 +10,7 @@ runs decode steps of up to `serial_rows` rows on one thread only where that was 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,37 @@ class ThreadPolicy:
     threads: int  # torch threads for every step that is not a small decode
     serial_rows: int  # decode-only steps of at most this many rows run on one thread (0: never)
     timings_ms: dict[tuple[int, int], float]  # (rows, threads) -> median step time measured
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(every CPU's busy time, this process's CPU time), in clock ticks, from /proc; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            mine = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, int(mine[11]) + int(mine[12])  # utime + stime
+
+
+BUSY_SHARE = 0.25  # other processes took more than this share of the host's CPUs: a busy host
+
+
+def measured_on_a_quiet_host(measure: Callable[[], int]) -> tuple[int, bool]:
+    """measure(), and whether other processes left the host's CPUs to it meanwhile (False when
+    they used more than BUSY_SHARE of them). A timing taken while something else ran (a build,
+    a test run, another server) says little about serving and must not be remembered for later
+    starts: the policy above measured 2 threads 15x slower than one on a busy 2-core host."""
+    before, start = _cpu_jiffies(), time.perf_counter()
+    value = measure()
+    after, wall = _cpu_jiffies(), time.perf_counter() - start
+    if before is None or after is None or wall <= 0:
+        return value, True
+    ticks = os.sysconf("SC_CLK_TCK")
+    others = ((after[0] - before[0]) - (after[1] - before[1])) / ticks
+    return value, others <= BUSY_SHARE * (os.cpu_count() or 1) * wall
 
 
 def _median_ms(step: Callable[[], None]) -> float:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
+import pytest
 import torch
 
 from helios.engine import threads
@@ -43,3 +47,19 @@ def test_speculation_row_budget_is_the_last_row_count_within_twice_one_row(monke
     monkeypatch.setattr(threads, "_median_ms", fake_median)
     assert threads.measure_row_budget(rows_seen.append) == 8  # 16 rows cost 2.5 one-row steps
     assert rows_seen == [1, 2, 4, 8, 16]  # stops at the first row count past the budget
+
+
+def test_a_measurement_taken_while_the_host_is_busy_is_not_called_quiet() -> None:
+    """Other processes using the CPUs during a startup measurement: it is used for this run but
+    not remembered (Executor._remembered), so a later start on a quiet host measures again."""
+    if threads._cpu_jiffies() is None:
+        pytest.skip("no /proc here")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.3)  # the hogs are running
+        value, quiet = threads.measured_on_a_quiet_host(lambda: (time.sleep(1.0), 7)[1])
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert value == 7 and not quiet
