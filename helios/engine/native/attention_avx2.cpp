@@ -21,13 +21,7 @@
 // CPU at run time.
 #include <atomic>
 
-#include "common.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#define FLARE_X86 1
-#include <immintrin.h>
-#define FLARE_AVX2 __attribute__((target("avx2,fma")))
-#endif
+#include "avx2.h"
 
 namespace flare_native {
 
@@ -50,18 +44,6 @@ FLARE_AVX2 inline void store8(uint16_t* p, __m256 v) {  // nearest even, NaN -> 
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   const __m128i packed = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-
-// exp(x) for x <= 0, as common.h's exp_nonpositive on 8 lanes.
-FLARE_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(kExpFraction[0]);
-  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpFraction[i]));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
 // tanh on 8 lanes: a rational approximation odd in x (relative error under 5e-7), 1 in magnitude

@@ -23,13 +23,7 @@
 // is compiled without AVX-512 (native/__init__.py) so that what runs here is what an AVX2 host runs.
 #include <type_traits>
 
-#include "common.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#define FLARE_X86 1
-#include <immintrin.h>
-#define FLARE_AVX2 __attribute__((target("avx2,fma")))
-#endif
+#include "avx2.h"
 
 namespace flare_native {
 namespace {

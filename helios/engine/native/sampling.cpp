@@ -15,13 +15,7 @@
 //
 // A row's results depend only on that row: rows are split over threads whole, each row's sum is
 // taken in one fixed order.
-#include "common.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#define FLARE_X86 1
-#include <immintrin.h>
-#define FLARE_AVX2 __attribute__((target("avx2,fma")))
-#endif
+#include "avx2.h"
 
 namespace flare_native {
 namespace {
@@ -35,46 +29,41 @@ struct RowSums {
   float max, sum;
 };
 
-RowSums row_portable(const float* x, int64_t n, float t, float gap, std::vector<std::pair<float, int64_t>>& keep) {
-  float m = -std::numeric_limits<float>::infinity();
+// Features [i, n) one by one (the lanes' leftover, or a whole row): the max of s_i (NaN where one is),
+// or, with max m given, total plus each exp term in order, collecting candidates.
+float max_of(const float* x, int64_t i, int64_t n, float t, float m) {
   bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
+  for (; i < n; ++i) {
     const float s = x[i] / t;
     nan |= s != s;
     m = std::max(m, s);
   }
-  if (nan) return {std::numeric_limits<float>::quiet_NaN(), 0.0f};
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) {
-      const float d = x[i + l] / t - m;
-      lanes[l] += exp_nonpositive(std::max(d, kExpFloor));
-      if (d >= gap) keep.emplace_back(x[i + l] / t, i + l);
-    }
-  float total = 0.0f;
-  for (int l = 0; l < 8; ++l) total += lanes[l];
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
+float sum_of(const float* x, int64_t i, int64_t n, float t, float m, float gap, float total,
+             std::vector<std::pair<float, int64_t>>& keep) {
   for (; i < n; ++i) {
     const float d = x[i] / t - m;
     total += exp_nonpositive(std::max(d, kExpFloor));
     if (d >= gap) keep.emplace_back(x[i] / t, i);
   }
-  return {m, total};
+  return total;
+}
+
+RowSums row_portable(const float* x, int64_t n, float t, float gap, std::vector<std::pair<float, int64_t>>& keep) {
+  const float m = max_of(x, 0, n, t, -std::numeric_limits<float>::infinity());
+  if (m != m) return {m, 0.0f};
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] = sum_of(x, i + l, i + l + 1, t, m, gap, lanes[l], keep);
+  float total = 0.0f;
+  for (int l = 0; l < 8; ++l) total += lanes[l];
+  return {m, sum_of(x, i, n, t, m, gap, total, keep)};
 }
 
 #if defined(FLARE_X86)
-// exp_nonpositive on 8 lanes (the same polynomial, common.h).
-FLARE_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(kExpFraction[0]);
-  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpFraction[i]));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
 // row_portable's results on AVX2 (the same lanes, products and order of the sum; exp8's lanes
 // may differ from exp_nonpositive's in the last bit).
 FLARE_AVX2 RowSums row_avx2(const float* x, int64_t n, float t, float gap,
@@ -91,13 +80,8 @@ FLARE_AVX2 RowSums row_avx2(const float* x, int64_t n, float t, float gap,
   _mm256_store_ps(lanes, mv);
   float m = lanes[0];
   for (int l = 1; l < 8; ++l) m = std::max(m, lanes[l]);
-  bool nan = _mm256_movemask_ps(unordered) != 0;
-  for (int64_t j = i; j < n; ++j) {
-    const float s = x[j] / t;
-    nan |= s != s;
-    m = std::max(m, s);
-  }
-  if (nan) return {std::numeric_limits<float>::quiet_NaN(), 0.0f};
+  m = _mm256_movemask_ps(unordered) != 0 ? std::numeric_limits<float>::quiet_NaN() : max_of(x, i, n, t, m);
+  if (m != m) return {m, 0.0f};
   const __m256 mb = _mm256_set1_ps(m), gb = _mm256_set1_ps(gap);
   __m256 acc = _mm256_setzero_ps();
   for (i = 0; i + 8 <= n; i += 8) {
@@ -114,12 +98,7 @@ FLARE_AVX2 RowSums row_avx2(const float* x, int64_t n, float t, float gap,
   _mm256_store_ps(lanes, acc);
   float total = 0.0f;
   for (int l = 0; l < 8; ++l) total += lanes[l];
-  for (; i < n; ++i) {
-    const float d = x[i] / t - m;
-    total += exp_nonpositive(std::max(d, kExpFloor));
-    if (d >= gap) keep.emplace_back(x[i] / t, i);
-  }
-  return {m, total};
+  return {m, sum_of(x, i, n, t, m, gap, total, keep)};
 }
 #endif
 
