@@ -185,7 +185,7 @@ def rope(
 ) -> tuple[Tensor, Tensor]:
     """cos, sin [T, 1, D] fp32 of rotary embeddings (cast to `dtype` where given); `factor` > 1 is
     linear position scaling (inv_freq / factor)."""
-    inv_freq = theta_powers(positions, head_dim // 2, head_dim, theta)
+    inv_freq = theta_powers(positions, (head_dim + 1) // 2, head_dim, theta)  # an odd width: ceil(d / 2) pairs
     if factor != 1.0:
         inv_freq = inv_freq / factor
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
