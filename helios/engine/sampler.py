@@ -378,13 +378,12 @@ class Sampler:
         scratch: buffers for the full-vocabulary temporaries (the same results without)."""
         rows_in = logits.shape[0]
         out = torch.empty(rows_in, dtype=torch.int64, device=logits.device)
-        nucleus = _native_nucleus(logits, params, generators, out) if reads else []
-        if len(nucleus) == rows_in:
-            return out
-        if not nucleus:
+        drawn = set(_native_nucleus(logits, params, generators, out) if reads else ())
+        if not drawn:
             return Sampler._torch_draw(logits, params, generators, reads, scratch)
-        drawn = set(nucleus)  # the other rows take the torch path, on their own
-        rest = [r for r in range(rows_in) if r not in drawn]
+        rest = [r for r in range(rows_in) if r not in drawn]  # the torch path, on their own
+        if not rest:
+            return out
         picked = torch.tensor(rest, device=logits.device)
         out[picked] = Sampler._torch_draw(
             logits.index_select(0, picked), [params[r] for r in rest], [generators[r] for r in rest], reads, scratch
