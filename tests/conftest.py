@@ -4,16 +4,20 @@ under a lock, the others wait and reuse it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from filelock import FileLock
+from support import TinyCores
 
 from ignition.export import ExportOptions, export_core
+from ignition.models import FAMILIES
 from ignition.recipe import load_recipe
 from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
@@ -139,3 +143,43 @@ def deepseek_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny_core(
         tmp_path_factory, "tiny-deepseek41", "tiny-deepseek", "llama", 2, "tiny_deepseek41", chat="deepseek"
     )
+
+
+_EXPORT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportOptions)}
+
+
+@pytest.fixture(scope="session")
+def tiny_cores(tmp_path_factory: pytest.TempPathFactory) -> TinyCores:
+    """tiny_cores(family, recipe, seed, chat=None, vision=False, **options): a tiny `family` checkpoint
+    (ignition testmodel: seed, chat flavour, vision) and its core (`recipe`, ExportOptions(**options)),
+    built once per run for every module that asks for the same: the family's own tests, the engine's,
+    the frontend's and the server's would otherwise export the same tiny core each (CI time)."""
+    made: dict[tuple, tuple[Path, Path]] = {}
+
+    def make(
+        family: str, recipe: str, seed: int, chat: str | None = None, vision: bool = False, **options: Any
+    ) -> tuple[Path, Path]:
+        tiny = FAMILIES[family].tiny
+        # write_testmodel's default flavour, so that naming it or not is one checkpoint
+        chat = chat or (tiny.vision.chat if vision and tiny.vision is not None else None) or tiny.chat
+        options = {k: v for k, v in options.items() if v != _EXPORT_DEFAULTS[k]}  # naming a default is no change
+        key = (family, recipe, seed, chat, vision, tuple(sorted(options.items())))
+        if key not in made:
+            name = f"tiny-{family}-{seed}-{chat or 'own'}" + ("-with-vision" if vision else "")
+            checkpoint = shared(
+                tmp_path_factory,
+                f"ckpt/{name}",
+                lambda out: write_testmodel(family, out, seed=seed, chat=chat, vision=vision),
+            )
+            settings = ",".join(f"{k}={v}" for k, v in sorted(options.items())) or "defaults"
+            core = shared(
+                tmp_path_factory,
+                f"cores/{name}/{Path(recipe).stem}-{settings}",
+                lambda out: export_core(
+                    open_source(str(checkpoint)), load_recipe(recipe), ExportOptions(out=out, **options)
+                ),
+            )
+            made[key] = checkpoint, core
+        return made[key]
+
+    return make

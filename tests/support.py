@@ -15,6 +15,8 @@ import torch
 from helios.engine.request import EngineRequest
 
 ROOT = Path(__file__).resolve().parent.parent
+# conftest.py's tiny_cores fixture: (family, recipe, seed, chat=None, vision=False, **options) -> (checkpoint, core)
+TinyCores = Callable[..., tuple[Path, Path]]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from support import TinyCores
 
 from helios.config import ServerConfig
 from helios.core import Core
@@ -22,10 +23,6 @@ from helios.engine.request import EngineRequest, EngineStats
 from helios.engine.scheduler import Scheduler, SchedulerConfig
 from helios.frontend.request import Frontend
 from helios.protocols.anthropic_messages import decode
-from ignition.export import ExportOptions, export_core
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 from tests.engine.test_scheduler import PAGE, PARAMS, _request, _step
 
 VERSION = "2023-06-01"
@@ -195,11 +192,9 @@ def test_no_guards_when_asked_for_none() -> None:
 
 # ---------------------------------------------------------------------------- a tiny hybrid core
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    checkpoint = write_testmodel("qwen3_next", tmp_path_factory.mktemp("ckpt") / "tiny-qwen3_next", seed=4)
-    out = tmp_path_factory.mktemp("cores") / "tiny-qwen3_next"
-    export_core(open_source(str(checkpoint)), load_recipe("qwen38"), ExportOptions(out=out, page_tokens=16))
-    return out
+def hybrid(tiny_cores: TinyCores) -> Path:
+    """The tiny Qwen3-Next core (seed 4, qwen38, 16-token pages) that test_hybrid_state serves."""
+    return tiny_cores("qwen3_next", "qwen38", 4, page_tokens=16)[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from support import TinyCores
 
 from helios.config import ConfigError, ServerConfig, load_config
 from helios.core import Core
@@ -20,10 +21,6 @@ from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import GREEDY, SamplingParams
 from helios.engine.speculation.draft_core import incompatibility
 from helios.engine.speculation.drafter import SpeculationConfig
-from ignition.export import ExportOptions, export_core
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 from tests.engine.speculation_checks import same_tokens
 from tests.engine.test_learned_drafts import _cancel_while_drafting, _check_nothing_held, _same, _server_values
 
@@ -34,15 +31,10 @@ CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n
 
 
 @pytest.fixture(scope="module")
-def cores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(target, draft): two seeds of the tiny Llama family, one tokenizer."""
-    paths = []
-    for seed in (0, 1):
-        checkpoint = write_testmodel("llama", tmp_path_factory.mktemp("ckpt") / f"tiny-llama-{seed}", seed=seed)
-        out = tmp_path_factory.mktemp("cores") / f"tiny-llama-{seed}"
-        export_core(open_source(str(checkpoint)), load_recipe("smollm2"), ExportOptions(out=out))
-        paths.append(out)
-    return paths[0], paths[1]
+def cores(tiny_cores: TinyCores) -> tuple[Path, Path]:
+    """(target, draft): two seeds of the tiny Llama family, one tokenizer (built once per run: the
+    serving test of draft cores imports this fixture)."""
+    return tiny_cores("llama", "smollm2", 0)[1], tiny_cores("llama", "smollm2", 1)[1]
 
 
 def _requests(core: Core, max_tokens: int = 24) -> list[EngineRequest]:

@@ -7,31 +7,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import TinyCores
 
 from helios.core import Core
 from helios.engine import EngineConfig, HostCacheConfig, LLMEngine, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import GREEDY
-from ignition.export import ExportOptions, export_core
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 
 MIB = 1 << 20
 TEXT = "The quick brown fox jumps over the lazy dog while the cat watches from the fence. " * 5
 
 
-def _export(tmp_path_factory: pytest.TempPathFactory, seed: int) -> Core:
-    checkpoint = write_testmodel("qwen3_next", tmp_path_factory.mktemp("ckpt") / f"tiny-qwen3-next-{seed}", seed=seed)
-    out = tmp_path_factory.mktemp("cores") / f"tiny-qwen3-next-{seed}"
-    export_core(open_source(str(checkpoint)), load_recipe("qwen38"), ExportOptions(out=out))
-    return Core.open(out)
-
-
 @pytest.fixture(scope="module")
-def hybrids(tmp_path_factory: pytest.TempPathFactory) -> tuple[Core, Core]:
-    return _export(tmp_path_factory, 4), _export(tmp_path_factory, 5)
+def hybrids(tiny_cores: TinyCores) -> tuple[Core, Core]:
+    """Two tiny Qwen3-Next cores (seeds 4 and 5; the first is the one test_hybrid_state serves)."""
+    return Core.open(tiny_cores("qwen3_next", "qwen38", 4)[1]), Core.open(tiny_cores("qwen3_next", "qwen38", 5)[1])
 
 
 def _engine(core: Core, directory: Path | None, **overrides) -> LLMEngine:

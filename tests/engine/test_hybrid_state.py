@@ -7,17 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from support import TinyCores
 
 from helios.core import Core
 from helios.engine import EngineConfig, LLMEngine, build_engine
 from helios.engine.offline import ChoiceOutput, collect, run_to_completion
 from helios.engine.request import EngineRequest, FinishCause
 from helios.engine.sampling_params import GREEDY, SamplingParams
-from ignition.export import ExportOptions, export_core
 from ignition.models import FAMILIES
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 from tests.engine.speculation_checks import wrong_every_third
 
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 17)
@@ -29,12 +26,11 @@ HYBRIDS = [
 
 
 @pytest.fixture(scope="module", params=HYBRIDS, ids=[f for f, _ in HYBRIDS])
-def hybrid(request, tmp_path_factory) -> Core:
+def hybrid(request, tiny_cores: TinyCores) -> Core:
+    """The family's tiny core (its test checkpoint, seed 4, the recipe's defaults): the one the
+    reasoning-budget and recipe round-trip tests serve."""
     family, recipe = request.param
-    checkpoint = write_testmodel(family, tmp_path_factory.mktemp("ckpt") / f"tiny-{family}", seed=4)
-    out = tmp_path_factory.mktemp("cores") / f"tiny-{family}"
-    export_core(open_source(str(checkpoint)), load_recipe(recipe), ExportOptions(out=out))
-    core = Core.open(out)
+    core = Core.open(tiny_cores(family, recipe, 4)[1])
     assert core.manifest.kv.state, f"{family} cores carry recurrent state"
     return core
 

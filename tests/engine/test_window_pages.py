@@ -8,6 +8,7 @@ prefix is reused only as far as the window pages its first query needs survive."
 from __future__ import annotations
 
 import pytest
+from support import TinyCores
 
 from helios.core import Core
 from helios.engine import EngineConfig, LLMEngine, build_engine
@@ -26,9 +27,10 @@ SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 11)
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gemma4", "step5", "mimo_v2"])
-def core(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Core:
+def core(request: pytest.FixtureRequest, tiny_cores: TinyCores) -> Core:
+    """The family's tiny core, the one its own tests check (built once per run)."""
     family = request.param
-    core = Core.open(export_tiny(family, family, tmp_path_factory)[1])
+    core = Core.open(export_tiny(family, family, tiny_cores)[1])
     pooled = core.manifest.kv.window_pool
     assert pooled is not None and pooled.window == 8
     windows = [i for i in range(core.manifest.kv.num_caches) if i in pooled.caches]

@@ -5,8 +5,9 @@ that starts in content is accepted without a cut, and a start in reasoning witho
 close (Kimi K3) is a 400 naming thinking_token_budget. The [server] default needs a default
 output start it can cut. Kimi K3's recipe default effort reaches its template.
 
-One core per recipe family, exported here once from the family's test checkpoint with its real
-recipe (kimi31, deepseek4 and qwen38_dense share their family's template, encoder and syntax).
+One core per recipe family, from the family's test checkpoint with its real recipe (kimi31,
+deepseek4 and qwen38_dense share their family's template, encoder and syntax), through the
+tiny_cores fixture: the recipe round trips and the engine's hybrid-state tests export the same.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
-from support import ScriptedExecutor
+from support import ScriptedExecutor, TinyCores
 
 from helios.config import ConfigError, ServerConfig
 from helios.core import Core
@@ -32,10 +33,6 @@ from helios.frontend.prepare import default_budget_problem
 from helios.frontend.request import Frontend
 from helios.protocols import openai_chat
 from helios.server.state import build_state
-from ignition.export import ExportOptions, export_core
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 
 CUT, CONTENT, REFUSED = "cut", "content", "refused"
 BUDGET = 3
@@ -81,12 +78,10 @@ FAMILIES = {
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Family, Core]:
+def served(request: pytest.FixtureRequest, tiny_cores: TinyCores) -> tuple[Family, Core]:
     name = request.param
     family = FAMILIES[name]
-    checkpoint = write_testmodel(family.family, tmp_path_factory.mktemp("ckpt") / name, seed=4, chat=family.chat)
-    out = tmp_path_factory.mktemp("cores") / name
-    export_core(open_source(str(checkpoint)), load_recipe(name), ExportOptions(out=out))
+    _, out = tiny_cores(family.family, name, 4, chat=family.chat)
     return family, Core.open(out, verify_checksums=False)
 
 

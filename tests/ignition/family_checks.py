@@ -14,15 +14,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
+from support import TinyCores
 
 from helios.core import Core
 from helios.engine import EngineConfig, build_engine
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import SamplingParams
-from ignition.export import ExportOptions, export_core
 from ignition.models import FAMILIES
-from ignition.recipe import load_recipe
 from ignition.sources import open_source
 from ignition.testmodel import _tensor, write_testmodel
 
@@ -37,14 +36,11 @@ TEXTS = [
 
 
 def export_tiny(
-    family: str, recipe: str, tmp_path_factory, seed: int = 3, prompt_logprobs: bool = True
+    family: str, recipe: str, tiny_cores: TinyCores, seed: int = 3, prompt_logprobs: bool = True
 ) -> tuple[Path, Path]:
-    """(tiny random checkpoint of `family`, its core, with prompt logprobs unless not `prompt_logprobs`)."""
-    checkpoint = write_testmodel(family, tmp_path_factory.mktemp("ckpt") / f"tiny-{family}", seed=seed)
-    core = tmp_path_factory.mktemp("cores") / f"tiny-{family}"
-    options = ExportOptions(out=core, prompt_logprobs=prompt_logprobs)
-    export_core(open_source(str(checkpoint)), load_recipe(recipe), options)
-    return checkpoint, core
+    """(tiny random checkpoint of `family`, its core, with prompt logprobs unless not `prompt_logprobs`),
+    built once per test run (conftest.py's tiny_cores): the family's tests and the engine's share it."""
+    return tiny_cores(family, recipe, seed, prompt_logprobs=prompt_logprobs)
 
 
 def write_variant(
@@ -86,8 +82,8 @@ def tiny_fixtures(family: str, recipe: str, architecture: str, eager: bool = Tru
     `tiny, reference = tiny_fixtures(...)`."""
 
     @pytest.fixture(scope="module")
-    def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-        return export_tiny(family, recipe, tmp_path_factory)
+    def tiny(tiny_cores: TinyCores) -> tuple[Path, Path]:
+        return export_tiny(family, recipe, tiny_cores)
 
     @pytest.fixture(scope="module")
     def reference(tiny: tuple[Path, Path]):

@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from support import TinyCores
 
 from helios.core import Core
 from helios.core.manifest import KvLayout
@@ -156,8 +157,8 @@ KIMI_OUTPUT = (
 
 
 @pytest.fixture(scope="module")
-def chat_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return family_checks.export_tiny("kimi_k3", "kimi3", tmp_path_factory, seed=6, prompt_logprobs=False)[1]
+def chat_core(tiny_cores: TinyCores) -> Path:
+    return family_checks.export_tiny("kimi_k3", "kimi3", tiny_cores, seed=6, prompt_logprobs=False)[1]
 
 
 def test_chat_completion_with_reasoning_and_tool_call(chat_core: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from support import TinyCores
 
 from helios.core import Core
 from helios.core.manifest import KvLayout
@@ -269,8 +270,8 @@ CALL = ("get_weather", {"city": "Paris", "days": 3})
 
 
 @pytest.fixture(scope="module")
-def chat_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return family_checks.export_tiny("minimax_m3", "minimax_m3", tmp_path_factory, seed=6, prompt_logprobs=False)[1]
+def chat_core(tiny_cores: TinyCores) -> Path:
+    return family_checks.export_tiny("minimax_m3", "minimax_m3", tiny_cores, seed=6, prompt_logprobs=False)[1]
 
 
 def _check_prompt(prompt: str | None) -> None:

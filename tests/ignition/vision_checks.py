@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
+from support import TinyCores
 
 from helios.core import Core
 from helios.core import manifest as mf
@@ -31,33 +32,23 @@ from ignition.models import FAMILIES
 from ignition.models.patch_grid import block_order
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 from tests.ignition.vision_cases import VisionCase
 
 TOLERANCE = 1e-3
 # Image sizes the resize-rule tests compare helios' rule over (inside the bounds, over and under them,
 # sides under one patch, extreme aspect ratios).
 SIZES = [(w, h) for w in (1, 13, 14, 27, 40, 150, 300, 333, 1000, 2048) for h in (1, 15, 28, 60, 200, 719, 4000)]
-_EXPORTED: dict[str, tuple[Path, Path]] = {}
 
 
-def export_tiny_vision(case: VisionCase, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(tiny multimodal checkpoint of the case's family, its float32 core with prompt logprobs), made once
-    per test session."""
-    if case.family not in _EXPORTED:
-        checkpoint = write_testmodel(
-            case.family, tmp_path_factory.mktemp("ckpt") / f"tiny-{case.name}", seed=3, vision=True
-        )
-        out = tmp_path_factory.mktemp("cores") / case.name
-        options = ExportOptions(out=out, prompt_logprobs=True, dtype="float32")
-        export_core(open_source(str(checkpoint)), load_recipe(case.recipe), options)
-        _EXPORTED[case.family] = checkpoint, out
-    return _EXPORTED[case.family]
+def tiny_vision(tiny_cores: TinyCores, case: VisionCase) -> tuple[Path, Path]:
+    """(tiny multimodal checkpoint of the case's family, its float32 core with prompt logprobs), built once
+    per test run (conftest.py's tiny_cores): the vision tests and the server's image tests share it."""
+    return tiny_cores(case.family, case.recipe, 3, vision=True, prompt_logprobs=True, dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def tiny(case: VisionCase, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return export_tiny_vision(case, tmp_path_factory)
+def tiny(case: VisionCase, tiny_cores: TinyCores) -> tuple[Path, Path]:
+    return tiny_vision(tiny_cores, case)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import TinyCores
 from typer.testing import CliRunner
 
 from helios.core import Core
@@ -112,10 +113,8 @@ def test_corrupted_onnx_file_fails_verify(onnx_core: Path, tmp_path: Path) -> No
         load_onnx(core.root, core.manifest.files, STEP, core.manifest.programs[STEP])
 
 
-def test_a_core_without_onnx_is_named_by_verify(tmp_path: Path) -> None:
-    checkpoint = write_testmodel("llama", tmp_path / "ckpt", seed=3)
-    out = tmp_path / "plain"
-    export_core(open_source(str(checkpoint)), load_recipe("smollm2"), ExportOptions(out=out))
+def test_a_core_without_onnx_is_named_by_verify(tiny_cores: TinyCores) -> None:
+    out = tiny_cores("llama", "smollm2", 4)[1]  # a plain core (the recipe tests' smollm2 one)
     result = CliRunner().invoke(app, ["verify", str(out), "--onnx"])
     assert result.exit_code == 4 and "--onnx" in result.output
 

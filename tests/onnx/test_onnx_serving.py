@@ -11,15 +11,12 @@ from pathlib import Path
 
 import pytest
 from litestar.testing import TestClient
+from support import TinyCores
 
 from helios.config import ConfigError, ServerConfig, load_config
 from helios.core import CoreError
 from helios.server.app import create_app
 from helios.server.state import build_state
-from ignition.export import ExportOptions, export_core
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 
 CHAT = {
     "model": "x",
@@ -90,10 +87,8 @@ def test_completions_and_prompt_logprobs_answer_alike(answers: dict[str, dict[st
     assert all(_close(a, b) for a, b in zip(expected["token_logprobs"], got["token_logprobs"], strict=True))
 
 
-def test_a_core_without_onnx_is_a_startup_error_naming_the_flag(tmp_path: Path) -> None:
-    checkpoint = write_testmodel("llama", tmp_path / "ckpt", seed=4)
-    plain = tmp_path / "plain"
-    export_core(open_source(str(checkpoint)), load_recipe("smollm2"), ExportOptions(out=plain))
+def test_a_core_without_onnx_is_a_startup_error_naming_the_flag(tiny_cores: TinyCores) -> None:
+    plain = tiny_cores("llama", "smollm2", 4)[1]  # the recipe tests' smollm2 core
     with pytest.raises(CoreError, match="ignition export ... --onnx"):
         build_state(plain, _settings("onnxruntime"))
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from live import live_server
 from PIL import Image
+from support import TinyCores
 
 from helios.config import ServerConfig
 from helios.core import Core
@@ -25,10 +26,8 @@ from helios.frontend import images as imaging
 from helios.frontend.image_cache import retained_inputs
 from helios.frontend.inference import ImagePart
 from helios.frontend.request import Frontend
-from ignition.export import ExportOptions, export_core
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
+from tests.ignition.vision_cases import GEMMA
+from tests.ignition.vision_checks import tiny_vision
 
 
 def _png(seed: int, width: int = 48, height: int = 30) -> bytes:
@@ -42,11 +41,10 @@ PICTURE = _png(7)
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    checkpoint = write_testmodel("gemma4", tmp_path_factory.mktemp("ckpt") / "tiny-gemma4-vision", seed=3, vision=True)
-    out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
-    export_core(open_source(str(checkpoint)), load_recipe("gemma4"), ExportOptions(out=out, dtype="float32"))
-    return out
+def core(tiny_cores: TinyCores) -> Path:
+    """The tiny Gemma 4 vision core (float32) the vision and image tests share; its prompt-logprobs
+    program is never run here."""
+    return tiny_vision(tiny_cores, GEMMA)[1]
 
 
 def _ask(url: str, text: str, salt: str) -> dict:

@@ -23,16 +23,14 @@ import torch
 from live import live_server
 from PIL import Image
 from serving import SCHEMA_PATH, schema_validator, sse_events
-from support import anthropic_spec
+from support import TinyCores, anthropic_spec
 
 from helios.config import ServerConfig
 from helios.frontend import images
 from helios.frontend.inference import Conversation, ImagePart, Message, TextPart
-from ignition.export import ExportOptions, export_core
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 from tests.ignition.test_gemma4_vision import encoded_images
+from tests.ignition.vision_cases import GEMMA
+from tests.ignition.vision_checks import tiny_vision
 
 IMAGES = encoded_images()  # PNG 37x53, JPEG 64x40, WebP 90x90
 MEDIA = ("image/png", "image/jpeg", "image/webp")
@@ -47,15 +45,9 @@ def b64(index: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def vision(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    checkpoint = write_testmodel("gemma4", tmp_path_factory.mktemp("ckpt") / "tiny-gemma4-vision", seed=3, vision=True)
-    out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
-    export_core(
-        open_source(str(checkpoint)),
-        load_recipe("gemma4"),
-        ExportOptions(out=out, dtype="float32", prompt_logprobs=True),
-    )
-    return checkpoint, out
+def vision(tiny_cores: TinyCores) -> tuple[Path, Path]:
+    """The tiny Gemma 4 vision core (float32, prompt logprobs) the vision tests check, exported once per run."""
+    return tiny_vision(tiny_cores, GEMMA)
 
 
 @pytest.fixture(scope="module")

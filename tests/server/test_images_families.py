@@ -23,15 +23,13 @@ import pytest
 import torch
 from live import live_server
 from PIL import Image
+from support import TinyCores
 
 from helios.config import ServerConfig
 from helios.frontend import images
 from helios.frontend.inference import Conversation, ImagePart, Message, TextPart
-from ignition.export import ExportOptions, export_core
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
 from tests.ignition.vision_cases import GLM, KIMI, MINIMAX, MUSE, STEP, VisionCase
+from tests.ignition.vision_checks import tiny_vision
 
 MEDIA = "image/jpeg"
 QUESTION = "What is in this picture?"
@@ -44,7 +42,7 @@ class Served:
     tokens: int  # its image tokens
     before: int  # prompt tokens between the expansion's start and the first feature row
     refused: tuple[int, int, int, str] | None = None  # (width, height, tokens, why) of an image refused
-    prompt_logprobs: bool = False  # the core is exported with them
+    prompt_logprobs: bool = False  # the prompt-logprobs test runs on it (every core is exported with them)
 
     def __str__(self) -> str:
         return self.vision.family
@@ -81,16 +79,11 @@ def image(case: VisionCase) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """(the case, its tiny checkpoint, the server's URL, its state) while the server runs."""
+def served(request: pytest.FixtureRequest, tiny_cores: TinyCores, tmp_path_factory: pytest.TempPathFactory):
+    """(the case, its tiny checkpoint, the server's URL, its state) while the server runs; the core is
+    the family's vision tests' (tests/ignition/vision_checks.py tiny_vision), exported once per run."""
     case: Served = request.param
-    name = case.vision.name
-    checkpoint = write_testmodel(
-        case.vision.family, tmp_path_factory.mktemp("ckpt") / f"tiny-{name}", seed=3, vision=True
-    )
-    out = tmp_path_factory.mktemp("cores") / name
-    options = ExportOptions(out=out, dtype="float32", prompt_logprobs=case.prompt_logprobs)
-    export_core(open_source(str(checkpoint)), load_recipe(case.vision.recipe), options)
+    checkpoint, out = tiny_vision(tiny_cores, case.vision)
     config = ServerConfig(
         kv_pages=128, speculation="off", prefill_chunk_size=24, host_cache_dir=str(tmp_path_factory.mktemp("prefix"))
     )

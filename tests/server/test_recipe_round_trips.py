@@ -15,11 +15,7 @@ from typing import Any
 
 import pytest
 from scripted import ScriptedServer, scripted_app
-
-from ignition.export import ExportOptions, export_core
-from ignition.recipe import load_recipe
-from ignition.sources import open_source
-from ignition.testmodel import write_testmodel
+from support import TinyCores
 
 ASK = "Weather in Paris?"
 RESULT = "Sunny, 21 C"
@@ -77,12 +73,11 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def served(request: pytest.FixtureRequest, tiny_cores: TinyCores):
+    """The recipe's tiny core (the same as test_reasoning_budget_families') served with a scripted model."""
     name = request.param
     case = CASES[name]
-    checkpoint = write_testmodel(case.family, tmp_path_factory.mktemp("ckpt") / name, seed=4, chat=case.chat)
-    core = tmp_path_factory.mktemp("cores") / name
-    export_core(open_source(str(checkpoint)), load_recipe(name), ExportOptions(out=core))
+    _, core = tiny_cores(case.family, name, 4, chat=case.chat)
     with scripted_app(core) as app:
         yield case, app
 
