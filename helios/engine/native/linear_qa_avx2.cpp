@@ -29,7 +29,7 @@ struct Avx2 {
   };
   static constexpr int kRows = 2;
   static constexpr int64_t kTile = 4;
-  static constexpr int nb(int rows) { return rows == 1 ? 2 : 1; }
+  static constexpr int nb(int rows) { return rows == 1 ? 4 : 1; }  // one row: 4 weight streams in flight
 
   QK_TARGET static F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   QK_TARGET static I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
@@ -119,6 +119,10 @@ struct Avx2 {
     sum = _mm_cvtsi128_si32(t);
   }
 };
+// Unrolled by 2 (int8) and not at all (int4), a block's steps keep to the 16 ymm registers: measured
+// 3-9 % faster at 1-16 rows than full unrolling, which spilled the products to the stack.
+#define QA_UNROLL_INT8 2
+#define QA_UNROLL_INT4 1
 #include "linear_qa_kernel.h"
 #endif
 

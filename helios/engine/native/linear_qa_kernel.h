@@ -9,7 +9,17 @@
 //                              (AVX2: int16 lanes, which a block's 8 products of at most
 //                              2 * 15 * 127 each never overflow) that done4 widens to T::I;
 //   kRows                      rows of a register block; nb(rows) blocks of 16 outputs it takes.
-// Included inside each file's anonymous namespace, after T is defined.
+// Included inside each file's anonymous namespace, after T is defined. A file may define
+// QA_UNROLL_INT8 / QA_UNROLL_INT4 (how far the compiler unrolls a 32-feature block's weight steps)
+// first: AVX2's 16 registers spill when every step of two or more blocks is in flight at once.
+#ifndef QA_UNROLL_INT8
+#define QA_UNROLL_INT8 8
+#endif
+#ifndef QA_UNROLL_INT4
+#define QA_UNROLL_INT4 4
+#endif
+#define QA_PRAGMA(text) _Pragma(#text)
+#define QA_UNROLL(n) QA_PRAGMA(GCC unroll n)
 
 struct QAData {  // one call's quantized activations
   const int8_t* xq;    // [rows, in]
@@ -64,7 +74,7 @@ struct QAKernel {
           _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) ia[r][j] = T::izero();
         const int64_t xo = kb * kActBlock;
         if constexpr (!INT4) {
-          _Pragma("GCC unroll 8") for (int st = 0; st < 8; ++st) {
+          QA_UNROLL(QA_UNROLL_INT8) for (int st = 0; st < 8; ++st) {
             W w[NB];
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) w[j] = T::w8(blk[j] + region + kb * kb_bytes + st * step_bytes);
             _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
@@ -76,7 +86,7 @@ struct QAKernel {
           A a4[MR][NB];
           _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) a4[r][j] = T::azero();
-          _Pragma("GCC unroll 4") for (int st = 0; st < 4; ++st) {
+          QA_UNROLL(QA_UNROLL_INT4) for (int st = 0; st < 4; ++st) {
             W lo[NB], hi[NB];
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) T::w4(blk[j] + region + kb * kb_bytes + st * step_bytes, lo[j], hi[j]);
             _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
