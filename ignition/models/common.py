@@ -168,14 +168,16 @@ def arange_like(like: Tensor, end: int, step: int = 1, dtype: torch.dtype = torc
     return values * step if step != 1 else values
 
 
-def theta_powers(like: Tensor, pairs: int, dim: int, theta: float) -> Tensor:
-    """[pairs] fp32 theta ** (-2j / dim), the rotary inverse frequencies, on `like`'s device.
+def theta_powers(like: Tensor, dim: int, theta: float, pairs: int | None = None) -> Tensor:
+    """[pairs] fp32 theta ** (-2j / dim), the rotary inverse frequencies, on `like`'s device; `pairs`
+    defaults to ceil(dim / 2) (an odd rotary width has one more pair, as transformers' arange(0, dim, 2)).
 
     Computed as exp(-2j/dim * ln theta) in fp64 and rounded once to fp32 (the correctly rounded
     value, as an exact pow would give). Written with exp on purpose: Inductor keeps a pointwise
     value inside every consumer unless it holds a costly op (exp or log on the CPU), so a
     theta ** x left the pow, cos and sin of the rotary tables recomputed per element in every
     layer's attention prologue of a compiled step; with exp the tables are computed once a step."""
+    pairs = (dim + 1) // 2 if pairs is None else pairs
     exponents = arange_like(like, 2 * pairs, 2, dtype=torch.float64) / dim
     return torch.exp(exponents * -math.log(theta)).float()
 
@@ -185,7 +187,7 @@ def rope(
 ) -> tuple[Tensor, Tensor]:
     """cos, sin [T, 1, D] fp32 of rotary embeddings (cast to `dtype` where given); `factor` > 1 is
     linear position scaling (inv_freq / factor)."""
-    inv_freq = theta_powers(positions, (head_dim + 1) // 2, head_dim, theta)  # an odd width: ceil(d / 2) pairs
+    inv_freq = theta_powers(positions, head_dim, theta)
     if factor != 1.0:
         inv_freq = inv_freq / factor
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]

@@ -57,7 +57,7 @@ from ignition.models.step import Paged, StepInputs, StepModule, embed_images
 
 def rope_inv_freq(spec: RopeSpec, like: Tensor) -> Tensor:
     """[dim / 2] fp32 inverse frequencies, YaRN-blended where the spec says (transformers' formula)."""
-    base = 1.0 / theta_powers(like, (spec.dim + 1) // 2, spec.dim, spec.theta)
+    base = 1.0 / theta_powers(like, spec.dim, spec.theta)
     if not spec.yarn:
         return 1.0 / base
     low, high = spec.correction_range()

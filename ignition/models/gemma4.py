@@ -54,7 +54,7 @@ def norm4(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 def _inv_freq(head_dim: int, theta: float, pairs: int, factor: float, like: Tensor) -> Tensor:
     """[head_dim / 2] fp32 inverse frequencies; angles past `pairs` are zero (proportional rotary)."""
-    inv = theta_powers(like, pairs, head_dim, theta)
+    inv = theta_powers(like, head_dim, theta, pairs)
     if pairs < head_dim // 2:
         inv = torch.cat([inv, inv.new_zeros(head_dim // 2 - pairs)])
     return inv / factor

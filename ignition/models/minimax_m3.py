@@ -358,7 +358,7 @@ class StepProgram(StepModule):
         # Residual stream, norms and rotary in fp32, matmuls in the core dtype (as the other families).
         x = embed_images(self.embed_tokens(weights, s.token_ids), s)
         positions = s.positions
-        inv_freq = theta_powers(positions, (c.rotary_dim + 1) // 2, c.rotary_dim, c.rope_theta)
+        inv_freq = theta_powers(positions, c.rotary_dim, c.rope_theta)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, rotary_dim]
         cos, sin = emb.cos(), emb.sin()

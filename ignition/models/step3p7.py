@@ -51,7 +51,7 @@ from ignition.models.vision_common import apply_rotary
 
 def inv_freq(spec: RopeSpec, like: Tensor) -> Tensor:
     """[dim / 2] fp32 inverse frequencies, llama3-scaled where the spec says (transformers' formula)."""
-    inv = theta_powers(like, (spec.dim + 1) // 2, spec.dim, spec.theta)
+    inv = theta_powers(like, spec.dim, spec.theta)
     if not spec.llama3:
         return inv
     old = spec.original_max_position_embeddings
