@@ -7,15 +7,15 @@ linear; weights used only by linears are replaced by their packed form (no secon
 and a weight shared with other ops (a tied embedding) keeps its plain tensor while the
 linear reads a packed copy held by the program module.
 
-Four packed kernels exist: oneDNN's, and for bfloat16 weights helios' own (helios/engine/native),
-which read each weight once per step at any row count from one packed layout: on CPUs with
-AVX512-BF16 `flare_native::linear` (pair dot products), on CPUs with AMX-BF16 the same packed
-weights as AMX tiles (`flare_native::linear_tiles`), and on any x86-64 CPU with AVX2 and FMA
-`flare_native::linear_avx2`, which widens the bfloat16 weights to fp32 in registers: there a
-bfloat16 core streams half the bytes of an fp32 one where oneDNN would emulate bfloat16 slowly.
-Which one a core's linears use is measured on this host over the core's own weight shapes at 1
-and 32 rows (`choose`), remembered, and logged; export makes the same measurement for the
-compiled step. A program uses one kernel at every row count, so a row's result never depends on
+Four packed kernels exist: oneDNN's, and helios' own (helios/engine/native), which read each
+weight once per step at any row count from one packed layout (pack_linear): for bfloat16 weights
+on CPUs with AVX512-BF16 `flare_native::linear` (pair dot products), on CPUs with AMX-BF16 the
+same packed weights as AMX tiles (`flare_native::linear_tiles`), and on any x86-64 CPU with AVX2
+and FMA `flare_native::linear_avx2`, which widens bfloat16 weights to fp32 in registers (there a
+bfloat16 core streams half the bytes of an fp32 one where oneDNN would emulate bfloat16 slowly)
+and also runs fp32 weights. Which one a core's linears use is measured on this host over the
+core's own weight shapes at 1 and 32 rows (`choose`), remembered, and logged; export makes the
+same measurement for the compiled step. A program uses one kernel at every row count, so a row's result never depends on
 how many rows share its step.
 
 FLARE_LINEAR_KERNEL=<kernel> (onednn, native, native-amx, native-avx2) skips the measurement and
@@ -45,9 +45,10 @@ from helios.engine.rows import never_alone
 log = logging.getLogger("helios.engine")
 
 ONEDNN, NATIVE, NATIVE_TILES, NATIVE_AVX2 = "onednn", "native", "native-amx", "native-avx2"
-NATIVE_KERNELS = (NATIVE, NATIVE_TILES, NATIVE_AVX2)  # all read pack_linear's layout
+NATIVE_KERNELS = (NATIVE, NATIVE_TILES, NATIVE_AVX2)  # all read pack_linear's layouts
 OP_NAMES = {NATIVE: "linear", NATIVE_TILES: "linear_tiles", NATIVE_AVX2: "linear_avx2"}  # flare_native::
 _ODD_INPUTS = (NATIVE_AVX2,)  # kernels that take weights with an odd number of input features
+_FLOAT_WEIGHTS = (NATIVE_AVX2,)  # kernels that take float32 weights (the rest: bfloat16 only)
 _CHOICE_ROWS = (1, 32)  # a decode step of one sequence, and of many
 _SLOWER_AT_MANY_ROWS = 1.02  # a kernel this close to the best at 32 rows counts as as fast (noise)
 
@@ -90,7 +91,7 @@ def avx2_available() -> bool:
 
 
 def native_kernels() -> list[str]:
-    """helios' own bfloat16 linear kernels this host and build can run (none without the library)."""
+    """helios' own linear kernels this host and build can run (none without the library)."""
     return [
         kernel
         for kernel, present in (
@@ -127,7 +128,8 @@ def takes(kernel: str, weight: Tensor) -> bool:
     """Whether `kernel` runs linears on this 2-D weight."""
     if kernel not in NATIVE_KERNELS:
         return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and onednn_bf16())
-    return weight.dtype == torch.bfloat16 and (kernel in _ODD_INPUTS or weight.shape[1] % 2 == 0)
+    dtypes = (torch.bfloat16, torch.float32) if kernel in _FLOAT_WEIGHTS else (torch.bfloat16,)
+    return weight.dtype in dtypes and (kernel in _ODD_INPUTS or weight.shape[1] % 2 == 0)
 
 
 def _weight_uses(programs: list[Program], names: list[str]):
@@ -162,7 +164,7 @@ def _pack_sample(kernel: str, sample: list[Tensor]) -> list[Tensor]:
 def _measure(kernel: str, rows: int, sample: list[Tensor], packed: list[Tensor]) -> float:
     """Best-of-three milliseconds for `sample`'s linears (packed for `kernel`), in order, at `rows` rows."""
     native_kernel = kernel in NATIVE_KERNELS
-    dtype = torch.bfloat16 if native_kernel else sample[0].dtype
+    dtype = sample[0].dtype  # a core's activations have its weights' dtype
     inputs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w in sample}}
     op = native_op(kernel) if native_kernel else None
 
@@ -189,15 +191,19 @@ def measure_linears(kernel: str, rows: int, weights: list[Tensor]) -> float:
 
 
 def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
-    """The packed-linear kernel for these programs' bfloat16 linears on this host.
+    """The packed-linear kernel for these programs' bfloat16 linears on this host, or where there are
+    none (an fp32 core), their float32 ones.
 
-    Each candidate that takes every such weight (oneDNN where it packs bfloat16; the native
-    kernel where AVX512-BF16 is there; its AMX-tile form where AMX-BF16 is; the AVX2 kernel where
-    AVX2 and FMA are) is timed over the core's own linear weights in program order (up to 256 MiB
+    Each candidate that takes every such weight (oneDNN where it packs them; the native kernel
+    where AVX512-BF16 is there and its AMX-tile form where AMX-BF16 is, for bfloat16 weights; the
+    AVX2 kernel where AVX2 and FMA are) is timed over the core's own linear weights in program order (up to 256 MiB
     of them, so no kernel runs from cache) at one row and at 32 rows. Of the
     candidates within 2% of the fastest at 32 rows, the fastest at one row wins. Measured
     once per host, torch, thread count and weight set (a second or two), then remembered."""
-    names = [name for name in linear_weights(programs, weights) if weights[name].dtype == torch.bfloat16]
+    linears = linear_weights(programs, weights)  # a 16-bit core's own (its few fp32 ones, e.g. a router, follow)
+    names = [n for n in linears if weights[n].dtype == torch.bfloat16] or [
+        n for n in linears if weights[n].dtype == torch.float32
+    ]
     candidates = [k for k in (*native_kernels(), ONEDNN) if all(takes(k, weights[n]) for n in names)]
     if not names or candidates in ([], [ONEDNN]):  # nothing to choose: oneDNN packs what it takes
         return ONEDNN
@@ -212,7 +218,8 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
         log.warning("FLARE_LINEAR_KERNEL=%s does not run here (%s do): measuring", wanted, ", ".join(candidates))
     shapes = Counter(tuple(weights[n].shape) for n in names)
     # The candidates are part of the key: a choice made before a kernel existed is not reused.
-    key = f"{sorted(shapes.items())}|{torch.get_num_threads()}|{fingerprint()}|{','.join(candidates)}"
+    dtype = str(weights[names[0]].dtype).removeprefix("torch.")
+    key = f"{sorted(shapes.items())}|{dtype}|{torch.get_num_threads()}|{fingerprint()}|{','.join(candidates)}"
     remembered = hostcache.get("linear-kernel", key)
     if isinstance(remembered, str):  # a choice remembered before its figures were kept with it
         remembered = {"kernel": remembered}
@@ -249,7 +256,7 @@ _DESCRIPTIONS = {
     ONEDNN: "oneDNN's packed matmul",
     NATIVE: "helios' AVX512-BF16 kernel",
     NATIVE_TILES: "helios' AMX-BF16 tiles",
-    NATIVE_AVX2: "helios' AVX2+FMA kernel (bfloat16 weights widened to float32 in registers)",
+    NATIVE_AVX2: "helios' AVX2+FMA kernel (float32 arithmetic; bfloat16 weights widened in registers)",
 }
 
 
@@ -287,8 +294,8 @@ def prepack(programs: list[Program], weights: dict[str, Tensor], kernel: str = O
     """Rewrite the programs' linears in place; returns the weights dict to call them with.
 
     All programs must take `weights` (same keys, same order) as their first input. kernel:
-    ONEDNN for every float32/bfloat16 linear it takes, or one of NATIVE_KERNELS for the bfloat16
-    ones (choose(); `takes` says which weights).
+    ONEDNN for every float32/bfloat16 linear it takes, or one of NATIVE_KERNELS for the ones it
+    takes (choose(); `takes` says which weights).
     """
     native_kernel = kernel in NATIVE_KERNELS
     packable = {name for name, w in weights.items() if w.dim() == 2 and takes(kernel, w)}

@@ -1,9 +1,11 @@
-"""helios' AVX2 bfloat16 linear (helios/engine/native/linear_avx2.cpp): the portable fast path of
-every x86-64 CPU with AVX2 and FMA, compiled into the library on any x86 host (an AVX-512 one too).
+"""helios' AVX2 linear (helios/engine/native/linear_avx2.cpp) on bfloat16 and float32 weights: the
+portable fast path of every x86-64 CPU with AVX2 and FMA, compiled into the library on any x86 host
+(an AVX-512 one too).
 
 Against a float64 reference on random shapes (odd sizes, 1-64 rows, with and without bias), the
-same bits for a row whatever rows and threads share its call, and a bfloat16 core served on it:
-bf16 weights kept (no upcast), reproducible answers, logits within bfloat16 rounding of fp32's."""
+same bits for a row whatever rows and threads share its call, a bfloat16 core served on it (bf16
+weights kept, no upcast; reproducible answers; logits within bfloat16 rounding of fp32's) and an
+fp32 core's programs, portable and compiled, on it."""
 
 from __future__ import annotations
 
@@ -33,11 +35,11 @@ pytestmark = pytest.mark.skipif(
 BF16_STEP = 2.0**-7  # relative spacing of bfloat16 (8 significant bits): rounding moves half of it at most
 
 
-def _case(n: int, k: int, rows: int, bias: bool, seed: int) -> tuple[torch.Tensor, ...]:
+def _case(n: int, k: int, rows: int, bias: bool, seed: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=generator).to(torch.bfloat16)
-    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
-    b = torch.randn(n, generator=generator).to(torch.bfloat16) if bias else None
+    w = torch.randn(n, k, generator=generator).to(dtype)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    b = torch.randn(n, generator=generator).to(dtype) if bias else None
     return w, x, b
 
 
@@ -70,6 +72,24 @@ def test_matches_the_reference(n: int, k: int, bias: bool) -> None:
         assert torch.equal(y32.to(torch.bfloat16), y)  # bf16 outputs are the fp32 sums, rounded
 
 
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_weights_match_the_reference(n: int, k: int, bias: bool) -> None:
+    """An fp32 core's weights, packed [blocks, pairs, 2, 16] and loaded as they are."""
+    w, x, b = _case(n, k, 64, bias, seed=n * 1000 + k + 1, dtype=torch.float32)
+    packed = torch.ops.flare_native.pack_linear(w)
+    assert packed.dtype == torch.float32 and packed.shape[2:] == (2, 16)
+    for rows in (1, 2, 3, 4, 5, 8, 13, 32, 64):
+        y = torch.ops.flare_native.linear_avx2(x[:rows], packed, b, n)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        exact, scale = _reference(x[:rows], w, b)
+        assert bool(((y.double() - exact).abs() <= k * 2.0**-24 * scale + 1e-30).all()), f"{rows} rows"
+        # bf16 activations on fp32 weights: the same sums, rounded to bf16
+        y16 = torch.ops.flare_native.linear_avx2(x[:rows].to(torch.bfloat16), packed, b, n)
+        wide = torch.ops.flare_native.linear_avx2(x[:rows].to(torch.bfloat16).float(), packed, b, n)
+        assert y16.dtype == torch.bfloat16 and torch.equal(y16, wide.to(torch.bfloat16))
+
+
 def test_outputs_round_to_nearest_even_as_torch() -> None:
     """With an identity weight each output is an input feature plus a bias: the fp32 sum rounded
     as torch rounds it (nearest, ties to even; NaN stays NaN)."""
@@ -84,9 +104,11 @@ def test_outputs_round_to_nearest_even_as_torch() -> None:
     assert torch.equal(y.nan_to_num(), expected.nan_to_num())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k"), [(33, 63), (576, 576), (1536, 577)])
-def test_a_row_has_the_same_bits_alone_among_others_and_on_any_thread_count(n: int, k: int) -> None:
-    w, x, b = _case(n, k, 64, True, seed=7)
+def test_a_row_has_the_same_bits_alone_among_others_and_on_any_thread_count(n: int, k: int, dtype) -> None:
+    w, x, b = _case(n, k, 64, True, seed=7, dtype=dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     packed = torch.ops.flare_native.pack_linear(w)
     before = torch.get_num_threads()
     try:
@@ -97,7 +119,7 @@ def test_a_row_has_the_same_bits_alone_among_others_and_on_any_thread_count(n: i
             for rows in (1, 2, 3, 4, 5, 7, 8, 16, 33, 64):
                 y = torch.ops.flare_native.linear_avx2(x[:rows], packed, b, n)
                 for i in range(rows):
-                    assert torch.equal(y[i].view(torch.int16), alone[i][0].view(torch.int16)), (threads, rows, i)
+                    assert torch.equal(y[i].view(bits), alone[i][0].view(bits)), (threads, rows, i)
     finally:
         torch.set_num_threads(before)
 
@@ -116,6 +138,18 @@ def test_shapes_and_checks() -> None:
     with pytest.raises(RuntimeError, match="even"):  # the AVX512-BF16 kernel reads whole pairs
         torch.ops.flare_native.linear(x, packed, None, 40)
     assert prepack.takes(prepack.NATIVE_AVX2, w) and not prepack.takes(prepack.NATIVE, w)
+    w32 = torch.randn(40, 9)
+    packed32 = torch.ops.flare_native.pack_linear(w32)
+    assert packed32.shape == (3, 5, 2, 16)  # the pair's two features apart, 16 outputs each
+    assert torch.equal(packed32[1, 2, 1, :8], w32[16:24, 5])  # block 1, pair 2's odd feature (5)
+    assert float(packed32[2, 4, 1].abs().sum()) == 0.0  # the padded tenth feature
+    with pytest.raises(RuntimeError, match="float32 ones run on linear_avx2"):
+        torch.ops.flare_native.linear(
+            torch.randn(1, 10), torch.ops.flare_native.pack_linear(torch.randn(40, 10)), None, 40
+        )
+    with pytest.raises(RuntimeError, match="pack_linear"):
+        torch.ops.flare_native.pack_linear(torch.randn(40, 10).half())
+    assert prepack.takes(prepack.NATIVE_AVX2, w32) and not prepack.takes(prepack.NATIVE, w32)
 
 
 def test_emulating_an_avx2_host(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,3 +300,46 @@ def test_logits_on_it_match_fp32_within_bf16_rounding(bf16_core: Path) -> None:
         reference, full, msgspec.structs.replace(m.kv, dtype="float32"), m.limits.page_tokens, prompt, chunk=7
     ).logprobs
     assert float((avx2 - fp32).abs().max()) < 0.1
+
+
+# ------------------------------------------------------------------------------ an fp32 core on it
+
+
+def test_an_fp32_cores_linears_run_on_it(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The portable fp32 step on the AVX2 kernel: logprobs within fp32 rounding of oneDNN's, and the
+    same bits whatever the prefill chunking."""
+    out = tmp_path_factory.mktemp("cores") / "tiny-fp32"
+    export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), ExportOptions(out=out, dtype="float32"))
+    core = Core.open(out)
+    m = core.manifest
+    prompt = list(range(3, 40))
+    runs = {}
+    for kernel in (prepack.NATIVE_AVX2, prepack.ONEDNN):
+        program = core.load_program(STEP, check_guards=False)
+        weights = prepack.prepack([program], core.load_weights("cpu"), kernel)
+        runs[kernel] = [
+            run_prompt(program, weights, m.kv, m.limits.page_tokens, prompt, chunk=c).logprobs for c in (7, 5)
+        ]
+        if kernel == prepack.NATIVE_AVX2:
+            targets = {n.target for n in program.module.graph.nodes if n.op == "call_function"}
+            assert torch.ops.flare_native.linear_avx2.default in targets
+            assert all(w.dtype == torch.float32 for w in weights.values() if w.is_floating_point())
+    avx2, onednn = runs[prepack.NATIVE_AVX2], runs[prepack.ONEDNN]
+    assert torch.equal(avx2[0], avx2[1])
+    assert float((avx2[0] - onednn[0]).abs().max()) < 1e-3
+
+
+@pytest.mark.usefixtures("avx2_kernel")
+def test_an_fp32_compiled_step_runs_on_it(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Export measures (here: is told) the AVX2 kernel for an fp32 core's compiled step too."""
+    out = tmp_path_factory.mktemp("cores") / "tiny-fp32-avx2-compiled"
+    options = ExportOptions(out=out, dtype="float32", compile_step=True)
+    export_core(open_source(str(tiny_checkpoint)), load_recipe("smollm2"), options)
+    core = Core.open(out)
+    spec = core.manifest.compiled[STEP]
+    assert '"flare_native::linear_avx2"' in (out / spec.file).with_suffix(".json").read_text()
+    assert spec.max_abs_diff <= core.manifest.golden.tolerance
+    engine = build_engine(core, EngineConfig(num_pages=64))
+    assert engine.executor.step_kind == "compiled" and engine.executor.linear_kernel == prepack.NATIVE_AVX2
+    out_ = run_to_completion(engine, _requests(core, 6))
+    assert all(len(choices[0].token_ids) == 6 for choices in out_.values())

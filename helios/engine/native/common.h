@@ -146,7 +146,7 @@ struct LinearCall {
   at::Tensor bias;
 };
 LinearCall linear_call(const char* name, const at::Tensor& x, const at::Tensor& packed,
-                       const c10::optional<at::Tensor>& bias, int64_t out_features);
+                       const c10::optional<at::Tensor>& bias, int64_t out_features, bool float_weights = false);
 
 // linear_avx512.cpp
 bool has_bf16_linear();

@@ -1,5 +1,6 @@
-// linear_avx2: bfloat16 weights (pack_linear's layout) times bfloat16 or fp32 activations on AVX2+FMA,
-// the instruction set of most CPUs people own (AMD Zen 1-3, Intel client cores without AVX-512).
+// linear_avx2: bfloat16 or fp32 weights (pack_linear's layouts) times bfloat16 or fp32 activations on
+// AVX2+FMA, the instruction set of most CPUs people own (AMD Zen 1-3, Intel client cores without
+// AVX-512). An fp32 core's weights take the same loops, loaded instead of widened (F32Weights).
 //
 // The weights stay bfloat16 in memory, so a decode step streams half the bytes of an fp32 core. One
 // 256-bit load holds 8 outputs' weights for a pair of input features (each 32-bit lane: the even
@@ -34,24 +35,68 @@ constexpr int64_t kAhead = 32;   // feature pairs (64-byte lines of a block) fet
 constexpr int kRows = 6;         // rows per register block from 3 rows (micro1)
 constexpr int64_t kPanel = 48;   // rows whose inputs stay in cache while a thread's blocks stream past
 
+// The two weight layouts (linear_pack.cpp), read a feature pair at a time: a block's pair p starts
+// 2 * kBlock elements past pair p - 1 in both, and yields the 16 outputs' even-feature weights
+// (e0: outputs 0-7, e1: 8-15) and odd-feature weights (o0, o1) as fp32.
+//   bfloat16 [pairs, 16, 2]: each 32-bit lane holds one output's even weight in its low half and its
+//   odd weight in its high half; a shift left by 16 makes the even ones fp32, a mask (or, where a
+//   constant would take a 17th register, two shifts) the odd ones, exactly.
+//   fp32 [pairs, 2, 16]: the even feature's 16 weights, then the odd one's, loaded as they are.
+struct Bf16Weights {
+  using T = uint16_t;
+  struct Pair {
+    __m256i lo, hi;
+  };
+  FLARE_AVX2 static inline Pair load(const T* wp) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kBlock))};
+  }
+  FLARE_AVX2 static inline void even(const Pair& w, __m256& e0, __m256& e1) {
+    e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w.lo, 16));
+    e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w.hi, 16));
+  }
+  FLARE_AVX2 static inline void odd(const Pair& w, __m256& o0, __m256& o1) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    o0 = _mm256_castsi256_ps(_mm256_and_si256(w.lo, high));
+    o1 = _mm256_castsi256_ps(_mm256_and_si256(w.hi, high));
+  }
+  FLARE_AVX2 static inline void odd_by_shifts(const Pair& w, __m256& o0, __m256& o1) {
+    o0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w.lo, 16), 16));
+    o1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w.hi, 16), 16));
+  }
+};
+
+struct F32Weights {
+  using T = float;
+  struct Pair {
+    const float* p;
+  };
+  FLARE_AVX2 static inline Pair load(const T* wp) { return {wp}; }
+  FLARE_AVX2 static inline void even(const Pair& w, __m256& e0, __m256& e1) {
+    e0 = _mm256_loadu_ps(w.p);
+    e1 = _mm256_loadu_ps(w.p + kHalf);
+  }
+  FLARE_AVX2 static inline void odd(const Pair& w, __m256& o0, __m256& o1) {
+    o0 = _mm256_loadu_ps(w.p + kBlock);
+    o1 = _mm256_loadu_ps(w.p + kBlock + kHalf);
+  }
+  FLARE_AVX2 static inline void odd_by_shifts(const Pair& w, __m256& o0, __m256& o1) { odd(w, o0, o1); }
+};
+
 // rows [m, m + MR) x blocks [0, NB) of a task: acc[(r * NB + j) * 16 + o] = sum_p w[p] x[r][p] for
 // output o of block j. w points at the first block (blocks `stride` elements apart), x at row m.
-template <int MR, int NB>
-FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs,
+template <typename W, int MR, int NB>
+FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const typename W::T* w, int64_t stride, int64_t pairs,
                              float* acc_out) {
   __m256 acc[MR][2 * NB];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 2 * NB; ++j) acc[r][j] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
     for (int j = 0; j < NB; ++j) {
-      const uint16_t* wp = w + j * stride + p * 2 * kBlock;
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kBlock));
-      const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
-      const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
-      const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
-      const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+      const typename W::Pair pair = W::load(w + j * stride + p * 2 * kBlock);
+      __m256 even0, even1, odd0, odd1;
+      W::even(pair, even0, even1);
+      W::odd(pair, odd0, odd1);
       for (int r = 0; r < MR; ++r) {
         const __m256 a = _mm256_broadcast_ss(x + r * ldx + 2 * p);
         const __m256 b = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
@@ -65,35 +110,32 @@ FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int
 }
 
 // micro<MR, 1> for up to 6 rows: each pair's even weights feed every row before its odd ones are
-// widened (the same products in the same order per output as micro), so 12 accumulators, the two
-// widened halves and a broadcast fit the 16 registers. The row loops are unrolled by pragma: left
-// to -O3's heuristics, the accumulators went through the stack every pair.
-template <int MR>
-FLARE_AVX2 inline void micro1(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* acc_out) {
+// made (the same products in the same order per output as micro), so 12 accumulators, two weight
+// registers and a broadcast fit the 16 registers. The row loops are unrolled by pragma: left to
+// -O3's heuristics, the accumulators went through the stack every pair.
+template <typename W, int MR>
+FLARE_AVX2 inline void micro1(const float* x, int64_t ldx, const typename W::T* w, int64_t pairs, float* acc_out) {
   __m256 acc[MR][2];
   #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* wp = w + p * 2 * kBlock;
+    const typename W::T* wp = w + p * 2 * kBlock;
     _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * 2 * kBlock), _MM_HINT_T0);
-    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kBlock));
-    const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
-    const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+    const typename W::Pair pair = W::load(wp);
+    __m256 w0, w1;
+    W::even(pair, w0, w1);
     #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * ldx + 2 * p);
-      acc[r][0] = _mm256_fmadd_ps(a, even0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, even1, acc[r][1]);
+      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
     }
-    // (high halves kept by two shifts: a mask constant would be a 17th register)
-    const __m256 odd0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(lo, 16), 16));
-    const __m256 odd1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(hi, 16), 16));
+    W::odd_by_shifts(pair, w0, w1);
     #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
-      acc[r][0] = _mm256_fmadd_ps(b, odd0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(b, odd1, acc[r][1]);
+      acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);
     }
   }
   #pragma GCC unroll 8
@@ -143,19 +185,19 @@ FLARE_AVX2 inline void store_block(const float* acc, const float* bias, int64_t 
 // MR rows through blocks [b0, b1), 8 blocks at a time (the last groups 4, 2, 1): eight weight
 // streams in flight (measured on a busy 2-core EPYC, one thread: a decode row's linears 0.8x the
 // time of four streams with prefetches; software prefetches only cost issue slots here).
-template <int MR, typename Y>
-FLARE_AVX2 void wide(const float* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t pairs, int64_t b0,
+template <typename W, int MR, typename Y>
+FLARE_AVX2 void wide(const float* x, int64_t ldx, const typename W::T* w, int64_t stride, int64_t pairs, int64_t b0,
                      int64_t b1, int64_t n, const float* bias, Y* y) {
   alignas(32) float acc[MR * 8 * kBlock];
   for (int64_t b = b0, count; b < b1; b += count) {
     const int64_t left = b1 - b;
     count = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    const uint16_t* wb = w + b * stride;
+    const typename W::T* wb = w + b * stride;
     switch (count) {
-      case 8: micro<MR, 8>(x, ldx, wb, stride, pairs, acc); break;
-      case 4: micro<MR, 4>(x, ldx, wb, stride, pairs, acc); break;
-      case 2: micro<MR, 2>(x, ldx, wb, stride, pairs, acc); break;
-      default: micro<MR, 1>(x, ldx, wb, stride, pairs, acc); break;
+      case 8: micro<W, MR, 8>(x, ldx, wb, stride, pairs, acc); break;
+      case 4: micro<W, MR, 4>(x, ldx, wb, stride, pairs, acc); break;
+      case 2: micro<W, MR, 2>(x, ldx, wb, stride, pairs, acc); break;
+      default: micro<W, MR, 1>(x, ldx, wb, stride, pairs, acc); break;
     }
     for (int64_t r = 0; r < MR; ++r)
       for (int64_t j = 0; j < count; ++j)
@@ -164,11 +206,11 @@ FLARE_AVX2 void wide(const float* x, int64_t ldx, const uint16_t* w, int64_t str
 }
 
 // MR rows through block b (micro1), stored.
-template <int MR, typename Y>
-FLARE_AVX2 void rows_block(const float* x, int64_t ldx, const uint16_t* wb, int64_t pairs, int64_t b, int64_t n,
+template <typename W, int MR, typename Y>
+FLARE_AVX2 void rows_block(const float* x, int64_t ldx, const typename W::T* wb, int64_t pairs, int64_t b, int64_t n,
                            const float* bias, Y* y) {
   alignas(32) float acc[MR * kBlock];
-  micro1<MR>(x, ldx, wb, pairs, acc);
+  micro1<W, MR>(x, ldx, wb, pairs, acc);
   for (int64_t r = 0; r < MR; ++r) store_block(acc + r * kBlock, bias, b * kBlock, n, y + r * n);
 }
 
@@ -176,12 +218,12 @@ FLARE_AVX2 void rows_block(const float* x, int64_t ldx, const uint16_t* wb, int6
 // streams in flight); more rows go block by block in groups of up to
 // 6 rows, panel by panel, so a block's weights come from memory for its first rows and from cache
 // for the rest of the panel.
-template <typename Y>
-FLARE_AVX2 void blocks(const float* x, int64_t rows, int64_t ldx, const uint16_t* w, int64_t pairs, int64_t b0,
+template <typename W, typename Y>
+FLARE_AVX2 void blocks(const float* x, int64_t rows, int64_t ldx, const typename W::T* w, int64_t pairs, int64_t b0,
                        int64_t b1, int64_t n, const float* bias, Y* y) {
   const int64_t stride = pairs * 2 * kBlock;  // elements per packed block
-  if (rows == 1) return wide<1>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
-  if (rows == 2) return wide<2>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+  if (rows == 1) return wide<W, 1>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+  if (rows == 2) return wide<W, 2>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
   // Panels of rows whose inputs stay in cache while the thread's blocks stream past, 6 rows at a time.
   for (int64_t p0 = 0; p0 < rows; p0 += kPanel) {
     const int64_t p1 = std::min(rows, p0 + kPanel);
@@ -192,12 +234,12 @@ FLARE_AVX2 void blocks(const float* x, int64_t rows, int64_t ldx, const uint16_t
         const float* xm = x + m * ldx;
         Y* ym = y + m * n;
         switch (r) {
-          case 6: rows_block<6>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
-          case 5: rows_block<5>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
-          case 4: rows_block<4>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
-          case 3: rows_block<3>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
-          case 2: rows_block<2>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
-          default: rows_block<1>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          case 6: rows_block<W, 6>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          case 5: rows_block<W, 5>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          case 4: rows_block<W, 4>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          case 3: rows_block<W, 3>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          case 2: rows_block<W, 2>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
+          default: rows_block<W, 1>(xm, ldx, w + b * stride, pairs, b, n, bias, ym); break;
         }
         m += r;
       }
@@ -247,7 +289,7 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
                        int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "linear_avx2: needs bfloat16 or float32 activations");
-  LinearCall call = linear_call("linear_avx2", x, packed, bias, out_features);
+  LinearCall call = linear_call("linear_avx2", x, packed, bias, out_features, /*float_weights=*/true);
   if (call.rows == 0) return call.out;
   TORCH_CHECK(has_avx2_linear(), "linear_avx2: this CPU has no AVX2 and FMA");
 #if defined(FLARE_X86)
@@ -256,18 +298,24 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
   at::Tensor widened = direct ? x : at::empty({rows, ld}, x.options().dtype(at::kFloat));
   if (!direct) widen(x.contiguous(), rows, k, ld, widened.data_ptr<float>());
   const float* xp = widened.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* bp = call.bias.defined() ? call.bias.data_ptr<float>() : nullptr;
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool bf16_out = x.scalar_type() == at::kBFloat16;
+  const bool f32_weights = packed.scalar_type() == at::kFloat;
+  const auto* wb = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* wf = f32_weights ? packed.data_ptr<float>() : nullptr;
   void* yp = call.out.data_ptr();
   // Runs of blocks taken in turn (parallel_runs): 8-block groups for one or two rows (wide's weight
   // streams), single blocks in panels for more.
   const int64_t nblocks = packed.size(0);
   parallel_runs(nblocks, run_length(nblocks, rows <= 2 ? 8 : 1), [&](int64_t b0, int64_t b1) {
-    if (bf16) {
-      blocks(xp, rows, ld, wp, pairs, b0, b1, out_features, bp, static_cast<uint16_t*>(yp));
+    if (f32_weights && bf16_out) {
+      blocks<F32Weights>(xp, rows, ld, wf, pairs, b0, b1, out_features, bp, static_cast<uint16_t*>(yp));
+    } else if (f32_weights) {
+      blocks<F32Weights>(xp, rows, ld, wf, pairs, b0, b1, out_features, bp, static_cast<float*>(yp));
+    } else if (bf16_out) {
+      blocks<Bf16Weights>(xp, rows, ld, wb, pairs, b0, b1, out_features, bp, static_cast<uint16_t*>(yp));
     } else {
-      blocks(xp, rows, ld, wp, pairs, b0, b1, out_features, bp, static_cast<float*>(yp));
+      blocks<Bf16Weights>(xp, rows, ld, wb, pairs, b0, b1, out_features, bp, static_cast<float*>(yp));
     }
   });
 #endif
