@@ -8,14 +8,16 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from filelock import FileLock
-from support import TinyCores
+from support import TinyCores, slow_tests
 
+from helios.core import hostcache
 from ignition.export import ExportOptions, export_core
 from ignition.models import FAMILIES
 from ignition.recipe import load_recipe
@@ -30,25 +32,49 @@ def pytest_configure(config: pytest.Config) -> None:
     # so a shared prefix store would let one worker's records count as another's reuse.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
-        inherited = os.environ.get("FLARE_CACHE_DIR")  # the controller's (its branch below), else unset
         os.environ["FLARE_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"flare-test-cache-{worker}-")
-        _share_native_builds(Path(inherited) if inherited else None)
+        _share_native_builds()
         # The workers share the cores: torch in each gets its share of them, not all.
         import torch
 
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    else:
-        os.environ.setdefault("FLARE_CACHE_DIR", tempfile.mkdtemp(prefix="flare-test-cache-"))
+    elif not os.environ.get(_NATIVE_BUILDS):
+        os.environ[_NATIVE_BUILDS] = str(hostcache.directory() / "native")  # the user's, before it moves
+        os.environ["FLARE_CACHE_DIR"] = tempfile.mkdtemp(prefix="flare-test-cache-")
+        _share_native_builds()
 
 
-def _share_native_builds(root: Path | None) -> None:
-    """The workers' caches share one `native` directory: helios' native library is named by a hash
-    of its sources, flags, torch and the host, and builds under a file lock, so one worker compiles
-    it (about a minute of both cores) and the others load that build."""
-    if root is None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `sampled` (a family-parametrized suite: each parameter exports and serves its
+    own tiny core) run every parameter with FLARE_SLOW_TESTS=1, and in CI one: per module, the
+    parameter id with the lowest CRC-32 of "module:id" among each test's own, so a module's tests
+    agree on one family (one core to build) and different modules sample different ones."""
+    if slow_tests():
         return
-    common = root / "native"
+    groups: dict[tuple[str, str], list[pytest.Item]] = {}
+    for item in items:
+        if item.get_closest_marker("sampled") is not None and hasattr(item, "callspec"):
+            groups.setdefault((item.module.__name__, item.originalname), []).append(item)
+    dropped: set[int] = set()
+    for (module, _), group in groups.items():
+        keep = min({item.callspec.id for item in group}, key=lambda id_: zlib.crc32(f"{module}:{id_}".encode()))
+        dropped.update(id(item) for item in group if item.callspec.id != keep)
+    if dropped:
+        config.hook.pytest_deselected(items=[item for item in items if id(item) in dropped])
+        items[:] = [item for item in items if id(item) not in dropped]
+
+
+_NATIVE_BUILDS = "FLARE_TEST_NATIVE_BUILDS"
+
+
+def _share_native_builds() -> None:
+    """Every test cache shares the user's `native` directory (~/.cache/flare/native unless
+    FLARE_CACHE_DIR says otherwise): helios' native library is named by a hash of its sources,
+    flags, torch and the host, and builds under a file lock, so a run compiles it (a couple of
+    minutes of both cores) only where no earlier run or server on this host already has, and the
+    workers load that one build."""
+    common = Path(os.environ[_NATIVE_BUILDS])
     common.mkdir(parents=True, exist_ok=True)
     (Path(os.environ["FLARE_CACHE_DIR"]) / "native").symlink_to(common, target_is_directory=True)
 

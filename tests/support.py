@@ -15,6 +15,13 @@ import torch
 from helios.engine.request import EngineRequest
 
 ROOT = Path(__file__).resolve().parent.parent
+SLOW_TESTS = "FLARE_SLOW_TESTS"  # =1: every slow suite whole (conftest's `sampled`, the router, 50 requests a format)
+
+
+def slow_tests() -> bool:
+    return os.environ.get(SLOW_TESTS) == "1"
+
+
 # conftest.py's tiny_cores fixture: (family, recipe, seed, chat=None, vision=False, **options) -> (checkpoint, core)
 TinyCores = Callable[..., tuple[Path, Path]]
 

@@ -17,6 +17,8 @@ from helios.engine.sampling_params import GREEDY, SamplingParams
 from ignition.models import FAMILIES
 from tests.engine.speculation_checks import wrong_every_third
 
+pytestmark = pytest.mark.sampled  # one family in CI, all with FLARE_SLOW_TESTS=1 (tests/conftest.py)
+
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 17)
 HYBRIDS = [
     (family, recipe)

@@ -31,6 +31,8 @@ from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
 from tests.engine.speculation_checks import same_tokens
 
+pytestmark = pytest.mark.sampled  # one family in CI, all with FLARE_SLOW_TESTS=1 (tests/conftest.py)
+
 SAMPLED = SamplingParams(0.8, 0.95, -1, 0.0, 1.0, 0.0, 0.0, 21)
 OFF = SpeculationConfig(mode="off")
 HISTORY = SpeculationConfig(mode="fixed", max_drafts=4, learned=False)

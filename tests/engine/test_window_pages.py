@@ -23,6 +23,8 @@ from tests.engine.speculation_checks import same_tokens, wrong_every_third
 from tests.engine.test_graphs import eager_decode_step, eager_runner
 from tests.ignition.family_checks import TEXTS, export_tiny
 
+pytestmark = pytest.mark.sampled  # one family in CI, all with FLARE_SLOW_TESTS=1 (tests/conftest.py)
+
 SAMPLED = SamplingParams(0.9, 0.95, 50, 0.0, 1.0, 0.0, 0.0, 11)
 
 

@@ -77,12 +77,18 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def served(request: pytest.FixtureRequest, tiny_cores: TinyCores) -> tuple[Family, Core]:
-    name = request.param
+pytestmark = pytest.mark.sampled  # one family in CI, all with FLARE_SLOW_TESTS=1 (tests/conftest.py)
+
+
+def _served(tiny_cores: TinyCores, name: str) -> tuple[Family, Core]:
     family = FAMILIES[name]
     _, out = tiny_cores(family.family, name, 4, chat=family.chat)
     return family, Core.open(out, verify_checksums=False)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def served(request: pytest.FixtureRequest, tiny_cores: TinyCores) -> tuple[Family, Core]:
+    return _served(tiny_cores, request.param)
 
 
 def _chat(kwargs: dict[str, Any], **fields: Any) -> InferenceRequest:
@@ -156,10 +162,8 @@ def test_the_server_default_needs_a_default_output_start_it_cuts(served: tuple[F
             build_state(core.root, ServerConfig(thinking_token_budget=100))
 
 
-def test_kimi_k3_default_effort_reaches_its_template(served: tuple[Family, Core]) -> None:
-    family, core = served
-    if core.manifest.recipe.name != "kimi3":
-        pytest.skip("Kimi K3 only")
+def test_kimi_k3_default_effort_reaches_its_template(tiny_cores: TinyCores) -> None:
+    _, core = _served(tiny_cores, "kimi3")
     frontend = Frontend(core, ServerConfig())
     assert core.manifest.recipe.default_effort == "max"
     # The template's own fallback is replaced, so only the recipe's default can write "max".

@@ -242,6 +242,7 @@ def _stripped(turn: dict) -> dict:
     return turn | {"reasoning": turn["reasoning"].strip(), "text": turn["text"].strip()}
 
 
+@pytest.mark.sampled  # one variant and route in CI, all with FLARE_SLOW_TESTS=1
 @pytest.mark.parametrize("route", sorted(FINISH))
 def test_tool_call_round_trip(app, route: str) -> None:
     """The call turn (reasoning, text, a qwen3_coder call) and, with its result in the history, the
@@ -271,6 +272,7 @@ def test_tool_call_round_trip(app, route: str) -> None:
         assert RESULT in final_prompt and "Paris" in final_prompt
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_mtp_layer_exports_as_a_drafter_program_matching_the_reference(name: str, tmp_path: Path) -> None:
     """mtp_num_hidden_layers = 1: the step also returns its final-normed hidden states and the MTP

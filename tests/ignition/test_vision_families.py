@@ -25,6 +25,8 @@ from tests.ignition.vision_checks import (
     tiny,  # noqa: F401
 )
 
+pytestmark = pytest.mark.sampled  # one family in CI, all with FLARE_SLOW_TESTS=1 (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def case(request: pytest.FixtureRequest) -> VisionCase:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import slow_tests
 
 from ignition.export import ExportOptions, export_core
 from ignition.recipe import load_recipe
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
 TOLERANCE = 1e-4  # every logprob, fp32 tiny cores (issue 43)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-SLOW = pytest.mark.skipif(not os.environ.get("FLARE_SLOW_TESTS"), reason="slow: set FLARE_SLOW_TESTS=1")
+SLOW = pytest.mark.skipif(not slow_tests(), reason="slow: set FLARE_SLOW_TESTS=1")
 
 
 # SmolLM2-135M's head counts (9 query heads, 3 KV heads) and an odd MLP width: at 2 ranks nothing

@@ -31,6 +31,8 @@ from helios.frontend.inference import Conversation, ImagePart, Message, TextPart
 from tests.ignition.vision_cases import GLM, KIMI, MINIMAX, MUSE, STEP, VisionCase
 from tests.ignition.vision_checks import tiny_vision
 
+pytestmark = pytest.mark.sampled  # one family in CI, all with FLARE_SLOW_TESTS=1 (tests/conftest.py)
+
 MEDIA = "image/jpeg"
 QUESTION = "What is in this picture?"
 

@@ -17,6 +17,8 @@ import pytest
 from scripted import ScriptedServer, scripted_app
 from support import TinyCores
 
+pytestmark = pytest.mark.sampled  # one family in CI, all with FLARE_SLOW_TESTS=1 (tests/conftest.py)
+
 ASK = "Weather in Paris?"
 RESULT = "Sunny, 21 C"
 ANSWER = "It is sunny."

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 from serving import Server, _free_port, sse_events, start_server, stop_server
+from support import slow_tests
 
 ROUTER_VERSION = "0.1.17"
 KEY = "router-test-key"
@@ -36,7 +37,7 @@ GREEDY = {"model": "x", "top_k": 1, "seed": 3}
 pytestmark = [
     pytest.mark.router,
     pytest.mark.skipif(
-        os.environ.get("FLARE_SLOW_TESTS") != "1",
+        not slow_tests(),
         reason="two replicas and a router run only with FLARE_SLOW_TESTS=1 (about 2 minutes on 2 cores)",
     ),
 ]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 from typing import Any
 
@@ -14,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 from serving import API_KEY, Server
+from support import slow_tests
 
 SCHEMA = {
     "type": "object",
@@ -42,7 +42,7 @@ SCHEMA = {
 LARK = 'start: "Answer: " WORD " (" NUMBER ")"\nWORD: /[a-z]{1,12}/\nNUMBER: /[0-9]{1,3}/'
 REGEX = "(red|green|blue)-[0-9]{1,3}"
 # per format, for each of buffered and streamed Chat: all 50 with FLARE_SLOW_TESTS=1, a sample in CI
-NUM_REQUESTS = 50 if os.environ.get("FLARE_SLOW_TESTS") else 8
+NUM_REQUESTS = 50 if slow_tests() else 8
 NUM_RESPONSES = 10  # per format, for each of buffered and streamed Responses
 
 
