@@ -14,7 +14,8 @@
 // up to 6 rows (12 accumulators: each weight is loaded and widened once per 6 rows, and each
 // accumulator's chain of FMAs has room to hide their latency), in panels of 48 rows whose inputs
 // stay in cache while the thread's blocks stream past (a prompt chunk reads the weights once per
-// panel, not its inputs once per block). Threads take runs of output blocks in turn (common.h:
+// panel, not its inputs once per block), each block's features in slices that stay in the level-1
+// cache while every group of the panel goes through them (blocks). Threads take runs of output blocks in turn (common.h:
 // parallel_runs) and never split a reduction, and every output is accumulated in the same order
 // (features ascending, the pair's even then odd product) whatever rows share the call, so a row's
 // bits never depend on its neighbours.
