@@ -15,8 +15,8 @@ and FMA `flare_native::linear_avx2`, which widens bfloat16 weights to fp32 in re
 bfloat16 core streams half the bytes of an fp32 one where oneDNN would emulate bfloat16 slowly)
 and also runs fp32 weights. Which one a core's linears use is measured on this host over the
 core's own weight shapes at 1 and 32 rows (`choose`), remembered, and logged; export makes the
-same measurement for the compiled step. A program uses one kernel at every row count, so a row's result never depends on
-how many rows share its step.
+same measurement for the compiled step. A program uses one kernel at every row count, so a row's
+result never depends on how many rows share its step.
 
 FLARE_LINEAR_KERNEL=<kernel> (onednn, native, native-amx, native-avx2) skips the measurement and
 uses that kernel where this host has it (tests and benchmarks compare kernels end to end with it).
@@ -196,10 +196,10 @@ def choose(programs: list[Program], weights: dict[str, Tensor]) -> str:
 
     Each candidate that takes every such weight (oneDNN where it packs them; the native kernel
     where AVX512-BF16 is there and its AMX-tile form where AMX-BF16 is, for bfloat16 weights; the
-    AVX2 kernel where AVX2 and FMA are) is timed over the core's own linear weights in program order (up to 256 MiB
-    of them, so no kernel runs from cache) at one row and at 32 rows. Of the
-    candidates within 2% of the fastest at 32 rows, the fastest at one row wins. Measured
-    once per host, torch, thread count and weight set (a second or two), then remembered."""
+    AVX2 kernel where AVX2 and FMA are) is timed over the core's own linear weights in program
+    order (up to 256 MiB of them, so no kernel runs from cache) at one row and at 32 rows. Of the
+    candidates within 2% of the fastest at 32 rows, the fastest at one row wins. Measured once
+    per host, torch, thread count, weight dtype and weight set (a second or two), then remembered."""
     linears = linear_weights(programs, weights)  # a 16-bit core's own (its few fp32 ones, e.g. a router, follow)
     names = [n for n in linears if weights[n].dtype == torch.bfloat16] or [
         n for n in linears if weights[n].dtype == torch.float32

@@ -71,6 +71,7 @@ def _hf_model(checkpoint: Path, **overrides: object):
     return family_checks.hf_model(checkpoint, "MiniMaxM3VLForCausalLM", **overrides)
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 def test_logprobs_match_transformers(exported: tuple[Path, Path, int]) -> None:
     checkpoint, core_dir, page = exported
     model = _hf_model(checkpoint)
@@ -105,6 +106,7 @@ def test_logprobs_match_transformers(exported: tuple[Path, Path, int]) -> None:
     assert float((hf_logprobs(dense, prompts[-1]) - hf_logprobs(model, prompts[-1])).abs().max()) > 1e-2
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 def test_engine_generation_matches_transformers(exported: tuple[Path, Path, int]) -> None:
     """Greedy tokens' logprobs and top alternatives through the engine (16-token prefill chunks,
     then decode rows) equal transformers' on the whole sequence, for three prompts."""
@@ -113,6 +115,7 @@ def test_engine_generation_matches_transformers(exported: tuple[Path, Path, int]
         check_generation_matches(exported[1], model, text, max_tokens=8)
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 def test_engine_batching_invariance(exported: tuple[Path, Path, int]) -> None:
     texts = [
         TEXTS[0],
@@ -127,6 +130,7 @@ def test_engine_batching_invariance(exported: tuple[Path, Path, int]) -> None:
     check_batching_invariance(exported[1], texts)
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 def test_kv_pool_holds_the_indexer_keys(exported: tuple[Path, Path, int]) -> None:
     """One [pages, page_tokens, 1, index_head_dim] tensor per sparse layer after the K/V pairs,
     counted in the page size the pool is sized by."""

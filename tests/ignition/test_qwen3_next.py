@@ -95,6 +95,7 @@ def _prompts(core: Core) -> list[list[int]]:
     return family_checks.chat_prompts(core, {"eos_token": "<|im_end|>"}, "Hi there", LONGER_TEXT, chat=CHAT)
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 def test_core_records_the_recipe_and_state_layout(exported) -> None:
     name, _, core_dir, _ = exported
     m = Core.open(core_dir).manifest
@@ -108,6 +109,7 @@ def test_core_records_the_recipe_and_state_layout(exported) -> None:
     assert config.layer_types.count("full_attention") >= 1 and len(config.linear_layers) >= 2
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 def test_logprobs_match_transformers(exported) -> None:
     """Three prompts, prefilled whole and in chunks of 16 and 5 and (their first 20 tokens) one
     token at a time, every chunk after the first starting from the state slots; and the scored
@@ -121,6 +123,7 @@ def test_logprobs_match_transformers(exported) -> None:
     assert worst <= 1e-3
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 def test_engine_generation_matches_transformers(exported) -> None:
     """Greedy generation through the engine (16-token prefill chunks, then decode rows through the
     state slots): each token's logprob and top alternatives equal transformers' on the whole
@@ -131,12 +134,14 @@ def test_engine_generation_matches_transformers(exported) -> None:
     assert worst <= 1e-3
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 def test_batching_invariance(exported) -> None:
     """8 prompts together (mixed prefill chunks and decode rows over the state slots) == each
     alone, with the prefix cache on and off."""
     check_batching_invariance(exported[2], EIGHT_PLAIN_TEXTS)
 
 
+@pytest.mark.sampled  # one variant in CI, all with FLARE_SLOW_TESTS=1
 def test_prefix_reuse(exported) -> None:
     check_prefix_reuse(exported[2], LONGER_TEXT, 8)
 

@@ -46,18 +46,43 @@ def test_n_above_max_concurrency_is_refused_at_once_and_the_next_request_runs(sm
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 
-def test_batches_that_can_never_run_together_are_refused_before_tokenizing(small_pool) -> None:
-    url, _ = small_pool
+class _CountingTokenizer:
+    """The frontend's tokenizer, counting the texts it is asked to encode."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.encoded = inner, 0
+
+    def encode(self, *args, **kwargs):
+        self.encoded += 1
+        return self.inner.encode(*args, **kwargs)
+
+    def encode_batch(self, texts, *args, **kwargs):
+        self.encoded += len(texts)
+        return self.inner.encode_batch(texts, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_batches_that_can_never_run_together_are_refused_before_tokenizing(
+    small_pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, state = small_pool
+    counting = _CountingTokenizer(state.frontend.tokenizer)
+    monkeypatch.setattr(state.frontend, "tokenizer", counting)
     start = time.monotonic()
     batch = httpx.post(
         url + "/v1/completions", json={"model": "x", "prompt": ["hi"] * 10_000, "max_tokens": 2}, timeout=30
     )
     assert batch.status_code == 400 and "max_concurrency" in batch.json()["error"]["message"]
-    assert time.monotonic() - start < 1.0
+    assert counting.encoded == 0  # refused from the body's shape, not after encoding 10,000 prompts
+    assert time.monotonic() - start < 5.0  # (a loaded CI host took 1.1 s to parse and refuse the body)
     wide = httpx.post(
         url + "/v1/completions", json={"model": "x", "prompt": ["a", "b"], "n": 40, "max_tokens": 2}, timeout=30
     )
     assert wide.status_code == 400 and "80 choices" in wide.json()["error"]["message"]
+    fits = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": ["a", "b"], "max_tokens": 2}, timeout=30)
+    assert fits.status_code == 200 and counting.encoded >= 2  # the counter sees the prompts that are encoded
 
 
 def test_other_users_load_never_shortens_an_answer(small_pool) -> None:
