@@ -39,10 +39,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    elif not os.environ.get(_NATIVE_BUILDS):
-        os.environ[_NATIVE_BUILDS] = str(hostcache.directory() / "native")  # the user's, before it moves
-        os.environ["FLARE_CACHE_DIR"] = tempfile.mkdtemp(prefix="flare-test-cache-")
-        _share_native_builds()
+    else:
+        os.environ.setdefault(_NATIVE_BUILDS, str(hostcache.directory() / "native"))  # the user's, before it moves
+        if not os.environ.get("FLARE_CACHE_DIR"):  # (one set by the caller stays the tests' cache, as it is)
+            os.environ["FLARE_CACHE_DIR"] = tempfile.mkdtemp(prefix="flare-test-cache-")
+            _share_native_builds()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
