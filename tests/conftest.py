@@ -24,6 +24,8 @@ from ignition.recipe import load_recipe
 from ignition.sources import open_source, resolve_default_source
 from ignition.testmodel import write_testmodel
 
+_NATIVE_BUILDS = "FLARE_TEST_NATIVE_BUILDS"  # where every test cache's `native` directory points
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # What helios remembers between starts (thread policy, verified checksums, the host prefix
@@ -64,9 +66,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=[item for item in items if id(item) in dropped])
         items[:] = [item for item in items if id(item) not in dropped]
-
-
-_NATIVE_BUILDS = "FLARE_TEST_NATIVE_BUILDS"
 
 
 def _share_native_builds() -> None:

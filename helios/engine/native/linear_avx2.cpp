@@ -15,8 +15,8 @@
 // accumulator's chain of FMAs has room to hide their latency), in panels of 48 rows whose inputs
 // stay in cache while the thread's blocks stream past (a prompt chunk reads the weights once per
 // panel, not its inputs once per block), each block's features in slices that stay in the level-1
-// cache while every group of the panel goes through them (blocks). Threads take runs of output blocks in turn (common.h:
-// parallel_runs) and never split a reduction, and every output is accumulated in the same order
+// cache while every group of the panel goes through them (blocks). Threads take runs of output
+// blocks in turn (common.h: parallel_runs) and never split a reduction, and every output is accumulated in the same order
 // (features ascending, the pair's even then odd product) whatever rows share the call, so a row's
 // bits never depend on its neighbours.
 //
@@ -311,25 +311,23 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
   if (!direct) widen(x.contiguous(), rows, k, ld, widened.data_ptr<float>());
   const float* xp = widened.data_ptr<float>();
   const float* bp = call.bias.defined() ? call.bias.data_ptr<float>() : nullptr;
-  const bool bf16_out = x.scalar_type() == at::kBFloat16;
-  const bool f32_weights = packed.scalar_type() == at::kFloat;
-  const auto* wb = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const float* wf = f32_weights ? packed.data_ptr<float>() : nullptr;
-  void* yp = call.out.data_ptr();
   // Runs of blocks taken in turn (parallel_runs): 8-block groups for one or two rows (wide's weight
   // streams), single blocks in panels for more.
   const int64_t nblocks = packed.size(0);
-  parallel_runs(nblocks, run_length(nblocks, rows <= 2 ? 8 : 1), [&](int64_t b0, int64_t b1) {
-    if (f32_weights && bf16_out) {
-      blocks<F32Weights>(xp, rows, ld, wf, pairs, b0, b1, out_features, bp, static_cast<uint16_t*>(yp));
-    } else if (f32_weights) {
-      blocks<F32Weights>(xp, rows, ld, wf, pairs, b0, b1, out_features, bp, static_cast<float*>(yp));
-    } else if (bf16_out) {
-      blocks<Bf16Weights>(xp, rows, ld, wb, pairs, b0, b1, out_features, bp, static_cast<uint16_t*>(yp));
-    } else {
-      blocks<Bf16Weights>(xp, rows, ld, wb, pairs, b0, b1, out_features, bp, static_cast<float*>(yp));
-    }
-  });
+  const auto run = [&](auto weights, auto out_type) {
+    using W = decltype(weights);
+    using Y = decltype(out_type);
+    const auto* w = reinterpret_cast<const typename W::T*>(packed.data_ptr());
+    Y* y = reinterpret_cast<Y*>(call.out.data_ptr());
+    parallel_runs(nblocks, run_length(nblocks, rows <= 2 ? 8 : 1), [&](int64_t b0, int64_t b1) {
+      blocks<W>(xp, rows, ld, w, pairs, b0, b1, out_features, bp, y);
+    });
+  };
+  const bool f32_weights = packed.scalar_type() == at::kFloat, bf16_out = x.scalar_type() == at::kBFloat16;
+  if (f32_weights && bf16_out) run(F32Weights{}, uint16_t{});
+  else if (f32_weights) run(F32Weights{}, float{});
+  else if (bf16_out) run(Bf16Weights{}, uint16_t{});
+  else run(Bf16Weights{}, float{});
 #endif
   return call.out;
 }
