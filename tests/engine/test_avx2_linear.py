@@ -79,7 +79,7 @@ def test_float32_weights_match_the_reference(n: int, k: int, bias: bool) -> None
     w, x, b = _case(n, k, 64, bias, seed=n * 1000 + k + 1, dtype=torch.float32)
     packed = torch.ops.flare_native.pack_linear(w)
     assert packed.dtype == torch.float32 and packed.shape[2:] == (2, 16)
-    for rows in (1, 2, 3, 4, 5, 8, 13, 32, 64):
+    for rows in (1, 2, 3, 4, 5, 6, 8, 13, 32, 64):
         y = torch.ops.flare_native.linear_avx2(x[:rows], packed, b, n)
         assert y.dtype == torch.float32 and y.shape == (rows, n)
         exact, scale = _reference(x[:rows], w, b)

@@ -9,8 +9,9 @@
 // of an fp32). Activations are widened to fp32 once per call. Products are fused multiply-adds in
 // fp32, and outputs (+ bias) are rounded to bfloat16 nearest-even, as torch's cast does.
 //
-// Register blocking: one or two decode rows take 8 blocks of 16 outputs at once (8 weight streams
-// in flight: memory, not arithmetic, limits them); 3 rows and more go block by block in groups of
+// Register blocking: one decode row takes 8 blocks of 16 outputs at once, two rows 4 (weight streams
+// in flight: memory, not arithmetic, limits them); fp32 weights at 3-6 rows take 2 blocks at once in
+// row groups of up to 4 (few); otherwise 3 rows and more go block by block in groups of
 // up to 6 rows (12 accumulators: each weight is loaded and widened once per 6 rows, and each
 // accumulator's chain of FMAs has room to hide their latency), in panels of 48 rows whose inputs
 // stay in cache while the thread's blocks stream past (a prompt chunk reads the weights once per
@@ -39,6 +40,10 @@ constexpr int64_t kPanel = 48;   // rows whose inputs stay in cache while a thre
 // data cache (32 KiB), leaving room for the group's inputs. 8 and 16 KiB measured alike on a Zen 3
 // (both 1.4-1.6x whole blocks at 16-64 rows); whole blocks of 1,536 inputs spilled to level 2.
 constexpr int64_t kSliceBytes = 8192;
+// Blocks wide() takes at once for one and two rows: 8 weight streams for one row; 4 for two, whose
+// 16 accumulators already fill the registers (8 blocks spilled them: two rows took 1.3x one row's
+// time on a Zen 3, 1.0x with 4).
+constexpr int64_t kWideBlocks[] = {0, 8, 4};
 
 // The two weight layouts (linear_pack.cpp), read a feature pair at a time: a block's pair p starts
 // 2 * kBlock elements past pair p - 1 in both, and yields the 16 outputs' even-feature weights
@@ -193,20 +198,21 @@ FLARE_AVX2 inline void store_block(const float* acc, const float* bias, int64_t 
   if constexpr (!std::is_same_v<Y, uint16_t>) std::memcpy(y + first, sum, count * sizeof(float));
 }
 
-// MR rows through blocks [b0, b1), 8 blocks at a time (the last groups 4, 2, 1): eight weight
+// MR rows through blocks [b0, b1), kWideBlocks[MR] blocks at a time (the last groups 4, 2, 1): eight weight
 // streams in flight (measured on a busy 2-core EPYC, one thread: a decode row's linears 0.8x the
 // time of four streams with prefetches; software prefetches only cost issue slots here).
 template <typename W, int MR, typename Y>
 FLARE_AVX2 void wide(const float* x, int64_t ldx, const typename W::T* w, int64_t stride, int64_t pairs, int64_t b0,
                      int64_t b1, int64_t n, const float* bias, Y* y) {
   alignas(32) float acc[MR * 8 * kBlock];
+  constexpr int64_t most = kWideBlocks[MR];
   for (int64_t b = b0, count; b < b1; b += count) {
     const int64_t left = b1 - b;
-    count = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    count = left >= most ? most : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     const typename W::T* wb = w + b * stride;
     switch (count) {
-      case 8: micro<W, MR, 8>(x, ldx, wb, stride, pairs, acc); break;
-      case 4: micro<W, MR, 4>(x, ldx, wb, stride, pairs, acc); break;
+      case 8: if constexpr (most == 8) micro<W, MR, 8>(x, ldx, wb, stride, pairs, acc); break;
+      case 4: if constexpr (most >= 4) micro<W, MR, 4>(x, ldx, wb, stride, pairs, acc); break;
       case 2: micro<W, MR, 2>(x, ldx, wb, stride, pairs, acc); break;
       default: micro<W, MR, 1>(x, ldx, wb, stride, pairs, acc); break;
     }
@@ -216,8 +222,90 @@ FLARE_AVX2 void wide(const float* x, int64_t ldx, const typename W::T* w, int64_
   }
 }
 
-// Every row through blocks [b0, b1). One or two decode rows take 8 blocks at once (several weight
-// streams in flight); more rows go block by block in groups of up to 6 rows, panel by panel, so a
+// micro1's order for NB blocks at once (few): per pair and block, the even weights feed every row,
+// then the odd ones; MR x NB x 2 accumulators, two weight registers and a broadcast.
+template <typename W, int MR, int NB>
+FLARE_AVX2 inline void micro_n(const float* x, int64_t ldx, const typename W::T* w, int64_t stride, int64_t pairs,
+                               float* acc_out) {
+  __m256 acc[MR][2 * NB];
+  #pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 8
+    for (int j = 0; j < 2 * NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    #pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const typename W::T* wp = w + j * stride + p * 2 * kBlock;
+      const typename W::Pair pair = W::load(wp);
+      __m256 w0, w1;
+      W::even(pair, w0, w1);
+      #pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+        acc[r][2 * j] = _mm256_fmadd_ps(a, w0, acc[r][2 * j]);
+        acc[r][2 * j + 1] = _mm256_fmadd_ps(a, w1, acc[r][2 * j + 1]);
+      }
+      W::odd_by_shifts(pair, w0, w1);
+      #pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 b = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+        acc[r][2 * j] = _mm256_fmadd_ps(b, w0, acc[r][2 * j]);
+        acc[r][2 * j + 1] = _mm256_fmadd_ps(b, w1, acc[r][2 * j + 1]);
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 8
+    for (int j = 0; j < 2 * NB; ++j) _mm256_storeu_ps(acc_out + (r * NB * 2 + j) * kHalf, acc[r][j]);
+}
+
+// fp32 weights at 3 to 6 rows (few_rows): two blocks at a time (two weight streams in flight, where
+// the panels below stream one), the rows in even groups of up to 3 or 4 (micro_n): the first group
+// reads the two blocks from memory, the next from cache. Measured on a Zen 3, two threads, SmolLM2's
+// linears: 1.2-1.5x the panels' speed at 3-6 rows; bfloat16 weights, whose widening is paid per row
+// group, ran slower this way than in panels and keep them.
+template <typename W>
+constexpr bool few_rows(int64_t rows) {
+  return std::is_same_v<W, F32Weights> && rows >= 3 && rows <= 6;
+}
+
+template <typename W, typename Y>
+FLARE_AVX2 void few(const float* x, int64_t rows, int64_t ldx, const typename W::T* w, int64_t stride, int64_t pairs,
+                    int64_t b0, int64_t b1, int64_t n, const float* bias, Y* y) {
+  alignas(32) float acc[4 * 2 * kBlock];
+  const int64_t groups = (rows + 3) / 4;
+  for (int64_t b = b0, count; b < b1; b += count) {
+    count = b1 - b >= 2 ? 2 : 1;
+    const typename W::T* wb = w + b * stride;
+    for (int64_t g = 0, m = 0; g < groups; ++g) {
+      const int r = static_cast<int>(rows / groups + (g < rows % groups ? 1 : 0));
+      const float* xm = x + m * ldx;
+      if (count == 2) {
+        switch (r) {
+          case 4: micro_n<W, 4, 2>(xm, ldx, wb, stride, pairs, acc); break;
+          case 3: micro_n<W, 3, 2>(xm, ldx, wb, stride, pairs, acc); break;
+          case 2: micro_n<W, 2, 2>(xm, ldx, wb, stride, pairs, acc); break;
+          default: micro_n<W, 1, 2>(xm, ldx, wb, stride, pairs, acc); break;
+        }
+      } else {
+        switch (r) {
+          case 4: micro_n<W, 4, 1>(xm, ldx, wb, stride, pairs, acc); break;
+          case 3: micro_n<W, 3, 1>(xm, ldx, wb, stride, pairs, acc); break;
+          case 2: micro_n<W, 2, 1>(xm, ldx, wb, stride, pairs, acc); break;
+          default: micro_n<W, 1, 1>(xm, ldx, wb, stride, pairs, acc); break;
+        }
+      }
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = 0; j < count; ++j)
+          store_block(acc + (i * count + j) * kBlock, bias, (b + j) * kBlock, n, y + (m + i) * n);
+      m += r;
+    }
+  }
+}
+
+// Every row through blocks [b0, b1). One or two decode rows take 8 or 4 blocks at once (several
+// weight streams in flight), fp32 weights at 3-6 rows two (few); more rows go block by block in groups of up to 6 rows, panel by panel, so a
 // block's weights come from memory for its first rows and from cache for the rest of the panel.
 // A block's features go in slices of about kSliceBytes of weights, every group of the panel
 // through one slice before the next: the slice stays in the level-1 cache for all of them (a
@@ -229,6 +317,7 @@ FLARE_AVX2 void blocks(const float* x, int64_t rows, int64_t ldx, const typename
   const int64_t stride = pairs * 2 * kBlock;  // elements per packed block
   if (rows == 1) return wide<W, 1>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
   if (rows == 2) return wide<W, 2>(x, ldx, w, stride, pairs, b0, b1, n, bias, y);
+  if (few_rows<W>(rows)) return few<W>(x, rows, ldx, w, stride, pairs, b0, b1, n, bias, y);
   const int64_t most = std::max<int64_t>(1, kSliceBytes / static_cast<int64_t>(2 * kBlock * sizeof(typename W::T)));
   const int64_t slices = (pairs + most - 1) / most;
   alignas(32) float acc[kPanel * kBlock];
@@ -311,15 +400,16 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
   if (!direct) widen(x.contiguous(), rows, k, ld, widened.data_ptr<float>());
   const float* xp = widened.data_ptr<float>();
   const float* bp = call.bias.defined() ? call.bias.data_ptr<float>() : nullptr;
-  // Runs of blocks taken in turn (parallel_runs): 8-block groups for one or two rows (wide's weight
-  // streams), single blocks in panels for more.
+  // Runs of blocks taken in turn (parallel_runs), in multiples of the blocks the rows' path takes at
+  // once: wide's groups for one or two rows, few's pairs, single blocks in panels for more.
   const int64_t nblocks = packed.size(0);
   const auto run = [&](auto weights, auto out_type) {
     using W = decltype(weights);
     using Y = decltype(out_type);
+    const int64_t unit = rows <= 2 ? kWideBlocks[rows] : few_rows<W>(rows) ? 2 : 1;
     const auto* w = reinterpret_cast<const typename W::T*>(packed.data_ptr());
     Y* y = reinterpret_cast<Y*>(call.out.data_ptr());
-    parallel_runs(nblocks, run_length(nblocks, rows <= 2 ? 8 : 1), [&](int64_t b0, int64_t b1) {
+    parallel_runs(nblocks, run_length(nblocks, unit), [&](int64_t b0, int64_t b1) {
       blocks<W>(xp, rows, ld, w, pairs, b0, b1, out_features, bp, y);
     });
   };
