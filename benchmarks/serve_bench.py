@@ -38,6 +38,7 @@ WORDS = (
 OUTPUT_TOKENS = 128
 CONCURRENCY = (1, 4, 16, 32, 64)
 BUSY = 32  # the "busy" scenario: this many concurrent short chats (where speculation must not cost)
+SINGLE_PROMPTS, BUSY_PROMPTS = 900_000, 800_000  # the first short_chat index of these scenarios (concurrent)
 
 
 def filler(words: int, seed: int) -> str:
@@ -132,7 +133,14 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     }
 
 
-async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2, tokens: int = OUTPUT_TOKENS) -> dict:
+async def concurrent(
+    url: str, model: str, concurrency: int, rounds: int = 2, tokens: int = OUTPUT_TOKENS, first: int | None = None
+) -> dict:
+    """`concurrency` streams of short chats, `rounds` requests each. Their prompts are short_chat(first),
+    short_chat(first + 1), ...; first defaults to 1000 x concurrency, so no two sweep levels (nor the
+    single and busy scenarios, which pass their own) send the same chat: a server that drafts from
+    earlier answers (helios' history drafts) would otherwise replay the previous level's outputs."""
+    first = 1000 * concurrency if first is None else first
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await one_request(client, url, model, short_chat(-1), 8)  # warm-up
@@ -140,7 +148,7 @@ async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2, to
 
         async def limited(index: int) -> Sample:
             async with slots:
-                return await one_request(client, url, model, short_chat(index), tokens)
+                return await one_request(client, url, model, short_chat(first + index), tokens)
 
         start = time.perf_counter()
         samples = await asyncio.gather(*(limited(i) for i in range(concurrency * rounds)))
@@ -150,7 +158,7 @@ async def concurrent(url: str, model: str, concurrency: int, rounds: int = 2, to
 async def single(url: str, model: str) -> dict:
     async with httpx.AsyncClient(timeout=60) as client:
         before = await _speculation_counters(client, url)
-    report = await concurrent(url, model, 1, rounds=3)
+    report = await concurrent(url, model, 1, rounds=3, first=SINGLE_PROMPTS)
     async with httpx.AsyncClient(timeout=60) as client:
         report.update(_speculation_delta(before, await _speculation_counters(client, url)))
     return report
@@ -300,7 +308,7 @@ async def run(url: str, model: str, scenarios: list[str], levels: tuple[int, ...
     if "edit" in scenarios:
         report["edit"] = await edit(url, model)
     if "busy" in scenarios:
-        report["busy"] = await concurrent(url, model, BUSY)
+        report["busy"] = await concurrent(url, model, BUSY, first=BUSY_PROMPTS)
     return report
 
 
