@@ -119,6 +119,30 @@ FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const typename W::T* w
     for (int j = 0; j < 2 * NB; ++j) _mm256_storeu_ps(acc_out + (r * NB * 2 + j) * kHalf, acc[r][j]);
 }
 
+// One feature pair of one block into MR rows' accumulators acc[r][j], acc[r][j + 1] (x: the pair's
+// even input of row 0): the even weights feed every row before the odd ones are made, so the
+// block's two weight registers and a broadcast are all it needs beside the accumulators.
+template <typename W, int MR, int S>
+FLARE_AVX2 __attribute__((always_inline)) inline void pair_into(const float* x, int64_t ldx, const typename W::T* wp,
+                                                                  __m256 (&acc)[MR][S], int j) {
+  const typename W::Pair pair = W::load(wp);
+  __m256 w0, w1;
+  W::even(pair, w0, w1);
+  #pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m256 a = _mm256_broadcast_ss(x + r * ldx);
+    acc[r][j] = _mm256_fmadd_ps(a, w0, acc[r][j]);
+    acc[r][j + 1] = _mm256_fmadd_ps(a, w1, acc[r][j + 1]);
+  }
+  W::odd_by_shifts(pair, w0, w1);
+  #pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m256 b = _mm256_broadcast_ss(x + r * ldx + 1);
+    acc[r][j] = _mm256_fmadd_ps(b, w0, acc[r][j]);
+    acc[r][j + 1] = _mm256_fmadd_ps(b, w1, acc[r][j + 1]);
+  }
+}
+
 // micro<MR, 1> for up to 6 rows: each pair's even weights feed every row before its odd ones are
 // made (the same products in the same order per output as micro), so 12 accumulators, two weight
 // registers and a broadcast fit the 16 registers. The row loops are unrolled by pragma: left to
@@ -137,22 +161,7 @@ FLARE_AVX2 inline void micro1(const float* x, int64_t ldx, const typename W::T* 
   for (int64_t p = 0; p < pairs; ++p) {
     const typename W::T* wp = w + p * 2 * kBlock;
     _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * 2 * kBlock), _MM_HINT_T0);
-    const typename W::Pair pair = W::load(wp);
-    __m256 w0, w1;
-    W::even(pair, w0, w1);
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * ldx + 2 * p);
-      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
-    }
-    W::odd_by_shifts(pair, w0, w1);
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m256 b = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
-      acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);
-    }
+    pair_into<W>(x + 2 * p, ldx, wp, acc, 0);
   }
   #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
@@ -234,25 +243,7 @@ FLARE_AVX2 inline void micro_n(const float* x, int64_t ldx, const typename W::T*
     for (int j = 0; j < 2 * NB; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) {
-      const typename W::T* wp = w + j * stride + p * 2 * kBlock;
-      const typename W::Pair pair = W::load(wp);
-      __m256 w0, w1;
-      W::even(pair, w0, w1);
-      #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const __m256 a = _mm256_broadcast_ss(x + r * ldx + 2 * p);
-        acc[r][2 * j] = _mm256_fmadd_ps(a, w0, acc[r][2 * j]);
-        acc[r][2 * j + 1] = _mm256_fmadd_ps(a, w1, acc[r][2 * j + 1]);
-      }
-      W::odd_by_shifts(pair, w0, w1);
-      #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const __m256 b = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
-        acc[r][2 * j] = _mm256_fmadd_ps(b, w0, acc[r][2 * j]);
-        acc[r][2 * j + 1] = _mm256_fmadd_ps(b, w1, acc[r][2 * j + 1]);
-      }
-    }
+    for (int j = 0; j < NB; ++j) pair_into<W>(x + 2 * p, ldx, w + j * stride + p * 2 * kBlock, acc, 2 * j);
   }
   #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
