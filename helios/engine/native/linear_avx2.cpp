@@ -35,7 +35,7 @@ namespace {
 constexpr int64_t kHalf = 8;     // outputs per 256-bit register
 constexpr int64_t kAhead = 32;   // feature pairs (64-byte lines of a block) fetched ahead of use
 constexpr int kRows = 6;         // rows per register block from 3 rows (micro1)
-constexpr int64_t kPanel = 48;   // at most this many rows' inputs stay in cache while a thread's blocks stream past
+constexpr int64_t kPanel = 48;   // most rows whose inputs stay in cache while a thread's blocks stream past
 // A block's weights per slice of its features (blocks): a quarter of the smallest x86-64 level-1
 // data cache (32 KiB), leaving room for the group's inputs. 8 and 16 KiB measured alike on a Zen 3
 // (both 1.4-1.6x whole blocks at 16-64 rows); whole blocks of 1,536 inputs spilled to level 2.
@@ -207,8 +207,8 @@ FLARE_AVX2 inline void store_block(const float* acc, const float* bias, int64_t 
   if constexpr (!std::is_same_v<Y, uint16_t>) std::memcpy(y + first, sum, count * sizeof(float));
 }
 
-// MR rows through blocks [b0, b1), kWideBlocks[MR] blocks at a time (the last groups 4, 2, 1): eight weight
-// streams in flight (measured on a busy 2-core EPYC, one thread: a decode row's linears 0.8x the
+// MR rows through blocks [b0, b1), kWideBlocks[MR] blocks at a time (the last groups 4, 2, 1):
+// several weight streams in flight (measured on a busy 2-core EPYC, one thread: a decode row's linears 0.8x the
 // time of four streams with prefetches; software prefetches only cost issue slots here).
 template <typename W, int MR, typename Y>
 FLARE_AVX2 void wide(const float* x, int64_t ldx, const typename W::T* w, int64_t stride, int64_t pairs, int64_t b0,
@@ -272,21 +272,16 @@ FLARE_AVX2 void few(const float* x, int64_t rows, int64_t ldx, const typename W:
     for (int64_t g = 0, m = 0; g < groups; ++g) {
       const int r = static_cast<int>(rows / groups + (g < rows % groups ? 1 : 0));
       const float* xm = x + m * ldx;
-      if (count == 2) {
+      const auto with = [&](auto nb) {  // 3-6 rows split evenly: groups of 2, 3 or 4 rows
+        constexpr int NB = decltype(nb)::value;
         switch (r) {
-          case 4: micro_n<W, 4, 2>(xm, ldx, wb, stride, pairs, acc); break;
-          case 3: micro_n<W, 3, 2>(xm, ldx, wb, stride, pairs, acc); break;
-          case 2: micro_n<W, 2, 2>(xm, ldx, wb, stride, pairs, acc); break;
-          default: micro_n<W, 1, 2>(xm, ldx, wb, stride, pairs, acc); break;
+          case 4: micro_n<W, 4, NB>(xm, ldx, wb, stride, pairs, acc); break;
+          case 3: micro_n<W, 3, NB>(xm, ldx, wb, stride, pairs, acc); break;
+          default: micro_n<W, 2, NB>(xm, ldx, wb, stride, pairs, acc); break;
         }
-      } else {
-        switch (r) {
-          case 4: micro_n<W, 4, 1>(xm, ldx, wb, stride, pairs, acc); break;
-          case 3: micro_n<W, 3, 1>(xm, ldx, wb, stride, pairs, acc); break;
-          case 2: micro_n<W, 2, 1>(xm, ldx, wb, stride, pairs, acc); break;
-          default: micro_n<W, 1, 1>(xm, ldx, wb, stride, pairs, acc); break;
-        }
-      }
+      };
+      if (count == 2) with(std::integral_constant<int, 2>{});
+      else with(std::integral_constant<int, 1>{});
       for (int64_t i = 0; i < r; ++i)
         for (int64_t j = 0; j < count; ++j)
           store_block(acc + (i * count + j) * kBlock, bias, (b + j) * kBlock, n, y + (m + i) * n);
@@ -296,8 +291,9 @@ FLARE_AVX2 void few(const float* x, int64_t rows, int64_t ldx, const typename W:
 }
 
 // Every row through blocks [b0, b1). One or two decode rows take 8 or 4 blocks at once (several
-// weight streams in flight), fp32 weights at 3-6 rows two (few); more rows go block by block in groups of up to 6 rows, panel by panel, so a
-// block's weights come from memory for its first rows and from cache for the rest of the panel.
+// weight streams in flight), fp32 weights at 3-6 rows two (few); more rows go block by block in
+// groups of up to 6 rows, panel by panel, so a block's weights come from memory for its first rows
+// and from cache for the rest of the panel.
 // A block's features go in slices of about kSliceBytes of weights, every group of the panel
 // through one slice before the next: the slice stays in the level-1 cache for all of them (a
 // whole block of a 1,536-input fp32 weight is 96 KiB), and each group's sums go on from where the
