@@ -10,6 +10,7 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import slow_tests
 
 from helios.frontend.inference import RequestError
 from helios.protocols import anthropic_messages, decisions, ollama, openai_chat, openai_completions, systemone
@@ -17,7 +18,8 @@ from helios.protocols import openai_responses as responses
 from helios.server.body import BodyError, decode
 from helios.server.json_body import JsonBodyError, parse_json
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# examples per decoder: all 300 with FLARE_SLOW_TESTS=1, a third in CI (each example is a fresh draw)
+FUZZ = settings(max_examples=300 if slow_tests() else 100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=12)
 json_values = st.recursive(

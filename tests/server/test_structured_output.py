@@ -42,8 +42,8 @@ SCHEMA = {
 LARK = 'start: "Answer: " WORD " (" NUMBER ")"\nWORD: /[a-z]{1,12}/\nNUMBER: /[0-9]{1,3}/'
 REGEX = "(red|green|blue)-[0-9]{1,3}"
 # per format, for each of buffered and streamed Chat: all 50 with FLARE_SLOW_TESTS=1, a sample in CI
-NUM_REQUESTS = 50 if slow_tests() else 8
-NUM_RESPONSES = 10  # per format, for each of buffered and streamed Responses
+NUM_REQUESTS = 50 if slow_tests() else 6
+NUM_RESPONSES = 10 if slow_tests() else 4  # per format, for each of buffered and streamed Responses
 
 
 def _valid_schema(text: str) -> bool:
