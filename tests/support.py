@@ -29,27 +29,28 @@ TinyCores = Callable[..., tuple[Path, Path]]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a console entry point (`ignition ...` / `helios ...`). `ignition` runs in this process
-    (Typer's runner, the environment and working directory as a fresh process would have them):
-    starting Python and torch again cost 2-3 s of CI per call, and tests/test_cli_help.py runs the
-    real console scripts. `helios` commands (servers, `top`) get a fresh process."""
+    """Run a console entry point (`ignition ...` / `helios ...`). `ignition` without `env` runs in
+    this process (Typer's runner, in the working directory a fresh process would have): starting
+    Python and torch again cost 2-3 s of CI per call, and tests/test_cli_help.py runs the real
+    console scripts. `helios` commands (servers, `top`) and calls with `env` (which libraries such
+    as huggingface_hub read once, at import) get a fresh process."""
     program, *rest = args
-    if program == "ignition":
-        return _ignition_in_process(rest, env or {})
+    if program == "ignition" and env is None:
+        return _ignition_in_process(rest)
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", program, *rest], capture_output=True, text=True, env=full_env, cwd=ROOT
     )
 
 
-def _ignition_in_process(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _ignition_in_process(args: list[str]) -> subprocess.CompletedProcess[str]:
     from typer.testing import CliRunner
 
     from ignition.cli import app
     from ignition.errors import IgnitionError
 
     with contextlib.chdir(ROOT):
-        result = CliRunner().invoke(app, args, env=env, catch_exceptions=True)
+        result = CliRunner().invoke(app, args, catch_exceptions=True)
     code, stderr = result.exit_code, result.stderr
     error = result.exception
     if isinstance(error, IgnitionError):  # raised outside a command body: what main() prints

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import sympy
 import torch
 from torch import Tensor
 
@@ -385,22 +386,36 @@ def chunk_image_inputs(
 @contextlib.contextmanager
 def _memoized_type_hints() -> Iterator[None]:
     """torch.export's deserializer asks typing.get_type_hints about the same few schema classes
-    some 40,000 times per program (half of a load); answer repeats from a memo while it runs."""
-    real = typing.get_type_hints
+    some 40,000 times per program (half of a load), and parses the same symbolic-shape strings
+    ("s0", "64*s0", ...) with sympy.sympify again at every node (a fifth of the rest); answer
+    repeats from memos while it runs. Within one load a string always parses to the same
+    expression: the symbols it names are registered the first time they are seen and never
+    change, so the memo hands back what a fresh parse would."""
+    real_hints, real_sympify = typing.get_type_hints, sympy.sympify
     memo: dict[tuple[object, bool], dict[str, Any]] = {}
+    parsed: dict[str, Any] = {}
 
     def cached(obj: Any, globalns: Any = None, localns: Any = None, include_extras: bool = False) -> dict[str, Any]:
         key = (obj, include_extras)
         if localns is not None or key not in memo:
-            hints = real(obj, globalns, localns, include_extras)
+            hints = real_hints(obj, globalns, localns, include_extras)
             if localns is not None:
                 return hints
             memo[key] = hints
         return memo[key]
 
+    def sympify(a: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(a, str) or args or set(kwargs) - {"locals"}:
+            return real_sympify(a, *args, **kwargs)
+        if a not in parsed:
+            parsed[a] = real_sympify(a, **kwargs)
+        return parsed[a]
+
     with _HINTS_LOCK:
         typing.get_type_hints = cached  # type: ignore[assignment]
+        sympy.sympify = sympify
         try:
             yield
         finally:
-            typing.get_type_hints = real
+            typing.get_type_hints = real_hints
+            sympy.sympify = real_sympify
