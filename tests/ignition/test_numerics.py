@@ -26,13 +26,11 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf: Path):
+def hf_model(smollm2_hf: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_hf))
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_hf), dtype=torch.float32)
     return tokenizer, model.eval()
 
 
