@@ -48,32 +48,11 @@ def pytest_configure(config: pytest.Config) -> None:
             _share_native_builds()
 
 
-# Modules that take a minute or more of a CI run, started first so that no pytest-xdist worker
-# ends the run alone inside one while the other idles (--dist loadfile hands out whole modules in
-# collection order). The first two build different expensive fixtures (SmolLM2's core; the AVX2
-# kernel's tiny cores), so the workers do not start by waiting on one lock.
-HEAVY_FIRST = (
-    "engine/test_logprobs_vs_transformers.py",
-    "engine/test_avx2_linear.py",
-    "ignition/test_deepseek_v4.py",
-    "server/test_structured_output.py",
-    "ignition/test_glm5_next.py",
-    "server/test_real_clients.py",
-    "engine/test_reproducible.py",
-    "ignition/test_glm5_next_vision.py",
-    "server/test_scoring.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """HEAVY_FIRST's modules go first. Tests marked `sampled` (a family-parametrized suite: each
-    parameter exports and serves its own tiny core) run every parameter with FLARE_SLOW_TESTS=1,
-    and in CI one: per module, the parameter id with the lowest CRC-32 of "module:id" among each
-    test's own, so a module's tests agree on one family (one core to build) and different modules
-    sample different ones."""
-    tests = Path(__file__).parent
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))  # stable
+    """Tests marked `sampled` (a family-parametrized suite: each parameter exports and serves its
+    own tiny core) run every parameter with FLARE_SLOW_TESTS=1, and in CI one: per module, the
+    parameter id with the lowest CRC-32 of "module:id" among each test's own, so a module's tests
+    agree on one family (one core to build) and different modules sample different ones."""
     if slow_tests():
         return
     groups: dict[tuple[str, str], list[pytest.Item]] = {}
