@@ -343,9 +343,10 @@ def testmodel(
     typer.echo(f"wrote {out}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The console script; argv: the arguments (default: the process's)."""
     try:
-        app()
+        app(args=argv)
     except IgnitionError as error:  # raised outside a command body
         typer.secho(f"error: {error.message}", fg=typer.colors.RED, err=True)
         sys.exit(int(error.code))

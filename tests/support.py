@@ -44,20 +44,23 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 def _ignition_in_process(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """ignition.cli.main(args) with its streams captured (Typer's runner), as the console script runs it."""
     from typer.testing import CliRunner
 
-    from ignition.cli import app
-    from ignition.errors import IgnitionError
+    from ignition.cli import main
 
-    with contextlib.chdir(ROOT):
-        result = CliRunner().invoke(app, args, catch_exceptions=True)
-    code, stderr = result.exit_code, result.stderr
-    error = result.exception
-    if isinstance(error, IgnitionError):  # raised outside a command body: what main() prints
-        code, stderr = int(error.code), stderr + f"error: {error.message}\n"
-    elif error is not None and not isinstance(error, SystemExit):  # what Python prints before exiting 1
-        stderr += "".join(traceback.format_exception(error))
-    return subprocess.CompletedProcess(["ignition", *args], code, result.stdout, stderr)
+    code, crash = 0, ""
+    with contextlib.chdir(ROOT), CliRunner().isolation() as (stdout, stderr, _):
+        try:
+            main(args)
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        except Exception as error:  # noqa: BLE001 - what Python prints before exiting 1
+            code, crash = 1, "".join(traceback.format_exception(error))
+        sys.stdout.flush()  # the runner's text streams buffer what print() wrote
+        sys.stderr.flush()
+        out, err = stdout.getvalue().decode(), stderr.getvalue().decode()
+    return subprocess.CompletedProcess(["ignition", *args], code, out, err + crash)
 
 
 class ScriptedExecutor:

@@ -124,7 +124,7 @@ def vision_signature(patch_dim: int, feature_dim: int) -> tuple[tuple[TensorSpec
     return inputs, (TensorSpec("image_features", "float32", ("F", feature_dim)),)
 
 
-_HINTS_LOCK = threading.Lock()
+_LOOKUPS_LOCK = threading.Lock()
 
 
 class _Callable:
@@ -189,7 +189,7 @@ def _exported(path: Path) -> torch.export.ExportedProgram:
         if key in _EXPORTED:
             _EXPORTED.move_to_end(key)
             return _EXPORTED[key]
-    with _memoized_type_hints():
+    with _memoized_lookups():
         exported = torch.export.load(str(path))
     with _EXPORTED_LOCK:
         _EXPORTED[key] = exported
@@ -384,7 +384,7 @@ def chunk_image_inputs(
 
 
 @contextlib.contextmanager
-def _memoized_type_hints() -> Iterator[None]:
+def _memoized_lookups() -> Iterator[None]:
     """torch.export's deserializer asks typing.get_type_hints about the same few schema classes
     some 40,000 times per program (half of a load), and parses the same symbolic-shape strings
     ("s0", "64*s0", ...) with sympy.sympify again at every node (a fifth of the rest); answer
@@ -411,7 +411,7 @@ def _memoized_type_hints() -> Iterator[None]:
             parsed[a] = real_sympify(a, **kwargs)
         return parsed[a]
 
-    with _HINTS_LOCK:
+    with _LOOKUPS_LOCK:
         typing.get_type_hints = cached  # type: ignore[assignment]
         sympy.sympify = sympify
         try:
