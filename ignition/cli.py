@@ -248,13 +248,13 @@ def verify(
     ] = False,
 ) -> None:
     """Re-check every checksum and re-run the golden logprob check."""
-    from ignition.quant_check import check_stored
+    from ignition.quant_check import check_stored, recorded_step
 
     try:
         opened = _open(core, verify_checksums=True)
         check_stored(opened)  # a quantized core's stored tensors: names, shapes, dtypes, finite scales
         try:
-            worst = recheck(opened)
+            worst = recheck(opened, *recorded_step(opened))
             if onnx:
                 from ignition.onnx_export import verify as verify_onnx
 

@@ -45,6 +45,7 @@ from helios.core.onnx_program import (
 from helios.core.ops.moe import expert_activation, post_expert_norm
 from helios.core.program import SCORED_PREFILL, STEP, VISION
 from ignition.errors import UsageError, VerifyError
+from ignition.examples import example_caches, example_inputs
 
 if TYPE_CHECKING:
     from helios.core.bundle import Core
@@ -409,8 +410,6 @@ def _program_examples(spec: mf.ProgramSpec, vocab: int, page_tokens: int) -> dic
     """export's example inputs by name; an input only some programs take is seeded noise of its
     shape at 5 rows (the drafter's hidden_states, host table rows), a vision core's step gets
     export's two image rows (one used, one not)."""
-    from ignition.export import _example_inputs
-
     generator = torch.Generator().manual_seed(0)
     own = {
         t.name: torch.randn(
@@ -421,7 +420,7 @@ def _program_examples(spec: mf.ProgramSpec, vocab: int, page_tokens: int) -> dic
         if t.dtype.startswith("float")
     }
     own["image_rows"] = torch.tensor([1, -1])
-    return dict(zip((t.name for t in spec.inputs), _example_inputs(spec.inputs, vocab, page_tokens, own)))
+    return dict(zip((t.name for t in spec.inputs), example_inputs(spec.inputs, vocab, page_tokens, own)))
 
 
 def verify(core: Core) -> float:
@@ -431,7 +430,6 @@ def verify(core: Core) -> float:
     VerifyError names the first output beyond tolerance."""
     from helios.core.onnx_program import OnnxRecord, OnnxUnavailable, load_onnx
     from helios.core.program import run_prompt
-    from ignition.export import _example_caches
 
     m = core.manifest
     try:
@@ -458,7 +456,7 @@ def verify(core: Core) -> float:
                     )
             continue
         inputs = _program_examples(reference.spec, m.tokenizer.vocab_size, page_tokens)
-        torch_caches, onnx_caches = _example_caches(m.kv, page_tokens), _example_caches(m.kv, page_tokens)
+        torch_caches, onnx_caches = example_caches(m.kv, page_tokens), example_caches(m.kv, page_tokens)
         expected, got = reference(weights, torch_caches, **inputs), onnx_program(weights, onnx_caches, **inputs)
         for name in reference.output_names:
             worst = max(worst, _compare(kind, "example inputs", name, expected[name], got[name], tolerance))

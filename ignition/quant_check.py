@@ -27,6 +27,7 @@ from torch import Tensor
 from helios.core import Core, quant
 from helios.core import manifest as mf
 from helios.core.golden import golden_key
+from helios.core.host_rows import HostFed
 from helios.core.program import Program, run_prompt
 from helios.engine import quantized_ref
 from ignition.errors import VerifyError
@@ -94,6 +95,17 @@ def with_int8_activations(program: Program, names: list[str], tensors: dict[str,
     graph.lint()
     module.recompile()
     return Program(program.kind, program.spec, module)
+
+
+def recorded_step(core: Core) -> tuple[Program | HostFed, dict[str, Tensor]]:
+    """The step program and weights that reproduce a core's golden values: the saved step on the
+    (dequantized) weights, its linears' inputs rounded to int8 where the core records int8
+    activations (as measure recorded them)."""
+    program, weights = core.load_program(), core.load_weights()
+    quantization = core.manifest.quantization
+    if quantization is not None and isinstance(program, Program):
+        program = with_int8_activations(program, list(weights), quantization.tensors)
+    return program, weights
 
 
 def _figure(value: float) -> float:

@@ -9,15 +9,20 @@ from safetensors.torch import load_file
 from helios.core.program import run_prompt
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from helios.core.bundle import Core
+    from helios.core.host_rows import HostFed
+    from helios.core.program import Program
 
 
 def golden_key(index: int) -> str:
     return f"prompt_{index}"
 
 
-def recheck(core: Core) -> float:
-    """Re-run the golden prompts through the saved step program.
+def recheck(core: Core, program: Program | HostFed | None = None, weights: dict[str, Tensor] | None = None) -> float:
+    """Re-run the golden prompts through the saved step program (or `program` on `weights`: the
+    step as the golden values were recorded, e.g. with int8 activations rounded as recorded).
 
     Returns the max absolute logprob difference; raises CoreError naming the first value
     that differs by more than the recorded tolerance.
@@ -26,8 +31,8 @@ def recheck(core: Core) -> float:
 
     golden = core.manifest.golden
     recorded = load_file(str(core.root / golden.file))
-    program = core.load_program()
-    weights = core.load_weights()
+    program = program if program is not None else core.load_program()
+    weights = weights if weights is not None else core.load_weights()
     worst = 0.0
     for index, prompt in enumerate(golden.prompts):
         expected = recorded[golden_key(index)]

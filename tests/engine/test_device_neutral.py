@@ -26,7 +26,8 @@ from helios.core.program import SCORED_PREFILL, STEP, Program
 from helios.engine import devices, graph
 from helios.engine.cuda import registry as cuda_registry
 from helios.engine.executor import Executor
-from ignition.export import _example_caches, _example_inputs, export_program, internal_weights, kv_layout
+from ignition.examples import example_caches, example_inputs
+from ignition.export import export_program, internal_weights, kv_layout
 from ignition.models import FAMILIES, common
 from ignition.sources import open_source
 from ignition.testmodel import write_testmodel
@@ -83,8 +84,8 @@ def run_on(exported: Exported, kind: str, device: str) -> dict[str, torch.Tensor
     program = Program.load(kind, exported.spec, exported.program, check_guards=False)
     graph.place(program, device)
     weights = {name: w.to(device) for name, w in exported.weights.items()}
-    caches = [c.to(device) for c in _example_caches(exported.kv, PAGE)]
-    examples = _example_inputs(program.spec.inputs, exported.vocab_size, PAGE)
+    caches = [c.to(device) for c in example_caches(exported.kv, PAGE)]
+    examples = example_inputs(program.spec.inputs, exported.vocab_size, PAGE)
     inputs = {name: t.to(device) for name, t in zip(program.input_names, examples, strict=True)}
     return program(weights, caches, **inputs)
 

@@ -17,12 +17,14 @@ from safetensors.torch import load_file, save_file
 
 from helios.core import Core, CoreError, quant
 from helios.core import manifest as mf
+from helios.core.golden import recheck
 from helios.engine import EngineConfig, LLMEngine, build_engine, quantized, quantized_ref
 from helios.engine.offline import run_to_completion
 from helios.engine.request import EngineRequest
 from helios.engine.sampling_params import GREEDY
 from helios.engine.speculation.drafter import SpeculationConfig
 from ignition.export import ExportOptions, export_core
+from ignition.quant_check import recorded_step
 from ignition.quantize import QuantRequest
 from ignition.recipe import load_recipe
 from ignition.sources import open_source
@@ -218,6 +220,20 @@ def test_int8_activations_run_as_recorded(cores: dict, tmp_path: Path, monkeypat
     _assert_close(answers(engine), want, 1e-4)
 
 
+def test_verify_reruns_the_step_as_the_golden_values_were_recorded(cores: dict, tmp_path: Path) -> None:
+    """`ignition verify` re-runs an int8-activation core's golden prompts with each such linear's
+    input rounded as the export recorded them (quant_check.measure); a float-activation core's
+    saved step runs as it is."""
+    core = Core.open(_with_int8_activations(cores[("llama", "int4")][0], tmp_path / "a8"))
+    int8 = [n for n, t in core.manifest.quantization.tensors.items() if t.activations == "int8"]
+    program, weights = recorded_step(core)
+    calls = [n.target for n in program.module.graph.nodes if n.op == "call_function"]
+    assert calls.count(quantized_ref.fake_quantize) == len(int8) - 1  # all but the embedding table
+    assert list(weights) == sorted(weights)
+    plain, _ = recorded_step(Core.open(cores[("llama", "int4")][0]))
+    assert quantized_ref.fake_quantize not in [n.target for n in plain.module.graph.nodes]
+
+
 @pytest.mark.skipif(os.environ.get("FLARE_SLOW_TESTS") != "1", reason="one more export: FLARE_SLOW_TESTS=1")
 def test_export_records_and_self_checks_int8_activations(tmp_path: Path) -> None:
     """`--quant-activations int8`: recorded per linear weight, in the level, and self-checked so (the
@@ -230,3 +246,4 @@ def test_export_records_and_self_checks_int8_activations(tmp_path: Path) -> None
     assert record is not None and record.level == "int4-g32-a8" and record.self_check is not None
     assert {t.activations for t in record.tensors.values()} == {quant.INT8_ACTIVATIONS}
     assert record.self_check.top1_agreement > 0.5
+    assert recheck(Core.open(tmp_path / "core"), *recorded_step(Core.open(tmp_path / "core"))) == 0.0  # verify
