@@ -3,10 +3,10 @@
 Fast: the flare_quant:: ops a compiled quantized step calls (its expert stacks and embedding
 rows) pass torch's op checks (schema, fake kernel, dispatch) on packed blobs and equal the
 portable step's Python kernels. Slow (FLARE_SLOW_TESTS=1, an AOTInductor build per core, about
-a minute each on 2 cores): tiny llama (int4, embedding table quantized too) and qwen3_moe (int8)
-cores exported with the compiled step hold only the packed blobs of their quantized weights,
-load and serve it, and answer as the portable quantized step does: the same greedy tokens,
-logprobs within the export's self-check tolerance.
+a minute each on 2 cores): tiny llama (int4, embedding table quantized too; int8 and int4 on int8
+activations) and qwen3_moe (int8) cores exported with the compiled step hold only the packed blobs
+of their quantized weights, load and serve it, and answer as the portable quantized step does:
+the same greedy tokens, logprobs within the export's self-check tolerance.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ slow = pytest.mark.skipif(
 CASES = {
     "llama-int4": ("llama", "smollm2", quant.INT4, True, quant.FLOAT_ACTIVATIONS),
     "llama-int8-a8": ("llama", "smollm2", quant.INT8, False, quant.INT8_ACTIVATIONS),
+    "llama-int4-a8": ("llama", "smollm2", quant.INT4, True, quant.INT8_ACTIVATIONS),
     "qwen3_moe-int8": ("qwen3_moe", str(DATA / "tiny_qwen3_moe.toml"), quant.INT8, False, quant.FLOAT_ACTIVATIONS),
 }
 
@@ -108,14 +109,21 @@ def test_the_compiled_step_serves_as_the_portable_one(compiled_cores: dict[str, 
     manifest = core.manifest
     assert manifest.quantization is not None
     spec = manifest.compiled[STEP]
-    assert spec.max_abs_diff <= manifest.golden.tolerance
+    # int8 activations: the compiled step may also stray by what rounding them moves (bounded here by
+    # the self-check's distance from the unquantized weights, which includes it; docs/quantization.md)
+    a8 = CASES[name][4] == quant.INT8_ACTIVATIONS
+    bound = manifest.golden.tolerance + (manifest.quantization.self_check.max_abs_logprob_diff if a8 else 0.0)
+    assert spec.max_abs_diff <= bound
     # The package holds each quantized weight as its packed blob (its constant w<i> is the i-th
     # weight of the step's weights dict) and no float constant larger than the float weights.
     plain, stored = core.load_stored()
     names = sorted({*plain, *stored})
     runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(core.root / spec.file), 1)
     constants = runner.extract_constants_map(False)
-    largest = max(w.numel() for w in plain.values() if w.is_floating_point())
+    # (a float weight may be held prepacked for the native linears: outputs in blocks of 16, inputs in pairs)
+    largest = max(
+        -(-w.shape[0] // 16) * 16 * -(-w[0].numel() // 2) * 2 for w in plain.values() if w.is_floating_point()
+    )
     blobs = 0
     for key, value in constants.items():
         if key.startswith("w") and names[int(key[1:])] in stored:
@@ -133,7 +141,7 @@ def test_the_compiled_step_serves_as_the_portable_one(compiled_cores: dict[str, 
     got, want = answers(compiled), answers(portable)
     for request, (tokens, logprobs) in want.items():
         assert got[request][0] == tokens, request
-        assert max(abs(a - b) for a, b in zip(got[request][1], logprobs)) <= manifest.golden.tolerance, request
+        assert max(abs(a - b) for a, b in zip(got[request][1], logprobs)) <= bound, request
 
 
 @slow
