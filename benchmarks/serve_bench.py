@@ -12,7 +12,8 @@ Scenarios (prompts are fixed and seeded, so runs are comparable):
   edit     one stream: a ~300-line source file in the prompt, returned with a small change
            (the workload speculative decoding targets); helios also reports its acceptance
            rate and DEPTH over the run from /metrics
-Reports output tokens/s, requests/s, TTFT p50/p99, inter-token latency p50/p99, errors.
+Reports output tokens/s, requests/s, TTFT p50/p99, inter-token latency p50/p99, errors, and requests sent
+again once because the connection dropped before any response (a stale keep-alive connection).
 
 --levels sets the sweep's concurrency levels. The device is the server's (helios: [server] device):
 the report records what a helios server says it serves on (/v1/models: device, CUDA graphs), and
@@ -59,6 +60,7 @@ class Sample:
     prompt_tokens: int = 0
     gaps: list[float] = field(default_factory=list)  # seconds between content chunks
     error: str = ""
+    retried: bool = False  # sent again once after the connection dropped before any response
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> Sample:
@@ -76,30 +78,41 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, messages:
     sample = Sample(ok=False)
     last = None
     chunks = 0
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                sample.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+    for attempt in range(2):
+        answered = False
+        try:
+            async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+                answered = True
+                if response.status_code != 200:
+                    sample.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    return sample
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    data = json.loads(line[5:])
+                    if data.get("usage"):
+                        sample.tokens = data["usage"].get("completion_tokens", 0)
+                        sample.prompt_tokens = data["usage"].get("prompt_tokens", 0)
+                    for choice in data.get("choices") or []:
+                        if (choice.get("delta") or {}).get("content"):
+                            now = time.perf_counter()
+                            if last is None:
+                                sample.ttft = now - start
+                            else:
+                                sample.gaps.append(now - last)
+                            last = now
+                            chunks += 1
+            break
+        except httpx.RemoteProtocolError as exc:
+            # A pooled keep-alive connection the server had already closed drops the request before
+            # any response: a client sends it again (once) on a fresh connection; its wait counts.
+            if answered or attempt:
+                sample.error = repr(exc)
                 return sample
-            async for line in response.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                data = json.loads(line[5:])
-                if data.get("usage"):
-                    sample.tokens = data["usage"].get("completion_tokens", 0)
-                    sample.prompt_tokens = data["usage"].get("prompt_tokens", 0)
-                for choice in data.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
-                        now = time.perf_counter()
-                        if last is None:
-                            sample.ttft = now - start
-                        else:
-                            sample.gaps.append(now - last)
-                        last = now
-                        chunks += 1
-    except httpx.HTTPError as exc:
-        sample.error = repr(exc)
-        return sample
+            sample.retried = True
+        except httpx.HTTPError as exc:
+            sample.error = repr(exc)
+            return sample
     sample.latency = time.perf_counter() - start
     sample.tokens = sample.tokens or chunks
     sample.ok = True
@@ -120,6 +133,7 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     return {
         "requests": len(samples),
         "errors": len(samples) - len(ok),
+        "retried": sum(s.retried for s in samples),
         "wall_s": round(wall, 3),
         "output_tokens": tokens,
         "output_tok_s": round(tokens / wall, 1) if wall else 0.0,
