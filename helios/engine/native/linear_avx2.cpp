@@ -82,19 +82,13 @@ struct F32Weights {
     const float* p;
   };
   FLARE_AVX2 static inline Pair load(const T* wp) { return {wp}; }
-  // The empty asm keeps each loaded weight in its register: left alone, GCC folded the load into
-  // every row's multiply-add (vfmadd231ps mem), 24 256-bit loads a feature pair at 6 rows where 4
-  // do, and the load ports, not the multiply-adds, set the pace (fp32 at 512 rows ran at 0.7x the
-  // bfloat16 weights' FLOP/s on a Zen 3).
   FLARE_AVX2 static inline void even(const Pair& w, __m256& e0, __m256& e1) {
     e0 = _mm256_loadu_ps(w.p);
     e1 = _mm256_loadu_ps(w.p + kHalf);
-    __asm__("" : "+x"(e0), "+x"(e1));
   }
   FLARE_AVX2 static inline void odd(const Pair& w, __m256& o0, __m256& o1) {
     o0 = _mm256_loadu_ps(w.p + kBlock);
     o1 = _mm256_loadu_ps(w.p + kBlock + kHalf);
-    __asm__("" : "+x"(o0), "+x"(o1));
   }
   FLARE_AVX2 static inline void odd_by_shifts(const Pair& w, __m256& o0, __m256& o1) { odd(w, o0, o1); }
 };
@@ -131,9 +125,15 @@ FLARE_AVX2 inline void micro(const float* x, int64_t ldx, const typename W::T* w
 template <typename W, int MR, int S>
 FLARE_AVX2 __attribute__((always_inline)) inline void pair_into(const float* x, int64_t ldx, const typename W::T* wp,
                                                                   __m256 (&acc)[MR][S], int j) {
+  // fp32 weights: the empty asm keeps each loaded weight in its register. Left alone, GCC folded
+  // the load into every row's multiply-add (vfmadd231ps mem): 24 256-bit loads a feature pair at 6
+  // rows where 4 do, so the load ports, not the multiply-adds, set the pace (fp32 weights at 512
+  // rows ran at 0.7x bfloat16's FLOP/s on a Zen 3; 1.0-1.1x with the weights in registers).
+  constexpr bool pin = std::is_same_v<W, F32Weights>;
   const typename W::Pair pair = W::load(wp);
   __m256 w0, w1;
   W::even(pair, w0, w1);
+  if constexpr (pin) __asm__("" : "+x"(w0), "+x"(w1));
   #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     const __m256 a = _mm256_broadcast_ss(x + r * ldx);
@@ -141,6 +141,7 @@ FLARE_AVX2 __attribute__((always_inline)) inline void pair_into(const float* x, 
     acc[r][j + 1] = _mm256_fmadd_ps(a, w1, acc[r][j + 1]);
   }
   W::odd_by_shifts(pair, w0, w1);
+  if constexpr (pin) __asm__("" : "+x"(w0), "+x"(w1));
   #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     const __m256 b = _mm256_broadcast_ss(x + r * ldx + 1);
