@@ -57,6 +57,19 @@ def test_kv_dtype_is_recorded_separately(tiny_checkpoint: Path, tmp_path: Path) 
     assert (result.manifest.weights.dtype, result.manifest.kv.dtype) == ("bfloat16", "float32")
 
 
+def test_a_float32_core_with_a_bfloat16_cache_is_checked_at_the_cache_precision(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    # float32's 1e-3 refused every such export (SmolLM2: 0.119 from the cache's rounding alone)
+    result = export_core(
+        open_source(str(tiny_checkpoint)),
+        load_recipe("smollm2"),
+        ExportOptions(out=tmp_path / "c", dtype="float32", kv_dtype="bfloat16"),
+    )
+    m = result.manifest
+    assert (m.weights.dtype, m.kv.dtype, m.golden.tolerance) == ("float32", "bfloat16", 1.0)
+
+
 @pytest.fixture(scope="module")
 def bf16_compiled_core(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cores") / "tiny-bf16-compiled"
