@@ -22,20 +22,51 @@ bool chunk_attention_supported(const at::Tensor& q, const at::Tensor& k_cache) {
 #if defined(__AVX512BF16__)
 namespace {
 
+// 16 x 16 32-bit elements: r[i] lane j -> r[j] lane i (in 128-bit lanes, then across them).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + c], 128-bit lane L: rows 4g..4g+3 of column 4L + c
+  __m512i u[16];
+  for (int g = 0; g < 16; g += 4) {
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes for each c
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
 // One 64-key tile of one kv head: key c's features at keys[c] (nullptr: past the end, zeros).
 // keys   -> [4 blocks][dim / 2 pairs][16 keys][2]
 // values -> [dim / 16 blocks][32 key pairs][16 features][2]
-// dim is a multiple of 64 (chunk_attention_supported). Keys move as 32-bit feature pairs; values
-// interleave two keys' 16 features with one permute per 32 outputs.
+// dim is a multiple of 64 (chunk_attention_supported). Keys move as 32-bit feature pairs, 16 keys
+// x 16 pairs per register transpose; values interleave two keys' 16 features with one permute per
+// 32 outputs. Decode packs a sequence's every tile at every step, so this runs at the cache's
+// read rate, not one pair at a time.
 void pack_tile(const uint16_t* const* keys, const uint16_t* const* values, int64_t dim, uint16_t* kt, uint16_t* vt) {
   const int64_t pairs = dim / 2;
-  for (int64_t c = 0; c < kTile; ++c) {  // key block, feature pair, key lane, pair member
-    uint16_t* out = kt + ((c / kBlock) * pairs * kBlock + c % kBlock) * 2;
-    const uint16_t* key = keys[c];
-    for (int64_t p = 0; p < pairs; ++p) {
-      uint32_t pair = 0;
-      if (key != nullptr) std::memcpy(&pair, key + 2 * p, sizeof(pair));
-      std::memcpy(out + p * kBlock * 2, &pair, sizeof(pair));
+  for (int64_t block = 0; block < kTile / kBlock; ++block) {
+    uint16_t* out = kt + block * pairs * kBlock * 2;
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c) {
+        const uint16_t* key = keys[block * kBlock + c];
+        r[c] = key != nullptr ? _mm512_loadu_si512(key + 2 * p0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (p0 + p) * kBlock * 2, r[p]);
     }
   }
   // feature block, key pair, feature lane, pair member: lane f of key pair (c, c + 1) holds
