@@ -188,9 +188,17 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const c10::opt
     TORCH_CHECK(bias->numel() == h.out, "qlinear: bias size ", bias->numel(), " but ", h.out, " outputs");
     b = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor xf = x.reshape({rows, h.in}).to(at::kFloat).contiguous();  // exact for bfloat16
-  const QCall call{&h, static_cast<const uint8_t*>(packed.data_ptr()) + sizeof h, xf.data_ptr<float>(), rows, h.in,
-                   b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr(), x.scalar_type() == at::kBFloat16};
+  // The int8-activation kernels quantize bfloat16 rows where they lie; the float ones take fp32
+  // (a copy, exact for bfloat16).
+  const bool in_place = a8 && x.scalar_type() == at::kBFloat16;
+  const at::Tensor xf = in_place ? x.reshape({rows, h.in}).contiguous() : x.reshape({rows, h.in}).to(at::kFloat).contiguous();
+  QCall call{&h, static_cast<const uint8_t*>(packed.data_ptr()) + sizeof h, nullptr, rows, h.in,
+             b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr(), x.scalar_type() == at::kBFloat16};
+  if (in_place) {
+    call.xb = reinterpret_cast<const uint16_t*>(xf.data_ptr());
+  } else {
+    call.x = xf.data_ptr<float>();
+  }
   const Isa isa = chosen();
   if (a8) {  // int8 activations: AVX512-VNNI where present, else AVX2 (the same bits)
     const bool forced = std::getenv("FLARE_QLINEAR_ISA") != nullptr && *std::getenv("FLARE_QLINEAR_ISA") != '\0';

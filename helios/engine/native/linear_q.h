@@ -40,7 +40,8 @@ struct QHeader {
 static_assert(sizeof(QHeader) == 64, "the blob header is one cache line");
 constexpr int64_t kQMagic = 0x31514c46;  // "FLQ1"
 
-// What a qlinear kernel needs from the call: inputs widened to fp32 rows, output, bias.
+// What a qlinear kernel needs from the call: input rows (fp32; or bfloat16 for the int8-activation
+// kernels), output, bias.
 struct QCall {
   const QHeader* head;
   const uint8_t* blocks;  // the first block (just past the header)
@@ -49,6 +50,9 @@ struct QCall {
   const float* bias;  // [out] fp32 or null
   void* y;            // [rows, out] of the output dtype
   bool bf16_out;
+  // The int8-activation kernels (linear_qa.h) also read bfloat16 rows in place: xb [rows, ldx]
+  // (x null then), widened in registers as they are quantized (exact, as a copy to fp32 is).
+  const uint16_t* xb = nullptr;
 };
 
 // linear_q.cpp

@@ -56,8 +56,14 @@ struct Vnni {
 
   // Q8_0's rule: d = amax / 127; q = x / d rounded to nearest even (the default rounding mode);
   // an all-zero block gets d = 0 and q = 0.
-  static void quantize(const float* x, int8_t* q, float& d, int32_t& sum) {
-    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  static __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+  static __m512 load16(const uint16_t* x) {  // bfloat16 -> fp32, exactly
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  template <class In>
+  static void quantize(const In* x, int8_t* q, float& d, int32_t& sum) {
+    const __m512 a = load16(x), b = load16(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     d = amax / 127.0f;
     if (amax == 0.0f) {

@@ -89,11 +89,17 @@ struct Avx2 {
   QK_TARGET static I fix8(I acc, int32_t) { return acc; }  // dp8 used the signed weights
 
   // Q8_0's rule, as the VNNI kernel's quantize (the same bits: IEEE division, nearest even).
-  QK_TARGET static void quantize(const float* x, int8_t* q, float& d, int32_t& sum) {
+  QK_TARGET static __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+  QK_TARGET static __m256 load8(const uint16_t* x) {  // bfloat16 -> fp32, exactly
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  template <class In>
+  QK_TARGET static void quantize(const In* x, int8_t* q, float& d, int32_t& sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], m = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
+      v[i] = load8(x + 8 * i);
       m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
     }
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));

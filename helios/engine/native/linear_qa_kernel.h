@@ -162,19 +162,33 @@ struct QAKernel {
   static void run(const QCall& c) {
     const QHeader& h = *c.head;
     const int64_t nkb = h.in / kActBlock, rows = c.rows;
-    std::vector<int8_t> xq(rows * h.in);
-    std::vector<float> xd(rows * nkb), xc(rows * nkb);
-    std::vector<int32_t> xs(rows * nkb);
+    // The calling thread's scratch, kept between calls (no allocation, no zeroing per call). The
+    // parallel loops below see it through these pointers: a thread_local named in a lambda run
+    // on a worker thread would be that worker's own.
+    static thread_local std::vector<int8_t> xq_buffer;
+    static thread_local std::vector<float> xd_buffer, xc_buffer;
+    static thread_local std::vector<int32_t> xs_buffer;
+    if (static_cast<int64_t>(xq_buffer.size()) < rows * h.in) xq_buffer.resize(rows * h.in);
+    if (static_cast<int64_t>(xd_buffer.size()) < rows * nkb) {
+      xd_buffer.resize(rows * nkb);
+      xc_buffer.resize(rows * nkb);
+      xs_buffer.resize(rows * nkb);
+    }
+    int8_t* const xq = xq_buffer.data();
+    float* const xd = xd_buffer.data();
+    float* const xc = xc_buffer.data();
+    int32_t* const xs = xs_buffer.data();
     // Rows are quantized independently (Q8_0's rule per 32-feature block): any split gives the same.
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / h.in), [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / h.in), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t kb = 0; kb < nkb; ++kb) {
-          const int64_t i = r * nkb + kb;
-          T::quantize(c.x + r * c.ldx + kb * kActBlock, xq.data() + r * h.in + kb * kActBlock, xd[i], xs[i]);
+          const int64_t i = r * nkb + kb, at = r * c.ldx + kb * kActBlock;
+          int8_t* q = xq + r * h.in + kb * kActBlock;
+          c.xb != nullptr ? T::quantize(c.xb + at, q, xd[i], xs[i]) : T::quantize(c.x + at, q, xd[i], xs[i]);
           xc[i] = xd[i] * static_cast<float>(xs[i]);
         }
     });
-    const QAData a{xq.data(), xd.data(), xs.data(), xc.data()};
+    const QAData a{xq, xd, xs, xc};
     parallel_runs(h.blocks, run_length(h.blocks, rows <= T::kRows ? 8 : T::kTile), [&](int64_t b0, int64_t b1) {
       const bool int4 = h.bits == 4, bf = h.scale_bytes == 2;
       if (int4) {
