@@ -272,6 +272,8 @@ def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
         packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
     )
     if magic == _MAGIC_A8:
+        if dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.flare_native, "qembedding_a8"):
+            return torch.ops.flare_native.qembedding_a8(packed, ids, dtype)  # the same rows, read natively
         return _a8_rows(packed, ids, dtype)
     groups, int4 = width // group, bits == 4
     head = _BLOCK * scale_bytes * (2 if int4 else 1)  # a group's scales (and minimums)

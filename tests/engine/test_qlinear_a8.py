@@ -147,13 +147,24 @@ def test_expert_stacks_and_the_float_blob(fmt: str, monkeypatch) -> None:
 
 
 def test_embedding_rows_read_the_int8_activation_blob() -> None:
-    """A tied table packed for int8 activations: its lookup gathers exactly dequantize's rows."""
+    """A tied table packed for int8 activations: its lookup gathers exactly dequantize's rows, read
+    natively (flare_native::qembedding_a8) and by the torch ops that describe the layout alike."""
     for fmt in quant.FORMATS:
-        for group, scale_dtype in ((32, torch.float32), (128, torch.bfloat16)):
+        for group, scale_dtype in ((32, torch.float32), (128, torch.bfloat16), (64, torch.bfloat16)):
             stored = _stored(45, group * 3, fmt, group, scale_dtype, seed=group)
             ids = torch.tensor([[0, 44, 17], [16, 15, 3]])
-            want = quant.dequantize(*_args(stored, group))[ids]
-            assert torch.equal(quantized.embedding_rows(_pack(stored, group), ids, torch.float32), want)
+            packed = _pack(stored, group)
+            for dtype in (torch.float32, torch.bfloat16):
+                want = quant.dequantize(*_args(stored, group), dtype=dtype)[ids]
+                assert torch.equal(quantized.embedding_rows(packed, ids, dtype), want)
+                assert torch.equal(torch.ops.flare_native.qembedding_a8(packed, ids, dtype), want)
+                assert torch.equal(quantized._a8_rows(packed, ids, dtype), want)
+
+
+def test_embedding_rows_outside_the_table_are_refused() -> None:
+    stored = _stored(45, 64, quant.INT4, 32, torch.float32, seed=3)
+    with pytest.raises(RuntimeError, match="outside the table's 45 rows"):
+        torch.ops.flare_native.qembedding_a8(_pack(stored, 32), torch.tensor([3, 45]), torch.float32)
 
 
 def test_wrong_act_bits_say_what_to_do() -> None:

@@ -1,8 +1,11 @@
 // The int8-activation quantized linear (linear_qa.h): its blob layout (pack_one_a8, called by
 // pack_qlinear) and its AVX512-VNNI kernel: vpdpbusd takes the weights' unsigned bytes (int4's
 // nibbles as they are, int8's with +128, removed afterwards as 128 * S) times the activations'
-// signed ones, 16 outputs x 4 features per instruction.
+// signed ones, 16 outputs x 4 features per instruction; and qembedding_a8, a tied table's rows read
+// back from that blob.
 #include "linear_qa.h"
+
+#include <torch/library.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FLARE_QA_VNNI 1
@@ -134,4 +137,81 @@ void pack_one_a8(const uint8_t* q, const uint8_t* s, const uint8_t* m, const QHe
   });
 }
 
+// Rows `ids` of an int8-activation blob (a tied table whose head runs on it), dequantized as
+// helios.core.quant.dequantize does: float(q) * scale, then + minimum (int4), in fp32 with no fused
+// multiply-add (this file is compiled with -ffp-contract=off), rounded to `dtype`. The layout is
+// linear_qa.h's; helios.engine.quantized._a8_rows reads the same bytes with torch ops.
+at::Tensor qembedding_a8(const at::Tensor& packed, const at::Tensor& ids, at::ScalarType dtype) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() >= static_cast<int64_t>(sizeof(QHeader)),
+              "qembedding_a8: needs one weight's pack_qlinear blob");
+  QHeader h;
+  std::memcpy(&h, packed.data_ptr(), sizeof h);
+  TORCH_CHECK(h.magic == kQMagicA8 && (h.bits == 4 || h.bits == 8) &&
+                  packed.numel() >= static_cast<int64_t>(sizeof h) + h.blocks * h.block_bytes,
+              "qembedding_a8: not an int8-activation pack_qlinear blob (act_bits=8)");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "qembedding_a8: rows come as float32 or bfloat16");
+  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t n = flat.numel(), width = h.in, groups = h.in / h.group, sb = h.scale_bytes;
+  const int64_t region = a8_scale_region(h.bits, h.group, h.in, sb), kb_bytes = h.bits == 4 ? 256 : 512;
+  const int64_t* idp = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < h.out, "qembedding_a8: row ", idp[i], " outside the table's ", h.out, " rows");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(width);
+  at::Tensor out = at::empty(shape, packed.options().dtype(dtype));
+  const uint8_t* body = static_cast<const uint8_t*>(packed.data_ptr()) + sizeof h;
+  auto scale_at = [&](const uint8_t* p) {
+    if (sb == 4) {
+      float v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  };
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(width);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t id = idp[i], lane = id % kBlock;
+      const uint8_t* block = body + (id / kBlock) * h.block_bytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = scale_at(block + (g * kBlock + lane) * sb);
+        const float m = h.bits == 4 ? scale_at(block + ((groups + g) * kBlock + lane) * sb) : 0.0f;
+        for (int64_t f = g * h.group; f < (g + 1) * h.group; ++f) {
+          const int64_t kb = f / kActBlock, j = f % kActBlock;
+          int q;
+          if (h.bits == 8) {  // step j / 4, byte j % 4: the weight + 128
+            q = static_cast<int>(block[region + kb * kb_bytes + (j / 4) * 64 + lane * 4 + j % 4]) - 128;
+          } else {  // features 0..15 of the block in low nibbles, 16..31 in high ones
+            const int64_t t = j % 16;
+            const uint8_t byte = block[region + kb * kb_bytes + (t / 4) * 64 + lane * 4 + t % 4];
+            q = j < 16 ? byte & 15 : byte >> 4;
+          }
+          float v = static_cast<float>(q) * s;
+          if (h.bits == 4) v = v + m;
+          row[f] = v;
+        }
+      }
+      if (dtype == at::kFloat) {
+        std::memcpy(out.data_ptr<float>() + i * width, row.data(), width * sizeof(float));
+      } else {
+        at::BFloat16* y = out.data_ptr<at::BFloat16>() + i * width;
+        for (int64_t f = 0; f < width; ++f) y[f] = static_cast<at::BFloat16>(row[f]);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace flare_native
+
+TORCH_LIBRARY_FRAGMENT(flare_native, m) {
+  m.def("qembedding_a8(Tensor packed, Tensor ids, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(flare_native, CPU, m) { m.impl("qembedding_a8", &flare_native::qembedding_a8); }
