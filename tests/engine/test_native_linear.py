@@ -147,7 +147,19 @@ def test_tiles_win_where_they_are_as_fast_at_one_row_and_fastest_at_many(
     assert kernel == prepack.NATIVE_TILES
 
 
-def test_float32_weights_stay_on_onednn(tiny_core: Path) -> None:
+def test_float32_weights_are_measured_only_on_kernels_that_take_them(
+    tiny_core: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """fp32 weights go to oneDNN or, where AVX2 and FMA are, the AVX2 kernel, whichever measures
+    faster; the bfloat16-only kernels are never candidates, however fast they would time."""
+    monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path))
     core = Core.open(tiny_core)
     assert core.manifest.weights.dtype == "float32"
-    assert prepack.choose([core.load_program(STEP, check_guards=False)], core.load_weights("cpu")) == prepack.ONEDNN
+    program, weights = core.load_program(STEP, check_guards=False), core.load_weights("cpu")
+    bf16_only = {prepack.NATIVE: (0.1, 0.1), prepack.NATIVE_TILES: (0.1, 0.1)}
+    _timed(monkeypatch, {**bf16_only, prepack.ONEDNN: (2.0, 10.0), prepack.NATIVE_AVX2: (3.0, 12.0)})
+    assert prepack.choose([program], weights) == prepack.ONEDNN
+    if prepack.NATIVE_AVX2 in prepack.native_kernels():
+        monkeypatch.setenv("FLARE_CACHE_DIR", str(tmp_path / "again"))
+        _timed(monkeypatch, {**bf16_only, prepack.ONEDNN: (2.0, 10.0), prepack.NATIVE_AVX2: (1.0, 10.1)})
+        assert prepack.choose([program], weights) == prepack.NATIVE_AVX2
