@@ -267,14 +267,12 @@ def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
     """The rows `ids` of a packed 2-D weight (flare_native::pack_qlinear's blob), dequantized
     exactly as helios.core.quant.dequantize and rounded to `dtype`: an embedding lookup of a table
     whose linear (the tied head) runs on the blob, so no float copy of the table is kept. Reads a
-    block of 16 rows per id from the layout of native/linear_q.h (or linear_qa.h: _a8_rows)."""
+    block of 16 rows per id from the layout of native/linear_q.h (linear_qa.h's: flare_native::qembedding_a8)."""
     magic, bits, group, width, _, blocks, scale_bytes, block_bytes = (
         packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
     )
-    if magic == _MAGIC_A8:
-        if dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.flare_native, "qembedding_a8"):
-            return torch.ops.flare_native.qembedding_a8(packed, ids, dtype)  # the same rows, read natively
-        return _a8_rows(packed, ids, dtype)
+    if magic == _MAGIC_A8:  # only the native library writes this layout, and reads it (_a8_rows: in torch ops)
+        return torch.ops.flare_native.qembedding_a8(packed, ids, dtype)
     groups, int4 = width // group, bits == 4
     head = _BLOCK * scale_bytes * (2 if int4 else 1)  # a group's scales (and minimums)
     body = blocks * block_bytes
@@ -297,10 +295,11 @@ def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _a8_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
-    """embedding_rows of an int8-activation blob (native/linear_qa.h): per 16-row block a scale
-    region ([group][16] scales, int4 then [group][16] minimums; padded to 64 bytes), then per 32
-    features 64-byte steps of 16 rows x 4 bytes (int8 + 128; int4: features f and f + 16 in the low
-    and high nibble)."""
+    """The rows of an int8-activation blob (native/linear_qa.h) in torch ops: its layout spelled out,
+    against which the tests hold flare_native::qembedding_a8, the reader embedding_rows runs. Per
+    16-row block a scale region ([group][16] scales, int4 then [group][16] minimums; padded to 64
+    bytes), then per 32 features 64-byte steps of 16 rows x 4 bytes (int8 + 128; int4: features f
+    and f + 16 in the low and high nibble)."""
     _, bits, group, width, _, blocks, scale_bytes, block_bytes = packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
     groups, int4 = width // group, bits == 4
     region = block_bytes - width * _BLOCK // (2 if int4 else 1)

@@ -34,10 +34,13 @@ struct Vnni {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static F scales(const uint8_t* p, bool bf16) {
-    if (!bf16) return _mm512_loadu_ps(p);
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  static F load16(const float* x) { return _mm512_loadu_ps(x); }
+  static F load16(const uint16_t* x) {  // bfloat16 -> fp32, exactly
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static F scales(const uint8_t* p, bool bf16) {
+    return bf16 ? load16(reinterpret_cast<const uint16_t*>(p)) : load16(reinterpret_cast<const float*>(p));
   }
   static W w8(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static void w4(const uint8_t* p, W& lo, W& hi) {
@@ -59,11 +62,6 @@ struct Vnni {
 
   // Q8_0's rule: d = amax / 127; q = x / d rounded to nearest even (the default rounding mode);
   // an all-zero block gets d = 0 and q = 0.
-  static __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-  static __m512 load16(const uint16_t* x) {  // bfloat16 -> fp32, exactly
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
   template <class In>
   static void quantize(const In* x, int8_t* q, float& d, int32_t& sum) {
     const __m512 a = load16(x), b = load16(x + 16);
@@ -150,7 +148,8 @@ at::Tensor qembedding_a8(const at::Tensor& packed, const at::Tensor& ids, at::Sc
   TORCH_CHECK(h.magic == kQMagicA8 && (h.bits == 4 || h.bits == 8) &&
                   packed.numel() >= static_cast<int64_t>(sizeof h) + h.blocks * h.block_bytes,
               "qembedding_a8: not an int8-activation pack_qlinear blob (act_bits=8)");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "qembedding_a8: rows come as float32 or bfloat16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "qembedding_a8: rows come as float32, bfloat16 or float16");
   const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
   const int64_t n = flat.numel(), width = h.in, groups = h.in / h.group, sb = h.scale_bytes;
   const int64_t region = a8_scale_region(h.bits, h.group, h.in, sb), kb_bytes = h.bits == 4 ? 256 : 512;
@@ -161,50 +160,42 @@ at::Tensor qembedding_a8(const at::Tensor& packed, const at::Tensor& ids, at::Sc
   shape.push_back(width);
   at::Tensor out = at::empty(shape, packed.options().dtype(dtype));
   const uint8_t* body = static_cast<const uint8_t*>(packed.data_ptr()) + sizeof h;
-  auto scale_at = [&](const uint8_t* p) {
-    if (sb == 4) {
-      float v;
-      std::memcpy(&v, p, 4);
-      return v;
-    }
-    uint16_t v;
-    std::memcpy(&v, p, 2);
-    const uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+  auto scale_at = [&](const uint8_t* p) {  // the blob is 4-byte aligned, so are its scales
+    return sb == 4 ? load(reinterpret_cast<const float*>(p), 0) : load(reinterpret_cast<const at::BFloat16*>(p), 0);
   };
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    std::vector<float> row(width);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t id = idp[i], lane = id % kBlock;
-      const uint8_t* block = body + (id / kBlock) * h.block_bytes;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float s = scale_at(block + (g * kBlock + lane) * sb);
-        const float m = h.bits == 4 ? scale_at(block + ((groups + g) * kBlock + lane) * sb) : 0.0f;
-        for (int64_t f = g * h.group; f < (g + 1) * h.group; ++f) {
-          const int64_t kb = f / kActBlock, j = f % kActBlock;
-          int q;
-          if (h.bits == 8) {  // step j / 4, byte j % 4: the weight + 128
-            q = static_cast<int>(block[region + kb * kb_bytes + (j / 4) * 64 + lane * 4 + j % 4]) - 128;
-          } else {  // features 0..15 of the block in low nibbles, 16..31 in high ones
-            const int64_t t = j % 16;
-            const uint8_t byte = block[region + kb * kb_bytes + (t / 4) * 64 + lane * 4 + t % 4];
-            q = j < 16 ? byte & 15 : byte >> 4;
+  auto fill = [&](auto* y) {
+    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t id = idp[i], lane = id % kBlock;
+        const uint8_t* block = body + (id / kBlock) * h.block_bytes;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float s = scale_at(block + (g * kBlock + lane) * sb);
+          const float m = h.bits == 4 ? scale_at(block + ((groups + g) * kBlock + lane) * sb) : 0.0f;
+          for (int64_t f = g * h.group; f < (g + 1) * h.group; ++f) {
+            const int64_t kb = f / kActBlock, j = f % kActBlock;
+            int q;
+            if (h.bits == 8) {  // step j / 4, byte j % 4: the weight + 128
+              q = static_cast<int>(block[region + kb * kb_bytes + (j / 4) * 64 + lane * 4 + j % 4]) - 128;
+            } else {  // features 0..15 of the block in low nibbles, 16..31 in high ones
+              const int64_t t = j % 16;
+              const uint8_t byte = block[region + kb * kb_bytes + (t / 4) * 64 + lane * 4 + t % 4];
+              q = j < 16 ? byte & 15 : byte >> 4;
+            }
+            float v = static_cast<float>(q) * s;
+            if (h.bits == 4) v = v + m;
+            store(y, i * width + f, v);
           }
-          float v = static_cast<float>(q) * s;
-          if (h.bits == 4) v = v + m;
-          row[f] = v;
         }
       }
-      if (dtype == at::kFloat) {
-        std::memcpy(out.data_ptr<float>() + i * width, row.data(), width * sizeof(float));
-      } else {
-        at::BFloat16* y = out.data_ptr<at::BFloat16>() + i * width;
-        for (int64_t f = 0; f < width; ++f) y[f] = static_cast<at::BFloat16>(row[f]);
-      }
-    }
-  });
+    });
+  };
+  if (dtype == at::kFloat) {
+    fill(out.data_ptr<float>());
+  } else if (dtype == at::kBFloat16) {
+    fill(out.data_ptr<at::BFloat16>());
+  } else {
+    fill(out.data_ptr<at::Half>());
+  }
   return out;
 }
 

@@ -44,13 +44,14 @@ struct Avx2 {
     _mm256_storeu_ps(p, v.a);
     _mm256_storeu_ps(p + 8, v.b);
   }
-  QK_TARGET static __m256 half_bf16(const uint8_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  QK_TARGET static __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+  QK_TARGET static __m256 load8(const uint16_t* x) {  // bfloat16 -> fp32, exactly
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   QK_TARGET static F scales(const uint8_t* p, bool bf16) {
-    if (!bf16) return {_mm256_loadu_ps(reinterpret_cast<const float*>(p)), _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8)};
-    return {half_bf16(p), half_bf16(p + 16)};
+    if (!bf16) return {load8(reinterpret_cast<const float*>(p)), load8(reinterpret_cast<const float*>(p) + 8)};
+    return {load8(reinterpret_cast<const uint16_t*>(p)), load8(reinterpret_cast<const uint16_t*>(p) + 8)};
   }
   QK_TARGET static __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   QK_TARGET static W w8(const uint8_t* p) {  // the stored +128 bytes back to signed weights
@@ -89,11 +90,6 @@ struct Avx2 {
   QK_TARGET static I fix8(I acc, int32_t) { return acc; }  // dp8 used the signed weights
 
   // Q8_0's rule, as the VNNI kernel's quantize (the same bits: IEEE division, nearest even).
-  QK_TARGET static __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-  QK_TARGET static __m256 load8(const uint16_t* x) {  // bfloat16 -> fp32, exactly
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
   template <class In>
   QK_TARGET static void quantize(const In* x, int8_t* q, float& d, int32_t& sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
