@@ -131,10 +131,12 @@ def quantized_step(program: Program, weights: dict[str, Tensor], quantized: Quan
 
 def _as_ops(program: Program, names: list[str], quantized: Quantized) -> None:
     """Point the rewritten step's quantized expert calls and embedding lookups (Python functions
-    in the portable step) at their flare_quant:: ops, which a compiled package can call."""
+    in the portable step) at ops a compiled package can call: their flare_quant:: ops, and a lookup
+    of an int8-activation table straight at flare_native::qembedding_a8 (which the flare_quant:: op
+    would call from Python, under the GIL, at every step)."""
     placeholders = [n for n in program.module.graph.nodes if n.op == "placeholder"]
-    widths = {
-        node: quantized.tensors[name].shape[-1]
+    records = {
+        node: quantized.tensors[name]
         for node, name in zip(placeholders[: len(names)], names, strict=True)
         if name in quantized.tensors
     }
@@ -147,8 +149,10 @@ def _as_ops(program: Program, names: list[str], quantized: Quantized) -> None:
             node.args, node.kwargs = tuple(bound.arguments.values()), {}
         elif node.target is quantized_load.embedding_rows:
             packed, ids, dtype = node.args
-            node.target = quantized_ops.EMBEDDING_ROWS
-            node.args = (packed, ids, dtype, int(widths[packed]))
+            record = records[packed]
+            a8 = record.activations == quant.INT8_ACTIVATIONS
+            node.target = torch.ops.flare_native.qembedding_a8.default if a8 else quantized_ops.EMBEDDING_ROWS
+            node.args = (packed, ids, dtype, int(record.shape[-1]))
     program.module.graph.lint()
     program.module.recompile()
 

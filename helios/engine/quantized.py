@@ -50,7 +50,8 @@ log = logging.getLogger("helios.engine")
 
 _LINEAR = torch.ops.aten.linear.default
 _EMBEDDING = torch.ops.aten.embedding.default
-_HEADER_WORDS = 8  # the packed blob's header: magic, bits, group, in, out, blocks, scale_bytes, block_bytes
+_HEADER_WORDS = 8  # the packed blob's header: magic, bits, group, in, out, blocks, scale bytes and type, block_bytes
+_SCALE_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # native/linear_q.h: ScaleType
 _BLOCK = 16  # outputs per block of the packed layout (native/linear_q.h)
 _MAGIC_A8 = 0x38514C46  # "FLQ8": the int8-activation layout (native/linear_qa.h)
 _ACT_BLOCK = 32  # features per activation block of that layout
@@ -229,7 +230,43 @@ def _pair_experts(uses: dict[str, list[_Use]], stored: dict[str, StoredWeight], 
 
 def _pack(weight: StoredWeight) -> Tensor:
     act_bits = (8,) if _int8_activations(weight) else ()  # (the float-activation layout is the default)
-    return torch.ops.flare_native.pack_qlinear(weight.qweight, weight.scales, weight.mins, weight.spec.group, *act_bits)
+    scales, mins = _narrowed(weight.scales, weight.mins)
+    return torch.ops.flare_native.pack_qlinear(weight.qweight, scales, mins, weight.spec.group, *act_bits)
+
+
+def _narrowed(scales: Tensor, mins: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """float32 scales (and minimums) as float16 where every one of them is a float16 value (a GGUF's
+    grid, kept at import, stores them so): the blob a kernel streams is smaller by a quarter (int4)
+    and each value widens back to the same float32, so the results keep their bits."""
+    parts = [scales] if mins is None else [scales, mins]
+    if scales.dtype != torch.float32 or not all(torch.equal(p.half().float(), p) for p in parts):
+        return scales, mins
+    return scales.half(), None if mins is None else mins.half()
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    """A packed blob's header (native/linear_q.h: QHeader)."""
+
+    magic: int
+    bits: int
+    group: int
+    width: int  # input features
+    out: int
+    blocks: int
+    scale_dtype: torch.dtype
+    block_bytes: int
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.scale_dtype.itemsize
+
+
+def _header(packed: Tensor) -> _Header:
+    magic, bits, group, width, out, blocks, scales, block_bytes = packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
+    kind, size = scales >> 32, scales & 0xFFFFFFFF
+    kind = 1 if kind == 0 and size == 2 else kind  # an earlier build's bfloat16 blob (read_header)
+    return _Header(magic, bits, group, width, out, blocks, _SCALE_TYPES[kind], block_bytes)
 
 
 def _round_input(use: _Use) -> None:
@@ -268,18 +305,17 @@ def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
     exactly as helios.core.quant.dequantize and rounded to `dtype`: an embedding lookup of a table
     whose linear (the tied head) runs on the blob, so no float copy of the table is kept. Reads a
     block of 16 rows per id from the layout of native/linear_q.h (linear_qa.h's: flare_native::qembedding_a8)."""
-    magic, bits, group, width, _, blocks, scale_bytes, block_bytes = (
-        packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
-    )
-    if magic == _MAGIC_A8:  # only the native library writes this layout, and reads it (_a8_rows: in torch ops)
-        return torch.ops.flare_native.qembedding_a8(packed, ids, dtype)
+    h = _header(packed)
+    if h.magic == _MAGIC_A8:  # only the native library writes this layout, and reads it (_a8_rows: in torch ops)
+        return torch.ops.flare_native.qembedding_a8(packed, ids, dtype, h.width)
+    bits, group, width, blocks, block_bytes = h.bits, h.group, h.width, h.blocks, h.block_bytes
+    scale_bytes, scale_dtype = h.scale_bytes, h.scale_dtype
     groups, int4 = width // group, bits == 4
     head = _BLOCK * scale_bytes * (2 if int4 else 1)  # a group's scales (and minimums)
     body = blocks * block_bytes
     flat = ids.reshape(-1)
     picked = packed[64 : 64 + body].view(blocks, groups, block_bytes // groups)[flat // _BLOCK]  # [T, G, per group]
     lane = (flat % _BLOCK).view(-1, 1, 1)
-    scale_dtype = torch.float32 if scale_bytes == 4 else torch.bfloat16
 
     def per_output(part: Tensor, dtype: torch.dtype | None = None) -> Tensor:  # [T, G, n * 16] -> [T, G, n] at lane
         part = part.contiguous().view(dtype) if dtype is not None else part
@@ -300,14 +336,21 @@ def _a8_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
     16-row block a scale region ([group][16] scales, int4 then [group][16] minimums; padded to 64
     bytes), then per 32 features 64-byte steps of 16 rows x 4 bytes (int8 + 128; int4: features f
     and f + 16 in the low and high nibble)."""
-    _, bits, group, width, _, blocks, scale_bytes, block_bytes = packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
+    h = _header(packed)
+    bits, group, width, blocks, block_bytes, scale_bytes = (
+        h.bits,
+        h.group,
+        h.width,
+        h.blocks,
+        h.block_bytes,
+        h.scale_bytes,
+    )
     groups, int4 = width // group, bits == 4
     region = block_bytes - width * _BLOCK // (2 if int4 else 1)
     flat = ids.reshape(-1)
     picked = packed[64 : 64 + blocks * block_bytes].view(blocks, block_bytes)[flat // _BLOCK]  # [T, block]
     lane = flat % _BLOCK
-    scale_dtype = torch.float32 if scale_bytes == 4 else torch.bfloat16
-    head = picked[:, : groups * _BLOCK * scale_bytes * (2 if int4 else 1)].contiguous().view(scale_dtype)
+    head = picked[:, : groups * _BLOCK * scale_bytes * (2 if int4 else 1)].contiguous().view(h.scale_dtype)
     head = head.reshape(len(flat), -1, groups, _BLOCK)  # [T, 1 or 2, G, 16]
     at = lane.view(-1, 1, 1, 1).expand(-1, head.shape[1], groups, 1)
     chosen = head.gather(3, at).squeeze(3)  # [T, 1 or 2, G]

@@ -57,6 +57,12 @@ def test_the_ops_pass_torch_checks_and_equal_the_portable_kernels(fmt: str) -> N
     assert torch.equal(
         quantized_ops.EMBEDDING_ROWS(table, ids, torch.float32, 64), quantized.embedding_rows(table, ids, torch.float32)
     )
+    # a tied table packed for int8 activations: a compiled step reads its rows natively
+    parts = quant.quantize(torch.randn(40, 64, generator=torch.Generator().manual_seed(4)), fmt, 32, torch.float32)
+    a8 = torch.ops.flare_native.pack_qlinear(parts[quant.QWEIGHT], parts[quant.SCALES], parts.get(quant.MINS), 32, 8)
+    op = torch.ops.flare_native.qembedding_a8.default
+    torch.library.opcheck(op, (a8, ids, torch.bfloat16, 64), test_utils=CHECKS)
+    assert torch.equal(op(a8, ids, torch.bfloat16, 64), quantized.embedding_rows(a8, ids, torch.bfloat16))
     experts, hidden, features, tokens = 4, 64, 32, 5
     gate_up = torch.stack([_packed((2 * features, hidden), fmt, 1 + e) for e in range(experts)])
     down = torch.stack([_packed((hidden, features), fmt, 9 + e) for e in range(experts)])

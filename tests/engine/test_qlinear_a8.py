@@ -3,7 +3,7 @@ pack_qlinear(..., act_bits=8) and qlinear on that blob quantize each activation 
 block to int8 (Q8_0's rule) and multiply integers (AVX512-VNNI vpdpbusd, AVX2 vpmaddubsw).
 
 Against helios.engine.quantized_ref (float64 from the stored tensors and the same activation
-quantization) on odd output sizes, groups 32/64/128, int8 and int4, float32 and bfloat16 scales and
+quantization) on odd output sizes, groups 32/64/128, int8 and int4, float32, bfloat16 and float16 scales and
 activations, 1-64 rows and a 300-row chunk, with and without bias: within float32 rounding of the
 per-block terms. A row's bits are the same alone, beside 63 others, in a 300-row chunk, on either
 instruction set and any thread count."""
@@ -72,19 +72,20 @@ def _check(y: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor]) -> Non
 @pytest.mark.parametrize("group", quant.GROUPS)
 def test_matches_the_reference(fmt: str, group: int, monkeypatch) -> None:
     for i, (n, groups, scale_dtype) in enumerate(
-        [(1, 1, torch.float32), (45, 2, torch.bfloat16), (203, 3, torch.float32)]
+        [(1, 1, torch.float32), (45, 2, torch.bfloat16), (203, 3, torch.float32), (33, 2, torch.float16)]
     ):
         k = group * groups
         stored = _stored(n, k, fmt, group, scale_dtype, seed=i)
         packed = _pack(stored, group)
         generator = torch.Generator().manual_seed(100 + i)
-        x = torch.randn(300 if i == 2 else 64, k, generator=generator)
+        chunk = i == 2  # a 300-row prompt chunk; else 1-64 rows
+        x = torch.randn(300 if chunk else 64, k, generator=generator)
         x[3, : quantized_ref.ACT_BLOCK] = 0.0  # an all-zero block: d = 0, q = 0
         b = torch.randn(n, generator=generator) if i % 2 else None
         xb = x.to(torch.bfloat16)
         reference, reference_bf16 = _reference(x, stored, group, b), _reference(xb, stored, group, b)
         for isa in _isas():
-            for rows in (1, 2, 3, 5, 16, 33, 64) if i < 2 else (1, 5, 300):
+            for rows in (1, 5, 300) if chunk else (1, 2, 3, 5, 16, 33, 64):
                 y = _qlinear(isa, monkeypatch, x[:rows], packed, b, n)
                 assert y.dtype == torch.float32 and y.shape == (rows, n)
                 _check(y, reference)
@@ -150,21 +151,47 @@ def test_embedding_rows_read_the_int8_activation_blob() -> None:
     """A tied table packed for int8 activations: its lookup gathers exactly dequantize's rows, read
     natively (flare_native::qembedding_a8) and by the torch ops that describe the layout alike."""
     for fmt in quant.FORMATS:
-        for group, scale_dtype in ((32, torch.float32), (128, torch.bfloat16), (64, torch.bfloat16)):
+        for group, scale_dtype in ((32, torch.float32), (128, torch.bfloat16), (64, torch.float16)):
             stored = _stored(45, group * 3, fmt, group, scale_dtype, seed=group)
             ids = torch.tensor([[0, 44, 17], [16, 15, 3]])
             packed = _pack(stored, group)
             for dtype in (torch.float32, torch.bfloat16):
                 want = quant.dequantize(*_args(stored, group), dtype=dtype)[ids]
                 assert torch.equal(quantized.embedding_rows(packed, ids, dtype), want)
-                assert torch.equal(torch.ops.flare_native.qembedding_a8(packed, ids, dtype), want)
+                assert torch.equal(torch.ops.flare_native.qembedding_a8(packed, ids, dtype, group * 3), want)
                 assert torch.equal(quantized._a8_rows(packed, ids, dtype), want)
 
 
 def test_embedding_rows_outside_the_table_are_refused() -> None:
     stored = _stored(45, 64, quant.INT4, 32, torch.float32, seed=3)
     with pytest.raises(RuntimeError, match="outside the table's 45 rows"):
-        torch.ops.flare_native.qembedding_a8(_pack(stored, 32), torch.tensor([3, 45]), torch.float32)
+        torch.ops.flare_native.qembedding_a8(_pack(stored, 32), torch.tensor([3, 45]), torch.float32, 64)
+    with pytest.raises(RuntimeError, match="rows are 64 wide, not 65"):
+        torch.ops.flare_native.qembedding_a8(_pack(stored, 32), torch.tensor([3]), torch.float32, 65)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("act_bits", [8, 32])
+def test_float32_scales_of_float16_values_stream_as_float16(fmt: str, act_bits: int, monkeypatch) -> None:
+    """A GGUF grid's scales are float16 values stored as float32: the engine packs them as float16
+    (quantized._narrowed), a smaller blob whose products keep every bit, on both instruction sets."""
+    half = _stored(37, 96, fmt, 32, torch.float16, seed=11)
+    wide = {name: t.float() if t.is_floating_point() else t for name, t in half.items()}
+    scales, mins = quantized._narrowed(wide[quant.SCALES], wide.get(quant.MINS))
+    assert scales.dtype == torch.float16 and (mins is None or mins.dtype == torch.float16)
+    narrow = torch.ops.flare_native.pack_qlinear(wide[quant.QWEIGHT], scales, mins, 32, act_bits)
+    full = torch.ops.flare_native.pack_qlinear(*_args(wide, 32), act_bits)
+    assert quantized._header(narrow).scale_dtype == torch.float16 and narrow.numel() < full.numel()
+    assert quantized._header(full).scale_dtype == torch.float32
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(12))
+    for isa in _isas():
+        for rows in (1, 5):
+            for xs in (x[:rows], x[:rows].to(torch.bfloat16)):
+                want = _qlinear(isa, monkeypatch, xs, full, None, 37)
+                assert torch.equal(_qlinear(isa, monkeypatch, xs, narrow, None, 37), want)
+    other = wide[quant.SCALES].clone()
+    other.view(-1)[0] += 2.0**-20  # one scale that is not a float16 value: all stay float32
+    assert quantized._narrowed(other, wide.get(quant.MINS))[0].dtype == torch.float32
 
 
 def test_wrong_act_bits_say_what_to_do() -> None:

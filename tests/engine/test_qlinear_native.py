@@ -84,7 +84,7 @@ CASES = [  # (out, in) per group: odd outputs, one block and less, many blocks a
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 @pytest.mark.parametrize("group", quant.GROUPS)
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_the_reference(isa: str, fmt: str, group: int, scale_dtype: torch.dtype, monkeypatch) -> None:
     for i, (n, groups) in enumerate(CASES):
         k = group * groups
@@ -108,7 +108,7 @@ def test_matches_the_reference(isa: str, fmt: str, group: int, scale_dtype: torc
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", quant.FORMATS)
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_weights_are_the_dequantized_values(isa: str, fmt: str, scale_dtype: torch.dtype, monkeypatch) -> None:
     """An identity input reads every weight back: exactly dequantize's float32 value (q * scale, or
     q * scale + min as a product then a sum), on the few-row and on the many-row kernel."""
@@ -178,3 +178,17 @@ def test_wrong_inputs_say_what_is_wrong() -> None:
         torch.ops.flare_native.qlinear(torch.randn(2, 64), torch.zeros(640, dtype=torch.uint8), None, 16)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 activations"):
         torch.ops.flare_native.qlinear(torch.randn(2, 64).half(), packed, None, 16)
+
+
+def test_blobs_of_an_earlier_build_still_read(monkeypatch) -> None:
+    """A compiled step holds its blobs as constants: a bfloat16 blob packed before the header named
+    its scale type (scale_bytes = 2 in all 64 bits) multiplies as it always did."""
+    stored = _stored(45, 128, quant.INT4, 64, torch.bfloat16, seed=5)
+    packed = _pack(stored, 64)
+    old = packed.clone()
+    old[48:56].view(torch.int64)[0] = 2  # header word 6: scale_bytes as one int64
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6))
+    for isa in ("avx2",) + (("avx512",) if torch.ops.flare_native.has_qlinear_avx512() else ()):
+        assert torch.equal(
+            _qlinear(isa, monkeypatch, x, old, None, 45), _qlinear(isa, monkeypatch, x, packed, None, 45)
+        )

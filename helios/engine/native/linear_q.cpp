@@ -27,10 +27,11 @@ struct Avx512 {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F scales(const uint8_t* p, bool bf16) {
-    if (!bf16) return _mm512_loadu_ps(p);
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  static F scales(const uint8_t* p, int type) {  // 16 of them, widened exactly
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if (type == kScaleF16) return _mm512_cvtph_ps(half);
+    if (type == kScaleBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    return _mm512_loadu_ps(p);
   }
   static F i8(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -121,8 +122,9 @@ at::Tensor pack_qlinear(const at::Tensor& qweight, const at::Tensor& scales, con
   TORCH_CHECK(qweight.dim() >= 2, "pack_qlinear: needs a quantized weight [..., out, in] (helios.core.quant)");
   TORCH_CHECK(qweight.scalar_type() == (int4 ? at::kByte : at::kChar),
               "pack_qlinear: int8 weights are int8 (no mins), int4 weights uint8 with two values per byte (with mins)");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16,
-              "pack_qlinear: scales must be float32 or bfloat16");
+  const at::ScalarType stype = scales.scalar_type();
+  TORCH_CHECK(stype == at::kFloat || stype == at::kBFloat16 || stype == at::kHalf,
+              "pack_qlinear: scales must be float32, bfloat16 or float16");
   const int64_t out = qweight.size(-2), in = qweight.size(-1) * (int4 ? 2 : 1);
   TORCH_CHECK(in > 0 && out > 0 && in % group == 0, "pack_qlinear: the input size ", in,
               " is not a positive multiple of the group ", group);
@@ -135,7 +137,9 @@ at::Tensor pack_qlinear(const at::Tensor& qweight, const at::Tensor& scales, con
     TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type(),
                 "pack_qlinear: mins must match the scales' shape and dtype");
   const bool a8 = act_bits == 8;
-  QHeader h{a8 ? kQMagicA8 : kQMagic, int4 ? 4 : 8, group, in, out, (out + kBlock - 1) / kBlock, scales.element_size(), 0};
+  const int32_t type = stype == at::kHalf ? kScaleF16 : stype == at::kBFloat16 ? kScaleBF16 : kScaleF32;
+  QHeader h{a8 ? kQMagicA8 : kQMagic, int4 ? 4 : 8, group, in, out, (out + kBlock - 1) / kBlock,
+            static_cast<int32_t>(scales.element_size()), type, 0};
   const int64_t per_group = kBlock * h.scale_bytes * (int4 ? 2 : 1) + (int4 ? group / 2 : group) * kBlock;
   h.block_bytes = a8 ? a8_block_bytes(h.bits, group, in, h.scale_bytes) : in / group * per_group;
   // Each weight's blob a multiple of 64 bytes, so that every expert of a stack starts on a cache line.
@@ -166,8 +170,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const c10::opt
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
                   packed.numel() >= static_cast<int64_t>(sizeof(QHeader)),
               "qlinear: needs one weight's pack_qlinear blob (a stack's blob[e] for expert e)");
-  QHeader h;
-  std::memcpy(&h, packed.data_ptr(), sizeof h);
+  const QHeader h = read_header(packed.data_ptr());
   const bool a8 = h.magic == kQMagicA8;
   TORCH_CHECK((h.magic == kQMagic || a8) && (h.bits == 4 || h.bits == 8) &&
                   packed.numel() >= static_cast<int64_t>(sizeof h) + h.blocks * h.block_bytes,

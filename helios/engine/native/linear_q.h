@@ -4,7 +4,7 @@
 //
 // The blob: a 64-byte header (QHeader), then per block of 16 outputs (outputs past `out` are zero),
 // per group of `group` input features, the group's 16 scales (and for int4 its 16 minimums) in the
-// stored scale dtype (float32 or bfloat16), then its weights feature by feature:
+// header's scale type (ScaleType: float32, bfloat16 or float16), then its weights feature by feature:
 //   int8: for each feature k, the 16 outputs' int8 values (16 bytes);
 //   int4: for each pair of features (2p, 2p + 1), 16 bytes: output o's byte holds feature 2p in its
 //         low nibble and 2p + 1 in its high nibble (the stored qweight byte [o, p] as it is).
@@ -12,7 +12,7 @@
 // outputs' weights of a feature (int8) or of a pair of features (int4): one AVX-512 register of
 // fp32 outputs, or two AVX2 ones. Scales are widened to float32 exactly; each weight is dequantized
 // to exactly the float32 value helios.core.quant.dequantize gives: q * scale, or q * scale + min as
-// a product then a sum (one fused multiply-add where the product is exact: bfloat16 scales). The
+// a product then a sum (one fused multiply-add where the product is exact: bfloat16 or float16 scales). The
 // sources are compiled with -ffp-contract=off (native/__init__.py) so that the compiler fuses
 // nothing else.
 //
@@ -34,10 +34,26 @@
 
 namespace flare_native {
 
+// A blob's scales (and minimums) as pack_qlinear was given them: float32, bfloat16, or float16
+// (helios.engine.quantized hands float32 scales over as float16 where every one of them is a float16
+// value, as a GGUF's are: half the bytes, and each widens back to the same float32 exactly).
+enum ScaleType : int32_t { kScaleF32 = 0, kScaleBF16 = 1, kScaleF16 = 2 };
+
 struct QHeader {
-  int64_t magic, bits, group, in, out, blocks, scale_bytes, block_bytes;
+  int64_t magic, bits, group, in, out, blocks;
+  int32_t scale_bytes, scale_type;
+  int64_t block_bytes;
 };
 static_assert(sizeof(QHeader) == 64, "the blob header is one cache line");
+
+// A blob's header as the kernels read it. Blobs packed by earlier builds (a compiled step holds its
+// blobs as constants) kept scale_bytes in all 64 bits: type 0 with 2-byte scales is bfloat16.
+inline QHeader read_header(const void* blob) {
+  QHeader h;
+  std::memcpy(&h, blob, sizeof h);
+  if (h.scale_type == kScaleF32 && h.scale_bytes == 2) h.scale_type = kScaleBF16;
+  return h;
+}
 constexpr int64_t kQMagic = 0x31514c46;  // "FLQ1"
 
 // What a qlinear kernel needs from the call: input rows (fp32; or bfloat16 for the int8-activation

@@ -1,12 +1,13 @@
 // qlinear's AVX2+FMA kernel (linear_q.h): a block's 16 outputs in two ymm registers. Every function
-// carries target("avx2,fma"), and this file is compiled without AVX-512 (native/__init__.py), so an
-// AVX-512 host runs (and tests) what an AVX2 host runs; has_qlinear_avx2 asks the CPU at run time.
+// carries target("avx2,fma,f16c") (F16C widens float16 scales; every AVX2 CPU has it), and this
+// file is compiled without AVX-512 (native/__init__.py), so an AVX-512 host runs (and tests) what
+// an AVX2 host runs; has_qlinear_avx2 asks the CPU at run time.
 #include "linear_q.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define FLARE_X86 1
 #include <immintrin.h>
-#define QK_TARGET __attribute__((target("avx2,fma")))
+#define QK_TARGET __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace flare_native {
@@ -36,9 +37,13 @@ struct Avx2 {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
-  QK_TARGET static F scales(const uint8_t* p, bool bf16) {
-    if (!bf16) return load(reinterpret_cast<const float*>(p));
-    return {half_bf16(p), half_bf16(p + 16)};
+  QK_TARGET static F scales(const uint8_t* p, int type) {  // 16 of them, widened exactly
+    if (type == kScaleF16) {
+      return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+    }
+    if (type == kScaleBF16) return {half_bf16(p), half_bf16(p + 16)};
+    return load(reinterpret_cast<const float*>(p));
   }
   QK_TARGET static __m256 half_i8(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -59,7 +64,8 @@ struct Avx2 {
 
 bool has_qlinear_avx2() {
 #if defined(FLARE_X86)
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return ok;
 #else
   return false;

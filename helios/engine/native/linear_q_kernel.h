@@ -36,12 +36,12 @@ template <class T>
 struct QKernel {
   using F = typename T::F;
 
-  // An int4 weight's value q * scale + min. With bfloat16 scales q * scale (4 x 8 significant bits)
-  // is exact, so one fused multiply-add rounds it as dequantize's product then sum does; with
-  // float32 scales the product rounds first.
-  template <bool BF>
+  // An int4 weight's value q * scale + min. With bfloat16 or float16 scales q * scale (4 x 8 or
+  // 4 x 11 significant bits) is exact, so one fused multiply-add rounds it as dequantize's product
+  // then sum does; with float32 scales the product rounds first.
+  template <int ST>
   QK_TARGET static F value4(F q, F s, F m) {
-    if constexpr (BF) {
+    if constexpr (ST != kScaleF32) {
       return T::fma(q, s, m);
     } else {
       return T::add(T::mul(q, s), m);
@@ -50,11 +50,10 @@ struct QKernel {
 
   // Rows [r0, r0 + MR) through blocks [b, b + NB): weights dequantized in registers as they
   // stream; sums stored per row.
-  template <int MR, int NB, bool BF>
+  template <int MR, int NB, int ST>
   QK_TARGET static void few(const QCall& c, int64_t r0, int64_t b) {
     const QHeader& h = *c.head;
     const int64_t gb = group_bytes(h), groups = h.in / h.group, sb = h.scale_bytes, ldx = c.ldx;
-    constexpr bool bf = BF;
     F acc[MR][NB];
     _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
       _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) acc[r][j] = T::zero();
@@ -65,7 +64,7 @@ struct QKernel {
       F s[NB];
       _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
         gp[j] = base + j * h.block_bytes + g * gb;
-        s[j] = T::scales(gp[j], bf);
+        s[j] = T::scales(gp[j], ST);
       }
       const float* xg = x + g * h.group;
       if (h.bits == 8) {
@@ -77,13 +76,13 @@ struct QKernel {
         }
       } else {
         F m[NB];
-        _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) m[j] = T::scales(gp[j] + kBlock * sb, bf);
+        _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) m[j] = T::scales(gp[j] + kBlock * sb, ST);
         for (int64_t p = 0; p < h.group / 2; ++p) {
           _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
             F lo, hi;
             T::u4(gp[j] + 2 * kBlock * sb + p * kBlock, lo, hi);
-            const F w0 = value4<BF>(lo, s[j], m[j]);
-            const F w1 = value4<BF>(hi, s[j], m[j]);
+            const F w0 = value4<ST>(lo, s[j], m[j]);
+            const F w1 = value4<ST>(hi, s[j], m[j]);
             _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) acc[r][j] = T::fma(T::bcast(xg + r * ldx + 2 * p), w0, acc[r][j]);
             _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) acc[r][j] = T::fma(T::bcast(xg + r * ldx + 2 * p + 1), w1, acc[r][j]);
           }
@@ -98,30 +97,30 @@ struct QKernel {
       }
   }
 
-  template <int NB, bool BF>
+  template <int NB, int ST>
   QK_TARGET static void few_rows(const QCall& c, int64_t r0, int64_t rows, int64_t b) {
     switch (rows) {
-      case 1: return few<1, NB, BF>(c, r0, b);
-      case 2: return few<std::min(2, T::kFewRows), NB, BF>(c, r0, b);
-      case 3: return few<std::min(3, T::kFewRows), NB, BF>(c, r0, b);
-      default: return few<std::min(4, T::kFewRows), NB, BF>(c, r0, b);
+      case 1: return few<1, NB, ST>(c, r0, b);
+      case 2: return few<std::min(2, T::kFewRows), NB, ST>(c, r0, b);
+      case 3: return few<std::min(3, T::kFewRows), NB, ST>(c, r0, b);
+      default: return few<std::min(4, T::kFewRows), NB, ST>(c, r0, b);
     }
   }
 
   // Blocks [b0, b1) for every row (rows <= kFewRows), kFewBlocks at a time.
   // Blocks [b0, b1) for every row (rows <= kFewRows): kFewBlocks at a time, the rest by halves.
-  template <bool BF>
+  template <int ST>
   QK_TARGET static void few_blocks(const QCall& c, int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1;) {
       const int64_t left = b1 - b;
       if (left >= T::kFewBlocks) {
-        few_rows<T::kFewBlocks, BF>(c, 0, c.rows, b);
+        few_rows<T::kFewBlocks, ST>(c, 0, c.rows, b);
         b += T::kFewBlocks;
       } else if (left >= 2) {
-        few_rows<2, BF>(c, 0, c.rows, b);
+        few_rows<2, ST>(c, 0, c.rows, b);
         b += 2;
       } else {
-        few_rows<1, BF>(c, 0, c.rows, b);
+        few_rows<1, ST>(c, 0, c.rows, b);
         b += 1;
       }
     }
@@ -131,24 +130,24 @@ struct QKernel {
   QK_TARGET static void dequant(const QCall& c, int64_t b, int64_t nb, int64_t k0, int64_t kc, float* buf) {
     const QHeader& h = *c.head;
     const int64_t gb = group_bytes(h), sb = h.scale_bytes, ld = T::kTile * kBlock;
-    const bool bf = sb == 2;
+    const int st = h.scale_type;
     for (int64_t j = 0; j < nb; ++j) {
       const uint8_t* base = c.blocks + (b + j) * h.block_bytes;
       for (int64_t k = k0; k < k0 + kc;) {
         const int64_t g = k / h.group, end = std::min(k0 + kc, (g + 1) * h.group);
         const uint8_t* gp = base + g * gb;
-        const F s = T::scales(gp, bf);
+        const F s = T::scales(gp, st);
         if (h.bits == 8) {
           const uint8_t* q = gp + kBlock * sb - g * h.group * kBlock;
           for (; k < end; ++k) T::store(buf + (k - k0) * ld + j * kBlock, T::mul(T::i8(q + k * kBlock), s));
         } else {
-          const F m = T::scales(gp + kBlock * sb, bf);
+          const F m = T::scales(gp + kBlock * sb, st);
           const uint8_t* q = gp + 2 * kBlock * sb - g * h.group / 2 * kBlock;
           for (; k < end; k += 2) {
             F lo, hi;
             T::u4(q + k / 2 * kBlock, lo, hi);
-            T::store(buf + (k - k0) * ld + j * kBlock, bf ? value4<true>(lo, s, m) : value4<false>(lo, s, m));
-            T::store(buf + (k + 1 - k0) * ld + j * kBlock, bf ? value4<true>(hi, s, m) : value4<false>(hi, s, m));
+            T::store(buf + (k - k0) * ld + j * kBlock, st != kScaleF32 ? value4<kScaleBF16>(lo, s, m) : value4<kScaleF32>(lo, s, m));
+            T::store(buf + (k + 1 - k0) * ld + j * kBlock, st != kScaleF32 ? value4<kScaleBF16>(hi, s, m) : value4<kScaleF32>(hi, s, m));
           }
         }
       }
@@ -228,10 +227,10 @@ struct QKernel {
     const int64_t blocks = c.head->blocks;
     if (c.rows <= T::kFewRows) {
       parallel_runs(blocks, run_length(blocks, T::kFewBlocks), [&](int64_t b0, int64_t b1) {
-        if (c.head->scale_bytes == 2) {
-          few_blocks<true>(c, b0, b1);
-        } else {
-          few_blocks<false>(c, b0, b1);
+        switch (c.head->scale_type) {
+          case kScaleBF16: return few_blocks<kScaleBF16>(c, b0, b1);
+          case kScaleF16: return few_blocks<kScaleF16>(c, b0, b1);
+          default: return few_blocks<kScaleF32>(c, b0, b1);
         }
       });
       return;

@@ -39,8 +39,9 @@ struct Vnni {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
-  static F scales(const uint8_t* p, bool bf16) {
-    return bf16 ? load16(reinterpret_cast<const uint16_t*>(p)) : load16(reinterpret_cast<const float*>(p));
+  static F scales(const uint8_t* p, int type) {  // 16 of them, widened exactly
+    if (type == kScaleF16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return type == kScaleBF16 ? load16(reinterpret_cast<const uint16_t*>(p)) : load16(reinterpret_cast<const float*>(p));
   }
   static W w8(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static void w4(const uint8_t* p, W& lo, W& hi) {
@@ -138,20 +139,21 @@ void pack_one_a8(const uint8_t* q, const uint8_t* s, const uint8_t* m, const QHe
 // Rows `ids` of an int8-activation blob (a tied table whose head runs on it), dequantized as
 // helios.core.quant.dequantize does: float(q) * scale, then + minimum (int4), in fp32 with no fused
 // multiply-add (this file is compiled with -ffp-contract=off), rounded to `dtype`. The layout is
-// linear_qa.h's; helios.engine.quantized._a8_rows reads the same bytes with torch ops.
-at::Tensor qembedding_a8(const at::Tensor& packed, const at::Tensor& ids, at::ScalarType dtype) {
+// linear_qa.h's; helios.engine.quantized._a8_rows reads the same bytes with torch ops. `width`, the
+// table's row size, is the blob's own (checked): it gives a compiled step the output's shape.
+at::Tensor qembedding_a8(const at::Tensor& packed, const at::Tensor& ids, at::ScalarType dtype, int64_t width) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
                   packed.numel() >= static_cast<int64_t>(sizeof(QHeader)),
               "qembedding_a8: needs one weight's pack_qlinear blob");
-  QHeader h;
-  std::memcpy(&h, packed.data_ptr(), sizeof h);
+  const QHeader h = read_header(packed.data_ptr());
   TORCH_CHECK(h.magic == kQMagicA8 && (h.bits == 4 || h.bits == 8) &&
                   packed.numel() >= static_cast<int64_t>(sizeof h) + h.blocks * h.block_bytes,
               "qembedding_a8: not an int8-activation pack_qlinear blob (act_bits=8)");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "qembedding_a8: rows come as float32, bfloat16 or float16");
   const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
-  const int64_t n = flat.numel(), width = h.in, groups = h.in / h.group, sb = h.scale_bytes;
+  TORCH_CHECK(width == h.in, "qembedding_a8: the table's rows are ", h.in, " wide, not ", width);
+  const int64_t n = flat.numel(), groups = h.in / h.group, sb = h.scale_bytes;
   const int64_t region = a8_scale_region(h.bits, h.group, h.in, sb), kb_bytes = h.bits == 4 ? 256 : 512;
   const int64_t* idp = flat.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -161,7 +163,9 @@ at::Tensor qembedding_a8(const at::Tensor& packed, const at::Tensor& ids, at::Sc
   at::Tensor out = at::empty(shape, packed.options().dtype(dtype));
   const uint8_t* body = static_cast<const uint8_t*>(packed.data_ptr()) + sizeof h;
   auto scale_at = [&](const uint8_t* p) {  // the blob is 4-byte aligned, so are its scales
-    return sb == 4 ? load(reinterpret_cast<const float*>(p), 0) : load(reinterpret_cast<const at::BFloat16*>(p), 0);
+    if (h.scale_type == kScaleF16) return load(reinterpret_cast<const at::Half*>(p), 0);
+    if (h.scale_type == kScaleBF16) return load(reinterpret_cast<const at::BFloat16*>(p), 0);
+    return load(reinterpret_cast<const float*>(p), 0);
   };
   auto fill = [&](auto* y) {
     at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
@@ -199,10 +203,17 @@ at::Tensor qembedding_a8(const at::Tensor& packed, const at::Tensor& ids, at::Sc
   return out;
 }
 
+at::Tensor qembedding_a8_meta(const at::Tensor& packed, const at::Tensor& ids, at::ScalarType dtype, int64_t width) {
+  std::vector<c10::SymInt> shape(ids.sym_sizes().begin(), ids.sym_sizes().end());
+  shape.push_back(c10::SymInt(width));
+  return at::empty_symint(shape, packed.options().dtype(dtype));
+}
+
 }  // namespace flare_native
 
 TORCH_LIBRARY_FRAGMENT(flare_native, m) {
-  m.def("qembedding_a8(Tensor packed, Tensor ids, ScalarType dtype) -> Tensor");
+  m.def("qembedding_a8(Tensor packed, Tensor ids, ScalarType dtype, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flare_native, CPU, m) { m.impl("qembedding_a8", &flare_native::qembedding_a8); }
+TORCH_LIBRARY_IMPL(flare_native, Meta, m) { m.impl("qembedding_a8", &flare_native::qembedding_a8_meta); }

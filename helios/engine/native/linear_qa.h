@@ -8,7 +8,7 @@
 //
 // The blob: the 64-byte QHeader (magic kQMagicA8), then per block of 16 outputs (outputs past `out`
 // zero): a scale region of 64-byte multiple size (the block's scales [group][16 outputs] in the
-// stored scale dtype, then for int4 its minimums [group][16]), then its weights, per 32-feature
+// header's scale type, then for int4 its minimums [group][16]), then its weights, per 32-feature
 // activation block kb (a 64/128 weight group spans 2/4 of them), in 64-byte steps of 16 outputs x 4
 // bytes (one vpdpbusd operand: output o's 32-bit lane):
 //   int8: 8 steps; step s, output o, byte t: weight (o, 32 kb + 4 s + t) + 128 as an unsigned byte;

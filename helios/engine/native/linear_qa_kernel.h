@@ -49,7 +49,7 @@ struct QAKernel {
   using A = typename T::A;
 
   // Rows [r0, r0 + MR) through blocks [b, b + NB), over every input feature.
-  template <int MR, int NB, bool INT4, bool BF>
+  template <int MR, int NB, bool INT4, int ST>
   QK_TARGET static void micro(const QCall& c, const QAData& a, int64_t r0, int64_t b) {
     const QHeader& h = *c.head;
     const int64_t nkb = h.in / kActBlock, per_group = h.group / kActBlock, groups = h.in / h.group;
@@ -65,8 +65,8 @@ struct QAKernel {
     for (int64_t g = 0; g < groups; ++g) {
       F s[NB], m[NB];
       _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
-        s[j] = T::scales(blk[j] + g * kBlock * sb, BF);
-        if constexpr (INT4) m[j] = T::scales(blk[j] + (groups + g) * kBlock * sb, BF);
+        s[j] = T::scales(blk[j] + g * kBlock * sb, ST);
+        if constexpr (INT4) m[j] = T::scales(blk[j] + (groups + g) * kBlock * sb, ST);
       }
       for (int64_t kb = g * per_group; kb < (g + 1) * per_group; ++kb) {
         I ia[MR][NB];
@@ -116,36 +116,36 @@ struct QAKernel {
       }
   }
 
-  template <int MR, bool INT4, bool BF>
+  template <int MR, bool INT4, int ST>
   QK_TARGET static void blocks_of(const QCall& c, const QAData& a, int64_t r0, int64_t b0, int64_t b1) {
     constexpr int NB = T::nb(MR);
     int64_t b = b0;
-    for (; b + NB <= b1; b += NB) micro<MR, NB, INT4, BF>(c, a, r0, b);
+    for (; b + NB <= b1; b += NB) micro<MR, NB, INT4, ST>(c, a, r0, b);
     if constexpr (NB >= 4) {
       if (b + 2 <= b1) {
-        micro<MR, 2, INT4, BF>(c, a, r0, b);
+        micro<MR, 2, INT4, ST>(c, a, r0, b);
         b += 2;
       }
     }
     if constexpr (NB >= 2) {
-      for (; b < b1; ++b) micro<MR, 1, INT4, BF>(c, a, r0, b);
+      for (; b < b1; ++b) micro<MR, 1, INT4, ST>(c, a, r0, b);
     }
   }
 
-  template <bool INT4, bool BF>
+  template <bool INT4, int ST>
   QK_TARGET static void rows_of(const QCall& c, const QAData& a, int64_t r0, int64_t rows, int64_t b0, int64_t b1) {
     static_assert(T::kRows <= 4, "register blocks of up to 4 rows");
     switch (std::min<int64_t>(rows, T::kRows)) {
-      case 1: return blocks_of<1, INT4, BF>(c, a, r0, b0, b1);
-      case 2: return blocks_of<std::min(2, T::kRows), INT4, BF>(c, a, r0, b0, b1);
-      case 3: return blocks_of<std::min(3, T::kRows), INT4, BF>(c, a, r0, b0, b1);
-      default: return blocks_of<std::min(4, T::kRows), INT4, BF>(c, a, r0, b0, b1);
+      case 1: return blocks_of<1, INT4, ST>(c, a, r0, b0, b1);
+      case 2: return blocks_of<std::min(2, T::kRows), INT4, ST>(c, a, r0, b0, b1);
+      case 3: return blocks_of<std::min(3, T::kRows), INT4, ST>(c, a, r0, b0, b1);
+      default: return blocks_of<std::min(4, T::kRows), INT4, ST>(c, a, r0, b0, b1);
     }
   }
 
   // Blocks [b0, b1) for every row: a tile of blocks at a time (its weights stay in cache while
   // every register block of rows passes), rows split as evenly as they go (5 rows as 3 + 2).
-  template <bool INT4, bool BF>
+  template <bool INT4, int ST>
   QK_TARGET static void span(const QCall& c, const QAData& a, int64_t b0, int64_t b1) {
     const int64_t groups = (c.rows + T::kRows - 1) / T::kRows;
     const int64_t tile = c.rows <= T::kRows ? b1 - b0 : T::kTile;
@@ -153,7 +153,7 @@ struct QAKernel {
       const int64_t e = std::min(b1, b + tile);
       for (int64_t g = 0, r = 0; g < groups; ++g) {
         const int64_t n = c.rows / groups + (g < c.rows % groups ? 1 : 0);
-        rows_of<INT4, BF>(c, a, r, n, b, e);
+        rows_of<INT4, ST>(c, a, r, n, b, e);
         r += n;
       }
     }
@@ -190,11 +190,15 @@ struct QAKernel {
     });
     const QAData a{xq, xd, xs, xc};
     parallel_runs(h.blocks, run_length(h.blocks, rows <= T::kRows ? 8 : T::kTile), [&](int64_t b0, int64_t b1) {
-      const bool int4 = h.bits == 4, bf = h.scale_bytes == 2;
-      if (int4) {
-        bf ? span<true, true>(c, a, b0, b1) : span<true, false>(c, a, b0, b1);
+      const int type = h.scale_type;
+      if (h.bits == 4) {
+        type == kScaleF16    ? span<true, kScaleF16>(c, a, b0, b1)
+        : type == kScaleBF16 ? span<true, kScaleBF16>(c, a, b0, b1)
+                             : span<true, kScaleF32>(c, a, b0, b1);
       } else {
-        bf ? span<false, true>(c, a, b0, b1) : span<false, false>(c, a, b0, b1);
+        type == kScaleF16    ? span<false, kScaleF16>(c, a, b0, b1)
+        : type == kScaleBF16 ? span<false, kScaleBF16>(c, a, b0, b1)
+                             : span<false, kScaleF32>(c, a, b0, b1);
       }
     });
   }

@@ -83,6 +83,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                         static_cast<int64_t>(picked.size()) == seqs && starts[seqs] == seqs;
   if (all_rows && !tiled)
     return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, positions, scale, window, softcap);
+  if (all_rows) {  // a decode step: row i is sequence i's, so its tensors are read where they lie
+    at::Tensor attended = at::empty_like(q);
+    decode_tiles(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.to(at::kLong), positions, scale,
+                 window, attended);
+    return attended;
+  }
   at::Tensor out = starts[seqs] < q.size(0) ? at::zeros_like(q) : at::empty_like(q);
   if (!rows.empty()) {
     const at::Tensor seq_index = index_of(picked), row_index = index_of(rows);
