@@ -133,7 +133,11 @@ def export(
         int, typer.Option("--quant-group", help="--quantize: values per scale along the inputs (32, 64 or 128).")
     ] = 32,
     quant_scales: Annotated[
-        str, typer.Option("--quant-scales", help="--quantize: dtype of the scales and minimums (float32 or bfloat16).")
+        str,
+        typer.Option(
+            "--quant-scales",
+            help="--quantize: dtype of the scales and minimums (float32, bfloat16, or float16 as GGUF's Q8_0 keeps them).",
+        ),
     ] = "float32",
     quantize_embeddings: Annotated[
         bool, typer.Option("--quantize-embeddings", help="--quantize: also the embedding table.")

@@ -35,7 +35,7 @@ from ignition.models.family import Family
 from ignition.sources import Checkpoint
 from ignition.sources import gguf_grids as grids_
 
-SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LINEAR, EXPERTS, ROUTER, OTHER = "linear", "experts", "router", "other"
 _EXPERT_STACKS = (3, 4)  # flare::routed_experts' w_gate_up and w_down arguments
 _EXPERT_KWARGS = ("w_gate_up", "w_down")
@@ -47,7 +47,7 @@ class QuantRequest:
 
     format: str  # quant.INT8 | quant.INT4
     group: int = 32  # values per scale along the inputs (quant.GROUPS)
-    scale_dtype: str = "float32"  # "float32" | "bfloat16"
+    scale_dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     embeddings: bool = False  # also the embedding table
     head: bool = False  # also the output head
     # --quant-activations: "float" (exact products of the stored values) or "int8" (the linears'
@@ -295,6 +295,11 @@ def prepare(
         else:
             parts = quant.quantize(values, request.format, request.group, scale_dtype)
             fmt, group, dtype_name, origin = request.format, request.group, request.scale_dtype, "export"
+            if not all(bool(torch.isfinite(parts[p]).all()) for p in (quant.SCALES, quant.MINS) if p in parts):
+                raise UsageError(
+                    f"{name}: its scales overflow --quant-scales {request.scale_dtype} (weights beyond its range); "
+                    "export with --quant-scales float32 or bfloat16"
+                )
         value = quant.dequantize(parts[quant.QWEIGHT], parts[quant.SCALES], parts.get(quant.MINS), group)
         if grid is None and ids is not None and bool((ids >= 0).any()):
             requantized[name] = float((value - values.float()).abs().max())  # quantized blocks requantized
@@ -335,8 +340,11 @@ def level_of(tensors: dict[str, mf.QuantizedTensor]) -> str:
 
 
 def format_version(quantization: mf.Quantization | None) -> int:
-    """Version 3 marks quantized cores only: older helios keeps reading every other core (version 2)."""
-    return mf.FORMAT_VERSION if quantization is not None else 2
+    """The oldest version that describes the core, so that older helios keeps reading what it can:
+    4 for float16 scales, 3 for other quantized cores, 2 for every other core."""
+    if quantization is None:
+        return 2
+    return 4 if any(t.scale_dtype == "float16" for t in quantization.tensors.values()) else 3
 
 
 def sized(quantized: Quantized | None, weights: dict[str, Tensor]) -> dict[str, Tensor]:

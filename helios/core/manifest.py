@@ -15,7 +15,7 @@ import msgspec
 from helios.core.sampling import SamplingSpec
 
 FORMAT_NAME = "flare-core"
-FORMAT_VERSION = 3  # 3: quantized weights (`quantization`); cores without them are written as version 2
+FORMAT_VERSION = 4  # 3: quantized weights (`quantization`); 4: float16 scales; a core is written at the oldest it needs
 OLDEST_FORMAT_VERSION = 1  # read as a core declaring only one rank (no `parallel` record)
 MANIFEST_FILE = "core.json"
 MAX_TOP_LOGPROBS = 20
@@ -376,7 +376,7 @@ class QuantizedTensor(_Struct, omit_defaults=True):
 
     format: str  # "int8" | "int4"
     group: int  # elements per scale along the input dimension: 32, 64 or 128
-    scale_dtype: str  # "float32" | "bfloat16"
+    scale_dtype: str  # "float32" | "bfloat16" | "float16" (format version 4)
     shape: tuple[int, ...]  # the float weight's shape, [..., out, in]
     dtype: str  # the dtype the programs take the weight in
     origin: str = "export"  # "export" (quantized by ignition) or the source block type kept as is, e.g. "gguf Q4_K"

@@ -11,7 +11,8 @@ holds instead:
   2j in the low nibble of byte j, element 2j + 1 in the high nibble, q in [0, 15];
   `name.scales` and `name.mins` [..., out, in / group]. Value = q * scale + min.
 
-Scales (and minimums) are float32 or bfloat16 (manifest: scale_dtype). Value arithmetic is
+Scales (and minimums) are float32, bfloat16 or float16 (manifest: scale_dtype; float16, as GGUF's
+Q8_0 and Q4_0 store theirs, needs core format version 4). Value arithmetic is
 float32: a weight's float reference is `dequantize(...)` in float32, and helios' kernels compute
 linears against exactly these values (accumulating in float32). GGUF blocks map onto the layout
 without requantizing: Q8_0 is int8 with group 32, Q4_0 is int4 with min = -8 * scale, Q4_1 is
@@ -27,7 +28,7 @@ from torch import Tensor
 INT8, INT4 = "int8", "int4"
 FORMATS = (INT8, INT4)
 GROUPS = (32, 64, 128)
-SCALE_DTYPES = ("float32", "bfloat16")
+SCALE_DTYPES = ("float32", "bfloat16", "float16")
 QWEIGHT, SCALES, MINS = ".qweight", ".scales", ".mins"
 # What a quantized weight's linears multiply it by (manifest QuantizedTensor.activations): the float
 # activations as they are, or int8 ones (Q8_0-style per 32-feature block, helios.engine.quantized_ref).

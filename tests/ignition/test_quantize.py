@@ -32,7 +32,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 @pytest.mark.parametrize("group", quant.GROUPS)
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize_round_trip(fmt: str, group: int, scale_dtype: torch.dtype) -> None:
     """Each value comes back within half a step of its group's grid, stacks of experts too."""
     w = torch.randn(3, 8, 256, generator=torch.Generator().manual_seed(group))
@@ -92,7 +92,7 @@ def test_refused_combinations(tmp_path: Path) -> None:
         (replace(base, host_embeddings=True), "--host-embeddings"),
         (replace(base, quantization=QuantRequest("int3")), "--quantize must be one of"),
         (replace(base, quantization=QuantRequest("int8", group=48)), "--quant-group"),
-        (replace(base, quantization=QuantRequest("int8", scale_dtype="float16")), "--quant-scales"),
+        (replace(base, quantization=QuantRequest("int8", scale_dtype="float8")), "--quant-scales"),
         (replace(base, quantization=QuantRequest("int8", activations="int16")), "--quant-activations"),
     ):
         with pytest.raises(UsageError, match=flag):
@@ -104,6 +104,7 @@ CASES = {
     "llama-int4": ("llama", 0, "smollm2", QuantRequest("int4")),
     "llama-int8": ("llama", 0, "smollm2", QuantRequest("int8", group=64, scale_dtype="bfloat16")),
     "qwen3-int8-g128": ("qwen3", 1, str(DATA / "tiny_qwen3.toml"), QuantRequest("int8", group=128)),
+    "qwen3-int8-f16": ("qwen3", 1, str(DATA / "tiny_qwen3.toml"), QuantRequest("int8", scale_dtype="float16")),
     "qwen3_moe-int4": (
         "qwen3_moe",
         5,
@@ -145,7 +146,7 @@ def test_quantized_export(exported, name: str) -> None:
     core, plain = Core.open(cores.core), Core.open(cores.plain)
     m = core.manifest
     q = m.quantization
-    assert q is not None and m.format.version == 3
+    assert q is not None and m.format.version == (4 if request.scale_dtype == "float16" else 3)  # the oldest it needs
     assert plain.manifest.format.version == 2 and plain.manifest.quantization is None  # unquantized: version 2
     stored = load_file(str(cores.core / "weights.safetensors"))
     float_weights = load_file(str(cores.plain / "weights.safetensors"))
@@ -214,3 +215,16 @@ def test_cli_flags_reach_the_export(tmp_path: Path) -> None:
         "ignition", "export", str(tmp_path), "-r", "smollm2", "-o", str(tmp_path / "c"), "--quantize", "int5"
     )
     assert done.returncode == 2 and "--quantize must be one of int8, int4" in done.stderr
+
+
+def test_float16_scales_that_overflow_are_refused(tmp_path: Path) -> None:
+    """A weight whose group scale passes float16's range is refused with what to do, not stored as inf."""
+    family, seed, recipe, _ = CASES["qwen3-int8-f16"]
+    checkpoint = write_testmodel(family, tmp_path / "ckpt", seed=seed)
+    weights = load_file(str(next(checkpoint.glob("*.safetensors"))))
+    big = next(name for name in weights if name.endswith("down_proj.weight"))
+    weights[big] = weights[big] * 1e9
+    save_file(weights, str(next(checkpoint.glob("*.safetensors"))))
+    options = ExportOptions(out=tmp_path / "core", quantization=QuantRequest("int8", scale_dtype="float16"))
+    with pytest.raises(UsageError, match="--quant-scales float32 or bfloat16"):
+        export_core(open_source(str(checkpoint)), load_recipe(recipe), options)
