@@ -25,7 +25,8 @@ struct Vnni {
   using A = __m512i;
   static constexpr int kRows = 4;
   static constexpr int64_t kTile = 4;  // blocks whose weights every register block of rows reuses
-  static constexpr int nb(int rows) { return rows == 1 ? 4 : 2; }
+  // up to 2 rows (one decode row, or a logits row and its copy: rows.py) take 4 weight streams
+  static constexpr int nb(int rows) { return rows <= 2 ? 4 : 2; }
 
   static F fzero() { return _mm512_setzero_ps(); }
   static I izero() { return _mm512_setzero_si512(); }
