@@ -264,9 +264,9 @@ class _Header:
 
 def _header(packed: Tensor) -> _Header:
     magic, bits, group, width, out, blocks, scales, block_bytes = packed[: _HEADER_WORDS * 8].view(torch.int64).tolist()
-    kind, size = scales >> 32, scales & 0xFFFFFFFF
-    kind = 1 if kind == 0 and size == 2 else kind  # an earlier build's bfloat16 blob (read_header)
-    return _Header(magic, bits, group, width, out, blocks, _SCALE_TYPES[kind], block_bytes)
+    kind, size = scales >> 32, scales & 0xFFFFFFFF  # int32 scale_bytes, then int32 scale_type
+    dtype = torch.bfloat16 if kind == 0 and size == 2 else _SCALE_TYPES[kind]  # 0 with 2 bytes: an earlier build's
+    return _Header(magic, bits, group, width, out, blocks, dtype, block_bytes)
 
 
 def _round_input(use: _Use) -> None:
@@ -337,14 +337,8 @@ def _a8_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
     bytes), then per 32 features 64-byte steps of 16 rows x 4 bytes (int8 + 128; int4: features f
     and f + 16 in the low and high nibble)."""
     h = _header(packed)
-    bits, group, width, blocks, block_bytes, scale_bytes = (
-        h.bits,
-        h.group,
-        h.width,
-        h.blocks,
-        h.block_bytes,
-        h.scale_bytes,
-    )
+    bits, group, width, blocks, block_bytes = h.bits, h.group, h.width, h.blocks, h.block_bytes
+    scale_bytes = h.scale_bytes
     groups, int4 = width // group, bits == 4
     region = block_bytes - width * _BLOCK // (2 if int4 else 1)
     flat = ids.reshape(-1)
