@@ -32,6 +32,10 @@
 
 #include "common.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 namespace flare_native {
 
 // A blob's scales (and minimums) as pack_qlinear was given them: float32, bfloat16, or float16
@@ -55,6 +59,27 @@ inline QHeader read_header(const void* blob) {
   return h;
 }
 constexpr int64_t kQMagic = 0x31514c46;  // "FLQ1"
+
+#if defined(__x86_64__) || defined(_M_X64)
+// 16 of a blob's scales (or minimums) widened exactly to float32 as two 8-lane halves: what both
+// AVX2 kernels (linear_q_avx2.cpp, linear_qa_avx2.cpp) read them with.
+__attribute__((target("avx2,f16c"))) inline void scales_avx2(const uint8_t* p, int32_t type, __m256& lo, __m256& hi) {
+  if (type == kScaleF32) {
+    lo = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+    hi = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8);
+    return;
+  }
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  if (type == kScaleF16) {
+    lo = _mm256_cvtph_ps(a);
+    hi = _mm256_cvtph_ps(b);
+  } else {  // bfloat16: the upper half of a float32
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+    hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  }
+}
+#endif
 
 // What a qlinear kernel needs from the call: input rows (fp32; or bfloat16 for the int8-activation
 // kernels), output, bias.

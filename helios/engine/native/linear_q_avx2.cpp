@@ -33,17 +33,10 @@ struct Avx2 {
   QK_TARGET static F fma(F x, F w, F c) { return {_mm256_fmadd_ps(x.a, w.a, c.a), _mm256_fmadd_ps(x.b, w.b, c.b)}; }
   QK_TARGET static F mul(F x, F y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
   QK_TARGET static F add(F x, F y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
-  QK_TARGET static __m256 half_bf16(const uint8_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-  QK_TARGET static F scales(const uint8_t* p, int type) {  // 16 of them, widened exactly
-    if (type == kScaleF16) {
-      return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
-    }
-    if (type == kScaleBF16) return {half_bf16(p), half_bf16(p + 16)};
-    return load(reinterpret_cast<const float*>(p));
+  QK_TARGET static F scales(const uint8_t* p, int type) {
+    F s;
+    scales_avx2(p, type, s.a, s.b);
+    return s;
   }
   QK_TARGET static __m256 half_i8(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));

@@ -49,13 +49,10 @@ struct Avx2 {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
-  QK_TARGET static F scales(const uint8_t* p, int type) {  // 16 of them, widened exactly
-    if (type == kScaleF16) {
-      return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
-    }
-    if (type == kScaleBF16) return {load8(reinterpret_cast<const uint16_t*>(p)), load8(reinterpret_cast<const uint16_t*>(p) + 8)};
-    return {load8(reinterpret_cast<const float*>(p)), load8(reinterpret_cast<const float*>(p) + 8)};
+  QK_TARGET static F scales(const uint8_t* p, int type) {
+    F s;
+    scales_avx2(p, type, s.a, s.b);
+    return s;
   }
   QK_TARGET static __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   QK_TARGET static W w8(const uint8_t* p) {  // the stored +128 bytes back to signed weights

@@ -103,7 +103,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     } else {
       attended = decode_attention(query, k_cache, v_cache, tables, lens, where, scale, window, softcap);
     }
-    if (all_rows) return attended;
     out.index_copy_(0, row_index, attended);
   }
   const int64_t page_tokens = k_cache.size(1), kv_heads = k_cache.size(2), dim = k_cache.size(3);
