@@ -455,38 +455,26 @@ def _nucleus_row(params: SamplingParams, vocab: int) -> bool:
 def _native_nucleus(
     logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator], out: Tensor
 ) -> list[int]:
-    """Draw the top-p rows (without top-k) whose nucleus lies among their likeliest tokens, on the
-    native kernel (native/sampling.cpp: the row's logsumexp at its temperature and every token
-    within log(TOP_P_CANDIDATES) of its maximum, in two passes over the row), into `out`; the
-    indices of the rows drawn. The same draw as the torch path's candidate draw (_candidate_draw
-    over the same set, normalized by the row's own logsumexp), up to the last bits of that
-    logsumexp; a row's result depends only on the row. Rows with more candidates, or whose
-    candidates hold less than top_p, are left to the torch path; so is everything where the native
-    library is not loaded or the logits are not fp32 host tensors."""
+    """Draw the top-p rows (without top-k) whose nucleus lies among their likeliest tokens on the
+    native kernel, in one call (native/sampling.cpp: nucleus_draw finds the row's logsumexp at its
+    temperature and every token within log(TOP_P_CANDIDATES) of its maximum in two passes over the
+    row, then takes _candidate_draw's top-p, min-p and draw over them), into `out`; the indices of
+    the rows drawn. The torch path's draw from the same uniform, up to the last bits of the exp and
+    sum terms; a row's result depends only on the row. Each such row takes its uniform from its
+    generator first; a row the kernel leaves (more candidates, or candidates holding less than
+    top_p) is drawn by the torch path from the generator's next number. Everything is left to the
+    torch path where the native library is not loaded or the logits are not fp32 host tensors."""
     vocab = logits.shape[-1]
     rows = [r for r, p in enumerate(params) if _nucleus_row(p, vocab)]
     if not rows or logits.device.type != "cpu" or logits.dtype != torch.float32 or not native.loaded():
         return []
-    every = len(rows) == logits.shape[0]
-    index = torch.tensor(rows)
-    held = logits if every else logits.index_select(0, index)
-    temperatures = torch.tensor([params[r].temperature for r in rows], dtype=torch.float32)
-    lse, values, ids, counts = torch.ops.flare_native.nucleus_candidates(held, temperatures, TOP_P_CANDIDATES)
-    mass = torch.exp(values - lse[:, None]).sum(dim=-1).tolist()
-    fits = [j for j, (n, m) in enumerate(zip(counts.tolist(), mass)) if n > 0 and m >= params[rows[j]].top_p]
-    if not fits:
-        return []
-    chosen = [rows[j] for j in fits]
-    picked = torch.tensor(fits)
-    drawn = _candidate_draw(
-        values.index_select(0, picked),
-        ids.index_select(0, picked),
-        [params[r] for r in chosen],
-        [generators[r] for r in chosen],
-        lse.index_select(0, picked),
-        vocab,
-    )
-    out[torch.tensor(chosen)] = drawn
+    held = logits if len(rows) == logits.shape[0] else logits.index_select(0, torch.tensor(rows))
+    settings = torch.tensor([(params[r].temperature, params[r].top_p, params[r].min_p) for r in rows])
+    uniform = torch.cat([torch.rand(1, generator=generators[r], dtype=torch.float64) for r in rows])
+    drawn = torch.ops.flare_native.nucleus_draw(held, settings, uniform, TOP_P_CANDIDATES).tolist()
+    chosen = [r for r, token in zip(rows, drawn) if token >= 0]
+    if chosen:
+        out[torch.tensor(chosen)] = torch.tensor([token for token in drawn if token >= 0])
     return chosen
 
 

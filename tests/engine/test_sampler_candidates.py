@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -86,31 +85,35 @@ def _native() -> bool:
     return native.load()
 
 
-def test_native_candidates_hold_the_nucleus_and_the_logsumexp() -> None:
-    """native/sampling.cpp against torch: the row's logsumexp at its temperature, and its tokens
-    within log(cap) of the maximum, descending (ties: lower id first); flat or NaN rows say -1."""
+def test_native_draws_are_the_torch_paths_draws_from_the_same_uniform() -> None:
+    """native/sampling.cpp's nucleus_draw against the torch path (temperature, top-p, min-p over the
+    candidates, then the inverse-CDF draw) on the same uniforms: the same token, row by row, for
+    sharp and broad rows, ties at the top, masked tokens and an odd vocabulary; a flat row (more
+    candidates than the cap), a NaN row and a nucleus wider than the candidates say -1."""
     if not _native():
         pytest.skip("no native kernels here")
     torch.manual_seed(2)
-    logits = torch.randn(6, 5003) * 4  # an odd vocabulary: the 8-lane pass has a tail
+    logits = torch.randn(7, 5003) * 4  # an odd vocabulary: the 8-lane pass has a tail
     logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie at the top
     logits[2] = torch.randn(5003) * 0.01  # flat: far more than `cap` tokens qualify
     logits[3, 100] = float("nan")
     logits[4, :2000] = float("-inf")  # masked tokens
-    temperatures = torch.tensor([0.2, 0.7, 1.0, 1.0, 0.5, 1.3])
-    lse, values, ids, counts = torch.ops.flare_native.nucleus_candidates(logits, temperatures, 128)
-    assert counts[2] == -1 and counts[3] == -1
-    for r in (0, 1, 4, 5):
-        scaled = logits[r] / temperatures[r]
-        expected = torch.logsumexp(scaled.clamp_min(scaled.max() - 87), dim=-1)
-        assert abs(float(lse[r]) - float(expected)) < 1e-4
-        n = int(counts[r])
-        keep = (scaled - scaled.max() >= math.log(1 / 128)).nonzero().flatten()
-        assert n == len(keep)
-        order = sorted(keep.tolist(), key=lambda i: (-float(scaled[i]), i))
-        assert ids[r, :n].tolist() == order
-        assert torch.equal(values[r, :n], scaled[order])
-        assert bool((values[r, n:] == float("-inf")).all())
+    logits[6] = -5.0  # 100 candidates (within log(1/128) of the top) holding 0.75 of the mass: not 0.95
+    logits[6, :100] = 0.0
+    settings = [(0.2, 0.9, 0.0), (0.7, 0.8, 0.0), (1.0, 0.9, 0.0), (1.0, 0.9, 0.0), (0.5, 0.95, 0.05), (1.3, 0.7, 0.1)]
+    settings.append((1.0, 0.95, 0.0))
+    params = [_params(temperature=t, top_p=p, min_p=m) for t, p, m in settings]
+    for seed in range(200):
+        uniforms = [torch.Generator().manual_seed(seed * 7 + r) for r in range(7)]
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in uniforms])
+        drawn = torch.ops.flare_native.nucleus_draw(logits, torch.tensor(settings), u, 128).tolist()
+        assert drawn[2] == drawn[3] == drawn[6] == -1
+        for r in (0, 1, 4, 5):
+            again = [torch.Generator().manual_seed(seed * 7 + r)]
+            expected = s.Sampler._torch_draw(logits[r : r + 1].clone(), [params[r]], again)
+            assert drawn[r] == int(expected[0]), (seed, r)
+    with pytest.raises(RuntimeError, match="settings must be"):
+        torch.ops.flare_native.nucleus_draw(logits, torch.zeros(7, 2), u, 128)
 
 
 def test_native_draws_match_the_full_distribution_and_ignore_the_batch() -> None:

@@ -18,8 +18,8 @@
 //   linear_qa.cpp        the int8-activation layout of pack_qlinear (act_bits=8) and its AVX512-VNNI
 //                        kernel (linear_qa.h, linear_qa_kernel.h): Q8_0-style activations, vpdpbusd;
 //   linear_qa_avx2.cpp   its AVX2 kernel (vpmaddubsw; compiled without AVX-512);
-//   sampling.cpp         nucleus_candidates: a temperature + top-p row's logsumexp and likeliest
-//                        tokens in two passes (helios/engine/sampler.py);
+//   sampling.cpp         nucleus_draw: a temperature + top-p (+ min-p) row's whole draw, its
+//                        candidates found in two passes (helios/engine/sampler.py);
 //   ops.cpp              the op schemas, and the CPU kernels of flare::paged_attention/write_kv;
 //   compiled_step.cpp    run_compiled: AOTInductor steps with the GIL released.
 //
@@ -162,8 +162,6 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
                        int64_t out_features);
 
 // sampling.cpp
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nucleus_candidates(const at::Tensor& logits,
-                                                                               const at::Tensor& temperature,
-                                                                               int64_t cap);
+at::Tensor nucleus_draw(const at::Tensor& logits, const at::Tensor& settings, const at::Tensor& uniform, int64_t cap);
 
 }  // namespace flare_native

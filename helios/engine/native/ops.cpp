@@ -168,7 +168,7 @@ TORCH_LIBRARY(flare_native, m) {
   m.def("avx2_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, Tensor positions, float scale, int window, float softcap) -> Tensor");
   m.def("has_avx2_attention(Tensor q, Tensor k_cache) -> bool", &avx2_attention_supported);
-  m.def("nucleus_candidates(Tensor logits, Tensor temperature, int cap) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("nucleus_draw(Tensor logits, Tensor settings, Tensor uniform, int cap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
@@ -180,7 +180,7 @@ TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
   m.impl("linear_avx2", &linear_avx2);
   m.impl("chunk_attention", &chunk_attention);
   m.impl("avx2_attention", &avx2_attention_op);
-  m.impl("nucleus_candidates", &nucleus_candidates);
+  m.impl("nucleus_draw", &nucleus_draw);
 }
 
 TORCH_LIBRARY_IMPL(flare_native, Meta, m) {

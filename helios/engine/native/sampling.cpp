@@ -1,20 +1,19 @@
-// nucleus_candidates: the sampler's full-vocabulary work for temperature + top-p rows in two passes
-// over each row, where the torch path takes about eight (divide, max, subtract, clamp, exp, sum,
-// log, then a partial sort for the 128 likeliest tokens).
+// nucleus_draw: the sampler's whole draw for temperature + top-p (+ min-p) rows in one call, where
+// the torch path takes about thirty operations (sampler.py: _candidate_draw and draw).
 //
-// For row r, with scaled logits s = logits[r] / temperature[r] and m = max(s):
-//   lse[r]    = m + log(sum exp(max(s - m, -87)))   (the sampler's logsumexp rule: terms below
-//               e^-87 count as e^-87, far below the sum's resolution);
-//   values[r] = every s_i with s_i - m >= log(1 / cap), descending (ties: lower id first), padded
-//               with -inf to the widest row; ids[r] their token ids (padding: 0);
-//   counts[r] = how many there are, or -1 where more than `cap` tokens (or a NaN) qualify: that row
-//               takes the torch path.
-// A token of probability at least 1 / cap always qualifies (its s_i - m >= s_i - lse >=
+// For row r, with scaled logits s = logits[r] / temperature[r] and m = max(s), two passes over the
+// row give
+//   lse       = m + log(sum exp(max(s - m, -87)))   (the sampler's logsumexp rule: terms below
+//               e^-87 count as e^-87, far below the sum's resolution), and
+//   the candidates: every s_i with s_i - m >= log(1 / cap), descending (ties: lower id first).
+// A token of probability at least 1 / cap is always a candidate (its s_i - m >= s_i - lse >=
 // log(1 / cap)), and the candidates are a prefix of the row's tokens ordered by probability, so
-// when their mass reaches top_p the nucleus lies among them (helios/engine/sampler.py).
+// when their mass reaches top_p the nucleus lies among them and the draw over them is the draw
+// over the whole vocabulary. Where more than `cap` tokens qualify (a flat row), a NaN poisons the
+// row, or the candidates hold less than top_p, the row's id is -1 and the torch path draws it.
 //
-// A row's results depend only on that row: rows are split over threads whole, each row's sum is
-// taken in one fixed order.
+// A row's result depends only on that row and its uniform: rows are split over threads whole, each
+// row's sums are taken in one fixed order.
 #include "avx2.h"
 
 namespace flare_native {
@@ -110,58 +109,91 @@ RowSums row_sums(const float* x, int64_t n, float t, float gap, std::vector<std:
   return row_portable(x, n, t, gap, keep);
 }
 
+// One row's candidates (descending; ties: lower id first) and its logsumexp at temperature t;
+// false where the row takes the torch path (more than `cap` candidates, no finite maximum or sum).
+bool row_candidates(const float* row, int64_t vocab, float t, int64_t cap, std::vector<std::pair<float, int64_t>>& keep,
+                    float& lse) {
+  const float gap = std::log(1.0f / static_cast<float>(cap));
+  const RowSums sums = row_sums(row, vocab, t, gap, keep);
+  if (static_cast<int64_t>(keep.size()) > cap || !std::isfinite(sums.max) || !std::isfinite(sums.sum)) return false;
+  lse = sums.max + std::log(sums.sum);
+  std::sort(keep.begin(), keep.end(),
+            [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+  return true;
+}
+
+// The sampler's candidate draw (sampler.py: _candidate_draw then draw) over one row's candidates:
+// top-p against the whole vocabulary's logsumexp (a candidate stays while the mass before it is
+// below top_p; the first always), min-p against the likeliest survivor, then the inverse-CDF pick
+// of u times the survivors' total weight exp(s - max) (float64 running sums of the float32
+// weights; a weight below e^-87 is 0). -1 where the candidates hold less than top_p (the torch
+// path takes the row).
+int64_t candidate_draw(const std::vector<std::pair<float, int64_t>>& keep, float lse, float top_p, float min_p,
+                       double u) {
+  const int64_t n = static_cast<int64_t>(keep.size());
+  std::vector<float> probs(n);
+  float mass = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    probs[j] = std::exp(keep[j].first - lse);
+    mass += probs[j];
+  }
+  if (n == 0 || !(mass >= top_p)) return -1;
+  std::vector<float> v(n);
+  double cumulative = 0.0;  // torch's float32 cumsum: a float64 running sum, each prefix rounded to float32
+  for (int64_t j = 0; j < n; ++j) {
+    cumulative += probs[j];
+    const bool kept = j == 0 || static_cast<float>(cumulative) - probs[j] < top_p;
+    v[j] = kept ? keep[j].first : -std::numeric_limits<float>::infinity();
+  }
+  const float top = v[0];
+  if (min_p > 0.0f) {  // softmax over the survivors; drop those below min_p times the likeliest
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; ++j) total += std::exp(v[j] - top);
+    const float threshold = min_p * (1.0f / total);
+    for (int64_t j = 0; j < n; ++j)
+      if (std::exp(v[j] - top) / total < threshold) v[j] = -std::numeric_limits<float>::infinity();
+  }
+  std::vector<double> inner(n);
+  double running = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float shifted = v[j] - top;
+    running += shifted < kExpFloor ? 0.0 : static_cast<double>(std::exp(shifted));
+    inner[j] = running;
+  }
+  // Stay below the total, so the pick is a token with weight.
+  const double rest = std::min(std::max(u * running, 0.0), running * (1.0 - std::ldexp(1.0, -50)));
+  const int64_t at = std::upper_bound(inner.begin(), inner.end(), rest) - inner.begin();
+  return keep[std::min(at, n - 1)].second;
+}
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nucleus_candidates(const at::Tensor& logits,
-                                                                               const at::Tensor& temperature,
-                                                                               int64_t cap) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "nucleus_candidates: logits must be [B, V] fp32");
-  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == logits.size(0) && temperature.scalar_type() == at::kFloat,
-              "nucleus_candidates: one fp32 temperature per row");
-  TORCH_CHECK(cap > 0, "nucleus_candidates: cap must be positive");
-  const at::Tensor x = logits.contiguous(), temps = temperature.contiguous();
-  const int64_t rows = x.size(0), vocab = x.size(1);
-  at::Tensor lse = at::empty({rows}, x.options());
-  at::Tensor counts = at::empty({rows}, x.options().dtype(at::kLong));
-  std::vector<std::vector<std::pair<float, int64_t>>> found(rows);
+at::Tensor nucleus_draw(const at::Tensor& logits, const at::Tensor& settings, const at::Tensor& uniform, int64_t cap) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "nucleus_draw: logits must be [B, V] fp32");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(settings.dim() == 2 && settings.size(0) == rows && settings.size(1) == 3 &&
+                  settings.scalar_type() == at::kFloat,
+              "nucleus_draw: settings must be [B, 3] fp32 (temperature, top_p, min_p per row)");
+  TORCH_CHECK(uniform.dim() == 1 && uniform.size(0) == rows && uniform.scalar_type() == at::kDouble,
+              "nucleus_draw: one float64 uniform per row");
+  TORCH_CHECK(cap > 0, "nucleus_draw: cap must be positive");
+  const at::Tensor x = logits.contiguous(), knobs = settings.contiguous(), us = uniform.contiguous();
+  at::Tensor ids = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
-  const float* tp = temps.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
-  int64_t* cp = counts.data_ptr<int64_t>();
-  const float gap = std::log(1.0f / static_cast<float>(cap));
+  const float* kp = knobs.data_ptr<float>();
+  const double* up = us.data_ptr<double>();
+  int64_t* ip = ids.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<std::pair<float, int64_t>> keep;
     for (int64_t r = r0; r < r1; ++r) {
-      const float* row = xp + r * vocab;
-      const float t = tp[r];
-      auto& keep = found[r];
-      const RowSums sums = row_sums(row, vocab, t, gap, keep);
-      // Too many candidates (a flat row), or no finite maximum (a NaN poisons the max and the sum):
-      // the torch path.
-      if (static_cast<int64_t>(keep.size()) > cap || !std::isfinite(sums.max) || !std::isfinite(sums.sum)) {
-        keep.clear();
-        lp[r] = std::numeric_limits<float>::quiet_NaN();
-        cp[r] = -1;
-        continue;
-      }
-      lp[r] = sums.max + std::log(sums.sum);
-      std::sort(keep.begin(), keep.end(), [](const auto& a, const auto& b) {
-        return a.first != b.first ? a.first > b.first : a.second < b.second;
-      });
-      cp[r] = static_cast<int64_t>(keep.size());
+      keep.clear();
+      float lse = 0.0f;
+      const float* k = kp + 3 * r;
+      ip[r] = row_candidates(xp + r * vocab, vocab, k[0], cap, keep, lse) ? candidate_draw(keep, lse, k[1], k[2], up[r])
+                                                                         : -1;
     }
   });
-  int64_t width = 1;
-  for (const auto& keep : found) width = std::max<int64_t>(width, static_cast<int64_t>(keep.size()));
-  at::Tensor values = at::full({rows, width}, -std::numeric_limits<float>::infinity(), x.options());
-  at::Tensor ids = at::zeros({rows, width}, x.options().dtype(at::kLong));
-  float* vp = values.data_ptr<float>();
-  int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (size_t j = 0; j < found[r].size(); ++j) {
-      vp[r * width + j] = found[r][j].first;
-      ip[r * width + j] = found[r][j].second;
-    }
-  return {lse, values, ids, counts};
+  return ids;
 }
 
 }  // namespace flare_native
