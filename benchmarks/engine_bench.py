@@ -46,9 +46,10 @@ import json
 import time
 from pathlib import Path
 
-from helios import cpu_isa
+from helios import cpu_isa, hugepages
 
 cpu_isa.apply()  # before torch starts (FLARE_CPU_ISA)
+hugepages.keep_freed_memory()  # as `helios serve` does
 
 import torch  # noqa: E402
 

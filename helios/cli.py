@@ -91,7 +91,7 @@ def serve(
     import os
 
     from helios import cpu_isa
-    from helios.hugepages import reexec_with_huge_pages
+    from helios.hugepages import keep_freed_memory, reexec_with_huge_pages
 
     # Before torch loads OpenMP: pool threads spin only briefly (~10k iterations, tens of
     # microseconds) before sleeping. Inside a step the next parallel region starts within
@@ -109,6 +109,7 @@ def serve(
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     reexec_with_huge_pages()  # once, before anything large is allocated
+    keep_freed_memory()  # a step's freed outputs serve the next step's (no page faults per step)
     import logging
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

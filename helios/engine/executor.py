@@ -499,6 +499,7 @@ class Executor:
             threads = 1 if serial else self.threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
+        replays = self.launches["graph"]
         plain = [c for c in chunks if not c.scored]
         scored = [c for c in chunks if c.scored]
         parts: list[tuple[list[Chunk], dict[str, Tensor]]] = []
@@ -537,7 +538,13 @@ class Executor:
                         if name in outputs
                     }
                     offset += chunk.num_tokens
-        cat = {name: torch.cat(values) for name, values in rows.items()}
+        # One program's rows are used as they are (a fresh output of its call; at 64 rows the logits
+        # alone are 12.6 MB, a copy and its page faults each step); a graph replay's are copied out
+        # of the bucket's static buffers, which the next replay overwrites.
+        replayed = self.launches["graph"] != replays
+        cat = {
+            name: values[0] if len(values) == 1 and not replayed else torch.cat(values) for name, values in rows.items()
+        }
         return StepResult(
             sampled=tuple(sampled),
             logits=cat["logits"],

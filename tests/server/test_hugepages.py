@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -69,3 +73,22 @@ def test_the_kv_pool_is_zeroed_mapped_memory(monkeypatch: pytest.MonkeyPatch, tu
     pool[3].fill_(2.0)
     assert pool.sum().item() == 2.0 * 16 * 3 * 8
     assert program._zeros((0, 4), torch.float32).shape == (0, 4)
+
+
+def test_freed_memory_is_kept_where_glibc_allows() -> None:
+    """keep_freed_memory applies both malloc settings on Linux with glibc (run apart: mallopt is
+    process-wide); what it saves is measured by the benchmarks (docs/performance.md)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallopt is a Linux matter")
+    script = "from helios import hugepages; print(hugepages.keep_freed_memory())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    assert result.stdout.strip() == "True"
+
+
+def test_malloc_settings_given_by_the_user_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
+    assert hugepages.keep_freed_memory() is False
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert hugepages.keep_freed_memory() is False
