@@ -230,6 +230,17 @@ def test_the_payoff_gate_keeps_drafts_only_where_they_win() -> None:
     assert gate.allow(16)
 
 
+def test_the_payoff_gate_weighs_steps_by_their_time() -> None:
+    """An arm's rate is its tokens over its time: drafted steps alternating 3 tokens in 20 ms and 1
+    in 5 ms deliver 160 tokens/s, behind plain steps' 1 in 6 ms (167/s), though the average of
+    their per-step rates (150 and 200) is ahead."""
+    gate = PayoffGate()
+    gate.observe(1, False, committed=1, seconds=0.006)
+    for step in range(40):
+        gate.observe(1, True, committed=3 if step % 2 else 1, seconds=0.020 if step % 2 else 0.005)
+    assert not gate.allow(1)
+
+
 def test_the_gate_backs_speculation_off_where_drafts_lose(core: Core, monkeypatch: pytest.MonkeyPatch) -> None:
     """Adaptive mode where the gate measured verification steps committing less per second than
     plain ones: steps carry no drafts, outputs are unchanged, and every decode-only step (not a

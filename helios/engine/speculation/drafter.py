@@ -144,22 +144,32 @@ class PayoffGate:
     host (how much dearer a step of verification rows is than a plain decode step there) and
     on the traffic (how many drafts are accepted): on a 2-core Xeon with AMX, 16 distinct
     chats at temperature 0.2 with one draft each ran 45 ms steps for 20% fewer of them, a net
-    loss. So the gate keeps, per bucket of decoding sequences, a moving average of committed
-    tokens per sequence per second over decode-only steps with drafts and without, lets drafts
-    through while they are ahead, and spends one step in EXPLORE_EVERY on the arm that is
-    behind, so a change in traffic (an agent starts re-emitting a file) is noticed."""
+    loss. So the gate keeps, per bucket of decoding sequences, moving averages of the tokens
+    committed per sequence and of the seconds taken by decode-only steps with drafts and without;
+    their ratio is each arm's rate. Drafts go through while their arm is ahead, and one step in
+    EXPLORE_EVERY goes to the arm that is behind, so a change in traffic (an agent starts
+    re-emitting a file) is noticed. The ratio of averages, not an average of each step's rate:
+    what an arm delivers is its tokens over its time, and an average of per-step rates counts a
+    short step as much as a long one (drafted steps that commit little quickly and much slowly
+    looked ahead of plain steps that beat them in tokens per second)."""
 
     EXPLORE_EVERY = 16
     ALPHA = 0.25  # weight of the newest step in each average
 
     def __init__(self) -> None:
-        self._rate: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> tokens / sequence / s
+        # (bucket, drafted) -> (tokens committed per sequence, seconds) per step, moving averages
+        self._means: dict[tuple[int, bool], tuple[float, float]] = {}
         self._steps: dict[int, int] = {}  # bucket -> decode-only steps observed
+
+    def _rate(self, bucket: int, drafted: bool) -> float | None:
+        """An arm's committed tokens per sequence per second (None: not measured yet)."""
+        means = self._means.get((bucket, drafted))
+        return None if means is None else means[0] / means[1]
 
     def allow(self, decoding: int) -> bool:
         """Whether this step may carry drafts (a query: asking twice gives the same answer)."""
         bucket = _bucket(decoding)
-        drafted, plain = self._rate.get((bucket, True)), self._rate.get((bucket, False))
+        drafted, plain = self._rate(bucket, True), self._rate(bucket, False)
         if drafted is None:
             return True  # try drafts first
         if plain is None:
@@ -172,9 +182,13 @@ class PayoffGate:
         if decoding <= 0 or seconds <= 0:
             return
         bucket = _bucket(decoding)
-        rate = committed / decoding / seconds
-        old = self._rate.get((bucket, drafted))
-        self._rate[(bucket, drafted)] = rate if old is None else old + self.ALPHA * (rate - old)
+        tokens = committed / decoding
+        old = self._means.get((bucket, drafted))
+        self._means[(bucket, drafted)] = (
+            (tokens, seconds)
+            if old is None
+            else (old[0] + self.ALPHA * (tokens - old[0]), old[1] + self.ALPHA * (seconds - old[1]))
+        )
         self._steps[bucket] = self._steps.get(bucket, 0) + 1
 
 
