@@ -339,3 +339,29 @@ def test_a_rows_result_does_not_depend_on_its_chunk() -> None:
         edges = [0, *cuts, 300]
         parts = [_attend(q[a:b], k_cache, v_cache, tables, a, b) for a, b in zip(edges, edges[1:])]
         assert torch.equal(torch.cat(parts), whole), cuts
+
+
+@bf16_chunks
+@pytest.mark.parametrize("window", [0, 40])
+def test_short_chunks_beside_decode_rows_and_prompt_chunks_keep_every_bit(window: int) -> None:
+    """One step holding a verification-sized chunk (a decode row and three drafts), a decode row, a
+    prompt chunk and a two-row chunk, all over the same pages: each row gets the bits it gets when
+    its whole prompt is attended at once."""
+    q, k_cache, v_cache, tables = _chunk_case(5, 64, 300)
+    whole = _attend(q, k_cache, v_cache, tables, 0, 300, window)
+    spans = [(100, 104), (250, 251), (150, 170), (298, 300)]  # [first, end) positions per sequence
+    rows = torch.cat([q[a:b] for a, b in spans])
+    starts = torch.tensor([0, *torch.tensor([b - a for a, b in spans]).cumsum(0).tolist()], dtype=torch.int32)
+    got = torch.ops.flare.paged_attention(
+        rows,
+        k_cache,
+        v_cache,
+        tables.expand(len(spans), -1).contiguous(),
+        torch.tensor([b for _, b in spans], dtype=torch.int32),
+        starts,
+        torch.cat([torch.arange(a, b) for a, b in spans]),
+        0.125,
+        window,
+        0.0,
+    )
+    assert torch.equal(got, torch.cat([whole[a:b] for a, b in spans]))
