@@ -265,6 +265,12 @@ def apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor
 _DRAW_BLOCK = 1024  # inverse-CDF draws: block sums first, then a cumulative sum inside one block
 
 
+def uniforms(generators: Sequence[torch.Generator], device: torch.device | str) -> Tensor:
+    """Each row's one float64 uniform in [0, 1), the next number of its generator: what every draw
+    (the torch path's and the native one's) picks its token with."""
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=device) for g in generators])
+
+
 def draw(logits: Tensor, generators: Sequence[torch.Generator], scratch: Tensor | None = None) -> Tensor:
     """One categorical draw per row from softmax(logits), [B] int64.
 
@@ -290,7 +296,7 @@ def draw(logits: Tensor, generators: Sequence[torch.Generator], scratch: Tensor 
         weights = torch.nn.functional.pad(weights, (0, pad))
     blocks = weights.view(rows, -1, _DRAW_BLOCK)
     coarse = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [B, blocks] cumulative block sums (fp32 within a block)
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=logits.device) for g in generators])
+    u = uniforms(generators, logits.device)
     target = u * coarse[:, -1]
     # The block holding the target: a block of zero weight never is (its cumulative sum does not rise).
     block = torch.searchsorted(coarse, target[:, None], right=True)[:, 0].clamp_(max=coarse.shape[1] - 1)
@@ -470,7 +476,7 @@ def _native_nucleus(
         return []
     held = logits if len(rows) == logits.shape[0] else logits.index_select(0, torch.tensor(rows))
     settings = torch.tensor([(params[r].temperature, params[r].top_p, params[r].min_p) for r in rows])
-    uniform = torch.cat([torch.rand(1, generator=generators[r], dtype=torch.float64) for r in rows])
+    uniform = uniforms([generators[r] for r in rows], logits.device)
     drawn = torch.ops.flare_native.nucleus_draw(held, settings, uniform, TOP_P_CANDIDATES).tolist()
     chosen = [r for r, token in zip(rows, drawn) if token >= 0]
     if chosen:

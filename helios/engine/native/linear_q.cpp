@@ -27,12 +27,7 @@ struct Avx512 {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F scales(const uint8_t* p, int type) {  // 16 of them, widened exactly
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if (type == kScaleF16) return _mm512_cvtph_ps(half);
-    if (type == kScaleBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    return _mm512_loadu_ps(p);
-  }
+  static F scales(const uint8_t* p, int type) { return scales_avx512(p, type); }
   static F i8(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }

@@ -81,6 +81,17 @@ __attribute__((target("avx2,f16c"))) inline void scales_avx2(const uint8_t* p, i
 }
 #endif
 
+#if defined(__AVX512F__)
+// The same 16 scales (or minimums) in one 16-lane register: what both AVX-512 kernels
+// (linear_q.cpp, linear_qa.cpp) read them with.
+inline __m512 scales_avx512(const uint8_t* p, int32_t type) {
+  if (type == kScaleF32) return _mm512_loadu_ps(p);
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if (type == kScaleF16) return _mm512_cvtph_ps(half);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));  // bfloat16
+}
+#endif
+
 // What a qlinear kernel needs from the call: input rows (fp32; or bfloat16 for the int8-activation
 // kernels), output, bias.
 struct QCall {

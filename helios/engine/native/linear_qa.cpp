@@ -40,10 +40,7 @@ struct Vnni {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
-  static F scales(const uint8_t* p, int type) {  // 16 of them, widened exactly
-    if (type == kScaleF16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return type == kScaleBF16 ? load16(reinterpret_cast<const uint16_t*>(p)) : load16(reinterpret_cast<const float*>(p));
-  }
+  static F scales(const uint8_t* p, int type) { return scales_avx512(p, type); }
   static W w8(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static void w4(const uint8_t* p, W& lo, W& hi) {
     const __m512i v = _mm512_loadu_si512(p), low = _mm512_set1_epi8(15);

@@ -146,18 +146,19 @@ int64_t candidate_draw(const std::vector<std::pair<float, int64_t>>& keep, float
     v[j] = kept ? keep[j].first : -std::numeric_limits<float>::infinity();
   }
   const float top = v[0];
+  std::vector<float> w(n);  // the survivors' weights exp(s - max); 0 for the dropped
+  for (int64_t j = 0; j < n; ++j) w[j] = std::exp(v[j] - top);
   if (min_p > 0.0f) {  // softmax over the survivors; drop those below min_p times the likeliest
     float total = 0.0f;
-    for (int64_t j = 0; j < n; ++j) total += std::exp(v[j] - top);
+    for (int64_t j = 0; j < n; ++j) total += w[j];
     const float threshold = min_p * (1.0f / total);
     for (int64_t j = 0; j < n; ++j)
-      if (std::exp(v[j] - top) / total < threshold) v[j] = -std::numeric_limits<float>::infinity();
+      if (w[j] / total < threshold) w[j] = 0.0f;
   }
   std::vector<double> inner(n);
   double running = 0.0;
   for (int64_t j = 0; j < n; ++j) {
-    const float shifted = v[j] - top;
-    running += shifted < kExpFloor ? 0.0 : static_cast<double>(std::exp(shifted));
+    running += v[j] - top < kExpFloor ? 0.0 : static_cast<double>(w[j]);
     inner[j] = running;
   }
   // Stay below the total, so the pick is a token with weight.
