@@ -344,12 +344,14 @@ def test_a_rows_result_does_not_depend_on_its_chunk() -> None:
 @bf16_chunks
 @pytest.mark.parametrize("window", [0, 40])
 def test_short_chunks_beside_decode_rows_and_prompt_chunks_keep_every_bit(window: int) -> None:
-    """One step holding a verification-sized chunk (a decode row and three drafts), a decode row, a
-    prompt chunk and a two-row chunk, all over the same pages: each row gets the bits it gets when
-    its whole prompt is attended at once."""
+    """One step holding a verification-sized chunk (a decode row and three drafts), a decode row,
+    prompt chunks and short chunks on both sides of the in-place limit, all over the same pages: each
+    row gets the bits it gets when its whole prompt is attended at once."""
     q, k_cache, v_cache, tables = _chunk_case(5, 64, 300)
     whole = _attend(q, k_cache, v_cache, tables, 0, 300, window)
-    spans = [(100, 104), (250, 251), (150, 170), (298, 300)]  # [first, end) positions per sequence
+    # [first, end) positions per sequence: 4, 1, 20, 2, 7, 8 and 9 rows (chunks of up to 8 rows are
+    # attended where their pages lie, longer ones over their gathered pages)
+    spans = [(100, 104), (250, 251), (150, 170), (298, 300), (200, 207), (60, 68), (30, 39)]
     rows = torch.cat([q[a:b] for a, b in spans])
     starts = torch.tensor([0, *torch.tensor([b - a for a, b in spans]).cumsum(0).tolist()], dtype=torch.int32)
     got = torch.ops.flare.paged_attention(

@@ -260,43 +260,57 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
 #endif
 }
 
-// Decode rows (one query token per sequence) on chunk_attention's arithmetic, read in place: each
-// (sequence, kv head) task packs that head's keys and values tile by tile from the pages, in tiles
-// starting at absolute multiples of 64 keys as a chunk's are, and takes the query heads sharing
-// them through chunk_rows. A query row's result is then bit-identical whether it was decoded alone,
-// beside other rows, or computed inside a prompt chunk or a verification chunk of any length.
-// q [rows, heads, dim] bfloat16, caches bfloat16; kv_lens and positions int64 [rows].
-void decode_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& kv_lens, const at::Tensor& positions, double scale,
-                  int64_t window, at::Tensor& out) {
+// Decode rows and short chunks (drafts under verification) on chunk_attention's arithmetic, read in
+// place: each (sequence, kv head) task packs that head's keys and values tile by tile from the pages,
+// in tiles starting at absolute multiples of 64 keys as a gathered chunk's are, and takes every query
+// row sharing them through chunk_rows: a decode row's group of heads at once, a chunk's rows head by
+// head. One parallel region for the whole step, no gathered copy of the pages. A query row's result
+// is bit-identical whether it was decoded alone, beside other rows, or computed inside a prompt
+// chunk or a verification chunk of any length.
+// q [rows, heads, dim] bfloat16 contiguous, caches bfloat16; the listed sequences' rows are written.
+void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                    const at::Tensor& positions, const std::vector<int64_t>& seqs, double scale, int64_t window,
+                    at::Tensor& out) {
 #if defined(__AVX512BF16__)
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t page_tokens = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
-  const int64_t max_blocks = block_tables.size(1), token_stride = kv_heads * dim, tile_elems = kTile * dim;
+  const int64_t max_blocks = block_tables.size(1), table_stride = block_tables.stride(0);
+  const int64_t token_stride = kv_heads * dim, tile_elems = kTile * dim, ld = heads * dim;
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && block_tables.stride(1) == 1,
+              "tiles_in_place: queries, output and table rows must be contiguous");
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int64_t* where = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = static_cast<int64_t>(seqs.size()) * kv_heads;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> kpack, vpack;
     std::vector<float> acc(6 * dim);
     const uint16_t* kr[kTile];
     const uint16_t* vr[kTile];
     int64_t at_pos[6];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / kv_heads, kvh = task % kv_heads, pos = where[seq];
-      const int64_t stop = std::min({lens[seq], pos + 1, max_blocks * page_tokens});  // keys j < stop are visible
-      const int64_t key0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) / kTile * kTile : 0;
+      const int64_t seq = seqs[task / kv_heads], kvh = task % kv_heads;
+      const int64_t r0 = starts[seq], count = starts[seq + 1] - r0;
+      int64_t lo = where[r0], hi = where[r0];
+      for (int64_t r = 1; r < count; ++r) {
+        lo = std::min(lo, where[r0 + r]);
+        hi = std::max(hi, where[r0 + r]);
+      }
+      const int64_t stop = std::min<int64_t>({lens[seq], hi + 1, max_blocks * page_tokens});  // keys j < stop
+      const int64_t key0 = window > 0 ? std::max<int64_t>(0, lo - window + 1) / kTile * kTile : 0;
       const int64_t held = std::max<int64_t>(0, stop - key0), tiles = (held + kTile - 1) / kTile;
       if (static_cast<int64_t>(kpack.size()) < tiles * tile_elems) {
         kpack.resize(tiles * tile_elems);
         vpack.resize(tiles * tile_elems);
       }
-      const int32_t* table = tables + seq * max_blocks;
+      const int32_t* table = tables + seq * table_stride;
       for (int64_t t = 0; t < tiles; ++t) {
         for (int64_t c = 0; c < kTile; ++c) {
           const int64_t j = key0 + t * kTile + c;
@@ -306,19 +320,28 @@ void decode_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
         pack_tile(kr, vr, dim, kpack.data() + t * tile_elems, vpack.data() + t * tile_elems);
       }
-      std::fill(at_pos, at_pos + 6, pos);
-      for (int64_t g0 = 0; g0 < group; g0 += 6) {
-        const int64_t count = std::min<int64_t>(6, group - g0), first = (seq * heads + kvh * group + g0) * dim;
-        const uint16_t* x = qp + first;
-        uint16_t* y = op + first;
-        const uint16_t* kt = kpack.data();
-        const uint16_t* vt = vpack.data();
-        rows_through_tiles(count, x, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, dim);
+      const uint16_t* kt = kpack.data();
+      const uint16_t* vt = vpack.data();
+      if (count == 1) {  // one token: the heads sharing this kv head are the rows
+        std::fill(at_pos, at_pos + 6, where[r0]);
+        for (int64_t g0 = 0; g0 < group; g0 += 6) {
+          const int64_t n = std::min<int64_t>(6, group - g0), first = r0 * ld + (kvh * group + g0) * dim;
+          rows_through_tiles(n, qp + first, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(),
+                             op + first, dim);
+        }
+        continue;
+      }
+      for (int64_t g = 0; g < group; ++g) {  // a chunk: each head's tokens are the rows
+        for (int64_t b = 0; b < count; b += 6) {
+          const int64_t n = std::min<int64_t>(6, count - b), first = (r0 + b) * ld + (kvh * group + g) * dim;
+          rows_through_tiles(n, qp + first, ld, where + r0 + b, kt, vt, tiles, dim, key0, held, fscale, window,
+                             acc.data(), op + first, ld);
+        }
       }
     }
   });
 #else
-  TORCH_CHECK(false, "decode_tiles: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(false, "tiles_in_place: this build has no AVX512-BF16 kernel");
 #endif
 }
 

@@ -4,7 +4,7 @@
 // host's -march, every .cpp of this directory, loaded with torch.ops.load_library) holds:
 //   attention.cpp        decode_attention (one query row per sequence over its pages, any dtype and
 //                        instruction set) and write_kv;
-//   attention_tiles.cpp  chunk_attention and decode_tiles: bfloat16 attention on the AVX512-BF16
+//   attention_tiles.cpp  chunk_attention and tiles_in_place: bfloat16 attention on the AVX512-BF16
 //                        micro-kernel (avx512_bf16.h), 64-key tiles at absolute positions;
 //   attention_avx2.cpp   avx2_attention: every query row of a step (chunks and decode rows) on
 //                        AVX2+FMA, fp32 or bfloat16, 64-key tiles at absolute positions, in place;
@@ -125,9 +125,12 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 bool chunk_attention_supported(const at::Tensor& q, const at::Tensor& k_cache);
 at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& positions, int64_t key0, double scale, int64_t window);
-void decode_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& kv_lens, const at::Tensor& positions, double scale,
-                  int64_t window, at::Tensor& out);
+// Chunks of at most this many rows are attended where their pages lie, beside the decode rows.
+constexpr int64_t kInPlaceRows = 8;
+void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                    const at::Tensor& positions, const std::vector<int64_t>& seqs, double scale, int64_t window,
+                    at::Tensor& out);
 
 // attention_avx2.cpp
 bool avx2_attention_supported(const at::Tensor& q, const at::Tensor& k_cache);

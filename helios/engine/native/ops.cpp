@@ -47,9 +47,10 @@ at::Tensor index_of(const std::vector<int64_t>& values) {
 
 // Which arithmetic attends a layer's rows depends only on the layer (dtype, head size, soft-capping),
 // never on the step's shape, so a query row gets the same bits whatever it shares the step with:
-// * tiled (bfloat16, head size a multiple of 64 up to 256, no soft-capping, AVX512-BF16): chunks
-//   run chunk_attention over their gathered pages, decode rows decode_tiles in place, both on
-//   chunk_rows with 64-key tiles aligned to absolute key positions;
+// * tiled (bfloat16, head size a multiple of 64 up to 256, no soft-capping, AVX512-BF16): decode
+//   rows and chunks of up to kInPlaceRows rows run tiles_in_place where their pages lie, longer
+//   chunks chunk_attention over their gathered pages, all on chunk_rows with 64-key tiles aligned
+//   to absolute key positions;
 // * else on AVX2+FMA (fp32 or bfloat16 queries and cache, head size a multiple of 8): every row,
 //   of a chunk or a decode, on avx2_attention in place, in blocks of rows sharing a kv head;
 // * otherwise every query row, of a chunk or a decode, is a decode_attention row of its sequence.
@@ -67,44 +68,43 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                           softcap);
   const int64_t seqs = seq_lens.numel();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  std::vector<int64_t> picked, rows, chunks;
-  for (int64_t i = 0; i < seqs; ++i) {
-    const int32_t len = starts[i + 1] - starts[i];
-    if (len == 1 || (len > 1 && !tiled)) {  // rows attended one by one: (sequence, row) pairs
+  const auto blank = [&] { return starts[seqs] < q.size(0) ? at::zeros_like(q) : at::empty_like(q); };
+  if (!tiled) {  // every row one by one, a decode_attention row of its sequence
+    std::vector<int64_t> picked, rows;
+    for (int64_t i = 0; i < seqs; ++i)
       for (int64_t r = starts[i]; r < starts[i + 1]; ++r) {
         picked.push_back(i);
         rows.push_back(r);
       }
-    } else if (len > 1) {
+    bool one_each = seqs == q.size(0);  // row i is sequence i's
+    for (int64_t i = 0; i <= seqs && one_each; ++i) one_each = starts[i] == i;
+    if (one_each)
+      return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, positions, scale, window, softcap);
+    at::Tensor out = blank();
+    if (!rows.empty()) {
+      const at::Tensor seq_index = index_of(picked), row_index = index_of(rows);
+      const at::Tensor attended = decode_attention(
+          q.index_select(0, row_index).contiguous(), k_cache, v_cache, block_tables.index_select(0, seq_index),
+          seq_lens.index_select(0, seq_index), positions.index_select(0, row_index).contiguous(), scale, window,
+          softcap);
+      out.index_copy_(0, row_index, attended);
+    }
+    return out;
+  }
+  at::Tensor out = blank();
+  // Decode rows and short chunks where their pages lie, in one pass; longer chunks over their
+  // gathered pages, many tasks to each.
+  std::vector<int64_t> near, chunks;
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int32_t len = starts[i + 1] - starts[i];
+    if (len > kInPlaceRows)
       chunks.push_back(i);
-    }
+    else if (len > 0)
+      near.push_back(i);
   }
-  const bool all_rows = chunks.empty() && static_cast<int64_t>(rows.size()) == q.size(0) &&
-                        static_cast<int64_t>(picked.size()) == seqs && starts[seqs] == seqs;
-  if (all_rows && !tiled)
-    return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, positions, scale, window, softcap);
-  if (all_rows) {  // a decode step: row i is sequence i's, so its tensors are read where they lie
-    at::Tensor attended = at::empty_like(q);
-    decode_tiles(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.to(at::kLong), positions, scale,
-                 window, attended);
-    return attended;
-  }
-  at::Tensor out = starts[seqs] < q.size(0) ? at::zeros_like(q) : at::empty_like(q);
-  if (!rows.empty()) {
-    const at::Tensor seq_index = index_of(picked), row_index = index_of(rows);
-    const at::Tensor query = q.index_select(0, row_index).contiguous();
-    const at::Tensor tables = block_tables.index_select(0, seq_index).contiguous();
-    const at::Tensor lens = seq_lens.index_select(0, seq_index);
-    const at::Tensor where = positions.index_select(0, row_index).contiguous();
-    at::Tensor attended;
-    if (tiled) {
-      attended = at::empty_like(query);
-      decode_tiles(query, k_cache, v_cache, tables, lens.to(at::kLong).contiguous(), where, scale, window, attended);
-    } else {
-      attended = decode_attention(query, k_cache, v_cache, tables, lens, where, scale, window, softcap);
-    }
-    out.index_copy_(0, row_index, attended);
-  }
+  if (!near.empty())
+    tiles_in_place(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens, query_start_loc, positions,
+                   near, scale, window, out);
   const int64_t page_tokens = k_cache.size(1), kv_heads = k_cache.size(2), dim = k_cache.size(3);
   // A windowed chunk gathers from a page whose first key sits at a multiple of 64 (the tiles'
   // absolute alignment): the least common multiple of the tile and the page.
