@@ -289,6 +289,41 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t* where = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
   const int64_t tasks = static_cast<int64_t>(seqs.size()) * kv_heads;
+  // A task's rows and keys: sequence seq's rows [r0, r0 + count) over its keys [key0, stop) as
+  // `tiles` 64-key tiles of kv head kvh.
+  struct Task {
+    int64_t seq, kvh, r0, count, key0, stop, held, tiles;
+  };
+  const auto task_of = [&](int64_t task) {
+    Task k{seqs[task / kv_heads], task % kv_heads, 0, 0, 0, 0, 0, 0};
+    k.r0 = starts[k.seq];
+    k.count = starts[k.seq + 1] - k.r0;
+    int64_t lo = where[k.r0], hi = where[k.r0];
+    for (int64_t r = 1; r < k.count; ++r) {
+      lo = std::min(lo, where[k.r0 + r]);
+      hi = std::max(hi, where[k.r0 + r]);
+    }
+    k.stop = std::min<int64_t>({lens[k.seq], hi + 1, max_blocks * page_tokens});  // keys j < stop are visible
+    k.key0 = window > 0 ? std::max<int64_t>(0, lo - window + 1) / kTile * kTile : 0;
+    k.held = std::max<int64_t>(0, k.stop - k.key0);
+    k.tiles = (k.held + kTile - 1) / kTile;
+    return k;
+  };
+  // Tile t's key and value rows (nullptr past the end), walking the pages.
+  const auto point = [&](const Task& k, int64_t t, const uint16_t** keys, const uint16_t** values) {
+    const int32_t* table = tables + k.seq * table_stride;
+    int64_t j = k.key0 + t * kTile, page = j / page_tokens, within = j % page_tokens;
+    for (int64_t c = 0; c < kTile; ++c, ++j) {
+      const bool seen = j < k.stop;
+      const int64_t slot = table[seen ? page : 0] * page_tokens + within;
+      keys[c] = seen ? kc + slot * token_stride + k.kvh * dim : nullptr;
+      values[c] = seen ? vc + slot * token_stride + k.kvh * dim : nullptr;
+      if (++within == page_tokens) {
+        within = 0;
+        ++page;
+      }
+    }
+  };
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> kpack, vpack;
     std::vector<float> acc(6 * dim);
@@ -296,28 +331,14 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     const uint16_t* vr[kTile];
     int64_t at_pos[6];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = seqs[task / kv_heads], kvh = task % kv_heads;
-      const int64_t r0 = starts[seq], count = starts[seq + 1] - r0;
-      int64_t lo = where[r0], hi = where[r0];
-      for (int64_t r = 1; r < count; ++r) {
-        lo = std::min(lo, where[r0 + r]);
-        hi = std::max(hi, where[r0 + r]);
-      }
-      const int64_t stop = std::min<int64_t>({lens[seq], hi + 1, max_blocks * page_tokens});  // keys j < stop
-      const int64_t key0 = window > 0 ? std::max<int64_t>(0, lo - window + 1) / kTile * kTile : 0;
-      const int64_t held = std::max<int64_t>(0, stop - key0), tiles = (held + kTile - 1) / kTile;
+      const Task k = task_of(task);
+      const int64_t kvh = k.kvh, r0 = k.r0, count = k.count, key0 = k.key0, held = k.held, tiles = k.tiles;
       if (static_cast<int64_t>(kpack.size()) < tiles * tile_elems) {
         kpack.resize(tiles * tile_elems);
         vpack.resize(tiles * tile_elems);
       }
-      const int32_t* table = tables + seq * table_stride;
       for (int64_t t = 0; t < tiles; ++t) {
-        for (int64_t c = 0; c < kTile; ++c) {
-          const int64_t j = key0 + t * kTile + c;
-          const int64_t slot = j < stop ? table[j / page_tokens] * page_tokens + j % page_tokens : -1;
-          kr[c] = slot >= 0 ? kc + slot * token_stride + kvh * dim : nullptr;
-          vr[c] = slot >= 0 ? vc + slot * token_stride + kvh * dim : nullptr;
-        }
+        point(k, t, kr, vr);
         pack_tile(kr, vr, dim, kpack.data() + t * tile_elems, vpack.data() + t * tile_elems);
       }
       const uint16_t* kt = kpack.data();
@@ -329,13 +350,13 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           rows_through_tiles(n, qp + first, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(),
                              op + first, dim);
         }
-        continue;
-      }
-      for (int64_t g = 0; g < group; ++g) {  // a chunk: each head's tokens are the rows
-        for (int64_t b = 0; b < count; b += 6) {
-          const int64_t n = std::min<int64_t>(6, count - b), first = (r0 + b) * ld + (kvh * group + g) * dim;
-          rows_through_tiles(n, qp + first, ld, where + r0 + b, kt, vt, tiles, dim, key0, held, fscale, window,
-                             acc.data(), op + first, ld);
+      } else {
+        for (int64_t g = 0; g < group; ++g) {  // a chunk: each head's tokens are the rows
+          for (int64_t b = 0; b < count; b += 6) {
+            const int64_t n = std::min<int64_t>(6, count - b), first = (r0 + b) * ld + (kvh * group + g) * dim;
+            rows_through_tiles(n, qp + first, ld, where + r0 + b, kt, vt, tiles, dim, key0, held, fscale, window,
+                               acc.data(), op + first, ld);
+          }
         }
       }
     }
