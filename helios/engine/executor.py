@@ -309,7 +309,7 @@ class Executor:
         OpenMP wait settings (they change the timings) and host; later starts reuse it. One taken
         while other processes kept the CPUs busy is used for this run only (threads.py)."""
         waits = (os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
-        key = f"{key}|{waits}|{host.fingerprint()}"
+        key = f"{key}|{waits}|{host.fingerprint()}|{threads.METHOD}"
         remembered = hostcache.get(kind, key)
         if isinstance(remembered, int):
             log.info(found, remembered)

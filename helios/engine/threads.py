@@ -21,6 +21,9 @@ log = logging.getLogger("helios.engine")
 
 PROBE_ROWS = (1, 2, 4)
 WARMUP, REPEATS = 2, 5
+# Part of the key a remembered measurement is kept under (Executor._remembered): one taken before
+# the steps were timed in turns (_paired_median_ms) is taken again.
+METHOD = "in-turns"
 ONE_THREAD_MARGIN = 0.95  # one thread must be at least 5% faster to be chosen (noise, and it leaves a core free)
 
 
@@ -62,26 +65,40 @@ def measured_on_a_quiet_host(measure: Callable[[], int]) -> tuple[int, bool]:
     return value, others <= BUSY_SHARE * (os.cpu_count() or 1) * wall
 
 
-def _median_ms(step: Callable[[], None]) -> float:
+def _paired_median_ms(first: Callable[[], None], second: Callable[[], None]) -> tuple[float, float]:
+    """Median times of two steps measured in turns (first, second, second, first, ...), so that a
+    host whose speed drifts while they are timed (a VM's neighbours, a memory bus that others
+    share) slows both alike instead of whichever ran in the slow stretch. Timed one block after
+    the other, a 2-core VM once measured one thread faster than two at one row and kept that
+    choice: its one-stream speed fell by a quarter in every later start."""
     for _ in range(WARMUP):
-        step()
-    samples = []
-    for _ in range(REPEATS):
+        first()
+        second()
+    samples: tuple[list[float], list[float]] = ([], [])
+    for turn in range(2 * REPEATS):
+        which = (turn + turn // 2) % 2  # 0 1 1 0 0 1 1 0 ...
         start = time.perf_counter()
-        step()
-        samples.append((time.perf_counter() - start) * 1000)
-    return sorted(samples)[len(samples) // 2]
+        (first, second)[which]()
+        samples[which].append((time.perf_counter() - start) * 1000)
+    return sorted(samples[0])[REPEATS // 2], sorted(samples[1])[REPEATS // 2]
 
 
 def measure(decode_step: Callable[[int], None], threads: int, probe_rows: tuple[int, ...] = PROBE_ROWS) -> ThreadPolicy:
-    """Time decode_step(rows) at `probe_rows` with 1 and `threads` threads; choose serial_rows."""
+    """Time decode_step(rows) at `probe_rows` with 1 and `threads` threads, in turns; choose
+    serial_rows."""
     timings: dict[tuple[int, int], float] = {}
     serial_rows = 0
+
+    def on(count: int, rows: int) -> Callable[[], None]:
+        def step() -> None:
+            torch.set_num_threads(count)
+            decode_step(rows)
+
+        return step
+
     if threads > 1:
         for rows in probe_rows:
-            for count in (1, threads):
-                torch.set_num_threads(count)
-                timings[(rows, count)] = _median_ms(lambda: decode_step(rows))  # noqa: B023 - called at once
+            timings[(rows, 1)], timings[(rows, threads)] = _paired_median_ms(on(1, rows), on(threads, rows))
             if timings[(rows, 1)] < ONE_THREAD_MARGIN * timings[(rows, threads)]:
                 serial_rows = rows
             else:
@@ -104,13 +121,13 @@ SPECULATION_COST = 2.0  # a step of this many times a one-row step's time still 
 def measure_row_budget(decode_step: Callable[[int], None], probe_rows: tuple[int, ...] = SPECULATION_ROWS) -> int:
     """The most decode rows (sequences plus drafts) a step takes while it costs at most
     SPECULATION_COST one-row steps: below it a verified draft is nearly free (the step is
-    memory-bound), past it drafts start to cost throughput."""
-    base = _median_ms(lambda: decode_step(probe_rows[0]))
+    memory-bound), past it drafts start to cost throughput. Each row count is timed in turns
+    with a one-row step, and held to that one-row time."""
     budget = probe_rows[0]
-    timings = [f"{probe_rows[0]} rows: {base:.1f} ms"]
+    timings = []
     for rows in probe_rows[1:]:
-        ms = _median_ms(lambda: decode_step(rows))  # noqa: B023 - called at once
-        timings.append(f"{rows} rows: {ms:.1f} ms")
+        base, ms = _paired_median_ms(lambda: decode_step(probe_rows[0]), lambda: decode_step(rows))  # noqa: B023
+        timings.append(f"{rows} rows: {ms:.1f} ms against {base:.1f}")
         if ms > SPECULATION_COST * base:
             break
         budget = rows

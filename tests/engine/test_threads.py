@@ -40,13 +40,25 @@ def test_speculation_row_budget_is_the_last_row_count_within_twice_one_row(monke
     timings = {1: 10.0, 2: 11.0, 4: 12.5, 8: 16.0, 16: 25.0, 32: 48.0}  # ms per step at each row count
     rows_seen: list[int] = []
 
-    def fake_median(step) -> float:
-        step()
-        return timings[rows_seen[-1]]
+    def fake_paired(first, second) -> tuple[float, float]:
+        first()
+        second()
+        return timings[rows_seen[-2]], timings[rows_seen[-1]]
 
-    monkeypatch.setattr(threads, "_median_ms", fake_median)
+    monkeypatch.setattr(threads, "_paired_median_ms", fake_paired)
     assert threads.measure_row_budget(rows_seen.append) == 8  # 16 rows cost 2.5 one-row steps
-    assert rows_seen == [1, 2, 4, 8, 16]  # stops at the first row count past the budget
+    assert rows_seen == [1, 2, 1, 4, 1, 8, 1, 16]  # each against one row; stops past the budget
+
+
+def test_the_two_steps_of_a_pair_are_timed_in_turns() -> None:
+    """A host that slows down halfway through the measurement slows both steps alike: timed one
+    block after the other, the second step would take all of the slow stretch."""
+    order: list[str] = []
+    threads._paired_median_ms(lambda: order.append("a"), lambda: order.append("b"))
+    timed = order[2 * threads.WARMUP :]
+    assert timed.count("a") == timed.count("b") == threads.REPEATS
+    half = len(timed) // 2
+    assert timed[:half].count("a") in (half // 2, (half + 1) // 2)  # each half holds both steps
 
 
 def test_a_measurement_taken_while_the_host_is_busy_is_not_called_quiet() -> None:
