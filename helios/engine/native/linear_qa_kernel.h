@@ -164,10 +164,15 @@ struct QAKernel {
 
   // Blocks [b0, b1) for every row: a tile of blocks at a time (its weights stay in cache while
   // every register block of rows passes), rows split as evenly as they go (5 rows as 3 + 2).
+  // Three or four rows (a decode row and its drafts) are still bound by the weight stream: they go
+  // as register blocks of two rows, which keep four streams in flight, over tiles of twice the
+  // blocks (the second block of rows finds them in level 2), not as one block of four rows with
+  // two streams (SmolLM2's linears, 2 threads: int8 9-11 % and int4 2-4 % sooner at 3-4 rows).
   template <bool INT4, int ST>
   QK_TARGET static void span(const QCall& c, const QAData& a, int64_t b0, int64_t b1) {
-    const int64_t groups = (c.rows + T::kRows - 1) / T::kRows;
-    const int64_t tile = c.rows <= T::kRows ? b1 - b0 : T::kTile;
+    const int64_t unit = c.rows <= 4 ? std::min(2, T::kRows) : T::kRows;
+    const int64_t groups = (c.rows + unit - 1) / unit;
+    const int64_t tile = c.rows <= unit ? b1 - b0 : (unit < T::kRows ? 2 : 1) * T::kTile;
     for (int64_t b = b0; b < b1; b += tile) {
       const int64_t e = std::min(b1, b + tile);
       for (int64_t g = 0, r = 0; g < groups; ++g) {
