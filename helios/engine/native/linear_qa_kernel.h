@@ -50,10 +50,10 @@ struct QAKernel {
 
   // Rows [r0, r0 + MR) through blocks [b, b + NB), over every input feature. Register blocks of
   // several rows keep one or two weight streams in flight and spend longer on each line, so they ask
-  // for each stream's line 1 KB ahead themselves (SmolLM2's linears from memory, 2 threads: 4 rows
-  // 5-12 % sooner on AVX512-VNNI, 16 rows 3-5 %; on AVX2, whose blocks of 2 rows take one stream,
-  // 2 rows 22-31 %, 4 rows 16-25 %, 16 rows 9-11 %). One row's four streams keep the memory busy
-  // unasked (asking there cost 4-10 %).
+  // for each stream's line 1 KB ahead themselves (SmolLM2's linears from memory, 2 threads: 4-row
+  // blocks on AVX512-VNNI 5-12 % sooner, 16 rows 3-5 %; on AVX2, whose blocks of 2 rows take one
+  // stream, 2 rows 22-31 %, 4 rows 16-25 %, 16 rows 9-11 %). Four streams keep the memory busy
+  // unasked (asking there cost 4-10 % at one row).
   static constexpr int64_t kAheadBytes = 1024;
   QK_TARGET static void prefetch_ahead(const uint8_t* at) {
     _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T0);
