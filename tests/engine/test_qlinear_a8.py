@@ -85,7 +85,7 @@ def test_matches_the_reference(fmt: str, group: int, monkeypatch) -> None:
         xb = x.to(torch.bfloat16)
         reference, reference_bf16 = _reference(x, stored, group, b), _reference(xb, stored, group, b)
         for isa in _isas():
-            for rows in (1, 5, 300) if chunk else (1, 2, 3, 5, 16, 33, 64):
+            for rows in (1, 5, 300) if chunk else (1, 2, 3, 4, 5, 16, 33, 64):
                 y = _qlinear(isa, monkeypatch, x[:rows], packed, b, n)
                 assert y.dtype == torch.float32 and y.shape == (rows, n)
                 _check(y, reference)
@@ -112,7 +112,7 @@ def test_a_rows_bits_never_depend_on_its_neighbours(fmt: str, monkeypatch) -> No
                 torch.set_num_threads(count)
                 assert torch.equal(_qlinear(isa, monkeypatch, x, packed, b, n), chunk)
                 assert torch.equal(_qlinear(isa, monkeypatch, x[:64], packed, b, n), chunk[:64])
-                for rows in (1, 2, 3, 5, 16):
+                for rows in (1, 2, 3, 4, 5, 16):
                     got = _qlinear(isa, monkeypatch, x[40 : 40 + rows], packed, b, n)
                     assert torch.equal(got, chunk[40 : 40 + rows])
     finally:
