@@ -330,6 +330,21 @@ def test_bf16_chunks_match_the_reference(dim: int, window: int) -> None:
 
 
 @bf16_chunks
+def test_queries_cut_from_a_wider_projection_attend_as_contiguous_ones() -> None:
+    """Queries that are a view into a fused projection's output (strided rows), as a decode step,
+    a short chunk and a prompt chunk: the same bits as their contiguous copy, and a contiguous
+    output."""
+    q, k_cache, v_cache, tables = _chunk_case(11, 64, 300)
+    fused = torch.cat([q.flatten(1), torch.zeros(300, 2 * 3 * 64, dtype=q.dtype)], dim=1)
+    strided = fused[:, : 9 * 64].unflatten(1, (9, 64))
+    assert not strided.is_contiguous()
+    for first, rows in ((299, 1), (200, 4), (100, 40)):
+        got = _attend(strided[first : first + rows], k_cache, v_cache, tables, first, first + rows)
+        assert got.is_contiguous()
+        assert torch.equal(got, _attend(q[first : first + rows], k_cache, v_cache, tables, first, first + rows))
+
+
+@bf16_chunks
 def test_a_rows_result_does_not_depend_on_its_chunk() -> None:
     """A prompt attended whole, in chunks, or after a cached prefix gives every row the same bits
     (chunked prefill and prefix reuse never change a 16-bit core's answer)."""

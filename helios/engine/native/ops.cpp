@@ -68,18 +68,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                           softcap);
   const int64_t seqs = seq_lens.numel();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const auto blank = [&] { return starts[seqs] < q.size(0) ? at::zeros_like(q) : at::empty_like(q); };
+  // The output, contiguous whatever q's strides; rows past the last sequence's are padding, zeros.
+  const auto blank = [&] {
+    return starts[seqs] < q.size(0) ? at::zeros(q.sizes(), q.options()) : at::empty(q.sizes(), q.options());
+  };
   if (!tiled) {  // every row one by one, a decode_attention row of its sequence
+    bool one_each = seqs == q.size(0);  // row i is sequence i's
+    for (int64_t i = 0; i <= seqs && one_each; ++i) one_each = starts[i] == i;
+    if (one_each)
+      return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, positions, scale, window, softcap);
     std::vector<int64_t> picked, rows;
     for (int64_t i = 0; i < seqs; ++i)
       for (int64_t r = starts[i]; r < starts[i + 1]; ++r) {
         picked.push_back(i);
         rows.push_back(r);
       }
-    bool one_each = seqs == q.size(0);  // row i is sequence i's
-    for (int64_t i = 0; i <= seqs && one_each; ++i) one_each = starts[i] == i;
-    if (one_each)
-      return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, positions, scale, window, softcap);
     at::Tensor out = blank();
     if (!rows.empty()) {
       const at::Tensor seq_index = index_of(picked), row_index = index_of(rows);
