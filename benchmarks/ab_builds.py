@@ -14,15 +14,12 @@ Usage: .venv/bin/python benchmarks/ab_builds.py CORE REV_A REV_B [--rounds 6] [-
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import compare
-import serve_bench
 
 WORKTREE = "WORKTREE"
 
@@ -39,21 +36,9 @@ def export(rev: str, into: Path) -> Path:
 
 def serve_once(tree: Path, core: Path, scenario: str, workdir: Path) -> dict:
     """One server of the build in `tree`, one scenario: its serve_bench figures."""
-    port = compare.free_port()
-    config = workdir / "ab.toml"
-    config.write_text("[server]\nmax_concurrency = 64\nqueue_size = 512\nkv_pages = 8192\nprefill_chunk_size = 512\n")
-    store = tempfile.mkdtemp(prefix="ab-prefix-", dir=workdir)  # a fresh host prefix store per run
-    env = dict(os.environ, OMP_NUM_THREADS="2", FLARE_PREFIX_CACHE_DIR=store, PYTHONPATH=str(tree))
-    process = subprocess.Popen(compare.helios_command(core, port, config), env=env, cwd=tree)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        compare.wait_healthy(url, process)
-        if scenario == "single":
-            return asyncio.run(serve_bench.run(url, "helios", ["single"], (1,)))["single"]
-        level = int(scenario)
-        return asyncio.run(serve_bench.run(url, "helios", ["sweep"], (level,)))["sweep"][str(level)]
-    finally:
-        compare.stop(process)
+    if scenario == "single":
+        return compare.run_helios(core, 2, ["single"], workdir, tree=tree)["single"]
+    return compare.run_helios(core, 2, ["sweep"], workdir, levels=(int(scenario),), tree=tree)["sweep"][scenario]
 
 
 def main() -> None:

@@ -81,9 +81,11 @@ def run_helios(
     workdir: Path,
     settings: str = "",
     levels: tuple[int, ...] = serve_bench.CONCURRENCY,
+    tree: Path = ROOT,
 ) -> dict:
     """serve_bench's scenarios against `helios serve core`; `settings`: extra [server] lines;
-    `levels`: the sweep's concurrency levels."""
+    `levels`: the sweep's concurrency levels; `tree`: the source tree whose helios serves
+    (`python -m` imports from its working directory ahead of PYTHONPATH, so it is started there)."""
     port = free_port()
     config = workdir / "helios-bench.toml"
     config.write_text(
@@ -92,7 +94,9 @@ def run_helios(
     # A fresh host prefix store: a store left by an earlier run would make the cold prompts warm.
     store = tempfile.mkdtemp(prefix="helios-bench-prefix-", dir=workdir)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), FLARE_PREFIX_CACHE_DIR=store)
-    process = subprocess.Popen(helios_command(core, port, config), env=env, cwd=ROOT)
+    if tree != ROOT:
+        env["PYTHONPATH"] = str(tree)
+    process = subprocess.Popen(helios_command(core, port, config), env=env, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process)
