@@ -7,7 +7,7 @@
   header_timeout_seconds, body_timeout_seconds, grammar_memory_mb, grammar_cache_mb, grammar_workers,
   speculation, max_draft_tokens, speculative_rows, history_drafts, learned_drafts, draft_core, state_snapshots,
   snapshot_interval, anchor_guards, checkpoint_work_fraction, host_cache, host_cache_memory_mb, host_cache_disk_mb, host_cache_dir,
-  host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction, window_pool, image_cache_mb,
+  host_cache_copy_queue_mb, device, cuda_graphs, kv_memory_fraction, window_pool, packed_kv_pages, image_cache_mb,
   embedding_row_cache_rows, embedding_rows_source, runtime
 
 `[parallel]` table keys (all optional; docs/parallel.md): tensor, expert, timeout_s, nnodes, node_rank,
@@ -71,6 +71,10 @@ class ServerConfig:
     # Cores whose sliding-window layers keep their caches in a window pool: free those pages behind
     # the window (helios.engine.memory.window_pages); false serves both tables from the one pool.
     window_pool: bool = True
+    # CPU, bfloat16 caches on AVX512-BF16: keep each full KV page also in the attention kernel's tile
+    # layout (helios/engine/native/packed_pages.cpp): decode reads it instead of repacking the history
+    # every step, at up to twice the KV pool's memory; false keeps one copy.
+    packed_kv_pages: bool = True
     # Vision cores: memory for decoded images (frontend) and, separately, for prepared image
     # features (engine), each kept by image digest so a repeated image is neither decoded nor
     # encoded again; 0 turns both off.
@@ -223,6 +227,7 @@ def _check(config: ServerConfig) -> ServerConfig:
         "host_cache",
         "cuda_graphs",
         "window_pool",
+        "packed_kv_pages",
     ):
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"[server] {name} must be true or false")

@@ -67,6 +67,7 @@ def build_engine(core: Core, config: EngineConfig, mask_hook: MaskHook | None = 
         num_window_pages=window.pool.num_pages if window is not None else None,
         row_cache=config.row_cache,
         runtime=config.runtime,
+        packed_pages=config.packed_kv_pages,
     )
     if config.parallel is not None:  # rank 0 of N: every call goes to the other ranks too
         from helios.engine.parallel.proxy import RankZeroExecutor

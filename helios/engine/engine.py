@@ -88,6 +88,9 @@ class EngineConfig:
     # those layers a second page table and free their pages behind the window (window_pages.py).
     # False: both tables are the main pool's (the window caches as large as the others).
     reclaim_window_pages: bool = True
+    # CPU, bfloat16 caches on AVX512-BF16: full pages also kept in the attention kernel's tile layout
+    # (native/packed_pages.cpp), at up to twice the pool's memory, touched as pages are first read full.
+    packed_kv_pages: bool = True
     image_cache_bytes: int = 256 << 20  # vision cores: prepared image features kept by digest (images.py)
     # Cores with host embedding tables (export --host-embeddings): device rows kept per table and where
     # missed rows are read, "ram" or "disk" (memory/embedding_rows.py).

@@ -123,6 +123,7 @@ class Executor:
         num_window_pages: int | None = None,
         row_cache: embedding_rows.RowCacheConfig = embedding_rows.RowCacheConfig(),
         runtime: str = onnx_runner.TORCH,
+        packed_pages: bool = True,
     ) -> None:
         """serial_decode_rows: decode steps of at most this many rows run on one CPU thread;
         None measures the best threshold on this host (threads.measure). compiled: run the
@@ -133,7 +134,8 @@ class Executor:
         steps replay a graph captured per decode bucket (graphs.py); the pool gets one scratch page.
         num_window_pages: pages of a window-pool core's sliding-layer caches (window_pages.py; None:
         as many as the main pool's). row_cache: the device row caches of a core's host embedding
-        tables (memory/embedding_rows.py; none for other cores)."""
+        tables (memory/embedding_rows.py; none for other cores). packed_pages: on the CPU, the
+        native attention keeps full bfloat16 pages in its tile layout too (native.keep_packed)."""
         clock = Stopwatch(log, "executor startup")
         kernels.register()
         devices.prepare(device)  # CUDA: helios' Triton kernels in the flare:: ops' CUDA slot
@@ -249,6 +251,9 @@ class Executor:
         self._staging: Tensor | None = None  # host-store restores' payloads (write_pages)
         self.host_in_ns = self.host_in_bytes = 0  # time and bytes of host-store copy-ins (its cost estimate)
         self.state = self.kv[kv_layout.num_caches :]  # recurrent-state tensors [num_slots, ...] (hybrid cores)
+        self.packed_pages = packed_pages and device == "cpu" and not kv_layout.shared_kv
+        self._kv_pairs = 2 * kv_layout.num_layers  # k0, v0, k1, v1, ... lead self.kv
+        self._keep_packed()
         clock.lap(f"allocating {num_pages} KV pages" + (f" and {num_slots} state slots" if self.state else ""))
         self.explicit = manifest.capabilities.explicit_logprob_ids
         self.threads = torch.get_num_threads()
@@ -401,13 +406,19 @@ class Executor:
             inputs[name] = cache.zeros(rows)
         return {name: value.to(self.device) for name, value in inputs.items()}
 
+    def _keep_packed(self) -> None:
+        """(keys, values) cache pairs whose full pages the native attention keeps packed too."""
+        self.kept_pairs = native.keep_packed(self.kv[: self._kv_pairs]) if self.packed_pages else 0
+
     def copy_page(self, src: int, dst: int) -> None:
         for tensor in self.page_caches:
             tensor[dst].copy_(tensor[src])
+        native.forget_packed(self.page_caches, torch.tensor([dst]))
 
     def copy_window_page(self, src: int, dst: int) -> None:
         for tensor in self.window_caches:
             tensor[dst].copy_(tensor[src])
+        native.forget_packed(self.window_caches, torch.tensor([dst]))
 
     @property
     def page_caches(self) -> list[Tensor]:
@@ -452,6 +463,7 @@ class Executor:
                 )
                 tensor.index_copy_(0, index, values)
                 offset += width
+            native.forget_packed(self.page_caches, index)
 
     @property
     def state_bytes(self) -> int:
@@ -713,4 +725,5 @@ class Executor:
         wide = torch.zeros((old.shape[0] + extra_pages, *old.shape[1:]), dtype=old.dtype, device=old.device)
         wide[: old.shape[0]].copy_(old)
         self.kv[index] = wide[: old.shape[0]]
+        self._keep_packed()  # the pair this cache belongs to, now over the wider tensor
         return wide

@@ -152,6 +152,7 @@ def build_state(core_dir: Path, config: ServerConfig, world: ParallelWorld | Non
                 kv_memory_bytes=kv_bytes,
                 enable_prefix_cache=config.prefix_cache,
                 reclaim_window_pages=config.window_pool,
+                packed_kv_pages=config.packed_kv_pages,
                 image_cache_bytes=config.image_cache_mb << 20,
                 row_cache=RowCacheConfig(config.embedding_row_cache_rows, config.embedding_rows_source),
                 device=device,

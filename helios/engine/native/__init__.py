@@ -198,6 +198,24 @@ def status() -> str:
     return f"python ({_state['reason']})" if "reason" in _state else "python"
 
 
+def keep_packed(caches: list[torch.Tensor]) -> int:
+    """Have the tile attention kernel keep every full page of these (keys, values) pairs (k0, v0,
+    k1, v1, ...) packed as it reads them (packed_pages.cpp), where it can: bfloat16 CPU caches on
+    an AVX512-BF16 build. Returns how many pairs are kept. Whoever writes such pages other than
+    through flare::write_kv says so with forget_packed."""
+    if not loaded():
+        return 0
+    return sum(bool(torch.ops.flare_native.keep_packed(k, v)) for k, v in zip(caches[0::2], caches[1::2]))
+
+
+def forget_packed(caches: list[torch.Tensor], pages: torch.Tensor) -> None:
+    """These pages of these caches were written other than through flare::write_kv: their packed
+    copies are stale (a no-op for caches not kept)."""
+    if loaded():
+        for cache in caches:
+            torch.ops.flare_native.forget_packed(cache, pages)
+
+
 class CompiledRunner:
     """An AOTInductor shared object run through the native library: as torch's own runner, but
     the step runs with the GIL released (the server's event loop streams meanwhile)."""

@@ -173,6 +173,7 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
     std::memcpy(kd + slot * bytes, ks + i * bytes, bytes);
     std::memcpy(vd + slot * bytes, vs + i * bytes, bytes);
   }
+  forget_pages(k_cache, sp, slots.numel(), k_cache.size(1));  // their packed copies (packed_pages.cpp) are stale
 }
 
 }  // namespace flare_native

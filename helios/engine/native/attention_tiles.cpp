@@ -1,11 +1,12 @@
 // One chunk of a sequence's queries (a prompt chunk, or drafts under verification) over its keys,
 // bfloat16 throughout, on the same register micro-kernel as linear: keys and values are packed
-// once per chunk and kv head in 64-key tiles (keys: pairs of head features x 16 keys; values:
-// pairs of keys x 16 features), then each task takes up to 6 query rows of one head through the
+// per kv head in 16-key blocks (keys: pairs of head features x 16 keys; values: pairs of keys x 16
+// features), four to a 64-key tile, then each task takes up to 6 query rows of one head through the
 // tiles in order with an online softmax in fp32 (probabilities rounded to bfloat16 for the value
 // product, as SDPA's bfloat16 kernel does). Tiles no row of a task can see are skipped, and a tile
 // contributes exactly nothing to a row that sees none of it, so a row's result depends only on its
-// own position and the keys: it is the same whichever chunk or neighbours it comes with.
+// own position and the keys: it is the same whichever chunk or neighbours it comes with, and
+// whether its blocks were packed for this step or kept from an earlier one (packed_pages.cpp).
 #include "avx512_bf16.h"
 
 namespace flare_native {
@@ -48,33 +49,26 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// One 64-key tile of one kv head: key c's features at keys[c] (nullptr: past the end, zeros).
-// keys   -> [4 blocks][dim / 2 pairs][16 keys][2]
-// values -> [dim / 16 blocks][32 key pairs][16 features][2]
+// One 16-key block of one kv head: key c's features at keys[c] (nullptr: past the end, zeros).
+// keys   -> [dim / 2 pairs][16 keys][2]
+// values -> [dim / 16 feature blocks][8 key pairs][16 features][2]
 // dim is a multiple of 64 (chunk_attention_supported). Keys move as 32-bit feature pairs, 16 keys
 // x 16 pairs per register transpose; values interleave two keys' 16 features with one permute per
-// 32 outputs. Decode packs a sequence's every tile at every step, so this runs at the cache's
-// read rate, not one pair at a time.
-void pack_tile(const uint16_t* const* keys, const uint16_t* const* values, int64_t dim, uint16_t* kt, uint16_t* vt) {
+// 32 outputs.
+void pack_block(const uint16_t* const* keys, const uint16_t* const* values, int64_t dim, uint16_t* kb, uint16_t* vb) {
   const int64_t pairs = dim / 2;
-  for (int64_t block = 0; block < kTile / kBlock; ++block) {
-    uint16_t* out = kt + block * pairs * kBlock * 2;
-    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
-      __m512i r[16];
-      for (int c = 0; c < 16; ++c) {
-        const uint16_t* key = keys[block * kBlock + c];
-        r[c] = key != nullptr ? _mm512_loadu_si512(key + 2 * p0) : _mm512_setzero_si512();
-      }
-      transpose16(r);
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + (p0 + p) * kBlock * 2, r[p]);
-    }
+  for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+    __m512i r[16];
+    for (int c = 0; c < 16; ++c)
+      r[c] = keys[c] != nullptr ? _mm512_loadu_si512(keys[c] + 2 * p0) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kb + (p0 + p) * kBlock * 2, r[p]);
   }
-  // feature block, key pair, feature lane, pair member: lane f of key pair (c, c + 1) holds
-  // (value[c][f], value[c + 1][f]).
+  // lane f of key pair (c, c + 1) holds (value[c][f], value[c + 1][f]).
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m256i zero = _mm256_setzero_si256();
-  for (int64_t c = 0; c < kTile; c += 2) {
+  for (int64_t c = 0; c < kBlock; c += 2) {
     const uint16_t* first = values[c];
     const uint16_t* second = values[c + 1];
     for (int64_t block = 0; block < dim / kBlock; ++block) {
@@ -83,9 +77,42 @@ void pack_tile(const uint16_t* const* keys, const uint16_t* const* values, int64
       const __m256i b =
           second != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + block * kBlock)) : zero;
       const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-      _mm512_storeu_si512(vt + ((block * (kTile / 2) + c / 2) * kBlock) * 2, _mm512_permutexvar_epi16(interleave, both));
+      _mm512_storeu_si512(vb + ((block * (kBlock / 2) + c / 2) * kBlock) * 2,
+                          _mm512_permutexvar_epi16(interleave, both));
     }
   }
+}
+
+// A 64-key tile: its four blocks one after another.
+void pack_tile(const uint16_t* const* keys, const uint16_t* const* values, int64_t dim, uint16_t* kt, uint16_t* vt) {
+  for (int64_t b = 0; b < kTile / kBlock; ++b)
+    pack_block(keys + b * kBlock, values + b * kBlock, dim, kt + b * kBlock * dim, vt + b * kBlock * dim);
+}
+
+// The value product of one tile: MR rows of 64 probabilities (bfloat16, x) times NB feature blocks
+// from `fb0` of the tile's four value blocks (each at its own address), the key pairs in order:
+// the same pairs in the same order as one panel of 32 key pairs.
+template <int MR, int NB>
+inline void values_micro(const uint16_t* x, int64_t ldx, const uint16_t* const* vb, int64_t fb0, float* out) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  constexpr int64_t kPairs = kBlock / 2, stride = kPairs * 2 * kBlock;  // elements between feature blocks
+  for (int64_t b = 0; b < kTile / kBlock; ++b) {
+    const uint16_t* w = vb[b] + fb0 * stride;
+    for (int64_t k = 0; k < kPairs; ++k) {
+      __m512bh v[NB];
+      for (int j = 0; j < NB; ++j) v[j] = (__m512bh)_mm512_loadu_si512(w + j * stride + k * 2 * kBlock);
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * ldx + 2 * (b * kPairs + k), sizeof pair);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, v[j]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + (m * NB + j) * kBlock, acc[m][j]);
 }
 
 // keys/values [held, kv_heads, dim] -> per kv head, per tile: pack_tile's layout.
@@ -119,11 +146,12 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 
 template <int MR>
-void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint16_t* kp, const uint16_t* vp,
+void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint16_t* const* kb,
+                const uint16_t* const* vb,
                 int64_t tiles, int64_t dim, int64_t key0, int64_t held, float scale, int64_t window, float* o_acc,
                 uint16_t* out, int64_t ldo) {
   constexpr int NB = 4;
-  const int64_t pairs = dim / 2, tile_elems = kTile * dim;
+  const int64_t pairs = dim / 2;
   alignas(64) float scores[MR * kTile];
   alignas(64) uint16_t probs[MR * kTile];
   alignas(64) float part[MR * NB * kBlock];
@@ -141,7 +169,7 @@ void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint
     lo = std::max(lo, key0);
   }
   for (int64_t t = (lo - key0) / kTile; t < tiles && key0 + t * kTile < hi; ++t) {
-    micro<MR, NB>(q, ldq, kp + t * tile_elems, pairs, scores);  // scores[r][c]: (r * 4 + c / 16) * 16 + c % 16
+    micro_at<MR, NB>(q, ldq, kb + t * NB, pairs, scores);  // scores[r][c]: (r * 4 + c / 16) * 16 + c % 16
     const int64_t first = key0 + t * kTile;  // absolute position of the tile's first key
     for (int r = 0; r < MR; ++r) {
       float* s = scores + r * kTile;
@@ -181,9 +209,8 @@ void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint
       if (rescale != 1.0f)
         for (int64_t d = 0; d < dim; ++d) o_acc[r * dim + d] *= rescale;
     }
-    const uint16_t* vt = vp + t * tile_elems;
     for (int64_t base = 0; base < dim; base += NB * kBlock) {  // 64 features per product
-      micro<MR, NB>(probs, kTile, vt + (base / kBlock) * (kTile / 2) * 2 * kBlock, kTile / 2, part);
+      values_micro<MR, NB>(probs, kTile, vb + t * NB, base / kBlock, part);
       for (int r = 0; r < MR; ++r)
         for (int64_t d = 0; d < NB * kBlock; ++d) o_acc[r * dim + base + d] += part[r * NB * kBlock + d];
     }
@@ -198,8 +225,8 @@ void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint
 }
 
 // chunk_rows for 1 to 6 rows.
-void rows_through_tiles(int64_t count, const uint16_t* q, int64_t ldq, const int64_t* where, const uint16_t* kp,
-                        const uint16_t* vp, int64_t tiles, int64_t dim, int64_t key0, int64_t held, float scale,
+void rows_through_tiles(int64_t count, const uint16_t* q, int64_t ldq, const int64_t* where,
+                        const uint16_t* const* kp, const uint16_t* const* vp, int64_t tiles, int64_t dim, int64_t key0, int64_t held, float scale,
                         int64_t window, float* o_acc, uint16_t* out, int64_t ldo) {
   switch (count) {
     case 6: return chunk_rows<6>(q, ldq, where, kp, vp, tiles, dim, key0, held, scale, window, o_acc, out, ldo);
@@ -230,6 +257,13 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
   auto* vp = reinterpret_cast<uint16_t*>(vpack.data_ptr());
   pack_tiles(reinterpret_cast<const uint16_t*>(kc.data_ptr()), reinterpret_cast<const uint16_t*>(vc.data_ptr()),
              held, kv_heads, dim, kp, vp);
+  // Block i of kv head h: key and value blocks one after another, tile by tile.
+  const int64_t nblocks = tiles * (kTile / kBlock);
+  std::vector<const uint16_t*> kblocks(kv_heads * nblocks), vblocks(kv_heads * nblocks);
+  for (int64_t i = 0; i < kv_heads * nblocks; ++i) {
+    kblocks[i] = kp + i * kBlock * dim;
+    vblocks[i] = vp + i * kBlock * dim;
+  }
   at::Tensor out = at::empty_like(qc);
   const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -247,8 +281,8 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
       const int64_t kvh = head / group;
       const uint16_t* x = qp + (r0 * heads + head) * dim;
       uint16_t* y = op + (r0 * heads + head) * dim;
-      const uint16_t* kt = kp + kvh * tiles * kTile * dim;
-      const uint16_t* vt = vp + kvh * tiles * kTile * dim;
+      const uint16_t* const* kt = kblocks.data() + kvh * nblocks;
+      const uint16_t* const* vt = vblocks.data() + kvh * nblocks;
       const int64_t* w = wp + r0;
       const int64_t ld = heads * dim;
       rows_through_tiles(count, x, ld, w, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(), y, ld);
@@ -261,12 +295,14 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
 }
 
 // Decode rows and short chunks (drafts under verification) on chunk_attention's arithmetic, read in
-// place: each (sequence, kv head) task packs that head's keys and values tile by tile from the pages,
-// in tiles starting at absolute multiples of 64 keys as a gathered chunk's are, and takes every query
-// row sharing them through chunk_rows: a decode row's group of heads at once, a chunk's rows head by
-// head. One parallel region for the whole step, no gathered copy of the pages. A query row's result
-// is bit-identical whether it was decoded alone, beside other rows, or computed inside a prompt
-// chunk or a verification chunk of any length.
+// place: each (sequence, kv head) task takes that head's keys and values in 16-key blocks, in tiles
+// starting at absolute multiples of 64 keys as a gathered chunk's are, and every query row sharing
+// them through chunk_rows: a decode row's group of heads at once, a chunk's rows head by head. A
+// block of a full page comes from the page's packed copy where the cache is kept (packed_pages.cpp;
+// the first task to need it packs it there), any other block is packed from the pages for this
+// task. One parallel region for the whole step, no gathered copy of the pages; tasks are taken
+// longest first, in turn. A query row's result is bit-identical whether it was decoded alone,
+// beside other rows, or computed inside a prompt chunk or a verification chunk of any length.
 // q [rows, heads, dim] bfloat16 contiguous, caches bfloat16; the listed sequences' rows are written.
 void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -276,7 +312,7 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t page_tokens = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t max_blocks = block_tables.size(1), table_stride = block_tables.stride(0);
-  const int64_t token_stride = kv_heads * dim, tile_elems = kTile * dim, ld = heads * dim;
+  const int64_t token_stride = kv_heads * dim, block_elems = kBlock * dim, ld = heads * dim;
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && block_tables.stride(1) == 1,
               "tiles_in_place: queries, output and table rows must be contiguous");
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -289,13 +325,17 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t* where = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
   const int64_t tasks = static_cast<int64_t>(seqs.size()) * kv_heads;
+  const std::shared_ptr<PackedPages> kept = packed_pages_of(k_cache, v_cache);
+  alignas(64) static const uint16_t zeros[kBlock * 256] = {};  // a block past the keys (dim <= 256)
   // A task's rows and keys: sequence seq's rows [r0, r0 + count) over its keys [key0, stop) as
   // `tiles` 64-key tiles of kv head kvh.
   struct Task {
     int64_t seq, kvh, r0, count, key0, stop, held, tiles;
   };
-  const auto task_of = [&](int64_t task) {
-    Task k{seqs[task / kv_heads], task % kv_heads, 0, 0, 0, 0, 0, 0};
+  std::vector<Task> all(tasks);
+  for (int64_t task = 0; task < tasks; ++task) {
+    Task& k = all[task];
+    k = Task{seqs[task / kv_heads], task % kv_heads, 0, 0, 0, 0, 0, 0};
     k.r0 = starts[k.seq];
     k.count = starts[k.seq + 1] - k.r0;
     int64_t lo = where[k.r0], hi = where[k.r0];
@@ -307,13 +347,14 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     k.key0 = window > 0 ? std::max<int64_t>(0, lo - window + 1) / kTile * kTile : 0;
     k.held = std::max<int64_t>(0, k.stop - k.key0);
     k.tiles = (k.held + kTile - 1) / kTile;
-    return k;
-  };
-  // Tile t's key and value rows (nullptr past the end), walking the pages.
-  const auto point = [&](const Task& k, int64_t t, const uint16_t** keys, const uint16_t** values) {
+  }
+  std::stable_sort(all.begin(), all.end(),
+                   [](const Task& a, const Task& b) { return a.tiles * a.count > b.tiles * b.count; });
+  // Key and value row pointers of the 16 keys from j (nullptr from `stop` on), walking the pages.
+  const auto point = [&](const Task& k, int64_t j, const uint16_t** keys, const uint16_t** values) {
     const int32_t* table = tables + k.seq * table_stride;
-    int64_t j = k.key0 + t * kTile, page = j / page_tokens, within = j % page_tokens;
-    for (int64_t c = 0; c < kTile; ++c, ++j) {
+    int64_t page = j / page_tokens, within = j % page_tokens;
+    for (int64_t c = 0; c < kBlock; ++c, ++j) {
       const bool seen = j < k.stop;
       const int64_t slot = table[seen ? page : 0] * page_tokens + within;
       keys[c] = seen ? kc + slot * token_stride + k.kvh * dim : nullptr;
@@ -324,38 +365,71 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       }
     }
   };
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  // The packed copy of block j / 16 of a task's head, if its page is full and kept (else null):
+  // packed now, by whichever task claims the page first, unless another is packing it.
+  const auto from_copy = [&](const Task& k, int64_t j, const uint16_t** keys, const uint16_t** values,
+                             const uint16_t** kb, const uint16_t** vb) {
+    const int64_t page = j / page_tokens;
+    if (kept == nullptr || (page + 1) * page_tokens > k.stop) return false;
+    const int64_t phys = tables[k.seq * table_stride + page];
+    if (phys < 0 || phys >= kept->pages) return false;
+    std::atomic<uint8_t>& state = kept->state[phys * kv_heads + k.kvh];
+    uint8_t now = state.load(std::memory_order_acquire);
+    if (now == PackedPages::kStale && state.compare_exchange_strong(now, PackedPages::kPacking)) {
+      for (int64_t b = 0; b < page_tokens / kBlock; ++b) {
+        point(k, page * page_tokens + b * kBlock, keys, values);
+        pack_block(keys, values, dim, kept->at(false, phys, k.kvh, b), kept->at(true, phys, k.kvh, b));
+      }
+      state.store(PackedPages::kPacked, std::memory_order_release);
+      now = PackedPages::kPacked;
+    }
+    if (now != PackedPages::kPacked) return false;
+    *kb = kept->at(false, phys, k.kvh, j % page_tokens / kBlock);
+    *vb = kept->at(true, phys, k.kvh, j % page_tokens / kBlock);
+    return true;
+  };
+  parallel_runs(tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> kpack, vpack;
+    std::vector<const uint16_t*> kb, vb;
     std::vector<float> acc(6 * dim);
-    const uint16_t* kr[kTile];
-    const uint16_t* vr[kTile];
+    const uint16_t* kr[kBlock];
+    const uint16_t* vr[kBlock];
     int64_t at_pos[6];
     for (int64_t task = begin; task < end; ++task) {
-      const Task k = task_of(task);
+      const Task& k = all[task];
       const int64_t kvh = k.kvh, r0 = k.r0, count = k.count, key0 = k.key0, held = k.held, tiles = k.tiles;
-      if (static_cast<int64_t>(kpack.size()) < tiles * tile_elems) {
-        kpack.resize(tiles * tile_elems);
-        vpack.resize(tiles * tile_elems);
+      const int64_t nblocks = tiles * (kTile / kBlock);
+      kb.resize(nblocks);
+      vb.resize(nblocks);
+      if (static_cast<int64_t>(kpack.size()) < nblocks * block_elems) {
+        kpack.resize(nblocks * block_elems);
+        vpack.resize(nblocks * block_elems);
       }
-      for (int64_t t = 0; t < tiles; ++t) {
-        point(k, t, kr, vr);
-        pack_tile(kr, vr, dim, kpack.data() + t * tile_elems, vpack.data() + t * tile_elems);
+      for (int64_t i = 0, packed = 0; i < nblocks; ++i) {
+        const int64_t j = key0 + i * kBlock;
+        if (j >= k.stop) {
+          kb[i] = vb[i] = zeros;
+        } else if (page_tokens % kBlock != 0 || !from_copy(k, j, kr, vr, &kb[i], &vb[i])) {
+          point(k, j, kr, vr);
+          kb[i] = kpack.data() + packed * block_elems;
+          vb[i] = vpack.data() + packed * block_elems;
+          pack_block(kr, vr, dim, kpack.data() + packed * block_elems, vpack.data() + packed * block_elems);
+          ++packed;
+        }
       }
-      const uint16_t* kt = kpack.data();
-      const uint16_t* vt = vpack.data();
       if (count == 1) {  // one token: the heads sharing this kv head are the rows
         std::fill(at_pos, at_pos + 6, where[r0]);
         for (int64_t g0 = 0; g0 < group; g0 += 6) {
           const int64_t n = std::min<int64_t>(6, group - g0), first = r0 * ld + (kvh * group + g0) * dim;
-          rows_through_tiles(n, qp + first, dim, at_pos, kt, vt, tiles, dim, key0, held, fscale, window, acc.data(),
-                             op + first, dim);
+          rows_through_tiles(n, qp + first, dim, at_pos, kb.data(), vb.data(), tiles, dim, key0, held, fscale, window,
+                             acc.data(), op + first, dim);
         }
       } else {
         for (int64_t g = 0; g < group; ++g) {  // a chunk: each head's tokens are the rows
           for (int64_t b = 0; b < count; b += 6) {
             const int64_t n = std::min<int64_t>(6, count - b), first = (r0 + b) * ld + (kvh * group + g) * dim;
-            rows_through_tiles(n, qp + first, ld, where + r0 + b, kt, vt, tiles, dim, key0, held, fscale, window,
-                               acc.data(), op + first, ld);
+            rows_through_tiles(n, qp + first, ld, where + r0 + b, kb.data(), vb.data(), tiles, dim, key0, held,
+                               fscale, window, acc.data(), op + first, ld);
           }
         }
       }

@@ -18,6 +18,8 @@
 //   linear_qa.cpp        the int8-activation layout of pack_qlinear (act_bits=8) and its AVX512-VNNI
 //                        kernel (linear_qa.h, linear_qa_kernel.h): Q8_0-style activations, vpdpbusd;
 //   linear_qa_avx2.cpp   its AVX2 kernel (vpmaddubsw; compiled without AVX-512);
+//   packed_pages.cpp     keep_packed / forget_packed: tile-layout copies of full bfloat16 KV pages
+//                        that tiles_in_place reads instead of packing the history at every step;
 //   sampling.cpp         nucleus_draw: a temperature + top-p (+ min-p) row's whole draw, its
 //                        candidates found in two passes (helios/engine/sampler.py);
 //   ops.cpp              the op schemas, and the CPU kernels of flare::paged_attention/write_kv;
@@ -38,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -131,6 +134,31 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                     const at::Tensor& positions, const std::vector<int64_t>& seqs, double scale, int64_t window,
                     at::Tensor& out);
+
+// packed_pages.cpp
+// A kept cache's packed copy: per page and kv head, the page's 16-key blocks in tiles_in_place's
+// layout (keys then values, each page_tokens x dim elements, at the page's own offset), and whether
+// that copy holds the page's current bytes.
+struct PackedPages {
+  static constexpr uint8_t kStale = 0, kPacking = 1, kPacked = 2;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+  c10::weak_intrusive_ptr<c10::StorageImpl> v_storage{c10::intrusive_ptr<c10::StorageImpl>()};
+  int64_t pages = 0, page_tokens = 0, kv_heads = 0, dim = 0;
+  at::Tensor k, v;
+  std::unique_ptr<std::atomic<uint8_t>[]> state;  // [pages * kv_heads]
+  // Key (or value) block `block` (16 keys) of page `page`, kv head `kvh`.
+  uint16_t* at(bool values, int64_t page, int64_t kvh, int64_t block) const {
+    auto* base = reinterpret_cast<uint16_t*>((values ? v : k).data_ptr());
+    return base + ((page * kv_heads + kvh) * (page_tokens / kBlock) + block) * kBlock * dim;
+  }
+};
+bool packed_pages_supported(const at::Tensor& k_cache, const at::Tensor& v_cache);
+bool keep_packed(const at::Tensor& k_cache, const at::Tensor& v_cache);
+// The caches' packed copy when kept (keep_packed) and still the same caches, else null.
+std::shared_ptr<PackedPages> packed_pages_of(const at::Tensor& k_cache, const at::Tensor& v_cache);
+// Marks pages[i] / divisor stale (negative entries skipped): divisor 1 for pages, page_tokens for slots.
+void forget_pages(const at::Tensor& k_cache, const int64_t* pages, int64_t n, int64_t divisor);
+void forget_packed(const at::Tensor& k_cache, const at::Tensor& pages);
 
 // attention_avx2.cpp
 bool avx2_attention_supported(const at::Tensor& q, const at::Tensor& k_cache);

@@ -172,6 +172,8 @@ TORCH_LIBRARY(flare_native, m) {
         "Tensor query_start_loc, Tensor positions, float scale, int window, float softcap) -> Tensor");
   m.def("has_avx2_attention(Tensor q, Tensor k_cache) -> bool", &avx2_attention_supported);
   m.def("nucleus_draw(Tensor logits, Tensor settings, Tensor uniform, int cap) -> Tensor");
+  m.def("keep_packed(Tensor k_cache, Tensor v_cache) -> bool", &keep_packed);
+  m.def("forget_packed(Tensor k_cache, Tensor pages) -> ()", &forget_packed);
 }
 
 TORCH_LIBRARY_IMPL(flare_native, CPU, m) {
