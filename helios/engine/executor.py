@@ -254,6 +254,14 @@ class Executor:
         self.packed_pages = packed_pages and device == "cpu" and not kv_layout.shared_kv
         self._kv_pairs = 2 * kv_layout.num_layers  # k0, v0, k1, v1, ... lead self.kv
         self._keep_packed()
+        if self.kept_pairs:
+            packed_mib = sum(t.numel() * t.element_size() for t in self.kv[: 2 * self.kept_pairs]) >> 20
+            log.info(
+                "packed KV pages: full pages of %d layers also kept in the attention kernel's layout "
+                "(up to %d MiB more as pages fill; [server] packed_kv_pages = false turns it off)",
+                self.kept_pairs,
+                packed_mib,
+            )
         clock.lap(f"allocating {num_pages} KV pages" + (f" and {num_slots} state slots" if self.state else ""))
         self.explicit = manifest.capabilities.explicit_logprob_ids
         self.threads = torch.get_num_threads()
