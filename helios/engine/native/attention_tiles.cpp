@@ -90,7 +90,7 @@ inline void to_level2(const uint16_t* p, int64_t n) {
 
 // A 64-key tile: its four blocks one after another.
 void pack_tile(const uint16_t* const* keys, const uint16_t* const* values, int64_t dim, uint16_t* kt, uint16_t* vt) {
-  for (int64_t b = 0; b < kTile / kBlock; ++b)
+  for (int64_t b = 0; b < kBlocksPerTile; ++b)
     pack_block(keys + b * kBlock, values + b * kBlock, dim, kt + b * kBlock * dim, vt + b * kBlock * dim);
 }
 
@@ -103,7 +103,7 @@ inline void values_micro(const uint16_t* x, int64_t ldx, const uint16_t* const* 
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   constexpr int64_t kPairs = kBlock / 2, stride = kPairs * 2 * kBlock;  // elements between feature blocks
-  for (int64_t b = 0; b < kTile / kBlock; ++b) {
+  for (int64_t b = 0; b < kBlocksPerTile; ++b) {
     const uint16_t* w = vb[b] + fb0 * stride;
     for (int64_t k = 0; k < kPairs; ++k) {
       __m512bh v[NB];
@@ -155,7 +155,8 @@ void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint
                 const uint16_t* const* vb,
                 int64_t tiles, int64_t dim, int64_t key0, int64_t held, float scale, int64_t window, float* o_acc,
                 uint16_t* out, int64_t ldo) {
-  constexpr int NB = 4;
+  constexpr int NB = 4;  // a tile's key blocks are the score product's output blocks
+  static_assert(NB == kBlocksPerTile, "one key block per output block of the score product");
   const int64_t pairs = dim / 2;
   alignas(64) float scores[MR * kTile];
   alignas(64) uint16_t probs[MR * kTile];
@@ -174,7 +175,7 @@ void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint
     lo = std::max(lo, key0);
   }
   for (int64_t t = (lo - key0) / kTile; t < tiles && key0 + t * kTile < hi; ++t) {
-    micro_at<MR, NB>(q, ldq, kb + t * NB, pairs, scores);  // scores[r][c]: (r * 4 + c / 16) * 16 + c % 16
+    micro_at<MR, NB>(q, ldq, kb + t * kBlocksPerTile, pairs, scores);  // scores[r][c]: (r * 4 + c / 16) * 16 + c % 16
     const int64_t first = key0 + t * kTile;  // absolute position of the tile's first key
     for (int r = 0; r < MR; ++r) {
       float* s = scores + r * kTile;
@@ -215,7 +216,7 @@ void chunk_rows(const uint16_t* q, int64_t ldq, const int64_t* where, const uint
         for (int64_t d = 0; d < dim; ++d) o_acc[r * dim + d] *= rescale;
     }
     for (int64_t base = 0; base < dim; base += NB * kBlock) {  // 64 features per product
-      values_micro<MR, NB>(probs, kTile, vb + t * NB, base / kBlock, part);
+      values_micro<MR, NB>(probs, kTile, vb + t * kBlocksPerTile, base / kBlock, part);
       for (int r = 0; r < MR; ++r)
         for (int64_t d = 0; d < NB * kBlock; ++d) o_acc[r * dim + base + d] += part[r * NB * kBlock + d];
     }
@@ -263,7 +264,7 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& keys, const at
   pack_tiles(reinterpret_cast<const uint16_t*>(kc.data_ptr()), reinterpret_cast<const uint16_t*>(vc.data_ptr()),
              held, kv_heads, dim, kp, vp);
   // Block i of kv head h: key and value blocks one after another, tile by tile.
-  const int64_t nblocks = tiles * (kTile / kBlock);
+  const int64_t nblocks = tiles * kBlocksPerTile;
   std::vector<const uint16_t*> kblocks(kv_heads * nblocks), vblocks(kv_heads * nblocks);
   for (int64_t i = 0; i < kv_heads * nblocks; ++i) {
     kblocks[i] = kp + i * kBlock * dim;
@@ -403,7 +404,7 @@ void tiles_in_place(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     for (int64_t task = begin; task < end; ++task) {
       const Task& k = all[task];
       const int64_t kvh = k.kvh, r0 = k.r0, count = k.count, key0 = k.key0, held = k.held, tiles = k.tiles;
-      const int64_t nblocks = tiles * (kTile / kBlock);
+      const int64_t nblocks = tiles * kBlocksPerTile;
       kb.resize(nblocks);
       vb.resize(nblocks);
       if (static_cast<int64_t>(kpack.size()) < nblocks * block_elems) {

@@ -116,6 +116,7 @@ constexpr int kMaxDim = 512;
 
 constexpr int64_t kBlock = 16;  // outputs per packed linear block
 constexpr int64_t kTile = 64;   // keys per attention tile (4 blocks of 16)
+constexpr int64_t kBlocksPerTile = kTile / kBlock;
 
 // attention.cpp
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
