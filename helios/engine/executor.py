@@ -251,7 +251,10 @@ class Executor:
         self._staging: Tensor | None = None  # host-store restores' payloads (write_pages)
         self.host_in_ns = self.host_in_bytes = 0  # time and bytes of host-store copy-ins (its cost estimate)
         self.state = self.kv[kv_layout.num_caches :]  # recurrent-state tensors [num_slots, ...] (hybrid cores)
-        self.packed_pages = packed_pages and device == "cpu" and not kv_layout.shared_kv
+        # (ONNX Runtime steps write and read the pages with their own kernels)
+        self.packed_pages = (
+            packed_pages and device == "cpu" and not kv_layout.shared_kv and runtime == onnx_runner.TORCH
+        )
         self._kv_pairs = 2 * kv_layout.num_layers  # k0, v0, k1, v1, ... lead self.kv
         self._keep_packed()
         if self.kept_pairs:
@@ -421,12 +424,14 @@ class Executor:
     def copy_page(self, src: int, dst: int) -> None:
         for tensor in self.page_caches:
             tensor[dst].copy_(tensor[src])
-        native.forget_packed(self.page_caches, torch.tensor([dst]))
+        if self.kept_pairs:
+            native.forget_packed(self.page_caches, torch.tensor([dst]))
 
     def copy_window_page(self, src: int, dst: int) -> None:
         for tensor in self.window_caches:
             tensor[dst].copy_(tensor[src])
-        native.forget_packed(self.window_caches, torch.tensor([dst]))
+        if self.kept_pairs:
+            native.forget_packed(self.window_caches, torch.tensor([dst]))
 
     @property
     def page_caches(self) -> list[Tensor]:
@@ -471,7 +476,8 @@ class Executor:
                 )
                 tensor.index_copy_(0, index, values)
                 offset += width
-            native.forget_packed(self.page_caches, index)
+            if self.kept_pairs:
+                native.forget_packed(self.page_caches, index)
 
     @property
     def state_bytes(self) -> int:
