@@ -125,6 +125,25 @@ class KernelRecorder:
         self.kernels[name] = kernel
 
 
+def attend_spans(q, k_cache, v_cache, tables, spans: list[tuple[int, int]], window: int = 0) -> torch.Tensor:
+    """flare::paged_attention over one step whose i-th sequence (table row i) holds keys [0, b) and
+    queries q[a:b] for the i-th span (a, b): decode rows, short chunks and prompt chunks at once."""
+    rows = torch.cat([q[a:b] for a, b in spans])
+    starts = torch.tensor([0, *torch.tensor([b - a for a, b in spans]).cumsum(0).tolist()], dtype=torch.int32)
+    return torch.ops.flare.paged_attention(
+        rows,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor([b for _, b in spans], dtype=torch.int32),
+        starts,
+        torch.cat([torch.arange(a, b) for a, b in spans]),
+        0.125,
+        window,
+        0.0,
+    )
+
+
 def assert_takes_op_arguments(name: str, kernel: Callable) -> None:
     """`kernel` takes flare::`name`'s arguments as the dispatcher hands them over: its schema's
     names, in its order, with its defaults (helios.core.ops)."""

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from support import attend_spans
 
 from helios.core.ops.base import reference_paged_attention, reference_write_kv
 from helios.engine import native
@@ -367,18 +368,5 @@ def test_short_chunks_beside_decode_rows_and_prompt_chunks_keep_every_bit(window
     # [first, end) positions per sequence: 4, 1, 20, 2, 7, 8 and 9 rows (chunks of up to 8 rows are
     # attended where their pages lie, longer ones over their gathered pages)
     spans = [(100, 104), (250, 251), (150, 170), (298, 300), (200, 207), (60, 68), (30, 39)]
-    rows = torch.cat([q[a:b] for a, b in spans])
-    starts = torch.tensor([0, *torch.tensor([b - a for a, b in spans]).cumsum(0).tolist()], dtype=torch.int32)
-    got = torch.ops.flare.paged_attention(
-        rows,
-        k_cache,
-        v_cache,
-        tables.expand(len(spans), -1).contiguous(),
-        torch.tensor([b for _, b in spans], dtype=torch.int32),
-        starts,
-        torch.cat([torch.arange(a, b) for a, b in spans]),
-        0.125,
-        window,
-        0.0,
-    )
+    got = attend_spans(q, k_cache, v_cache, tables.expand(len(spans), -1).contiguous(), spans, window)
     assert torch.equal(got, torch.cat([whole[a:b] for a, b in spans]))

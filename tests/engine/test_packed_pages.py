@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import attend_spans
 
 from helios.core import Core
 from helios.engine import EngineConfig, build_engine, native
@@ -32,24 +33,6 @@ def _caches(seed: int, pages: int, page_tokens: int = 16) -> tuple[torch.Tensor,
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(pages, page_tokens, KV_HEADS, DIM, generator=gen).bfloat16()
     return k, torch.randn(pages, page_tokens, KV_HEADS, DIM, generator=gen).bfloat16()
-
-
-def _step(q, k_cache, v_cache, tables, spans, window: int = 0) -> torch.Tensor:
-    """Rows [a, b) of each span's sequence (one table row each) over keys [0, b)."""
-    rows = torch.cat([q[a:b] for a, b in spans])
-    starts = torch.tensor([0, *torch.tensor([b - a for a, b in spans]).cumsum(0).tolist()], dtype=torch.int32)
-    return torch.ops.flare.paged_attention(
-        rows,
-        k_cache,
-        v_cache,
-        tables,
-        torch.tensor([b for _, b in spans], dtype=torch.int32),
-        starts,
-        torch.cat([torch.arange(a, b) for a, b in spans]),
-        0.125,
-        window,
-        0.0,
-    )
 
 
 def _case(seed: int, page_tokens: int):
@@ -78,7 +61,9 @@ def test_kept_pages_give_the_bits_of_pages_packed_afresh(page_tokens: int, windo
     ]
     for spans in steps * 2:  # the second round reads the copies the first one made
         table = torch.stack([tables[i % 2] for i in range(len(spans))]).contiguous()
-        assert torch.equal(_step(q, kept_k, kept_v, table, spans, window), _step(q, k, v, table, spans, window)), spans
+        assert torch.equal(
+            attend_spans(q, kept_k, kept_v, table, spans, window), attend_spans(q, k, v, table, spans, window)
+        ), spans
 
 
 def test_a_page_written_again_is_read_as_written() -> None:
@@ -86,21 +71,21 @@ def test_a_page_written_again_is_read_as_written() -> None:
     kept_k, kept_v = k.clone(), v.clone()
     native.keep_packed([kept_k, kept_v])
     table, spans = tables[:1].contiguous(), [(299, 300)]
-    assert torch.equal(_step(q, kept_k, kept_v, table, spans), _step(q, k, v, table, spans))
+    assert torch.equal(attend_spans(q, kept_k, kept_v, table, spans), attend_spans(q, k, v, table, spans))
     # through write_kv (a draft rejected and its positions written again): keys 40-49, in a full page
     gen = torch.Generator().manual_seed(3)
     new_k, new_v = torch.randn(10, KV_HEADS, DIM, generator=gen), torch.randn(10, KV_HEADS, DIM, generator=gen)
     slots = torch.tensor([int(table[0, p // 16]) * 16 + p % 16 for p in range(40, 50)])
     for kc, vc in ((k, v), (kept_k, kept_v)):
         torch.ops.flare.write_kv(kc, vc, new_k, new_v, slots)
-    assert torch.equal(_step(q, kept_k, kept_v, table, spans), _step(q, k, v, table, spans))
+    assert torch.equal(attend_spans(q, kept_k, kept_v, table, spans), attend_spans(q, k, v, table, spans))
     # a whole page filled some other way (a host-store restore, a copied page), then announced
     page = table[0, 5:6].long()
     for kc, vc in ((k, v), (kept_k, kept_v)):
         kc.index_copy_(0, page, kc[table[0, 6:7].long()])
         vc.index_copy_(0, page, vc[table[0, 6:7].long()])
     native.forget_packed([kept_k], page)
-    assert torch.equal(_step(q, kept_k, kept_v, table, spans), _step(q, k, v, table, spans))
+    assert torch.equal(attend_spans(q, kept_k, kept_v, table, spans), attend_spans(q, k, v, table, spans))
 
 
 def test_a_cache_freed_and_its_memory_reused_is_not_read_from_an_old_copy() -> None:
@@ -108,12 +93,12 @@ def test_a_cache_freed_and_its_memory_reused_is_not_read_from_an_old_copy() -> N
     table, spans = tables[:1].contiguous(), [(299, 300)]
     kept_k, kept_v = k.clone(), v.clone()
     native.keep_packed([kept_k, kept_v])
-    _step(q, kept_k, kept_v, table, spans)
+    attend_spans(q, kept_k, kept_v, table, spans)
     del kept_k, kept_v
     other_k, other_v = _caches(10, k.shape[0])
     # whether or not the allocator hands back the same memory, nothing packed for the old cache is used
     assert torch.equal(
-        _step(q, other_k, other_v, table, spans), _step(q, other_k.clone(), other_v.clone(), table, spans)
+        attend_spans(q, other_k, other_v, table, spans), attend_spans(q, other_k.clone(), other_v.clone(), table, spans)
     )
 
 

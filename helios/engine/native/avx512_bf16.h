@@ -11,27 +11,8 @@
 
 namespace flare_native {
 
-template <int MR, int NB>
-inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* out) {
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-  const int64_t stride = pairs * 2 * kBlock;  // elements between consecutive 16-output blocks
-  for (int64_t k = 0; k < pairs; ++k) {
-    __m512bh b[NB];
-    for (int j = 0; j < NB; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * stride + k * 2 * kBlock);
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * ldx + 2 * k, sizeof pair);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, b[j]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + (m * NB + j) * kBlock, acc[m][j]);
-}
-
-// micro with each of the NB blocks at its own address (a 64-key tile's blocks in four pages).
+// Up to 6 rows x NB blocks of 16 outputs, block j's weights at w[j] (pack_linear's layout within
+// a block; a 64-key tile's blocks may lie in four pages).
 template <int MR, int NB>
 inline void micro_at(const uint16_t* x, int64_t ldx, const uint16_t* const* w, int64_t pairs, float* out) {
   __m512 acc[MR][NB];
@@ -49,6 +30,14 @@ inline void micro_at(const uint16_t* x, int64_t ldx, const uint16_t* const* w, i
   }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + (m * NB + j) * kBlock, acc[m][j]);
+}
+
+// micro over pack_linear's layout: block j's weights `pairs * 2 * kBlock` elements after block j - 1's.
+template <int MR, int NB>
+inline void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, float* out) {
+  const uint16_t* blocks[NB];
+  for (int j = 0; j < NB; ++j) blocks[j] = w + j * pairs * 2 * kBlock;
+  micro_at<MR, NB>(x, ldx, blocks, pairs, out);
 }
 
 // One row's 16 fp32 results of block `first / 16` (+ bias), rounded to bfloat16 (nearest even, as
