@@ -153,7 +153,6 @@ struct PackedPages {
     return base + ((page * kv_heads + kvh) * (page_tokens / kBlock) + block) * kBlock * dim;
   }
 };
-bool packed_pages_supported(const at::Tensor& k_cache, const at::Tensor& v_cache);
 bool keep_packed(const at::Tensor& k_cache, const at::Tensor& v_cache);
 // The caches' packed copy when kept (keep_packed) and still the same caches, else null.
 std::shared_ptr<PackedPages> packed_pages_of(const at::Tensor& k_cache, const at::Tensor& v_cache);

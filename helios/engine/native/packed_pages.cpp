@@ -38,14 +38,15 @@ void sweep() {
   kept.store(static_cast<int64_t>(registry.size()), std::memory_order_relaxed);
 }
 
-}  // namespace
-
-bool packed_pages_supported(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+// The layouts tiles_in_place reads whose pages hold whole 16-key blocks.
+[[maybe_unused]] bool packed_pages_supported(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   return k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
          v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
          k_cache.device().is_cpu() && k_cache.size(1) % kBlock == 0 && k_cache.size(3) % 64 == 0 &&
          k_cache.size(3) <= 256;
 }
+
+}  // namespace
 
 bool keep_packed(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 #if defined(__AVX512BF16__)
