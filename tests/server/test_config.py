@@ -48,6 +48,7 @@ def test_file_flags_and_key_file(tmp_path: Path) -> None:
         ('[server]\ndevice = "cuda:x"\n', 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
         ("[server]\ncuda_graphs = 1\n", "cuda_graphs must be true or false"),
         ('[server]\nwindow_pool = "no"\n', "window_pool must be true or false"),
+        ("[server]\npacked_kv_pages = 0\n", "packed_kv_pages must be true or false"),
         ("[server]\nimage_cache_mb = -1\n", "image_cache_mb must be a non-negative integer"),
         ("[server]\nimage_cache_mb = 1.5\n", "image_cache_mb must be a non-negative integer"),
         ("[server]\nkv_memory_fraction = 0\n", "kv_memory_fraction must be a number above 0 and at most 1"),
