@@ -692,7 +692,7 @@ def export_core(
         files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         recipe_info = recipe.info if options.ranges else without_ranges(recipe.info)
         manifest = mf.Manifest(
-            format=mf.FormatTag(mf.FORMAT_NAME, quantize.format_version(quantization)),
+            format=mf.FormatTag(mf.FORMAT_NAME, quantize.format_version(quantization, bool(compiled))),
             model=mf.ModelInfo(
                 id=options.model_id or checkpoint.checkpoint_id,
                 aliases=options.aliases,

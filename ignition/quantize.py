@@ -339,12 +339,17 @@ def level_of(tensors: dict[str, mf.QuantizedTensor]) -> str:
     return "+".join(sorted(counts, key=lambda name: (-counts[name], name)))
 
 
-def format_version(quantization: mf.Quantization | None) -> int:
+def format_version(quantization: mf.Quantization | None, compiled: bool = False) -> int:
     """The oldest version that describes the core, so that older helios keeps reading what it can:
-    4 for float16 scales, 3 for other quantized cores, 2 for every other core."""
+    5 for a compiled step holding int8-activation weights (their blobs in the layout helios reads
+    since version 5: native/linear_qa.h), 4 for float16 scales, 3 for other quantized cores, 2 for
+    every other core."""
     if quantization is None:
         return 2
-    return 4 if any(t.scale_dtype == "float16" for t in quantization.tensors.values()) else 3
+    tensors = quantization.tensors.values()
+    if compiled and any(t.activations == "int8" for t in tensors):
+        return 5
+    return 4 if any(t.scale_dtype == "float16" for t in tensors) else 3
 
 
 def sized(quantized: Quantized | None, weights: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -53,7 +53,10 @@ _EMBEDDING = torch.ops.aten.embedding.default
 _HEADER_WORDS = 8  # the packed blob's header: magic, bits, group, in, out, blocks, scale bytes and type, block_bytes
 _SCALE_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # native/linear_q.h: ScaleType
 _BLOCK = 16  # outputs per block of the packed layout (native/linear_q.h)
-_MAGIC_A8 = 0x38514C46  # "FLQ8": the int8-activation layout (native/linear_qa.h)
+# The int8-activation layouts (native/linear_qa.h): "FLQ9", scales beside their groups' weights, and
+# "FLQ8", earlier builds' (a block's scales in one region; a compiled step holds its blobs, so still read).
+_MAGIC_A8 = 0x39514C46
+_MAGIC_A8_REGION = 0x38514C46
 _ACT_BLOCK = 32  # features per activation block of that layout
 # flare::routed_experts as exported, and as graph.simplify retargets it (either may be seen).
 _EXPERTS = (torch.ops.flare.routed_experts.default, moe.routed_experts_cpu)
@@ -306,7 +309,10 @@ def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
     whose linear (the tied head) runs on the blob, so no float copy of the table is kept. Reads a
     block of 16 rows per id from the layout of native/linear_q.h (linear_qa.h's: flare_native::qembedding_a8)."""
     h = _header(packed)
-    if h.magic == _MAGIC_A8:  # only the native library writes this layout, and reads it (_a8_rows: in torch ops)
+    if h.magic in (
+        _MAGIC_A8,
+        _MAGIC_A8_REGION,
+    ):  # only the native library writes these, and reads them (_a8_rows: in torch ops)
         return torch.ops.flare_native.qembedding_a8(packed, ids, dtype, h.width)
     bits, group, width, blocks, block_bytes = h.bits, h.group, h.width, h.blocks, h.block_bytes
     scale_bytes, scale_dtype = h.scale_bytes, h.scale_dtype
@@ -330,34 +336,64 @@ def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
     return rows.reshape(*ids.shape, width)
 
 
+@dataclass(frozen=True, slots=True)
+class _A8Geom:
+    """Where an int8-activation blob's block holds what (native/linear_qa.h: A8Geom): its groups
+    in chunks of `per_chunk`, each chunk `stride` bytes, `head` of them scales (a group's 16 at
+    16 x scale bytes apart, int4's minimums `mins` bytes after its scales), then the chunk's weights,
+    `kb_bytes` per 32 features."""
+
+    per_chunk: int
+    head: int
+    stride: int
+    mins: int
+    kb_bytes: int
+
+
+def _a8_geom(h: _Header) -> _A8Geom:
+    groups, per_group = h.width // h.group, h.group // _ACT_BLOCK
+    line = _BLOCK * h.scale_bytes * (2 if h.bits == 4 else 1)  # one group's scales (and minimums)
+    kb_bytes = 256 if h.bits == 4 else 512
+    per_chunk = groups if h.magic == _MAGIC_A8_REGION else max(1, 64 // line)
+    head = -(-per_chunk * line // 64) * 64
+    return _A8Geom(
+        per_chunk, head, head + per_chunk * per_group * kb_bytes, per_chunk * _BLOCK * h.scale_bytes, kb_bytes
+    )
+
+
 def _a8_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
-    """The rows of an int8-activation blob (native/linear_qa.h) in torch ops: its layout spelled out,
-    against which the tests hold flare_native::qembedding_a8, the reader embedding_rows runs. Per
-    16-row block a scale region ([group][16] scales, int4 then [group][16] minimums; padded to 64
-    bytes), then per 32 features 64-byte steps of 16 rows x 4 bytes (int8 + 128; int4: features f
-    and f + 16 in the low and high nibble)."""
+    """The rows of an int8-activation blob (native/linear_qa.h, either layout) in torch ops: its
+    layout spelled out, against which the tests hold flare_native::qembedding_a8, the reader
+    embedding_rows runs. Row r lies in block r // 16, lane r % 16: group g's scale at the lane of its
+    16, and per 32 features 64-byte steps of 16 rows x 4 bytes (int8 + 128; int4: features f and
+    f + 16 in the low and high nibble)."""
     h = _header(packed)
-    bits, group, width, blocks, block_bytes = h.bits, h.group, h.width, h.blocks, h.block_bytes
-    scale_bytes = h.scale_bytes
-    groups, int4 = width // group, bits == 4
-    region = block_bytes - width * _BLOCK // (2 if int4 else 1)
+    geo = _a8_geom(h)
+    groups, per_group, sb, int4 = h.width // h.group, h.group // _ACT_BLOCK, h.scale_bytes, h.bits == 4
     flat = ids.reshape(-1)
-    picked = packed[64 : 64 + blocks * block_bytes].view(blocks, block_bytes)[flat // _BLOCK]  # [T, block]
     lane = flat % _BLOCK
-    head = picked[:, : groups * _BLOCK * scale_bytes * (2 if int4 else 1)].contiguous().view(h.scale_dtype)
-    head = head.reshape(len(flat), -1, groups, _BLOCK)  # [T, 1 or 2, G, 16]
-    at = lane.view(-1, 1, 1, 1).expand(-1, head.shape[1], groups, 1)
-    chosen = head.gather(3, at).squeeze(3)  # [T, 1 or 2, G]
-    steps = picked[:, region:].reshape(len(flat), width // _ACT_BLOCK, -1, _BLOCK, 4)  # [T, KB, steps, 16, 4]
-    mine = steps.gather(3, lane.view(-1, 1, 1, 1, 1).expand(-1, steps.shape[1], steps.shape[2], 1, 4)).squeeze(3)
+    start = 64 + (flat // _BLOCK) * h.block_bytes  # [T] each row's block
+    g = torch.arange(groups)
+    scale_at = (g // geo.per_chunk) * geo.stride + (g % geo.per_chunk) * _BLOCK * sb  # [G]
+
+    def scales(offset: Tensor) -> Tensor:  # [T, G] of the blob's scale type
+        first = start[:, None] + offset[None, :] + lane[:, None] * sb
+        return packed[first[..., None] + torch.arange(sb)].contiguous().view(h.scale_dtype).squeeze(-1)
+
+    kb = torch.arange(h.width // _ACT_BLOCK)
+    chunk = kb // per_group // geo.per_chunk
+    weights_at = chunk * geo.stride + geo.head + (kb - chunk * geo.per_chunk * per_group) * geo.kb_bytes  # [KB]
+    steps = torch.arange(geo.kb_bytes // 64) * 64
+    at = start[:, None, None] + weights_at[None, :, None] + steps + lane[:, None, None] * 4  # [T, KB, steps]
+    mine = packed[at[..., None] + torch.arange(4)]  # [T, KB, steps, 4]
     if int4:  # [T, KB, 4 steps, 4]: low nibbles features 0..15 of the block, high ones 16..31
         values = torch.cat(((mine & 15).flatten(2), (mine >> 4).flatten(2)), dim=2)
-        stored = quant.pack_int4(values.reshape(len(flat), width))
-        rows = quant.dequantize(stored, chosen[:, 0], chosen[:, 1], group, dtype)
+        stored = quant.pack_int4(values.reshape(len(flat), h.width))
+        rows = quant.dequantize(stored, scales(scale_at), scales(scale_at + geo.mins), h.group, dtype)
     else:
         stored = (mine.flatten(1) ^ 0x80).view(torch.int8)
-        rows = quant.dequantize(stored, chosen[:, 0], None, group, dtype)
-    return rows.reshape(*ids.shape, width)
+        rows = quant.dequantize(stored, scales(scale_at), None, h.group, dtype)
+    return rows.reshape(*ids.shape, h.width)
 
 
 def _log(outcome: QuantizedLoad, reasons: dict[str, str]) -> None:

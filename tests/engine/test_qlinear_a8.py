@@ -162,6 +162,57 @@ def test_embedding_rows_read_the_int8_activation_blob() -> None:
                 assert torch.equal(quantized._a8_rows(packed, ids, dtype), want)
 
 
+def _earlier_layout(blob: torch.Tensor) -> torch.Tensor:
+    """The same weight in the layout earlier builds wrote (magic "FLQ8"; a compiled step's constants
+    keep it): per block all its scales in one region padded to 64 bytes, then all its weights."""
+    h = quantized._header(blob)
+    groups, int4 = h.width // h.group, h.bits == 4
+    line = 16 * h.scale_bytes * (2 if int4 else 1)
+    region = -(-groups * line // 64) * 64
+    block_bytes = region + h.width * 16 * h.bits // 8
+    earlier = torch.zeros(-(-(64 + h.blocks * block_bytes) // 64) * 64, dtype=torch.uint8)
+    earlier[:64] = blob[:64]
+    words = earlier[:64].view(torch.int64)
+    words[0], words[7] = quantized._MAGIC_A8_REGION, block_bytes
+    geo = quantized._a8_geom(h)
+    run, kbs = 16 * h.scale_bytes, h.group // 32
+    for b in range(h.blocks):
+        old, new = 64 + b * block_bytes, 64 + b * h.block_bytes
+        for g in range(groups):
+            chunk, i = divmod(g, geo.per_chunk)
+            at = new + chunk * geo.stride + i * run
+            earlier[old + g * run : old + (g + 1) * run] = blob[at : at + run]
+            if int4:
+                mins = old + (groups + g) * run
+                earlier[mins : mins + run] = blob[at + geo.mins : at + geo.mins + run]
+            for kb in range(g * kbs, (g + 1) * kbs):
+                src = new + chunk * geo.stride + geo.head + (kb - chunk * geo.per_chunk * kbs) * geo.kb_bytes
+                dst = old + region + kb * geo.kb_bytes
+                earlier[dst : dst + geo.kb_bytes] = blob[src : src + geo.kb_bytes]
+    return earlier
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_blobs_of_earlier_builds_give_the_same_bits(fmt: str, monkeypatch) -> None:
+    """A blob in the earlier layout (all of a block's scales at its start) multiplies and looks up
+    to the same bits as the current one, on either instruction set."""
+    for group, scale_dtype in ((32, torch.float16), (64, torch.float32), (128, torch.bfloat16)):
+        stored = _stored(45, group * 3, fmt, group, scale_dtype, seed=group + 1)
+        blob = _pack(stored, group)
+        earlier = _earlier_layout(blob)
+        assert not torch.equal(earlier[64:], blob[64 : len(earlier)])
+        for rows in (1, 3, 16, 37):
+            x = torch.randn(rows, group * 3, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+            for isa in _isas():
+                want = _qlinear(isa, monkeypatch, x, blob, None, 45)
+                assert torch.equal(_qlinear(isa, monkeypatch, x, earlier, None, 45), want)
+        ids = torch.tensor([0, 44, 17, 16])
+        want = quant.dequantize(*_args(stored, group), dtype=torch.float32)[ids]
+        assert torch.equal(torch.ops.flare_native.qembedding_a8(earlier, ids, torch.float32, group * 3), want)
+        assert torch.equal(quantized._a8_rows(earlier, ids, torch.float32), want)
+        assert torch.equal(quantized.embedding_rows(earlier, ids, torch.float32), want)
+
+
 def test_embedding_rows_outside_the_table_are_refused() -> None:
     stored = _stored(45, 64, quant.INT4, 32, torch.float32, seed=3)
     with pytest.raises(RuntimeError, match="outside the table's 45 rows"):

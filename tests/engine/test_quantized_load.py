@@ -214,7 +214,7 @@ def test_int8_activations_run_as_recorded(cores: dict, tmp_path: Path, monkeypat
     loaded = engine.executor.quantized
     assert loaded is not None and loaded.dequantized == ()
     magic = {name: int(engine.executor.weights[name][:8].view(torch.int64)) for name in loaded.native}
-    assert {magic[name] for name in int8} == {0x38514C46}  # "FLQ8": native/linear_qa.h's blob
+    assert {magic[name] for name in int8} == {0x39514C46}  # "FLQ9": native/linear_qa.h's blob
     graph = engine.executor.step.module.graph
     assert [n.target for n in graph.nodes].count(quantized.embedding_rows) == 1  # rows from the FLQ8 blob
     _assert_close(answers(engine), want, 1e-4)

@@ -36,7 +36,7 @@ def test_export_writes_a_complete_core(tiny_core: Path) -> None:
     assert on_disk == expected
     assert set(m.files) == expected - {"core.json"}
     # Version 3 marks quantized cores only (test_quantize): this one stays readable by older helios.
-    assert (m.format.name, m.format.version) == ("flare-core", 2) and mf.FORMAT_VERSION == 4
+    assert (m.format.name, m.format.version) == ("flare-core", 2) and mf.FORMAT_VERSION == 5
     assert m.capabilities == mf.Capabilities(
         max_top_logprobs=20, explicit_logprob_ids=True, prompt_logprobs=True, vision=False
     )

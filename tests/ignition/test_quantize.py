@@ -19,6 +19,7 @@ from helios.core import Core, quant
 from helios.core import manifest as mf
 from helios.core.bundle import sha256_file
 from helios.core.golden import recheck
+from ignition import quantize
 from ignition.errors import UsageError, VerifyError
 from ignition.export import ExportOptions, check_options, export_core
 from ignition.quant_check import check_stored
@@ -228,3 +229,19 @@ def test_float16_scales_that_overflow_are_refused(tmp_path: Path) -> None:
     options = ExportOptions(out=tmp_path / "core", quantization=QuantRequest("int8", scale_dtype="float16"))
     with pytest.raises(UsageError, match="--quant-scales float32 or bfloat16"):
         export_core(open_source(str(checkpoint)), load_recipe(recipe), options)
+
+
+def test_format_version_is_the_oldest_that_describes_the_core() -> None:
+    """A compiled step holding int8-activation weights needs version 5 (their blobs' layout since
+    then); the same weights without a compiled step, or float activations, keep 3 or 4."""
+
+    def tensors(scale: str, activations: str) -> mf.Quantization:
+        record = mf.QuantizedTensor("int4", 32, scale, (64, 64), "float32", activations=activations)
+        return mf.Quantization("int4-g32", {"w": record})
+
+    assert quantize.format_version(None, compiled=True) == 2
+    assert quantize.format_version(tensors("float32", "float"), compiled=True) == 3
+    assert quantize.format_version(tensors("float16", "float"), compiled=True) == 4
+    assert quantize.format_version(tensors("float16", "int8")) == 4
+    assert quantize.format_version(tensors("float32", "int8"), compiled=True) == 5
+    assert quantize.format_version(tensors("float16", "int8"), compiled=True) == mf.FORMAT_VERSION == 5

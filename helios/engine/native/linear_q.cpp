@@ -133,10 +133,10 @@ at::Tensor pack_qlinear(const at::Tensor& qweight, const at::Tensor& scales, con
                 "pack_qlinear: mins must match the scales' shape and dtype");
   const bool a8 = act_bits == 8;
   const int32_t type = stype == at::kHalf ? kScaleF16 : stype == at::kBFloat16 ? kScaleBF16 : kScaleF32;
-  QHeader h{a8 ? kQMagicA8 : kQMagic, int4 ? 4 : 8, group, in, out, (out + kBlock - 1) / kBlock,
+  QHeader h{a8 ? kQMagicA8L : kQMagic, int4 ? 4 : 8, group, in, out, (out + kBlock - 1) / kBlock,
             static_cast<int32_t>(scales.element_size()), type, 0};
   const int64_t per_group = kBlock * h.scale_bytes * (int4 ? 2 : 1) + (int4 ? group / 2 : group) * kBlock;
-  h.block_bytes = a8 ? a8_block_bytes(h.bits, group, in, h.scale_bytes) : in / group * per_group;
+  h.block_bytes = a8 ? A8Geom(h).block_bytes(in / group) : in / group * per_group;
   // Each weight's blob a multiple of 64 bytes, so that every expert of a stack starts on a cache line.
   const int64_t bytes = (static_cast<int64_t>(sizeof(QHeader)) + h.blocks * h.block_bytes + 63) / 64 * 64;
   int64_t count = 1;
@@ -166,7 +166,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, const c10::opt
                   packed.numel() >= static_cast<int64_t>(sizeof(QHeader)),
               "qlinear: needs one weight's pack_qlinear blob (a stack's blob[e] for expert e)");
   const QHeader h = read_header(packed.data_ptr());
-  const bool a8 = h.magic == kQMagicA8;
+  const bool a8 = is_a8(h.magic);
   TORCH_CHECK((h.magic == kQMagic || a8) && (h.bits == 4 || h.bits == 8) &&
                   packed.numel() >= static_cast<int64_t>(sizeof h) + h.blocks * h.block_bytes,
               "qlinear: not a pack_qlinear blob of this build (pack the stored weights again)");

@@ -101,29 +101,30 @@ void qlinear_a8_avx512(const QCall& call) {
 #endif
 }
 
-// stored [out, cols] -> the blob bytes of one weight in the int8-activation layout (linear_qa.h).
+// stored [out, cols] -> the blob bytes of one weight in the int8-activation layout of h.magic
+// (linear_qa.h). `out` holds h.blocks * h.block_bytes zero bytes past the header.
 void pack_one_a8(const uint8_t* q, const uint8_t* s, const uint8_t* m, const QHeader& h, uint8_t* out) {
   std::memcpy(out, &h, sizeof h);
-  const int64_t sb = h.scale_bytes, groups = h.in / h.group, nkb = h.in / kActBlock;
-  const int64_t region = a8_scale_region(h.bits, h.group, h.in, sb), qcols = h.bits == 8 ? h.in : h.in / 2;
+  const int64_t sb = h.scale_bytes, groups = h.in / h.group, nkb = h.in / kActBlock, per_group = h.group / kActBlock;
+  const int64_t qcols = h.bits == 8 ? h.in : h.in / 2;
+  const A8Geom geo(h);
   at::parallel_for(0, h.blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       uint8_t* block = out + sizeof(QHeader) + b * h.block_bytes;
-      std::memset(block, 0, h.block_bytes);
       for (int64_t o = 0; o < kBlock; ++o) {
         const int64_t row = b * kBlock + o;
         if (row >= h.out) break;
         for (int64_t g = 0; g < groups; ++g) {
-          std::memcpy(block + (g * kBlock + o) * sb, s + (row * groups + g) * sb, sb);
-          if (m != nullptr) std::memcpy(block + ((groups + g) * kBlock + o) * sb, m + (row * groups + g) * sb, sb);
+          uint8_t* at = block + geo.scales_at(g, sb) + o * sb;
+          std::memcpy(at, s + (row * groups + g) * sb, sb);
+          if (m != nullptr) std::memcpy(at + geo.mins, m + (row * groups + g) * sb, sb);
         }
         const uint8_t* src = q + row * qcols;
         for (int64_t kb = 0; kb < nkb; ++kb) {
+          uint8_t* dst = block + geo.weights_at(kb / per_group, kb, per_group) + o * 4;
           if (h.bits == 8) {
-            uint8_t* dst = block + region + kb * 512 + o * 4;
             for (int64_t f = 0; f < kActBlock; ++f) dst[f / 4 * 64 + f % 4] = src[kb * kActBlock + f] ^ 0x80;  // + 128
           } else {
-            uint8_t* dst = block + region + kb * 256 + o * 4;
             const uint8_t* pairs = src + kb * kActBlock / 2;  // feature 2i low nibble, 2i + 1 high
             auto nibble = [&](int64_t f) { return f % 2 ? pairs[f / 2] >> 4 : pairs[f / 2] & 15; };
             for (int64_t f = 0; f < 16; ++f) dst[f / 4 * 64 + f % 4] = nibble(f) | nibble(16 + f) << 4;
@@ -144,15 +145,15 @@ at::Tensor qembedding_a8(const at::Tensor& packed, const at::Tensor& ids, at::Sc
                   packed.numel() >= static_cast<int64_t>(sizeof(QHeader)),
               "qembedding_a8: needs one weight's pack_qlinear blob");
   const QHeader h = read_header(packed.data_ptr());
-  TORCH_CHECK(h.magic == kQMagicA8 && (h.bits == 4 || h.bits == 8) &&
+  TORCH_CHECK(is_a8(h.magic) && (h.bits == 4 || h.bits == 8) &&
                   packed.numel() >= static_cast<int64_t>(sizeof h) + h.blocks * h.block_bytes,
               "qembedding_a8: not an int8-activation pack_qlinear blob (act_bits=8)");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "qembedding_a8: rows come as float32, bfloat16 or float16");
   const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
   TORCH_CHECK(width == h.in, "qembedding_a8: the table's rows are ", h.in, " wide, not ", width);
-  const int64_t n = flat.numel(), groups = h.in / h.group, sb = h.scale_bytes;
-  const int64_t region = a8_scale_region(h.bits, h.group, h.in, sb), kb_bytes = h.bits == 4 ? 256 : 512;
+  const int64_t n = flat.numel(), groups = h.in / h.group, sb = h.scale_bytes, per_group = h.group / kActBlock;
+  const A8Geom geo(h);
   const int64_t* idp = flat.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(idp[i] >= 0 && idp[i] < h.out, "qembedding_a8: row ", idp[i], " outside the table's ", h.out, " rows");
@@ -171,16 +172,18 @@ at::Tensor qembedding_a8(const at::Tensor& packed, const at::Tensor& ids, at::Sc
         const int64_t id = idp[i], lane = id % kBlock;
         const uint8_t* block = body + (id / kBlock) * h.block_bytes;
         for (int64_t g = 0; g < groups; ++g) {
-          const float s = scale_at(block + (g * kBlock + lane) * sb);
-          const float m = h.bits == 4 ? scale_at(block + ((groups + g) * kBlock + lane) * sb) : 0.0f;
+          const uint8_t* at = block + geo.scales_at(g, sb) + lane * sb;
+          const float s = scale_at(at);
+          const float m = h.bits == 4 ? scale_at(at + geo.mins) : 0.0f;
           for (int64_t f = g * h.group; f < (g + 1) * h.group; ++f) {
             const int64_t kb = f / kActBlock, j = f % kActBlock;
+            const uint8_t* steps = block + geo.weights_at(g, kb, per_group) + lane * 4;
             int q;
             if (h.bits == 8) {  // step j / 4, byte j % 4: the weight + 128
-              q = static_cast<int>(block[region + kb * kb_bytes + (j / 4) * 64 + lane * 4 + j % 4]) - 128;
+              q = static_cast<int>(steps[(j / 4) * 64 + j % 4]) - 128;
             } else {  // features 0..15 of the block in low nibbles, 16..31 in high ones
               const int64_t t = j % 16;
-              const uint8_t byte = block[region + kb * kb_bytes + (t / 4) * 64 + lane * 4 + t % 4];
+              const uint8_t byte = steps[(t / 4) * 64 + t % 4];
               q = j < 16 ? byte & 15 : byte >> 4;
             }
             float v = static_cast<float>(q) * s;

@@ -64,8 +64,9 @@ struct QAKernel {
     constexpr bool kAhead = NB <= 2;
     const QHeader& h = *c.head;
     const int64_t nkb = h.in / kActBlock, per_group = h.group / kActBlock, groups = h.in / h.group;
-    const int64_t sb = h.scale_bytes, region = a8_scale_region(h.bits, h.group, h.in, sb);
-    constexpr int64_t step_bytes = 64, kb_bytes = INT4 ? 256 : 512;
+    const int64_t sb = h.scale_bytes;
+    const A8Geom geo(h);
+    constexpr int64_t step_bytes = 64;
     const uint8_t* blk[NB];
     _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) blk[j] = c.blocks + (b + j) * h.block_bytes;
     const int8_t* xr[MR];
@@ -76,19 +77,20 @@ struct QAKernel {
     for (int64_t g = 0; g < groups; ++g) {
       F s[NB], m[NB];
       _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
-        s[j] = T::scales(blk[j] + g * kBlock * sb, ST);
-        if constexpr (INT4) m[j] = T::scales(blk[j] + (groups + g) * kBlock * sb, ST);
+        const uint8_t* at = blk[j] + geo.scales_at(g, sb);
+        s[j] = T::scales(at, ST);
+        if constexpr (INT4) m[j] = T::scales(at + geo.mins, ST);
       }
       for (int64_t kb = g * per_group; kb < (g + 1) * per_group; ++kb) {
         I ia[MR][NB];
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
           _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) ia[r][j] = T::izero();
-        const int64_t xo = kb * kActBlock;
+        const int64_t xo = kb * kActBlock, wo = geo.weights_at(g, kb, per_group);
         if constexpr (!INT4) {
           QA_UNROLL(QA_UNROLL_INT8) for (int st = 0; st < 8; ++st) {
             W w[NB];
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
-              const uint8_t* at = blk[j] + region + kb * kb_bytes + st * step_bytes;
+              const uint8_t* at = blk[j] + wo + st * step_bytes;
               w[j] = T::w8(at);
               if constexpr (kAhead) prefetch_ahead(at);
             }
@@ -104,7 +106,7 @@ struct QAKernel {
           QA_UNROLL(QA_UNROLL_INT4) for (int st = 0; st < 4; ++st) {
             W lo[NB], hi[NB];
             _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
-              const uint8_t* at = blk[j] + region + kb * kb_bytes + st * step_bytes;
+              const uint8_t* at = blk[j] + wo + st * step_bytes;
               T::w4(at, lo[j], hi[j]);
               if constexpr (kAhead) prefetch_ahead(at);
             }
