@@ -42,7 +42,7 @@ from helios.core.program import (
 )
 from ignition import host_embeddings, onnx_export, parallel, quant_check, quantize
 from ignition.checks import check_logprob_outputs, round_up
-from ignition.compiled import compile_program, portable_logprobs, quantized_step
+from ignition.compiled import calls_native_topk, compile_program, native_topk, portable_logprobs, quantized_step
 from ignition.errors import SourceError, UsageError, VerifyError
 from ignition.examples import cache_and_input_shapes, example_caches, example_inputs
 from ignition.models import family
@@ -228,6 +228,7 @@ def compile_step(
             rounding = max(float((g - f).abs().max()) for g, f in zip(reference, floats, strict=True))
         weights = quantized_step(program, weights, quantized, level)
         reference = portable_logprobs(program, weights, kv, page_tokens, prompts, GOLDEN_CHUNK)
+    native_topk(program, vocab_size)  # the same logprobs: only the order among tied top entries is fixed
     path = staging / "programs" / f"{STEP}.{host.fingerprint().machine}.aoti.so"
     try:
         compile_program(
@@ -692,7 +693,10 @@ def export_core(
         files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         recipe_info = recipe.info if options.ranges else without_ranges(recipe.info)
         manifest = mf.Manifest(
-            format=mf.FormatTag(mf.FORMAT_NAME, quantize.format_version(quantization, bool(compiled))),
+            format=mf.FormatTag(
+                mf.FORMAT_NAME,
+                quantize.format_version(quantization, STEP in compiled, calls_native_topk(staging, compiled.get(STEP))),
+            ),
             model=mf.ModelInfo(
                 id=options.model_id or checkpoint.checkpoint_id,
                 aliases=options.aliases,

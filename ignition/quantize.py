@@ -339,16 +339,16 @@ def level_of(tensors: dict[str, mf.QuantizedTensor]) -> str:
     return "+".join(sorted(counts, key=lambda name: (-counts[name], name)))
 
 
-def format_version(quantization: mf.Quantization | None, compiled: bool = False) -> int:
+def format_version(quantization: mf.Quantization | None, compiled: bool = False, native_topk: bool = False) -> int:
     """The oldest version that describes the core, so that older helios keeps reading what it can:
-    5 for a compiled step holding int8-activation weights (their blobs in the layout helios reads
-    since version 5: native/linear_qa.h), 4 for float16 scales, 3 for other quantized cores, 2 for
-    every other core."""
+    5 for a compiled step that needs version 5's native kernels (int8-activation weights packed
+    with their scales beside them: native/linear_qa.h; its top-k op: native/topk.cpp), 4 for
+    float16 scales, 3 for other quantized cores, 2 for every other core."""
+    tensors = quantization.tensors.values() if quantization is not None else ()
+    if compiled and (native_topk or any(t.activations == "int8" for t in tensors)):
+        return 5
     if quantization is None:
         return 2
-    tensors = quantization.tensors.values()
-    if compiled and any(t.activations == "int8" for t in tensors):
-        return 5
     return 4 if any(t.scale_dtype == "float16" for t in tensors) else 3
 
 

@@ -13,6 +13,7 @@ from support import run_cli
 
 from helios.core import Core, CoreError, CoreFormatError
 from helios.core import manifest as mf
+from helios.engine import native
 from ignition.errors import ExitCode
 from ignition.testmodel import write_testmodel
 
@@ -35,8 +36,11 @@ def test_export_writes_a_complete_core(tiny_core: Path) -> None:
     on_disk = {str(p.relative_to(tiny_core)) for p in tiny_core.rglob("*") if p.is_file()}
     assert on_disk == expected
     assert set(m.files) == expected - {"core.json"}
-    # Version 3 marks quantized cores only (test_quantize): this one stays readable by older helios.
-    assert (m.format.name, m.format.version) == ("flare-core", 2) and mf.FORMAT_VERSION == 5
+    # Its compiled step takes its top logprobs from flare_native::topk_rows (ignition.compiled.native_topk):
+    # version 5, which an older helios refuses with a message instead of failing at the first step.
+    topk = '"flare_native::topk_rows"' in (tiny_core / m.compiled["step"].file).with_suffix(".json").read_text()
+    assert topk == native.loaded()
+    assert (m.format.name, m.format.version) == ("flare-core", 5 if topk else 2) and mf.FORMAT_VERSION == 5
     assert m.capabilities == mf.Capabilities(
         max_top_logprobs=20, explicit_logprob_ids=True, prompt_logprobs=True, vision=False
     )

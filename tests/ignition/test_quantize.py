@@ -232,14 +232,17 @@ def test_float16_scales_that_overflow_are_refused(tmp_path: Path) -> None:
 
 
 def test_format_version_is_the_oldest_that_describes_the_core() -> None:
-    """A compiled step holding int8-activation weights needs version 5 (their blobs' layout since
-    then); the same weights without a compiled step, or float activations, keep 3 or 4."""
+    """A compiled step holding int8-activation weights or calling the native top-k needs version 5
+    (their blobs' layout and the op since then); without a compiled step, or with float
+    activations and torch's top-k, a core keeps 2, 3 or 4."""
 
     def tensors(scale: str, activations: str) -> mf.Quantization:
         record = mf.QuantizedTensor("int4", 32, scale, (64, 64), "float32", activations=activations)
         return mf.Quantization("int4-g32", {"w": record})
 
     assert quantize.format_version(None, compiled=True) == 2
+    assert quantize.format_version(None, compiled=True, native_topk=True) == 5  # its top-k op: native/topk.cpp
+    assert quantize.format_version(None, native_topk=True) == 2
     assert quantize.format_version(tensors("float32", "float"), compiled=True) == 3
     assert quantize.format_version(tensors("float16", "float"), compiled=True) == 4
     assert quantize.format_version(tensors("float16", "int8")) == 4

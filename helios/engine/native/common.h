@@ -22,6 +22,8 @@
 //                        that tiles_in_place reads instead of packing the history at every step;
 //   sampling.cpp         nucleus_draw: a temperature + top-p (+ min-p) row's whole draw, its
 //                        candidates found in two passes (helios/engine/sampler.py);
+//   topk.cpp             topk_rows: each row's k largest entries in one pass (a compiled step's
+//                        top-logprob outputs; ignition/compiled.py points torch.topk at it);
 //   ops.cpp              the op schemas, and the CPU kernels of flare::paged_attention/write_kv;
 //   compiled_step.cpp    run_compiled: AOTInductor steps with the GIL released.
 //
