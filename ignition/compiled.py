@@ -170,8 +170,8 @@ def native_topk(program: Program, vocab: int) -> bool:
     for node in program.module.graph.nodes:
         if node.op != "call_function" or node.target is not torch.ops.aten.topk.default:
             continue
-        bound = torch.ops.aten.topk.default._schema
-        values = dict(zip((a.name for a in bound.arguments), node.args)) | node.kwargs
+        schema = torch.ops.aten.topk.default._schema
+        values = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
         rows = values["self"].meta.get("val") if isinstance(values["self"], torch.fx.Node) else None
         if rows is None or rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[-1] != vocab:
             continue
