@@ -157,15 +157,15 @@ def _as_ops(program: Program, names: list[str], quantized: Quantized) -> None:
     program.module.recompile()
 
 
-def native_topk(program: Program, vocab: int) -> bool:
+def native_topk(program: Program, vocab: int) -> None:
     """Point the step's vocabulary-wide torch.topk calls (its top-logprob outputs:
     ignition/models/heads.py) at flare_native::topk_rows (native/topk.cpp: one pass per row, about a
     tenth of torch's time on a 49,152-entry row), where the native library is loaded here: the same
     values, and among equal values the lower index first (torch leaves that order open). Other
-    topk calls (an MoE router's) stay torch's. Returns whether any call was rewritten (the core
-    then needs a helios whose native library has the op)."""
+    topk calls (an MoE router's) stay torch's. A step built so needs a helios whose native library
+    has the op: the export reads that from the package's op descriptions (calls_native_topk)."""
     if not native.load():
-        return False
+        return
     changed = False
     for node in program.module.graph.nodes:
         if node.op != "call_function" or node.target is not torch.ops.aten.topk.default:
@@ -183,7 +183,6 @@ def native_topk(program: Program, vocab: int) -> bool:
     if changed:
         program.module.graph.lint()
         program.module.recompile()
-    return changed
 
 
 def calls_native_topk(staging: Path, spec: mf.CompiledSpec | None) -> bool:

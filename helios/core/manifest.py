@@ -15,8 +15,9 @@ import msgspec
 from helios.core.sampling import SamplingSpec
 
 FORMAT_NAME = "flare-core"
-# 3: quantized weights (`quantization`); 4: float16 scales; 5: a compiled step's int8-activation
-# blobs with scales beside their weights. A core is written at the oldest version it needs.
+# 3: quantized weights (`quantization`); 4: float16 scales; 5: a compiled step that needs this
+# version's native kernels (int8-activation blobs with scales beside their weights, topk_rows).
+# A core is written at the oldest version it needs.
 FORMAT_VERSION = 5
 OLDEST_FORMAT_VERSION = 1  # read as a core declaring only one rank (no `parallel` record)
 MANIFEST_FILE = "core.json"

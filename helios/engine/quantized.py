@@ -57,6 +57,7 @@ _BLOCK = 16  # outputs per block of the packed layout (native/linear_q.h)
 # "FLQ8", earlier builds' (a block's scales in one region; a compiled step holds its blobs, so still read).
 _MAGIC_A8 = 0x39514C46
 _MAGIC_A8_REGION = 0x38514C46
+_MAGICS_A8 = (_MAGIC_A8, _MAGIC_A8_REGION)
 _ACT_BLOCK = 32  # features per activation block of that layout
 # flare::routed_experts as exported, and as graph.simplify retargets it (either may be seen).
 _EXPERTS = (torch.ops.flare.routed_experts.default, moe.routed_experts_cpu)
@@ -309,10 +310,7 @@ def embedding_rows(packed: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
     whose linear (the tied head) runs on the blob, so no float copy of the table is kept. Reads a
     block of 16 rows per id from the layout of native/linear_q.h (linear_qa.h's: flare_native::qembedding_a8)."""
     h = _header(packed)
-    if h.magic in (
-        _MAGIC_A8,
-        _MAGIC_A8_REGION,
-    ):  # only the native library writes these, and reads them (_a8_rows: in torch ops)
+    if h.magic in _MAGICS_A8:  # only the native library writes these, and reads them (_a8_rows: in torch ops)
         return torch.ops.flare_native.qembedding_a8(packed, ids, dtype, h.width)
     bits, group, width, blocks, block_bytes = h.bits, h.group, h.width, h.blocks, h.block_bytes
     scale_bytes, scale_dtype = h.scale_bytes, h.scale_dtype

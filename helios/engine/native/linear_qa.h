@@ -75,6 +75,23 @@ struct A8Geom {
   }
 };
 
+// The same offsets group after group, without a division per group: what the kernels' loops use.
+struct A8Walk {
+  const A8Geom& geo;
+  int64_t base = 0, slot = 0;  // the group's chunk, and its place in the chunk
+  int64_t scales(int64_t scale_bytes) const { return base + slot * kBlock * scale_bytes; }
+  // The weights of the group's activation block `kb_in_group` (0 .. group / 32 - 1).
+  int64_t weights(int64_t kb_in_group, int64_t per_group) const {
+    return base + geo.head + (slot * per_group + kb_in_group) * geo.kb_bytes;
+  }
+  void next() {
+    if (++slot == geo.per_chunk) {
+      slot = 0;
+      base += geo.stride;
+    }
+  }
+};
+
 // linear_qa.cpp
 void pack_one_a8(const uint8_t* q, const uint8_t* s, const uint8_t* m, const QHeader& h, uint8_t* out);
 bool has_qlinear_a8_avx512();

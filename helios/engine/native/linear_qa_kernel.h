@@ -74,10 +74,11 @@ struct QAKernel {
     F acc[MR][NB];
     _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
       _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) acc[r][j] = T::fzero();
-    for (int64_t g = 0; g < groups; ++g) {
+    A8Walk walk{geo};
+    for (int64_t g = 0; g < groups; ++g, walk.next()) {
       F s[NB], m[NB];
       _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) {
-        const uint8_t* at = blk[j] + geo.scales_at(g, sb);
+        const uint8_t* at = blk[j] + walk.scales(sb);
         s[j] = T::scales(at, ST);
         if constexpr (INT4) m[j] = T::scales(at + geo.mins, ST);
       }
@@ -85,7 +86,7 @@ struct QAKernel {
         I ia[MR][NB];
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
           _Pragma("GCC unroll 8") for (int j = 0; j < NB; ++j) ia[r][j] = T::izero();
-        const int64_t xo = kb * kActBlock, wo = geo.weights_at(g, kb, per_group);
+        const int64_t xo = kb * kActBlock, wo = walk.weights(kb - g * per_group, per_group);
         if constexpr (!INT4) {
           QA_UNROLL(QA_UNROLL_INT8) for (int st = 0; st < 8; ++st) {
             W w[NB];
